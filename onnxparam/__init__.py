@@ -1,0 +1,69 @@
+"""onnxparam: Burn's Param/Module model for ONNX models, executed through ONNX Runtime.
+
+Layers (each knows only the ones above it in this list):
+
+* **values**: :mod:`~onnxparam.dtype`, :mod:`~onnxparam.device`, :mod:`~onnxparam.tensor`,
+  :mod:`~onnxparam.errors`, :mod:`~onnxparam.quant` (quantized values, no files).
+* **model**: :mod:`~onnxparam.param` (``ParamId``, ``Param``), :mod:`~onnxparam.group`,
+  :mod:`~onnxparam.module` (the one traversal), :mod:`~onnxparam.lora`. Knows nothing of
+  files or ONNX protobuf.
+* **formats**: :mod:`~onnxparam.burnpack` (bytes of Burn's ``.bpk``; knows nothing of modules).
+* **bridges**: :mod:`~onnxparam.record` (module <-> records <-> files), ONNX export/import,
+  converters.
+* **runtime**: :mod:`~onnxparam.trace` and :mod:`~onnxparam.runtime` own ONNX graphs and
+  ONNX Runtime sessions.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("onnxparam")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+source"
+
+from .device import Device
+from .dtype import DType
+from .errors import (
+    BurnpackFormatError,
+    DeviceError,
+    ExecutionError,
+    OnnxFormatError,
+    OnnxParamError,
+    QuantizationError,
+    RecordError,
+    ShapeMismatchError,
+    TraceError,
+)
+from .group import ParamGroup
+from .lora import LoraAdapter, LoraConfig
+from .module import Module, ModuleMapper, ModuleVisitor
+from .param import Param, ParamId
+from .record import ModuleRecord, TensorSnapshot
+from .tensor import Tensor, TensorData
+
+__all__ = [
+    "__version__",
+    "Device",
+    "DType",
+    "Tensor",
+    "TensorData",
+    "Param",
+    "ParamId",
+    "ParamGroup",
+    "Module",
+    "ModuleVisitor",
+    "ModuleMapper",
+    "ModuleRecord",
+    "TensorSnapshot",
+    "LoraConfig",
+    "LoraAdapter",
+    "OnnxParamError",
+    "RecordError",
+    "BurnpackFormatError",
+    "ShapeMismatchError",
+    "DeviceError",
+    "TraceError",
+    "ExecutionError",
+    "OnnxFormatError",
+    "QuantizationError",
+]

@@ -1,0 +1,78 @@
+"""The library's exceptions: one small, closed hierarchy.
+
+Every error the library raises on purpose is an :class:`OnnxParamError`. Leaves also inherit
+the natural builtin (``ValueError``, ``RuntimeError``, ...) so code that already catches those
+keeps working::
+
+    OnnxParamError
+    ├── RecordError (ValueError)            a record or file does not fit a module / is malformed
+    │   ├── BurnpackFormatError             the bytes are not a valid burnpack file
+    │   └── ShapeMismatchError              a tensor has another shape than the module expects
+    ├── DeviceError (RuntimeError)          a device or execution provider is unavailable
+    ├── TraceError (RuntimeError)           a forward could not be traced into an ONNX graph
+    ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
+    ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
+    └── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OnnxParamError",
+    "RecordError",
+    "BurnpackFormatError",
+    "ShapeMismatchError",
+    "DeviceError",
+    "TraceError",
+    "ExecutionError",
+    "OnnxFormatError",
+    "QuantizationError",
+]
+
+
+class OnnxParamError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class RecordError(OnnxParamError, ValueError):
+    """A record, or a weight file, does not fit the module it is loaded into, or is malformed.
+
+    Attributes:
+        problems: one human-readable line per problem (missing, unexpected, mis-shaped,
+            mis-typed tensor ...), each naming the tensor path. Loading collects every problem
+            before raising, so a user sees them all at once.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems or [])
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class BurnpackFormatError(RecordError):
+    """The bytes are not a valid burnpack (``.bpk``) file: bad header, bad CBOR, bad offsets."""
+
+
+class ShapeMismatchError(RecordError):
+    """A tensor has another shape than the param it is loaded into."""
+
+
+class DeviceError(OnnxParamError, RuntimeError):
+    """A requested device (execution provider) is not available."""
+
+
+class TraceError(OnnxParamError, RuntimeError):
+    """A module's ``forward`` could not be traced into an ONNX graph."""
+
+
+class ExecutionError(OnnxParamError, RuntimeError):
+    """ONNX Runtime failed to create or run a session; the message names nodes and params."""
+
+
+class OnnxFormatError(OnnxParamError, ValueError):
+    """An ONNX file or model could not be read, or is inconsistent (dangling names, ...)."""
+
+
+class QuantizationError(OnnxParamError, ValueError):
+    """A quantization scheme is unsupported, or quantized data is inconsistent with it."""

@@ -1,0 +1,156 @@
+"""LoRA: low-rank adapters on rank-2 params (Burn's ``LoraConfig`` / LoRA reparameterization).
+
+Formula (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; Burn's
+``burn-core/src/module/lora.rs``)::
+
+    W_eff = W + scale * (A @ B),    scale = alpha / rank
+    A: (d_in, rank), float, row-major, init ~ N(0, init_std or 1/rank)
+    B: (rank, d_out), float, row-major, init = 0
+
+for a weight ``W`` of shape ``(d_in, d_out)`` (Burn's ``Linear`` layout, ONNX ``MatMul``'s B).
+The factors are params with their own ids; records hold them at ``<path>.lora.a`` and
+``<path>.lora.b``. The scale is configuration: Burn does not store it, so loading a record with
+factors needs a module that already has adapters of the same rank and alpha.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from .dtype import DType
+from .group import ParamGroup
+from .param import Param, ParamId
+from .tensor import Tensor
+
+__all__ = ["LoraConfig", "LoraAdapter", "apply_lora", "merge_param"]
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Configuration of :func:`apply_lora` (Burn's ``LoraConfig``).
+
+    Args:
+        rank: the adapter rank ``r`` (> 0).
+        alpha: the scaling numerator; ``scale = alpha / rank``.
+        init_std: standard deviation of ``A``'s normal init; ``1 / rank`` when ``None``.
+        dtype: the factors' dtype; the base's float dtype when ``None`` (F32 for a quantized base).
+        param_group: which rank-2 float params get adapters (every one by default).
+        seed: seed of ``A``'s random init; fresh randomness when ``None``.
+
+    Raises:
+        ValueError: for a non-positive rank.
+    """
+
+    rank: int
+    alpha: float
+    init_std: Optional[float] = None
+    dtype: Optional[DType] = None
+    param_group: ParamGroup = field(default_factory=ParamGroup.all)
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if int(self.rank) <= 0:
+            raise ValueError(f"LoRA rank must be positive; got {self.rank}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / int(self.rank)
+
+    def with_rank(self, rank: int) -> "LoraConfig":
+        return replace(self, rank=rank)
+
+    def with_alpha(self, alpha: float) -> "LoraConfig":
+        return replace(self, alpha=alpha)
+
+    def with_param_group(self, group: ParamGroup) -> "LoraConfig":
+        return replace(self, param_group=group)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter: factors ``a`` ``(d_in, rank)`` and ``b`` ``(rank, d_out)`` and ``scale``.
+
+    ``transposed=True`` marks a base stored ``(d_out, d_in)`` (ONNX ``Gemm`` with ``transB=1``,
+    PyTorch ``Linear``): the delta is then ``scale * (a @ b).T``, still in the weight's own layout.
+    """
+
+    a: Param
+    b: Param
+    scale: float
+    transposed: bool = False
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.lazy_shape()[1])
+
+    def with_factors(self, a: Param, b: Param) -> "LoraAdapter":
+        return replace(self, a=a, b=b)
+
+    def delta(self) -> np.ndarray:
+        """``scale * (a @ b)`` (transposed for a transposed base), float32 or the factor dtype."""
+        a = np.asarray(self.a.val().to_numpy())
+        b = np.asarray(self.b.val().to_numpy())
+        compute = np.float64 if a.dtype == np.float64 else np.float32
+        delta = (a.astype(compute) @ b.astype(compute)) * compute(self.scale)
+        return delta.T if self.transposed else delta
+
+    def apply(self, base: Tensor) -> Tensor:
+        """``base + delta`` at ``base``'s dtype (computed in float32, or float64 for F64)."""
+        w = np.asarray(base.to_numpy())
+        compute = np.float64 if w.dtype == np.float64 else np.float32
+        merged = (w.astype(compute) + self.delta().astype(compute)).astype(w.dtype)
+        return Tensor.from_numpy(merged, base.device)
+
+
+def apply_lora(module, config: LoraConfig):
+    """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
+    param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
+
+    The factors are lazy params: ``A`` is drawn from N(0, std) only when first needed.
+    """
+    from .module import rebuild
+
+    rng = np.random.default_rng(config.seed)
+    rank = int(config.rank)
+    std = float(config.init_std) if config.init_std is not None else 1.0 / rank
+
+    def adapt(path: str, param: Param) -> Param:
+        dtype = param.lazy_dtype()
+        if not dtype.is_float or ".lora." in path:
+            return param
+        frozen = param.set_require_grad(False)
+        shape = param.lazy_shape()
+        if len(shape) != 2 or param.adapter() is not None or not config.param_group.matches(param.id, path):
+            return frozen
+        d_in, d_out = shape
+        factor_dtype = config.dtype or (DType.F32 if dtype is DType.QFloat else dtype)
+        np_dtype = factor_dtype.to_numpy()
+        seed = int(rng.integers(0, 2**63))
+
+        def init_a(device, require_grad, _seed=seed):
+            values = np.random.default_rng(_seed).normal(0.0, std, size=(d_in, rank))
+            return Tensor.from_numpy(values.astype(np_dtype), device)
+
+        def init_b(device, require_grad):
+            return Tensor.from_numpy(np.zeros((rank, d_out), dtype=np_dtype), device)
+
+        device = param.lazy_device()
+        a = Param.uninitialized(ParamId(), init_a, device, True, (d_in, rank), factor_dtype)
+        b = Param.uninitialized(ParamId(), init_b, device, True, (rank, d_out), factor_dtype)
+        return frozen.with_adapter(LoraAdapter(a, b, config.scale))
+
+    return rebuild(module, adapt)
+
+
+def merge_param(param: Param) -> Param:
+    """``param`` with its adapter folded in (``base + scale * a @ b``); unchanged without one.
+
+    A quantized base is dequantized first, so the merged weight is float.
+    """
+    if param.adapter() is None:
+        return param
+    merged = param.val()
+    return Param(param.id, value=merged, require_grad=param.require_grad, mapper=param._mapper)

@@ -1,0 +1,240 @@
+"""Records: a module's tensors by path, and loading them back with every problem reported.
+
+A :class:`ModuleRecord` maps a dotted path (the one naming scheme, see :mod:`onnxparam.module`)
+to a :class:`TensorSnapshot`: dtype, shape, param id and a *lazy* loader, so building a record
+from a module, or reading one from a file, touches no tensor data. It is the bridge between the
+model (:mod:`onnxparam.module`) and the formats (:mod:`onnxparam.burnpack`, ONNX, safetensors).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from .device import Device
+from .dtype import DType
+from .errors import RecordError
+from .param import Param, ParamId
+from .tensor import Tensor, TensorData
+
+__all__ = ["TensorSnapshot", "ModuleRecord", "load_record", "save_module_file", "BURNPACK_EXTENSION"]
+
+BURNPACK_EXTENSION = ".bpk"
+"""Burn's burnpack file extension; ``save_file`` appends it when a path has no suffix."""
+
+
+@dataclass(frozen=True)
+class TensorSnapshot:
+    """A tensor's description and a lazy way to get its data.
+
+    Attributes:
+        dtype: the stored dtype (``QFloat`` for quantized data).
+        shape: the logical shape.
+        param_id: the param id, or ``None`` when the source had none.
+        loader: ``() -> TensorData``; called only by :meth:`to_data` / :meth:`to_tensor`.
+        scheme: the quantization scheme of ``QFloat`` data, else ``None``.
+    """
+
+    dtype: DType
+    shape: tuple
+    param_id: Optional[ParamId]
+    loader: Callable[[], TensorData] = field(repr=False, compare=False)
+    scheme: Any = None
+
+    def to_data(self) -> TensorData:
+        return self.loader()
+
+    def to_tensor(self, device: "Device | str | None" = None) -> Tensor:
+        return Tensor.from_data(self.to_data(), device)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @staticmethod
+    def of_param(param: Param) -> "TensorSnapshot":
+        """The snapshot a param saves as: its raw base through the save mapper (lazy)."""
+
+        def load(_param=param):
+            return _param.transform_for_save().base().into_data()
+
+        dtype = param.lazy_dtype()
+        return TensorSnapshot(dtype, tuple(param.lazy_shape()), param.id, load)
+
+
+class ModuleRecord(Mapping):
+    """An ordered mapping ``path -> TensorSnapshot`` (order = data order) plus file metadata.
+
+    Attributes:
+        metadata: ``dict[str, str]`` carried with the record (burnpack ``metadata``).
+    """
+
+    def __init__(self, items: "Mapping[str, TensorSnapshot] | None" = None, metadata: Optional[dict] = None):
+        self._items: dict[str, TensorSnapshot] = dict(items or {})
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def __getitem__(self, path: str) -> TensorSnapshot:
+        return self._items[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"ModuleRecord({len(self)} tensors)"
+
+    @staticmethod
+    def from_module(module) -> "ModuleRecord":
+        """The record of ``module`` in traversal order; no lazy param is initialized."""
+        return ModuleRecord({path: TensorSnapshot.of_param(p) for path, p in module.named_params()})
+
+    @staticmethod
+    def load_file(path) -> "ModuleRecord":
+        """The record of a burnpack file; tensor data stays in the memory-mapped file.
+
+        Raises:
+            RecordError: for a missing or malformed file (``BurnpackFormatError``).
+        """
+        from . import burnpack
+
+        bp = burnpack.read(_with_extension(path))
+        items = {}
+        for name, entry in bp.tensors.items():
+            pid = None if entry.param_id is None else ParamId(entry.param_id)
+            items[name] = TensorSnapshot(entry.dtype, tuple(entry.shape), pid, entry.to_data,
+                                         getattr(entry, "scheme", None))
+        return ModuleRecord(items, bp.metadata)
+
+
+def _with_extension(path) -> Path:
+    path = Path(path)
+    return path if path.suffix else path.with_suffix(BURNPACK_EXTENSION)
+
+
+_LORA_FACTOR = re.compile(r"^(?P<base>.+)\.lora\.(?:a|b)$")
+
+
+def _dtype_fits(expected: DType, found: DType) -> bool:
+    if expected == found:
+        return True
+    float32 = {DType.F32, DType.Flex32}
+    if expected in float32 and found in float32:
+        return True
+    # A quantized tensor loads into a float param and a quantized param takes float data
+    # (quantized tensors are float tensors in Burn).
+    return (expected is DType.QFloat and found.is_float) or (found is DType.QFloat and expected.is_float)
+
+
+def load_record(module, record: Mapping, allow_partial: bool = False):
+    """A copy of ``module`` holding ``record``'s tensors, each through ``Param.transform_for_load``.
+
+    Every problem is collected before anything is loaded: missing tensors (unless
+    ``allow_partial``), unexpected tensors (unless ``allow_partial``), shape and dtype
+    mismatches. Loading is lazy: no init function runs and no tensor data is read until a value
+    is needed. The receiver is never changed, so a failed load leaves nothing half-loaded.
+
+    Raises:
+        RecordError: listing each problem by path with the expected and found shape/dtype.
+    """
+    params = dict(module.named_params())
+    problems: list[str] = []
+    for path, param in params.items():
+        snap = record.get(path)
+        if snap is None:
+            if not allow_partial:
+                problems.append(f"missing tensor '{path}': the module expects {_describe(param)}, the record has none")
+            continue
+        expected_shape = tuple(param.lazy_shape())
+        if tuple(snap.shape) != expected_shape:
+            problems.append(
+                f"shape mismatch for '{path}': the module expects {list(expected_shape)}, the record has "
+                f"{list(snap.shape)}" + _transpose_hint(expected_shape, tuple(snap.shape))
+            )
+        if not _dtype_fits(param.lazy_dtype(), snap.dtype):
+            problems.append(
+                f"dtype mismatch for '{path}': the module expects {param.lazy_dtype().name}, the record has "
+                f"{snap.dtype.name}; create the module with that dtype or cast the record"
+            )
+    if not allow_partial:
+        for path in record:
+            if path in params:
+                continue
+            match = _LORA_FACTOR.match(path)
+            if match and match.group("base") in params:
+                problems.append(
+                    f"unexpected tensor '{path}': it is a LoRA factor, but '{match.group('base')}' has no "
+                    "adapter; LoRA's scale is not stored in records, so apply_lora(LoraConfig(rank, alpha)) "
+                    "with the training config first, then load"
+                )
+            else:
+                problems.append(f"unexpected tensor '{path}': the module has no param at this path")
+    if problems:
+        raise RecordError(
+            f"cannot load the record into {type(module).__name__}: {len(problems)} problem(s)", problems
+        )
+
+    def load(path: str, param: Param) -> Param:
+        snap = record.get(path)
+        if snap is None:
+            return param
+        return param.transform_for_load(snap, snap.param_id if snap.param_id is not None else param.id)
+
+    from .module import rebuild
+
+    return rebuild(module, load)
+
+
+def _describe(param: Param) -> str:
+    return f"{param.lazy_dtype().name} {list(param.lazy_shape())}"
+
+
+def _transpose_hint(expected: tuple, found: tuple) -> str:
+    if len(expected) == 2 and expected == found[::-1]:
+        return "; the record looks transposed: PyTorch stores Linear weights as (out, in), Burn as (in, out)"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor handed to :func:`onnxparam.burnpack.write` (data is fetched lazily)."""
+
+    name: str
+    dtype: DType
+    shape: tuple
+    param_id: Optional[int]
+    data: Callable[[], Any]
+    scheme: Any = None
+
+
+def record_entries(record: ModuleRecord) -> Iterator[_Entry]:
+    """Burnpack writer entries for ``record``, in data order, each loading its data on demand."""
+    for path, snap in record.items():
+        def data(_snap=snap):
+            tensor_data = _snap.to_data()
+            return tensor_data.array
+
+        scheme = snap.scheme
+        yield _Entry(path, snap.dtype, tuple(snap.shape), None if snap.param_id is None else int(snap.param_id), data, scheme)
+
+
+def save_module_file(module, path, metadata: Optional[dict] = None) -> Path:
+    """Write ``module``'s record to a burnpack file, streaming one tensor at a time, atomically.
+
+    Default metadata (``format``, ``producer``, ``version``) is added; ``metadata`` entries are
+    kept beside it. ``.bpk`` is appended when ``path`` has no suffix.
+    """
+    from . import __version__, burnpack
+
+    target = _with_extension(path)
+    meta = {"format": "burnpack", "producer": "onnxparam", "version": __version__}
+    meta.update(metadata or {})
+    burnpack.write(target, record_entries(ModuleRecord.from_module(module)), metadata=meta)
+    return target

@@ -1,0 +1,251 @@
+"""Tensors: host (numpy), device (ONNX Runtime ``OrtValue``) or symbolic (inside a trace).
+
+A :class:`Tensor` has one of three storages:
+
+* **host**: a numpy array, shared read-only (``Tensor.from_numpy`` wraps without copying where
+  the array is already C-contiguous; ``to_numpy`` returns a read-only view). A host tensor may be
+  a zero-copy view of a memory-mapped weight file.
+* **device**: an ``onnxruntime.OrtValue`` resident on a CUDA device, so values that stay on the
+  GPU are not copied back on every call. ``to_numpy`` copies to the host.
+* **symbolic**: a value inside a graph being traced (see :mod:`onnxparam.trace`). It has a shape
+  (ints, or ``None``/``str`` for dynamic dims) and a dtype, but no data; ``to_numpy`` raises.
+
+The tensor ops (``+``, ``@``, ``relu`` ...) are defined in :mod:`onnxparam.ops` and attached to
+this class there, each documented with the ONNX operator it emits.
+
+:class:`TensorData` is the exchange type for records and files: host bytes + dtype + shape
+(+ the quantization scheme for ``QFloat``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .device import CPU, Device
+from .dtype import DType, dtype_from_numpy
+
+__all__ = ["Tensor", "TensorData"]
+
+Shape = tuple  # tuple[int | str | None, ...]
+
+
+class Tensor:
+    """An n-dimensional value of kind float, int or bool; see the module docstring.
+
+    Attributes:
+        shape: tuple of dims; ints for concrete tensors.
+        dtype: a :class:`~onnxparam.DType`.
+        device: a :class:`~onnxparam.Device`.
+    """
+
+    __slots__ = ("_host", "_ort", "_symbol", "_quant", "shape", "dtype", "device")
+
+    def __init__(self, *, host=None, ort=None, symbol=None, quant=None, shape, dtype: DType, device: Device = CPU):
+        self._host = host
+        self._ort = ort
+        self._symbol = symbol
+        self._quant = quant
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = device
+
+    # -- construction -------------------------------------------------------------------------
+
+    @staticmethod
+    def from_numpy(array, device: "Device | str | None" = None) -> "Tensor":
+        """Wrap a numpy array (or anything ``np.asarray`` accepts) as a tensor.
+
+        The array is shared, not copied, when it is already C-contiguous and little-endian; the
+        tensor keeps a read-only view, so later writes through the tensor are impossible.
+
+        Args:
+            array: values of a dtype Burn knows (float64/32/16, bfloat16, ints, bool).
+            device: target device; ``None`` or ``"cpu"`` keeps it on the host.
+
+        Raises:
+            ValueError: for dtypes Burn has no dtype for.
+            DeviceError: when ``device`` is not available.
+        """
+        arr = np.asarray(array)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        dtype = dtype_from_numpy(arr.dtype)
+        arr = np.ascontiguousarray(arr)
+        if arr.flags.writeable:
+            arr = arr.view()
+            arr.flags.writeable = False
+        tensor = Tensor(host=arr, shape=arr.shape, dtype=dtype, device=CPU)
+        if device is not None and Device(device) != CPU:
+            return tensor.to_device(device)
+        return tensor
+
+    @staticmethod
+    def from_data(data: "TensorData", device: "Device | str | None" = None) -> "Tensor":
+        """A tensor holding ``data``'s values (zero-copy for plain dtypes on the host)."""
+        if data.dtype is DType.QFloat:
+            from .quant import QuantizedTensor  # the quantization layer owns QFloat bytes
+
+            return QuantizedTensor.from_data(data).to_tensor(device)
+        tensor = Tensor.from_numpy(data.to_numpy())
+        if tensor.dtype is not data.dtype:  # Flex32 shares float32 storage
+            tensor = Tensor(host=tensor._host, shape=tensor.shape, dtype=data.dtype)
+        return tensor if device is None else tensor.to_device(device)
+
+    @staticmethod
+    def zeros(shape, dtype: DType = DType.F32, device: "Device | str | None" = None) -> "Tensor":
+        return Tensor.from_numpy(np.zeros(tuple(shape), dtype=dtype.to_numpy()), device)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        """Number of elements. Raises ``TypeError`` for a symbolic tensor with dynamic dims."""
+        if not all(isinstance(d, int) for d in self.shape):
+            raise TypeError(f"tensor of shape {self.shape} has dynamic dims")
+        return math.prod(self.shape)
+
+    @property
+    def is_symbolic(self) -> bool:
+        return self._symbol is not None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self._quant is not None
+
+    @property
+    def kind(self) -> str:
+        """``"float"``, ``"int"`` or ``"bool"``."""
+        return "float" if self.dtype.is_float else "bool" if self.dtype.is_bool else "int"
+
+    # -- data access --------------------------------------------------------------------------
+
+    def to_numpy(self) -> np.ndarray:
+        """The values as a numpy array: a read-only view for host tensors, a copy from a device.
+
+        A quantized tensor returns its dequantized float values (see :mod:`onnxparam.quant`).
+
+        Raises:
+            TraceError: for a symbolic tensor (it has no values yet).
+        """
+        if self._host is not None:
+            return self._host
+        if self._quant is not None:
+            return self._quant.dequantize()
+        if self._ort is not None:
+            arr = self._ort.numpy()
+            arr.flags.writeable = False
+            return arr
+        from .errors import TraceError
+
+        raise TraceError(
+            "a symbolic tensor has no values: it exists only while a forward is being traced; "
+            "call the module to run it through ONNX Runtime"
+        )
+
+    def numpy(self) -> np.ndarray:
+        return self.to_numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.to_numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def into_data(self) -> "TensorData":
+        """The values as :class:`TensorData` (host bytes)."""
+        if self._quant is not None:
+            return self._quant.to_data()
+        arr = self.to_numpy()
+        return TensorData(arr, self.dtype, self.shape)
+
+    def to_data(self) -> "TensorData":
+        return self.into_data()
+
+    def to_device(self, device: "Device | str") -> "Tensor":
+        """This tensor on ``device`` (the same object when it is already there).
+
+        Raises:
+            DeviceError: when ``device`` is not available to ONNX Runtime.
+        """
+        device = Device(device)
+        if device == self.device or self._symbol is not None:
+            return self
+        if self._quant is not None:
+            if device != CPU:
+                from .errors import DeviceError
+
+                raise DeviceError("quantized tensors live on the host; they are moved as ONNX initializers")
+            return self
+        if device == CPU:
+            return Tensor.from_numpy(self.to_numpy())
+        from . import runtime  # the runtime owns ONNX Runtime
+
+        ort_value = runtime.ortvalue_from_numpy(self.to_numpy(), device)
+        return Tensor(ort=ort_value, shape=self.shape, dtype=self.dtype, device=device)
+
+    def __repr__(self) -> str:
+        shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
+        if self._symbol is not None:
+            return f"Tensor(symbolic, shape={shape}, dtype={self.dtype.name})"
+        return f"Tensor(shape={shape}, dtype={self.dtype.name}, device={self.device})"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __bool__(self):
+        if self._symbol is not None:
+            from .errors import TraceError
+
+            raise TraceError(
+                "a traced tensor has no truth value: data-dependent Python control flow cannot "
+                "be recorded into an ONNX graph"
+            )
+        return bool(self.to_numpy())
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """Host bytes + dtype + shape: the exchange type for records and files.
+
+    Attributes:
+        array: a numpy array of the plain dtype (``QFloat``: a 1-D ``uint8`` array of the raw
+            bytes, laid out as values, scales, global scale; ``BURNPACK.md`` section 2).
+        dtype: the :class:`DType`.
+        shape: the logical shape (for ``QFloat``, the unpacked shape).
+        scheme: the quantization scheme for ``QFloat`` data, else ``None``.
+    """
+
+    array: Any
+    dtype: DType
+    shape: tuple
+    scheme: Any = field(default=None)
+
+    @staticmethod
+    def from_numpy(array) -> "TensorData":
+        arr = np.asarray(array)
+        return TensorData(arr, dtype_from_numpy(arr.dtype), tuple(arr.shape))
+
+    def to_numpy(self) -> np.ndarray:
+        """The values (read-only view where possible). Raises ``ValueError`` for ``QFloat``."""
+        if self.dtype is DType.QFloat:
+            raise ValueError("QFloat data holds quantized bytes; dequantize it with onnxparam.quant")
+        arr = np.asarray(self.array)
+        want = self.dtype.to_numpy()
+        if arr.dtype != want:
+            arr = arr.view(want) if arr.dtype.itemsize == 1 and arr.ndim <= 1 else arr.astype(want)
+        return arr.reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.asarray(self.array).nbytes)

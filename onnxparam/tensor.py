@@ -203,6 +203,169 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
+    # -- ops (defined in onnxparam.ops; each emits the ONNX operator its docstring names) ------
+    # NOTE: ``==`` is not overloaded (tensors stay hashable by identity); use ``.equal``.
+
+    def __add__(self, other):
+        return _ops().add(self, other)
+
+    def __radd__(self, other):
+        return _ops().add(other, self)
+
+    def __sub__(self, other):
+        return _ops().sub(self, other)
+
+    def __rsub__(self, other):
+        return _ops().sub(other, self)
+
+    def __mul__(self, other):
+        return _ops().mul(self, other)
+
+    def __rmul__(self, other):
+        return _ops().mul(other, self)
+
+    def __truediv__(self, other):
+        return _ops().div(self, other)
+
+    def __rtruediv__(self, other):
+        return _ops().div(other, self)
+
+    def __pow__(self, other):
+        return _ops().pow(self, other)
+
+    def __rpow__(self, other):
+        return _ops().pow(other, self)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(other, self)
+
+    def __neg__(self):
+        return _ops().neg(self)
+
+    def __abs__(self):
+        return _ops().abs(self)
+
+    def __lt__(self, other):
+        return _ops().less(self, other)
+
+    def __le__(self, other):
+        return _ops().less_equal(self, other)
+
+    def __gt__(self, other):
+        return _ops().greater(self, other)
+
+    def __ge__(self, other):
+        return _ops().greater_equal(self, other)
+
+    def equal(self, other) -> "Tensor":
+        """Elementwise ``==`` (bool); see :func:`onnxparam.ops.equal`."""
+        return _ops().equal(self, other)
+
+    def add(self, other) -> "Tensor":
+        return _ops().add(self, other)
+
+    def sub(self, other) -> "Tensor":
+        return _ops().sub(self, other)
+
+    def mul(self, other) -> "Tensor":
+        return _ops().mul(self, other)
+
+    def div(self, other) -> "Tensor":
+        return _ops().div(self, other)
+
+    def pow(self, other) -> "Tensor":
+        return _ops().pow(self, other)
+
+    def neg(self) -> "Tensor":
+        return _ops().neg(self)
+
+    def abs(self) -> "Tensor":
+        return _ops().abs(self)
+
+    def matmul(self, other) -> "Tensor":
+        """``self @ other``; see :func:`onnxparam.ops.matmul`."""
+        return _ops().matmul(self, other)
+
+    def reshape(self, *shape) -> "Tensor":
+        """``reshape((2, -1))`` or ``reshape(2, -1)``; see :func:`onnxparam.ops.reshape`."""
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = shape[0]
+        return _ops().reshape(self, shape)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Tensor":
+        return _ops().flatten(self, start_dim, end_dim)
+
+    def transpose(self, dim0: int = -2, dim1: int = -1) -> "Tensor":
+        return _ops().transpose(self, dim0, dim1)
+
+    def permute(self, *dims) -> "Tensor":
+        if len(dims) == 1 and not isinstance(dims[0], int):
+            dims = dims[0]
+        return _ops().permute(self, dims)
+
+    def squeeze(self, dims=None) -> "Tensor":
+        return _ops().squeeze(self, dims)
+
+    def unsqueeze(self, dims) -> "Tensor":
+        return _ops().unsqueeze(self, dims)
+
+    def relu(self) -> "Tensor":
+        return _ops().relu(self)
+
+    def sigmoid(self) -> "Tensor":
+        return _ops().sigmoid(self)
+
+    def tanh(self) -> "Tensor":
+        return _ops().tanh(self)
+
+    def exp(self) -> "Tensor":
+        return _ops().exp(self)
+
+    def log(self) -> "Tensor":
+        return _ops().log(self)
+
+    def sqrt(self) -> "Tensor":
+        return _ops().sqrt(self)
+
+    def erf(self) -> "Tensor":
+        return _ops().erf(self)
+
+    def sum(self, dim=None, keepdim: bool = False) -> "Tensor":
+        return _ops().sum(self, dim, keepdim)
+
+    def mean(self, dim=None, keepdim: bool = False) -> "Tensor":
+        return _ops().mean(self, dim, keepdim)
+
+    def max(self, dim=None, keepdim: bool = False) -> "Tensor":
+        return _ops().max(self, dim, keepdim)
+
+    def min(self, dim=None, keepdim: bool = False) -> "Tensor":
+        return _ops().min(self, dim, keepdim)
+
+    def argmax(self, dim: int, keepdim: bool = False) -> "Tensor":
+        return _ops().argmax(self, dim, keepdim)
+
+    def softmax(self, dim: int = -1) -> "Tensor":
+        return _ops().softmax(self, dim)
+
+    def log_softmax(self, dim: int = -1) -> "Tensor":
+        return _ops().log_softmax(self, dim)
+
+    def cast(self, dtype: DType) -> "Tensor":
+        return _ops().cast(self, dtype)
+
+    def clamp(self, min=None, max=None) -> "Tensor":
+        return _ops().clamp(self, min, max)
+
+    def gelu(self, approximate: str = "none") -> "Tensor":
+        return _ops().gelu(self, approximate)
+
+    def logical_not(self) -> "Tensor":
+        return _ops().logical_not(self)
+
     def __bool__(self):
         if self._symbol is not None:
             from .errors import TraceError
@@ -212,6 +375,13 @@ class Tensor:
                 "be recorded into an ONNX graph"
             )
         return bool(self.to_numpy())
+
+
+def _ops():
+    """The ops module (imported on first use: it imports this one)."""
+    from . import ops
+
+    return ops
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Weight migration: safetensors files, PyTorch <-> Burn layouts, and file-to-file conversion.
+
+Layering: :mod:`~onnxparam.convert.safetensors_io` is a *format* (bytes <-> lazy tensor
+snapshots; knows nothing of modules); :mod:`~onnxparam.convert.adapters` transforms snapshots
+(renaming, filtering, layouts, casts); :mod:`~onnxparam.convert.store` is the *bridge* to
+modules (Burn's store: load with a report, save); :mod:`~onnxparam.convert.converter` converts
+files of any two formats (``.bpk``, ``.safetensors``, ``.onnx``) without a module.
+
+The public names::
+
+    read_safetensors(path) -> SafetensorsFile            # lazy, zero-copy; .to_record(), .close()
+    write_safetensors(path, tensors, *, metadata=None, scalars=None, lossless=True, progress=None)
+    load_safetensors(module, path, *, adapter=None, remap=None, include=None, exclude=None,
+                     cast=None, allow_partial=False, contiguous_indices=False) -> (module, LoadReport)
+    save_safetensors(module, path, *, adapter=None, remap=None, include=None, exclude=None,
+                     cast=None, metadata=None, lossless=True) -> SaveReport
+    apply_record(module, record, ...) -> (module, LoadReport)   # any record, same options
+    collect_record(module, ...) -> (ModuleRecord, SaveReport)
+    convert(src, dst, *, graph=None, remap=None, include=None, exclude=None, cast=None,
+            transpose=None, metadata=None, allow_partial=False, zero_copy=False, lossless=True,
+            external_data=None, progress=None) -> ConvertReport
+"""
+
+from .adapters import (
+    BurnToPyTorchAdapter,
+    KeyRemapper,
+    ModuleAdapter,
+    PathFilter,
+    PyTorchAdapter,
+    PyTorchToBurnAdapter,
+    cast_spec,
+    map_indices_contiguous,
+)
+from .converter import FORMATS, convert, format_of
+from .report import ConvertReport, LoadReport, SaveReport
+from .safetensors_io import SafetensorsFile, SafetensorsTensor, read_safetensors, write_safetensors
+from .store import apply_record, collect_record, load_safetensors, save_safetensors
+
+__all__ = [
+    "read_safetensors",
+    "write_safetensors",
+    "SafetensorsFile",
+    "SafetensorsTensor",
+    "load_safetensors",
+    "save_safetensors",
+    "convert",
+    "format_of",
+    "FORMATS",
+    "apply_record",
+    "collect_record",
+    "LoadReport",
+    "SaveReport",
+    "ConvertReport",
+    "KeyRemapper",
+    "PathFilter",
+    "ModuleAdapter",
+    "PyTorchAdapter",
+    "PyTorchToBurnAdapter",
+    "BurnToPyTorchAdapter",
+    "cast_spec",
+    "map_indices_contiguous",
+]

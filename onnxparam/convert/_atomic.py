@@ -1,0 +1,44 @@
+"""Atomic file replacement: write beside the target, then ``os.replace``.
+
+A reader never sees a half-written file and a failed write leaves the old file as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+__all__ = ["atomic_output"]
+
+
+@contextlib.contextmanager
+def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
+    """A binary file object whose contents replace ``path`` when the block exits cleanly.
+
+    The temporary file lives in the target's folder (``os.replace`` is atomic only within one
+    file system), is flushed and fsynced before the rename, and is removed when the block
+    raises; the old ``path`` is then untouched.
+    """
+    target = Path(path)
+    # NOTE: os.open with O_EXCL and mode 0o666 (not tempfile.mkstemp, which forces 0o600) so
+    # the finished file gets the permissions the process umask gives any new file.
+    while True:
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:  # pragma: no cover - 48 random bits collided
+            continue
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

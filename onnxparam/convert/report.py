@@ -1,0 +1,154 @@
+"""What a load or save did, tensor by tensor: :class:`LoadReport` and :class:`SaveReport`.
+
+``str(report)`` prints a summary line and one section per non-empty category (long sections
+are cut after :data:`MAX_LISTED` lines); the lists themselves are complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["LoadReport", "SaveReport", "ConvertReport", "MAX_LISTED"]
+
+MAX_LISTED = 20
+"""Lines printed per section by ``str(report)`` before "... and N more"."""
+
+
+def _section(title: str, lines: list[str]) -> list[str]:
+    if not lines:
+        return []
+    out = [f"  {title} ({len(lines)}):"]
+    out += [f"    {line}" for line in lines[:MAX_LISTED]]
+    if len(lines) > MAX_LISTED:
+        out.append(f"    ... and {len(lines) - MAX_LISTED} more")
+    return out
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+@dataclass
+class LoadReport:
+    """The outcome of loading tensors into a module (Burn's ``ApplyResult``, plus layout info).
+
+    Attributes:
+        source: the file (or record) the tensors came from.
+        applied: module paths that received a tensor, in traversal order.
+        missing: module paths the source had no tensor for (kept as they were).
+        unused: source tensor names no param took (their original names).
+        ignored: source tensors the adapter knows have no module counterpart
+            (PyTorch's ``num_batches_tracked``); never an error.
+        skipped: module paths (and source names) left out by ``include``/``exclude``.
+        renamed: ``(source name, module path)`` for every tensor loaded under another name
+            (key remapping, index renumbering, the adapter's ``weight -> gamma``).
+        transposed: ``(module path, source shape, module shape)`` for every transposed tensor.
+        cast: ``(module path, source dtype, module dtype)`` for every cast tensor.
+        errors: one line per tensor that could not be loaded (shape / dtype mismatch, name
+            clash); non-empty only on the report attached to a raised ``RecordError``.
+    """
+
+    source: str = ""
+    applied: list = field(default_factory=list)
+    missing: list = field(default_factory=list)
+    unused: list = field(default_factory=list)
+    ignored: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    renamed: list = field(default_factory=list)
+    transposed: list = field(default_factory=list)
+    cast: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is missing, unused or in error."""
+        return not (self.missing or self.unused or self.errors)
+
+    def __str__(self) -> str:
+        head = (f"LoadReport{f' from {self.source!r}' if self.source else ''}: {len(self.applied)} applied, "
+                f"{len(self.missing)} missing, {len(self.unused)} unused, {len(self.ignored)} ignored, "
+                f"{len(self.skipped)} skipped, {len(self.renamed)} renamed, {len(self.transposed)} transposed, "
+                f"{len(self.cast)} cast, {len(self.errors)} errors")
+        lines = [head]
+        lines += _section("errors", list(self.errors))
+        lines += _section("missing", list(self.missing))
+        lines += _section("unused", list(self.unused))
+        lines += _section("ignored", list(self.ignored))
+        lines += _section("skipped", list(self.skipped))
+        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
+        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
+        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        lines += _section("applied", list(self.applied))
+        return "\n".join(lines)
+
+
+@dataclass
+class SaveReport:
+    """The outcome of saving a module's tensors to a file.
+
+    Attributes:
+        path: the file written (``None`` before writing).
+        saved: file tensor names written, in the module's traversal order.
+        skipped: module paths left out by ``include``/``exclude``.
+        renamed: ``(module path, file name)`` for every tensor saved under another name.
+        transposed: ``(file name, module shape, file shape)`` for every transposed tensor.
+        cast: ``(file name, module dtype, file dtype)`` for every cast tensor.
+    """
+
+    path: Optional[str] = None
+    saved: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    renamed: list = field(default_factory=list)
+    transposed: list = field(default_factory=list)
+    cast: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = (f"SaveReport{f' to {self.path!r}' if self.path else ''}: {len(self.saved)} saved, "
+                f"{len(self.skipped)} skipped, {len(self.renamed)} renamed, {len(self.transposed)} transposed, "
+                f"{len(self.cast)} cast")
+        lines = [head]
+        lines += _section("skipped", list(self.skipped))
+        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
+        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
+        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        lines += _section("saved", list(self.saved))
+        return "\n".join(lines)
+
+
+@dataclass
+class ConvertReport:
+    """The outcome of :func:`onnxparam.convert.convert`.
+
+    Attributes:
+        source, target: the two files.
+        tensors: names written, in data order.
+        skipped: source names left out by ``include``/``exclude``.
+        renamed: ``(source name, written name)``.
+        transposed: ``(written name, source shape, written shape)``.
+        cast: ``(written name, source dtype, written dtype)``.
+        bytes_written: size of the target file (for zero-copy ONNX: the model file only).
+        notes: anything else worth telling (e.g. "weights stay in model.bpk (zero-copy)").
+    """
+
+    source: str = ""
+    target: str = ""
+    tensors: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    renamed: list = field(default_factory=list)
+    transposed: list = field(default_factory=list)
+    cast: list = field(default_factory=list)
+    bytes_written: int = 0
+    notes: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = (f"ConvertReport: {self.source!r} -> {self.target!r}: {len(self.tensors)} tensors, "
+                f"{self.bytes_written} bytes written, {len(self.skipped)} skipped, {len(self.renamed)} renamed, "
+                f"{len(self.transposed)} transposed, {len(self.cast)} cast")
+        lines = [head]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += _section("skipped", list(self.skipped))
+        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
+        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
+        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        return "\n".join(lines)

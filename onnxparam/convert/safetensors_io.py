@@ -1,0 +1,633 @@
+"""Safetensors files as records: lazy, zero-copy reads; streaming, atomic writes.
+
+The format (Hugging Face ``safetensors``, README "Format"), all integers little-endian::
+
+    +----------+---------------------------------+------------------------------------------+
+    | u64  N   | header: N bytes of UTF-8 JSON,  | data: every tensor's bytes, row-major,   |
+    |          | space-padded to a multiple of 8 | little-endian, packed without gaps       |
+    +----------+---------------------------------+------------------------------------------+
+    0          8                                 8 + N
+
+    header = {"__metadata__": {str: str},                      (optional)
+              "<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
+
+``data_offsets`` are relative to the data start ``8 + N``.
+
+**Reading** (:func:`read_safetensors`) parses the header itself and memory-maps the file; every
+tensor is a read-only ``np.frombuffer`` view of the mapped bytes at its header offsets (typed
+through ``ml_dtypes`` for ``BF16``): bit-exact, zero-copy, and no byte is read before a value is
+asked for. ``safetensors.safe_open(framework="numpy")`` is not used for the data: it returns
+``BF16`` only once ``ml_dtypes`` has registered the name ``bfloat16`` with numpy (an import side
+effect; otherwise it raises ``TypeError: data type 'bfloat16' not understood``), it copies each
+tensor, and it does not give the offsets that the data order and zero-copy ONNX export need.
+The header is checked as the library checks it (size limit, known dtypes, byte lengths, offsets
+that tile the data exactly), and duplicate names are refused.
+
+**Writing** (:func:`write_safetensors`) lays the file out exactly as the ``safetensors`` library
+does (tensors sorted by dtype, then name; compact JSON; ``__metadata__`` first), so a file read
+and written back is byte-identical, but streams one tensor at a time (the library's own writer
+needs every tensor in memory at once) into a temporary file that replaces the target only when
+complete. The one difference: ``__metadata__`` keys are written sorted, where the library
+writes them in hash order, which differs between runs.
+
+**Keys this library adds to ``__metadata__``** (safetensors metadata is ``str -> str``; each
+value is compact JSON), so that burnpack -> safetensors -> burnpack loses nothing:
+
+==========================  =====================================================================
+``onnxparam.param_ids``     ``{"<name>": "<u64 as decimal text>"}``; tensors without an id absent.
+                            Text, not JSON numbers: many JSON readers lose u64 precision.
+``onnxparam.order``         ``["<name>", ...]``: the record's data order (module traversal
+                            order), written only when it differs from the file's sorted order.
+``onnxparam.dtypes``        ``{"<name>": "Flex32"}`` for Burn dtypes safetensors has no name for
+                            (``Flex32`` is stored as ``F32``); a quantized tensor is stored as
+                            ``U8`` bytes (values, scales; ``BURNPACK.md`` section 2) with
+                            ``{"<name>": {"dtype": "QFloat", "shape": [...], "scheme": <Burn's
+                            QuantScheme as CBOR-shaped JSON>}}``; a burnpack ``Bool`` stored
+                            as ``U8``/``U32`` is ``BOOL`` with ``{"dtype": "Bool", "store": "U32"}``.
+``onnxparam.scalars``       burnpack scalars ``{"<name>": {"Int" | "UInt" | "Float" | "Bool":
+                            value}}`` (Burn's encoding; a non-finite Float is the text "nan",
+                            "inf" or "-inf").
+==========================  =====================================================================
+
+Every other ``__metadata__`` key is the record's own metadata and is passed through as is.
+With ``lossless=False`` none of these keys is written: the file is what PyTorch tools write.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from ..dtype import DType
+from ..errors import RecordError
+from ..param import ParamId
+from ..record import ModuleRecord, TensorSnapshot
+from ..tensor import TensorData
+from ._atomic import atomic_output
+
+__all__ = [
+    "SAFETENSORS_EXTENSION",
+    "SAFETENSORS_DTYPES",
+    "DTYPE_FROM_SAFETENSORS",
+    "MAX_HEADER_BYTES",
+    "PARAM_IDS_KEY",
+    "ORDER_KEY",
+    "DTYPES_KEY",
+    "SCALARS_KEY",
+    "RESERVED_PREFIX",
+    "SafetensorsFile",
+    "SafetensorsTensor",
+    "read_safetensors",
+    "write_safetensors",
+]
+
+SAFETENSORS_EXTENSION = ".safetensors"
+
+HEADER_LENGTH_BYTES = 8
+"""The leading ``u64`` that gives the JSON header's length."""
+HEADER_ALIGNMENT = 8
+"""The library pads the header with spaces to a multiple of 8, so the data start (and every
+tensor of 8-byte elements) is 8-byte aligned for zero-copy views."""
+MAX_HEADER_BYTES = 100_000_000
+"""The ``safetensors`` library refuses longer headers (``MAX_HEADER_SIZE``, a DoS guard); so do
+we, before allocating it."""
+METADATA_KEY = "__metadata__"
+
+RESERVED_PREFIX = "onnxparam."
+"""Metadata keys with this prefix belong to this library (see the module docstring)."""
+PARAM_IDS_KEY = "onnxparam.param_ids"
+ORDER_KEY = "onnxparam.order"
+DTYPES_KEY = "onnxparam.dtypes"
+SCALARS_KEY = "onnxparam.scalars"
+_KNOWN_KEYS = frozenset({PARAM_IDS_KEY, ORDER_KEY, DTYPES_KEY, SCALARS_KEY})
+
+SAFETENSORS_DTYPES: dict[DType, str] = {
+    DType.F64: "F64",
+    DType.F32: "F32",
+    DType.Flex32: "F32",
+    DType.F16: "F16",
+    DType.BF16: "BF16",
+    DType.I64: "I64",
+    DType.I32: "I32",
+    DType.I16: "I16",
+    DType.I8: "I8",
+    DType.U64: "U64",
+    DType.U32: "U32",
+    DType.U16: "U16",
+    DType.U8: "U8",
+    DType.Bool: "BOOL",
+}
+"""``DType`` -> safetensors dtype name (``Flex32`` has f32 storage; ``QFloat`` is stored as ``U8``
+bytes, see the module docstring)."""
+
+DTYPE_FROM_SAFETENSORS: dict[str, DType] = {
+    name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype is not DType.Flex32
+}
+"""safetensors dtype name -> ``DType``. Names Burn has no dtype for (``F8_E4M3``, ``C64`` ...)
+are absent and refused when read."""
+
+_WRITE_RANK: dict[str, int] = {
+    name: rank
+    for rank, name in enumerate(
+        ["BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
+    )
+}
+"""The order of the ``Dtype`` enum of the Rust ``safetensors`` crate (restricted to the names
+above). Its writer sorts tensors by dtype in *descending* enum order, then by name, so wide
+types come first and stay aligned; :func:`write_safetensors` does the same to match its bytes."""
+
+
+def _canonical_key(name: str, st_dtype: str) -> tuple:
+    # NOTE: Python compares str by code point, which is the byte order of UTF-8: the order of
+    # Rust's String comparison that the library uses.
+    return (-_WRITE_RANK[st_dtype], name)
+
+
+@dataclass(frozen=True)
+class SafetensorsTensor(TensorSnapshot):
+    """A tensor of a :class:`SafetensorsFile`: a :class:`~onnxparam.record.TensorSnapshot`
+    plus where it lies and the Burn facts safetensors has no field for.
+
+    Attributes:
+        name: the tensor's name in the file.
+        data_offsets: ``(begin, end)`` relative to the file's data start.
+        bool_store: for ``Bool``: the burnpack bool store (``"Native"``, ``"U8"``, ``"U32"``)
+            recorded in ``onnxparam.dtypes``, else ``None``.
+    """
+
+    name: str = ""
+    data_offsets: tuple = (0, 0)
+    bool_store: Optional[str] = None
+
+
+@dataclass
+class SafetensorsFile:
+    """A read safetensors file: lazy tensors in data order, metadata, and where the bytes are.
+
+    Attributes:
+        path: the file read.
+        tensors: ``name -> SafetensorsTensor`` in data order (the ``onnxparam.order`` key's order
+            when present, else the order of the bytes in the file). Each snapshot's data is a
+            read-only view of the memory-mapped file.
+        metadata: the file's own ``__metadata__`` (without this library's ``onnxparam.*`` keys).
+        scalars: ``name -> onnxparam.burnpack.Scalar`` carried in ``onnxparam.scalars``.
+        data_start: absolute byte offset of the data section (``8 + N``).
+        offsets: ``name -> (begin, end)`` relative to ``data_start``, as in the header.
+    """
+
+    path: Path
+    tensors: dict
+    metadata: dict
+    scalars: dict
+    data_start: int
+    offsets: dict = field(repr=False)
+
+    mapping: Any = field(default=None, repr=False)
+
+    def to_record(self) -> ModuleRecord:
+        """The tensors as a :class:`~onnxparam.ModuleRecord` (data still lazy), with ``metadata``."""
+        return ModuleRecord(self.tensors, self.metadata)
+
+    def close(self) -> None:
+        """Release the mapping. Arrays already handed out stay valid (the mapping then lives on
+        until the last of them is gone); reading a tensor after ``close`` raises ``RecordError``."""
+        if self.mapping is not None:
+            self.mapping.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile('{self.path}', {len(self.tensors)} tensors)"
+
+
+def _format_error(path, message: str) -> RecordError:
+    return RecordError(f"not a valid safetensors file '{path}': {message}")
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the header names '{key}' twice")
+        out[key] = value
+    return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
+    """Read a safetensors file lazily: the header now, tensor bytes only when asked for.
+
+    Args:
+        path: a ``.safetensors`` file.
+
+    Returns:
+        a :class:`SafetensorsFile`; ``.to_record()`` gives a :class:`~onnxparam.ModuleRecord`.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        RecordError: for a malformed file (header too long or not JSON, an unknown dtype,
+            offsets that do not match the shape, overlap or leave gaps, a bad ``onnxparam.*``
+            key), naming the tensor concerned.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(HEADER_LENGTH_BYTES)
+        if len(prefix) < HEADER_LENGTH_BYTES:
+            raise _format_error(path, f"the file has {size} bytes, fewer than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > MAX_HEADER_BYTES:
+            raise _format_error(path, f"the header claims {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if HEADER_LENGTH_BYTES + header_len > size:
+            raise _format_error(path, f"the header claims {header_len} bytes, but the file has only {size}")
+        raw_header = handle.read(header_len)
+        try:
+            header = json.loads(raw_header.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _format_error(path, f"the header is not valid UTF-8 JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise _format_error(path, "the header is not a JSON object")
+        data_start = HEADER_LENGTH_BYTES + header_len
+        data_len = size - data_start
+        raw_meta = header.pop(METADATA_KEY, None) or {}
+        if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
+            raise _format_error(path, "__metadata__ must map text to text")
+
+        layout: dict[str, tuple] = {}
+        for name, info in header.items():
+            layout[name] = _check_entry(path, name, info)
+        _check_coverage(path, layout, data_len)
+        mapping = _Mapping(path, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+
+    extra_dtypes = _decode_json_key(path, raw_meta, DTYPES_KEY, dict) or {}
+    param_ids = _decode_json_key(path, raw_meta, PARAM_IDS_KEY, dict) or {}
+    order = _decode_json_key(path, raw_meta, ORDER_KEY, list)
+    scalars = _decode_scalars(path, _decode_json_key(path, raw_meta, SCALARS_KEY, dict) or {})
+    metadata = {k: v for k, v in raw_meta.items() if k not in _KNOWN_KEYS}
+
+    for name in list(extra_dtypes) + list(param_ids):
+        if name not in layout:
+            raise _format_error(path, f"__metadata__ names tensor '{name}', which the file does not hold")
+    if order is None:
+        order = sorted(layout, key=lambda n: layout[n][2])
+    elif sorted(order) != sorted(layout):
+        raise _format_error(path, f"'{ORDER_KEY}' does not list exactly the file's tensors")
+
+    tensors: dict[str, TensorSnapshot] = {}
+    offsets: dict[str, tuple] = {}
+    for name in order:
+        st_dtype, shape, (begin, end) = layout[name]
+        dtype, logical_shape, scheme, bool_store = _burn_dtype(path, name, st_dtype, shape, extra_dtypes.get(name))
+        pid = param_ids.get(name)
+        if pid is not None:
+            try:
+                pid = ParamId(int(pid))
+            except (TypeError, ValueError):
+                raise _format_error(path, f"'{PARAM_IDS_KEY}' has {pid!r} for '{name}', not a u64") from None
+        loader = _Loader(mapping, data_start + begin, DTYPE_FROM_SAFETENSORS[st_dtype], shape, dtype, logical_shape, scheme)
+        tensors[name] = SafetensorsTensor(dtype, logical_shape, pid, loader, scheme, name, (begin, end), bool_store)
+        offsets[name] = (begin, end)
+    return SafetensorsFile(path, tensors, metadata, scalars, data_start, offsets, mapping)
+
+
+def _check_entry(path, name: str, info) -> tuple:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise _format_error(path, f"tensor '{name}' needs 'dtype', 'shape' and 'data_offsets'")
+    st_dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if st_dtype not in DTYPE_FROM_SAFETENSORS:
+        known = ", ".join(sorted(DTYPE_FROM_SAFETENSORS))
+        raise _format_error(path, f"tensor '{name}' has dtype {st_dtype!r}, which Burn has no dtype for (known: {known})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _format_error(path, f"tensor '{name}' has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise _format_error(path, f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] with begin <= end")
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = numel * DTYPE_FROM_SAFETENSORS[st_dtype].itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise _format_error(
+            path, f"tensor '{name}' is {st_dtype} {shape}, which takes {expected} bytes, but its data_offsets "
+            f"{offsets} span {offsets[1] - offsets[0]}"
+        )
+    return st_dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _check_coverage(path, layout: dict, data_len: int) -> None:
+    """The library's rule: sorted by offsets, the tensors tile the data section exactly."""
+    position = 0
+    for name in sorted(layout, key=lambda n: layout[n][2]):
+        begin, end = layout[name][2]
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else f"leaves a gap of {begin - position} bytes"
+            raise _format_error(path, f"tensor '{name}' starts at data offset {begin}: it {what}")
+        position = end
+    if position != data_len:
+        raise _format_error(path, f"the tensors end at data offset {position}, but the data section has {data_len} bytes")
+
+
+def _decode_json_key(path, meta: dict, key: str, kind: type):
+    text = meta.get(key)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise _format_error(path, f"__metadata__ key '{key}' is not JSON ({exc})") from None
+    if not isinstance(value, kind):
+        raise _format_error(path, f"__metadata__ key '{key}' is not a JSON {'object' if kind is dict else 'array'}")
+    return value
+
+
+def _burn_dtype(path, name: str, st_dtype: str, shape: tuple, note) -> tuple:
+    """``(dtype, logical shape, scheme, bool store)`` of a stored tensor, given its
+    ``onnxparam.dtypes`` note."""
+    if note is None:
+        return DTYPE_FROM_SAFETENSORS[st_dtype], shape, None, None
+    if note == "Flex32" and st_dtype == "F32":
+        return DType.Flex32, shape, None, None
+    if isinstance(note, dict) and note.get("dtype") == "Bool" and st_dtype == "BOOL":
+        from ..burnpack import BOOL_STORES
+
+        if note.get("store") in BOOL_STORES:
+            return DType.Bool, shape, None, note["store"]
+    if isinstance(note, dict) and note.get("dtype") == "QFloat" and st_dtype == "U8" and len(shape) == 1:
+        from ..quant.scheme import QuantScheme
+
+        try:
+            scheme = QuantScheme.from_cbor(note["scheme"])
+            logical = tuple(int(d) for d in note["shape"])
+        except Exception as exc:  # noqa: BLE001 - any malformed note is a format error
+            raise _format_error(path, f"the quantization note of '{name}' is malformed ({exc})") from None
+        return DType.QFloat, logical, scheme, None
+    raise _format_error(path, f"'{DTYPES_KEY}' has {note!r} for '{name}', which does not fit its stored dtype {st_dtype}")
+
+
+def _decode_scalars(path, raw: dict) -> dict:
+    from ..burnpack.metadata import scalar_from_cbor
+
+    out = {}
+    for name, obj in raw.items():
+        if isinstance(obj, dict) and len(obj) == 1 and obj.get("Float") in _NON_FINITE:
+            obj = {"Float": float(obj["Float"])}
+        try:
+            out[name] = scalar_from_cbor(obj)
+        except ValueError as exc:
+            raise _format_error(path, f"'{SCALARS_KEY}' has a bad scalar '{name}': {exc}") from None
+    return out
+
+
+_NON_FINITE = ("nan", "inf", "-inf")
+"""JSON has no NaN or infinity; a non-finite Float scalar is written as one of these texts."""
+
+
+def _encode_scalars(scalars: Mapping) -> dict:
+    from ..burnpack import Scalar
+
+    out = {}
+    for name, value in scalars.items():
+        obj = Scalar.from_python(value).to_cbor()
+        if "Float" in obj and not np.isfinite(obj["Float"]):
+            obj = {"Float": repr(obj["Float"])}
+        out[str(name)] = obj
+    return out
+
+
+class _Mapping:
+    """The memory map of one file, shared by its tensors' loaders until closed."""
+
+    __slots__ = ("path", "buffer")
+
+    def __init__(self, path, buffer):
+        self.path = path
+        self.buffer = buffer
+
+    def view(self):
+        if self.buffer is None:
+            raise RecordError(f"the safetensors file '{self.path}' is closed; read it again")
+        return self.buffer
+
+    def close(self) -> None:
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None:
+            try:
+                buffer.close()
+            except BufferError:  # views are alive; the mapping closes with the last of them
+                pass
+
+
+class _Loader:
+    """``() -> TensorData`` reading one tensor from the mapped file (a zero-copy view)."""
+
+    __slots__ = ("mapping", "offset", "np_dtype", "stored_shape", "dtype", "shape", "scheme")
+
+    def __init__(self, mapping: _Mapping, offset, stored_dtype: DType, stored_shape, dtype, shape, scheme):
+        self.mapping = mapping
+        self.offset = offset
+        self.np_dtype = stored_dtype.to_numpy()
+        self.stored_shape = stored_shape
+        self.dtype = dtype
+        self.shape = shape
+        self.scheme = scheme
+
+    def __call__(self) -> TensorData:
+        count = 1
+        for d in self.stored_shape:
+            count *= d
+        if count == 0:
+            array = np.empty(self.stored_shape, self.np_dtype)
+            array.flags.writeable = False
+        else:
+            array = np.frombuffer(self.mapping.view(), self.np_dtype, count, self.offset).reshape(self.stored_shape)
+        return TensorData(array, self.dtype, self.shape, self.scheme)
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str
+    snapshot: Any
+    st_dtype: str
+    stored_shape: tuple
+    nbytes: int
+
+
+def write_safetensors(
+    path: "str | os.PathLike",
+    tensors: "Mapping[str, TensorSnapshot] | Iterable[tuple[str, TensorSnapshot]]",
+    *,
+    metadata: Optional[Mapping[str, str]] = None,
+    scalars: Optional[Mapping[str, Any]] = None,
+    lossless: bool = True,
+    progress: Optional[Callable[[str, int], None]] = None,
+) -> Path:
+    """Write tensors to a safetensors file, one tensor in memory at a time, atomically.
+
+    The layout is the ``safetensors`` library's (module docstring), so the same tensors and
+    metadata give the same bytes as ``safetensors.numpy.save_file`` (with at most one metadata
+    key; the library orders several keys by hash).
+
+    Args:
+        path: the file to write; replaced only once it is complete.
+        tensors: ``name -> snapshot`` (a :class:`~onnxparam.ModuleRecord` works) or pairs, in
+            data order; anything with ``dtype``, ``shape``, ``param_id`` and ``to_data()``,
+            and optionally ``scheme`` (``QFloat``) and ``bool_store`` (a burnpack entry works).
+            Data is fetched one tensor at a time, in file order.
+        metadata: ``str -> str`` written to ``__metadata__`` (keys sorted). Keys starting with
+            ``onnxparam.`` are reserved.
+        scalars: burnpack scalars to carry (``onnxparam.burnpack.Scalar`` or bool / int /
+            float values); needs ``lossless``.
+        lossless: write the ``onnxparam.*`` keys (param ids, data order, Burn dtypes, scalars)
+            so reading back restores the record exactly. ``False`` writes what PyTorch tools
+            write: ids and order are dropped, ``Flex32`` becomes ``F32``.
+        progress: called as ``progress(name, nbytes)`` after each tensor is written.
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        RecordError: for a duplicate name, a tensor whose data does not match its dtype or
+            shape, a quantized tensor with ``lossless=False``; naming the tensor.
+        ValueError: for non-text metadata, reserved metadata keys, or scalars without ``lossless``.
+    """
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    user_meta = dict(metadata or {})
+    for key, value in user_meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"safetensors metadata maps text to text; got {key!r}: {value!r}")
+        if key.startswith(RESERVED_PREFIX):
+            raise ValueError(f"metadata key '{key}' is reserved for this library (prefix '{RESERVED_PREFIX}')")
+    if scalars and not lossless:
+        raise ValueError("scalars are kept in the 'onnxparam.scalars' metadata key, which lossless=False omits")
+
+    planned: list[_Planned] = []
+    seen: set = set()
+    notes: dict[str, Any] = {}
+    ids: dict[str, str] = {}
+    for name, snap in items:
+        if not isinstance(name, str):
+            raise RecordError(f"tensor names are text; got {name!r}")
+        if name in seen:
+            raise RecordError(f"the tensor name '{name}' appears twice")
+        seen.add(name)
+        planned.append(_plan(name, snap, lossless, notes))
+        if snap.param_id is not None:
+            ids[name] = str(int(snap.param_id))
+
+    file_order = sorted(planned, key=lambda p: _canonical_key(p.name, p.st_dtype))
+    meta = dict(user_meta)
+    if lossless:
+        if ids:
+            meta[PARAM_IDS_KEY] = _compact_json(ids)
+        if [p.name for p in planned] != [p.name for p in file_order]:
+            meta[ORDER_KEY] = _compact_json([p.name for p in planned])
+        if notes:
+            meta[DTYPES_KEY] = _compact_json(notes)
+        if scalars:
+            meta[SCALARS_KEY] = _compact_json(_encode_scalars(scalars))
+
+    header: dict[str, Any] = {}
+    if meta:
+        header[METADATA_KEY] = {k: meta[k] for k in sorted(meta)}
+    position = 0
+    for p in file_order:
+        header[p.name] = {"dtype": p.st_dtype, "shape": list(p.stored_shape), "data_offsets": [position, position + p.nbytes]}
+        position += p.nbytes
+    header_bytes = _compact_json(header).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % HEADER_ALIGNMENT)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise RecordError(f"the safetensors header would take {len(header_bytes)} bytes, over the {MAX_HEADER_BYTES}-byte limit readers accept")
+
+    target = Path(path)
+    with atomic_output(target) as out:
+        out.write(struct.pack("<Q", len(header_bytes)))
+        out.write(header_bytes)
+        for p in file_order:
+            raw = _tensor_bytes(p)
+            out.write(raw.data)
+            del raw
+            if progress is not None:
+                progress(p.name, p.nbytes)
+    return target
+
+
+def _compact_json(value) -> str:
+    # NOTE: serde_json's compact form, as the Rust library writes its header: no spaces, UTF-8
+    # kept as is, control characters escaped the same way.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _plan(name: str, snap, lossless: bool, notes: dict) -> _Planned:
+    dtype = snap.dtype
+    shape = tuple(int(d) for d in snap.shape)
+    if dtype is DType.QFloat:
+        if not lossless:
+            raise RecordError(
+                f"tensor '{name}' is quantized (QFloat); safetensors has no quantized dtype, so it is kept "
+                "only with lossless=True (as U8 bytes and a note), or dequantize it first"
+            )
+        scheme = snap.scheme
+        nbytes = _qfloat_nbytes(name, snap, shape, scheme)
+        notes[name] = {"dtype": "QFloat", "shape": list(shape), "scheme": scheme.to_cbor()}
+        return _Planned(name, snap, "U8", (nbytes,), nbytes)
+    if dtype not in SAFETENSORS_DTYPES:
+        raise RecordError(f"tensor '{name}' has dtype {dtype.name}, which safetensors cannot hold")
+    if dtype is DType.Flex32 and lossless:
+        notes[name] = "Flex32"
+    bool_store = getattr(snap, "bool_store", None)
+    if dtype is DType.Bool and bool_store not in (None, "Native") and lossless:
+        notes[name] = {"dtype": "Bool", "store": bool_store}
+    numel = 1
+    for d in shape:
+        numel *= d
+    return _Planned(name, snap, SAFETENSORS_DTYPES[dtype], shape, numel * dtype.itemsize)
+
+
+def _qfloat_nbytes(name: str, snap, shape: tuple, scheme) -> int:
+    if scheme is None:
+        raise RecordError(f"quantized tensor '{name}' has no quantization scheme")
+    try:
+        from ..quant.layout import quantized_nbytes
+
+        return int(quantized_nbytes(shape, scheme))
+    except Exception:  # noqa: BLE001 - fall back to the data itself (read once more later)
+        return int(np.asarray(snap.to_data().array).nbytes)
+
+
+def _tensor_bytes(p: _Planned) -> np.ndarray:
+    """The tensor's bytes as a flat ``uint8`` array, checked against the plan."""
+    data = p.snapshot.to_data()
+    if p.snapshot.dtype is DType.QFloat:
+        array = np.ascontiguousarray(np.asarray(data.array)).reshape(-1).view(np.uint8)
+    else:
+        array = np.asarray(data.to_numpy() if isinstance(data, TensorData) else data)
+        want = DTYPE_FROM_SAFETENSORS[p.st_dtype].to_numpy()
+        if array.dtype.newbyteorder("<") != want.newbyteorder("<") or tuple(array.shape) != p.stored_shape:
+            raise RecordError(
+                f"tensor '{p.name}' is described as {p.st_dtype} {list(p.stored_shape)}, but its data is "
+                f"{array.dtype} {list(array.shape)}"
+            )
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        array = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    if array.nbytes != p.nbytes:
+        raise RecordError(f"tensor '{p.name}' should take {p.nbytes} bytes, its data has {array.nbytes}")
+    return array

@@ -1,0 +1,64 @@
+"""Standard layers with Burn's field names, layouts and initializers (``import onnxparam.nn as nn``).
+
+Every layer is an :class:`onnxparam.Module`; its params have Burn's record names (``weight``,
+``bias``, ``gamma``, ``beta``, ``running_mean``, ``running_var``), so a Burn-written record loads
+unchanged, and they are created **lazy**: building a layer draws nothing, and loading weights
+into it never runs its random init.
+
+**One builder convention, two spellings.** The primary description of a layer is its frozen
+config dataclass, as in Burn (``LinearConfig(d_input, d_output).with_bias(False).init(device)``);
+every config field has a ``with_<field>`` copy. The layer's constructor takes exactly the
+config's fields plus ``device`` and ``dtype`` (``Linear(d_input, d_output, bias=False,
+device="cpu", dtype=DType.F32)``) and builds the same module. Parameter-free layers' configs
+have ``init()`` without a device.
+
+Non-param state (stride, epsilon, ...) is plain attributes, shown by ``extra_repr()`` in the
+module display. Each layer's docstring gives shapes, dtypes, layouts, the ONNX operator emitted
+and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls.
+"""
+
+from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
+from .dropout import Dropout, DropoutConfig
+from .embedding import Embedding, EmbeddingConfig
+from .initializer import Initializer, seed
+from .linear import Linear, LinearConfig
+from .norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
+from .pool import (
+    AdaptiveAvgPool2d,
+    AdaptiveAvgPool2dConfig,
+    AvgPool2d,
+    AvgPool2dConfig,
+    MaxPool2d,
+    MaxPool2dConfig,
+)
+
+__all__ = [
+    "Initializer",
+    "seed",
+    "Linear",
+    "LinearConfig",
+    "Conv1d",
+    "Conv1dConfig",
+    "Conv2d",
+    "Conv2dConfig",
+    "BatchNorm",
+    "BatchNormConfig",
+    "LayerNorm",
+    "LayerNormConfig",
+    "Embedding",
+    "EmbeddingConfig",
+    "MaxPool2d",
+    "MaxPool2dConfig",
+    "AvgPool2d",
+    "AvgPool2dConfig",
+    "AdaptiveAvgPool2d",
+    "AdaptiveAvgPool2dConfig",
+    "Dropout",
+    "DropoutConfig",
+    "Relu",
+    "Gelu",
+    "Sigmoid",
+    "Tanh",
+    "Softmax",
+]

@@ -1,0 +1,352 @@
+"""Exporting a module to an ONNX file: :func:`export_onnx`.
+
+Any module is traced with :func:`onnxparam.trace.trace_module` (initializer names = module
+paths, lazy params as ``onnx_ir.LazyTensor`` s evaluated one at a time while writing), its
+params' ids and trainable flags are written into ONNX metadata
+(:mod:`~onnxparam.onnx_io.metadata`), and the model is saved by
+:func:`~onnxparam.onnx_io.save.save_model` (external data when needed, atomic).
+
+An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs (its graph inputs'
+declared types are used) and comes back as the graph it was: the same nodes in the same order
+with their original node and value names, the original input / output names and initializer
+names (module paths decoded back), initializers that were graph inputs still overridable
+inputs, the model's opsets and its other metadata; weights it held in ``Constant`` nodes or
+in subgraphs are written as main-graph initializers (the subgraphs use them as outer-scope
+values, which ONNX allows). Weights changed in the module are what the file holds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import onnx_ir as ir
+
+from ..module import named_params
+from ..param import Param
+from . import metadata as md
+from .importer import OnnxModule
+from .save import DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
+from .source import iter_graphs
+
+__all__ = ["export_onnx", "trace_for_export"]
+
+
+def export_onnx(
+    module,
+    path: "str | os.PathLike",
+    *example_inputs,
+    input_names: Optional[Sequence[str]] = None,
+    output_names: Optional[Sequence[str]] = None,
+    dynamic_axes: Optional[Mapping] = None,
+    opset: Optional[int] = None,
+    lora: str = "merge",
+    external_data: Union[None, bool, str] = None,
+    max_shard_size_bytes: Optional[int] = DEFAULT_MAX_SHARD_SIZE_BYTES,
+    metadata: Optional[Mapping[str, str]] = None,
+    kwargs: Optional[Mapping] = None,
+) -> Path:
+    """Write ``module`` as an ONNX model (see the module docstring).
+
+    Args:
+        module: any :class:`~onnxparam.Module`; an imported
+            :class:`~onnxparam.onnx_io.OnnxModule` needs no ``example_inputs``.
+        path: the ``.onnx`` file (written atomically; external data files beside it).
+        example_inputs: ``forward``'s positional arguments: tensors / arrays / ``InputSpec`` s
+            (only their shapes and dtypes are used) or other values passed as they are.
+        input_names: graph input names (default: ``forward``'s parameter names; an imported
+            model's own input names).
+        output_names: graph output names (default ``output`` / ``output_0`` ...; an imported
+            model's own output names).
+        dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``.
+        opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
+            an imported model cannot be re-targeted to another opset).
+        lora: the LoRA mode of :func:`onnxparam.trace.trace_module` (``"merge"``: an adapted
+            weight's initializer holds ``base + scale * (a @ b)``).
+        external_data: ``None`` (automatic above protobuf's 2 GiB), ``True`` (``<file>.data``),
+            ``False``, or a data file name.
+        max_shard_size_bytes: largest external data shard (``None``: one data file).
+        metadata: extra model ``metadata_props`` entries (strings).
+        kwargs: keyword arguments of ``forward`` (tensors among them become named inputs).
+
+    Returns:
+        the ``pathlib.Path`` of the ``.onnx`` file.
+
+    Raises:
+        TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace`).
+        ValueError: for an unsupported opset or LoRA mode, or an opset other than an imported
+            model's own.
+        OnnxFormatError: when the model cannot be saved (see
+            :func:`~onnxparam.onnx_io.save.save_model`).
+    """
+    model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
+                             dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs)
+    for key, value in (metadata or {}).items():
+        model.metadata_props[str(key)] = str(value)
+    return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
+
+
+def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
+                     opset=None, lora: str = "merge", kwargs=None) -> ir.Model:
+    """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy)."""
+    from ..trace import trace_module
+
+    if isinstance(module, OnnxModule) and not kwargs:
+        model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+    else:
+        traced = trace_module(module, tuple(example_inputs), kwargs=kwargs, input_names=input_names,
+                              output_names=output_names, dynamic_axes=dynamic_axes, opset=opset, lora=lora)
+        model = traced.model
+        by_name = {path: (path, param) for path, param in traced.params.items()}
+    _write_param_metadata(model, module, by_name)
+    return model
+
+
+def _adapter_scales(module) -> dict:
+    """``<path>.lora.a`` / ``.lora.b`` -> the adapter's scale, for every adapted param."""
+    scales = {}
+    for path, param in named_params(module):
+        adapter = param.adapter()
+        if adapter is not None:
+            scales[f"{path}.lora.a"] = scales[f"{path}.lora.b"] = float(adapter.scale)
+    return scales
+
+
+def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple]) -> None:
+    """Initializer and model metadata for each param initializer (``name -> (path, param)``)."""
+    from .. import __version__
+
+    scales = _adapter_scales(module)
+    graph = model.graph
+    metas = {}
+    for name, (path, param) in by_name.items():
+        value = graph.initializers.get(name)
+        if value is None or value.const_value is None:
+            continue
+        meta = md.ParamMetadata(param.id, param.require_grad, scales.get(path))
+        value.const_value.metadata_props.update(md.tensor_props(meta))
+        metas[name] = meta
+    props = md.strip_own_keys(model.metadata_props)
+    props[md.PARAMS_KEY] = md.model_params_prop(metas)
+    props[md.VERSION_KEY] = __version__
+    cls = type(module)
+    props[md.MODULE_KEY] = f"{cls.__module__}.{cls.__qualname__}"
+    model.metadata_props.clear()
+    model.metadata_props.update(props)
+
+
+# -- imported modules -------------------------------------------------------------------------
+
+
+def _new_tracer(module: OnnxModule, lora: str):
+    from .. import trace as tr
+
+    return tr.Tracer(opset_imports=module.onnx_opset_imports, mode=lora, root=module,
+                     name=module.ir_model.graph.name or "main_graph")
+
+
+def _apply_axes(dims: list, axes, name: str) -> list:
+    if isinstance(axes, Mapping):
+        items = [(int(a), None if d is None else str(d)) for a, d in axes.items()]
+    else:
+        items = [(int(a), f"{name}_dim_{int(a)}") for a in axes]
+    for axis, dim in items:
+        dims[axis] = dim
+    return dims
+
+
+def _spec_of(x):
+    """An ``InputSpec`` for an example input (a spec, a tensor or an array)."""
+    import numpy as np
+
+    from ..dtype import DType
+    from ..tensor import Tensor
+    from ..trace import InputSpec
+
+    if isinstance(x, InputSpec):
+        return x
+    if isinstance(x, Tensor):
+        return InputSpec(x.shape, x.dtype)
+    array = np.asarray(x)
+    return InputSpec(array.shape, DType.from_numpy(array.dtype))
+
+
+def _trace_imported(module: OnnxModule, example_inputs, input_names, output_names, dynamic_axes, opset, lora):
+    source = module.ir_model
+    declared = module.onnx_opset_imports.get("")
+    if opset is not None and declared is not None and int(opset) != declared:
+        raise ValueError(
+            f"an imported ONNX graph keeps its own opset ({declared}); it cannot be exported at opset {opset} "
+            "(convert the file with onnx.version_converter instead)"
+        )
+    names = list(input_names) if input_names is not None else list(module.input_names)
+    if example_inputs:
+        specs = [_spec_of(x) for x in example_inputs]
+    else:
+        specs = module.input_specs()
+    if len(specs) != len(module.input_names) or len(names) != len(specs):
+        raise TypeError(f"the ONNX graph takes {len(module.input_names)} input(s) ({', '.join(module.input_names)}); "
+                        f"{len(specs)} example input(s) and {len(names)} name(s) were given")
+    axes_by_name = {}
+    for key, axes in (dynamic_axes or {}).items():
+        axes_by_name[names[key] if isinstance(key, int) else key] = axes
+    tracer = _new_tracer(module, lora)
+    with tracer.active():
+        symbolic = {}
+        for original, name, spec in zip(module.input_names, names, specs):
+            dims = _apply_axes(list(spec.shape), axes_by_name.get(name, {}), name)
+            symbolic[original] = tracer.input(name, dims, spec.dtype)
+        outputs, env = module._run(symbolic)
+        traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None,
+                               {k: v for k, v in axes_by_name.items() if k not in names}, input_names=names)
+    model = traced.model
+    graph = model.graph
+    originals = module.onnx_names
+    by_name = {}
+    for path, param in traced.params.items():
+        by_name[originals.get(path, path)] = (path, param)
+    out_names = list(output_names) if output_names is not None else list(module.output_names)
+    mapping = _restore_names(model, traced, env, originals, out_names, names)
+    # initializers that were graph inputs of the source stay overridable inputs, in source order
+    given = dict(zip(module.input_names, graph.inputs))
+    order = []
+    for v in source.graph.inputs:
+        if v.name in given:
+            order.append(given[v.name])
+        elif v.is_initializer():
+            hit = mapping.get(id(v))
+            if hit is not None and hit[1].is_initializer():
+                order.append(hit[1])
+            elif v.name in graph.initializers:
+                order.append(graph.initializers[v.name])
+    graph.inputs.clear()
+    graph.inputs.extend(order)
+    # the source's model-level facts (other producers' metadata, doc strings)
+    for key, value in md.strip_own_keys(source.metadata_props).items():
+        model.metadata_props[key] = value
+    model.doc_string = source.doc_string
+    graph.doc_string = source.graph.doc_string
+    model.domain = source.domain
+    model.model_version = source.model_version
+    return model, by_name
+
+
+def _traced_values(env: dict) -> dict:
+    """``id(source value) -> (source value, traced ir.Value)`` from a run's environment."""
+    found = {}
+    for key, entry in env.items():
+        if isinstance(key, tuple):
+            continue
+        original, tensor = entry
+        symbol = getattr(tensor, "_symbol", None)
+        if symbol is not None:
+            found[key] = (original, symbol.value)
+    return found
+
+
+def _reinstate_initializers(graph: ir.Graph, traced: dict) -> None:
+    """Source initializers that are not weights were emitted as ``Constant`` nodes (the tracer
+    holds only params and its own constants as initializers); make them initializers again."""
+    for key, (original, value) in list(traced.items()):
+        if not original.is_initializer():
+            continue
+        node = value.producer()
+        if node is None or node.op_type != "Constant" or node.graph is not graph:
+            continue
+        tensor = node.attributes["value"].value
+        new = ir.Value(name=value.name, type=value.type, shape=value.shape, const_value=tensor)
+        value.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        graph.register_initializer(new)
+        traced[key] = (original, new)
+
+
+def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
+                   output_names: list, input_names: list) -> dict:
+    """Give the traced values and nodes the names they had in the source graph; values the
+    tracer added (constants, output ``Identity`` s) keep theirs unless they clash. Returns
+    ``id(source value) -> (source value, traced value)``."""
+    graph = model.graph
+    if len(output_names) != len(graph.outputs):
+        raise TypeError(f"{len(output_names)} output names given for {len(graph.outputs)} outputs")
+    traced = _traced_values(env)
+    _reinstate_initializers(graph, traced)
+    wanted: dict[int, str] = {}
+    claimed: set = set()
+
+    def claim(value: ir.Value, name: str) -> None:
+        if id(value) in wanted or not name or name in claimed:
+            return
+        wanted[id(value)] = name
+        claimed.add(name)
+
+    for value, name in zip(graph.inputs, input_names):
+        claim(value, name)
+    for value, name in zip(graph.outputs, output_names):
+        claim(value, name)
+    for path in traced_model.param_paths:
+        claim(graph.initializers[path], originals.get(path, path))
+    for original, value in traced.values():
+        claim(value, original.name)
+    # every value of the model, subgraphs included
+    values = []
+    seen = set()
+    for g in iter_graphs(graph):
+        for v in list(g.inputs) + list(g.initializers.values()) + [o for n in g for o in n.outputs]:
+            if id(v) not in seen:
+                seen.add(id(v))
+                values.append(v)
+    taken = set(claimed)
+    renames = []
+    for v in values:
+        name = wanted.get(id(v))
+        if name is None:
+            name = v.name
+            if name and name in taken:
+                k = 1
+                while f"{name}__{k}" in taken:
+                    k += 1
+                name = f"{name}__{k}"
+            if name:
+                taken.add(name)
+        renames.append((v, name))
+    # initializers are keyed by name: take them out while renaming, then register them again
+    initializers_by_graph = []
+    for g in iter_graphs(graph):
+        initializers_by_graph.append((g, list(g.initializers.values())))
+        g.initializers.clear()
+    for i, (v, _) in enumerate(renames):  # via unique temporary names: no rename meets a later one
+        if v.name:
+            v.name = f"\x00onnxparam_tmp_{i}"
+    for v, name in renames:
+        if name:
+            v.name = name
+            if v.const_value is not None and v.const_value.name is not None:
+                v.const_value.name = name
+    for g, values_of_g in initializers_by_graph:
+        for v in values_of_g:
+            g.register_initializer(v)
+    # node names of the source
+    for key, entry in env.items():
+        if not (isinstance(key, tuple) and key[0] == "node"):
+            continue
+        node, results = entry
+        if not node.name or not results:
+            continue
+        symbol = getattr(results[0], "_symbol", None)
+        producer = symbol.value.producer() if symbol is not None else None
+        if producer is not None:
+            producer.name = node.name
+    return traced
+
+
+def params_by_initializer(module, model: ir.Model) -> dict[str, Param]:
+    """Initializer name -> the module's param, for a model exported from ``module``."""
+    found = {}
+    names = module.onnx_names if isinstance(module, OnnxModule) else {}
+    for path, param in named_params(module):
+        name = names.get(path, path)
+        if name in model.graph.initializers:
+            found[name] = param
+    return found

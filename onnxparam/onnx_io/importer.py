@@ -1,0 +1,617 @@
+"""Importing an ONNX model as a module: :func:`import_onnx` -> :class:`OnnxModule`.
+
+Every weight of the model (:mod:`~onnxparam.onnx_io.weights`: initializers of every graph,
+initializers that are also graph inputs, weights held in ``Constant`` nodes) becomes a lazy
+:class:`~onnxparam.Param` at the module path of its name (:mod:`~onnxparam.onnx_io.naming`).
+Paths build the module tree: ``conv2d_0.w_0`` is the param ``w_0`` of the sub-module
+``conv2d_0`` (an :class:`OnnxScope`). A path that is both a param and the prefix of another
+(``a`` and ``a.b``) keeps the longer one as a dotted attribute (``getattr(scope, "a.b")``) at
+the level of the conflict, so every param keeps its exact path.
+
+Nothing is read at import: params are ``Param.uninitialized`` with a loader that returns a
+zero-copy view of the tensor (memory-mapped from the external data file for external tensors).
+Param ids and trainable flags recorded by onnxparam (:mod:`~onnxparam.onnx_io.metadata`) are
+taken; other params get a fresh random id, and float params require grad.
+
+:meth:`OnnxModule.forward` re-emits the graph's nodes through :func:`onnxparam.ops.custom`, so
+``module(x)`` traces and runs the graph through the same tracer and runtime as any module. The
+graph runs as it is: every node, its domain (``ai.onnx.ml``, ``com.microsoft`` ...), the
+model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow (``If`` /
+``Loop`` / ``Scan`` bodies are cloned with their outer-scope references and weights rewired to
+the traced values). Model-local functions are inlined at import (``onnx_ir``'s inliner).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import onnx
+import onnx_ir as ir
+
+from ..device import CPU
+from ..dtype import DType
+from ..errors import OnnxFormatError, TraceError
+from ..module import Module, named_params
+from ..param import Param, ParamId
+from ..tensor import Tensor
+from . import metadata as md
+from .naming import onnx_name_to_path
+from .records import site_metadata
+from .source import LoadedModel, iter_graphs, load_model, topological_nodes
+from .weights import CONSTANT, INITIALIZER, WeightSite, burn_dtype, find_weights, tensor_data
+
+__all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
+
+_CUSTOM_KEYWORDS = frozenset({"op_type", "domain", "num_outputs", "output_dtypes", "output_shapes"})
+"""Keyword names of :func:`onnxparam.ops.custom`; a node attribute with one of these names is
+emitted through the tracer directly."""
+
+
+class OnnxScope(Module):
+    """A scope of an imported model's names (``conv2d_0`` in ``conv2d_0.w_0``): holds the next
+    path segments as sub-scopes and params. It has no forward of its own; run the root
+    :class:`OnnxModule`."""
+
+    def forward(self, *args, **kwargs):
+        raise TraceError("an OnnxScope only groups params of an imported ONNX model; call the OnnxModule itself")
+
+
+def host_tensor(array, dtype: DType) -> Tensor:
+    """A host tensor sharing ``array`` (read-only, no copy when it is C-contiguous).
+
+    NOTE: built directly rather than through ``Tensor.from_numpy``, whose
+    ``np.ascontiguousarray`` turns a 0-d array into shape ``(1,)``."""
+    import numpy as np
+
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return Tensor(host=arr, shape=arr.shape, dtype=dtype)
+
+
+def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
+    pid = meta.param_id if meta.param_id is not None else ParamId()
+    require_grad = meta.require_grad if meta.require_grad is not None else site.dtype.is_float
+
+    def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
+        tensor = host_tensor(tensor_data(_tensor, _dtype).to_numpy(), _dtype)
+        return tensor if device == CPU else tensor.to_device(device)
+
+    return Param.uninitialized(pid, init, CPU, require_grad, site.shape, site.dtype)
+
+
+def _build_tree(root: Module, entries: list[tuple[str, Param]]) -> None:
+    """Place each ``(path, param)`` under ``root`` as nested :class:`OnnxScope` s (module docstring)."""
+    param_paths = {path for path, _ in entries}
+    for path, param in entries:
+        segments = path.split(".")
+        node = root
+        i = 0
+        while i < len(segments) - 1:
+            prefix = ".".join(segments[:i + 1])
+            if prefix in param_paths:
+                break  # a param sits at this prefix: keep the rest as one dotted key here
+            child = vars(node).get(segments[i])
+            if child is None:
+                child = OnnxScope()
+                object.__setattr__(node, segments[i], child)
+            node = child
+            i += 1
+        object.__setattr__(node, ".".join(segments[i:]), param)
+
+
+def _dims(value: ir.Value) -> Optional[tuple]:
+    """The declared dims (ints, ``str`` for named dynamic dims, ``None`` for unnamed ones; some
+    exporters write ``-1`` for a dynamic dim, read as ``None``)."""
+    if value.shape is None:
+        return None
+    return tuple((d if d >= 0 else None) if isinstance(d, int) else (d.value or None) for d in value.shape)
+
+
+class OnnxModule(Module):
+    """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
+
+    Call it with the graph inputs positionally in graph order or by name as keywords
+    (``module(x)``, ``module(**{"gpu_0/data_0": x})``); initializers that are also graph inputs
+    may be passed by name too, overriding their param. One graph output returns a
+    :class:`~onnxparam.Tensor`, several a tuple.
+    """
+
+    def __init__(self, loaded: LoadedModel):
+        model = loaded.model
+        sites = find_weights(model, loaded.source)
+        metas = site_metadata(model, sites, loaded.source)
+        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in sites]
+        _build_tree(self, entries)
+        graph = model.graph
+        self._loaded = loaded
+        self._sites: tuple = tuple(sites)
+        self._site_by_value = {id(site.value): site for site in sites}
+        self._const_nodes = {id(site.node) for site in sites if site.kind == CONSTANT}
+        self._order = tuple(topological_nodes(graph))
+        self._inputs = tuple(v for v in graph.inputs if not v.is_initializer())
+        self._overrides = tuple(v for v in graph.inputs if v.is_initializer())
+        self._opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+        self._names = {site.path: site.name for site in sites}
+        self._cache: dict = {}  # shared by copies: facts derived from the (immutable) source
+
+    # -- what the model is ----------------------------------------------------------------------
+
+    @property
+    def onnx_opset_imports(self) -> dict:
+        """The model's opset imports (``{"": 15, "ai.onnx.ml": 2}``); the tracer emits the graph
+        at these versions."""
+        return dict(self._opsets)
+
+    @property
+    def input_names(self) -> tuple:
+        """The graph inputs a call must give, in graph order (original ONNX names)."""
+        return tuple(v.name for v in self._inputs)
+
+    @property
+    def override_names(self) -> tuple:
+        """Initializers that are also graph inputs: optional keyword arguments of a call."""
+        return tuple(v.name for v in self._overrides)
+
+    @property
+    def output_names(self) -> tuple:
+        """The graph outputs (original ONNX names)."""
+        return tuple(v.name for v in self._loaded.model.graph.outputs)
+
+    @property
+    def onnx_names(self) -> dict:
+        """Module path -> original ONNX name, for every param (the inverse of
+        :func:`~onnxparam.onnx_io.naming.onnx_name_to_path` on these names)."""
+        return dict(self._names)
+
+    @property
+    def ir_model(self) -> ir.Model:
+        """The source ``onnx_ir.Model`` (shared by every copy of this module; do not modify)."""
+        return self._loaded.model
+
+    @property
+    def source_path(self) -> Optional[Path]:
+        """The file imported, or ``None`` for an in-memory model."""
+        return self._loaded.path
+
+    def path_of(self, name: str) -> str:
+        """The module path of the weight named ``name`` in the ONNX model.
+
+        Raises:
+            KeyError: when the model has no weight of that name.
+        """
+        path = onnx_name_to_path(name)
+        if path not in self._names:
+            raise KeyError(f"the ONNX model has no weight named {name!r}")
+        return path
+
+    def param_of(self, name: str) -> Param:
+        """The param holding the ONNX weight ``name`` (this module's current one)."""
+        path = self.path_of(name)
+        return dict(named_params(self))[path]
+
+    def input_specs(self) -> list:
+        """:class:`~onnxparam.trace.InputSpec` s of the graph inputs (symbolic dims as in the file,
+        unnamed dynamic dims as ``None``), for tracing without example inputs.
+
+        Raises:
+            TraceError: for an input of unknown rank, or of a type onnxparam tensors cannot hold.
+        """
+        from ..trace import InputSpec
+
+        specs = []
+        for v in self._inputs:
+            dims = _dims(v)
+            dtype = burn_dtype(v.dtype) if v.dtype is not None else None
+            if dims is None or dtype is None:
+                raise TraceError(
+                    f"graph input {v.name!r} has "
+                    + ("no declared shape" if dims is None else f"element type {v.dtype}")
+                    + "; pass example inputs to export_onnx"
+                )
+            specs.append(InputSpec(tuple(None if d is None or d == "" else d for d in dims), dtype, v.name))
+        return specs
+
+    def extra_repr(self) -> str:
+        src = self._loaded.path.name if self._loaded.path is not None else self._loaded.source
+        opsets = ", ".join(f"{d or 'ai.onnx'}:{v}" for d, v in self._opsets.items())
+        return f"{src}, opset {opsets}, {len(self._order)} nodes"
+
+    # -- running ----------------------------------------------------------------------------
+
+    def _bind(self, inputs: tuple, named: dict) -> dict:
+        """Graph input name -> given value; checks count, names, dtype and rank."""
+        required = self._inputs
+        if len(inputs) > len(required):
+            raise TypeError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
+                            f"{len(inputs)} were given")
+        bound = {v.name: x for v, x in zip(required, inputs)}
+        allowed = {v.name for v in required} | {v.name for v in self._overrides}
+        for name, x in named.items():
+            if name not in allowed:
+                raise TypeError(f"the ONNX graph has no input {name!r}; its inputs are "
+                                f"{', '.join(map(repr, self.input_names))}"
+                                + (f" and the overridable initializers {', '.join(map(repr, self.override_names))}"
+                                   if self._overrides else ""))
+            if name in bound:
+                raise TypeError(f"graph input {name!r} was given twice (positionally and by name)")
+            bound[name] = x
+        missing = [v.name for v in required if v.name not in bound]
+        if missing:
+            raise TypeError(f"missing graph input(s) {', '.join(map(repr, missing))}; the graph takes "
+                            f"{', '.join(map(repr, self.input_names))} in this order")
+        for v in list(required) + list(self._overrides):
+            x = bound.get(v.name)
+            if isinstance(x, Tensor) and v.dtype is not None:
+                want = burn_dtype(v.dtype)
+                dims = _dims(v)
+                if want is not None and x.dtype is not want:
+                    raise TypeError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
+                if dims is not None and (len(dims) != len(x.shape) or any(
+                        isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
+                    raise TypeError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
+        return bound
+
+    def forward(self, *inputs, **named):
+        """Run the graph: emits each node through :func:`onnxparam.ops.custom` (module docstring).
+
+        Raises:
+            TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
+            TraceError: when a node cannot be traced (an element type onnxparam tensors cannot
+                hold, such as strings; an operator without schema whose output types the file
+                does not declare; an opset the enclosing trace cannot host).
+        """
+        outputs, _ = self._run(self._bind(inputs, named))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _run(self, bound: dict) -> tuple[list, dict]:
+        """Emit the graph into the current trace; ``(outputs, env)`` where ``env`` maps
+        ``id(original value)`` to ``(original value, traced Tensor)``."""
+        from .. import trace as tr
+
+        tracer = tr.current_tracer()
+        if tracer is None:
+            raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
+        self._check_opsets(tracer)
+        params = dict(named_params(self))
+        env: dict = {}
+        graph = self._loaded.model.graph
+        for v in graph.inputs:
+            if v.name in bound:
+                env[id(v)] = (v, bound[v.name])
+        for site in self._sites:
+            if site.graph is not graph or id(site.value) in env:
+                continue
+            param = params.get(site.path)
+            if param is None:
+                raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r}); "
+                                 "an OnnxModule's params can be replaced, not removed")
+            env[id(site.value)] = (site.value, param.val())
+        for node in self._order:
+            if id(node) in self._const_nodes:
+                continue
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.outputs) == 1:
+                array = _constant_array(node)
+                if array is not None:
+                    # NOTE: as a traced constant (an initializer holding data) rather than a
+                    # Constant node, so node-level shape inference sees its values (Slice
+                    # starts, Reshape shapes ...).
+                    env[id(node.outputs[0])] = (node.outputs[0], tracer.constant(array))
+                    env[("node", id(node))] = (node, [])
+                    continue
+            self._emit(node, env, params, tracer)
+        outputs = [self._lookup(v, env, tracer) for v in graph.outputs]
+        return outputs, env
+
+    def _check_opsets(self, tracer) -> None:
+        """The enclosing trace must interpret every operator of this graph as the model does."""
+        for domain, version in self._opsets.items():
+            have = tracer.opset_imports.get(domain)
+            if have is None:
+                tracer.require_domain(domain, version)
+                continue
+            if have == version:
+                continue
+            changed = sorted({node.op_type for g in iter_graphs(self._loaded.model.graph) for node in g
+                              if (node.domain or "") in (domain, "ai.onnx" if domain == "" else domain)
+                              and _since(node.op_type, domain, version) != _since(node.op_type, domain, have)})
+            if changed:
+                raise TraceError(
+                    f"this imported ONNX graph uses domain {domain or 'ai.onnx'!r} at version {version}, the "
+                    f"enclosing trace at {have}, and these operators differ between the two: "
+                    f"{', '.join(changed)}; trace the enclosing module with opset={version}"
+                )
+
+    def _lookup(self, value: ir.Value, env: dict, tracer) -> Tensor:
+        hit = env.get(id(value))
+        if hit is not None:
+            return hit[1]
+        # An initializer of a type Burn has no dtype for, kept as a constant of the graph.
+        if value.const_value is not None:
+            from .. import ops
+
+            tensor = ops.custom("Constant", value=ir.AttrTensor("value", value.const_value))
+            env[id(value)] = (value, tensor)
+            return tensor
+        raise TraceError(f"value {value.name!r} is used before it is produced")
+
+    def _emit(self, node: ir.Node, env: dict, params: dict, tracer) -> None:
+        from .. import ops
+
+        inputs = [None if v is None else self._lookup(v, env, tracer) for v in node.inputs]
+        attributes: dict[str, Any] = {}
+        for name, attr in node.attributes.items():
+            if not attr.is_ref() and attr.type == ir.AttributeType.GRAPH:
+                attr = ir.AttrGraph(name, self._subgraph(attr.value, env, params, tracer))
+            elif not attr.is_ref() and attr.type == ir.AttributeType.GRAPHS:
+                attr = ir.AttrGraphs(name, [self._subgraph(g, env, params, tracer) for g in attr.value])
+            attributes[name] = attr
+        outs = list(node.outputs)
+        while outs and not outs[-1].name:
+            outs.pop()  # trailing unused optional outputs are left out, as in the file
+        count = max(len(outs), 1)
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        where = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+        if not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
+            types = self._declared_types(node, count)
+            if types is None:
+                raise TraceError(
+                    f"{where} ({domain + '.' if domain else ''}{node.op_type}) of the imported ONNX graph: ONNX has no "
+                    "schema for this operator and the file does not declare the types and shapes of its outputs; "
+                    "add value_info for them to the model"
+                )
+            result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
+        else:
+            try:
+                result = self._custom(tracer, node, domain, inputs, attributes, count, None, where)
+            except TraceError as e:
+                # Node-level inference sees only this node; the whole-graph inference of the
+                # source (data propagated through Shape/Concat ...) may know more (an Expand
+                # whose shape is computed has no rank otherwise).
+                types = self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                if types is None:
+                    raise TraceError(f"{where} of the imported ONNX graph: {e}") from e
+                result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
+        results = result if isinstance(result, (list, tuple)) else [result]
+        for v, t in zip(node.outputs, results):
+            if v.name:
+                env[id(v)] = (v, t)
+        env[("node", id(node))] = (node, results)
+
+    @staticmethod
+    def _custom(tracer, node: ir.Node, domain: str, inputs: list, attributes: dict, count: int, types, where: str):
+        from .. import ops
+
+        try:
+            if _CUSTOM_KEYWORDS & attributes.keys():
+                return tracer.emit(node.op_type, inputs, attributes, domain=domain, num_outputs=count,
+                                   output_types=types, name=node.op_type)
+            if types is not None:
+                return ops.custom(node.op_type, *inputs, domain=domain, num_outputs=count,
+                                  output_dtypes=[t[0] for t in types], output_shapes=[t[1] for t in types],
+                                  **attributes)
+            return ops.custom(node.op_type, *inputs, domain=domain, num_outputs=count, **attributes)
+        except TraceError as e:
+            if types is None:
+                raise
+            raise TraceError(f"{where} of the imported ONNX graph: {e}") from e
+
+    def _declared_types(self, node: ir.Node, count: int) -> Optional[list]:
+        """``[(DType, dims)]`` of the node's first ``count`` outputs as the source declares them
+        (its value_info, completed by ONNX's whole-graph shape inference with data
+        propagation, computed once per imported model), or ``None`` when one is unknown."""
+        declared = self._cache.get("declared")
+        if declared is None:
+            declared = _infer_source_types(self._loaded.model)
+            self._cache["declared"] = declared
+        types = []
+        for v in node.outputs[:count]:
+            dtype, dims = declared.get(v.name, (None, None))
+            if dtype is None and v.dtype is not None:
+                dtype = burn_dtype(v.dtype)
+            if dims is None:
+                dims = _dims(v)
+            if dtype is None or dims is None:
+                return None
+            types.append((dtype, tuple(None if d == "" else d for d in dims)))
+        return types
+
+    def _subgraph(self, original: ir.Graph, env: dict, params: dict, tracer) -> ir.Graph:
+        """A clone of a graph attribute wired into the trace: its outer-scope references use the
+        traced values, its weights the params' initializers, its own names made unique."""
+        clone = original.clone(allow_outer_scope_values=True)
+        # weights inside the body (at any depth) -> the params' traced initializers
+        names = {site.name: site for site in self._sites}
+        for graph in list(iter_graphs(clone)):
+            for name in list(graph.initializers):
+                site = names.get(name)
+                if site is not None and site.kind == INITIALIZER:
+                    value = graph.initializers[name]
+                    value.replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
+                    graph.initializers.pop(name)
+            for node in list(graph):
+                if node.op_type == "Constant" and node.outputs and node.outputs[0].name in names \
+                        and names[node.outputs[0].name].kind == CONSTANT:
+                    site = names[node.outputs[0].name]
+                    node.outputs[0].replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
+                    graph.remove(node, safe=True)
+        # references to enclosing graphs -> the traced values
+        for node in clone.all_nodes():
+            for i, v in enumerate(node.inputs):
+                if v is None:
+                    continue
+                hit = env.get(id(v))
+                if hit is not None:
+                    node.replace_input_with(i, tracer.value_of(hit[1]))
+                elif v.graph is not None and not _inside(v.graph, clone):
+                    node.replace_input_with(i, tracer.value_of(self._lookup(v, env, tracer)))
+        # the body's own names must not clash with the trace's
+        for graph in iter_graphs(clone):
+            graph.name = tracer.unique_name(graph.name or "subgraph")
+            owned = list(graph.inputs) + list(graph.initializers.values()) + [o for n in graph for o in n.outputs]
+            for value in owned:
+                if value.name:
+                    value.name = tracer.unique_name(value.name)
+            for node in graph:
+                if node.name:
+                    node.name = tracer.unique_name(node.name)
+        return clone
+
+    def _param_tensor(self, site: WeightSite, params: dict) -> Tensor:
+        param = params.get(site.path)
+        if param is None:
+            raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
+        return param.val()
+
+
+def _static_length(t) -> Optional[int]:
+    """The length of a 1-D tensor whose length is static (``None`` otherwise)."""
+    if t is None or len(t.shape) != 1 or not isinstance(t.shape[0], int):
+        return None
+    return t.shape[0]
+
+
+def _rank_rule(node: ir.Node, domain: str, inputs: list, count: int) -> Optional[list]:
+    """Output types of operators whose rank ONNX's node-level inference leaves unknown when a
+    shape-like input is computed (a ``Reshape`` whose target shape comes from ``Shape`` /
+    ``Slice`` / ``Cast`` / ``Concat``): the rank follows from that input's static length or from
+    the data input's rank, the dims stay unknown (ONNX Runtime computes them)."""
+    if domain != "" or count != 1 or not inputs or inputs[0] is None:
+        return None
+    x = inputs[0]
+    op = node.op_type
+    rank = None
+    if op == "Reshape" and len(inputs) > 1:
+        rank = _static_length(inputs[1])
+    elif op == "Expand" and len(inputs) > 1:
+        n = _static_length(inputs[1])
+        rank = None if n is None else max(n, len(x.shape))
+    elif op in ("Tile", "Resize", "Upsample", "Pad"):
+        rank = len(x.shape)
+    elif op == "Unsqueeze" and len(inputs) > 1:
+        n = _static_length(inputs[1])
+        rank = None if n is None else len(x.shape) + n
+    elif op == "ConstantOfShape":
+        rank = _static_length(x)
+        attr = node.attributes.get("value")
+        dtype = burn_dtype(attr.value.dtype) if attr is not None and not attr.is_ref() else DType.F32
+        return None if rank is None or dtype is None else [(dtype, (None,) * rank)]
+    if rank is None:
+        return None
+    return [(x.dtype, (None,) * rank)]
+
+
+def _constant_array(node: ir.Node):
+    """The value of a ``Constant`` node as a numpy array of a Burn dtype, or ``None`` (strings,
+    sparse tensors, element types without a Burn dtype)."""
+    import numpy as np
+
+    if len(node.attributes) != 1:
+        return None
+    (name, attr), = node.attributes.items()
+    if attr.is_ref():
+        return None
+    if name == "value":
+        if burn_dtype(attr.value.dtype) is None:
+            return None
+        return np.asarray(attr.value.numpy())
+    if name == "value_float":
+        return np.asarray(attr.value, dtype=np.float32)
+    if name == "value_floats":
+        return np.asarray(list(attr.value), dtype=np.float32)
+    if name == "value_int":
+        return np.asarray(attr.value, dtype=np.int64)
+    if name == "value_ints":
+        return np.asarray(list(attr.value), dtype=np.int64)
+    return None
+
+
+def _infer_source_types(model: ir.Model) -> dict:
+    """Value name -> ``(DType | None, dims)`` by ONNX shape inference on the whole source model
+    (``data_prop``: shapes computed by Shape/Gather/Concat are propagated). Empty when ONNX
+    cannot infer the model."""
+    try:
+        proto = ir.serde.serialize_model(model)
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # onnx raises several types; inference is only a fallback here
+        return {}
+    found = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        tt = info.type.tensor_type if info.type.HasField("tensor_type") else None
+        if tt is None or tt.elem_type == 0:
+            continue
+        dims = None
+        if tt.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
+                         for d in tt.shape.dim)
+        found[info.name] = (burn_dtype(ir.DataType(tt.elem_type)), dims)
+    return found
+
+
+def _inside(graph: ir.Graph, root: ir.Graph) -> bool:
+    return any(g is graph for g in iter_graphs(root))
+
+
+def _has_schema(op_type: str, domain: str, version: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, int(version), domain)
+        return True
+    except onnx.defs.SchemaError:
+        return False
+
+
+def _since(op_type: str, domain: str, version: int) -> Optional[int]:
+    try:
+        return onnx.defs.get_schema(op_type, int(version), domain).since_version
+    except onnx.defs.SchemaError:
+        return None
+
+
+def import_onnx(path_or_model) -> OnnxModule:
+    """Import an ONNX model as an :class:`OnnxModule` (see the module docstring).
+
+    Args:
+        path_or_model: a path to an ``.onnx`` file (its external data files beside it), an
+            ``onnx.ModelProto``, an ``onnx_ir.Model`` (used as is, not copied: do not modify it
+            afterwards) or the bytes of a model.
+
+    Returns:
+        the module; no tensor data has been read.
+
+    Raises:
+        OnnxFormatError: the input is not an ONNX model, its protobuf is truncated, an external
+            data file is missing or short, a name is used that nothing produces, or two weights
+            share a name. Each message names the file and the problem.
+    """
+    loaded = load_model(path_or_model)
+    if loaded.model.functions:
+        loaded = _inline_functions(loaded)
+    return OnnxModule(loaded)
+
+
+def _inline_functions(loaded: LoadedModel) -> LoadedModel:
+    """Model-local functions are inlined: the tracer emits graph nodes only.
+
+    The model is copied first (``onnx_ir``'s serializer keeps external tensors as references)
+    so a caller's ``onnx_ir.Model`` is never changed."""
+    from onnx_ir.passes.common import InlinePass
+
+    base = ""
+    for g in iter_graphs(loaded.model.graph):
+        for v in g.initializers.values():
+            if isinstance(v.const_value, ir.ExternalTensor):
+                base = os.fspath(v.const_value.base_dir)
+                break
+    model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
+    if base:
+        ir.external_data.set_base_dir(model.graph, base)
+    try:
+        model = InlinePass()(model).model
+    except Exception as e:
+        raise OnnxFormatError(f"{loaded.source}: its model-local functions cannot be inlined: {e}") from e
+    return LoadedModel(model, loaded.source, loaded.path)

@@ -1,0 +1,33 @@
+"""Quantization values: Burn's schemes, quantized tensors and the MinMax quantizer.
+
+This is the value layer. It knows Burn's ``QuantScheme`` and the bytes of one ``QFloat``
+tensor (values, scales, optional global scale), but nothing of files: the burnpack format
+(:mod:`onnxparam.burnpack`) stores these bytes, and the model layer attaches them to params.
+Every rule here cites ``BURNPACK.md`` (the research note on Burn's format, kept beside the design):
+
+* :mod:`.scheme`       the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
+* :mod:`.layout`       the byte layout of values and scales (§2)
+* :mod:`.scales`       scale dtypes: round-up, encode, decode (§2.3, §4.4)
+* :mod:`.tensor`       :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3)
+* :mod:`.calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
+"""
+
+from .calibration import quantize, round_half_away_from_zero
+from .layout import params_shape, quantized_nbytes
+from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "QuantValue",
+    "QuantStore",
+    "QuantMode",
+    "ScaleDtype",
+    "BlockSize",
+    "BlockScale",
+    "QuantScheme",
+    "QuantizedTensor",
+    "quantize",
+    "quantized_nbytes",
+    "params_shape",
+    "round_half_away_from_zero",
+]

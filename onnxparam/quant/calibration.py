@@ -1,0 +1,117 @@
+"""Burn's ``Quantizer`` with ``Calibration::MinMax`` (``BURNPACK.md`` §4), in numpy.
+
+Steps, each exactly as Burn's CPU path computes it:
+
+1. range: ``alpha = max(|min|, |max|)`` per tensor, or per block (every axis must divide evenly);
+2. scale: ``(2 * alpha) / (b - a)`` in the tensor's float dtype, then float32;
+3. two levels only: ``global = max(scales) / block_dtype.max_representable()`` in f32, at least
+   ``f32::MIN_POSITIVE``; block scales become ``scale / global``;
+4. each scale is rounded **up** onto its storage dtype; a scale that is not positive and finite
+   becomes ``round_up(f32::MIN_POSITIVE)`` (as Burn's Flex backend does);
+5. ``q = clamp(round_half_away_from_zero(x / scale), a, b)`` in f32, with ``scale = global * block``
+   for two levels.
+
+NOTE: step 5 divides (NdArray's ``x / s``); Flex multiplies by ``1 / s``. The two can differ by
+one ulp near a tie, so a value exactly between two codes may round differently (§4.5).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..errors import QuantizationError
+from .layout import _check_decodable, expand_scales
+from .scales import F32_MIN_POSITIVE, validated_scales
+from .scheme import QuantMode, QuantScheme, ScaleDtype
+from .tensor import QuantizedTensor
+
+__all__ = ["quantize", "round_half_away_from_zero"]
+
+_FLOAT_INPUTS = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_F16_MAX = 65504.0
+
+
+def round_half_away_from_zero(y: np.ndarray) -> np.ndarray:
+    """Rust's ``f32::round``: ties go away from zero (numpy's ``round`` goes to even).
+
+    Exact: ``y - trunc(y)`` is representable, so no addition of 0.5 can round wrongly.
+    """
+    whole = np.trunc(y)
+    frac = y - whole
+    return whole + np.where(np.abs(frac) >= 0.5, np.sign(y), 0).astype(y.dtype)
+
+
+def _check_quantizable(scheme: QuantScheme) -> None:
+    if scheme.mode is not QuantMode.Symmetric:
+        raise QuantizationError(f"quantization mode {scheme.mode.value} is not supported; use Symmetric")
+    _check_decodable(scheme)
+    dtypes = [scheme.scale_dtype()] + ([scheme.tensor] if scheme.tensor else [])
+    if ScaleDtype.UE8M0 in dtypes:
+        raise QuantizationError("UE8M0 scales cannot be produced: Burn has no round-up rule for them (§4.4)")
+    if scheme.is_two_level:
+        if scheme.tensor is not ScaleDtype.F32:
+            raise QuantizationError(f"a two-level scheme stores its global scale as F32, not {scheme.tensor.value}")
+        if scheme.block.dtype.max_representable > _F16_MAX:
+            raise QuantizationError(
+                f"two-level block scales must be no wider than F16; {scheme.block.dtype.value} would drive the "
+                "global scale subnormal (§4.3)"
+            )
+
+
+def _block_alpha(x: np.ndarray, scheme: QuantScheme) -> np.ndarray:
+    """``max |x|`` per block of the scale grid, in ``x``'s dtype (NaNs ignored, empty -> 0)."""
+    zero = x.dtype.type(0)
+    if scheme.block is None:
+        return np.fmax.reduce(np.abs(x).reshape(-1), initial=zero, keepdims=False).reshape(1)
+    block = scheme.block.size
+    if len(block.dims) > x.ndim:
+        raise QuantizationError(f"block size {block.dims} has more dims than the tensor's shape {list(x.shape)}")
+    extents = block.to_dim_vec(x.ndim)
+    if any(d % b for d, b in zip(x.shape, extents)):
+        raise QuantizationError(
+            f"shape {list(x.shape)} is not a whole number of {list(extents)} blocks; Burn's MinMax "
+            "calibration needs every axis to divide evenly (§4.1)"
+        )
+    split = [n for d, b in zip(x.shape, extents) for n in (d // b, b)]
+    reduce_axes = tuple(range(1, 2 * x.ndim, 2))
+    return np.fmax.reduce(np.abs(x).reshape(split), axis=reduce_axes, initial=zero)
+
+
+def quantize(array, scheme: QuantScheme) -> QuantizedTensor:
+    """Quantize ``array`` with MinMax calibration, exactly as Burn's CPU backends (§4).
+
+    Args:
+        array: float64/float32/float16/bfloat16 values, any shape (row-major).
+        scheme: Q8/Q4/Q2 values, ``Native`` or ``PackedU32(0)`` store, F32/F16/BF16/UE4M3 scales;
+            per-tensor, per-block, or two levels (F32 global, block dtype at most F16 wide).
+
+    Returns:
+        a :class:`QuantizedTensor` with int8 values of ``array``'s shape and float32 scales.
+
+    Raises:
+        QuantizationError: for non-float input, a scheme Burn cannot quantize with, or a block
+            size that does not divide the shape.
+    """
+    x = np.asarray(array)
+    if x.dtype not in _FLOAT_INPUTS:
+        raise QuantizationError(f"only float arrays can be quantized, found {x.dtype}")
+    _check_quantizable(scheme)
+    a, b = scheme.value.range
+    compute = x.dtype.type
+    alpha = _block_alpha(x, scheme)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        raw = ((alpha * compute(2)) / compute(b - a)).astype(np.float32)
+        global_scale = None
+        if scheme.is_two_level:
+            peak = np.fmax.reduce(raw.reshape(-1), initial=np.float32(0))
+            global_scale = max(np.float32(peak / np.float32(scheme.block.dtype.max_representable)), F32_MIN_POSITIVE)
+            raw = raw / global_scale
+            global_scale = validated_scales(np.float32(global_scale), ScaleDtype.F32)[()]
+        scales = validated_scales(raw, scheme.scale_dtype())
+        divisor = expand_scales(scales, x.shape, scheme)
+        if global_scale is not None:
+            divisor = np.float32(global_scale) * divisor
+        q = round_half_away_from_zero(x.astype(np.float32) / divisor)
+        q = np.where(np.isnan(q), np.float32(0), np.clip(q, a, b))
+    return QuantizedTensor(x.shape, scheme, q.astype(np.int8), scales, global_scale)

@@ -1,0 +1,819 @@
+"""Tracing a module's ``forward`` into an ONNX graph (built with onnx-ir).
+
+A :class:`Tracer` owns one ``onnx_ir.Graph`` under construction. While it is *active*
+(:meth:`Tracer.active`), three things hold:
+
+* every op of :mod:`onnxparam.ops` appends ONNX nodes to the graph instead of computing, and
+  returns *symbolic* :class:`~onnxparam.Tensor` s (shape + dtype, no data; ``tensor._symbol``
+  is a :class:`Symbol`: the ``onnx_ir.Value``, its tracer, and the param it stands for);
+* ``Param.val()`` returns the param's graph *initializer* (through
+  :data:`onnxparam.param.value_hook`), named by the param's path in the root module's one
+  traversal (``fc1.weight``). The initializer's value is an ``onnx_ir.LazyTensor``: tracing never
+  runs a lazy param's init; the runtime materializes values once, when it builds a session;
+* calling a sub-module (``self.fc1(x)``) inlines its ``forward`` under the node-name scope
+  ``/fc1`` (node names read ``/fc1/MatMul``; value names ``/fc1/MatMul_output_0``).
+
+:func:`trace_module` traces a module for given inputs (concrete tensors or arrays, or
+:class:`InputSpec` s with symbolic dims such as ``"batch"``) and returns a :class:`TracedModel`:
+an ``onnx_ir.Model`` plus its input / output names and the param paths it uses. Serialize it
+with ``onnx_ir.save(traced.model, path)`` or :meth:`TracedModel.to_proto`.
+
+Output types of each node are computed by ONNX's own node-level shape inference
+(``onnx.shape_inference.infer_node_outputs``, the operator schemas' inference functions), so
+dynamic dims stay symbolic (``"batch"``) or unknown (``None``); ops whose result is obvious
+(elementwise unary, flatten ...) pass their output types directly.
+
+LoRA modes (``lora=``): ``"merge"`` (the initializer holds ``base + scale * (a @ b)``) is the one
+implemented. NOTE: the hook is built for the others: the tracer carries ``mode``, each
+param's symbolic tensor carries its :class:`~onnxparam.Param` (``tensor._symbol.param``), so
+``"keep"`` can emit ``x@W + scale*((x@a)@b)`` in ``matmul``/``linear`` and ``"inputs"`` can make
+the factors overridable graph inputs, without changing callers. Quantized params are traced as
+their dequantized float value (a later issue emits QuantizeLinear/DequantizeLinear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from .device import CPU
+from .dtype import DType
+from .errors import TraceError
+from .param import Param, value_hook
+from .tensor import Tensor
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "MIN_OPSET",
+    "LORA_MODES",
+    "InputSpec",
+    "Symbol",
+    "Tracer",
+    "TracedModel",
+    "current_tracer",
+    "trace_module",
+    "subgraph",
+    "untraced",
+    "param_array",
+]
+
+DEFAULT_OPSET = 21
+"""The default ONNX opset (``ai.onnx``) of traced graphs: supported by ONNX Runtime >= 1.20."""
+
+MIN_OPSET = 13
+"""The oldest opset the ops can target (axes became inputs of Squeeze/ReduceSum in 13)."""
+
+DEFAULT_DOMAIN_VERSIONS = {"ai.onnx.ml": 3, "com.microsoft": 1}
+"""Opset versions given to custom domains first used by a node, when not configured."""
+
+LORA_MODES = ("merge",)
+"""LoRA modes implemented by the tracer (``"keep"`` and ``"inputs"`` are planned)."""
+
+CONSTANT_DEDUP_MAX_ELEMENTS = 64
+"""Constants up to this many elements are shared when equal (scalars, shape vectors)."""
+
+INFERENCE_DATA_MAX_ELEMENTS = 4096
+"""Constant inputs up to this size are given to ONNX shape inference as data (Reshape shapes)."""
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("onnxparam_tracer", default=None)
+
+
+def current_tracer() -> "Optional[Tracer]":
+    """The tracer active in this context (thread / task), or ``None`` outside a trace."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def untraced():
+    """Run code outside any trace: ops compute eagerly and ``Param.val()`` returns values."""
+    tracer_token = _CURRENT.set(None)
+    hook_token = value_hook.set(None)
+    try:
+        yield
+    finally:
+        value_hook.reset(hook_token)
+        _CURRENT.reset(tracer_token)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The description of a graph input without data.
+
+    Args:
+        shape: dims; an ``int``, a ``str`` (a named dynamic dim such as ``"batch"``) or
+            ``None`` (an unnamed dynamic dim).
+        dtype: the element type.
+        name: the graph input's name (else taken from ``forward``'s parameter name).
+    """
+
+    shape: tuple
+    dtype: DType = DType.F32
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(None if d is None else d if isinstance(d, str) else int(d)
+                                                for d in self.shape))
+        object.__setattr__(self, "dtype", DType(self.dtype))
+
+
+class Symbol:
+    """What a symbolic tensor holds: its ``onnx_ir.Value``, the tracer that made it, and the
+    param it is the initializer of (``None`` for other values)."""
+
+    __slots__ = ("value", "tracer", "param")
+
+    def __init__(self, value: ir.Value, tracer: "Tracer", param: Optional[Param] = None):
+        self.value = value
+        self.tracer = tracer
+        self.param = param
+
+    def __repr__(self) -> str:
+        return f"Symbol({self.value.name!r})"
+
+
+def _dims_of(shape) -> list:
+    return [None if d is None else d if isinstance(d, str) else int(d) for d in shape]
+
+
+def _ir_dtype(dtype: DType) -> ir.DataType:
+    return ir.DataType(dtype.to_onnx())
+
+
+def _type_proto(value: ir.Value) -> onnx.TypeProto:
+    shape = None
+    if value.shape is not None:
+        shape = [d if isinstance(d, int) else d.value for d in value.shape]
+    return onnx.helper.make_tensor_type_proto(int(value.dtype), shape)
+
+
+def _dtype_from_onnx(elem_type: int, what: str) -> DType:
+    try:
+        return DType.from_onnx(elem_type)
+    except ValueError as e:
+        raise TraceError(f"{what}: {e}; onnxparam tensors hold numeric and bool values only") from e
+
+
+def param_array(param: Param, dtype: DType) -> np.ndarray:
+    """The value of ``param`` as its graph initializer holds it, as a host array.
+
+    Merged with its LoRA adapter, dequantized when quantized, cast to ``dtype``. Runs a lazy
+    param's init (once, shared by clones), outside any trace.
+    """
+    with untraced():
+        value = param.val()
+    array = np.asarray(value.to_numpy())
+    want = dtype.to_numpy()
+    if array.dtype != want:
+        array = array.astype(want)
+    return array
+
+
+def _lazy_initializer(param: Param, dtype: DType) -> ir.TensorProtocol:
+    return ir.tensor(param_array(param, dtype))
+
+
+def _to_attr(name: str, value) -> ir.Attr:
+    """An ``onnx_ir.Attr`` for a Python value (ints, floats, strings, lists of them, tensors,
+    graphs, ``DType`` as an element type, or an ``Attr`` as is)."""
+    if isinstance(value, ir.Attr):
+        return value if value.name == name else ir.Attr(name, value.type, value.value, doc_string=value.doc_string)
+    if isinstance(value, DType):
+        return ir.AttrInt64(name, value.to_onnx())
+    if isinstance(value, (bool, np.bool_)):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, np.integer):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, np.floating):
+        return ir.AttrFloat32(name, float(value))
+    if isinstance(value, Tensor):
+        return ir.AttrTensor(name, ir.tensor(np.asarray(value.to_numpy())))
+    if isinstance(value, np.ndarray):
+        return ir.AttrTensor(name, ir.tensor(value))
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, list):
+        value = [int(v) if isinstance(v, (bool, np.bool_, np.integer)) else
+                 float(v) if isinstance(v, np.floating) else v for v in value]
+        if value and all(isinstance(v, int) for v in value):
+            return ir.AttrInt64s(name, value)
+        if value and all(isinstance(v, (int, float)) for v in value):
+            return ir.AttrFloat32s(name, [float(v) for v in value])
+    return ir.convenience.convert_attribute(name, value)
+
+
+class Tracer:
+    """An ONNX graph under construction; see the module docstring.
+
+    Args:
+        opset: the ``ai.onnx`` opset (default :data:`DEFAULT_OPSET`, at least :data:`MIN_OPSET`).
+        opset_imports: versions of other domains (``{"ai.onnx.ml": 3}``); a ``""`` entry is
+            used when ``opset`` is ``None``.
+        mode: the LoRA mode, one of :data:`LORA_MODES`.
+        root: the module whose traversal names the initializers (``None`` for eager op graphs).
+        name: the graph name.
+
+    Raises:
+        ValueError: for an opset below :data:`MIN_OPSET` or an unknown LoRA mode.
+    """
+
+    def __init__(self, *, opset: Optional[int] = None, opset_imports: Optional[Mapping[str, int]] = None,
+                 mode: str = "merge", root=None, name: str = "main_graph"):
+        imports = {str(k): int(v) for k, v in (opset_imports or {}).items()}
+        if opset is None:
+            opset = imports.get("", DEFAULT_OPSET)
+        opset = int(opset)
+        if opset < MIN_OPSET:
+            raise ValueError(f"opset {opset} is not supported: onnxparam emits opset {MIN_OPSET} or newer")
+        if mode not in LORA_MODES:
+            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, LORA_MODES))}")
+        imports[""] = opset
+        self.opset = opset
+        self.opset_imports: dict[str, int] = imports
+        self.mode = mode
+        self.device = CPU
+        self.graph = ir.Graph([], [], nodes=[], name=name)
+        self._sinks: list[ir.Graph] = [self.graph]
+        self._names: set[str] = set()
+        self._scopes: list[str] = [""]
+        self._param_paths: dict[int, str] = {}
+        self._param_order: dict[str, int] = {}
+        self._module_paths: dict[int, str] = {}
+        self._param_tensors: dict[int, Tensor] = {}
+        self._params: dict[str, Param] = {}
+        self._param_values: dict[str, ir.Value] = {}
+        self._constants: list[ir.Value] = []
+        self._const_cache: dict = {}
+        self._keepalive: list = []
+        self._finished = False
+        if root is not None:
+            self._register_tree(root, "", root=True)
+
+    # -- context ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make this tracer current: ops emit nodes into it, params become its initializers."""
+        tracer_token = _CURRENT.set(self)
+        hook_token = value_hook.set(self.param_value)
+        try:
+            yield self
+        finally:
+            value_hook.reset(hook_token)
+            _CURRENT.reset(tracer_token)
+
+    # -- names and scopes ---------------------------------------------------------------------
+
+    def unique_name(self, base: str) -> str:
+        """``base``, or ``base_1``, ``base_2`` ... : a name no other value or node has."""
+        name = base
+        k = 0
+        while name in self._names:
+            k += 1
+            name = f"{base}_{k}"
+        self._names.add(name)
+        return name
+
+    def _register_tree(self, module, prefix: str, root: bool = False) -> None:
+        from .module import named_modules, named_params
+
+        offset = len(self._param_order)
+        for i, (path, param) in enumerate(named_params(module, prefix)):
+            if id(param) in self._param_paths:
+                continue
+            if not root:
+                path = self.unique_name(path) if path in self._names else path
+            self._param_paths[id(param)] = path
+            self._param_order[path] = offset + i
+            self._names.add(path)
+            self._keepalive.append(param)
+        for path, sub in named_modules(module, prefix):
+            self._module_paths.setdefault(id(sub), path)
+            self._keepalive.append(sub)
+
+    def module_scope(self, module) -> str:
+        """The node-name scope of a sub-module (``/conv1/conv``); modules outside the root's
+        tree are named by type (``/Linear``, ``/Linear_1``) and their params registered."""
+        path = self._module_paths.get(id(module))
+        if path is None:
+            path = self.unique_name(type(module).__name__)
+            self._register_tree(module, path)
+        return "/" + path.replace(".", "/") if path else ""
+
+    @contextlib.contextmanager
+    def scope(self, module):
+        """Name the nodes emitted inside after ``module``'s path."""
+        self._scopes.append(self.module_scope(module))
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def call_module(self, module, args, kwargs):
+        """Inline ``module.forward(*args, **kwargs)`` into this graph (``Module.__call__``
+        inside a trace)."""
+        with self.scope(module):
+            return module.forward(*args, **kwargs)
+
+    # -- values -------------------------------------------------------------------------------
+
+    def _symbolic(self, value: ir.Value, dtype: DType, shape, param: Optional[Param] = None) -> Tensor:
+        return Tensor(symbol=Symbol(value, self, param), shape=tuple(shape), dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _annotate(value: ir.Value, dtype: DType, shape) -> None:
+        value.type = ir.TensorType(_ir_dtype(dtype))
+        value.shape = ir.Shape(_dims_of(shape))
+
+    def input(self, name: str, shape, dtype: DType, *, unique: bool = False) -> Tensor:
+        """A new input of the graph being built (the main graph, or the current subgraph).
+
+        Raises:
+            TraceError: when ``name`` is taken (by a param path or another value) and ``unique``
+                is false; with ``unique`` a suffix is added instead.
+        """
+        name = str(name)
+        if unique:
+            name = self.unique_name(name)
+        elif name in self._names:
+            raise TraceError(f"graph input name {name!r} is already used (by a param path or another input)")
+        else:
+            self._names.add(name)
+        value = ir.Value(name=name)
+        self._annotate(value, dtype, shape)
+        self._sinks[-1].inputs.append(value)
+        return self._symbolic(value, dtype, shape)
+
+    def constant(self, array, name: Optional[str] = None) -> Tensor:
+        """A constant (an initializer holding ``array``'s values) as a symbolic tensor."""
+        arr = np.ascontiguousarray(np.asarray(array))
+        dtype = DType.from_numpy(arr.dtype)
+        key = None
+        if arr.size <= CONSTANT_DEDUP_MAX_ELEMENTS:
+            key = (arr.dtype.str, arr.shape, arr.tobytes())
+            hit = self._const_cache.get(key)
+            if hit is not None:
+                return hit
+        value = ir.Value(name=self.unique_name(name or "const"), const_value=ir.tensor(arr))
+        self._annotate(value, dtype, arr.shape)
+        self._constants.append(value)
+        tensor = self._symbolic(value, dtype, arr.shape)
+        if key is not None:
+            self._const_cache[key] = tensor
+        return tensor
+
+    def tensor_of(self, x) -> Tensor:
+        """``x`` as a symbolic tensor of this graph: symbolic tensors as they are, concrete
+        tensors and arrays as constants.
+
+        Raises:
+            TraceError: for a symbolic tensor of another trace.
+            TypeError: for anything else.
+        """
+        if isinstance(x, Tensor):
+            symbol = x._symbol
+            if symbol is not None:
+                if symbol.tracer is not self:
+                    raise TraceError(
+                        f"{x!r} belongs to another trace (a tensor kept from an earlier forward?): "
+                        "pass values into forward as arguments instead"
+                    )
+                return x
+            hit = self._const_cache.get(("tensor", id(x)))
+            if hit is None:
+                hit = self.constant(x.to_numpy())
+                self._const_cache[("tensor", id(x))] = hit
+                self._keepalive.append(x)
+            return hit
+        if isinstance(x, np.ndarray):
+            return self.constant(x)
+        raise TypeError(f"expected a Tensor or a numpy array, got {type(x).__name__}")
+
+    def value_of(self, x) -> ir.Value:
+        """The ``onnx_ir.Value`` of ``x`` in this graph (see :meth:`tensor_of`)."""
+        if isinstance(x, ir.Value):
+            return x
+        return self.tensor_of(x)._symbol.value
+
+    def param_value(self, param: Param) -> Tensor:
+        """The value hook: ``param``'s initializer as a symbolic tensor (one per param)."""
+        hit = self._param_tensors.get(id(param))
+        if hit is not None:
+            return hit
+        path = self._param_paths.get(id(param))
+        if path is None:
+            scope = self._scopes[-1].strip("/").replace("/", ".")
+            path = self.unique_name(f"{scope}.param" if scope else "param")
+            self._param_paths[id(param)] = path
+        dtype = param.lazy_dtype()
+        if dtype is DType.QFloat:
+            dtype = DType.F32  # NOTE: dequantized float for now; a later issue emits QDQ nodes
+        try:
+            shape = tuple(param.lazy_shape())
+        except ValueError:  # a lazy param declared without a shape: its value is the only source
+            shape = tuple(param_array(param, dtype).shape)
+        lazy = ir.LazyTensor(functools.partial(_lazy_initializer, param, dtype), _ir_dtype(dtype),
+                             ir.Shape(list(shape)), name=path)
+        value = ir.Value(name=path, const_value=lazy)
+        self._annotate(value, dtype, shape)
+        self._names.add(path)
+        self._params[path] = param
+        self._param_values[path] = value
+        tensor = self._symbolic(value, dtype, shape, param)
+        self._param_tensors[id(param)] = tensor
+        return tensor
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    def require_domain(self, domain: str, version: Optional[int] = None) -> int:
+        """Import ``domain`` (at ``version``, or the default) and return its version."""
+        domain = domain or ""
+        have = self.opset_imports.get(domain)
+        if have is None:
+            have = int(version) if version is not None else DEFAULT_DOMAIN_VERSIONS.get(domain, 1)
+            self.opset_imports[domain] = have
+        elif version is not None and int(version) != have:
+            raise TraceError(f"domain {domain!r} is imported at version {have}; a node asks for {version}")
+        return have
+
+    def emit(self, op_type: str, inputs: Sequence, attributes: Optional[Mapping[str, Any]] = None, *,
+             domain: str = "", num_outputs: int = 1, output_types: Optional[Sequence] = None,
+             name: Optional[str] = None) -> list[Tensor]:
+        """Append one node and return its outputs as symbolic tensors.
+
+        Args:
+            op_type: the ONNX operator (``"MatMul"``).
+            inputs: tensors / arrays (constants), ``onnx_ir.Value`` s, or ``None`` for a missing
+                optional input.
+            attributes: name -> value (see :func:`_to_attr`); ``None`` values are left out.
+            domain: the operator set domain (``""`` = ``ai.onnx``).
+            num_outputs: how many outputs the node has.
+            output_types: ``[(DType, shape), ...]`` to skip shape inference.
+            name: the node name's base (default ``op_type``), prefixed with the module scope.
+
+        Raises:
+            TraceError: when ONNX shape inference rejects the node (its message is included) or
+                cannot type an output.
+        """
+        values = [None if x is None else self.value_of(x) for x in inputs]
+        attrs = [_to_attr(k, v) for k, v in (attributes or {}).items() if v is not None]
+        self.require_domain(domain)
+        node_name = self.unique_name(f"{self._scopes[-1]}/{name or op_type}")
+        node = ir.Node(domain, op_type, values, attrs, num_outputs=num_outputs, name=node_name)
+        for i, out in enumerate(node.outputs):
+            out.name = self.unique_name(f"{node_name}_output_{i}")
+        if output_types is None:
+            output_types = self._infer(node, values)
+        elif len(output_types) != num_outputs:
+            raise TraceError(f"{node_name}: {len(output_types)} output types given for {num_outputs} outputs")
+        outputs = []
+        for out, (dtype, shape) in zip(node.outputs, output_types):
+            dtype = DType(dtype) if not isinstance(dtype, int) else _dtype_from_onnx(dtype, node_name)
+            self._annotate(out, dtype, shape)
+            outputs.append(self._symbolic(out, dtype, shape))
+        self._sinks[-1].append(node)
+        return outputs
+
+    def _infer(self, node: ir.Node, values: list) -> list[tuple]:
+        """Output ``(DType, shape)`` s of ``node`` by ONNX's node-level shape inference."""
+        version = self.opset_imports.get(node.domain, 1)
+        where = f"node {node.name!r} ({node.op_type})"
+        try:
+            schema = onnx.defs.get_schema(node.op_type, version, node.domain)
+        except onnx.defs.SchemaError:
+            raise TraceError(
+                f"{where}: ONNX has no schema for {node.op_type!r} in domain {node.domain or 'ai.onnx'!r} "
+                f"at version {version}, so its output types cannot be inferred; pass output_dtypes= and "
+                "output_shapes= to ops.custom"
+            ) from None
+        input_types = {}
+        input_data = {}
+        for v in values:
+            if v is None or v.name in input_types:
+                continue
+            input_types[v.name] = _type_proto(v)
+            const = v.const_value
+            if const is not None and not isinstance(const, ir.LazyTensor) and const.size <= INFERENCE_DATA_MAX_ELEMENTS:
+                input_data[v.name] = ir.serde.serialize_tensor(const)
+        for outer in _outer_values(node):
+            if outer.name and outer.name not in input_types and outer.type is not None:
+                input_types[outer.name] = _type_proto(outer)
+        opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opset_imports.items()]
+        try:
+            inferred = onnx.shape_inference.infer_node_outputs(
+                schema, ir.serde.serialize_node(node), input_types, input_data, opset_imports=opsets)
+        except Exception as e:  # onnx raises InferenceError / ValidationError / RuntimeError
+            shapes = ", ".join(f"{v.name}: {_describe(v)}" for v in values if v is not None)
+            raise TraceError(f"{where} is invalid for its inputs ({shapes}): {e}") from e
+        types = []
+        for out in node.outputs:
+            tp = inferred.get(out.name)
+            if tp is None or not tp.HasField("tensor_type") or tp.tensor_type.elem_type == 0:
+                raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output {out.index}; "
+                                 "pass output_dtypes= and output_shapes= to ops.custom")
+            tt = tp.tensor_type
+            if not tt.HasField("shape"):
+                raise TraceError(f"{where}: the rank of output {out.index} is unknown after ONNX shape "
+                                 "inference; pass output_shapes= to ops.custom")
+            dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
+                         else None for d in tt.shape.dim)
+            types.append((_dtype_from_onnx(tt.elem_type, where), dims))
+        return types
+
+    # -- subgraphs ------------------------------------------------------------------------------
+
+    def subgraph(self, fn: Callable, inputs: Sequence = (), *, name: Optional[str] = None) -> ir.Graph:
+        """Trace ``fn(*input_tensors)`` into a new ``onnx_ir.Graph`` for a graph attribute
+        (``If``'s branches, ``Loop``'s / ``Scan``'s body).
+
+        Tensors of the enclosing graphs (and params) used inside ``fn`` become outer-scope
+        references, as ONNX allows. ``inputs`` are :class:`InputSpec` s (or tensors whose shape
+        and dtype are taken); ``fn`` returns a tensor or a sequence of tensors.
+        """
+        graph = ir.Graph([], [], nodes=[], name=self.unique_name(name or "subgraph"))
+        self._sinks.append(graph)
+        try:
+            args = []
+            for i, spec in enumerate(inputs):
+                spec = _as_spec(spec)
+                base = spec.name or f"{graph.name}_input_{i}"
+                args.append(self.input(base, spec.shape, spec.dtype, unique=True))
+            result = fn(*args)
+            outs = list(result) if isinstance(result, (tuple, list)) else [result]
+            for out in outs:
+                graph.outputs.append(self._local_output(out, graph))
+        finally:
+            self._sinks.pop()
+        return graph
+
+    def _local_output(self, x, graph: ir.Graph) -> ir.Value:
+        """A value produced inside ``graph`` for ``x`` (an ``Identity`` when ``x`` comes from
+        outside, is an input or is already an output)."""
+        if not isinstance(x, (Tensor, np.ndarray)):
+            raise TraceError(f"a traced graph can only return tensors; got {type(x).__name__}")
+        t = self.tensor_of(x)
+        value = t._symbol.value
+        producer = value.producer()
+        if producer is None or producer.graph is not graph or value in graph.outputs:
+            t = self.emit("Identity", [t], output_types=[(t.dtype, t.shape)])[0]
+            value = t._symbol.value
+        return value
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def finish(self, outputs, output_names: Optional[Sequence[str]] = None,
+               dynamic_axes: Optional[Mapping] = None, input_names: Sequence[str] = ()) -> "TracedModel":
+        """Close the graph: ``outputs`` (a tensor or a sequence of tensors) become its outputs,
+        named ``output_names`` (default ``output`` / ``output_0``, ``output_1`` ...), the
+        initializers are registered (params in traversal order, then constants).
+
+        Raises:
+            TraceError: for outputs that are not tensors, or clashing output names.
+        """
+        if self._finished:
+            raise TraceError("this trace is already finished")
+        single = not isinstance(outputs, (tuple, list))
+        outs = [outputs] if single else list(outputs)
+        if output_names is None:
+            bases = ["output"] if single else [f"output_{i}" for i in range(len(outs))]
+            output_names = [b if b not in self._names else self.unique_name(b) for b in bases]
+        output_names = [str(n) for n in output_names]
+        if len(output_names) != len(outs):
+            raise TraceError(f"{len(output_names)} output names given for {len(outs)} outputs")
+        for out, name in zip(outs, output_names):
+            value = self._local_output(out, self.graph)
+            if name != value.name:
+                if name in self._names:
+                    raise TraceError(f"output name {name!r} is already used (by a param path, input or node)")
+                self._names.add(name)
+                value.name = name
+            self.graph.outputs.append(value)
+        for name, axes in (dynamic_axes or {}).items():
+            if isinstance(name, str) and name in output_names:
+                value = self.graph.outputs[output_names.index(name)]
+                dims = list(_dims_of_value(value))
+                for axis, dim in _axes_items(axes, name):
+                    dims[axis] = dim
+                value.shape = ir.Shape(dims)
+        params = sorted(self._params, key=lambda p: (self._param_order.get(p, len(self._param_order)), p))
+        for path in params:
+            self.graph.register_initializer(self._param_values[path])
+        for value in self._constants:
+            self.graph.register_initializer(value)
+        for domain, version in self.opset_imports.items():
+            self.graph.opset_imports[domain] = version
+        opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opset_imports.items()]
+        ir_version = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 8)
+        from . import __version__
+
+        model = ir.Model(self.graph, ir_version=ir_version, producer_name="onnxparam", producer_version=__version__)
+        self._finished = True
+        return TracedModel(
+            model=model,
+            input_names=tuple(input_names) if input_names else tuple(v.name for v in self.graph.inputs),
+            output_names=tuple(output_names),
+            param_paths=tuple(params),
+            params={p: self._params[p] for p in params},
+            mode=self.mode,
+            single_output=single,
+        )
+
+
+def _describe(value: ir.Value) -> str:
+    dims = ", ".join("?" if d is None else str(d) for d in _dims_of_value(value))
+    return f"{value.dtype.name if value.dtype is not None else '?'}[{dims}]"
+
+
+def _dims_of_value(value: ir.Value) -> list:
+    if value.shape is None:
+        return []
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def _outer_values(node: ir.Node) -> list:
+    """Values used inside ``node``'s graph attributes (their outer-scope references included),
+    so that shape inference of ``If`` / ``Loop`` knows their types."""
+    found = []
+    for attr in node.attributes.values():
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else \
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
+        for graph in graphs:
+            for inner in graph.all_nodes() if hasattr(graph, "all_nodes") else graph:
+                found.extend(v for v in inner.inputs if v is not None)
+    return found
+
+
+def _as_spec(x) -> InputSpec:
+    if isinstance(x, InputSpec):
+        return x
+    if isinstance(x, Tensor):
+        return InputSpec(x.shape, x.dtype)
+    if isinstance(x, np.ndarray):
+        return InputSpec(x.shape, DType.from_numpy(x.dtype))
+    raise TypeError(f"expected an InputSpec, a Tensor or an array, got {type(x).__name__}")
+
+
+def _axes_items(axes, name) -> Iterable[tuple[int, str]]:
+    """``dynamic_axes`` entries: ``{axis: dim_name}`` or ``[axis, ...]`` (names generated)."""
+    if isinstance(axes, Mapping):
+        return [(int(a), None if d is None else str(d)) for a, d in axes.items()]
+    return [(int(a), f"{name}_dim_{int(a)}") for a in axes]
+
+
+@dataclass(frozen=True, eq=False)
+class TracedModel:
+    """A traced forward: an ``onnx_ir.Model`` and what a runtime or exporter needs to know.
+
+    Attributes:
+        model: the ``onnx_ir.Model``. Param initializers are named by their module path and
+            hold ``onnx_ir.LazyTensor`` s (materialized only when serialized); constants hold
+            their data.
+        input_names: the graph inputs, in ``forward``'s argument order.
+        output_names: the graph outputs.
+        param_paths: the initializer names that are params, in traversal order; params the
+            forward does not use are absent.
+        params: path -> the :class:`~onnxparam.Param` traced.
+        mode: the LoRA mode (``"merge"``).
+        single_output: ``forward`` returned one tensor (else a tuple / list).
+    """
+
+    model: ir.Model
+    input_names: tuple
+    output_names: tuple
+    param_paths: tuple
+    params: Mapping[str, Param] = field(repr=False)
+    mode: str = "merge"
+    single_output: bool = True
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def graph(self) -> ir.Graph:
+        return self.model.graph
+
+    @property
+    def opset_imports(self) -> dict:
+        return dict(self.model.graph.opset_imports)
+
+    def input_types(self) -> list[tuple]:
+        """``[(name, DType, shape), ...]`` of the graph inputs (dynamic dims as str / None)."""
+        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
+
+    def output_types(self) -> list[tuple]:
+        """``[(name, DType, shape), ...]`` of the graph outputs."""
+        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.outputs]
+
+    def to_proto(self) -> onnx.ModelProto:
+        """The ``onnx.ModelProto`` with every initializer's data (runs lazy inits once each)."""
+        return ir.to_proto(self.model)
+
+
+# -- module tracing ----------------------------------------------------------------------------
+
+
+def _forward_arg_names(module, count: int) -> list[str]:
+    """Names of ``forward``'s first ``count`` positional parameters (``input_i`` past them)."""
+    names = []
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return [names[i] if i < len(names) else f"input_{i}" for i in range(count)]
+
+
+def _is_input(x) -> bool:
+    return isinstance(x, (Tensor, np.ndarray, InputSpec))
+
+
+def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = None,
+                 input_names: Optional[Sequence[str]] = None, output_names: Optional[Sequence[str]] = None,
+                 dynamic_axes: Optional[Mapping] = None, opset: Optional[int] = None,
+                 opset_imports: Optional[Mapping[str, int]] = None, lora: str = "merge") -> TracedModel:
+    """Trace ``module.forward`` into an ONNX model.
+
+    Args:
+        module: the root :class:`~onnxparam.Module`; its traversal names the initializers.
+        inputs: the positional arguments: one, or a tuple / list of them. Tensors, arrays and
+            :class:`InputSpec` s become graph inputs (only shapes and dtypes are used); anything
+            else (ints, flags ...) is passed to ``forward`` unchanged and baked into the graph.
+        kwargs: keyword arguments of ``forward``; tensors among them become inputs named by key.
+        input_names: names of the graph inputs (default: ``forward``'s parameter names, or an
+            :class:`InputSpec`'s ``name``).
+        output_names: names of the graph outputs (default ``output``, or ``output_0`` ...).
+        dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``
+            (as in ``torch.onnx.export``): those dims become symbolic.
+        opset: the ``ai.onnx`` opset; default: the module's ``onnx_opset_imports[""]`` if it
+            declares one (an imported ONNX model keeps its opsets), else :data:`DEFAULT_OPSET`.
+        opset_imports: versions of other domains (default: the module's
+            ``onnx_opset_imports``).
+        lora: the LoRA mode, one of :data:`LORA_MODES`.
+
+    Returns:
+        a :class:`TracedModel`.
+
+    Raises:
+        TraceError: when ``forward`` does something that cannot be recorded (data-dependent
+            Python control flow, reading values, a node ONNX rejects).
+        ValueError: for an unsupported opset or LoRA mode.
+    """
+    args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    kwargs = dict(kwargs or {})
+    declared = dict(getattr(module, "onnx_opset_imports", None) or {})
+    declared.update(opset_imports or {})
+    tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module)
+    positions = [i for i, a in enumerate(args) if _is_input(a)]
+    keys = [k for k, v in kwargs.items() if _is_input(v)]
+    default_names = _forward_arg_names(module, len(args))
+    names = []
+    for i in positions:
+        spec_name = args[i].name if isinstance(args[i], InputSpec) else None
+        names.append(spec_name or default_names[i])
+    names += keys
+    if input_names is not None:
+        input_names = [str(n) for n in input_names]
+        if len(input_names) != len(names):
+            raise TraceError(f"{len(input_names)} input names given for {len(names)} tensor inputs")
+        names = input_names
+    else:
+        names = [n if n not in tracer._names else tracer.unique_name(f"{n}_input") for n in names]
+    axes_by_input: dict = {}
+    for key, axes in (dynamic_axes or {}).items():
+        if isinstance(key, int):
+            key = names[key]
+        axes_by_input[key] = axes
+    with tracer.active():
+        symbolic = []
+        for name, x in zip(names, [args[i] for i in positions] + [kwargs[k] for k in keys]):
+            spec = _as_spec(x)
+            dims = list(spec.shape)
+            for axis, dim in _axes_items(axes_by_input.get(name, {}), name):
+                dims[axis] = dim
+            symbolic.append(tracer.input(name, dims, spec.dtype))
+        for i, t in zip(positions, symbolic):
+            args[i] = t
+        for k, t in zip(keys, symbolic[len(positions):]):
+            kwargs[k] = t
+        outputs = module.forward(*args, **kwargs)
+        return tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
+
+
+def subgraph(fn: Callable, inputs: Sequence = (), *, name: Optional[str] = None) -> ir.Graph:
+    """Trace ``fn`` into a subgraph of the current trace (for ``If``/``Loop``/``Scan``
+    attributes of :func:`onnxparam.ops.custom`); see :meth:`Tracer.subgraph`.
+
+    Raises:
+        TraceError: outside a trace.
+    """
+    tracer = current_tracer()
+    if tracer is None:
+        raise TraceError("subgraph() builds part of a traced graph: call it inside a forward being traced")
+    return tracer.subgraph(fn, inputs, name=name)

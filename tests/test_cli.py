@@ -1,0 +1,74 @@
+"""The ``onnxparam`` command line, run as a user runs it (``python -m onnxparam`` in a subprocess)."""
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnxparam.cli import main
+from onnxparam.zoo import mnist
+
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxparam", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "out"
+    return run_cli("export", "mnist", "--out", str(out), "--batch-size", "512"), out
+
+
+def test_export_mnist_classifies_the_digits_and_reports_accuracy_and_latency(exported):
+    result, _ = exported
+    assert result.returncode == 0, result.stderr
+    accuracy = float(re.search(r"^accuracy: (\d\.\d+) \((\d+)/1797\)", result.stdout, re.M).group(1))
+    assert accuracy > 0.90
+    assert re.search(r"^latency: .* ms/batch .* images/s", result.stdout, re.M)
+    check = re.search(r"max \|logits - module logits\| = (\S+), same label for 1797/1797", result.stdout)
+    assert check and float(check.group(1)) < 1e-4
+
+
+def test_exported_mnist_onnx_runs_in_plain_onnxruntime(exported):
+    result, out = exported
+    assert result.returncode == 0, result.stderr
+    session = ort.InferenceSession(str(out / "mnist.onnx"), providers=["CPUExecutionProvider"])
+    images, labels = mnist.load_digits()
+    (inp,) = session.get_inputs()
+    logits = session.run(None, {inp.name: images[:500].astype(np.float32)})[0]
+    assert logits.shape == (500, 10)
+    assert (logits.argmax(axis=1) == labels[:500]).mean() > 0.90
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["export", "mnist", "--batch-size", "0"], "onnxparam export: error: argument --batch-size: expected a "
+                                                   "positive integer, got '0'"),
+        (["export", "lenet"], "onnxparam export: error: argument model: invalid choice: 'lenet'"),
+        (["frobnicate"], "onnxparam: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_clear_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+    assert result.stdout == ""
+
+
+def test_failures_exit_1_with_one_line(tmp_path, capsys):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert main(["export", "mnist", "--out", str(not_a_folder)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"onnxparam: error: --out {not_a_folder} exists and is not a folder"]
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "export" in capsys.readouterr().out

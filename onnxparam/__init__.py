@@ -21,6 +21,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0+source"
 
+from . import burnpack
 from .device import Device
 from .dtype import DType
 from .errors import (
@@ -38,11 +39,20 @@ from .group import ParamGroup
 from .lora import LoraAdapter, LoraConfig
 from .module import Module, ModuleMapper, ModuleVisitor
 from .param import Param, ParamId
+from .quant import BlockSize, QuantizedTensor, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 from .record import ModuleRecord, TensorSnapshot
 from .tensor import Tensor, TensorData
 
 __all__ = [
     "__version__",
+    "burnpack",
+    "QuantScheme",
+    "QuantValue",
+    "QuantStore",
+    "QuantMode",
+    "ScaleDtype",
+    "BlockSize",
+    "QuantizedTensor",
     "Device",
     "DType",
     "Tensor",

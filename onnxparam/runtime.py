@@ -689,9 +689,11 @@ def _structure_key(module) -> tuple:
 
     seen: dict = {}
 
-    def node(value, path):
+    def node(value, path, private=False):
+        # NOTE: a param under a private attribute is outside the traversal (it has no path, so
+        # its value cannot be looked up by path): it keys by identity instead.
         if isinstance(value, Param):
-            return _param_signature(value)
+            return _Ref(value) if private else _param_signature(value)
         if isinstance(value, Module):
             if id(value) in seen:
                 return ("shared", seen[id(value)])
@@ -699,12 +701,12 @@ def _structure_key(module) -> tuple:
             items = [type(value)]
             for name, child in vars(value).items():
                 if name != _CONFIG_ATTR:
-                    items.append((name, node(child, f"{path}.{name}")))
+                    items.append((name, node(child, f"{path}.{name}", private or name.startswith("_"))))
             return tuple(items)
         if isinstance(value, (list, tuple)):
-            return (type(value), tuple(node(v, f"{path}.{i}") for i, v in enumerate(value)))
+            return (type(value), tuple(node(v, f"{path}.{i}", private) for i, v in enumerate(value)))
         if isinstance(value, dict):
-            return (dict, tuple((_freeze(k), node(v, f"{path}.{k}")) for k, v in value.items()))
+            return (dict, tuple((_freeze(k), node(v, f"{path}.{k}", private)) for k, v in value.items()))
         return _freeze(value)
 
     return node(module, "")
@@ -876,20 +878,14 @@ def _split_call(args, kwargs):
     return args, kwargs, tensors
 
 
-def _resolve(module, args, kwargs, remember: bool = False):
-    """The runner for this call (tracing and building as needed) and the input tensors."""
-    from .module import named_params
-
-    owner = type(module).__name__
-    args, kwargs, tensors = _split_call(args, kwargs)
+def _traced(module, args, kwargs):
+    """The trace key and :class:`~onnxparam.trace.TracedModel` of a call (traced if needed)."""
     call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _freeze(a)) for a in args),
                 tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
                       for k, v in kwargs.items()))
-    config = session_config(module)
     mode = "merge"
     with _LOCK:
-        structure = _structure_key(module)
-        trace_key = (structure, call_sig, mode)
+        trace_key = (_structure_key(module), call_sig, mode)
         traced = _traces.get(trace_key)
         if traced is None:
             traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
@@ -898,8 +894,20 @@ def _resolve(module, args, kwargs, remember: bool = False):
             _trim(_traces, _limits["traces"])
         else:
             _traces.move_to_end(trace_key)
+    return trace_key, traced
+
+
+def _resolve(module, args, kwargs, remember: bool = False):
+    """The runner for this call (tracing and building as needed) and the input tensors."""
+    from .module import named_params
+
+    owner = type(module).__name__
+    args, kwargs, tensors = _split_call(args, kwargs)
+    config = session_config(module)
+    with _LOCK:
+        trace_key, traced = _traced(module, args, kwargs)
         by_path = dict(named_params(module))
-        used = [(p, by_path.get(p) or traced.params[p]) for p in traced.param_paths]
+        used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = _pick_device(owner, used, tensors)
         session_key = (trace_key, device, config, tuple(_value_token(p) for _, p in used))
         runner = _sessions.get(session_key)
@@ -944,9 +952,11 @@ def session_for(module, *args, **kwargs):
 
 
 def traced_for(module, *args, **kwargs):
-    """The :class:`~onnxparam.trace.TracedModel` that ``module(*args, **kwargs)`` runs."""
-    runner, _ = _resolve(module, args, kwargs)
-    return runner.traced
+    """The :class:`~onnxparam.trace.TracedModel` of ``module(*args, **kwargs)``: traced now, so
+    its lazy initializers are this module's params (a cached trace may come from another module
+    object of the same structure). No session is built, no param initialized."""
+    args, kwargs, _ = _split_call(args, kwargs)
+    return _trace.trace_module(module, tuple(args), kwargs=kwargs)
 
 
 # -- eager ops --------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Parameter-free activation layers (Burn's ``burn-nn/src/activation/``). Each keeps the input's
-shape and float dtype."""
+"""Parameter-free activation layers (Burn's ``crates/burn-nn/src/activation/``). Each keeps
+the input's shape and float dtype."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ _GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 class Relu(Module):
-    """``max(x, 0)``. ONNX: ``Relu``."""
+    """``max(x, 0)`` (Burn's ``activation/relu.rs``). ONNX: ``Relu``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.relu(x)
 
 
 class Gelu(Module):
-    """Gaussian error linear unit (Hendrycks & Gimpel 2016).
+    """Gaussian error linear unit (Hendrycks & Gimpel 2016; Burn's ``activation/gelu.rs`` and
+    ``gelu_approximate.rs``).
 
     Args:
         approximate: ``"none"`` (Burn's ``Gelu``): ``0.5 * x * (1 + erf(x / sqrt(2)))``;
@@ -45,21 +46,22 @@ class Gelu(Module):
 
 
 class Sigmoid(Module):
-    """``1 / (1 + exp(-x))``. ONNX: ``Sigmoid``."""
+    """``1 / (1 + exp(-x))`` (Burn's ``activation/sigmoid.rs``). ONNX: ``Sigmoid``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.sigmoid(x)
 
 
 class Tanh(Module):
-    """``tanh(x)``. ONNX: ``Tanh``."""
+    """``tanh(x)`` (Burn's ``activation/tanh.rs``). ONNX: ``Tanh``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.tanh(x)
 
 
 class Softmax(Module):
-    """``exp(x) / sum(exp(x), dim)``.
+    """``exp(x) / sum(exp(x), dim)`` (Burn has it as the function
+    ``burn::tensor::activation::softmax``; a module here so it can sit in a module tree).
 
     Args:
         dim: the axis normalized (negative counts from the end).

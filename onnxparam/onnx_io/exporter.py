@@ -197,7 +197,7 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
         for original, name, spec in zip(module.input_names, names, specs):
             dims = _apply_axes(list(spec.shape), axes_by_name.get(name, {}), name)
             symbolic[original] = tracer.input(name, dims, spec.dtype)
-        outputs, env = module._run(symbolic)
+        outputs, env = module._run(symbolic, keep_unused=True)
         traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None,
                                {k: v for k, v in axes_by_name.items() if k not in names}, input_names=names)
     model = traced.model
@@ -211,10 +211,11 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
     # initializers that were graph inputs of the source stay overridable inputs, in source order
     given = dict(zip(module.input_names, graph.inputs))
     order = []
+    overridable = set(module.override_names)
     for v in source.graph.inputs:
         if v.name in given:
             order.append(given[v.name])
-        elif v.is_initializer():
+        elif v.name in overridable:
             hit = mapping.get(id(v))
             if hit is not None and hit[1].is_initializer():
                 order.append(hit[1])

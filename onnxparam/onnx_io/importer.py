@@ -135,7 +135,9 @@ class OnnxModule(Module):
         self._const_nodes = {id(site.node) for site in sites if site.kind == CONSTANT}
         self._order = tuple(topological_nodes(graph))
         self._inputs = tuple(v for v in graph.inputs if not v.is_initializer())
-        self._overrides = tuple(v for v in graph.inputs if v.is_initializer())
+        # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
+        # constants (not overridable), and so does this module.
+        self._overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
         self._opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
         self._names = {site.path: site.name for site in sites}
         self._cache: dict = {}  # shared by copies: facts derived from the (immutable) source
@@ -269,9 +271,11 @@ class OnnxModule(Module):
         outputs, _ = self._run(self._bind(inputs, named))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _run(self, bound: dict) -> tuple[list, dict]:
+    def _run(self, bound: dict, keep_unused: bool = False) -> tuple[list, dict]:
         """Emit the graph into the current trace; ``(outputs, env)`` where ``env`` maps
-        ``id(original value)`` to ``(original value, traced Tensor)``."""
+        ``id(original value)`` to ``(original value, traced Tensor)``. Main-graph weights no node
+        uses become initializers only with ``keep_unused`` (export keeps every weight; a run
+        needs only what it computes with)."""
         from .. import trace as tr
 
         tracer = tr.current_tracer()
@@ -286,6 +290,8 @@ class OnnxModule(Module):
                 env[id(v)] = (v, bound[v.name])
         for site in self._sites:
             if site.graph is not graph or id(site.value) in env:
+                continue
+            if not keep_unused and not site.value.uses() and not site.value.is_graph_output():
                 continue
             param = params.get(site.path)
             if param is None:
@@ -351,10 +357,7 @@ class OnnxModule(Module):
             elif not attr.is_ref() and attr.type == ir.AttributeType.GRAPHS:
                 attr = ir.AttrGraphs(name, [self._subgraph(g, env, params, tracer) for g in attr.value])
             attributes[name] = attr
-        outs = list(node.outputs)
-        while outs and not outs[-1].name:
-            outs.pop()  # trailing unused optional outputs are left out, as in the file
-        count = max(len(outs), 1)
+        count = _used_outputs(node, self._opsets)
         domain = "" if node.domain == "ai.onnx" else node.domain
         where = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
         if not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
@@ -467,6 +470,34 @@ class OnnxModule(Module):
         if param is None:
             raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
         return param.val()
+
+
+_OUTPUT_COUNT_MATTERS = frozenset({"BatchNormalization"})
+"""Operators whose behaviour depends on how many outputs they have (BatchNormalization before
+opset 14 runs in training mode with its optional outputs)."""
+
+
+def _used_outputs(node: ir.Node, opsets: dict) -> int:
+    """How many outputs to emit: trailing outputs with no name are dropped (they are absent in
+    the file too), and so are trailing optional outputs nothing uses (a Dropout's mask), whose
+    types ONNX's inference may leave unknown."""
+    outs = list(node.outputs)
+    while outs and not outs[-1].name:
+        outs.pop()
+    if node.op_type not in _OUTPUT_COUNT_MATTERS:
+        while (len(outs) > 1 and not outs[-1].uses() and not outs[-1].is_graph_output()
+               and _optional_output(node, len(outs) - 1, opsets)):
+            outs.pop()
+    return max(len(outs), 1)
+
+
+def _optional_output(node: ir.Node, index: int, opsets: dict) -> bool:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        formal = onnx.defs.get_schema(node.op_type, int(opsets.get(domain, 1)), domain).outputs
+    except onnx.defs.SchemaError:
+        return False
+    return index < len(formal) and formal[index].option == onnx.defs.OpSchema.FormalParameterOption.Optional
 
 
 def _static_length(t) -> Optional[int]:

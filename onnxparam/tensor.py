@@ -10,8 +10,9 @@ A :class:`Tensor` has one of three storages:
 * **symbolic**: a value inside a graph being traced (see :mod:`onnxparam.trace`). It has a shape
   (ints, or ``None``/``str`` for dynamic dims) and a dtype, but no data; ``to_numpy`` raises.
 
-The tensor ops (``+``, ``@``, ``relu`` ...) are defined in :mod:`onnxparam.ops` and attached to
-this class there, each documented with the ONNX operator it emits.
+The tensor ops (``+``, ``@``, ``relu`` ...) are methods here that delegate to
+:mod:`onnxparam.ops`, where each is documented with the ONNX operator it emits. ``==`` is not
+overloaded (tensors hash by identity); use ``.equal``.
 
 :class:`TensorData` is the exchange type for records and files: host bytes + dtype + shape
 (+ the quantization scheme for ``QFloat``).
@@ -74,7 +75,8 @@ class Tensor:
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         dtype = dtype_from_numpy(arr.dtype)
-        arr = np.ascontiguousarray(arr)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)  # NOTE: only here: it turns 0-d arrays into 1-d ones
         if arr.flags.writeable:
             arr = arr.view()
             arr.flags.writeable = False

@@ -68,8 +68,11 @@ __all__ = [
 DEFAULT_OPSET = 21
 """The default ONNX opset (``ai.onnx``) of traced graphs: supported by ONNX Runtime >= 1.20."""
 
-MIN_OPSET = 13
-"""The oldest opset the ops can target (axes became inputs of Squeeze/ReduceSum in 13)."""
+MIN_OPSET = 1
+"""The oldest ``ai.onnx`` opset a graph can be traced at: any (imported models keep their own;
+ONNX Runtime runs opset 6 models with a warning). The ops target 13+ and emit older attribute
+forms below it; an operator ONNX lacks at the graph's opset raises ``TraceError`` when emitted
+(see :mod:`onnxparam.ops`)."""
 
 DEFAULT_DOMAIN_VERSIONS = {"ai.onnx.ml": 3, "com.microsoft": 1}
 """Opset versions given to custom domains first used by a node, when not configured."""
@@ -353,7 +356,8 @@ class Tracer:
 
     def constant(self, array, name: Optional[str] = None) -> Tensor:
         """A constant (an initializer holding ``array``'s values) as a symbolic tensor."""
-        arr = np.ascontiguousarray(np.asarray(array))
+        arr = np.asarray(array)
+        arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(arr.shape)
         dtype = DType.from_numpy(arr.dtype)
         key = None
         if arr.size <= CONSTANT_DEDUP_MAX_ELEMENTS:
@@ -445,7 +449,7 @@ class Tracer:
 
     def emit(self, op_type: str, inputs: Sequence, attributes: Optional[Mapping[str, Any]] = None, *,
              domain: str = "", num_outputs: int = 1, output_types: Optional[Sequence] = None,
-             name: Optional[str] = None) -> list[Tensor]:
+             output_hints: Optional[Sequence] = None, name: Optional[str] = None) -> list[Tensor]:
         """Append one node and return its outputs as symbolic tensors.
 
         Args:
@@ -456,6 +460,8 @@ class Tracer:
             domain: the operator set domain (``""`` = ``ai.onnx``).
             num_outputs: how many outputs the node has.
             output_types: ``[(DType, shape), ...]`` to skip shape inference.
+            output_hints: ``[(DType or None, shape or None), ...]``: the given parts override
+                (and, where inference cannot tell, complete) what shape inference finds.
             name: the node name's base (default ``op_type``), prefixed with the module scope.
 
         Raises:
@@ -464,13 +470,20 @@ class Tracer:
         """
         values = [None if x is None else self.value_of(x) for x in inputs]
         attrs = [_to_attr(k, v) for k, v in (attributes or {}).items() if v is not None]
-        self.require_domain(domain)
+        version = self.require_domain(domain)
+        if output_types is not None and not domain and not onnx.defs.has(op_type, version):
+            raise TraceError(f"ONNX has no operator {op_type!r} at opset {version} (this graph's opset)")
         node_name = self.unique_name(f"{self._scopes[-1]}/{name or op_type}")
         node = ir.Node(domain, op_type, values, attrs, num_outputs=num_outputs, name=node_name)
         for i, out in enumerate(node.outputs):
             out.name = self.unique_name(f"{node_name}_output_{i}")
+        if output_types is None and output_hints is not None:
+            if len(output_hints) != num_outputs:
+                raise TraceError(f"{node_name}: {len(output_hints)} output hints given for {num_outputs} outputs")
+            if all(d is not None and s is not None for d, s in output_hints):
+                output_types = output_hints
         if output_types is None:
-            output_types = self._infer(node, values)
+            output_types = self._infer(node, values, output_hints)
         elif len(output_types) != num_outputs:
             raise TraceError(f"{node_name}: {len(output_types)} output types given for {num_outputs} outputs")
         outputs = []
@@ -481,8 +494,10 @@ class Tracer:
         self._sinks[-1].append(node)
         return outputs
 
-    def _infer(self, node: ir.Node, values: list) -> list[tuple]:
-        """Output ``(DType, shape)`` s of ``node`` by ONNX's node-level shape inference."""
+    def _infer(self, node: ir.Node, values: list, hints: Optional[Sequence] = None) -> list[tuple]:
+        """Output ``(DType, shape)`` s of ``node`` by ONNX's node-level shape inference, with
+        the non-``None`` parts of ``hints`` taking precedence."""
+        hints = list(hints) if hints is not None else [(None, None)] * len(node.outputs)
         version = self.opset_imports.get(node.domain, 1)
         where = f"node {node.name!r} ({node.op_type})"
         try:
@@ -513,18 +528,21 @@ class Tracer:
             shapes = ", ".join(f"{v.name}: {_describe(v)}" for v in values if v is not None)
             raise TraceError(f"{where} is invalid for its inputs ({shapes}): {e}") from e
         types = []
-        for out in node.outputs:
+        for out, (dtype, dims) in zip(node.outputs, hints):
             tp = inferred.get(out.name)
-            if tp is None or not tp.HasField("tensor_type") or tp.tensor_type.elem_type == 0:
-                raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output {out.index}; "
-                                 "pass output_dtypes= and output_shapes= to ops.custom")
-            tt = tp.tensor_type
-            if not tt.HasField("shape"):
-                raise TraceError(f"{where}: the rank of output {out.index} is unknown after ONNX shape "
-                                 "inference; pass output_shapes= to ops.custom")
-            dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
-                         else None for d in tt.shape.dim)
-            types.append((_dtype_from_onnx(tt.elem_type, where), dims))
+            tt = tp.tensor_type if tp is not None and tp.HasField("tensor_type") else None
+            if dtype is None:
+                if tt is None or tt.elem_type == 0:
+                    raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output "
+                                     f"{out.index()}; pass output_dtypes= and output_shapes= to ops.custom")
+                dtype = _dtype_from_onnx(tt.elem_type, where)
+            if dims is None:
+                if tt is None or not tt.HasField("shape"):
+                    raise TraceError(f"{where}: the rank of output {out.index()} is unknown after ONNX shape "
+                                     "inference; pass output_shapes= to ops.custom")
+                dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
+                             else None for d in tt.shape.dim)
+            types.append((dtype, tuple(dims)))
         return types
 
     # -- subgraphs ------------------------------------------------------------------------------
@@ -783,8 +801,9 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
         if len(input_names) != len(names):
             raise TraceError(f"{len(input_names)} input names given for {len(names)} tensor inputs")
         names = input_names
-    else:
-        names = [n if n not in tracer._names else tracer.unique_name(f"{n}_input") for n in names]
+    else:  # a default name clashing with a param path gets a suffix: x -> x_input
+        taken = set(tracer._names)
+        names = [n if n not in taken else f"{n}_input" for n in names]
     axes_by_input: dict = {}
     for key, axes in (dynamic_axes or {}).items():
         if isinstance(key, int):

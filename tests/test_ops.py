@@ -492,3 +492,49 @@ def test_tensor_operators_and_methods():
     assert ta.argmax(1).to_numpy().tolist() == np.argmax(a, 1).tolist()
     assert ta.flatten().shape == (12,) and ta.unsqueeze(0).shape == (1, 3, 4) and ta.permute(1, 0).shape == (4, 3)
     assert (ta == ta) is True and len({ta, tb}) == 2  # == is identity; tensors stay hashable
+
+
+def test_ops_emit_attribute_forms_at_older_opsets():
+    """At opset 11 axes / split sizes / clip bounds are attributes; both ONNX's reference
+    evaluator and ONNX Runtime run the graph, against numpy."""
+    x = randn(2, 1, 6)
+
+    def fn(t):
+        a = ops.squeeze(t, 1)
+        b = ops.sum(a, 1, keepdim=True) + ops.mean(a, -1, keepdim=True)
+        c1, c2 = ops.split(a, [2, 4], 1)
+        d = ops.clamp(ops.unsqueeze(c2, 0), -0.5, 0.5)
+        e = ops.softmax(ops.slice(a, [1], [5], axes=[1]), -1)
+        f = ops.layer_norm(a, np.ones(6, np.float32), np.zeros(6, np.float32))
+        return b, c1, d, e, ops.gelu(f), ops.flatten(t, 1, 2)
+
+    a = x[:, 0]
+    mu, var = a.mean(-1, keepdims=True), a.var(-1, keepdims=True)
+    normed = (a - mu) / np.sqrt(var + 1e-5)
+    shifted = np.exp(a[:, 1:5] - a[:, 1:5].max(-1, keepdims=True))
+    expected = [a.sum(1, keepdims=True) + a.mean(-1, keepdims=True), a[:, :2], np.clip(a[:, 2:], -0.5, 0.5)[None],
+                shifted / shifted.sum(-1, keepdims=True), _gelu_exact(normed.astype(np.float64)), x.reshape(2, 6)]
+    traced = traced_model(fn, [x], opset=11)
+    ops_used = {n.op_type for n in traced.graph}
+    assert {"Squeeze", "Split", "Clip", "Erf"} <= ops_used and "Gelu" not in ops_used
+    proto = traced.to_proto()
+    onnx.checker.check_model(proto, full_check=True)
+    ref = ReferenceEvaluator(proto).run(None, {"in0": x})
+    import onnxruntime
+
+    got = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"in0": x})
+    for e, r, g in zip(expected, ref, got):
+        np.testing.assert_allclose(r, e, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_ops_missing_at_an_old_opset_raise_trace_error():
+    tracer = Tracer(opset=9)
+    with tracer.active():
+        x = tracer.input("x", (2, 3), DType.F32)
+        with pytest.raises(TraceError, match="gather_elements \\(GatherElements\\) needs opset 11 or newer; this "
+                                             "graph is traced at opset 9"):
+            ops.gather_elements(x, np.zeros((2, 3), np.int64), 0)
+        with pytest.raises(TraceError, match="ONNX has no schema for 'LessOrEqual' in domain 'ai.onnx' at version 9"):
+            ops.less_equal(x, 0.0)

@@ -153,6 +153,20 @@ def test_adapted_params_run_with_their_merged_value():
     np.testing.assert_allclose(m(x).to_numpy(), x @ merged + m.bias.val().to_numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_params_run_with_their_dequantized_value():
+    from onnxparam.quant import QuantScheme, quantize
+
+    w = array(8, 4)
+    quantized = quantize(w, QuantScheme()).to_tensor()
+    m = Dense(w, np.zeros(4, np.float32))
+    m.weight = Param.initialized(ParamId(), quantized)
+    assert m.weight.lazy_dtype() is DType.QFloat
+    x = array(2, 8)
+    dequantized = quantized.to_numpy()
+    assert not np.array_equal(dequantized, w)
+    np.testing.assert_allclose(m(x).to_numpy(), x @ dequantized, rtol=1e-5, atol=1e-5)
+
+
 def test_several_outputs_are_a_tuple_and_kwargs_and_static_args_work():
     class Multi(op.Module):
         def __init__(self):
@@ -281,3 +295,19 @@ def test_cache_bounds_evict_sessions():
         assert runtime.sessions_built() == before + 4
     finally:
         runtime.set_cache_size(sessions=runtime.MAX_CACHED_SESSIONS)
+
+
+def test_concurrent_first_calls_build_one_session_and_initialize_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = []
+    w, b = array(4, 2), array(2)
+    m = Dense(w, b)
+    m.weight = counting_lazy_param(w, calls)
+    x = array(3, 4)
+    before = runtime.sessions_built()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: m(Tensor.from_numpy(x)).to_numpy(), range(16)))
+    assert runtime.sessions_built() == before + 1 and calls == [1]
+    for r in results:
+        np.testing.assert_allclose(r, x @ w + b, rtol=1e-5, atol=1e-5)

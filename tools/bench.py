@@ -11,7 +11,8 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
 
 * ``mnist``: forward latency of the MNIST module (``module(Tensor)`` -> numpy, through the
   runtime's cached session) vs a plain ``onnxruntime.InferenceSession`` on the graph exported
-  from the same module, at batch 1 and 256. Targets: ratio <= 1.05 at batch 1, <= 1.01 at 256.
+  from the same module, with the same session options, at batch 1 and 256. Targets: ratio
+  <= 1.05 at batch 1, <= 1.01 at 256.
 """
 
 from __future__ import annotations
@@ -74,17 +75,20 @@ MNIST_TARGETS = {1: 1.05, 256: 1.01}
 def bench_mnist(args: argparse.Namespace) -> list[Result]:
     import onnxruntime as ort
 
-    from onnxparam import Tensor
+    from onnxparam import Tensor, runtime
     from onnxparam.cli import export_mnist_onnx
     from onnxparam.zoo import mnist
 
+    config = runtime.SessionConfig(intra_op_num_threads=args.threads)
     model = mnist.load_pretrained()
+    runtime.set_session_config(model, config)
     images, _ = mnist.load_digits()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mnist.onnx"
         export_mnist_onnx(model, path)
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), sess_options=config.session_options(),
+                                       providers=["CPUExecutionProvider"])
         input_name = session.get_inputs()[0].name
         for batch, target in MNIST_TARGETS.items():
             x = np.ascontiguousarray(images[:batch].astype(np.float32))
@@ -117,6 +121,8 @@ def main(argv=None) -> int:
     parser.add_argument("sections", nargs="*", metavar="SECTION",
                         help=f"sections to run (default: all): {', '.join(SECTIONS)}")
     parser.add_argument("--repeats", type=int, default=500, help="timed repetitions per case (default: 500)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="ONNX Runtime intra-op threads for both sides (default: 0 = ONNX Runtime's choice)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:

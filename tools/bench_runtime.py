@@ -5,7 +5,9 @@ Benchmarks are not tests: run ``python tools/bench_runtime.py``. It builds a sma
 (``runtime.session_for``), and times, in the same run and interleaved:
 
 * baseline: ``session.run(None, {"x": array})`` — what a user of ONNX Runtime writes;
-* onnxparam: ``module(tensor)`` (the cached fast path, output wrapped as a Tensor).
+* onnxparam: ``module(tensor)`` (the cached fast path, output wrapped as a Tensor), and
+  ``runtime.call_module`` directly (what ``Module.__call__`` calls; the difference is the cost of
+  ``Module.__call__`` itself).
 
 It prints the best-of-rounds microseconds per call and the ratio (target: <= 1.05), with
 one intra-op thread (stable timings on small machines) and ONNX Runtime's default threads, then
@@ -61,19 +63,21 @@ def time_per_call(fn, n):
     return (time.perf_counter() - start) / n
 
 
-def overhead(module, label, n=20000, rounds=7):
+def overhead(module, label, n=5000, rounds=21):
     x = np.random.default_rng(1).normal(size=(1, 784)).astype(np.float32)
     t = Tensor.from_numpy(x)
     module(t)
     session = runtime.session_for(module, t)
     name = session.get_inputs()[0].name
     np.testing.assert_allclose(module(t).to_numpy(), session.run(None, {name: x})[0], rtol=1e-6)
-    base, ours = [], []
+    base, ours, direct = [], [], []
     for _ in range(rounds):
         base.append(time_per_call(lambda: session.run(None, {name: x}), n))
         ours.append(time_per_call(lambda: module(t), n))
-    b, o = min(base) * 1e6, min(ours) * 1e6
-    print(f"{label}: plain InferenceSession.run {b:.2f} us/call, module(x) {o:.2f} us/call, ratio {o / b:.3f}")
+        direct.append(time_per_call(lambda: runtime.call_module(module, (t,), {}), n))
+    b, o, d = min(base) * 1e6, min(ours) * 1e6, min(direct) * 1e6
+    print(f"{label}: plain InferenceSession.run {b:.2f} us/call, module(x) {o:.2f} us/call (ratio {o / b:.3f}), "
+          f"runtime.call_module {d:.2f} us/call (ratio {d / b:.3f})")
     return o / b
 
 

@@ -9,10 +9,12 @@ params' ids and trainable flags are written into ONNX metadata
 An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs (its graph inputs'
 declared types are used) and comes back as the graph it was: the same nodes in the same order
 with their original node and value names, the original input / output names and initializer
-names (module paths decoded back), initializers that were graph inputs still overridable
-inputs, the model's opsets and its other metadata; weights it held in ``Constant`` nodes or
-in subgraphs are written as main-graph initializers (the subgraphs use them as outer-scope
-values, which ONNX allows). Weights changed in the module are what the file holds.
+names (module paths decoded back), overridable initializers still graph inputs (IR >= 4; an
+IR < 4 file's initializer inputs are constants, as ONNX Runtime reads them), the model's opsets
+and its other metadata. What changes: weights held in ``Constant`` nodes or in subgraphs are
+written as main-graph initializers (subgraphs use them as outer-scope values, which ONNX
+allows), non-weight ``Constant`` nodes become initializers, and the IR version is the tracer's.
+Weights changed in the module are what the file holds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Mapping, Optional, Sequence, Union
 import onnx_ir as ir
 
 from ..module import named_params
-from ..param import Param
 from . import metadata as md
 from .importer import OnnxModule
 from .save import DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -340,14 +341,3 @@ def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
         if producer is not None:
             producer.name = node.name
     return traced
-
-
-def params_by_initializer(module, model: ir.Model) -> dict[str, Param]:
-    """Initializer name -> the module's param, for a model exported from ``module``."""
-    found = {}
-    names = module.onnx_names if isinstance(module, OnnxModule) else {}
-    for path, param in named_params(module):
-        name = names.get(path, path)
-        if name in model.graph.initializers:
-            found[name] = param
-    return found

@@ -18,7 +18,8 @@ taken; other params get a fresh random id, and float params require grad.
 graph runs as it is: every node, its domain (``ai.onnx.ml``, ``com.microsoft`` ...), the
 model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow (``If`` /
 ``Loop`` / ``Scan`` bodies are cloned with their outer-scope references and weights rewired to
-the traced values). Model-local functions are inlined at import (``onnx_ir``'s inliner).
+the traced values). One exception changes the graph at import: model-local functions are
+inlined (``onnx_ir``'s inliner), as the tracer emits graph nodes only.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..tensor import Tensor
 from . import metadata as md
 from .naming import onnx_name_to_path
 from .records import site_metadata
-from .source import LoadedModel, iter_graphs, load_model, topological_nodes
+from .source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
 from .weights import CONSTANT, INITIALIZER, WeightSite, burn_dtype, find_weights, tensor_data
 
 __all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
@@ -113,6 +114,26 @@ def _dims(value: ir.Value) -> Optional[tuple]:
     return tuple((d if d >= 0 else None) if isinstance(d, int) else (d.value or None) for d in value.shape)
 
 
+class _SourceGraph:
+    """What an :class:`OnnxModule` knows about its source model (immutable once built, shared
+    by every copy of the module; compared by identity)."""
+
+    def __init__(self, loaded: LoadedModel):
+        model = loaded.model
+        graph = model.graph
+        self.loaded = loaded
+        self.sites: tuple = tuple(find_weights(model, loaded.source))
+        self.const_nodes = frozenset(id(site.node) for site in self.sites if site.kind == CONSTANT)
+        self.order = tuple(topological_nodes(graph))
+        self.inputs = tuple(v for v in graph.inputs if not v.is_initializer())
+        # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
+        # constants (not overridable), and so does this module.
+        self.overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
+        self.opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+        self.names = {site.path: site.name for site in self.sites}
+        self.cache: dict = {}  # facts derived lazily from the source (shape inference)
+
+
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
 
@@ -123,24 +144,14 @@ class OnnxModule(Module):
     """
 
     def __init__(self, loaded: LoadedModel):
-        model = loaded.model
-        sites = find_weights(model, loaded.source)
-        metas = site_metadata(model, sites, loaded.source)
-        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in sites]
+        source = _SourceGraph(loaded)
+        metas = site_metadata(loaded.model, list(source.sites), loaded.source)
+        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]
         _build_tree(self, entries)
-        graph = model.graph
-        self._loaded = loaded
-        self._sites: tuple = tuple(sites)
-        self._site_by_value = {id(site.value): site for site in sites}
-        self._const_nodes = {id(site.node) for site in sites if site.kind == CONSTANT}
-        self._order = tuple(topological_nodes(graph))
-        self._inputs = tuple(v for v in graph.inputs if not v.is_initializer())
-        # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
-        # constants (not overridable), and so does this module.
-        self._overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
-        self._opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
-        self._names = {site.path: site.name for site in sites}
-        self._cache: dict = {}  # shared by copies: facts derived from the (immutable) source
+        # NOTE: one private attribute holding everything derived from the source: copies made
+        # by transforms share it, and the runtime's structure key sees one identity-hashed
+        # object instead of walking tables.
+        self._source = source
 
     # -- what the model is ----------------------------------------------------------------------
 
@@ -148,38 +159,38 @@ class OnnxModule(Module):
     def onnx_opset_imports(self) -> dict:
         """The model's opset imports (``{"": 15, "ai.onnx.ml": 2}``); the tracer emits the graph
         at these versions."""
-        return dict(self._opsets)
+        return dict(self._source.opsets)
 
     @property
     def input_names(self) -> tuple:
         """The graph inputs a call must give, in graph order (original ONNX names)."""
-        return tuple(v.name for v in self._inputs)
+        return tuple(v.name for v in self._source.inputs)
 
     @property
     def override_names(self) -> tuple:
         """Initializers that are also graph inputs: optional keyword arguments of a call."""
-        return tuple(v.name for v in self._overrides)
+        return tuple(v.name for v in self._source.overrides)
 
     @property
     def output_names(self) -> tuple:
         """The graph outputs (original ONNX names)."""
-        return tuple(v.name for v in self._loaded.model.graph.outputs)
+        return tuple(v.name for v in self._source.loaded.model.graph.outputs)
 
     @property
     def onnx_names(self) -> dict:
         """Module path -> original ONNX name, for every param (the inverse of
         :func:`~onnxparam.onnx_io.naming.onnx_name_to_path` on these names)."""
-        return dict(self._names)
+        return dict(self._source.names)
 
     @property
     def ir_model(self) -> ir.Model:
         """The source ``onnx_ir.Model`` (shared by every copy of this module; do not modify)."""
-        return self._loaded.model
+        return self._source.loaded.model
 
     @property
     def source_path(self) -> Optional[Path]:
         """The file imported, or ``None`` for an in-memory model."""
-        return self._loaded.path
+        return self._source.loaded.path
 
     def path_of(self, name: str) -> str:
         """The module path of the weight named ``name`` in the ONNX model.
@@ -188,7 +199,7 @@ class OnnxModule(Module):
             KeyError: when the model has no weight of that name.
         """
         path = onnx_name_to_path(name)
-        if path not in self._names:
+        if path not in self._source.names:
             raise KeyError(f"the ONNX model has no weight named {name!r}")
         return path
 
@@ -207,7 +218,7 @@ class OnnxModule(Module):
         from ..trace import InputSpec
 
         specs = []
-        for v in self._inputs:
+        for v in self._source.inputs:
             dims = _dims(v)
             dtype = burn_dtype(v.dtype) if v.dtype is not None else None
             if dims is None or dtype is None:
@@ -220,26 +231,26 @@ class OnnxModule(Module):
         return specs
 
     def extra_repr(self) -> str:
-        src = self._loaded.path.name if self._loaded.path is not None else self._loaded.source
-        opsets = ", ".join(f"{d or 'ai.onnx'}:{v}" for d, v in self._opsets.items())
-        return f"{src}, opset {opsets}, {len(self._order)} nodes"
+        src = self._source.loaded.path.name if self._source.loaded.path is not None else self._source.loaded.source
+        opsets = ", ".join(f"{d or 'ai.onnx'}:{v}" for d, v in self._source.opsets.items())
+        return f"{src}, opset {opsets}, {len(self._source.order)} nodes"
 
     # -- running ----------------------------------------------------------------------------
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
-        required = self._inputs
+        required = self._source.inputs
         if len(inputs) > len(required):
             raise TypeError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
                             f"{len(inputs)} were given")
         bound = {v.name: x for v, x in zip(required, inputs)}
-        allowed = {v.name for v in required} | {v.name for v in self._overrides}
+        allowed = {v.name for v in required} | {v.name for v in self._source.overrides}
         for name, x in named.items():
             if name not in allowed:
                 raise TypeError(f"the ONNX graph has no input {name!r}; its inputs are "
                                 f"{', '.join(map(repr, self.input_names))}"
                                 + (f" and the overridable initializers {', '.join(map(repr, self.override_names))}"
-                                   if self._overrides else ""))
+                                   if self._source.overrides else ""))
             if name in bound:
                 raise TypeError(f"graph input {name!r} was given twice (positionally and by name)")
             bound[name] = x
@@ -247,7 +258,7 @@ class OnnxModule(Module):
         if missing:
             raise TypeError(f"missing graph input(s) {', '.join(map(repr, missing))}; the graph takes "
                             f"{', '.join(map(repr, self.input_names))} in this order")
-        for v in list(required) + list(self._overrides):
+        for v in list(required) + list(self._source.overrides):
             x = bound.get(v.name)
             if isinstance(x, Tensor) and v.dtype is not None:
                 want = burn_dtype(v.dtype)
@@ -284,11 +295,11 @@ class OnnxModule(Module):
         self._check_opsets(tracer)
         params = dict(named_params(self))
         env: dict = {}
-        graph = self._loaded.model.graph
+        graph = self._source.loaded.model.graph
         for v in graph.inputs:
             if v.name in bound:
                 env[id(v)] = (v, bound[v.name])
-        for site in self._sites:
+        for site in self._source.sites:
             if site.graph is not graph or id(site.value) in env:
                 continue
             if not keep_unused and not site.value.uses() and not site.value.is_graph_output():
@@ -298,8 +309,8 @@ class OnnxModule(Module):
                 raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r}); "
                                  "an OnnxModule's params can be replaced, not removed")
             env[id(site.value)] = (site.value, param.val())
-        for node in self._order:
-            if id(node) in self._const_nodes:
+        for node in self._source.order:
+            if id(node) in self._source.const_nodes:
                 continue
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.outputs) == 1:
                 array = _constant_array(node)
@@ -316,21 +327,22 @@ class OnnxModule(Module):
 
     def _check_opsets(self, tracer) -> None:
         """The enclosing trace must interpret every operator of this graph as the model does."""
-        for domain, version in self._opsets.items():
+        for domain, version in self._source.opsets.items():
             have = tracer.opset_imports.get(domain)
             if have is None:
                 tracer.require_domain(domain, version)
                 continue
             if have == version:
                 continue
-            changed = sorted({node.op_type for g in iter_graphs(self._loaded.model.graph) for node in g
+            changed = sorted({node.op_type for g in iter_graphs(self._source.loaded.model.graph) for node in g
                               if (node.domain or "") in (domain, "ai.onnx" if domain == "" else domain)
                               and _since(node.op_type, domain, version) != _since(node.op_type, domain, have)})
             if changed:
                 raise TraceError(
                     f"this imported ONNX graph uses domain {domain or 'ai.onnx'!r} at version {version}, the "
                     f"enclosing trace at {have}, and these operators differ between the two: "
-                    f"{', '.join(changed)}; trace the enclosing module with opset={version}"
+                    f"{', '.join(changed)}; trace the enclosing module at opset {version} (give its class "
+                    f"onnx_opset_imports = {{'{domain}': {version}}}, or pass opset={version} to export_onnx)"
                 )
 
     def _lookup(self, value: ir.Value, env: dict, tracer) -> Tensor:
@@ -357,7 +369,7 @@ class OnnxModule(Module):
             elif not attr.is_ref() and attr.type == ir.AttributeType.GRAPHS:
                 attr = ir.AttrGraphs(name, [self._subgraph(g, env, params, tracer) for g in attr.value])
             attributes[name] = attr
-        count = _used_outputs(node, self._opsets)
+        count = _used_outputs(node, self._source.opsets)
         domain = "" if node.domain == "ai.onnx" else node.domain
         where = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
         if not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
@@ -408,10 +420,10 @@ class OnnxModule(Module):
         """``[(DType, dims)]`` of the node's first ``count`` outputs as the source declares them
         (its value_info, completed by ONNX's whole-graph shape inference with data
         propagation, computed once per imported model), or ``None`` when one is unknown."""
-        declared = self._cache.get("declared")
+        declared = self._source.cache.get("declared")
         if declared is None:
-            declared = _infer_source_types(self._loaded.model)
-            self._cache["declared"] = declared
+            declared = _infer_source_types(self._source.loaded.model)
+            self._source.cache["declared"] = declared
         types = []
         for v in node.outputs[:count]:
             dtype, dims = declared.get(v.name, (None, None))
@@ -429,7 +441,7 @@ class OnnxModule(Module):
         traced values, its weights the params' initializers, its own names made unique."""
         clone = original.clone(allow_outer_scope_values=True)
         # weights inside the body (at any depth) -> the params' traced initializers
-        names = {site.name: site for site in self._sites}
+        names = {site.name: site for site in self._source.sites}
         for graph in list(iter_graphs(clone)):
             for name in list(graph.initializers):
                 site = names.get(name)
@@ -632,12 +644,7 @@ def _inline_functions(loaded: LoadedModel) -> LoadedModel:
     so a caller's ``onnx_ir.Model`` is never changed."""
     from onnx_ir.passes.common import InlinePass
 
-    base = ""
-    for g in iter_graphs(loaded.model.graph):
-        for v in g.initializers.values():
-            if isinstance(v.const_value, ir.ExternalTensor):
-                base = os.fspath(v.const_value.base_dir)
-                break
+    base = base_dir_of(loaded.model)
     model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
     if base:
         ir.external_data.set_base_dir(model.graph, base)

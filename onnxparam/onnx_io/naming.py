@@ -28,11 +28,11 @@ The scheme, in order:
    ``box_x`` -> ``box_x5f_x``. As a literal ``_x`` never survives step 2, ``_x`` always starts an
    escape, and ``_x_`` (an escape with no digits) is free to be the slash mark of step 1.
 
-3. **Segment guard.** A segment that would be empty, start with ``_`` or with ``x_``, or equal
-   one of :data:`RESERVED_SEGMENTS` (the public attribute names of ``Module`` and
+3. **Segment guard.** A segment (with its slash mark, if any) that would be empty, start with
+   ``_`` or with ``x_``, or equal one of :data:`RESERVED_SEGMENTS` (the public attribute names of ``Module`` and
    ``OnnxModule``, which a child attribute must not shadow) gets the prefix ``x_``:
    ``_orig`` -> ``x__orig``, ``map`` -> ``x_map``, ``x_y`` -> ``x_x_y``, ``a//b`` ->
-   ``a.x_.b_x_``. The decoder strips one leading ``x_``.
+   ``a.x_.b_x_``, ``a/x`` -> ``a.x_x_x_``. The decoder strips one leading ``x_``.
 
 Decoding parses left to right; :func:`path_to_onnx_name` accepts only the canonical path of some
 name (it re-encodes its result and compares), so the two functions stay exact inverses.
@@ -58,6 +58,7 @@ __all__ = [
     "onnx_name_to_path",
     "path_to_onnx_name",
     "is_valid_path",
+    "tree_order",
 ]
 
 PATH_SEPARATOR = "."
@@ -99,7 +100,7 @@ def _is_plain(ch: str) -> bool:
     return ch.isascii() and ch.isalnum()
 
 
-def _encode_segment(raw: str) -> str:
+def _encode_segment(raw: str, slash_mark: bool = False) -> str:
     out = []
     for i, ch in enumerate(raw):
         if _is_plain(ch):
@@ -108,7 +109,10 @@ def _encode_segment(raw: str) -> str:
             out.append("_")
         else:
             out.append(f"{ESCAPE_PREFIX}{ord(ch):x}{ESCAPE_SUFFIX}")
+    if slash_mark:
+        out.append(SLASH_MARK)
     encoded = "".join(out)
+    # NOTE: the guard looks at the segment with its slash mark: "x" + "_x_" starts with "x_".
     if not encoded or encoded.startswith("_") or encoded.startswith(GUARD_PREFIX) or encoded in RESERVED_SEGMENTS:
         encoded = GUARD_PREFIX + encoded
     return encoded
@@ -126,10 +130,8 @@ def onnx_name_to_path(name: str) -> str:
     """
     slash = ONNX_SCOPE_SEPARATOR in name
     parts = name.split(ONNX_SCOPE_SEPARATOR if slash else PATH_SEPARATOR)
-    segments = [_encode_segment(part) for part in parts]
-    if slash:
-        segments[-1] += SLASH_MARK
-    return PATH_SEPARATOR.join(segments)
+    last = len(parts) - 1
+    return PATH_SEPARATOR.join(_encode_segment(part, slash and i == last) for i, part in enumerate(parts))
 
 
 def _decode_segment(segment: str, path: str) -> tuple[str, bool]:
@@ -188,3 +190,37 @@ def path_to_onnx_name(path: str) -> str:
 def is_valid_path(path: str) -> bool:
     """True when ``path`` is ``.``-joined non-empty ``[A-Za-z0-9_]`` segments, none starting with ``_``."""
     return all(seg and _SEGMENT_RE.match(seg) and not seg.startswith("_") for seg in path.split(PATH_SEPARATOR))
+
+
+def tree_order(paths) -> list:
+    """``paths`` in the order a module tree built from them visits its params.
+
+    The tree has one scope per path prefix, children in first-seen order (as
+    ``OnnxModule`` builds it); a path that is also the prefix of another path is a param, and
+    the longer path stays whole at that level (a dotted attribute), after the prefix's siblings
+    seen before it. Depth first, like :func:`onnxparam.module.named_params`.
+    """
+    paths = list(paths)
+    is_param = set(paths)
+    root: dict = {}
+    for path in paths:
+        segments = path.split(PATH_SEPARATOR)
+        node = root
+        i = 0
+        while i < len(segments) - 1:
+            if PATH_SEPARATOR.join(segments[:i + 1]) in is_param:
+                break
+            node = node.setdefault(segments[i], {})
+            i += 1
+        node[PATH_SEPARATOR.join(segments[i:])] = path
+    order: list = []
+
+    def walk(node: dict) -> None:
+        for child in node.values():
+            if isinstance(child, dict):
+                walk(child)
+            else:
+                order.append(child)
+
+    walk(root)
+    return order

@@ -23,7 +23,8 @@ from ..errors import RecordError
 from ..record import ModuleRecord, TensorSnapshot
 from . import metadata as md
 from .save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
-from .source import load_model
+from .naming import tree_order
+from .source import base_dir_of, load_model
 from .weights import CONSTANT, INITIALIZER, WeightSite, find_weights, tensor_data
 
 __all__ = ["read_onnx_record", "write_record_to_onnx", "site_metadata"]
@@ -38,7 +39,8 @@ def site_metadata(model: ir.Model, sites: list[WeightSite], source: str) -> dict
 def read_onnx_record(path_or_model) -> ModuleRecord:
     """The weights of an ONNX model as a lazy :class:`~onnxparam.ModuleRecord`.
 
-    Keys are module paths in the order of :func:`~onnxparam.onnx_io.weights.find_weights`;
+    Keys are module paths in the order an imported module visits them
+    (:func:`~onnxparam.onnx_io.naming.tree_order`, the order of ``import_onnx(...).into_record()``);
     each snapshot has the Burn dtype, the shape, the param id recorded in the file's metadata
     (``None`` when there is none) and a loader that reads the data only when asked (a zero-copy
     view of the memory-mapped external data file, or of the protobuf bytes). The record's
@@ -54,7 +56,8 @@ def read_onnx_record(path_or_model) -> ModuleRecord:
     sites = find_weights(loaded.model, loaded.source)
     metas = site_metadata(loaded.model, sites, loaded.source)
     items = {}
-    for site in sites:
+    by_path = {site.path: site for site in sites}
+    for site in (by_path[p] for p in tree_order(by_path)):
         meta = metas.get(site.name, md.ParamMetadata())
 
         def load(_t=site.tensor, _d=site.dtype):
@@ -107,7 +110,7 @@ def write_record_to_onnx(
         OnnxFormatError: for a malformed ``graph``.
     """
     if isinstance(graph, ir.Model):
-        base_dir = _base_dir_of(graph)
+        base_dir = base_dir_of(graph)
         graph = ir.serde.serialize_model(graph)
         loaded = load_model(graph)
         if base_dir:
@@ -177,14 +180,3 @@ def _lazy_tensor(snap: TensorSnapshot, site: WeightSite, props: dict) -> ir.Lazy
 
     return ir.LazyTensor(materialize, dtype=site.tensor.dtype, shape=ir.Shape(site.shape), name=site.name,
                          metadata_props=props)
-
-
-def _base_dir_of(model: ir.Model) -> str:
-    from .source import iter_graphs
-
-    for g in iter_graphs(model.graph):
-        for value in g.initializers.values():
-            if isinstance(value.const_value, ir.ExternalTensor):
-                return os.fspath(value.const_value.base_dir)
-    return ""
-

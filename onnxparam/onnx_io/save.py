@@ -134,6 +134,7 @@ def save_model(
     Raises:
         OnnxFormatError: when ``external_data=False`` but the tensors exceed what one protobuf
             holds, or when ``external_data`` is not a plain relative file name.
+        Exception: whatever a lazy tensor's function raises (a param's init), as it raised it.
     """
     target = Path(path)
     size = tensor_bytes(model)
@@ -158,12 +159,23 @@ def save_model(
     tmp_dir.mkdir()
     try:
         tmp_model = tmp_dir / target.name
-        if location is None:
-            proto = ir.serde.serialize_model(model)
-            onnx.save(proto, tmp_model)
-        else:
-            _save_external(model, tmp_model, location, max_shard_size_bytes, alignment_bytes,
-                           external_data_min_tensor_bytes)
+        try:
+            if location is None:
+                proto = ir.serde.serialize_model(model)
+                onnx.save(proto, tmp_model)
+            else:
+                _save_external(model, tmp_model, location, max_shard_size_bytes, alignment_bytes,
+                               external_data_min_tensor_bytes)
+        except ir.serde.SerdeError as e:
+            # NOTE: onnx_ir wraps an error raised while it evaluates a lazy value (a param's init
+            # function) in one SerdeError per nesting level, each naming its own call; the
+            # caller's own error is the useful one.
+            root = e
+            while isinstance(root, ir.serde.SerdeError) and root.__cause__ is not None:
+                root = root.__cause__
+            if root is e:
+                raise
+            raise root from None
         written = sorted(p.name for p in tmp_dir.iterdir() if p.name != target.name)
         for name in written:
             os.replace(tmp_dir / name, target.parent / name)

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
 
-__all__ = ["LoadedModel", "load_model", "describe_source", "iter_graphs", "topological_nodes"]
+__all__ = ["LoadedModel", "load_model", "describe_source", "iter_graphs", "topological_nodes", "base_dir_of"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,15 @@ def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
                     yield from iter_graphs(sub)
 
 
+def base_dir_of(model: ir.Model) -> str:
+    """The folder an in-memory model's external tensors are read from (``""`` when none)."""
+    for graph in iter_graphs(model.graph):
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                return os.fspath(value.const_value.base_dir)
+    return ""
+
+
 def _external_tensors(model: ir.Model):
     for graph in iter_graphs(model.graph):
         for value in graph.initializers.values():
@@ -201,7 +210,8 @@ def _check_names(model: ir.Model, source: str) -> None:
                         "but no node, graph input or initializer produces it"
                     )
         for value in graph.outputs:
-            if dangling(value):
+            # onnx_ir gives an output nothing produces this graph (and no producer)
+            if value.producer() is None and not value.is_graph_input() and not value.is_initializer():
                 raise OnnxFormatError(
                     f"{source}: dangling name {value.name!r}: graph {graph.name!r} declares it as an output, "
                     "but no node, graph input or initializer produces it"

@@ -1,0 +1,93 @@
+"""Functional tensor ops: each emits ONNX nodes (the op contract, ``notes/ops_contract.md``).
+
+Every op takes and returns :class:`~onnxparam.Tensor` s; Python scalars are accepted where an
+operand is numeric. Layouts are Burn's / ONNX's: NCHW / NCL, conv weight
+``[out, in/groups, k...]``, Linear weight ``[d_in, d_out]``. Each docstring names the ONNX
+operator(s) emitted; the semantics (and formulas) are the ONNX operator specification's,
+https://onnx.ai/onnx/operators/ (cited as "ONNX spec: <Op>").
+
+Inside a trace (a module's ``forward``, see :mod:`onnxparam.trace`) an op appends nodes to the
+graph and returns symbolic tensors. Outside a trace, an op on concrete tensors runs *eagerly*:
+the op is traced into a small graph whose inputs are its tensor arguments, run through ONNX
+Runtime, and the session cached by signature (shapes, dtypes, devices, other arguments) in
+:mod:`onnxparam.runtime`.
+
+Dtype rules: tensor operands of one op must have the same dtype (cast one with :func:`cast`);
+a Python scalar takes the tensor operand's dtype, except that a float scalar with an int/bool
+tensor casts the tensor to ``F32`` first, and an int scalar with a bool tensor casts it to
+``I64`` (PyTorch's promotion of scalars).
+
+Opsets: the ops target ``ai.onnx`` 13 and newer natively (``Gelu`` from 20,
+``LayerNormalization`` from 17, axes as inputs of ``Reduce*`` from 18), and emit the older
+attribute forms where a graph is traced at an older opset (an imported model keeps its own);
+an op ONNX lacks at that opset raises :class:`~onnxparam.TraceError`.
+
+Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod:`.shape`,
+:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.custom`; import the ops
+from ``onnxparam.ops``.
+"""
+
+from .custom import custom, subgraph
+from .elementwise import (
+    abs,
+    add,
+    cast,
+    clamp,
+    div,
+    equal,
+    erf,
+    exp,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    mul,
+    neg,
+    pow,
+    relu,
+    sigmoid,
+    sqrt,
+    sub,
+    tanh,
+    where,
+)
+from .linalg import gelu, linear, log_softmax, matmul, softmax
+from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
+from .reduce import argmax, max, mean, min, sum
+from .shape import (
+    concat,
+    embedding,
+    flatten,
+    gather,
+    gather_elements,
+    permute,
+    reshape,
+    slice,
+    split,
+    squeeze,
+    transpose,
+    unsqueeze,
+)
+
+__all__ = [
+    # elementwise
+    "add", "sub", "mul", "div", "pow", "neg", "abs", "sqrt", "exp", "log", "erf", "tanh",
+    "sigmoid", "relu", "clamp", "equal", "less", "greater", "less_equal", "greater_equal",
+    "logical_not", "logical_and", "logical_or", "where", "cast",
+    # linear algebra and activations
+    "matmul", "linear", "gelu", "softmax", "log_softmax",
+    # shapes
+    "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze", "concat", "split",
+    "slice", "gather", "gather_elements", "embedding",
+    # reductions
+    "sum", "mean", "max", "min", "argmax",
+    # convolution, pooling, normalization
+    "conv1d", "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm",
+    "layer_norm", "dropout",
+    # any node
+    "custom", "subgraph",
+]

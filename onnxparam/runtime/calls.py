@@ -1,0 +1,564 @@
+"""Calling modules (the fast and slow paths), the caches and their keys, and eager ops."""
+
+from __future__ import annotations
+
+import enum
+import keyword
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import trace as _trace
+from ..device import Device
+from ..errors import TraceError
+from ..param import Param
+from ..tensor import Tensor
+from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
+from .devices import pick_device
+from .sessions import Runner, build_runner
+
+__all__ = [
+    "MAX_CACHED_SESSIONS", "MAX_CACHED_TRACES", "MAX_FAST_MODULES", "MAX_EAGER_SESSIONS", "RuntimeStats",
+    "call_module", "session_for", "traced_for", "set_session_config", "set_eager_session_config", "run_eager",
+    "stats", "sessions_built", "clear_caches", "set_cache_size",
+]
+
+MAX_CACHED_SESSIONS = 32
+"""Module sessions kept (LRU); each holds its weights, so this bounds memory."""
+
+MAX_CACHED_TRACES = 64
+"""Traced graphs kept (LRU), keyed by module structure + input signature + LoRA mode; each holds
+the params it was traced with (not their values: a lazy param stays lazy)."""
+
+MAX_FAST_MODULES = 64
+"""Module objects remembered by the fast path (oldest forgotten first)."""
+
+MAX_EAGER_SESSIONS = 256
+"""One-op sessions of eager ops kept (LRU)."""
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RuntimeStats:
+    """Counters since the runtime was imported (:func:`clear_caches` does not reset them).
+
+    Attributes:
+        sessions_built: module sessions built (each a new ``InferenceSession``).
+        eager_sessions_built: one-op sessions built for eager ops.
+        traces: forwards traced by module calls.
+    """
+
+    sessions_built: int = 0
+    eager_sessions_built: int = 0
+    traces: int = 0
+
+
+_STATS = RuntimeStats()
+_LOCK = threading.RLock()
+_sessions: "OrderedDict[Any, Runner]" = OrderedDict()
+_traces: "OrderedDict[Any, Any]" = OrderedDict()
+_eager: "OrderedDict[Any, Runner]" = OrderedDict()
+_fast: dict = {}
+_limits = {"sessions": MAX_CACHED_SESSIONS, "traces": MAX_CACHED_TRACES, "eager": MAX_EAGER_SESSIONS}
+
+
+def stats() -> RuntimeStats:
+    """A copy of the counters."""
+    return replace(_STATS)
+
+
+def sessions_built() -> int:
+    """How many module sessions were built so far (eager op sessions not counted)."""
+    return _STATS.sessions_built
+
+
+def clear_caches() -> None:
+    """Forget every cached trace and session (and the references they hold)."""
+    with _LOCK:
+        _sessions.clear()
+        _traces.clear()
+        _eager.clear()
+        _fast.clear()
+
+
+def set_cache_size(sessions: Optional[int] = None, traces: Optional[int] = None, eager: Optional[int] = None) -> None:
+    """Change the LRU bounds (module sessions, traces, eager sessions); extra entries are evicted."""
+    with _LOCK:
+        for key, value in (("sessions", sessions), ("traces", traces), ("eager", eager)):
+            if value is not None:
+                if int(value) < 1:
+                    raise ValueError(f"cache size must be at least 1, got {value}")
+                _limits[key] = int(value)
+        _trim(_sessions, _limits["sessions"], _forget_runner)
+        _trim(_traces, _limits["traces"])
+        _trim(_eager, _limits["eager"])
+
+
+def set_session_config(module, config: Optional[SessionConfig]) -> None:
+    """Set the session options for ``module`` (a :class:`~onnxparam.Module`), or globally when
+    ``module`` is ``None``. ``config=None`` on a module returns it to the global config; on
+    ``None`` it restores the default global config.
+
+    The module keeps its config in a private attribute, so its transformed copies
+    (``load_record``, ``to_device`` ...) keep it too. Sessions built afterwards use it; cached
+    sessions built with another config are not reused.
+
+    Raises:
+        TypeError: when ``config`` is not a :class:`SessionConfig`.
+    """
+    if config is not None and not isinstance(config, SessionConfig):
+        raise TypeError(f"expected a SessionConfig, got {type(config).__name__}")
+    with _LOCK:
+        if module is None:
+            DEFAULTS.module = config if config is not None else SessionConfig()
+            _fast.clear()
+            return
+        if config is None:
+            module.__dict__.pop(CONFIG_ATTR, None)
+        else:
+            object.__setattr__(module, CONFIG_ATTR, config)
+        _fast.pop(id(module), None)
+
+
+def set_eager_session_config(config: SessionConfig) -> None:
+    """The options of eager op sessions (default: one intra-op thread, as those graphs are one op)."""
+    if not isinstance(config, SessionConfig):
+        raise TypeError(f"expected a SessionConfig, got {type(config).__name__}")
+    with _LOCK:
+        DEFAULTS.eager = config
+        _eager.clear()
+
+
+def _trim(cache: OrderedDict, limit: int, on_evict=None) -> None:
+    while len(cache) > limit:
+        _, evicted = cache.popitem(last=False)
+        if on_evict is not None:
+            on_evict(evicted)
+
+
+def _forget_runner(runner: Runner) -> None:
+    for module_id, sig in runner.fast_keys:
+        entry = _fast.get(module_id)
+        if entry is not None:
+            entry.by_sig.pop(sig, None)
+            if entry.last1 is runner:
+                entry.last1 = None
+
+
+# -- structure keys ---------------------------------------------------------------------------
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+class _Ref:
+    """A key part that compares by identity (and keeps its object alive, so ids stay unique)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Ref) and other.obj is self.obj
+
+
+def _freeze(value):
+    """A hashable key for a configuration value (type-tagged, so ``1`` and ``1.0`` differ);
+    objects that are not hashable, arrays and tensors compare by identity."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (enum.Enum, Device)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_freeze(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((_freeze(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, np.ndarray) and value.size <= 64:
+        return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.generic):
+        return (type(value), value.item())
+    if isinstance(value, (np.ndarray, Tensor)):
+        return _Ref(value)
+    try:
+        hash(value)
+    except TypeError:
+        return _Ref(value)
+    return value
+
+
+def _param_signature(param: Param):
+    try:
+        shape = tuple(param.lazy_shape())
+    except ValueError:
+        shape = ("cell", id(param))
+    adapter = param.adapter()
+    lora = None if adapter is None else (adapter.rank, float(adapter.scale), bool(adapter.transposed))
+    return ("param", shape, param.lazy_dtype(), lora)
+
+
+def _structure_key(module) -> tuple:
+    """Everything about ``module`` that can change its traced graph: module types,
+    configuration attributes, param paths / shapes / dtypes / adapters. Values are not part of it."""
+    from ..module import Module
+
+    seen: dict = {}
+
+    def node(value, path, private=False):
+        # NOTE: a param under a private attribute is outside the traversal (it has no path, so
+        # its value cannot be looked up by path): it keys by identity instead.
+        if isinstance(value, Param):
+            return _Ref(value) if private else _param_signature(value)
+        if isinstance(value, Module):
+            if id(value) in seen:
+                return ("shared", seen[id(value)])
+            seen[id(value)] = path
+            items = [type(value)]
+            for name, child in vars(value).items():
+                if name != CONFIG_ATTR:
+                    items.append((name, node(child, f"{path}.{name}", private or name.startswith("_"))))
+            return tuple(items)
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(node(v, f"{path}.{i}", private) for i, v in enumerate(value)))
+        if isinstance(value, dict):
+            return (dict, tuple((_freeze(k), node(v, f"{path}.{k}", private)) for k, v in value.items()))
+        return _freeze(value)
+
+    return node(module, "")
+
+
+def _value_token(param: Param):
+    """Identity of what a param's initializer is computed from: its stored tensor or lazy cell
+    (shared by clones), plus its adapter's. Equal tokens mean equal values."""
+    stored = getattr(param, "_value", None)
+    if stored is None:
+        stored = getattr(param, "_cell", None) or param
+    stored = _Ref(stored)
+    adapter = param.adapter()
+    if adapter is None:
+        return stored
+    return (stored, _value_token(adapter.a), _value_token(adapter.b), float(adapter.scale), bool(adapter.transposed))
+
+
+# -- module calls -----------------------------------------------------------------------------
+
+
+def _path_steps(module, path: str):
+    """The attribute / item steps leading from ``module`` to the param at ``path``, or
+    ``None`` when ``path`` does not lead to a param (e.g. a param reached outside the tree)."""
+    obj = module
+    steps = []
+    for part in path.split("."):
+        if isinstance(obj, (list, tuple)):
+            try:
+                key = int(part)
+                obj = obj[key]
+            except (ValueError, IndexError):
+                return None
+            steps.append((True, key))
+        elif isinstance(obj, dict):
+            key = part if part in obj else next((k for k in obj if str(k) == part), None)
+            if key is None:
+                return None
+            obj = obj[key]
+            steps.append((True, key))
+        else:
+            if part not in getattr(obj, "__dict__", {}):
+                return None
+            obj = getattr(obj, part)
+            steps.append((False, part))
+    return steps if isinstance(obj, Param) else None
+
+
+def _compile_getter(all_steps: list):
+    """``module -> tuple of objects`` at the given step lists, as one generated function.
+
+    NOTE: generated source (as ``dataclasses`` / ``namedtuple`` do) makes the per-call
+    re-check a handful of bytecodes; only identifiers and int / str keys are ever written into
+    it. Other keys fall back to a loop.
+    """
+    exprs = []
+    for steps in all_steps:
+        expr = "m"
+        for is_item, key in steps:
+            if is_item and type(key) in (int, str):
+                expr += f"[{key!r}]"
+            elif not is_item and key.isidentifier() and not keyword.iskeyword(key):
+                expr += f".{key}"
+            else:
+                expr = None
+                break
+        if expr is None:
+            def loop(m, _all=tuple(tuple(s) for s in all_steps)):
+                out = []
+                for steps in _all:
+                    o = m
+                    for is_item, key in steps:
+                        o = o[key] if is_item else getattr(o, key)
+                    out.append(o)
+                return tuple(out)
+
+            return loop
+        exprs.append(expr)
+    return eval(f"lambda m: ({', '.join(exprs)},)", {})  # noqa: S307 - see NOTE
+
+
+class _FastEntry:
+    """What the fast path remembers about one module object: its runners by signature and how
+    to check, cheaply, that the params a runner was built from are still in place."""
+
+    __slots__ = ("module", "by_sig", "last1", "getter", "expected")
+
+    def __init__(self, module, traced, params_by_path: dict):
+        self.module = module  # NOTE: a strong reference, so id(module) cannot be reused
+        self.by_sig: dict = {}
+        self.last1: Optional[Runner] = None  # the runner of the last one-host-tensor call
+        all_steps, expected = [], []
+        for path in traced.param_paths:
+            param = params_by_path.get(path)
+            steps = None if param is None else _path_steps(module, path)
+            if steps is not None:
+                all_steps.append(steps)
+                expected.append(param)
+        self.getter = _compile_getter(all_steps) if all_steps else None
+        self.expected = tuple(expected)
+
+    def params_current(self, module) -> bool:
+        """True when every used param is still the same object at the same path."""
+        getter = self.getter
+        if getter is None:
+            return True
+        try:
+            return getter(module) == self.expected  # tuple ==: identity first, Param has no __eq__
+        except Exception:  # a path that no longer resolves: let the slow path look again
+            return False
+
+
+_current_tracer = _trace._CURRENT.get
+_fast_get = _fast.get
+
+
+def _fast_signature(args, kwargs):
+    """A hashable signature of a call whose arguments are tensors and plain Python values
+    (``None``, bools, ints, floats, strings: baked into the graph), or ``None`` for others."""
+    sig = []
+    for a in args:
+        if a.__class__ is Tensor:
+            if a._symbol is not None:
+                return None
+            sig.append((a.shape, a.dtype, None if a._host is not None else a.device))
+        elif a.__class__ in _PLAIN:
+            sig.append((a.__class__, a))
+        else:
+            return None
+    for k, a in kwargs.items():
+        if a.__class__ is Tensor:
+            if a._symbol is not None:
+                return None
+            sig.append((k, a.shape, a.dtype, None if a._host is not None else a.device))
+        elif a.__class__ in _PLAIN:
+            sig.append((k, a.__class__, a))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _call_tensors(args, kwargs) -> list:
+    return [a for a in args if a.__class__ is Tensor] + [a for a in kwargs.values() if a.__class__ is Tensor]
+
+
+def call_module(module, args: tuple, kwargs: dict):
+    """Run ``module.forward(*args, **kwargs)``: inlined inside a trace, else through ONNX
+    Runtime (see the module docstring). Returns a Tensor, or a tuple for several outputs.
+
+    Raises:
+        TraceError: when the forward cannot be traced.
+        DeviceError: for unavailable or mixed devices.
+        ExecutionError: when ONNX Runtime fails (the node and its params are named).
+    """
+    tracer = _current_tracer()
+    if tracer is not None:
+        return tracer.call_module(module, args, kwargs)
+    entry = _fast_get(id(module))
+    if entry is not None:
+        if len(args) == 1 and not kwargs:
+            runner = entry.last1
+            if runner is not None:
+                a = args[0]
+                if a.__class__ is Tensor and a._host is not None and a.shape == runner.shape1 and \
+                        a.dtype is runner.dtype1:
+                    getter = entry.getter  # NOTE: params_current, inlined (this is the hot path)
+                    try:
+                        current = getter is None or getter(module) == entry.expected
+                    except Exception:
+                        current = False
+                    if current:
+                        return runner.run1(a._host)
+        sig = _fast_signature(args, kwargs)
+        if sig is not None:
+            runner = entry.by_sig.get(sig)
+            if runner is not None and entry.params_current(module):
+                return runner.run(_call_tensors(args, kwargs))
+    runner, tensors = _resolve(module, args, kwargs, remember=True)
+    return runner.run(tensors)
+
+
+def _split_call(args, kwargs):
+    """The call's tensors (graph inputs, in input order) with arrays wrapped as tensors."""
+    args = [Tensor.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+    kwargs = {k: Tensor.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, Tensor) and value._symbol is not None:
+            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended")
+    tensors = [a for a in args if isinstance(a, Tensor)] + [v for v in kwargs.values() if isinstance(v, Tensor)]
+    return args, kwargs, tensors
+
+
+def _traced(module, args, kwargs):
+    """The trace key and :class:`~onnxparam.trace.TracedModel` of a call (traced if needed)."""
+    call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _freeze(a)) for a in args),
+                tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
+                      for k, v in kwargs.items()))
+    mode = "merge"
+    with _LOCK:
+        trace_key = (_structure_key(module), call_sig, mode)
+        traced = _traces.get(trace_key)
+        if traced is None:
+            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
+            _STATS.traces += 1
+            _traces[trace_key] = traced
+            _trim(_traces, _limits["traces"])
+        else:
+            _traces.move_to_end(trace_key)
+    return trace_key, traced
+
+
+def _resolve(module, args, kwargs, remember: bool = False):
+    """The runner for this call (tracing and building as needed) and the input tensors."""
+    from ..module import named_params
+
+    owner = type(module).__name__
+    args, kwargs, tensors = _split_call(args, kwargs)
+    config = session_config(module)
+    with _LOCK:
+        trace_key, traced = _traced(module, args, kwargs)
+        by_path = dict(named_params(module))
+        used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
+        device = pick_device(owner, used, tensors)
+        session_key = (trace_key, device, config, tuple(_value_token(p) for _, p in used))
+        runner = _sessions.get(session_key)
+        if runner is None:
+            runner = build_runner(traced, [p for _, p in used], device, config, owner)
+            _STATS.sessions_built += 1
+            _sessions[session_key] = runner
+            _trim(_sessions, _limits["sessions"], _forget_runner)
+        else:
+            _sessions.move_to_end(session_key)
+        if remember:
+            _remember(module, args, kwargs, runner, traced, by_path)
+    return runner, tensors
+
+
+def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
+    sig = _fast_signature(args, kwargs)
+    if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
+        return
+    entry = _fast.get(id(module))
+    if entry is None or entry.module is not module:
+        entry = _FastEntry(module, traced, by_path)
+        _fast[id(module)] = entry
+        while len(_fast) > MAX_FAST_MODULES:
+            _fast.pop(next(iter(_fast)))
+    if not entry.params_current(module):
+        entry = _FastEntry(module, traced, by_path)
+        _fast[id(module)] = entry
+    entry.by_sig[sig] = runner
+    if len(args) == 1 and not kwargs and args[0].__class__ is Tensor and args[0]._host is not None \
+            and not runner._needs_ortvalues:
+        runner.shape1, runner.dtype1 = args[0].shape, args[0].dtype
+        entry.last1 = runner
+    runner.fast_keys.append((id(module), sig))
+
+
+def session_for(module, *args, **kwargs):
+    """The ``onnxruntime.InferenceSession`` that ``module(*args, **kwargs)`` runs (built now if
+    needed). Arguments may be tensors, arrays or :class:`~onnxparam.trace.InputSpec` -free
+    concrete values, exactly as in a call."""
+    runner, _ = _resolve(module, args, kwargs)
+    return runner.session
+
+
+def traced_for(module, *args, **kwargs):
+    """The :class:`~onnxparam.trace.TracedModel` of ``module(*args, **kwargs)``: traced now, so
+    its lazy initializers are this module's params (a cached trace may come from another module
+    object of the same structure). No session is built, no param initialized."""
+    args, kwargs, _ = _split_call(args, kwargs)
+    return _trace.trace_module(module, tuple(args), kwargs=kwargs)
+
+
+# -- eager ops --------------------------------------------------------------------------------
+
+
+def _eager_key(value, leaves: list):
+    if isinstance(value, Tensor):
+        if value._symbol is not None:
+            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended, so ops on it cannot run")
+        leaves.append(value)
+        return ("T", value.shape, value.dtype, value.device)
+    if isinstance(value, np.ndarray):
+        return _eager_key(Tensor.from_numpy(value), leaves)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_eager_key(v, leaves) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _eager_key(v, leaves)) for k, v in value.items()))
+    return _freeze(value)
+
+
+def _with_leaves(value, inputs):
+    if isinstance(value, (Tensor, np.ndarray)):
+        return next(inputs)
+    if isinstance(value, (list, tuple)):
+        items = [_with_leaves(v, inputs) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _with_leaves(v, inputs) for k, v in value.items()}
+    return value
+
+
+def run_eager(fn, args: tuple, kwargs: dict):
+    """Run the op ``fn`` on concrete tensors: trace it into a small graph whose inputs are the
+    tensor arguments, build (or reuse) its session, run it.
+
+    Raises:
+        TypeError: when no argument is a tensor.
+        DeviceError / ExecutionError: as for module calls.
+    """
+    leaves: list = []
+    key = (fn, _eager_key(args, leaves), _eager_key(kwargs, leaves))
+    if not leaves:
+        raise TypeError(f"{fn.__name__}: at least one argument must be a Tensor")
+    device = pick_device(f"ops.{fn.__name__}", (), leaves)
+    config = DEFAULTS.eager
+    full_key = (key, device, config)
+    with _LOCK:
+        runner = _eager.get(full_key)
+        if runner is None:
+            tracer = _trace.Tracer(name=fn.__name__)
+            with tracer.active():
+                inputs = iter([tracer.input(f"input_{i}", t.shape, t.dtype) for i, t in enumerate(leaves)])
+                out = fn(*_with_leaves(args, inputs), **_with_leaves(kwargs, inputs))
+                traced = tracer.finish(out)
+            runner = build_runner(traced, (), device, config, f"ops.{fn.__name__}")
+            _STATS.eager_sessions_built += 1
+            _eager[full_key] = runner
+            _trim(_eager, _limits["eager"])
+        else:
+            _eager.move_to_end(full_key)
+    return runner.run(leaves)
+

@@ -38,14 +38,21 @@ from .errors import (
 from .group import ParamGroup
 from .lora import LoraAdapter, LoraConfig
 from .module import Module, ModuleMapper, ModuleVisitor
+from .onnx_io import OnnxModule, export_onnx, import_onnx
 from .param import Param, ParamId
 from .quant import BlockSize, QuantizedTensor, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 from .record import ModuleRecord, TensorSnapshot
 from .tensor import Tensor, TensorData
 
+from . import nn  # noqa: E402  (layers build on everything above)
+
 __all__ = [
     "__version__",
     "burnpack",
+    "nn",
+    "export_onnx",
+    "import_onnx",
+    "OnnxModule",
     "QuantScheme",
     "QuantValue",
     "QuantStore",

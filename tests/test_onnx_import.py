@@ -464,3 +464,22 @@ def test_loading_new_weights_changes_what_the_graph_computes():
     x = np.random.default_rng(1).normal(size=(1, 3, 48, 192)).astype(np.float32)
     expected = ort_run(with_initializer(model, "fc_0.w_0", new), {"x": x})[0]
     np.testing.assert_allclose(loaded(t(x)).to_numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_scan_bodies_with_their_own_weights_and_outer_references_run_as_the_original():
+    model = parse("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[2] init, float[3, 2] xs) => (float[2] last, float[3, 2] ys) <float[2] w = {2, 3}> {
+        last, ys = Scan(init, xs) <num_scan_inputs = 1, body = sb (float[2] s_in, float[2] x_in) => (float[2] s_out, float[2] y_out)
+                                   <float[2] b = {0.5, 0.5}> {
+            u = Mul(x_in, w)
+            v = Add(u, b)
+            s_out = Add(s_in, v)
+            y_out = Identity(s_out)
+        }>
+    }""")
+    module = import_onnx(model)
+    assert [p for p, _ in module.named_params()] == ["w", "b"]
+    feeds = {"init": np.zeros(2, np.float32), "xs": np.arange(6, dtype=np.float32).reshape(3, 2)}
+    for got, want in zip(module(t(feeds["init"]), t(feeds["xs"])), ort_run(model, feeds), strict=True):
+        np.testing.assert_array_equal(got.to_numpy(), want)

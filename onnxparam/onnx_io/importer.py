@@ -349,18 +349,20 @@ class OnnxModule(Module):
         hit = env.get(id(value))
         if hit is not None:
             return hit[1]
-        # An initializer of a type Burn has no dtype for, kept as a constant of the graph.
-        if value.const_value is not None:
+        # An initializer that is not a weight (a shape, axes ...): a Constant node of the trace
+        # (export turns it back into an initializer of the same name).
+        const = value.const_value
+        if const is not None:
             from .. import ops
 
-            tensor = ops.custom("Constant", value=ir.AttrTensor("value", value.const_value))
+            if isinstance(const, ir.ExternalTensor) and burn_dtype(const.dtype) is not None:
+                const = ir.Tensor(const.numpy(), dtype=const.dtype, name=value.name)  # no file reference
+            tensor = ops.custom("Constant", value=ir.AttrTensor("value", const))
             env[id(value)] = (value, tensor)
             return tensor
         raise TraceError(f"value {value.name!r} is used before it is produced")
 
     def _emit(self, node: ir.Node, env: dict, params: dict, tracer) -> None:
-        from .. import ops
-
         inputs = [None if v is None else self._lookup(v, env, tracer) for v in node.inputs]
         attributes: dict[str, Any] = {}
         for name, attr in node.attributes.items():
@@ -456,6 +458,7 @@ class OnnxModule(Module):
                     node.outputs[0].replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
                     graph.remove(node, safe=True)
         # references to enclosing graphs -> the traced values
+        own = {id(g) for g in iter_graphs(clone)}
         for node in clone.all_nodes():
             for i, v in enumerate(node.inputs):
                 if v is None:
@@ -463,7 +466,7 @@ class OnnxModule(Module):
                 hit = env.get(id(v))
                 if hit is not None:
                     node.replace_input_with(i, tracer.value_of(hit[1]))
-                elif v.graph is not None and not _inside(v.graph, clone):
+                elif v.graph is not None and id(v.graph) not in own:
                     node.replace_input_with(i, tracer.value_of(self._lookup(v, env, tracer)))
         # the body's own names must not clash with the trace's
         for graph in iter_graphs(clone):
@@ -594,10 +597,6 @@ def _infer_source_types(model: ir.Model) -> dict:
                          for d in tt.shape.dim)
         found[info.name] = (burn_dtype(ir.DataType(tt.elem_type)), dims)
     return found
-
-
-def _inside(graph: ir.Graph, root: ir.Graph) -> bool:
-    return any(g is graph for g in iter_graphs(root))
 
 
 def _has_schema(op_type: str, domain: str, version: int) -> bool:

@@ -25,7 +25,7 @@ from .group import ParamGroup
 from .param import Param, ParamId
 from .tensor import Tensor
 
-__all__ = ["LoraConfig", "LoraAdapter", "apply_lora", "merge_param"]
+__all__ = ["LoraConfig", "LoraAdapter", "apply_lora", "merge_param", "transposed_paths", "LORA_LAYOUT_METHOD"]
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,39 @@ class LoraAdapter:
         return Tensor.from_numpy(merged, base.device)
 
 
+LORA_LAYOUT_METHOD = "lora_transposed_paths"
+"""The optional method a module defines to say which of its rank-2 params are stored
+``(d_out, d_in)`` (PyTorch's layout; ONNX ``Gemm`` B with ``transB=1``): it returns their paths
+relative to the module. :func:`apply_lora` gives those params transposed adapters (``a``
+``(d_in, rank)``, ``b`` ``(rank, d_out)``, delta ``(a @ b).T`` in the weight's own layout).
+An imported :class:`~onnxparam.OnnxModule` answers from its graph."""
+
+
+def transposed_paths(module) -> set:
+    """Paths (from ``module``) of params stored ``(d_out, d_in)``, as the modules of the tree
+    declare them through :data:`LORA_LAYOUT_METHOD`."""
+    from .module import named_modules
+
+    found = set()
+    for prefix, sub in named_modules(module):
+        method = getattr(sub, LORA_LAYOUT_METHOD, None)
+        if callable(method):
+            found.update(f"{prefix}.{p}" if prefix else p for p in method())
+    return found
+
+
 def apply_lora(module, config: LoraConfig):
     """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
     param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
 
-    The factors are lazy params: ``A`` is drawn from N(0, std) only when first needed.
+    A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
+    imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
+    in its own layout. The factors are lazy params: ``A`` is drawn from N(0, std) only when
+    first needed.
     """
     from .module import rebuild
 
+    transposed = transposed_paths(module)
     rng = np.random.default_rng(config.seed)
     rank = int(config.rank)
     std = float(config.init_std) if config.init_std is not None else 1.0 / rank
@@ -125,7 +150,8 @@ def apply_lora(module, config: LoraConfig):
         shape = param.lazy_shape()
         if len(shape) != 2 or param.adapter() is not None or not config.param_group.matches(param.id, path):
             return frozen
-        d_in, d_out = shape
+        flip = path in transposed
+        d_out, d_in = shape if flip else shape[::-1]
         factor_dtype = config.dtype or (DType.F32 if dtype is DType.QFloat else dtype)
         np_dtype = factor_dtype.to_numpy()
         seed = int(rng.integers(0, 2**63))
@@ -140,7 +166,7 @@ def apply_lora(module, config: LoraConfig):
         device = param.lazy_device()
         a = Param.uninitialized(ParamId(), init_a, device, True, (d_in, rank), factor_dtype)
         b = Param.uninitialized(ParamId(), init_b, device, True, (rank, d_out), factor_dtype)
-        return frozen.with_adapter(LoraAdapter(a, b, config.scale))
+        return frozen.with_adapter(LoraAdapter(a, b, config.scale, transposed=flip))
 
     return rebuild(module, adapt)
 

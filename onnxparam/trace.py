@@ -23,11 +23,13 @@ Output types of each node are computed by ONNX's own node-level shape inference
 dynamic dims stay symbolic (``"batch"``) or unknown (``None``); ops whose result is obvious
 (elementwise unary, flatten ...) pass their output types directly.
 
-LoRA modes (``lora=``): ``"merge"`` (the initializer holds ``base + scale * (a @ b)``) is the one
-implemented. NOTE: the hook is built for the others: the tracer carries ``mode``, each
-param's symbolic tensor carries its :class:`~onnxparam.Param` (``tensor._symbol.param``), so
-``"keep"`` can emit ``x@W + scale*((x@a)@b)`` in ``matmul``/``linear`` and ``"inputs"`` can make
-the factors overridable graph inputs, without changing callers. Quantized params are traced as
+LoRA modes (``lora=``): ``"merge"`` (the initializer holds ``base + scale * (a @ b)``), ``"keep"``
+(the raw base and the factors as initializers; ``x@W + scale*((x@a)@b)`` emitted after each
+``MatMul`` / ``Gemm`` using an adapted weight, the merged weight as nodes for any other use) and
+``"inputs"`` (as ``"keep"``, the factors also overridable graph inputs for ONNX Runtime's
+multi-LoRA API). Each param's symbolic tensor carries its :class:`~onnxparam.Param`
+(``tensor._symbol.param``); :func:`onnxparam.lora_graph.expand_adapters` rewrites the finished
+graph, so ops and callers need no change. Quantized params are traced as
 their dequantized float value (a later issue emits QuantizeLinear/DequantizeLinear).
 """
 
@@ -46,6 +48,8 @@ import onnx_ir as ir
 
 from .device import CPU
 from .dtype import DType
+from . import lora_graph
+from .lora_graph import LORA_MODES  # "merge", "keep", "inputs"
 from .errors import TraceError
 from .param import Param, value_hook
 from .tensor import Tensor
@@ -77,8 +81,6 @@ forms below it; an operator ONNX lacks at the graph's opset raises ``TraceError`
 DEFAULT_DOMAIN_VERSIONS = {"ai.onnx.ml": 3, "com.microsoft": 1}
 """Opset versions given to custom domains first used by a node, when not configured."""
 
-LORA_MODES = ("merge",)
-"""LoRA modes implemented by the tracer (``"keep"`` and ``"inputs"`` are planned)."""
 
 CONSTANT_DEDUP_MAX_ELEMENTS = 64
 """Constants up to this many elements are shared when equal (scalars, shape vectors)."""
@@ -423,12 +425,13 @@ class Tracer:
             shape = tuple(param.lazy_shape())
         except ValueError:  # a lazy param declared without a shape: its value is the only source
             shape = tuple(param_array(param, dtype).shape)
-        lazy = ir.LazyTensor(functools.partial(_lazy_initializer, param, dtype), _ir_dtype(dtype),
+        held = lora_graph.initializer_param(param, self.mode)  # the raw base unless "merge"
+        lazy = ir.LazyTensor(functools.partial(_lazy_initializer, held, dtype), _ir_dtype(dtype),
                              ir.Shape(list(shape)), name=path)
         value = ir.Value(name=path, const_value=lazy)
         self._annotate(value, dtype, shape)
         self._names.add(path)
-        self._params[path] = param
+        self._params[path] = held
         self._param_values[path] = value
         tensor = self._symbolic(value, dtype, shape, param)
         self._param_tensors[id(param)] = tensor
@@ -620,6 +623,7 @@ class Tracer:
                 for axis, dim in _axes_items(axes, name):
                     dims[axis] = dim
                 value.shape = ir.Shape(dims)
+        lora_graph.expand_adapters(self)  # "keep" / "inputs": adapters as nodes (may add params)
         params = sorted(self._params, key=lambda p: (self._param_order.get(p, len(self._param_order)), p))
         for path in params:
             self.graph.register_initializer(self._param_values[path])

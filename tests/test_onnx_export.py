@@ -291,6 +291,26 @@ def test_overridable_initializers_stay_graph_inputs_and_constant_weights_become_
     np.testing.assert_array_equal(session(path).run(None, {"x": x, "bias": other})[0], x * 2 + other)
 
 
+def test_an_imported_model_exports_for_example_inputs_with_named_dynamic_axes(tmp_path):
+    module = import_onnx(DATA / "ppocr_mobile_v2_cls.onnx")
+    x = np.random.default_rng(9).normal(size=(2, 3, 48, 192)).astype(np.float32)
+    out_name = module.output_names[0]
+    path = export_onnx(module, tmp_path / "cls.onnx", t(x), input_names=["image"],
+                       dynamic_axes={"image": {0: "batch"}, out_name: {0: "batch"}})
+    check(path)
+    written = onnx.load(str(path))
+    dims = [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (written.graph.input[0],
+                                                                                         written.graph.output[0])]
+    assert dims == [["batch", 3, 48, 192], ["batch", 2]]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    original = ort.InferenceSession(str(DATA / "ppocr_mobile_v2_cls.onnx"), options, providers=["CPUExecutionProvider"])
+    x3 = np.concatenate([x, x[:1]])
+    # static H, W (the example's) let ONNX Runtime pick other kernels than for the file's "?" dims
+    np.testing.assert_allclose(session(path).run(None, {"image": x3})[0], original.run(None, {"x": x3})[0],
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_an_imported_graph_keeps_its_opset(tmp_path):
     module = import_onnx(DATA / "ppocr_mobile_v2_cls.onnx")
     with pytest.raises(ValueError, match=r"an imported ONNX graph keeps its own opset \(11\); it cannot be exported "

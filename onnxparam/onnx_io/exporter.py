@@ -199,8 +199,7 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
             dims = _apply_axes(list(spec.shape), axes_by_name.get(name, {}), name)
             symbolic[original] = tracer.input(name, dims, spec.dtype)
         outputs, env = module._run(symbolic, keep_unused=True)
-        traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None,
-                               {k: v for k, v in axes_by_name.items() if k not in names}, input_names=names)
+        traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None, None, input_names=names)
     model = traced.model
     graph = model.graph
     originals = module.onnx_names
@@ -209,6 +208,11 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
         by_name[originals.get(path, path)] = (path, param)
     out_names = list(output_names) if output_names is not None else list(module.output_names)
     mapping = _restore_names(model, traced, env, originals, out_names, names)
+    for value in graph.outputs:  # output dims named in dynamic_axes (by output name)
+        axes = axes_by_name.get(value.name)
+        if axes is not None and value.shape is not None:
+            dims = [d if isinstance(d, int) else d.value for d in value.shape]
+            value.shape = ir.Shape(_apply_axes(dims, axes, value.name))
     # initializers that were graph inputs of the source stay overridable inputs, in source order
     given = dict(zip(module.input_names, graph.inputs))
     order = []

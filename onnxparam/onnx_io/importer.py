@@ -59,29 +59,12 @@ class OnnxScope(Module):
         raise TraceError("an OnnxScope only groups params of an imported ONNX model; call the OnnxModule itself")
 
 
-def host_tensor(array, dtype: DType) -> Tensor:
-    """A host tensor sharing ``array`` (read-only, no copy when it is C-contiguous).
-
-    NOTE: built directly rather than through ``Tensor.from_numpy``, whose
-    ``np.ascontiguousarray`` turns a 0-d array into shape ``(1,)``."""
-    import numpy as np
-
-    arr = np.asarray(array)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr).reshape(arr.shape)
-    if arr.flags.writeable:
-        arr = arr.view()
-        arr.flags.writeable = False
-    return Tensor(host=arr, shape=arr.shape, dtype=dtype)
-
-
 def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = meta.require_grad if meta.require_grad is not None else site.dtype.is_float
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
-        tensor = host_tensor(tensor_data(_tensor, _dtype).to_numpy(), _dtype)
-        return tensor if device == CPU else tensor.to_device(device)
+        return Tensor.from_data(tensor_data(_tensor, _dtype), None if device == CPU else device)
 
     return Param.uninitialized(pid, init, CPU, require_grad, site.shape, site.dtype)
 

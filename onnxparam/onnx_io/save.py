@@ -17,9 +17,12 @@ Layout of a saved model::
 * **Streaming.** ``onnx_ir`` writes external data one tensor at a time; a lazy tensor
   (``onnx_ir.LazyTensor``) is evaluated when it is written and dropped after, so peak memory is
   about the largest tensor, not the model.
-* **Atomic.** Everything is written into a temporary folder beside the target and then moved
-  into place with ``os.replace``, data files first and the ``.onnx`` last: a reader never sees a
-  half-written model, and a failed save leaves the old files as they were.
+* **Atomic.** Everything is written into a temporary folder beside the target, flushed to disk,
+  and moved into place with ``os.replace``, data files first and the ``.onnx`` last: a reader
+  never sees a half-written file, and a failed save leaves the old files as they were. NOTE:
+  one rename per file, so between the data files' renames and the ``.onnx``'s an old ``.onnx``
+  sits beside new data files of the same name; data names are kept stable (``model.onnx.data``)
+  rather than made unique per save, which would close that window but leave old data behind.
 
 Initializer ``metadata_props`` survive external data (``onnx_ir`` drops them when it turns a
 tensor external; they are put back before the protobuf is written).
@@ -177,6 +180,8 @@ def save_model(
                 raise
             raise root from None
         written = sorted(p.name for p in tmp_dir.iterdir() if p.name != target.name)
+        for name in written + [target.name]:
+            _fsync(tmp_dir / name)
         for name in written:
             os.replace(tmp_dir / name, target.parent / name)
         os.replace(tmp_model, target)
@@ -185,6 +190,15 @@ def save_model(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return target
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` to disk, so the rename never exposes a file whose data is not written."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _save_external(model: ir.Model, tmp_model: Path, location: str, max_shard_size_bytes, alignment_bytes,

@@ -22,10 +22,10 @@ A candidate is a weight when (:func:`is_weight`):
    hard-sigmoid, ``1/sqrt(d)``), while exporters store learned tensors, even 1-element ones,
    with a shape (``mobile_one_block_0.w_0`` in PP-OCRv4 is ``[1]``).
 
-What is not a weight stays in the graph as it is (an initializer stays an initializer, a
-``Constant`` a ``Constant``), and so do ``Constant`` nodes with ``value_float`` / ``value_ints``
-/ ... / ``sparse_value`` attributes and tensors of element types Burn has no dtype for
-(strings, float8, int4, complex).
+What is not a weight is not a param: it stays part of the graph, keeping its name (an export
+writes it as an initializer), and so do ``Constant`` nodes with ``value_float`` /
+``value_ints`` / ... / ``sparse_value`` attributes and tensors of element types Burn has no
+dtype for (strings, float8, int4, complex; graphs that compute on those cannot be traced).
 
 NOTE: Paddle and some PyTorch exporters put every weight in ``Constant`` nodes, so ``Constant``
 nodes must be looked at too (PP-OCR: 342 of them, no initializer at all).
@@ -140,15 +140,13 @@ def _only_non_differentiable_uses(value: ir.Value, opsets: dict) -> bool:
     return all(_input_category(node, index, opsets) == _NON_DIFFERENTIABLE for node, index in uses)
 
 
-def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict, from_constant: bool) -> bool:
+def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
     """True when ``tensor`` (the data of ``value``) is a weight by the module docstring's rules.
 
     Args:
         tensor: the initializer's or ``Constant``'s tensor.
         value: the initializer value or the ``Constant``'s output (its uses are looked at).
         opsets: the model's opset imports (domain -> version), for the operator schemas.
-        from_constant: the tensor is held by a ``Constant`` node (the rules are the same; the
-            flag is kept for callers that report where a weight came from).
     """
     dtype = burn_dtype(tensor.dtype)
     if dtype is None:
@@ -181,7 +179,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
             tensor = value.const_value
             if tensor is None:
                 continue
-            if not is_weight(tensor, value, opsets, from_constant=False):
+            if not is_weight(tensor, value, opsets):
                 continue
             dtype = burn_dtype(tensor.dtype)
             sites.append(WeightSite(name, onnx_name_to_path(name), INITIALIZER, value, None, graph, tensor, dtype,
@@ -195,7 +193,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
                 continue
             tensor = attr.value
             value = node.outputs[0]
-            if not is_weight(tensor, value, opsets, from_constant=True):
+            if not is_weight(tensor, value, opsets):
                 continue
             sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,
                                     burn_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape.numpy()), False))

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import lora_graph
 from .. import trace as _trace
 from ..device import Device
 from ..errors import TraceError
@@ -145,7 +146,7 @@ def _forget_runner(runner: Runner) -> None:
         entry = _fast.get(module_id)
         if entry is not None:
             entry.by_sig.pop(sig, None)
-            if entry.last1 is runner:
+            if entry.last1 is not None and entry.last1.session is runner.session:  # or a fed copy
                 entry.last1 = None
 
 
@@ -420,12 +421,12 @@ def _split_call(args, kwargs):
     return args, kwargs, tensors
 
 
-def _traced(module, args, kwargs):
-    """The trace key and :class:`~onnxparam.trace.TracedModel` of a call (traced if needed)."""
+def _traced(module, args, kwargs, mode: str = "merge"):
+    """The trace key and :class:`~onnxparam.trace.TracedModel` of a call (traced if needed),
+    in LoRA ``mode``."""
     call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _freeze(a)) for a in args),
                 tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
                       for k, v in kwargs.items()))
-    mode = "merge"
     with _LOCK:
         trace_key = (_structure_key(module), call_sig, mode)
         traced = _traces.get(trace_key)
@@ -447,11 +448,15 @@ def _resolve(module, args, kwargs, remember: bool = False):
     args, kwargs, tensors = _split_call(args, kwargs)
     config = session_config(module)
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs)
+        trace_key, traced = _traced(module, args, kwargs, config.lora_mode)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)
-        session_key = (trace_key, device, config, tuple(_value_token(p) for _, p in used))
+        # NOTE: in "inputs" mode the factors are fed on every call, so their values are not part
+        # of the key: one session serves every adapter (switching builds nothing).
+        fed = set(traced._cache.setdefault("fed_factors", tuple(lora_graph.factor_input_names(traced.model))))
+        session_key = (trace_key, device, config, tuple(_value_token(lora_graph.initializer_param(p, traced.mode))
+                                                         for name, p in used if name not in fed))
         runner = _sessions.get(session_key)
         if runner is None:
             runner = build_runner(traced, [p for _, p in used], device, config, owner)
@@ -460,6 +465,8 @@ def _resolve(module, args, kwargs, remember: bool = False):
             _trim(_sessions, _limits["sessions"], _forget_runner)
         else:
             _sessions.move_to_end(session_key)
+        if fed:
+            runner = runner.with_fed_params([(name, p) for name, p in used if name in fed])
         if remember:
             _remember(module, args, kwargs, runner, traced, by_path)
     return runner, tensors
@@ -499,7 +506,7 @@ def traced_for(module, *args, **kwargs):
     its lazy initializers are this module's params (a cached trace may come from another module
     object of the same structure). No session is built, no param initialized."""
     args, kwargs, _ = _split_call(args, kwargs)
-    return _trace.trace_module(module, tuple(args), kwargs=kwargs)
+    return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)
 
 
 # -- eager ops --------------------------------------------------------------------------------

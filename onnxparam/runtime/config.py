@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from .._ort import import_onnxruntime
+from ..lora_graph import LORA_MODES
 
 ort = import_onnxruntime()
 
@@ -49,9 +50,13 @@ class SessionConfig:
             (``SessionOptions.add_session_config_entry``).
         log_severity_level: ONNX Runtime's log level for the session (4 = fatal only: its errors
             reach the caller as ExecutionError instead of being printed).
+        lora_mode: how ``module(x)`` runs LoRA adapters (:data:`onnxparam.lora_graph.LORA_MODES`):
+            ``"merge"`` (the effective weights, no overhead), ``"keep"`` (the adapter as graph
+            nodes) or ``"inputs"`` (as ``"keep"``, the factors fed as inputs on every call: one
+            session serves every adapter of the same rank, and switching adapters builds none).
 
     Raises:
-        ValueError: for an unknown optimization level or execution mode.
+        ValueError: for an unknown optimization level, execution mode or LoRA mode.
     """
 
     intra_op_num_threads: int = 0
@@ -61,8 +66,11 @@ class SessionConfig:
     providers: Optional[tuple] = None
     config_entries: tuple = ()
     log_severity_level: int = 4
+    lora_mode: str = "merge"
 
     def __post_init__(self):
+        if self.lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}; got {self.lora_mode!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ValueError(f"graph_optimization_level must be one of {', '.join(GRAPH_OPTIMIZATION_LEVELS)}; "
                              f"got {self.graph_optimization_level!r}")
@@ -85,6 +93,9 @@ class SessionConfig:
 
     def with_providers(self, providers: Optional[Sequence]) -> "SessionConfig":
         return replace(self, providers=None if providers is None else tuple(providers))
+
+    def with_lora_mode(self, mode: str) -> "SessionConfig":
+        return replace(self, lora_mode=mode)
 
     def with_config_entry(self, key: str, value: str) -> "SessionConfig":
         return replace(self, config_entries=self.config_entries + ((str(key), str(value)),))

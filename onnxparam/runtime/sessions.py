@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from .. import lora_graph
 from .. import trace as _trace
 from .._ort import import_onnxruntime
 from ..device import CPU, Device
@@ -17,7 +18,7 @@ from ..errors import ExecutionError, OnnxParamError
 from ..param import Param
 from ..tensor import Tensor
 from .config import SessionConfig
-from .devices import ortvalue_host, ortvalue_to_numpy, providers_for
+from .devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
 
 ort = import_onnxruntime()
 
@@ -148,6 +149,33 @@ class Runner:
         self._run = session._sess.run  # NOTE: InferenceSession.run re-validates names per call
         self._needs_ortvalues = device.is_cuda or DType.BF16 in self.input_dtypes or DType.BF16 in self.output_dtypes
         self.fast_keys: list = []
+        self.fed: dict = {}  # graph input -> value fed on every run ("inputs" LoRA factors)
+
+    def with_fed_params(self, params: Sequence[tuple]) -> "Runner":
+        """A copy of this runner (same session) that feeds ``(graph input, param)`` values on
+        every run: the LoRA factors of an ``"inputs"``-mode graph. On CUDA they are
+        device-resident ``OrtValue`` s bound through IO binding.
+
+        NOTE: ONNX Runtime ignores ``RunOptions.add_active_adapter`` under IO binding; binding
+        the factors as inputs is what switches adapters there (and is equally fast on CPU)."""
+        import copy
+
+        fed = {}
+        for name, param in params:
+            dtype = DType.from_onnx(int(self.traced.graph.initializers[name].dtype))
+            with _trace.untraced():
+                tensor = param.val()
+            if self.device.is_cuda and tensor._ort is not None and tensor.dtype is dtype:
+                fed[name] = tensor._ort
+                continue
+            array = _trace.param_array(param, dtype)
+            if self._needs_ortvalues:
+                fed[name] = ortvalue_from_numpy(array, self.device) if self.device.is_cuda else ortvalue_host(array)
+            else:
+                fed[name] = array
+        clone = copy.copy(self)
+        clone.fed = fed
+        return clone
 
     def error(self, e: Exception) -> ExecutionError:
         return execution_error(e, self.traced, self.owner, "run")
@@ -160,6 +188,8 @@ class Runner:
         for name, t in zip(self.input_names, tensors):
             host = t._host
             feed[name] = host if host is not None else t.to_numpy()
+        if self.fed:
+            feed.update(self.fed)
         try:
             outs = self._run(self.output_names, feed, None)
         except Exception as e:
@@ -168,8 +198,11 @@ class Runner:
 
     def run1(self, array: np.ndarray):
         """:meth:`run` for one host array (the hot path of ``module(x)``)."""
+        feed = {self.input_name0: array}
+        if self.fed:
+            feed.update(self.fed)
         try:
-            outs = self._run(self.output_names, {self.input_name0: array}, None)
+            outs = self._run(self.output_names, feed, None)
         except Exception as e:
             raise self.error(e) from e
         if self.single and _FAST_WRAP:  # NOTE: _host_tensor, inlined (this is the hot path)
@@ -202,6 +235,8 @@ class Runner:
                 else:
                     keep.append(ortvalue_host(np.asarray(t.to_numpy())))
                     binding.bind_ortvalue_input(name, keep[-1])
+            for name, value in self.fed.items():
+                binding.bind_ortvalue_input(name, value)
             for name in self.output_names:
                 if device.is_cuda:
                     binding.bind_output(name, "cuda", device.index)
@@ -232,7 +267,8 @@ def build_runner(traced, params: Sequence[Param], device: Device, config: Sessio
     names, values, arrays = [], [], []
     for path, param in zip(traced.param_paths, params):
         value = traced.graph.initializers[path]
-        array = _trace.param_array(param, DType.from_onnx(int(value.dtype)))
+        # NOTE: in the "keep" / "inputs" LoRA modes an adapted weight's initializer is its raw base
+        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), DType.from_onnx(int(value.dtype)))
         if tuple(array.shape) != tuple(value.shape.numpy()):
             raise ExecutionError(f"param {path!r} of {owner} has shape {list(array.shape)} but was traced with "
                                  f"{list(value.shape.numpy())}")

@@ -1,0 +1,148 @@
+"""Quantizing a module's params: :class:`Quantizer`, :class:`Calibration`, :func:`quantize_weights`.
+
+Burn's ``Module::quantize_weights(&mut quantizer)`` maps every float tensor the quantizer
+visits (``crates/burn-core/src/module/quantize.rs``; ``BURNPACK.md`` §4). Here the set of
+params is explicit (:func:`is_weight`):
+
+* float params (F64/F32/F16/BF16; already quantized ones are left as they are) of **rank >= 2**
+  by default: Linear / Conv / Embedding weights. Biases, norms' ``gamma`` / ``beta`` and running
+  statistics are rank 1: quantizing them saves next to nothing and costs accuracy, and ONNX
+  Runtime's integer kernels take their bias in float. ``Quantizer(min_rank=1)`` quantizes them too
+  (Burn's behaviour).
+* LoRA factors (``<path>.lora.a`` / ``.b``) are never quantized: QLoRA keeps them float.
+* with a group (:func:`quantize_weights` ``group=``), only the params the group matches.
+
+A quantized param is frozen (``require_grad=False``): it holds integer values and scales (a
+``QFloat`` :class:`~onnxparam.Tensor` wrapping a :class:`~onnxparam.quant.QuantizedTensor`), and
+``val()`` dequantizes them. Quantizing is lazy: a lazy param stays lazy and is quantized when
+its value is first needed (loading a record into the quantized module never quantizes).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from ..dtype import DType
+from ..errors import QuantizationError
+from ..param import Param, _Lazy
+from .calibration import quantize
+from .scheme import QuantScheme
+
+__all__ = ["Calibration", "Quantizer", "quantize_weights", "is_weight"]
+
+_FLOAT_DTYPES = (DType.F64, DType.F32, DType.F16, DType.BF16)
+
+
+class Calibration(enum.Enum):
+    """How the quantization range of a tensor is found (Burn ``Calibration``).
+
+    ``MinMax``: ``alpha = max(|min|, |max|)`` per tensor or per block (``BURNPACK.md`` §4.1).
+    Burn's ``AbsMean`` (BitNet) is not implemented.
+    """
+
+    MinMax = "MinMax"
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """Quantizes float tensors with a :class:`QuantScheme` (Burn ``Quantizer { calibration, scheme }``).
+
+    Args:
+        scheme: the scheme every quantized param gets.
+        calibration: :attr:`Calibration.MinMax` (the only one).
+        min_rank: the smallest param rank that is quantized (default 2: weights, not biases).
+
+    Raises:
+        QuantizationError: for a scheme Burn cannot quantize with (checked on the first tensor)
+            or an unknown calibration.
+    """
+
+    scheme: QuantScheme = QuantScheme()
+    calibration: Calibration = Calibration.MinMax
+    min_rank: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.scheme, QuantScheme):
+            raise QuantizationError(f"Quantizer.scheme must be a QuantScheme, found {self.scheme!r}")
+        if not isinstance(self.calibration, Calibration):
+            raise QuantizationError(f"unknown calibration {self.calibration!r}; use Calibration.MinMax")
+
+    def with_scheme(self, scheme: QuantScheme) -> "Quantizer":
+        return replace(self, scheme=scheme)
+
+    def with_min_rank(self, min_rank: int) -> "Quantizer":
+        return replace(self, min_rank=int(min_rank))
+
+    def quantize(self, array):
+        """``array`` (float, any shape) as a :class:`~onnxparam.quant.QuantizedTensor` (§4)."""
+        return quantize(array, self.scheme)
+
+
+def is_weight(path: str, param: Param, quantizer: Quantizer) -> bool:
+    """Whether :func:`quantize_weights` quantizes ``param`` (module docstring)."""
+    if ".lora." in path or param.lazy_dtype() not in _FLOAT_DTYPES:
+        return False
+    try:
+        rank = len(param.lazy_shape())
+    except ValueError:
+        rank = param.base().ndim  # a lazy param declared without a shape: its value tells
+    return rank >= quantizer.min_rank
+
+
+def quantize_param(param: Param, quantizer: Quantizer, path: str = "param") -> Param:
+    """``param`` with a ``QFloat`` base (same id, mappers and adapter; frozen), quantized lazily.
+
+    Raises:
+        QuantizationError: (now for an initialized param, else when the value is first needed)
+            when the scheme cannot quantize the value, naming ``path``.
+    """
+    source = param.clone()
+
+    def init(device, require_grad, _source=source, _quantizer=quantizer, _path=path):
+        array = _source.base().to_numpy()
+        try:
+            return _quantizer.quantize(array).to_tensor()
+        except QuantizationError as e:
+            raise QuantizationError(f"cannot quantize {_path!r} {list(array.shape)}: {e}") from e
+
+    cell = _Lazy(init, param.lazy_device(), _shape_or_none(param), DType.QFloat, False)
+    new = Param(param.id, cell=cell, require_grad=False, mapper=param._mapper, adapter=param.adapter())
+    if param.is_initialized():
+        new.base()  # an initialized param stays initialized (and a bad scheme raises here)
+    return new
+
+
+def _shape_or_none(param: Param):
+    try:
+        return tuple(param.lazy_shape())
+    except ValueError:
+        return None
+
+
+def quantize_weights(module, quantizer: Quantizer, group=None):
+    """A copy of ``module`` whose weights are quantized by ``quantizer`` (module docstring).
+
+    Args:
+        module: any :class:`~onnxparam.Module`.
+        quantizer: the :class:`Quantizer`.
+        group: a :class:`~onnxparam.ParamGroup`; only matching params are quantized.
+
+    Raises:
+        QuantizationError: when a weight cannot be quantized with the scheme (e.g. a block
+            size that does not divide its shape), naming the param's path: at once for
+            initialized params, at the first use of the value for lazy ones.
+    """
+    from ..module import rebuild
+
+    if not isinstance(quantizer, Quantizer):
+        raise QuantizationError(f"quantize_weights takes a Quantizer, found {type(quantizer).__name__}")
+
+    def fn(path: str, param: Param) -> Param:
+        if not is_weight(path, param, quantizer):
+            return param
+        if group is not None and not group.matches(param.id, path):
+            return param
+        return quantize_param(param, quantizer, path)
+
+    return rebuild(module, fn)

@@ -37,6 +37,7 @@ from .errors import (
 )
 from .group import ParamGroup
 from .lora import LoraAdapter, LoraConfig
+from .lora_graph import write_onnx_adapter
 from .module import Module, ModuleMapper, ModuleVisitor
 from .onnx_io import OnnxModule, export_onnx, import_onnx
 from .param import Param, ParamId
@@ -45,6 +46,7 @@ from .record import ModuleRecord, TensorSnapshot
 from .tensor import Tensor, TensorData
 
 from . import nn  # noqa: E402  (layers build on everything above)
+from .convert.peft import load_peft_adapter  # noqa: E402  (a bridge: PEFT files -> adapters)
 
 __all__ = [
     "__version__",
@@ -74,6 +76,8 @@ __all__ = [
     "TensorSnapshot",
     "LoraConfig",
     "LoraAdapter",
+    "write_onnx_adapter",
+    "load_peft_adapter",
     "OnnxParamError",
     "RecordError",
     "BurnpackFormatError",

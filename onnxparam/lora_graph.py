@@ -19,6 +19,9 @@ The tracer (:mod:`onnxparam.trace`) calls into this module at two points only:
                                     for a transposed adapter), computed once in the graph
   ================================  ============================================================
 
+  In ``"merge"`` mode only a base that is not an initializer (a quantized weight emitted as
+  ``DequantizeLinear``: QLoRA) gets nodes: the merged weight, as it cannot be one initializer.
+
   The factors are initializers named by their record paths (``fc.weight.lora.a``,
   ``fc.weight.lora.b``), the scale a 0-d constant. In ``"inputs"`` mode the factors are also
   **graph inputs** with those initializers as defaults: ONNX Runtime's multi-LoRA API
@@ -60,6 +63,9 @@ __all__ = [
     "adapter_params",
     "ImportedAdapter",
     "strip_lora_subexpressions",
+    "strip_imported",
+    "attach_imported",
+    "has_lora_factors",
     "transposed_weight_names",
 ]
 
@@ -184,8 +190,12 @@ class _Expander:
                 nodes.append(self._node(graph, "Transpose", [delta.outputs[0]], [b_dims[1], a_dims[0]],
                                         f"{label}/Transpose", {"perm": [1, 0]}))
             total = self._node(graph, "Add", [self.base, nodes[-1].outputs[0]], _dims(self.base), f"{label}/Add")
-            nodes.append(total)
             _prepend(graph, nodes)
+            producer = self.base.producer()  # a DequantizeLinear (QLoRA): the Add must follow it
+            if producer is not None and producer.graph is graph:
+                graph.insert_after(producer, [total])
+            else:
+                graph.insert_after(nodes[-1], [total])
             self._merged = total.outputs[0]
         return self._merged
 
@@ -232,6 +242,15 @@ def expand_adapters(tracer) -> None:
     ``"inputs"`` mode the factors become graph inputs too. Called by ``Tracer.finish`` after the
     outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode."""
     if tracer.mode == "merge":
+        # NOTE: a base emitted as nodes (a quantized weight's DequantizeLinear, QLoRA) cannot
+        # hold base + delta in one initializer: its adapter is merged in the graph instead.
+        for tensor in list(tracer._param_tensors.values()):
+            param = tensor._symbol.param
+            if param is not None and param.adapter() is not None and tensor._symbol.value.producer() is not None:
+                expander = _Expander(tracer, param, tensor._symbol.value, tensor.dtype)
+                for node, index in list(expander.base.uses()):
+                    if node.metadata_props.get(LORA_NODE_KEY) != expander.path:
+                        node.replace_input_with(index, expander.merged())
         return
     factor_values = []
     for tensor in list(tracer._param_tensors.values()):
@@ -290,7 +309,9 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
 
     Load it with ``onnxruntime.LoraAdapter().Load(path)`` and activate it per run with
     ``RunOptions.add_active_adapter``. NOTE: ONNX Runtime ignores active adapters under IO
-    binding; bind the factors as inputs there instead (module docstring).
+    binding; bind the factors as inputs there instead (module docstring). NOTE: ``RunOptions``
+    does not keep its ``LoraAdapter`` alive (ONNX Runtime 1.32 crashes if the adapter object is
+    collected first): hold a reference for as long as the options are used.
 
     Raises:
         ValueError: when there is nothing to write (a module without adapters).
@@ -405,11 +426,7 @@ def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:
     computing what it computed; the factors import as plain params).
     """
     graph = model.graph
-    factors = {}
-    for name in graph.initializers:
-        for suffix, which in ((".lora.a", "a"), (".lora.b", "b")):
-            if name.endswith(suffix) and name[: -len(suffix)] in graph.initializers:
-                factors[name] = (name[: -len(suffix)], which)
+    factors = _factor_names(graph)
     if not factors:
         return []
     found: dict = {}
@@ -450,6 +467,101 @@ def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:
                 graph.inputs.remove(value)
         adapters.append(ImportedAdapter(base_name, a, b, float(scale), transposed))
     return adapters
+
+
+def _factor_names(graph: ir.Graph) -> dict:
+    """Factor initializer name -> (base initializer name, "a" | "b"). The base is the
+    initializer named by the factor's prefix, or (an imported model re-exported) whose module
+    path is that prefix."""
+    from .onnx_io.naming import onnx_name_to_path
+
+    names = list(graph.initializers)
+    by_path = None
+    factors = {}
+    for name in names:
+        for suffix, which in ((".lora.a", "a"), (".lora.b", "b")):
+            if not name.endswith(suffix):
+                continue
+            prefix = name[: -len(suffix)]
+            if prefix in graph.initializers:
+                factors[name] = (prefix, which)
+                continue
+            if by_path is None:
+                by_path = {}
+                for other in names:
+                    try:
+                        by_path.setdefault(onnx_name_to_path(other), other)
+                    except Exception:  # a name the path escaping rejects: not a base
+                        pass
+            if prefix in by_path:
+                factors[name] = (by_path[prefix], which)
+    return factors
+
+
+def has_lora_factors(model: ir.Model) -> bool:
+    """True when ``model``'s main graph holds LoRA factor initializers (cheap: names only)."""
+    return any(name.endswith(FACTOR_SUFFIXES) for name in model.graph.initializers)
+
+
+def strip_imported(loaded):
+    """``(loaded, adapters)``: for a model with LoRA factors, a copy of the loaded model
+    (``onnx_io.source.LoadedModel``; the caller's model is never changed) without its LoRA
+    nodes and factor initializers, and the :class:`ImportedAdapter` s removed; else
+    ``(loaded, [])``. Used by :func:`onnxparam.import_onnx`."""
+    if not has_lora_factors(loaded.model):
+        return loaded, []
+    from .onnx_io import metadata as md
+    from .onnx_io.source import LoadedModel, base_dir_of
+
+    base = base_dir_of(loaded.model)
+    model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
+    if base:
+        ir.external_data.set_base_dir(model.graph, base)
+    props = {name: dict(v.const_value.metadata_props) for name, v in model.graph.initializers.items()
+             if name.endswith(FACTOR_SUFFIXES) and v.const_value is not None and v.const_value.metadata_props}
+    metas = md.read_params(model.metadata_props, props, loaded.source)
+    scales = {name: meta.lora_scale for name, meta in metas.items() if meta.lora_scale is not None}
+    adapters = strip_lora_subexpressions(model, scales)
+    if not adapters:
+        return loaded, []
+    return LoadedModel(model, loaded.source, loaded.path), [(adapter, metas) for adapter in adapters]
+
+
+def attach_imported(module, found: list):
+    """``module`` (an imported ``OnnxModule``) with the adapters :func:`strip_imported` found
+    attached to their bases: lazy factor params with the ids and flags ONNX metadata records."""
+    if not found:
+        return module
+    from .lora import LoraAdapter
+    from .module import rebuild
+    from .onnx_io import metadata as md
+    from .onnx_io.naming import onnx_name_to_path
+    from .onnx_io.weights import burn_dtype, tensor_data
+    from .param import ParamId
+    from .tensor import Tensor
+
+    def factor(value: ir.Value, metas: dict) -> Param:
+        meta = metas.get(value.name, md.ParamMetadata())
+        dtype = burn_dtype(value.dtype)
+        tensor = value.const_value
+
+        def init(device, require_grad, _tensor=tensor, _dtype=dtype):
+            return Tensor.from_data(tensor_data(_tensor, _dtype), device)
+
+        pid = meta.param_id if meta.param_id is not None else ParamId()
+        grad = meta.require_grad if meta.require_grad is not None else True
+        return Param.uninitialized(pid, init, "cpu", grad, tuple(value.shape.numpy()), dtype)
+
+    by_path = {}
+    for adapter, metas in found:
+        by_path[onnx_name_to_path(adapter.base_name)] = LoraAdapter(
+            factor(adapter.a, metas), factor(adapter.b, metas), adapter.scale, adapter.transposed)
+
+    def attach(path: str, param: Param) -> Param:
+        adapter = by_path.get(path)
+        return param if adapter is None else param.with_adapter(adapter)
+
+    return rebuild(module, attach)
 
 
 def _strip(add: ir.Node, y: ir.Value, nodes: list) -> None:

@@ -258,6 +258,7 @@ class Tracer:
         self._const_cache: dict = {}
         self._keepalive: list = []
         self._finished = False
+        self._root = root
         if root is not None:
             self._register_tree(root, "", root=True)
 
@@ -420,7 +421,13 @@ class Tracer:
             self._param_paths[id(param)] = path
         dtype = param.lazy_dtype()
         if dtype is DType.QFloat:
-            dtype = DType.F32  # NOTE: dequantized float for now; a later issue emits QDQ nodes
+            from .quant import qdq  # integer initializer + scale -> DequantizeLinear
+
+            tensor = qdq.emit_param(self, param, path, tuple(param.lazy_shape()))
+            if tensor is not None:
+                self._param_tensors[id(param)] = tensor
+                return tensor
+            dtype = DType.F32  # a scheme ONNX cannot express: the dequantized float (warned)
         try:
             shape = tuple(param.lazy_shape())
         except ValueError:  # a lazy param declared without a shape: its value is the only source
@@ -624,6 +631,9 @@ class Tracer:
                     dims[axis] = dim
                 value.shape = ir.Shape(dims)
         lora_graph.expand_adapters(self)  # "keep" / "inputs": adapters as nodes (may add params)
+        from .quant import qdq
+
+        qdq.finish_graph(self)  # NOTE: after LoRA's adapters are emitted: it rewrites uses of weights
         params = sorted(self._params, key=lambda p: (self._param_order.get(p, len(self._param_order)), p))
         for path in params:
             self.graph.register_initializer(self._param_values[path])

@@ -93,3 +93,28 @@ def test_eager_ops_on_device_tensors_stay_on_device():
     y = ops.relu(t) * 2.0
     assert y.device == CUDA
     np.testing.assert_allclose(y.to_numpy(), np.maximum(x, 0) * 2.0, rtol=1e-6)
+
+
+def test_lora_inputs_mode_switches_device_resident_adapters_under_io_binding():
+    """ONNX Runtime ignores active adapters under IO binding; the runtime binds the factors as
+    inputs instead, so switching device-resident adapters on CUDA needs no new session."""
+    on_gpu = TwoLayer().apply_lora(op.LoraConfig(rank=2, alpha=3.0, seed=0)).to_device("cuda")
+
+    def filled(seed):
+        rng = np.random.default_rng(seed)
+        return on_gpu.map(lambda path, p: Param(p.id, value=Tensor.from_numpy(
+            rng.normal(size=p.lazy_shape()).astype(np.float32)).to_device("cuda"), require_grad=p.require_grad)
+            if path.endswith((".lora.a", ".lora.b")) else p)
+
+    x_gpu = Tensor.from_numpy(array(8, 16)).to_device("cuda")
+    before = None
+    for seed in (1, 2, 3):
+        module = filled(seed)
+        expected = module.to_device("cpu").merge_lora()(x_gpu.to_numpy()).to_numpy()
+        runtime.set_session_config(module, runtime.SessionConfig(lora_mode="inputs"))
+        y = module(x_gpu)
+        assert y.device == CUDA
+        np.testing.assert_allclose(y.to_numpy(), expected, rtol=1e-4, atol=1e-4)
+        if before is None:
+            before = runtime.sessions_built()
+    assert runtime.sessions_built() == before

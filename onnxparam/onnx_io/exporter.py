@@ -226,6 +226,7 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
                 order.append(hit[1])
             elif v.name in graph.initializers:
                 order.append(graph.initializers[v.name])
+    order += [v for v in graph.inputs if v.is_initializer() and v not in order]  # lora="inputs" factors
     graph.inputs.clear()
     graph.inputs.extend(order)
     # the source's model-level facts (other producers' metadata, doc strings)

@@ -14,8 +14,10 @@ import numpy as np
 from .. import lora_graph
 from .. import trace as _trace
 from ..device import Device
+from ..dtype import DType
 from ..errors import TraceError
 from ..param import Param
+from ..quant import qdq
 from ..tensor import Tensor
 from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from .devices import pick_device
@@ -201,7 +203,10 @@ def _param_signature(param: Param):
         shape = ("cell", id(param))
     adapter = param.adapter()
     lora = None if adapter is None else (adapter.rank, float(adapter.scale), bool(adapter.transposed))
-    return ("param", shape, param.lazy_dtype(), lora)
+    dtype = param.lazy_dtype()
+    if dtype is DType.QFloat:  # NOTE: a quantized param's graph holds its values and scales: key by storage
+        return ("param", shape, dtype, lora, _value_token(param.with_adapter(None)))
+    return ("param", shape, dtype, lora)
 
 
 def _structure_key(module) -> tuple:
@@ -428,7 +433,7 @@ def _traced(module, args, kwargs, mode: str = "merge"):
                 tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
                       for k, v in kwargs.items()))
     with _LOCK:
-        trace_key = (_structure_key(module), call_sig, mode)
+        trace_key = (_structure_key(module), call_sig, mode, qdq.current_options())
         traced = _traces.get(trace_key)
         if traced is None:
             traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)

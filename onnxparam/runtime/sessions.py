@@ -18,6 +18,7 @@ from ..errors import ExecutionError, OnnxParamError
 from ..param import Param
 from ..tensor import Tensor
 from .config import SessionConfig
+from ..quant import qdq
 from .devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
 
 ort = import_onnxruntime()
@@ -92,6 +93,8 @@ def _session_model_bytes(traced) -> bytes:
     try:
         for path in traced.param_paths:
             value = graph.initializers[path]
+            if qdq.is_qdq_initializer(value):
+                continue  # NOTE: quantized values travel with the graph (the trace is keyed by their storage)
             saved.append((value, value.const_value))
             nbytes = math.prod(value.shape.numpy()) * value.dtype.itemsize
             value.const_value = ir.ExternalTensor(_INJECTED_LOCATION, 0, int(nbytes), value.dtype,
@@ -267,6 +270,8 @@ def build_runner(traced, params: Sequence[Param], device: Device, config: Sessio
     names, values, arrays = [], [], []
     for path, param in zip(traced.param_paths, params):
         value = traced.graph.initializers[path]
+        if qdq.is_qdq_initializer(value):
+            continue
         # NOTE: in the "keep" / "inputs" LoRA modes an adapted weight's initializer is its raw base
         array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), DType.from_onnx(int(value.dtype)))
         if tuple(array.shape) != tuple(value.shape.numpy()):

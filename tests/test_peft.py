@@ -1,0 +1,130 @@
+"""PEFT LoRA checkpoints (adapter_config.json + adapter_model.safetensors) loaded onto modules.
+
+Oracle: a numpy computation in PyTorch's convention on the tiny matrices written by the test
+itself: ``y = x @ (W_torch + scale * B @ A).T + bias`` with ``W_torch`` ``(out, in)``, PEFT's
+``A`` ``(r, in)`` and ``B`` ``(out, r)``.
+"""
+
+import json
+
+import numpy as np
+import onnx.parser
+import pytest
+from safetensors.numpy import save_file
+
+from onnxparam import LoraConfig, Module, RecordError, Tensor, import_onnx
+from onnxparam.convert.peft import load_peft_adapter
+from onnxparam.nn import Linear
+
+W_TORCH = np.array([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]], np.float32)  # (out=2, in=3)
+BIAS = np.array([0.25, -0.5], np.float32)
+A = np.array([[1.0, 0.0, 2.0], [0.0, -1.0, 1.0]], np.float32)  # lora_A: (r=2, in=3)
+B = np.array([[0.5, 1.0], [-2.0, 0.25]], np.float32)  # lora_B: (out=2, r=2)
+X = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], np.float32)
+
+
+def torch_oracle(scale: float) -> np.ndarray:
+    return X @ (W_TORCH + scale * (B @ A)).T + BIAS
+
+
+class Net(Module):
+    def __init__(self):
+        self.proj = Linear(3, 2)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def net() -> Net:
+    """Burn layout: the weight is (in, out) = W_torch.T."""
+    module = Net()
+    return module.map(lambda path, p: p.map(lambda t: Tensor.from_numpy(
+        W_TORCH.T.copy() if path == "proj.weight" else BIAS)))
+
+
+def write_peft(folder, config: dict, tensors: dict):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "bias": "none", **config}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def factors(name="base_model.model.encoder.proj"):
+    return {f"{name}.lora_A.weight": A, f"{name}.lora_B.weight": B}
+
+
+KEY_MAP = [(r"^encoder\.", "")]
+
+
+def test_peft_adapter_on_a_burn_layout_linear_gives_the_pytorch_result(tmp_path):
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3}, factors())
+    module = load_peft_adapter(net(), folder, key_map=KEY_MAP)
+    adapter = module.proj.weight.adapter()
+    assert adapter.scale == 1.5 and not adapter.transposed and module.proj.weight.require_grad is False
+    np.testing.assert_array_equal(adapter.a.val().to_numpy(), A.T)
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.5), rtol=1e-5)
+
+
+def test_rslora_scales_by_alpha_over_sqrt_rank(tmp_path):
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3, "use_rslora": True}, factors())
+    module = load_peft_adapter(net(), [folder / "adapter_config.json", folder / "adapter_model.safetensors"],
+                               key_map=KEY_MAP)
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(3 / np.sqrt(2)), rtol=1e-5)
+
+
+def test_alpha_pattern_overrides_alpha_per_module(tmp_path):
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3, "alpha_pattern": {"proj": 8}}, factors())
+    module = load_peft_adapter(net(), folder, key_map=KEY_MAP)
+    assert module.proj.weight.adapter().scale == 4.0
+
+
+def test_peft_adapter_on_an_imported_gemm_trans_b_weight_keeps_the_pytorch_layout(tmp_path):
+    text = """
+    <ir_version: 10, opset_import: ["" : 21]>
+    g (float[N, 3] x) => (float[N, 2] y) <float[2, 3] proj_weight = {%s}, float[2] proj_bias = {0.25, -0.5}>
+    { y = Gemm <transB: int = 1> (x, proj_weight, proj_bias) }
+    """ % ", ".join(map(repr, W_TORCH.ravel().tolist()))
+    imported = import_onnx(onnx.parser.parse_model(text))
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 2, "fan_in_fan_out": False}, factors("base_model.model.proj"))
+    module = load_peft_adapter(imported, folder, key_map=[(r"^proj$", "proj_weight")])
+    assert module.param_of("proj_weight").adapter().transposed
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.0), rtol=1e-5)
+
+
+def test_loading_replaces_the_factors_of_an_existing_adapter_and_keeps_their_ids(tmp_path):
+    adapted = net().apply_lora(LoraConfig(rank=2, alpha=3.0, seed=0))
+    ids = (adapted.proj.weight.adapter().a.id, adapted.proj.weight.adapter().b.id)
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3}, factors())
+    module = load_peft_adapter(adapted, folder, key_map=KEY_MAP)
+    assert (module.proj.weight.adapter().a.id, module.proj.weight.adapter().b.id) == ids
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"use_dora": True}, r"use_dora=true \(DoRA\)"),
+    ({"bias": "lora_only"}, r"bias='lora_only'.*only bias='none' is supported"),
+    ({"peft_type": "IA3"}, r"peft_type 'IA3'"),
+])
+def test_unsupported_peft_variants_name_the_option(tmp_path, option, message):
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3, **option}, factors())
+    with pytest.raises(RecordError, match=message):
+        load_peft_adapter(net(), folder, key_map=KEY_MAP)
+
+
+def test_unmatched_modules_and_misfit_shapes_are_all_reported(tmp_path):
+    tensors = {**factors("base_model.model.decoder.out"), **factors(),
+               "base_model.model.encoder.proj.lora_B.bias": BIAS}
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3}, tensors)
+    with pytest.raises(RecordError) as info:
+        load_peft_adapter(net(), folder, key_map=KEY_MAP)
+    text = str(info.value)
+    assert "'decoder.out', which is not a param" in text and "add a key_map rule" in text
+    assert "bias training" in text
+
+
+def test_factors_that_do_not_fit_the_target_name_both_shapes(tmp_path):
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3},
+                        {"base_model.model.proj.lora_A.weight": np.zeros((2, 5), np.float32),
+                         "base_model.model.proj.lora_B.weight": B})
+    with pytest.raises(RecordError, match=r"'proj.weight': the factors make a \(2, 5\) PyTorch weight, the param is \[3, 2\]"):
+        load_peft_adapter(net(), folder)

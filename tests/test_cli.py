@@ -72,3 +72,42 @@ def test_failures_exit_1_with_one_line(tmp_path, capsys):
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "export" in capsys.readouterr().out
+
+
+def test_export_mnist_tour_prints_a_table_of_every_variant(exported):
+    result, out = exported
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    table = text[text.index("\nvariant "):].strip().splitlines()
+    rows = {line[:18].strip(): line for line in table[1:]}
+    assert set(rows) == {"float32 module", "float32 ONNX", "burnpack", "int8 QDQ ONNX", "LoRA merged ONNX",
+                         "LoRA kept ONNX"}
+    for variant in ("float32 ONNX", "burnpack", "LoRA merged ONNX", "LoRA kept ONNX"):
+        accuracy = float(re.search(r"\s(0\.\d{4})\s", rows[variant]).group(1))
+        assert accuracy > 0.90, rows[variant]
+    assert (out / "mnist-lora-kept.onnx").stat().st_size > (out / "mnist-lora-merged.onnx").stat().st_size
+    check = re.search(r"LoRA merged vs kept: max \|logits difference\| = (\S+)", text)
+    assert check and float(check.group(1)) < 1e-4
+    if "skipped" in rows["int8 QDQ ONNX"]:
+        assert re.search(r"^int8: +skipped \(Unavailable: .*Quantizer", text, re.M)
+    else:
+        accuracy = float(re.search(r"\s(0\.\d{4})\s", rows["int8 QDQ ONNX"]).group(1))
+        assert accuracy > 0.85
+
+
+def test_export_mnist_burnpack_round_trip_matches_burns_file_tensor_by_tensor(exported):
+    result, out = exported
+    assert re.search(r"^burnpack: wrote .*mnist\.bpk .*18/18 tensors byte-identical to model\.bpk", result.stdout, re.M)
+    # An independent check of the claim: the tensor bytes of both files, found through their CBOR headers.
+    import cbor2
+    import struct
+
+    def tensors(path):
+        raw = path.read_bytes()
+        size = struct.unpack_from("<I", raw, 6)[0]
+        meta = cbor2.loads(raw[10:10 + size])
+        start = -(-(10 + size) // 256) * 256
+        return {n: (d["shape"], d["param_id"], raw[start + d["data_offsets"][0]:start + d["data_offsets"][1]])
+                for n, d in meta["tensors"].items()}
+
+    assert tensors(out / "mnist.bpk") == tensors(mnist.weights_path())

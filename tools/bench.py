@@ -13,13 +13,34 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   runtime's cached session) vs a plain ``onnxruntime.InferenceSession`` on the graph exported
   from the same module, with the same session options, at batch 1 and 256. Targets: ratio
   <= 1.05 at batch 1, <= 1.01 at 256.
+* ``convert``: ``onnxparam.convert.convert`` on a synthetic model of :data:`CONVERT_MODEL_BYTES`
+  (1 GiB, float32 plus some float16 / int64 tensors) in four directions (``.bpk -> .safetensors``,
+  ``.safetensors -> .bpk``, ``.bpk -> .onnx`` with external data, ``.onnx -> .bpk``) against
+  copying the ``.bpk`` once (``shutil.copyfile``), every case in a fresh subprocess, files in the
+  page cache, best of ``--convert-repeats``. Prints GB/s of tensor data and the time ratio
+  (target <= :data:`CONVERT_TIME_TARGET`), and the memory ratio: peak *anonymous* RSS growth
+  during the conversion / the largest tensor (target <= :data:`CONVERT_MEMORY_TARGET`).
+  Temporary files (~4 GiB at most) are removed at the end.
+* ``lora``: an MLP of :data:`LORA_LAYERS` ``Linear(1024, 1024)`` + ReLU at batch
+  :data:`LORA_BATCH`, with LoRA at ranks :data:`LORA_RANKS`, exported in the three LoRA modes and
+  run in plain ``onnxruntime.InferenceSession`` s (same options). ``keep`` and ``inputs`` (with an
+  adapter active through ``RunOptions.add_active_adapter``) vs ``merge``: target
+  :data:`LORA_OVERHEAD_TARGET`. Switching adapters: a run with the other ``.onnx_adapter``
+  active vs building a session for the other adapter merged (and one run), and the runtime's
+  ``module(x)`` after loading other factors in ``"inputs"`` mode (no new session) vs in
+  ``"merge"`` mode (a new session); target :data:`LORA_SWITCH_TARGET`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,6 +59,11 @@ class Result:
     ours_s: float
     baseline_s: float
     target: float
+    unit: str = "ms"
+    """How ``ours_s`` / ``baseline_s`` print: ``"ms"`` (seconds shown as ms) or ``"MiB"`` (bytes)."""
+
+    def show(self, value: float) -> str:
+        return f"{value / 2**20:8.1f} MiB" if self.unit == "MiB" else f"{value * 1e3:8.3f} ms"
 
     @property
     def ratio(self) -> float:
@@ -110,8 +136,253 @@ def bench_mnist(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+CONVERT_MODEL_BYTES = 2**30
+"""Tensor bytes of the synthetic model: 1 GiB, so the file is far larger than any one tensor."""
+CONVERT_LARGEST_SHAPE = (4096, 4096)
+"""The largest tensors: float32 (4096, 4096) = 64 MiB each (15 of them, plus smaller ones)."""
+CONVERT_TIME_TARGET = 3.0
+"""Conversion time / copying the file once. Both read and write every byte once (page cache to
+page cache); a conversion also plans offsets, decodes headers and writes per tensor."""
+CONVERT_MEMORY_TARGET = 1.2
+"""Peak anonymous RSS growth / largest tensor: memory bounded by one tensor plus a margin."""
+CONVERT_CASES = {
+    # case -> (source file, target file) in the bench folder
+    "copy": ("model.bpk", "copy.bpk"),
+    "bpk->safetensors": ("model.bpk", "out.safetensors"),
+    "safetensors->bpk": ("model.safetensors", "out.bpk"),
+    "bpk->onnx": ("model.bpk", "out.onnx"),
+    "onnx->bpk": ("model.onnx", "out.bpk"),
+}
+CONVERT_CASE_FLAG = "--run-convert-case"
+"""Internal: ``bench.py --run-convert-case CASE FOLDER`` runs one case and prints JSON."""
+RSS_SAMPLE_S = 0.002
+
+
+def _synthetic_tensors():
+    """``(name, array factory)`` of the synthetic model, data order; 1 GiB of tensor data."""
+    big = int(np.prod(CONVERT_LARGEST_SHAPE)) * 4
+    tensors, total, i = [], 0, 0
+    while total + big <= CONVERT_MODEL_BYTES - 2**20 * 16:
+        tensors.append((f"layers.{i}.weight", CONVERT_LARGEST_SHAPE, np.float32))
+        tensors.append((f"layers.{i}.bias", (CONVERT_LARGEST_SHAPE[1],), np.float32))
+        total += big + CONVERT_LARGEST_SHAPE[1] * 4
+        i += 1
+    rest = CONVERT_MODEL_BYTES - total
+    head_rows = rest // 2 // (4096 * 2)
+    tensors.append(("head.weight", (head_rows, 4096), np.float16))
+    tensors.append(("head.steps", (-(-(rest - head_rows * 4096 * 2) // 8),), np.int64))  # rounded up: >= 1 GiB
+    return tensors
+
+
+def _rss_kib() -> dict:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "RssAnon")}
+
+
+def _run_convert_case(case: str, folder: str) -> int:
+    """One case in this (fresh) process: seconds and RSS before / peak (sampled every 2 ms)."""
+    from onnxparam.convert import convert
+
+    src, dst = (Path(folder) / name for name in CONVERT_CASES[case])
+    start = _rss_kib()
+    peak = dict(start)
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for k, v in _rss_kib().items():
+                peak[k] = max(peak[k], v)
+            time.sleep(RSS_SAMPLE_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    if case == "copy":
+        shutil.copyfile(src, dst)
+    else:
+        convert(src, dst, external_data=True if dst.suffix == ".onnx" else None)
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    for k, v in _rss_kib().items():
+        peak[k] = max(peak[k], v)
+    print(json.dumps({"seconds": seconds, "start": start, "peak": peak}))
+    return 0
+
+
+def _remove_target(folder: Path, name: str) -> None:
+    for path in folder.glob(name + "*"):
+        path.unlink()
+
+
+def bench_convert(args: argparse.Namespace) -> list[Result]:
+    from onnxparam import burnpack
+    from onnxparam.convert import convert
+
+    tensors = _synthetic_tensors()
+    largest = max(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in tensors)
+    data_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in tensors)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-convert-") as tmp:
+        folder = Path(tmp)
+        rng = np.random.default_rng(0)
+
+        def entry(name, shape, dt):
+            def data(_shape=shape, _dt=dt):
+                if np.dtype(_dt).kind == "f":
+                    return rng.standard_normal(_shape, dtype=np.float32).astype(_dt, copy=False)
+                return np.arange(int(np.prod(_shape)), dtype=_dt).reshape(_shape)
+
+            return burnpack.TensorEntry(name, _dtype(dt), shape, data, param_id=len(name))
+
+        t0 = time.perf_counter()
+        burnpack.write(folder / "model.bpk", (entry(*t) for t in tensors), metadata={"model": "synthetic"})
+        convert(folder / "model.bpk", folder / "model.safetensors")
+        convert(folder / "model.bpk", folder / "model.onnx", external_data=True)
+        size = (folder / "model.bpk").stat().st_size
+        print(f"convert: synthetic model {len(tensors)} tensors, {data_bytes / 2**30:.2f} GiB of tensor data, "
+              f"largest tensor {largest / 2**20:.0f} MiB; .bpk {size:,} bytes (setup {time.perf_counter() - t0:.1f} s)",
+              file=sys.stderr)
+        best: dict = {}
+        for repeat in range(args.convert_repeats):
+            for case in CONVERT_CASES:
+                out = subprocess.run([sys.executable, __file__, CONVERT_CASE_FLAG, case, str(folder)],
+                                     capture_output=True, text=True, check=True)
+                run = json.loads(out.stdout.strip().splitlines()[-1])
+                if case not in best or run["seconds"] < best[case]["seconds"]:
+                    best[case] = run
+                _remove_target(folder, CONVERT_CASES[case][1])
+        copy_s = best["copy"]["seconds"]
+        print(f"convert: copy {size / copy_s / 1e9:.2f} GB/s", file=sys.stderr)
+        for case in CONVERT_CASES:
+            if case == "copy":
+                continue
+            run = best[case]
+            anon = (run["peak"]["RssAnon"] - run["start"]["RssAnon"]) * 1024
+            rss = (run["peak"]["VmRSS"] - run["start"]["VmRSS"]) * 1024
+            print(f"convert: {case:<17} {data_bytes / run['seconds'] / 1e9:6.2f} GB/s  {run['seconds']:6.2f} s  "
+                  f"peak RSS growth: anonymous {anon / 2**20:7.1f} MiB = {anon / largest:.2f} x largest tensor, "
+                  f"all (incl. mapped file pages) {rss / 2**20:7.1f} MiB", file=sys.stderr)
+            results.append(Result("convert", f"{case} time", run["seconds"], copy_s, CONVERT_TIME_TARGET))
+            results.append(Result("convert", f"{case} memory", float(anon), float(largest), CONVERT_MEMORY_TARGET,
+                                  unit="MiB"))
+    return results
+
+
+LORA_LAYERS = 4
+LORA_WIDTH = 1024
+LORA_BATCH = 32
+LORA_RANKS = (8, 16)
+LORA_OVERHEAD_TARGET = 1.10
+"""kept / inputs latency over merged: the adapter branch costs ``2 * r * width`` MACs per row
+(1.6% of the layer at r = 8) plus four small nodes per layer."""
+LORA_SWITCH_TARGET = 0.25
+"""A run after switching adapters / building a new session and running it once. Both sides
+include the run itself (a few ms here), which bounds the ratio from below."""
+
+
+def bench_lora(args: argparse.Namespace) -> list[Result]:
+    import onnxruntime as ort
+
+    from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, runtime
+    from onnxparam.lora_graph import write_onnx_adapter
+    from onnxparam.nn import Linear
+
+    class Mlp(Module):
+        def __init__(self):
+            self.layers = [Linear(LORA_WIDTH, LORA_WIDTH) for _ in range(LORA_LAYERS)]
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x).relu()
+            return x
+
+    def with_factors(module, seed):
+        rng = np.random.default_rng(seed)
+        return module.map(lambda path, p: Param(p.id, value=Tensor.from_numpy(
+            rng.normal(0, 0.05, size=p.lazy_shape()).astype(np.float32)), require_grad=p.require_grad)
+            if path.endswith((".lora.a", ".lora.b")) else p)
+
+    config = runtime.SessionConfig(intra_op_num_threads=args.threads)
+    x = np.random.default_rng(0).normal(size=(LORA_BATCH, LORA_WIDTH)).astype(np.float32)
+    base = Mlp()
+    results = []
+    repeats = max(args.repeats // 5, 20)
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-") as tmp:
+        folder = Path(tmp)
+
+        def session(path):
+            return ort.InferenceSession(str(path), sess_options=config.session_options(),
+                                        providers=["CPUExecutionProvider"])
+
+        for rank in LORA_RANKS:
+            first = with_factors(base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=0)), 1)
+            second = with_factors(first, 2)
+            paths = {mode: export_onnx(first, folder / f"r{rank}-{mode}.onnx", x, lora=mode)
+                     for mode in ("merge", "keep", "inputs")}
+            adapters, loaded = [], []
+            for i, module in enumerate((first, second)):
+                file = write_onnx_adapter(module, folder / f"r{rank}-{i}.onnx_adapter")
+                adapter = ort.LoraAdapter()
+                adapter.Load(str(file))
+                loaded.append(adapter)  # NOTE: RunOptions does not keep its adapters alive
+                options = ort.RunOptions()
+                options.add_active_adapter(adapter)
+                adapters.append(options)
+            sessions = {mode: session(path) for mode, path in paths.items()}
+            merged = sessions["merge"]
+
+            def plain(mode, options=None):
+                return lambda: sessions[mode].run(None, {"x": x}, options)[0]
+
+            reference = plain("merge")()
+            for mode, options in (("keep", None), ("inputs", adapters[0])):
+                np.testing.assert_allclose(plain(mode, options)(), reference, rtol=1e-3, atol=1e-3)
+                t_ours, t_base = interleaved_medians(plain(mode, options), plain("merge"), repeats)
+                results.append(Result("lora", f"r{rank} {mode} vs merge", t_ours, t_base, LORA_OVERHEAD_TARGET))
+            # switching adapters in one session vs a new session for the other merged adapter
+            merged_other = export_onnx(second, folder / f"r{rank}-merge-2.onnx", x, lora="merge")
+            turn = [0]
+
+            def switch():
+                turn[0] ^= 1
+                return sessions["inputs"].run(None, {"x": x}, adapters[turn[0]])[0]
+
+            def rebuild():
+                return session(merged_other).run(None, {"x": x})[0]
+
+            t_ours, t_base = interleaved_medians(switch, rebuild, max(repeats // 10, 5), warmup=1)
+            results.append(Result("lora", f"r{rank} switch (ORT adapter)", t_ours, t_base, LORA_SWITCH_TARGET))
+            # the runtime: module(x) with other factors, "inputs" mode (same session) vs "merge" (new one)
+            variants = [with_factors(first, 10 + i) for i in range(2 * max(repeats // 10, 5) + 4)]
+            pool = {"inputs": iter(variants[::2]), "merge": iter(variants[1::2])}
+            xt = Tensor.from_numpy(x)
+
+            def call(mode):
+                def run():
+                    module = next(pool[mode])
+                    runtime.set_session_config(module, config.with_lora_mode(mode))
+                    return module(xt).to_numpy()
+                return run
+
+            runtime.set_cache_size(sessions=2)
+            t_ours, t_base = interleaved_medians(call("inputs"), call("merge"), max(repeats // 10, 5), warmup=1)
+            runtime.set_cache_size(sessions=runtime.MAX_CACHED_SESSIONS)
+            results.append(Result("lora", f"r{rank} switch (module)", t_ours, t_base, LORA_SWITCH_TARGET))
+            del merged
+    return results
+
+
+def _dtype(np_dtype):
+    from onnxparam import DType
+
+    return DType.from_numpy(np.dtype(np_dtype))
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
+    "convert": bench_convert,
+    "lora": bench_lora,
 }
 """Section name -> function; run in this order when none is named."""
 
@@ -123,20 +394,24 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=500, help="timed repetitions per case (default: 500)")
     parser.add_argument("--threads", type=int, default=0,
                         help="ONNX Runtime intra-op threads for both sides (default: 0 = ONNX Runtime's choice)")
+    parser.add_argument("--convert-repeats", type=int, default=3,
+                        help="runs of each convert case, best kept (default: 3)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     names = args.sections or list(SECTIONS)
-    print(f"{'section':<8} {'case':<22} {'onnxparam':>11} {'baseline':>11} {'ratio':>7} {'target':>7}")
+    print(f"{'section':<8} {'case':<26} {'onnxparam':>11} {'baseline':>11} {'ratio':>7} {'target':>7}")
     all_ok = True
     for name in names:
         for r in SECTIONS[name](args):
             all_ok &= r.ok
-            print(f"{r.section:<8} {r.case:<22} {r.ours_s * 1e3:>8.3f} ms {r.baseline_s * 1e3:>8.3f} ms "
+            print(f"{r.section:<8} {r.case:<26} {r.show(r.ours_s):>11} {r.show(r.baseline_s):>11} "
                   f"{r.ratio:>7.3f} {'<=' + format(r.target, '.2f'):>7} {'ok' if r.ok else 'MISSED'}")
     return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == CONVERT_CASE_FLAG:
+        sys.exit(_run_convert_case(sys.argv[2], sys.argv[3]))
     sys.exit(main())

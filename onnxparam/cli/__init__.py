@@ -1,0 +1,143 @@
+"""The ``onnxparam`` command line (also ``python -m onnxparam``).
+
+Each subcommand is a :class:`Command`: a name, a one-line help, a function that adds its
+arguments to its own parser and a function that runs it and returns the exit code. Add a
+command by writing those and listing it in :data:`COMMANDS`; :func:`main` does the rest.
+
+Exit codes: 0 success, 1 a failure (one line on stderr: ``onnxparam: error: ...``), 2 a usage
+error (one line on stderr naming the bad argument, as ``argparse`` words it). No tracebacks.
+Progress bars (``tqdm``) go to stderr, only on a terminal, never with ``--quiet``.
+
+Commands:
+
+* ``onnxparam inspect FILE [--json] [--no-count]``: the tensors of a ``.bpk``, ``.onnx`` or
+  ``.safetensors`` file (name, dtype, shape, bytes, param id, quantization scheme, NaN / Inf
+  counts of float tensors), the file's metadata and totals. Tensor data is read lazily
+  (memory-mapped) in :data:`COUNT_CHUNK_BYTES` chunks, so a file larger than memory is fine (an
+  ``.onnx`` whose weights sit inside the protobuf is parsed whole: protobuf has no lazy reads).
+  ``--json`` prints one JSON document (:func:`inspect_file` builds it).
+* ``onnxparam convert IN OUT [--graph G.onnx] [--zero-copy] [--remap PATTERN=REPL ...]
+  [--include RE ...] [--exclude RE ...] [--transpose RE ...] [--cast f16|bf16|f32]
+  [--pytorch] [--allow-partial] [--external-data] [--plain] [--quiet]``: wraps
+  :func:`onnxparam.convert.convert` (formats from the extensions) and prints its report.
+* ``onnxparam quantize IN OUT --scheme q8s|q8f|q4s|q4f [--block-size N]``: quantize the
+  weights of a model (an ``.onnx`` file, or a ``.bpk`` / ``.safetensors`` with ``--graph`` or
+  ``--zoo``) with :class:`onnxparam.quant.Quantizer`; ``OUT.onnx`` is a QDQ model,
+  ``OUT.bpk`` holds ``QFloat`` tensors.
+* ``onnxparam lora merge|keep|adapter MODEL OUT --alpha A [--rank R] [--adapter FILE]
+  [--targets RE ...]``: LoRA adapters on a model's rank-2 weights (factors from ``MODEL`` or
+  ``--adapter``, else fresh ones of ``--rank``): ``merge`` folds them into the weights,
+  ``keep`` keeps them as separate factors (ONNX ``lora="keep"``; a ``.bpk`` with
+  ``<param>.lora.a`` / ``.lora.b``), ``adapter`` writes the factors alone.
+* ``onnxparam export mnist [--out DIR] [--batch-size N] [--device D] [--only PART ...]``: the
+  tour of the packaged MNIST model: classify the 1,797 packaged digits through ONNX Runtime,
+  export float32, int8-QDQ and LoRA (merged and kept) ONNX files, round-trip the weights
+  through a burnpack file, and print accuracy, file size and latency for each (parts whose
+  APIs are missing from this build are skipped with a note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from ._common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    Command,
+    UsageError,
+    _Parser,
+    one_line,
+)
+from ._models import export_mnist_onnx
+from .convert import _add_convert_arguments, _run_convert
+from .export import _add_export_arguments, _run_export
+from .inspect import _add_inspect_arguments, _run_inspect, inspect_file
+from .lora import _add_lora_arguments, _run_lora
+from .quantize import _add_quantize_arguments, _run_quantize
+
+__all__ = [
+    "main",
+    "build_parser",
+    "inspect_file",
+    "export_mnist_onnx",
+    "Command",
+    "COMMANDS",
+    "EXIT_OK",
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+]
+
+COMMANDS: tuple = (
+    Command(
+        "inspect",
+        "list the tensors and metadata of a .bpk, .onnx or .safetensors file",
+        _add_inspect_arguments,
+        _run_inspect,
+    ),
+    Command("convert", "convert weights between .bpk, .safetensors and .onnx", _add_convert_arguments, _run_convert),
+    Command(
+        "quantize", "quantize a model's weights (QDQ .onnx or QFloat .bpk)", _add_quantize_arguments, _run_quantize
+    ),
+    Command(
+        "lora", "LoRA adapters: merge them, keep them as factors, or write them alone", _add_lora_arguments, _run_lora
+    ),
+    Command(
+        "export",
+        "the tour of a packaged model: ONNX files (float32, int8, LoRA), burnpack, a table",
+        _add_export_arguments,
+        _run_export,
+    ),
+)
+"""The subcommands, in ``--help`` order."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``onnxparam`` argument parser, one subparser per :data:`COMMANDS` entry."""
+    from .. import __version__
+
+    parser = _Parser(prog=PROG, description="Burn's Param/Module model for ONNX models.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:  # --help / --version
+        return int(e.code or 0)
+    from ..errors import OnnxParamError
+
+    try:
+        return int(args._run(args))
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    except BrokenPipeError:  # `onnxparam inspect big.bpk | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILURE
+    except (OnnxParamError, OSError, ValueError, RuntimeError, ImportError) as e:
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
+        print(f"{PROG}: error: unexpected {type(e).__name__}: {one_line(e)} (please report this)", file=sys.stderr)
+        return EXIT_FAILURE

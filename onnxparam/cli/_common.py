@@ -1,0 +1,166 @@
+"""Shared pieces of the command line: exit codes, the parser, argument types, output."""
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+"""``argparse``'s (and the Unix) convention for a command-line usage error."""
+
+PROG = "onnxparam"
+DEFAULT_OUT_DIR = "onnxparam-out"
+DEFAULT_BATCH_SIZE = 256
+MNIST_ONNX_FILE = "mnist.onnx"
+
+COUNT_CHUNK_BYTES = 16 * 1024 * 1024
+"""Bytes of one tensor scanned at a time when counting NaN / Inf: bounds the temporaries of a
+scan (a few booleans per element) whatever the tensor's size."""
+
+PROGRESS_MIN_BYTES = 64 * 1024 * 1024
+"""Work smaller than this shows no progress bar (it would only flicker)."""
+
+
+class UsageError(Exception):
+    """A bad command line; :func:`main` prints it as one line and returns :data:`EXIT_USAGE`."""
+
+
+class Unavailable(RuntimeError):
+    """A feature whose library API is missing from this build (exit 1, one line)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage dump) and never exit."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's API
+        raise UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: ``add_arguments(parser)`` declares its arguments; ``run(args) -> int``."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"invalid regular expression {text!r}: {e}") from None
+    return text
+
+
+def _remap_rule(text: str) -> tuple:
+    """``PATTERN=REPLACEMENT`` (split at the first ``=``) -> ``(pattern, replacement)``."""
+    pattern, sep, replacement = text.partition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(f"expected PATTERN=REPLACEMENT, got {text!r}")
+    _regex(pattern)
+    return pattern, replacement
+
+
+def _device(text: str):
+    from ..device import Device
+
+    try:
+        return Device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def _note(line: str) -> None:
+    """A remark on stderr (stdout stays the command's result)."""
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
+
+def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
+    """A tqdm bar on stderr, or ``None`` (``--quiet``, not a terminal, small work, no tqdm)."""
+    if quiet or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    # NOTE: disable=None is tqdm's "only on a terminal": pipes and logs get no bar.
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024,
+        disable=None,
+        leave=False,
+        file=sys.stderr,
+    )
+
+
+def _file_format(path: Path, role: str, allowed: Sequence[str] = ("burnpack", "onnx", "safetensors")) -> str:
+    """The format of ``path`` from its extension, or a one-line ``ValueError`` naming ``role``."""
+    from ..convert import FORMATS
+
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt not in allowed:
+        known = ", ".join(ext for ext, f in FORMATS.items() if f in allowed)
+        raise ValueError(
+            f"{role} '{path}': cannot tell the format from the extension '{path.suffix}'; use one of {known}"
+        )
+    return fmt
+
+
+def _existing(path: Path, role: str) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"{role} '{path}' does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"{role} '{path}' is a folder, not a file")
+    return path
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def one_line(error: BaseException) -> str:
+    # RecordError lists its problems as "  - ..." lines; keep them, on one line.
+    lines = [re.sub(r"^-\s+", "", line.strip()) for line in str(error).splitlines() if line.strip()]
+    problems = getattr(error, "problems", None)
+    text = "; ".join(lines) or type(error).__name__
+    if problems and not any(str(p) in text for p in problems):
+        text += ": " + "; ".join(str(p) for p in problems)
+    return text

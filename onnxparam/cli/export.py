@@ -1,0 +1,311 @@
+"""``onnxparam export mnist``: the tour of the packaged MNIST model."""
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ._common import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_OUT_DIR,
+    EXIT_OK,
+    MNIST_ONNX_FILE,
+    Unavailable,
+    _device,
+    _out,
+    _positive_int,
+    _progress,
+    one_line,
+)
+from ._models import export_mnist_onnx
+from .inspect import _print_table, _scheme_text
+from .quantize import _quantizer
+
+EXPORT_MODELS = ("mnist",)
+"""Models ``onnxparam export`` knows (the packaged zoo)."""
+
+TOUR_PARTS = ("float32", "burnpack", "int8", "lora")
+"""The parts of ``export mnist`` (``--only`` picks some): the float32 module and its ONNX file,
+the burnpack round trip, the int8-QDQ ONNX file, the LoRA ONNX files (merged and kept)."""
+
+TOUR_FILES = {
+    "float32": MNIST_ONNX_FILE,
+    "burnpack": "mnist.bpk",
+    "int8": "mnist-int8-qdq.onnx",
+    "lora-merge": "mnist-lora-merged.onnx",
+    "lora-keep": "mnist-lora-kept.onnx",
+}
+
+TOUR_LORA_RANK = 4
+TOUR_LORA_ALPHA = 8.0
+TOUR_LORA_TARGETS = r"^fc\d\.weight$"
+"""The tour's LoRA: rank 4, alpha 8 (scale 2) on the three Linear weights."""
+TOUR_LORA_B_STD = 0.01
+"""Std of the tour's ``b`` factors: a fresh ``b`` is zero (the adapter a no-op), so the tour
+draws small values to make merged and kept graphs compute something to compare."""
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", choices=EXPORT_MODELS, help="the packaged model to export")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT_DIR),
+        metavar="DIR",
+        help=f"output folder, created if missing (default: ./{DEFAULT_OUT_DIR})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"digits per module call (default: {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--device", type=_device, default="cpu", metavar="DEVICE", help="'cpu', 'cuda' or 'cuda:N' (default: cpu)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=TOUR_PARTS,
+        action="append",
+        metavar="PART",
+        help=f"run only these parts of the tour (repeatable; {', '.join(TOUR_PARTS)}; default: all)",
+    )
+
+
+@dataclass
+class _TourRow:
+    variant: str
+    file: Optional[Path] = None
+    accuracy: Optional[float] = None
+    ms_per_batch: Optional[float] = None
+    images_per_s: Optional[float] = None
+    note: str = ""
+
+
+def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
+    """Logits of a plain ``onnxruntime.InferenceSession`` on ``path`` over all ``pixels``, and the
+    median seconds per batch (every call but the first, when there are several)."""
+    from .._ort import import_onnxruntime
+
+    ort = import_onnxruntime()
+    session = ort.InferenceSession(str(path), providers=providers)
+    name = session.get_inputs()[0].name
+    outputs, times = [], []
+    for start in range(0, len(pixels), batch):
+        x = pixels[start : start + batch]
+        t0 = time.perf_counter()
+        outputs.append(session.run(None, {name: x})[0])
+        times.append((time.perf_counter() - t0, len(x)))
+    steady = times[1:] if len(times) > 1 else times
+    seconds = [t for t, _ in steady]
+    return np.concatenate(outputs), float(np.median(seconds)), sum(n for _, n in steady) / sum(seconds)
+
+
+def _skipped(part: str, error: BaseException) -> str:
+    return f"skipped ({type(error).__name__}: {one_line(error)})"
+
+
+def _run_export_mnist(args: argparse.Namespace) -> int:
+    from .. import Device, Tensor
+    from ..zoo import mnist
+
+    parts = set(args.only or TOUR_PARTS)
+    device = Device(args.device)
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} exists and is not a folder")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.is_cuda else ["CPUExecutionProvider"]
+
+    weights = mnist.weights_path()
+    model = mnist.load_pretrained(device)
+    images, labels = mnist.load_digits()
+    pixels = images.astype(np.float32)
+    n, batch = len(images), args.batch_size
+    starts = range(0, n, batch)
+    _out(f"model:    Burn MNIST example, {model.num_params():,} params, weights {weights}")
+    _out(f"digits:   {n} images {list(images.shape[1:])}, batch size {batch} ({len(starts)} calls)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[_TourRow] = []
+
+    def accuracy(logits: np.ndarray) -> float:
+        return float((logits.argmax(axis=1) == labels).mean())
+
+    # 1. float32: the module through ONNX Runtime, then its exported graph in a plain session.
+    logits = np.empty((n, mnist.NUM_CLASSES), dtype=np.float32)
+    times = []
+    progress = _progress(n, "classifying", quiet=False, unit="img")
+    for start in starts:
+        x = Tensor.from_numpy(pixels[start : start + batch], device)
+        t0 = time.perf_counter()
+        y = model(x).to_numpy()
+        times.append(time.perf_counter() - t0)
+        logits[start : start + batch] = y
+        if progress is not None:
+            progress.update(len(y))
+    if progress is not None:
+        progress.close()
+    predicted = logits.argmax(axis=1)
+    correct = int((predicted == labels).sum())
+    _out(f"accuracy: {correct / n:.4f} ({correct}/{n}) through ONNX Runtime, device {device}")
+    # NOTE: the first call traces the forward and builds the ORT session; latency is the
+    # steady state after it (all calls when there is only one).
+    sizes = [min(batch, n - s) for s in starts]
+    steady_times, steady_sizes = (times[1:], sizes[1:]) if len(times) > 1 else (times, sizes)
+    per_batch_ms = float(np.median(steady_times)) * 1e3
+    images_per_s = sum(steady_sizes) / sum(steady_times)
+    _out(
+        f"latency:  {per_batch_ms:.2f} ms/batch (median), {images_per_s:,.0f} images/s; "
+        f"first call {times[0] * 1e3:.1f} ms (trace + session)"
+    )
+    rows.append(_TourRow("float32 module", None, correct / n, per_batch_ms, images_per_s, "module calls"))
+
+    if "float32" in parts:
+        onnx_path = out_dir / TOUR_FILES["float32"]
+        export_mnist_onnx(model, onnx_path)
+        _out(f"wrote:    {onnx_path} ({onnx_path.stat().st_size:,} bytes)")
+        plain, ms, ips = _session_pass(onnx_path, pixels, batch, providers)
+        diff = float(np.max(np.abs(plain - logits)))
+        same_labels = int((plain.argmax(axis=1) == predicted).sum())
+        _out(
+            f"check:    plain onnxruntime.InferenceSession on {onnx_path.name}: max |logits - module logits| = "
+            f"{diff:.2e}, same label for {same_labels}/{n} digits"
+        )
+        if same_labels != n:
+            raise RuntimeError(f"the exported graph disagrees with the module on {n - same_labels} digits")
+        rows.append(_TourRow("float32 ONNX", onnx_path, accuracy(plain), ms * 1e3, ips, "plain ORT session"))
+
+    if "burnpack" in parts:
+        rows.append(_tour_burnpack(model, out_dir / TOUR_FILES["burnpack"], weights, pixels, labels, batch, device))
+
+    if "int8" in parts:
+        rows.append(_tour_int8(model, out_dir / TOUR_FILES["int8"], pixels, batch, providers, accuracy))
+
+    if "lora" in parts:
+        rows += _tour_lora(model, out_dir, pixels, batch, providers, accuracy)
+
+    _out()
+    table = [["variant", "file", "bytes", "accuracy", "ms/batch", "images/s", "note"]]
+    for r in rows:
+        table.append(
+            [
+                r.variant,
+                r.file.name if r.file else "-",
+                f"{r.file.stat().st_size:,}" if r.file else "-",
+                "-" if r.accuracy is None else f"{r.accuracy:.4f}",
+                "-" if r.ms_per_batch is None else f"{r.ms_per_batch:.2f}",
+                "-" if r.images_per_s is None else f"{r.images_per_s:,.0f}",
+                r.note,
+            ]
+        )
+    _print_table(table, right={2, 3, 4, 5})
+    return EXIT_OK
+
+
+def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, device) -> _TourRow:
+    """``module.save_file`` then every tensor compared, byte for byte, with Burn's file; then the
+    file loaded into a fresh module, which classifies the digits."""
+    from .. import burnpack
+    from ..tensor import Tensor
+    from ..zoo.mnist import Mnist
+
+    model.save_file(path)
+    problems = []
+    with burnpack.read(weights) as burn, burnpack.read(path) as ours:
+        for name, theirs in burn.tensors.items():
+            mine = ours.tensors.get(name)
+            if mine is None:
+                problems.append(f"'{name}' missing")
+            elif (mine.dtype, mine.shape, mine.param_id) != (theirs.dtype, theirs.shape, theirs.param_id):
+                problems.append(
+                    f"'{name}': {mine.dtype.name} {list(mine.shape)} id {mine.param_id} != "
+                    f"{theirs.dtype.name} {list(theirs.shape)} id {theirs.param_id}"
+                )
+            elif bytes(mine.raw_bytes()) != bytes(theirs.raw_bytes()):
+                problems.append(f"'{name}': data differs")
+        extra = sorted(set(ours.tensors) - set(burn.tensors))
+        problems += [f"'{name}' not in Burn's file" for name in extra]
+        count = len(burn.tensors)
+    if problems:
+        raise RuntimeError(f"burnpack round trip: {path} differs from {weights}: " + "; ".join(problems))
+    same_file = path.read_bytes() == weights.read_bytes()
+    _out(
+        f"burnpack: wrote {path} ({path.stat().st_size:,} bytes); {count}/{count} tensors byte-identical to "
+        f"{weights.name} (dtype, shape, param id, data); whole file {'identical' if same_file else 'differs (metadata)'}"
+    )
+    reloaded = Mnist(device).load_file(path)
+    logits, times = [], []
+    for start in range(0, len(pixels), batch):
+        x = Tensor.from_numpy(pixels[start : start + batch], device)
+        t0 = time.perf_counter()
+        logits.append(reloaded(x).to_numpy())
+        times.append((time.perf_counter() - t0, len(x)))
+    steady = times[1:] if len(times) > 1 else times
+    ms = float(np.median([t for t, _ in steady])) * 1e3
+    ips = sum(k for _, k in steady) / sum(t for t, _ in steady)
+    acc = float((np.concatenate(logits).argmax(axis=1) == labels).mean())
+    return _TourRow("burnpack", path, acc, ms, ips, f"module loaded from it; {count}/{count} tensors = Burn's")
+
+
+def _tour_int8(model, path: Path, pixels, batch, providers, accuracy) -> _TourRow:
+    try:
+        quantizer, scheme = _quantizer("q8s", None)
+        quantized = model.quantize_weights(quantizer)
+        export_mnist_onnx(quantized, path)
+    except (Unavailable, ImportError, AttributeError, NotImplementedError) as e:
+        _out(f"int8:     {_skipped('int8', e)}")
+        return _TourRow("int8 QDQ ONNX", None, note="skipped: quantization API missing")
+    logits, ms, ips = _session_pass(path, pixels, batch, providers)
+    _out(f"int8:     wrote {path} ({path.stat().st_size:,} bytes), weights {_scheme_text(scheme)}")
+    return _TourRow("int8 QDQ ONNX", path, accuracy(logits), ms * 1e3, ips, "plain ORT session")
+
+
+def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list:
+    from ..dtype import DType
+    from ..group import ParamGroup
+    from ..lora import LoraConfig
+    from ..record import ModuleRecord, TensorSnapshot
+    from ..tensor import TensorData
+
+    adapted = model.apply_lora(
+        LoraConfig(TOUR_LORA_RANK, TOUR_LORA_ALPHA, seed=0, param_group=ParamGroup.from_regex(TOUR_LORA_TARGETS))
+    )
+    rng = np.random.default_rng(0)
+    factors = {}
+    for path, param in adapted.named_params():
+        if path.endswith(".lora.b"):
+            values = rng.normal(0.0, TOUR_LORA_B_STD, size=tuple(param.lazy_shape())).astype(np.float32)
+            factors[path] = TensorSnapshot(
+                DType.F32, values.shape, param.id, lambda _v=values: TensorData.from_numpy(_v)
+            )
+    adapted = adapted.try_load_record(ModuleRecord(factors), allow_partial=True)
+    rows, results = [], {}
+    for mode, label in (("merge", "LoRA merged ONNX"), ("keep", "LoRA kept ONNX")):
+        path = out_dir / TOUR_FILES[f"lora-{mode}"]
+        try:
+            export_mnist_onnx(adapted, path, lora=mode)
+        except (ValueError, NotImplementedError, ImportError) as e:
+            _out(f"lora:     {mode}: {_skipped(mode, e)}")
+            rows.append(_TourRow(label, None, note=f"skipped: lora={mode!r} not available"))
+            continue
+        logits, ms, ips = _session_pass(path, pixels, batch, providers)
+        results[mode] = logits
+        _out(
+            f"lora:     wrote {path} ({path.stat().st_size:,} bytes): rank {TOUR_LORA_RANK}, alpha "
+            f"{TOUR_LORA_ALPHA:g} on {TOUR_LORA_TARGETS}, lora={mode!r}"
+        )
+        rows.append(_TourRow(label, path, accuracy(logits), ms * 1e3, ips, "plain ORT session"))
+    if len(results) == 2:
+        diff = float(np.max(np.abs(results["merge"] - results["keep"])))
+        _out(f"check:    LoRA merged vs kept: max |logits difference| = {diff:.2e}")
+        if diff > 1e-3:
+            raise RuntimeError(f"the merged and kept LoRA graphs disagree (max |difference| {diff:.2e})")
+    return rows
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    runners = {"mnist": _run_export_mnist}
+    return runners[args.model](args)

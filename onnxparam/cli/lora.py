@@ -1,0 +1,205 @@
+"""``onnxparam lora merge|keep|adapter``: LoRA adapters on a model's rank-2 weights."""
+
+import argparse
+from pathlib import Path
+
+from ._common import (
+    EXIT_OK,
+    PROG,
+    Unavailable,
+    UsageError,
+    _existing,
+    _file_format,
+    _finite_float,
+    _out,
+    _positive_int,
+    _regex,
+)
+from ._models import LORA_FACTOR_RE, _add_model_arguments, _architecture, _load_weights
+from .convert import _source_tensors
+
+LORA_ACTIONS = ("merge", "keep", "adapter")
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        choices=LORA_ACTIONS,
+        help="merge: fold the adapters into the weights; keep: keep the factors (ONNX nodes "
+        "x@W + scale*((x@a)@b), or <param>.lora.a/.b tensors in a .bpk); adapter: write the "
+        "factors alone",
+    )
+    parser.add_argument(
+        "src",
+        type=Path,
+        metavar="MODEL",
+        help="the model: .onnx, or .bpk/.safetensors (base weights, optionally with "
+        "<param>.lora.a/.b factors) with --graph/--zoo",
+    )
+    parser.add_argument(
+        "dst",
+        type=Path,
+        metavar="OUT",
+        help="merge/keep: .onnx, .bpk or .safetensors; adapter: .onnx_adapter (ONNX Runtime), .bpk or .safetensors",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=_finite_float,
+        required=True,
+        metavar="A",
+        help="LoRA alpha: scale = alpha / rank (files do not record it, as in Burn)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=_positive_int,
+        metavar="R",
+        help="adapter rank; read from the factors when there are some, required when not "
+        "(fresh adapters: a ~ N(0, 1/R), b = 0)",
+    )
+    parser.add_argument(
+        "--adapter",
+        type=Path,
+        metavar="FILE",
+        help="a .bpk/.safetensors holding the factors (<param>.lora.a/.b), if not in MODEL",
+    )
+    parser.add_argument(
+        "--targets",
+        type=_regex,
+        action="append",
+        metavar="RE",
+        help="fresh adapters only on rank-2 weights whose path matches RE (default: all)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fresh factors' init (default: 0)")
+    _add_model_arguments(parser)
+
+
+def _factor_shapes(path: Path, fmt: str) -> dict:
+    """``param path -> rank`` for every ``<param>.lora.a`` in a weights file's header."""
+    tensors = _source_tensors(path, fmt)
+    ranks = {}
+    for name, shape, _ in tensors:
+        if name.endswith(".lora.a"):
+            if len(shape) != 2:
+                raise ValueError(f"'{path}': LoRA factor '{name}' has shape {list(shape)}; expected (d_in, rank)")
+            ranks[name[: -len(".lora.a")]] = int(shape[1])
+    return ranks
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from ..group import ParamGroup
+    from ..lora import LoraConfig
+
+    src_fmt = _file_format(args.src, "MODEL")
+    _existing(args.src, "MODEL")
+    if args.action == "adapter":
+        suffix = args.dst.suffix.lower()
+        if suffix != ".onnx_adapter":
+            _file_format(args.dst, "OUT", ("burnpack", "safetensors"))
+    else:
+        _file_format(args.dst, "OUT")
+    factors_file, factors_fmt = None, None
+    if args.adapter is not None:
+        factors_fmt = _file_format(args.adapter, "--adapter", ("burnpack", "safetensors"))
+        factors_file = _existing(args.adapter, "--adapter")
+    elif src_fmt != "onnx":
+        factors_file, factors_fmt = args.src, src_fmt
+
+    model = _architecture(args, args.src, src_fmt)
+    ranks = _factor_shapes(factors_file, factors_fmt) if factors_file is not None else {}
+    if ranks:
+        found = sorted(set(ranks.values()))
+        if len(found) > 1:
+            raise ValueError(f"'{factors_file}': the LoRA factors have ranks {found}; one rank per file is supported")
+        if args.rank is not None and args.rank != found[0]:
+            raise ValueError(f"--rank {args.rank} does not match the factors in '{factors_file}' (rank {found[0]})")
+        if args.targets:
+            raise UsageError(
+                f"{PROG} lora: error: --targets chooses where fresh adapters go; '{factors_file}' already has factors"
+            )
+        rank, group, origin = found[0], ParamGroup.from_paths(sorted(ranks)), f"factors from {factors_file}"
+    else:
+        if args.rank is None:
+            where = factors_file or args.src
+            raise UsageError(
+                f"{PROG} lora: error: '{where}' has no LoRA factors (<param>.lora.a/.b); give --rank "
+                "for fresh adapters, or --adapter FILE"
+            )
+        rank = args.rank
+        group = ParamGroup.from_regexes(args.targets) if args.targets else ParamGroup.all()
+        origin = f"fresh adapters (seed {args.seed})"
+    module = model.module
+    if src_fmt != "onnx" and factors_file != args.src:
+        module = _load_weights(module, args.src, src_fmt)
+    adapted = module.apply_lora(LoraConfig(rank, args.alpha, param_group=group, seed=args.seed))
+    if ranks:
+        if factors_file == args.src:
+            adapted = _load_weights(adapted, args.src, src_fmt)  # base and factors together
+        else:
+            adapted = _load_weights(adapted, factors_file, factors_fmt, allow_partial=True)
+    model.module = adapted
+    names = [path for path, p in adapted.named_params() if p.adapter() is not None]
+    if ranks and set(names) != set(ranks):
+        strays = sorted(set(ranks) - set(names))
+        raise ValueError(
+            f"'{factors_file}' has LoRA factors for {len(strays)} weight(s) the model lacks or cannot "
+            f"adapt (rank-2 float): {', '.join(strays[:5])}{' ...' if len(strays) > 5 else ''}"
+        )
+    if not names:
+        raise ValueError(f"no rank-2 float weight of '{args.src}' matches the LoRA targets; nothing to adapt")
+    _out(
+        f"lora:      {len(names)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale "
+        f"{args.alpha / rank:g}); {origin}"
+    )
+
+    dst_fmt = args.dst.suffix.lower()
+    if args.action == "adapter":
+        _write_lora_adapter(adapted, args.dst)
+    elif dst_fmt == ".onnx":
+        model.export(args.dst, lora=args.action)
+    elif args.action == "merge":
+        _save_module(adapted.merge_lora(), args.dst)
+    else:
+        _save_module(adapted, args.dst)
+    _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
+    return EXIT_OK
+
+
+def _save_module(module, path: Path) -> None:
+    if path.suffix.lower() == ".bpk":
+        module.save_file(path)
+    else:
+        from ..convert import save_safetensors
+
+        save_safetensors(module, path)
+
+
+def _write_lora_adapter(module, path: Path) -> None:
+    if path.suffix.lower() == ".onnx_adapter":
+        try:
+            from ..lora_graph import write_onnx_adapter
+        except ImportError:
+            raise Unavailable(
+                "writing .onnx_adapter files needs onnxparam.lora_graph.write_onnx_adapter, which "
+                "this build does not have"
+            ) from None
+        write_onnx_adapter(module, path)
+        return
+    from ..convert import collect_record, save_safetensors
+
+    if path.suffix.lower() == ".safetensors":
+        save_safetensors(module, path, include=LORA_FACTOR_RE)
+        return
+    from .. import burnpack
+
+    record, _ = collect_record(module, include=LORA_FACTOR_RE)
+    entries = (
+        burnpack.TensorEntry(
+            name,
+            s.dtype,
+            tuple(s.shape),
+            lambda _s=s: _s.to_data().array,
+            None if s.param_id is None else int(s.param_id),
+        )
+        for name, s in record.items()
+    )
+    burnpack.write(path, entries, metadata=dict(record.metadata))

@@ -88,3 +88,17 @@ __all__ = [
     "OnnxFormatError",
     "QuantizationError",
 ]
+
+_LAZY_TRAINING = {"autodiff": None, "optim": None, "grad": "autodiff", "Gradients": "autodiff"}
+"""Training names imported on first use: ``onnxparam.autodiff`` loads ONNX Runtime, which a
+plain ``import onnxparam`` does not."""
+
+
+def __getattr__(name):
+    if name in _LAZY_TRAINING:
+        import importlib
+
+        owner = _LAZY_TRAINING[name]
+        module = importlib.import_module(f".{owner or name}", __name__)
+        return getattr(module, name) if owner else module
+    raise AttributeError(f"module 'onnxparam' has no attribute {name!r}")

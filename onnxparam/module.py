@@ -259,10 +259,11 @@ class Module:
                        if group.matches(p.id, path) and p.lazy_dtype().is_float else p)
 
     def train(self) -> "Module":
-        """A copy marked as training (dropout active when traced for training).
+        """A copy marked as training; ``require_grad`` flags are kept.
 
-        NOTE: this library does not compute gradients yet; ``train`` only sets the mode that a
-        later autodiff layer will use. ``require_grad`` flags are kept.
+        NOTE: gradients do not need this flag: :func:`onnxparam.autodiff.grad` differentiates
+        every param with ``require_grad``. The forward is the same in both modes for now
+        (dropout and BatchNorm keep their inference form when traced for training).
         """
         return rebuild(self, lambda path, p: p, lambda path, m: object.__setattr__(m, "_training", True))
 

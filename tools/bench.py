@@ -29,6 +29,13 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   active vs building a session for the other adapter merged (and one run), and the runtime's
   ``module(x)`` after loading other factors in ``"inputs"`` mode (no new session) vs in
   ``"merge"`` mode (a new session); target :data:`LORA_SWITCH_TARGET`.
+* ``train``: one MNIST training step at batch :data:`TRAIN_BATCH` (``autodiff.grad`` +
+  ``optim.Adam.step``; all params, and LoRA rank 4 on the linear layers) vs the same step in
+  PyTorch (same weights, eval-mode BatchNorm, ``torch.optim.Adam``), target
+  :data:`TRAIN_TARGET`. Without PyTorch it prints ``torch not installed`` and our step times.
+* ``quant``: :func:`bench_quant`: the exported int8 model (4 ``Linear(1024, 1024)``, batch 32)
+  vs its float32 export and vs ``onnxruntime.quantization.quantize_dynamic`` of that export;
+  targets: faster than float32, no slower than ``quantize_dynamic`` (ratio <= 1.0), file <= 0.3x.
 """
 
 from __future__ import annotations
@@ -379,10 +386,215 @@ def _dtype(np_dtype):
     return DType.from_numpy(np.dtype(np_dtype))
 
 
+TRAIN_BATCH = 64
+"""Batch size of the ``train`` section's steps."""
+TRAIN_TARGET = 2.0
+"""``onnxparam / PyTorch`` time of one training step (forward + backward + Adam update on the
+same model, weights, batch and thread count). Provisional: no measurement against PyTorch has
+been made in this environment yet."""
+
+
+def _torch_mnist(model, lora_rank: int = 0, lora_alpha: float = 0.0):
+    """The MNIST module as a PyTorch ``nn.Module`` holding the same weights (Linear weights
+    transposed to PyTorch's ``(out, in)``; BatchNorm in eval mode = the inference form), and
+    the list of its trainable params (every param, or the LoRA factors with the base frozen)."""
+    import torch
+    from torch import nn as tnn
+
+    def t(param):
+        return torch.from_numpy(np.array(param.base().to_numpy(), dtype=np.float32))
+
+    class Block(tnn.Module):
+        def __init__(self, block):
+            super().__init__()
+            w = t(block.conv.weight)
+            self.conv = tnn.Conv2d(w.shape[1], w.shape[0], tuple(w.shape[2:]))
+            self.norm = tnn.BatchNorm2d(w.shape[0], eps=block.norm.epsilon)
+            with torch.no_grad():
+                self.conv.weight.copy_(w)
+                self.conv.bias.copy_(t(block.conv.bias))
+                self.norm.weight.copy_(t(block.norm.gamma))
+                self.norm.bias.copy_(t(block.norm.beta))
+                self.norm.running_mean.copy_(t(block.norm.running_mean))
+                self.norm.running_var.copy_(t(block.norm.running_var))
+
+        def forward(self, x):
+            return torch.nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2, 2)
+
+    class Linear(tnn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.weight = tnn.Parameter(t(linear.weight).T.contiguous())
+            self.bias = tnn.Parameter(t(linear.bias))
+            self.a = self.b = None
+            if lora_rank:
+                d_out, d_in = self.weight.shape
+                self.a = tnn.Parameter(torch.randn(d_in, lora_rank) / lora_rank)
+                self.b = tnn.Parameter(torch.zeros(lora_rank, d_out))
+
+        def forward(self, x):
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
+            if self.a is not None:
+                y = y + (lora_alpha / lora_rank) * ((x @ self.a) @ self.b)
+            return y
+
+    class Net(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = Block(model.conv1), Block(model.conv2)
+            self.fc1, self.fc2, self.fc3 = Linear(model.fc1), Linear(model.fc2), Linear(model.fc3)
+
+        def forward(self, x):
+            x = (((x / 255.0) - 0.1307) / 0.3081).unsqueeze(1)
+            x = self.conv2(self.conv1(x)).flatten(1)
+            x = torch.nn.functional.gelu(self.fc1(x))
+            x = torch.nn.functional.gelu(self.fc2(x))
+            return self.fc3(x)
+
+    net = Net().eval()  # NOTE: eval = BatchNorm's inference form, as onnxparam traces it
+    if lora_rank:
+        trainable = [p for name, p in net.named_parameters() if name.endswith((".a", ".b"))]
+        for name, p in net.named_parameters():
+            p.requires_grad_(name.endswith((".a", ".b")))
+    else:
+        trainable = list(net.parameters())
+    return net, trainable
+
+
+def bench_train(args: argparse.Namespace) -> list[Result]:
+    """One training step (``grad`` + ``Adam.step``) of the MNIST model at batch
+    :data:`TRAIN_BATCH`, all params and LoRA (rank 4, linear layers), vs the same step in
+    PyTorch (skipped when PyTorch is not installed)."""
+    import onnxparam as op
+    from onnxparam import runtime
+    from onnxparam.autodiff import cross_entropy, grad
+    from onnxparam.optim import Adam
+    from onnxparam.zoo import mnist
+
+    images, labels = mnist.load_digits()
+    x = np.ascontiguousarray(images[:TRAIN_BATCH].astype(np.float32))
+    y = labels[:TRAIN_BATCH].astype(np.int64)
+    pretrained = mnist.load_pretrained()
+    lora_config = op.LoraConfig(rank=4, alpha=8, seed=0, param_group=op.ParamGroup.from_regex(r"^fc\d\.weight$"))
+    cases = {"full step batch 64": (pretrained, 0), "lora step batch 64": (pretrained.apply_lora(lora_config), 4)}
+
+    def loss_fn(m, xb, yb):
+        return cross_entropy(m(xb), yb)
+
+    ours = {}
+    for case, (start, _) in cases.items():
+        runtime.set_session_config(start, runtime.SessionConfig(intra_op_num_threads=args.threads))
+        state = {"model": start, "optim": Adam(lr=1e-4)}
+
+        def step(_state=state):
+            _, grads = grad(loss_fn, _state["model"], x, y)
+            _state["model"] = _state["optim"].step(_state["model"], grads)
+
+        ours[case] = step
+    try:
+        import torch
+    except ImportError:
+        repeats = max(args.repeats // 25, 10)
+        for case, step in ours.items():
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            print(f"train    {case:<26} {statistics.median(times) * 1e3:>8.3f} ms   (no baseline)")
+        print("train: torch not installed; skipped the comparison (pip install torch to run it)")
+        return []
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for case, (start, rank) in cases.items():
+        net, trainable = _torch_mnist(pretrained, rank, 8.0)
+        optim = torch.optim.Adam(trainable, lr=1e-4, eps=1e-5)
+
+        def baseline(_net=net, _optim=optim):
+            _optim.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(_net(xt), yt)
+            loss.backward()
+            _optim.step()
+
+        t_ours, t_base = interleaved_medians(ours[case], baseline, max(args.repeats // 25, 10), warmup=3)
+        results.append(Result("train", case, t_ours, t_base, TRAIN_TARGET))
+    return results
+
+
+QUANT_LAYERS = 4
+QUANT_DIM = 1024
+QUANT_BATCH = 32
+QUANT_VS_FLOAT_TARGET = 1.0
+"""int8 export / float32 export: must be faster."""
+QUANT_VS_DYNAMIC_TARGET = 1.0
+"""int8 export / ``quantize_dynamic`` of the float export: no slower."""
+
+
+def bench_quant(args: argparse.Namespace) -> list[Result]:
+    """The matmul-heavy model (:data:`QUANT_LAYERS` ``Linear(1024, 1024)`` + ReLU, batch
+    :data:`QUANT_BATCH`) quantized with ``Quantizer(QuantScheme())`` (Q8S per tensor) and exported
+    (``DynamicQuantizeMatMul`` after ORT's fusions), vs the float32 export and vs
+    ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights) of that float32 file, all in plain
+    ``InferenceSession`` s with the same options."""
+    import logging
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    import onnxparam as op
+    from onnxparam import nn
+    from onnxparam.quant import Quantizer
+
+    class Stack(op.Module):
+        def __init__(self):
+            self.layers = [nn.Linear(QUANT_DIM, QUANT_DIM) for _ in range(QUANT_LAYERS)]
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = op.ops.relu(layer(x))
+            return x
+
+    logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic's pre-processing advice
+    model = Stack()
+    x = np.random.default_rng(0).normal(size=(QUANT_BATCH, QUANT_DIM)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = args.threads
+    so.log_severity_level = 3
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        axes = {0: {0: "batch"}}
+        f32 = op.export_onnx(model, tmp / "f32.onnx", x, dynamic_axes=axes)
+        ours = op.export_onnx(model.quantize_weights(Quantizer()), tmp / "q8.onnx", x, dynamic_axes=axes)
+        quantize_dynamic(str(f32), str(tmp / "dyn.onnx"), weight_type=QuantType.QInt8)
+        runs = {}
+        for name, path in (("ours", ours), ("f32", f32), ("dynamic", tmp / "dyn.onnx")):
+            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            runs[name] = lambda _s=session: _s.run(None, {"x": x})[0]
+        reference = runs["f32"]()
+        error = float(np.abs(runs["ours"]() - reference).max())
+        repeats = max(args.repeats // 5, 20)
+        t_ours, t_f32 = interleaved_medians(runs["ours"], runs["f32"], repeats)
+        results.append(Result("quant", "q8 vs float32", t_ours, t_f32, QUANT_VS_FLOAT_TARGET))
+        t_ours, t_dyn = interleaved_medians(runs["ours"], runs["dynamic"], repeats)
+        results.append(Result("quant", "q8 vs quantize_dynamic", t_ours, t_dyn, QUANT_VS_DYNAMIC_TARGET))
+        sizes = {k: Path(p).stat().st_size for k, p in (("ours", ours), ("f32", f32))}
+        results.append(Result("quant", "file size vs float32", sizes["ours"], sizes["f32"], 0.3, unit="MiB"))
+        print(f"quant: max |q8 - float32| on the outputs: {error:.4g}")
+    return results
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
     "lora": bench_lora,
+    "train": bench_train,
+    "quant": bench_quant,
 }
 """Section name -> function; run in this order when none is named."""
 

@@ -1,0 +1,46 @@
+"""Gradients through ONNX Runtime: reverse-mode autodiff built as an ONNX graph.
+
+Layer: *runtime* (beside :mod:`onnxparam.trace` and :mod:`onnxparam.runtime`, which it uses);
+the model layer knows nothing of it.
+
+* :func:`grad` — ``loss, grads = grad(loss_fn, module, *inputs)``: traces
+  ``loss_fn(module, *inputs)`` into an ONNX graph, appends its backward graph, and runs forward
+  and backward as **one** cached ONNX Runtime session whose outputs are the loss and one
+  gradient per trainable param (:mod:`.training`);
+* :class:`Gradients` — ``ParamId -> Tensor`` (Burn's ``GradientsParams``), what the optimizers
+  of :mod:`onnxparam.optim` take;
+* :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`.losses`);
+* :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
+  (:mod:`.rules`, :mod:`.rules_nn`); :func:`build_training_model` — the graph transformation
+  (:mod:`.backward`).
+
+The API is functional (JAX's ``value_and_grad`` shape, Burn's ``GradientsParams`` result);
+there is no tape and no ``loss.backward()``.
+"""
+
+from .backward import GRAD_SUFFIX, build_training_model
+from .losses import cross_entropy, mse
+from .rules import NON_DIFFERENTIABLE, RULES
+from .training import (
+    MAX_CACHED_TRAINING,
+    Gradients,
+    clear_cache,
+    grad,
+    trainable_paths,
+    training_model,
+)
+
+__all__ = [
+    "grad",
+    "Gradients",
+    "cross_entropy",
+    "mse",
+    "training_model",
+    "trainable_paths",
+    "build_training_model",
+    "clear_cache",
+    "RULES",
+    "NON_DIFFERENTIABLE",
+    "GRAD_SUFFIX",
+    "MAX_CACHED_TRAINING",
+]

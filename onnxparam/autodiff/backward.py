@@ -1,0 +1,162 @@
+"""Building the training graph: the traced forward plus its reverse-mode backward, in ONNX.
+
+:func:`build_training_model` takes a freshly traced forward whose first output is a scalar
+loss and extends *the same graph*:
+
+1. the params to differentiate (those with ``require_grad``) stop being initializers and
+   become graph inputs named by their path, so one ONNX Runtime session serves every training
+   step (new values are fed, nothing is rebuilt); frozen params stay injected initializers;
+2. the values that depend on a differentiated param are found in one forward pass over the
+   (topologically sorted) nodes; only nodes between those params and the loss get backward
+   nodes (everything else, e.g. a frozen backbone, is pruned);
+3. walking the nodes in reverse, each node's gradient rule (:mod:`.rules`) turns the gradients
+   of its outputs into gradients of its inputs; a value used several times sums them;
+4. the outputs become ``[loss, <path>.grad ...]``, one per differentiated param the loss
+   depends on (a param the loss does not reach has no gradient, as in Burn).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ..errors import TraceError
+from ..trace import TracedModel
+from .emitter import Emitter, dims, np_dtype
+from .rules import NON_DIFFERENTIABLE, RULES
+
+__all__ = ["build_training_model", "GRAD_SUFFIX"]
+
+GRAD_SUFFIX = ".grad"
+"""Output name of a param's gradient: ``<path>.grad`` (``fc1.weight.grad``)."""
+
+
+def _is_float(value: ir.Value) -> bool:
+    return value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
+
+
+def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[TracedModel, tuple]:
+    """Extend ``traced`` (consumed: its graph is changed in place) with the gradients of its
+    first output with respect to the params at paths ``wrt``.
+
+    Args:
+        traced: a forward traced for this purpose, whose first output is the loss: a float
+            tensor with one element.
+        wrt: param paths (initializer names) to differentiate; each becomes a graph input.
+
+    Returns:
+        ``(model, grad_paths)``: the training :class:`~onnxparam.trace.TracedModel` (inputs:
+        the forward's inputs then the ``wrt`` params; outputs: the loss then the gradients;
+        ``param_paths``: the frozen params, still initializers) and the paths that have a
+        gradient output, in output order.
+
+    Raises:
+        TraceError: for a loss that is not a one-element float, a path that is not a param of
+            the trace, or an operator on the path from a param to the loss without a rule.
+    """
+    graph = traced.graph
+    if not graph.outputs:
+        raise TraceError("the loss function returned nothing")
+    loss = graph.outputs[0]
+    loss_dims = dims(loss)
+    if not _is_float(loss) or any(d != 1 for d in loss_dims):
+        shape = [d for d in loss_dims]
+        raise TraceError(f"the loss must be a float tensor with one element (e.g. ops.mean(...)); got "
+                         f"{loss.dtype.name if loss.dtype is not None else '?'}{shape}")
+    wrt = [str(p) for p in wrt]
+    unknown = [p for p in wrt if p not in traced.params]
+    if unknown:
+        raise TraceError(f"not params of this trace: {', '.join(map(repr, unknown))}")
+    opset = graph.opset_imports.get("", 1)
+    graph.sort()
+
+    # 1. differentiated params -> graph inputs
+    wrt_values = {}
+    for path in wrt:
+        value = graph.initializers.pop(path)
+        value.const_value = None
+        graph.inputs.append(value)
+        wrt_values[path] = value
+
+    # 2. which values depend on a differentiated param
+    requires: set = set(wrt_values.values())
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
+            continue
+        if any(v is not None and v in requires for v in node.inputs):
+            requires.update(out for out in node.outputs if _is_float(out))
+
+    # 3. reverse sweep
+    e = Emitter(graph, opset)
+    grads: dict = {}
+    if loss in requires:
+        grads[loss] = e.const(np.ones(loss_dims, dtype=np_dtype(loss)), np_dtype(loss))
+    for node in reversed(list(graph)):
+        if node.name.startswith("/grad/"):
+            continue
+        gout = [grads.get(out) for out in node.outputs]
+        if all(g is None for g in gout):
+            continue
+        need = [v is not None and v in requires and _is_float(v) for v in node.inputs]
+        if not any(need):
+            continue
+        fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if fn is None:
+            params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
+            raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"
+                             f"{node.op_type}) on the path from the trainable params to the loss"
+                             + (f" (fed by {', '.join(map(repr, params))})" if params else "")
+                             + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
+                               "onnxparam.autodiff.rules.RULES")
+        if len(node.outputs) == 1 or node.op_type == "Split":
+            results = fn(e, node, gout, need)
+        else:
+            if any(g is not None for g in gout[1:]):
+                raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
+            results = fn(e, node, gout, need)
+        for value, n, g in zip(node.inputs, need, results):
+            if not n or g is None:
+                continue
+            have = grads.get(value)
+            grads[value] = g if have is None else e.op("Add", have, g)
+
+    # 4. outputs
+    del graph.outputs[1:]
+    grad_paths = []
+    for path in wrt:
+        value = wrt_values[path]
+        g = grads.get(value)
+        if g is None:
+            continue
+        out = e.op("Identity", g)
+        out.name = e.unique(path + GRAD_SUFFIX)
+        e.typed(out, np_dtype(value), dims(value))
+        graph.outputs.append(out)
+        grad_paths.append(path)
+    frozen = tuple(p for p in traced.param_paths if p not in wrt_values)
+    model = ir.Model(graph, ir_version=traced.model.ir_version, producer_name="onnxparam",
+                     producer_version=traced.model.producer_version)
+    data_inputs = tuple(n for n in traced.input_names)
+    training = TracedModel(
+        model=model,
+        input_names=data_inputs + tuple(wrt),
+        output_names=tuple(v.name for v in graph.outputs),
+        param_paths=frozen,
+        params={p: traced.params[p] for p in traced.param_paths},
+        mode=traced.mode,
+        single_output=False,
+    )
+    return training, tuple(grad_paths)
+
+
+def check_model(training: TracedModel) -> Optional[str]:
+    """ONNX's checker on the training model (without param data); the error text or ``None``.
+    For debugging rules."""
+    try:
+        onnx.checker.check_model(training.to_proto())
+    except Exception as err:
+        return str(err)
+    return None

@@ -1,0 +1,199 @@
+"""The optimizer base: updates params by ``ParamId``, keeps per-param state, saves it as a
+burnpack record.
+
+**Record layout** (a burnpack file, Burn's optimizer-record naming: the adaptor record is a map
+``ParamId -> state`` and each state's fields keep Burn's names)::
+
+    tensors:  "{param_id}.{field}"   e.g. "4817238491.moment_1"  (param_id also in the descriptor)
+    scalars:  "step"                 optimizer steps taken (Int)
+              "{param_id}.{scalar}"  per-param scalars, e.g. Adam's "time" (Int)
+    metadata: "format" = "burnpack", "producer" = "onnxparam", "version", "optimizer" = "Sgd" | "Adam"
+
+State arrays are exact copies (same dtype as the param), so an optimizer reloaded from its file
+continues bit for bit as the one that saved it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Mapping, Optional
+
+import numpy as np
+
+from ..errors import RecordError
+from ..param import Param, ParamId
+from ..tensor import Tensor
+
+__all__ = ["Optimizer", "OptimizerRecord", "STEP_SCALAR", "OPTIMIZER_METADATA_KEY"]
+
+STEP_SCALAR = "step"
+"""The scalar holding the optimizer's step count."""
+
+OPTIMIZER_METADATA_KEY = "optimizer"
+"""The metadata entry naming the optimizer that wrote a record (``"Sgd"``, ``"Adam"``)."""
+
+_NAME = re.compile(r"^(\d+)\.(\w+)$")
+
+
+class OptimizerRecord:
+    """An optimizer's state: ``tensors`` (``"{param_id}.{field}"`` -> array), ``scalars``
+    (name -> int / float), ``optimizer`` (the kind)."""
+
+    def __init__(self, optimizer: str, tensors: Mapping[str, np.ndarray], scalars: Mapping[str, object]):
+        self.optimizer = optimizer
+        self.tensors = dict(tensors)
+        self.scalars = dict(scalars)
+
+    def __repr__(self) -> str:
+        return f"OptimizerRecord({self.optimizer}, {len(self.tensors)} tensors, scalars={self.scalars})"
+
+
+class Optimizer:
+    """Base of :class:`~onnxparam.optim.SGD` and :class:`~onnxparam.optim.Adam`.
+
+    Subclasses set :attr:`kind`, :attr:`tensor_fields`, :attr:`scalar_fields` and implement
+    :meth:`_update`. The optimizer itself is stateful (Burn's ``&mut self``); modules are
+    values: :meth:`step` returns the updated module and leaves the given one as it was.
+
+    Args:
+        lr: the learning rate (a :meth:`step` may override it, e.g. from a schedule).
+    """
+
+    kind = "Optimizer"
+    tensor_fields: tuple = ()
+    scalar_fields: tuple = ()
+
+    def __init__(self, lr: float):
+        self.lr = float(lr)
+        self.step_count = 0
+        self.state: dict = {}  # ParamId -> {field: np.ndarray | int}
+
+    # -- updating -----------------------------------------------------------------------------
+
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
+        """``(new value, new state)`` for one param (arrays of the param's dtype)."""
+        raise NotImplementedError
+
+    def step(self, module, grads, lr: Optional[float] = None):
+        """One update of every param of ``module`` that has a gradient in ``grads`` and requires
+        grad, by ``ParamId`` (LoRA factors included; frozen params are never touched).
+
+        Args:
+            module: the :class:`~onnxparam.Module`.
+            grads: :class:`~onnxparam.autodiff.Gradients` (or any mapping ``ParamId -> Tensor``).
+            lr: this step's learning rate (default :attr:`lr`).
+
+        Returns:
+            the updated module (same structure and ids, new values for the updated params).
+
+        Raises:
+            ValueError: when a gradient's shape differs from its param's.
+        """
+        from ..module import rebuild
+
+        lr = self.lr if lr is None else float(lr)
+
+        def update(path: str, param: Param) -> Param:
+            if not param.require_grad or param.id not in grads:
+                return param
+            g = np.asarray(grads[param.id].to_numpy())
+            value = np.asarray(param.base().to_numpy())
+            if g.shape != value.shape:
+                raise ValueError(f"gradient for {path!r} has shape {list(g.shape)}, the param {list(value.shape)}")
+            new, state = self._update(value, g.astype(value.dtype, copy=False), self.state.get(param.id), lr)
+            self.state[param.id] = state
+            device = param.lazy_device()
+            return param.map(lambda _old: Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype), device))
+
+        updated = rebuild(module, update)
+        self.step_count += 1
+        return updated
+
+    # -- records ------------------------------------------------------------------------------
+
+    def to_record(self) -> OptimizerRecord:
+        """The state as an :class:`OptimizerRecord` (arrays are shared, not copied)."""
+        tensors, scalars = {}, {STEP_SCALAR: int(self.step_count)}
+        for pid in sorted(self.state):
+            fields = self.state[pid]
+            for name in self.tensor_fields:
+                if fields.get(name) is not None:
+                    tensors[f"{int(pid)}.{name}"] = fields[name]
+            for name in self.scalar_fields:
+                if fields.get(name) is not None:
+                    scalars[f"{int(pid)}.{name}"] = int(fields[name])
+        return OptimizerRecord(self.kind, tensors, scalars)
+
+    def load_record(self, record: OptimizerRecord) -> "Optimizer":
+        """Replace this optimizer's state with ``record``'s (arrays copied); returns ``self``.
+
+        Raises:
+            RecordError: for a record of another optimizer kind, or names / fields this
+                optimizer does not know (all listed).
+        """
+        if record.optimizer != self.kind:
+            raise RecordError(f"the record holds {record.optimizer} state; this optimizer is {self.kind}: "
+                              f"load it into a {record.optimizer} optimizer")
+        problems, state = [], {}
+        for name, array in record.tensors.items():
+            match = _NAME.match(name)
+            if match is None or match.group(2) not in self.tensor_fields:
+                problems.append(f"unexpected tensor {name!r} (expected '<param_id>.<field>' with field in "
+                                f"{', '.join(self.tensor_fields) or 'nothing'})")
+                continue
+            state.setdefault(ParamId(int(match.group(1))), {})[match.group(2)] = np.array(array, copy=True)
+        step = 0
+        for name, value in record.scalars.items():
+            if name == STEP_SCALAR:
+                step = int(value)
+                continue
+            match = _NAME.match(name)
+            if match is None or match.group(2) not in self.scalar_fields:
+                problems.append(f"unexpected scalar {name!r}")
+                continue
+            state.setdefault(ParamId(int(match.group(1))), {})[match.group(2)] = int(value)
+        if problems:
+            raise RecordError(f"cannot load {self.kind} state: " + "; ".join(problems))
+        self.state = state
+        self.step_count = step
+        return self
+
+    def save_file(self, path: "str | os.PathLike") -> Path:
+        """Write the state as a burnpack file (``.bpk`` appended when missing), atomically.
+
+        Returns:
+            the path written.
+        """
+        from .. import __version__, burnpack
+        from ..burnpack import Scalar, TensorEntry
+
+        path = Path(path)
+        if path.suffix != ".bpk":
+            path = path.with_name(path.name + ".bpk")
+        record = self.to_record()
+        entries = [TensorEntry.from_numpy(name, np.ascontiguousarray(array), param_id=int(name.split(".", 1)[0]))
+                   for name, array in record.tensors.items()]
+        metadata = {"format": "burnpack", "producer": "onnxparam", "version": __version__,
+                    OPTIMIZER_METADATA_KEY: self.kind}
+        scalars = {k: Scalar("Int", int(v)) for k, v in record.scalars.items()}
+        burnpack.write(path, entries, metadata=metadata, scalars=scalars)
+        return path
+
+    def load_file(self, path: "str | os.PathLike") -> "Optimizer":
+        """Load the state written by :meth:`save_file`; returns ``self``.
+
+        Raises:
+            RecordError: for a malformed file, a file of another optimizer kind, or unknown
+                tensors / scalars.
+        """
+        from .. import burnpack
+
+        with burnpack.read(path) as f:
+            kind = f.metadata.get(OPTIMIZER_METADATA_KEY)
+            if kind is None:
+                raise RecordError(f"{path}: no '{OPTIMIZER_METADATA_KEY}' metadata; not an optimizer record")
+            tensors = {name: np.array(entry.to_numpy(), copy=True) for name, entry in f.tensors.items()}
+            scalars = {name: s.value for name, s in f.scalars.items()}
+        return self.load_record(OptimizerRecord(kind, tensors, scalars))

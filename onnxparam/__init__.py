@@ -30,6 +30,7 @@ from .errors import (
     ExecutionError,
     OnnxFormatError,
     OnnxParamError,
+    PrecisionWarning,
     QuantizationError,
     RecordError,
     ShapeMismatchError,
@@ -41,7 +42,17 @@ from .lora_graph import write_onnx_adapter
 from .module import Module, ModuleMapper, ModuleVisitor
 from .onnx_io import OnnxModule, export_onnx, import_onnx
 from .param import Param, ParamId
-from .quant import BlockSize, QuantizedTensor, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
+from .quant import (
+    BlockSize,
+    Calibration,
+    QuantizedTensor,
+    Quantizer,
+    QuantMode,
+    QuantScheme,
+    QuantStore,
+    QuantValue,
+    ScaleDtype,
+)
 from .record import ModuleRecord, TensorSnapshot
 from .tensor import Tensor, TensorData
 
@@ -56,6 +67,8 @@ __all__ = [
     "import_onnx",
     "OnnxModule",
     "QuantScheme",
+    "Quantizer",
+    "Calibration",
     "QuantValue",
     "QuantStore",
     "QuantMode",
@@ -87,6 +100,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "PrecisionWarning",
 ]
 
 _LAZY_TRAINING = {"autodiff": None, "optim": None, "grad": "autodiff", "Gradients": "autodiff"}

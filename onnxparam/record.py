@@ -65,7 +65,9 @@ class TensorSnapshot:
             return _param.transform_for_save().base().into_data()
 
         dtype = param.lazy_dtype()
-        return TensorSnapshot(dtype, tuple(param.lazy_shape()), param.id, load)
+        # NOTE: a quantized param's scheme is part of its dtype: the value is read to know it
+        scheme = param.transform_for_save().base()._quant.scheme if dtype is DType.QFloat else None
+        return TensorSnapshot(dtype, tuple(param.lazy_shape()), param.id, load, scheme)
 
 
 class ModuleRecord(Mapping):

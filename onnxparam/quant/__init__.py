@@ -10,12 +10,17 @@ Every rule here cites ``BURNPACK.md`` (the research note on Burn's format, kept 
 * :mod:`.scales`       scale dtypes: round-up, encode, decode (§2.3, §4.4)
 * :mod:`.tensor`       :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3)
 * :mod:`.calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
+* :mod:`.module`       :class:`Quantizer`, :class:`Calibration`: quantizing a module's params
+* :mod:`.qdq`          quantized params in ONNX graphs (QDQ export / import, static activations);
+  the tracer and the ONNX importer call into it
 """
 
 from .calibration import quantize, round_half_away_from_zero
 from .layout import params_shape, quantized_nbytes
+from .module import Calibration, Quantizer
 from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 from .tensor import QuantizedTensor
+from .qdq import QdqOptions, QuantizationWarning, matmulnbits_accuracy_level, qdq_options, quantize_activations
 
 __all__ = [
     "QuantValue",
@@ -26,6 +31,13 @@ __all__ = [
     "BlockScale",
     "QuantScheme",
     "QuantizedTensor",
+    "Quantizer",
+    "Calibration",
+    "QdqOptions",
+    "qdq_options",
+    "quantize_activations",
+    "matmulnbits_accuracy_level",
+    "QuantizationWarning",
     "quantize",
     "quantized_nbytes",
     "params_shape",

@@ -10,7 +10,10 @@ params is explicit (:func:`is_weight`):
   Runtime's integer kernels take their bias in float. ``Quantizer(min_rank=1)`` quantizes them too
   (Burn's behaviour).
 * LoRA factors (``<path>.lora.a`` / ``.b``) are never quantized: QLoRA keeps them float.
-* with a group (:func:`quantize_weights` ``group=``), only the params the group matches.
+* with a group (:func:`quantize_weights` ``group=``), only the params the group matches;
+* a param whose shape is not a whole number of the scheme's blocks is left float, with a
+  :class:`~onnxparam.quant.QuantizationWarning` listing them (Burn panics there): a block size
+  chosen for Linear weights then skips small conv kernels instead of failing.
 
 A quantized param is frozen (``require_grad=False``): it holds integer values and scales (a
 ``QFloat`` :class:`~onnxparam.Tensor` wrapping a :class:`~onnxparam.quant.QuantizedTensor`), and
@@ -21,15 +24,17 @@ its value is first needed (loading a record into the quantized module never quan
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, replace
 
 from ..dtype import DType
 from ..errors import QuantizationError
 from ..param import Param, _Lazy
 from .calibration import quantize
+from .qdq import QuantizationWarning
 from .scheme import QuantScheme
 
-__all__ = ["Calibration", "Quantizer", "quantize_weights", "is_weight"]
+__all__ = ["Calibration", "Quantizer", "is_weight", "quantize_weights"]
 
 _FLOAT_DTYPES = (DType.F64, DType.F32, DType.F16, DType.BF16)
 
@@ -68,10 +73,10 @@ class Quantizer:
         if not isinstance(self.calibration, Calibration):
             raise QuantizationError(f"unknown calibration {self.calibration!r}; use Calibration.MinMax")
 
-    def with_scheme(self, scheme: QuantScheme) -> "Quantizer":
+    def with_scheme(self, scheme: QuantScheme) -> Quantizer:
         return replace(self, scheme=scheme)
 
-    def with_min_rank(self, min_rank: int) -> "Quantizer":
+    def with_min_rank(self, min_rank: int) -> Quantizer:
         return replace(self, min_rank=int(min_rank))
 
     def quantize(self, array):
@@ -138,11 +143,29 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
     if not isinstance(quantizer, Quantizer):
         raise QuantizationError(f"quantize_weights takes a Quantizer, found {type(quantizer).__name__}")
 
+    skipped = []
+
     def fn(path: str, param: Param) -> Param:
         if not is_weight(path, param, quantizer):
             return param
         if group is not None and not group.matches(param.id, path):
             return param
+        shape = _shape_or_none(param)
+        if shape is not None and not _blocks_divide(shape, quantizer.scheme):
+            skipped.append(f"{path} {list(shape)}")
+            return param
         return quantize_param(param, quantizer, path)
 
-    return rebuild(module, fn)
+    result = rebuild(module, fn)
+    if skipped:
+        block = list(quantizer.scheme.block.size.dims)
+        warnings.warn(f"left float: {', '.join(skipped)}: not a whole number of {block} blocks (Burn's MinMax needs "
+                      "every axis to divide evenly; Burn would panic)", QuantizationWarning, stacklevel=3)
+    return result
+
+
+def _blocks_divide(shape: tuple, scheme: QuantScheme) -> bool:
+    if scheme.block is None:
+        return True
+    extents = scheme.block.size.to_dim_vec(len(shape))
+    return len(scheme.block.size.dims) <= len(shape) and all(d % b == 0 for d, b in zip(shape, extents))

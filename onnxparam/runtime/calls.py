@@ -379,6 +379,9 @@ def _call_tensors(args, kwargs) -> list:
     return [a for a in args if a.__class__ is Tensor] + [a for a in kwargs.values() if a.__class__ is Tensor]
 
 
+_qdq_options_get = qdq._OPTIONS.get
+
+
 def call_module(module, args: tuple, kwargs: dict):
     """Run ``module.forward(*args, **kwargs)``: inlined inside a trace, else through ONNX
     Runtime (see the module docstring). Returns a Tensor, or a tuple for several outputs.
@@ -391,7 +394,8 @@ def call_module(module, args: tuple, kwargs: dict):
     tracer = _current_tracer()
     if tracer is not None:
         return tracer.call_module(module, args, kwargs)
-    entry = _fast_get(id(module))
+    # NOTE: inside quant.qdq_options the graph differs: no fast path, nothing remembered
+    entry = _fast_get(id(module)) if _qdq_options_get() is None else None
     if entry is not None:
         if len(args) == 1 and not kwargs:
             runner = entry.last1
@@ -433,10 +437,12 @@ def _traced(module, args, kwargs, mode: str = "merge"):
                 tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
                       for k, v in kwargs.items()))
     with _LOCK:
-        trace_key = (_structure_key(module), call_sig, mode, qdq.current_options())
+        options = qdq.runtime_options()
+        trace_key = (_structure_key(module), call_sig, mode, options)
         traced = _traces.get(trace_key)
         if traced is None:
-            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
+            with qdq.qdq_options(options):
+                traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
             _STATS.traces += 1
             _traces[trace_key] = traced
             _trim(_traces, _limits["traces"])
@@ -472,7 +478,7 @@ def _resolve(module, args, kwargs, remember: bool = False):
             _sessions.move_to_end(session_key)
         if fed:
             runner = runner.with_fed_params([(name, p) for name, p in used if name in fed])
-        if remember:
+        if remember and _qdq_options_get() is None:
             _remember(module, args, kwargs, runner, traced, by_path)
     return runner, tensors
 
@@ -511,7 +517,8 @@ def traced_for(module, *args, **kwargs):
     its lazy initializers are this module's params (a cached trace may come from another module
     object of the same structure). No session is built, no param initialized."""
     args, kwargs, _ = _split_call(args, kwargs)
-    return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)
+    with qdq.qdq_options(qdq.runtime_options()):
+        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)
 
 
 # -- eager ops --------------------------------------------------------------------------------

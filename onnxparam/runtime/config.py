@@ -21,6 +21,9 @@ GRAPH_OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+QDQ_ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
+"""ONNX Runtime's session config entry for the ``accuracy_level`` of fused ``MatMulNBits``."""
+
 EXECUTION_MODES = {
     "sequential": ort.ExecutionMode.ORT_SEQUENTIAL,
     "parallel": ort.ExecutionMode.ORT_PARALLEL,
@@ -50,6 +53,11 @@ class SessionConfig:
             (``SessionOptions.add_session_config_entry``).
         log_severity_level: ONNX Runtime's log level for the session (4 = fatal only: its errors
             reach the caller as ExecutionError instead of being printed).
+        qdq_accuracy_level: the ``accuracy_level`` ONNX Runtime gives the ``MatMulNBits`` it fuses
+            from a quantized weight's ``DequantizeLinear -> MatMul`` (session config entry
+            ``session.qdq_matmulnbits_accuracy_level``): 1 = float32 activations, so ``module(x)``
+            computes with exactly the dequantized weights (the default here); 4 = int8
+            activations, faster and approximate (ONNX Runtime's own default); 0 = ORT's default.
         lora_mode: how ``module(x)`` runs LoRA adapters (:data:`onnxparam.lora_graph.LORA_MODES`):
             ``"merge"`` (the effective weights, no overhead), ``"keep"`` (the adapter as graph
             nodes) or ``"inputs"`` (as ``"keep"``, the factors fed as inputs on every call: one
@@ -66,6 +74,7 @@ class SessionConfig:
     providers: Optional[tuple] = None
     config_entries: tuple = ()
     log_severity_level: int = 4
+    qdq_accuracy_level: int = 1
     lora_mode: str = "merge"
 
     def __post_init__(self):
@@ -80,6 +89,9 @@ class SessionConfig:
             object.__setattr__(self, "providers", tuple(_freeze_provider(p) for p in self.providers))
         entries = self.config_entries.items() if isinstance(self.config_entries, dict) else self.config_entries
         object.__setattr__(self, "config_entries", tuple((str(k), str(v)) for k, v in entries))
+        if int(self.qdq_accuracy_level) not in range(5):
+            raise ValueError(f"qdq_accuracy_level is 0..4 (0 ORT's default, 1 fp32, 2 fp16, 3 bf16, 4 int8); "
+                             f"got {self.qdq_accuracy_level!r}")
 
     def with_threads(self, intra_op_num_threads: int, inter_op_num_threads: Optional[int] = None) -> "SessionConfig":
         inter = self.inter_op_num_threads if inter_op_num_threads is None else inter_op_num_threads
@@ -97,6 +109,9 @@ class SessionConfig:
     def with_lora_mode(self, mode: str) -> "SessionConfig":
         return replace(self, lora_mode=mode)
 
+    def with_qdq_accuracy_level(self, level: int) -> "SessionConfig":
+        return replace(self, qdq_accuracy_level=int(level))
+
     def with_config_entry(self, key: str, value: str) -> "SessionConfig":
         return replace(self, config_entries=self.config_entries + ((str(key), str(value)),))
 
@@ -110,6 +125,8 @@ class SessionConfig:
         so.log_severity_level = int(self.log_severity_level)
         for key, value in self.config_entries:
             so.add_session_config_entry(key, value)
+        if self.qdq_accuracy_level and QDQ_ACCURACY_LEVEL_KEY not in dict(self.config_entries):
+            so.add_session_config_entry(QDQ_ACCURACY_LEVEL_KEY, str(int(self.qdq_accuracy_level)))
         return so
 
 

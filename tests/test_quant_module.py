@@ -1,0 +1,161 @@
+"""Quantizing modules: Quantizer, quantize_weights(_group), apply_qlora (BURNPACK.md §3-4).
+
+The oracle for values is a numpy transcription of Burn's MinMax formulas written here (not the
+library's ``quantize``): alpha = max|x| per tensor / block, scale = 2*alpha/(b-a) (f32, rounded
+up to the scale dtype), q = clamp(round_half_away(x/scale), a, b), value = q * scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onnxparam as op
+from onnxparam import nn
+from onnxparam.quant import (
+    Calibration,
+    QuantizationWarning,
+    Quantizer,
+    QuantScheme,
+    QuantValue,
+    ScaleDtype,
+)
+
+RANGES = {"Q8S": (-127, 127), "Q8F": (-128, 127), "Q4S": (-7, 7), "Q4F": (-8, 7), "Q2S": (-1, 1), "Q2F": (-2, 1)}
+
+
+class Mlp(op.Module):
+    def __init__(self):
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(op.ops.relu(self.fc1(x)))
+
+
+def burn_minmax(x: np.ndarray, value: str, block=None) -> np.ndarray:
+    """Dequantized values of Burn's MinMax quantization (F32 scales), from the formulas alone."""
+    a, b = RANGES[value]
+    x = x.astype(np.float32)
+    if block is None:
+        blocks = np.full(x.shape, np.abs(x).max(), np.float32)
+    else:
+        br, bc = block
+        g = np.abs(x).reshape(x.shape[0] // br, br, x.shape[1] // bc, bc).max(axis=(1, 3))
+        blocks = np.repeat(np.repeat(g, br, 0), bc, 1).astype(np.float32)
+    scale = (np.float32(2) * blocks / np.float32(b - a)).astype(np.float32)
+    y = x / scale
+    q = np.clip(np.sign(y) * np.floor(np.abs(y) + np.float32(0.5)), a, b)  # half away from zero
+    return (q * scale).astype(np.float32)
+
+
+def weight_of(module, path):
+    return dict(module.named_params())[path]
+
+
+@pytest.mark.parametrize("value", list(RANGES))
+@pytest.mark.parametrize("block", [None, (1, 4), (4, 1), (2, 2)])
+def test_dequantized_values_follow_burns_minmax_formula(value, block):
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(8, 16)).astype(np.float32)
+    w[0, 0] = 0.5  # ties: x / scale lands on .5 for some values with these scales
+    m = Mlp()
+    m.fc1.weight = op.Param.from_data(w)
+    scheme = QuantScheme(QuantValue[value], block_size=block)
+    q = m.quantize_weights(Quantizer(scheme))
+    got = q.fc1.weight.val().to_numpy()
+    np.testing.assert_array_equal(got, burn_minmax(w, value, block))
+
+
+def test_round_half_away_from_zero_on_exact_ties():
+    # alpha = 127 -> scale 1.0 (Q8S): x = +-2.5 must become +-3 (numpy's round would give +-2)
+    w = np.array([[127.0, 2.5, -2.5, 0.5, -0.5, 1.5]], np.float32)
+    m = Mlp()
+    m.fc1.weight = op.Param.from_data(np.zeros((8, 16), np.float32))
+    m.fc1.weight = op.Param.from_data(np.resize(w, (8, 16)).astype(np.float32))
+    q = m.quantize_weights(Quantizer(QuantScheme()))
+    assert q.fc1.weight.base()._quant.values[0, :6].tolist() == [127, 3, -3, 1, -1, 2]
+
+
+def test_two_level_scheme_dequantizes_as_global_times_block_scale():
+    w = np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32)
+    m = Mlp()
+    m.fc1.weight = op.Param.from_data(w)
+    scheme = QuantScheme(QuantValue.Q8S).per_block(4, ScaleDtype.F16).per_tensor(ScaleDtype.F32)
+    qt = m.quantize_weights(Quantizer(scheme)).fc1.weight.base()._quant
+    expected = (np.float32(qt.global_scale) * np.repeat(qt.scales, 4, axis=1)) * qt.values.astype(np.float32)
+    np.testing.assert_array_equal(qt.dequantize(), expected.astype(np.float32))
+    assert np.abs(qt.dequantize() - w).max() <= np.abs(w).max() / 127 * 0.6
+
+
+def test_quantize_weights_takes_rank_2_float_params_frozen_and_keeps_biases():
+    m = Mlp()
+    q = m.quantize_weights(Quantizer())
+    dtypes = {path: (p.lazy_dtype(), p.require_grad) for path, p in q.named_params()}
+    assert dtypes["fc1.weight"] == (op.DType.QFloat, False)
+    assert dtypes["fc2.weight"] == (op.DType.QFloat, False)
+    assert dtypes["fc1.bias"] == (op.DType.F32, True)
+    assert m.fc1.weight.lazy_dtype() is op.DType.F32  # the receiver is unchanged
+
+
+def test_quantizing_a_lazy_module_stays_lazy_and_keeps_ids():
+    m = Mlp()
+    q = m.quantize_weights(Quantizer())
+    assert not q.fc1.weight.is_initialized()
+    assert q.fc1.weight.id == m.fc1.weight.id
+    values = q.fc1.weight.base()._quant.values
+    assert values.dtype == np.int8 and values.shape == (8, 16)
+
+
+def test_min_rank_one_quantizes_biases_as_burn_does():
+    q = Mlp().quantize_weights(Quantizer(min_rank=1))
+    assert all(p.lazy_dtype() is op.DType.QFloat for _, p in q.named_params())
+
+
+def test_quantize_weights_group_only_touches_the_group():
+    m = Mlp()
+    q = m.quantize_weights_group(Quantizer(), op.ParamGroup.from_regex(r"^fc2\."))
+    assert q.fc1.weight.lazy_dtype() is op.DType.F32
+    assert q.fc2.weight.lazy_dtype() is op.DType.QFloat
+
+
+def test_blocks_that_do_not_divide_a_weight_leave_it_float_with_a_warning():
+    with pytest.warns(QuantizationWarning, match=r"left float: fc2\.weight \[16, 4\]: not a whole number of \[8\]"):
+        q = Mlp().quantize_weights(Quantizer(QuantScheme(block_size=8)))
+    assert q.fc1.weight.lazy_dtype() is op.DType.QFloat
+    assert q.fc2.weight.lazy_dtype() is op.DType.F32
+
+
+def test_quantizer_rejects_a_scheme_burn_cannot_quantize_with_the_path():
+    m = Mlp()
+    m.fc1.weight = op.Param.from_data(np.ones((8, 16), np.float32))
+    with pytest.raises(op.QuantizationError, match=r"cannot quantize 'fc1.weight' \[8, 16\]: UE8M0"):
+        m.quantize_weights(Quantizer(QuantScheme().with_scale_dtype(ScaleDtype.UE8M0)))
+
+
+def test_quantizer_rejects_other_calibrations_and_non_quantizers():
+    with pytest.raises(op.QuantizationError, match="unknown calibration 'AbsMean'"):
+        Quantizer(calibration="AbsMean")
+    with pytest.raises(op.QuantizationError, match="quantize_weights takes a Quantizer, found QuantScheme"):
+        Mlp().quantize_weights(QuantScheme())
+    assert Quantizer().calibration is Calibration.MinMax
+
+
+def test_apply_qlora_quantizes_the_frozen_base_and_adds_float_trainable_factors():
+    q = Mlp().apply_qlora(op.LoraConfig(2, 4.0), Quantizer())
+    params = dict(q.named_params())
+    assert params["fc1.weight"].lazy_dtype() is op.DType.QFloat and not params["fc1.weight"].require_grad
+    assert params["fc1.weight.lora.a"].lazy_dtype() is op.DType.F32 and params["fc1.weight.lora.a"].require_grad
+    assert params["fc1.weight.lora.b"].lazy_shape() == (2, 16)
+    base = params["fc1.weight"].base()._quant.dequantize()
+    np.testing.assert_array_equal(params["fc1.weight"].val().to_numpy(), base)  # b = 0: delta 0
+
+
+def test_quantized_module_saves_qfloat_burnpack_tensors(tmp_path):
+    q = Mlp().quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(4, 1))))
+    path = q.save_file(tmp_path / "q.bpk")
+    with op.burnpack.read(path) as f:
+        assert f.tensors["fc1.weight"].dtype is op.DType.QFloat
+        assert f.tensors["fc1.weight"].scheme == QuantScheme(QuantValue.Q4S, block_size=(4, 1))
+    back = Mlp().quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(4, 1)))).load_file(path)
+    np.testing.assert_array_equal(back.fc1.weight.val().to_numpy(), q.fc1.weight.val().to_numpy())

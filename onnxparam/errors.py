@@ -13,6 +13,10 @@ keeps working::
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     └── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
+
+Warnings (not errors: the operation completes)::
+
+    PrecisionWarning (UserWarning)          a dtype cast lost values (f32 -> f16 overflow to inf)
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "PrecisionWarning",
 ]
 
 
@@ -76,3 +81,10 @@ class OnnxFormatError(OnnxParamError, ValueError):
 
 class QuantizationError(OnnxParamError, ValueError):
     """A quantization scheme is unsupported, or quantized data is inconsistent with it."""
+
+
+class PrecisionWarning(UserWarning):
+    """A cast to a narrower float dtype changed finite values into infinities (f32 -> f16 of a
+    value beyond 65504, ...). The message names the tensor path, how many values overflowed and
+    the largest magnitude; filter it with ``warnings.filterwarnings("error", category=...)`` to
+    make such a cast fail."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numbers
 import os
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
 from ..dtype import DType, dtype_from_numpy
 from ..errors import QuantizationError, RecordError
 from ..quant.scheme import QuantScheme
@@ -304,7 +304,10 @@ def _write_atomic(path, produce: Callable[[Any], None]) -> None:
     """Run ``produce(file)`` on a scratch file beside ``path``, sync it, rename it over ``path``."""
     target = os.path.abspath(os.fspath(path))
     directory, base = os.path.split(target)
-    scratch = os.path.join(directory, f".{base}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
+    # handler could remove) is cleaned up by the next save to the same target.
+    remove_stale_scratch(directory, base)
+    scratch = os.path.join(directory, scratch_name(base))
     fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -312,11 +315,14 @@ def _write_atomic(path, produce: Callable[[Any], None]) -> None:
             out.flush()
             os.fsync(out.fileno())
         os.replace(scratch, target)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(scratch)
         except OSError:
             pass
+        full = disk_full_error(e, target)
+        if full is not None:
+            raise full from e
         raise
     _sync_directory(directory)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
 
 __all__ = ["atomic_output"]
 
@@ -23,10 +24,13 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
     raises; the old ``path`` is then untouched.
     """
     target = Path(path)
+    # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
+    # handler could remove) is cleaned up by the next save to the same target.
+    remove_stale_scratch(os.fspath(target.parent), target.name)
     # NOTE: os.open with O_EXCL and mode 0o666 (not tempfile.mkstemp, which forces 0o600) so
     # the finished file gets the permissions the process umask gives any new file.
     while True:
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        tmp = target.with_name(scratch_name(target.name))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
             break
@@ -38,7 +42,10 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        full = disk_full_error(e, target)
+        if full is not None:
+            raise full from e
         raise

@@ -375,8 +375,19 @@ def cast_spec(cast) -> Optional[dict]:
     return pairs
 
 
-def cast_snapshot(snapshot: TensorSnapshot, target: DType) -> TensorSnapshot:
+def cast_snapshot(snapshot: TensorSnapshot, target: DType, name: Optional[str] = None) -> TensorSnapshot:
     """The snapshot converted to the float dtype ``target`` when read (round to nearest even).
+
+    Args:
+        snapshot: a plain float tensor.
+        target: the float dtype to cast to.
+        name: the tensor's path, named in the warning below.
+
+    Warns:
+        PrecisionWarning: when the cast (run on read) turns finite values into infinities
+            (a narrower range: F32 -> F16 beyond 65504, F64 -> F32, rounding up near the top of
+            BF16's range); the message names the path, the count and the largest magnitude.
+            NaN / inf already in the source are kept as they are and not reported.
 
     Raises:
         ValueError: when the snapshot is not a plain float tensor.
@@ -386,10 +397,42 @@ def cast_snapshot(snapshot: TensorSnapshot, target: DType) -> TensorSnapshot:
     if snapshot.dtype is target:
         return snapshot
 
-    def load(_snap=snapshot, _target=target):
+    def load(_snap=snapshot, _target=target, _name=name):
         data = _snap.to_data()
-        array = data.to_numpy().astype(_target.to_numpy())
+        source = data.to_numpy()
+        # NOTE: numpy's own "overflow encountered in cast" RuntimeWarning names no tensor; it is
+        # replaced by a PrecisionWarning that does.
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = source.astype(_target.to_numpy())
+        _warn_overflow(_name, _snap.dtype, _target, source, array)
         array.flags.writeable = False
         return TensorData(array, _target, tuple(data.shape))
 
     return TensorSnapshot(target, tuple(snapshot.shape), snapshot.param_id, load)
+
+
+def _warn_overflow(name: Optional[str], source_dtype: DType, target: DType, source: np.ndarray, cast: np.ndarray) -> None:
+    """Warn (:class:`~onnxparam.errors.PrecisionWarning`) when ``cast`` has infinities where
+    ``source`` had finite values."""
+    if cast.size == 0 or source.dtype.itemsize < cast.dtype.itemsize:
+        return  # a widening cast cannot overflow
+    overflow = np.isinf(cast) & np.isfinite(source)
+    count = int(np.count_nonzero(overflow))
+    if not count:
+        return
+    import warnings
+
+    from ..errors import PrecisionWarning
+
+    largest = float(np.abs(source[overflow].astype(np.float64)).max())
+    import ml_dtypes  # NOTE: its finfo knows bfloat16 too
+
+    limit = float(ml_dtypes.finfo(cast.dtype).max)
+    where = f"'{name}'" if name is not None else "a tensor"
+    warnings.warn(
+        f"casting {where} from {source_dtype.name} to {target.name}: {count} of {source.size} finite values "
+        f"overflow to inf (largest magnitude {largest:.6g}, {target.name} max {limit:.6g}); keep "
+        f"{source_dtype.name} for this tensor or rescale it",
+        PrecisionWarning,
+        stacklevel=3,
+    )

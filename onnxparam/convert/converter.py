@@ -336,7 +336,7 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
             report.transposed.append((name, list(t.shape), list(snap.shape)))
             t = replace(t, shape=tuple(snap.shape), loader=snap.loader, file_slice=None)
         if casts is not None and t.dtype in casts and casts[t.dtype] != t.dtype:
-            snap = cast_snapshot(t.snapshot(), casts[t.dtype])
+            snap = cast_snapshot(t.snapshot(), casts[t.dtype], name=name)
             report.cast.append((name, t.dtype, snap.dtype))
             t = replace(t, dtype=snap.dtype, loader=snap.loader, file_slice=None)
         out.append(t)

@@ -86,15 +86,17 @@ class PeftConfig:
         if problems:
             raise RecordError(f"unsupported PEFT adapter in {source}", problems)
         try:
-            self.r = int(raw["r"])
-            self.lora_alpha = float(raw.get("lora_alpha", self.r))
+            self.r = _rank(raw["r"])
+            self.lora_alpha = _alpha(raw.get("lora_alpha", self.r))
         except (KeyError, TypeError, ValueError) as e:
-            raise RecordError(f"{source}: adapter_config.json needs an integer 'r' and a number 'lora_alpha' ({e})") \
-                from None
+            raise RecordError(f"{source}: adapter_config.json needs an integer 'r' >= 1 and a finite number "
+                              f"'lora_alpha' ({type(e).__name__}: {e})") from None
         self.use_rslora = bool(raw.get("use_rslora", False))
         self.fan_in_fan_out = bool(raw.get("fan_in_fan_out", False))
-        self.rank_pattern = dict(raw.get("rank_pattern") or {})
-        self.alpha_pattern = dict(raw.get("alpha_pattern") or {})
+        # NOTE (reliability fuzzing): patterns are checked here, so a bad key or value is a
+        # RecordError naming it, not a re.error / ValueError while the weights are matched.
+        self.rank_pattern = _patterns(raw, "rank_pattern", _rank, source)
+        self.alpha_pattern = _patterns(raw, "alpha_pattern", _alpha, source)
 
     @staticmethod
     def _pattern(patterns: dict, name: str):
@@ -107,12 +109,40 @@ class PeftConfig:
     def scale_for(self, name: str, rank: int) -> float:
         """The adapter scale of PEFT module ``name`` whose factors have rank ``rank``."""
         alpha = self._pattern(self.alpha_pattern, name)
-        alpha = self.lora_alpha if alpha is None else float(alpha)
+        alpha = self.lora_alpha if alpha is None else alpha
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def rank_for(self, name: str) -> int:
         rank = self._pattern(self.rank_pattern, name)
-        return self.r if rank is None else int(rank)
+        return self.r if rank is None else rank
+
+
+def _rank(value) -> int:
+    """A LoRA rank: an integer >= 1 (``2.0`` is taken, ``2.7``, ``true`` and ``0`` are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"a rank is an integer >= 1, found {value!r}")
+    return int(value)
+
+
+def _alpha(value) -> float:
+    """A LoRA alpha: a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"lora_alpha is a finite number, found {value!r}")
+    return float(value)
+
+
+def _patterns(raw: dict, key: str, check, source: str) -> dict:
+    patterns = raw.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise RecordError(f"{source}: {key} maps module-name regexes to values; found {patterns!r}")
+    out = {}
+    for regex, value in patterns.items():
+        try:
+            re.compile(regex)
+            out[regex] = check(value)
+        except (re.error, TypeError, ValueError) as e:
+            raise RecordError(f"{source}: {key} entry {regex!r}: {value!r} is not usable ({e})") from None
+    return out
 
 
 def read_peft_config(path: "str | os.PathLike") -> PeftConfig:
@@ -124,8 +154,10 @@ def read_peft_config(path: "str | os.PathLike") -> PeftConfig:
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 decoding errors
         raise RecordError(f"cannot read the PEFT config {path}: {e}") from None
+    except RecursionError:  # NOTE (reliability fuzzing): "[[[[..." deeper than Python's stack
+        raise RecordError(f"cannot read the PEFT config {path}: JSON nested too deeply") from None
     if not isinstance(raw, dict):
         raise RecordError(f"{path}: a PEFT adapter_config.json holds a JSON object")
     return PeftConfig(raw, str(path))
@@ -184,6 +216,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     config_path, weights_path = _files(folder_or_files)
     config = read_peft_config(config_path)
     rules = list(DEFAULT_PEFT_KEY_MAP) + [tuple(r) for r in (key_map or ())]
+    if not weights_path.is_file():  # NOTE: else read_safetensors' FileNotFoundError escapes
+        raise RecordError(f"the PEFT adapter weights {weights_path} are missing; a PEFT adapter folder holds "
+                          f"{CONFIG_FILE} and {WEIGHTS_FILE}")
     tensors = read_safetensors(weights_path).tensors
     pairs: dict = {}
     problems = []

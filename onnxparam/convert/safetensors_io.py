@@ -260,6 +260,8 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
             header = json.loads(raw_header.decode("utf-8"), object_pairs_hook=_no_duplicates)
         except (UnicodeDecodeError, ValueError) as exc:
             raise _format_error(path, f"the header is not valid UTF-8 JSON ({exc})") from None
+        except RecursionError:  # NOTE (reliability fuzzing): "[[[[..." deeper than Python's stack
+            raise _format_error(path, "the header nests JSON arrays or objects too deeply") from None
         if not isinstance(header, dict):
             raise _format_error(path, "the header is not a JSON object")
         data_start = HEADER_LENGTH_BYTES + header_len
@@ -285,7 +287,8 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
             raise _format_error(path, f"__metadata__ names tensor '{name}', which the file does not hold")
     if order is None:
         order = sorted(layout, key=lambda n: layout[n][2])
-    elif sorted(order) != sorted(layout):
+    # NOTE (reliability fuzzing): sorted() of mixed types raises TypeError; names are text
+    elif not all(isinstance(n, str) for n in order) or sorted(order) != sorted(layout):
         raise _format_error(path, f"'{ORDER_KEY}' does not list exactly the file's tensors")
 
     tensors: dict[str, TensorSnapshot] = {}
@@ -296,6 +299,9 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
         pid = param_ids.get(name)
         if pid is not None:
             try:
+                # NOTE: ids are decimal text (or JSON integers); int(1.5) would silently give 1
+                if isinstance(pid, (bool, float)):
+                    raise TypeError
                 pid = ParamId(int(pid))
             except (TypeError, ValueError):
                 raise _format_error(path, f"'{PARAM_IDS_KEY}' has {pid!r} for '{name}', not a u64") from None
@@ -309,7 +315,8 @@ def _check_entry(path, name: str, info) -> tuple:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         raise _format_error(path, f"tensor '{name}' needs 'dtype', 'shape' and 'data_offsets'")
     st_dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if st_dtype not in DTYPE_FROM_SAFETENSORS:
+    # NOTE (reliability fuzzing): a list or object here is unhashable; test the type first
+    if not isinstance(st_dtype, str) or st_dtype not in DTYPE_FROM_SAFETENSORS:
         known = ", ".join(sorted(DTYPE_FROM_SAFETENSORS))
         raise _format_error(path, f"tensor '{name}' has dtype {st_dtype!r}, which Burn has no dtype for (known: {known})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
@@ -350,6 +357,8 @@ def _decode_json_key(path, meta: dict, key: str, kind: type):
         value = json.loads(text)
     except ValueError as exc:
         raise _format_error(path, f"__metadata__ key '{key}' is not JSON ({exc})") from None
+    except RecursionError:  # NOTE (reliability fuzzing): nesting deeper than Python's stack
+        raise _format_error(path, f"__metadata__ key '{key}' nests JSON too deeply") from None
     if not isinstance(value, kind):
         raise _format_error(path, f"__metadata__ key '{key}' is not a JSON {'object' if kind is dict else 'array'}")
     return value

@@ -155,7 +155,7 @@ def apply_record(
             target = casts.get(snap.dtype)
         if target is not None and target != snap.dtype and snap.dtype.is_float and snap.scheme is None:
             report.cast.append((path, snap.dtype, target))
-            snap = cast_snapshot(snap, target)
+            snap = cast_snapshot(snap, target, name=path)
         error = None
         if tuple(snap.shape) != expected_shape:
             error = (f"shape mismatch for {where}: the module expects {list(expected_shape)}, the file has "
@@ -259,7 +259,7 @@ def collect_record(module, *, adapter=None, remap=None, include=None, exclude=No
             report.transposed.append((name, _shape(snap.shape[::-1]), _shape(snap.shape)))
         if casts is not None and snap.dtype in casts and casts[snap.dtype] != snap.dtype:
             report.cast.append((name, snap.dtype, casts[snap.dtype]))
-            snap = cast_snapshot(snap, casts[snap.dtype])
+            snap = cast_snapshot(snap, casts[snap.dtype], name=name)
         if name in items:
             problems.append(f"name clash: params '{origin[name]}' and '{path}' are both saved as '{name}'")
             continue

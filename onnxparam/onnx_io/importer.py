@@ -36,6 +36,7 @@ from ..dtype import DType
 from ..errors import OnnxFormatError, TraceError
 from ..module import Module, named_params
 from ..param import Param, ParamId
+from ..quant import qdq
 from ..tensor import Tensor
 from . import metadata as md
 from .naming import onnx_name_to_path
@@ -60,6 +61,9 @@ class OnnxScope(Module):
 
 
 def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
+    quantized = qdq.imported_param(site, meta)
+    if quantized is not None:
+        return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = meta.require_grad if meta.require_grad is not None else site.dtype.is_float
 
@@ -127,6 +131,7 @@ class OnnxModule(Module):
     """
 
     def __init__(self, loaded: LoadedModel):
+        qdq.fold_dequantize_weights(loaded.model)  # DequantizeLinear(int initializer) -> one QFloat weight
         source = _SourceGraph(loaded)
         metas = site_metadata(loaded.model, list(source.sites), loaded.source)
         entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]

@@ -157,7 +157,9 @@ def read_params(model_props: Mapping[str, str], tensor_props_by_name: Mapping[st
     if raw:
         try:
             table = json.loads(raw)
-        except json.JSONDecodeError as e:
+        # NOTE (reliability fuzzing): a corrupted file can hold bytes that are not UTF-8
+        # (UnicodeDecodeError, a ValueError) or JSON nested past Python's stack.
+        except (ValueError, RecursionError) as e:
             raise OnnxFormatError(f"{source}: model metadata {PARAMS_KEY!r} is not valid JSON ({e})") from None
         if not isinstance(table, dict):
             raise OnnxFormatError(f"{source}: model metadata {PARAMS_KEY!r} must be a JSON object")
@@ -167,6 +169,9 @@ def read_params(model_props: Mapping[str, str], tensor_props_by_name: Mapping[st
         entry = table.get(name) or {}
         props = tensor_props_by_name.get(name) or {}
         where = f"{source}, initializer {name!r}"
+        if not isinstance(entry, dict):
+            raise OnnxFormatError(f"{where}: model metadata {PARAMS_KEY!r} must map names to JSON objects, "
+                                  f"found {entry!r}")
         pid = props.get(PARAM_ID_KEY, entry.get("param_id"))
         flag = props.get(REQUIRE_GRAD_KEY, entry.get("require_grad"))
         scale = props.get(LORA_SCALE_KEY, entry.get("lora_scale"))

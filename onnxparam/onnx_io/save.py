@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Optional, Union
@@ -41,6 +40,7 @@ from typing import Optional, Union
 import onnx
 import onnx_ir as ir
 
+from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
 from ..errors import OnnxFormatError
 from .source import iter_graphs
 
@@ -158,7 +158,10 @@ def save_model(
                 f"{target}: external_data must be a file name in the model's folder, got {location!r}"
             )
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    # NOTE: the scratch folder's name carries the pid, so a save killed mid-way (whose folder no
+    # handler could remove) is cleaned up by the next save to the same target.
+    remove_stale_scratch(os.fspath(target.parent), target.name)
+    tmp_dir = target.parent / scratch_name(target.name)
     tmp_dir.mkdir()
     try:
         tmp_model = tmp_dir / target.name
@@ -182,14 +185,53 @@ def save_model(
         written = sorted(p.name for p in tmp_dir.iterdir() if p.name != target.name)
         for name in written + [target.name]:
             _fsync(tmp_dir / name)
-        for name in written:
-            os.replace(tmp_dir / name, target.parent / name)
-        os.replace(tmp_model, target)
+        _move_into_place(tmp_dir, target, written)
         if location is not None:
             _remove_stale_shards(target.parent, location, set(written))
+    except OSError as e:
+        full = disk_full_error(e, target)
+        if full is not None:
+            raise full from e
+        raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return target
+
+
+_BACKUP_FOLDER = "previous"
+"""Sub-folder of the scratch folder holding the data files a save replaces until it is complete."""
+
+
+def _move_into_place(tmp_dir: Path, target: Path, written: list) -> None:
+    """Rename the data files, then the ``.onnx``, from ``tmp_dir`` over the old ones.
+
+    NOTE (reliability, fault injection): a rename failing after the data files were replaced
+    would leave the old ``.onnx`` beside new data it does not describe; so the old data files
+    are first moved aside into the scratch folder and moved back if any rename fails. Data
+    files this save added (no old one) are removed again. A process killed inside this window
+    (microseconds) can still leave the pair mixed.
+    """
+    backups = tmp_dir / _BACKUP_FOLDER
+    backups.mkdir()
+    saved, added = [], []
+    try:
+        for name in written:
+            final = target.parent / name
+            if final.exists():
+                os.replace(final, backups / name)
+                saved.append(name)
+            else:
+                added.append(name)
+            os.replace(tmp_dir / name, final)
+        os.replace(tmp_dir / target.name, target)
+    except BaseException:
+        for name in added:
+            with contextlib.suppress(OSError):
+                (target.parent / name).unlink()
+        for name in saved:
+            with contextlib.suppress(OSError):
+                os.replace(backups / name, target.parent / name)
+        raise
 
 
 def _fsync(path: Path) -> None:

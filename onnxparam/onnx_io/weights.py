@@ -212,7 +212,16 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
 def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:
     """The tensor's values as :class:`TensorData`: a zero-copy view of the memory-mapped file for
     external tensors, of the protobuf bytes otherwise."""
-    array = tensor.numpy()
+    try:
+        array = tensor.numpy()
+    except (ValueError, TypeError, AssertionError, OSError) as e:
+        # NOTE (reliability fuzzing): onnx_ir reports data that does not fit the declared dims
+        # or type (typed fields, external data) with numpy's or its own builtin errors.
+        from ..errors import OnnxFormatError
+
+        raise OnnxFormatError(
+            f"the data of tensor {tensor.name!r} ({tensor.dtype.name} {list(tensor.shape)}) cannot be read: {e}"
+        ) from e
     want = dtype.to_numpy()
     if array.dtype != want:
         array = array.view(want) if array.dtype.itemsize == want.itemsize else array.astype(want)

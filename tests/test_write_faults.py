@@ -1,0 +1,307 @@
+"""Fault injection on every writer: a failed or killed save never loses the previous file.
+
+For each writer (burnpack ``Module.save_file`` / ``burnpack.write``, ``write_safetensors``,
+ONNX ``save_model``) the test counts the file writes, fsyncs and renames of one save, then
+repeats the save making the N-th of each raise, for every N. After each attempt the target is
+either the previous file, byte for byte (the save raised), or the new one (the failure hit a
+step after the rename, e.g. the directory fsync, which is best effort) — never a mix — and
+the folder holds no scratch file. A process SIGKILLed mid-save leaves the previous file intact;
+its scratch file (which no handler could remove) is removed by the next save to that path.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import onnxparam.burnpack as bp
+from onnxparam import Module, Tensor
+from onnxparam.convert.safetensors_io import read_safetensors, write_safetensors
+from onnxparam.nn import Linear
+from onnxparam.onnx_io import save_model
+from onnxparam.record import ModuleRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Injected(OSError):
+    """The error the fault injector raises (an OSError, as a real I/O failure is)."""
+
+
+class _Faulty:
+    """A file object whose writes go through the injector."""
+
+    def __init__(self, inner, injector):
+        self._inner = inner
+        self._injector = injector
+
+    def write(self, data):
+        self._injector.hit("write")
+        return self._inner.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._inner.close()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class Injector:
+    """Counts write / fsync / replace calls under ``folder`` and raises at the chosen one."""
+
+    def __init__(self, monkeypatch, folder: Path, op: str | None = None, at: int = 0, error: OSError | None = None):
+        self.counts = {"write": 0, "fsync": 0, "replace": 0}
+        self.op, self.at = op, at
+        self.error = error or Injected(errno.EIO, "injected I/O error")
+        folder = os.path.realpath(folder)
+        real_open, real_fdopen, real_fsync, real_replace = builtins.open, os.fdopen, os.fsync, os.replace
+
+        def ours(path) -> bool:
+            return isinstance(path, (str, os.PathLike)) and os.path.realpath(path).startswith(folder)
+
+        def fake_open(file, mode="r", *args, **kwargs):
+            handle = real_open(file, mode, *args, **kwargs)
+            writing = any(c in mode for c in "wax+")
+            return _Faulty(handle, self) if writing and ours(file) else handle
+
+        def fake_fdopen(fd, mode="r", *args, **kwargs):
+            handle = real_fdopen(fd, mode, *args, **kwargs)
+            return _Faulty(handle, self) if any(c in mode for c in "wax+") else handle
+
+        def fake_fsync(fd):
+            self.hit("fsync")
+            return real_fsync(fd)
+
+        def fake_replace(src, dst, *args, **kwargs):
+            if ours(dst):
+                self.hit("replace")
+            return real_replace(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        monkeypatch.setattr(os, "fdopen", fake_fdopen)
+        monkeypatch.setattr(os, "fsync", fake_fsync)
+        monkeypatch.setattr(os, "replace", fake_replace)
+
+    def hit(self, op: str) -> None:
+        self.counts[op] += 1
+        if op == self.op and self.counts[op] == self.at:
+            raise self.error
+
+
+# -- the three writers, each as (save(path, version), read(path) -> comparable) --------------------
+
+
+def _arrays(version: int) -> dict:
+    rng = np.random.default_rng(version)
+    return {"fc.weight": rng.standard_normal((64, 300)).astype(np.float32),
+            "fc.bias": rng.standard_normal(300).astype(np.float32)}
+
+
+def save_burnpack(path: Path, version: int) -> None:
+    bp.write(path, [bp.TensorEntry.from_numpy(k, v) for k, v in _arrays(version).items()], metadata={"v": str(version)})
+
+
+def read_burnpack(path: Path) -> dict:
+    with bp.read(path) as f:
+        return {k: e.to_numpy().copy() for k, e in f.tensors.items()}
+
+
+class Net(Module):
+    def __init__(self):
+        self.fc = Linear(64, 300)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def save_module(path: Path, version: int) -> None:
+    arrays = _arrays(version)
+    module = Net().map(lambda p, param: param.map(lambda t: Tensor.from_numpy(arrays[p])))
+    module.save_file(path)
+
+
+def save_st(path: Path, version: int) -> None:
+    record = ModuleRecord.from_module(
+        Net().map(lambda p, param: param.map(lambda t, _p=p: Tensor.from_numpy(_arrays(version)[_p]))))
+    write_safetensors(path, record)
+
+
+def read_st(path: Path) -> dict:
+    with read_safetensors(path) as f:
+        return {k: np.array(s.to_data().to_numpy()) for k, s in f.tensors.items()}
+
+
+def save_onnx(path: Path, version: int) -> None:
+    arrays = _arrays(version)
+    x = ir.Value(name="x", shape=ir.Shape([1, 64]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="fc.weight", shape=ir.Shape([64, 300]), type=ir.TensorType(ir.DataType.FLOAT),
+                 const_value=ir.tensor(arrays["fc.weight"], name="fc.weight"))
+    b = ir.Value(name="fc.bias", shape=ir.Shape([300]), type=ir.TensorType(ir.DataType.FLOAT),
+                 const_value=ir.tensor(arrays["fc.bias"], name="fc.bias"))
+    mm = ir.node("MatMul", [x, w])
+    add = ir.node("Add", [mm.outputs[0], b])
+    graph = ir.Graph([x], [add.outputs[0]], nodes=[mm, add], initializers=[w, b], opset_imports={"": 17}, name="g")
+    save_model(ir.Model(graph, ir_version=8), path, external_data=True)
+
+
+def read_onnx(path: Path) -> dict:
+    model = ir.load(path)
+    out = {k: np.array(v.const_value.numpy()) for k, v in model.graph.initializers.items()}
+    return out
+
+
+WRITERS = {
+    "burnpack.write": (save_burnpack, read_burnpack, "m.bpk"),
+    "Module.save_file": (save_module, read_burnpack, "m.bpk"),
+    "write_safetensors": (save_st, read_st, "m.safetensors"),
+    "save_model": (save_onnx, read_onnx, "m.onnx"),
+}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def snapshot_folder(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_save_failing_at_any_write_fsync_or_rename_keeps_the_old_file(tmp_path, monkeypatch, writer):
+    save, read, name = WRITERS[writer]
+    folder = tmp_path / "out"
+    folder.mkdir()
+    target = folder / name
+    save(target, 1)
+    old_files = snapshot_folder(folder)
+    old = read(target)
+    with monkeypatch.context() as m:
+        counter = Injector(m, folder)
+        save(target, 2)
+    counts = dict(counter.counts)
+    # NOTE: onnx_ir writes external data with numpy's tofile (straight to the descriptor), which
+    # the injector cannot see; the model file's write, the fsyncs and the renames it can.
+    assert counts["write"] >= (1 if writer == "save_model" else 3) and counts["fsync"] >= 1, counts
+    assert counts["replace"] >= 1, counts
+    new = read(target)
+    assert not same(old, new)
+    attempts = raised = 0
+    for op, total in counts.items():
+        for at in range(1, total + 1):
+            for p in folder.iterdir():
+                p.unlink()
+            for n, data in old_files.items():
+                (folder / n).write_bytes(data)
+            attempts += 1
+            with monkeypatch.context() as m:
+                Injector(m, folder, op, at)
+                try:
+                    save(target, 2)
+                except Injected:
+                    raised += 1
+                    assert snapshot_folder(folder) == old_files, f"{op} #{at}: the folder changed"
+                    continue
+            # the failure hit a best-effort step after the rename: the new file, whole
+            assert same(read(target), new), f"{op} #{at}: neither the old nor the new file"
+            assert sorted(p.name for p in folder.iterdir()) == sorted(old_files), f"{op} #{at}: stray files"
+    assert raised >= attempts - 2 and attempts == sum(counts.values())
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_full_disk_is_reported_as_enospc_naming_the_file(tmp_path, monkeypatch, writer):
+    save, read, name = WRITERS[writer]
+    target = tmp_path / name
+    save(target, 1)
+    before = snapshot_folder(tmp_path)
+    with monkeypatch.context() as m:
+        Injector(m, tmp_path, "write", 1, error=OSError(errno.ENOSPC, "No space left on device"))
+        with pytest.raises(OSError) as info:
+            save(target, 2)
+    assert info.value.errno == errno.ENOSPC and not isinstance(info.value, Injected)
+    assert info.value.filename == str(target)
+    assert str(info.value) == (
+        f"[Errno {errno.ENOSPC}] No space left on device while saving '{target}': the disk is full, nothing was "
+        f"replaced (any previous file is unchanged); free space or save elsewhere: '{target}'")
+    assert snapshot_folder(tmp_path) == before
+
+
+# -- a process killed mid-save ----------------------------------------------------------------------
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from pathlib import Path
+    target, kind = Path(sys.argv[1]), sys.argv[2]
+    big = np.ones(16 * 1024 * 1024, np.float32)   # 64 MiB
+
+    def stall(value):
+        print("mid-save", flush=True)   # the big tensor is written; now wait for SIGKILL
+        time.sleep(60)
+        return value
+
+    if kind == "burnpack":
+        import onnxparam.burnpack as bp
+        bp.write(target, [bp.TensorEntry.from_numpy("big", big),
+                          bp.TensorEntry("last", __import__("onnxparam").DType.F32, (1,), lambda: stall(np.ones(1, np.float32)))])
+    elif kind == "safetensors":
+        from onnxparam.convert.safetensors_io import write_safetensors
+        from onnxparam.record import TensorSnapshot
+        from onnxparam.tensor import TensorData
+        from onnxparam.dtype import DType
+        write_safetensors(target, {
+            "a_big": TensorSnapshot(DType.F32, big.shape, None, lambda: TensorData.from_numpy(big)),
+            "b_last": TensorSnapshot(DType.F32, (1,), None, lambda: stall(TensorData.from_numpy(np.ones(1, np.float32)))),
+        })
+    else:
+        import onnx_ir as ir
+        from onnxparam.onnx_io import save_model
+        lazy = ir.LazyTensor(lambda: stall(ir.tensor(np.ones(1024, np.float32))), dtype=ir.DataType.FLOAT,
+                             shape=ir.Shape([1024]), name="last")
+        x = ir.Value(name="x", shape=ir.Shape([1024]), type=ir.TensorType(ir.DataType.FLOAT))
+        vals = [ir.Value(name=n, shape=ir.Shape(list(t.shape)), type=ir.TensorType(ir.DataType.FLOAT), const_value=t)
+                for n, t in (("big", ir.tensor(big, name="big")), ("last", lazy))]
+        node = ir.node("Add", [x, vals[1]])
+        g = ir.Graph([x], [node.outputs[0]], nodes=[node], initializers=vals, opset_imports={"": 17})
+        save_model(ir.Model(g, ir_version=8), target, external_data=True)
+""")
+
+
+@pytest.mark.parametrize("kind, name, save, read", [
+    ("burnpack", "m.bpk", save_burnpack, read_burnpack),
+    ("safetensors", "m.safetensors", save_st, read_st),
+    ("onnx", "m.onnx", save_onnx, read_onnx),
+])
+def test_a_save_killed_mid_way_keeps_the_old_file_and_the_next_save_removes_its_scratch(tmp_path, kind, name, save, read):
+    target = tmp_path / name
+    save(target, 1)
+    old_files = snapshot_folder(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(target), kind], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line == b"mid-save\n", proc.stderr.read().decode()
+        scratch = [p.name for p in tmp_path.iterdir() if p.name not in old_files]
+        assert len(scratch) == 1 and scratch[0].startswith(f".{name}.{proc.pid}-"), scratch
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert {n: (tmp_path / n).read_bytes() for n in old_files} == old_files  # the old file, intact
+    save(target, 2)  # the next save to the same path removes the dead process's scratch
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(old_files)
+    assert same(read(target), {k: v for k, v in _arrays(2).items()})

@@ -316,9 +316,11 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     Raises:
         ValueError: when there is nothing to write (a module without adapters).
     """
+    import os
     from pathlib import Path
 
     from ._ort import import_onnxruntime
+    from ._scratch import scratch_name
 
     ort = import_onnxruntime()
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
@@ -330,7 +332,15 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     fmt.set_model_version(int(model_version))
     fmt.set_parameters(values)
     path = Path(path)
-    fmt.export_adapter(str(path))
+    # NOTE: ONNX Runtime writes straight to the path it is given; write beside it and rename,
+    # so a failed save never destroys the previous adapter file.
+    scratch = path.with_name(scratch_name(path.name))
+    try:
+        fmt.export_adapter(str(scratch))
+        os.replace(scratch, path)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -305,3 +305,25 @@ def test_a_save_killed_mid_way_keeps_the_old_file_and_the_next_save_removes_its_
     save(target, 2)  # the next save to the same path removes the dead process's scratch
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(old_files)
     assert same(read(target), {k: v for k, v in _arrays(2).items()})
+
+
+def test_a_failed_onnx_adapter_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    import numpy as np
+    import onnxruntime
+
+    from onnxparam.lora_graph import write_onnx_adapter
+
+    path = tmp_path / "a.onnx_adapter"
+    write_onnx_adapter({"w.lora.a": np.ones((2, 1), np.float32)}, path)
+    before = path.read_bytes()
+
+    def boom(self, target):
+        with open(target, "wb") as handle:
+            handle.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onnxruntime.AdapterFormat, "export_adapter", boom)
+    with pytest.raises(OSError, match="No space left"):
+        write_onnx_adapter({"w.lora.a": np.zeros((2, 1), np.float32)}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["a.onnx_adapter"]

@@ -489,74 +489,28 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
     """``graph`` (a copy) whose weights are external slices of the source (``external``)."""
     import onnx_ir as ir
 
-    from .. import __version__
-    from ..onnx_io import metadata as md
-    from ..onnx_io.records import site_metadata
-    from ..onnx_io.source import iter_graphs, load_model
-    from ..onnx_io.weights import CONSTANT, INITIALIZER, find_weights
+    from ..onnx_io.records import weights_into_graph
+    from ..onnx_io.source import iter_graphs
+    from ..onnx_io.weights import INITIALIZER
 
-    if isinstance(graph, ir.Model):  # never change the caller's model: work on a copy
-        graph = ir.serde.serialize_model(graph)
-    loaded = load_model(graph)
-    model = loaded.model
-    sites = find_weights(model, loaded.source)
-    by_name = {t.name: t for t in tensors}
-    site_paths = {s.path for s in sites}
-    problems = []
-    for site in sites:
-        t = by_name.get(site.path)
-        if t is None:
-            if not allow_partial:
-                problems.append(f"missing tensor '{site.path}' (ONNX {site.name!r}): the graph expects "
-                                f"{site.dtype.name} {list(site.shape)}, the source has none")
-            continue
-        if tuple(t.shape) != tuple(site.shape):
-            problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
-                            f"{list(site.shape)}, the source has {list(t.shape)}")
-        if not (t.dtype == site.dtype or {t.dtype, site.dtype} <= {DType.F32, DType.Flex32}):
-            problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
-                            f"{site.dtype.name}, the source has {t.dtype.name}")
-    if not allow_partial:
-        for t in tensors:
-            if t.name not in site_paths:
-                problems.append(f"unexpected tensor '{t.name}': the graph has no weight at this path")
-    if problems:
-        raise RecordError(f"cannot write the source's weights into {loaded.source}: {len(problems)} problem(s)", problems)
-
-    metas = site_metadata(model, sites, loaded.source)
     ours = set()
-    for site in sites:
-        t = by_name.get(site.path)
-        if t is None:
-            continue
-        old = metas.get(site.name, md.ParamMetadata())
-        pid = ParamId(int(t.param_id)) if t.param_id is not None else old.param_id
-        meta = md.ParamMetadata(pid, old.require_grad, old.lora_scale)
-        metas[site.name] = meta
-        props = {k: v for k, v in site.tensor.metadata_props.items() if not k.startswith(md.PREFIX)}
-        props.update(md.tensor_props(meta))
+
+    def make_tensor(t, site, props):
         if site.kind == INITIALIZER:
             tensor = external(t, site.name, props)
-            site.value.const_value = tensor
             ours.add(id(tensor))
-        else:
-            assert site.kind == CONSTANT
-            # NOTE: a Constant node's value cannot point at external data in ONNX Runtime, so
-            # Constant-held weights are copied into the model.
-            array = t.to_data().to_numpy()
-            site.node.attributes["value"] = ir.AttrTensor("value", ir.Tensor(array, dtype=site.tensor.dtype, name=site.name))
-            report.notes.append(f"'{site.path}' is held by a Constant node: its data is copied into the model")
+            return tensor
+        # NOTE: a Constant node's value cannot point at external data in ONNX Runtime, so
+        # Constant-held weights are copied into the model.
+        report.notes.append(f"'{site.path}' is held by a Constant node: its data is copied into the model")
+        return ir.Tensor(t.to_data().to_numpy(), dtype=site.tensor.dtype, name=site.name)
+
+    model = weights_into_graph({t.name: t for t in tensors}, graph, allow_partial=allow_partial,
+                               make_tensor=make_tensor, metadata=record_meta)
     # Other external tensors of the graph point at files beside the *old* model: bring them in.
     for g in iter_graphs(model.graph):
         for value in g.initializers.values():
             tensor = value.const_value
             if isinstance(tensor, ir.ExternalTensor) and id(tensor) not in ours:
                 value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
-    props = md.strip_own_keys(model.metadata_props)
-    props[md.PARAMS_KEY] = md.model_params_prop(metas)
-    props[md.VERSION_KEY] = __version__
-    for key, value in record_meta.items():
-        props[md.RECORD_PREFIX + key] = str(value)
-    model.metadata_props.clear()
-    model.metadata_props.update(props)
     return model

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import onnx
 import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import RecordError
+from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
 from . import metadata as md
 from .save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -27,7 +28,7 @@ from .naming import tree_order
 from .source import base_dir_of, load_model
 from .weights import CONSTANT, INITIALIZER, WeightSite, find_weights, tensor_data
 
-__all__ = ["read_onnx_record", "write_record_to_onnx", "site_metadata"]
+__all__ = ["read_onnx_record", "write_record_to_onnx", "weights_into_graph", "site_metadata"]
 
 
 def site_metadata(model: ir.Model, sites: list[WeightSite], source: str) -> dict[str, md.ParamMetadata]:
@@ -109,9 +110,39 @@ def write_record_to_onnx(
             (with the ONNX name), before anything is written.
         OnnxFormatError: for a malformed ``graph``.
     """
+    model = weights_into_graph(record, graph, allow_partial=allow_partial, make_tensor=_lazy_tensor,
+                               metadata=getattr(record, "metadata", {}))
+    return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes,
+                      alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
+
+
+def weights_into_graph(
+    tensors: Mapping,
+    graph: "str | os.PathLike | onnx.ModelProto | ir.Model",
+    *,
+    allow_partial: bool,
+    make_tensor: Callable[[Any, WeightSite, dict], ir.TensorProtocol],
+    metadata: Optional[Mapping[str, str]] = None,
+) -> ir.Model:
+    """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
+    matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
+    zero-copy converter).
+
+    Args:
+        tensors: module path -> an object with ``shape``, ``dtype`` and ``param_id`` (a
+            :class:`~onnxparam.TensorSnapshot`, a burnpack entry ...).
+        graph: the ONNX model whose graph is kept (never modified).
+        allow_partial: see :func:`write_record_to_onnx`.
+        make_tensor: ``(tensor, site, metadata_props) -> onnx_ir tensor`` for each weight placed;
+            the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
+        metadata: ``onnxparam.record.<key>`` model metadata entries.
+
+    Raises:
+        RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
+    """
     if isinstance(graph, ir.Model):
         base_dir = base_dir_of(graph)
-        graph = ir.serde.serialize_model(graph)
+        graph = ir.serde.serialize_model(graph)  # never change the caller's model: work on a copy
         loaded = load_model(graph)
         if base_dir:
             ir.external_data.set_base_dir(loaded.model.graph, base_dir)
@@ -122,22 +153,22 @@ def write_record_to_onnx(
     by_path = {site.path: site for site in sites}
     problems: list[str] = []
     for site in sites:
-        snap = record.get(site.path)
-        if snap is None:
+        entry = tensors.get(site.path)
+        if entry is None:
             if not allow_partial:
                 problems.append(f"missing tensor '{site.path}' (ONNX {site.name!r}): the graph expects "
                                 f"{site.dtype.name} {list(site.shape)}, the record has none")
             continue
-        if tuple(snap.shape) != site.shape:
+        if tuple(entry.shape) != tuple(site.shape):
             problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
-                            f"{list(site.shape)}, the record has {list(snap.shape)}")
-        if not _fits(site.dtype, snap.dtype):
+                            f"{list(site.shape)}, the record has {list(entry.shape)}")
+        if not _fits(site.dtype, entry.dtype):
             hint = ("; quantized tensors are written as QDQ initializers by the quantization exporter"
-                    if snap.dtype is DType.QFloat else "; cast the record first")
+                    if entry.dtype is DType.QFloat else "; cast the record first")
             problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
-                            f"{site.dtype.name}, the record has {snap.dtype.name}{hint}")
+                            f"{site.dtype.name}, the record has {entry.dtype.name}{hint}")
     if not allow_partial:
-        for key in record:
+        for key in tensors:
             if key not in by_path:
                 problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
     if problems:
@@ -145,16 +176,16 @@ def write_record_to_onnx(
 
     metas = site_metadata(model, sites, loaded.source)
     for site in sites:
-        snap = record.get(site.path)
-        if snap is None:
+        entry = tensors.get(site.path)
+        if entry is None:
             continue
         old = metas.get(site.name, md.ParamMetadata())
-        meta = md.ParamMetadata(snap.param_id if snap.param_id is not None else old.param_id,
-                                old.require_grad, old.lora_scale)
+        pid = ParamId(int(entry.param_id)) if entry.param_id is not None else old.param_id
+        meta = md.ParamMetadata(pid, old.require_grad, old.lora_scale)
         metas[site.name] = meta
         props = {k: v for k, v in site.tensor.metadata_props.items() if not k.startswith(md.PREFIX)}
         props.update(md.tensor_props(meta))
-        tensor = _lazy_tensor(snap, site, props)
+        tensor = make_tensor(entry, site, props)
         if site.kind == INITIALIZER:
             site.value.const_value = tensor
         else:
@@ -165,12 +196,11 @@ def write_record_to_onnx(
     from .. import __version__
 
     props[md.VERSION_KEY] = __version__
-    for key, value in getattr(record, "metadata", {}).items():
+    for key, value in (metadata or {}).items():
         props[md.RECORD_PREFIX + key] = str(value)
     model.metadata_props.clear()
     model.metadata_props.update(props)
-    return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes,
-                      alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
+    return model
 
 
 def _lazy_tensor(snap: TensorSnapshot, site: WeightSite, props: dict) -> ir.LazyTensor:

@@ -35,6 +35,8 @@ from .errors import (
     RecordError,
     ShapeMismatchError,
     TraceError,
+    TraceTypeError,
+    TraceValueError,
 )
 from .group import ParamGroup
 from .lora import LoraAdapter, LoraConfig
@@ -97,6 +99,8 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "TraceError",
+    "TraceTypeError",
+    "TraceValueError",
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",

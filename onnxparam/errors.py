@@ -10,6 +10,8 @@ keeps working::
     │   └── ShapeMismatchError              a tensor has another shape than the module expects
     ├── DeviceError (RuntimeError)          a device or execution provider is unavailable
     ├── TraceError (RuntimeError)           a forward could not be traced into an ONNX graph
+    │   ├── TraceTypeError (TypeError)      ... because of a value of the wrong kind
+    │   └── TraceValueError (ValueError)    ... because of a value of the wrong shape / a bad argument
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     └── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
@@ -28,6 +30,8 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceError",
     "TraceError",
+    "TraceTypeError",
+    "TraceValueError",
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
@@ -69,6 +73,18 @@ class DeviceError(OnnxParamError, RuntimeError):
 
 class TraceError(OnnxParamError, RuntimeError):
     """A module's ``forward`` could not be traced into an ONNX graph."""
+
+
+class TraceTypeError(TraceError, TypeError):
+    """A forward was called with values of the wrong kind (dtype, number of inputs ...).
+
+    Also a ``TypeError``, so code catching the builtin keeps working."""
+
+
+class TraceValueError(TraceError, ValueError):
+    """A forward was called with values of the wrong shape or an op got a bad argument.
+
+    Also a ``ValueError``, so code catching the builtin keeps working."""
 
 
 class ExecutionError(OnnxParamError, RuntimeError):

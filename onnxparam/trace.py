@@ -50,7 +50,7 @@ from .device import CPU
 from .dtype import DType
 from . import lora_graph
 from .lora_graph import LORA_MODES  # "merge", "keep", "inputs"
-from .errors import TraceError
+from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
 from .param import Param, value_hook
 from .tensor import Tensor
 
@@ -835,7 +835,15 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             args[i] = t
         for k, t in zip(keys, symbolic[len(positions):]):
             kwargs[k] = t
-        outputs = module.forward(*args, **kwargs)
+        try:
+            outputs = module.forward(*args, **kwargs)
+        except OnnxParamError:
+            raise
+        except (TypeError, ValueError) as e:
+            # NOTE: ops check their operands with the builtin errors; a user calling a module
+            # gets one of the library's errors (still a TypeError / ValueError), naming the module.
+            kind = TraceTypeError if isinstance(e, TypeError) else TraceValueError
+            raise kind(f"tracing {type(module).__name__}.forward: {e}") from e
         return tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
 
 

@@ -159,3 +159,16 @@ def test_quantized_module_saves_qfloat_burnpack_tensors(tmp_path):
         assert f.tensors["fc1.weight"].scheme == QuantScheme(QuantValue.Q4S, block_size=(4, 1))
     back = Mlp().quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(4, 1)))).load_file(path)
     np.testing.assert_array_equal(back.fc1.weight.val().to_numpy(), q.fc1.weight.val().to_numpy())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_quantizing_a_weight_with_nan_or_inf_is_refused_with_its_path(bad):
+    weight = np.ones((4, 8), np.float32)
+    weight[1, 2] = bad
+
+    class One(op.Module):
+        def __init__(self):
+            self.fc = op.Param.initialized(op.ParamId(1), op.Tensor.from_numpy(weight))
+
+    with pytest.raises(op.QuantizationError, match=r"cannot quantize 'fc' \[4, 8\]: the values hold (1 NaN and 0|0 NaN and 1) infinite"):
+        One().quantize_weights(op.Quantizer(op.QuantScheme(value=op.QuantValue.Q8S)))

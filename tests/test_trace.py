@@ -309,3 +309,21 @@ def test_modules_called_outside_the_tree_get_type_names():
     traced = trace_module(UsesHelper(), InputSpec((1, 4)))
     assert traced.param_paths == ("Dense.weight", "Dense.bias")
     assert [n.name for n in traced.graph] == ["/Dense/MatMul", "/Dense/Add"]
+
+
+def test_calling_a_module_with_a_wrong_dtype_raises_the_librarys_error_naming_the_module():
+    import numpy as np
+
+    import onnxparam as op
+
+    class Lin(op.Module):
+        def __init__(self):
+            self.weight = op.Param.initialized(op.ParamId(1), op.Tensor.from_numpy(np.ones((3, 2), np.float32)))
+
+        def forward(self, x):
+            return x @ self.weight.val()
+
+    ints = op.Tensor.from_numpy(np.ones((4, 3), np.int64))
+    with pytest.raises(op.TraceTypeError, match=r"tracing Lin.forward: matmul: operand dtypes differ") as info:
+        Lin()(ints)
+    assert isinstance(info.value, op.OnnxParamError) and isinstance(info.value, TypeError)

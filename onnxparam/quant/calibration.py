@@ -90,13 +90,19 @@ def quantize(array, scheme: QuantScheme) -> QuantizedTensor:
         a :class:`QuantizedTensor` with int8 values of ``array``'s shape and float32 scales.
 
     Raises:
-        QuantizationError: for non-float input, a scheme Burn cannot quantize with, or a block
-            size that does not divide the shape.
+        QuantizationError: for non-float input, NaN or infinite values, a scheme Burn cannot
+            quantize with, or a block size that does not divide the shape.
     """
     x = np.asarray(array)
     if x.dtype not in _FLOAT_INPUTS:
         raise QuantizationError(f"only float arrays can be quantized, found {x.dtype}")
     _check_quantizable(scheme)
+    finite = np.isfinite(x)
+    if not finite.all():
+        nan = int(np.isnan(x).sum())
+        raise QuantizationError(
+            f"the values hold {nan} NaN and {int(x.size - finite.sum()) - nan} infinite element(s); MinMax "
+            "calibration needs finite values (a NaN would vanish and an infinity would zero every other value)")
     a, b = scheme.value.range
     compute = x.dtype.type
     alpha = _block_alpha(x, scheme)

@@ -8,6 +8,7 @@ formulas, a Burn-written burnpack file's names / bytes / ids, and the original O
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,9 +19,24 @@ import pytest
 from onnx import numpy_helper
 
 import onnxparam as op
-from onnxparam import DType, Module, ModuleRecord, OnnxFormatError, Param, ParamGroup, ParamId, RecordError, Tensor
+from onnxparam import (
+    DType,
+    Module,
+    ModuleRecord,
+    OnnxFormatError,
+    Param,
+    ParamGroup,
+    ParamId,
+    RecordError,
+    Tensor,
+)
 from onnxparam.nn import Linear
-from onnxparam.onnx_io import export_onnx, import_onnx, read_onnx_record, write_record_to_onnx
+from onnxparam.onnx_io import (
+    export_onnx,
+    import_onnx,
+    read_onnx_record,
+    write_record_to_onnx,
+)
 from onnxparam.onnx_io import save as save_module
 from onnxparam.onnx_io.exporter import trace_for_export
 from onnxparam.zoo import mnist
@@ -434,3 +450,18 @@ def test_model_local_functions_are_inlined_and_run_as_the_original(tmp_path):
     check(path)
     assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Add", "Mul"]
     np.testing.assert_array_equal(session(path).run(None, {"x": x})[0], (x + x) * np.array([1, 3], np.float32))
+
+
+def test_reexporting_an_imported_model_with_example_inputs_keeps_its_dynamic_dims(tmp_path):
+    import numpy as np
+    import onnx
+
+    import onnxparam as op
+
+    source = Path(__file__).parent / "data" / "onnx" / "magika_standard_v3_3.onnx"
+    original = [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in onnx.load(source).graph.input]
+    module = op.import_onnx(source)
+    op.export_onnx(module, tmp_path / "again.onnx", op.Tensor.from_numpy(np.zeros((3, 2048), np.int32)))
+    again = [[d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+             for i in onnx.load(tmp_path / "again.onnx").graph.input]
+    assert again == original == [["unk__214", 2048]]

@@ -157,6 +157,25 @@ def _apply_axes(dims: list, axes, name: str) -> list:
     return dims
 
 
+def _keep_source_dims(specs: list, module: OnnxModule) -> list:
+    """Example-input specs with the source graph's dynamic dims kept (a re-export of an
+    imported model stays as general as the original unless ``dynamic_axes`` says otherwise)."""
+    from ..trace import InputSpec
+
+    try:
+        source = module.input_specs()
+    except Exception:  # noqa: BLE001 - inputs of unknown rank: the examples decide
+        return specs
+    kept = []
+    for spec, src in zip(specs, source):
+        if len(src.shape) != len(spec.shape):
+            kept.append(spec)
+            continue
+        dims = [d if isinstance(s, int) else s for d, s in zip(spec.shape, src.shape)]
+        kept.append(InputSpec(tuple(dims), spec.dtype, getattr(spec, "name", None)))
+    return kept
+
+
 def _spec_of(x):
     """An ``InputSpec`` for an example input (a spec, a tensor or an array)."""
     import numpy as np
@@ -184,6 +203,8 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
     names = list(input_names) if input_names is not None else list(module.input_names)
     if example_inputs:
         specs = [_spec_of(x) for x in example_inputs]
+        if dynamic_axes is None:
+            specs = _keep_source_dims(specs, module)
     else:
         specs = module.input_specs()
     if len(specs) != len(module.input_names) or len(names) != len(specs):

@@ -8,8 +8,15 @@ scratch name therefore carries the writer's process id::
     .<target name>.<pid>-<12 hex digits>.tmp        (a file, or a folder for ONNX saves)
 
 and the next save to the same target removes the scratch entries of processes that no longer
-run. Entries of live processes (another save in progress) are left alone. A leaf module: no
-imports from the rest of the package, so the burnpack format layer can use it.
+run. Entries of live processes (another save in progress) are left alone.
+
+Renaming over a file needs write permission on its *folder* only, so the rename would replace a
+read-only file that ``open(path, "w")`` refuses, and the new file would get the umask's mode,
+not the old one's. Every writer therefore calls :func:`check_replaceable` before writing
+anything (a read-only target, a missing or unwritable folder: refused with an ``OSError`` naming
+the target) and :func:`preserve_mode` on its scratch file before the rename.
+
+A leaf module: no imports from the rest of the package, so the burnpack format layer can use it.
 """
 
 from __future__ import annotations
@@ -19,8 +26,16 @@ import os
 import re
 import secrets
 import shutil
+import stat
 
-__all__ = ["scratch_name", "remove_stale_scratch", "disk_full_error"]
+__all__ = [
+    "scratch_name",
+    "remove_stale_scratch",
+    "disk_full_error",
+    "check_replaceable",
+    "preserve_mode",
+    "cannot_write_error",
+]
 
 _HEX_DIGITS = 12
 
@@ -85,3 +100,81 @@ def disk_full_error(error: BaseException, target) -> "OSError | None":
         "replaced (any previous file is unchanged); free space or save elsewhere",
         os.fspath(target),
     )
+
+
+_ANY_WRITE_BIT = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+
+
+def _folder_label(target: str) -> str:
+    return os.path.dirname(target) or "."
+
+
+def check_replaceable(target) -> int | None:
+    """Refuse, before anything is written, a save that ``open(target, "w")`` would refuse.
+
+    Returns:
+        the permission bits of the existing ``target`` (to give the new file, see
+        :func:`preserve_mode`), or ``None`` when there is no file there yet.
+
+    Raises:
+        PermissionError: (``EACCES``) ``target`` is read-only, or its folder is not writable.
+        FileNotFoundError: (``ENOENT``) ``target``'s folder does not exist.
+        NotADirectoryError: (``ENOTDIR``) ``target``'s folder is a file.
+        IsADirectoryError: (``EISDIR``) ``target`` is a folder.
+    """
+    label = os.fspath(target)
+    folder = os.path.dirname(os.path.abspath(label))
+    if not os.path.exists(folder):
+        raise _error(errno.ENOENT, label, f"the folder '{_folder_label(label)}' does not exist (create it first)")
+    if not os.path.isdir(folder):
+        raise _error(errno.ENOTDIR, label, f"'{_folder_label(label)}' is a file, not a folder")
+    try:
+        st = os.stat(label)  # follows a symbolic link, as open() would
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise _error(errno.EISDIR, label, "it is a folder")
+    # NOTE: the mode bits as well as os.access: for root os.access always says writable, but a
+    # file chmod'ed read-only is a statement of intent that a save must not overrule.
+    if st is not None and (not st.st_mode & _ANY_WRITE_BIT or not os.access(label, os.W_OK)):
+        raise PermissionError(
+            errno.EACCES,
+            f"'{label}' is read-only; the file was not changed (make it writable, e.g. chmod u+w, "
+            "or save elsewhere)",
+            label,
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise _error(errno.EACCES, label, f"the folder '{_folder_label(label)}' is not writable")
+    return None if st is None else stat.S_IMODE(st.st_mode)
+
+
+def preserve_mode(mode: int | None, scratch) -> None:
+    """Give ``scratch`` the permission bits ``mode`` (from :func:`check_replaceable`) before it is
+    renamed over the old file; nothing when ``mode`` is ``None`` (a new file keeps the umask's)."""
+    if mode is not None:
+        os.chmod(scratch, mode)
+
+
+def cannot_write_error(error: BaseException, target) -> OSError | None:
+    """For an ``OSError`` raised creating a scratch entry beside ``target`` (it names the scratch,
+    which the user never asked for): an ``OSError`` of the same errno naming ``target`` and the
+    reason; ``None`` for other errors. Covers what :func:`check_replaceable` could not foresee
+    (a folder removed since, a read-only file system, a denial only the kernel knows)."""
+    if not isinstance(error, OSError) or error.errno is None:
+        return None
+    label = os.fspath(target)
+    folder = _folder_label(label)
+    reasons = {
+        errno.ENOENT: f"the folder '{folder}' does not exist (create it first)",
+        errno.ENOTDIR: f"'{folder}' is not a folder",
+        errno.EACCES: f"the folder '{folder}' is not writable",
+        errno.EPERM: f"the folder '{folder}' is not writable",
+        errno.EROFS: f"the folder '{folder}' is on a read-only file system",
+    }
+    reason = reasons.get(error.errno)
+    return None if reason is None else _error(error.errno, label, reason)
+
+
+def _error(code: int, label: str, reason: str) -> OSError:
+    # NOTE: OSError(errno, ...) builds the subclass of that errno (FileNotFoundError, ...).
+    return OSError(code, f"cannot write '{label}': {reason}; nothing was written", label)

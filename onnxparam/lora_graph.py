@@ -315,12 +315,15 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
 
     Raises:
         ValueError: when there is nothing to write (a module without adapters).
+        PermissionError: (``EACCES``) ``path`` is read-only (whatever the process's privileges),
+            or its folder is not writable; nothing is written.
+        FileNotFoundError: (``ENOENT``) ``path``'s folder does not exist.
     """
     import os
     from pathlib import Path
 
     from ._ort import import_onnxruntime
-    from ._scratch import scratch_name
+    from ._scratch import check_replaceable, preserve_mode, scratch_name
 
     ort = import_onnxruntime()
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
@@ -333,10 +336,13 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     fmt.set_parameters(values)
     path = Path(path)
     # NOTE: ONNX Runtime writes straight to the path it is given; write beside it and rename,
-    # so a failed save never destroys the previous adapter file.
+    # so a failed save never destroys the previous adapter file. The rename would also replace
+    # a read-only file that open(path, "w") refuses: check first, keep the old mode.
+    mode = check_replaceable(path)
     scratch = path.with_name(scratch_name(path.name))
     try:
         fmt.export_adapter(str(scratch))
+        preserve_mode(mode, scratch)
         os.replace(scratch, path)
     except BaseException:
         scratch.unlink(missing_ok=True)

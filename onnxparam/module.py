@@ -309,8 +309,17 @@ class Module:
     def save_file(self, path, metadata: Optional[dict] = None):
         """Write the module's record as a burnpack file (``.bpk`` appended when missing), atomically.
 
+        For ONNX use :func:`onnxparam.export_onnx`, for safetensors
+        :func:`onnxparam.convert.save_safetensors`. A replaced file keeps its permission bits.
+
         Returns:
             the ``pathlib.Path`` written.
+
+        Raises:
+            RecordError: ``path`` ends in ``.onnx`` or ``.safetensors``.
+            PermissionError: the file is read-only (even for root), or its folder is not
+                writable; nothing is written.
+            FileNotFoundError: the folder does not exist (it is not created).
         """
         from .record import save_module_file
 
@@ -319,14 +328,19 @@ class Module:
     def try_load_file(self, path, allow_partial: bool = False) -> "Module":
         """A copy holding the tensors of a burnpack file (lazy, zero-copy reads).
 
+        For safetensors use :func:`onnxparam.convert.load_safetensors`, for ONNX
+        :func:`onnxparam.import_onnx` or ``load_record(onnxparam.onnx_io.read_onnx_record(path))``.
+
         Raises:
-            RecordError: for a malformed file or tensors that do not fit (all listed).
+            RecordError: for a missing or malformed file (a ``.onnx`` / ``.safetensors`` file
+                names the function that reads it), or tensors that do not fit (all listed).
         """
         from .record import ModuleRecord
 
         return self.try_load_record(ModuleRecord.load_file(path), allow_partial=allow_partial)
 
     def load_file(self, path) -> "Module":
+        """Same as :meth:`try_load_file` with ``allow_partial=False``."""
         return self.try_load_file(path)
 
     # -- LoRA and quantization (see onnxparam.lora / onnxparam.quant) -----------------------------

@@ -8,6 +8,7 @@ model (:mod:`onnxparam.module`) and the formats (:mod:`onnxparam.burnpack`, ONNX
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -103,17 +104,51 @@ class ModuleRecord(Mapping):
         """The record of a burnpack file; tensor data stays in the memory-mapped file.
 
         Raises:
-            RecordError: for a missing or malformed file (``BurnpackFormatError``).
+            RecordError: for a missing or malformed file (``BurnpackFormatError``); for a
+                ``.onnx`` or ``.safetensors`` file that is not a burnpack, the message names the
+                function that reads that format.
         """
         from . import burnpack
+        from .errors import BurnpackFormatError
 
-        bp = burnpack.read(_with_extension(path))
+        target = _with_extension(path)
+        try:
+            bp = burnpack.read(target)
+        except BurnpackFormatError as e:
+            # NOTE: by the bytes, not the name alone: a burnpack an older version saved under
+            # an '.onnx' name still loads.
+            other = _OTHER_FORMATS.get(target.suffix.lower())
+            if other is None:
+                raise
+            raise RecordError(
+                f"cannot load '{target}': it is not a burnpack ({BURNPACK_EXTENSION}) file, which is "
+                f"all load_file reads; for {other[0]} file, {other[2].format(path=os.fspath(target))}"
+            ) from e
         items = {}
         for name, entry in bp.tensors.items():
             pid = None if entry.param_id is None else ParamId(entry.param_id)
             items[name] = TensorSnapshot(entry.dtype, tuple(entry.shape), pid, entry.to_data,
                                          getattr(entry, "scheme", None))
         return ModuleRecord(items, bp.metadata)
+
+
+_OTHER_FORMATS = {
+    ".safetensors": (
+        "a safetensors",
+        "write safetensors with onnxparam.convert.save_safetensors(module, path)",
+        "use module, report = onnxparam.convert.load_safetensors(module, '{path}')",
+    ),
+    ".onnx": (
+        "an ONNX",
+        "export ONNX with onnxparam.export_onnx(module, path, *example_inputs)",
+        (
+            "use onnxparam.import_onnx('{path}'), or "
+            "module.load_record(onnxparam.onnx_io.read_onnx_record('{path}'))"
+        ),
+    ),
+}
+"""Suffix -> (format name, how to write it, how to load it) for the formats ``save_file`` /
+``load_file`` do not handle; their error messages point at the right function."""
 
 
 def _with_extension(path) -> Path:
@@ -232,10 +267,25 @@ def save_module_file(module, path, metadata: Optional[dict] = None) -> Path:
 
     Default metadata (``format``, ``producer``, ``version``) is added; ``metadata`` entries are
     kept beside it. ``.bpk`` is appended when ``path`` has no suffix.
+
+    Raises:
+        RecordError: ``path`` ends in ``.onnx`` or ``.safetensors`` (this writes burnpack only;
+            the message names the function that writes that format).
+        PermissionError: (``EACCES``) the file is read-only, or its folder is not writable;
+            nothing is written and the old file is unchanged.
+        FileNotFoundError: (``ENOENT``) the folder does not exist (it is not created).
+        OSError: when the file cannot be written; the message names it.
     """
     from . import __version__, burnpack
 
     target = _with_extension(path)
+    other = _OTHER_FORMATS.get(target.suffix.lower())
+    if other is not None:
+        raise RecordError(
+            f"cannot save '{target}': save_file writes burnpack ({BURNPACK_EXTENSION}) files, and a "
+            f"'{target.suffix}' name would hold burnpack bytes; {other[1]}, or use a "
+            f"'{BURNPACK_EXTENSION}' name"
+        )
     meta = {"format": "burnpack", "producer": "onnxparam", "version": __version__}
     meta.update(metadata or {})
     burnpack.write(target, record_entries(ModuleRecord.from_module(module)), metadata=meta)

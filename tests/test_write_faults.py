@@ -327,3 +327,193 @@ def test_a_failed_onnx_adapter_save_keeps_the_previous_file(tmp_path, monkeypatc
         write_onnx_adapter({"w.lora.a": np.zeros((2, 1), np.float32)}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["a.onnx_adapter"]
+
+
+# -- permissions: a save refuses what open(path, "w") refuses, and keeps the old file's mode -----------
+#
+# NOTE: the suite may run as root, for whom os.access always says "writable"; a file chmod'ed
+# 0o444 must still be refused (the writers check the mode bits too), so these tests hold for root
+# and for other users alike.
+
+
+def save_adapter(path: Path, version: int) -> None:
+    from onnxparam.lora_graph import write_onnx_adapter
+
+    write_onnx_adapter({"fc.weight.lora.a": _arrays(version)["fc.weight"][:, :2].copy()}, path)
+
+
+def _net(version: int) -> Net:
+    arrays = _arrays(version)
+    return Net().map(lambda p, param: param.map(lambda t: Tensor.from_numpy(arrays[p])))
+
+
+def export_onnx_file(path: Path, version: int) -> None:
+    import onnxparam
+
+    onnxparam.export_onnx(_net(version), path, Tensor.from_numpy(np.ones((1, 64), np.float32)))
+
+
+def save_safetensors_file(path: Path, version: int) -> None:
+    from onnxparam.convert import save_safetensors
+
+    save_safetensors(_net(version), path)
+
+
+PERMISSION_WRITERS = {
+    **{name: (save, name_) for name, (save, _read, name_) in WRITERS.items()},
+    "write_onnx_adapter": (save_adapter, "m.onnx_adapter"),
+    "export_onnx": (export_onnx_file, "m.onnx"),
+    "convert.save_safetensors": (save_safetensors_file, "m.safetensors"),
+}
+CREATES_FOLDERS = {"save_model", "export_onnx"}
+"""Writers that create a missing output folder (ONNX saves); the others refuse one."""
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def modes(folder: Path) -> dict:
+    return {p.name: stat_mode(p) for p in folder.iterdir()}
+
+
+def stat_mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+@pytest.mark.parametrize("writer", sorted(PERMISSION_WRITERS))
+def test_saving_over_a_read_only_file_is_refused_and_leaves_it_unchanged(tmp_path, monkeypatch, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
+    target = Path("d") / name
+    save(target, 1)
+    target.chmod(0o444)
+    before, before_modes = snapshot_folder(Path("d")), modes(Path("d"))
+    with pytest.raises(PermissionError) as info:
+        save(target, 2)
+    assert info.value.errno == errno.EACCES and info.value.filename == f"d/{name}"
+    assert str(info.value) == (
+        f"[Errno {errno.EACCES}] 'd/{name}' is read-only; the file was not changed (make it writable, e.g. "
+        f"chmod u+w, or save elsewhere): 'd/{name}'")
+    assert snapshot_folder(Path("d")) == before  # same files, same bytes, no scratch left
+    assert modes(Path("d")) == before_modes and stat_mode(target) == 0o444
+
+
+def test_an_onnx_save_refuses_a_read_only_data_file_before_writing_anything(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
+    save_onnx(Path("d/m.onnx"), 1)
+    assert sorted(p.name for p in Path("d").iterdir()) == ["m.onnx", "m.onnx.data"]
+    Path("d/m.onnx.data").chmod(0o444)
+    before = snapshot_folder(Path("d"))
+    with pytest.raises(PermissionError) as info:
+        save_onnx(Path("d/m.onnx"), 2)
+    assert info.value.errno == errno.EACCES and info.value.filename == "d/m.onnx.data"
+    assert str(info.value).startswith(f"[Errno {errno.EACCES}] 'd/m.onnx.data' is read-only; the file was not changed")
+    assert snapshot_folder(Path("d")) == before
+    assert modes(Path("d")) == {"m.onnx": 0o644, "m.onnx.data": 0o444}
+
+
+@pytest.mark.parametrize("writer", sorted(PERMISSION_WRITERS))
+def test_replacing_a_file_keeps_its_permission_bits_and_a_new_file_gets_the_umasks(tmp_path, umask_022, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    target = tmp_path / name
+    save(target, 1)
+    assert set(modes(tmp_path).values()) == {0o644}  # 0o666 less the umask
+    for path in tmp_path.iterdir():
+        path.chmod(0o640)
+    old = snapshot_folder(tmp_path)
+    save(target, 2)
+    assert snapshot_folder(tmp_path) != old  # replaced ...
+    assert modes(tmp_path) == {n: 0o640 for n in old}  # ... keeping the old modes (data files too)
+
+
+@pytest.mark.parametrize("writer", sorted(set(PERMISSION_WRITERS) - CREATES_FOLDERS))
+def test_saving_into_a_missing_folder_names_the_target_not_a_scratch_file(tmp_path, monkeypatch, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        save(Path("nodir") / name, 1)
+    assert info.value.errno == errno.ENOENT and info.value.filename == f"nodir/{name}"
+    assert str(info.value) == (
+        f"[Errno {errno.ENOENT}] cannot write 'nodir/{name}': the folder 'nodir' does not exist (create it "
+        f"first); nothing was written: 'nodir/{name}'")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("writer", sorted(CREATES_FOLDERS))
+def test_onnx_saves_create_a_missing_folder(tmp_path, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    save(tmp_path / "a" / "b" / name, 1)
+    assert (tmp_path / "a" / "b" / name).is_file()
+
+
+def _deny_writes_to(monkeypatch, folder: Path) -> None:
+    """Make ``folder`` unwritable: chmod 0o555, and for root (whom the kernel lets write anyway)
+    an ``os.access`` that answers for ``folder`` as the kernel would for any other user."""
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real_access = os.access
+        denied = os.path.realpath(folder)
+
+        def access(path, mode, *args, **kwargs):
+            if mode & os.W_OK and os.path.realpath(path) == denied:
+                return False
+            return real_access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", access)
+
+
+@pytest.mark.parametrize("writer", sorted(PERMISSION_WRITERS))
+def test_saving_into_a_read_only_folder_names_the_target(tmp_path, monkeypatch, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    Path("ro").mkdir()
+    try:
+        _deny_writes_to(monkeypatch, Path("ro"))
+        with pytest.raises(PermissionError) as info:
+            save(Path("ro") / name, 1)
+    finally:
+        Path("ro").chmod(0o755)
+    assert info.value.errno == errno.EACCES and info.value.filename == f"ro/{name}"
+    assert str(info.value) == (
+        f"[Errno {errno.EACCES}] cannot write 'ro/{name}': the folder 'ro' is not writable; nothing was "
+        f"written: 'ro/{name}'")
+    assert list(Path("ro").iterdir()) == []
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_scratch_the_system_refuses_is_reported_naming_the_target(tmp_path, monkeypatch, writer):
+    """A refusal only the kernel knows (here a read-only file system) names the target too."""
+    save, _read, name = WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def is_scratch(path) -> bool:
+        base = os.path.basename(os.fspath(path))
+        return base.startswith(f".{name}.") and base.endswith(".tmp")
+
+    def fake_open(path, *args, **kwargs):
+        if is_scratch(path):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        if is_scratch(path):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    with pytest.raises(OSError) as info:
+        save(Path("d") / name, 1)
+    assert info.value.errno == errno.EROFS and info.value.filename == f"d/{name}"
+    assert str(info.value) == (
+        f"[Errno {errno.EROFS}] cannot write 'd/{name}': the folder 'd' is on a read-only file system; "
+        f"nothing was written: 'd/{name}'")
+    assert list(Path("d").iterdir()) == []

@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
+from .._scratch import (
+    cannot_write_error,
+    check_replaceable,
+    disk_full_error,
+    preserve_mode,
+    remove_stale_scratch,
+    scratch_name,
+)
 from ..dtype import DType, dtype_from_numpy
 from ..errors import QuantizationError, RecordError
 from ..quant.scheme import QuantScheme
@@ -106,7 +113,10 @@ def write(
         RecordError: for a duplicate or non-text name, an invalid dtype/shape/param_id/scheme,
             data of another length or type than declared, limits the reader would refuse, or
             data that could not be produced; the message names the tensor.
-        OSError: when the file cannot be written.
+        PermissionError: (``EACCES``) ``path`` is read-only (whatever the process's privileges),
+            or its folder is not writable; nothing is written.
+        FileNotFoundError: (``ENOENT``) ``path``'s folder does not exist.
+        OSError: when the file cannot be written; the message names ``path``.
     """
     label = os.fspath(path)
     planned = _plan(label, entries)
@@ -302,18 +312,27 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 
 def _write_atomic(path, produce: Callable[[Any], None]) -> None:
     """Run ``produce(file)`` on a scratch file beside ``path``, sync it, rename it over ``path``."""
+    # NOTE: the rename would replace a read-only file that open(path, "w") refuses: check first.
+    mode = check_replaceable(path)
     target = os.path.abspath(os.fspath(path))
     directory, base = os.path.split(target)
     # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
     # handler could remove) is cleaned up by the next save to the same target.
     remove_stale_scratch(directory, base)
     scratch = os.path.join(directory, scratch_name(base))
-    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:
+        clear = cannot_write_error(e, path)
+        if clear is not None:
+            raise clear from e
+        raise
     try:
         with os.fdopen(fd, "wb") as out:
             produce(out)
             out.flush()
             os.fsync(out.fileno())
+        preserve_mode(mode, scratch)
         os.replace(scratch, target)
     except BaseException as e:
         try:

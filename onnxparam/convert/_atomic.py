@@ -10,7 +10,14 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
+from .._scratch import (
+    cannot_write_error,
+    check_replaceable,
+    disk_full_error,
+    preserve_mode,
+    remove_stale_scratch,
+    scratch_name,
+)
 
 __all__ = ["atomic_output"]
 
@@ -21,9 +28,17 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
 
     The temporary file lives in the target's folder (``os.replace`` is atomic only within one
     file system), is flushed and fsynced before the rename, and is removed when the block
-    raises; the old ``path`` is then untouched.
+    raises; the old ``path`` is then untouched. A replaced file keeps its permission bits.
+
+    Raises:
+        PermissionError: (``EACCES``) ``path`` is read-only (whatever the process's privileges),
+            or its folder is not writable; raised before the block runs.
+        FileNotFoundError: (``ENOENT``) ``path``'s folder does not exist.
+        OSError: ``ENOSPC`` / ``EDQUOT`` when the disk is full, naming ``path``.
     """
     target = Path(path)
+    # NOTE: the rename would replace a read-only file that open(path, "w") refuses: check first.
+    mode = check_replaceable(path)
     # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
     # handler could remove) is cleaned up by the next save to the same target.
     remove_stale_scratch(os.fspath(target.parent), target.name)
@@ -36,11 +51,17 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
             break
         except FileExistsError:  # pragma: no cover - 48 random bits collided
             continue
+        except OSError as e:
+            clear = cannot_write_error(e, path)
+            if clear is not None:
+                raise clear from e
+            raise
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        preserve_mode(mode, tmp)
         os.replace(tmp, target)
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):

@@ -23,6 +23,9 @@ Layout of a saved model::
   one rename per file, so between the data files' renames and the ``.onnx``'s an old ``.onnx``
   sits beside new data files of the same name; data names are kept stable (``model.onnx.data``)
   rather than made unique per save, which would close that window but leave old data behind.
+* **Permissions.** A read-only ``.onnx``, or a read-only data file the save would replace or
+  remove, makes the save fail before anything is written (as ``open(path, "w")`` would; a rename
+  alone would not); replaced files keep their permission bits.
 
 Initializer ``metadata_props`` survive external data (``onnx_ir`` drops them when it turns a
 tensor external; they are put back before the protobuf is written).
@@ -40,7 +43,14 @@ from typing import Optional, Union
 import onnx
 import onnx_ir as ir
 
-from .._scratch import disk_full_error, remove_stale_scratch, scratch_name
+from .._scratch import (
+    cannot_write_error,
+    check_replaceable,
+    disk_full_error,
+    preserve_mode,
+    remove_stale_scratch,
+    scratch_name,
+)
 from ..errors import OnnxFormatError
 from .source import iter_graphs
 
@@ -137,6 +147,10 @@ def save_model(
     Raises:
         OnnxFormatError: when ``external_data=False`` but the tensors exceed what one protobuf
             holds, or when ``external_data`` is not a plain relative file name.
+        PermissionError: (``EACCES``) the ``.onnx`` or a data file it would replace is read-only
+            (whatever the process's privileges), or the folder is not writable; nothing is
+            written. The message names that file.
+        OSError: when the files cannot be written; the message names ``path``.
         Exception: whatever a lazy tensor's function raises (a param's init), as it raised it.
     """
     target = Path(path)
@@ -158,11 +172,25 @@ def save_model(
                 f"{target}: external_data must be a file name in the model's folder, got {location!r}"
             )
     target.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: a rename replaces a read-only file that open(path, "w") refuses: check the model
+    # file and every data file this save may replace or remove, before anything is written.
+    modes = {target.name: check_replaceable(target)}
+    if location is not None:
+        shards = _shard_pattern(location)
+        for entry in sorted(target.parent.iterdir()):
+            if entry.name == location or shards.match(entry.name):
+                modes[entry.name] = check_replaceable(entry)
     # NOTE: the scratch folder's name carries the pid, so a save killed mid-way (whose folder no
     # handler could remove) is cleaned up by the next save to the same target.
     remove_stale_scratch(os.fspath(target.parent), target.name)
     tmp_dir = target.parent / scratch_name(target.name)
-    tmp_dir.mkdir()
+    try:
+        tmp_dir.mkdir()
+    except OSError as e:
+        clear = cannot_write_error(e, target)
+        if clear is not None:
+            raise clear from e
+        raise
     try:
         tmp_model = tmp_dir / target.name
         try:
@@ -185,7 +213,7 @@ def save_model(
         written = sorted(p.name for p in tmp_dir.iterdir() if p.name != target.name)
         for name in written + [target.name]:
             _fsync(tmp_dir / name)
-        _move_into_place(tmp_dir, target, written)
+        _move_into_place(tmp_dir, target, written, modes)
         if location is not None:
             _remove_stale_shards(target.parent, location, set(written))
     except OSError as e:
@@ -202,8 +230,11 @@ _BACKUP_FOLDER = "previous"
 """Sub-folder of the scratch folder holding the data files a save replaces until it is complete."""
 
 
-def _move_into_place(tmp_dir: Path, target: Path, written: list) -> None:
+def _move_into_place(tmp_dir: Path, target: Path, written: list, modes: dict | None = None) -> None:
     """Rename the data files, then the ``.onnx``, from ``tmp_dir`` over the old ones.
+
+    ``modes`` maps a file name to the permission bits of the file it replaces (from
+    ``check_replaceable``); each new file gets them before its rename.
 
     NOTE (reliability, fault injection): a rename failing after the data files were replaced
     would leave the old ``.onnx`` beside new data it does not describe; so the old data files
@@ -211,6 +242,9 @@ def _move_into_place(tmp_dir: Path, target: Path, written: list) -> None:
     files this save added (no old one) are removed again. A process killed inside this window
     (microseconds) can still leave the pair mixed.
     """
+    modes = modes or {}
+    for name in written + [target.name]:
+        preserve_mode(modes.get(name), tmp_dir / name)
     backups = tmp_dir / _BACKUP_FOLDER
     backups.mkdir()
     saved, added = [], []

@@ -78,7 +78,7 @@ def test_export_mnist_tour_prints_a_table_of_every_variant(exported):
     result, out = exported
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    table = text[text.index("\nvariant "):].strip().splitlines()
+    table = text[text.index("\nvariant "):].strip().split("\n\n")[0].splitlines()
     rows = {line[:18].strip(): line for line in table[1:]}
     assert set(rows) == {"float32 module", "float32 ONNX", "burnpack", "int8 QDQ ONNX", "LoRA merged ONNX",
                          "LoRA kept ONNX"}
@@ -111,3 +111,23 @@ def test_export_mnist_burnpack_round_trip_matches_burns_file_tensor_by_tensor(ex
                 for n, d in meta["tensors"].items()}
 
     assert tensors(out / "mnist.bpk") == tensors(mnist.weights_path())
+
+
+def test_export_mnist_tour_latency_columns_share_one_basis_and_notes_explain_them(exported):
+    result, _ = exported
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    table = text[text.index("\nvariant "):].strip().split("\n\n")[0].splitlines()
+    header = table[0]
+    ms_end, ips_end = header.index("ms/batch") + len("ms/batch"), header.index("images/s") + len("images/s")
+    for line in table[1:]:
+        ms, ips = line[:ms_end].split()[-1], line[:ips_end].split()[-1]
+        if ms == "-":
+            continue
+        # images/s = batch size / median batch time: recomputed here from the printed ms/batch.
+        expected = 512 / (float(ms) / 1e3)
+        assert abs(float(ips.replace(",", "")) - expected) <= expected * 0.01 + 1, line
+    assert re.search(r"^note: +ms/batch is the median time of one full batch .*images/s = batch size / that median",
+                     text, re.MULTILINE)
+    assert re.search(r"^note: +the LoRA rows use rank-4 adapters .*b factors are small random values", text,
+                     re.MULTILINE)

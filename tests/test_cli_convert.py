@@ -7,10 +7,12 @@ and read by the ``safetensors`` package, numpy formulas, plain ONNX Runtime sess
 """
 
 import json
+import re
 import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import cbor2
 import numpy as np
@@ -60,13 +62,13 @@ def finish(procs: dict) -> dict:
 
 ERRORS = {
     # key -> (arguments, exit code, the one stderr line starts with)
-    "missing file": (["inspect", "nope.bpk"], 1, "onnxparam: error: FILE 'nope.bpk' does not exist"),
+    "missing file": (["inspect", "nope.bpk"], 1, "onnxparam: error: input file 'nope.bpk' does not exist"),
     "wrong extension": (["convert", "model.bpk", "out.txt"], 1,
-                        "onnxparam: error: OUT 'out.txt': cannot tell the format from the extension '.txt'"),
+                        "onnxparam: error: output file 'out.txt': cannot tell the format from the extension '.txt'"),
     "mismatched shapes": (["convert", "wrong.safetensors", "out.onnx", "--graph", "graph.onnx"], 1,
                           "onnxparam: error: cannot write the record into"),
     "graph for a bpk": (["convert", "model.bpk", "out.bpk", "--graph", "graph.onnx"], 2,
-                        "onnxparam convert: error: --graph applies to an .onnx OUT"),
+                        "onnxparam convert: error: --graph applies to an .onnx output; the output is 'out.bpk'"),
     "bad remap": (["convert", "model.bpk", "out.bpk", "--remap", "fc1"], 2,
                   "onnxparam convert: error: argument --remap: expected PATTERN=REPLACEMENT, got 'fc1'"),
     "bad scheme": (["quantize", "model.bpk", "q.bpk", "--scheme", "q3s", "--zoo", "mnist"], 2,
@@ -78,7 +80,31 @@ ERRORS = {
     "lora rank mismatch": (["lora", "merge", "model.bpk", "l.onnx", "--zoo", "mnist", "--alpha", "4",
                             "--adapter", "adapter.safetensors", "--rank", "3"], 1,
                            "onnxparam: error: --rank 3 does not match the factors in 'adapter.safetensors' (rank 2)"),
+    "overwrite external data": (["convert", "own.onnx", "own.bpk", "--cast", "f16"], 1,
+                                ("onnxparam: error: the target 'own.bpk' holds the external data (weights) of "
+                                 "'own.onnx': replacing it would destroy those weights; write to another file")),
+    "adapter without factors": (["lora", "merge", "model.bpk", "l.onnx", "--zoo", "mnist", "--alpha", "4", "--rank",
+                                 "2", "--adapter", "torch.safetensors"], 1,
+                                "onnxparam: error: the --adapter file 'torch.safetensors' has no LoRA factors"),
+    "nothing included": (["convert", "model.bpk", "none.bpk", "--include", "zzz"], 1,
+                         ("onnxparam: error: no tensor of 'model.bpk' matched --include/--exclude (its 18 tensors: "
+                          "'conv1.conv.weight'")),
+    "rank above every weight": (["lora", "keep", "model.bpk", "big.bpk", "--zoo", "mnist", "--rank", "100000",
+                                 "--alpha", "16"], 1,
+                                ("onnxparam: error: --rank 100000 is above min(d_in, d_out) of every adapted weight "
+                                 "(fc1.weight [1600, 128], fc2.weight [128, 128], fc3.weight [128, 10])")),
 }
+if HAS_QUANTIZER:
+    ERRORS["block size divides nothing"] = (
+        ["quantize", "model.bpk", "q7.onnx", "--scheme", "q8s", "--zoo", "mnist", "--block-size", "7"], 1,
+        "onnxparam: error: no param could be quantized with --block-size 7: no weight's last dim is divisible by 7")
+ERRORS_WRITE_NOTHING = {"nothing included": "none.bpk",
+                        "rank above every weight": "big.bpk", "block size divides nothing": "q7.onnx"}
+"""Errors that must leave no output file (the name checked)."""
+ODD_NAMES = {"a..b": np.arange(6, dtype=np.float32).reshape(2, 3), "ünï/cödé:0 😀": np.ones(3, np.float16),
+             "fc.weight": np.full((2, 2), -1.5, np.float32)}
+"""Tensor names a burnpack file may hold that are not module paths."""
+MAGIKA = Path(__file__).parent / "data" / "onnx" / "magika_standard_v3_3.onnx"
 if not HAS_QUANTIZER:
     ERRORS["quantizer missing"] = (["quantize", "model.bpk", "q.onnx", "--scheme", "q8s", "--zoo", "mnist"], 1,
                                    "onnxparam: error: quantizing a model needs onnxparam.quant.Quantizer")
@@ -115,6 +141,9 @@ def cli(tmp_path_factory):
     wrong = {name: array for name, (_, _, array) in burn.items()}
     wrong["fc1.weight"] = np.zeros((128, 1600), np.float32)
     st_save(wrong, str(work / "wrong.safetensors"))
+    shutil.copyfile(BURN_BPK, work / "own.bpk")  # the only copy of weights an .onnx will reference
+    onnxparam.burnpack.write(work / "odd.bpk", [onnxparam.burnpack.TensorEntry.from_numpy(name, array, 1000 + i)
+                                                for i, (name, array) in enumerate(ODD_NAMES.items())])
 
     stage1 = {
         "inspect bpk": start("inspect", "model.bpk", "--json", cwd=work),
@@ -131,11 +160,22 @@ def cli(tmp_path_factory):
                                "--adapter", "adapter.safetensors", cwd=work),
         "lora adapter": start("lora", "adapter", "model.bpk", "lora.onnx_adapter", "--zoo", "mnist", "--alpha",
                               LORA_ALPHA, "--adapter", "adapter.safetensors", cwd=work),
+        # fresh adapters (no factors anywhere): the base weights must be MODEL's
+        "fresh keep bpk": start("lora", "keep", "model.bpk", "fresh-kept.bpk", "--zoo", "mnist", "--rank", 16,
+                                "--alpha", 16, cwd=work),  # 16 > 10 = min(d_in, d_out) of fc3: a warning
+        "fresh merge onnx": start("lora", "merge", "model.bpk", "fresh-merged.onnx", "--zoo", "mnist", "--rank", 8,
+                                  "--alpha", 16, cwd=work),
+        "to safetensors": start("convert", "model.bpk", "model.safetensors", "--quiet", cwd=work),
+        "zero copy own": start("convert", "own.bpk", "own.onnx", "--zero-copy", cwd=work),
+        "odd names to onnx": start("convert", "odd.bpk", "odd.onnx", cwd=work),
+        "inspect magika": start("inspect", MAGIKA, "--json", "--no-count", cwd=work),
     }
     if HAS_QUANTIZER:
         stage1["quantize onnx"] = start("quantize", "model.bpk", "q8.onnx", "--scheme", "q8s", "--zoo", "mnist", cwd=work)
         stage1["quantize bpk"] = start("quantize", "model.bpk", "q4.bpk", "--scheme", "q4s",
                                        "--zoo", "mnist", cwd=work)
+        stage1["quantize block 32"] = start("quantize", "model.bpk", "q32.onnx", "--scheme", "q8s", "--zoo", "mnist",
+                                            "--block-size", 32, cwd=work)
     export_mnist_onnx(mnist.load_pretrained(), work / "graph.onnx")  # in this process, while stage 1 runs
     results = finish(stage1)
     stage2 = {
@@ -145,6 +185,13 @@ def cli(tmp_path_factory):
         "into graph": start("convert", "model.bpk", "filled.onnx", "--graph", "graph.onnx", cwd=work),
         "lora merge from kept": start("lora", "merge", "kept.bpk", "merged-again.bpk", "--zoo", "mnist", "--alpha",
                                       LORA_ALPHA, cwd=work),
+        "fresh keep onnx": start("lora", "keep", "model.safetensors", "fresh-kept.onnx", "--zoo", "mnist", "--rank",
+                                 8, "--alpha", 16, cwd=work),
+        "fresh merge bpk": start("lora", "merge", "model.safetensors", "fresh-merged.bpk", "--zoo", "mnist",
+                                 "--rank", 8, "--alpha", 16, cwd=work),
+        "odd names back": start("convert", "odd.onnx", "odd-back.bpk", cwd=work),
+        **({"quantize reblock": start("quantize", "model.bpk", "q32k.onnx", "--scheme", "q8s", "--zoo", "mnist",
+                                      "--block-size", 32, "--reblock", cwd=work)} if HAS_QUANTIZER else {}),
         **{f"error: {key}": start(*args, cwd=work) for key, (args, _, _) in ERRORS.items()},
     }
     results.update(finish(stage2))
@@ -363,3 +410,142 @@ def test_mismatched_shapes_name_the_tensor_and_both_shapes(cli):
     line = results["error: mismatched shapes"].stderr.strip()
     assert "shape mismatch for 'fc1.weight'" in line and "[1600, 128]" in line and "[128, 1600]" in line
     assert not (cli[0] / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("key", [k for k in ERRORS_WRITE_NOTHING if k in ERRORS])
+def test_failed_commands_write_no_output(cli, key):
+    work, results, _ = cli
+    assert results[f"error: {key}"].returncode == 1
+    assert not (work / ERRORS_WRITE_NOTHING[key]).exists()
+
+
+def test_convert_refuses_to_overwrite_the_external_data_its_input_reads(cli):
+    work, results, inputs = cli
+    ok(results, "zero copy own")
+    assert results["error: overwrite external data"].returncode == 1
+    # The .bpk the zero-copy .onnx reads is intact, and the .onnx still gives Burn's weights.
+    assert (work / "own.bpk").read_bytes() == BURN_BPK.read_bytes()
+    session = ort.InferenceSession(str(work / "own.onnx"), providers=["CPUExecutionProvider"])
+    for out, value in zip(session.get_outputs(), session.run(None, {})):
+        np.testing.assert_array_equal(value, inputs["burn"][out.name[: -len(":value")]][2])
+
+
+# -- fresh LoRA adapters keep MODEL's weights -----------------------------------------------------
+
+
+def _onnx_tensors(path) -> dict:
+    """``initializer name -> (param id or None, array)`` read with the ``onnx`` package."""
+    out = {}
+    for init in onnx.load(str(path)).graph.initializer:
+        props = {p.key: p.value for p in init.metadata_props}
+        pid = props.get("onnxparam.param_id")
+        out[init.name] = (None if pid is None else int(pid), onnx.numpy_helper.to_array(init))
+    return out
+
+
+@pytest.mark.parametrize("key, out", [("fresh keep bpk", "fresh-kept.bpk"), ("fresh merge onnx", "fresh-merged.onnx"),
+                                      ("fresh keep onnx", "fresh-kept.onnx"), ("fresh merge bpk", "fresh-merged.bpk")])
+def test_lora_with_fresh_adapters_keeps_models_base_weights_and_ids(cli, key, out):
+    work, results, inputs = cli
+    assert re.search(r"^lora: +3 adapted weights, rank (8|16)", ok(results, key).stdout, re.MULTILINE)
+    if out.endswith(".bpk"):
+        with onnxparam.burnpack.read(work / out) as f:
+            got = {name: (e.param_id, e.to_numpy()) for name, e in f.tensors.items()}
+    else:
+        got = _onnx_tensors(work / out)
+    # b = 0: the merged weight and the kept model's base are MODEL's, bit for bit, with MODEL's ids.
+    for name, (_, param_id, array) in inputs["burn"].items():
+        assert got[name][0] == param_id, name
+        assert got[name][1].tobytes() == array.tobytes(), name
+    factors = {name for name in got if re.search(r"\.lora\.[ab]$", name)}
+    assert factors == ({f"{fc}.weight.lora.{f}" for fc in LINEARS for f in "ab"} if "keep" in key else set())
+    for name in factors:
+        if name.endswith(".lora.b"):
+            assert not got[name][1].any(), name
+
+
+def test_lora_warns_when_the_rank_is_above_a_weights_smaller_dim(cli):
+    _, results, inputs = cli
+    result = ok(results, "fresh keep bpk")
+    small = [f"{fc}.weight {list(inputs['burn'][f'{fc}.weight'][0])}" for fc in LINEARS
+             if min(inputs["burn"][f"{fc}.weight"][0]) < 16]
+    assert small == ["fc3.weight [128, 10]"]
+    assert result.stderr.strip().splitlines() == [
+        (f"onnxparam: warning: --rank 16 is above min(d_in, d_out) of 1 adapted weight(s) ({small[0]}): their "
+         "adapters only add parameters; leave them out with --targets, or use a smaller --rank")]
+
+
+def test_lora_keep_with_fresh_adapters_classifies_as_the_base_model(cli):
+    work, results, _ = cli
+    ok(results, "fresh keep onnx")
+    images, _ = mnist.load_digits()
+    x = images[:300].astype(np.float32)
+    logits = []
+    for name in ("graph.onnx", "fresh-kept.onnx"):  # graph.onnx: Burn's weights, exported in this process
+        session = ort.InferenceSession(str(work / name), providers=["CPUExecutionProvider"])
+        logits.append(session.run(None, {session.get_inputs()[0].name: x})[0])
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+# -- names that are not module paths --------------------------------------------------------------
+
+
+def test_convert_keeps_names_that_are_not_module_paths_through_onnx_byte_for_byte(cli):
+    work, results, _ = cli
+    ok(results, "odd names to onnx")
+    ok(results, "odd names back")
+    assert (work / "odd-back.bpk").read_bytes() == (work / "odd.bpk").read_bytes()
+    tensors = _onnx_tensors(work / "odd.onnx")
+    assert list(tensors) == list(ODD_NAMES)  # the source names are the initializer names
+    for i, (name, array) in enumerate(ODD_NAMES.items()):
+        assert tensors[name][0] == 1000 + i
+        np.testing.assert_array_equal(tensors[name][1], array)
+
+
+# -- inspect: initializers that are not weights ---------------------------------------------------
+
+
+def test_inspect_onnx_counts_the_initializers_it_does_not_list(cli):
+    _, results, _ = cli
+    result = ok(results, "inspect magika")
+    doc = json.loads(result.stdout)
+    inits = onnx.load(str(MAGIKA)).graph.initializer
+    # The weights are the float tensors of rank >= 1 (numpy's view of each initializer).
+    weights = [i for i in inits if onnx.numpy_helper.to_array(i).dtype.kind == "f" and len(i.dims) >= 1]
+    assert doc["info"]["initializers"] == len(inits) == 36
+    assert len(doc["tensors"]) == len(weights) == 11
+    assert doc["info"]["non_weight_initializers"] == len(inits) - len(weights) == 25
+
+
+# -- warnings --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
+def test_warnings_are_one_line_each_and_name_command_line_options(cli):
+    _, results, inputs = cli
+    result = ok(results, "quantize block 32")
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("onnxparam: warning: ") for line in lines), result.stderr
+    assert ".py:" not in result.stderr and "warnings.warn" not in result.stderr
+    # Left float: exactly the rank >= 2 weights whose last dim 32 does not divide.
+    left = [f"{name} {list(shape)}" for name, (shape, _, _) in inputs["burn"].items()
+            if len(shape) >= 2 and shape[-1] % 32]
+    assert lines[0] == (f"onnxparam: warning: left float: {', '.join(left)}: not a whole number of [32] blocks "
+                        "(Burn's MinMax needs every axis to divide evenly; Burn would panic)")
+    along_n = [line for line in lines if "blocked along N" in line]
+    assert along_n and all(line.endswith("quantize with --block-size N,1 or export with --reblock")
+                           for line in along_n)
+
+
+@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
+def test_quantize_reblock_puts_the_blocks_along_k_and_still_classifies(cli):
+    work, results, _ = cli
+    result = ok(results, "quantize reblock")
+    requantized = re.findall(r"^onnxparam: warning: '(fc\d\.weight)' was re-quantized with blocks of 32 along K",
+                             result.stderr, re.MULTILINE)
+    assert requantized == ["fc1.weight", "fc2.weight"]
+    assert "blocked along N" not in result.stderr
+    images, labels = mnist.load_digits()
+    session = ort.InferenceSession(str(work / "q32k.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {session.get_inputs()[0].name: images[:500].astype(np.float32)})[0]
+    assert (logits.argmax(axis=1) == labels[:500]).mean() > 0.85

@@ -6,6 +6,8 @@ command by writing those and listing it in :data:`COMMANDS`; :func:`main` does t
 
 Exit codes: 0 success, 1 a failure (one line on stderr: ``onnxparam: error: ...``), 2 a usage
 error (one line on stderr naming the bad argument, as ``argparse`` words it). No tracebacks.
+Warnings are one line each on stderr, ``onnxparam: warning: <message>`` (no source path; Python
+keyword spellings replaced by the options that do the same, :data:`CLI_SPELLINGS`).
 Progress bars (``tqdm``) go to stderr, only on a terminal, never with ``--quiet``.
 
 Commands:
@@ -20,15 +22,18 @@ Commands:
   [--include RE ...] [--exclude RE ...] [--transpose RE ...] [--cast f16|bf16|f32]
   [--pytorch] [--allow-partial] [--external-data] [--plain] [--quiet]``: wraps
   :func:`onnxparam.convert.convert` (formats from the extensions) and prints its report.
-* ``onnxparam quantize IN OUT --scheme q8s|q8f|q4s|q4f [--block-size N]``: quantize the
-  weights of a model (an ``.onnx`` file, or a ``.bpk`` / ``.safetensors`` with ``--graph`` or
-  ``--zoo``) with :class:`onnxparam.quant.Quantizer`; ``OUT.onnx`` is a QDQ model,
-  ``OUT.bpk`` holds ``QFloat`` tensors.
+* ``onnxparam quantize IN OUT --scheme q8s|q8f|q4s|q4f [--block-size N[,M]] [--reblock]``:
+  quantize the weights of a model (an ``.onnx`` file, or a ``.bpk`` / ``.safetensors`` with
+  ``--graph`` or ``--zoo``) with :class:`onnxparam.quant.Quantizer`; ``OUT.onnx`` is a QDQ model
+  (``--reblock``: ``QdqOptions(reblock=True)``), ``OUT.bpk`` holds ``QFloat`` tensors. A block
+  size that leaves every weight float is an error (nothing written).
 * ``onnxparam lora merge|keep|adapter MODEL OUT --alpha A [--rank R] [--adapter FILE]
   [--targets RE ...]``: LoRA adapters on a model's rank-2 weights (factors from ``MODEL`` or
   ``--adapter``, else fresh ones of ``--rank``): ``merge`` folds them into the weights,
   ``keep`` keeps them as separate factors (ONNX ``lora="keep"``; a ``.bpk`` with
-  ``<param>.lora.a`` / ``.lora.b``), ``adapter`` writes the factors alone.
+  ``<param>.lora.a`` / ``.lora.b``), ``adapter`` writes the factors alone. The base weights
+  (and param ids) are always ``MODEL``'s. A fresh ``--rank`` above ``min(d_in, d_out)`` of every
+  adapted weight is refused (a warning when above that of some).
 * ``onnxparam export mnist [--out DIR] [--batch-size N] [--device D] [--only PART ...]``: the
   tour of the packaged MNIST model: classify the 1,797 packaged digits through ONNX Runtime,
   export float32, int8-QDQ and LoRA (merged and kept) ONNX files, round-trip the weights
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from ._common import (
@@ -111,8 +117,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLI_SPELLINGS = {
+    "block_size=(b, 1)": "--block-size N,1",
+    "QdqOptions(reblock=True)": "--reblock",
+}
+"""Python spellings in library warnings -> the command-line options that do the same.
+
+NOTE: warnings are written for Python callers; on the command line they would name keyword
+arguments the user cannot type, so :func:`_show_warning` shows the option instead."""
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for the CLI: ``onnxparam: warning: <message>``, one line on
+    stderr (no file path, no source line: those are the library's, not the user's)."""
+    text = " ".join(str(message).split())
+    for python, option in CLI_SPELLINGS.items():
+        text = text.replace(python, option)
+    try:
+        print(f"{PROG}: warning: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # pragma: no cover - stderr closed
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
+    # NOTE: catch_warnings restores warnings.showwarning on return, so calling main() from
+    # Python (tests) leaves the caller's warning machinery as it was.
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -48,7 +48,7 @@ def _architecture(args, src: Path, src_fmt: str) -> _Model:
     if src_fmt == "onnx":
         if args.graph is not None or args.zoo is not None:
             raise UsageError(
-                f"{PROG} {args.command}: error: --graph/--zoo apply to a .bpk/.safetensors MODEL; "
+                f"{PROG} {args.command}: error: --graph/--zoo apply to a .bpk/.safetensors model file; "
                 f"'{src}' is a graph itself"
             )
         from ..onnx_io import import_onnx
@@ -63,8 +63,8 @@ def _architecture(args, src: Path, src_fmt: str) -> _Model:
             f"{PROG} {args.command}: error: a {src.suffix} file holds weights, not a graph: give "
             "its architecture with --graph MODEL.onnx or --zoo mnist"
         )
-    _file_format(args.graph, "--graph", ("onnx",))
-    _existing(args.graph, "--graph")
+    _file_format(args.graph, "the --graph file", ("onnx",))
+    _existing(args.graph, "the --graph file")
     from ..onnx_io import import_onnx
 
     return _Model(import_onnx(args.graph))
@@ -82,8 +82,8 @@ def _load_weights(module, path: Path, fmt: str, allow_partial: bool = False):
 
 
 def _load_model(args, src: Path) -> _Model:
-    src_fmt = _file_format(src, "MODEL")
-    _existing(src, "MODEL")
+    src_fmt = _file_format(src, "model file")
+    _existing(src, "model file")
     model = _architecture(args, src, src_fmt)
     if src_fmt != "onnx":
         model.module = _load_weights(model.module, src, src_fmt)

@@ -151,18 +151,20 @@ def _source_tensors(path: Path, fmt: str) -> list:
 def _run_convert(args: argparse.Namespace) -> int:
     from ..convert import PathFilter, convert
 
-    src_fmt = _file_format(args.src, "IN")
-    dst_fmt = _file_format(args.dst, "OUT")
-    _existing(args.src, "IN")
+    src_fmt = _file_format(args.src, "input file")
+    dst_fmt = _file_format(args.dst, "output file")
+    _existing(args.src, "input file")
     if args.graph is not None:
         if dst_fmt != "onnx":
-            raise UsageError(f"{PROG} convert: error: --graph applies to an .onnx OUT; OUT is '{args.dst}'")
-        _file_format(args.graph, "--graph", ("onnx",))
-        _existing(args.graph, "--graph")
+            raise UsageError(f"{PROG} convert: error: --graph applies to an .onnx output; the output is '{args.dst}'")
+        _file_format(args.graph, "the --graph file", ("onnx",))
+        _existing(args.graph, "the --graph file")
     if args.src.resolve() == args.dst.resolve():
-        raise UsageError(f"{PROG} convert: error: IN and OUT are the same file '{args.src}'")
+        raise UsageError(
+            f"{PROG} convert: error: the input and output are the same file '{args.src}'; write to another file"
+        )
     if args.dst.is_dir():
-        raise IsADirectoryError(f"OUT '{args.dst}' is a folder, not a file")
+        raise IsADirectoryError(f"output file '{args.dst}' is a folder, not a file")
 
     source = None
     remap, transpose = list(args.remap or []), list(args.transpose or [])
@@ -179,10 +181,17 @@ def _run_convert(args: argparse.Namespace) -> int:
         transpose += extra
 
     total = None
-    if src_fmt != "onnx" or source is not None:
+    keep = PathFilter(args.include, args.exclude)
+    if src_fmt != "onnx" or source is not None or args.include or args.exclude:
         source = source or _source_tensors(args.src, src_fmt)
-        keep = PathFilter(args.include, args.exclude)
-        total = sum(nbytes for name, _, nbytes in source if keep.matches(name))
+        kept = [nbytes for name, _, nbytes in source if keep.matches(name)]
+        if source and not kept:
+            names = ", ".join(repr(name) for name, _, _ in source[:3]) + (" ..." if len(source) > 3 else "")
+            raise ValueError(
+                f"no tensor of '{args.src}' matched --include/--exclude (its {len(source)} tensors: {names}); "
+                "nothing was written"
+            )
+        total = sum(kept)
     bar = _progress(total, f"{args.src.name} -> {args.dst.name}", args.quiet)
 
     def progress(name: str, nbytes: int) -> None:

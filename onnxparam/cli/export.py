@@ -48,6 +48,13 @@ TOUR_LORA_B_STD = 0.01
 draws small values to make merged and kept graphs compute something to compare."""
 
 
+LORA_NOTE = (
+    f"the LoRA rows use rank-{TOUR_LORA_RANK} adapters (alpha {TOUR_LORA_ALPHA:g}) whose b factors are small random "
+    f"values (std {TOUR_LORA_B_STD:g}), not the zeros of fresh adapters, so that comparing the kept and merged "
+    "graphs checks a real delta; that untrained delta is why their accuracy differs from float32"
+)
+
+
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=EXPORT_MODELS, help="the packaged model to export")
     parser.add_argument(
@@ -86,9 +93,27 @@ class _TourRow:
     note: str = ""
 
 
+def _latency(times: list, batch: int) -> tuple:
+    """``(ms per batch, images per second)`` from ``[(seconds, images)]`` of successive calls,
+    both on one basis: the median seconds of the full ``batch``-sized calls after the first (the
+    first builds sessions; a short last batch would skew the median), and ``batch`` / that median.
+    With fewer calls, whichever there are."""
+    steady = times[1:] if len(times) > 1 else times
+    full = [(t, k) for t, k in steady if k == batch] or steady
+    seconds = float(np.median([t for t, _ in full]))
+    images = float(np.median([k for _, k in full]))
+    return seconds * 1e3, images / seconds if seconds > 0 else float("inf")
+
+
+LATENCY_NOTE = (
+    "ms/batch is the median time of one full batch after the first call (which builds the session); "
+    "images/s = batch size / that median"
+)
+
+
 def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
-    """Logits of a plain ``onnxruntime.InferenceSession`` on ``path`` over all ``pixels``, and the
-    median seconds per batch (every call but the first, when there are several)."""
+    """Logits of a plain ``onnxruntime.InferenceSession`` on ``path`` over all ``pixels``, and
+    :func:`_latency` of its calls (ms per batch, images per second)."""
     from .._ort import import_onnxruntime
 
     ort = import_onnxruntime()
@@ -100,9 +125,7 @@ def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
         t0 = time.perf_counter()
         outputs.append(session.run(None, {name: x})[0])
         times.append((time.perf_counter() - t0, len(x)))
-    steady = times[1:] if len(times) > 1 else times
-    seconds = [t for t, _ in steady]
-    return np.concatenate(outputs), float(np.median(seconds)), sum(n for _, n in steady) / sum(seconds)
+    return (np.concatenate(outputs), *_latency(times, batch))
 
 
 def _skipped(part: str, error: BaseException) -> str:
@@ -142,7 +165,7 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
         x = Tensor.from_numpy(pixels[start : start + batch], device)
         t0 = time.perf_counter()
         y = model(x).to_numpy()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, len(y)))
         logits[start : start + batch] = y
         if progress is not None:
             progress.update(len(y))
@@ -153,13 +176,10 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     _out(f"accuracy: {correct / n:.4f} ({correct}/{n}) through ONNX Runtime, device {device}")
     # NOTE: the first call traces the forward and builds the ORT session; latency is the
     # steady state after it (all calls when there is only one).
-    sizes = [min(batch, n - s) for s in starts]
-    steady_times, steady_sizes = (times[1:], sizes[1:]) if len(times) > 1 else (times, sizes)
-    per_batch_ms = float(np.median(steady_times)) * 1e3
-    images_per_s = sum(steady_sizes) / sum(steady_times)
+    per_batch_ms, images_per_s = _latency(times, batch)
     _out(
         f"latency:  {per_batch_ms:.2f} ms/batch (median), {images_per_s:,.0f} images/s; "
-        f"first call {times[0] * 1e3:.1f} ms (trace + session)"
+        f"first call {times[0][0] * 1e3:.1f} ms (trace + session)"
     )
     rows.append(_TourRow("float32 module", None, correct / n, per_batch_ms, images_per_s, "module calls"))
 
@@ -176,7 +196,7 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
         )
         if same_labels != n:
             raise RuntimeError(f"the exported graph disagrees with the module on {n - same_labels} digits")
-        rows.append(_TourRow("float32 ONNX", onnx_path, accuracy(plain), ms * 1e3, ips, "plain ORT session"))
+        rows.append(_TourRow("float32 ONNX", onnx_path, accuracy(plain), ms, ips, "plain ORT session"))
 
     if "burnpack" in parts:
         rows.append(_tour_burnpack(model, out_dir / TOUR_FILES["burnpack"], weights, pixels, labels, batch, device))
@@ -202,6 +222,10 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
             ]
         )
     _print_table(table, right={2, 3, 4, 5})
+    _out()
+    _out(f"note:     {LATENCY_NOTE}.")
+    if any(r.variant.startswith("LoRA") and r.file for r in rows):
+        _out(f"note:     {LORA_NOTE}.")
     return EXIT_OK
 
 
@@ -243,9 +267,7 @@ def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, devi
         t0 = time.perf_counter()
         logits.append(reloaded(x).to_numpy())
         times.append((time.perf_counter() - t0, len(x)))
-    steady = times[1:] if len(times) > 1 else times
-    ms = float(np.median([t for t, _ in steady])) * 1e3
-    ips = sum(k for _, k in steady) / sum(t for t, _ in steady)
+    ms, ips = _latency(times, batch)
     acc = float((np.concatenate(logits).argmax(axis=1) == labels).mean())
     return _TourRow("burnpack", path, acc, ms, ips, f"module loaded from it; {count}/{count} tensors = Burn's")
 
@@ -260,7 +282,7 @@ def _tour_int8(model, path: Path, pixels, batch, providers, accuracy) -> _TourRo
         return _TourRow("int8 QDQ ONNX", None, note="skipped: quantization API missing")
     logits, ms, ips = _session_pass(path, pixels, batch, providers)
     _out(f"int8:     wrote {path} ({path.stat().st_size:,} bytes), weights {_scheme_text(scheme)}")
-    return _TourRow("int8 QDQ ONNX", path, accuracy(logits), ms * 1e3, ips, "plain ORT session")
+    return _TourRow("int8 QDQ ONNX", path, accuracy(logits), ms, ips, "plain ORT session")
 
 
 def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list:
@@ -297,7 +319,7 @@ def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list
             f"lora:     wrote {path} ({path.stat().st_size:,} bytes): rank {TOUR_LORA_RANK}, alpha "
             f"{TOUR_LORA_ALPHA:g} on {TOUR_LORA_TARGETS}, lora={mode!r}"
         )
-        rows.append(_TourRow(label, path, accuracy(logits), ms * 1e3, ips, "plain ORT session"))
+        rows.append(_TourRow(label, path, accuracy(logits), ms, ips, "plain ORT session; random b, see note"))
     if len(results) == 2:
         diff = float(np.max(np.abs(results["merge"] - results["keep"])))
         _out(f"check:    LoRA merged vs kept: max |logits difference| = {diff:.2e}")

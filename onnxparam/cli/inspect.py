@@ -204,6 +204,13 @@ def _read_onnx_info(path: Path) -> _Inspected:
             if isinstance(t.const_value, ir.ExternalTensor)
         }
     )
+    # NOTE: the weight rules (onnxparam.onnx_io.weights) leave small integer / bool and 0-d
+    # initializers (shapes, axes, indices) in the graph: they are counted here, not listed.
+    from ..onnx_io.naming import onnx_name_to_path
+
+    non_weights = 0 if weights_only else sum(
+        1 for name in model.graph.initializers if onnx_name_to_path(name) not in record
+    )
     info = {
         "ir_version": model.ir_version,
         "opset_imports": dict(model.opset_imports),
@@ -216,6 +223,7 @@ def _read_onnx_info(path: Path) -> _Inspected:
         "outputs": [value_json(v) for v in model.graph.outputs],
         "nodes": len(model.graph),
         "initializers": len(model.graph.initializers),
+        "non_weight_initializers": non_weights,
         "external_data": externals,
         "weights_only": weights_only,
     }
@@ -283,7 +291,8 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
     Keys: ``path``, ``format`` (``burnpack`` / ``safetensors`` / ``onnx``), ``file_bytes``,
     ``info`` (format facts: burnpack ``version``; safetensors ``header_metadata`` = the raw
     ``__metadata__``; ONNX ``ir_version``, ``opset_imports``, ``producer_*``,
-    ``metadata_props``, ``inputs``, ``outputs``...), ``metadata`` (the record's text metadata:
+    ``metadata_props``, ``inputs``, ``outputs``, ``initializers`` and
+    ``non_weight_initializers``: those left out of ``tensors``...), ``metadata`` (the record's text metadata:
     burnpack ``metadata``, safetensors ``__metadata__`` without ``onnxparam.*`` keys, ONNX
     ``onnxparam.record.*``), ``scalars`` (``{name: {"kind", "value"}}``), ``tensors`` (data
     order; each ``name``, ``dtype`` (Burn's name), ``shape``, ``bytes``, ``param_id``,
@@ -295,8 +304,8 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
         BurnpackFormatError / OnnxFormatError / RecordError: for a malformed file.
     """
     path = Path(path)
-    fmt = _file_format(path, "FILE")
-    _existing(path, "FILE")
+    fmt = _file_format(path, "input file")
+    _existing(path, "input file")
     inspected = _READERS[fmt](path)
     if count_nonfinite:
         _count_nonfinite(inspected)
@@ -348,6 +357,13 @@ def _print_inspect(doc: dict) -> None:
         )
         _out(
             f"graph:     {info['nodes']} nodes, {info['initializers']} initializers"
+            + (
+                f": {info['initializers'] - info['non_weight_initializers']} weights (listed below) and "
+                f"{info['non_weight_initializers']} small integer / bool / 0-d constants (shapes, axes, scalars; not "
+                "weights, not listed)"
+                if info["non_weight_initializers"]
+                else ""
+            )
             + (", weights-only" if info["weights_only"] else "")
             + (f", external data {', '.join(info['external_data'])}" if info["external_data"] else "")
         )

@@ -1,6 +1,7 @@
 """``onnxparam lora merge|keep|adapter``: LoRA adapters on a model's rank-2 weights."""
 
 import argparse
+import warnings
 from pathlib import Path
 
 from ._common import (
@@ -89,18 +90,18 @@ def _run_lora(args: argparse.Namespace) -> int:
     from ..group import ParamGroup
     from ..lora import LoraConfig
 
-    src_fmt = _file_format(args.src, "MODEL")
-    _existing(args.src, "MODEL")
+    src_fmt = _file_format(args.src, "model file")
+    _existing(args.src, "model file")
     if args.action == "adapter":
         suffix = args.dst.suffix.lower()
         if suffix != ".onnx_adapter":
-            _file_format(args.dst, "OUT", ("burnpack", "safetensors"))
+            _file_format(args.dst, "output file", ("burnpack", "safetensors"))
     else:
-        _file_format(args.dst, "OUT")
+        _file_format(args.dst, "output file")
     factors_file, factors_fmt = None, None
     if args.adapter is not None:
-        factors_fmt = _file_format(args.adapter, "--adapter", ("burnpack", "safetensors"))
-        factors_file = _existing(args.adapter, "--adapter")
+        factors_fmt = _file_format(args.adapter, "the --adapter file", ("burnpack", "safetensors"))
+        factors_file = _existing(args.adapter, "the --adapter file")
     elif src_fmt != "onnx":
         factors_file, factors_fmt = args.src, src_fmt
 
@@ -118,6 +119,11 @@ def _run_lora(args: argparse.Namespace) -> int:
             )
         rank, group, origin = found[0], ParamGroup.from_paths(sorted(ranks)), f"factors from {factors_file}"
     else:
+        if args.adapter is not None:
+            raise ValueError(
+                f"the --adapter file '{args.adapter}' has no LoRA factors (<param>.lora.a/.b); leave out "
+                "--adapter for fresh adapters of --rank"
+            )
         if args.rank is None:
             where = factors_file or args.src
             raise UsageError(
@@ -128,11 +134,15 @@ def _run_lora(args: argparse.Namespace) -> int:
         group = ParamGroup.from_regexes(args.targets) if args.targets else ParamGroup.all()
         origin = f"fresh adapters (seed {args.seed})"
     module = model.module
-    if src_fmt != "onnx" and factors_file != args.src:
+    # NOTE: MODEL's base weights go in now unless MODEL also holds the factors: those load
+    # after apply_lora, base and factors together (the bare module has no place for factors).
+    # Fresh adapters keep MODEL's weights and param ids; only the factors are new.
+    factors_in_src = bool(ranks) and factors_file == args.src
+    if src_fmt != "onnx" and not factors_in_src:
         module = _load_weights(module, args.src, src_fmt)
     adapted = module.apply_lora(LoraConfig(rank, args.alpha, param_group=group, seed=args.seed))
     if ranks:
-        if factors_file == args.src:
+        if factors_in_src:
             adapted = _load_weights(adapted, args.src, src_fmt)  # base and factors together
         else:
             adapted = _load_weights(adapted, factors_file, factors_fmt, allow_partial=True)
@@ -146,6 +156,8 @@ def _run_lora(args: argparse.Namespace) -> int:
         )
     if not names:
         raise ValueError(f"no rank-2 float weight of '{args.src}' matches the LoRA targets; nothing to adapt")
+    if not ranks:
+        _check_rank(adapted, names, rank)
     _out(
         f"lora:      {len(names)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale "
         f"{args.alpha / rank:g}); {origin}"
@@ -162,6 +174,33 @@ def _run_lora(args: argparse.Namespace) -> int:
         _save_module(adapted, args.dst)
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
+
+
+def _check_rank(module, names: list, rank: int) -> None:
+    """Refuse a fresh adapter rank above ``min(d_in, d_out)`` of every adapted weight, warn when
+    above that of some: ``a @ b`` has rank at most ``min(d_in, d_out)``, so a larger rank only
+    adds parameters (the LoRA paper, Hu et al. 2021, uses ranks far below it).
+
+    Raises:
+        ValueError: when ``rank`` exceeds the limit of every weight.
+    """
+    shapes = {path: tuple(p.lazy_shape()) for path, p in module.named_params() if path in names}
+    over = {path: min(shape) for path, shape in shapes.items() if rank > min(shape)}
+    if not over:
+        return
+    listed = ", ".join(f"{path} {list(shapes[path])}" for path in list(over)[:4]) + (" ..." if len(over) > 4 else "")
+    if len(over) == len(shapes):
+        largest = max(over.values())
+        raise ValueError(
+            f"--rank {rank} is above min(d_in, d_out) of every adapted weight ({listed}): a larger rank adds "
+            f"parameters but no expressiveness; use --rank {largest} or less"
+        )
+    warnings.warn(
+        f"--rank {rank} is above min(d_in, d_out) of {len(over)} adapted weight(s) ({listed}): their adapters "
+        "only add parameters; leave them out with --targets, or use a smaller --rank",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _save_module(module, path: Path) -> None:

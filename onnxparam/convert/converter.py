@@ -9,7 +9,9 @@ What is kept, per direction:
 
 =======================  ==================================================================
 names                    the same dotted paths in all three formats (ONNX initializer names
-                         via :func:`onnxparam.onnx_io.naming.path_to_onnx_name`)
+                         via :func:`onnxparam.onnx_io.naming.path_to_onnx_name`); a name that
+                         is not a module path (``'a..b'``) is the initializer's name as it is,
+                         recorded in its :data:`SOURCE_NAME_KEY` metadata for the way back
 data order               burnpack data order = safetensors ``onnxparam.order`` = ONNX
                          initializer order
 dtypes                   bit-exact; ``Flex32``, burnpack ``Bool`` stores and ``QFloat`` survive
@@ -62,7 +64,7 @@ from .adapters import KeyRemapper, PathFilter, cast_snapshot, cast_spec, transpo
 from .report import ConvertReport
 from .safetensors_io import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
 
-__all__ = ["convert", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX"]
+__all__ = ["convert", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX", "SOURCE_NAME_KEY"]
 
 FORMATS = {".bpk": "burnpack", ".safetensors": "safetensors", ".onnx": "onnx"}
 """File extension -> format name."""
@@ -73,6 +75,13 @@ WEIGHTS_IR_VERSION = 10
 """IR version 10 (ONNX 1.16) is the first with initializer ``metadata_props``, where param ids go."""
 OUTPUT_SUFFIX = ":value"
 """Graph output name of a weight in a weights-only model: ``<initializer name>:value``."""
+SOURCE_NAME_KEY = "onnxparam.name"
+"""Initializer ``metadata_props`` key of a weights-only model: the tensor's name when it is not
+a module path (``'a..b'``, ``'ünï/cödé:0'``, which burnpack and safetensors files may hold).
+
+NOTE: such an initializer is named as the source names it (ONNX names are free-form), and this
+key makes reading it back give that name rather than :func:`~onnxparam.onnx_io.naming.onnx_name_to_path`
+of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
 
 
 def format_of(path) -> str:
@@ -118,6 +127,8 @@ class _Source:
     metadata: dict
     scalars: dict
     handle: Any = None
+    external_files: frozenset = frozenset()
+    """Real paths of the files an ``.onnx`` source's external tensors read (empty otherwise)."""
 
     def close(self) -> None:
         close = getattr(self.handle, "close", None)
@@ -159,7 +170,48 @@ def _read(path: Path, fmt: str) -> _Source:
             raise RecordError(f"'{path}': the recorded scalars are not valid JSON ({exc})") from None
     tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name)
                for name, s in record.items()]
-    return _Source(tensors, metadata, scalars)
+    return _Source(tensors, metadata, scalars, external_files=_external_data_files(model))
+
+
+def _external_data_files(model) -> frozenset:
+    """Real paths of the files ``model``'s (an ``ir.Model``) external tensors read: initializers
+    and ``Constant`` / tensor attributes, subgraphs included (locations resolved against the
+    model's folder, as ONNX Runtime does)."""
+    import onnx_ir as ir
+
+    from ..onnx_io.source import iter_graphs
+
+    tensors = []
+    for g in iter_graphs(model.graph):
+        tensors += [value.const_value for value in g.initializers.values()]
+        for node in g:
+            tensors += [a.value for a in node.attributes.values()
+                        if not a.is_ref() and a.type == ir.AttributeType.TENSOR]
+    return frozenset(os.path.realpath(t.path) for t in tensors if isinstance(t, ir.ExternalTensor))
+
+
+def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> None:
+    """Refuse a target that is the source itself or a file the source or ``graph`` reads its
+    external data from: replacing it would destroy the only copy of those weights (and leave
+    the ``.onnx`` pointing at other bytes).
+
+    Raises:
+        ValueError: naming the file and the model that reads it.
+    """
+    target = os.path.realpath(dst)
+    if target == os.path.realpath(src):
+        raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
+    readers = [(src, source.external_files)]
+    if isinstance(graph, (str, os.PathLike)):
+        from ..onnx_io.source import load_model
+
+        readers.append((Path(graph), _external_data_files(load_model(graph).model)))
+    for model, files in readers:
+        if target in files:
+            raise ValueError(
+                f"the target '{dst}' holds the external data (weights) of '{model}': replacing it would "
+                "destroy those weights; write to another file"
+            )
 
 
 def _is_weights_only(model) -> bool:
@@ -197,7 +249,11 @@ def _read_weights_only(model, source: str) -> ModuleRecord:
             raise RecordError(f"{source}: initializer {value.name!r} has element type {tensor.dtype.name}, "
                               "which Burn has no dtype for")
         meta = metas.get(value.name, md.ParamMetadata())
-        items[onnx_name_to_path(value.name)] = TensorSnapshot(
+        name = tensor.metadata_props.get(SOURCE_NAME_KEY) or onnx_name_to_path(value.name)
+        if name in items:
+            raise RecordError(f"{source}: two initializers are read as the tensor {name!r} (one is {value.name!r}); "
+                              f"remove or fix the {SOURCE_NAME_KEY!r} metadata of one")
+        items[name] = TensorSnapshot(
             dtype, tuple(int(d) for d in tensor.shape.numpy()), meta.param_id,
             lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
     props = model.metadata_props
@@ -253,7 +309,8 @@ def convert(
         a :class:`~onnxparam.convert.ConvertReport`.
 
     Raises:
-        ValueError: for an unknown extension, or options that do not fit the formats.
+        ValueError: for an unknown extension, options that do not fit the formats, or a target
+            that is the source or a file the source (or ``graph``) reads external data from.
         RecordError: for tensors that do not fit (name clash after remapping, a graph mismatch,
             a dtype the target cannot hold), each named; nothing is written then.
         OnnxFormatError: for a malformed ONNX source or graph.
@@ -269,6 +326,7 @@ def convert(
         raise FileNotFoundError(f"no such file: '{src}'")
     source = _read(src, src_fmt)
     try:
+        _check_target_is_not_read(src, dst, source, graph)
         report = ConvertReport(source=str(src), target=str(dst))
         tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose)
         if progress is not None:
@@ -418,25 +476,38 @@ def _weights_only_model(tensors: list, record_meta: dict, make_tensor):
 
     from .. import __version__
     from ..onnx_io import metadata as md
-    from ..onnx_io.naming import path_to_onnx_name
+    from ..onnx_io.naming import onnx_name_to_path, path_to_onnx_name
 
     initializers, outputs, nodes = [], [], []
     metas = {}
-    names = set()
+    names: dict[str, str] = {}
+    problems = []
     for t in tensors:
-        onnx_name = path_to_onnx_name(t.name)
-        names.add(onnx_name)
+        try:
+            onnx_name = path_to_onnx_name(t.name)
+        except ValueError:  # not a module path: ONNX names are free-form, keep it (SOURCE_NAME_KEY)
+            onnx_name = t.name
+        if onnx_name in names:
+            problems.append(f"tensors {names[onnx_name]!r} and {t.name!r} both become the ONNX initializer "
+                            f"{onnx_name!r}; rename one (--remap / remap=)")
+            continue
+        names[onnx_name] = t.name
         pid = None if t.param_id is None else ParamId(int(t.param_id))
         meta = md.ParamMetadata(pid)
         if not meta.is_empty():
             metas[onnx_name] = meta
+        props = md.tensor_props(meta)
+        if onnx_name_to_path(onnx_name) != t.name:
+            props[SOURCE_NAME_KEY] = t.name
         dtype = ir.DataType(t.dtype.to_onnx())
-        tensor = make_tensor(t, onnx_name, md.tensor_props(meta))
+        tensor = make_tensor(t, onnx_name, props)
         value = ir.Value(name=onnx_name, shape=ir.Shape(t.shape), type=ir.TensorType(dtype), const_value=tensor)
         initializers.append(value)
         out = ir.Value(name=onnx_name + OUTPUT_SUFFIX, shape=ir.Shape(t.shape), type=ir.TensorType(dtype))
         nodes.append(ir.Node("", "Identity", [value], outputs=[out], name=onnx_name + OUTPUT_SUFFIX))
         outputs.append(out)
+    if problems:
+        raise RecordError(f"cannot make a weights-only model: {len(problems)} problem(s)", problems)
     clash = sorted(n + OUTPUT_SUFFIX for n in names if n + OUTPUT_SUFFIX in names)
     if clash:
         raise RecordError(f"cannot make a weights-only model: output names {clash} are also weight names")

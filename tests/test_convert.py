@@ -103,6 +103,24 @@ def test_zero_copy_onnx_reads_the_weights_from_the_bpk(mnist_bpk, tmp_path):
     assert back.read_bytes() == MNIST_BPK.read_bytes()
 
 
+def test_a_zero_copy_model_refuses_a_replaced_weight_file(mnist_bpk, tmp_path):
+    model = tmp_path / "weights.onnx"
+    convert(mnist_bpk, model, zero_copy=True)
+    assert op.import_onnx(model).num_params() == 260_810  # the file it was written against: fine
+    # Same size, other bytes in the header (a tensor renamed): plain ORT would read stale slices.
+    raw = bytearray(mnist_bpk.read_bytes())
+    at = raw.index(b"fc1.weight")
+    raw[at:at + 10] = b"fc9.weight"
+    mnist_bpk.write_bytes(bytes(raw))
+    with pytest.raises(op.OnnxFormatError, match=r"its weight file 'model.bpk' changed after the model was "
+                                                 r"written \(its header differs\).*convert the weights again"):
+        op.import_onnx(model)
+    mnist_bpk.write_bytes(bytes(raw) + b"\0" * 256)
+    with pytest.raises(op.OnnxFormatError, match=r"\(1044776 bytes then, 1045032 now\)"):
+        convert(model, tmp_path / "back.bpk")
+    assert not (tmp_path / "back.bpk").exists()
+
+
 def test_zero_copy_needs_the_source_in_the_model_folder(mnist_bpk, tmp_path):
     (tmp_path / "sub").mkdir()
     with pytest.raises(ValueError, match="zero_copy needs '.*model.bpk' inside the ONNX model's folder"):

@@ -549,6 +549,10 @@ def _write_onnx_zero_copy(src: Path, dst: Path, tensors: list, metadata: dict, s
         model = _weights_only_model(tensors, record_meta, external)
     else:
         model = _graph_with_external_weights(tensors, record_meta, graph, allow_partial, external, report)
+    from ..onnx_io import metadata as md
+
+    header_bytes = min((t.file_slice[0] for t in tensors), default=os.path.getsize(src))
+    model.metadata_props[md.ZERO_COPY_KEY] = md.zero_copy_fingerprint(src, location, header_bytes)
     proto = ir.serde.serialize_model(model)
     with atomic_output(dst) as out:
         out.write(proto.SerializeToString())

@@ -41,6 +41,7 @@ onnxparam's own keys are replaced on export.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -73,6 +74,10 @@ PARAMS_KEY = "onnxparam.params"
 VERSION_KEY = "onnxparam.version"
 MODULE_KEY = "onnxparam.module"
 RECORD_PREFIX = "onnxparam.record."
+ZERO_COPY_KEY = "onnxparam.zero_copy"
+"""Model key of a zero-copy model (weights = slices of a ``.bpk`` / ``.safetensors`` file): JSON
+``{"location", "size", "header_bytes", "header_sha256"}`` describing that file when the model was
+written, so a reader notices when it was replaced (ONNX Runtime itself would read stale slices)."""
 
 _TRUE, _FALSE = "true", "false"
 
@@ -188,3 +193,40 @@ def read_params(model_props: Mapping[str, str], tensor_props_by_name: Mapping[st
 def strip_own_keys(props: Mapping[str, str]) -> dict[str, str]:
     """``props`` without onnxparam's keys (those are rewritten on every export)."""
     return {k: v for k, v in props.items() if not k.startswith(PREFIX)}
+
+
+def zero_copy_fingerprint(path: "str | os.PathLike", location: str, header_bytes: int) -> str:
+    """The :data:`ZERO_COPY_KEY` value for the weight file at ``path`` (referenced as ``location``):
+    its size and the SHA-256 of its first ``header_bytes`` bytes (the burnpack / safetensors
+    header, which holds every tensor's name, dtype, shape and offsets)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        head = f.read(header_bytes)
+        size = os.fstat(f.fileno()).st_size
+    return json.dumps({"location": location, "size": size, "header_bytes": header_bytes,
+                       "header_sha256": hashlib.sha256(head).hexdigest()}, separators=(",", ":"))
+
+
+def zero_copy_problem(value: str, base_dir: "str | os.PathLike") -> "str | None":
+    """Why the weight file a :data:`ZERO_COPY_KEY` value describes no longer matches, or ``None``."""
+    import hashlib
+
+    try:
+        facts = json.loads(value)
+        location, size, header_bytes, digest = (facts["location"], int(facts["size"]), int(facts["header_bytes"]),
+                                                str(facts["header_sha256"]))
+    except (ValueError, KeyError, TypeError) as e:
+        return f"its {ZERO_COPY_KEY} metadata is malformed ({e})"
+    target = os.path.join(os.fspath(base_dir), location)
+    try:
+        with open(target, "rb") as f:
+            now = os.fstat(f.fileno()).st_size
+            head = f.read(header_bytes)
+    except OSError as e:
+        return f"its weight file '{location}' cannot be read ({e.strerror or e})"
+    if now != size:
+        return f"its weight file '{location}' changed after the model was written ({size} bytes then, {now} now)"
+    if hashlib.sha256(head).hexdigest() != digest:
+        return f"its weight file '{location}' changed after the model was written (its header differs)"
+    return None

@@ -166,9 +166,25 @@ def load_model(path_or_model) -> LoadedModel:
             if path is not None:
                 ir.external_data.set_base_dir(model.graph, str(path.parent))
     _check_external_data(model, source)
+    _check_zero_copy(model, source, path)
     _check_tensor_sizes(model, source)
     _check_names(model, source)
     return LoadedModel(model, source, path)
+
+
+def _check_zero_copy(model: ir.Model, source: str, path: Optional[Path]) -> None:
+    """A zero-copy model's weight file must be the one it was written against (its slices would
+    otherwise silently read other bytes)."""
+    from .metadata import ZERO_COPY_KEY, zero_copy_problem
+
+    value = model.metadata_props.get(ZERO_COPY_KEY)
+    if value is None:
+        return
+    base_dir = path.parent if path is not None else base_dir_of(model)
+    problem = zero_copy_problem(value, base_dir or ".")
+    if problem is not None:
+        raise OnnxFormatError(f"{source}: {problem}; its weights would be read from the wrong bytes: "
+                              "convert the weights again")
 
 
 def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:

@@ -542,6 +542,10 @@ class Tracer:
             tp = inferred.get(out.name)
             tt = tp.tensor_type if tp is not None and tp.HasField("tensor_type") else None
             if dtype is None:
+                if tp is not None and tp.WhichOneof("value") in ("sequence_type", "map_type", "optional_type"):
+                    kind = tp.WhichOneof("value").replace("_type", "")
+                    raise TraceError(f"{where}: output {out.index()} is a {kind}, not a tensor; onnxparam runs "
+                                     "graphs whose values are tensors (run this model in plain ONNX Runtime)")
                 if tt is None or tt.elem_type == 0:
                     raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output "
                                      f"{out.index()}; pass output_dtypes= and output_shapes= to ops.custom")

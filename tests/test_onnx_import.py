@@ -483,3 +483,21 @@ def test_scan_bodies_with_their_own_weights_and_outer_references_run_as_the_orig
     feeds = {"init": np.zeros(2, np.float32), "xs": np.arange(6, dtype=np.float32).reshape(3, 2)}
     for got, want in zip(module(t(feeds["init"]), t(feeds["xs"])), ort_run(model, feeds), strict=True):
         np.testing.assert_array_equal(got.to_numpy(), want)
+
+
+def test_a_graph_with_sequence_values_says_sequences_are_unsupported():
+    import onnx.parser
+
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 17]>
+        g (float[2] x) => (float[2] y) {
+            s = SequenceConstruct(x, x)
+            y = SequenceAt(s, zero)
+        }
+    """)
+    zero = onnx.helper.make_tensor("zero", onnx.TensorProto.INT64, [], [0])
+    model.graph.initializer.append(zero)
+    module = op.import_onnx(model)
+    with pytest.raises(op.TraceError, match=r"output 0 is a sequence, not a tensor; onnxparam runs graphs whose "
+                                            r"values are tensors"):
+        module(np.ones(2, np.float32))

@@ -24,7 +24,6 @@ inlined (``onnx_ir``'s inliner), as the tracer emits graph nodes only.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 

@@ -21,7 +21,7 @@ from .errors import RecordError
 from .param import Param, ParamId
 from .tensor import Tensor, TensorData
 
-__all__ = ["TensorSnapshot", "ModuleRecord", "load_record", "save_module_file", "BURNPACK_EXTENSION"]
+__all__ = ["TensorSnapshot", "ModuleRecord", "as_snapshot", "as_record", "load_record", "save_module_file", "BURNPACK_EXTENSION"]
 
 BURNPACK_EXTENSION = ".bpk"
 """Burn's burnpack file extension; ``save_file`` appends it when a path has no suffix."""
@@ -170,8 +170,42 @@ def _dtype_fits(expected: DType, found: DType) -> bool:
     return (expected is DType.QFloat and found.is_float) or (found is DType.QFloat and expected.is_float)
 
 
+def as_snapshot(value, path: str = "") -> TensorSnapshot:
+    """``value`` as a :class:`TensorSnapshot`: snapshots pass through; a ``Tensor``,
+    ``TensorData`` or numpy array (anything ``np.asarray`` takes) is wrapped, without a param id.
+
+    Raises:
+        RecordError: for values that hold no tensor, naming ``path``.
+    """
+    if isinstance(value, TensorSnapshot):
+        return value
+    if isinstance(value, Tensor):
+        tensor = value
+        return TensorSnapshot(tensor.dtype, tuple(tensor.shape), None, tensor.into_data)
+    if isinstance(value, TensorData):
+        data = value
+        return TensorSnapshot(data.dtype, tuple(data.shape), None, lambda: data, data.scheme)
+    try:
+        tensor = Tensor.from_numpy(value)
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"record entry '{path}' is a {type(value).__name__}, not a tensor: {e}") from None
+    return TensorSnapshot(tensor.dtype, tuple(tensor.shape), None, tensor.into_data)
+
+
+def as_record(record: Mapping) -> Mapping:
+    """``record`` with every value a :class:`TensorSnapshot` (see :func:`as_snapshot`), so
+    ``module.load_record({"fc.weight": array, ...})`` works with plain arrays."""
+    if isinstance(record, ModuleRecord) or all(isinstance(v, TensorSnapshot) for v in record.values()):
+        return record
+    return ModuleRecord({path: as_snapshot(value, path) for path, value in record.items()},
+                        getattr(record, "metadata", None))
+
+
 def load_record(module, record: Mapping, allow_partial: bool = False):
     """A copy of ``module`` holding ``record``'s tensors, each through ``Param.transform_for_load``.
+
+    ``record`` maps paths to :class:`TensorSnapshot` s (a :class:`ModuleRecord`), or to plain
+    ``Tensor`` / ``TensorData`` / numpy values, which keep the module's param ids.
 
     Every problem is collected before anything is loaded: missing tensors (unless
     ``allow_partial``), unexpected tensors (unless ``allow_partial``), shape and dtype
@@ -181,6 +215,7 @@ def load_record(module, record: Mapping, allow_partial: bool = False):
     Raises:
         RecordError: listing each problem by path with the expected and found shape/dtype.
     """
+    record = as_record(record)
     params = dict(module.named_params())
     problems: list[str] = []
     for path, param in params.items():

@@ -116,3 +116,25 @@ def test_lora_factors_without_an_adapter_explain_that_the_config_is_needed():
     reloaded = Two([]).apply_lora(LoraConfig(rank=2, alpha=2.0)).load_record(record)
     np.testing.assert_array_equal(reloaded.fc1.weight.adapter().a.val().to_numpy(),
                                   adapted.fc1.weight.adapter().a.val().to_numpy())
+
+
+def test_a_plain_dict_of_arrays_tensors_and_tensor_data_loads_and_keeps_the_modules_ids():
+    module = Two([])
+    ids = [int(p.id) for _, p in module.named_params()]
+    w1 = np.arange(12, dtype=np.float32).reshape(3, 4)
+    loaded = module.load_record({
+        "fc1.weight": w1,
+        "fc1.bias": Tensor.from_numpy(np.ones(4, np.float32)),
+        "fc2.weight": Tensor.from_numpy(np.full((4, 2), 2.0, np.float32)).into_data(),
+        "fc2.bias": np.zeros(2, np.float32),
+    })
+    np.testing.assert_array_equal(loaded.fc1.weight.val().to_numpy(), w1)
+    np.testing.assert_array_equal(loaded.fc2.weight.val().to_numpy(), np.full((4, 2), 2.0))
+    assert [int(p.id) for _, p in loaded.named_params()] == ids
+
+
+def test_a_plain_dict_with_a_wrong_dtype_names_burns_dtype_and_a_non_tensor_is_refused():
+    with pytest.raises(RecordError, match=r"dtype mismatch for 'fc1.bias': the module expects F32, the record has F64"):
+        Two([]).try_load_record({"fc1.bias": np.zeros(4)}, allow_partial=True)
+    with pytest.raises(RecordError, match=r"record entry 'fc1.bias' is a str, not a tensor"):
+        Two([]).try_load_record({"fc1.bias": "zeros"}, allow_partial=True)

@@ -48,6 +48,12 @@ TOUR_LORA_B_STD = 0.01
 draws small values to make merged and kept graphs compute something to compare."""
 
 
+INT8_NOTE = (
+    "int8 QDQ is ~0.26x the size; its speed depends on the layers: the fc layers run ONNX Runtime's "
+    "integer kernels, but weight-only conv weights are dequantized at every run, and at MNIST's size "
+    "that overhead can make the int8 file slower than float32 (static activation quantization, "
+    "onnxparam.quant.quantize_activations, turns the convs into QLinearConv)"
+)
 LORA_NOTE = (
     f"the LoRA rows use rank-{TOUR_LORA_RANK} adapters (alpha {TOUR_LORA_ALPHA:g}) whose b factors are small random "
     f"values (std {TOUR_LORA_B_STD:g}), not the zeros of fresh adapters, so that comparing the kept and merged "
@@ -226,6 +232,8 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     _out(f"note:     {LATENCY_NOTE}.")
     if any(r.variant.startswith("LoRA") and r.file for r in rows):
         _out(f"note:     {LORA_NOTE}.")
+    if any(r.variant.startswith("int8") and r.file for r in rows):
+        _out(f"note:     {INT8_NOTE}.")
     return EXIT_OK
 
 

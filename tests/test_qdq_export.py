@@ -165,11 +165,14 @@ def mnist_files(tmp_path_factory, digits):
     work = tmp_path_factory.mktemp("mnist")
     model = mnist.load_pretrained()
     quantized = model.quantize_weights(Quantizer())
-    static = quantize_activations(quantized, images[::9])
     axes = {0: {0: "batch"}}
+    # Weight-only convs are not fused by ORT: calibrating (module calls) and the int8 export say so.
+    with pytest.warns(QuantizationWarning, match=r"'conv1.conv.weight', 'conv2.conv.weight' feed Conv nodes .* dequantize at every run"):
+        static = quantize_activations(quantized, images[::9])
+        int8 = op.export_onnx(quantized, work / "int8.onnx", images[:1], dynamic_axes=axes)
     return {
         "float": op.export_onnx(model, work / "float.onnx", images[:1], dynamic_axes=axes),
-        "int8": op.export_onnx(quantized, work / "int8.onnx", images[:1], dynamic_axes=axes),
+        "int8": int8,
         "static": op.export_onnx(static, work / "static.onnx", images[:1], dynamic_axes=axes),
     }
 

@@ -360,7 +360,8 @@ def _initializer_tensor(layout_ref: list, name: str):
 
 def emit_param(tracer, param, path: str, shape: tuple):
     """The tracer's hook for a ``QFloat`` param: integer initializer ``path`` + scale (+ zero
-    point) constants -> ``DequantizeLinear``; returns the float32 symbolic weight, or ``None``
+    point) constants -> ``DequantizeLinear``; returns the symbolic weight (float32, then cast to
+    the tensor's ``float_dtype`` when it is not F32), or ``None``
     when ONNX cannot express the scheme (the tracer then exports the dequantized float weight,
     and a :class:`QuantizationWarning` says so)."""
     qt = _quantized_of(param)
@@ -403,6 +404,12 @@ def emit_param(tracer, param, path: str, shape: tuple):
     node = out._symbol.value.producer()
     value.meta[_QDQ_META] = _Emitted(path, param, qt, layout, value, scale, zero_point, node, out)
     value.meta[_QDQ_META + ".ref"] = layout_ref
+    if qt.float_dtype is not DType.F32:
+        # NOTE: DequantizeLinear computes in float32 (its scale's type; a narrower scale would round
+        # it); the weight comes back at the param's own dtype, as Param.val() casts it. The Cast
+        # hides the MatMul from the fused forms (finish_graph), so such a weight is not fused.
+        out = tracer.emit("Cast", [out], {"to": qt.float_dtype}, output_types=[(qt.float_dtype, tuple(shape))])[0]
+        out._symbol.param = param
     return out
 
 
@@ -459,8 +466,16 @@ def finish_graph(tracer) -> None:
     options = current_options()
     if tracer.mode == "merge":
         _expand_qlora(tracer, emitted)
+    convs: list = []
     for e in emitted:
-        _check_fusable(tracer, e, options)
+        _check_fusable(tracer, e, options, convs)
+    if convs and not ranges:
+        # NOTE: measured on MNIST with ORT 1.32: a weight-only DequantizeLinear -> Conv is not
+        # fused and keeps ORT from pre-packing the conv weight: ~4x slower than float32.
+        warnings.warn(f"{', '.join(repr(p) for p in convs)} feed Conv nodes with only a dequantized weight: ORT "
+                      "fuses no weight-only DequantizeLinear -> Conv, so these convs dequantize at every run and "
+                      "run slower than float32; quantize activations too (onnxparam.quant.quantize_activations) "
+                      "or leave conv weights float (quantize_weights_group)", QuantizationWarning, stacklevel=4)
     if ranges:
         _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
     elif options.matmul in ("auto", "dynamic"):
@@ -488,10 +503,12 @@ def _uses(value: ir.Value) -> list:
     return list(value.uses())
 
 
-def _check_fusable(tracer, e: _Emitted, options: QdqOptions) -> None:
+def _check_fusable(tracer, e: _Emitted, options: QdqOptions, convs: list) -> None:
     out = e.output._symbol.value
     layout = e.layout
     for node, index in _uses(out):
+        if node.op_type == "Conv" and index == 1:
+            convs.append(e.path)
         if node.op_type == "Gemm" and index == 1:
             warnings.warn(f"{e.path!r} feeds Gemm {node.name!r}: ORT fuses no weight-only DequantizeLinear -> Gemm, "
                           "so it dequantizes at every run (export it through MatMul, or quantize activations)",

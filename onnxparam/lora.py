@@ -15,6 +15,8 @@ factors needs a module that already has adapters of the same rank and alpha.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -41,7 +43,10 @@ class LoraConfig:
         seed: seed of ``A``'s random init; fresh randomness when ``None``.
 
     Raises:
-        ValueError: for a non-positive rank.
+        TypeError: for a rank that is not an int (a bool or a float is refused), an alpha or
+            init_std that is not a real number, or a dtype that is not a :class:`DType`.
+        ValueError: for a rank <= 0, a non-finite alpha, an init_std that is not finite and
+            > 0, or a dtype that is not a float dtype (``QFloat`` included: factors stay float).
     """
 
     rank: int
@@ -52,8 +57,26 @@ class LoraConfig:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if int(self.rank) <= 0:
-            raise ValueError(f"LoRA rank must be positive; got {self.rank}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral):
+            raise TypeError(f"LoraConfig.rank must be an int; got {type(self.rank).__name__} {self.rank!r}")
+        if self.rank <= 0:
+            raise ValueError(f"LoraConfig.rank must be positive; got {self.rank}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
+            raise TypeError(f"LoraConfig.alpha must be a real number; got {type(self.alpha).__name__} {self.alpha!r}")
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"LoraConfig.alpha must be finite; got {self.alpha}")
+        if self.init_std is not None:
+            if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real):
+                raise TypeError(f"LoraConfig.init_std must be a real number or None; got "
+                                f"{type(self.init_std).__name__} {self.init_std!r}")
+            if not (math.isfinite(self.init_std) and self.init_std > 0):
+                raise ValueError(f"LoraConfig.init_std must be finite and > 0; got {self.init_std}")
+        if self.dtype is not None:
+            if not isinstance(self.dtype, DType):
+                raise TypeError(f"LoraConfig.dtype must be a DType or None; got {type(self.dtype).__name__} "
+                                f"{self.dtype!r}")
+            if not self.dtype.is_float or self.dtype is DType.QFloat:
+                raise ValueError(f"LoraConfig.dtype must be a float dtype (F64, F32, F16, BF16); got {self.dtype.name}")
 
     @property
     def scale(self) -> float:
@@ -130,6 +153,9 @@ def apply_lora(module, config: LoraConfig):
     """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
     param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
 
+    A param the group matches that already has an adapter is an error (``ValueError``): the new
+    config would otherwise be silently ignored for it.
+
     A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
     imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
     in its own layout. The factors are lazy params: ``A`` is drawn from N(0, std) only when
@@ -148,8 +174,13 @@ def apply_lora(module, config: LoraConfig):
             return param
         frozen = param.set_require_grad(False)
         shape = param.lazy_shape()
-        if len(shape) != 2 or param.adapter() is not None or not config.param_group.matches(param.id, path):
+        if len(shape) != 2 or not config.param_group.matches(param.id, path):
             return frozen
+        if param.adapter() is not None:
+            old = param.adapter()
+            raise ValueError(f"{path!r} already has a LoRA adapter (rank {old.rank}, scale {old.scale:g}); "
+                             "merge_lora() first or apply the new config to a module without adapters "
+                             "(or narrow its param_group)")
         flip = path in transposed
         d_out, d_in = shape if flip else shape[::-1]
         factor_dtype = config.dtype or (DType.F32 if dtype is DType.QFloat else dtype)

@@ -369,7 +369,38 @@ class Module:
         return quantize_weights(self, quantizer, group)
 
     def apply_qlora(self, config, quantizer) -> "Module":
-        """Quantize the frozen base weights, then attach float LoRA adapters (QLoRA)."""
+        """A QLoRA copy: the weights ``config.param_group`` matches are quantized with
+        ``quantizer`` (:func:`onnxparam.quant.quantize_weights` with that group), then float LoRA
+        adapters are attached to them (:func:`onnxparam.lora.apply_lora`).
+
+        Every base param ends frozen (``require_grad=False``): the quantized weights hold integer
+        values and scales, the other float params are frozen by ``apply_lora``; only the adapter
+        factors (``<path>.lora.a`` / ``.lora.b``, float: ``config.dtype``, else F32 for a quantized
+        base) are trainable. ``module(x)`` and ``autodiff.grad`` compute with the dequantized base
+        plus ``scale * (x @ a) @ b``.
+
+        Args:
+            config: the :class:`~onnxparam.LoraConfig` (rank, alpha, which params).
+            quantizer: the :class:`~onnxparam.quant.Quantizer` (scheme, min rank).
+
+        Returns:
+            The new module (this one is unchanged).
+
+        Raises:
+            TypeError: when ``config`` is not a ``LoraConfig`` or ``quantizer`` not a
+                ``Quantizer`` (e.g. the two swapped).
+            QuantizationError: when a matched weight cannot be quantized with the scheme, or is
+                already quantized.
+            ValueError: when a matched weight already has a LoRA adapter.
+        """
+        from .lora import LoraConfig
+        from .quant.module import Quantizer
+
+        if not isinstance(config, LoraConfig) or not isinstance(quantizer, Quantizer):
+            swapped = isinstance(config, Quantizer) and isinstance(quantizer, LoraConfig)
+            raise TypeError(
+                f"apply_qlora(config, quantizer) takes a LoraConfig then a Quantizer; got "
+                f"{type(config).__name__} and {type(quantizer).__name__}" + (" (swapped?)" if swapped else ""))
         return self.quantize_weights_group(quantizer, config.param_group).apply_lora(config)
 
     # -- display ------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ class Param:
             return hook(self)
         base = self.base()
         if base.is_quantized:
-            base = Tensor.from_numpy(base.to_numpy())
+            array = base.to_numpy()  # float32 (Burn's dequantize), at the quantized param's float dtype
+            base = Tensor.from_numpy(array.astype(base._quant.float_dtype.to_numpy(), copy=False))
         if self._adapter is None:
             return base
         return self._adapter.apply(base)

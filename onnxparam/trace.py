@@ -427,7 +427,7 @@ class Tracer:
             if tensor is not None:
                 self._param_tensors[id(param)] = tensor
                 return tensor
-            dtype = DType.F32  # a scheme ONNX cannot express: the dequantized float (warned)
+            dtype = qdq._quantized_of(param).float_dtype  # a scheme ONNX cannot express: the dequantized float (warned)
         try:
             shape = tuple(param.lazy_shape())
         except ValueError:  # a lazy param declared without a shape: its value is the only source

@@ -52,3 +52,78 @@ def test_param_group_limits_which_params_get_adapters_and_dtype_is_respected():
     assert adapted.weight.adapter() is None and adapted.weight.require_grad is False
     adapted = Lin(np.zeros((3, 4), np.float32)).apply_lora(LoraConfig(rank=1, alpha=1.0, dtype=DType.F16))
     assert adapted.weight.adapter().a.lazy_dtype() is DType.F16
+
+
+# -- re-applying LoRA and LoraConfig validation ---------------------------------------------------
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+class Two(Module):
+    def __init__(self):
+        self.fc = Lin(np.ones((3, 4), np.float32))
+        self.other = Lin(np.ones((4, 2), np.float32))
+
+
+def test_applying_lora_twice_raises_naming_the_adapted_param():
+    once = Lin(np.ones((3, 4), np.float32)).apply_lora(LoraConfig(rank=2, alpha=3))
+    with pytest.raises(ValueError) as info:
+        once.apply_lora(LoraConfig(rank=5, alpha=1))
+    assert str(info.value).startswith("'weight' already has a LoRA adapter (rank 2, scale 1.5); merge_lora() first or ")
+    # the old adapter is untouched
+    assert once.weight.adapter().rank == 2 and once.weight.adapter().scale == 1.5
+
+
+def test_applying_lora_again_to_other_params_of_the_group_is_allowed():
+    fc_only = LoraConfig(rank=2, alpha=3, param_group=ParamGroup.from_regex(r"^fc\."))
+    first = Two().apply_lora(fc_only)
+    second = first.apply_lora(LoraConfig(rank=1, alpha=1, param_group=ParamGroup.from_regex(r"^other\.")))
+    assert second.fc.weight.adapter().rank == 2 and second.other.weight.adapter().rank == 1
+    with pytest.raises(ValueError, match=r"^'fc\.weight' already has a LoRA adapter \(rank 2, scale 1\.5\)"):
+        first.apply_lora(LoraConfig(rank=4, alpha=2))
+    # merging first makes a second adapter fine
+    again = first.merge_lora().apply_lora(LoraConfig(rank=4, alpha=2))
+    assert again.fc.weight.adapter().rank == 4
+
+
+@pytest.mark.parametrize("rank, error, message", [
+    (0, ValueError, "LoraConfig.rank must be positive; got 0"),
+    (-3, ValueError, "LoraConfig.rank must be positive; got -3"),
+    (True, TypeError, "LoraConfig.rank must be an int; got bool True"),
+    (2.0, TypeError, "LoraConfig.rank must be an int; got float 2.0"),
+    ("2", TypeError, "LoraConfig.rank must be an int; got str '2'"),
+])
+def test_lora_config_rank_must_be_a_positive_int(rank, error, message):
+    with pytest.raises(error) as info:
+        LoraConfig(rank=rank, alpha=1.0)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("alpha", math.nan, ValueError, "LoraConfig.alpha must be finite; got nan"),
+    ("alpha", math.inf, ValueError, "LoraConfig.alpha must be finite; got inf"),
+    ("alpha", "4", TypeError, "LoraConfig.alpha must be a real number; got str '4'"),
+    ("alpha", None, TypeError, "LoraConfig.alpha must be a real number; got NoneType None"),
+    ("init_std", 0.0, ValueError, "LoraConfig.init_std must be finite and > 0; got 0.0"),
+    ("init_std", -0.1, ValueError, "LoraConfig.init_std must be finite and > 0; got -0.1"),
+    ("init_std", math.inf, ValueError, "LoraConfig.init_std must be finite and > 0; got inf"),
+    ("init_std", "0.1", TypeError, "LoraConfig.init_std must be a real number or None; got str '0.1'"),
+    ("dtype", DType.I32, ValueError, "LoraConfig.dtype must be a float dtype (F64, F32, F16, BF16); got I32"),
+    ("dtype", DType.QFloat, ValueError, "LoraConfig.dtype must be a float dtype (F64, F32, F16, BF16); got QFloat"),
+    ("dtype", "F32", TypeError, "LoraConfig.dtype must be a DType or None; got str 'F32'"),
+])
+def test_lora_config_rejects_bad_alpha_init_std_and_dtype(field, value, error, message):
+    kwargs = {"rank": 2, "alpha": 1.0, field: value}
+    with pytest.raises(error) as info:
+        LoraConfig(**kwargs)
+    assert str(info.value) == message
+
+
+def test_lora_config_accepts_ints_numpy_scalars_and_float_dtypes():
+    config = LoraConfig(rank=np.int64(4), alpha=np.float32(2.0), init_std=0.5, dtype=DType.F16)
+    assert config.scale == 0.5
+    assert LoraConfig(rank=2, alpha=-1).scale == -0.5  # a negative alpha is a valid (finite) scale
+    with pytest.raises(TypeError, match=r"^LoraConfig\.rank must be an int; got float 3\.0$"):
+        config.with_rank(3.0)

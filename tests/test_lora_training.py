@@ -83,3 +83,69 @@ def test_full_mnist_training_step_gets_every_trainable_gradient_and_lowers_the_l
         model = optim.step(model, grads)
         loss, grads = grad(_loss, model, x, t)
     assert float(loss.to_numpy()) < float(loss0.to_numpy())
+
+
+# -- QLoRA gradients ---------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+
+from onnxparam import nn  # noqa: E402
+from onnxparam.autodiff import mse  # noqa: E402
+from onnxparam.module import rebuild  # noqa: E402
+
+
+class _SmallMlp(op.Module):
+    def __init__(self):
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(op.ops.relu(self.fc1(x)))
+
+
+def _mse_loss(m, x, y):
+    return mse(m(x), y)
+
+
+def _with_factors(module, values: dict):
+    """``module`` with the factor params at ``values``' paths replaced (same ids)."""
+    def fn(path, p):
+        if path not in values:
+            return p
+        return op.Param.initialized(p.id, Tensor.from_numpy(values[path]), require_grad=True)
+    return rebuild(module, fn)
+
+
+def _module_loss(module, x, y) -> float:
+    """The loss from module calls (the runtime's own forward, base dequantized), in float64."""
+    pred = np.asarray(module(Tensor.from_numpy(x)).to_numpy(), np.float64)
+    return float(np.mean((pred - y.astype(np.float64)) ** 2))
+
+
+@pytest.mark.parametrize("value", [op.quant.QuantValue.Q8S, op.quant.QuantValue.Q4S])
+def test_qlora_gradients_match_finite_differences_of_module_calls(value):
+    rng = np.random.default_rng(11)
+    q = _SmallMlp().apply_qlora(op.LoraConfig(rank=2, alpha=4), op.Quantizer(op.QuantScheme(value=value)))
+    factors = {path: rng.normal(scale=0.3, size=p.lazy_shape()).astype(np.float32)
+               for path, p in q.named_params() if ".lora." in path}
+    q = _with_factors(q, factors)
+    x = rng.normal(size=(5, 8)).astype(np.float32)
+    y = rng.normal(size=(5, 4)).astype(np.float32)
+    loss, grads = grad(_mse_loss, q, x, y)
+    by_path = grads.by_path()
+    # only the float factors get gradients: no gradient for the QFloat base (nor the frozen biases)
+    assert set(by_path) == set(factors)
+    assert dict(q.named_params())["fc1.weight"].lazy_dtype() is op.DType.QFloat
+    assert "fc1.weight" not in by_path and "fc2.weight" not in by_path
+    np.testing.assert_allclose(float(loss.to_numpy()), _module_loss(q, x, y), rtol=1e-5)
+    eps = 1e-3  # small: a ReLU kink inside [v - eps, v + eps] would spoil the difference
+    for path, value0 in factors.items():
+        numeric = np.zeros(value0.shape)
+        for idx in np.ndindex(value0.shape):
+            plus, minus = value0.copy(), value0.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            up = _module_loss(_with_factors(q, {path: plus}), x, y)
+            down = _module_loss(_with_factors(q, {path: minus}), x, y)
+            numeric[idx] = (up - down) / (2 * eps)
+        np.testing.assert_allclose(by_path[path].to_numpy(), numeric, rtol=2e-2, atol=2e-3, err_msg=path)

@@ -128,3 +128,12 @@ def test_factors_that_do_not_fit_the_target_name_both_shapes(tmp_path):
                          "base_model.model.proj.lora_B.weight": B})
     with pytest.raises(RecordError, match=r"'proj.weight': the factors make a \(2, 5\) PyTorch weight, the param is \[3, 2\]"):
         load_peft_adapter(net(), folder)
+
+
+def test_a_config_without_lora_alpha_gets_peft_default_alpha_8_not_r(tmp_path):
+    # PEFT's LoraConfig declares lora_alpha: int = 8, so a file leaving it out means alpha 8
+    folder = write_peft(tmp_path / "ad", {"r": 2}, factors())
+    module = load_peft_adapter(net(), folder, key_map=KEY_MAP)
+    adapter = module.proj.weight.adapter()
+    assert adapter.scale == 8 / 2
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(4.0), rtol=1e-5)

@@ -172,3 +172,95 @@ def test_quantizing_a_weight_with_nan_or_inf_is_refused_with_its_path(bad):
 
     with pytest.raises(op.QuantizationError, match=r"cannot quantize 'fc' \[4, 8\]: the values hold (1 NaN and 0|0 NaN and 1) infinite"):
         One().quantize_weights(op.Quantizer(op.QuantScheme(value=op.QuantValue.Q8S)))
+
+
+# -- re-quantizing, apply_qlora arguments, F16 weights ------------------------------------------
+
+
+def test_quantizing_already_quantized_weights_again_raises_naming_paths_and_scheme():
+    q8 = Mlp().quantize_weights(Quantizer())  # lazy params: the scheme is known before any init
+    with pytest.raises(op.QuantizationError) as info:
+        q8.quantize_weights(Quantizer(QuantScheme(value=QuantValue.Q4S)))
+    assert str(info.value).startswith(
+        "already quantized: fc1.weight (Q8S Native per-tensor F32), fc2.weight (Q8S Native per-tensor F32); "
+        "quantizing them again with Q4S Native per-tensor F32 would be ignored")
+    m = Mlp()
+    m.fc1.weight = op.Param.from_data(np.ones((8, 16), np.float32))  # initialized: read from the value
+    with pytest.raises(op.QuantizationError, match=r"^already quantized: fc1\.weight \(Q8S Native per-tensor F32\), "):
+        m.quantize_weights(Quantizer()).quantize_weights(Quantizer())
+
+
+def test_requantizing_only_checks_the_params_the_group_touches():
+    fc1 = op.ParamGroup.from_regex(r"^fc1\.")
+    fc2 = op.ParamGroup.from_regex(r"^fc2\.")
+    first = Mlp().quantize_weights_group(Quantizer(), fc1)
+    both = first.quantize_weights_group(Quantizer(QuantScheme(value=QuantValue.Q4S)), fc2)
+    assert both.fc1.weight.base()._quant.scheme.value is QuantValue.Q8S
+    assert both.fc2.weight.base()._quant.scheme.value is QuantValue.Q4S
+    with pytest.raises(op.QuantizationError, match=r"^already quantized: fc1\.weight \(Q8S Native per-tensor F32\); "):
+        first.quantize_weights_group(Quantizer(), fc1)
+    # QLoRA on a module quantized elsewhere: the group decides too
+    with pytest.raises(op.QuantizationError, match=r"^already quantized: fc1\.weight "):
+        first.apply_qlora(op.LoraConfig(2, 4.0), Quantizer())
+
+
+@pytest.mark.parametrize("args, message", [
+    ((Quantizer(), op.LoraConfig(2, 4.0)),
+     "apply_qlora(config, quantizer) takes a LoraConfig then a Quantizer; got Quantizer and LoraConfig (swapped?)"),
+    ((op.LoraConfig(2, 4.0), QuantScheme()),
+     "apply_qlora(config, quantizer) takes a LoraConfig then a Quantizer; got LoraConfig and QuantScheme"),
+    ((None, Quantizer()), "apply_qlora(config, quantizer) takes a LoraConfig then a Quantizer; got NoneType and Quantizer"),
+])
+def test_apply_qlora_rejects_swapped_or_wrong_arguments_with_a_type_error(args, message):
+    with pytest.raises(TypeError) as info:
+        Mlp().apply_qlora(*args)
+    assert str(info.value) == message
+
+
+def test_apply_qlora_has_a_full_docstring():
+    doc = op.Module.apply_qlora.__doc__
+    for part in ("quantizer", "adapters", "frozen", "Args:", "Raises:", "TypeError", "QuantizationError"):
+        assert part in doc
+
+
+class Mlp16(op.Module):
+    def __init__(self):
+        rng = np.random.default_rng(3)
+        self.w1 = rng.normal(size=(8, 16)).astype(np.float16)
+        self.w2 = rng.normal(size=(16, 4)).astype(np.float16)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.fc1.weight = op.Param.from_data(self.w1)
+        self.fc1.bias = op.Param.from_data(np.full(16, 0.25, np.float16))
+        self.fc2.weight = op.Param.from_data(self.w2)
+        self.fc2.bias = op.Param.from_data(np.full(4, -0.5, np.float16))
+
+    def forward(self, x):
+        return self.fc2(op.ops.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("value", ["Q8S", "Q4S"])
+def test_quantized_f16_weights_dequantize_to_f16_and_the_module_stays_callable(value):
+    m = Mlp16()
+    q = m.quantize_weights(Quantizer(QuantScheme(value=QuantValue[value])))
+    assert q.fc1.weight.lazy_dtype() is op.DType.QFloat
+    w1 = burn_minmax(m.w1.astype(np.float32), value).astype(np.float16)
+    w2 = burn_minmax(m.w2.astype(np.float32), value).astype(np.float16)
+    assert q.fc1.weight.val().dtype is op.DType.F16
+    # NOTE: the library quantizes from the F16 values; a value near a rounding tie may land one
+    # quantization step from the F32 oracle, so the check is "within one step" here
+    a, b = RANGES[value]
+    step = 2 * np.abs(m.w1.astype(np.float32)).max() / (b - a)
+    diff = np.abs(q.fc1.weight.val().to_numpy().astype(np.float32) - w1.astype(np.float32))
+    assert diff.max() <= step * 1.01 and np.mean(diff <= 2e-3 * np.abs(w1.astype(np.float32))) > 0.95
+    np.testing.assert_array_equal(q.fc1.weight.val().to_numpy(),
+                                  q.fc1.weight.base()._quant.dequantize().astype(np.float16))
+    x = np.random.default_rng(4).normal(size=(3, 8)).astype(np.float16)
+    out = q(op.Tensor.from_numpy(x))
+    assert out.dtype is op.DType.F16
+    h = np.maximum(x.astype(np.float32) @ w1.astype(np.float32) + 0.25, 0).astype(np.float16)
+    want = h.astype(np.float32) @ w2.astype(np.float32) - 0.5
+    np.testing.assert_allclose(out.to_numpy().astype(np.float32), want, rtol=2e-2, atol=2e-2)
+    # QLoRA on F16 weights runs as well (factors F32, the base dequantized to F16)
+    ql = m.apply_qlora(op.LoraConfig(2, 4.0), Quantizer(QuantScheme(value=QuantValue[value])))
+    np.testing.assert_allclose(ql(op.Tensor.from_numpy(x)).to_numpy().astype(np.float32), want, rtol=2e-2, atol=2e-2)

@@ -6,7 +6,9 @@ computed by one cached ONNX Runtime session; and :class:`Gradients`, keyed by ``
 It must return a one-element float tensor (use :func:`.losses.cross_entropy`,
 :func:`.losses.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
 form (``x @ W + scale * ((x @ a) @ b)``), so the factors are params of the graph and get their
-own gradients while the frozen base stays a constant.
+own gradients while the frozen base stays a constant. A quantized base (QLoRA) is traced as
+``DequantizeLinear`` of its stored integers (``QdqOptions(matmul="dequantize")``, what
+``module(x)`` computes), whatever :func:`~onnxparam.quant.qdq.qdq_options` encloses the call.
 
 **Which params get a gradient.** Exactly the float params with ``require_grad`` that the loss
 depends on (``module.no_grad()``, ``freeze_group``, ``apply_lora`` clear the flag; a frozen
@@ -30,6 +32,7 @@ from .. import lora_graph
 from .. import trace as _trace
 from ..errors import TraceError
 from ..param import Param, ParamId
+from ..quant import qdq
 from ..runtime import calls as _calls
 from ..runtime.config import session_config
 from ..runtime.devices import pick_device
@@ -110,7 +113,11 @@ def trainable_paths(module) -> tuple:
 def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel:
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph")
-    with tracer.active():
+    # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
+    # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
+    # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
+    # and not what module(x) computes). Fixed here, so it is not part of the cache key.
+    with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
         args = list(args)
         kwargs = dict(kwargs)
         names = []

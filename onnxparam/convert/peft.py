@@ -58,11 +58,16 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
 """``<module>.lora_A.weight`` (and the older ``<module>.lora_A.<adapter name>.weight``)."""
 
 
+PEFT_DEFAULT_LORA_ALPHA = 8
+"""``lora_alpha`` when ``adapter_config.json`` leaves it out: PEFT's ``LoraConfig`` default."""
+
+
 class PeftConfig:
     """The fields of ``adapter_config.json`` this loader uses.
 
     Attributes:
-        r: the default rank; ``lora_alpha``: the default alpha; ``use_rslora``: scale
+        r: the default rank; ``lora_alpha``: the default alpha (PEFT's default, 8, when the
+        file leaves it out); ``use_rslora``: scale
         ``alpha / sqrt(r)`` instead of ``alpha / r``; ``rank_pattern`` / ``alpha_pattern``:
         per-module overrides (regex key -> value); ``fan_in_fan_out``: the PyTorch base stores
         ``(in, out)`` (informational, see the module docstring); ``raw``: the whole JSON.
@@ -87,7 +92,9 @@ class PeftConfig:
             raise RecordError(f"unsupported PEFT adapter in {source}", problems)
         try:
             self.r = _rank(raw["r"])
-            self.lora_alpha = _alpha(raw.get("lora_alpha", self.r))
+            # NOTE: PEFT's LoraConfig declares ``lora_alpha: int = 8`` (peft/tuners/lora/config.py),
+            # so a config that leaves the key out was trained with alpha 8, not alpha = r.
+            self.lora_alpha = _alpha(raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
         except (KeyError, TypeError, ValueError) as e:
             raise RecordError(f"{source}: adapter_config.json needs an integer 'r' >= 1 and a finite number "
                               f"'lora_alpha' ({type(e).__name__}: {e})") from None

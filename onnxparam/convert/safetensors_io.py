@@ -16,7 +16,8 @@ The format (Hugging Face ``safetensors``, README "Format"), all integers little-
 **Reading** (:func:`read_safetensors`) parses the header itself and memory-maps the file; every
 tensor is a read-only ``np.frombuffer`` view of the mapped bytes at its header offsets (typed
 through ``ml_dtypes`` for ``BF16``): bit-exact, zero-copy, and no byte is read before a value is
-asked for. ``safetensors.safe_open(framework="numpy")`` is not used for the data: it returns
+asked for. Each read first checks that the file was not changed in place since it was opened
+(a ``RecordError`` then, rather than another file's bytes or a SIGBUS). ``safetensors.safe_open(framework="numpy")`` is not used for the data: it returns
 ``BF16`` only once ``ml_dtypes`` has registered the name ``bfloat16`` with numpy (an import side
 effect; otherwise it raises ``TypeError: data type 'bfloat16' not understood``), it copies each
 tensor, and it does not give the offsets that the data order and zero-copy ONNX export need.
@@ -66,6 +67,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from ..burnpack.reader import _FileWatch
 from ..dtype import DType
 from ..errors import RecordError
 from ..param import ParamId
@@ -242,11 +244,22 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
         FileNotFoundError: when ``path`` does not exist.
         RecordError: for a malformed file (header too long or not JSON, an unknown dtype,
             offsets that do not match the shape, overlap or leave gaps, a bad ``onnxparam.*``
-            key), naming the tensor concerned.
+            key), naming the tensor concerned. Also, when a tensor is read later, if the file
+            was changed in place since it was opened ("'<path>' changed on disk after it was
+            opened (...); ... load the file again"): see below.
+
+    NOTE: the tensors are views of a memory map, which shows the file's current bytes: a file
+    overwritten in place (``cp other.safetensors model.safetensors``) would silently give the
+    other file's values, and a truncated one would kill Python with SIGBUS. The file's size and
+    modification time are recorded here and checked (one ``fstat`` of the mapped file) before
+    each tensor read, which raises instead. An atomic replacement (write beside, rename over
+    it, as :func:`write_safetensors` does) or deletion leaves the mapped file intact: reads go
+    on, returning what was loaded. Arrays already handed out cannot be checked.
     """
     path = Path(path)
     with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
+        st = os.fstat(handle.fileno())
+        size = st.st_size
         prefix = handle.read(HEADER_LENGTH_BYTES)
         if len(prefix) < HEADER_LENGTH_BYTES:
             raise _format_error(path, f"the file has {size} bytes, fewer than the 8-byte header length")
@@ -274,7 +287,13 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
         for name, info in header.items():
             layout[name] = _check_entry(path, name, info)
         _check_coverage(path, layout, data_len)
-        mapping = _Mapping(path, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        watch = _FileWatch(str(path), handle.fileno(), st)
+        try:
+            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            watch.close()
+            raise
+        mapping = _Mapping(path, buffer, watch)
 
     extra_dtypes = _decode_json_key(path, raw_meta, DTYPES_KEY, dict) or {}
     param_ids = _decode_json_key(path, raw_meta, PARAM_IDS_KEY, dict) or {}
@@ -419,21 +438,32 @@ def _encode_scalars(scalars: Mapping) -> dict:
 
 
 class _Mapping:
-    """The memory map of one file, shared by its tensors' loaders until closed."""
+    """The memory map of one file, shared by its tensors' loaders until closed.
 
-    __slots__ = ("path", "buffer")
+    :meth:`view`, the one place tensor bytes are handed out, first checks (one ``fstat`` of the
+    mapped file) that the file was not changed in place since it was opened; see
+    :func:`read_safetensors` and ``onnxparam.burnpack.reader._FileWatch``.
+    """
 
-    def __init__(self, path, buffer):
+    __slots__ = ("path", "buffer", "watch")
+
+    def __init__(self, path, buffer, watch: Optional[_FileWatch] = None):
         self.path = path
         self.buffer = buffer
+        self.watch = watch
 
     def view(self):
         if self.buffer is None:
             raise RecordError(f"the safetensors file '{self.path}' is closed; read it again")
+        # NOTE: checked on every read, not once: mmap + an in-place write = stale bytes or SIGBUS
+        if self.watch is not None:
+            self.watch.check(RecordError)
         return self.buffer
 
     def close(self) -> None:
         buffer, self.buffer = self.buffer, None
+        if self.watch is not None:
+            self.watch.close()
         if buffer is not None:
             try:
                 buffer.close()

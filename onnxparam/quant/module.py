@@ -4,7 +4,8 @@ Burn's ``Module::quantize_weights(&mut quantizer)`` maps every float tensor the 
 visits (``crates/burn-core/src/module/quantize.rs``; ``BURNPACK.md`` §4). Here the set of
 params is explicit (:func:`is_weight`):
 
-* float params (F64/F32/F16/BF16; already quantized ones are left as they are) of **rank >= 2**
+* float params (F64/F32/F16/BF16; an already quantized one that would be touched again is a
+  :class:`~onnxparam.errors.QuantizationError`) of **rank >= 2**
   by default: Linear / Conv / Embedding weights. Biases, norms' ``gamma`` / ``beta`` and running
   statistics are rank 1: quantizing them saves next to nothing and costs accuracy, and ONNX
   Runtime's integer kernels take their bias in float. ``Quantizer(min_rank=1)`` quantizes them too
@@ -105,17 +106,49 @@ def quantize_param(param: Param, quantizer: Quantizer, path: str = "param") -> P
     source = param.clone()
 
     def init(device, require_grad, _source=source, _quantizer=quantizer, _path=path):
-        array = _source.base().to_numpy()
+        base = _source.base()
+        array = base.to_numpy()
         try:
-            return _quantizer.quantize(array).to_tensor()
+            qt = _quantizer.quantize(array)
         except QuantizationError as e:
             raise QuantizationError(f"cannot quantize {_path!r} {list(array.shape)}: {e}") from e
+        qt.float_dtype = base.dtype  # dequantized back to the param's own float dtype (F16 stays F16)
+        return qt.to_tensor()
 
+    init.scheme = quantizer.scheme  # what _scheme_of reports before the value exists
     cell = _Lazy(init, param.lazy_device(), _shape_or_none(param), DType.QFloat, False)
     new = Param(param.id, cell=cell, require_grad=False, mapper=param._mapper, adapter=param.adapter())
     if param.is_initialized():
         new.base()  # an initialized param stays initialized (and a bad scheme raises here)
     return new
+
+
+def _scheme_of(param: Param):
+    """The scheme of a quantized param, without running a lazy init (``None`` if unknown)."""
+    if param.is_initialized():
+        quant = param.base()._quant
+        return None if quant is None else quant.scheme
+    return getattr(getattr(param._cell, "init", None), "scheme", None)
+
+
+def _already_quantized(module, quantizer: Quantizer, group) -> list:
+    """``path (scheme)`` of every ``QFloat`` param :func:`quantize_weights` would otherwise
+    quantize (same rank / LoRA / group rules as a float param)."""
+    from ..module import named_params
+
+    found = []
+    for path, param in named_params(module):
+        if ".lora." in path or param.lazy_dtype() is not DType.QFloat:
+            continue
+        try:
+            rank = len(param.lazy_shape())
+        except ValueError:
+            rank = param.base().ndim
+        if rank < quantizer.min_rank or (group is not None and not group.matches(param.id, path)):
+            continue
+        scheme = _scheme_of(param)
+        found.append(f"{path} ({scheme.describe() if scheme is not None else 'scheme not known until loaded'})")
+    return found
 
 
 def _shape_or_none(param: Param):
@@ -136,12 +169,20 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
     Raises:
         QuantizationError: when a weight cannot be quantized with the scheme (e.g. a block
             size that does not divide its shape), naming the param's path: at once for
-            initialized params, at the first use of the value for lazy ones.
+            initialized params, at the first use of the value for lazy ones; or, at once, when
+            a param it would quantize is already quantized (its path and scheme are named).
     """
     from ..module import rebuild
 
     if not isinstance(quantizer, Quantizer):
         raise QuantizationError(f"quantize_weights takes a Quantizer, found {type(quantizer).__name__}")
+
+    already = _already_quantized(module, quantizer, group)
+    if already:
+        raise QuantizationError(
+            f"already quantized: {', '.join(already)}; quantizing them again with "
+            f"{quantizer.scheme.describe()} would be ignored (their float values are gone). Quantize the "
+            "float module instead, or pass a group that leaves them out")
 
     skipped = []
 

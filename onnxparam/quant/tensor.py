@@ -44,6 +44,10 @@ class QuantizedTensor:
             per-tensor scheme), row-major, holding the values decoded from the stored scale
             dtype. Read-only.
         global_scale: the float32 global scale of a two-level scheme, else ``None``.
+        float_dtype: the float :class:`~onnxparam.DType` the tensor was quantized from (F32
+            unless set, e.g. by ``quantize_weights`` on an F16 param): ``Param.val()`` and the
+            traced ``DequantizeLinear`` give the weight back at this dtype. Not stored in bytes
+            (Burn's ``QFloat`` does not record it).
 
     Args:
         shape: logical shape.
@@ -57,7 +61,7 @@ class QuantizedTensor:
         QuantizationError: when the arrays do not fit the shape and scheme.
     """
 
-    __slots__ = ("shape", "scheme", "values", "scales", "global_scale")
+    __slots__ = ("shape", "scheme", "values", "scales", "global_scale", "float_dtype")
 
     def __init__(self, shape, scheme: QuantScheme, values, scales, global_scale: float | None = None):
         shape = tuple(int(d) for d in shape)
@@ -86,6 +90,7 @@ class QuantizedTensor:
         self.values = _read_only(np.asarray(values, order="C"))  # keeps 0-d (ascontiguousarray does not)
         self.scales = _read_only(np.ascontiguousarray(scales.reshape(grid)))
         self.global_scale = None if global_scale is None else np.float32(global_scale)
+        self.float_dtype = DType.F32
 
     # -- bytes (§2) ---------------------------------------------------------------------------
 

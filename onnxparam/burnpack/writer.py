@@ -10,14 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .._scratch import (
-    cannot_write_error,
-    check_replaceable,
-    disk_full_error,
-    preserve_mode,
-    remove_stale_scratch,
-    scratch_name,
-)
+from .._scratch import atomic_output
 from ..dtype import DType, dtype_from_numpy
 from ..errors import QuantizationError, RecordError
 from ..quant.scheme import QuantScheme
@@ -311,50 +304,7 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 
 
 def _write_atomic(path, produce: Callable[[Any], None]) -> None:
-    """Run ``produce(file)`` on a scratch file beside ``path``, sync it, rename it over ``path``."""
-    # NOTE: the rename would replace a read-only file that open(path, "w") refuses: check first.
-    mode = check_replaceable(path)
-    target = os.path.abspath(os.fspath(path))
-    directory, base = os.path.split(target)
-    # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
-    # handler could remove) is cleaned up by the next save to the same target.
-    remove_stale_scratch(directory, base)
-    scratch = os.path.join(directory, scratch_name(base))
-    try:
-        fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    except OSError as e:
-        clear = cannot_write_error(e, path)
-        if clear is not None:
-            raise clear from e
-        raise
-    try:
-        with os.fdopen(fd, "wb") as out:
-            produce(out)
-            out.flush()
-            os.fsync(out.fileno())
-        preserve_mode(mode, scratch)
-        os.replace(scratch, target)
-    except BaseException as e:
-        try:
-            os.unlink(scratch)
-        except OSError:
-            pass
-        full = disk_full_error(e, target)
-        if full is not None:
-            raise full from e
-        raise
-    _sync_directory(directory)
-
-
-def _sync_directory(directory: str) -> None:
-    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Run ``produce(file)`` on a scratch file beside ``path``, sync it, rename it over ``path``
+    (:func:`onnxparam._scratch.atomic_output`: read-only targets refused, modes kept)."""
+    with atomic_output(path) as out:
+        produce(out)

@@ -125,7 +125,11 @@ def _module_loss(module, x, y) -> float:
 @pytest.mark.parametrize("value", [op.quant.QuantValue.Q8S, op.quant.QuantValue.Q4S])
 def test_qlora_gradients_match_finite_differences_of_module_calls(value):
     rng = np.random.default_rng(11)
-    q = _SmallMlp().apply_qlora(op.LoraConfig(rank=2, alpha=4), op.Quantizer(op.QuantScheme(value=value)))
+    # NOTE: fixed base weights: with random ones a ReLU kink inside [v - eps, v + eps] made the
+    # finite difference (not the gradient) wrong now and then.
+    base = _SmallMlp().load_record({path: rng.normal(scale=0.5, size=p.lazy_shape()).astype(np.float32)
+                                    for path, p in _SmallMlp().named_params()})
+    q = base.apply_qlora(op.LoraConfig(rank=2, alpha=4), op.Quantizer(op.QuantScheme(value=value)))
     factors = {path: rng.normal(scale=0.3, size=p.lazy_shape()).astype(np.float32)
                for path, p in q.named_params() if ".lora." in path}
     q = _with_factors(q, factors)

@@ -183,6 +183,28 @@ def _error(code: int, label: str, reason: str) -> OSError:
     return OSError(code, f"cannot write '{label}': {reason}; nothing was written", label)
 
 
+def create_scratch(target: Path, make, path_for_errors=None):
+    """``(scratch_path, make(scratch_path))`` for a fresh scratch entry beside ``target``.
+
+    Scratch entries of dead writers are removed first (their names carry the pid, so a save
+    killed mid-way is cleaned up by the next save to the same target). ``make`` creates the
+    entry (a file or a folder) and must fail with ``FileExistsError`` if it exists. Errors name
+    ``path_for_errors`` (default ``target``), never the scratch name.
+    """
+    remove_stale_scratch(os.fspath(target.parent), target.name)
+    while True:
+        tmp = target.with_name(scratch_name(target.name))
+        try:
+            return tmp, make(tmp)
+        except FileExistsError:  # pragma: no cover - 48 random bits collided
+            continue
+        except OSError as e:
+            clear = cannot_write_error(e, target if path_for_errors is None else path_for_errors)
+            if clear is not None:
+                raise clear from e
+            raise
+
+
 @contextlib.contextmanager
 def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
     """A binary file object whose contents replace ``path`` when the block exits cleanly.
@@ -200,23 +222,10 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
     target = Path(path)
     # NOTE: the rename would replace a read-only file that open(path, "w") refuses: check first.
     mode = check_replaceable(path)
-    # NOTE: the scratch name carries the pid, so a save killed mid-way (whose scratch file no
-    # handler could remove) is cleaned up by the next save to the same target.
-    remove_stale_scratch(os.fspath(target.parent), target.name)
     # NOTE: os.open with O_EXCL and mode 0o666 (not tempfile.mkstemp, which forces 0o600) so
     # the finished file gets the permissions the process umask gives any new file.
-    while True:
-        tmp = target.with_name(scratch_name(target.name))
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-            break
-        except FileExistsError:  # pragma: no cover - 48 random bits collided
-            continue
-        except OSError as e:
-            clear = cannot_write_error(e, path)
-            if clear is not None:
-                raise clear from e
-            raise
+    tmp, fd = create_scratch(
+        target, lambda p: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), path)
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle

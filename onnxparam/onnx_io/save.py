@@ -44,12 +44,10 @@ import onnx
 import onnx_ir as ir
 
 from .._scratch import (
-    cannot_write_error,
     check_replaceable,
+    create_scratch,
     disk_full_error,
     preserve_mode,
-    remove_stale_scratch,
-    scratch_name,
 )
 from ..errors import OnnxFormatError
 from .source import iter_graphs
@@ -180,17 +178,7 @@ def save_model(
         for entry in sorted(target.parent.iterdir()):
             if entry.name == location or shards.match(entry.name):
                 modes[entry.name] = check_replaceable(entry)
-    # NOTE: the scratch folder's name carries the pid, so a save killed mid-way (whose folder no
-    # handler could remove) is cleaned up by the next save to the same target.
-    remove_stale_scratch(os.fspath(target.parent), target.name)
-    tmp_dir = target.parent / scratch_name(target.name)
-    try:
-        tmp_dir.mkdir()
-    except OSError as e:
-        clear = cannot_write_error(e, target)
-        if clear is not None:
-            raise clear from e
-        raise
+    tmp_dir, _ = create_scratch(target, lambda p: p.mkdir())
     try:
         tmp_model = tmp_dir / target.name
         try:

@@ -25,6 +25,13 @@ def _section(title: str, lines: list[str]) -> list[str]:
     return out
 
 
+def _change_sections(report) -> list[str]:
+    """The renamed / transposed / cast sections every report prints the same way."""
+    return (_section("renamed", [f"{a} -> {b}" for a, b in report.renamed])
+            + _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in report.transposed])
+            + _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in report.cast]))
+
+
 def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -76,9 +83,7 @@ class LoadReport:
         lines += _section("unused", list(self.unused))
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))
-        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
-        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
-        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        lines += _change_sections(self)
         lines += _section("applied", list(self.applied))
         return "\n".join(lines)
 
@@ -109,9 +114,7 @@ class SaveReport:
                 f"{len(self.cast)} cast")
         lines = [head]
         lines += _section("skipped", list(self.skipped))
-        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
-        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
-        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        lines += _change_sections(self)
         lines += _section("saved", list(self.saved))
         return "\n".join(lines)
 
@@ -148,7 +151,5 @@ class ConvertReport:
         lines = [head]
         lines += [f"  note: {n}" for n in self.notes]
         lines += _section("skipped", list(self.skipped))
-        lines += _section("renamed", [f"{a} -> {b}" for a, b in self.renamed])
-        lines += _section("transposed", [f"{p} {_shape(a)} -> {_shape(b)}" for p, a, b in self.transposed])
-        lines += _section("cast", [f"{p} {a.name} -> {b.name}" for p, a, b in self.cast])
+        lines += _change_sections(self)
         return "\n".join(lines)

@@ -1,27 +1,36 @@
 """onnxparam: Burn's Param/Module model for ONNX models, executed through ONNX Runtime.
 
-Layers (each knows only the ones above it in this list):
+Layers, bottom to top; a file imports only its own layer and those below it
+(``tests/test_layers.py`` checks every import, inside functions too, and that no two files
+import each other in a cycle):
 
-* **values**: :mod:`~onnxparam.dtype`, :mod:`~onnxparam.device`, :mod:`~onnxparam.tensor`,
-  :mod:`~onnxparam.errors`, :mod:`~onnxparam.quant` (quantized values, no files).
-* **model**: :mod:`~onnxparam.param` (``ParamId``, ``Param``), :mod:`~onnxparam.group`,
-  :mod:`~onnxparam.module` (the one traversal), :mod:`~onnxparam.lora`. Knows nothing of
-  files or ONNX protobuf.
-* **formats**: :mod:`~onnxparam.burnpack` (bytes of Burn's ``.bpk``; knows nothing of modules).
-* **bridges**: :mod:`~onnxparam.record` (module <-> records <-> files), ONNX export/import,
-  converters.
-* **runtime**: :mod:`~onnxparam.trace` and :mod:`~onnxparam.runtime` own ONNX graphs and
-  ONNX Runtime sessions.
+1. **values**: :mod:`~onnxparam.dtype`, :mod:`~onnxparam.device`, :mod:`~onnxparam.errors`,
+   :mod:`~onnxparam.tensor` (``Tensor``, ``TensorData``), the quantized values of
+   :mod:`~onnxparam.quant` (schemes, layout, scales, ``QuantizedTensor``, MinMax calibration).
+2. **model**: :mod:`~onnxparam.param` (``ParamId``, ``Param``), :mod:`~onnxparam.group`,
+   :mod:`~onnxparam.module` (the one traversal), :mod:`~onnxparam.lora`,
+   ``onnxparam.quant.module`` (quantizing a module's weights). No files, no ONNX.
+3. **formats**: bytes of files, no modules: :mod:`~onnxparam.burnpack`,
+   :mod:`~onnxparam.formats` (safetensors, the shared memory map), the ONNX protobuf parts of
+   :mod:`~onnxparam.onnx_io` (``source``, ``save``, ``weights``, ``metadata``, ``naming``).
+4. **graph**: :mod:`~onnxparam.trace`, :mod:`~onnxparam.ops`, :mod:`~onnxparam.nn` (layers
+   built from ops), the graph passes (``lora_graph``, ``quant.qdq``) and the backward graphs of
+   :mod:`~onnxparam.autodiff`.
+5. **runtime**: :mod:`~onnxparam.runtime` (ONNX Runtime sessions, calls), training steps
+   (``autodiff.training``, :mod:`~onnxparam.optim`).
+6. **bridges**: :mod:`~onnxparam.record` (module <-> records <-> files), ONNX import / export,
+   :mod:`~onnxparam.convert` (converters, PEFT).
+7. **cli / zoo**: :mod:`~onnxparam.cli`, :mod:`~onnxparam.zoo`, and this package facade.
+
+Where a lower layer needs an upper one at run time (``Tensor.__add__`` -> ops, ``Module.__call__``
+-> runtime, the tracer's LoRA / QDQ passes), the upper layer is registered below as a service
+(:mod:`onnxparam._services`), imported on first use.
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
-
-try:
-    __version__ = _version("onnxparam")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0+source"
-
-from . import burnpack
+from . import burnpack, nn
+from ._services import provide as _provide
+from ._version import __version__
+from .convert.peft import load_peft_adapter
 from .device import Device
 from .dtype import DType
 from .errors import (
@@ -58,8 +67,17 @@ from .quant import (
 from .record import ModuleRecord, TensorSnapshot
 from .tensor import Tensor, TensorData
 
-from . import nn  # noqa: E402  (layers build on everything above)
-from .convert.peft import load_peft_adapter  # noqa: E402  (a bridge: PEFT files -> adapters)
+# Services the upper layers give the lower ones (onnxparam/_services.py), imported on first use.
+_provide("ops", "onnxparam.ops")  # Tensor's operators (values -> graph)
+_provide("trace.passes", "onnxparam._passes:STANDARD_PASSES")  # the tracer's default passes
+_provide("quant.tensor", "onnxparam.quant.tensor")  # Tensor.from_data of QFloat bytes
+_provide("quant.quantize", "onnxparam.quant.calibration:quantize")  # QuantizedTensor.quantize
+_provide("lora", "onnxparam.lora")  # Module.apply_lora / merge_lora / valid
+_provide("quant.module", "onnxparam.quant.module")  # Module.quantize_weights / apply_qlora
+_provide("record", "onnxparam.record")  # Module.into_record / load_record / save_file (model -> bridges)
+_provide("runtime.call_module", "onnxparam.runtime.calls:call_module")  # Module.__call__
+_provide("runtime.run_eager", "onnxparam.runtime.calls:run_eager")  # an op outside a trace
+_provide("runtime.ortvalue_from_numpy", "onnxparam.runtime.devices:ortvalue_from_numpy")  # Tensor.to_device
 
 __all__ = [
     "__version__",

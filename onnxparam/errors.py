@@ -19,6 +19,7 @@ keeps working::
 Warnings (not errors: the operation completes)::
 
     PrecisionWarning (UserWarning)          a dtype cast lost values (f32 -> f16 overflow to inf)
+    QuantizationWarning (UserWarning)       a quantized graph ONNX Runtime runs without integer kernels
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "OnnxFormatError",
     "QuantizationError",
     "PrecisionWarning",
+    "QuantizationWarning",
 ]
 
 
@@ -104,3 +106,8 @@ class PrecisionWarning(UserWarning):
     value beyond 65504, ...). The message names the tensor path, how many values overflowed and
     the largest magnitude; filter it with ``warnings.filterwarnings("error", category=...)`` to
     make such a cast fail."""
+
+
+class QuantizationWarning(UserWarning):
+    """An exported quantized graph that ONNX Runtime will not run with integer kernels, or a
+    lossy change of layout (re-exported as ``onnxparam.quant.QuantizationWarning``)."""

@@ -29,6 +29,12 @@ from .tensor import Tensor
 
 __all__ = ["LoraConfig", "LoraAdapter", "apply_lora", "merge_param", "transposed_paths", "LORA_LAYOUT_METHOD"]
 
+LORA_MODES = ("merge", "keep", "inputs")
+"""How an adapted weight appears in a traced graph: ``"merge"``: one initializer
+``base + scale * (a @ b)`` per adapted weight (no overhead); ``"keep"``: the base and the factors
+as initializers, the adapter as graph nodes; ``"inputs"``: as ``"keep"``, with the factors also
+overridable graph inputs."""
+
 
 @dataclass(frozen=True)
 class LoraConfig:

@@ -69,10 +69,7 @@ __all__ = [
     "transposed_weight_names",
 ]
 
-LORA_MODES = ("merge", "keep", "inputs")
-"""``"merge"``: one initializer ``base + scale * (a @ b)`` per adapted weight (no overhead);
-``"keep"``: the base and the factors as initializers, the adapter as graph nodes;
-``"inputs"``: as ``"keep"``, with the factors also overridable graph inputs."""
+from .lora import LORA_MODES  # noqa: E402  (re-exported: the modes this pass implements)
 
 LORA_NODE_KEY = "onnxparam.lora"
 """Node ``metadata_props`` key set on every node this module emits; the value is the adapted

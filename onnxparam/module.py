@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from typing import Callable, Iterator, Optional
 
+from ._services import service
 from .device import Device
 from .param import Param
 
@@ -161,16 +162,9 @@ def rebuild(module: "Module", fn: Callable[[str, Param], Param], module_fn: Opti
     return copy_node(module, "")
 
 
-_CALL_MODULE = None
-
-
 def _call_module():
-    global _CALL_MODULE
-    if _CALL_MODULE is None:
-        from .runtime import call_module
-
-        _CALL_MODULE = call_module
-    return _CALL_MODULE
+    """``runtime.call_module``: a service of the runtime layer (registered by ``onnxparam/__init__.py``)."""
+    return service("runtime.call_module")
 
 
 class Module:
@@ -270,7 +264,7 @@ class Module:
     def valid(self) -> "Module":
         """The inference module (Burn's ``AutodiffModule::valid``): training mode off, and LoRA
         adapters merged into plain weights as Burn's ``valid`` folds them."""
-        from .lora import merge_param
+        merge_param = service("lora").merge_param
 
         return rebuild(self, lambda path, p: merge_param(p),
                        lambda path, m: object.__setattr__(m, "_training", False))
@@ -288,7 +282,7 @@ class Module:
 
     def into_record(self):
         """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized)."""
-        from .record import ModuleRecord
+        ModuleRecord = service("record").ModuleRecord
 
         return ModuleRecord.from_module(self)
 
@@ -298,7 +292,7 @@ class Module:
         Raises:
             RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor.
         """
-        from .record import load_record
+        load_record = service("record").load_record
 
         return load_record(self, record, allow_partial=allow_partial)
 
@@ -321,7 +315,7 @@ class Module:
                 writable; nothing is written.
             FileNotFoundError: the folder does not exist (it is not created).
         """
-        from .record import save_module_file
+        save_module_file = service("record").save_module_file
 
         return save_module_file(self, path, metadata)
 
@@ -335,7 +329,7 @@ class Module:
             RecordError: for a missing or malformed file (a ``.onnx`` / ``.safetensors`` file
                 names the function that reads it), or tensors that do not fit (all listed).
         """
-        from .record import ModuleRecord
+        ModuleRecord = service("record").ModuleRecord
 
         return self.try_load_record(ModuleRecord.load_file(path), allow_partial=allow_partial)
 
@@ -347,24 +341,24 @@ class Module:
 
     def apply_lora(self, config) -> "Module":
         """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora`."""
-        from .lora import apply_lora
+        apply_lora = service("lora").apply_lora
 
         return apply_lora(self, config)
 
     def merge_lora(self) -> "Module":
         """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters."""
-        from .lora import merge_param
+        merge_param = service("lora").merge_param
 
         return rebuild(self, lambda path, p: merge_param(p))
 
     def quantize_weights(self, quantizer) -> "Module":
         """A copy whose float weights are quantized by ``quantizer``; see :mod:`onnxparam.quant`."""
-        from .quant.module import quantize_weights
+        quantize_weights = service("quant.module").quantize_weights
 
         return quantize_weights(self, quantizer)
 
     def quantize_weights_group(self, quantizer, group) -> "Module":
-        from .quant.module import quantize_weights
+        quantize_weights = service("quant.module").quantize_weights
 
         return quantize_weights(self, quantizer, group)
 
@@ -393,8 +387,8 @@ class Module:
                 already quantized.
             ValueError: when a matched weight already has a LoRA adapter.
         """
-        from .lora import LoraConfig
-        from .quant.module import Quantizer
+        LoraConfig = service("lora").LoraConfig
+        Quantizer = service("quant.module").Quantizer
 
         if not isinstance(config, LoraConfig) or not isinstance(quantizer, Quantizer):
             swapped = isinstance(config, Quantizer) and isinstance(quantizer, LoraConfig)

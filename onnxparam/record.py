@@ -311,7 +311,8 @@ def save_module_file(module, path, metadata: Optional[dict] = None) -> Path:
         FileNotFoundError: (``ENOENT``) the folder does not exist (it is not created).
         OSError: when the file cannot be written; the message names it.
     """
-    from . import __version__, burnpack
+    from . import burnpack
+    from ._version import __version__
 
     target = _with_extension(path)
     other = _OTHER_FORMATS.get(target.suffix.lower())

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ._services import service
 from .device import CPU, Device
 from .dtype import DType, dtype_from_numpy
 
@@ -89,9 +90,8 @@ class Tensor:
     def from_data(data: "TensorData", device: "Device | str | None" = None) -> "Tensor":
         """A tensor holding ``data``'s values (zero-copy for plain dtypes on the host)."""
         if data.dtype is DType.QFloat:
-            from .quant import QuantizedTensor  # the quantization layer owns QFloat bytes
-
-            return QuantizedTensor.from_data(data).to_tensor(device)
+            # the quantization values own QFloat bytes (quant.tensor builds on this file)
+            return service("quant.tensor").QuantizedTensor.from_data(data).to_tensor(device)
         tensor = Tensor.from_numpy(data.to_numpy())
         if tensor.dtype is not data.dtype:  # Flex32 shares float32 storage
             tensor = Tensor(host=tensor._host, shape=tensor.shape, dtype=data.dtype)
@@ -189,9 +189,8 @@ class Tensor:
             return self
         if device == CPU:
             return Tensor.from_numpy(self.to_numpy())
-        from . import runtime  # the runtime owns ONNX Runtime
-
-        ort_value = runtime.ortvalue_from_numpy(self.to_numpy(), device)
+        # the runtime owns ONNX Runtime (a service it registers)
+        ort_value = service("runtime.ortvalue_from_numpy")(self.to_numpy(), device)
         return Tensor(ort=ort_value, shape=self.shape, dtype=self.dtype, device=device)
 
     def __repr__(self) -> str:
@@ -380,10 +379,8 @@ class Tensor:
 
 
 def _ops():
-    """The ops module (imported on first use: it imports this one)."""
-    from . import ops
-
-    return ops
+    """The ops module: a service of the graph layer (registered by ``onnxparam/__init__.py``)."""
+    return service("ops")
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ._services import service
 from .device import CPU
 from .dtype import DType
-from . import lora_graph
-from .lora_graph import LORA_MODES  # "merge", "keep", "inputs"
 from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
+from .lora import LORA_MODES  # "merge", "keep", "inputs"
 from .param import Param, value_hook
 from .tensor import Tensor
 
@@ -214,6 +214,34 @@ def _to_attr(name: str, value) -> ir.Attr:
     return ir.convenience.convert_attribute(name, value)
 
 
+def _raw_param(param: Param, mode: str) -> Param:
+    return param
+
+
+@dataclass(frozen=True)
+class GraphPasses:
+    """The graph passes a trace runs, given by its caller (the tracer imports none of them).
+
+    Attributes:
+        held_param: ``(param, lora_mode) -> Param`` whose value becomes ``param``'s initializer
+            (the LoRA pass keeps the raw base unless ``"merge"``).
+        quantized_param: ``(tracer, param, path, shape) -> Tensor | DType`` for a ``QFloat``
+            param: its dequantized value emitted into the graph, or the float dtype to hold it
+            as (the QDQ pass); ``None``: a quantized param is held as its dequantized F32.
+        finish: ``(tracer) -> None`` rewrites run in order when the graph is finished, before
+            the initializers are registered (LoRA adapters as nodes, then QDQ fusion).
+    """
+
+    held_param: Callable = _raw_param
+    quantized_param: Optional[Callable] = None
+    finish: tuple = ()
+
+
+def default_passes() -> GraphPasses:
+    """The passes ``onnxparam`` registers (LoRA, then QDQ: service ``"trace.passes"``)."""
+    return service("trace.passes")
+
+
 class Tracer:
     """An ONNX graph under construction; see the module docstring.
 
@@ -224,13 +252,14 @@ class Tracer:
         mode: the LoRA mode, one of :data:`LORA_MODES`.
         root: the module whose traversal names the initializers (``None`` for eager op graphs).
         name: the graph name.
+        passes: the :class:`GraphPasses` to run (default: :func:`default_passes`).
 
     Raises:
         ValueError: for an opset below :data:`MIN_OPSET` or an unknown LoRA mode.
     """
 
     def __init__(self, *, opset: Optional[int] = None, opset_imports: Optional[Mapping[str, int]] = None,
-                 mode: str = "merge", root=None, name: str = "main_graph"):
+                 mode: str = "merge", root=None, name: str = "main_graph", passes: Optional[GraphPasses] = None):
         imports = {str(k): int(v) for k, v in (opset_imports or {}).items()}
         if opset is None:
             opset = imports.get("", DEFAULT_OPSET)
@@ -243,6 +272,7 @@ class Tracer:
         self.opset = opset
         self.opset_imports: dict[str, int] = imports
         self.mode = mode
+        self.passes = default_passes() if passes is None else passes
         self.device = CPU
         self.graph = ir.Graph([], [], nodes=[], name=name)
         self._sinks: list[ir.Graph] = [self.graph]
@@ -421,18 +451,19 @@ class Tracer:
             self._param_paths[id(param)] = path
         dtype = param.lazy_dtype()
         if dtype is DType.QFloat:
-            from .quant import qdq  # integer initializer + scale -> DequantizeLinear
-
-            tensor = qdq.emit_param(self, param, path, tuple(param.lazy_shape()))
-            if tensor is not None:
-                self._param_tensors[id(param)] = tensor
-                return tensor
-            dtype = qdq._quantized_of(param).float_dtype  # a scheme ONNX cannot express: the dequantized float (warned)
+            # the QDQ pass: integer initializer + scale -> DequantizeLinear, or the float dtype
+            # holding the dequantized values (a scheme ONNX cannot express; the pass warns)
+            emitted = (self.passes.quantized_param(self, param, path, tuple(param.lazy_shape()))
+                       if self.passes.quantized_param is not None else DType.F32)
+            if isinstance(emitted, Tensor):
+                self._param_tensors[id(param)] = emitted
+                return emitted
+            dtype = emitted
         try:
             shape = tuple(param.lazy_shape())
         except ValueError:  # a lazy param declared without a shape: its value is the only source
             shape = tuple(param_array(param, dtype).shape)
-        held = lora_graph.initializer_param(param, self.mode)  # the raw base unless "merge"
+        held = self.passes.held_param(param, self.mode)  # LoRA: the raw base unless "merge"
         lazy = ir.LazyTensor(functools.partial(_lazy_initializer, held, dtype), _ir_dtype(dtype),
                              ir.Shape(list(shape)), name=path)
         value = ir.Value(name=path, const_value=lazy)
@@ -634,10 +665,8 @@ class Tracer:
                 for axis, dim in _axes_items(axes, name):
                     dims[axis] = dim
                 value.shape = ir.Shape(dims)
-        lora_graph.expand_adapters(self)  # "keep" / "inputs": adapters as nodes (may add params)
-        from .quant import qdq
-
-        qdq.finish_graph(self)  # NOTE: after LoRA's adapters are emitted: it rewrites uses of weights
+        for rewrite in self.passes.finish:  # LoRA adapters as nodes (may add params), then QDQ
+            rewrite(self)
         params = sorted(self._params, key=lambda p: (self._param_order.get(p, len(self._param_order)), p))
         for path in params:
             self.graph.register_initializer(self._param_values[path])
@@ -647,7 +676,7 @@ class Tracer:
             self.graph.opset_imports[domain] = version
         opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opset_imports.items()]
         ir_version = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 8)
-        from . import __version__
+        from ._version import __version__
 
         model = ir.Model(self.graph, ir_version=ir_version, producer_name="onnxparam", producer_version=__version__)
         self._finished = True
@@ -773,7 +802,8 @@ def _is_input(x) -> bool:
 def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = None,
                  input_names: Optional[Sequence[str]] = None, output_names: Optional[Sequence[str]] = None,
                  dynamic_axes: Optional[Mapping] = None, opset: Optional[int] = None,
-                 opset_imports: Optional[Mapping[str, int]] = None, lora: str = "merge") -> TracedModel:
+                 opset_imports: Optional[Mapping[str, int]] = None, lora: str = "merge",
+                 passes: Optional[GraphPasses] = None) -> TracedModel:
     """Trace ``module.forward`` into an ONNX model.
 
     Args:
@@ -792,6 +822,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
         opset_imports: versions of other domains (default: the module's
             ``onnx_opset_imports``).
         lora: the LoRA mode, one of :data:`LORA_MODES`.
+        passes: the :class:`GraphPasses` to run (default: :func:`default_passes`).
 
     Returns:
         a :class:`TracedModel`.
@@ -805,7 +836,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
     kwargs = dict(kwargs or {})
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     declared.update(opset_imports or {})
-    tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module)
+    tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module, passes=passes)
     positions = [i for i, a in enumerate(args) if _is_input(a)]
     keys = [k for k, v in kwargs.items() if _is_input(v)]
     default_names = _forward_arg_names(module, len(args))

@@ -99,8 +99,9 @@ def test_export_mnist_burnpack_round_trip_matches_burns_file_tensor_by_tensor(ex
     result, out = exported
     assert re.search(r"^burnpack: wrote .*mnist\.bpk .*18/18 tensors byte-identical to model\.bpk", result.stdout, re.M)
     # An independent check of the claim: the tensor bytes of both files, found through their CBOR headers.
-    import cbor2
     import struct
+
+    import cbor2
 
     def tensors(path):
         raw = path.read_bytes()

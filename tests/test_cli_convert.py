@@ -19,7 +19,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from safetensors.numpy import load_file as st_load, save_file as st_save
+from safetensors.numpy import load_file as st_load
+from safetensors.numpy import save_file as st_save
 
 import onnxparam.quant
 from onnxparam.cli import export_mnist_onnx

@@ -13,7 +13,8 @@ import onnx
 import onnx.parser
 import onnxruntime as ort
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import numpy_helper
 
 import onnxparam as op

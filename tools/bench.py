@@ -46,8 +46,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path

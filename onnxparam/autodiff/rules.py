@@ -602,5 +602,3 @@ def _gather_elements(e, node, gout, need):
     idx = _normalized_indices(e, idx, xd[axis])
     return [e.op("ScatterElements", zeros, idx, gout[0], axis=axis, reduction="add"), None]
 
-
-from . import rules_nn  # noqa: F401  (registers the convolution / pooling / normalization rules)

@@ -104,7 +104,7 @@ COMMANDS: tuple = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``onnxparam`` argument parser, one subparser per :data:`COMMANDS` entry."""
-    from .. import __version__
+    from .._version import __version__
 
     parser = _Parser(prog=PROG, description="Burn's Param/Module model for ONNX models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")

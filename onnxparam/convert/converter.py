@@ -60,7 +60,7 @@ from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
 from ..tensor import TensorData
 from ._atomic import atomic_output
-from .adapters import KeyRemapper, PathFilter, cast_snapshot, cast_spec, transpose_snapshot, _compile_all
+from .adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
 from .report import ConvertReport
 from .safetensors_io import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
 
@@ -474,7 +474,7 @@ def _weights_only_model(tensors: list, record_meta: dict, make_tensor):
     """A model whose graph holds ``tensors`` as initializers, each returned by an ``Identity``."""
     import onnx_ir as ir
 
-    from .. import __version__
+    from .._version import __version__
     from ..onnx_io import metadata as md
     from ..onnx_io.naming import onnx_name_to_path, path_to_onnx_name
 

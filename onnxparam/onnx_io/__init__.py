@@ -14,13 +14,36 @@ write them. Parts, each its own module:
 * :mod:`~onnxparam.onnx_io.records`: ONNX weights <-> :class:`~onnxparam.ModuleRecord`
   (:func:`read_onnx_record`, :func:`write_record_to_onnx`), for the converters.
 * :mod:`~onnxparam.onnx_io.save`: writing a model (external data, sharding, atomic rename).
+
+Layers: ``naming``, ``metadata``, ``source``, ``weights`` and ``save`` know ONNX protobuf bytes
+(the formats layer: the LoRA and QDQ graph passes use them); ``importer``, ``exporter`` and
+``records`` are bridges to modules and records. This facade imports nothing at import time, so
+a graph pass reading ``onnx_io.metadata`` does not pull in the importer; each name is imported on
+first use.
 """
 
-from .exporter import export_onnx
-from .importer import OnnxModule, OnnxScope, import_onnx
-from .naming import onnx_name_to_path, path_to_onnx_name
-from .records import read_onnx_record, write_record_to_onnx
-from .save import save_model
+import importlib
+
+_NAMES = {
+    "export_onnx": ".exporter",
+    "import_onnx": ".importer", "OnnxModule": ".importer", "OnnxScope": ".importer",
+    "onnx_name_to_path": ".naming", "path_to_onnx_name": ".naming",
+    "read_onnx_record": ".records", "write_record_to_onnx": ".records",
+    "save_model": ".save",
+}
+
+
+def __getattr__(name):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'onnxparam.onnx_io' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))
+
 
 __all__ = [
     "import_onnx",

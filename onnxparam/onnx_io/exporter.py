@@ -116,7 +116,7 @@ def _adapter_scales(module) -> dict:
 
 def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple]) -> None:
     """Initializer and model metadata for each param initializer (``name -> (path, param)``)."""
-    from .. import __version__
+    from .._version import __version__
 
     scales = _adapter_scales(module)
     graph = model.graph

@@ -23,8 +23,8 @@ from ..errors import RecordError
 from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
 from . import metadata as md
-from .save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
 from .naming import tree_order
+from .save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
 from .source import base_dir_of, load_model
 from .weights import CONSTANT, INITIALIZER, WeightSite, find_weights, tensor_data
 
@@ -193,7 +193,7 @@ def weights_into_graph(
             site.node.attributes["value"] = ir.AttrTensor("value", tensor)
     props = md.strip_own_keys(model.metadata_props)
     props[md.PARAMS_KEY] = md.model_params_prop(metas)
-    from .. import __version__
+    from .._version import __version__
 
     props[md.VERSION_KEY] = __version__
     for key, value in (metadata or {}).items():

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 
 from .. import trace as _trace
+from .._services import service
 from ..dtype import DType
 from ..errors import TraceError
 from ..tensor import Tensor
@@ -21,9 +22,7 @@ def _op(fn):
     @functools.wraps(fn)
     def op(*args, **kwargs):
         if _trace._CURRENT.get() is None:
-            from .. import runtime
-
-            return runtime.run_eager(fn, args, kwargs)
+            return service("runtime.run_eager")(fn, args, kwargs)
         return fn(*args, **kwargs)
 
     op.__wrapped_op__ = fn

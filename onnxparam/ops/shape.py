@@ -11,8 +11,21 @@ import numpy as np
 from ..dtype import DType
 from ..errors import TraceError
 from ..tensor import Tensor
-from ._core import (_axes_operand, _emit, _int64_input, _int64s, _is_scalar, _norm_dim, _norm_dims, _op, _opset,
-                    _require_opset, _static_dims, _t, _tracer)
+from ._core import (
+    _axes_operand,
+    _emit,
+    _int64_input,
+    _int64s,
+    _is_scalar,
+    _norm_dim,
+    _norm_dims,
+    _op,
+    _opset,
+    _require_opset,
+    _static_dims,
+    _t,
+    _tracer,
+)
 from .elementwise import cast
 
 __all__ = [

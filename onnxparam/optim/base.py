@@ -166,7 +166,8 @@ class Optimizer:
         Returns:
             the path written.
         """
-        from .. import __version__, burnpack
+        from .. import burnpack
+        from .._version import __version__
         from ..burnpack import Scalar, TensorEntry
 
         path = Path(path)

@@ -15,12 +15,33 @@ Every rule here cites ``BURNPACK.md`` (the research note on Burn's format, kept 
   the tracer and the ONNX importer call into it
 """
 
+import importlib
+
+from ..errors import QuantizationWarning
 from .calibration import quantize, round_half_away_from_zero
 from .layout import params_shape, quantized_nbytes
-from .module import Calibration, Quantizer
 from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 from .tensor import QuantizedTensor
-from .qdq import QdqOptions, QuantizationWarning, matmulnbits_accuracy_level, qdq_options, quantize_activations
+
+_UPPER_LAYERS = {
+    "Calibration": ".module", "Quantizer": ".module",
+    "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": ".qdq",
+    "matmulnbits_accuracy_level": ".qdq",
+}
+"""Names of the model layer (:mod:`.module`) and the graph layer (:mod:`.qdq`), imported on first
+use: this facade sits in the value layer, which ``burnpack`` and ``tensor`` import."""
+
+
+def __getattr__(name):
+    if name in _UPPER_LAYERS:
+        value = getattr(importlib.import_module(_UPPER_LAYERS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'onnxparam.quant' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_UPPER_LAYERS))
 
 __all__ = [
     "QuantValue",

@@ -29,10 +29,9 @@ import warnings
 from dataclasses import dataclass, replace
 
 from ..dtype import DType
-from ..errors import QuantizationError
+from ..errors import QuantizationError, QuantizationWarning
 from ..param import Param, _Lazy
 from .calibration import quantize
-from .qdq import QuantizationWarning
 from .scheme import QuantScheme
 
 __all__ = ["Calibration", "Quantizer", "is_weight", "quantize_weights"]

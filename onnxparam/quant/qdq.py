@@ -76,7 +76,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..dtype import DType
-from ..errors import QuantizationError
+from ..errors import QuantizationError, QuantizationWarning
 from .calibration import quantize
 from .scheme import QuantScheme, QuantValue
 from .tensor import QuantizedTensor
@@ -117,11 +117,6 @@ NBITS_MIN_BLOCK = 16
 
 MATMUL_MODES = ("auto", "dynamic", "dequantize")
 _QDQ_META = "onnxparam.qdq"
-
-
-class QuantizationWarning(UserWarning):
-    """An exported quantized graph that ONNX Runtime will not run with integer kernels, or a
-    lossy change of layout."""
 
 
 @dataclass(frozen=True)
@@ -453,6 +448,14 @@ def _set_layout(tracer, emitted: _Emitted, layout: WeightLayout) -> None:
 
 def _emitted(tracer) -> list:
     return [v.meta[_QDQ_META] for v in tracer._param_values.values() if _QDQ_META in v.meta]
+
+
+def quantized_param_value(tracer, param, path: str, shape: tuple):
+    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam.trace.GraphPasses.quantized_param`):
+    :func:`emit_param`'s dequantized tensor, or the float dtype the tracer holds the dequantized
+    values as when ONNX cannot express the scheme."""
+    tensor = emit_param(tracer, param, path, shape)
+    return tensor if tensor is not None else _quantized_of(param).float_dtype
 
 
 def finish_graph(tracer) -> None:

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from .._services import service
 from ..dtype import DType
 from ..errors import QuantizationError
 from .layout import (
@@ -163,9 +164,8 @@ class QuantizedTensor:
 
         See :func:`onnxparam.quant.quantize`.
         """
-        from .calibration import quantize
-
-        return quantize(array, scheme)
+        # calibration builds on this file (a service it is registered as, not an import)
+        return service("quant.quantize")(array, scheme)
 
     # -- exchange types -----------------------------------------------------------------------
 

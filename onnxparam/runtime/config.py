@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from .._ort import import_onnxruntime
-from ..lora_graph import LORA_MODES
+from ..lora import LORA_MODES
 
 ort = import_onnxruntime()
 

@@ -16,9 +16,9 @@ from ..device import CPU, Device
 from ..dtype import DType
 from ..errors import ExecutionError, OnnxParamError
 from ..param import Param
+from ..quant import qdq
 from ..tensor import Tensor
 from .config import SessionConfig
-from ..quant import qdq
 from .devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
 
 ort = import_onnxruntime()

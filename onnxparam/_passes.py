@@ -1,0 +1,18 @@
+"""The standard graph passes of a trace (graph layer): LoRA adapters, then QDQ.
+
+The tracer (:mod:`onnxparam.trace`) imports no pass; its callers give it these (the package
+``__init__`` registers them as the default, service ``"trace.passes"``).
+"""
+
+from . import lora_graph
+from .quant import qdq
+from .trace import GraphPasses
+
+__all__ = ["STANDARD_PASSES"]
+
+STANDARD_PASSES = GraphPasses(
+    held_param=lora_graph.initializer_param,
+    quantized_param=qdq.quantized_param_value,
+    # NOTE: LoRA's adapters are emitted first: the QDQ fusion rewrites the uses of weights
+    finish=(lora_graph.expand_adapters, qdq.finish_graph),
+)

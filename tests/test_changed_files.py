@@ -178,7 +178,7 @@ def test_reader_closes_its_descriptor(tmp_path):
     a, s = tmp_path / "a.bpk", tmp_path / "a.safetensors"
     _module(_arrays(1)).save_file(a)
     save_safetensors(_module(_arrays(1)), s)
-    for open_file, watch_of in [(bp.read, lambda f: f._watch), (read_safetensors, lambda f: f.mapping.watch)]:
+    for open_file, watch_of in [(bp.read, lambda f: f._mapped.watch), (read_safetensors, lambda f: f.mapping.watch)]:
         with open_file(a if open_file is bp.read else s) as f:
             watch = watch_of(f)
             assert watch._release.alive

@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 from onnxparam import Module, Param, ParamId, RecordError, Tensor, import_onnx
 from onnxparam.convert import load_safetensors, save_safetensors
 from onnxparam.convert.peft import load_peft_adapter
-from onnxparam.convert.safetensors_io import read_safetensors
+from onnxparam.formats.safetensors import read_safetensors
 from onnxparam.module import named_params
 from onnxparam.nn import Linear
 

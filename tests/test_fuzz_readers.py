@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from onnxparam import Module, OnnxFormatError, OnnxParamError, RecordError
 from onnxparam.convert.peft import load_peft_adapter
-from onnxparam.convert.safetensors_io import read_safetensors
+from onnxparam.formats.safetensors import read_safetensors
 from onnxparam.module import named_params
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import export_onnx, import_onnx

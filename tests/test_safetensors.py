@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 import onnxparam as op
 from onnxparam.convert import read_safetensors, write_safetensors
-from onnxparam.convert.safetensors_io import (
+from onnxparam.formats.safetensors import (
     DTYPES_KEY,
     MAX_HEADER_BYTES,
     ORDER_KEY,

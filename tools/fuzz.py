@@ -237,7 +237,7 @@ def _st_bytes(header, data: bytes = b"", header_len: int | None = None) -> bytes
 
 
 def _good_safetensors() -> bytes:
-    from onnxparam.convert.safetensors_io import write_safetensors
+    from onnxparam.formats.safetensors import write_safetensors
     from onnxparam.record import TensorSnapshot
     from onnxparam.tensor import TensorData
 
@@ -308,7 +308,7 @@ def _make_safetensors(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_safetensors(path: Path) -> None:
-    from onnxparam.convert.safetensors_io import read_safetensors
+    from onnxparam.formats.safetensors import read_safetensors
 
     with read_safetensors(path) as f:
         for snap in f.tensors.values():

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import mmap
 import os
-import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -13,6 +11,7 @@ import numpy as np
 
 from ..dtype import DType
 from ..errors import BurnpackFormatError, QuantizationError, RecordError
+from ..formats._mapped import MappedFile
 from ..quant.scheme import QuantScheme
 from . import cbor
 from .header import (
@@ -38,54 +37,6 @@ from .metadata import (
 )
 
 __all__ = ["read", "BurnpackFile", "BurnpackEntry"]
-
-
-class _FileWatch:
-    """The identity of a memory-mapped file when it was opened, checked before each tensor read.
-
-    NOTE: a mapping shows the file's *current* bytes. A file overwritten in place after it was
-    mapped (``cp other.bpk ckA.bpk``, an editor saving over it) makes later reads return the
-    other file's bytes, silently; a file truncated in place makes a read past its new end kill
-    the process with SIGBUS. So the reader keeps a (non-inheritable) duplicate of the file
-    descriptor it mapped and, before handing out any tensor bytes, ``fstat``s it (one system
-    call, no hashing): a size or modification time that differs from the one seen when the
-    file was opened raises. The descriptor follows the mapped file itself, not its path: an
-    atomic replacement (write beside, then rename over it, as this library's writers do) or a
-    deletion leaves the mapped file, and the mapping, untouched, so reads go on silently and
-    return what was loaded. The descriptor is closed with the mapping (or when garbage collected).
-
-    Arrays handed out earlier are zero-copy views of the mapping: nothing can check *their*
-    reads. A value already read before the file was changed in place shows the new bytes (or
-    SIGBUS); copy it (``np.array(a)``) to keep it independent of the file.
-    """
-
-    __slots__ = ("label", "fd", "size", "mtime_ns", "ino", "dev", "_release", "__weakref__")
-
-    def __init__(self, label: str, fd: int, st: os.stat_result):
-        self.label = label
-        self.size, self.mtime_ns, self.ino, self.dev = st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
-        self.fd = os.dup(fd)
-        self._release = weakref.finalize(self, os.close, self.fd)
-
-    def check(self, error: type = RecordError) -> None:
-        """Raise ``error`` when the mapped file changed since it was opened."""
-        try:
-            st = os.fstat(self.fd)
-        except OSError as e:
-            raise error(f"cannot check '{self.label}' before reading it: {e.strerror or e}") from e
-        if st.st_size != self.size:
-            change = f"size {self.size} -> {st.st_size} bytes"
-        elif st.st_mtime_ns != self.mtime_ns:
-            change = "modified in place, same size"
-        else:
-            return
-        raise error(
-            f"'{self.label}' changed on disk after it was opened ({change}); its tensors can no longer be "
-            "read safely: load the file again"
-        )
-
-    def close(self) -> None:
-        self._release()
 
 
 _TOP_KEYS = ("tensors", "metadata", "scalars")
@@ -135,12 +86,7 @@ def read(path: "str | os.PathLike") -> "BurnpackFile":
             descriptors, metadata, scalars = _parse_metadata(label, raw_metadata)
             data_start = data_section_start(metadata_size)
             ordered = _check_layout(label, descriptors, data_start, size)
-            watch = _FileWatch(label, handle.fileno(), st)
-            try:
-                buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            except BaseException:
-                watch.close()
-                raise
+            buffer, watch = MappedFile.map(handle, label, st)
         except OSError as e:
             raise RecordError(f"cannot read {label}: {e.strerror or e}") from e
     return BurnpackFile(label, version, buffer, data_start, ordered, metadata, scalars, watch)
@@ -320,38 +266,25 @@ class BurnpackFile:
         self.path = path
         self.version = version
         self.data_offset = data_offset
-        self._buffer: mmap.mmap | None = buffer
-        self._watch: _FileWatch | None = watch
+        self._mapped = MappedFile(path, buffer, watch, BurnpackFormatError, f"{path}: the burnpack file is closed")
         self.tensors: Mapping[str, BurnpackEntry] = MappingProxyType(
             {d.name: BurnpackEntry(self, d) for d in descriptors}
         )
         self.metadata: Mapping[str, str] = MappingProxyType(dict(metadata))
         self.scalars: Mapping[str, Scalar] = MappingProxyType(dict(scalars))
 
-    def _view(self) -> mmap.mmap:
-        if self._buffer is None:
-            raise RecordError(f"{self.path}: the burnpack file is closed")
-        # NOTE: the one place tensor bytes are handed out; checked on every read, not once (see
-        # _FileWatch: mmap + an in-place write = another file's bytes or SIGBUS)
-        if self._watch is not None:
-            self._watch.check(BurnpackFormatError)
-        return self._buffer
+    def _view(self):
+        # NOTE: the one place tensor bytes are handed out (checked on every read: see FileWatch)
+        return self._mapped.view()
 
     @property
     def closed(self) -> bool:
-        return self._buffer is None
+        return self._mapped.closed
 
     def close(self) -> None:
         """Release the mapping. Arrays already returned by ``to_numpy`` stay valid: the mapping
         lives on until the last of them is gone."""
-        buffer, self._buffer = self._buffer, None
-        if self._watch is not None:
-            self._watch.close()
-        if buffer is not None:
-            try:
-                buffer.close()
-            except BufferError:  # views are still alive; the mmap closes when they go
-                pass
+        self._mapped.close()
 
     def __enter__(self) -> "BurnpackFile":
         return self

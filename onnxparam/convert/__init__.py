@@ -1,6 +1,6 @@
 """Weight migration: safetensors files, PyTorch <-> Burn layouts, and file-to-file conversion.
 
-Layering: :mod:`~onnxparam.convert.safetensors_io` is a *format* (bytes <-> lazy tensor
+Layering: :mod:`~onnxparam.formats.safetensors` is a *format* (bytes <-> lazy tensor
 snapshots; knows nothing of modules); :mod:`~onnxparam.convert.adapters` transforms snapshots
 (renaming, filtering, layouts, casts); :mod:`~onnxparam.convert.store` is the *bridge* to
 modules (Burn's store: load with a report, save); :mod:`~onnxparam.convert.converter` converts
@@ -21,6 +21,7 @@ The public names::
             external_data=None, progress=None) -> ConvertReport
 """
 
+from ..formats.safetensors import SafetensorsFile, SafetensorsTensor, read_safetensors, write_safetensors
 from .adapters import (
     BurnToPyTorchAdapter,
     KeyRemapper,
@@ -33,7 +34,6 @@ from .adapters import (
 )
 from .converter import FORMATS, convert, format_of
 from .report import ConvertReport, LoadReport, SaveReport
-from .safetensors_io import SafetensorsFile, SafetensorsTensor, read_safetensors, write_safetensors
 from .store import apply_record, collect_record, load_safetensors, save_safetensors
 
 __all__ = [

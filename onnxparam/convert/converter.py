@@ -54,15 +54,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .._scratch import atomic_output
 from ..dtype import DType
 from ..errors import RecordError
+from ..formats.safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
 from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
 from ..tensor import TensorData
-from ._atomic import atomic_output
 from .adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
 from .report import ConvertReport
-from .safetensors_io import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
 
 __all__ = ["convert", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX", "SOURCE_NAME_KEY"]
 

@@ -218,7 +218,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             factors, unmatched modules, or factors whose shapes do not fit the target (every
             problem listed together).
     """
-    from .safetensors_io import read_safetensors
+    from ..formats.safetensors import read_safetensors
 
     config_path, weights_path = _files(folder_or_files)
     config = read_peft_config(config_path)

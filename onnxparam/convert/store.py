@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..dtype import DType
 from ..errors import RecordError
+from ..formats.safetensors import read_safetensors, write_safetensors
 from ..module import named_modules
 from ..record import ModuleRecord, TensorSnapshot, _dtype_fits, load_record
 from .adapters import (
@@ -34,7 +35,6 @@ from .adapters import (
     transpose_snapshot,
 )
 from .report import LoadReport, SaveReport
-from .safetensors_io import read_safetensors, write_safetensors
 
 __all__ = ["apply_record", "collect_record", "load_safetensors", "save_safetensors", "module_types"]
 

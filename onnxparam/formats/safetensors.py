@@ -57,7 +57,6 @@ With ``lossless=False`` none of these keys is written: the file is what PyTorch 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -67,13 +66,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ..burnpack.reader import _FileWatch
+from .._scratch import atomic_output
+from .._services import service
+from .._snapshot import TensorSnapshot
 from ..dtype import DType
 from ..errors import RecordError
 from ..param import ParamId
-from ..record import ModuleRecord, TensorSnapshot
 from ..tensor import TensorData
-from ._atomic import atomic_output
+from ._mapped import MappedFile
 
 __all__ = [
     "SAFETENSORS_EXTENSION",
@@ -194,9 +194,10 @@ class SafetensorsFile:
 
     mapping: Any = field(default=None, repr=False)
 
-    def to_record(self) -> ModuleRecord:
+    def to_record(self):
         """The tensors as a :class:`~onnxparam.ModuleRecord` (data still lazy), with ``metadata``."""
-        return ModuleRecord(self.tensors, self.metadata)
+        # records are a bridge above this format: a service that layer registers
+        return service("record").ModuleRecord(self.tensors, self.metadata)
 
     def close(self) -> None:
         """Release the mapping. Arrays already handed out stay valid (the mapping then lives on
@@ -287,13 +288,9 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
         for name, info in header.items():
             layout[name] = _check_entry(path, name, info)
         _check_coverage(path, layout, data_len)
-        watch = _FileWatch(str(path), handle.fileno(), st)
-        try:
-            buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        except BaseException:
-            watch.close()
-            raise
-        mapping = _Mapping(path, buffer, watch)
+        buffer, watch = MappedFile.map(handle, str(path), st)
+        mapping = MappedFile(str(path), buffer, watch, RecordError,
+                             f"the safetensors file '{path}' is closed; read it again")
 
     extra_dtypes = _decode_json_key(path, raw_meta, DTYPES_KEY, dict) or {}
     param_ids = _decode_json_key(path, raw_meta, PARAM_IDS_KEY, dict) or {}
@@ -437,46 +434,12 @@ def _encode_scalars(scalars: Mapping) -> dict:
     return out
 
 
-class _Mapping:
-    """The memory map of one file, shared by its tensors' loaders until closed.
-
-    :meth:`view`, the one place tensor bytes are handed out, first checks (one ``fstat`` of the
-    mapped file) that the file was not changed in place since it was opened; see
-    :func:`read_safetensors` and ``onnxparam.burnpack.reader._FileWatch``.
-    """
-
-    __slots__ = ("path", "buffer", "watch")
-
-    def __init__(self, path, buffer, watch: Optional[_FileWatch] = None):
-        self.path = path
-        self.buffer = buffer
-        self.watch = watch
-
-    def view(self):
-        if self.buffer is None:
-            raise RecordError(f"the safetensors file '{self.path}' is closed; read it again")
-        # NOTE: checked on every read, not once: mmap + an in-place write = stale bytes or SIGBUS
-        if self.watch is not None:
-            self.watch.check(RecordError)
-        return self.buffer
-
-    def close(self) -> None:
-        buffer, self.buffer = self.buffer, None
-        if self.watch is not None:
-            self.watch.close()
-        if buffer is not None:
-            try:
-                buffer.close()
-            except BufferError:  # views are alive; the mapping closes with the last of them
-                pass
-
-
 class _Loader:
     """``() -> TensorData`` reading one tensor from the mapped file (a zero-copy view)."""
 
     __slots__ = ("mapping", "offset", "np_dtype", "stored_shape", "dtype", "shape", "scheme")
 
-    def __init__(self, mapping: _Mapping, offset, stored_dtype: DType, stored_shape, dtype, shape, scheme):
+    def __init__(self, mapping: MappedFile, offset, stored_dtype: DType, stored_shape, dtype, shape, scheme):
         self.mapping = mapping
         self.offset = offset
         self.np_dtype = stored_dtype.to_numpy()

@@ -48,11 +48,6 @@ class Device:
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
 
-    @property
-    def ort_device_type(self) -> str:
-        """The device name ONNX Runtime's ``OrtValue`` API uses: ``"cpu"`` or ``"cuda"``."""
-        return self.kind
-
     def __str__(self) -> str:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
 

@@ -27,7 +27,6 @@ from onnxparam.cli import export_mnist_onnx
 from onnxparam.zoo import mnist
 
 BURN_BPK = mnist.weights_path()
-HAS_QUANTIZER = hasattr(onnxparam.quant, "Quantizer")
 LORA_RANK, LORA_ALPHA = 2, 4.0
 LINEARS = ("fc1", "fc2", "fc3")
 
@@ -95,10 +94,9 @@ ERRORS = {
                                 ("onnxparam: error: --rank 100000 is above min(d_in, d_out) of every adapted weight "
                                  "(fc1.weight [1600, 128], fc2.weight [128, 128], fc3.weight [128, 10])")),
 }
-if HAS_QUANTIZER:
-    ERRORS["block size divides nothing"] = (
-        ["quantize", "model.bpk", "q7.onnx", "--scheme", "q8s", "--zoo", "mnist", "--block-size", "7"], 1,
-        "onnxparam: error: no param could be quantized with --block-size 7: no weight's last dim is divisible by 7")
+ERRORS["block size divides nothing"] = (
+    ["quantize", "model.bpk", "q7.onnx", "--scheme", "q8s", "--zoo", "mnist", "--block-size", "7"], 1,
+    "onnxparam: error: no param could be quantized with --block-size 7: no weight's last dim is divisible by 7")
 ERRORS_WRITE_NOTHING = {"nothing included": "none.bpk",
                         "rank above every weight": "big.bpk", "block size divides nothing": "q7.onnx"}
 """Errors that must leave no output file (the name checked)."""
@@ -106,9 +104,6 @@ ODD_NAMES = {"a..b": np.arange(6, dtype=np.float32).reshape(2, 3), "ünï/cödé
              "fc.weight": np.full((2, 2), -1.5, np.float32)}
 """Tensor names a burnpack file may hold that are not module paths."""
 MAGIKA = Path(__file__).parent / "data" / "onnx" / "magika_standard_v3_3.onnx"
-if not HAS_QUANTIZER:
-    ERRORS["quantizer missing"] = (["quantize", "model.bpk", "q.onnx", "--scheme", "q8s", "--zoo", "mnist"], 1,
-                                   "onnxparam: error: quantizing a model needs onnxparam.quant.Quantizer")
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +166,10 @@ def cli(tmp_path_factory):
         "odd names to onnx": start("convert", "odd.bpk", "odd.onnx", cwd=work),
         "inspect magika": start("inspect", MAGIKA, "--json", "--no-count", cwd=work),
     }
-    if HAS_QUANTIZER:
-        stage1["quantize onnx"] = start("quantize", "model.bpk", "q8.onnx", "--scheme", "q8s", "--zoo", "mnist", cwd=work)
-        stage1["quantize bpk"] = start("quantize", "model.bpk", "q4.bpk", "--scheme", "q4s",
-                                       "--zoo", "mnist", cwd=work)
-        stage1["quantize block 32"] = start("quantize", "model.bpk", "q32.onnx", "--scheme", "q8s", "--zoo", "mnist",
-                                            "--block-size", 32, cwd=work)
+    stage1["quantize onnx"] = start("quantize", "model.bpk", "q8.onnx", "--scheme", "q8s", "--zoo", "mnist", cwd=work)
+    stage1["quantize bpk"] = start("quantize", "model.bpk", "q4.bpk", "--scheme", "q4s", "--zoo", "mnist", cwd=work)
+    stage1["quantize block 32"] = start("quantize", "model.bpk", "q32.onnx", "--scheme", "q8s", "--zoo", "mnist",
+                                        "--block-size", 32, cwd=work)
     export_mnist_onnx(mnist.load_pretrained(), work / "graph.onnx")  # in this process, while stage 1 runs
     results = finish(stage1)
     stage2 = {
@@ -191,8 +184,8 @@ def cli(tmp_path_factory):
         "fresh merge bpk": start("lora", "merge", "model.safetensors", "fresh-merged.bpk", "--zoo", "mnist",
                                  "--rank", 8, "--alpha", 16, cwd=work),
         "odd names back": start("convert", "odd.onnx", "odd-back.bpk", cwd=work),
-        **({"quantize reblock": start("quantize", "model.bpk", "q32k.onnx", "--scheme", "q8s", "--zoo", "mnist",
-                                      "--block-size", 32, "--reblock", cwd=work)} if HAS_QUANTIZER else {}),
+        "quantize reblock": start("quantize", "model.bpk", "q32k.onnx", "--scheme", "q8s", "--zoo", "mnist",
+                                  "--block-size", 32, "--reblock", cwd=work),
         **{f"error: {key}": start(*args, cwd=work) for key, (args, _, _) in ERRORS.items()},
     }
     results.update(finish(stage2))
@@ -372,7 +365,6 @@ def test_lora_adapter_file_loads_in_onnxruntime(cli):
 # -- quantize ------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
 def test_quantize_q8s_onnx_is_a_qdq_model_that_classifies(cli):
     work, results, _ = cli
     ok(results, "quantize onnx")
@@ -384,7 +376,6 @@ def test_quantize_q8s_onnx_is_a_qdq_model_that_classifies(cli):
     assert quant_dqs, "a QDQ model dequantizes its int8 weights"
 
 
-@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
 def test_quantize_q4s_bpk_holds_qfloat_tensors(cli):
     work, results, _ = cli
     ok(results, "quantize bpk")
@@ -521,7 +512,6 @@ def test_inspect_onnx_counts_the_initializers_it_does_not_list(cli):
 # -- warnings --------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
 def test_warnings_are_one_line_each_and_name_command_line_options(cli):
     _, results, inputs = cli
     result = ok(results, "quantize block 32")
@@ -538,7 +528,6 @@ def test_warnings_are_one_line_each_and_name_command_line_options(cli):
                            for line in along_n)
 
 
-@pytest.mark.skipif(not HAS_QUANTIZER, reason="onnxparam.quant.Quantizer has not landed")
 def test_quantize_reblock_puts_the_blocks_along_k_and_still_classifies(cli):
     work, results, _ = cli
     result = ok(results, "quantize reblock")

@@ -37,8 +37,7 @@ Commands:
 * ``onnxparam export mnist [--out DIR] [--batch-size N] [--device D] [--only PART ...]``: the
   tour of the packaged MNIST model: classify the 1,797 packaged digits through ONNX Runtime,
   export float32, int8-QDQ and LoRA (merged and kept) ONNX files, round-trip the weights
-  through a burnpack file, and print accuracy, file size and latency for each (parts whose
-  APIs are missing from this build are skipped with a note).
+  through a burnpack file, and print accuracy, file size and latency for each.
 """
 
 from __future__ import annotations

@@ -30,10 +30,6 @@ class UsageError(Exception):
     """A bad command line; :func:`main` prints it as one line and returns :data:`EXIT_USAGE`."""
 
 
-class Unavailable(RuntimeError):
-    """A feature whose library API is missing from this build (exit 1, one line)."""
-
-
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (no usage dump) and never exit."""
 
@@ -101,11 +97,6 @@ def _out(line: str = "") -> None:
     print(line, flush=True)
 
 
-def _note(line: str) -> None:
-    """A remark on stderr (stdout stays the command's result)."""
-    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-
-
 def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
     """A tqdm bar on stderr, or ``None`` (``--quiet``, not a terminal, small work, no tqdm)."""
     if quiet or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
@@ -146,14 +137,6 @@ def _existing(path: Path, role: str) -> Path:
     if path.is_dir():
         raise IsADirectoryError(f"{role} '{path}' is a folder, not a file")
     return path
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def one_line(error: BaseException) -> str:

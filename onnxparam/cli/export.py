@@ -13,12 +13,10 @@ from ._common import (
     DEFAULT_OUT_DIR,
     EXIT_OK,
     MNIST_ONNX_FILE,
-    Unavailable,
     _device,
     _out,
     _positive_int,
     _progress,
-    one_line,
 )
 from ._models import export_mnist_onnx
 from .inspect import _print_table, _scheme_text
@@ -134,8 +132,6 @@ def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
     return (np.concatenate(outputs), *_latency(times, batch))
 
 
-def _skipped(part: str, error: BaseException) -> str:
-    return f"skipped ({type(error).__name__}: {one_line(error)})"
 
 
 def _run_export_mnist(args: argparse.Namespace) -> int:
@@ -281,13 +277,9 @@ def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, devi
 
 
 def _tour_int8(model, path: Path, pixels, batch, providers, accuracy) -> _TourRow:
-    try:
-        quantizer, scheme = _quantizer("q8s", None)
-        quantized = model.quantize_weights(quantizer)
-        export_mnist_onnx(quantized, path)
-    except (Unavailable, ImportError, AttributeError, NotImplementedError) as e:
-        _out(f"int8:     {_skipped('int8', e)}")
-        return _TourRow("int8 QDQ ONNX", None, note="skipped: quantization API missing")
+    quantizer, scheme = _quantizer("q8s", None)
+    quantized = model.quantize_weights(quantizer)
+    export_mnist_onnx(quantized, path)
     logits, ms, ips = _session_pass(path, pixels, batch, providers)
     _out(f"int8:     wrote {path} ({path.stat().st_size:,} bytes), weights {_scheme_text(scheme)}")
     return _TourRow("int8 QDQ ONNX", path, accuracy(logits), ms, ips, "plain ORT session")
@@ -315,12 +307,7 @@ def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list
     rows, results = [], {}
     for mode, label in (("merge", "LoRA merged ONNX"), ("keep", "LoRA kept ONNX")):
         path = out_dir / TOUR_FILES[f"lora-{mode}"]
-        try:
-            export_mnist_onnx(adapted, path, lora=mode)
-        except (ValueError, NotImplementedError, ImportError) as e:
-            _out(f"lora:     {mode}: {_skipped(mode, e)}")
-            rows.append(_TourRow(label, None, note=f"skipped: lora={mode!r} not available"))
-            continue
+        export_mnist_onnx(adapted, path, lora=mode)
         logits, ms, ips = _session_pass(path, pixels, batch, providers)
         results[mode] = logits
         _out(

@@ -7,7 +7,6 @@ from pathlib import Path
 from ._common import (
     EXIT_OK,
     PROG,
-    Unavailable,
     UsageError,
     _existing,
     _file_format,
@@ -214,13 +213,8 @@ def _save_module(module, path: Path) -> None:
 
 def _write_lora_adapter(module, path: Path) -> None:
     if path.suffix.lower() == ".onnx_adapter":
-        try:
-            from ..lora_graph import write_onnx_adapter
-        except ImportError:
-            raise Unavailable(
-                "writing .onnx_adapter files needs onnxparam.lora_graph.write_onnx_adapter, which "
-                "this build does not have"
-            ) from None
+        from ..lora_graph import write_onnx_adapter
+
         write_onnx_adapter(module, path)
         return
     from ..convert import collect_record, save_safetensors

@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, Unavailable, UsageError, _file_format, _out
+from ._common import EXIT_OK, PROG, UsageError, _file_format, _out
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
@@ -58,13 +58,8 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
 def _quantizer(scheme_name: str, block_size: Optional[tuple]):
     from .. import quant
 
-    Quantizer = getattr(quant, "Quantizer", None)
-    if Quantizer is None:
-        raise Unavailable(
-            "quantizing a model needs onnxparam.quant.Quantizer, which this build of onnxparam does not have yet"
-        )
     scheme = quant.QuantScheme(quant.QuantValue[QUANT_SCHEMES[scheme_name]], block_size=block_size)
-    return Quantizer(scheme), scheme
+    return quant.Quantizer(scheme), scheme
 
 
 def _block_text(block_size: tuple) -> str:
@@ -77,8 +72,6 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} quantize: error: --reblock applies to an .onnx output; the output is '{args.dst}'")
     quantizer, scheme = _quantizer(args.scheme, args.block_size)
     model = _load_model(args, args.src)
-    if not hasattr(model.module, "quantize_weights"):  # pragma: no cover - a module of another kind
-        raise Unavailable("this module has no quantize_weights")
     before = _count_dtypes(model.module)
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
     # none was, the one error line below says why instead.

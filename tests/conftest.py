@@ -1,10 +1,19 @@
-"""Shared test settings: hypothesis keeps no example database (it would write ``.hypothesis/``
-into the repository; tests write only to their tmp_path)."""
+"""Shared test settings: hypothesis writes nothing into the repository (tests write only to
+temporary folders): no example database, and its storage folder (where it caches the constants
+it collects from the source) is a temporary one, removed at exit."""
+
+import atexit
+import shutil
+import tempfile
 
 try:
     from hypothesis import settings
+    from hypothesis.configuration import set_hypothesis_home_dir
 except ImportError:  # pragma: no cover - hypothesis is a test extra
     pass
 else:
+    _storage = tempfile.mkdtemp(prefix="onnxparam-hypothesis-")
+    atexit.register(shutil.rmtree, _storage, ignore_errors=True)
+    set_hypothesis_home_dir(_storage)
     settings.register_profile("onnxparam", database=None)
     settings.load_profile("onnxparam")

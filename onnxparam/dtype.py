@@ -13,7 +13,7 @@ Three mapping tables, one per direction that is needed, each a constant:
 ``Flex32`` is Burn's "f32 storage, any float precision in compute" type; its bytes are f32, so
 it maps to ``float32`` and ONNX ``FLOAT``, but ``FLOAT`` maps back to ``F32`` only.
 ``QFloat`` has no single numpy or ONNX element type: its bytes are values + scales (see
-``BURNPACK.md`` section 2), so it is absent from those tables.
+``docs/burnpack.md`` section 2), so it is absent from those tables.
 """
 
 from __future__ import annotations

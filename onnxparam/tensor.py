@@ -389,7 +389,7 @@ class TensorData:
 
     Attributes:
         array: a numpy array of the plain dtype (``QFloat``: a 1-D ``uint8`` array of the raw
-            bytes, laid out as values, scales, global scale; ``BURNPACK.md`` section 2).
+            bytes, laid out as values, scales, global scale; ``docs/burnpack.md`` section 2).
         dtype: the :class:`DType`.
         shape: the logical shape (for ``QFloat``, the unpacked shape).
         scheme: the quantization scheme for ``QFloat`` data, else ``None``.

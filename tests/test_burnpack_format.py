@@ -1,4 +1,4 @@
-"""The burnpack reader and writer against Burn's bytes (BURNPACK.md §0-2, §5) and a real Burn file."""
+"""The burnpack reader and writer against Burn's bytes (docs/burnpack.md §0-2, §5) and a real Burn file."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from onnxparam.quant import QuantScheme, QuantStore, QuantValue, ScaleDtype, qua
 from onnxparam.tensor import Tensor
 
 MNIST = Path(__file__).resolve().parent.parent / "models" / "mnist" / "model.bpk"
-X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # BURNPACK.md §2.4
+X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4
 
 
 def h(text: str) -> bytes:
@@ -102,7 +102,7 @@ def test_entry_to_data_feeds_tensor_from_data():
         np.testing.assert_array_equal(tensor.to_numpy(), f.tensors["fc3.bias"].to_numpy())
 
 
-# -- BURNPACK.md §2.4 worked files --------------------------------------------------------------
+# -- docs/burnpack.md §2.4 worked files --------------------------------------------------------------
 
 
 QFLOAT_Q8S = h(

@@ -1,4 +1,4 @@
-"""Each op of the contract (notes/ops_contract.md) against independent oracles.
+"""Each op of the contract (docs/ops_contract.md) against independent oracles.
 
 Every case is checked twice: the op run eagerly (a one-op graph through ONNX Runtime) against a
 numpy formula, and the traced graph run by ONNX's reference evaluator

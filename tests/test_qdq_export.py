@@ -1,7 +1,7 @@
 """QDQ export and import of quantized params (onnxparam.quant.qdq).
 
 Oracles: ``onnx.reference.ReferenceEvaluator`` (ONNX's own operator semantics), numpy formulas
-(ONNX QuantizeLinear rounds half to even: ``np.round``), Burn's bytes from BURNPACK.md §2.4, the
+(ONNX QuantizeLinear rounds half to even: ``np.round``), Burn's bytes from docs/burnpack.md §2.4, the
 optimized graph ONNX Runtime writes (``SessionOptions.optimized_model_filepath``), and the digits'
 labels.
 """
@@ -33,7 +33,7 @@ from onnxparam.quant import (
 )
 from onnxparam.zoo import mnist
 
-X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # BURNPACK.md §2.4
+X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4
 
 
 class Scaled(op.Module):
@@ -264,7 +264,7 @@ def test_burn_qfloat_to_onnx_to_burnpack_is_byte_identical(scheme, tmp_path):
     w = qparam(np.resize(X, (2, 8)) if scheme.value is QuantValue.Q4S else X, scheme)
     module = Scaled(w)
     original = module.save_file(tmp_path / "a.bpk").read_bytes()
-    if scheme == QuantScheme():  # BURNPACK.md §2.4 (a): the data bytes
+    if scheme == QuantScheme():  # docs/burnpack.md §2.4 (a): the data bytes
         assert original.endswith(bytes.fromhex("cee70f19324b9c7f0ad7a33c"))
     if scheme == QuantScheme(block_size=2):  # §2.4 (b)
         assert original.endswith(bytes.fromhex("81c04c7f557f9c7f040201 3c0402813b0683413c0ad7a33c".replace(" ", "")))

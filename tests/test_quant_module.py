@@ -1,4 +1,4 @@
-"""Quantizing modules: Quantizer, quantize_weights(_group), apply_qlora (BURNPACK.md §3-4).
+"""Quantizing modules: Quantizer, quantize_weights(_group), apply_qlora (docs/burnpack.md §3-4).
 
 The oracle for values is a numpy transcription of Burn's MinMax formulas written here (not the
 library's ``quantize``): alpha = max|x| per tensor / block, scale = 2*alpha/(b-a) (f32, rounded

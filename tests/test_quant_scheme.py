@@ -1,4 +1,4 @@
-"""QuantScheme and friends: Burn's names, defaults, resolution and exact CBOR (BURNPACK.md §1.3, §3)."""
+"""QuantScheme and friends: Burn's names, defaults, resolution and exact CBOR (docs/burnpack.md §1.3, §3)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def h(text: str) -> bytes:
 
 # -- enums -----------------------------------------------------------------------------------
 
-RANGES = {  # BURNPACK.md §3 table: value -> (bits, (a, b), is_symmetric)
+RANGES = {  # docs/burnpack.md §3 table: value -> (bits, (a, b), is_symmetric)
     "Q8F": (8, (-128, 127), False),
     "Q8S": (8, (-127, 127), True),
     "Q4F": (4, (-8, 7), False),
@@ -189,7 +189,7 @@ def test_quant_scheme_rejects_block_size_and_block_together_and_wrong_types():
         QuantScheme("Q8S")
 
 
-# -- exact CBOR bytes (BURNPACK.md §1.3 examples) ----------------------------------------------
+# -- exact CBOR bytes (docs/burnpack.md §1.3 examples) ----------------------------------------------
 
 FLEX_Q8S_PER_TENSOR = h(
     "a1 66 51 46 6c 6f 61 74 a5 65 76 61 6c 75 65 63 51 38 53 65 73 74 6f 72 65 66 4e 61 74 69"

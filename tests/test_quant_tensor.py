@@ -1,4 +1,4 @@
-"""QuantizedTensor and the MinMax quantizer against BURNPACK.md §2-4 and independent numpy oracles."""
+"""QuantizedTensor and the MinMax quantizer against docs/burnpack.md §2-4 and independent numpy oracles."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from onnxparam.quant import (
 from onnxparam.quant.scales import decode_scales, round_up
 from onnxparam.tensor import Tensor
 
-X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # BURNPACK.md §2.4
+X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4
 
 
 def h(text: str) -> bytes:

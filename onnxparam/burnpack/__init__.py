@@ -2,7 +2,7 @@
 
 This is the *format* layer. It reads and writes tensors, metadata and scalars, and knows
 nothing of modules or params (bridges such as records do that). Section numbers (§) refer to
-``BURNPACK.md``, the research note on Burn's ``burn-pack`` crate kept beside the design.
+``docs/burnpack.md``, the repository's note on Burn's ``burn-pack`` format.
 
 Byte layout (all integers little-endian)::
 

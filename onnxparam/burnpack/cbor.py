@@ -6,7 +6,7 @@ the dict holds them. Floats differ: cbor2 writes every float as f64 unless ``can
 and canonical mode also re-sorts map keys (which would break Burn's struct field order) and
 writes every NaN as ``f9 7e00``. ciborium writes the shortest of f16/f32/f64 that keeps the f64
 *bits* (``ciborium-ll/src/hdr.rs``), so ``-0.0`` stays ``f9 8000`` and a NaN keeps its sign;
-:func:`ciborium_float` does that (``BURNPACK.md`` §1.1, §5).
+:func:`ciborium_float` does that (``docs/burnpack.md`` §1.1, §5).
 
 Decoding first walks the raw bytes (:func:`_scan`): item heads only, no allocation, so a hostile
 file is refused before cbor2 builds anything. The walk enforces nesting depth, definite lengths,

@@ -1,4 +1,4 @@
-"""The fixed numbers of the burnpack container (``BURNPACK.md`` §0; Burn ``burn-pack/src/base.rs``)."""
+"""The fixed numbers of the burnpack container (``docs/burnpack.md`` §0; Burn ``burn-pack/src/base.rs``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The burnpack metadata map: descriptors, dtypes, user metadata and typed scalars (§0, §1, §5).
 
-``BURNPACK.md`` section numbers below refer to the research note beside the design::
+``docs/burnpack.md`` section numbers below refer to the research note beside the design::
 
     Metadata   = { "tensors": { name: Descriptor, ... },   sorted by name (Rust BTreeMap)
                    "metadata": { text: text, ... },         omitted when empty

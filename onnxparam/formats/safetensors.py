@@ -41,7 +41,7 @@ value is compact JSON), so that burnpack -> safetensors -> burnpack loses nothin
                             order), written only when it differs from the file's sorted order.
 ``onnxparam.dtypes``        ``{"<name>": "Flex32"}`` for Burn dtypes safetensors has no name for
                             (``Flex32`` is stored as ``F32``); a quantized tensor is stored as
-                            ``U8`` bytes (values, scales; ``BURNPACK.md`` section 2) with
+                            ``U8`` bytes (values, scales; ``docs/burnpack.md`` section 2) with
                             ``{"<name>": {"dtype": "QFloat", "shape": [...], "scheme": <Burn's
                             QuantScheme as CBOR-shaped JSON>}}``; a burnpack ``Bool`` stored
                             as ``U8``/``U32`` is ``BOOL`` with ``{"dtype": "Bool", "store": "U32"}``.

@@ -1,4 +1,4 @@
-"""Functional tensor ops: each emits ONNX nodes (the op contract, ``notes/ops_contract.md``).
+"""Functional tensor ops: each emits ONNX nodes (the op contract, ``docs/ops_contract.md``).
 
 Every op takes and returns :class:`~onnxparam.Tensor` s; Python scalars are accepted where an
 operand is numeric. Layouts are Burn's / ONNX's: NCHW / NCL, conv weight

@@ -3,7 +3,7 @@
 This is the value layer. It knows Burn's ``QuantScheme`` and the bytes of one ``QFloat``
 tensor (values, scales, optional global scale), but nothing of files: the burnpack format
 (:mod:`onnxparam.burnpack`) stores these bytes, and the model layer attaches them to params.
-Every rule here cites ``BURNPACK.md`` (the research note on Burn's format, kept beside the design):
+Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's format):
 
 * :mod:`.scheme`       the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
 * :mod:`.layout`       the byte layout of values and scales (§2)

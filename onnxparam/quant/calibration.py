@@ -1,4 +1,4 @@
-"""Burn's ``Quantizer`` with ``Calibration::MinMax`` (``BURNPACK.md`` §4), in numpy.
+"""Burn's ``Quantizer`` with ``Calibration::MinMax`` (``docs/burnpack.md`` §4), in numpy.
 
 Steps, each exactly as Burn's CPU path computes it:
 

@@ -1,4 +1,4 @@
-"""The byte layout of one quantized tensor (``BURNPACK.md`` §2)::
+"""The byte layout of one quantized tensor (``docs/burnpack.md`` §2)::
 
     [ values ][ block-or-tensor scales ][ optional global scale ]
 

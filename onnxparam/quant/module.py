@@ -1,7 +1,7 @@
 """Quantizing a module's params: :class:`Quantizer`, :class:`Calibration`, :func:`quantize_weights`.
 
 Burn's ``Module::quantize_weights(&mut quantizer)`` maps every float tensor the quantizer
-visits (``crates/burn-core/src/module/quantize.rs``; ``BURNPACK.md`` §4). Here the set of
+visits (``crates/burn-core/src/module/quantize.rs``; ``docs/burnpack.md`` §4). Here the set of
 params is explicit (:func:`is_weight`):
 
 * float params (F64/F32/F16/BF16; an already quantized one that would be touched again is a
@@ -42,7 +42,7 @@ _FLOAT_DTYPES = (DType.F64, DType.F32, DType.F16, DType.BF16)
 class Calibration(enum.Enum):
     """How the quantization range of a tensor is found (Burn ``Calibration``).
 
-    ``MinMax``: ``alpha = max(|min|, |max|)`` per tensor or per block (``BURNPACK.md`` §4.1).
+    ``MinMax``: ``alpha = max(|min|, |max|)`` per tensor or per block (``docs/burnpack.md`` §4.1).
     Burn's ``AbsMean`` (BitNet) is not implemented.
     """
 

@@ -4,7 +4,7 @@ fuses into integer kernels, static activation quantization, and QDQ import.
 **Weights** (:func:`emit_param`, called by the tracer's param hook for a ``QFloat`` param): the
 param's initializer (named by its path, as every param's) holds the **stored integer values**,
 never re-quantized; ``<path>_scale`` (and ``<path>_zero_point`` for unsigned values) are
-constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``BURNPACK.md`` §7):
+constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/burnpack.md`` §7):
 
 ==============================  ==============================================================
 Burn                            ONNX ``DequantizeLinear``

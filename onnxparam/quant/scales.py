@@ -1,7 +1,7 @@
 """Scales at their storage dtype: rounding up onto the dtype's grid, encoding and decoding.
 
 Every function takes and returns float32 numpy arrays; the bytes are little-endian
-(``BURNPACK.md`` §2.3). F16 and BF16 go through numpy/``ml_dtypes`` casts, UE4M3 through
+(``docs/burnpack.md`` §2.3). F16 and BF16 go through numpy/``ml_dtypes`` casts, UE4M3 through
 ``ml_dtypes.float8_e4m3fn`` (the OCP e4m3 bit pattern, sign bit 0 for a scale).
 """
 
@@ -94,7 +94,7 @@ def decode_scales(raw, dtype: ScaleDtype) -> np.ndarray:
     """Decode ``n * dtype.nbytes`` little-endian bytes into ``n`` float32 scales (§2.3).
 
     UE8M0 follows the OCP MX definition (code ``c`` is ``2^(c-127)``, 0xFF is NaN), as newer
-    Burn decodes it; Burn at the revision of ``BURNPACK.md`` has no UE8M0 codec.
+    Burn decodes it; Burn (at the revision ``docs/burnpack.md`` describes) has no UE8M0 codec.
 
     Raises:
         QuantizationError: when the byte count is not a multiple of the scale size.

@@ -1,4 +1,4 @@
-"""Quantization schemes, named and encoded exactly as Burn's (``BURNPACK.md`` §1.3).
+"""Quantization schemes, named and encoded exactly as Burn's (``docs/burnpack.md`` §1.3).
 
 A :class:`QuantScheme` says how a float tensor became integers: the value type
 (:class:`QuantValue`), how the values are stored (:class:`QuantStore`), the mode
@@ -36,7 +36,7 @@ U64_MAX = 2**64 - 1
 
 
 class QuantValue(enum.Enum):
-    """The logical type of the quantized values (Burn ``QuantValue``, ``BURNPACK.md`` §3).
+    """The logical type of the quantized values (Burn ``QuantValue``, ``docs/burnpack.md`` §3).
 
     ``Q*F`` use the full two's-complement range, ``Q*S`` a range symmetric around zero (the most
     negative code is never produced). ``E4M3``, ``E5M2`` and ``E2M1`` are minifloat codes,

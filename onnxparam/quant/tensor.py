@@ -1,4 +1,4 @@
-"""A quantized tensor's values and scales, and its exact Burn byte form (``BURNPACK.md`` §2-3)."""
+"""A quantized tensor's values and scales, and its exact Burn byte form (``docs/burnpack.md`` §2-3)."""
 
 from __future__ import annotations
 

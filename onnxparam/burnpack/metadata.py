@@ -1,6 +1,6 @@
 """The burnpack metadata map: descriptors, dtypes, user metadata and typed scalars (§0, §1, §5).
 
-``docs/burnpack.md`` section numbers below refer to the research note beside the design::
+Section numbers below refer to ``docs/burnpack.md``::
 
     Metadata   = { "tensors": { name: Descriptor, ... },   sorted by name (Rust BTreeMap)
                    "metadata": { text: text, ... },         omitted when empty

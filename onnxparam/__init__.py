@@ -27,12 +27,9 @@ Where a lower layer needs an upper one at run time (``Tensor.__add__`` -> ops, `
 (:mod:`onnxparam._services`), imported on first use.
 """
 
-from . import burnpack, nn
 from ._services import provide as _provide
 from ._version import __version__
-from .convert.peft import load_peft_adapter
 from .device import Device
-from .dtype import DType
 from .errors import (
     BurnpackFormatError,
     DeviceError,
@@ -47,25 +44,6 @@ from .errors import (
     TraceTypeError,
     TraceValueError,
 )
-from .group import ParamGroup
-from .lora import LoraAdapter, LoraConfig
-from .lora_graph import write_onnx_adapter
-from .module import Module, ModuleMapper, ModuleVisitor
-from .onnx_io import OnnxModule, export_onnx, import_onnx
-from .param import Param, ParamId
-from .quant import (
-    BlockSize,
-    Calibration,
-    QuantizedTensor,
-    Quantizer,
-    QuantMode,
-    QuantScheme,
-    QuantStore,
-    QuantValue,
-    ScaleDtype,
-)
-from .record import ModuleRecord, TensorSnapshot
-from .tensor import Tensor, TensorData
 
 # Services the upper layers give the lower ones (onnxparam/_services.py), imported on first use.
 _provide("ops", "onnxparam.ops")  # Tensor's operators (values -> graph)
@@ -125,16 +103,39 @@ __all__ = [
     "PrecisionWarning",
 ]
 
-_LAZY_TRAINING = {"autodiff": None, "optim": None, "grad": "autodiff", "Gradients": "autodiff"}
-"""Training names imported on first use: ``onnxparam.autodiff`` loads ONNX Runtime, which a
-plain ``import onnxparam`` does not."""
+_LAZY = {
+    "burnpack": None, "nn": None, "autodiff": None, "optim": None, "runtime": None, "ops": None,
+    "DType": "dtype",
+    "ParamGroup": "group",
+    "LoraAdapter": "lora", "LoraConfig": "lora",
+    "write_onnx_adapter": "lora_graph",
+    "Module": "module", "ModuleMapper": "module", "ModuleVisitor": "module",
+    "OnnxModule": "onnx_io", "export_onnx": "onnx_io", "import_onnx": "onnx_io",
+    "Param": "param", "ParamId": "param",
+    "BlockSize": "quant", "Calibration": "quant", "QuantizedTensor": "quant", "Quantizer": "quant",
+    "QuantMode": "quant", "QuantScheme": "quant", "QuantStore": "quant", "QuantValue": "quant",
+    "ScaleDtype": "quant",
+    "ModuleRecord": "record", "TensorSnapshot": "record",
+    "Tensor": "tensor", "TensorData": "tensor",
+    "load_peft_adapter": "convert.peft",
+    "grad": "autodiff", "Gradients": "autodiff",
+}
+"""Every public name and the module that defines it (``None``: the name is a subpackage),
+imported on first use: ``import onnxparam`` (and so ``onnxparam --help``) loads neither numpy's
+extension dtypes (``ml_dtypes``), ``onnx``, ``onnx_ir`` nor ONNX Runtime."""
 
 
 def __getattr__(name):
-    if name in _LAZY_TRAINING:
+    if name in _LAZY:
         import importlib
 
-        owner = _LAZY_TRAINING[name]
+        owner = _LAZY[name]
         module = importlib.import_module(f".{owner or name}", __name__)
-        return getattr(module, name) if owner else module
+        value = getattr(module, name) if owner else module
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'onnxparam' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

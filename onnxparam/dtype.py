@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import enum
 
-import ml_dtypes
 import numpy as np
-from onnx import TensorProto
 
 __all__ = [
     "DType",
-    "NUMPY_DTYPES",
+    "NUMPY_DTYPES",  # noqa: F822  (answered by the module __getattr__)
     "ONNX_ELEMENT_TYPES",
     "DTYPE_FROM_ONNX",
     "dtype_from_numpy",
@@ -77,7 +75,7 @@ class DType(enum.Enum):
         """
         if self is DType.QFloat:
             raise ValueError("QFloat has no fixed element size; its length follows its scheme")
-        return NUMPY_DTYPES[self].itemsize
+        return _numpy_dtype(self).itemsize
 
     def to_numpy(self) -> np.dtype:
         """The numpy dtype holding this type's elements.
@@ -85,10 +83,7 @@ class DType(enum.Enum):
         Raises:
             ValueError: for ``QFloat``.
         """
-        try:
-            return NUMPY_DTYPES[self]
-        except KeyError:
-            raise ValueError(f"{self.name} has no plain numpy dtype") from None
+        return _numpy_dtype(self)
 
     def to_onnx(self) -> int:
         """The ``onnx.TensorProto`` element type of this dtype.
@@ -111,6 +106,8 @@ class DType(enum.Enum):
         try:
             return DTYPE_FROM_ONNX[elem_type]
         except KeyError:
+            from onnx import TensorProto  # NOTE: only for the message; `import onnx` is slow
+
             name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
             raise ValueError(f"ONNX element type {name} has no Burn dtype") from None
 
@@ -122,12 +119,11 @@ class DType(enum.Enum):
 _FLOATS = frozenset({DType.F64, DType.F32, DType.Flex32, DType.F16, DType.BF16, DType.QFloat})
 _INTS = frozenset({DType.I64, DType.I32, DType.I16, DType.I8, DType.U64, DType.U32, DType.U16, DType.U8})
 
-NUMPY_DTYPES: dict[DType, np.dtype] = {
+_PLAIN_NUMPY: dict = {
     DType.F64: np.dtype(np.float64),
     DType.F32: np.dtype(np.float32),
     DType.Flex32: np.dtype(np.float32),
     DType.F16: np.dtype(np.float16),
-    DType.BF16: np.dtype(ml_dtypes.bfloat16),
     DType.I64: np.dtype(np.int64),
     DType.I32: np.dtype(np.int32),
     DType.I16: np.dtype(np.int16),
@@ -138,25 +134,46 @@ NUMPY_DTYPES: dict[DType, np.dtype] = {
     DType.U8: np.dtype(np.uint8),
     DType.Bool: np.dtype(np.bool_),
 }
-"""``DType`` -> numpy dtype. Little-endian byte order is implied (burnpack and ONNX raw data)."""
+"""The numpy dtypes of every plain dtype but ``BF16``, whose numpy type ``ml_dtypes`` defines:
+that package (slow to import) is imported only when a ``BF16`` dtype is asked for."""
 
-ONNX_ELEMENT_TYPES: dict[DType, int] = {
-    DType.F64: TensorProto.DOUBLE,
-    DType.F32: TensorProto.FLOAT,
-    DType.Flex32: TensorProto.FLOAT,
-    DType.F16: TensorProto.FLOAT16,
-    DType.BF16: TensorProto.BFLOAT16,
-    DType.I64: TensorProto.INT64,
-    DType.I32: TensorProto.INT32,
-    DType.I16: TensorProto.INT16,
-    DType.I8: TensorProto.INT8,
-    DType.U64: TensorProto.UINT64,
-    DType.U32: TensorProto.UINT32,
-    DType.U16: TensorProto.UINT16,
-    DType.U8: TensorProto.UINT8,
-    DType.Bool: TensorProto.BOOL,
+
+def _numpy_dtype(dtype: DType) -> np.dtype:
+    plain = _PLAIN_NUMPY.get(dtype)
+    if plain is not None:
+        return plain
+    if dtype is DType.BF16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise ValueError(f"{dtype.name} has no plain numpy dtype")
+
+
+def __getattr__(name):
+    # NUMPY_DTYPES: ``DType`` -> numpy dtype (every dtype but ``QFloat``; little-endian byte order
+    # implied, as in burnpack and ONNX raw data), built on first use: it imports ml_dtypes
+    if name == "NUMPY_DTYPES":
+        return {dtype: _numpy_dtype(dtype) for dtype in DType if dtype is not DType.QFloat}
+    raise AttributeError(f"module 'onnxparam.dtype' has no attribute {name!r}")
+
+ONNX_ELEMENT_TYPES: dict[DType, int] = {  # ONNX spec: onnx.proto, TensorProto.DataType
+    DType.F64: 11,  # DOUBLE
+    DType.F32: 1,  # FLOAT
+    DType.Flex32: 1,  # FLOAT
+    DType.F16: 10,  # FLOAT16
+    DType.BF16: 16,  # BFLOAT16
+    DType.I64: 7,  # INT64
+    DType.I32: 6,  # INT32
+    DType.I16: 5,  # INT16
+    DType.I8: 3,  # INT8
+    DType.U64: 13,  # UINT64
+    DType.U32: 12,  # UINT32
+    DType.U16: 4,  # UINT16
+    DType.U8: 2,  # UINT8
+    DType.Bool: 9,  # BOOL
 }
-"""``DType`` -> ``onnx.TensorProto`` element type."""
+"""``DType`` -> ``onnx.TensorProto`` element type (the numbers of the ONNX spec, so that this
+module does not import ``onnx``)."""
 
 DTYPE_FROM_ONNX: dict[int, DType] = {
     onnx_type: dtype for dtype, onnx_type in ONNX_ELEMENT_TYPES.items() if dtype is not DType.Flex32
@@ -164,7 +181,7 @@ DTYPE_FROM_ONNX: dict[int, DType] = {
 """``onnx.TensorProto`` element type -> ``DType`` (``FLOAT`` -> ``F32``, never ``Flex32``)."""
 
 _FROM_NUMPY: dict[np.dtype, DType] = {
-    np_dtype: dtype for dtype, np_dtype in NUMPY_DTYPES.items() if dtype is not DType.Flex32
+    np_dtype: dtype for dtype, np_dtype in _PLAIN_NUMPY.items() if dtype is not DType.Flex32
 }
 
 
@@ -178,4 +195,7 @@ def dtype_from_numpy(dtype) -> DType:
     try:
         return _FROM_NUMPY[np_dtype.newbyteorder("=") if np_dtype.byteorder not in "=|" else np_dtype]
     except KeyError:
+        # a bfloat16 value exists only once ml_dtypes is imported (its dtype is named so)
+        if np_dtype.name == "bfloat16" and np_dtype == _numpy_dtype(DType.BF16):
+            return DType.BF16
         raise ValueError(f"numpy dtype {np_dtype} has no Burn dtype") from None

@@ -198,3 +198,15 @@ def test_the_file_formats_know_bytes_and_snapshots_not_modules(fmt):
         if rel.startswith(fmt + "/"):
             assert not {t for t in targets if t in module_code or t.startswith("nn/")}, rel
             assert all(layer_of(t) in ("values", "model", "formats") for t in targets), rel
+
+
+@pytest.mark.parametrize("statement", ["import onnxparam", "import onnxparam.cli",
+                                       "import onnxparam.burnpack as bp; bp.read"])
+def test_importing_the_package_the_cli_or_the_burnpack_reader_loads_no_heavy_dependency(statement):
+    import subprocess
+    import sys
+
+    heavy = ("onnx", "onnx_ir", "ml_dtypes", "onnxruntime", "torch")
+    code = f"{statement}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

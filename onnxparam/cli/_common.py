@@ -120,7 +120,7 @@ def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
 
 def _file_format(path: Path, role: str, allowed: Sequence[str] = ("burnpack", "onnx", "safetensors")) -> str:
     """The format of ``path`` from its extension, or a one-line ``ValueError`` naming ``role``."""
-    from ..convert import FORMATS
+    from ..formats._extensions import FORMATS
 
     fmt = FORMATS.get(path.suffix.lower())
     if fmt not in allowed:

@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional
 from .._scratch import atomic_output
 from ..dtype import DType
 from ..errors import RecordError
+from ..formats._extensions import FORMATS, format_of
 from ..formats.safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
 from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
@@ -66,8 +67,6 @@ from .report import ConvertReport
 
 __all__ = ["convert", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX", "SOURCE_NAME_KEY"]
 
-FORMATS = {".bpk": "burnpack", ".safetensors": "safetensors", ".onnx": "onnx"}
-"""File extension -> format name."""
 
 WEIGHTS_OPSET = 21
 """Opset of weights-only ONNX models (``Identity`` takes every dtype, bfloat16 included, since 14)."""
@@ -83,19 +82,6 @@ NOTE: such an initializer is named as the source names it (ONNX names are free-f
 key makes reading it back give that name rather than :func:`~onnxparam.onnx_io.naming.onnx_name_to_path`
 of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
 
-
-def format_of(path) -> str:
-    """``"burnpack"``, ``"safetensors"`` or ``"onnx"`` from the extension.
-
-    Raises:
-        ValueError: for any other extension.
-    """
-    suffix = Path(path).suffix.lower()
-    try:
-        return FORMATS[suffix]
-    except KeyError:
-        known = ", ".join(FORMATS)
-        raise ValueError(f"cannot tell the format of '{path}' from its extension '{suffix}'; use one of {known}") from None
 
 
 @dataclass(frozen=True)

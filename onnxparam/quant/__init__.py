@@ -18,18 +18,19 @@ Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's form
 import importlib
 
 from ..errors import QuantizationWarning
-from .calibration import quantize, round_half_away_from_zero
 from .layout import params_shape, quantized_nbytes
 from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
-from .tensor import QuantizedTensor
 
 _UPPER_LAYERS = {
+    "quantize": ".calibration", "round_half_away_from_zero": ".calibration", "QuantizedTensor": ".tensor",
     "Calibration": ".module", "Quantizer": ".module",
     "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": ".qdq",
     "matmulnbits_accuracy_level": ".qdq",
 }
-"""Names of the model layer (:mod:`.module`) and the graph layer (:mod:`.qdq`), imported on first
-use: this facade sits in the value layer, which ``burnpack`` and ``tensor`` import."""
+"""Names imported on first use: those of the model layer (:mod:`.module`) and the graph layer
+(:mod:`.qdq`), since this facade sits in the value layer, which ``burnpack`` and ``tensor``
+import; and those whose modules import ``ml_dtypes`` (slow), which reading a burnpack file's
+header does not need."""
 
 
 def __getattr__(name):

@@ -34,9 +34,10 @@ LAYERS = {
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs
     "trace.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "lora_graph": "graph",
-    "quant/qdq": "graph", "autodiff": "graph",
+    "quant/qdq": "graph", "quant/_qdq_options.py": "graph", "quant/_qdq_layout.py": "graph",
+    "quant/_qdq_import.py": "graph", "autodiff": "graph",
     # runtime: ONNX Runtime sessions and calls; training steps run on it
-    "runtime": "runtime", "autodiff/__init__.py": "runtime", "autodiff/training.py": "runtime", "optim": "runtime",
+    "runtime": "runtime", "quant/_activations.py": "runtime", "autodiff/__init__.py": "runtime", "autodiff/training.py": "runtime", "optim": "runtime",
     # bridges: module <-> records <-> files, ONNX import/export, converters, PEFT
     "record.py": "bridges", "onnx_io": "bridges", "convert": "bridges",
     # top: the CLI, the model zoo, the package facade

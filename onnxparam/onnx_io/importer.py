@@ -35,7 +35,7 @@ from ..dtype import DType
 from ..errors import OnnxFormatError, TraceError
 from ..module import Module, named_params
 from ..param import Param, ParamId
-from ..quant import qdq
+from ..quant import _qdq_import
 from ..tensor import Tensor
 from . import metadata as md
 from .naming import onnx_name_to_path
@@ -60,7 +60,7 @@ class OnnxScope(Module):
 
 
 def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
-    quantized = qdq.imported_param(site, meta)
+    quantized = _qdq_import.imported_param(site, meta)
     if quantized is not None:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
@@ -130,7 +130,7 @@ class OnnxModule(Module):
     """
 
     def __init__(self, loaded: LoadedModel):
-        qdq.fold_dequantize_weights(loaded.model)  # DequantizeLinear(int initializer) -> one QFloat weight
+        _qdq_import.fold_dequantize_weights(loaded.model)  # DequantizeLinear(int initializer) -> one QFloat weight
         source = _SourceGraph(loaded)
         metas = site_metadata(loaded.model, list(source.sites), loaded.source)
         entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]

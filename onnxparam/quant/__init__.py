@@ -24,7 +24,7 @@ from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, Q
 _UPPER_LAYERS = {
     "quantize": ".calibration", "round_half_away_from_zero": ".calibration", "QuantizedTensor": ".tensor",
     "Calibration": ".module", "Quantizer": ".module",
-    "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": ".qdq",
+    "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": "._activations",
     "matmulnbits_accuracy_level": ".qdq",
 }
 """Names imported on first use: those of the model layer (:mod:`.module`) and the graph layer

@@ -52,269 +52,73 @@ asserts it on the optimized graph):
   activations too: see below); a weight-only conv dequantizes at every run. ``Gemm`` with
   ``transB=1`` (PyTorch's layout, imported models) is warned about as well.
 
-**Activations** (:func:`quantize_activations`): with calibration data, ``QuantizeLinear ->
+**Activations** (:func:`onnxparam.quant.quantize_activations`): with calibration data, ``QuantizeLinear ->
 DequantizeLinear`` pairs (uint8, asymmetric, MinMax ranges) are put on the activation input and
 the output of every ``MatMul`` / ``Conv`` with a quantized weight, so ORT fuses ``QLinearConv`` /
 ``QLinearMatMul`` (static quantization; ORT quantizes a float conv bias itself).
 
-**Import** (:func:`fold_dequantize_weights`): ``DequantizeLinear(integer initializer, constant
+Parts: options and metadata keys (``_qdq_options``), weight layouts (``_qdq_layout``), this
+module (the export pass: :func:`emit_param`, :func:`finish_graph`, activation QDQ pairs),
+calibration (``_activations``: :func:`onnxparam.quant.quantize_activations`) and import
+(``_qdq_import``: ``fold_dequantize_weights``, ``imported_param``).
+
+**Import** (``fold_dequantize_weights``): ``DequantizeLinear(integer initializer, constant
 scale[, constant zero point])`` and the ``DynamicQuantizeLinear -> MatMulInteger`` form above
-become one float weight that :func:`imported_param` turns into a ``QFloat`` param.
+become one float weight that ``imported_param`` turns into a ``QFloat`` param.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
-import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
-from .calibration import quantize
-from .scheme import QuantScheme, QuantValue
+from ._qdq_layout import WeightLayout, reblocked_layout, weight_layout
+from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fast path)
+    _OPTIONS,
+    _QDQ_META,
+    ACCURACY_LEVEL_KEY,
+    ACTIVATION_RANGES_ATTR,
+    GLOBAL_SCALE_KEY,
+    MATMUL_MODES,
+    NBITS_MIN_BLOCK,
+    RUNTIME_DEFAULT_OPTIONS,
+    SCHEME_KEY,
+    QdqOptions,
+    current_options,
+    matmulnbits_accuracy_level,
+    qdq_options,
+    runtime_options,
+)
 from .tensor import QuantizedTensor
 
 __all__ = [
     "ACCURACY_LEVEL_KEY",
     "GLOBAL_SCALE_KEY",
     "SCHEME_KEY",
+    "ACTIVATION_RANGES_ATTR",
+    "NBITS_MIN_BLOCK",
+    "MATMUL_MODES",
+    "RUNTIME_DEFAULT_OPTIONS",
     "QdqOptions",
     "QuantizationWarning",
     "WeightLayout",
     "current_options",
+    "runtime_options",
     "emit_param",
     "finish_graph",
-    "fold_dequantize_weights",
-    "imported_param",
+    "is_qdq_initializer",
     "matmulnbits_accuracy_level",
     "qdq_options",
-    "quantize_activations",
+    "quantized_param_value",
+    "reblocked_layout",
     "weight_layout",
 ]
-
-ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
-"""ONNX Runtime session config entry: the ``accuracy_level`` of the ``MatMulNBits`` it fuses from
-``DequantizeLinear -> MatMul`` (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations)."""
-
-SCHEME_KEY = "onnxparam.quant.scheme"
-"""Initializer ``metadata_props`` key: the Burn ``QuantScheme`` (JSON of its CBOR value)."""
-
-GLOBAL_SCALE_KEY = "onnxparam.quant.global_scale"
-"""Initializer ``metadata_props`` key: a two-level scheme's global scale (``float.hex``)."""
-
-ACTIVATION_RANGES_ATTR = "_onnxparam_activation_ranges"
-"""Private module attribute: ``((value_name, min, max), ...)`` from :func:`quantize_activations`."""
-
-NBITS_MIN_BLOCK = 16
-"""``MatMulNBits`` blocks: a power of 2, at least 16 (ORT's ``DQMatMulToMatMulNBits`` selector)."""
-
-MATMUL_MODES = ("auto", "dynamic", "dequantize")
-_QDQ_META = "onnxparam.qdq"
-
-
-@dataclass(frozen=True)
-class QdqOptions:
-    """How quantized params are exported (module docstring).
-
-    Args:
-        matmul: ``"auto"`` (8-bit per-tensor / per-column weights of ``MatMul`` -> dynamic
-            activation quantization, ORT ``DynamicQuantizeMatMul``; the rest ``DequantizeLinear``),
-            ``"dynamic"`` (as auto), or ``"dequantize"`` (``DequantizeLinear`` everywhere).
-        unsigned: write ``UINT8`` / ``UINT4`` values with zero point 128 / 8 instead of signed
-            ones without zero point (lossless either way).
-        reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
-            fuses ``MatMulNBits`` (lossy; the largest error is reported), instead of warning.
-
-    Raises:
-        ValueError: for an unknown ``matmul`` mode.
-    """
-
-    matmul: str = "auto"
-    unsigned: bool = False
-    reblock: bool = False
-
-    def __post_init__(self):
-        if self.matmul not in MATMUL_MODES:
-            raise ValueError(f"QdqOptions.matmul must be one of {', '.join(MATMUL_MODES)}; got {self.matmul!r}")
-
-
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("onnxparam_qdq_options", default=None)
-
-RUNTIME_DEFAULT_OPTIONS = QdqOptions(matmul="dequantize")
-"""What ``module(x)`` traces with outside :func:`qdq_options`: weight-only ``DequantizeLinear``,
-so a quantized module computes with exactly ``param.val()`` (no activation quantization)."""
-
-
-@contextlib.contextmanager
-def qdq_options(options: QdqOptions | None = None, **kwargs):
-    """Use ``options`` (or ``QdqOptions(**kwargs)``) for graphs traced inside the block (export
-    and ``module(x)``)::
-
-        with qdq_options(matmul="dequantize"):
-            export_onnx(model, "model.onnx", x)
-    """
-    options = replace(options or QdqOptions(), **kwargs)
-    token = _OPTIONS.set(options)
-    try:
-        yield options
-    finally:
-        _OPTIONS.reset(token)
-
-
-def current_options() -> QdqOptions:
-    """The :class:`QdqOptions` in effect for export (the defaults outside :func:`qdq_options`)."""
-    return _OPTIONS.get() or QdqOptions()
-
-
-def runtime_options() -> QdqOptions:
-    """The :class:`QdqOptions` ``module(x)`` traces with: those of an enclosing
-    :func:`qdq_options`, else :data:`RUNTIME_DEFAULT_OPTIONS` (part of the trace cache key)."""
-    return _OPTIONS.get() or RUNTIME_DEFAULT_OPTIONS
-
-
-def matmulnbits_accuracy_level(level: int) -> tuple:
-    """The session config entry setting ORT's ``MatMulNBits`` ``accuracy_level`` (0-4), e.g.
-    ``SessionConfig().with_config_entry(*matmulnbits_accuracy_level(4))``.
-
-    Raises:
-        ValueError: for a level outside 0..4.
-    """
-    if int(level) not in range(5):
-        raise ValueError(f"MatMulNBits accuracy_level is 0..4 (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8); got {level}")
-    return ACCURACY_LEVEL_KEY, str(int(level))
-
-
-# -- weight layouts ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    """The ONNX initializers of one quantized weight.
-
-    Attributes:
-        onnx_dtype: ``ir.DataType`` of ``values`` (INT8, UINT8, INT4, UINT4).
-        values: the integer values, the weight's shape (``ml_dtypes`` int4/uint4 for 4 bits).
-        scale: float32; ``()`` per-tensor, ``(d_axis,)`` per-axis, the block grid when blocked.
-        zero_point: ``values``' dtype, the shape of ``scale``; ``None`` for signed values.
-        axis: the ``DequantizeLinear`` axis (``None`` per-tensor).
-        block_size: the ``block_size`` attribute (``None`` unless blocked).
-        max_error: largest ``|exported - param.val()|``: 0 unless re-blocked.
-    """
-
-    onnx_dtype: ir.DataType
-    values: np.ndarray
-    scale: np.ndarray
-    zero_point: np.ndarray | None
-    axis: int | None
-    block_size: int | None
-    max_error: float = 0.0
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.onnx_dtype in (ir.DataType.INT4, ir.DataType.UINT4) else 8
-
-    @property
-    def per_column_2d(self) -> bool:
-        """Per-tensor or per-axis-1 scales on a 2-D weight (what ``MatMulInteger`` takes)."""
-        return self.values.ndim == 2 and self.block_size is None and self.axis in (None, 1)
-
-    def dequantize(self) -> np.ndarray:
-        """``(values - zero_point) * scale`` as ONNX ``DequantizeLinear`` computes it (float32)."""
-        q = self.values.astype(np.float32)
-        zp = 0 if self.zero_point is None else self.zero_point.astype(np.float32)
-        if self.axis is None:
-            return ((q - zp) * self.scale).astype(np.float32)
-        shape = [1] * q.ndim
-        if self.block_size is None:
-            shape[self.axis] = -1
-            return ((q - np.reshape(zp, shape) if np.ndim(zp) else q) * self.scale.reshape(shape)).astype(np.float32)
-        rep = lambda a: np.repeat(a, self.block_size, axis=self.axis).take(
-            range(q.shape[self.axis]), axis=self.axis)
-        return ((q - (rep(zp) if np.ndim(zp) else 0)) * rep(self.scale)).astype(np.float32)
-
-
-def _onnx_grid(qt: QuantizedTensor, opset: int):
-    """``(scale array, axis, block_size)`` in ONNX's form, or ``None`` when ONNX cannot express
-    the Burn scale grid (module docstring table)."""
-    scheme = qt.scheme
-    scales = np.asarray(qt.scales, dtype=np.float32)
-    if qt.global_scale is not None:
-        scales = (np.float32(qt.global_scale) * scales).astype(np.float32)  # Burn's (global * scale)
-    rank = len(qt.shape)
-    if scheme.block is None or scales.size == 1:
-        return scales.reshape(()), None, None
-    extents = scheme.block.size.to_dim_vec(rank)
-    grid = scales.shape
-    varying = [i for i, n in enumerate(grid) if n > 1]
-    if len(varying) == 1 and extents[varying[0]] == 1:
-        return scales.reshape(-1), varying[0], None
-    blocked = [i for i, e in enumerate(extents) if e > 1]
-    if len(blocked) == 1 and opset >= 21:
-        return scales, blocked[0], int(extents[blocked[0]])
-    return None
-
-
-def weight_layout(qt: QuantizedTensor, opset: int = 21, options: QdqOptions | None = None) -> WeightLayout | None:
-    """The exact ONNX layout of a Burn quantized tensor (module docstring), or ``None`` when ONNX
-    ``DequantizeLinear`` cannot express its scales (2-D blocks, blocks below opset 21).
-
-    Args:
-        qt: the quantized tensor.
-        opset: the graph's ``ai.onnx`` opset (INT4 and blocked scales need 21).
-        options: :class:`QdqOptions` (``unsigned``).
-    """
-    options = options or QdqOptions()
-    grid = _onnx_grid(qt, opset)
-    if grid is None:
-        return None
-    scale, axis, block = grid
-    four = qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F) and opset >= 21
-    values = np.asarray(qt.values, dtype=np.int8)
-    zero_point = None
-    if options.unsigned:
-        offset = 8 if four else 128
-        np_dtype = ml_dtypes.uint4 if four else np.uint8
-        values = (values.astype(np.int16) + offset).astype(np_dtype)
-        zero_point = np.full(scale.shape, offset, dtype=np_dtype)
-        onnx_dtype = ir.DataType.UINT4 if four else ir.DataType.UINT8
-    elif four:
-        values = values.astype(ml_dtypes.int4)
-        onnx_dtype = ir.DataType.INT4
-    else:
-        onnx_dtype = ir.DataType.INT8
-    return WeightLayout(onnx_dtype, values, scale, zero_point, axis, block)
-
-
-def _nbits_block(k: int, preferred: int | None) -> int | None:
-    """A ``MatMulNBits`` block size dividing ``k``: ``preferred`` if it qualifies, else the
-    largest of 128, 64, 32, 16 (Burn's block extents stop at 255)."""
-    candidates = ([preferred] if preferred else []) + [128, 64, 32, 16]
-    for b in candidates:
-        if b >= NBITS_MIN_BLOCK and b & (b - 1) == 0 and b <= 255 and k % b == 0:
-            return b
-    return None
-
-
-def reblocked_layout(qt: QuantizedTensor, layout: WeightLayout, opset: int, options: QdqOptions):
-    """``qt`` (a ``[K, N]`` weight) re-quantized with blocks along K (Burn's MinMax, same value
-    type) so ORT fuses ``MatMulNBits``; ``(layout, block)`` with ``max_error`` set, or ``None``
-    when no block size divides K."""
-    k = qt.shape[0]
-    block = _nbits_block(k, layout.block_size)
-    if block is None:
-        return None
-    scheme = QuantScheme(qt.scheme.value, block_size=(block, 1))
-    requant = quantize(qt.dequantize(), scheme)
-    new = weight_layout(requant, opset, options)
-    error = float(np.max(np.abs(requant.dequantize() - qt.dequantize()))) if qt.values.size else 0.0
-    return replace(new, max_error=error)
 
 
 # -- export: the tracer's param hook -------------------------------------------------------------
@@ -657,295 +461,3 @@ def _insert_activation_qdq(tracer, ranges: dict) -> None:
                 if out is value:
                     graph.outputs[i] = dq.outputs[0]
                     value.name, dq.outputs[0].name = dq.outputs[0].name, value.name
-
-
-def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None):
-    """A copy of ``module`` that carries activation ranges measured on ``calibration_inputs``, so
-    its traced graphs (``module(x)`` and export) get static ``QuantizeLinear -> DequantizeLinear``
-    pairs around every ``MatMul`` / ``Conv`` with a quantized weight (module docstring).
-
-    Quantize the weights first (:meth:`~onnxparam.Module.quantize_weights`); activations of ops
-    whose weight is float are left alone.
-
-    Args:
-        module: a module with quantized weights.
-        calibration_inputs: an array (or a sequence of arrays, one per forward argument) holding
-            representative inputs, batch first; run in batches of ``batch_size`` (all at once
-            when ``None``).
-        batch_size: calibration batch size.
-
-    Returns:
-        the module copy (ranges in the private attribute :data:`ACTIVATION_RANGES_ATTR`).
-
-    Raises:
-        QuantizationError: when the module has no quantized weight feeding a MatMul / Conv.
-    """
-    import onnx
-
-    from .._ort import import_onnxruntime
-    from ..module import rebuild
-    from ..trace import InputSpec, trace_module
-
-    ort = import_onnxruntime()
-    args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]
-    args = [np.asarray(a) for a in args]
-    plain = rebuild(module, lambda p, param: param,
-                    lambda path, m: m.__dict__.pop(ACTIVATION_RANGES_ATTR, None) if path == "" else None)
-    with qdq_options(matmul="dequantize"):
-        traced = trace_module(plain, tuple(InputSpec(("batch",) + a.shape[1:], DType.from_numpy(a.dtype))
-                                           for a in args))
-    emitted = {id(v.meta[_QDQ_META].output._symbol.value) for v in traced.graph.initializers.values()
-               if _QDQ_META in v.meta}
-    sites = _activation_sites(traced.graph, emitted)
-    if not sites:
-        raise QuantizationError("no MatMul / Conv with a quantized weight to calibrate: quantize the weights first "
-                                "(module.quantize_weights(Quantizer(...)))")
-    proto = traced.to_proto()
-    proto.graph.ClearField("value_info")
-    known = {o.name for o in proto.graph.output}
-    for name in sites:
-        if name not in known:
-            proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    out_names = [o.name for o in session.get_outputs()]
-    lo = {n: math.inf for n in sites}
-    hi = {n: -math.inf for n in sites}
-    n = len(args[0])
-    step = n if batch_size is None else int(batch_size)
-    for start in range(0, n, step):
-        feed = {name: a[start:start + step] for name, a in zip(traced.input_names, args)}
-        for name, result in zip(out_names, session.run(out_names, feed)):
-            if name in lo and result.size:
-                lo[name] = min(lo[name], float(np.min(result)))
-                hi[name] = max(hi[name], float(np.max(result)))
-    ranges = tuple((name, lo[name], hi[name]) for name in sites if math.isfinite(lo[name]))
-
-    def set_ranges(path, m):
-        if path == "":
-            object.__setattr__(m, ACTIVATION_RANGES_ATTR, ranges)
-
-    return rebuild(module, lambda p, param: param, set_ranges)
-
-
-# -- import --------------------------------------------------------------------------------------------
-
-_INT_TYPES = (ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT4, ir.DataType.UINT4)
-
-
-def _const(value: ir.Value | None):
-    if value is None:
-        return None
-    if value.const_value is not None and value.is_initializer():
-        return value.const_value
-    return None
-
-
-def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank) -> QuantScheme:
-    text = props.get(SCHEME_KEY) if props is not None else None
-    if text:
-        return QuantScheme.from_cbor(json.loads(text))
-    four = False
-    if values.dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
-        four = True
-    if four:
-        value = QuantValue.Q4S if values.min(initial=0) >= -7 else QuantValue.Q4F
-    else:
-        value = QuantValue.Q8S if values.min(initial=0) >= -127 else QuantValue.Q8F
-    if axis is None or int(np.prod(scale_shape)) == 1:
-        return QuantScheme(value)
-    if block is None:  # per-axis: a block covering every other axis
-        return None  # decided by the caller (extents may exceed Burn's 255)
-    extents = [1] * rank
-    extents[axis] = block
-    return QuantScheme(value, block_size=tuple(extents))
-
-
-def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTensor | None:
-    """The Burn ``QFloat`` tensor of a ``DequantizeLinear`` weight, or ``None`` when Burn cannot
-    hold it (values outside int8 after removing the zero point, a per-axis scale on an axis
-    longer than Burn's 255-element blocks, non-positive scales)."""
-    values = np.asarray(values)
-    scale = np.asarray(scale, dtype=np.float32)
-    rank = values.ndim
-    if axis is not None and axis < 0:
-        axis += rank
-    q = values.astype(np.int32)
-    if zero_point is not None:
-        zp = np.asarray(zero_point).astype(np.int32)
-        if zp.ndim and axis is not None:
-            if block is None:
-                shape = [1] * rank
-                shape[axis] = -1
-                zp = zp.reshape(shape)
-            else:
-                zp = np.repeat(zp, block, axis=axis).take(range(values.shape[axis]), axis=axis)
-        q = q - zp
-    if q.size and (q.min() < -128 or q.max() > 127):
-        return None
-    if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
-        return None
-    scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank)
-    global_scale = None
-    if scheme is None:  # per-axis
-        extents = [d for d in values.shape]
-        extents[axis] = 1
-        if any(e > 255 for e in extents):
-            return None
-        value = QuantValue.Q8S if q.min(initial=0) >= -127 else QuantValue.Q8F
-        if values.dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
-            value = QuantValue.Q4S if q.min(initial=0) >= -7 else QuantValue.Q4F
-        scheme = QuantScheme(value, block_size=tuple(extents))
-    if props is not None and props.get(GLOBAL_SCALE_KEY):
-        global_scale = np.float32(float.fromhex(props[GLOBAL_SCALE_KEY]))
-        scale = (scale / global_scale).astype(np.float32)
-    try:
-        from .layout import params_shape
-
-        grid = params_shape(values.shape, scheme)
-        qt = QuantizedTensor(values.shape, scheme, q.astype(np.int8), scale.reshape(grid), global_scale)
-        qt.to_bytes()  # scales representable in the scheme's dtype
-    except QuantizationError:
-        return None
-    return qt
-
-
-def fold_dequantize_weights(model: ir.Model) -> int:
-    """Turn each ``DequantizeLinear(integer initializer, constant scale[, constant zero point])``
-    of the main graph (and the ``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul`` form the
-    exporter writes) into one float initializer named as the integer initializer, whose value
-    :func:`imported_param` makes a ``QFloat`` param. Called by the ONNX importer before it looks
-    for weights. Returns the number of weights folded."""
-    graph = model.graph
-    folded = 0
-    for node in list(graph):
-        if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
-            folded += _fold_dynamic(graph, node)
-    for node in list(graph):
-        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
-            continue
-        inputs = list(node.inputs) + [None] * (3 - len(node.inputs))
-        data, scale, zp = (_const(v) for v in inputs[:3])
-        source = inputs[0]
-        if data is None or scale is None or (inputs[2] is not None and zp is None) or data.dtype not in _INT_TYPES:
-            continue
-        if source.is_graph_input() or len(source.uses()) != 1:
-            continue
-        axis = node.attributes.get("axis")
-        block = node.attributes.get("block_size")
-        axis = int(axis.value) if axis is not None else 1
-        block = int(block.value) if block is not None and int(block.value) > 0 else None
-        scale_arr = np.asarray(scale.numpy(), np.float32)
-        if scale_arr.ndim == 0 or scale_arr.size == 1 and block is None:
-            axis_used = None
-        else:
-            axis_used = axis
-        qt = _burn_tensor(data.numpy(), scale_arr, None if zp is None else zp.numpy(), axis_used, block,
-                          data.metadata_props)
-        if qt is None:
-            continue
-        _replace_with_weight(graph, node.outputs[0], source, qt, data.metadata_props)
-        graph.remove(node, safe=True)
-        for value in inputs[1:3]:
-            if value is not None:
-                value.meta[_FOLDED_INPUT] = True
-        folded += 1
-    for value in list(graph.initializers.values()):
-        if not value.uses() and not value.is_graph_output() and not value.is_graph_input() \
-                and value.meta.get(_FOLDED_INPUT):
-            graph.initializers.pop(value.name)
-    return folded
-
-
-_FOLDED_INPUT = "onnxparam.qdq.folded_input"
-_IMPORTED = "onnxparam.qdq.imported"
-
-
-def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: QuantizedTensor, props) -> None:
-    name = source.name
-    lazy = ir.LazyTensor(lambda _qt=qt: ir.tensor(_qt.dequantize()), ir.DataType.FLOAT, ir.Shape(list(qt.shape)),
-                         name=name)
-    lazy.metadata_props.update({k: v for k, v in props.items() if k not in (SCHEME_KEY, GLOBAL_SCALE_KEY)})
-    graph.initializers.pop(name)
-    new = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(qt.shape)),
-                   const_value=lazy)
-    new.meta[_IMPORTED] = qt
-    float_value.replace_all_uses_with(new, replace_graph_outputs=True)
-    graph.register_initializer(new)
-
-
-def _fold_dynamic(graph, mmi: ir.Node) -> int:
-    """``DynamicQuantizeLinear(x) -> MatMulInteger(xq, W, xz[, wz]) -> Cast -> Mul(·, Mul(xs, s))``
-    -> ``MatMul(x, W_float)``."""
-    inputs = list(mmi.inputs)
-    dql = inputs[0].producer() if inputs[0] is not None else None
-    if dql is None or dql.op_type != "DynamicQuantizeLinear" or len(inputs) < 3 or inputs[2] is not dql.outputs[2]:
-        return 0
-    w = _const(inputs[1])
-    wz = _const(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
-    if w is None or w.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or len(inputs[1].uses()) != 1:
-        return 0
-    if len(inputs) > 3 and inputs[3] is not None and wz is None:
-        return 0
-    uses = list(mmi.outputs[0].uses())
-    if len(uses) != 1 or uses[0][0].op_type != "Cast":
-        return 0
-    cast = uses[0][0]
-    cuses = list(cast.outputs[0].uses())
-    if len(cuses) != 1 or cuses[0][0].op_type != "Mul":
-        return 0
-    mul = cuses[0][0]
-    other = mul.inputs[1 - cuses[0][1]]
-    smul = other.producer() if other is not None else None
-    if smul is None or smul.op_type != "Mul" or len(list(other.uses())) != 1:
-        return 0
-    s_in = [v for v in smul.inputs if v is not dql.outputs[1]]
-    if len(s_in) != 1 or _const(s_in[0]) is None:
-        return 0
-    scale = np.asarray(_const(s_in[0]).numpy(), np.float32)
-    axis = None if scale.size == 1 and scale.ndim <= 1 else 1
-    qt = _burn_tensor(w.numpy(), scale.reshape(()) if axis is None else scale, None if wz is None else wz.numpy(),
-                      axis, None, w.metadata_props)
-    if qt is None:
-        return 0
-    x = dql.inputs[0]
-    matmul = ir.Node("", "MatMul", [x, inputs[1]], name=mmi.name.replace("/dynamic/MatMulInteger", "") or None)
-    y = mul.outputs[0]
-    out = matmul.outputs[0]
-    out.name = y.name
-    out.type, out.shape = y.type, y.shape
-    graph.insert_before(dql, [matmul])
-    y.name = None
-    y.replace_all_uses_with(out, replace_graph_outputs=True)
-    w_source = inputs[1]
-    for node in (mul, smul, cast, mmi):
-        graph.remove(node, safe=True)
-    if not any(o.uses() for o in dql.outputs):
-        graph.remove(dql, safe=True)
-    float_value = ir.Value(name=None)
-    matmul.replace_input_with(1, float_value)
-    _replace_with_weight(graph, float_value, w_source, qt, w.metadata_props)
-    for value in (s_in[0],) + ((inputs[3],) if wz is not None else ()):
-        if not value.uses() and value.is_initializer() and value.name in graph.initializers:
-            value.meta[_FOLDED_INPUT] = True
-    return 1
-
-
-def imported_param(site, meta):
-    """The ``QFloat`` param of a weight :func:`fold_dequantize_weights` made, else ``None``
-    (called by the importer for every weight site)."""
-    qt = site.value.meta.get(_IMPORTED) if site.value is not None else None
-    if qt is None:
-        return None
-    from ..param import Param, ParamId
-
-    pid = meta.param_id if meta.param_id is not None else ParamId()
-    require_grad = bool(meta.require_grad) if meta.require_grad is not None else False
-
-    def init(device, require_grad, _qt=qt):
-        return _qt.to_tensor()
-
-    return Param.uninitialized(pid, init, "cpu", require_grad, qt.shape, DType.QFloat)
-

@@ -1,0 +1,111 @@
+"""QDQ export options and the metadata keys of quantized initializers (see :mod:`onnxparam.quant.qdq`)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, replace
+
+import onnx_ir as ir
+
+ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
+"""ONNX Runtime session config entry: the ``accuracy_level`` of the ``MatMulNBits`` it fuses from
+``DequantizeLinear -> MatMul`` (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations)."""
+
+SCHEME_KEY = "onnxparam.quant.scheme"
+"""Initializer ``metadata_props`` key: the Burn ``QuantScheme`` (JSON of its CBOR value)."""
+
+GLOBAL_SCALE_KEY = "onnxparam.quant.global_scale"
+"""Initializer ``metadata_props`` key: a two-level scheme's global scale (``float.hex``)."""
+
+ACTIVATION_RANGES_ATTR = "_onnxparam_activation_ranges"
+"""Private module attribute: ``((value_name, min, max), ...)`` from :func:`quantize_activations`."""
+
+NBITS_MIN_BLOCK = 16
+"""``MatMulNBits`` blocks: a power of 2, at least 16 (ORT's ``DQMatMulToMatMulNBits`` selector)."""
+
+MATMUL_MODES = ("auto", "dynamic", "dequantize")
+_QDQ_META = "onnxparam.qdq"
+
+
+@dataclass(frozen=True)
+class QdqOptions:
+    """How quantized params are exported (module docstring).
+
+    Args:
+        matmul: ``"auto"`` (8-bit per-tensor / per-column weights of ``MatMul`` -> dynamic
+            activation quantization, ORT ``DynamicQuantizeMatMul``; the rest ``DequantizeLinear``),
+            ``"dynamic"`` (as auto), or ``"dequantize"`` (``DequantizeLinear`` everywhere).
+        unsigned: write ``UINT8`` / ``UINT4`` values with zero point 128 / 8 instead of signed
+            ones without zero point (lossless either way).
+        reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
+            fuses ``MatMulNBits`` (lossy; the largest error is reported), instead of warning.
+
+    Raises:
+        ValueError: for an unknown ``matmul`` mode.
+    """
+
+    matmul: str = "auto"
+    unsigned: bool = False
+    reblock: bool = False
+
+    def __post_init__(self):
+        if self.matmul not in MATMUL_MODES:
+            raise ValueError(f"QdqOptions.matmul must be one of {', '.join(MATMUL_MODES)}; got {self.matmul!r}")
+
+
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("onnxparam_qdq_options", default=None)
+
+RUNTIME_DEFAULT_OPTIONS = QdqOptions(matmul="dequantize")
+"""What ``module(x)`` traces with outside :func:`qdq_options`: weight-only ``DequantizeLinear``,
+so a quantized module computes with exactly ``param.val()`` (no activation quantization)."""
+
+
+@contextlib.contextmanager
+def qdq_options(options: QdqOptions | None = None, **kwargs):
+    """Use ``options`` (or ``QdqOptions(**kwargs)``) for graphs traced inside the block (export
+    and ``module(x)``)::
+
+        with qdq_options(matmul="dequantize"):
+            export_onnx(model, "model.onnx", x)
+    """
+    options = replace(options or QdqOptions(), **kwargs)
+    token = _OPTIONS.set(options)
+    try:
+        yield options
+    finally:
+        _OPTIONS.reset(token)
+
+
+def current_options() -> QdqOptions:
+    """The :class:`QdqOptions` in effect for export (the defaults outside :func:`qdq_options`)."""
+    return _OPTIONS.get() or QdqOptions()
+
+
+def runtime_options() -> QdqOptions:
+    """The :class:`QdqOptions` ``module(x)`` traces with: those of an enclosing
+    :func:`qdq_options`, else :data:`RUNTIME_DEFAULT_OPTIONS` (part of the trace cache key)."""
+    return _OPTIONS.get() or RUNTIME_DEFAULT_OPTIONS
+
+
+def matmulnbits_accuracy_level(level: int) -> tuple:
+    """The session config entry setting ORT's ``MatMulNBits`` ``accuracy_level`` (0-4), e.g.
+    ``SessionConfig().with_config_entry(*matmulnbits_accuracy_level(4))``.
+
+    Raises:
+        ValueError: for a level outside 0..4.
+    """
+    if int(level) not in range(5):
+        raise ValueError(f"MatMulNBits accuracy_level is 0..4 (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8); got {level}")
+    return ACCURACY_LEVEL_KEY, str(int(level))
+
+
+_INT_TYPES = (ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT4, ir.DataType.UINT4)
+
+
+def _const(value: ir.Value | None):
+    if value is None:
+        return None
+    if value.const_value is not None and value.is_initializer():
+        return value.const_value
+    return None

@@ -108,7 +108,7 @@ _LAZY = {
     "DType": "dtype",
     "ParamGroup": "group",
     "LoraAdapter": "lora", "LoraConfig": "lora",
-    "write_onnx_adapter": "lora_graph",
+    "write_onnx_adapter": "_lora_adapter_file",
     "Module": "module", "ModuleMapper": "module", "ModuleVisitor": "module",
     "OnnxModule": "onnx_io", "export_onnx": "onnx_io", "import_onnx": "onnx_io",
     "Param": "param", "ParamId": "param",

@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 
 import onnxparam as op
-from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, import_onnx
-from onnxparam.lora_graph import adapter_params, write_onnx_adapter
+from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, import_onnx, write_onnx_adapter
+from onnxparam._lora_adapter_file import adapter_params
 from onnxparam.nn import Linear
 from onnxparam.runtime import SessionConfig, sessions_built, set_session_config
 

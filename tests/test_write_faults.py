@@ -311,7 +311,7 @@ def test_a_failed_onnx_adapter_save_keeps_the_previous_file(tmp_path, monkeypatc
     import numpy as np
     import onnxruntime
 
-    from onnxparam.lora_graph import write_onnx_adapter
+    from onnxparam import write_onnx_adapter
 
     path = tmp_path / "a.onnx_adapter"
     write_onnx_adapter({"w.lora.a": np.ones((2, 1), np.float32)}, path)
@@ -337,7 +337,7 @@ def test_a_failed_onnx_adapter_save_keeps_the_previous_file(tmp_path, monkeypatc
 
 
 def save_adapter(path: Path, version: int) -> None:
-    from onnxparam.lora_graph import write_onnx_adapter
+    from onnxparam import write_onnx_adapter
 
     write_onnx_adapter({"fc.weight.lora.a": _arrays(version)["fc.weight"][:, :2].copy()}, path)
 

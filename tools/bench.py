@@ -290,8 +290,7 @@ include the run itself (a few ms here), which bounds the ratio from below."""
 def bench_lora(args: argparse.Namespace) -> list[Result]:
     import onnxruntime as ort
 
-    from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, runtime
-    from onnxparam.lora_graph import write_onnx_adapter
+    from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, runtime, write_onnx_adapter
     from onnxparam.nn import Linear
 
     class Mlp(Module):

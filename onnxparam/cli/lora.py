@@ -213,7 +213,7 @@ def _save_module(module, path: Path) -> None:
 
 def _write_lora_adapter(module, path: Path) -> None:
     if path.suffix.lower() == ".onnx_adapter":
-        from ..lora_graph import write_onnx_adapter
+        from .._lora_adapter_file import write_onnx_adapter
 
         write_onnx_adapter(module, path)
         return

@@ -198,7 +198,7 @@ class OnnxModule(Module):
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""
-        from ..lora_graph import transposed_weight_names
+        from .._lora_import import transposed_weight_names
 
         names = transposed_weight_names(self._source.loaded.model)
         return [path for path, name in self._source.names.items() if name in names]
@@ -625,14 +625,14 @@ def import_onnx(path_or_model) -> OnnxModule:
             data file is missing or short, a name is used that nothing produces, or two weights
             share a name. Each message names the file and the problem.
     """
-    from .. import lora_graph
+    from .. import _lora_import
 
     loaded = load_model(path_or_model)
     if loaded.model.functions:
         loaded = _inline_functions(loaded)
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
-    loaded, adapters = lora_graph.strip_imported(loaded)
-    return lora_graph.attach_imported(OnnxModule(loaded), adapters)
+    loaded, adapters = _lora_import.strip_imported(loaded)
+    return _lora_import.attach_imported(OnnxModule(loaded), adapters)
 
 
 def _inline_functions(loaded: LoadedModel) -> LoadedModel:

@@ -1,0 +1,82 @@
+"""``.onnx_adapter`` files: a module's LoRA factors in ONNX Runtime's adapter format, for graphs
+exported with ``lora="inputs"`` (see :mod:`onnxparam.lora_graph`). Runtime layer: it writes
+through ONNX Runtime's adapter API."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["adapter_params", "write_onnx_adapter"]
+
+
+def adapter_params(module) -> dict:
+    """``{"<path>.lora.a": array, "<path>.lora.b": array, ...}`` for every adapter of
+    ``module``: the graph-input names of its ``"inputs"`` export and their values."""
+    from .module import named_params
+    from .trace import untraced
+
+    params = {}
+    with untraced():
+        for path, param in named_params(module):
+            adapter = param.adapter()
+            if adapter is None:
+                continue
+            params[f"{path}.lora.a"] = np.asarray(adapter.a.val().to_numpy())
+            params[f"{path}.lora.b"] = np.asarray(adapter.b.val().to_numpy())
+    return params
+
+
+def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, model_version: int = 1):
+    """Write an ONNX Runtime adapter file (``.onnx_adapter``, ``onnxruntime.AdapterFormat``).
+
+    Args:
+        module_or_params: a module with LoRA adapters (its factors are written under their
+            record paths, ``fc.weight.lora.a`` ..., the names of the ``lora="inputs"`` export's
+            graph inputs), or a mapping ``name -> array``.
+        path: the file to write.
+        adapter_version, model_version: the versions stored in the file's header.
+
+    Returns:
+        the ``pathlib.Path`` written.
+
+    Load it with ``onnxruntime.LoraAdapter().Load(path)`` and activate it per run with
+    ``RunOptions.add_active_adapter``. NOTE: ONNX Runtime ignores active adapters under IO
+    binding; bind the factors as inputs there instead (module docstring). NOTE: ``RunOptions``
+    does not keep its ``LoraAdapter`` alive (ONNX Runtime 1.32 crashes if the adapter object is
+    collected first): hold a reference for as long as the options are used.
+
+    Raises:
+        ValueError: when there is nothing to write (a module without adapters).
+        PermissionError: (``EACCES``) ``path`` is read-only (whatever the process's privileges),
+            or its folder is not writable; nothing is written.
+        FileNotFoundError: (``ENOENT``) ``path``'s folder does not exist.
+    """
+    import os
+    from pathlib import Path
+
+    from ._ort import import_onnxruntime
+    from ._scratch import check_replaceable, preserve_mode, scratch_name
+
+    ort = import_onnxruntime()
+    params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
+    if not params:
+        raise ValueError("no LoRA adapter to write: the module has no adapters (apply_lora first)")
+    values = {str(k): ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+    fmt = ort.AdapterFormat()
+    fmt.set_adapter_version(int(adapter_version))
+    fmt.set_model_version(int(model_version))
+    fmt.set_parameters(values)
+    path = Path(path)
+    # NOTE: ONNX Runtime writes straight to the path it is given; write beside it and rename,
+    # so a failed save never destroys the previous adapter file. The rename would also replace
+    # a read-only file that open(path, "w") refuses: check first, keep the old mode.
+    mode = check_replaceable(path)
+    scratch = path.with_name(scratch_name(path.name))
+    try:
+        fmt.export_adapter(str(scratch))
+        preserve_mode(mode, scratch)
+        os.replace(scratch, path)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
+    return path

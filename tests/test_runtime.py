@@ -311,3 +311,22 @@ def test_concurrent_first_calls_build_one_session_and_initialize_once():
     assert runtime.sessions_built() == before + 1 and calls == [1]
     for r in results:
         np.testing.assert_allclose(r, x @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_call_caches_keep_no_module_alive():
+    import gc
+    import weakref
+
+    from onnxparam import runtime as rt
+    from onnxparam.nn import LinearConfig
+
+    module = LinearConfig(3, 2).init()
+    x = Tensor.from_numpy(np.ones((1, 3), np.float32))
+    expected = np.ones((1, 3), np.float32) @ module.weight.val().to_numpy() + module.bias.val().to_numpy()
+    np.testing.assert_allclose(module(x).to_numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(module(x).to_numpy(), expected, rtol=1e-6)  # the fast path
+    alive = weakref.ref(module)
+    del module
+    gc.collect()
+    assert alive() is None
+    assert rt.calls._fast == {} or all(entry.module() is not None for entry in rt.calls._fast.values())

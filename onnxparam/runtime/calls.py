@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-import keyword
+import operator
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -283,36 +284,27 @@ def _path_steps(module, path: str):
 
 
 def _compile_getter(all_steps: list):
-    """``module -> tuple of objects`` at the given step lists, as one generated function.
+    """``module -> tuple of objects`` at the given step lists.
 
-    NOTE: generated source (as ``dataclasses`` / ``namedtuple`` do) makes the per-call
-    re-check a handful of bytecodes; only identifiers and int / str keys are ever written into
-    it. Other keys fall back to a loop.
+    Paths of attributes only (the usual case) become one ``operator.attrgetter`` (dotted names,
+    resolved in C); a path with an item step (a list or dict of modules) falls back to a loop.
     """
-    exprs = []
-    for steps in all_steps:
-        expr = "m"
-        for is_item, key in steps:
-            if is_item and type(key) in (int, str):
-                expr += f"[{key!r}]"
-            elif not is_item and key.isidentifier() and not keyword.iskeyword(key):
-                expr += f".{key}"
-            else:
-                expr = None
-                break
-        if expr is None:
-            def loop(m, _all=tuple(tuple(s) for s in all_steps)):
-                out = []
-                for steps in _all:
-                    o = m
-                    for is_item, key in steps:
-                        o = o[key] if is_item else getattr(o, key)
-                    out.append(o)
-                return tuple(out)
+    if all(not is_item for steps in all_steps for is_item, _ in steps):
+        get = operator.attrgetter(*(".".join(key for _, key in steps) for steps in all_steps))
+        if len(all_steps) == 1:
+            return lambda m: (get(m),)
+        return get
 
-            return loop
-        exprs.append(expr)
-    return eval(f"lambda m: ({', '.join(exprs)},)", {})  # noqa: S307 - see NOTE
+    def loop(m, _all=tuple(tuple(s) for s in all_steps)):
+        out = []
+        for steps in _all:
+            o = m
+            for is_item, key in steps:
+                o = o[key] if is_item else getattr(o, key)
+            out.append(o)
+        return tuple(out)
+
+    return loop
 
 
 class _FastEntry:
@@ -322,7 +314,9 @@ class _FastEntry:
     __slots__ = ("module", "by_sig", "last1", "getter", "expected")
 
     def __init__(self, module, traced, params_by_path: dict):
-        self.module = module  # NOTE: a strong reference, so id(module) cannot be reused
+        # NOTE: a weak reference (the cache keeps no module's weights alive); when the module
+        # dies its entry is dropped (_forget_module) before its id can be reused
+        self.module = weakref.ref(module)
         self.by_sig: dict = {}
         self.last1: Optional[Runner] = None  # the runner of the last one-host-tensor call
         all_steps, expected = [], []
@@ -483,14 +477,22 @@ def _resolve(module, args, kwargs, remember: bool = False):
     return runner, tensors
 
 
+def _forget_module(key: int) -> None:
+    """Drop the fast-path entry of a module that was garbage collected (its id may be reused)."""
+    entry = _fast.get(key)
+    if entry is not None and entry.module() is None:
+        del _fast[key]
+
+
 def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
     sig = _fast_signature(args, kwargs)
     if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
         return
     entry = _fast.get(id(module))
-    if entry is None or entry.module is not module:
+    if entry is None or entry.module() is not module:
         entry = _FastEntry(module, traced, by_path)
         _fast[id(module)] = entry
+        weakref.finalize(module, _forget_module, id(module))
         while len(_fast) > MAX_FAST_MODULES:
             _fast.pop(next(iter(_fast)))
     if not entry.params_current(module):

@@ -131,16 +131,28 @@ def test_devices_and_to_device_keep_lazy_params_lazy():
     same = blk.to_device("cpu")
     assert counter.calls == 0
     assert same.devices() == [Device("cpu")]
+    # another device (no CUDA is needed: a lazy param only records where it will initialize)
+    moved = blk.to_device("cuda:0")
+    assert counter.calls == 0
+    assert moved.devices() == [Device("cuda:0")]
+    assert blk.devices() == [Device("cpu")]
 
 
 def test_train_and_valid_set_the_mode_and_valid_merges_lora():
     blk = Block(Counter())
     assert blk.training is False and blk.train().training is True and blk.train().fc.training is True
     adapted = blk.apply_lora(LoraConfig(rank=2, alpha=4.0, seed=0))
+    params = dict(adapted.named_params())
+    b = np.random.default_rng(1).normal(size=params["fc.weight.lora.b"].lazy_shape()).astype(np.float32)
+    adapted = adapted.try_load_record({"fc.weight.lora.b": b}, allow_partial=True)  # b = 0 would merge nothing
     valid = adapted.train().valid()
     assert valid.training is False
     assert all(p.adapter() is None for _, p in valid.named_params())
-    np.testing.assert_allclose(valid.fc.weight.val().to_numpy(), adapted.fc.weight.val().to_numpy())
+    base = blk.fc.weight.val().to_numpy()
+    a = params["fc.weight.lora.a"].val().to_numpy()
+    expected = base + (4.0 / 2) * (a @ b)  # Burn's merge: base + (alpha / rank) * (A @ B), [d_in, d_out]
+    assert not np.allclose(expected, base)
+    np.testing.assert_allclose(valid.fc.weight.val().to_numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_unknown_device_spelling_is_rejected():

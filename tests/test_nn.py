@@ -97,6 +97,17 @@ def test_linear_without_bias_has_no_bias_param():
     np.testing.assert_allclose(run(layer, x), x @ values(layer.weight), rtol=1e-5, atol=1e-6)
 
 
+def symmetric_padding(padding, kernel, dilation) -> tuple:
+    """The per-side padding PyTorch's ``Conv2d`` / ``Conv1d`` docs give for ``padding`` (``"same"``:
+    ``dilation * (kernel - 1)`` in total, here always even, so split evenly)."""
+    if padding == "valid":
+        return (0,) * len(kernel)
+    if padding == "same":
+        assert all(d * (k - 1) % 2 == 0 for k, d in zip(kernel, dilation))
+        return tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilation))
+    return (padding,) * len(kernel) if isinstance(padding, int) else tuple(padding)
+
+
 @pytest.mark.parametrize(
     "stride, padding, dilation, groups",
     [((1, 1), "valid", (1, 1), 1), ((2, 1), (1, 2), (1, 1), 1), ((1, 1), "same", (2, 2), 1),
@@ -105,8 +116,8 @@ def test_linear_without_bias_has_no_bias_param():
 def test_conv2d_forward_matches_numpy(stride, padding, dilation, groups):
     layer = nn.Conv2d((4, 8), (3, 3), stride=stride, padding=padding, dilation=dilation, groups=groups)
     x = randn(2, 4, 9, 10)
-    pad = layer._pad
-    expected = np_conv2d(x, values(layer.weight), values(layer.bias), layer.stride, pad, layer.dilation, groups)
+    pad = symmetric_padding(padding, (3, 3), dilation)
+    expected = np_conv2d(x, values(layer.weight), values(layer.bias), stride, pad, dilation, groups)
     out = run(layer, x)
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
@@ -122,7 +133,8 @@ def test_conv1d_forward_matches_numpy(stride, padding, dilation, groups):
     layer = nn.Conv1d(3, 6, 3, stride=stride, padding=padding, dilation=dilation, groups=groups)
     x = randn(2, 3, 11)
     w = values(layer.weight)
-    expected = np_conv2d(x[:, :, None, :], w[:, :, None, :], values(layer.bias), (1, stride), (0, layer._pad),
+    pad = symmetric_padding(padding, (3,), (dilation,))[0]
+    expected = np_conv2d(x[:, :, None, :], w[:, :, None, :], values(layer.bias), (1, stride), (0, pad),
                          (1, dilation), groups)[:, :, 0, :]
     np.testing.assert_allclose(run(layer, x), expected, rtol=1e-4, atol=1e-5)
 

@@ -13,14 +13,33 @@ from onnxparam.zoo import mnist
 
 
 def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m onnxparam <args>`` in a subprocess: the entry point as a user runs it."""
     return subprocess.run([sys.executable, "-m", "onnxparam", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)
+
+
+class CliResult:
+    """What a run of the command line gave: exit code, stdout, stderr (as ``CompletedProcess``)."""
+
+    def __init__(self, args, returncode, stdout, stderr):
+        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
+
+
+def run_main(*args, cwd=None) -> CliResult:
+    """Run ``onnxparam <args>`` in this process (so coverage sees the CLI), in folder ``cwd``."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or "."), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliResult(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "out"
-    return run_cli("export", "mnist", "--out", str(out), "--batch-size", "512"), out
+    return run_main("export", "mnist", "--out", str(out), "--batch-size", "512"), out
 
 
 def test_export_mnist_classifies_the_digits_and_reports_accuracy_and_latency(exported):

@@ -11,7 +11,6 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import cbor2
@@ -23,7 +22,7 @@ from safetensors.numpy import load_file as st_load
 from safetensors.numpy import save_file as st_save
 
 import onnxparam.quant
-from onnxparam.cli import export_mnist_onnx
+from onnxparam.cli import export_mnist_onnx, main
 from onnxparam.zoo import mnist
 
 BURN_BPK = mnist.weights_path()
@@ -47,17 +46,31 @@ def burn_file() -> dict:
     return out
 
 
-def start(*args, cwd) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "onnxparam", *map(str, args)], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+class CliResult:
+    """What a run of the command line gave: exit code, stdout, stderr (as ``CompletedProcess``)."""
+
+    def __init__(self, args, returncode, stdout, stderr):
+        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
 
 
-def finish(procs: dict) -> dict:
-    results = {}
-    for key, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    return results
+def run_main(*args, cwd=None) -> CliResult:
+    """Run ``onnxparam <args>`` in this process (so coverage sees the CLI), in folder ``cwd``."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or "."), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliResult(args, code, out.getvalue(), err.getvalue())
+
+
+def start(*args, cwd) -> CliResult:
+    """Run one command now, in this process."""
+    return run_main(*args, cwd=cwd)
+
+
+def finish(results: dict) -> dict:
+    return dict(results)
 
 
 ERRORS = {

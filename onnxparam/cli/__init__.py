@@ -143,6 +143,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # NOTE: catch_warnings restores warnings.showwarning on return, so calling main() from
     # Python (tests) leaves the caller's warning machinery as it was.
     with warnings.catch_warnings():
+        # NOTE: the filters of a fresh interpreter (a warning is a line on stderr, never an
+        # error), also when main() is called from Python with other filters in force
+        warnings.resetwarnings()
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
         warnings.showwarning = _show_warning
         return _main(argv)
 

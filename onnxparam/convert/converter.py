@@ -122,25 +122,29 @@ class _Source:
             close()
 
 
-def _read(path: Path, fmt: str) -> _Source:
-    if fmt == "burnpack":
-        from .. import burnpack
+def _read_burnpack(path: Path) -> _Source:
+    from .. import burnpack
 
-        bp = burnpack.read(path)
-        tensors = [
-            _Tensor(e.name, e.dtype, tuple(e.shape), e.param_id, e.to_data, e.scheme, e.bool_store, e.name,
-                    (bp.data_offset + e.data_offsets[0], e.nbytes))
-            for e in bp.tensors.values()
-        ]
-        return _Source(tensors, dict(bp.metadata), dict(bp.scalars), bp)
-    if fmt == "safetensors":
-        st = read_safetensors(path)
-        tensors = [
-            _Tensor(name, t.dtype, tuple(t.shape), t.param_id, t.loader, t.scheme, t.bool_store, name,
-                    (st.data_start + t.data_offsets[0], t.data_offsets[1] - t.data_offsets[0]))
-            for name, t in st.tensors.items()
-        ]
-        return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
+    bp = burnpack.read(path)
+    tensors = [
+        _Tensor(e.name, e.dtype, tuple(e.shape), e.param_id, e.to_data, e.scheme, e.bool_store, e.name,
+                (bp.data_offset + e.data_offsets[0], e.nbytes))
+        for e in bp.tensors.values()
+    ]
+    return _Source(tensors, dict(bp.metadata), dict(bp.scalars), bp)
+
+
+def _read_safetensors(path: Path) -> _Source:
+    st = read_safetensors(path)
+    tensors = [
+        _Tensor(name, t.dtype, tuple(t.shape), t.param_id, t.loader, t.scheme, t.bool_store, name,
+                (st.data_start + t.data_offsets[0], t.data_offsets[1] - t.data_offsets[0]))
+        for name, t in st.tensors.items()
+    ]
+    return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
+
+
+def _read_onnx(path: Path) -> _Source:
     from ..onnx_io.records import read_onnx_record
     from ..onnx_io.source import load_model
 
@@ -310,7 +314,7 @@ def convert(
         _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
     if not src.exists():
         raise FileNotFoundError(f"no such file: '{src}'")
-    source = _read(src, src_fmt)
+    source = _READERS[src_fmt](src)
     try:
         _check_target_is_not_read(src, dst, source, graph)
         report = ConvertReport(source=str(src), target=str(dst))
@@ -319,15 +323,8 @@ def convert(
             tensors = [_with_progress(t, progress) for t in tensors]
         meta = dict(source.metadata)
         meta.update(metadata or {})
-        if dst_fmt == "burnpack":
-            _write_burnpack(dst, tensors, meta, source.scalars)
-        elif dst_fmt == "safetensors":
-            write_safetensors(dst, [(t.name, t) for t in tensors], metadata=meta,
-                              scalars=source.scalars if lossless else None, lossless=lossless)
-        elif zero_copy:
-            _write_onnx_zero_copy(src, dst, tensors, meta, source.scalars, graph, allow_partial, report)
-        else:
-            _write_onnx(dst, tensors, meta, source.scalars, graph, allow_partial, external_data)
+        options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data)
+        _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
     finally:
         source.close()
     report.tensors = [t.name for t in tensors]
@@ -575,3 +572,38 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
             if isinstance(tensor, ir.ExternalTensor) and id(tensor) not in ours:
                 value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
     return model
+
+
+@dataclass(frozen=True)
+class _TargetOptions:
+    """The options of :func:`convert` that a target format's writer reads (the others apply to
+    every pair: renaming, filtering, casts, metadata)."""
+
+    graph: Any
+    allow_partial: bool
+    zero_copy: bool
+    lossless: bool
+    external_data: Any
+
+
+def _to_burnpack(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    _write_burnpack(dst, tensors, meta, scalars)
+
+
+def _to_safetensors(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    write_safetensors(dst, [(t.name, t) for t in tensors], metadata=meta,
+                      scalars=scalars if options.lossless else None, lossless=options.lossless)
+
+
+def _to_onnx(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    if options.zero_copy:
+        _write_onnx_zero_copy(src, dst, tensors, meta, scalars, options.graph, options.allow_partial, report)
+    else:
+        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data)
+
+
+_READERS = {"burnpack": _read_burnpack, "safetensors": _read_safetensors, "onnx": _read_onnx}
+"""Format -> ``path -> _Source`` (lazy tensors, metadata, scalars)."""
+
+_WRITERS = {"burnpack": _to_burnpack, "safetensors": _to_safetensors, "onnx": _to_onnx}
+"""Format -> the writer of a target of that format (``_TargetOptions`` holds what it reads)."""

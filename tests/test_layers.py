@@ -211,3 +211,32 @@ def test_importing_the_package_the_cli_or_the_burnpack_reader_loads_no_heavy_dep
     code = f"{statement}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("facade, table", [("onnxparam", "_LAZY"), ("onnxparam.quant", "_UPPER_LAYERS"),
+                                           ("onnxparam.onnx_io", "_NAMES"), ("onnxparam.formats", "_NAMES")])
+def test_every_lazy_name_of_a_facade_is_the_object_its_module_defines(facade, table):
+    import importlib
+
+    package = importlib.import_module(facade)
+    for name, owner in getattr(package, table).items():
+        module = importlib.import_module(f"{facade}.{(owner or name).lstrip('.')}")
+        expected = module if owner is None else getattr(module, name)
+        assert getattr(package, name) is expected, (facade, name)
+        assert name in dir(package)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        package.not_a_name
+
+
+def test_every_registered_service_resolves_to_the_object_it_names():
+    import importlib
+
+    import onnxparam  # noqa: F401  (registers the services)
+    from onnxparam import _services
+
+    for name, target in _services._TARGETS.items():
+        module_name, _, attribute = target.partition(":")
+        module = importlib.import_module(module_name)
+        assert _services.service(name) is (getattr(module, attribute) if attribute else module), name
+    with pytest.raises(LookupError, match="no onnxparam service 'missing'"):
+        _services.service("missing")

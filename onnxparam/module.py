@@ -162,9 +162,16 @@ def rebuild(module: "Module", fn: Callable[[str, Param], Param], module_fn: Opti
     return copy_node(module, "")
 
 
+_CALL_MODULE = None
+
+
 def _call_module():
-    """``runtime.call_module``: a service of the runtime layer (registered by ``onnxparam/__init__.py``)."""
-    return service("runtime.call_module")
+    """``runtime.call_module``: a service of the runtime layer (registered by ``onnxparam/__init__.py``),
+    looked up once."""
+    global _CALL_MODULE
+    if _CALL_MODULE is None:
+        _CALL_MODULE = service("runtime.call_module")
+    return _CALL_MODULE
 
 
 class Module:
@@ -184,7 +191,7 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         # NOTE: bound once; an import statement on every call costs ~1 us, measurable at batch 1.
-        return _call_module()(self, args, kwargs)
+        return (_CALL_MODULE or _call_module())(self, args, kwargs)
 
     # -- traversal ----------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ after ``load_record``); :func:`session_for` returns the ``InferenceSession`` a c
 node (parsed from ONNX Runtime's message) and the param paths feeding it.
 """
 
+from ._eager import run_eager
 from .calls import (
     MAX_CACHED_SESSIONS,
     MAX_CACHED_TRACES,
@@ -50,7 +51,6 @@ from .calls import (
     RuntimeStats,
     call_module,
     clear_caches,
-    run_eager,
     session_for,
     sessions_built,
     set_cache_size,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import operator
 import threading
 import weakref
@@ -14,19 +13,18 @@ import numpy as np
 
 from .. import lora_graph
 from .. import trace as _trace
-from ..device import Device
-from ..dtype import DType
 from ..errors import TraceError
 from ..param import Param
 from ..quant import qdq
 from ..tensor import Tensor
+from ._keys import _PLAIN, _freeze, _param_signature, _Ref, _structure_key, _value_token  # noqa: F401
 from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from .devices import pick_device
 from .sessions import Runner, build_runner
 
 __all__ = [
     "MAX_CACHED_SESSIONS", "MAX_CACHED_TRACES", "MAX_FAST_MODULES", "MAX_EAGER_SESSIONS", "RuntimeStats",
-    "call_module", "session_for", "traced_for", "set_session_config", "set_eager_session_config", "run_eager",
+    "call_module", "session_for", "traced_for", "set_session_config", "set_eager_session_config",
     "stats", "sessions_built", "clear_caches", "set_cache_size",
 ]
 
@@ -151,106 +149,6 @@ def _forget_runner(runner: Runner) -> None:
             entry.by_sig.pop(sig, None)
             if entry.last1 is not None and entry.last1.session is runner.session:  # or a fed copy
                 entry.last1 = None
-
-
-# -- structure keys ---------------------------------------------------------------------------
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
-
-
-class _Ref:
-    """A key part that compares by identity (and keeps its object alive, so ids stay unique)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Ref) and other.obj is self.obj
-
-
-def _freeze(value):
-    """A hashable key for a configuration value (type-tagged, so ``1`` and ``1.0`` differ);
-    objects that are not hashable, arrays and tensors compare by identity."""
-    if isinstance(value, _PLAIN):
-        return (type(value), value)
-    if isinstance(value, (enum.Enum, Device)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_freeze(v) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((_freeze(k), _freeze(v)) for k, v in value.items()))
-    if isinstance(value, np.ndarray) and value.size <= 64:
-        return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
-    if isinstance(value, np.generic):
-        return (type(value), value.item())
-    if isinstance(value, (np.ndarray, Tensor)):
-        return _Ref(value)
-    try:
-        hash(value)
-    except TypeError:
-        return _Ref(value)
-    return value
-
-
-def _param_signature(param: Param):
-    try:
-        shape = tuple(param.lazy_shape())
-    except ValueError:
-        shape = ("cell", id(param))
-    adapter = param.adapter()
-    lora = None if adapter is None else (adapter.rank, float(adapter.scale), bool(adapter.transposed))
-    dtype = param.lazy_dtype()
-    if dtype is DType.QFloat:  # NOTE: a quantized param's graph holds its values and scales: key by storage
-        return ("param", shape, dtype, lora, _value_token(param.with_adapter(None)))
-    return ("param", shape, dtype, lora)
-
-
-def _structure_key(module) -> tuple:
-    """Everything about ``module`` that can change its traced graph: module types,
-    configuration attributes, param paths / shapes / dtypes / adapters. Values are not part of it."""
-    from ..module import Module
-
-    seen: dict = {}
-
-    def node(value, path, private=False):
-        # NOTE: a param under a private attribute is outside the traversal (it has no path, so
-        # its value cannot be looked up by path): it keys by identity instead.
-        if isinstance(value, Param):
-            return _Ref(value) if private else _param_signature(value)
-        if isinstance(value, Module):
-            if id(value) in seen:
-                return ("shared", seen[id(value)])
-            seen[id(value)] = path
-            items = [type(value)]
-            for name, child in vars(value).items():
-                if name != CONFIG_ATTR:
-                    items.append((name, node(child, f"{path}.{name}", private or name.startswith("_"))))
-            return tuple(items)
-        if isinstance(value, (list, tuple)):
-            return (type(value), tuple(node(v, f"{path}.{i}", private) for i, v in enumerate(value)))
-        if isinstance(value, dict):
-            return (dict, tuple((_freeze(k), node(v, f"{path}.{k}", private)) for k, v in value.items()))
-        return _freeze(value)
-
-    return node(module, "")
-
-
-def _value_token(param: Param):
-    """Identity of what a param's initializer is computed from: its stored tensor or lazy cell
-    (shared by clones), plus its adapter's. Equal tokens mean equal values."""
-    stored = getattr(param, "_value", None)
-    if stored is None:
-        stored = getattr(param, "_cell", None) or param
-    stored = _Ref(stored)
-    adapter = param.adapter()
-    if adapter is None:
-        return stored
-    return (stored, _value_token(adapter.a), _value_token(adapter.b), float(adapter.scale), bool(adapter.transposed))
 
 
 # -- module calls -----------------------------------------------------------------------------
@@ -521,65 +419,3 @@ def traced_for(module, *args, **kwargs):
     args, kwargs, _ = _split_call(args, kwargs)
     with qdq.qdq_options(qdq.runtime_options()):
         return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)
-
-
-# -- eager ops --------------------------------------------------------------------------------
-
-
-def _eager_key(value, leaves: list):
-    if isinstance(value, Tensor):
-        if value._symbol is not None:
-            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended, so ops on it cannot run")
-        leaves.append(value)
-        return ("T", value.shape, value.dtype, value.device)
-    if isinstance(value, np.ndarray):
-        return _eager_key(Tensor.from_numpy(value), leaves)
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_eager_key(v, leaves) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _eager_key(v, leaves)) for k, v in value.items()))
-    return _freeze(value)
-
-
-def _with_leaves(value, inputs):
-    if isinstance(value, (Tensor, np.ndarray)):
-        return next(inputs)
-    if isinstance(value, (list, tuple)):
-        items = [_with_leaves(v, inputs) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return {k: _with_leaves(v, inputs) for k, v in value.items()}
-    return value
-
-
-def run_eager(fn, args: tuple, kwargs: dict):
-    """Run the op ``fn`` on concrete tensors: trace it into a small graph whose inputs are the
-    tensor arguments, build (or reuse) its session, run it.
-
-    Raises:
-        TypeError: when no argument is a tensor.
-        DeviceError / ExecutionError: as for module calls.
-    """
-    leaves: list = []
-    key = (fn, _eager_key(args, leaves), _eager_key(kwargs, leaves))
-    if not leaves:
-        raise TypeError(f"{fn.__name__}: at least one argument must be a Tensor")
-    device = pick_device(f"ops.{fn.__name__}", (), leaves)
-    config = DEFAULTS.eager
-    full_key = (key, device, config)
-    with _LOCK:
-        runner = _eager.get(full_key)
-        if runner is None:
-            tracer = _trace.Tracer(name=fn.__name__)
-            with tracer.active():
-                inputs = iter([tracer.input(f"input_{i}", t.shape, t.dtype) for i, t in enumerate(leaves)])
-                out = fn(*_with_leaves(args, inputs), **_with_leaves(kwargs, inputs))
-                traced = tracer.finish(out)
-            runner = build_runner(traced, (), device, config, f"ops.{fn.__name__}")
-            _STATS.eager_sessions_built += 1
-            _eager[full_key] = runner
-            _trim(_eager, _limits["eager"])
-        else:
-            _eager.move_to_end(full_key)
-    return runner.run(leaves)
-

@@ -188,3 +188,18 @@ def test_a_big_endian_legacy_stream_is_refused_clearly(tmp_path):
 def test_a_missing_file_is_a_record_error(tmp_path):
     with pytest.raises(RecordError, match=r"nothere\.pt: cannot read the file"):
         read_pytorch(tmp_path / "nothere.pt")
+
+
+@pytest.mark.parametrize(
+    "slot_state, message",
+    [({"__defaults__": (1,)}, r"not a valid pickle \(AttributeError"), ({"function": "x"}, r"redirected to 'x'")],
+)
+def test_build_cannot_rewire_the_allowed_functions(tmp_path, slot_state, message):
+    from onnxparam.formats import _torch_pickle
+
+    defaults = _torch_pickle._rebuild_tensor_v2.__defaults__
+    rewired = op_global("torch._utils", "_rebuild_tensor_v2") + op_value((None, slot_state)) + b"b"  # BUILD
+    call = rewired + b"(" + op_value(1) + b"tR"
+    with pytest.raises(RecordError, match=message):
+        read_pytorch(write_zip(tmp_path / "build.pt", op_dict(w=call), {}))
+    assert _torch_pickle._rebuild_tensor_v2.__defaults__ == defaults

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 from pathlib import Path
 
 import ml_dtypes

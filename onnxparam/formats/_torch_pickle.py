@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import io
 import pickle
+import types
 from typing import Any
 
 import ml_dtypes
@@ -124,11 +125,11 @@ class _TorchDtype:
     name: str
 
 
+@dataclasses.dataclass(frozen=True)
 class _Tensor:
     """Stand-in for the ``torch.Tensor`` / ``Parameter`` classes as arguments of a rebuild."""
 
-    def __init__(self, name: str):
-        self.name = name
+    name: str
 
     def __call__(self, data=None, requires_grad=True):
         # ``Parameter(data, requires_grad)`` called directly by a reduce; ``Tensor(...)`` is not.
@@ -202,6 +203,7 @@ def _rebuild_parameter_with_state(data, requires_grad, backward_hooks, state):
 def _rebuild_from_type_v2(func, new_type, args, state):
     # NOTE: torch uses this for tensor subclasses; only plain Tensor / Parameter are accepted,
     # and ``func`` must itself be one of our rebuild stand-ins (it came through find_class).
+    func = func.function if isinstance(func, _Call) else None
     if not isinstance(new_type, _Tensor) or func not in _REBUILDS:
         raise PickleRefused(f"_rebuild_from_type_v2 of {getattr(new_type, 'name', new_type)!r} is not a plain tensor")
     ref = func(*args)
@@ -217,6 +219,20 @@ def _codecs_encode(text, encoding="utf-8"):
 
 def _device(*args):
     return ":".join(str(a) for a in args)
+
+
+class _Call:
+    """One allowed function as the pickle sees it (see ``find_class``)."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, *args):
+        if not isinstance(self.function, types.FunctionType) or self.function not in _STAND_INS:
+            raise PickleRefused(f"a pickled call was redirected to {self.function!r:.60}")
+        return self.function(*args)
 
 
 _REBUILDS = {_rebuild_tensor, _rebuild_tensor_v2, _rebuild_tensor_v3}
@@ -241,6 +257,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("_codecs", "encode"): _codecs_encode,
 }
 _ALLOWED.update({("torch", name): _TorchDtype(name) for name in TORCH_DTYPES})
+_STAND_INS = {f for f in _ALLOWED.values() if isinstance(f, types.FunctionType)}
 _STORAGE_CLASSES = {("torch", name) for name in STORAGE_DTYPES} | {
     ("torch", "UntypedStorage"),
     ("torch.storage", "UntypedStorage"),
@@ -285,9 +302,12 @@ class RestrictedUnpickler(pickle.Unpickler):
         if (module, name) in _STORAGE_CLASSES:
             return _StorageClass(module, name)
         try:
-            return _ALLOWED[(module, name)]
+            found = _ALLOWED[(module, name)]
         except KeyError:
             raise PickleRefused(f"global '{module}.{name}' is not allowed in a weights file") from None
+        # NOTE: a fresh slotted wrapper per lookup: the BUILD opcode can setattr on any object the
+        # pickle holds, and must not reach our module-level functions (``__defaults__`` ...).
+        return _Call(found) if isinstance(found, types.FunctionType) else found
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not isinstance(pid, tuple) or not pid or pid[0] != "storage":

@@ -258,3 +258,49 @@ def test_a_whole_pickled_module_is_refused_naming_its_class(tmp_path):
     torch.save(torch.nn.Linear(2, 2), tmp_path / "m.pt")
     with pytest.raises(RecordError, match=r"m\.pt: refused .*global 'torch\.nn\.modules\.linear\.Linear' is not allowed"):
         read_pytorch(tmp_path / "m.pt")
+
+
+def test_storage_class_and_dtype_tables_match_torch_entry_by_entry():
+    torch = pytest.importorskip("torch")
+    from onnxparam.formats._torch_pickle import STORAGE_DTYPES, TORCH_DTYPES
+
+    for torch_dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
+        if storage_name.startswith(("QInt", "QUInt")):
+            assert storage_name not in STORAGE_DTYPES  # quantized storages are refused
+            continue
+        assert STORAGE_DTYPES[storage_name] == TORCH_DTYPES[str(torch_dtype).removeprefix("torch.")], storage_name
+    for name, np_dtype in TORCH_DTYPES.items():
+        assert getattr(torch, name).itemsize == np_dtype.itemsize, name
+        assert getattr(torch, name).is_floating_point == (np_dtype.kind == "f" or "float" in str(np_dtype)), name
+
+
+def test_excluded_tensors_storages_are_never_read(tmp_path):
+    torch = pytest.importorskip("torch")
+    import zipfile
+
+    torch.save({"keep": torch.arange(3.0), "drop": torch.ones(2)}, tmp_path / "a.pt")
+    with zipfile.ZipFile(tmp_path / "a.pt") as src, zipfile.ZipFile(tmp_path / "b.pt", "w") as dst:
+        for info in src.infolist():
+            if not info.filename.endswith("/data/1"):  # the storage of "drop"
+                dst.writestr(info.filename, src.read(info.filename))
+    ck = read_pytorch(tmp_path / "b.pt", include=r"^keep$")
+    assert ck.tensors["keep"].tolist() == [0.0, 1.0, 2.0] and ck.excluded == ["drop"]
+    with pytest.raises(RecordError, match=r"b\.pt: storage '1' has no record 'a/data/1' in the zip"):
+        read_pytorch(tmp_path / "b.pt")
+
+
+def test_a_torch_state_dict_loads_into_the_onnxparam_module_and_gives_torchs_outputs(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    import onnxparam as op
+    from onnxparam import nn
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+    torch.save(linear.state_dict(), tmp_path / "lin.pt")
+    record = pytorch_record(read_pytorch(tmp_path / "lin.pt"))
+    # NOTE: PyTorch's Linear stores (out, in), Burn's (in, out): the PyTorch adapter's job, done by hand here.
+    module = nn.Linear(4, 3).load_record({"weight": record["weight"].T.copy(), "bias": record["bias"]})
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 7
+    expected = linear(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(module(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,8 @@ Zip archive (``torch.save`` since torch 1.6)::
     <archive>/byteorder             optional: 'little' or 'big', the element byte order
     <archive>/version, .format_version, .storage_alignment, .data/...   ignored
 
-``<archive>`` is any single folder name (the file's stem in torch < 2.0, ``archive`` later).
+``<archive>`` is any single folder name (torch writes the stem of the file name it was given, or
+``archive`` when it writes to a file object).
 
 Legacy stream (``_use_new_zipfile_serialization=False``, and every file before torch 1.6): five
 pickles and raw data back to back::

@@ -123,7 +123,7 @@ def test_persistent_id_declaring_more_elements_than_the_record_holds_is_refused(
 )
 def test_a_view_reaching_past_its_storage_names_tensor_and_sizes(tmp_path, size, stride, offset, needed):
     pkl = op_dict(w=op_tensor(numel=4, size=size, stride=stride, offset=offset))
-    pattern = rf"(?s)short\.pt: tensors reach past their storage.*'w': shape .* needs {needed} bytes of storage '0', which holds 16"
+    pattern = rf"(?s)short\.pt: tensors do not fit their storage.*'w': shape .* needs {needed} bytes of storage '0', which holds 16"
     with pytest.raises(RecordError, match=pattern):
         read_pytorch(write_zip(tmp_path / "short.pt", pkl, {"0": FOUR_FLOATS}))
 
@@ -203,3 +203,38 @@ def test_build_cannot_rewire_the_allowed_functions(tmp_path, slot_state, message
     with pytest.raises(RecordError, match=message):
         read_pytorch(write_zip(tmp_path / "build.pt", op_dict(w=call), {}))
     assert _torch_pickle._rebuild_tensor_v2.__defaults__ == defaults
+
+
+def test_a_zero_stride_view_that_would_expand_past_the_limit_is_refused(tmp_path):
+    pkl = op_dict(w=op_tensor(numel=4, size=(10**12,), stride=(0,)))
+    pattern = r"'w': shape \(1000000000000,\) with stride \(0,\) would expand 16 bytes .* into 4000000000000 bytes"
+    with pytest.raises(RecordError, match=pattern):
+        read_pytorch(write_zip(tmp_path / "huge.pt", pkl, {"0": FOUR_FLOATS}))
+
+
+@pytest.mark.parametrize("file", ["state_dict_zip.pt", "state_dict_legacy.pt"])
+def test_randomly_corrupted_checkpoints_give_record_errors_only(tmp_path, file):
+    """Seeded byte mutations of a committed file: each read succeeds or raises RecordError."""
+    import random
+
+    raw = (DATA / file).read_bytes()
+    rng = random.Random(18)
+    outcomes = {"ok": 0, "RecordError": 0}
+    for case in range(300):
+        data = bytearray(raw)
+        for _ in range(rng.randint(1, 8)):
+            kind, pos = rng.random(), rng.randrange(len(data))
+            if kind < 0.6:
+                data[pos] = rng.randrange(256)
+            elif kind < 0.8:
+                del data[max(pos, 1) :]
+            else:
+                data[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        path = tmp_path / f"case{case}.pt"
+        path.write_bytes(bytes(data))
+        try:
+            read_pytorch(path)
+            outcomes["ok"] += 1
+        except RecordError:
+            outcomes["RecordError"] += 1
+    assert outcomes["RecordError"] > 0 and sum(outcomes.values()) == 300

@@ -19,6 +19,7 @@ view of the map (the map stays open while such an array lives); strided tensors 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,7 +31,13 @@ from ..errors import RecordError
 from ._torch_archive import StorageBytes, open_checkpoint
 from ._torch_pickle import TensorRef
 
-__all__ = ["PytorchCheckpoint", "read_pytorch", "pytorch_record"]
+__all__ = ["PytorchCheckpoint", "read_pytorch", "pytorch_record", "MAX_EXPANDED_BYTES"]
+
+MAX_EXPANDED_BYTES = 1 << 30
+"""The largest copy of a view that is *bigger than its storage* (zero strides from ``expand``,
+overlapping strides): 1 GiB. NOTE: such a view is cheap in torch but copied out here; without a
+bound, a few bytes of file with shape ``(10**12,)`` and stride ``(0,)`` would exhaust memory.
+Views that fit in their storage (slices, transposes) are never limited."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +108,8 @@ def read_pytorch(
         RecordError: the file is not a torch checkpoint or is truncated; its pickle names a
             global outside the allow-list (message: the global's ``module.name`` and the file;
             nothing is called); a tensor's view reaches past its storage (message: tensor name,
-            needed and available bytes); ``top_level_key`` is absent; a regex is invalid; two
+            needed and available bytes); a view bigger than its storage would expand past
+            :data:`MAX_EXPANDED_BYTES`; ``top_level_key`` is absent; a regex is invalid; two
             names collide after remapping / re-numbering.
     """
     path = os.fspath(path)
@@ -247,7 +255,7 @@ def _materialize(
         by_view.setdefault(view, []).append(name)
         by_storage.setdefault(ref.storage.key, set()).add(view)
     if problems:
-        raise RecordError(f"{path}: tensors reach past their storage (the file is corrupt or truncated)", problems)
+        raise RecordError(f"{path}: tensors do not fit their storage (the file is corrupt or truncated)", problems)
     tied = sorted(tuple(sorted(ns)) for ns in by_view.values() if len(ns) > 1)
     shared = sorted(
         tuple(sorted(n for v in views for n in by_view[v])) for views in by_storage.values() if len(views) > 1
@@ -263,8 +271,13 @@ def _array(path: str, name: str, ref: TensorRef, raw: memoryview, byteorder: str
     """Copy (or view) one tensor out of its storage bytes; never reads past them."""
     dtype = ref.dtype if byteorder == "little" else ref.dtype.newbyteorder(">")
     itemsize = dtype.itemsize
-    numel = int(np.prod(ref.size, dtype=np.int64)) if ref.size else 1
+    numel = math.prod(ref.size)
     available = len(raw) // itemsize
+    if numel * itemsize > max(len(raw), MAX_EXPANDED_BYTES):
+        raise _ViewError(
+            f"'{name}': shape {ref.size} with stride {ref.stride} would expand {len(raw)} bytes of storage "
+            f"'{ref.storage.key}' into {numel * itemsize} bytes (limit {MAX_EXPANDED_BYTES})"
+        )
     if numel == 0:
         out = np.empty(ref.size, dtype=ref.dtype)
     else:

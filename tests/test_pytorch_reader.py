@@ -304,3 +304,12 @@ def test_a_torch_state_dict_loads_into_the_onnxparam_module_and_gives_torchs_out
     x = np.arange(8, dtype=np.float32).reshape(2, 4) / 7
     expected = linear(torch.from_numpy(x)).detach().numpy()
     np.testing.assert_allclose(module(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_key_remap_accepts_a_remapper_object_with_apply():
+    class Prefix:
+        def apply(self, name: str) -> str:
+            return "model." + name
+
+    ck = read_pytorch(DATA / "state_dict_zip.pt", key_remap=Prefix(), include=r"^model\.fc\.")
+    assert list(ck.tensors) == ["model.fc.weight", "model.fc.bias"]

@@ -75,7 +75,7 @@ def read_pytorch(
     path: str | os.PathLike,
     *,
     top_level_key: str | None = None,
-    key_remap: Sequence[tuple[str, str]] = (),
+    key_remap: Sequence[tuple[str, str]] | Any = (),
     renumber: bool = False,
     include: str | Sequence[str] | None = None,
 ) -> PytorchCheckpoint:
@@ -97,7 +97,9 @@ def read_pytorch(
     Args:
         path: the checkpoint file.
         top_level_key: an entry of the top-level dict holding the state dict.
-        key_remap: ``(pattern, replacement)`` pairs in :func:`re.sub` syntax.
+        key_remap: ``(pattern, replacement)`` pairs in :func:`re.sub` syntax, or any object
+            with an ``apply(name) -> name`` method (the converter's ``KeyRemapper``, which also
+            takes Burn's ``$1`` replacements).
         renumber: re-number gappy integer indices contiguously (opt-in).
         include: a regex or several; ``None`` keeps every tensor.
 
@@ -192,7 +194,12 @@ def _compile(path: str, patterns: Sequence[str], what: str) -> list[re.Pattern]:
     return compiled
 
 
-def _remap(path: str, names: list[str], rules: Sequence[tuple[str, str]]) -> list[str]:
+def _remap(path: str, names: list[str], rules: Any) -> list[str]:
+    if hasattr(rules, "apply"):  # a remapper object, e.g. the converter's KeyRemapper
+        try:
+            return [rules.apply(n) for n in names]
+        except (re.error, IndexError) as e:
+            raise RecordError(f"{path}: key_remap {rules!r} failed ({e})") from None
     for pattern, replacement in rules:
         (compiled,) = _compile(path, [pattern], "key_remap")
         try:

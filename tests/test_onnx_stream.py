@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from onnxparam.errors import OnnxFormatError
-from onnxparam.formats.onnx_stream import StreamedTensor, write_onnx_streamed
+from onnxparam.formats.onnx_stream import StreamedTensor, read_onnx_streamed, write_onnx_streamed
 
 AFFINE = """
 <ir_version: 9, opset_import: ["" : 17], producer_name: "streamed", doc_string: "y = x @ w + b">
@@ -116,3 +116,43 @@ def test_a_callable_without_nbytes_is_refused(tmp_path):
     t = StreamedTensor("w", TensorProto.FLOAT, (2,), lambda: np.zeros(2, np.float32))
     with pytest.raises(OnnxFormatError, match=r"initializer 'w': nbytes is required when data is a callable"):
         write_onnx_streamed(tmp_path / "m.onnx", onnx.parser.parse_model(AFFINE), [t])
+
+
+def test_reading_streams_raw_initializers_and_rewriting_gives_the_same_bytes(tmp_path):
+    model = onnx.parser.parse_model(AFFINE)
+    onnx.helper.set_model_props(model, {"source": "test"})
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(3, 2), "b": np.array([1.0, 2.0], dtype=np.float32)}
+    onnx.save(with_initializers(model, arrays), tmp_path / "a.onnx")
+    structure, tensors = read_onnx_streamed(tmp_path / "a.onnx")
+    assert structure.SerializeToString() == model.SerializeToString()  # everything but the initializers
+    assert [(t.name, t.data_type, t.dims) for t in tensors] == [("w", TensorProto.FLOAT, (3, 2)), ("b", TensorProto.FLOAT, (2,))]
+    assert isinstance(tensors[0].data, memoryview) and tensors[0].data.readonly
+    assert bytes(tensors[0].data) == arrays["w"].tobytes()
+    write_onnx_streamed(tmp_path / "b.onnx", structure, tensors)
+    assert (tmp_path / "b.onnx").read_bytes() == (tmp_path / "a.onnx").read_bytes()
+
+
+def test_initializers_with_typed_fields_stay_in_the_model(tmp_path):
+    model = onnx.parser.parse_model(AFFINE)
+    model.graph.initializer.append(onnx.helper.make_tensor("b", TensorProto.FLOAT, [2], [1.0, 2.0]))  # float_data
+    model.graph.initializer.append(numpy_helper.from_array(np.ones((3, 2), np.float32), "w"))
+    onnx.save(model, tmp_path / "a.onnx")
+    structure, tensors = read_onnx_streamed(tmp_path / "a.onnx")
+    assert [t.name for t in tensors] == ["w"]
+    assert [i.name for i in structure.graph.initializer] == ["b"]
+    assert list(structure.graph.initializer[0].float_data) == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("cut", [1, 40, -3])
+def test_a_truncated_onnx_file_is_an_onnx_format_error(tmp_path, cut):
+    model = with_initializers(onnx.parser.parse_model(AFFINE), {"w": np.ones((3, 2), np.float32)})
+    data = model.SerializeToString()
+    (tmp_path / "t.onnx").write_bytes(data[:cut])
+    with pytest.raises(OnnxFormatError, match=r"t\.onnx: not a valid ONNX protobuf"):
+        read_onnx_streamed(tmp_path / "t.onnx")
+
+
+def test_an_empty_file_has_no_graph(tmp_path):
+    (tmp_path / "e.onnx").write_bytes(b"")
+    with pytest.raises(OnnxFormatError, match=r"e\.onnx: holds no ONNX graph"):
+        read_onnx_streamed(tmp_path / "e.onnx")

@@ -21,6 +21,10 @@ Wire layout written (protobuf encoding; field numbers from ``onnx/onnx.proto``):
         GraphProto    fields 6.. of the given graph (doc_string, input, output, value_info, ...)
     ModelProto        fields 8.. (opset_import, metadata_props, functions, ...)
 
+:func:`read_onnx_streamed` is the inverse: it walks a mapped file's wire format and returns the
+structure as a small ``ModelProto`` plus the raw_data initializers as :class:`StreamedTensor`
+values whose bytes are views of the map.
+
 Fields are emitted in field-number order, the order protobuf's own serializer uses, so the file
 is byte-identical to ``onnx.save`` of the model with the tensors appended to
 ``graph.initializer`` (the test checks this).
@@ -29,17 +33,19 @@ is byte-identical to ``onnx.save`` of the model with the tensors appended to
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 
 from .._scratch import atomic_output
 from ..errors import OnnxFormatError
 
-__all__ = ["StreamedTensor", "write_onnx_streamed", "MAX_PROTOBUF_BYTES"]
+__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "MAX_PROTOBUF_BYTES"]
 
 MAX_PROTOBUF_BYTES = 2**31 - 1
 """Protobuf cannot parse a message of 2 GiB or more (a signed 32-bit length): onnx.load and ONNX
@@ -260,3 +266,115 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, pos
         shift += 7
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+_TENSOR_SIMPLE_FIELDS = {1, 2, 8, 9}  # dims, data_type, name, raw_data
+
+
+def read_onnx_streamed(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[StreamedTensor]]:
+    """Split an inline ``.onnx`` file into its structure and its initializers' bytes, in place.
+
+    The file is mapped; the wire format is walked without building the initializers as protobuf
+    objects. Each initializer that holds only dims, data_type, name and raw_data (what
+    ``numpy_helper.from_array`` and onnxparam write) becomes a :class:`StreamedTensor` whose
+    ``data`` is a read-only ``memoryview`` of the map (no copy). Every other initializer (typed
+    ``float_data`` ..., external data, a doc_string) stays in the returned model's graph.
+
+    ``write_onnx_streamed(path2, *read_onnx_streamed(path))`` rewrites a file written by
+    ``onnx.save`` byte for byte when every initializer is of the first kind.
+
+    Returns:
+        ``(model, tensors)``: the model without the streamed initializers, and those in file
+        order.
+
+    Raises:
+        OnnxFormatError: the file is not a protobuf ``ModelProto`` (truncated, bad lengths) or
+            holds no graph (an empty file).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as e:
+        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    view = memoryview(mapped)
+    try:
+        model_rest, graph_rest, tensors = bytearray(), bytearray(), []
+        for field, wire, start, value_start, end in _walk(view, 0, len(view)):
+            if field != _MODEL_GRAPH_FIELD or wire != _WIRE_LEN:
+                model_rest += view[start:end]
+                continue
+            for g_field, g_wire, g_start, g_value, g_end in _walk(view, value_start, end):
+                tensor = None
+                if g_field == _GRAPH_INITIALIZER_FIELD and g_wire == _WIRE_LEN:
+                    tensor = _simple_tensor(view, g_value, g_end)
+                if tensor is None:
+                    graph_rest += view[g_start:g_end]
+                else:
+                    tensors.append(tensor)
+        model = onnx.ModelProto.FromString(bytes(model_rest))
+        graph = onnx.GraphProto.FromString(bytes(graph_rest))
+    except (IndexError, ValueError, UnicodeDecodeError, DecodeError) as e:
+        raise OnnxFormatError(
+            f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e}); the file may be truncated"
+        ) from None
+    if not graph_rest and not tensors:
+        raise OnnxFormatError(f"{path}: holds no ONNX graph (ModelProto field {_MODEL_GRAPH_FIELD}); is it an .onnx file?")
+    model.graph.CopyFrom(graph)
+    return model, tensors
+
+
+def _walk(view: memoryview, pos: int, end: int):
+    """Yield ``(field, wire type, field start, value start, field end)`` for one message's fields."""
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(view, pos)
+        field, wire = key >> 3, key & 7
+        value = pos
+        if wire == _WIRE_VARINT:
+            _, pos = _read_varint(view, pos)
+        elif wire == _WIRE_I64:
+            pos += 8
+        elif wire == _WIRE_I32:
+            pos += 4
+        elif wire == _WIRE_LEN:
+            length, value = _read_varint(view, pos)
+            pos = value + length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire} for field {field} at byte {start}")
+        if pos > end or field == 0:
+            raise ValueError(f"field {field} at byte {start} runs past its message (ends at {end})")
+        yield field, wire, start, value, pos
+
+
+def _simple_tensor(view: memoryview, pos: int, end: int) -> StreamedTensor | None:
+    dims: list[int] = []
+    data_type, name, raw = 0, None, None
+    for field, wire, _, value, field_end in _walk(view, pos, end):
+        if field not in _TENSOR_SIMPLE_FIELDS:
+            return None
+        if field == 1 and wire == _WIRE_VARINT:
+            dims.append(_signed(_read_varint(view, value)[0]))
+        elif field == 1 and wire == _WIRE_LEN:  # packed dims
+            p = value
+            while p < field_end:
+                d, p = _read_varint(view, p)
+                dims.append(_signed(d))
+        elif field == 2 and wire == _WIRE_VARINT:
+            data_type = _read_varint(view, value)[0]
+        elif field == 8 and wire == _WIRE_LEN:
+            name = bytes(view[value:field_end]).decode("utf-8")
+        elif field == 9 and wire == _WIRE_LEN:
+            raw = view[value:field_end]
+        else:
+            return None
+    if name is None or raw is None:
+        return None
+    return StreamedTensor(name, data_type, tuple(dims), raw)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -7,6 +7,9 @@ a fresh process per mode writes the same ``.onnx`` both ways:
   whole ``ModelProto`` serialized into one ``bytes`` object and written;
 * ``write_onnx_streamed``: lengths first, then each tensor's bytes copied from the map.
 
+Then it reads the written file back both ways (``onnx.load`` + ``numpy_helper.to_array`` vs
+``read_onnx_streamed``), touching every value.
+
 Each child samples ``RssAnon`` / ``RssFile`` from ``/proc/self/status`` every 5 ms (Linux) and
 reports its peak ``VmHWM``; the parent prints the ratios and checks both files are identical.
 
@@ -73,14 +76,29 @@ def _model_and_tensors(source: Path, n_tensors: int):
 
 def child(mode: str, source: Path, target: Path, n_tensors: int) -> None:
     sys.path.insert(0, str(ROOT))
-    onnx, model, arrays = _model_and_tensors(source, n_tensors)
+    import onnx
+
+    if mode not in ("onnx.load", "read_streamed"):
+        onnx, model, arrays = _model_and_tensors(source, n_tensors)
     from onnxparam.formats.onnx_stream import StreamedTensor, write_onnx_streamed
 
     base = _status()
     sampler = _Sampler()
     sampler.start()
     start = time.perf_counter()
-    if mode == "onnx.save":
+    if mode in ("onnx.load", "read_streamed"):  # read the .onnx at ``source``, touch every byte
+        from onnx import numpy_helper
+
+        from onnxparam.formats.onnx_stream import read_onnx_streamed
+
+        if mode == "onnx.load":
+            arrays_read = [numpy_helper.to_array(t) for t in onnx.load(source).graph.initializer]
+        else:
+            arrays_read = [np.frombuffer(t.data, np.float32) for t in read_onnx_streamed(source)[1]]
+        checksum = sum(float(a.sum(dtype=np.float64)) for a in arrays_read)
+        print("checksum", checksum, file=sys.stderr)
+        del arrays_read
+    elif mode == "onnx.save":
         from onnx import numpy_helper
 
         model.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in arrays.items())
@@ -141,14 +159,22 @@ def main() -> None:
         copy_s = _copy_seconds(source, tmp / "copy.raw")
         (tmp / "copy.raw").unlink()
         results = {}
+
+        def run(mode: str, src: Path, target: Path) -> dict:
+            cmd = [sys.executable, __file__, "--tensors", str(args.tensors), "--child", mode, str(src), str(target)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            return json.loads(out.strip().splitlines()[-1])
+
         for mode in ("onnx.save", "streamed"):
             target = tmp / f"{mode}.onnx"
-            cmd = [sys.executable, __file__, "--tensors", str(args.tensors), "--child", mode, str(source), str(target)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            results[mode] = json.loads(out.strip().splitlines()[-1])
+            results[mode] = run(mode, source, target)
             results[mode]["sha256"] = _sha256(target)
             target_size = target.stat().st_size
-            target.unlink()
+            if mode == "onnx.save":
+                target.unlink()
+        written = tmp / "streamed.onnx"
+        for mode in ("onnx.load", "read_streamed"):
+            results[mode] = run(mode, written, tmp / "unused")
         mib = 1 << 20
         print(f"model: {args.mib} MiB of float32 in {args.tensors} tensors; file {target_size / mib:.1f} MiB; "
               f"copy + fsync {copy_s:.2f} s")
@@ -159,6 +185,9 @@ def main() -> None:
         print(f"peak RSS ratio onnx.save / streamed: {a['peak_rss'] / max(b['peak_rss'], 1):.2f}; "
               f"anonymous (streamed floored at 1 MiB): {a['peak_anon'] / max(b['peak_anon'], mib):.1f}")
         print("identical files:", a["sha256"] == b["sha256"])
+        c, d = results["onnx.load"], results["read_streamed"]
+        print(f"reading: peak RSS ratio onnx.load / read_onnx_streamed: {c['peak_rss'] / max(d['peak_rss'], 1):.2f}; "
+              f"anonymous (streamed floored at 1 MiB): {c['peak_anon'] / max(d['peak_anon'], mib):.1f}")
 
 
 if __name__ == "__main__":

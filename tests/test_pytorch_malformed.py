@@ -192,7 +192,7 @@ def test_a_missing_file_is_a_record_error(tmp_path):
 
 @pytest.mark.parametrize(
     "slot_state, message",
-    [({"__defaults__": (1,)}, r"not a valid pickle \(AttributeError"), ({"function": "x"}, r"redirected to 'x'")],
+    [({"__defaults__": (1,)}, r"tries to change <allowed _rebuild_tensor_v2> \(BUILD\)"), ({"function": "x"}, r"tries to change")],
 )
 def test_build_cannot_rewire_the_allowed_functions(tmp_path, slot_state, message):
     from onnxparam.formats import _torch_pickle
@@ -238,3 +238,15 @@ def test_randomly_corrupted_checkpoints_give_record_errors_only(tmp_path, file):
         except RecordError:
             outcomes["RecordError"] += 1
     assert outcomes["RecordError"] > 0 and sum(outcomes.values()) == 300
+
+
+@pytest.mark.parametrize("state", [{"name": "int64"}, (None, {"name": "int64"})], ids=["dict", "slots"])
+@pytest.mark.parametrize("module, name", [("torch", "float32"), ("torch.nn.parameter", "Parameter")])
+def test_build_cannot_change_the_shared_stand_ins(tmp_path, state, module, name):
+    from onnxparam.formats import _torch_pickle
+
+    before = _torch_pickle._ALLOWED[(module, name)].name
+    pkl = op_dict(d=op_global(module, name) + op_value(state) + b"b")  # BUILD
+    with pytest.raises(RecordError, match=r"build\.pt: refused .*the pickle tries to (change|set 'name' on) torch\."):
+        read_pytorch(write_zip(tmp_path / "build.pt", pkl, {}))
+    assert _torch_pickle._ALLOWED[(module, name)].name == before

@@ -120,16 +120,43 @@ class TensorRef:
     is_parameter: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class _TorchDtype:
-    name: str
+class _Sealed:
+    """Base of the stand-ins a pickle can hold: the BUILD opcode cannot change them.
+
+    NOTE: ``_TorchDtype`` / ``_Tensor`` instances are shared by every read, and BUILD calls
+    ``__setstate__`` (or ``setattr``) on whatever object the pickle names; a frozen dataclass is
+    not enough (``slots=True`` adds a ``__setstate__`` that writes the fields).
+    """
+
+    __slots__ = ()
+
+    def __setattr__(self, key, value):
+        raise PickleRefused(f"the pickle tries to set '{key}' on {self!r}")
+
+    def __setstate__(self, state):
+        raise PickleRefused(f"the pickle tries to change {self!r} (BUILD)")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
+class _TorchDtype(_Sealed):
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _Tensor(_Sealed):
     """Stand-in for the ``torch.Tensor`` / ``Parameter`` classes as arguments of a rebuild."""
 
-    name: str
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
 
     def __call__(self, data=None, requires_grad=True):
         # ``Parameter(data, requires_grad)`` called directly by a reduce; ``Tensor(...)`` is not.
@@ -221,13 +248,16 @@ def _device(*args):
     return ":".join(str(a) for a in args)
 
 
-class _Call:
+class _Call(_Sealed):
     """One allowed function as the pickle sees it (see ``find_class``)."""
 
     __slots__ = ("function",)
 
     def __init__(self, function):
-        self.function = function
+        object.__setattr__(self, "function", function)
+
+    def __repr__(self) -> str:
+        return f"<allowed {self.function.__name__}>"
 
     def __call__(self, *args):
         if not isinstance(self.function, types.FunctionType) or self.function not in _STAND_INS:

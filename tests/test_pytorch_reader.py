@@ -143,7 +143,11 @@ ALL_DTYPES = [
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
 ]  # fmt: skip
-SAVE_MODES = {"zip": {}, "legacy": {"_use_new_zipfile_serialization": False}}
+SAVE_MODES = {
+    "zip": {},
+    "legacy": {"_use_new_zipfile_serialization": False},
+    "zip-pickle-protocol-5": {"pickle_protocol": 5},  # STACK_GLOBAL, FRAME, MEMOIZE opcodes
+}
 
 
 def torch_bytes(t) -> bytes:

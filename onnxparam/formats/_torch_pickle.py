@@ -296,10 +296,17 @@ _STORAGE_CLASSES = {("torch", name) for name in STORAGE_DTYPES} | {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class _StorageClass:
-    module: str
-    name: str
+class _StorageClass(_Sealed):
+    """A ``torch.<Name>Storage`` class named by a persistent id (a fresh one per lookup)."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str):
+        object.__setattr__(self, "module", module)
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
 
     @property
     def dtype(self) -> np.dtype | None:

@@ -4,6 +4,10 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
 :mod:`onnxparam.convert` load them into modules).
 
 * :mod:`.safetensors`: Hugging Face safetensors files (lazy zero-copy reads, streaming writes).
+* :mod:`.pytorch`: PyTorch ``torch.save`` checkpoints (zip and legacy), read without torch
+  through a restricted unpickler (``docs/pytorch_checkpoint.md``).
+* :mod:`.onnx_stream`: ``.onnx`` files with inline initializers written and read field by
+  field, so peak memory stays near one tensor.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
 
@@ -12,6 +16,9 @@ import importlib
 _NAMES = {
     "SafetensorsFile": ".safetensors", "SafetensorsTensor": ".safetensors",
     "read_safetensors": ".safetensors", "write_safetensors": ".safetensors",
+    "PytorchCheckpoint": ".pytorch", "read_pytorch": ".pytorch", "pytorch_record": ".pytorch",
+    "StreamedTensor": ".onnx_stream", "write_onnx_streamed": ".onnx_stream",
+    "read_onnx_streamed": ".onnx_stream",
 }
 """Each public name and its module, imported on first use: the burnpack reader imports
 ``._mapped``, and importing this package must not pull in every format."""

@@ -1,0 +1,233 @@
+"""The two containers ``torch.save`` writes, opened without torch: the zip archive and the legacy
+stream. Each yields the unpickled object tree (tensor leaves are :class:`TensorRef`) and a
+function that returns a storage's bytes, bounds-checked, sliced from a read-only map of the file.
+
+Layouts (in our words; the full description is ``docs/pytorch_checkpoint.md``):
+
+Zip archive (``torch.save`` since torch 1.6)::
+
+    <archive>/data.pkl              the object tree, pickle protocol 2; storages are persistent
+                                    ids ('storage', StorageClass, key, location, numel)
+    <archive>/data/<key>            one record per storage: its raw bytes, stored (not deflated),
+                                    aligned to 64 bytes in the file through the local header's
+                                    extra field
+    <archive>/byteorder             optional: 'little' or 'big', the element byte order
+    <archive>/version, .format_version, .storage_alignment, .data/...   ignored
+
+``<archive>`` is any single folder name (torch writes the stem of the file name it was given, or
+``archive`` when it writes to a file object).
+
+Legacy stream (``_use_new_zipfile_serialization=False``, and every file before torch 1.6): five
+pickles and raw data back to back::
+
+    pickle  MAGIC_NUMBER             0x1950a86a20f9469cfc6c
+    pickle  PROTOCOL_VERSION         1001
+    pickle  sys_info                 {'protocol_version', 'little_endian', 'type_sizes'}
+    pickle  the object tree          storages are ('storage', Class, key, location, numel, view)
+    pickle  storage keys             a list of str, in the order the storages follow
+    then per key: int64 little-endian element count, then count * itemsize raw bytes
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import RecordError
+from ._torch_pickle import PickleRefused, RestrictedUnpickler, StorageRef
+
+__all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "open_checkpoint", "StorageBytes"]
+
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+"""First pickle of a legacy stream (torch/serialization.py)."""
+PROTOCOL_VERSION = 1001
+"""Second pickle of a legacy stream."""
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, 22 bytes we skip, name length, extra length
+_PICKLE_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    AttributeError,
+    TypeError,
+    ValueError,
+    IndexError,
+    KeyError,
+    RecursionError,
+    OverflowError,
+    MemoryError,
+    struct.error,
+)
+
+StorageBytes = Callable[[StorageRef], memoryview]
+"""Returns a storage's bytes (exactly ``ref.nbytes``) or raises RecordError."""
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Any, StorageBytes, str]:
+    """Open a ``torch.save`` file and unpickle its object tree without reading storages.
+
+    Returns:
+        ``(tree, storage_bytes, byteorder)``: the object tree with :class:`TensorRef` leaves, a
+        function giving one storage's bytes (a read-only memoryview of the mapped file), and
+        ``'little'`` or ``'big'``, the element byte order of every storage.
+
+    Raises:
+        RecordError: the file is neither container, is truncated, or its pickle names a global
+            outside the allow-list (the message names the file and the global).
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise RecordError(f"{path}: the file is empty, expected a PyTorch checkpoint")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if head == _ZIP_MAGIC:
+                return _open_zip(path, f, mapped)
+            f.seek(0)
+            return _open_legacy(path, f, mapped)
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read the file ({e.strerror or e})") from e
+
+
+def _unpickle(path: str, file, *, legacy: bool, what: str) -> tuple[Any, dict[str, StorageRef]]:
+    unpickler = RestrictedUnpickler(file, legacy=legacy)
+    try:
+        tree = unpickler.load()
+    except PickleRefused as e:
+        raise RecordError(f"{path}: refused {what}: {e}; nothing in it was run") from None
+    except _PICKLE_ERRORS as e:
+        raise RecordError(f"{path}: {what} is not a valid pickle ({type(e).__name__}: {e})") from None
+    return tree, unpickler.storages
+
+
+# -- zip archive -----------------------------------------------------------------------------
+
+
+def _open_zip(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, str]:
+    try:
+        archive = zipfile.ZipFile(f)
+        infos = {info.filename: info for info in archive.infolist()}
+    except (zipfile.BadZipFile, EOFError, ValueError, struct.error) as e:
+        raise RecordError(f"{path}: not a readable zip archive ({e}); the file may be truncated") from None
+    pickles = [name for name in infos if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        raise RecordError(
+            f"{path}: expected exactly one '<archive>/data.pkl' record in the zip, found "
+            f"{pickles or 'none'}; this is not a torch.save file"
+        )
+    prefix = pickles[0][: -len("data.pkl")]
+    try:
+        with archive.open(pickles[0]) as pkl:
+            tree, storages = _unpickle(path, pkl, legacy=False, what=f"'{pickles[0]}'")
+        byteorder = "little"
+        if prefix + "byteorder" in infos:
+            byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise RecordError(f"{path}: zip record unreadable ({e}); the file may be truncated") from None
+    if byteorder not in ("little", "big"):
+        raise RecordError(f"{path}: '{prefix}byteorder' says {byteorder!r}, expected 'little' or 'big'")
+    cache: dict[str, memoryview] = {}
+
+    def storage_bytes(ref: StorageRef) -> memoryview:
+        if ref.key in cache:
+            return cache[ref.key]
+        name = f"{prefix}data/{ref.key}"
+        info = infos.get(name)
+        if info is None:
+            raise RecordError(f"{path}: storage '{ref.key}' has no record '{name}' in the zip")
+        if info.file_size < ref.nbytes:
+            raise RecordError(
+                f"{path}: storage '{ref.key}' holds {info.file_size} bytes, but the pickle declares "
+                f"{ref.numel} elements of {ref.dtype} = {ref.nbytes} bytes"
+            )
+        if info.compress_type == zipfile.ZIP_STORED:
+            start = _data_offset(path, mapped, info)
+            view = memoryview(mapped)[start : start + ref.nbytes]
+        else:  # NOTE: torch never compresses storages; other zip tools may have re-packed the file.
+            try:
+                with zipfile.ZipFile(path) as reopened:  # the handle opened above is closed by now
+                    view = memoryview(reopened.read(name))[: ref.nbytes]
+            except (zipfile.BadZipFile, EOFError, OSError) as e:
+                raise RecordError(f"{path}: record '{name}' unreadable ({e})") from None
+        cache[ref.key] = view
+        return view
+
+    return tree, storage_bytes, byteorder
+
+
+def _data_offset(path: str, mapped: mmap.mmap, info: zipfile.ZipInfo) -> int:
+    """Where a stored record's bytes start: after its local header, name and extra field."""
+    start = info.header_offset
+    if start + _LOCAL_HEADER.size > len(mapped):
+        raise RecordError(f"{path}: the local header of '{info.filename}' lies past the end of the file")
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack_from(mapped, start)
+    if signature != _ZIP_MAGIC:
+        raise RecordError(f"{path}: bad local header signature for '{info.filename}' at byte {start}")
+    data = start + _LOCAL_HEADER.size + name_len + extra_len
+    if data + info.file_size > len(mapped):
+        raise RecordError(
+            f"{path}: record '{info.filename}' ends at byte {data + info.file_size}, past the end of "
+            f"the file ({len(mapped)} bytes); the file is truncated"
+        )
+    return data
+
+
+# -- legacy stream ---------------------------------------------------------------------------
+
+
+def _open_legacy(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, str]:
+    magic, _ = _unpickle(path, f, legacy=True, what="the magic number")
+    if magic != MAGIC_NUMBER:
+        raise RecordError(
+            f"{path}: neither a zip archive nor a legacy torch stream (first pickle {magic!r:.40}, "
+            f"expected the magic number {MAGIC_NUMBER:#x}); tar checkpoints of torch < 0.4 are not supported"
+        )
+    protocol, _ = _unpickle(path, f, legacy=True, what="the protocol version")
+    if protocol != PROTOCOL_VERSION:
+        raise RecordError(f"{path}: legacy protocol version {protocol!r}, expected {PROTOCOL_VERSION}")
+    sys_info, _ = _unpickle(path, f, legacy=True, what="sys_info")
+    if not isinstance(sys_info, dict) or sys_info.get("little_endian") is not True:
+        raise RecordError(
+            f"{path}: the legacy stream was written big-endian (sys_info {sys_info!r:.80}); re-save it with "
+            "torch.save on a little-endian machine"
+        )
+    tree, storages = _unpickle(path, f, legacy=True, what="the main pickle")
+    keys, _ = _unpickle(path, f, legacy=True, what="the storage key list")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise RecordError(f"{path}: the storage key list is {keys!r:.60}, expected a list of str")
+    offsets: dict[str, int] = {}
+    pos = f.tell()
+    for key in keys:
+        ref = storages.get(key)
+        if ref is None:
+            raise RecordError(f"{path}: storage '{key}' follows the pickle but no tensor refers to it")
+        if pos + 8 > len(mapped):
+            raise RecordError(f"{path}: storage '{key}' starts at byte {pos}, past the end of the file")
+        (count,) = struct.unpack_from("<q", mapped, pos)
+        if count != ref.numel:
+            raise RecordError(
+                f"{path}: storage '{key}' holds {count} elements, the pickle declares {ref.numel}"
+            )
+        offsets[key] = pos + 8
+        pos += 8 + count * ref.dtype.itemsize
+        if pos > len(mapped):
+            raise RecordError(
+                f"{path}: storage '{key}' ends at byte {pos}, past the end of the file ({len(mapped)} "
+                "bytes); the file is truncated"
+            )
+    missing = sorted(set(storages) - set(offsets))
+    if missing:
+        raise RecordError(f"{path}: storages {missing} are referenced but not in the storage key list")
+
+    def storage_bytes(ref: StorageRef) -> memoryview:
+        start = offsets[ref.key]
+        return memoryview(mapped)[start : start + ref.nbytes]
+
+    return tree, storage_bytes, "little"

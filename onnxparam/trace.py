@@ -68,6 +68,7 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam.trace is thei
     param_array,
     untraced,
 )
+from ._symint import SymInt
 from .device import CPU
 from .dtype import DType
 from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
@@ -153,6 +154,7 @@ class Tracer:
         self._param_values: dict[str, ir.Value] = {}
         self._constants: list[ir.Value] = []
         self._const_cache: dict = {}
+        self._dims: dict[str, SymInt] = {}
         self._keepalive: list = []
         self._finished = False
         self._root = root
@@ -228,7 +230,30 @@ class Tracer:
     # -- values -------------------------------------------------------------------------------
 
     def _symbolic(self, value: ir.Value, dtype: DType, shape, param: Optional[Param] = None) -> Tensor:
-        return Tensor(symbol=Symbol(value, self, param), shape=tuple(shape), dtype=dtype, device=self.device)
+        dims = tuple(d if isinstance(d, (int, SymInt)) else self.dim_symbol(d, value, i) for i, d in enumerate(shape))
+        for d in dims:
+            if isinstance(d, SymInt) and d.name is not None and d.tracer is self:
+                self._dims.setdefault(d.name, d)
+        return Tensor(symbol=Symbol(value, self, param), shape=dims, dtype=dtype, device=self.device)
+
+    def dim_symbol(self, name: Optional[str], value: ir.Value, axis: int) -> SymInt:
+        """The :class:`~onnxparam._symint.SymInt` of the dynamic dim ``name`` (one per name in a
+        trace; first seen as dim ``axis`` of ``value``, which lowers it), or a new unnamed one
+        for dim ``axis`` of ``value`` when ``name`` is ``None``."""
+        if name is not None:
+            name = str(name)
+            hit = self._dims.get(name)
+            if hit is not None:
+                return hit
+        if _is_input_value(value, self._sinks):
+            origin = f"dim {axis} of input {value.name!r}"
+        else:
+            producer = value.producer()
+            origin = f"dim {axis} of {value.name!r}" + (f" ({producer.op_type})" if producer is not None else "")
+        sym = SymInt.leaf(self, name, value, axis, origin)
+        if name is not None:
+            self._dims[name] = sym
+        return sym
 
     @staticmethod
     def _annotate(value: ir.Value, dtype: DType, shape) -> None:
@@ -298,6 +323,8 @@ class Tracer:
             return hit
         if isinstance(x, np.ndarray):
             return self.constant(x)
+        if isinstance(x, SymInt):
+            return x.scalar()
         raise TypeError(f"expected a Tensor or a numpy array, got {type(x).__name__}")
 
     def value_of(self, x) -> ir.Value:
@@ -505,6 +532,10 @@ class Tracer:
             mode=self.mode,
             single_output=single,
         )
+
+
+def _is_input_value(value: ir.Value, graphs) -> bool:
+    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)
 
 
 def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = None,

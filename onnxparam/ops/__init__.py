@@ -27,6 +27,7 @@ Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod
 from ``onnxparam.ops``.
 """
 
+from .creation import arange, full, ones, zeros
 from .custom import custom, subgraph
 from .elementwise import (
     abs,
@@ -61,9 +62,11 @@ from .reduce import argmax, max, mean, min, sum
 from .shape import (
     concat,
     embedding,
+    expand,
     flatten,
     gather,
     gather_elements,
+    getitem,
     permute,
     reshape,
     slice,
@@ -82,7 +85,9 @@ __all__ = [
     "matmul", "linear", "gelu", "softmax", "log_softmax",
     # shapes
     "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze", "concat", "split",
-    "slice", "gather", "gather_elements", "embedding",
+    "slice", "gather", "gather_elements", "embedding", "expand", "getitem",
+    # creation (sizes may be symbolic)
+    "zeros", "ones", "full", "arange",
     # reductions
     "sum", "mean", "max", "min", "argmax",
     # convolution, pooling, normalization

@@ -79,10 +79,11 @@ class SymInt:
         self._lowered: dict = {}
 
     @classmethod
-    def leaf(cls, tracer, name: Optional[str], value, axis: int, origin: str) -> "SymInt":
-        """The dim ``axis`` of the graph value ``value`` (named ``name``, or unnamed)."""
+    def leaf(cls, tracer, name: Optional[str], value, axis: int, origin: str, lo: int = 0) -> "SymInt":
+        """The dim ``axis`` of the graph value ``value`` (named ``name``, or unnamed), known to
+        be at least ``lo``."""
         expr = ("dim", name) if name is not None else ("dim", id(value), axis)
-        return cls(tracer, expr, name, 0, None, origin=origin, source=(value, axis))
+        return cls(tracer, expr, name, lo, None, origin=origin, source=(value, axis))
 
     # -- text -----------------------------------------------------------------------------------
 

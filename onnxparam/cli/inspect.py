@@ -163,7 +163,7 @@ def _read_safetensors_info(path: Path) -> _Inspected:
 def _read_onnx_info(path: Path) -> _Inspected:
     import onnx_ir as ir
 
-    from ..convert.converter import _is_weights_only, _read_weights_only
+    from ..convert._onnx_files import _is_weights_only, _read_weights_only
     from ..formats.safetensors import SCALARS_KEY, _decode_scalars
     from ..onnx_io.records import read_onnx_record
     from ..onnx_io.source import load_model

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .._snapshot import TensorSnapshot
 from ..dtype import DType
 from ..formats._names import KeyRemapper, map_indices_contiguous
-from .._snapshot import TensorSnapshot
 from ..tensor import TensorData
 
 __all__ = [

@@ -32,6 +32,7 @@ from .pool import (
     MaxPool2d,
     MaxPool2dConfig,
 )
+from .rnn import BiLstm, BiLstmConfig, GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
 
 __all__ = [
     "Initializer",
@@ -61,4 +62,12 @@ __all__ = [
     "Sigmoid",
     "Tanh",
     "Softmax",
+    "GateController",
+    "Lstm",
+    "LstmConfig",
+    "LstmState",
+    "BiLstm",
+    "BiLstmConfig",
+    "Gru",
+    "GruConfig",
 ]

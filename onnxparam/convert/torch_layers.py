@@ -23,7 +23,8 @@ Layouts (PyTorch's ``torch.nn`` docs; Burn's ``burn-nn/src/modules``):
   ``(d_model, d_model)`` in ``(in, out)`` order.
 * ``nn.TransformerEncoderLayer``: ``self_attn.*`` (as above), ``linear1`` / ``linear2``,
   ``norm1`` / ``norm2`` (``weight``, ``bias``) -> Burn's ``mha.*``, ``pwff.linear_inner`` /
-  ``pwff.linear_outer``, ``norm_1`` / ``norm_2`` (``gamma``, ``beta``).
+  ``pwff.linear_outer``, ``norm_1`` / ``norm_2`` (``gamma``, ``beta``; swapped for a pre-norm
+  layer, see :func:`transformer_encoder_layer_from_torch`).
 
 Only single-layer ``nn.LSTM`` / ``nn.GRU`` (``num_layers=1``; pass ``layer`` for one layer of a
 stack) without ``proj_size`` map: Burn has no projection.
@@ -186,21 +187,30 @@ def mha_to_torch(record: Mapping) -> dict:
 
 
 _ENCODER_LINEARS = (("linear1", "pwff.linear_inner"), ("linear2", "pwff.linear_outer"))
-_ENCODER_NORMS = (("norm1", "norm_1"), ("norm2", "norm_2"))
+
+
+def _encoder_norms(norm_first: bool) -> tuple:
+    """PyTorch's ``norm1`` sits around attention, ``norm2`` around the feed-forward; Burn's
+    post-norm layer names them ``norm_1`` / ``norm_2`` likewise, its pre-norm layer the other
+    way round (``norm_2`` before attention, ``norm_1`` before the feed-forward; ``encoder.rs``)."""
+    if norm_first:
+        return ("norm1", "norm_2"), ("norm2", "norm_1")
+    return ("norm1", "norm_1"), ("norm2", "norm_2")
 
 
 def _sub(state: Mapping, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def transformer_encoder_layer_from_torch(state: Mapping) -> dict:
+def transformer_encoder_layer_from_torch(state: Mapping, norm_first: bool = False) -> dict:
     """Burn names (:class:`~onnxparam.nn.TransformerEncoderLayer`) for a PyTorch
     ``nn.TransformerEncoderLayer`` state_dict (``self_attn.*``, ``linear1``, ``linear2``,
     ``norm1``, ``norm2``).
 
     The computation matches when the PyTorch layer uses ``activation="gelu"`` (Burn's
     position-wise feed-forward uses GELU), ``batch_first=True``, and the same ``norm_first``
-    and ``layer_norm_eps`` (Burn's 1e-5).
+    (pass it here: it decides which PyTorch norm is Burn's ``norm_1``) and ``layer_norm_eps``
+    (Burn's 1e-5).
     """
     what = "transformer_encoder_layer_from_torch"
     out = {f"mha.{k}": v for k, v in mha_from_torch(_sub(state, "self_attn.")).items()}
@@ -208,13 +218,13 @@ def transformer_encoder_layer_from_torch(state: Mapping) -> dict:
         out[f"{burn_name}.weight"] = np.ascontiguousarray(_get(state, f"{torch_name}.weight", what).T)
         if f"{torch_name}.bias" in state:
             out[f"{burn_name}.bias"] = np.array(_get(state, f"{torch_name}.bias", what))
-    for torch_name, burn_name in _ENCODER_NORMS:
+    for torch_name, burn_name in _encoder_norms(norm_first):
         out[f"{burn_name}.gamma"] = np.array(_get(state, f"{torch_name}.weight", what))
         out[f"{burn_name}.beta"] = np.array(_get(state, f"{torch_name}.bias", what))
     return out
 
 
-def transformer_encoder_layer_to_torch(record: Mapping) -> dict:
+def transformer_encoder_layer_to_torch(record: Mapping, norm_first: bool = False) -> dict:
     """The inverse of :func:`transformer_encoder_layer_from_torch`."""
     what = "transformer_encoder_layer_to_torch"
     out = {f"self_attn.{k}": v for k, v in mha_to_torch(_sub(record, "mha.")).items()}
@@ -222,7 +232,7 @@ def transformer_encoder_layer_to_torch(record: Mapping) -> dict:
         out[f"{torch_name}.weight"] = np.ascontiguousarray(_get(record, f"{burn_name}.weight", what).T)
         if f"{burn_name}.bias" in record:
             out[f"{torch_name}.bias"] = np.array(_get(record, f"{burn_name}.bias", what))
-    for torch_name, burn_name in _ENCODER_NORMS:
+    for torch_name, burn_name in _encoder_norms(norm_first):
         out[f"{torch_name}.weight"] = np.array(_get(record, f"{burn_name}.gamma", what))
         out[f"{torch_name}.bias"] = np.array(_get(record, f"{burn_name}.beta", what))
     return out

@@ -18,6 +18,16 @@ and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from .attention import (
+    CrossAttention,
+    CrossAttentionConfig,
+    MhaInput,
+    MhaOutput,
+    MultiHeadAttention,
+    MultiHeadAttentionConfig,
+    generate_autoregressive_mask,
+    generate_padding_mask,
+)
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
@@ -32,7 +42,26 @@ from .pool import (
     MaxPool2d,
     MaxPool2dConfig,
 )
+from .pos_encoding import (
+    PositionalEncoding,
+    PositionalEncodingConfig,
+    RotaryEncoding,
+    RotaryEncodingConfig,
+    generate_sinusoids,
+)
 from .rnn import BiLstm, BiLstmConfig, GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
+from .transformer import (
+    PositionWiseFeedForward,
+    PositionWiseFeedForwardConfig,
+    TransformerDecoder,
+    TransformerDecoderConfig,
+    TransformerDecoderInput,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderConfig,
+    TransformerEncoderInput,
+    TransformerEncoderLayer,
+)
 
 __all__ = [
     "Initializer",
@@ -70,4 +99,27 @@ __all__ = [
     "BiLstmConfig",
     "Gru",
     "GruConfig",
+    "MultiHeadAttention",
+    "MultiHeadAttentionConfig",
+    "MhaInput",
+    "MhaOutput",
+    "CrossAttention",
+    "CrossAttentionConfig",
+    "generate_autoregressive_mask",
+    "generate_padding_mask",
+    "PositionWiseFeedForward",
+    "PositionWiseFeedForwardConfig",
+    "TransformerEncoder",
+    "TransformerEncoderConfig",
+    "TransformerEncoderInput",
+    "TransformerEncoderLayer",
+    "TransformerDecoder",
+    "TransformerDecoderConfig",
+    "TransformerDecoderInput",
+    "TransformerDecoderLayer",
+    "PositionalEncoding",
+    "PositionalEncodingConfig",
+    "RotaryEncoding",
+    "RotaryEncodingConfig",
+    "generate_sinusoids",
 ]

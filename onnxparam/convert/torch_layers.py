@@ -46,6 +46,7 @@ __all__ = [
     "lstm_from_torch", "lstm_to_torch", "gru_from_torch", "gru_to_torch",
     "mha_from_torch", "mha_to_torch",
     "transformer_encoder_layer_from_torch", "transformer_encoder_layer_to_torch",
+    "transformer_decoder_layer_from_torch",
 ]
 
 LSTM_GATES = ("input_gate", "forget_gate", "cell_gate", "output_gate")
@@ -235,4 +236,31 @@ def transformer_encoder_layer_to_torch(record: Mapping, norm_first: bool = False
     for torch_name, burn_name in _encoder_norms(norm_first):
         out[f"{torch_name}.weight"] = np.array(_get(record, f"{burn_name}.gamma", what))
         out[f"{torch_name}.bias"] = np.array(_get(record, f"{burn_name}.beta", what))
+    return out
+
+
+def _decoder_norms(norm_first: bool) -> tuple:
+    """PyTorch's ``norm1`` / ``norm2`` / ``norm3`` sit around self-attention, cross-attention and
+    the feed-forward; Burn's post-norm decoder layer names them ``norm_1`` / ``norm_2`` /
+    ``norm_3`` likewise, its pre-norm layer ``norm_3`` / ``norm_1`` / ``norm_2`` (``decoder.rs``)."""
+    if norm_first:
+        return ("norm1", "norm_3"), ("norm2", "norm_1"), ("norm3", "norm_2")
+    return ("norm1", "norm_1"), ("norm2", "norm_2"), ("norm3", "norm_3")
+
+
+def transformer_decoder_layer_from_torch(state: Mapping, norm_first: bool = False) -> dict:
+    """Burn names (:class:`~onnxparam.nn.TransformerDecoderLayer`) for a PyTorch
+    ``nn.TransformerDecoderLayer`` state_dict (``self_attn.*``, ``multihead_attn.*`` ->
+    ``cross_attn.*``, ``linear1`` / ``linear2``, ``norm1..3``); conditions as
+    :func:`transformer_encoder_layer_from_torch`."""
+    what = "transformer_decoder_layer_from_torch"
+    out = {f"self_attn.{k}": v for k, v in mha_from_torch(_sub(state, "self_attn.")).items()}
+    out.update({f"cross_attn.{k}": v for k, v in mha_from_torch(_sub(state, "multihead_attn.")).items()})
+    for torch_name, burn_name in _ENCODER_LINEARS:
+        out[f"{burn_name}.weight"] = np.ascontiguousarray(_get(state, f"{torch_name}.weight", what).T)
+        if f"{torch_name}.bias" in state:
+            out[f"{burn_name}.bias"] = np.array(_get(state, f"{torch_name}.bias", what))
+    for torch_name, burn_name in _decoder_norms(norm_first):
+        out[f"{burn_name}.gamma"] = np.array(_get(state, f"{torch_name}.weight", what))
+        out[f"{burn_name}.beta"] = np.array(_get(state, f"{torch_name}.bias", what))
     return out

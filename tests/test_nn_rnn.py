@@ -193,7 +193,8 @@ def test_lstm_loaded_from_a_torch_state_dict_gives_torchs_outputs():
     x = RNG.normal(size=(2, 5, 3)).astype(np.float32)
     c0, h0 = (RNG.normal(size=(2, 4)).astype(np.float32) for _ in range(2))
     with torch.no_grad():
-        want, (want_h, want_c) = reference(torch.from_numpy(x), (torch.from_numpy(h0)[None], torch.from_numpy(c0)[None]))
+        initial = (torch.from_numpy(h0)[None], torch.from_numpy(c0)[None])
+        want, (want_h, want_c) = reference(torch.from_numpy(x), initial)
     out, cell, hidden = WithState(module)(*(Tensor.from_numpy(a) for a in (x, c0, h0)))
     np.testing.assert_allclose(out.to_numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cell.to_numpy(), want_c[0].numpy(), rtol=1e-5, atol=1e-6)
@@ -374,3 +375,22 @@ def test_recurrent_layers_reject_mis_shaped_input(build, x_shape, message):
 def test_recurrent_configurations_raise_clear_errors(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_bilstm_with_an_initial_state_matches_torch_and_round_trips_through_burnpack(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    reference = torch.nn.LSTM(3, 4, batch_first=True, bidirectional=True)
+    module = nn.BiLstm(3, 4).load_record(lstm_from_torch(_torch_state(reference)))
+    x = RNG.normal(size=(2, 4, 3)).astype(np.float32)
+    c0, h0 = (RNG.normal(size=(2, 2, 4)).astype(np.float32) for _ in range(2))  # [direction, batch, d_hidden]
+    with torch.no_grad():
+        want, (want_h, want_c) = reference(torch.from_numpy(x), (torch.from_numpy(h0), torch.from_numpy(c0)))
+    out, cell, hidden = WithState(module)(*(Tensor.from_numpy(a) for a in (x, c0, h0)))
+    np.testing.assert_allclose(out.to_numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cell.to_numpy(), want_c.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hidden.to_numpy(), want_h.numpy(), rtol=1e-5, atol=1e-6)
+    module.save_file(tmp_path / "bilstm")
+    loaded = nn.BiLstm(3, 4).load_file(tmp_path / "bilstm.bpk")
+    assert [p for p, _ in loaded.named_params()] == BURN_BILSTM_NAMES
+    np.testing.assert_array_equal(loaded(Tensor.from_numpy(x))[0].to_numpy(), module(Tensor.from_numpy(x))[0].to_numpy())

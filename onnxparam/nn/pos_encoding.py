@@ -13,7 +13,6 @@ import math
 import numpy as np
 
 from .. import ops
-from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
 from ._config import config, positive

@@ -236,7 +236,8 @@ class Lstm(Module):
         return output, cell, hidden
 
     def extra_repr(self) -> str:
-        return (f"d_input={self.d_input}, d_hidden={self.d_hidden}, bias={self.input_gate.input_transform.bias is not None}"
+        bias = self.input_gate.input_transform.bias is not None
+        return (f"d_input={self.d_input}, d_hidden={self.d_hidden}, bias={bias}"
                 f", batch_first={self.batch_first}, reverse={self.reverse}")
 
 

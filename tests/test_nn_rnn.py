@@ -43,12 +43,14 @@ GATE = ["input_transform.weight", "input_transform.bias", "hidden_transform.weig
 BURN_LSTM_NAMES = [f"{g}.{p}" for g in ("input_gate", "forget_gate", "output_gate", "cell_gate") for p in GATE]
 BURN_GRU_NAMES = [f"{g}.{p}" for g in ("update_gate", "reset_gate", "new_gate") for p in GATE]
 BURN_BILSTM_NAMES = [f"{d}.{n}" for d in ("forward", "reverse") for n in BURN_LSTM_NAMES]
+BURN_BIGRU_NAMES = [f"{d}.{n}" for d in ("forward", "reverse") for n in BURN_GRU_NAMES]
 
 
 @pytest.mark.parametrize("build, names", [
     (lambda: nn.Lstm(3, 5), BURN_LSTM_NAMES),
     (lambda: nn.Gru(3, 5), BURN_GRU_NAMES),
     (lambda: nn.BiLstm(3, 5), BURN_BILSTM_NAMES),
+    (lambda: nn.BiGru(3, 5), BURN_BIGRU_NAMES),
 ])
 def test_recurrent_layers_have_burns_record_names_in_field_order_and_shapes(build, names):
     module = build()
@@ -245,8 +247,6 @@ def test_torch_mappings_reject_what_burn_cannot_hold():
         lstm_from_torch({"weight_ih_l0": np.zeros((8, 3))})
     with pytest.raises(RecordError, match=r"'weight_ih_l0' has shape \(7, 3\); expected a first dim divisible by 3"):
         gru_from_torch({"weight_ih_l0": np.zeros((7, 3)), "weight_hh_l0": np.zeros((6, 2))})
-    with pytest.raises(RecordError, match="bidirectional nn.GRU"):
-        gru_from_torch(_torch_state(torch.nn.GRU(3, 4, bidirectional=True)))
 
 
 # -- gradients: central finite differences --------------------------------------------------------
@@ -393,4 +393,41 @@ def test_bilstm_with_an_initial_state_matches_torch_and_round_trips_through_burn
     module.save_file(tmp_path / "bilstm")
     loaded = nn.BiLstm(3, 4).load_file(tmp_path / "bilstm.bpk")
     assert [p for p, _ in loaded.named_params()] == BURN_BILSTM_NAMES
-    np.testing.assert_array_equal(loaded(Tensor.from_numpy(x))[0].to_numpy(), module(Tensor.from_numpy(x))[0].to_numpy())
+    xt = Tensor.from_numpy(x)
+    np.testing.assert_array_equal(loaded(xt)[0].to_numpy(), module(xt)[0].to_numpy())
+
+
+def test_gru_reproduces_burns_unit_test_values():
+    # Burn's gru.rs tests_forward_seq_len_3: d_input = d_hidden = 1, no bias, every gate's input
+    # and hidden weights 0.5 (update), 0.6 (reset), 0.7 (new); the same values for both resets.
+    for reset_after in (True, False):
+        module = nn.Gru(1, 1, bias=False, reset_after=reset_after)
+        weights = {"update_gate": 0.5, "reset_gate": 0.6, "new_gate": 0.7}
+        module = module.load_record({f"{g}.{k}.weight": np.array([[w]], np.float32)
+                                     for g, w in weights.items() for k in ("input_transform", "hidden_transform")})
+        got = module(Tensor.from_numpy(np.array([[[0.1], [0.2], [0.3]]], np.float32))).to_numpy()
+        np.testing.assert_allclose(got[0, :, 0], [0.0341, 0.0894, 0.1575], atol=1e-4)
+
+
+def test_bigru_loaded_from_a_bidirectional_torch_gru_gives_torchs_outputs():
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(4)
+    reference = torch.nn.GRU(3, 4, batch_first=False, bidirectional=True)
+    module = nn.BiGru(3, 4, batch_first=False).load_record(gru_from_torch(_torch_state(reference)))
+    x = RNG.normal(size=(5, 2, 3)).astype(np.float32)  # [seq, batch, d_input]
+    h0 = RNG.normal(size=(2, 2, 4)).astype(np.float32)
+    for state in (None, h0):
+        with torch.no_grad():
+            want, want_h = reference(torch.from_numpy(x), None if state is None else torch.from_numpy(state))
+        args = [Tensor.from_numpy(x)] + ([] if state is None else [Tensor.from_numpy(state)])
+        out, hidden = module(*args)
+        np.testing.assert_allclose(out.to_numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(hidden.to_numpy(), want_h.numpy(), rtol=1e-5, atol=1e-6)
+    back = gru_to_torch(record(module))
+    for name, value in _torch_state(reference).items():
+        np.testing.assert_array_equal(back[name], value)
+
+
+def test_bigru_gradients_match_finite_differences():
+    module = with_random_weights(nn.BiGru(2, 2, dtype=DType.F64), np.float64)
+    _check_module_grad(module, RNG.normal(size=(1, 3, 2)), extra=[RNG.normal(size=(2, 1, 2))])

@@ -134,19 +134,26 @@ def lstm_to_torch(record: Mapping, layer: int = 0) -> dict:
 
 
 def gru_from_torch(state: Mapping, layer: int = 0) -> dict:
-    """Burn names (:class:`~onnxparam.nn.Gru`, ``reset_after=True``) for one layer of a
-    PyTorch ``nn.GRU`` state_dict (``weight_ih_l0 (3H, d_input)`` ..., gates r, z, n)."""
+    """Burn names for one layer of a PyTorch ``nn.GRU`` state_dict (``weight_ih_l0 (3H, d_input)``
+    ..., gates r, z, n): :class:`~onnxparam.nn.Gru`'s record (``reset_after=True``), or
+    :class:`~onnxparam.nn.BiGru`'s (``forward.`` / ``reverse.``) when ``*_reverse`` is present."""
     what = "gru_from_torch"
     suffix = f"_l{int(layer)}"
-    if f"weight_ih{suffix}_reverse" in state:
-        raise RecordError(f"{what}: a bidirectional nn.GRU ({'weight_ih' + suffix + '_reverse'!r}) needs BiGru, "
-                          "which onnxparam.nn does not have yet; map each direction with a single-direction Gru")
-    return _gates_from_torch(state, GRU_GATES, suffix, what)
+    forward = _gates_from_torch(state, GRU_GATES, suffix, what)
+    if f"weight_ih{suffix}_reverse" not in state:
+        return forward
+    reverse = _gates_from_torch(state, GRU_GATES, suffix + "_reverse", what)
+    return {**{f"forward.{k}": v for k, v in forward.items()}, **{f"reverse.{k}": v for k, v in reverse.items()}}
 
 
 def gru_to_torch(record: Mapping, layer: int = 0) -> dict:
-    """The inverse of :func:`gru_from_torch`."""
-    return _gates_to_torch(record, GRU_GATES, "", f"_l{int(layer)}", "gru_to_torch")
+    """The inverse of :func:`gru_from_torch` (a ``Gru`` or ``BiGru`` record)."""
+    what = "gru_to_torch"
+    suffix = f"_l{int(layer)}"
+    if any(k.startswith("forward.") for k in record):
+        return {**_gates_to_torch(record, GRU_GATES, "forward.", suffix, what),
+                **_gates_to_torch(record, GRU_GATES, "reverse.", suffix + "_reverse", what)}
+    return _gates_to_torch(record, GRU_GATES, "", suffix, what)
 
 
 def mha_from_torch(state: Mapping) -> dict:

@@ -49,7 +49,18 @@ from .pos_encoding import (
     RotaryEncodingConfig,
     generate_sinusoids,
 )
-from .rnn import BiLstm, BiLstmConfig, GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
+from .rnn import (
+    BiGru,
+    BiGruConfig,
+    BiLstm,
+    BiLstmConfig,
+    GateController,
+    Gru,
+    GruConfig,
+    Lstm,
+    LstmConfig,
+    LstmState,
+)
 from .transformer import (
     PositionWiseFeedForward,
     PositionWiseFeedForwardConfig,
@@ -99,6 +110,8 @@ __all__ = [
     "BiLstmConfig",
     "Gru",
     "GruConfig",
+    "BiGru",
+    "BiGruConfig",
     "MultiHeadAttention",
     "MultiHeadAttentionConfig",
     "MhaInput",

@@ -6,7 +6,7 @@ Every gate is a :class:`GateController` holding two :class:`~onnxparam.nn.Linear
 
     Lstm: input_gate, forget_gate, output_gate, cell_gate  .{input_transform,hidden_transform}.{weight,bias}
     Gru:  update_gate, reset_gate, new_gate                .{input_transform,hidden_transform}.{weight,bias}
-    BiLstm: forward.<Lstm>, reverse.<Lstm>
+    BiLstm: forward.<Lstm>, reverse.<Lstm>;   BiGru: forward.<Gru>, reverse.<Gru>
 
 NOTE (forward: an unrolled composition, not ONNX's ``LSTM`` / ``GRU``): the forwards are the
 recurrences unrolled over the (static) sequence length with ``MatMul`` / ``Add`` / ``Sigmoid`` /
@@ -34,7 +34,8 @@ from .initializer import Initializer
 from .linear import Linear
 
 __all__ = [
-    "GateController", "LstmState", "Lstm", "LstmConfig", "BiLstm", "BiLstmConfig", "Gru", "GruConfig",
+    "GateController", "LstmState", "Lstm", "LstmConfig", "BiLstm", "BiLstmConfig", "Gru", "GruConfig", "BiGru",
+    "BiGruConfig",
 ]
 
 RNN_INITIALIZER = Initializer.XavierNormal(gain=1.0)
@@ -409,6 +410,12 @@ class Gru(Module):
         self.clip = None if clip is None else float(clip)
 
     def forward(self, x: Tensor, state: Optional[Tensor] = None) -> Tensor:
+        return self.run(x, state)[0]
+
+    def run(self, x: Tensor, state: Optional[Tensor] = None, reverse: bool = False) -> tuple:
+        """``(output [batch, seq, d_hidden], final hidden [batch, d_hidden])``, the sequence
+        processed from the last step to the first when ``reverse`` (Burn's ``forward_iter``,
+        used by :class:`BiGru`); ``output[:, t]`` is the state after step ``t`` either way."""
         _check_input(x, self.d_input, "Gru")
         steps = _steps(x, "Gru")
         sigma = _activation(self.gate_activation, "gate_activation")
@@ -416,8 +423,8 @@ class Gru(Module):
         gates = (self.update_gate, self.reset_gate, self.new_gate)
         projected = {id(g): _steps(g.input_transform(x), "Gru") for g in gates}
         hidden = state
-        outputs = []
-        for t in range(len(steps)):
+        outputs = [None] * len(steps)
+        for t in (range(len(steps) - 1, -1, -1) if reverse else range(len(steps))):
             z = sigma(_plus(projected[id(self.update_gate)][t], self.update_gate.hidden_part(hidden)))
             r = sigma(_plus(projected[id(self.reset_gate)][t], self.reset_gate.hidden_part(hidden)))
             if self.reset_after:
@@ -431,9 +438,78 @@ class Gru(Module):
             hidden = new if hidden is None else ops.add(new, ops.mul(z, hidden))
             if self.clip is not None:
                 hidden = ops.clamp(hidden, -self.clip, self.clip)
-            outputs.append(hidden)
-        return _stack(outputs)
+            outputs[t] = hidden
+        return _stack(outputs), hidden
 
     def extra_repr(self) -> str:
         return (f"d_input={self.d_input}, d_hidden={self.d_hidden}, "
                 f"bias={self.update_gate.input_transform.bias is not None}, reset_after={self.reset_after}")
+
+
+@config
+class BiGruConfig:
+    """Configuration of a :class:`BiGru` (Burn's ``BiGruConfig``); fields as :class:`GruConfig`
+    plus ``batch_first``."""
+
+    d_input: int
+    d_hidden: int
+    bias: bool = True
+    reset_after: bool = True
+    initializer: Initializer = RNN_INITIALIZER
+    batch_first: bool = True
+    gate_activation: str = "sigmoid"
+    hidden_activation: str = "tanh"
+    clip: Optional[float] = None
+
+    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiGru":
+        """A new :class:`BiGru` with lazy params on ``device``."""
+        return BiGru(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+
+
+class BiGru(Module):
+    """Bidirectional GRU, Burn's ``BiGru`` (``rnn/gru.rs``): sub-modules ``forward`` and
+    ``reverse`` (two :class:`Gru` s; params ``forward.update_gate.input_transform.weight`` ...).
+
+    ``forward(x, state=None) -> (output, hidden)``:
+        x: ``[batch, seq, d_input]`` (seq first when not ``batch_first``).
+        state: ``[2, batch, d_hidden]`` (0 forward, 1 reverse) or ``None`` (zeros).
+        output: ``[batch, seq, 2 * d_hidden]``, forward then reverse direction per step;
+        hidden: the final states ``[2, batch, d_hidden]``.
+
+    PyTorch's bidirectional ``nn.GRU`` maps with :func:`onnxparam.convert.torch_layers.gru_from_torch`.
+    """
+
+    def __init__(self, d_input: int, d_hidden: int, bias: bool = True, *, reset_after: bool = True,
+                 initializer: Initializer = RNN_INITIALIZER, batch_first: bool = True, gate_activation: str = "sigmoid",
+                 hidden_activation: str = "tanh", clip: Optional[float] = None,
+                 device: "Device | str" = "cpu", dtype: DType = DType.F32):
+        common = dict(reset_after=reset_after, initializer=initializer, gate_activation=gate_activation,
+                      hidden_activation=hidden_activation, clip=clip, device=device, dtype=dtype)
+        self.__dict__["forward"] = Gru(d_input, d_hidden, bias, **common)  # see BiLstm's NOTE
+        self.reverse = Gru(d_input, d_hidden, bias, **common)
+        self.d_hidden = self.reverse.d_hidden
+        self.batch_first = bool(batch_first)
+
+    @property
+    def forward_gru(self) -> Gru:
+        """The forward-direction :class:`Gru` (record prefix ``forward.``)."""
+        return self.__dict__["forward"]
+
+    def _forward(self, x: Tensor, state: Optional[Tensor] = None):
+        if not self.batch_first:
+            x = ops.transpose(x, 0, 1)
+        h_f = h_r = None
+        if state is not None:
+            h_f, h_r = (ops.squeeze(h, 0) for h in ops.split(state, [1, 1], 0))
+        out_f, last_f = self.forward_gru.run(x, h_f)
+        out_r, last_r = self.reverse.run(x, h_r, reverse=True)
+        output = ops.concat([out_f, out_r], 2)
+        if not self.batch_first:
+            output = ops.transpose(output, 0, 1)
+        return output, ops.concat([ops.unsqueeze(last_f, 0), ops.unsqueeze(last_r, 0)], 0)
+
+    def extra_repr(self) -> str:
+        return f"d_input={self.reverse.d_input}, d_hidden={self.d_hidden}, batch_first={self.batch_first}"
+
+
+BiGru.forward = _ForwardMethod()

@@ -256,7 +256,7 @@ def test_torch_attention_mapping_rejects_separate_projections():
 
 def check_module_grad(module, inputs, eps=1e-6):
     """grad() of ``sum(module(*inputs)[0] * r)`` against central differences, every param."""
-    out = module(*[t(a) for a in inputs])
+    out = module(*[None if a is None else t(a) for a in inputs])
     first = out[0] if isinstance(out, tuple) else out
     r = RNG.normal(size=first.shape)
 
@@ -394,3 +394,29 @@ def test_attention_configurations_raise_clear_errors(build, message):
 def test_attention_layers_reject_mis_shaped_input(module, shape, message):
     with pytest.raises(op.TraceError, match=message):
         module(t(np.zeros(shape, np.float32)))
+
+
+def test_decoder_layer_gradients_match_finite_differences():
+    module = randomized(nn.TransformerDecoder(4, 4, 2, 1, activation="relu", dtype=DType.F64), np.float64)
+    causal = np.triu(np.ones((1, 2, 2), bool), k=1)
+    check_module_grad(module, [RNG.normal(size=(1, 2, 4)), RNG.normal(size=(1, 3, 4)), None, causal])
+
+
+@pytest.mark.parametrize("name, module, shapes", [
+    ("mha", nn.MultiHeadAttention(8, 4, quiet_softmax=True), [(2, 3, 8), (2, 5, 8)]),
+    ("cross", nn.CrossAttention(8, 6, 4, 2, 2), [(2, 3, 8), (2, 5, 6)]),
+    ("pwff", nn.PositionWiseFeedForward(8, 16), [(2, 3, 8)]),
+    ("rope", nn.RotaryEncoding(16, 8), [(2, 2, 5, 8)]),
+    ("sinusoids", nn.PositionalEncoding(8), [(2, 5, 8)]),
+])
+def test_exported_attention_layers_run_in_plain_onnxruntime_for_another_batch_size(tmp_path, name, module, shapes):
+    inputs = [RNG.normal(size=s).astype(np.float32) for s in shapes]
+    names = [f"x{i}" for i in range(len(inputs))]
+    path = op.export_onnx(module, tmp_path / f"{name}.onnx", *[t(a) for a in inputs], input_names=names,
+                          dynamic_axes={n: {0: "batch"} for n in names})
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    other = [np.concatenate([a, a[:1]]) for a in inputs]  # batch + 1
+    got = session.run(None, dict(zip(names, other)))[0]
+    want = module(*[t(a) for a in other])
+    want = want[0] if isinstance(want, tuple) else want
+    np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-5, atol=1e-6)

@@ -431,3 +431,19 @@ def test_bigru_loaded_from_a_bidirectional_torch_gru_gives_torchs_outputs():
 def test_bigru_gradients_match_finite_differences():
     module = with_random_weights(nn.BiGru(2, 2, dtype=DType.F64), np.float64)
     _check_module_grad(module, RNG.normal(size=(1, 3, 2)), extra=[RNG.normal(size=(2, 1, 2))])
+
+
+@pytest.mark.parametrize("name, build", [
+    ("gru", lambda: nn.Gru(3, 4, reset_after=False)),
+    ("bigru", lambda: nn.BiGru(3, 4)),
+    ("lstm", lambda: nn.Lstm(3, 4, batch_first=False, clip=0.5)),
+])
+def test_exported_recurrent_layers_run_in_plain_onnxruntime(tmp_path, name, build):
+    module = with_random_weights(build())
+    x = RNG.normal(size=(5, 2, 3)).astype(np.float32)
+    path = op.export_onnx(module, tmp_path / f"{name}.onnx", Tensor.from_numpy(x))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x})
+    want = module(Tensor.from_numpy(x))
+    for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
+        np.testing.assert_allclose(g, w.to_numpy(), rtol=1e-6, atol=1e-6)

@@ -447,3 +447,56 @@ def test_exported_recurrent_layers_run_in_plain_onnxruntime(tmp_path, name, buil
     want = module(Tensor.from_numpy(x))
     for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
         np.testing.assert_allclose(g, w.to_numpy(), rtol=1e-6, atol=1e-6)
+
+
+# -- onnx_op=True: ONNX's own LSTM / GRU operators ---------------------------------------------------
+
+@pytest.mark.parametrize("options", [{}, {"reverse": True}, {"input_forget": True}, {"batch_first": False}])
+def test_lstm_as_onnxs_lstm_operator_matches_the_numpy_recurrence(options, tmp_path):
+    module = with_random_weights(nn.Lstm(3, 4, onnx_op=True, **options))
+    x = RNG.normal(size=(2, 5, 3) if options.get("batch_first", True) else (5, 2, 3)).astype(np.float32)
+    c0, h0 = (RNG.normal(size=(2, 4)).astype(np.float32) for _ in range(2))
+    out, cell, hidden = WithState(module)(*(Tensor.from_numpy(a) for a in (x, c0, h0)))
+    xb = x if options.get("batch_first", True) else x.transpose(1, 0, 2)
+    rec = record(module)
+    want_out, want_c, want_h = numpy_lstm(rec, xb, state=(c0, h0), reverse=options.get("reverse", False),
+                                          input_forget=options.get("input_forget", False))
+    if not options.get("batch_first", True):
+        want_out = want_out.transpose(1, 0, 2)
+    np.testing.assert_allclose(out.to_numpy(), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cell.to_numpy(), want_c, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hidden.to_numpy(), want_h, rtol=1e-5, atol=1e-5)
+    path = op.export_onnx(module, tmp_path / "lstm.onnx", Tensor.from_numpy(x))
+    import onnx
+
+    assert [n.op_type for n in onnx.load(str(path)).graph.node].count("LSTM") == 1
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0],
+                               module(Tensor.from_numpy(x))[0].to_numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reset_after", [True, False])
+def test_gru_and_bigru_as_onnxs_gru_operator_match_the_numpy_recurrence(reset_after):
+    module = with_random_weights(nn.Gru(3, 4, reset_after=reset_after, onnx_op=True))
+    x = RNG.normal(size=(2, 5, 3)).astype(np.float32)
+    h0 = RNG.normal(size=(2, 4)).astype(np.float32)
+    np.testing.assert_allclose(module(Tensor.from_numpy(x), Tensor.from_numpy(h0)).to_numpy(),
+                               numpy_gru(record(module), x, h0, reset_after=reset_after), rtol=1e-5, atol=1e-5)
+    unrolled = with_random_weights(nn.BiGru(3, 4, reset_after=reset_after))
+    fused = nn.BiGru(3, 4, reset_after=reset_after, onnx_op=True).load_record(record(unrolled))
+    for a, b in zip(unrolled(Tensor.from_numpy(x)), fused(Tensor.from_numpy(x))):
+        np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_onnx_op_layers_have_no_gradient_and_no_state_clip():
+    module = nn.Lstm(2, 2, onnx_op=True)
+
+    def loss_fn(m, x):
+        return ops.sum(m(x)[0])
+
+    with pytest.raises(op.TraceError, match="LSTM"):
+        grad(loss_fn, module, np.ones((1, 2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"Lstm\(onnx_op=True\) cannot clip"):
+        nn.Lstm(2, 2, clip=1.0, onnx_op=True)
+    with pytest.raises(ValueError, match=r"Gru\(onnx_op=True\) cannot clip"):
+        nn.GruConfig(2, 2).with_clip(0.5).with_onnx_op(True).init()

@@ -49,18 +49,8 @@ from .pos_encoding import (
     RotaryEncodingConfig,
     generate_sinusoids,
 )
-from .rnn import (
-    BiGru,
-    BiGruConfig,
-    BiLstm,
-    BiLstmConfig,
-    GateController,
-    Gru,
-    GruConfig,
-    Lstm,
-    LstmConfig,
-    LstmState,
-)
+from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
+from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
 from .transformer import (
     PositionWiseFeedForward,
     PositionWiseFeedForwardConfig,

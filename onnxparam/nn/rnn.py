@@ -6,7 +6,8 @@ Every gate is a :class:`GateController` holding two :class:`~onnxparam.nn.Linear
 
     Lstm: input_gate, forget_gate, output_gate, cell_gate  .{input_transform,hidden_transform}.{weight,bias}
     Gru:  update_gate, reset_gate, new_gate                .{input_transform,hidden_transform}.{weight,bias}
-    BiLstm: forward.<Lstm>, reverse.<Lstm>;   BiGru: forward.<Gru>, reverse.<Gru>
+
+(the bidirectional ``BiLstm`` / ``BiGru`` are in :mod:`.rnn_bidirectional`).
 
 NOTE (forward: an unrolled composition, not ONNX's ``LSTM`` / ``GRU``): the forwards are the
 recurrences unrolled over the (static) sequence length with ``MatMul`` / ``Add`` / ``Sigmoid`` /
@@ -18,6 +19,11 @@ saving work at the small sizes this targets. The input projections of all time s
 ``MatMul`` per gate; only the hidden projections run per step. The batch size is never baked
 into the graph (the zero initial state is folded away: at step 0 the hidden product is just the
 hidden bias); the sequence length is (static shapes).
+
+``onnx_op=True`` (an onnxparam option, not a Burn field; it changes no record) emits ONNX's own
+``LSTM`` / ``GRU`` node instead (ONNX spec: LSTM-14 / GRU-14, gates packed in ONNX's order i, o,
+f, c / z, r, h inside the graph), which ONNX Runtime runs as one fused kernel: for inference and
+export only, since autodiff has no rule for these operators (``grad`` raises ``TraceError``).
 """
 
 from __future__ import annotations
@@ -33,10 +39,7 @@ from ._config import check_float_dtype, config, positive
 from .initializer import Initializer
 from .linear import Linear
 
-__all__ = [
-    "GateController", "LstmState", "Lstm", "LstmConfig", "BiLstm", "BiLstmConfig", "Gru", "GruConfig", "BiGru",
-    "BiGruConfig",
-]
+__all__ = ["GateController", "LstmState", "Lstm", "LstmConfig", "Gru", "GruConfig", "RNN_INITIALIZER"]
 
 RNN_INITIALIZER = Initializer.XavierNormal(gain=1.0)
 """Burn's default initializer of ``LstmConfig`` / ``GruConfig``: ``XavierNormal { gain: 1.0 }``,
@@ -105,6 +108,26 @@ def _stack(hiddens: list) -> Tensor:
     return items[0] if len(items) == 1 else ops.concat(items, 1)
 
 
+def _pack(transforms: list) -> tuple:
+    """ONNX's ``W`` / ``R`` ``[1, G*H, d]`` (each block the transpose of a Burn ``(d, H)``
+    weight) and the concatenated biases ``[G*H]`` (``None`` without bias), in ``transforms``' order."""
+    w = ops.unsqueeze(ops.concat([ops.transpose(t.weight.val(), 0, 1) for t in transforms], 0), [0])
+    if any(t.bias is None for t in transforms):
+        return w, None
+    return w, ops.concat([t.bias.val() for t in transforms], 0)
+
+
+def _packed_bias(wb: Optional[Tensor], rb: Optional[Tensor]) -> Optional[Tensor]:
+    return None if wb is None else ops.unsqueeze(ops.concat([wb, rb], 0), [0])
+
+
+def _check_onnx_op(onnx_op: bool, clip, what: str) -> bool:
+    if onnx_op and clip is not None:
+        raise ValueError(f"{what}(onnx_op=True) cannot clip: ONNX's clip bounds the gates' pre-activations, "
+                         "Burn's clamps the state; use onnx_op=False (the unrolled form) with clip")
+    return bool(onnx_op)
+
+
 def _check_input(x: Tensor, d_input: int, what: str) -> None:
     if x.rank == 3 and isinstance(x.shape[2], int) and x.shape[2] != d_input:
         raise ValueError(f"{what} expects d_input={d_input} features in the last dim; got shape {list(x.shape)}")
@@ -127,6 +150,8 @@ class LstmConfig:
             kept as a param, as in Burn).
         gate_activation, cell_activation, hidden_activation: ``"sigmoid"``, ``"tanh"`` (the
             defaults, as Burn's) or ``"relu"``.
+        onnx_op: emit ONNX's ``LSTM`` operator (inference / export only; see the module
+            docstring) instead of the unrolled composition. Not a Burn field.
     """
 
     d_input: int
@@ -140,6 +165,7 @@ class LstmConfig:
     gate_activation: str = "sigmoid"
     cell_activation: str = "tanh"
     hidden_activation: str = "tanh"
+    onnx_op: bool = False
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Lstm":
         """A new :class:`Lstm` with lazy params on ``device``."""
@@ -179,11 +205,12 @@ class Lstm(Module):
     def __init__(self, d_input: int, d_hidden: int, bias: bool = True, *,
                  initializer: Initializer = RNN_INITIALIZER, batch_first: bool = True, reverse: bool = False,
                  clip: Optional[float] = None, input_forget: bool = False, gate_activation: str = "sigmoid",
-                 cell_activation: str = "tanh", hidden_activation: str = "tanh",
+                 cell_activation: str = "tanh", hidden_activation: str = "tanh", onnx_op: bool = False,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         d_input = positive(d_input, "d_input")
         d_hidden = positive(d_hidden, "d_hidden")
         dtype = check_float_dtype(dtype, "Lstm")
+        self.onnx_op = _check_onnx_op(onnx_op, clip, "Lstm")
         if clip is not None and not float(clip) > 0:
             raise ValueError(f"clip must be a positive number or None; got {clip!r}")
         for name, value in (("gate_activation", gate_activation), ("cell_activation", cell_activation),
@@ -207,6 +234,9 @@ class Lstm(Module):
             x = ops.transpose(x, 0, 1)
         steps = _steps(x, "Lstm")
         cell, hidden = (None, None) if state is None else tuple(state)
+        if self.onnx_op:
+            output, cell, hidden = self._forward_onnx(x, cell, hidden)
+            return (output if self.batch_first else ops.transpose(output, 0, 1)), cell, hidden
         sigma = _activation(self.gate_activation, "gate_activation")
         act_c = _activation(self.cell_activation, "cell_activation")
         act_h = _activation(self.hidden_activation, "hidden_activation")
@@ -236,104 +266,21 @@ class Lstm(Module):
             output = ops.transpose(output, 0, 1)
         return output, cell, hidden
 
+    def _forward_onnx(self, x: Tensor, cell, hidden) -> tuple:
+        order = (self.input_gate, self.output_gate, self.forget_gate, self.cell_gate)  # ONNX's i, o, f, c
+        w, wb = _pack([g.input_transform for g in order])
+        r, rb = _pack([g.hidden_transform for g in order])
+        y, y_h, y_c = ops.lstm(
+            ops.transpose(x, 0, 1), w, r, _packed_bias(wb, rb),
+            None if hidden is None else ops.unsqueeze(hidden, [0]), None if cell is None else ops.unsqueeze(cell, [0]),
+            direction="reverse" if self.reverse else "forward", input_forget=self.input_forget,
+            activations=(self.gate_activation, self.cell_activation, self.hidden_activation))
+        return ops.transpose(ops.squeeze(y, [1]), 0, 1), ops.squeeze(y_c, [0]), ops.squeeze(y_h, [0])
+
     def extra_repr(self) -> str:
         bias = self.input_gate.input_transform.bias is not None
         return (f"d_input={self.d_input}, d_hidden={self.d_hidden}, bias={bias}"
                 f", batch_first={self.batch_first}, reverse={self.reverse}")
-
-
-@config
-class BiLstmConfig:
-    """Configuration of a :class:`BiLstm` (Burn's ``BiLstmConfig``); fields as :class:`LstmConfig`
-    without ``reverse``."""
-
-    d_input: int
-    d_hidden: int
-    bias: bool = True
-    initializer: Initializer = RNN_INITIALIZER
-    batch_first: bool = True
-    clip: Optional[float] = None
-    input_forget: bool = False
-    gate_activation: str = "sigmoid"
-    cell_activation: str = "tanh"
-    hidden_activation: str = "tanh"
-
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiLstm":
-        """A new :class:`BiLstm` with lazy params on ``device``."""
-        return BiLstm(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
-
-
-class BiLstm(Module):
-    """Bidirectional LSTM (Graves & Schmidhuber 2005), Burn's ``BiLstm`` (``rnn/lstm.rs``).
-
-    Sub-modules: ``forward`` and ``reverse``, two batch-first :class:`Lstm` s (params
-    ``forward.input_gate.input_transform.weight`` ...; the attribute is named ``forward`` as in
-    Burn's record, and the ``forward`` *method* is reached through the class).
-
-    ``forward(x, state=None) -> (output, cell, hidden)``:
-        x: ``[batch, seq, d_input]`` (seq first when not ``batch_first``).
-        state: an :class:`LstmState` with ``cell``, ``hidden`` of ``[2, batch, d_hidden]``
-            (index 0 forward, 1 reverse), or ``None`` for zeros.
-        output: ``[batch, seq, 2 * d_hidden]``, the forward direction's hidden state then the
-            reverse direction's, per step; ``cell``, ``hidden``: ``[2, batch, d_hidden]``.
-
-    ONNX: two unrolled :class:`Lstm` compositions and a ``Concat``.
-    """
-
-    def __init__(self, d_input: int, d_hidden: int, bias: bool = True, *,
-                 initializer: Initializer = RNN_INITIALIZER, batch_first: bool = True, clip: Optional[float] = None,
-                 input_forget: bool = False, gate_activation: str = "sigmoid", cell_activation: str = "tanh",
-                 hidden_activation: str = "tanh", device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        common = dict(initializer=initializer, batch_first=True, clip=clip, input_forget=input_forget,
-                      gate_activation=gate_activation, cell_activation=cell_activation,
-                      hidden_activation=hidden_activation, device=device, dtype=dtype)
-        # NOTE: Burn's record names the forward direction ``forward``; the sub-module lives in
-        # the instance dict under that name (the traversal reads ``vars``) while the class-level
-        # data descriptor below keeps ``bilstm.forward(...)`` the forward pass.
-        self.__dict__["forward"] = Lstm(d_input, d_hidden, bias, reverse=False, **common)
-        self.reverse = Lstm(d_input, d_hidden, bias, reverse=True, **common)
-        self.d_hidden = self.reverse.d_hidden
-        self.batch_first = bool(batch_first)
-
-    @property
-    def forward_lstm(self) -> Lstm:
-        """The forward-direction :class:`Lstm` (record prefix ``forward.``)."""
-        return self.__dict__["forward"]
-
-    def _forward(self, x: Tensor, state=None):
-        if not self.batch_first:
-            x = ops.transpose(x, 0, 1)
-        fwd_state = rev_state = None
-        if state is not None:
-            cell, hidden = tuple(state)
-            c0, c1 = (ops.squeeze(c, 0) for c in ops.split(cell, [1, 1], 0))
-            h0, h1 = (ops.squeeze(h, 0) for h in ops.split(hidden, [1, 1], 0))
-            fwd_state, rev_state = LstmState(c0, h0), LstmState(c1, h1)
-        out_f, cell_f, hidden_f = self.forward_lstm.forward(x, fwd_state)
-        out_r, cell_r, hidden_r = self.reverse.forward(x, rev_state)
-        output = ops.concat([out_f, out_r], 2)
-        if not self.batch_first:
-            output = ops.transpose(output, 0, 1)
-        cell = ops.concat([ops.unsqueeze(cell_f, 0), ops.unsqueeze(cell_r, 0)], 0)
-        hidden = ops.concat([ops.unsqueeze(hidden_f, 0), ops.unsqueeze(hidden_r, 0)], 0)
-        return output, cell, hidden
-
-    def extra_repr(self) -> str:
-        return f"d_input={self.reverse.d_input}, d_hidden={self.d_hidden}, batch_first={self.batch_first}"
-
-
-class _ForwardMethod:
-    """A data descriptor: ``obj.forward`` is the bound forward pass, while ``obj.forward = m``
-    (the traversal's copies) stores the sub-module in the instance dict."""
-
-    def __get__(self, obj, owner=None):
-        return self if obj is None else obj._forward
-
-    def __set__(self, obj, value):
-        obj.__dict__["forward"] = value
-
-
-BiLstm.forward = _ForwardMethod()
 
 
 @config
@@ -349,6 +296,7 @@ class GruConfig:
         initializer: Burn's default ``XavierNormal(gain=1.0)``.
         gate_activation, hidden_activation: ``"sigmoid"`` / ``"tanh"`` (defaults) or ``"relu"``.
         clip: clamp the hidden state to ``[-clip, clip]`` after each step.
+        onnx_op: emit ONNX's ``GRU`` operator (inference / export only). Not a Burn field.
     """
 
     d_input: int
@@ -359,6 +307,7 @@ class GruConfig:
     gate_activation: str = "sigmoid"
     hidden_activation: str = "tanh"
     clip: Optional[float] = None
+    onnx_op: bool = False
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Gru":
         """A new :class:`Gru` with lazy params on ``device``."""
@@ -391,11 +340,12 @@ class Gru(Module):
 
     def __init__(self, d_input: int, d_hidden: int, bias: bool = True, *, reset_after: bool = True,
                  initializer: Initializer = RNN_INITIALIZER, gate_activation: str = "sigmoid",
-                 hidden_activation: str = "tanh", clip: Optional[float] = None,
+                 hidden_activation: str = "tanh", clip: Optional[float] = None, onnx_op: bool = False,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         d_input = positive(d_input, "d_input")
         d_hidden = positive(d_hidden, "d_hidden")
         dtype = check_float_dtype(dtype, "Gru")
+        self.onnx_op = _check_onnx_op(onnx_op, clip, "Gru")
         if clip is not None and not float(clip) > 0:
             raise ValueError(f"clip must be a positive number or None; got {clip!r}")
         _activation(gate_activation, "gate_activation")
@@ -418,6 +368,8 @@ class Gru(Module):
         used by :class:`BiGru`); ``output[:, t]`` is the state after step ``t`` either way."""
         _check_input(x, self.d_input, "Gru")
         steps = _steps(x, "Gru")
+        if self.onnx_op:
+            return self._run_onnx(x, state, reverse)
         sigma = _activation(self.gate_activation, "gate_activation")
         act = _activation(self.hidden_activation, "hidden_activation")
         gates = (self.update_gate, self.reset_gate, self.new_gate)
@@ -441,75 +393,17 @@ class Gru(Module):
             outputs[t] = hidden
         return _stack(outputs), hidden
 
+    def _run_onnx(self, x: Tensor, state, reverse: bool) -> tuple:
+        order = (self.update_gate, self.reset_gate, self.new_gate)  # ONNX's z, r, h
+        w, wb = _pack([g.input_transform for g in order])
+        r, rb = _pack([g.hidden_transform for g in order])
+        y, y_h = ops.gru(ops.transpose(x, 0, 1), w, r, _packed_bias(wb, rb),
+                         None if state is None else ops.unsqueeze(state, [0]),
+                         direction="reverse" if reverse else "forward", linear_before_reset=self.reset_after,
+                         activations=(self.gate_activation, self.hidden_activation))
+        return ops.transpose(ops.squeeze(y, [1]), 0, 1), ops.squeeze(y_h, [0])
+
     def extra_repr(self) -> str:
         return (f"d_input={self.d_input}, d_hidden={self.d_hidden}, "
                 f"bias={self.update_gate.input_transform.bias is not None}, reset_after={self.reset_after}")
 
-
-@config
-class BiGruConfig:
-    """Configuration of a :class:`BiGru` (Burn's ``BiGruConfig``); fields as :class:`GruConfig`
-    plus ``batch_first``."""
-
-    d_input: int
-    d_hidden: int
-    bias: bool = True
-    reset_after: bool = True
-    initializer: Initializer = RNN_INITIALIZER
-    batch_first: bool = True
-    gate_activation: str = "sigmoid"
-    hidden_activation: str = "tanh"
-    clip: Optional[float] = None
-
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiGru":
-        """A new :class:`BiGru` with lazy params on ``device``."""
-        return BiGru(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
-
-
-class BiGru(Module):
-    """Bidirectional GRU, Burn's ``BiGru`` (``rnn/gru.rs``): sub-modules ``forward`` and
-    ``reverse`` (two :class:`Gru` s; params ``forward.update_gate.input_transform.weight`` ...).
-
-    ``forward(x, state=None) -> (output, hidden)``:
-        x: ``[batch, seq, d_input]`` (seq first when not ``batch_first``).
-        state: ``[2, batch, d_hidden]`` (0 forward, 1 reverse) or ``None`` (zeros).
-        output: ``[batch, seq, 2 * d_hidden]``, forward then reverse direction per step;
-        hidden: the final states ``[2, batch, d_hidden]``.
-
-    PyTorch's bidirectional ``nn.GRU`` maps with :func:`onnxparam.convert.torch_layers.gru_from_torch`.
-    """
-
-    def __init__(self, d_input: int, d_hidden: int, bias: bool = True, *, reset_after: bool = True,
-                 initializer: Initializer = RNN_INITIALIZER, batch_first: bool = True, gate_activation: str = "sigmoid",
-                 hidden_activation: str = "tanh", clip: Optional[float] = None,
-                 device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        common = dict(reset_after=reset_after, initializer=initializer, gate_activation=gate_activation,
-                      hidden_activation=hidden_activation, clip=clip, device=device, dtype=dtype)
-        self.__dict__["forward"] = Gru(d_input, d_hidden, bias, **common)  # see BiLstm's NOTE
-        self.reverse = Gru(d_input, d_hidden, bias, **common)
-        self.d_hidden = self.reverse.d_hidden
-        self.batch_first = bool(batch_first)
-
-    @property
-    def forward_gru(self) -> Gru:
-        """The forward-direction :class:`Gru` (record prefix ``forward.``)."""
-        return self.__dict__["forward"]
-
-    def _forward(self, x: Tensor, state: Optional[Tensor] = None):
-        if not self.batch_first:
-            x = ops.transpose(x, 0, 1)
-        h_f = h_r = None
-        if state is not None:
-            h_f, h_r = (ops.squeeze(h, 0) for h in ops.split(state, [1, 1], 0))
-        out_f, last_f = self.forward_gru.run(x, h_f)
-        out_r, last_r = self.reverse.run(x, h_r, reverse=True)
-        output = ops.concat([out_f, out_r], 2)
-        if not self.batch_first:
-            output = ops.transpose(output, 0, 1)
-        return output, ops.concat([ops.unsqueeze(last_f, 0), ops.unsqueeze(last_r, 0)], 0)
-
-    def extra_repr(self) -> str:
-        return f"d_input={self.reverse.d_input}, d_hidden={self.d_hidden}, batch_first={self.batch_first}"
-
-
-BiGru.forward = _ForwardMethod()

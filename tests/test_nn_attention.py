@@ -420,3 +420,13 @@ def test_exported_attention_layers_run_in_plain_onnxruntime_for_another_batch_si
     want = module(*[t(a) for a in other])
     want = want[0] if isinstance(want, tuple) else want
     np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_quiet_softmax_and_mask_fill_ops_match_their_formulas():
+    x = RNG.normal(size=(2, 3, 5)) * 30  # large values: the stable form must not overflow
+    got = ops.quiet_softmax(t(x), 1).to_numpy()
+    e = np.exp(x - x.max(1, keepdims=True))
+    np.testing.assert_allclose(got, e / (e.sum(1, keepdims=True) + np.exp(-x.max(1, keepdims=True))), rtol=1e-12)
+    assert np.isfinite(got).all()
+    mask = RNG.random((1, 3, 5)) < 0.5
+    np.testing.assert_array_equal(ops.mask_fill(t(x), t(mask), -7.0).to_numpy(), np.where(mask, -7.0, x))

@@ -10,6 +10,7 @@ weights, central differences of the forward loss, and plain ``onnxruntime`` on t
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -467,8 +468,6 @@ def test_lstm_as_onnxs_lstm_operator_matches_the_numpy_recurrence(options, tmp_p
     np.testing.assert_allclose(cell.to_numpy(), want_c, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(hidden.to_numpy(), want_h, rtol=1e-5, atol=1e-5)
     path = op.export_onnx(module, tmp_path / "lstm.onnx", Tensor.from_numpy(x))
-    import onnx
-
     assert [n.op_type for n in onnx.load(str(path)).graph.node].count("LSTM") == 1
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0],

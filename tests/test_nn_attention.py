@@ -430,3 +430,39 @@ def test_quiet_softmax_and_mask_fill_ops_match_their_formulas():
     assert np.isfinite(got).all()
     mask = RNG.random((1, 3, 5)) < 0.5
     np.testing.assert_array_equal(ops.mask_fill(t(x), t(mask), -7.0).to_numpy(), np.where(mask, -7.0, x))
+
+
+def test_a_torch_transformer_classifier_state_dict_loads_and_gives_torchs_logits():
+    torch = pytest.importorskip("torch")
+    from onnxparam.convert.torch_layers import torch_state_dict_to_record
+
+    class TorchClassifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(10, 8)
+            layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True,
+                                                     norm_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(8, 2)
+
+        def forward(self, tokens, pad):
+            return self.head(self.encoder(self.embedding(tokens), src_key_padding_mask=pad).mean(1))
+
+    class Same(op.Module):
+        def __init__(self):
+            self.embedding = nn.Embedding(10, 8)
+            self.encoder = nn.TransformerEncoder(8, 16, 2, 2, norm_first=True)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, tokens, pad):
+            return self.head(ops.mean(self.encoder(self.embedding(tokens), pad), 1))
+
+    torch.manual_seed(7)
+    reference = TorchClassifier().eval()
+    model = Same().load_record(torch_state_dict_to_record(Same(), _state(reference)))
+    tokens = RNG.integers(0, 10, size=(3, 5)).astype(np.int64)
+    pad = np.zeros((3, 5), bool)
+    pad[1, 3:] = True
+    with torch.no_grad():
+        want = reference(torch.from_numpy(tokens), torch.from_numpy(pad)).numpy()
+    np.testing.assert_allclose(model(t(tokens), t(pad)).to_numpy(), want, rtol=1e-4, atol=1e-5)

@@ -499,3 +499,29 @@ def test_onnx_op_layers_have_no_gradient_and_no_state_clip():
         nn.Lstm(2, 2, clip=1.0, onnx_op=True)
     with pytest.raises(ValueError, match=r"Gru\(onnx_op=True\) cannot clip"):
         nn.GruConfig(2, 2).with_clip(0.5).with_onnx_op(True).init()
+
+
+def test_a_torch_lstm_tagger_state_dict_loads_into_the_same_tagger_and_gives_torchs_logits():
+    torch = pytest.importorskip("torch")
+    from onnxparam.convert.torch_layers import torch_state_dict_to_record
+
+    class TorchTagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(12, 8)
+            self.lstm = torch.nn.LSTM(8, 8, batch_first=True)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, tokens):
+            return self.head(self.lstm(self.embedding(tokens))[0])
+
+    torch.manual_seed(6)
+    reference = TorchTagger().eval()
+    model = Tagger().load_record(torch_state_dict_to_record(Tagger(), _torch_state(reference)))
+    tokens = RNG.integers(0, 12, size=(3, 7)).astype(np.int64)
+    with torch.no_grad():
+        want = reference(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(model(Tensor.from_numpy(tokens)).to_numpy(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RecordError, match=r"1 PyTorch tensor\(s\) match no param of Tagger") as info:
+        torch_state_dict_to_record(Tagger(), {**_torch_state(reference), "extra.weight": np.zeros(2)})
+    assert "unexpected 'extra.weight' (2,)" in str(info.value)

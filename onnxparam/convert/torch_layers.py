@@ -26,6 +26,9 @@ Layouts (PyTorch's ``torch.nn`` docs; Burn's ``burn-nn/src/modules``):
   ``pwff.linear_outer``, ``norm_1`` / ``norm_2`` (``gamma``, ``beta``; swapped for a pre-norm
   layer, see :func:`transformer_encoder_layer_from_torch`).
 
+:func:`torch_state_dict_to_record` applies these per sub-module to a whole model's
+``state_dict`` (plus the ``Linear`` transpose and norm renames of the ``pytorch`` adapter).
+
 Only single-layer ``nn.LSTM`` / ``nn.GRU`` (``num_layers=1``; pass ``layer`` for one layer of a
 stack) without ``proj_size`` map: Burn has no projection.
 
@@ -46,7 +49,7 @@ __all__ = [
     "lstm_from_torch", "lstm_to_torch", "gru_from_torch", "gru_to_torch",
     "mha_from_torch", "mha_to_torch",
     "transformer_encoder_layer_from_torch", "transformer_encoder_layer_to_torch",
-    "transformer_decoder_layer_from_torch",
+    "transformer_decoder_layer_from_torch", "torch_state_dict_to_record",
 ]
 
 LSTM_GATES = ("input_gate", "forget_gate", "cell_gate", "output_gate")
@@ -271,3 +274,93 @@ def transformer_decoder_layer_from_torch(state: Mapping, norm_first: bool = Fals
         out[f"{burn_name}.gamma"] = np.array(_get(state, f"{torch_name}.weight", what))
         out[f"{burn_name}.beta"] = np.array(_get(state, f"{torch_name}.bias", what))
     return out
+
+
+# -- a whole module ----------------------------------------------------------------------------------
+
+_LINEAR_NAMES = ("Linear",)
+_NORM_NAMES = ("LayerNorm", "BatchNorm", "GroupNorm")
+_NORM_BUFFERS = {"weight": "gamma", "bias": "beta", "running_mean": "running_mean", "running_var": "running_var"}
+_IGNORED_TORCH_KEYS = ("num_batches_tracked",)
+
+
+def _type_names(module) -> set:
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def _subtree_mapper(module):
+    """The mapping function for a module whose PyTorch counterpart packs or renames tensors, by
+    the class names in its MRO (as :class:`~onnxparam.convert.adapters.PyTorchAdapter` decides
+    by the holding module's type), or ``None``."""
+    names = _type_names(module)
+    if names & {"Lstm", "BiLstm"}:
+        return lstm_from_torch
+    if names & {"Gru", "BiGru"}:
+        return gru_from_torch
+    if "MultiHeadAttention" in names:
+        return mha_from_torch
+    if "TransformerEncoderLayer" in names:
+        return lambda state: transformer_encoder_layer_from_torch(state, bool(getattr(module, "norm_first", False)))
+    if "TransformerDecoderLayer" in names:
+        return lambda state: transformer_decoder_layer_from_torch(state, bool(getattr(module, "norm_first", False)))
+    return None
+
+
+def torch_state_dict_to_record(module, state: Mapping) -> dict:
+    """A whole PyTorch ``state_dict`` as a record for ``module`` (built with this library's layers
+    and the PyTorch model's attribute names), ready for :meth:`onnxparam.Module.load_record`.
+
+    Sub-modules are matched by path: a :class:`~onnxparam.nn.Lstm` / ``BiLstm`` / ``Gru`` /
+    ``BiGru`` / ``MultiHeadAttention`` / ``TransformerEncoderLayer`` / ``TransformerDecoderLayer``
+    at path ``p`` takes the PyTorch tensors under ``p.`` through the functions above (the
+    pre-norm flag is read from the layer); a ``Linear``'s weight is transposed; a norm's
+    ``weight`` / ``bias`` become ``gamma`` / ``beta`` (``num_batches_tracked`` is dropped); every
+    other tensor (embeddings, convolutions) is taken as is.
+
+    Args:
+        module: the target :class:`~onnxparam.Module`.
+        state: PyTorch names -> numpy arrays (``{k: v.detach().numpy() for k, v in
+            model.state_dict().items()}``).
+
+    Raises:
+        RecordError: listing every PyTorch tensor that no param of ``module`` takes (missing
+            params are reported by ``load_record``).
+    """
+    state = {str(k): np.asarray(v) for k, v in state.items()}
+    record, consumed, claimed = {}, set(), []
+    for path, sub in module.named_modules():
+        if any(path == c or path.startswith(c + ".") for c in claimed):
+            continue
+        mapper = _subtree_mapper(sub)
+        if mapper is None:
+            continue
+        prefix = f"{path}." if path else ""
+        subtree = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        record.update({f"{prefix}{k}": v for k, v in mapper(subtree).items()})
+        consumed.update(f"{prefix}{k}" for k in subtree)
+        claimed.append(path)
+    holders = {}
+    for path, sub in module.named_modules():
+        holders.update({(f"{path}.{n}" if path else n): sub for n in vars(sub)})
+    for path, _ in module.named_params():
+        if path in record:
+            continue
+        owner, _, leaf = path.rpartition(".")
+        holder_names = _type_names(holders.get(path, module))
+        torch_name = path
+        if holder_names & set(_NORM_NAMES):
+            inverse = {b: t for t, b in _NORM_BUFFERS.items()}
+            torch_name = f"{owner}.{inverse.get(leaf, leaf)}" if owner else inverse.get(leaf, leaf)
+        if torch_name not in state:
+            continue  # load_record reports it as missing
+        value = state[torch_name]
+        if holder_names & set(_LINEAR_NAMES) and leaf == "weight" and value.ndim == 2:
+            value = np.ascontiguousarray(value.T)
+        record[path] = value
+        consumed.add(torch_name)
+    unexpected = [k for k in state if k not in consumed and not k.endswith(_IGNORED_TORCH_KEYS)]
+    if unexpected:
+        raise RecordError(f"torch_state_dict_to_record: {len(unexpected)} PyTorch tensor(s) match no param of "
+                          f"{type(module).__name__}; name the sub-modules as the PyTorch model does",
+                          [f"unexpected {k!r} {tuple(state[k].shape)}" for k in unexpected])
+    return record

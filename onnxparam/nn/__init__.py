@@ -18,6 +18,16 @@ and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from .attention import (
+    CrossAttention,
+    CrossAttentionConfig,
+    MhaInput,
+    MhaOutput,
+    MultiHeadAttention,
+    MultiHeadAttentionConfig,
+    generate_autoregressive_mask,
+    generate_padding_mask,
+)
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
@@ -31,6 +41,27 @@ from .pool import (
     AvgPool2dConfig,
     MaxPool2d,
     MaxPool2dConfig,
+)
+from .pos_encoding import (
+    PositionalEncoding,
+    PositionalEncodingConfig,
+    RotaryEncoding,
+    RotaryEncodingConfig,
+    generate_sinusoids,
+)
+from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
+from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
+from .transformer import (
+    PositionWiseFeedForward,
+    PositionWiseFeedForwardConfig,
+    TransformerDecoder,
+    TransformerDecoderConfig,
+    TransformerDecoderInput,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderConfig,
+    TransformerEncoderInput,
+    TransformerEncoderLayer,
 )
 
 __all__ = [
@@ -61,4 +92,37 @@ __all__ = [
     "Sigmoid",
     "Tanh",
     "Softmax",
+    "GateController",
+    "Lstm",
+    "LstmConfig",
+    "LstmState",
+    "BiLstm",
+    "BiLstmConfig",
+    "Gru",
+    "GruConfig",
+    "BiGru",
+    "BiGruConfig",
+    "MultiHeadAttention",
+    "MultiHeadAttentionConfig",
+    "MhaInput",
+    "MhaOutput",
+    "CrossAttention",
+    "CrossAttentionConfig",
+    "generate_autoregressive_mask",
+    "generate_padding_mask",
+    "PositionWiseFeedForward",
+    "PositionWiseFeedForwardConfig",
+    "TransformerEncoder",
+    "TransformerEncoderConfig",
+    "TransformerEncoderInput",
+    "TransformerEncoderLayer",
+    "TransformerDecoder",
+    "TransformerDecoderConfig",
+    "TransformerDecoderInput",
+    "TransformerDecoderLayer",
+    "PositionalEncoding",
+    "PositionalEncodingConfig",
+    "RotaryEncoding",
+    "RotaryEncodingConfig",
+    "generate_sinusoids",
 ]

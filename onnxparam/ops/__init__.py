@@ -58,6 +58,7 @@ from .elementwise import (
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
 from .reduce import argmax, max, mean, min, sum
+from .sequence_layers import gru, lstm, mask_fill, quiet_softmax
 from .shape import (
     concat,
     embedding,
@@ -88,6 +89,8 @@ __all__ = [
     # convolution, pooling, normalization
     "conv1d", "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm",
     "layer_norm", "dropout",
+    # sequence layers
+    "quiet_softmax", "mask_fill", "lstm", "gru",
     # any node
     "custom", "subgraph",
 ]

@@ -604,3 +604,4 @@ def _gather_elements(e, node, gout, need):
 
 
 from . import rules_nn  # noqa: F401  (registers the convolution / pooling / normalization rules)
+from . import rules_layers  # noqa: E402,F401  (registers the rules of ops.nn_layers: ConvTranspose, PRelu, activations)

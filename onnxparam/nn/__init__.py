@@ -18,12 +18,36 @@ and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from .activation_ext import (
+    Celu,
+    CeluConfig,
+    Elu,
+    EluConfig,
+    Glu,
+    HardSigmoid,
+    HardSigmoidConfig,
+    HardSwish,
+    LeakyRelu,
+    LeakyReluConfig,
+    Mish,
+    PRelu,
+    PReluConfig,
+    Selu,
+    Silu,
+    Softplus,
+    SoftplusConfig,
+    Softsign,
+    SwiGlu,
+    SwiGluConfig,
+)
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
+from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
 from .initializer import Initializer, seed
 from .linear import Linear, LinearConfig
 from .norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
+from .norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
 from .pool import (
     AdaptiveAvgPool2d,
     AdaptiveAvgPool2dConfig,
@@ -42,10 +66,20 @@ __all__ = [
     "Conv1dConfig",
     "Conv2d",
     "Conv2dConfig",
+    "ConvTranspose1d",
+    "ConvTranspose1dConfig",
+    "ConvTranspose2d",
+    "ConvTranspose2dConfig",
     "BatchNorm",
     "BatchNormConfig",
     "LayerNorm",
     "LayerNormConfig",
+    "GroupNorm",
+    "GroupNormConfig",
+    "InstanceNorm",
+    "InstanceNormConfig",
+    "RmsNorm",
+    "RmsNormConfig",
     "Embedding",
     "EmbeddingConfig",
     "MaxPool2d",
@@ -61,4 +95,24 @@ __all__ = [
     "Sigmoid",
     "Tanh",
     "Softmax",
+    "PRelu",
+    "PReluConfig",
+    "LeakyRelu",
+    "LeakyReluConfig",
+    "Silu",
+    "Mish",
+    "HardSwish",
+    "HardSigmoid",
+    "HardSigmoidConfig",
+    "Elu",
+    "EluConfig",
+    "Selu",
+    "Celu",
+    "CeluConfig",
+    "Softplus",
+    "SoftplusConfig",
+    "Softsign",
+    "Glu",
+    "SwiGlu",
+    "SwiGluConfig",
 ]

@@ -57,6 +57,24 @@ from .elementwise import (
 )
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
+from .nn_layers import (
+    celu,
+    conv_transpose1d,
+    conv_transpose2d,
+    elu,
+    glu,
+    group_norm,
+    hard_sigmoid,
+    hard_swish,
+    leaky_relu,
+    mish,
+    prelu,
+    rms_norm,
+    selu,
+    silu,
+    softplus,
+    softsign,
+)
 from .reduce import argmax, max, mean, min, sum
 from .shape import (
     concat,
@@ -88,6 +106,9 @@ __all__ = [
     # convolution, pooling, normalization
     "conv1d", "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm",
     "layer_norm", "dropout",
+    # wider layer set (nn_layers)
+    "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
+    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu",
     # any node
     "custom", "subgraph",
 ]

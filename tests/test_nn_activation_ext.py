@@ -12,12 +12,12 @@ import math
 
 import numpy as np
 import pytest
+from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
+from test_autodiff import check_grad
 
 import onnxparam as op
 from onnxparam import nn, ops
 from onnxparam.errors import TraceValueError
-from test_autodiff import check_grad
-from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
 
 RNG = np.random.default_rng(22)
 X = (RNG.normal(size=(2, 3, 4)) * 3).astype(np.float32)

@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 import pytest
+from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
+from test_autodiff import check_grad, f32
 
 from onnxparam import nn, ops
-from test_autodiff import check_grad, f32
-from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
 
 RNG = np.random.default_rng(20)
 

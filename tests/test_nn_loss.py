@@ -12,14 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from nn_layer_checks import tensor
 
 import onnxparam as op
-from onnxparam import ops
 from onnxparam.autodiff import cross_entropy, grad
 from onnxparam.errors import TraceValueError
-from onnxparam.nn.loss import (BinaryCrossEntropyLoss, BinaryCrossEntropyLossConfig, CrossEntropyLoss, CrossEntropyLossConfig, HuberLossConfig,
-                               KLDivLossConfig, LpLossConfig, MseLoss, Reduction)
-from nn_layer_checks import tensor
+from onnxparam.nn.loss import (
+    BinaryCrossEntropyLoss,
+    BinaryCrossEntropyLossConfig,
+    CrossEntropyLoss,
+    CrossEntropyLossConfig,
+    HuberLossConfig,
+    KLDivLossConfig,
+    LpLossConfig,
+    MseLoss,
+    Reduction,
+)
 
 RNG = np.random.default_rng(23)
 LOGITS = RNG.normal(size=(6, 5)).astype(np.float32)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
+from test_autodiff import check_grad, f64
 
 from onnxparam import nn, ops
 from onnxparam.errors import TraceValueError
-from test_autodiff import check_grad, f64
-from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
 
 RNG = np.random.default_rng(21)
 

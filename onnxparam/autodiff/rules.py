@@ -603,5 +603,6 @@ def _gather_elements(e, node, gout, need):
     return [e.op("ScatterElements", zeros, idx, gout[0], axis=axis, reduction="add"), None]
 
 
-from . import rules_nn  # noqa: F401  (registers the convolution / pooling / normalization rules)
-from . import rules_layers  # noqa: E402,F401  (registers the rules of ops.nn_layers: ConvTranspose, PRelu, activations)
+# registers the convolution / pooling / normalization rules (rules_nn) and those of
+# ops.nn_layers: ConvTranspose, PRelu, activations (rules_layers)
+from . import rules_layers, rules_nn  # noqa: F401

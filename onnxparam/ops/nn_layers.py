@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from ._core import _emit, _norm_dim, _ntuple, _op, _static_dims, _t
-from .elementwise import add, div, mul, sigmoid, sqrt, sub, tanh, where, greater
+from .elementwise import add, div, greater, mul, sigmoid, sqrt, sub, tanh, where
 from .reduce import mean
 from .shape import reshape, split
 

@@ -56,10 +56,12 @@ from .pool import (
     MaxPool2d,
     MaxPool2dConfig,
 )
+from .running_stats import update_running_stats
 
 __all__ = [
     "Initializer",
     "seed",
+    "update_running_stats",
     "Linear",
     "LinearConfig",
     "Conv1d",

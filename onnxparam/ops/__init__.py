@@ -58,9 +58,11 @@ from .elementwise import (
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
 from .nn_layers import (
+    batch_norm_train,
     celu,
     conv_transpose1d,
     conv_transpose2d,
+    dropout_train,
     elu,
     glu,
     group_norm,
@@ -108,7 +110,8 @@ __all__ = [
     "layer_norm", "dropout",
     # wider layer set (nn_layers)
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
-    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu",
+    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
+    "dropout_train",
     # any node
     "custom", "subgraph",
 ]

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from ._core import _emit, _norm_dim, _ntuple, _op, _static_dims, _t
-from .elementwise import add, div, greater, mul, sigmoid, sqrt, sub, tanh, where
+from .elementwise import add, div, greater, greater_equal, mul, sigmoid, sqrt, sub, tanh, where
 from .reduce import mean
 from .shape import reshape, split
 
 __all__ = [
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
-    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu",
+    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
+    "dropout_train",
 ]
 
 
@@ -283,3 +284,57 @@ def glu(x, dim: int = -1) -> Tensor:
     a, b = split(x, [size // 2, size // 2], axis)
     return mul(a, sigmoid(b))
 
+# -- training-mode forms ----------------------------------------------------------------------
+
+
+@_op
+def batch_norm_train(x, gamma, beta, epsilon: float = 1e-5) -> tuple:
+    """Training-mode batch normalization (Ioffe & Szegedy 2015; Burn's ``BatchNorm::forward_train``):
+    the statistics of *this batch*, per channel (axis 1) over the batch and spatial axes,
+    ``mean`` and the biased ``var``; ``y = (x - mean) / sqrt(var + epsilon) * gamma + beta``.
+
+    Args:
+        x: ``(N, C, ...)``, rank >= 2, float.
+        gamma, beta: ``(C,)``.
+
+    Returns:
+        ``(y, mean, var)``: ``y`` of ``x``'s shape; ``mean`` and ``var`` ``(C,)`` (what the
+        running statistics are updated with).
+
+    ONNX: ``ReduceMean``, ``Sub``, ``Mul``, ``Add``, ``Sqrt``, ``Div``, ``Reshape`` (a composition,
+    so gradients flow through the statistics with the existing rules; ONNX's
+    ``BatchNormalization`` training form has no gradient rule here).
+    """
+    x = _t(x)
+    if x.rank < 2:
+        raise ValueError(f"batch_norm_train expects x of rank >= 2 [N, C, ...]; got shape {list(x.shape)}")
+    axes = [0] + list(range(2, x.rank))
+    bshape = [1, -1] + [1] * (x.rank - 2)
+    mu = mean(x, axes, keepdim=True)
+    centered = sub(x, mu)
+    var = mean(mul(centered, centered), axes, keepdim=True)
+    y = div(centered, sqrt(add(var, float(epsilon))))
+    y = add(mul(y, reshape(gamma, bshape)), reshape(beta, bshape))
+    return y, reshape(mu, [-1]), reshape(var, [-1])
+
+
+@_op
+def dropout_train(x, prob: float) -> Tensor:
+    """Training-mode dropout (Srivastava et al. 2014; Burn's ``Dropout::forward``): each element
+    is zeroed with probability ``prob`` and the others scaled by ``1 / (1 - prob)``, a fresh
+    mask at every run.
+
+    ONNX: ``RandomUniformLike``, ``GreaterOrEqual``, ``Mul``, ``Where`` (the mask is one value of
+    the graph, so a backward graph reuses the forward's mask).
+
+    Raises:
+        ValueError: for ``prob`` outside ``[0, 1)``.
+    """
+    if not 0.0 <= float(prob) < 1.0:
+        raise ValueError(f"dropout prob must be in [0, 1); got {prob!r}")
+    x = _t(x)
+    if float(prob) == 0.0:
+        return x
+    noise = _emit("RandomUniformLike", [x], types=[(x.dtype, x.shape)])
+    keep = greater_equal(noise, float(prob))
+    return where(keep, mul(x, 1.0 / (1.0 - float(prob))), 0.0)

@@ -77,6 +77,16 @@ from .nn_layers import (
     softplus,
     softsign,
 )
+from .nn_spatial import (
+    adaptive_avg_pool1d,
+    avg_pool1d,
+    conv3d,
+    conv_transpose3d,
+    local_response_norm,
+    max_pool1d,
+    pixel_shuffle,
+    unfold4d,
+)
 from .reduce import argmax, max, mean, min, sum
 from .shape import (
     concat,
@@ -112,6 +122,9 @@ __all__ = [
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
     "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
     "dropout_train",
+    # spatial layers (nn_spatial)
+    "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
+    "local_response_norm",
     # any node
     "custom", "subgraph",
 ]

@@ -9,10 +9,12 @@ weights, central finite differences and plain ONNX Runtime on the exported file.
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
 from test_autodiff import check_grad, f64
 
+import onnxparam as op
 from onnxparam import nn, ops
 from onnxparam.errors import TraceValueError
 
@@ -150,3 +152,24 @@ def test_norm_exports_to_plain_onnx_runtime(make, shape, tmp_path):
     if not isinstance(layer, nn.RmsNorm):
         layer = _with_random_affine(layer, c)
     assert_export_runs_in_plain_ort(layer, RNG.normal(size=shape).astype(np.float32), tmp_path, rtol=1e-4, atol=1e-5)
+
+
+class _DynamicBatch(op.Module):
+    def __init__(self):
+        self.group = nn.GroupNorm(2, 4)
+        self.lrn = nn.LocalResponseNorm(3)
+        self.rms = nn.RmsNorm(5)
+
+    def forward(self, x):
+        return self.rms(self.lrn(self.group(x)))
+
+
+def test_norms_export_with_a_dynamic_batch(tmp_path):
+    module = _DynamicBatch()
+    path = tmp_path / "dynamic.onnx"
+    op.export_onnx(module, path, tensor(RNG.normal(size=(2, 4, 3, 5)).astype(np.float32)),
+                   dynamic_axes={"x": {0: "batch"}})
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = RNG.normal(size=(5, 4, 3, 5)).astype(np.float32)
+    (got,) = session.run(None, {session.get_inputs()[0].name: x})
+    np.testing.assert_allclose(got, module(tensor(x)).to_numpy(), rtol=1e-5, atol=1e-6)

@@ -182,5 +182,6 @@ def local_response_norm(x, size: int, alpha: float = 1e-4, beta: float = 0.75, k
     before, after = (size - 1) // 2, size - 1 - (size - 1) // 2
     window_mean = _emit("AveragePool", [sq], {"kernel_shape": (size, 1), "strides": (1, 1),
                                               "pads": [before, 0, after, 0], "count_include_pad": 1})
-    window_mean = reshape(window_mean, _emit("Shape", [x]))
+    static = all(isinstance(d, int) for d in x.shape)
+    window_mean = reshape(window_mean, list(x.shape) if static else _emit("Shape", [x]))
     return div(x, pow(add(mul(window_mean, float(alpha)), float(k)), float(beta)))

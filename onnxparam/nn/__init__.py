@@ -45,6 +45,7 @@ from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspos
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
 from .initializer import Initializer, seed
+from .interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
 from .linear import Linear, LinearConfig
 from .norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
 from .norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
@@ -124,6 +125,11 @@ __all__ = [
     "PixelShuffleConfig",
     "Unfold4d",
     "Unfold4dConfig",
+    "InterpolateMode",
+    "Interpolate1d",
+    "Interpolate1dConfig",
+    "Interpolate2d",
+    "Interpolate2dConfig",
     "Dropout",
     "DropoutConfig",
     "Relu",

@@ -82,6 +82,7 @@ from .nn_spatial import (
     avg_pool1d,
     conv3d,
     conv_transpose3d,
+    interpolate,
     local_response_norm,
     max_pool1d,
     pixel_shuffle,
@@ -124,7 +125,7 @@ __all__ = [
     "dropout_train",
     # spatial layers (nn_spatial)
     "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
-    "local_response_norm",
+    "local_response_norm", "interpolate",
     # any node
     "custom", "subgraph",
 ]

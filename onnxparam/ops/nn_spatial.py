@@ -20,7 +20,7 @@ from .reduce import mean
 from .shape import permute, reshape
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle",
-           "unfold4d", "local_response_norm"]
+           "unfold4d", "local_response_norm", "interpolate"]
 
 
 @_op
@@ -185,3 +185,51 @@ def local_response_norm(x, size: int, alpha: float = 1e-4, beta: float = 0.75, k
     static = all(isinstance(d, int) for d in x.shape)
     window_mean = reshape(window_mean, list(x.shape) if static else _emit("Shape", [x]))
     return div(x, pow(add(mul(window_mean, float(alpha)), float(k)), float(beta)))
+
+
+INTERPOLATE_MODES = ("nearest", "linear", "cubic")
+"""Burn's ``InterpolateMode`` variants (``Nearest``, ``Linear``, ``Cubic``), lower-cased."""
+
+CUBIC_COEFF_A = -0.75
+"""The cubic convolution coefficient of PyTorch's ``bicubic`` (Keys 1981 with ``a = -0.75``),
+also ONNX Resize's default."""
+
+
+@_op
+def interpolate(x, output_size, mode: str = "nearest", align_corners: bool = True) -> Tensor:
+    """Resize the trailing spatial dims of ``[N, C, ...]`` to ``output_size`` (Burn's
+    ``burn::tensor::module::interpolate``; PyTorch's ``F.interpolate`` without antialiasing).
+
+    Args:
+        x: ``(N, C, L)`` or ``(N, C, H, W)``, float.
+        output_size: the new spatial size (one int per spatial dim).
+        mode: ``"nearest"`` (``floor(i * in / out)``, PyTorch's ``nearest``), ``"linear"``
+            ((bi)linear) or ``"cubic"`` (bicubic, ``a = -0.75``).
+        align_corners: for ``linear`` / ``cubic``: corner pixels aligned (``in - 1`` maps to
+            ``out - 1``, Burn's default) or half-pixel centers (PyTorch's default).
+
+    ONNX: ``Resize`` (ONNX spec: Resize-19, ``axes`` = the spatial dims, ``sizes`` given;
+    ``coordinate_transformation_mode`` ``asymmetric`` with ``nearest_mode=floor`` for nearest,
+    ``align_corners`` or ``pytorch_half_pixel`` otherwise). ``Resize`` has no gradient rule.
+
+    Raises:
+        ValueError: for another mode, a rank below 3 or an ``output_size`` of another length.
+    """
+    x = _t(x)
+    mode = str(mode).lower()
+    if mode not in INTERPOLATE_MODES:
+        raise ValueError(f"interpolate mode must be one of {INTERPOLATE_MODES}; got {mode!r}")
+    nd = x.rank - 2
+    if nd < 1:
+        raise ValueError(f"interpolate expects [N, C, spatial...]; got shape {list(x.shape)}")
+    sizes = _ntuple(output_size, nd, "output_size")
+    attrs = {"mode": mode, "axes": list(range(2, 2 + nd))}
+    if mode == "nearest":
+        attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    else:
+        attrs["coordinate_transformation_mode"] = "align_corners" if align_corners else "pytorch_half_pixel"
+        if mode == "cubic":
+            attrs["cubic_coeff_a"] = CUBIC_COEFF_A
+    sizes_input = _tracer().constant(np.asarray(sizes, dtype=np.int64))
+    return _emit("Resize", [x, None, None, sizes_input], attrs,
+                 types=[(x.dtype, tuple(x.shape[:2]) + tuple(sizes))])

@@ -53,8 +53,10 @@ __all__ = [
 LINEAR_TYPES = ("Linear",)
 """Module class names whose rank-2 ``weight`` is transposed between PyTorch and Burn (Burn's
 ``module_names::LINEAR``)."""
-NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm")
-"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta``."""
+NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "RmsNorm", "InstanceNorm")
+"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta`` (Burn's
+``is_normalization_layer``: BatchNorm, LayerNorm, GroupNorm, RmsNorm; and InstanceNorm, whose
+affine params PyTorch also calls ``weight``/``bias``)."""
 BATCH_NORM_TYPES = ("BatchNorm",)
 """Module class names whose PyTorch ``num_batches_tracked`` buffer has no Burn counterpart."""
 
@@ -232,11 +234,12 @@ class PyTorchAdapter(ModuleAdapter):
       transposed: PyTorch ``nn.Linear.weight`` is ``(d_output, d_input)``, Burn's ``Linear`` and
       ONNX ``MatMul`` take ``(d_input, d_output)``. So is any rank-2 tensor whose module path
       matches a ``transpose`` regex.
-    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``)
-      Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
+    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``,
+      ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
       ``running_var`` keep their names; PyTorch's ``num_batches_tracked`` (BatchNorm) has no
       Burn counterpart and is ignored when loading.
-    * Conv weights need nothing: both store ``(out, in/groups, k...)``.
+    * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
+      convolutions: both store ``(in, out/groups, k...)``.
 
     Args:
         linear_types: class names treated as ``Linear``.

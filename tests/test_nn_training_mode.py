@@ -184,3 +184,45 @@ def test_a_training_loop_updates_running_stats_and_exports_the_inference_model(t
     (got,) = session.run(None, {session.get_inputs()[0].name: X})
     np.testing.assert_allclose(got, valid(tensor(X)).to_numpy(), rtol=1e-5, atol=1e-6)
     assert not any(n.op_type == "RandomUniformLike" for n in onnx.load(str(path)).graph.node)
+
+
+class _Decoder(op.Module):
+    """A small conv decoder of the wider layer set: every layer with params gets gradients."""
+
+    def __init__(self):
+        self.conv = nn.Conv2d((2, 4), 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.act = nn.Silu()
+        self.up = nn.ConvTranspose2d((4, 3), 2, stride=2)
+        self.prelu = nn.PRelu(3)
+        self.rms = nn.RmsNorm(6)
+
+    def forward(self, x):
+        return self.rms(self.prelu(self.up(self.act(self.norm(self.conv(x))))))
+
+
+def _decoder_loss(model, x, y):
+    from onnxparam.nn.loss import HuberLossConfig
+
+    return HuberLossConfig(1.0).init()(model(x), y)
+
+
+def test_a_decoder_of_new_layers_trains_through_ort_and_exports(tmp_path):
+    from onnxparam.optim import Adam
+
+    model = _Decoder()
+    x = RNG.normal(size=(2, 2, 3, 3)).astype(np.float32)
+    y = RNG.normal(size=(2, 3, 6, 6)).astype(np.float32)
+    opt = Adam(lr=0.05)
+    losses = []
+    for _ in range(8):
+        loss, grads = grad(_decoder_loss, model, x, y)
+        assert {path for path, _ in model.named_params()} == set(grads.by_path())
+        model = opt.step(model, grads)
+        losses.append(float(loss.to_numpy()))
+    assert losses[-1] < losses[0]
+    path = tmp_path / "decoder.onnx"
+    op.export_onnx(model, path, tensor(x))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x})
+    np.testing.assert_allclose(got, model(tensor(x)).to_numpy(), rtol=1e-5, atol=1e-6)

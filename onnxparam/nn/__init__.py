@@ -15,6 +15,11 @@ have ``init()`` without a device.
 Non-param state (stride, epsilon, ...) is plain attributes, shown by ``extra_repr()`` in the
 module display. Each layer's docstring gives shapes, dtypes, layouts, the ONNX operator emitted
 and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls.
+
+**Training mode.** ``module.train()`` switches ``Dropout`` to dropping and ``BatchNorm`` to
+batch statistics; :func:`update_running_stats` returns the module with the running statistics
+Burn's training forward writes (:mod:`.running_stats` says why it is a separate call).
+``valid()`` switches back. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh

@@ -57,6 +57,20 @@ FORMULAS = {
     "softsign": (lambda: nn.Softsign(), lambda x: x / (1 + np.abs(x)), lambda t, F, x: F.softsign(x)),
     "glu": (lambda: nn.Glu(-1), lambda x: x[..., :2] * _sigmoid(x[..., 2:]), lambda t, F, x: F.glu(x, -1)),
     "glu_dim1": (lambda: nn.Glu(1), None, lambda t, F, x: F.glu(x[:, :2], 1)),
+    "relu6": (lambda: nn.Relu6(), lambda x: np.clip(x, 0, 6), lambda t, F, x: F.relu6(x)),
+    "hardtanh": (lambda: nn.HardtanhConfig(min_val=-2.0, max_val=1.5).init(), lambda x: np.clip(x, -2, 1.5),
+                 lambda t, F, x: F.hardtanh(x, -2.0, 1.5)),
+    "log_sigmoid": (lambda: nn.LogSigmoid(), lambda x: -np.logaddexp(0, -x), lambda t, F, x: F.logsigmoid(x)),
+    "tanhshrink": (lambda: nn.Tanhshrink(), lambda x: x - np.tanh(x), lambda t, F, x: F.tanhshrink(x)),
+    "hard_shrink": (lambda: nn.HardShrinkConfig(lambda_=1.2).init(), lambda x: np.where(np.abs(x) > 1.2, x, 0),
+                    lambda t, F, x: F.hardshrink(x, 1.2)),
+    "soft_shrink": (lambda: nn.SoftShrink(1.2, 1.2), lambda x: np.where(x > 1.2, x - 1.2, np.where(x < -1.2, x + 1.2, 0)),
+                    lambda t, F, x: F.softshrink(x, 1.2)),
+    "soft_shrink_onnx_bias": (lambda: nn.SoftShrinkConfig(lambda_=1.0, bias=0.3).init(),
+                              lambda x: np.where(x > 1, x - 0.3, np.where(x < -1, x + 0.3, 0)),
+                              lambda t, F, x: t.where(x.abs() > 1, x - 0.3 * t.sign(x), t.zeros_like(x))),
+    "thresholded_relu": (lambda: nn.ThresholdedReluConfig(alpha=0.5).init(), lambda x: np.where(x > 0.5, x, 0),
+                         lambda t, F, x: t.where(x > 0.5, x, t.zeros_like(x))),
 }
 
 
@@ -145,6 +159,13 @@ GRAD_CASES = {
     "silu": ops.silu,
     "mish": ops.mish,
     "glu": lambda x: ops.glu(x, -1),
+    "relu6": lambda x: ops.relu6(ops.mul(x, 2.0)),
+    "hardtanh": lambda x: ops.hardtanh(x, -2.0, 1.5),
+    "log_sigmoid": ops.log_sigmoid,
+    "tanhshrink": ops.tanhshrink,
+    "hard_shrink": lambda x: ops.hard_shrink(x, 0.5),
+    "soft_shrink": lambda x: ops.soft_shrink(x, 0.5, 0.3),
+    "thresholded_relu": lambda x: ops.thresholded_relu(x, 1.0),
 }
 
 
@@ -165,7 +186,9 @@ class _Net(op.Module):
         self.lin = nn.Linear(4, 6)
         self.prelu = nn.PRelu(3)
         self.acts = [nn.Elu(), nn.Selu(), nn.Celu(), nn.HardSigmoid(), nn.HardSwish(), nn.Softplus(),
-                     nn.Softsign(), nn.Mish(), nn.Silu(), nn.LeakyRelu()]
+                     nn.Softsign(), nn.Mish(), nn.Silu(), nn.LeakyRelu(), nn.Relu6(), nn.Hardtanh(-3.0, 3.0),
+                     nn.Tanhshrink(), nn.LogSigmoid(), nn.SoftShrink(0.1, 0.05), nn.HardShrink(0.01),
+                     nn.ThresholdedRelu(-5.0)]
         self.glu = nn.Glu(-1)
         self.swiglu = nn.SwiGlu(3, 4)
 

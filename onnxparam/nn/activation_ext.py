@@ -1,7 +1,8 @@
 """The activation layers of Burn's ``crates/burn-nn/src/activation/`` beyond those of
 :mod:`.activation`: ``PRelu`` (with a param), ``LeakyRelu``, ``Silu``, ``Mish``, ``HardSwish``,
-``HardSigmoid``, ``Elu``, ``Selu``, ``Celu``, ``Softplus``, ``Softsign``, ``Glu`` and ``SwiGlu``
-(with two ``Linear`` sub-modules).
+``HardSigmoid``, ``Elu``, ``Selu``, ``Celu``, ``Softplus``, ``Softsign``, ``Glu``, ``SwiGlu``
+(with two ``Linear`` sub-modules), ``Relu6``, ``Hardtanh``, ``LogSigmoid``, ``Tanhshrink``,
+``HardShrink``, ``SoftShrink`` and ``ThresholdedRelu``.
 
 Each keeps the input's float dtype; all but ``Glu`` / ``SwiGlu`` keep its shape. Configs have
 Burn's field names and defaults; the formulas are in each class and in
@@ -23,7 +24,8 @@ from .linear import Linear
 __all__ = [
     "PRelu", "PReluConfig", "LeakyRelu", "LeakyReluConfig", "Silu", "Mish", "HardSwish", "HardSigmoid",
     "HardSigmoidConfig", "Elu", "EluConfig", "Selu", "Celu", "CeluConfig", "Softplus", "SoftplusConfig",
-    "Softsign", "Glu", "SwiGlu", "SwiGluConfig",
+    "Softsign", "Glu", "SwiGlu", "SwiGluConfig", "Relu6", "Hardtanh", "HardtanhConfig", "LogSigmoid", "Tanhshrink",
+    "HardShrink", "HardShrinkConfig", "SoftShrink", "SoftShrinkConfig", "ThresholdedRelu", "ThresholdedReluConfig",
 ]
 
 
@@ -332,3 +334,144 @@ class SwiGlu(Module):
     def extra_repr(self) -> str:
         return (f"d_input={self.linear_inner.d_input}, d_output={self.linear_inner.d_output}, "
                 f"bias={self.linear_inner.bias is not None}")
+
+
+class Relu6(Module):
+    """``min(max(x, 0), 6)`` (Burn's ``activation/relu6.rs``). ONNX: ``Clip``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.relu6(x)
+
+
+@config
+class HardtanhConfig:
+    """Configuration of a :class:`Hardtanh` layer (Burn's ``HardtanhConfig``).
+
+    Args:
+        min_val: the lower bound (default -1.0).
+        max_val: the upper bound (default 1.0).
+    """
+
+    min_val: float = -1.0
+    max_val: float = 1.0
+
+    def init(self) -> "Hardtanh":
+        return Hardtanh(self.min_val, self.max_val)
+
+
+class Hardtanh(Module):
+    """``clamp(x, min_val, max_val)`` (Burn's ``activation/hardtanh.rs``). ONNX: ``Clip``.
+
+    Raises:
+        ValueError: when ``min_val > max_val``.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0):
+        if float(min_val) > float(max_val):
+            raise ValueError(f"Hardtanh needs min_val <= max_val; got {min_val} > {max_val}")
+        self.min_val, self.max_val = float(min_val), float(max_val)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.hardtanh(x, self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val:g}, max_val={self.max_val:g}"
+
+
+class LogSigmoid(Module):
+    """``log(sigmoid(x))``, finite for any ``x`` (Burn's ``activation/log_sigmoid.rs``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.log_sigmoid(x)
+
+
+class Tanhshrink(Module):
+    """``x - tanh(x)`` (Burn's ``activation/tanhshrink.rs``). ONNX: ``Tanh``, ``Sub``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.tanhshrink(x)
+
+
+@config
+class HardShrinkConfig:
+    """Configuration of a :class:`HardShrink` layer (Burn's ``HardShrinkConfig``).
+
+    Args:
+        lambda_: Burn's ``lambda`` (a Python keyword): values with ``|x| <= lambda_`` become 0
+            (default 0.5).
+    """
+
+    lambda_: float = 0.5
+
+    def init(self) -> "HardShrink":
+        return HardShrink(self.lambda_)
+
+
+class HardShrink(Module):
+    """``x if |x| > lambda_ else 0`` (Burn's ``activation/hard_shrink.rs``)."""
+
+    def __init__(self, lambda_: float = 0.5):
+        self.lambda_ = float(lambda_)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.hard_shrink(x, self.lambda_)
+
+    def extra_repr(self) -> str:
+        return f"lambda={self.lambda_:g}"
+
+
+@config
+class SoftShrinkConfig:
+    """Configuration of a :class:`SoftShrink` layer (Burn's ``SoftShrinkConfig``).
+
+    Args:
+        lambda_: Burn's ``lambda``: the dead zone ``[-lambda_, lambda_]`` (default 0.5).
+        bias: subtracted above / added below the dead zone (default 0.5; ONNX Shrink's ``bias``).
+    """
+
+    lambda_: float = 0.5
+    bias: float = 0.5
+
+    def init(self) -> "SoftShrink":
+        return SoftShrink(self.lambda_, self.bias)
+
+
+class SoftShrink(Module):
+    """``x - bias`` above ``lambda_``, ``x + bias`` below ``-lambda_``, else 0 (Burn's
+    ``activation/soft_shrink.rs``)."""
+
+    def __init__(self, lambda_: float = 0.5, bias: float = 0.5):
+        self.lambda_, self.bias = float(lambda_), float(bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.soft_shrink(x, self.lambda_, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"lambda={self.lambda_:g}, bias={self.bias:g}"
+
+
+@config
+class ThresholdedReluConfig:
+    """Configuration of a :class:`ThresholdedRelu` layer (Burn's ``ThresholdedReluConfig``).
+
+    Args:
+        alpha: the threshold (default 1.0).
+    """
+
+    alpha: float = 1.0
+
+    def init(self) -> "ThresholdedRelu":
+        return ThresholdedRelu(self.alpha)
+
+
+class ThresholdedRelu(Module):
+    """``x if x > alpha else 0`` (Burn's ``activation/thresholded_relu.rs``)."""
+
+    def __init__(self, alpha: float = 1.0):
+        self.alpha = float(alpha)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.thresholded_relu(x, self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:g}"

@@ -66,16 +66,23 @@ from .nn_layers import (
     elu,
     glu,
     group_norm,
+    hard_shrink,
     hard_sigmoid,
     hard_swish,
+    hardtanh,
     leaky_relu,
+    log_sigmoid,
     mish,
     prelu,
+    relu6,
     rms_norm,
     selu,
     silu,
+    soft_shrink,
     softplus,
     softsign,
+    tanhshrink,
+    thresholded_relu,
 )
 from .nn_spatial import (
     adaptive_avg_pool1d,
@@ -122,7 +129,7 @@ __all__ = [
     # wider layer set (nn_layers)
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
     "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
-    "dropout_train",
+    "dropout_train", "relu6", "hardtanh", "log_sigmoid", "tanhshrink", "hard_shrink", "soft_shrink", "thresholded_relu",
     # spatial layers (nn_spatial)
     "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
     "local_response_norm", "interpolate",

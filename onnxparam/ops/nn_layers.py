@@ -17,14 +17,32 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from ._core import _emit, _norm_dim, _ntuple, _op, _static_dims, _t
-from .elementwise import add, div, greater, greater_equal, mul, sigmoid, sqrt, sub, tanh, where
+from .elementwise import (
+    abs,
+    add,
+    clamp,
+    div,
+    exp,
+    greater,
+    greater_equal,
+    less,
+    log,
+    mul,
+    neg,
+    relu,
+    sigmoid,
+    sqrt,
+    sub,
+    tanh,
+    where,
+)
 from .reduce import mean
 from .shape import reshape, split
 
 __all__ = [
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
     "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
-    "dropout_train",
+    "dropout_train", "relu6", "hardtanh", "log_sigmoid", "tanhshrink", "hard_shrink", "soft_shrink", "thresholded_relu",
 ]
 
 
@@ -283,6 +301,65 @@ def glu(x, dim: int = -1) -> Tensor:
         raise ValueError(f"glu needs an even, static size along dim {dim}; got shape {list(x.shape)}")
     a, b = split(x, [size // 2, size // 2], axis)
     return mul(a, sigmoid(b))
+
+@_op
+def relu6(x) -> Tensor:
+    """``min(max(x, 0), 6)`` (Howard et al. 2017). ONNX: ``Clip``."""
+    return clamp(x, 0.0, 6.0)
+
+
+@_op
+def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """``clamp(x, min_val, max_val)`` (Burn's ``Hardtanh``; PyTorch's ``Hardtanh``). ONNX: ``Clip``.
+
+    Raises:
+        ValueError: when ``min_val > max_val``.
+    """
+    if float(min_val) > float(max_val):
+        raise ValueError(f"hardtanh needs min_val <= max_val; got {min_val} > {max_val}")
+    return clamp(x, float(min_val), float(max_val))
+
+
+@_op
+def log_sigmoid(x) -> Tensor:
+    """``log(sigmoid(x)) = -softplus(-x)``, computed as ``-(relu(-x) + log(1 + exp(-|x|)))``
+    (finite for any ``x``; float64 kernels in ONNX Runtime). ONNX: ``Neg``, ``Relu``, ``Abs``,
+    ``Exp``, ``Add``, ``Log``."""
+    x = _t(x)
+    return neg(add(relu(neg(x)), log(add(exp(neg(abs(x))), 1.0))))
+
+
+@_op
+def tanhshrink(x) -> Tensor:
+    """``x - tanh(x)``. ONNX: ``Tanh``, ``Sub``."""
+    return sub(x, tanh(x))
+
+
+@_op
+def hard_shrink(x, lambd: float = 0.5) -> Tensor:
+    """``x if |x| > lambd else 0`` (Burn's ``HardShrink``; ONNX spec: Shrink with ``bias = 0``).
+    ONNX: ``Abs``, ``Greater``, ``Where``."""
+    x = _t(x)
+    return where(greater(abs(x), float(lambd)), x, 0.0)
+
+
+@_op
+def soft_shrink(x, lambd: float = 0.5, bias: float = 0.5) -> Tensor:
+    """``x - bias`` where ``x > lambd``, ``x + bias`` where ``x < -lambd``, else 0 (Burn's
+    ``SoftShrink``, ONNX spec: Shrink; PyTorch's ``Softshrink`` is ``bias = lambd``).
+    ONNX: ``Greater``, ``Less``, ``Sub``, ``Add``, ``Where``."""
+    x = _t(x)
+    inner = where(less(x, -float(lambd)), add(x, float(bias)), 0.0)
+    return where(greater(x, float(lambd)), sub(x, float(bias)), inner)
+
+
+@_op
+def thresholded_relu(x, alpha: float = 1.0) -> Tensor:
+    """``x if x > alpha else 0`` (ONNX spec: ThresholdedRelu; Burn's ``ThresholdedRelu``).
+    ONNX: ``Greater``, ``Where`` (a composition, so it has a gradient)."""
+    x = _t(x)
+    return where(greater(x, float(alpha)), x, 0.0)
+
 
 # -- training-mode forms ----------------------------------------------------------------------
 

@@ -57,6 +57,8 @@ NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "RmsNorm", "InstanceNorm")
 """Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta`` (Burn's
 ``is_normalization_layer``: BatchNorm, LayerNorm, GroupNorm, RmsNorm; and InstanceNorm, whose
 affine params PyTorch also calls ``weight``/``bias``)."""
+PRELU_TYPES = ("PRelu",)
+"""Module class names whose ``alpha`` is PyTorch's ``nn.PReLU.weight`` (same shape)."""
 BATCH_NORM_TYPES = ("BatchNorm",)
 """Module class names whose PyTorch ``num_batches_tracked`` buffer has no Burn counterpart."""
 
@@ -238,6 +240,7 @@ class PyTorchAdapter(ModuleAdapter):
       ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
       ``running_var`` keep their names; PyTorch's ``num_batches_tracked`` (BatchNorm) has no
       Burn counterpart and is ignored when loading.
+    * A ``PRelu``'s ``alpha`` is PyTorch's ``nn.PReLU.weight``.
     * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
       convolutions: both store ``(in, out/groups, k...)``.
 
@@ -263,6 +266,8 @@ class PyTorchAdapter(ModuleAdapter):
         if leaf in _NORM_TO_PYTORCH and self._is(module_types, self.norm_types):
             leaf = _NORM_TO_PYTORCH[leaf]
             return f"{parent}.{leaf}" if parent else leaf
+        if leaf == "alpha" and self._is(module_types, frozenset(PRELU_TYPES)):
+            return f"{parent}.weight" if parent else "weight"
         return path
 
     def transposes(self, path: str, module_types: tuple, shape: tuple) -> bool:

@@ -1,8 +1,9 @@
 """Interpolate1d / Interpolate2d (Burn's ``interpolate1d.rs`` / ``interpolate2d.rs``).
 
 Oracles: torch's ``F.interpolate`` (``nearest``, ``linear`` / ``bilinear``, ``bicubic`` with
-``align_corners`` both ways), the corner-aligned linear formula in numpy, Burn's output-size
-rule from a scale factor (its ``test_calculate_output_size`` values) and plain ONNX Runtime.
+``align_corners`` both ways), the corner-aligned and half-pixel linear formulas in numpy,
+Burn's output-size rule from a scale factor (its ``test_calculate_output_size`` values),
+central finite differences (the ``Resize`` gradient rule) and plain ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from nn_layer_checks import assert_export_runs_in_plain_ort, tensor
+from test_autodiff import check_grad, f32
 
-from onnxparam import nn
+from onnxparam import nn, ops
 from onnxparam.autodiff import grad
-from onnxparam.errors import TraceError, TraceValueError
+from onnxparam.errors import TraceValueError
 
 RNG = np.random.default_rng(26)
 X2 = RNG.normal(size=(2, 3, 5, 7)).astype(np.float32)
@@ -67,17 +69,38 @@ def test_interpolate_names_its_missing_size_and_bad_mode():
         nn.Interpolate1d(4, mode="area")
 
 
-def test_interpolate_has_no_gradient_rule_and_says_so():
-    class Scaled(nn.Linear):
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+@pytest.mark.parametrize("align_corners", [True, False])
+def test_interpolate_gradient_matches_finite_differences(mode, align_corners):
+    # Resize is linear in x: central differences are exact for any step
+    check_grad(lambda x: ops.interpolate(x, (5, 3), mode, align_corners), [f32(1, 2, 3, 4)],
+               eps=0.5, rtol=1e-4, atol=1e-4)
+    check_grad(lambda x: ops.interpolate(x, 7, mode, align_corners), [f32(2, 1, 4)], eps=0.5, rtol=1e-4, atol=1e-4)
+
+
+def test_a_param_before_an_interpolation_gets_its_gradient():
+    class Upsampled(nn.Linear):
         def forward(self, x):
-            return nn.Interpolate1d(4, mode="linear")(super().forward(x))
+            return nn.Interpolate1d(9, mode="linear", align_corners=False)(super().forward(x))
 
     def loss_fn(m, x):
-        from onnxparam import ops
-        return ops.sum(m(x))
+        return ops.sum(ops.mul(m(x), x_weights))
 
-    with pytest.raises(TraceError, match=r"no gradient rule for node .*Resize"):
-        grad(loss_fn, Scaled(6, 6), X1)
+    x_weights = RNG.normal(size=(2, 3, 9)).astype(np.float32)
+    module = Upsampled(6, 6)
+    _, grads = grad(loss_fn, module, X1)
+    # y = interp(x @ W + b) along the last axis, A = PyTorch's half-pixel linear weights: dW = x^T (r A)
+    pos = (np.arange(9) + 0.5) * 6 / 9 - 0.5
+    pos = np.clip(pos, 0, None)
+    lo = np.minimum(np.floor(pos).astype(int), 5)
+    hi = np.minimum(lo + 1, 5)
+    frac = pos - lo
+    a = np.zeros((9, 6))
+    a[np.arange(9), lo] += 1 - frac
+    a[np.arange(9), hi] += frac
+    back = x_weights.astype(np.float64) @ a  # [2, 3, 6]
+    want = np.einsum("nci,ncj->ij", X1.astype(np.float64), back)
+    np.testing.assert_allclose(grads[module.weight].to_numpy(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_interpolate2d_exports_to_plain_onnx_runtime(tmp_path):

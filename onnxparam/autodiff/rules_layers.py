@@ -1,14 +1,18 @@
 """Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops.nn_layers`):
 ``ConvTranspose``, ``PRelu`` and the elementwise activations ``Elu``, ``Selu``, ``Celu``,
-``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign`` (conventions and notation:
-:mod:`.rules`; forward semantics: the ONNX operator specification).
+``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, and ``Resize`` (conventions and
+notation: :mod:`.rules`; forward semantics: the ONNX operator specification).
 """
 
 from __future__ import annotations
 
+import numpy as np
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
 from ..errors import TraceError
-from .emitter import Emitter, static_dims
-from .rules import attr, rule
+from .emitter import Emitter, np_dtype, static_dims
+from .rules import attr, const_array, rule
 from .rules_nn import _conv_geometry, conv_weight_grad
 
 __all__ = []
@@ -140,3 +144,70 @@ def _softsign(e, node, gout, need):
     x = node.inputs[0]
     d = e.op("Add", e.op("Abs", x), e.scalar_like(1.0, x))
     return [e.op("Div", gout[0], e.op("Mul", d, d))]
+
+
+_RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
+                 "extrapolation_value")
+
+
+def _resize_matrix(node, n_in: int, n_out: int, scale) -> np.ndarray:
+    """The ``(n_out, n_in)`` matrix ``A`` of ``node``'s 1-D resampling along one axis
+    (``y = A @ x``): ONNX's reference ``Resize`` applied to the identity. Resize resamples each
+    axis independently (ONNX spec: Resize), so the full operator is these matrices per axis."""
+    attrs = {}
+    for name in _RESIZE_ATTRS:
+        value = attr(node, name, None)
+        if value is not None:
+            attrs[name] = value.decode() if isinstance(value, bytes) else value
+    inputs = ["X", "", "S", ""] if scale is not None else ["X", "", "", "S"]
+    resize = helper.make_node("Resize", inputs, ["Y"], axes=[2], **attrs)
+    s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
+    graph = helper.make_graph([resize], "resize_matrix",
+                              [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [n_in, 1, n_in]),
+                               helper.make_tensor_value_info("S", s_type, [1])],
+                              [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    feed = np.array([scale], np.float32) if scale is not None else np.array([n_out], np.int64)
+    y = ReferenceEvaluator(model).run(None, {"X": np.eye(n_in).reshape(n_in, 1, n_in), "S": feed})[0]
+    if y.shape != (n_in, 1, n_out):
+        raise TraceError(f"node {node.name!r}: cannot rebuild its resampling ({n_in} -> {n_out}, got {y.shape})")
+    return y[:, 0, :].T
+
+
+@rule("Resize")
+def _resize(e, node, gout, need):
+    """``y = Resize(x)`` over the last one or two axes is linear and separable:
+    ``y = A_h @ x @ A_w^T`` with constant interpolation matrices (one per resized axis, rebuilt
+    with ONNX's reference implementation from the node's mode and coordinate attributes), so
+    ``dx = A_h^T @ g @ A_w`` (``MatMul`` s; an axis whose size does not change and whose matrix
+    is the identity is skipped).
+
+    Raises:
+        TraceError: for a resized axis other than the last two, a ``roi`` input
+            (``tf_crop_and_resize``) or scales / sizes that are not constants.
+    """
+    x, g = node.inputs[0], gout[0]
+    xd = static_dims(x, "Resize's gradient")
+    yd = static_dims(node.outputs[0], "Resize's gradient")
+    rank = len(xd)
+    if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
+        raise TraceError(f"node {node.name!r}: Resize with a computed roi has no gradient rule")
+    axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
+    scales = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    if scales is not None and scales.size == 0:
+        scales = None
+    dtype = np_dtype(x)
+    dx = g
+    for i, a in enumerate(axes):
+        scale = None if scales is None else float(scales[i if scales.size == len(axes) else a])
+        matrix = _resize_matrix(node, xd[a], yd[a], scale)
+        if matrix.shape[0] == matrix.shape[1] and np.allclose(matrix, np.eye(matrix.shape[0])):
+            continue
+        if a == rank - 1:
+            dx = e.op("MatMul", dx, e.const(matrix.astype(dtype), dtype))
+        elif a == rank - 2:
+            dx = e.op("MatMul", e.const(np.ascontiguousarray(matrix.T).astype(dtype), dtype), dx)
+        else:
+            raise TraceError(f"node {node.name!r}: Resize's gradient supports resized last two axes only; "
+                             f"axis {a} of {list(xd)} changes")
+    return [dx] + [None] * (len(node.inputs) - 1)

@@ -3,8 +3,8 @@ and ``interpolate2d.rs``): resizing ``[N, C, L]`` / ``[N, C, H, W]`` to an outpu
 scale factor, with Burn's ``InterpolateMode`` and ``align_corners`` (default ``True``).
 
 Parameter-free. ONNX: ``Resize`` (:func:`onnxparam.ops.interpolate`, where the coordinate
-conventions are given); ``Resize`` has no gradient rule, so a trainable param before an
-interpolation gets none through it (``grad`` raises ``TraceError`` naming the node).
+conventions are given); gradients flow through it (the ``Resize`` rule of
+:mod:`onnxparam.autodiff.rules_layers`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from .linalg import matmul
 from .nn import _adaptive_matrix, _conv
 from .nn_layers import _conv_transpose
 from .reduce import mean
-from .shape import permute, reshape
+from .shape import permute, reshape, squeeze, unsqueeze
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle",
            "unfold4d", "local_response_norm", "interpolate"]
@@ -210,7 +210,8 @@ def interpolate(x, output_size, mode: str = "nearest", align_corners: bool = Tru
 
     ONNX: ``Resize`` (ONNX spec: Resize-19, ``axes`` = the spatial dims, ``sizes`` given;
     ``coordinate_transformation_mode`` ``asymmetric`` with ``nearest_mode=floor`` for nearest,
-    ``align_corners`` or ``pytorch_half_pixel`` otherwise). ``Resize`` has no gradient rule.
+    ``align_corners`` or ``pytorch_half_pixel`` otherwise). Gradient: the ``Resize`` rule of
+    :mod:`onnxparam.autodiff.rules_layers` (constant interpolation matrices).
 
     Raises:
         ValueError: for another mode, a rank below 3 or an ``output_size`` of another length.
@@ -223,6 +224,11 @@ def interpolate(x, output_size, mode: str = "nearest", align_corners: bool = Tru
     if nd < 1:
         raise ValueError(f"interpolate expects [N, C, spatial...]; got shape {list(x.shape)}")
     sizes = _ntuple(output_size, nd, "output_size")
+    if mode == "cubic" and nd == 1:
+        # NOTE: ONNX Runtime's CPU Resize runs cubic only over 2-D inputs or the last two axes of
+        # 4-D ones; a length is resized as [N, C, L, 1], which is what Burn's Interpolate1d does
+        y = interpolate(unsqueeze(x, [3]), (sizes[0], 1), mode, align_corners)
+        return squeeze(y, [3])
     attrs = {"mode": mode, "axes": list(range(2, 2 + nd))}
     if mode == "nearest":
         attrs.update(coordinate_transformation_mode="asymmetric", nearest_mode="floor")

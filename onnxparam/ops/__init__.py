@@ -23,8 +23,10 @@ attribute forms where a graph is traced at an older opset (an imported model kee
 an op ONNX lacks at that opset raises :class:`~onnxparam.TraceError`.
 
 Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod:`.shape`,
-:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.custom`; import the ops
-from ``onnxparam.ops``.
+:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.nn_layers` (transposed
+convolution, group / RMS normalization, Burn's wider activations, training-mode batch norm and
+dropout), :mod:`.nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
+interpolation), :mod:`.custom`; import the ops from ``onnxparam.ops``.
 """
 
 from .custom import custom, subgraph

@@ -71,6 +71,8 @@ FORMULAS = {
                               lambda t, F, x: t.where(x.abs() > 1, x - 0.3 * t.sign(x), t.zeros_like(x))),
     "thresholded_relu": (lambda: nn.ThresholdedReluConfig(alpha=0.5).init(), lambda x: np.where(x > 0.5, x, 0),
                          lambda t, F, x: t.where(x > 0.5, x, t.zeros_like(x))),
+    "threshold": (lambda: nn.ThresholdConfig(0.3, -2.0).init(), lambda x: np.where(x > 0.3, x, -2.0),
+                  lambda t, F, x: F.threshold(x, 0.3, -2.0)),
 }
 
 
@@ -166,6 +168,7 @@ GRAD_CASES = {
     "hard_shrink": lambda x: ops.hard_shrink(x, 0.5),
     "soft_shrink": lambda x: ops.soft_shrink(x, 0.5, 0.3),
     "thresholded_relu": lambda x: ops.thresholded_relu(x, 1.0),
+    "threshold": lambda x: ops.threshold(x, 0.5, 3.0),
 }
 
 

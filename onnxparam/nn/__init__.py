@@ -53,6 +53,8 @@ from .activation_ext import (
     SwiGlu,
     SwiGluConfig,
     Tanhshrink,
+    Threshold,
+    ThresholdConfig,
     ThresholdedRelu,
     ThresholdedReluConfig,
 )
@@ -184,4 +186,6 @@ __all__ = [
     "SoftShrinkConfig",
     "ThresholdedRelu",
     "ThresholdedReluConfig",
+    "Threshold",
+    "ThresholdConfig",
 ]

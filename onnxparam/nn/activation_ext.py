@@ -2,7 +2,7 @@
 :mod:`.activation`: ``PRelu`` (with a param), ``LeakyRelu``, ``Silu``, ``Mish``, ``HardSwish``,
 ``HardSigmoid``, ``Elu``, ``Selu``, ``Celu``, ``Softplus``, ``Softsign``, ``Glu``, ``SwiGlu``
 (with two ``Linear`` sub-modules), ``Relu6``, ``Hardtanh``, ``LogSigmoid``, ``Tanhshrink``,
-``HardShrink``, ``SoftShrink`` and ``ThresholdedRelu``.
+``HardShrink``, ``SoftShrink``, ``ThresholdedRelu`` and ``Threshold``.
 
 Each keeps the input's float dtype; all but ``Glu`` / ``SwiGlu`` keep its shape. Configs have
 Burn's field names and defaults; the formulas are in each class and in
@@ -26,6 +26,7 @@ __all__ = [
     "HardSigmoidConfig", "Elu", "EluConfig", "Selu", "Celu", "CeluConfig", "Softplus", "SoftplusConfig",
     "Softsign", "Glu", "SwiGlu", "SwiGluConfig", "Relu6", "Hardtanh", "HardtanhConfig", "LogSigmoid", "Tanhshrink",
     "HardShrink", "HardShrinkConfig", "SoftShrink", "SoftShrinkConfig", "ThresholdedRelu", "ThresholdedReluConfig",
+    "Threshold", "ThresholdConfig",
 ]
 
 
@@ -475,3 +476,32 @@ class ThresholdedRelu(Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:g}"
+
+
+@config
+class ThresholdConfig:
+    """Configuration of a :class:`Threshold` layer (Burn's ``ThresholdConfig``; no defaults).
+
+    Args:
+        threshold: the value to threshold at.
+        value: the replacement where ``x <= threshold``.
+    """
+
+    threshold: float
+    value: float
+
+    def init(self) -> "Threshold":
+        return Threshold(self.threshold, self.value)
+
+
+class Threshold(Module):
+    """``x if x > threshold else value`` (Burn's ``activation/threshold.rs``)."""
+
+    def __init__(self, threshold: float, value: float):
+        self.threshold, self.value = float(threshold), float(value)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.threshold(x, self.threshold, self.value)
+
+    def extra_repr(self) -> str:
+        return f"threshold={self.threshold:g}, value={self.value:g}"

@@ -84,6 +84,7 @@ from .nn_layers import (
     softplus,
     softsign,
     tanhshrink,
+    threshold,
     thresholded_relu,
 )
 from .nn_spatial import (
@@ -132,6 +133,7 @@ __all__ = [
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
     "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
     "dropout_train", "relu6", "hardtanh", "log_sigmoid", "tanhshrink", "hard_shrink", "soft_shrink", "thresholded_relu",
+    "threshold",
     # spatial layers (nn_spatial)
     "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
     "local_response_norm", "interpolate",

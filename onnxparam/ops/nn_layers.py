@@ -43,6 +43,7 @@ __all__ = [
     "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
     "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
     "dropout_train", "relu6", "hardtanh", "log_sigmoid", "tanhshrink", "hard_shrink", "soft_shrink", "thresholded_relu",
+    "threshold",
 ]
 
 
@@ -354,11 +355,18 @@ def soft_shrink(x, lambd: float = 0.5, bias: float = 0.5) -> Tensor:
 
 
 @_op
-def thresholded_relu(x, alpha: float = 1.0) -> Tensor:
-    """``x if x > alpha else 0`` (ONNX spec: ThresholdedRelu; Burn's ``ThresholdedRelu``).
-    ONNX: ``Greater``, ``Where`` (a composition, so it has a gradient)."""
+def threshold(x, threshold: float, value: float) -> Tensor:
+    """``x if x > threshold else value`` (Burn's ``activation::threshold``; PyTorch's
+    ``Threshold``). ONNX: ``Greater``, ``Where`` (a composition, so it has a gradient)."""
     x = _t(x)
-    return where(greater(x, float(alpha)), x, 0.0)
+    return where(greater(x, float(threshold)), x, float(value))
+
+
+@_op
+def thresholded_relu(x, alpha: float = 1.0) -> Tensor:
+    """``x if x > alpha else 0`` (ONNX spec: ThresholdedRelu; Burn's ``ThresholdedRelu``):
+    :func:`threshold` with ``value = 0``."""
+    return threshold(x, alpha, 0.0)
 
 
 # -- training-mode forms ----------------------------------------------------------------------

@@ -197,7 +197,8 @@ LOSS_FNS = {
     "kl_div": (np.log(np.full((2, 3), 1 / 3)) + RNG.normal(size=(2, 3)) * 0.1,
                lambda m, t: KLDivLossConfig().init()(m.values.val(), t), np.array([[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]])),
     "bce_logits_weighted": (PRED.astype(np.float64),
-                            lambda m, t: BinaryCrossEntropyLoss(logits=True, weights=(1.0, 2.0, 0.5))(m.values.val(), t),
+                            lambda m, t: BinaryCrossEntropyLoss(logits=True, weights=(1.0, 2.0, 0.5))(
+                                m.values.val(), t),
                             (TRUE > 0).astype(np.int64)),
 }
 

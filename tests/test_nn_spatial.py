@@ -38,7 +38,8 @@ def test_conv3d_matches_torch_with_the_same_weights():
 
 
 def test_conv3d_same_padding_keeps_the_size():
-    y = nn.Conv3dConfig((2, 3), 3).with_padding("same").init()(tensor(RNG.normal(size=(1, 2, 4, 5, 3)).astype(np.float32)))
+    layer = nn.Conv3dConfig((2, 3), 3).with_padding("same").init()
+    y = layer(tensor(RNG.normal(size=(1, 2, 4, 5, 3)).astype(np.float32)))
     assert y.shape == (1, 3, 4, 5, 3)
 
 
@@ -122,8 +123,8 @@ def test_local_response_norm_with_an_odd_window_matches_torch(size):
 
 
 def test_conv3d_and_conv_transpose3d_gradients_match_finite_differences():
-    check_grad(lambda x, w, b: ops.conv3d(x, w, b, stride=(1, 2, 1), padding=1), [f32(1, 2, 3, 4, 3), f32(2, 2, 2, 2, 2),
-               f32(2)], eps=0.5, rtol=1e-4, atol=1e-4)
+    check_grad(lambda x, w, b: ops.conv3d(x, w, b, stride=(1, 2, 1), padding=1),
+               [f32(1, 2, 3, 4, 3), f32(2, 2, 2, 2, 2), f32(2)], eps=0.5, rtol=1e-4, atol=1e-4)
     check_grad(lambda x, w: ops.conv_transpose3d(x, w, stride=2, padding_out=(1, 0, 1)),
                [f32(1, 2, 2, 2, 2), f32(2, 1, 2, 2, 2)], eps=0.5, rtol=1e-4, atol=1e-4)
 

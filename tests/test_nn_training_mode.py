@@ -83,7 +83,8 @@ def test_training_batch_norm_normalizes_with_the_batch_statistics():
     np.testing.assert_allclose(layer.train()(tensor(X)).to_numpy(), want, rtol=1e-4, atol=1e-5)
     # and the inference form still uses the running statistics
     rm, rv = layer.running_mean.val().to_numpy(), layer.running_var.val().to_numpy()
-    want = (x - rm.reshape(1, 3, 1)) / np.sqrt(rv.reshape(1, 3, 1) + 1e-5) * gamma.reshape(1, 3, 1) + beta.reshape(1, 3, 1)
+    rm, rv, g3, b3 = rm.reshape(1, 3, 1), rv.reshape(1, 3, 1), gamma.reshape(1, 3, 1), beta.reshape(1, 3, 1)
+    want = (x - rm) / np.sqrt(rv + 1e-5) * g3 + b3
     np.testing.assert_allclose(layer(tensor(X)).to_numpy(), want, rtol=1e-4, atol=1e-5)
 
 

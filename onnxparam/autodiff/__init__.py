@@ -11,8 +11,8 @@ the model layer knows nothing of it.
   of :mod:`onnxparam.optim` take;
 * :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`.losses`);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
-  (:mod:`.rules`, :mod:`.rules_nn`, :mod:`.rules_layers`); :func:`build_training_model` — the graph transformation
-  (:mod:`.backward`).
+  (:mod:`.rules`, :mod:`.rules_nn`, :mod:`.rules_layers`); :func:`build_training_model` — the
+  graph transformation (:mod:`.backward`).
 
 The API is functional (JAX's ``value_and_grad`` shape, Burn's ``GradientsParams`` result);
 there is no tape and no ``loss.backward()``.

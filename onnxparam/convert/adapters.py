@@ -237,9 +237,9 @@ class PyTorchAdapter(ModuleAdapter):
       ONNX ``MatMul`` take ``(d_input, d_output)``. So is any rank-2 tensor whose module path
       matches a ``transpose`` regex.
     * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``,
-      ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
-      ``running_var`` keep their names; PyTorch's ``num_batches_tracked`` (BatchNorm) has no
-      Burn counterpart and is ignored when loading.
+      ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``.
+      ``running_mean`` and ``running_var`` keep their names; PyTorch's ``num_batches_tracked``
+      (BatchNorm) has no Burn counterpart and is ignored when loading.
     * A ``PRelu``'s ``alpha`` is PyTorch's ``nn.PReLU.weight``.
     * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
       convolutions: both store ``(in, out/groups, k...)``.

@@ -15,9 +15,49 @@ have ``init()`` without a device.
 Non-param state (stride, epsilon, ...) is plain attributes, shown by ``extra_repr()`` in the
 module display. Each layer's docstring gives shapes, dtypes, layouts, the ONNX operator emitted
 and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls.
+
+**Training mode.** ``module.train()`` switches ``Dropout`` to dropping and ``BatchNorm`` to
+batch statistics; :func:`update_running_stats` returns the module with the running statistics
+Burn's training forward writes (:mod:`.running_stats` says why it is a separate call).
+``valid()`` switches back. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from .activation_ext import (
+    Celu,
+    CeluConfig,
+    Elu,
+    EluConfig,
+    Glu,
+    HardShrink,
+    HardShrinkConfig,
+    HardSigmoid,
+    HardSigmoidConfig,
+    HardSwish,
+    Hardtanh,
+    HardtanhConfig,
+    LeakyRelu,
+    LeakyReluConfig,
+    LogSigmoid,
+    Mish,
+    PRelu,
+    PReluConfig,
+    Relu6,
+    Selu,
+    Silu,
+    Softplus,
+    SoftplusConfig,
+    SoftShrink,
+    SoftShrinkConfig,
+    Softsign,
+    SwiGlu,
+    SwiGluConfig,
+    Tanhshrink,
+    Threshold,
+    ThresholdConfig,
+    ThresholdedRelu,
+    ThresholdedReluConfig,
+)
 from .attention import (
     CrossAttention,
     CrossAttentionConfig,
@@ -29,11 +69,14 @@ from .attention import (
     generate_padding_mask,
 )
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
+from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
 from .initializer import Initializer, seed
+from .interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
 from .linear import Linear, LinearConfig
 from .norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
+from .norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
 from .pool import (
     AdaptiveAvgPool2d,
     AdaptiveAvgPool2dConfig,
@@ -51,6 +94,25 @@ from .pos_encoding import (
 )
 from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
 from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
+from .running_stats import update_running_stats
+from .spatial import (
+    AdaptiveAvgPool1d,
+    AdaptiveAvgPool1dConfig,
+    AvgPool1d,
+    AvgPool1dConfig,
+    Conv3d,
+    Conv3dConfig,
+    ConvTranspose3d,
+    ConvTranspose3dConfig,
+    LocalResponseNorm,
+    LocalResponseNormConfig,
+    MaxPool1d,
+    MaxPool1dConfig,
+    PixelShuffle,
+    PixelShuffleConfig,
+    Unfold4d,
+    Unfold4dConfig,
+)
 from .transformer import (
     PositionWiseFeedForward,
     PositionWiseFeedForwardConfig,
@@ -67,16 +129,33 @@ from .transformer import (
 __all__ = [
     "Initializer",
     "seed",
+    "update_running_stats",
     "Linear",
     "LinearConfig",
     "Conv1d",
     "Conv1dConfig",
     "Conv2d",
     "Conv2dConfig",
+    "ConvTranspose1d",
+    "ConvTranspose1dConfig",
+    "ConvTranspose2d",
+    "ConvTranspose2dConfig",
+    "Conv3d",
+    "Conv3dConfig",
+    "ConvTranspose3d",
+    "ConvTranspose3dConfig",
     "BatchNorm",
     "BatchNormConfig",
     "LayerNorm",
     "LayerNormConfig",
+    "GroupNorm",
+    "GroupNormConfig",
+    "InstanceNorm",
+    "InstanceNormConfig",
+    "RmsNorm",
+    "RmsNormConfig",
+    "LocalResponseNorm",
+    "LocalResponseNormConfig",
     "Embedding",
     "EmbeddingConfig",
     "MaxPool2d",
@@ -85,6 +164,21 @@ __all__ = [
     "AvgPool2dConfig",
     "AdaptiveAvgPool2d",
     "AdaptiveAvgPool2dConfig",
+    "MaxPool1d",
+    "MaxPool1dConfig",
+    "AvgPool1d",
+    "AvgPool1dConfig",
+    "AdaptiveAvgPool1d",
+    "AdaptiveAvgPool1dConfig",
+    "PixelShuffle",
+    "PixelShuffleConfig",
+    "Unfold4d",
+    "Unfold4dConfig",
+    "InterpolateMode",
+    "Interpolate1d",
+    "Interpolate1dConfig",
+    "Interpolate2d",
+    "Interpolate2dConfig",
     "Dropout",
     "DropoutConfig",
     "Relu",
@@ -125,4 +219,37 @@ __all__ = [
     "RotaryEncoding",
     "RotaryEncodingConfig",
     "generate_sinusoids",
+    "PRelu",
+    "PReluConfig",
+    "LeakyRelu",
+    "LeakyReluConfig",
+    "Silu",
+    "Mish",
+    "HardSwish",
+    "HardSigmoid",
+    "HardSigmoidConfig",
+    "Elu",
+    "EluConfig",
+    "Selu",
+    "Celu",
+    "CeluConfig",
+    "Softplus",
+    "SoftplusConfig",
+    "Softsign",
+    "Glu",
+    "SwiGlu",
+    "SwiGluConfig",
+    "Relu6",
+    "Hardtanh",
+    "HardtanhConfig",
+    "LogSigmoid",
+    "Tanhshrink",
+    "HardShrink",
+    "HardShrinkConfig",
+    "SoftShrink",
+    "SoftShrinkConfig",
+    "ThresholdedRelu",
+    "ThresholdedReluConfig",
+    "Threshold",
+    "ThresholdConfig",
 ]

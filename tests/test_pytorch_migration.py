@@ -246,3 +246,40 @@ def test_inspect_lists_a_pt_files_tensors_as_torch_has_them(trained, tmp_path):
     assert [(t["name"], t["shape"]) for t in doc["tensors"]] == [
         (k, list(v.shape)) for k, v in net.state_dict().items()]
     assert doc["totals"]["nan"] == 0
+
+
+class TorchTagger(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(12, 8)
+        self.lstm = torch.nn.LSTM(8, 6, batch_first=True)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embedding(tokens))[0])
+
+
+class Tagger(op.Module):
+    def __init__(self):
+        self.embedding = nn.Embedding(12, 8)
+        self.lstm = nn.Lstm(8, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        out, _, _ = self.lstm(self.embedding(tokens))
+        return self.head(out)
+
+
+def test_a_torch_lstm_checkpoint_loads_through_the_adapter_by_layer_type(tmp_path):
+    torch.manual_seed(6)
+    reference = TorchTagger().eval()
+    torch.save({"epoch": 3, "model": reference.state_dict()}, tmp_path / "tagger.pt")
+    report = LoadReport()
+    model = load_pytorch(Tagger(), tmp_path / "tagger.pt", top_level_key="model", report=report)
+    tokens = np.random.default_rng(6).integers(0, 12, size=(3, 7)).astype(np.int64)
+    with torch.no_grad():
+        want = reference(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(model(op.Tensor.from_numpy(tokens)).to_numpy(), want, rtol=1e-5, atol=1e-6)
+    assert report.ok
+    assert ("lstm.weight_ih_l0", "lstm (Lstm)") in report.renamed  # packed gates, split by torch_layers
+    assert [p for p, _, _ in report.transposed] == ["head.weight"]

@@ -163,15 +163,15 @@ def _read_safetensors_info(path: Path) -> _Inspected:
 def _read_onnx_info(path: Path) -> _Inspected:
     import onnx_ir as ir
 
-    from ..convert._onnx_files import _is_weights_only, _read_weights_only
+    from ..convert._onnx_files import _is_weights_only, _load_mapped, _read_weights_only
     from ..formats.safetensors import SCALARS_KEY, _decode_scalars
     from ..onnx_io.records import read_onnx_record
-    from ..onnx_io.source import load_model
 
     # NOTE: the converter's own readers (private helpers of onnxparam.convert.converter), so
     # `inspect` lists exactly the tensors `convert` would carry: every initializer of a
     # weights-only model, the weights (onnxparam.onnx_io.weights) of any other graph.
-    model = load_model(path).model
+    # Inline weights are read as views of the mapped file (never the whole protobuf at once).
+    model = _load_mapped(path)
     weights_only = _is_weights_only(model)
     record = _read_weights_only(model, str(path)) if weights_only else read_onnx_record(model)
     metadata = dict(record.metadata)
@@ -201,7 +201,7 @@ def _read_onnx_info(path: Path) -> _Inspected:
         {
             t.const_value.location
             for t in model.graph.initializers.values()
-            if isinstance(t.const_value, ir.ExternalTensor)
+            if isinstance(t.const_value, ir.ExternalTensor) and t.const_value.location != path.name
         }
     )
     # NOTE: the weight rules (onnxparam.onnx_io.weights) leave small integer / bool and 0-d

@@ -185,6 +185,54 @@ class PyTorchAdapter(ModuleAdapter):
             return True
         return any(p.search(path) for p in self.transpose)
 
+    def restructure(self, module, tensors: Mapping, mapper_of) -> tuple[dict, dict]:
+        """PyTorch's packed layers as Burn's params, by the type of each sub-module of ``module``.
+
+        ``nn.LSTM`` / ``nn.GRU`` (gates packed in one matrix), ``nn.MultiheadAttention``
+        (``in_proj_weight`` packs query, key and value) and ``nn.TransformerEncoderLayer`` /
+        ``DecoderLayer`` have no one-to-one param mapping; for each sub-module that is an
+        ``Lstm``, ``BiLstm``, ``Gru``, ``BiGru``, ``MultiHeadAttention`` or
+        ``TransformerEncoderLayer`` / ``DecoderLayer``, the file tensors under its path go through
+        :mod:`onnxparam.convert.torch_layers` (which reads them: these layers are loaded
+        eagerly) and come back under Burn's names, in Burn's layouts (not transposed again).
+
+        Args:
+            module: the target module.
+            tensors: file name (after remapping) -> ``TensorSnapshot``.
+            mapper_of: ``sub-module -> (state subtree -> Burn record) or None``
+                (:func:`onnxparam.convert.torch_layers.layer_mapper`; passed in, so this
+                module does not import torch_layers, which uses this adapter).
+
+        Returns:
+            ``(mapped, consumed)``: Burn path -> snapshot, and file name -> the layer (``"path
+            (Type)"``) it went into.
+
+        Raises:
+            RecordError: a layer's tensors are missing or mis-shaped (named by torch_layers).
+        """
+        from ..module import named_modules
+        from ..record import as_snapshot
+
+        mapped: dict = {}
+        consumed: dict = {}
+        claimed: list = []
+        for path, sub in named_modules(module):
+            if any(path == c or path.startswith(c + ".") for c in claimed):
+                continue
+            mapper = mapper_of(sub)
+            if mapper is None:
+                continue
+            prefix = f"{path}." if path else ""
+            names = [n for n in tensors if n.startswith(prefix)]
+            if not names:
+                continue
+            claimed.append(path)
+            subtree = {n[len(prefix):]: tensors[n].to_data().to_numpy() for n in names}
+            for leaf, array in mapper(subtree).items():
+                mapped[prefix + leaf] = as_snapshot(np.ascontiguousarray(array), prefix + leaf)
+            consumed.update({n: f"{path or '<root>'} ({type(sub).__name__})" for n in names})
+        return mapped, consumed
+
     def ignores(self, file_name: str, module_types: tuple) -> bool:
         return (file_name.rpartition(".")[2] in PYTORCH_ONLY_BUFFERS
                 and self._is(module_types, frozenset(BATCH_NORM_TYPES) | self.norm_types))

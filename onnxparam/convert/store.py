@@ -132,9 +132,22 @@ def apply_record(
             report.errors.append(problems[-1])
             continue
         by_name[name] = original
+    snaps = {name: record[original] for name, original in by_name.items()}
 
     types = module_types(module)
     params = dict(module.named_params())
+    restructured: set = set()
+    restructure = getattr(adapter, "restructure", None)
+    if restructure is not None:
+        from .torch_layers import layer_mapper
+
+        mapped, consumed = restructure(module, snaps, layer_mapper)
+        for name, layer in consumed.items():
+            report.renamed.append((by_name.pop(name), layer))
+            del snaps[name]
+        for name, snap in mapped.items():
+            by_name[name], snaps[name] = name, snap
+        restructured = set(mapped)
     used: set = set()
     matched: dict[str, TensorSnapshot] = {}
     for path, param in params.items():
@@ -149,12 +162,12 @@ def apply_record(
             continue
         used.add(key)
         original = by_name[key]
-        snap = record[original]
+        snap = snaps[key]
         if original != path:
             report.renamed.append((original, path))
         where = f"'{path}'" + (f" (from '{original}')" if original != path else "")
         expected_shape = tuple(int(d) for d in param.lazy_shape())
-        if adapter.transposes(path, owner, tuple(snap.shape)):
+        if key not in restructured and adapter.transposes(path, owner, tuple(snap.shape)):
             try:
                 snap = transpose_snapshot(snap)
             except ValueError as exc:
@@ -204,7 +217,7 @@ def apply_record(
             problems.append(f"missing tensor '{path}': the module expects {param_desc}, {has} none"
                             + _missing_hint(path, report))
         for original in report.unused:
-            renamed = remapper.apply(renumbered[original])
+            renamed = remapper.apply(renumbered[original]) if original in renumbered else original
             shown = f"'{original}'" + (f" (renamed to '{renamed}')" if renamed != original else "")
             problems.append(f"unexpected tensor {shown}: " + _unexpected_hint(renamed, params))
     if problems:

@@ -45,7 +45,7 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     args = [np.asarray(a) for a in args]
     plain = rebuild(module, lambda p, param: param,
                     lambda path, m: m.__dict__.pop(ACTIVATION_RANGES_ATTR, None) if path == "" else None)
-    with qdq_options(matmul="dequantize"):
+    with qdq_options(matmul="dequantize", prefer="size"):
         traced = trace_module(plain, tuple(InputSpec(("batch",) + a.shape[1:], DType.from_numpy(a.dtype))
                                            for a in args))
     emitted = {id(v.meta[_QDQ_META].output._symbol.value) for v in traced.graph.initializers.values()

@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import QuantizationWarning
+from ._qdq_forms import drop_unused_constants, to_float
 from ._qdq_options import NBITS_MIN_BLOCK
 
 MS_DOMAIN = "com.microsoft"
@@ -85,8 +86,6 @@ def matmul_nbits(tracer, e) -> None:
         and node.inputs[0].dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) for node, index in uses)
     if not fits:
         if e.value.meta.get("onnxparam.qdq.opset21"):
-            from ._qdq_forms import to_float
-
             warnings.warn(f"{e.path!r} ({e.quantized.describe()}) is 4-bit with scales DequantizeLinear takes only "
                           f"from opset 21, and not only a MatMul weight (MatMulNBits): it is exported as the float "
                           f"weight at opset {tracer.opset}", QuantizationWarning, stacklevel=6)
@@ -118,5 +117,4 @@ def matmul_nbits(tracer, e) -> None:
         fused.append(new)
     e.value.meta["onnxparam.qdq.nbits"] = fused
     tracer.opset_imports.setdefault(MS_DOMAIN, 1)
-    dropped = {id(v) for v in (e.scale, e.zero_point) if v is not None}
-    tracer._constants[:] = [v for v in tracer._constants if id(v) not in dropped]
+    drop_unused_constants(tracer, e)

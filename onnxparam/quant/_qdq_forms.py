@@ -95,7 +95,16 @@ def to_float(tracer, e) -> None:
     for cast, _ in list(out.uses()):  # the F16 Cast, now unused
         if not cast.outputs[0].uses() and not cast.outputs[0].is_graph_output():
             graph.remove(cast, safe=True)
-    dropped = {id(v) for v in (e.scale, e.zero_point) if v is not None}
+    drop_unused_constants(tracer, e)
+
+
+def drop_unused_constants(tracer, e) -> None:
+    """Forget ``e``'s scale / zero-point constants once no node but its own (about to be
+    removed) ``DequantizeLinear`` reads them (a deduplicated constant may serve others)."""
+    def unused(v):
+        return all(node is e.node for node, _ in v.uses())
+
+    dropped = {id(v) for v in (e.scale, e.zero_point) if v is not None and unused(v)}
     tracer._constants[:] = [v for v in tracer._constants if id(v) not in dropped]
 
 

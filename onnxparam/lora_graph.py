@@ -200,7 +200,13 @@ class _Expander:
             if self.adapter.transposed:
                 nodes.append(self._node(graph, "Transpose", [nodes[-1].outputs[0]], dims[::-1],
                                         f"{label}/Transpose", {"perm": [1, 0]}))
-            total = self._node(graph, "Add", [self.base, nodes[-1].outputs[0]], _dims(self.base), f"{label}/Add")
+            base_dims = _dims(self.base)
+            if len(base_dims) == 1:  # a bias's adapter (PEFT lora_bias): (1, d) -> (d,)
+                shape = self.tracer.constant(np.asarray(base_dims, dtype=np.int64),
+                                             name=f"{self.path}.lora.shape")._symbol.value
+                nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], base_dims,
+                                        f"{label}/Reshape"))
+            total = self._node(graph, "Add", [self.base, nodes[-1].outputs[0]], base_dims, f"{label}/Add")
             _prepend(graph, nodes)
             producer = self.base.producer()  # a DequantizeLinear (QLoRA): the Add must follow it
             if producer is not None and producer.graph is graph:

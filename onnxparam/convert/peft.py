@@ -269,6 +269,19 @@ class _Targets:
                 return self.names[candidate]
         return None
 
+    def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:
+        """The bias param of the module whose weight is ``weight_path`` (``fc.weight`` ->
+        ``fc.bias``; ``<mapped>.bias`` as a path or an ONNX name)."""
+        candidates = [f"{mapped}.bias"]
+        if weight_path.endswith(".weight"):
+            candidates.insert(0, weight_path[: -len(".weight")] + ".bias")
+        for candidate in candidates:
+            if candidate in self.params:
+                return candidate
+            if candidate in self.names and self.names[candidate] in self.params:
+                return self.names[candidate]
+        return None
+
     def layout(self, path: str) -> str:
         """``IN_OUT`` / ``OUT_IN``, or why the layout is not known."""
         if path in self.layouts:
@@ -296,9 +309,12 @@ def _linear_aliases(model) -> dict:
         for user, _ in node.outputs[0].uses():
             if user.op_type == "Add":
                 biases += [v for v in user.inputs if v is not None and v is not node.outputs[0]]
-        for bias in biases:
-            if bias is not None and bias.is_initializer() and bias.name and bias.name.endswith(".bias"):
+        for bias in biases:  # NOTE: torch dedupes equal initializers: the bias may be an Identity's output
+            if bias is not None and bias.name and bias.name.endswith(".bias"):
                 aliases.setdefault(bias.name[: -len(".bias")] + ".weight", weight.name)
+        scope = node.name or ""
+        if scope.startswith("/") and scope.count("/") >= 2:  # torch's node names: /<module path>/MatMul
+            aliases.setdefault(scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name)
     return aliases
 
 
@@ -418,7 +434,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         plan[target] = (name, _factor_array(A, None).T, _factor_array(B, None).T, scale, transposed)
         report.matched[name] = target
         if "bias" in factors:
-            bias_path = _bias_path(target, targets.params)
+            bias_path = targets.bias_of(mapped, target)
             bias = _factor_array(factors["bias"], None).reshape(-1)
             if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
                 problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
@@ -453,13 +469,3 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
 
     result = rebuild(module, attach)
     return (result, report) if return_report else result
-
-
-def _bias_path(weight_path: str, params: dict) -> Optional[str]:
-    """The bias param beside ``weight_path`` (``fc.weight`` -> ``fc.bias``; an imported
-    graph's ``<m>.bias`` when the weight was found through it)."""
-    if weight_path.endswith(".weight"):
-        candidate = weight_path[: -len(".weight")] + ".bias"
-        if candidate in params:
-            return candidate
-    return None

@@ -263,8 +263,9 @@ class Module:
         """A copy marked as training; ``require_grad`` flags are kept.
 
         NOTE: gradients do not need this flag: :func:`onnxparam.autodiff.grad` differentiates
-        every param with ``require_grad``. The forward is the same in both modes for now
-        (dropout and BatchNorm keep their inference form when traced for training).
+        every param with ``require_grad``. Layers with a training form use it in this mode:
+        ``Dropout`` drops, ``BatchNorm`` normalizes with batch statistics (its running
+        statistics are updated by :func:`onnxparam.nn.update_running_stats`).
         """
         return rebuild(self, lambda path, p: p, lambda path, m: object.__setattr__(m, "_training", True))
 

@@ -53,8 +53,12 @@ __all__ = [
 LINEAR_TYPES = ("Linear",)
 """Module class names whose rank-2 ``weight`` is transposed between PyTorch and Burn (Burn's
 ``module_names::LINEAR``)."""
-NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm")
-"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta``."""
+NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "RmsNorm", "InstanceNorm")
+"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta`` (Burn's
+``is_normalization_layer``: BatchNorm, LayerNorm, GroupNorm, RmsNorm; and InstanceNorm, whose
+affine params PyTorch also calls ``weight``/``bias``)."""
+PRELU_TYPES = ("PRelu",)
+"""Module class names whose ``alpha`` is PyTorch's ``nn.PReLU.weight`` (same shape)."""
 BATCH_NORM_TYPES = ("BatchNorm",)
 """Module class names whose PyTorch ``num_batches_tracked`` buffer has no Burn counterpart."""
 
@@ -232,11 +236,13 @@ class PyTorchAdapter(ModuleAdapter):
       transposed: PyTorch ``nn.Linear.weight`` is ``(d_output, d_input)``, Burn's ``Linear`` and
       ONNX ``MatMul`` take ``(d_input, d_output)``. So is any rank-2 tensor whose module path
       matches a ``transpose`` regex.
-    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``)
-      Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
-      ``running_var`` keep their names; PyTorch's ``num_batches_tracked`` (BatchNorm) has no
-      Burn counterpart and is ignored when loading.
-    * Conv weights need nothing: both store ``(out, in/groups, k...)``.
+    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``,
+      ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``.
+      ``running_mean`` and ``running_var`` keep their names; PyTorch's ``num_batches_tracked``
+      (BatchNorm) has no Burn counterpart and is ignored when loading.
+    * A ``PRelu``'s ``alpha`` is PyTorch's ``nn.PReLU.weight``.
+    * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
+      convolutions: both store ``(in, out/groups, k...)``.
 
     Args:
         linear_types: class names treated as ``Linear``.
@@ -260,6 +266,8 @@ class PyTorchAdapter(ModuleAdapter):
         if leaf in _NORM_TO_PYTORCH and self._is(module_types, self.norm_types):
             leaf = _NORM_TO_PYTORCH[leaf]
             return f"{parent}.{leaf}" if parent else leaf
+        if leaf == "alpha" and self._is(module_types, frozenset(PRELU_TYPES)):
+            return f"{parent}.weight" if parent else "weight"
         return path
 
     def transposes(self, path: str, module_types: tuple, shape: tuple) -> bool:

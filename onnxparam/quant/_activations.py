@@ -45,9 +45,12 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     args = [np.asarray(a) for a in args]
     plain = rebuild(module, lambda p, param: param,
                     lambda path, m: m.__dict__.pop(ACTIVATION_RANGES_ATTR, None) if path == "" else None)
-    with qdq_options(matmul="dequantize"):
+    source = getattr(plain, "_source", None)
+    # NOTE: an imported graph's export keeps its own input names; calibrate under the same ones
+    names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else None
+    with qdq_options(matmul="dequantize", prefer="size"):
         traced = trace_module(plain, tuple(InputSpec(("batch",) + a.shape[1:], DType.from_numpy(a.dtype))
-                                           for a in args))
+                                           for a in args), input_names=names)
     emitted = {id(v.meta[_QDQ_META].output._symbol.value) for v in traced.graph.initializers.values()
                if _QDQ_META in v.meta}
     sites = _activation_sites(traced.graph, emitted)

@@ -90,6 +90,8 @@ __all__ = [
     "LoraAdapter",
     "write_onnx_adapter",
     "load_peft_adapter",
+    "save_peft_adapter",
+    "PeftLoadReport",
     "OnnxParamError",
     "RecordError",
     "BurnpackFormatError",
@@ -118,7 +120,8 @@ _LAZY = {
     "ScaleDtype": "quant",
     "ModuleRecord": "record", "TensorSnapshot": "record",
     "Tensor": "tensor", "TensorData": "tensor",
-    "load_peft_adapter": "convert.peft",
+    "load_peft_adapter": "convert.peft", "PeftLoadReport": "convert.peft",
+    "save_peft_adapter": "convert._peft_save",
     "grad": "autodiff", "Gradients": "autodiff",
 }
 """Every public name and the module that defines it (``None``: the name is a subpackage),

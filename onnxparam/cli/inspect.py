@@ -70,6 +70,10 @@ class _Inspected:
     tensors: list = field(default_factory=list)
 
 
+QUANT_OPS_KEY = "onnxparam.quant.ops"
+"""The export's per-op report (:data:`onnxparam.quant._qdq_forms.REPORT_KEY`)."""
+
+
 def _scheme_text(scheme) -> Optional[str]:
     """``Q8S per-tensor`` / ``Q4S block [32] (F32 scales)``: a QFloat tensor's scheme in words."""
     if scheme is None:
@@ -393,6 +397,10 @@ def _print_inspect(doc: dict) -> None:
             _out(f"{kind + ':':<10} {', '.join(values[:MAX_LISTED_VALUES]) or '-'}{more}")
         for key, value in info["metadata_props"].items():
             _out(f"  metadata_props {key} = {_clip(value)}")
+        if QUANT_OPS_KEY in info["metadata_props"]:  # what each op with a quantized weight became
+            from ._quant_table import print_quantized_ops
+
+            print_quantized_ops(json.loads(info["metadata_props"][QUANT_OPS_KEY]))
     if doc["format"] == "pytorch":
         _out(f"pytorch:   {info['byteorder']}-endian, {len(info['skipped'])} non-tensor entries"
              + (f" ({_clip(', '.join(info['skipped']))})" if info["skipped"] else "")

@@ -166,11 +166,12 @@ def mnist_files(tmp_path_factory, digits):
     model = mnist.load_pretrained()
     quantized = model.quantize_weights(Quantizer())
     axes = {0: {0: "batch"}}
-    # Weight-only convs are not fused by ORT: calibrating (module calls) and the int8 export say so.
-    with pytest.warns(QuantizationWarning, match=r"'conv1.conv.weight', 'conv2.conv.weight' feed Conv nodes .* dequantize at every run"):
-        static = quantize_activations(quantized, images[::9])
-        int8 = op.export_onnx(quantized, work / "int8.onnx", images[:1], dynamic_axes=axes)
+    static = quantize_activations(quantized, images[::9])
+    int8 = op.export_onnx(quantized, work / "int8.onnx", images[:1], dynamic_axes=axes)
+    with qdq_options(prefer="size"):
+        size = op.export_onnx(quantized, work / "size.onnx", images[:1], dynamic_axes=axes)
     return {
+        "size": size,
         "float": op.export_onnx(model, work / "float.onnx", images[:1], dynamic_axes=axes),
         "int8": int8,
         "static": op.export_onnx(static, work / "static.onnx", images[:1], dynamic_axes=axes),
@@ -189,8 +190,29 @@ def accuracy(path, digits) -> float:
 def test_mnist_int8_weights_keep_accuracy_within_one_point_at_under_0_3x_size(mnist_files, digits):
     base = accuracy(mnist_files["float"], digits)
     assert base == pytest.approx(0.9204, abs=1e-4)
-    assert accuracy(mnist_files["int8"], digits) >= base - 0.01
-    assert os.path.getsize(mnist_files["int8"]) <= 0.3 * os.path.getsize(mnist_files["float"])
+    for variant in ("int8", "size", "static"):
+        assert accuracy(mnist_files[variant], digits) >= base - 0.01, variant
+    assert os.path.getsize(mnist_files["size"]) <= 0.3 * os.path.getsize(mnist_files["float"])
+    # the default keeps the (uncalibrated) conv weights float: 64 x 64 x 3 x 3 of them
+    assert os.path.getsize(mnist_files["int8"]) <= 0.4 * os.path.getsize(mnist_files["float"])
+
+
+def test_mnist_default_export_keeps_uncalibrated_convs_float_and_reports_each_op(mnist_files, tmp_path):
+    from onnxparam.quant import quantized_ops
+
+    graph = onnx.load(str(mnist_files["int8"])).graph
+    weights = {i.name: i.data_type for i in graph.initializer}
+    assert weights["conv1.conv.weight"] == weights["conv2.conv.weight"] == onnx.TensorProto.FLOAT
+    assert weights["fc1.weight"] == onnx.TensorProto.INT8
+    assert not [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    forms = {(row["weight"], row["op"], row["form"]) for row in quantized_ops(mnist_files["int8"])}
+    assert forms == {("conv1.conv.weight", "Conv", "float"), ("conv2.conv.weight", "Conv", "float"),
+                     ("fc1.weight", "MatMul", "dynamic int8"), ("fc2.weight", "MatMul", "dynamic int8"),
+                     ("fc3.weight", "MatMul", "dynamic int8")}
+    static = {(row["weight"], row["form"]) for row in quantized_ops(mnist_files["static"])}
+    assert ("conv2.conv.weight", "static int8") in static and ("fc1.weight", "static int8") in static
+    size = {(row["weight"], row["form"]) for row in quantized_ops(mnist_files["size"])}
+    assert ("conv2.conv.weight", "dequantize") in size
 
 
 def test_mnist_static_activation_quantization_runs_qlinear_kernels(mnist_files, digits, tmp_path):

@@ -121,6 +121,9 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
         model = traced.model
         by_name = {path: (path, param) for path, param in traced.params.items()}
     _write_param_metadata(model, module, by_name)
+    from ..quant._qdq_forms import write_report
+
+    write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
 
 

@@ -460,7 +460,7 @@ def _resolve(module, args, kwargs, remember: bool = False):
         else:
             _sessions.move_to_end(session_key)
         if fed:
-            runner = runner.with_fed_params([(name, p) for name, p in used if name in fed])
+            runner = runner.with_fed_params(lora_graph.fed_factors(traced.model, by_path))
         if remember and _qdq_options_get() is None:
             _remember(module, args, kwargs, runner, traced, by_path)
     return runner, tensors

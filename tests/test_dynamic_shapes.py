@@ -4,6 +4,7 @@ Oracles: numpy formulas of the same computation at every size, plain ONNX Runtim
 files, the runtime's own counters for traces and sessions.
 """
 
+import math
 import warnings
 
 import numpy as np
@@ -319,3 +320,29 @@ def test_an_attention_block_exported_with_dynamic_batch_and_sequence_matches_the
     after = runtime.stats()
     assert after.traces - before.traces <= 3  # (2, 5) first, one dynamic trace, (1, 1) specialized
     assert after.dynamic_traces - before.dynamic_traces == 1
+
+
+def test_the_readme_deployment_exports_run_at_any_batch(tmp_path, monkeypatch):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    script = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "export_onnx" in block)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    exec(compile(script, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    model = namespace["model"]
+    files = sorted(tmp_path.glob("*.onnx"))
+    assert len(files) >= 5
+    for path in files:
+        session = plain_ort(path)
+        assert session.get_inputs()[0].shape[0] == "batch", path.name
+        for batch in (3, 300):
+            x = rand(batch, 16)
+            out = session.run(None, {"x": x})[0]
+            assert out.shape == (batch, 4), path.name
+            if path.name == "mlp.onnx":  # Linear -> exact Gelu -> Linear, in numpy
+                w1, b1, w2, b2 = values(model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias)
+                h = x @ w1 + b1
+                gelu = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+                np.testing.assert_allclose(out, gelu @ w2 + b2, rtol=1e-4, atol=1e-5)

@@ -57,7 +57,7 @@ def mlp_numpy(m, x):
 def test_eight_batch_sizes_take_two_traces_and_two_sessions_and_match_numpy():
     m = Mlp()
     before = runtime.stats()
-    for batch in (1, 2, 3, 5, 8, 13, 32, 64):
+    for batch in (2, 3, 5, 1, 8, 13, 32, 64):  # batch 1 too runs on the dynamic trace
         x = rand(batch, 16)
         np.testing.assert_allclose(m(op.Tensor.from_numpy(x)).to_numpy(), mlp_numpy(m, x), rtol=1e-5, atol=1e-5)
     after = runtime.stats()

@@ -36,6 +36,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
 * ``quant``: :func:`bench_quant`: the exported int8 model (4 ``Linear(1024, 1024)``, batch 32)
   vs its float32 export and vs ``onnxruntime.quantization.quantize_dynamic`` of that export;
   targets: faster than float32, no slower than ``quantize_dynamic`` (ratio <= 1.0), file <= 0.3x.
+* ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
+  plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
+  over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Result:
     """How ``ours_s`` / ``baseline_s`` print: ``"ms"`` (seconds shown as ms) or ``"MiB"`` (bytes)."""
 
     def show(self, value: float) -> str:
+        if self.unit == "count":
+            return f"{value:8.0f}   "
         return f"{value / 2**20:8.1f} MiB" if self.unit == "MiB" else f"{value * 1e3:8.3f} ms"
 
     @property
@@ -587,12 +592,20 @@ def bench_quant(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+def bench_dynamic(args: argparse.Namespace) -> list[Result]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_dynamic import run
+
+    return run(args, Result, interleaved_medians)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
     "lora": bench_lora,
     "train": bench_train,
     "quant": bench_quant,
+    "dynamic": bench_dynamic,
 }
 """Section name -> function; run in this order when none is named."""
 

@@ -125,7 +125,9 @@ def squeeze(x, dims=None) -> Tensor:
         ValueError: when a named dim is known not to be 1.
     """
     x = _t(x)
-    axes = [i for i, d in enumerate(x.shape) if isinstance(d, int) and d == 1] if dims is None else _norm_dims(dims, x.rank)
+    # NOTE: a symbolic dim is compared too: decided by its bounds, else a TraceError (never
+    # silently "not 1": the graph would differ from the concrete trace of a size-1 input)
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if dims is None else _norm_dims(dims, x.rank)
     for a in axes:
         if isinstance(x.shape[a], int) and x.shape[a] != 1:
             raise ValueError(f"squeeze: dim {a} of shape {list(x.shape)} has size {x.shape[a]}, not 1")

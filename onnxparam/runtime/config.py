@@ -74,7 +74,8 @@ class SessionConfig:
             size. A forward that needs ``x.shape[0] == 1`` decided (or ``squeeze()``) is retraced
             with sizes 0 and 1 specialized as in PyTorch (those dims concrete, the others
             symbolic, symbolic sizes >= 2); one that needs concrete sizes (Python control flow
-            on a size, ``int(x.shape[0])``) falls back to a trace            per shape. ``"static"``: a trace and a session per distinct input shape.
+            on a size, ``int(x.shape[0])``) falls back to a trace per
+            shape. ``"static"``: a trace and a session per distinct input shape.
 
     Raises:
         ValueError: for an unknown optimization level, execution mode, LoRA mode or shape policy.

@@ -146,7 +146,7 @@ def _auto_batch(module, example_inputs, kwargs, trace):
     try:
         traced = trace(axes)
     except TraceError as e:
-        why = f"the forward needs a concrete batch: {e}"
+        why = f"the forward cannot be traced with dim 0 of its inputs dynamic: {e}"
     else:
         for value in traced.graph.outputs:
             dims = [d if isinstance(d, int) else d.value for d in (value.shape or ())]

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import lora_graph
 from .. import trace as _trace
-from ..errors import TraceError
+from ..errors import ExecutionError, TraceError
 from ..param import Param
 from ..quant import qdq
 from ..tensor import Tensor
@@ -312,6 +312,15 @@ def call_module(module, args: tuple, kwargs: dict):
             if runner is not None and entry.params_current(module):
                 return runner.run(_call_tensors(args, kwargs))
     runner, tensors = _resolve(module, args, kwargs, remember=True)
+    try:
+        return runner.run(tensors)
+    except ExecutionError:
+        if not runner.traced._cache.get("dynamic"):
+            raise
+    # NOTE: a symbolic dim the forward pins (a feature dim checked against a weight only when it
+    # is an int) fails in ONNX Runtime: a concrete trace of this shape gives the forward's own
+    # error, or runs (and is remembered for this shape instead)
+    runner, tensors = _resolve(module, args, kwargs, remember=True, policy="static")
     return runner.run(tensors)
 
 
@@ -427,6 +436,7 @@ def _dynamic_trace(module, args, kwargs, where: tuple):
                 return None
             _STATS.traces += 1
             _STATS.dynamic_traces += 1
+            traced._cache["dynamic"] = True
             _traces[gen_key] = traced
             _trim(_traces, _limits["traces"])
         else:
@@ -454,15 +464,16 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
         return None
 
 
-def _resolve(module, args, kwargs, remember: bool = False):
-    """The runner for this call (tracing and building as needed) and the input tensors."""
+def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None):
+    """The runner for this call (tracing and building as needed) and the input tensors
+    (``policy`` overrides the config's ``dynamic_shapes``)."""
     from ..module import named_params
 
     owner = type(module).__name__
     args, kwargs, tensors = _split_call(args, kwargs)
     config = session_config(module)
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, config.dynamic_shapes)
+        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)

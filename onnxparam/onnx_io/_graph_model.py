@@ -94,7 +94,11 @@ def _plan(module, lora: str) -> Optional[list]:
     source = module._source
     sites = source_sites(source)
     plan = []
-    for path, param in named_params(module):
+    params = list(named_params(module))
+    factors = {id(f) for _, p in params if p.adapter() is not None for f in (p.adapter().a, p.adapter().b)}
+    for path, param in params:
+        if id(param) in factors:
+            continue  # a LoRA factor: merged into its weight below
         site = sites.get(path)
         same = is_source_valued(source, path, param)
         if site is None:
@@ -128,11 +132,19 @@ def _set_weight(clone_map: dict, site, tensor) -> None:
     if site.kind == INITIALIZER:
         value = clone_map[id(site.value)]
         value.const_value = tensor
-        value.shape = ir.Shape(list(tensor.shape))
     else:
         node = clone_map[id(site.node)]
         node.attributes["value"] = ir.AttrTensor("value", tensor)
-        node.outputs[0].shape = ir.Shape(list(tensor.shape))
+        value = node.outputs[0]
+    _keep_shape(value, tensor.shape)
+
+
+def _keep_shape(value: ir.Value, shape) -> None:
+    """A value's declared shape follows a weight whose shape changed (else it is left alone:
+    declaring shapes the file did not declare would change its value infos)."""
+    dims = [int(d) for d in shape]
+    if value.shape is not None and list(value.shape) != dims:
+        value.shape = ir.Shape(dims)
 
 
 # -- sessions ---------------------------------------------------------------------------------
@@ -164,7 +176,7 @@ def session_parts(module) -> Optional[tuple]:
             arrays.append(array)
             value.const_value = ir.ExternalTensor(_INJECTED_LOCATION, 0, int(array.nbytes), site.tensor.dtype,
                                                   shape=ir.Shape(list(array.shape)), name=value.name)
-            value.shape = ir.Shape(list(array.shape))
+            _keep_shape(value, array.shape)
         elif how != "source":
             _set_weight(clone_map, site, ir.tensor(array, dtype=site.tensor.dtype))
     injected = set(names)

@@ -18,9 +18,11 @@ from .shape import reshape
 __all__ = ["deform_conv2d", "fold4d", "adaptive_avg_pool3d"]
 
 
-def _static(x: Tensor, rank: int, what: str) -> tuple:
-    if x.rank != rank or not all(isinstance(d, int) for d in x.shape):
-        raise ValueError(f"{what} expects a static shape of rank {rank}; got {list(x.shape)}")
+def _static(x: Tensor, rank: int, what: str, batch: bool = False) -> tuple:
+    """``x``'s dims; all static, or (``batch``) all but the first."""
+    if x.rank != rank or not all(isinstance(d, int) for d in x.shape[1 if batch else 0:]):
+        kind = "static dims after the batch dim" if batch else "a static shape"
+        raise ValueError(f"{what} expects {kind}, rank {rank}; got {list(x.shape)}")
     return tuple(x.shape)
 
 
@@ -55,7 +57,7 @@ def deform_conv2d(x, offset, weight, mask=None, bias=None, stride=(1, 1), paddin
     """
     _require_opset("DeformConv", 19)
     x, offset, weight = _t(x), _t(offset), _t(weight)
-    n, c_in, h, w = _static(x, 4, "deform_conv2d's input")
+    n, c_in, h, w = _static(x, 4, "deform_conv2d's input", batch=True)
     c_out, c_per_group, kh, kw = _static(weight, 4, "deform_conv2d's weight")
     sh, sw = _ntuple(stride, 2, "stride")
     ph, pw = _ntuple(padding, 2, "padding")
@@ -68,14 +70,14 @@ def deform_conv2d(x, offset, weight, mask=None, bias=None, stride=(1, 1), paddin
     wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     if ho < 1 or wo < 1:
         raise ValueError(f"deform_conv2d: the kernel does not fit the padded input {[h, w]}")
-    want = (n, 2 * og * kh * kw, ho, wo)
-    if tuple(offset.shape) != want:
-        raise ValueError(f"deform_conv2d: offset must have shape {list(want)}; got {list(offset.shape)}")
+    want = (2 * og * kh * kw, ho, wo)
+    if offset.rank != 4 or tuple(offset.shape[1:]) != want:
+        raise ValueError(f"deform_conv2d: offset must have shape {['N', *want]}; got {list(offset.shape)}")
     inputs = [x, weight, offset, None if bias is None else _t(bias)]
     if mask is not None:
         mask = _t(mask)
-        if tuple(mask.shape) != (n, og * kh * kw, ho, wo):
-            raise ValueError(f"deform_conv2d: mask must have shape {[n, og * kh * kw, ho, wo]}; "
+        if mask.rank != 4 or tuple(mask.shape[1:]) != (og * kh * kw, ho, wo):
+            raise ValueError(f"deform_conv2d: mask must have shape {['N', og * kh * kw, ho, wo]}; "
                              f"got {list(mask.shape)}")
         inputs.append(mask)
     while inputs[-1] is None:
@@ -100,7 +102,9 @@ def fold4d(x, output_size, kernel_size, stride=(1, 1), padding=(0, 0), dilation=
     """
     _require_opset("Col2Im", 18)
     x = _t(x)
-    n, rows, length = _static(x, 3, "fold4d")
+    if x.rank != 3 or not isinstance(x.shape[1], int):
+        raise ValueError(f"fold4d expects [N, C * kH * kW, L] with static rows; got {list(x.shape)}")
+    n, rows, length = x.shape
     oh, ow = _ntuple(output_size, 2, "output_size")
     kh, kw = _ntuple(kernel_size, 2, "kernel_size")
     sh, sw = _ntuple(stride, 2, "stride")
@@ -108,7 +112,7 @@ def fold4d(x, output_size, kernel_size, stride=(1, 1), padding=(0, 0), dilation=
     dh, dw = _ntuple(dilation, 2, "dilation")
     blocks_h = (oh + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     blocks_w = (ow + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    if rows % (kh * kw) or blocks_h < 1 or blocks_w < 1 or length != blocks_h * blocks_w:
+    if rows % (kh * kw) or blocks_h < 1 or blocks_w < 1 or (isinstance(length, int) and length != blocks_h * blocks_w):
         raise ValueError(f"fold4d: input {[n, rows, length]} does not fit output_size {[oh, ow]}, kernel "
                          f"{[kh, kw]} ({blocks_h} x {blocks_w} blocks of C * {kh * kw} rows expected)")
     attrs = {"strides": [sh, sw], "pads": [ph, pw, ph, pw], "dilations": [dh, dw]}
@@ -129,7 +133,7 @@ def adaptive_avg_pool3d(x, output_size) -> Tensor:
         ValueError: for a non-static input of another rank or a non-positive size.
     """
     x = _t(x)
-    n, c, d, h, w = _static(x, 5, "adaptive_avg_pool3d")
+    n, c, d, h, w = _static(x, 5, "adaptive_avg_pool3d", batch=True)
     size = _ntuple(output_size, 3, "output_size")
     if any(s < 1 for s in size):
         raise ValueError(f"adaptive_avg_pool3d: output_size must be positive; got {list(size)}")
@@ -145,6 +149,6 @@ def adaptive_avg_pool3d(x, output_size) -> Tensor:
     if oh != h:
         y = matmul(_tracer().constant(_adaptive_matrix(h, oh, x.dtype)), y)
     if od != d:
-        y = reshape(matmul(_tracer().constant(_adaptive_matrix(d, od, x.dtype)), reshape(y, [n, c, d, oh * ow])),
-                    [n, c, od, oh, ow])
+        y = reshape(matmul(_tracer().constant(_adaptive_matrix(d, od, x.dtype)), reshape(y, [0, c, d, oh * ow])),
+                    [0, c, od, oh, ow])
     return y

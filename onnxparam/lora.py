@@ -3,7 +3,7 @@
 Formula (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; Burn's
 ``burn-core/src/module/lora.rs``)::
 
-    W_eff = W + scale * (A @ B),    scale = alpha / rank
+    W_eff = W + scale * (A @ B),    scale = alpha / rank  (alpha / sqrt(rank): rsLoRA)
     A: (d_in, rank), float, row-major, init ~ N(0, init_std or 1/rank)
     B: (rank, d_out), float, row-major, init = 0
 
@@ -47,6 +47,8 @@ class LoraConfig:
         dtype: the factors' dtype; the base's float dtype when ``None`` (F32 for a quantized base).
         param_group: which rank-2 float params get adapters (every one by default).
         seed: seed of ``A``'s random init; fresh randomness when ``None``.
+        use_rslora: rank-stabilized LoRA (Kalajdzievski 2023, PEFT's ``use_rslora``):
+            ``scale = alpha / sqrt(rank)`` instead of ``alpha / rank``.
 
     Raises:
         TypeError: for a rank that is not an int (a bool or a float is refused), an alpha or
@@ -61,6 +63,7 @@ class LoraConfig:
     dtype: Optional[DType] = None
     param_group: ParamGroup = field(default_factory=ParamGroup.all)
     seed: Optional[int] = None
+    use_rslora: bool = False
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral):
@@ -86,6 +89,9 @@ class LoraConfig:
 
     @property
     def scale(self) -> float:
+        """``alpha / rank``, or ``alpha / sqrt(rank)`` with ``use_rslora``."""
+        if self.use_rslora:
+            return float(self.alpha) / math.sqrt(int(self.rank))
         return float(self.alpha) / int(self.rank)
 
     def with_rank(self, rank: int) -> "LoraConfig":
@@ -126,11 +132,17 @@ class LoraAdapter:
         delta = (a.astype(compute) @ b.astype(compute)) * compute(self.scale)
         return delta.T if self.transposed else delta
 
+    def delta_for(self, shape: tuple) -> np.ndarray:
+        """:meth:`delta` in a param's ``shape``: a 1-d param (a bias with PEFT's ``lora_bias``,
+        ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened."""
+        delta = self.delta()
+        return delta.reshape(shape) if len(shape) == 1 else delta
+
     def apply(self, base: Tensor) -> Tensor:
         """``base + delta`` at ``base``'s dtype (computed in float32, or float64 for F64)."""
         w = np.asarray(base.to_numpy())
         compute = np.float64 if w.dtype == np.float64 else np.float32
-        merged = (w.astype(compute) + self.delta().astype(compute)).astype(w.dtype)
+        merged = (w.astype(compute) + self.delta_for(w.shape).astype(compute)).astype(w.dtype)
         return Tensor.from_numpy(merged, base.device)
 
 

@@ -78,6 +78,8 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
+from . import _nbits
+from . import _qdq_forms as _forms
 from ._qdq_layout import WeightLayout, reblocked_layout, weight_layout
 from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fast path)
     _OPTIONS,
@@ -95,6 +97,7 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
     qdq_options,
     runtime_options,
 )
+from .scheme import QuantValue
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -166,9 +169,14 @@ def emit_param(tracer, param, path: str, shape: tuple):
     qt = _quantized_of(param)
     options = current_options()
     layout = weight_layout(qt, tracer.opset, options)
+    opset21 = False
+    if layout is None and tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        # NOTE: written with opset 21's layout for a moment: finish_graph turns its MatMul uses into
+        # com.microsoft MatMulNBits, or the weight into a float one (quant/_nbits.py)
+        layout, opset21 = weight_layout(qt, 21, options), True
     if layout is None:
         warnings.warn(
-            f"{path!r} ({qt.scheme.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
+            f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
             f"DequantizeLinear cannot express at opset {tracer.opset} (2-D blocks need per-element scales; "
             "blocks need opset 21): it is exported as a float32 initializer (dequantized, exact)",
             QuantizationWarning, stacklevel=4)
@@ -182,7 +190,9 @@ def emit_param(tracer, param, path: str, shape: tuple):
     tracer._names.add(path)
     tracer._params[path] = param
     tracer._param_values[path] = value
-    scale = tracer.constant(layout.scale, name=f"{path}_scale")._symbol.value
+    half = _half_scale(qt, layout, tracer.opset)
+    scale_array = layout.scale.astype(np.float16) if half else layout.scale
+    scale = tracer.constant(scale_array, name=f"{path}_scale")._symbol.value
     zero_point = None
     if layout.zero_point is not None:
         zero_point = ir.Value(name=tracer.unique_name(f"{path}_zero_point"),
@@ -197,19 +207,33 @@ def emit_param(tracer, param, path: str, shape: tuple):
         attrs["block_size"] = layout.block_size
     # NOTE: no empty trailing zero-point input: ORT's DQ -> MatMulNBits selector rejects it
     inputs = [value, scale] + ([zero_point] if zero_point is not None else [])
-    out = tracer.emit("DequantizeLinear", inputs, attrs,
-                      output_types=[(DType.F32, tuple(shape))])[0]
+    out_dtype = DType.F16 if half else DType.F32
+    out = tracer.emit("DequantizeLinear", inputs, attrs, output_types=[(out_dtype, tuple(shape))])[0]
     out._symbol.param = param
     node = out._symbol.value.producer()
     value.meta[_QDQ_META] = _Emitted(path, param, qt, layout, value, scale, zero_point, node, out)
     value.meta[_QDQ_META + ".ref"] = layout_ref
-    if qt.float_dtype is not DType.F32:
+    if opset21:
+        value.meta[_QDQ_META + ".opset21"] = True
+    if qt.float_dtype is not out_dtype:
         # NOTE: DequantizeLinear computes in float32 (its scale's type; a narrower scale would round
         # it); the weight comes back at the param's own dtype, as Param.val() casts it. The Cast
         # hides the MatMul from the fused forms (finish_graph), so such a weight is not fused.
         out = tracer.emit("Cast", [out], {"to": qt.float_dtype}, output_types=[(qt.float_dtype, tuple(shape))])[0]
         out._symbol.param = param
     return out
+
+
+def _half_scale(qt: QuantizedTensor, layout: WeightLayout, opset: int) -> bool:
+    """Whether an F16 weight's ``DequantizeLinear`` takes an F16 scale and gives F16 directly:
+    opset >= 19 (ONNX operator spec: DequantizeLinear-19 adds float16 scales) and every scale
+    exactly an F16 value (as ``quantize_weights`` of an F16 param makes them; ``q * scale`` is
+    then rounded once, as ``Param.val()`` rounds Burn's float32 product to F16)."""
+    if qt.float_dtype is not DType.F16 or opset < 19:
+        return False
+    scale = np.asarray(layout.scale, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(scale.astype(np.float16).astype(np.float32), scale))
 
 
 def _scheme_props(qt: QuantizedTensor) -> dict:
@@ -273,21 +297,18 @@ def finish_graph(tracer) -> None:
     options = current_options()
     if tracer.mode == "merge":
         _expand_qlora(tracer, emitted)
-    convs: list = []
     for e in emitted:
-        _check_fusable(tracer, e, options, convs)
-    if convs and not ranges:
-        # NOTE: measured on MNIST with ORT 1.32: a weight-only DequantizeLinear -> Conv is not
-        # fused and keeps ORT from pre-packing the conv weight: ~4x slower than float32.
-        warnings.warn(f"{', '.join(repr(p) for p in convs)} feed Conv nodes with only a dequantized weight: ORT "
-                      "fuses no weight-only DequantizeLinear -> Conv, so these convs dequantize at every run and "
-                      "run slower than float32; quantize activations too (onnxparam.quant.quantize_activations) "
-                      "or leave conv weights float (quantize_weights_group)", QuantizationWarning, stacklevel=4)
+        _check_fusable(tracer, e, options)
+    if tracer.opset < 21:
+        for e in emitted:
+            _nbits.matmul_nbits(tracer, e)
     if ranges:
         _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
     elif options.matmul in ("auto", "dynamic"):
         for e in emitted:
             _dynamic_matmuls(tracer, e)
+    _forms.keep_float(tracer, emitted, options.prefer)
+    _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():
             e.node.graph.remove(e.node, safe=True)
@@ -310,16 +331,10 @@ def _uses(value: ir.Value) -> list:
     return list(value.uses())
 
 
-def _check_fusable(tracer, e: _Emitted, options: QdqOptions, convs: list) -> None:
+def _check_fusable(tracer, e: _Emitted, options: QdqOptions) -> None:
     out = e.output._symbol.value
     layout = e.layout
     for node, index in _uses(out):
-        if node.op_type == "Conv" and index == 1:
-            convs.append(e.path)
-        if node.op_type == "Gemm" and index == 1:
-            warnings.warn(f"{e.path!r} feeds Gemm {node.name!r}: ORT fuses no weight-only DequantizeLinear -> Gemm, "
-                          "so it dequantizes at every run (export it through MatMul, or quantize activations)",
-                          QuantizationWarning, stacklevel=5)
         if node.op_type != "MatMul" or index != 1 or layout.values.ndim != 2:
             continue
         if layout.block_size is not None and layout.axis == 1:

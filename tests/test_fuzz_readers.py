@@ -324,7 +324,7 @@ def test_peft_factors_of_the_wrong_shape_are_refused(tmp_path):
     from onnxparam import ShapeMismatchError
 
     with pytest.raises(ShapeMismatchError, match=r"PEFT module 'base_model.model.proj' -> 'proj.weight': the factors "
-                                                 r"make a \(2, 5\) PyTorch weight, the param is \[3, 2\]"):
+                                                 r"make a \(2, 5\) PyTorch weight \(in 5 -> out 2\), the param is \[3, 2\]"):
         load_peft_adapter(Net(), peft_folder(tmp_path, a=np.ones((2, 5), np.float32)))
 
 

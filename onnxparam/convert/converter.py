@@ -1,9 +1,11 @@
-"""File-to-file weight conversion: ``.bpk`` <-> ``.safetensors`` <-> ``.onnx``, without a module.
+"""File-to-file weight conversion: ``.bpk`` <-> ``.safetensors`` <-> ``.onnx`` (and ``.pt`` /
+``.pth`` as a source), without a module.
 
-:func:`convert` reads the source lazily, renames / filters / transposes / casts tensor by tensor,
-and streams the target: at most one tensor's data is in memory at a time (for ``.onnx`` targets
-whose weights stay inside the protobuf, the protobuf itself holds them all: pass
-``external_data=True`` to stream there too). Every target is written atomically.
+:func:`convert` reads the source lazily (memory-mapped), renames / filters / transposes / casts
+tensor by tensor, and streams the target: at most one tensor's data is in memory at a time.
+Inline ``.onnx`` files too: a weights-only model is written field by field and an ``.onnx``
+source is read through a map (:mod:`onnxparam.convert._onnx_files`); only ``graph=`` targets
+build the protobuf in memory. Every target is written atomically.
 
 What is kept, per direction:
 

@@ -418,7 +418,8 @@ _QUANTIZED_OPS = ("MatMul", "Conv")
 
 def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
     """Value names to put a ``QuantizeLinear -> DequantizeLinear`` pair on: the activation input
-    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param."""
+    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param, and
+    (when there are such ops) the inputs and output of every ``Add`` of two activations."""
     names = []
     for node in graph:
         if node.op_type not in _QUANTIZED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
@@ -428,7 +429,24 @@ def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
         for v in (node.inputs[0], node.outputs[0]):
             if v.dtype == ir.DataType.FLOAT and v.name not in names:
                 names.append(v.name)
+    if names:
+        # NOTE: residual adds of two activations too (ORT fuses DQ, DQ -> Add -> Q into QLinearAdd,
+        # as onnxruntime.quantization.quantize_static's QDQ output does); bias adds are left float
+        for node in graph:
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            values = (node.inputs[0], node.inputs[1], node.outputs[0])
+            if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
+                continue
+            for v in values:
+                if v.name not in names:
+                    names.append(v.name)
     return names
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
 def _uint8_qparams(lo: float, hi: float) -> tuple:

@@ -13,7 +13,7 @@ from .lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_m
 from .param import Param
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -308,9 +308,11 @@ def _strip(add: ir.Node, y: ir.Value, nodes: list) -> None:
 
 IN_OUT = "in_out"
 OUT_IN = "out_in"
+CONV = "conv"
 """Weight layouts: ``(d_in, d_out)`` (ONNX ``MatMul`` B, ``Gemm`` B with ``transB=0``, Burn's
 ``Linear``; a ``Gather``-ed embedding table ``(num_embeddings, dim)`` reads as one too) and
-``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``)."""
+``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``);
+``CONV``: a ``Conv`` weight ``(out, in / groups, *kernel)``."""
 
 
 def weight_layouts(model: ir.Model) -> dict:
@@ -325,6 +327,7 @@ def weight_layouts(model: ir.Model) -> dict:
     ``Gemm`` B, ``transB=0`` / ``1``        IN_OUT / OUT_IN
     ``Transpose(perm=[1, 0]) -> MatMul`` B  OUT_IN
     ``Gather`` data (an embedding table)    IN_OUT (rows are the looked-up axis)
+    ``Conv`` W                              CONV
     ======================================  =========
     """
     claims: dict = {}
@@ -333,7 +336,12 @@ def weight_layouts(model: ir.Model) -> dict:
         if node.domain not in ("", "ai.onnx"):
             continue
         for index, value in enumerate(node.inputs):
-            if value is None or not value.is_initializer() or value.shape is None or len(value.shape) != 2:
+            if value is None or not value.is_initializer() or value.shape is None:
+                continue
+            if node.op_type == "Conv" and index == 1 and len(value.shape) >= 3:
+                claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
+                continue
+            if len(value.shape) != 2:
                 continue
             layout = None
             if node.op_type == "MatMul" and index == 1:

@@ -134,9 +134,12 @@ class LoraAdapter:
 
     def delta_for(self, shape: tuple) -> np.ndarray:
         """:meth:`delta` in a param's ``shape``: a 1-d param (a bias with PEFT's ``lora_bias``,
-        ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened."""
+        ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened; a convolution
+        weight ``(out, in / groups, *kernel)`` (PEFT's conv LoRA: a transposed adapter with
+        ``a`` ``(in / groups * prod(kernel), r)``, ``b`` ``(r, out)``) gets the ``(out, ...)``
+        delta reshaped."""
         delta = self.delta()
-        return delta.reshape(shape) if len(shape) == 1 else delta
+        return delta.reshape(shape) if len(shape) != 2 else delta
 
     def apply(self, base: Tensor) -> Tensor:
         """``base + delta`` at ``base``'s dtype (computed in float32, or float64 for F64)."""

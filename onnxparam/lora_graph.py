@@ -210,7 +210,7 @@ class _Expander:
                 nodes.append(self._node(graph, "Transpose", [nodes[-1].outputs[0]], dims[::-1],
                                         f"{label}/Transpose", {"perm": [1, 0]}))
             base_dims = _dims(self.base)
-            if len(base_dims) == 1:  # a bias's adapter (PEFT lora_bias): (1, d) -> (d,)
+            if len(base_dims) != 2:  # a bias's (PEFT lora_bias) or a convolution's adapter
                 shape = self.tracer.constant(np.asarray(base_dims, dtype=np.int64),
                                              name=f"{self.path}.lora.shape")._symbol.value
                 nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], base_dims,

@@ -1,7 +1,7 @@
 """PEFT adapters on imported ONNX weights: the weight's layout comes from the node that consumes
 it (``MatMul`` B, ``Transpose -> MatMul``, ``Gemm`` ``transB`` 0 / 1, ``Gather``), never from its
-shape; square and non-square weights; a shape that does not fit, uses that disagree, a use that
-says nothing and convolution factors are refused, naming the param.
+shape; square and non-square weights; convolution LoRA on a ``Conv`` weight; a shape that does
+not fit, uses that disagree and a use that says nothing are refused, naming the param.
 
 Oracle: numpy in PyTorch's convention on the matrices the test writes: the effective PyTorch
 weight ``W_torch + scale * B @ A`` (``(out, in)``; PEFT's ``A`` ``(r, in)``, ``B`` ``(out, r)``),
@@ -13,6 +13,7 @@ import json
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnxruntime as ort
 import pytest
 from safetensors.numpy import save_file
 
@@ -119,15 +120,36 @@ def test_a_weight_whose_uses_disagree_or_say_nothing_is_refused(tmp_path):
     assert "'v' [4, 4] is not known: no use says which axis is the input (used by Mul input 1)" in text
 
 
-def test_convolution_factors_are_refused_by_name(tmp_path):
-    w = np.ones((3, 2, 3, 3), np.float32)
-    m = model([oh.make_node("Conv", ["x", "conv.weight"], ["y"])], [oh.make_tensor_value_info("x", F, [1, 2, 5, 5])],
-              {"conv.weight": w}, [1, 3, 3, 3])
-    folder = write_peft(tmp_path / "ad", {"base_model.model.conv.lora_A.weight": np.ones((R, 2, 3, 3), np.float32),
+def conv_model(weight):
+    return model([oh.make_node("Conv", ["x", "conv.weight"], ["y"], pads=[1, 1, 1, 1])],
+                 [oh.make_tensor_value_info("x", F, [1, 2, 5, 5])], {"conv.weight": weight}, [1, 3, 5, 5])
+
+
+def test_a_convolution_adapter_reshapes_its_delta_to_the_conv_weight(tmp_path):
+    rng = np.random.default_rng(11)
+    w = rng.normal(size=(3, 2, 3, 3)).astype(np.float32)
+    a = rng.normal(size=(R, 2, 3, 3)).astype(np.float32)  # PEFT lora_A: a conv (r, in, kh, kw)
+    b = rng.normal(size=(3, R, 1, 1)).astype(np.float32)  # PEFT lora_B: a 1x1 conv (out, r, 1, 1)
+    x = rng.normal(size=(1, 2, 5, 5)).astype(np.float32)
+    # the oracle: plain ONNX Runtime on the same graph holding PEFT's merged weight
+    merged = w + SCALE * (b.reshape(3, R) @ a.reshape(R, -1)).reshape(w.shape)
+    expected = ort.InferenceSession(conv_model(merged).SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    folder = write_peft(tmp_path / "ad", {"base_model.model.conv.lora_A.weight": a,
+                                          "base_model.model.conv.lora_B.weight": b})
+    adapted = load_peft_adapter(import_onnx(conv_model(w)), folder)
+    for mode in ("merge", "keep", "inputs"):
+        module = adapted.map(lambda p, q: q)
+        set_session_config(module, SessionConfig(lora_mode=mode))
+        np.testing.assert_allclose(module(Tensor.from_numpy(x)).to_numpy(), expected, atol=1e-4, err_msg=mode)
+
+
+def test_convolution_factors_that_do_not_fit_are_refused_naming_both_shapes(tmp_path):
+    folder = write_peft(tmp_path / "ad", {"base_model.model.conv.lora_A.weight": np.ones((R, 4, 3, 3), np.float32),
                                           "base_model.model.conv.lora_B.weight": np.ones((3, R, 1, 1), np.float32)})
-    with pytest.raises(RecordError, match=r"'base_model.model.conv': factors of shapes \[2, 2, 3, 3\] / \[3, 2, 1, 1\] "
-                                          r"\(convolution LoRA\) are not supported"):
-        load_peft_adapter(import_onnx(m), folder)
+    with pytest.raises(RecordError, match=r"'conv.weight': the factors make a \[3, 4, 3, 3\] convolution weight, "
+                                          r"the param is \[3, 2, 3, 3\]"):
+        load_peft_adapter(import_onnx(conv_model(np.ones((3, 2, 3, 3), np.float32))), folder)
 
 
 def test_key_map_takes_onnx_names_and_zero_matches_is_an_error_even_with_allow_partial(tmp_path):

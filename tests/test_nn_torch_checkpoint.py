@@ -13,7 +13,7 @@ from nn_layer_checks import tensor
 
 import onnxparam as op
 from onnxparam import nn, ops
-from onnxparam.convert import load_safetensors
+from onnxparam.convert import LoadReport, load_safetensors
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -59,7 +59,8 @@ def test_a_torch_state_dict_loads_through_the_pytorch_adapter_and_gives_torchs_o
             p.add_(torch.randn_like(p) * 0.1)  # move the norms' affine params off ones / zeros
     path = tmp_path / "torch.safetensors"
     safetensors_torch.save_file(ref.state_dict(), str(path))
-    module, report = load_safetensors(Net(), path, adapter="pytorch")
+    report = LoadReport()
+    module = load_safetensors(Net(), path, adapter="pytorch", report=report)
     assert report.ok and report.missing == [] and report.unused == []
     assert ("group.weight", "group.gamma") in report.renamed and ("rms.weight", "rms.gamma") in report.renamed
     assert ("inst.bias", "inst.beta") in report.renamed and ("prelu.weight", "prelu.alpha") in report.renamed

@@ -95,7 +95,7 @@ def test_dequantize_linear_nodes_agree_with_onnx_reference_and_burns_values(sche
     x = np.random.default_rng(3).normal(size=(2, 4)).astype(np.float32) + X
     w = qparam(x, scheme)
     with qdq_options(unsigned=unsigned):
-        path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((2, 4), np.float32))
+        path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((2, 4), np.float32), dynamic_batch=False)
     model = onnx.load(str(path))
     assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "Mul"]
     init = {i.name: i for i in model.graph.initializer}
@@ -111,7 +111,7 @@ def test_dequantize_linear_nodes_agree_with_onnx_reference_and_burns_values(sche
 
 def test_blocked_scales_become_onnx_block_size_on_the_burn_axis(tmp_path):
     w = qparam(X, QuantScheme(block_size=2))
-    path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((2, 4), np.float32))
+    path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((2, 4), np.float32), dynamic_batch=False)
     dq = onnx.load(str(path)).graph.node[0]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute}
     assert attrs == {"axis": 1, "block_size": 2}
@@ -120,7 +120,7 @@ def test_blocked_scales_become_onnx_block_size_on_the_burn_axis(tmp_path):
 def test_two_dimensional_blocks_export_the_float_weight_with_a_warning(tmp_path):
     w = qparam(np.ones((4, 4), np.float32), QuantScheme(QuantValue.Q8S, block_size=(2, 2)))
     with pytest.warns(QuantizationWarning, match="'w' .* cannot express .* exported as a float32 initializer"):
-        path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((4, 4), np.float32))
+        path = op.export_onnx(Scaled(w), tmp_path / "m.onnx", np.ones((4, 4), np.float32), dynamic_batch=False)
     assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Mul"]
 
 
@@ -290,7 +290,7 @@ def test_burn_qfloat_to_onnx_to_burnpack_is_byte_identical(scheme, tmp_path):
         assert original.endswith(bytes.fromhex("cee70f19324b9c7f0ad7a33c"))
     if scheme == QuantScheme(block_size=2):  # §2.4 (b)
         assert original.endswith(bytes.fromhex("81c04c7f557f9c7f040201 3c0402813b0683413c0ad7a33c".replace(" ", "")))
-    path = op.export_onnx(module, tmp_path / "w.onnx", np.ones(w.shape, np.float32))
+    path = op.export_onnx(module, tmp_path / "w.onnx", np.ones(w.shape, np.float32), dynamic_batch=False)
     imported = op.import_onnx(path)
     param = imported.param_of("w")
     assert param.lazy_dtype() is op.DType.QFloat and param.id == w.id

@@ -278,9 +278,6 @@ def transformer_decoder_layer_from_torch(state: Mapping, norm_first: bool = Fals
 
 # -- a whole module ----------------------------------------------------------------------------------
 
-_LINEAR_NAMES = ("Linear",)
-_NORM_NAMES = ("LayerNorm", "BatchNorm", "GroupNorm")
-_NORM_BUFFERS = {"weight": "gamma", "bias": "beta", "running_mean": "running_mean", "running_var": "running_var"}
 _IGNORED_TORCH_KEYS = ("num_batches_tracked",)
 
 
@@ -288,7 +285,7 @@ def _type_names(module) -> set:
     return {cls.__name__ for cls in type(module).__mro__}
 
 
-def _subtree_mapper(module):
+def layer_mapper(module):
     """The mapping function for a module whose PyTorch counterpart packs or renames tensors, by
     the class names in its MRO (as :class:`~onnxparam.convert.adapters.PyTorchAdapter` decides
     by the holding module's type), or ``None``."""
@@ -313,9 +310,11 @@ def torch_state_dict_to_record(module, state: Mapping) -> dict:
     Sub-modules are matched by path: a :class:`~onnxparam.nn.Lstm` / ``BiLstm`` / ``Gru`` /
     ``BiGru`` / ``MultiHeadAttention`` / ``TransformerEncoderLayer`` / ``TransformerDecoderLayer``
     at path ``p`` takes the PyTorch tensors under ``p.`` through the functions above (the
-    pre-norm flag is read from the layer); a ``Linear``'s weight is transposed; a norm's
-    ``weight`` / ``bias`` become ``gamma`` / ``beta`` (``num_batches_tracked`` is dropped); every
-    other tensor (embeddings, convolutions) is taken as is.
+    pre-norm flag is read from the layer); every other param is decided by the PyTorch adapter
+    (:class:`~onnxparam.convert.adapters.PyTorchAdapter`, the one place these rules live: a
+    ``Linear``'s weight is transposed, a norm's ``weight`` / ``bias`` become ``gamma`` /
+    ``beta``, ``num_batches_tracked`` is dropped, embeddings and convolutions are taken as is).
+    :func:`onnxparam.convert.apply_record` with ``adapter="pytorch"`` does the same and loads.
 
     Args:
         module: the target :class:`~onnxparam.Module`.
@@ -326,41 +325,31 @@ def torch_state_dict_to_record(module, state: Mapping) -> dict:
         RecordError: listing every PyTorch tensor that no param of ``module`` takes (missing
             params are reported by ``load_record``).
     """
-    state = {str(k): np.asarray(v) for k, v in state.items()}
-    record, consumed, claimed = {}, set(), []
-    for path, sub in module.named_modules():
-        if any(path == c or path.startswith(c + ".") for c in claimed):
-            continue
-        mapper = _subtree_mapper(sub)
-        if mapper is None:
-            continue
-        prefix = f"{path}." if path else ""
-        subtree = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        record.update({f"{prefix}{k}": v for k, v in mapper(subtree).items()})
-        consumed.update(f"{prefix}{k}" for k in subtree)
-        claimed.append(path)
-    holders = {}
-    for path, sub in module.named_modules():
-        holders.update({(f"{path}.{n}" if path else n): sub for n in vars(sub)})
+    from ..module import named_modules
+    from ..record import as_record
+    from .adapters import PyTorchAdapter
+
+    adapter = PyTorchAdapter()
+    snaps = dict(as_record({str(k): v for k, v in state.items()}))
+    mapped, consumed = adapter.restructure(module, snaps, layer_mapper)
+    record = {path: snap.to_data().to_numpy() for path, snap in mapped.items()}
+    types = {path: tuple(c.__name__ for c in type(m).__mro__) for path, m in named_modules(module)}
+    used = set(consumed)
     for path, _ in module.named_params():
         if path in record:
             continue
-        owner, _, leaf = path.rpartition(".")
-        holder_names = _type_names(holders.get(path, module))
-        torch_name = path
-        if holder_names & set(_NORM_NAMES):
-            inverse = {b: t for t, b in _NORM_BUFFERS.items()}
-            torch_name = f"{owner}.{inverse.get(leaf, leaf)}" if owner else inverse.get(leaf, leaf)
-        if torch_name not in state:
+        owner = types.get(path.rpartition(".")[0], ())
+        name = path if path in snaps else adapter.file_name(path, owner)
+        if name not in snaps or name in used:
             continue  # load_record reports it as missing
-        value = state[torch_name]
-        if holder_names & set(_LINEAR_NAMES) and leaf == "weight" and value.ndim == 2:
+        value = snaps[name].to_data().to_numpy()
+        if adapter.transposes(path, owner, tuple(value.shape)):
             value = np.ascontiguousarray(value.T)
         record[path] = value
-        consumed.add(torch_name)
-    unexpected = [k for k in state if k not in consumed and not k.endswith(_IGNORED_TORCH_KEYS)]
+        used.add(name)
+    unexpected = [k for k in snaps if k not in used and not k.endswith(_IGNORED_TORCH_KEYS)]
     if unexpected:
         raise RecordError(f"torch_state_dict_to_record: {len(unexpected)} PyTorch tensor(s) match no param of "
                           f"{type(module).__name__}; name the sub-modules as the PyTorch model does",
-                          [f"unexpected {k!r} {tuple(state[k].shape)}" for k in unexpected])
+                          [f"unexpected {k!r} {tuple(snaps[k].shape)}" for k in unexpected])
     return record

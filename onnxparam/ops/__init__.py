@@ -29,6 +29,7 @@ dropout), :mod:`.nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfol
 interpolation), :mod:`.custom`; import the ops from ``onnxparam.ops``.
 """
 
+from .creation import arange, full, ones, zeros
 from .custom import custom, subgraph
 from .elementwise import (
     abs,
@@ -103,9 +104,11 @@ from .sequence_layers import gru, lstm, mask_fill, quiet_softmax
 from .shape import (
     concat,
     embedding,
+    expand,
     flatten,
     gather,
     gather_elements,
+    getitem,
     permute,
     reshape,
     slice,
@@ -124,7 +127,9 @@ __all__ = [
     "matmul", "linear", "gelu", "softmax", "log_softmax",
     # shapes
     "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze", "concat", "split",
-    "slice", "gather", "gather_elements", "embedding",
+    "slice", "gather", "gather_elements", "embedding", "expand", "getitem",
+    # creation (sizes may be symbolic)
+    "zeros", "ones", "full", "arange",
     # reductions
     "sum", "mean", "max", "min", "argmax",
     # convolution, pooling, normalization

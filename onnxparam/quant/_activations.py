@@ -13,7 +13,7 @@ from ._qdq_options import _QDQ_META, ACTIVATION_RANGES_ATTR, qdq_options
 from .qdq import _activation_sites
 
 
-def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None):
+def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None, progress=None):
     """A copy of ``module`` that carries activation ranges measured on ``calibration_inputs``, so
     its traced graphs (``module(x)`` and export) get static ``QuantizeLinear -> DequantizeLinear``
     pairs around every ``MatMul`` / ``Conv`` with a quantized weight (module docstring).
@@ -27,6 +27,7 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             representative inputs, batch first; run in batches of ``batch_size`` (all at once
             when ``None``).
         batch_size: calibration batch size.
+        progress: called as ``progress(done, total)`` (samples) after each batch, or ``None``.
 
     Returns:
         the module copy (ranges in the private attribute :data:`ACTIVATION_RANGES_ATTR`).
@@ -78,6 +79,8 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             if name in lo and result.size:
                 lo[name] = min(lo[name], float(np.min(result)))
                 hi[name] = max(hi[name], float(np.max(result)))
+        if progress is not None:
+            progress(min(start + step, n), n)
     ranges = tuple((name, lo[name], hi[name]) for name in sites if math.isfinite(lo[name]))
 
     def set_ranges(path, m):

@@ -183,7 +183,7 @@ def save_model(
         tmp_model = tmp_dir / target.name
         try:
             if location is None:
-                from ._streamed_save import save_inline  # NOTE: field by field, one tensor in memory
+                from ..formats._ir_stream import save_inline  # NOTE: field by field, one tensor in memory
 
                 save_inline(model, tmp_model)
             else:

@@ -41,7 +41,7 @@ def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
         OnnxFormatError: the file would reach protobuf's 2 GiB limit.
         Exception: whatever a lazy tensor's function raises, as it raised it.
     """
-    from ..formats.onnx_stream import StreamedTensor, write_onnx_streamed
+    from .onnx_stream import StreamedTensor, write_onnx_streamed
 
     values = [v for v in model.graph.initializers.values() if _streamable(v.const_value)]
     originals = {id(v): v.const_value for v in values}

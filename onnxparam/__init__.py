@@ -53,9 +53,12 @@ _provide("quant.quantize", "onnxparam.quant.calibration:quantize")  # QuantizedT
 _provide("lora", "onnxparam.lora")  # Module.apply_lora / merge_lora / valid
 _provide("quant.module", "onnxparam.quant.module")  # Module.quantize_weights / apply_qlora
 _provide("record", "onnxparam.record")  # Module.into_record / load_record / save_file (model -> bridges)
+_provide("record.apply", "onnxparam.convert.store:apply_record")  # Module.load_record / load_file: the one loading path
 _provide("runtime.call_module", "onnxparam.runtime.calls:call_module")  # Module.__call__
 _provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
 _provide("runtime.ortvalue_from_numpy", "onnxparam.runtime.devices:ortvalue_from_numpy")  # Tensor.to_device
+_provide("runtime.clear_caches", "onnxparam.runtime.calls:clear_caches")  # nn.seed: seeded dropout restarts
+_provide("autodiff.clear_cache", "onnxparam.autodiff.training:clear_cache")  # nn.seed: the training graphs too
 
 __all__ = [
     "__version__",
@@ -87,8 +90,11 @@ __all__ = [
     "TensorSnapshot",
     "LoraConfig",
     "LoraAdapter",
+    "LoraAdapterSet",
     "write_onnx_adapter",
     "load_peft_adapter",
+    "save_peft_adapter",
+    "PeftLoadReport",
     "OnnxParamError",
     "RecordError",
     "BurnpackFormatError",
@@ -107,7 +113,7 @@ _LAZY = {
     "burnpack": None, "nn": None, "autodiff": None, "optim": None, "runtime": None, "ops": None,
     "DType": "dtype",
     "ParamGroup": "group",
-    "LoraAdapter": "lora", "LoraConfig": "lora",
+    "LoraAdapter": "lora", "LoraConfig": "lora", "LoraAdapterSet": "lora",
     "write_onnx_adapter": "_lora_adapter_file",
     "Module": "module", "ModuleMapper": "module", "ModuleVisitor": "module",
     "OnnxModule": "onnx_io", "export_onnx": "onnx_io", "import_onnx": "onnx_io",
@@ -117,7 +123,8 @@ _LAZY = {
     "ScaleDtype": "quant",
     "ModuleRecord": "record", "TensorSnapshot": "record",
     "Tensor": "tensor", "TensorData": "tensor",
-    "load_peft_adapter": "convert.peft",
+    "load_peft_adapter": "convert.peft", "PeftLoadReport": "convert.peft",
+    "save_peft_adapter": "convert._peft_save",
     "grad": "autodiff", "Gradients": "autodiff",
 }
 """Every public name and the module that defines it (``None``: the name is a subpackage),

@@ -11,18 +11,22 @@ __all__ = ["adapter_params", "write_onnx_adapter"]
 
 def adapter_params(module) -> dict:
     """``{"<path>.lora.a": array, "<path>.lora.b": array, ...}`` for every adapter of
-    ``module``: the graph-input names of its ``"inputs"`` export and their values."""
+    ``module``: the graph-input names of its ``"inputs"`` export and the values they are fed:
+    ``a`` ``(d_in, r)`` and ``scale * b`` ``(r, d_out)`` (the scale folded into ``b``, as Olive
+    writes adapters: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA), at the base's float
+    dtype (float32 for a quantized base)."""
+    from .lora_graph import fed_factor
     from .module import named_params
     from .trace import untraced
 
     params = {}
     with untraced():
         for path, param in named_params(module):
-            adapter = param.adapter()
-            if adapter is None:
+            if param.adapter() is None:
                 continue
-            params[f"{path}.lora.a"] = np.asarray(adapter.a.val().to_numpy())
-            params[f"{path}.lora.b"] = np.asarray(adapter.b.val().to_numpy())
+            dtype = param.lazy_dtype()
+            params[f"{path}.lora.a"] = fed_factor(param, "a", dtype)
+            params[f"{path}.lora.b"] = fed_factor(param, "b", dtype)
     return params
 
 

@@ -9,11 +9,11 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from .lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int
+from .lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
 from .param import Param
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -44,50 +44,84 @@ def _scalar(value: ir.Value) -> Optional[float]:
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
 
-def _lora_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
-    """``(x, a, b, coefficient, [nodes])`` when ``out = Mul(MatMul(MatMul(x, a), b), s)`` with
-    ``a`` / ``b`` factor initializers of one base (``factors``: value name -> (base, "a"|"b"))."""
-    mul = _producer(out, "Mul")
-    if mul is None:
+def _factor(value: Optional[ir.Value], factors: dict, which: str) -> Optional[tuple]:
+    """``(factor, coefficient, [nodes])`` when ``value`` is factor ``which`` (``"a"`` / ``"b"``)
+    itself or ``Mul(factor, s)`` / ``Mul(s, factor)`` with a scalar ``s`` (the kept export's
+    ``scale * b``)."""
+    if value is None:
         return None
-    for first, second in ((0, 1), (1, 0)):
-        mm_b = _producer(mul.inputs[first], "MatMul")
-        coefficient = _scalar(mul.inputs[second]) if mul.inputs[second] is not None else None
-        if mm_b is None or coefficient is None:
+    if factors.get(value.name, (None, None))[1] == which:
+        return value, 1.0, []
+    mul = _producer(value, "Mul")
+    if mul is not None and len(mul.inputs) == 2:
+        for first, second in ((0, 1), (1, 0)):
+            factor, other = mul.inputs[first], mul.inputs[second]
+            if factor is not None and other is not None and factors.get(factor.name, (None, None))[1] == which:
+                coefficient = _scalar(other)
+                if coefficient is not None:
+                    return factor, coefficient, [mul]
+    return None
+
+
+def _scaled_outputs(out: ir.Value) -> list:
+    """``[(value, coefficient, [nodes])]``: ``out`` itself, and when ``out = Mul(v, s)`` with a
+    scalar ``s`` (older kept exports scale the branch's output), ``v`` with ``s``."""
+    found = [(out, 1.0, [])]
+    mul = _producer(out, "Mul")
+    if mul is not None and len(mul.inputs) == 2:
+        for first, second in ((0, 1), (1, 0)):
+            if mul.inputs[first] is not None and mul.inputs[second] is not None:
+                coefficient = _scalar(mul.inputs[second])
+                if coefficient is not None:
+                    found.append((mul.inputs[first], coefficient, [mul]))
+    return found
+
+
+def _lora_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
+    """``(x, a, b, coefficient, [nodes])`` when ``out = MatMul(MatMul(x, a), s * b)`` (the kept
+    export), ``MatMul(MatMul(x, a), b)`` (``"inputs"``: the scale is in the fed ``b``) or
+    ``Mul(MatMul(MatMul(x, a), b), s)`` (older kept exports), with ``a`` / ``b`` factor
+    initializers of one base (``factors``: value name -> (base, "a"|"b"))."""
+    for value, outer, outer_nodes in _scaled_outputs(out):
+        mm_b = _producer(value, "MatMul")
+        if mm_b is None:
             continue
-        b = mm_b.inputs[1]
+        b_found = _factor(mm_b.inputs[1], factors, "b")
         mm_a = _producer(mm_b.inputs[0], "MatMul")
-        if mm_a is None or factors.get(b.name, (None, None))[1] != "b":
+        if b_found is None or mm_a is None:
             continue
+        b, coefficient, b_nodes = b_found
         a = mm_a.inputs[1]
-        if factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
+        if a is None or factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
             continue
-        return mm_a.inputs[0], a, b, coefficient, [mm_a, mm_b, mul]
+        return mm_a.inputs[0], a, b, outer * coefficient, b_nodes + [mm_a, mm_b] + outer_nodes
     return None
 
 
 def _merged_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
-    """``(a, b, coefficient, transposed, [nodes])`` when ``out`` is ``Mul(MatMul(a, b), s)``,
-    optionally ``Transpose``-d."""
+    """``(a, b, coefficient, transposed, [nodes])`` when ``out`` is ``MatMul(a, s * b)`` (or one
+    of the other scalings of :func:`_lora_chain`), optionally ``Transpose``-d (a transposed
+    adapter) or ``Reshape``-d (a bias's adapter)."""
     transpose = _producer(out, "Transpose")
-    inner = transpose.inputs[0] if transpose is not None else out
-    mul = _producer(inner, "Mul")
-    if mul is None:
-        return None
-    for first, second in ((0, 1), (1, 0)):
-        mm = _producer(mul.inputs[first], "MatMul")
-        coefficient = _scalar(mul.inputs[second]) if mul.inputs[second] is not None else None
-        if mm is None or coefficient is None:
+    wrapper = transpose or _producer(out, "Reshape")
+    inner = wrapper.inputs[0] if wrapper is not None else out
+    for value, outer, outer_nodes in _scaled_outputs(inner):
+        mm = _producer(value, "MatMul")
+        if mm is None:
             continue
-        a, b = mm.inputs
-        if factors.get(a.name, (None, None))[1] == "a" and factors.get(b.name, (None, None))[1] == "b" \
-                and factors[a.name][0] == factors[b.name][0]:
-            nodes = [mm, mul] + ([transpose] if transpose is not None else [])
-            return a, b, coefficient, transpose is not None, nodes
+        b_found = _factor(mm.inputs[1], factors, "b")
+        a = mm.inputs[0]
+        if b_found is None or a is None or factors.get(a.name, (None, None))[1] != "a":
+            continue
+        b, coefficient, b_nodes = b_found
+        if factors[a.name][0] == factors[b.name][0]:
+            nodes = b_nodes + [mm] + outer_nodes + ([wrapper] if wrapper is not None else [])
+            return a, b, outer * coefficient, transpose is not None, nodes
     return None
 
 
 def _remove_if_unused(nodes: list) -> None:
+    """Remove ``nodes`` (producers before consumers) that nothing uses any more."""
     for node in reversed(nodes):
         if node.graph is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
             node.graph.remove(node, safe=True)
@@ -120,10 +154,15 @@ def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:
             if chain is not None:
                 x, a, b, coefficient, nodes = chain
                 base = _producer(y, "MatMul") or _producer(y, "Gemm")
-                if base is None or base.inputs[0] is not x or base.inputs[1] is None \
-                        or base.inputs[1].name != factors[a.name][0]:
+                if base is None or base.inputs[0] is not x or base.inputs[1] is None:
                     continue
-                transposed = base.op_type == "Gemm" and _attr_int(base, "transB", 0) == 1
+                weight = base.inputs[1]
+                flip = _producer(weight, "Transpose") if base.op_type == "MatMul" else None
+                if flip is not None:  # Transpose(W) -> MatMul: W stored (d_out, d_in)
+                    weight = flip.inputs[0]
+                if weight is None or weight.name != factors[a.name][0]:
+                    continue
+                transposed = flip is not None or (base.op_type == "Gemm" and _attr_int(base, "transB", 0) == 1)
                 if base.op_type == "Gemm":
                     coefficient /= _attr_float(base, "alpha", 1.0)
                 _strip(node, y, nodes)
@@ -144,8 +183,15 @@ def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:
             graph.initializers.pop(value.name, None)
             if value in graph.inputs:
                 graph.inputs.remove(value)
+        if 0 in _shape(a) or 0 in _shape(b):
+            continue  # an "inputs" export's zero-rank defaults: no adapter, the base model
         adapters.append(ImportedAdapter(base_name, a, b, float(scale), transposed))
     return adapters
+
+
+def _shape(value: ir.Value) -> tuple:
+    const = value.const_value
+    return tuple(const.shape.numpy()) if const is not None else ()
 
 
 def _factor_names(graph: ir.Graph) -> dict:
@@ -200,8 +246,9 @@ def strip_imported(loaded):
              if name.endswith(FACTOR_SUFFIXES) and v.const_value is not None and v.const_value.metadata_props}
     metas = md.read_params(model.metadata_props, props, loaded.source)
     scales = {name: meta.lora_scale for name, meta in metas.items() if meta.lora_scale is not None}
+    before = len(model.graph.initializers)
     adapters = strip_lora_subexpressions(model, scales)
-    if not adapters:
+    if not adapters and len(model.graph.initializers) == before:
         return loaded, []
     return LoadedModel(model, loaded.source, loaded.path), [(adapter, metas) for adapter in adapters]
 
@@ -259,16 +306,69 @@ def _strip(add: ir.Node, y: ir.Value, nodes: list) -> None:
     _remove_if_unused(nodes)
 
 
-def transposed_weight_names(model: ir.Model) -> set:
-    """Names of the weights ``model`` uses as ``Gemm`` B with ``transB=1`` — stored
-    ``(d_out, d_in)``, so their adapters are transposed — and nowhere as ``MatMul`` B."""
-    gemm, matmul = set(), set()
+IN_OUT = "in_out"
+OUT_IN = "out_in"
+CONV = "conv"
+"""Weight layouts: ``(d_in, d_out)`` (ONNX ``MatMul`` B, ``Gemm`` B with ``transB=0``, Burn's
+``Linear``; a ``Gather``-ed embedding table ``(num_embeddings, dim)`` reads as one too) and
+``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``);
+``CONV``: a ``Conv`` weight ``(out, in / groups, *kernel)``."""
+
+
+def weight_layouts(model: ir.Model) -> dict:
+    """The layout of each 2-d weight initializer of ``model``, decided by its consumers: ``name
+    -> IN_OUT | OUT_IN``, or a sentence saying why the graph does not decide it (its uses
+    disagree, or no use tells which axis is the input). Never from shapes.
+
+    ======================================  =========
+    use of the weight ``W``                 layout
+    ======================================  =========
+    ``MatMul`` B                            IN_OUT
+    ``Gemm`` B, ``transB=0`` / ``1``        IN_OUT / OUT_IN
+    ``Transpose(perm=[1, 0]) -> MatMul`` B  OUT_IN
+    ``Gather`` data (an embedding table)    IN_OUT (rows are the looked-up axis)
+    ``Conv`` W                              CONV
+    ======================================  =========
+    """
+    claims: dict = {}
+    others: dict = {}
     for node in model.graph.all_nodes():
-        if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
+        if node.domain not in ("", "ai.onnx"):
             continue
-        name = node.inputs[1].name
-        if node.op_type == "Gemm" and _attr_int(node, "transB", 0) == 1:
-            gemm.add(name)
-        elif node.op_type in ("MatMul", "Gemm"):
-            matmul.add(name)
-    return gemm - matmul
+        for index, value in enumerate(node.inputs):
+            if value is None or not value.is_initializer() or value.shape is None:
+                continue
+            if node.op_type == "Conv" and index == 1 and len(value.shape) >= 3:
+                claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
+                continue
+            if len(value.shape) != 2:
+                continue
+            layout = None
+            if node.op_type == "MatMul" and index == 1:
+                layout = IN_OUT
+            elif node.op_type == "Gemm" and index == 1:
+                layout = OUT_IN if _attr_int(node, "transB", 0) == 1 else IN_OUT
+            elif node.op_type == "Gather" and index == 0 and _attr_int(node, "axis", 0) == 0:
+                layout = IN_OUT
+            elif node.op_type == "Transpose" and index == 0 and _transpose_to_matmul(node) is not None:
+                layout = OUT_IN
+            if layout is None:
+                others.setdefault(value.name, set()).add(f"{node.op_type} input {index}")
+            else:
+                claims.setdefault(value.name, set()).add(f"{layout}:{node.op_type}")
+    out = {}
+    for name in set(claims) | set(others):
+        layouts = {c.split(":")[0] for c in claims.get(name, ())}
+        if len(layouts) == 1:
+            out[name] = next(iter(layouts))
+        elif len(layouts) > 1:
+            out[name] = f"its uses disagree on its layout ({', '.join(sorted(claims[name]))})"
+        else:
+            out[name] = f"no use says which axis is the input (used by {', '.join(sorted(others[name]))})"
+    return out
+
+
+def transposed_weight_names(model: ir.Model) -> set:
+    """Names of the weights whose graph says they are stored ``(d_out, d_in)``
+    (:func:`weight_layouts`): their adapters are transposed."""
+    return {name for name, layout in weight_layouts(model).items() if layout == OUT_IN}

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from ._services import service
+from ._symint import SymInt
 from .dtype import DType
 from .errors import TraceError
 from .param import Param, value_hook
@@ -60,8 +61,7 @@ class InputSpec:
     name: Optional[str] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(None if d is None else d if isinstance(d, str) else int(d)
-                                                for d in self.shape))
+        object.__setattr__(self, "shape", tuple(_dims_of(self.shape)))
         object.__setattr__(self, "dtype", DType(self.dtype))
 
 
@@ -81,7 +81,9 @@ class Symbol:
 
 
 def _dims_of(shape) -> list:
-    return [None if d is None else d if isinstance(d, str) else int(d) for d in shape]
+    """ONNX dims of a shape: ints, ``dim_param`` names (a :class:`SymInt`'s name) or ``None``."""
+    return [d.name if isinstance(d, SymInt) else None if d is None else d if isinstance(d, str) else int(d)
+            for d in shape]
 
 
 def _ir_dtype(dtype: DType) -> ir.DataType:

@@ -47,6 +47,8 @@ does not store it) or, failing that, from the graph's constant.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx_ir as ir
 
@@ -60,6 +62,9 @@ __all__ = [
     "initializer_param",
     "expand_adapters",
     "factor_input_names",
+    "fed_factor",
+    "fed_factors",
+    "FACTOR_RANK_DIM",
 ]
 
 from .lora import LORA_MODES  # noqa: E402  (re-exported: the modes this pass implements)
@@ -111,6 +116,7 @@ class _Expander:
         self.path = tracer._param_paths.get(id(param), base.name)
         self._factors = None
         self._merged = None
+        self._scaled_b: dict = {}
 
     def _node(self, graph: ir.Graph, op: str, inputs: list, dims: list, label: str, attrs=None) -> ir.Node:
         name = self.tracer.unique_name(f"{label}")
@@ -125,9 +131,14 @@ class _Expander:
 
     def factors(self) -> tuple:
         """``(a, b, scale)`` values: the factors' initializers (cast to the base dtype when they
-        differ, e.g. F32 factors on an F16 base) and the 0-d scale constant."""
+        differ, e.g. F32 factors on an F16 base) and the 0-d scale constant. In ``"inputs"``
+        mode: the factor graph inputs (:func:`_factor_inputs`) and ``None`` (the scale is folded
+        into the fed ``b``)."""
         if self._factors is None:
             tracer = self.tracer
+            if tracer.mode == "inputs":
+                self._factors = _factor_inputs(tracer, self.param, self.path, self.dtype) + (None,)
+                return self._factors
             a = tracer.param_value(self.adapter.a)
             b = tracer.param_value(self.adapter.b)
             values, casts = [], []
@@ -146,40 +157,65 @@ class _Expander:
             self._factors = (values[0], values[1], scale)
         return self._factors
 
-    def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
-        """``y + coefficient * ((x @ a) @ b)`` after ``node`` (its output ``y``), replacing
-        every use of ``y``."""
+    def scaled_b(self, coefficient: float) -> ir.Value:
+        """``coefficient * b`` (the scale, times a ``Gemm``'s ``alpha``), once per coefficient,
+        at the top of the main graph: it depends on initializers only, so ONNX Runtime folds it
+        into one constant and the branch costs two small ``MatMul`` s and an ``Add``. In
+        ``"inputs"`` mode ``b`` is fed pre-scaled and only a ``Gemm``'s ``alpha`` remains."""
         a, b, scale = self.factors()
-        if coefficient != float(self.adapter.scale):
-            scale = self.tracer.constant(np.asarray(coefficient, dtype=self.dtype.to_numpy()),
-                                         name=f"{self.path}.lora.scale")._symbol.value
+        if scale is None:
+            coefficient = coefficient / float(self.adapter.scale)
+            if coefficient == 1.0:
+                return b
+        hit = self._scaled_b.get(coefficient)
+        if hit is None:
+            if scale is None or coefficient != float(self.adapter.scale):
+                scale = self.tracer.constant(np.asarray(coefficient, dtype=self.dtype.to_numpy()),
+                                             name=f"{self.path}.lora.scale")._symbol.value
+            node = self._node(self.tracer.graph, "Mul", [b, scale], _dims(b), f"/{self.path}.lora/Mul")
+            _prepend(self.tracer.graph, [node])
+            hit = self._scaled_b[coefficient] = node.outputs[0]
+        return hit
+
+    def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
+        """``y + (x @ a) @ (coefficient * b)`` after ``node`` (its output ``y``), replacing
+        every use of ``y``. ``coefficient`` is the adapter's scale, times a ``Gemm``'s
+        ``alpha``."""
+        a, _, _ = self.factors()
+        b = self.scaled_b(coefficient)
         graph = node.graph
         y = node.outputs[0]
         out_dims = _dims(y)
+        rank = _dims(a)[-1] if _dims(a) else self.adapter.rank
         label = f"{node.name}/lora"
-        xa = self._node(graph, "MatMul", [x, a], out_dims[:-1] + [self.adapter.rank], f"{label}/MatMul_a")
+        xa = self._node(graph, "MatMul", [x, a], out_dims[:-1] + [rank], f"{label}/MatMul_a")
         xab = self._node(graph, "MatMul", [xa.outputs[0], b], out_dims, f"{label}/MatMul_b")
-        scaled = self._node(graph, "Mul", [xab.outputs[0], scale], out_dims, f"{label}/Mul")
         uses = list(y.uses())
-        total = self._node(graph, "Add", [y, scaled.outputs[0]], out_dims, f"{label}/Add")
-        graph.insert_after(node, [xa, xab, scaled, total])
+        total = self._node(graph, "Add", [y, xab.outputs[0]], out_dims, f"{label}/Add")
+        graph.insert_after(node, [xa, xab, total])
         _redirect(y, total.outputs[0], uses)
 
     def merged(self) -> ir.Value:
         """``W + scale * (a @ b)`` (transposed for a transposed adapter), once, at the top of
-        the main graph (it depends on initializers only)."""
+        the main graph (it depends on initializers and factor inputs only)."""
         if self._merged is None:
-            a, b, scale = self.factors()
+            a, b, _ = self.factors()
             a_dims, b_dims = _dims(a), _dims(b)
+            b = self.scaled_b(float(self.adapter.scale))
             graph = self.tracer.graph
             label = f"/{self.path}.lora"
-            ab = self._node(graph, "MatMul", [a, b], [a_dims[0], b_dims[1]], f"{label}/MatMul")
-            delta = self._node(graph, "Mul", [ab.outputs[0], scale], [a_dims[0], b_dims[1]], f"{label}/Mul")
-            nodes = [ab, delta]
+            dims = [a_dims[0], b_dims[1]]
+            nodes = [self._node(graph, "MatMul", [a, b], dims, f"{label}/MatMul")]
             if self.adapter.transposed:
-                nodes.append(self._node(graph, "Transpose", [delta.outputs[0]], [b_dims[1], a_dims[0]],
+                nodes.append(self._node(graph, "Transpose", [nodes[-1].outputs[0]], dims[::-1],
                                         f"{label}/Transpose", {"perm": [1, 0]}))
-            total = self._node(graph, "Add", [self.base, nodes[-1].outputs[0]], _dims(self.base), f"{label}/Add")
+            base_dims = _dims(self.base)
+            if len(base_dims) != 2:  # a bias's (PEFT lora_bias) or a convolution's adapter
+                shape = self.tracer.constant(np.asarray(base_dims, dtype=np.int64),
+                                             name=f"{self.path}.lora.shape")._symbol.value
+                nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], base_dims,
+                                        f"{label}/Reshape"))
+            total = self._node(graph, "Add", [self.base, nodes[-1].outputs[0]], base_dims, f"{label}/Add")
             _prepend(graph, nodes)
             producer = self.base.producer()  # a DequantizeLinear (QLoRA): the Add must follow it
             if producer is not None and producer.graph is graph:
@@ -194,23 +230,86 @@ class _Expander:
         for node, index in list(self.base.uses()):
             if node.metadata_props.get(LORA_NODE_KEY) == self.path and node.op_type == "Add":
                 continue  # the merged weight's own Add
-            if node.domain in ("", "ai.onnx") and index == 1 and node.outputs:
-                if node.op_type == "MatMul" and not transposed and len(_dims(node.inputs[0])) >= 1:
+            if node.domain in ("", "ai.onnx") and node.outputs:
+                if index == 1 and node.op_type == "MatMul" and not transposed and len(_dims(node.inputs[0])) >= 1:
                     self.branch(node, node.inputs[0], float(self.adapter.scale))
                     continue
-                if node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \
+                if index == 1 and node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \
                         and _attr_int(node, "transB", 0) == int(transposed):
                     self.branch(node, node.inputs[0], _attr_float(node, "alpha", 1.0) * float(self.adapter.scale))
+                    continue
+                matmul = _transpose_to_matmul(node) if transposed else None
+                if matmul is not None:  # torch's exporters: Linear on 3-d inputs
+                    self.branch(matmul, matmul.inputs[0], float(self.adapter.scale))
                     continue
             node.replace_input_with(index, self.merged())
 
 
+def _transpose_to_matmul(node: ir.Node) -> "ir.Node | None":
+    """The ``MatMul`` that uses ``node``'s output as its B and is its only use, when ``node``
+    is a 2-d ``Transpose`` (``perm`` ``[1, 0]``): a weight stored ``(d_out, d_in)`` read as
+    ``(d_in, d_out)``."""
+    if node.op_type != "Transpose" or not node.outputs or node.outputs[0].is_graph_output():
+        return None
+    perm = node.attributes.get("perm")
+    if perm is None or list(perm.value) != [1, 0]:
+        return None
+    uses = list(node.outputs[0].uses())
+    if len(uses) != 1:
+        return None
+    user, index = uses[0]
+    if user.op_type != "MatMul" or user.domain not in ("", "ai.onnx") or index != 1 or not user.inputs[0]:
+        return None
+    return user
+
+
+FACTOR_RANK_DIM = "{path}.lora.rank"
+"""The symbolic rank dim of an ``"inputs"``-mode adapter's factor inputs (one per adapted weight:
+any rank can be fed)."""
+
+
+def _factor_inputs(tracer, param: Param, path: str, dtype: DType) -> tuple:
+    """The ``"inputs"``-mode factors of ``param``'s adapter: graph inputs ``<path>.lora.a``
+    ``(d_in, r)`` and ``<path>.lora.b`` ``(r, d_out)``, ``r`` symbolic, at the base's dtype,
+    with **zero-rank** defaults ``(d_in, 0)`` / ``(0, d_out)``: with nothing fed the branch adds
+    exactly zero (the base model). The fed ``b`` carries the scale (``scale * b``, as Olive
+    writes adapters): any alpha, rank or rsLoRA adapter runs on one graph."""
+    adapter = param.adapter()
+    d_in, rank = (int(d) for d in adapter.a.lazy_shape())
+    d_out = int(adapter.b.lazy_shape()[1])
+    names = [tracer._param_paths.get(id(f), f"{path}{suffix}") for f, suffix in
+             ((adapter.a, FACTOR_SUFFIXES[0]), (adapter.b, FACTOR_SUFFIXES[1]))]
+    rank_dim = ir.SymbolicDim(FACTOR_RANK_DIM.format(path=path))
+    np_dtype = dtype.to_numpy()
+    values = []
+    for name, shape, zero in ((names[0], [d_in, rank_dim], (d_in, 0)), (names[1], [rank_dim, d_out], (0, d_out))):
+        tracer._names.add(name)
+        value = ir.Value(name=name, type=ir.TensorType(ir.DataType(dtype.to_onnx())), shape=ir.Shape(shape),
+                         const_value=ir.tensor(np.zeros(zero, dtype=np_dtype), name=name))
+        tracer._constants.append(value)
+        tracer.graph.inputs.append(value)
+        values.append(value)
+    return values[0], values[1]
+
+
+_HEADERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""graph -> the last node of its LoRA header: the nodes that depend on initializers only
+(factor ``Cast`` s, ``scale * b``, merged weights), kept at the top of the graph in creation
+order (each is created after its inputs, so the order is topological)."""
+
+
 def _prepend(graph: ir.Graph, nodes: list) -> None:
-    first = next(iter(graph), None)
-    if first is None:
-        graph.extend(nodes)
+    """Append ``nodes`` to ``graph``'s LoRA header (the top of the graph, :data:`_HEADERS`)."""
+    last = _HEADERS.get(graph)
+    if last is not None and last.graph is graph:
+        graph.insert_after(last, nodes)
     else:
-        graph.insert_before(first, nodes)
+        first = next(iter(graph), None)
+        if first is None:
+            graph.extend(nodes)
+        else:
+            graph.insert_before(first, nodes)
+    _HEADERS[graph] = nodes[-1]
 
 
 def _redirect(old: ir.Value, new: ir.Value, uses: list) -> None:
@@ -242,23 +341,51 @@ def expand_adapters(tracer) -> None:
                     if node.metadata_props.get(LORA_NODE_KEY) != expander.path:
                         node.replace_input_with(index, expander.merged())
         return
-    factor_values = []
     for tensor in list(tracer._param_tensors.values()):
         symbol = tensor._symbol
         param = symbol.param
         if param is None or param.adapter() is None:
             continue
-        expander = _Expander(tracer, param, symbol.value, tensor.dtype)
-        expander.expand()
-        if expander._factors is not None:
-            for factor in (param.adapter().a, param.adapter().b):
-                factor_values.append(tracer._param_tensors[id(factor)]._symbol.value)
-    if tracer.mode == "inputs":
-        for value in factor_values:
-            if value not in tracer.graph.inputs:
-                tracer.graph.inputs.append(value)
+        _Expander(tracer, param, symbol.value, tensor.dtype).expand()
 
 
 def factor_input_names(model: ir.Model) -> list:
     """The graph inputs of ``model`` that are LoRA factors with defaults (``"inputs"`` mode)."""
     return [v.name for v in model.graph.inputs if v.is_initializer() and v.name.endswith(FACTOR_SUFFIXES)]
+
+
+def fed_factor(param: Param, which: str, dtype: DType) -> np.ndarray:
+    """The value an ``"inputs"``-mode graph is fed for factor ``which`` (``"a"`` / ``"b"``) of
+    ``param``'s adapter: ``a``, or ``scale * b`` (the scale folded in, as in ``.onnx_adapter``
+    files), computed in float32 (float64 for F64) and cast to ``dtype`` (the base's)."""
+    adapter = param.adapter()
+    factor = adapter.a if which == "a" else adapter.b
+    value = np.asarray(factor.val().to_numpy())
+    compute = np.float64 if value.dtype == np.float64 or dtype is DType.F64 else np.float32
+    value = value.astype(compute)
+    if which == "b":
+        value = value * compute(adapter.scale)
+    np_dtype = np.float32 if dtype is DType.QFloat else dtype.to_numpy()
+    return np.ascontiguousarray(value.astype(np_dtype))
+
+
+def fed_factors(model: ir.Model, params: dict) -> list:
+    """``[(graph input, array), ...]``: what a module call feeds ``model`` (an ``"inputs"``-mode
+    trace) for its factor inputs, from ``params`` (the module's ``path -> Param``): the adapters'
+    ``a`` and ``scale * b`` (:func:`fed_factor`), or the zero-rank defaults for a base that has
+    no adapter now."""
+    from .trace import untraced
+
+    fed = []
+    with untraced():
+        for value in model.graph.inputs:
+            name = value.name
+            if not (value.is_initializer() and name.endswith(FACTOR_SUFFIXES)):
+                continue
+            base = params.get(name[: -len(FACTOR_SUFFIXES[0])])
+            dtype = DType.from_onnx(int(value.dtype))
+            if base is None or base.adapter() is None:
+                fed.append((name, value.const_value.numpy()))
+            else:
+                fed.append((name, fed_factor(base, name[-1], dtype)))
+    return fed

@@ -263,8 +263,9 @@ class Module:
         """A copy marked as training; ``require_grad`` flags are kept.
 
         NOTE: gradients do not need this flag: :func:`onnxparam.autodiff.grad` differentiates
-        every param with ``require_grad``. The forward is the same in both modes for now
-        (dropout and BatchNorm keep their inference form when traced for training).
+        every param with ``require_grad``. Layers with a training form use it in this mode:
+        ``Dropout`` drops, ``BatchNorm`` normalizes with batch statistics (its running
+        statistics are updated by :func:`onnxparam.nn.update_running_stats`).
         """
         return rebuild(self, lambda path, p: p, lambda path, m: object.__setattr__(m, "_training", True))
 
@@ -293,19 +294,25 @@ class Module:
 
         return ModuleRecord.from_module(self)
 
-    def try_load_record(self, record, allow_partial: bool = False) -> "Module":
-        """A copy holding ``record``'s tensors; see :func:`onnxparam.record.load_record`.
+    def try_load_record(self, record, allow_partial: bool = False, *, report=None, source: str = "") -> "Module":
+        """A copy holding ``record``'s tensors, through the one record application
+        (:func:`onnxparam.convert.apply_record`, no layout adapter).
+
+        Args:
+            record: path -> ``TensorSnapshot`` / numpy array / ``Tensor`` / torch tensor.
+            report: a :class:`onnxparam.convert.LoadReport` to fill in, or ``None``.
+            source: the file named in messages and the report.
 
         Raises:
             RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor.
         """
-        load_record = service("record").load_record
+        apply_record = service("record.apply")
 
-        return load_record(self, record, allow_partial=allow_partial)
+        return apply_record(self, record, allow_partial=allow_partial, report=report, source=source)
 
-    def load_record(self, record) -> "Module":
+    def load_record(self, record, *, report=None) -> "Module":
         """As :meth:`try_load_record` with every tensor required (Python has no panic)."""
-        return self.try_load_record(record)
+        return self.try_load_record(record, report=report)
 
     def save_file(self, path, metadata: Optional[dict] = None):
         """Write the module's record as a burnpack file (``.bpk`` appended when missing), atomically.
@@ -326,11 +333,14 @@ class Module:
 
         return save_module_file(self, path, metadata)
 
-    def try_load_file(self, path, allow_partial: bool = False) -> "Module":
-        """A copy holding the tensors of a burnpack file (lazy, zero-copy reads).
+    def try_load_file(self, path, allow_partial: bool = False, *, report=None) -> "Module":
+        """A copy holding the tensors of a burnpack file (lazy, zero-copy reads), through the
+        one record application (:func:`onnxparam.convert.apply_record`); ``report`` as there.
 
-        For safetensors use :func:`onnxparam.convert.load_safetensors`, for ONNX
-        :func:`onnxparam.import_onnx` or ``load_record(onnxparam.onnx_io.read_onnx_record(path))``.
+        For safetensors use :func:`onnxparam.convert.load_safetensors`, for ``.pt``
+        :func:`onnxparam.convert.load_pytorch`, for ONNX weights
+        :func:`onnxparam.convert.load_onnx` (:func:`onnxparam.import_onnx` builds a new module
+        from a graph).
 
         Raises:
             RecordError: for a missing or malformed file (a ``.onnx`` / ``.safetensors`` file
@@ -338,11 +348,12 @@ class Module:
         """
         ModuleRecord = service("record").ModuleRecord
 
-        return self.try_load_record(ModuleRecord.load_file(path), allow_partial=allow_partial)
+        return self.try_load_record(ModuleRecord.load_file(path), allow_partial=allow_partial, report=report,
+                                    source=str(path))
 
-    def load_file(self, path) -> "Module":
+    def load_file(self, path, *, report=None) -> "Module":
         """Same as :meth:`try_load_file` with ``allow_partial=False``."""
-        return self.try_load_file(path)
+        return self.try_load_file(path, report=report)
 
     # -- LoRA and quantization (see onnxparam.lora / onnxparam.quant) -----------------------------
 

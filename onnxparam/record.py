@@ -9,7 +9,7 @@ model (:mod:`onnxparam.module`) and the formats (:mod:`onnxparam.burnpack`, ONNX
 from __future__ import annotations
 
 import os
-import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 from ._snapshot import TensorSnapshot
 from .dtype import DType
 from .errors import RecordError
-from .param import Param, ParamId
+from .param import ParamId
 from .tensor import Tensor, TensorData
 
 __all__ = ["TensorSnapshot", "ModuleRecord", "as_snapshot", "as_record", "load_record", "save_module_file", "BURNPACK_EXTENSION"]
@@ -92,7 +92,7 @@ _OTHER_FORMATS = {
     ".safetensors": (
         "a safetensors",
         "write safetensors with onnxparam.convert.save_safetensors(module, path)",
-        "use module, report = onnxparam.convert.load_safetensors(module, '{path}')",
+        "use onnxparam.convert.load_safetensors(module, '{path}')",
     ),
     ".onnx": (
         "an ONNX",
@@ -102,7 +102,13 @@ _OTHER_FORMATS = {
             "module.load_record(onnxparam.onnx_io.read_onnx_record('{path}'))"
         ),
     ),
+    ".pt": (
+        "a PyTorch (torch.save)",
+        "write a file PyTorch loads with onnxparam.convert.save_safetensors(module, path, adapter='pytorch')",
+        "use onnxparam.convert.load_pytorch(module, '{path}') (read without torch)",
+    ),
 }
+_OTHER_FORMATS[".pth"] = _OTHER_FORMATS[".pt"]
 """Suffix -> (format name, how to write it, how to load it) for the formats ``save_file`` /
 ``load_file`` do not handle; their error messages point at the right function."""
 
@@ -110,9 +116,6 @@ _OTHER_FORMATS = {
 def _with_extension(path) -> Path:
     path = Path(path)
     return path if path.suffix else path.with_suffix(BURNPACK_EXTENSION)
-
-
-_LORA_FACTOR = re.compile(r"^(?P<base>.+)\.lora\.(?:a|b)$")
 
 
 def _dtype_fits(expected: DType, found: DType) -> bool:
@@ -141,11 +144,27 @@ def as_snapshot(value, path: str = "") -> TensorSnapshot:
     if isinstance(value, TensorData):
         data = value
         return TensorSnapshot(data.dtype, tuple(data.shape), None, lambda: data, data.scheme)
+    value = _from_torch(value)
     try:
         tensor = Tensor.from_numpy(value)
     except (TypeError, ValueError) as e:
         raise RecordError(f"record entry '{path}' is a {type(value).__name__}, not a tensor: {e}") from None
     return TensorSnapshot(tensor.dtype, tuple(tensor.shape), None, tensor.into_data)
+
+
+def _from_torch(value):
+    """A torch tensor (or ``nn.Parameter``) as a numpy array (shared memory on CPU); anything
+    else as it is. torch is not imported: a torch tensor can only exist if torch already is.
+    bfloat16 has no numpy dtype in torch, so its bits are viewed as ``ml_dtypes.bfloat16``."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach().cpu()
+    if value.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return value.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return value.numpy()
 
 
 def as_record(record: Mapping) -> Mapping:
@@ -157,77 +176,26 @@ def as_record(record: Mapping) -> Mapping:
                         getattr(record, "metadata", None))
 
 
-def load_record(module, record: Mapping, allow_partial: bool = False):
-    """A copy of ``module`` holding ``record``'s tensors, each through ``Param.transform_for_load``.
+def load_record(module, record: Mapping, allow_partial: bool = False, *, report=None):
+    """A copy of ``module`` holding ``record``'s tensors; the same as
+    ``module.try_load_record(record, allow_partial)``, which goes through the one record
+    application, :func:`onnxparam.convert.apply_record` (without a layout adapter).
 
     ``record`` maps paths to :class:`TensorSnapshot` s (a :class:`ModuleRecord`), or to plain
-    ``Tensor`` / ``TensorData`` / numpy values, which keep the module's param ids.
+    ``Tensor`` / ``TensorData`` / numpy values / torch tensors, which keep the module's param ids.
 
     Every problem is collected before anything is loaded: missing tensors (unless
     ``allow_partial``), unexpected tensors (unless ``allow_partial``), shape and dtype
     mismatches. Loading is lazy: no init function runs and no tensor data is read until a value
     is needed. The receiver is never changed, so a failed load leaves nothing half-loaded.
 
+    Args:
+        report: a :class:`onnxparam.convert.LoadReport` to fill in, or ``None``.
+
     Raises:
         RecordError: listing each problem by path with the expected and found shape/dtype.
     """
-    record = as_record(record)
-    params = dict(module.named_params())
-    problems: list[str] = []
-    for path, param in params.items():
-        snap = record.get(path)
-        if snap is None:
-            if not allow_partial:
-                problems.append(f"missing tensor '{path}': the module expects {_describe(param)}, the record has none")
-            continue
-        expected_shape = tuple(param.lazy_shape())
-        if tuple(snap.shape) != expected_shape:
-            problems.append(
-                f"shape mismatch for '{path}': the module expects {list(expected_shape)}, the record has "
-                f"{list(snap.shape)}" + _transpose_hint(expected_shape, tuple(snap.shape))
-            )
-        if not _dtype_fits(param.lazy_dtype(), snap.dtype):
-            problems.append(
-                f"dtype mismatch for '{path}': the module expects {param.lazy_dtype().name}, the record has "
-                f"{snap.dtype.name}; create the module with that dtype or cast the record"
-            )
-    if not allow_partial:
-        for path in record:
-            if path in params:
-                continue
-            match = _LORA_FACTOR.match(path)
-            if match and match.group("base") in params:
-                problems.append(
-                    f"unexpected tensor '{path}': it is a LoRA factor, but '{match.group('base')}' has no "
-                    "adapter; LoRA's scale is not stored in records, so apply_lora(LoraConfig(rank, alpha)) "
-                    "with the training config first, then load"
-                )
-            else:
-                problems.append(f"unexpected tensor '{path}': the module has no param at this path")
-    if problems:
-        raise RecordError(
-            f"cannot load the record into {type(module).__name__}: {len(problems)} problem(s)", problems
-        )
-
-    def load(path: str, param: Param) -> Param:
-        snap = record.get(path)
-        if snap is None:
-            return param
-        return param.transform_for_load(snap, snap.param_id if snap.param_id is not None else param.id)
-
-    from .module import rebuild
-
-    return rebuild(module, load)
-
-
-def _describe(param: Param) -> str:
-    return f"{param.lazy_dtype().name} {list(param.lazy_shape())}"
-
-
-def _transpose_hint(expected: tuple, found: tuple) -> str:
-    if len(expected) == 2 and expected == found[::-1]:
-        return "; the record looks transposed: PyTorch stores Linear weights as (out, in), Burn as (in, out)"
-    return ""
+    return module.try_load_record(record, allow_partial=allow_partial, report=report)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,35 @@ class Tensor:
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
-        return self.shape[0]
+        first = self.shape[0]
+        if not isinstance(first, int):
+            from .errors import TraceError
+
+            raise TraceError(
+                f"len() must return a Python int, but dim 0 of {self!r} is dynamic in this trace; "
+                "use x.shape[0] (a symbolic size) instead of len(x)")
+        return first
+
+    def size(self, dim=None):
+        """The shape, or dim ``dim`` of it (PyTorch's ``size``); a dynamic dim inside a trace is a
+        symbolic size (see :mod:`onnxparam._symint`)."""
+        if dim is None:
+            return self.shape
+        return self.shape[dim]
+
+    def __getitem__(self, key) -> "Tensor":
+        """Basic indexing: ints, slices (symbolic bounds inside a trace), ``None``, ``...``.
+
+        Outside a trace this indexes the values with numpy (a host tensor); inside one it emits
+        ``Slice`` / ``Gather`` / ``Unsqueeze`` (see :func:`onnxparam.ops.getitem`).
+        """
+        if self._symbol is None:
+            if isinstance(key, Tensor):
+                key = key.to_numpy()
+            elif isinstance(key, tuple):
+                key = tuple(k.to_numpy() if isinstance(k, Tensor) else k for k in key)
+            return Tensor.from_numpy(np.asarray(self.to_numpy()[key]))
+        return _ops().getitem(self, key)
 
     # -- ops (defined in onnxparam.ops; each emits the ONNX operator its docstring names) ------
     # NOTE: ``==`` is not overloaded (tensors stay hashable by identity); use ``.equal``.
@@ -292,9 +320,19 @@ class Tensor:
 
     def reshape(self, *shape) -> "Tensor":
         """``reshape((2, -1))`` or ``reshape(2, -1)``; see :func:`onnxparam.ops.reshape`."""
-        if len(shape) == 1 and not isinstance(shape[0], int):
+        if len(shape) == 1 and isinstance(shape[0], _SEQUENCES):
             shape = shape[0]
         return _ops().reshape(self, shape)
+
+    def view(self, *shape) -> "Tensor":
+        """:meth:`reshape` (every onnxparam tensor is contiguous; PyTorch's ``view``)."""
+        return self.reshape(*shape)
+
+    def expand(self, *shape) -> "Tensor":
+        """``expand(b, -1, 4)`` or ``expand((b, -1, 4))``; see :func:`onnxparam.ops.expand`."""
+        if len(shape) == 1 and isinstance(shape[0], _SEQUENCES):
+            shape = shape[0]
+        return _ops().expand(self, shape)
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Tensor":
         return _ops().flatten(self, start_dim, end_dim)
@@ -303,7 +341,7 @@ class Tensor:
         return _ops().transpose(self, dim0, dim1)
 
     def permute(self, *dims) -> "Tensor":
-        if len(dims) == 1 and not isinstance(dims[0], int):
+        if len(dims) == 1 and isinstance(dims[0], _SEQUENCES):
             dims = dims[0]
         return _ops().permute(self, dims)
 
@@ -376,6 +414,9 @@ class Tensor:
                 "be recorded into an ONNX graph"
             )
         return bool(self.to_numpy())
+
+
+_SEQUENCES = (list, tuple, np.ndarray, Tensor)
 
 
 def _ops():

@@ -68,6 +68,7 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam.trace is thei
     param_array,
     untraced,
 )
+from ._symint import SymInt
 from .device import CPU
 from .dtype import DType
 from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
@@ -153,6 +154,8 @@ class Tracer:
         self._param_values: dict[str, ir.Value] = {}
         self._constants: list[ir.Value] = []
         self._const_cache: dict = {}
+        self._dims: dict[str, SymInt] = {}
+        self.min_dynamic_size = 0  # dynamic input dims are at least this (2 under automatic dynamic)
         self._keepalive: list = []
         self._finished = False
         self._root = root
@@ -228,7 +231,32 @@ class Tracer:
     # -- values -------------------------------------------------------------------------------
 
     def _symbolic(self, value: ir.Value, dtype: DType, shape, param: Optional[Param] = None) -> Tensor:
-        return Tensor(symbol=Symbol(value, self, param), shape=tuple(shape), dtype=dtype, device=self.device)
+        dims = tuple(d if isinstance(d, (int, SymInt)) else self.dim_symbol(d, value, i) for i, d in enumerate(shape))
+        for d in dims:
+            if isinstance(d, SymInt) and d.name is not None and d.tracer is self:
+                self._dims.setdefault(d.name, d)
+        return Tensor(symbol=Symbol(value, self, param), shape=dims, dtype=dtype, device=self.device)
+
+    def dim_symbol(self, name: Optional[str], value: ir.Value, axis: int) -> SymInt:
+        """The :class:`~onnxparam._symint.SymInt` of the dynamic dim ``name`` (one per name in a
+        trace; first seen as dim ``axis`` of ``value``, which lowers it), or a new unnamed one
+        for dim ``axis`` of ``value`` when ``name`` is ``None``."""
+        if name is not None:
+            name = str(name)
+            hit = self._dims.get(name)
+            if hit is not None:
+                return hit
+        lo = 0
+        if _is_input_value(value, self._sinks):
+            origin = f"dim {axis} of input {value.name!r}"
+            lo = self.min_dynamic_size
+        else:
+            producer = value.producer()
+            origin = f"dim {axis} of {value.name!r}" + (f" ({producer.op_type})" if producer is not None else "")
+        sym = SymInt.leaf(self, name, value, axis, origin, lo)
+        if name is not None:
+            self._dims[name] = sym
+        return sym
 
     @staticmethod
     def _annotate(value: ir.Value, dtype: DType, shape) -> None:
@@ -298,6 +326,8 @@ class Tracer:
             return hit
         if isinstance(x, np.ndarray):
             return self.constant(x)
+        if isinstance(x, SymInt):
+            return x.scalar()
         raise TypeError(f"expected a Tensor or a numpy array, got {type(x).__name__}")
 
     def value_of(self, x) -> ir.Value:
@@ -476,9 +506,13 @@ class Tracer:
             self.graph.outputs.append(value)
         for name, axes in (dynamic_axes or {}).items():
             if isinstance(name, str) and name in output_names:
-                value = self.graph.outputs[output_names.index(name)]
+                index = output_names.index(name)
+                value = self.graph.outputs[index]
+                tracked = self.tensor_of(outs[index]).shape
                 dims = list(_dims_of_value(value))
                 for axis, dim in _axes_items(axes, name):
+                    if axis < len(tracked) and isinstance(tracked[axis], int):
+                        raise TraceError(_baked_message(value, axis, tracked[axis], dim, "dynamic_axes declares"))
                     dims[axis] = dim
                 value.shape = ir.Shape(dims)
         for rewrite in self.passes.finish:  # LoRA adapters as nodes (may add params), then QDQ
@@ -507,11 +541,44 @@ class Tracer:
         )
 
 
+def baking_node(value: ir.Value) -> Optional[ir.Node]:
+    """The node where a dynamic dim became a constant on the way to ``value``: walking back from
+    ``value``'s producer, the nearest node whose output on the path has only static dims while
+    one of its inputs has a dynamic dim (``Reshape`` to a constant shape, a broadcast with a
+    constant ...), or ``None``."""
+    seen, todo = set(), [value]
+    while todo:
+        current = todo.pop(0)
+        node = current.producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        static_out = all(isinstance(d, int) for d in _dims_of_value(current))
+        inputs = [v for v in node.inputs if v is not None]
+        if static_out and any(not all(isinstance(d, int) for d in _dims_of_value(v)) for v in inputs):
+            return node
+        todo.extend(inputs)
+    return None
+
+
+def _baked_message(value: ir.Value, axis: int, size: int, dim, what: str) -> str:
+    node = baking_node(value)
+    where = (f" at node {node.name!r} ({node.op_type})" if node is not None else "")
+    return (f"{what} dim {axis} of output {value.name!r} dynamic ({dim!r}), but the traced forward makes it the "
+            f"constant {size}{where}: the graph would only work at that size. Compute the size from the input "
+            "(x.shape[0], -1 in reshape) instead of a Python int, or leave the dim static")
+
+
+def _is_input_value(value: ir.Value, graphs) -> bool:
+    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)
+
+
 def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = None,
                  input_names: Optional[Sequence[str]] = None, output_names: Optional[Sequence[str]] = None,
                  dynamic_axes: Optional[Mapping] = None, opset: Optional[int] = None,
                  opset_imports: Optional[Mapping[str, int]] = None, lora: str = "merge",
-                 passes: Optional[GraphPasses] = None) -> TracedModel:
+                 passes: Optional[GraphPasses] = None, min_dynamic_size: int = 0,
+                 dynamic_batch: "bool | str" = False) -> TracedModel:
     """Trace ``module.forward`` into an ONNX model.
 
     Args:
@@ -524,13 +591,22 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             :class:`InputSpec`'s ``name``).
         output_names: names of the graph outputs (default ``output``, or ``output_0`` ...).
         dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``
-            (as in ``torch.onnx.export``): those dims become symbolic.
+            (as in ``torch.onnx.export``): those dims become symbolic
+            (:class:`~onnxparam._symint.SymInt` s inside ``forward``). A declared output dim that
+            the forward makes a constant raises ``TraceError`` naming the node.
+        dynamic_batch: the shorthand "dim 0 of every tensor input and output is the batch":
+            ``True`` (named ``"batch"``) or the dim's name. Each output's dim 0 must be that
+            size (else ``TraceError`` naming the output and, for a constant, the node).
         opset: the ``ai.onnx`` opset; default: the module's ``onnx_opset_imports[""]`` if it
             declares one (an imported ONNX model keeps its opsets), else :data:`DEFAULT_OPSET`.
         opset_imports: versions of other domains (default: the module's
             ``onnx_opset_imports``).
         lora: the LoRA mode, one of :data:`LORA_MODES`.
         passes: the :class:`GraphPasses` to run (default: :func:`default_passes`).
+        min_dynamic_size: the size every dynamic input dim is known to be at least (its
+            :class:`~onnxparam._symint.SymInt`'s lower bound: with 2, ``x.shape[0] == 1`` is
+            decided ``False``; the runtime's automatic dynamic uses 2 and runs sizes 0 and 1 on
+            concrete traces).
 
     Returns:
         a :class:`TracedModel`.
@@ -545,6 +621,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     declared.update(opset_imports or {})
     tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module, passes=passes)
+    tracer.min_dynamic_size = int(min_dynamic_size)
     positions = [i for i, a in enumerate(args) if _is_input(a)]
     keys = [k for k, v in kwargs.items() if _is_input(v)]
     default_names = _forward_arg_names(module, len(args))
@@ -562,6 +639,12 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
         taken = set(tracer._names)
         names = [n if n not in taken else f"{n}_input" for n in names]
     axes_by_input: dict = {}
+    batch = None if dynamic_batch is False or dynamic_batch is None else \
+        "batch" if dynamic_batch is True else str(dynamic_batch)
+    if batch is not None:
+        for name, x in zip(names, [args[i] for i in positions] + [kwargs[k] for k in keys]):
+            if len(_as_spec(x).shape) >= 1:
+                axes_by_input[name] = {0: batch}
     for key, axes in (dynamic_axes or {}).items():
         if isinstance(key, int):
             key = names[key]
@@ -587,7 +670,23 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             # gets one of the library's errors (still a TypeError / ValueError), naming the module.
             kind = TraceTypeError if isinstance(e, TypeError) else TraceValueError
             raise kind(f"tracing {type(module).__name__}.forward: {e}") from e
-        return tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
+        traced = tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
+    if batch is not None:
+        _check_batch_outputs(traced, batch)
+    return traced
+
+
+def _check_batch_outputs(traced: TracedModel, batch: str) -> None:
+    """Every output's dim 0 is the batch (the ``dynamic_batch`` shorthand)."""
+    for value in traced.graph.outputs:
+        dims = _dims_of_value(value)
+        if dims and dims[0] == batch:
+            continue
+        if dims and isinstance(dims[0], int):
+            raise TraceError(_baked_message(value, 0, dims[0], batch, "dynamic_batch declares"))
+        got = "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
+        raise TraceError(f"dynamic_batch declares dim 0 of every output the batch ({batch!r}), but output "
+                         f"{value.name!r} has {got}; pass dynamic_axes for the dims that are dynamic instead")
 
 
 def subgraph(fn: Callable, inputs: Sequence = (), *, name: Optional[str] = None) -> ir.Graph:

@@ -86,7 +86,9 @@ def test_pytorch_checkpoint_loads_transposed_and_renamed(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({**sd, "norm.num_batches_tracked": np.array(12, np.int64)}, str(path), metadata={"format": "pt"})
 
-    module, report = load_safetensors(Net(), path, adapter="pytorch")
+    report = LoadReport()
+
+    module = load_safetensors(Net(), path, adapter="pytorch", report=report)
 
     assert np.array_equal(_value(module.fc1.weight), sd["fc1.weight"].T)
     assert np.array_equal(_value(module.fc2.weight), sd["fc2.weight"].T)
@@ -107,7 +109,7 @@ def test_pytorch_checkpoint_loads_transposed_and_renamed(tmp_path):
 def test_loading_is_lazy_until_a_value_is_read(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file(_pytorch_state_dict(), str(path))
-    module, _ = load_safetensors(Net(), path, adapter="pytorch")
+    module = load_safetensors(Net(), path, adapter="pytorch")
     assert not module.fc1.weight.is_initialized()
     assert module.fc1.weight.lazy_shape() == (3, 4)
     _value(module.fc1.weight)
@@ -118,7 +120,7 @@ def test_save_in_pytorch_layout_is_byte_identical_to_the_original(tmp_path):
     sd = _pytorch_state_dict()
     original = tmp_path / "original.safetensors"
     save_file(sd, str(original), metadata={"format": "pt"})
-    module, _ = load_safetensors(Net(), original, adapter="pytorch")
+    module = load_safetensors(Net(), original, adapter="pytorch")
 
     again = tmp_path / "again.safetensors"
     report = save_safetensors(module, again, adapter="pytorch", metadata={"format": "pt"}, lossless=False)
@@ -145,7 +147,8 @@ def test_nn_layers_take_pytorch_weights(tmp_path):
           "norm.bias": RNG.standard_normal(4).astype(np.float32)}
     path = tmp_path / "block.safetensors"
     save_file(sd, str(path))
-    block, report = load_safetensors(Block(), path, adapter="pytorch")
+    report = LoadReport()
+    block = load_safetensors(Block(), path, adapter="pytorch", report=report)
     assert np.array_equal(_value(block.linear.weight), sd["linear.weight"].T)
     assert np.array_equal(_value(block.norm.gamma), sd["norm.weight"])
     assert report.renamed == [("norm.weight", "norm.gamma"), ("norm.bias", "norm.beta")]
@@ -169,7 +172,9 @@ def test_burn_mnist_through_pytorch_layout_and_back_is_byte_identical(tmp_path):
     assert np.array_equal(pt["conv2.conv.weight"].to_data().to_numpy(), burn.tensors["conv2.conv.weight"].to_numpy())
     assert int(pt["conv1.norm.weight"].param_id) == burn.tensors["conv1.norm.gamma"].param_id
 
-    back, report = load_safetensors(mnist.Mnist(), pt_path, adapter="pytorch")
+    report = LoadReport()
+
+    back = load_safetensors(mnist.Mnist(), pt_path, adapter="pytorch", report=report)
     assert len(report.applied) == 18 and len(report.transposed) == 3 and report.ok
     out = tmp_path / "back.bpk"
     burnpack.write(out, record_entries(back.into_record()))
@@ -206,8 +211,9 @@ def test_remap_and_contiguous_indices_load_a_sequential_checkpoint(tmp_path):
           "backbone.seq.2.bias": np.ones(2, np.float32)}
     path = tmp_path / "seq.safetensors"
     save_file(sd, str(path))
-    module, report = load_safetensors(Seq(), path, adapter="pytorch", remap=[(r"^backbone\.seq\.", "layers.")],
-                                      contiguous_indices=True)
+    report = LoadReport()
+    module = load_safetensors(Seq(), path, adapter="pytorch", remap=[(r"^backbone\.seq\.", "layers.")],
+                                      contiguous_indices=True, report=report)
     assert np.array_equal(_value(module.layers[1].weight), sd["backbone.seq.2.weight"].T)
     assert ("backbone.seq.2.weight", "layers.1.weight") in report.renamed
 
@@ -216,12 +222,15 @@ def test_filters_skip_params_and_keep_their_values(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file(_pytorch_state_dict(), str(path))
     base = Net()
-    module, report = load_safetensors(base, path, adapter="pytorch", exclude=r"^fc2\.")
+    report = LoadReport()
+    module = load_safetensors(base, path, adapter="pytorch", exclude=r"^fc2\.", report=report)
     assert report.skipped == ["fc2.weight", "fc2.bias"] and report.unused == []
     assert module.fc2.weight is base.fc2.weight  # untouched (still lazy, never initialized)
-    module, report = load_safetensors(Net(), path, adapter="pytorch", exclude=r"gamma$")
+    report = LoadReport()
+    module = load_safetensors(Net(), path, adapter="pytorch", exclude=r"gamma$", report=report)
     assert report.skipped == ["norm.gamma"] and report.unused == [] and len(report.applied) == 7
-    module, report = load_safetensors(Net(), path, adapter="pytorch", include=[r"^fc1\.", r"^norm\."])
+    report = LoadReport()
+    module = load_safetensors(Net(), path, adapter="pytorch", include=[r"^fc1\.", r"^norm\."], report=report)
     assert report.skipped == ["fc2.weight", "fc2.bias"] and len(report.applied) == 6 and report.ok
     flt = PathFilter(include="^a", exclude=["b$"])
     assert flt("ax") and not flt("ab") and not flt("xa")
@@ -235,12 +244,13 @@ def test_allow_partial_reports_missing_and_unused(tmp_path):
     with pytest.raises(op.RecordError) as info:
         load_safetensors(Net(), path, adapter="pytorch")
     assert "missing tensor 'fc2.bias': the module expects F32 [2], the file has none" in str(info.value)
-    assert ("unused tensor 'head.extra': the module has no param at this path; rename it with "
+    assert ("unexpected tensor 'head.extra': the module has no param at this path; rename it with "
             "remap=[(pattern, replacement)], or pass allow_partial=True") in str(info.value)
     assert info.value.report.missing == ["fc2.bias"]
 
     base = Net()
-    module, report = load_safetensors(base, path, adapter="pytorch", allow_partial=True)
+    report = LoadReport()
+    module = load_safetensors(base, path, adapter="pytorch", allow_partial=True, report=report)
     assert report.missing == ["fc2.bias"] and report.unused == ["head.extra"] and not report.ok
     assert module.fc2.bias is base.fc2.bias
 
@@ -290,7 +300,8 @@ def test_explicit_transpose_rule_for_non_linear_modules(tmp_path):
     array = RNG.standard_normal((2, 3)).astype(np.float32)
     path = tmp_path / "proj.safetensors"
     save_file({"kernel": array}, str(path))
-    module, report = load_safetensors(Proj(), path, adapter=PyTorchAdapter(transpose=r"^kernel$"))
+    report = LoadReport()
+    module = load_safetensors(Proj(), path, adapter=PyTorchAdapter(transpose=r"^kernel$"), report=report)
     assert np.array_equal(_value(module.kernel), array.T)
     assert report.transposed == [("kernel", [2, 3], [3, 2])]
 
@@ -302,7 +313,8 @@ def test_cast_to_the_module_dtype_rounds_like_numpy(tmp_path):
     sd = _pytorch_state_dict()
     path = tmp_path / "f32.safetensors"
     save_file(sd, str(path))
-    module, report = load_safetensors(Net(op.DType.F16), path, adapter="pytorch", cast="module")
+    report = LoadReport()
+    module = load_safetensors(Net(op.DType.F16), path, adapter="pytorch", cast="module", report=report)
     got = _value(module.fc1.weight)
     assert got.dtype == np.float16
     assert np.array_equal(got.view(np.uint16), sd["fc1.weight"].T.astype(np.float16).view(np.uint16))
@@ -314,7 +326,7 @@ def test_cast_on_save_to_bf16_matches_ml_dtypes(tmp_path):
     sd = _pytorch_state_dict()
     path = tmp_path / "f32.safetensors"
     save_file(sd, str(path))
-    module, _ = load_safetensors(Net(), path, adapter="pytorch")
+    module = load_safetensors(Net(), path, adapter="pytorch")
     out = tmp_path / "bf16.safetensors"
     report = save_safetensors(module, out, adapter="pytorch", cast="bf16")
     saved = read_safetensors(out).tensors
@@ -322,7 +334,7 @@ def test_cast_on_save_to_bf16_matches_ml_dtypes(tmp_path):
     expected = sd["fc1.weight"].astype(ml_dtypes.bfloat16)
     assert np.array_equal(saved["fc1.weight"].to_data().to_numpy().view(np.uint16), expected.view(np.uint16))
     assert len(report.cast) == 8
-    back, _ = load_safetensors(Net(), out, adapter="pytorch", cast="f32")
+    back = load_safetensors(Net(), out, adapter="pytorch", cast="f32")
     assert np.array_equal(_value(back.fc1.weight), expected.astype(np.float32).T)
 
 
@@ -349,13 +361,13 @@ def test_ids_come_from_the_file_when_it_has_them(tmp_path):
         array = np.full(snap.shape, i, np.float32)
         items[name] = TensorSnapshot(op.DType.F32, snap.shape, op.ParamId(1000 + i),
                                      lambda a=array: TensorData(a, op.DType.F32, a.shape))
-    loaded, _ = apply_record(Net(), ModuleRecord(items))
+    loaded = apply_record(Net(), ModuleRecord(items))
     assert [int(p.id) for _, p in loaded.named_params()] == [1000 + i for i in range(len(items))]
 
     path = tmp_path / "plain.safetensors"  # a PyTorch file has no ids: the module keeps its own
     save_file(_pytorch_state_dict(), str(path))
     target = Net()
-    loaded, _ = load_safetensors(target, path, adapter="pytorch")
+    loaded = load_safetensors(target, path, adapter="pytorch")
     assert [p.id for _, p in loaded.named_params()] == [p.id for _, p in target.named_params()]
 
 

@@ -356,8 +356,10 @@ def test_failed_conversion_leaves_the_target_as_it_was(mnist_bpk, tmp_path):
 
 
 def test_unknown_formats_and_missing_files(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot tell the format of '.*model.pt' from its extension '.pt'; use one of .bpk, .safetensors, .onnx"):
-        convert(tmp_path / "model.pt", tmp_path / "model.bpk")
+    with pytest.raises(ValueError, match=r"cannot tell the format of '.*model.tflite' from its extension '.tflite'; use one of .bpk, .safetensors, .onnx, .pt, .pth"):
+        convert(tmp_path / "model.tflite", tmp_path / "model.bpk")
+    with pytest.raises(ValueError, match=r"cannot write '.*model.pt': pytorch files are read, not written"):
+        convert(tmp_path / "model.bpk", tmp_path / "model.pt")
     with pytest.raises(FileNotFoundError, match="no such file"):
         convert(tmp_path / "none.bpk", tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="graph= applies to .onnx targets only"):

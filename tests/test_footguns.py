@@ -53,7 +53,7 @@ def test_linear_layout_pytorch_out_in_is_transposed_into_burn_in_out(tmp_path):
     path = tmp_path / "torch.safetensors"
     save_file({"proj.weight": W_TORCH, "proj.bias": B}, str(path))  # as PyTorch's save_file writes it
     oracle = X @ W_TORCH.T + B  # torch.nn.functional.linear
-    module, _ = load_safetensors(Net(), path, adapter="pytorch")
+    module = load_safetensors(Net(), path, adapter="pytorch")
     assert module.proj.weight.val().shape == (3, 2)
     np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), oracle, rtol=1e-6)
     with pytest.raises(RecordError, match=r"shape mismatch for 'proj.weight': the module expects \[3, 2\], the file "
@@ -100,7 +100,7 @@ def test_tied_weights_are_one_param_and_one_tensor_in_a_file(tmp_path):
         assert list(f.tensors) == ["embed"]  # one tensor, not two copies that could drift apart
         np.testing.assert_array_equal(f.tensors["embed"].to_data().to_numpy(), w)
     zeros = Tied(Param.initialized(ParamId(42), Tensor.from_numpy(np.zeros((3, 2), np.float32))))
-    loaded, _ = load_safetensors(zeros, path)
+    loaded = load_safetensors(zeros, path)
     # both uses see the loaded value (the oracle: the array written)
     np.testing.assert_array_equal(loaded.embed.val().to_numpy(), w)
     np.testing.assert_array_equal(loaded.head.val().to_numpy(), w)

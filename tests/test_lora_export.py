@@ -38,6 +38,17 @@ def session(path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def run_with_adapter(path, feeds: dict, module, folder):
+    """Plain ONNX Runtime on ``path`` with ``module``'s adapters written to an
+    ``.onnx_adapter`` file and activated through ``RunOptions`` (ORT's multi-LoRA API)."""
+    file = write_onnx_adapter(module, folder / f"{path.stem}.onnx_adapter")
+    lora = ort.LoraAdapter()
+    lora.Load(str(file))
+    options = ort.RunOptions()
+    options.add_active_adapter(lora)
+    return session(path).run(None, feeds, options)[0]
+
+
 def with_factors(module, seed: int):
     """``module`` with every adapter's factors replaced by non-zero random ones (ids kept)."""
     rng = np.random.default_rng(seed)
@@ -49,6 +60,11 @@ def with_factors(module, seed: int):
         return param
 
     return module.map(fill)
+
+
+def adapted_base(adapted, path, param):
+    """``param`` of a fresh Mlp replaced by the base value ``adapted`` has at ``path``."""
+    return Param(param.id, value=dict(adapted.named_params())[path].base(), require_grad=False)
 
 
 def arrays(module) -> dict:
@@ -102,7 +118,7 @@ def test_exports_in_every_mode_equal_numpy_in_plain_onnx_runtime(adapted, x, tmp
     for mode in ("merge", "keep", "inputs"):
         path = export_onnx(adapted, tmp_path / f"{mode}.onnx", x, lora=mode, dynamic_axes={"x": {0: "batch"}})
         onnx.checker.check_model(str(path), full_check=True)
-        (y,) = session(path).run(None, {"x": x})
+        y = run_with_adapter(path, {"x": x}, adapted, tmp_path) if mode == "inputs" else session(path).run(None, {"x": x})[0]
         np.testing.assert_allclose(y, expected, atol=ATOL, err_msg=mode)
 
 
@@ -149,8 +165,10 @@ def test_inputs_export_switches_adapters_with_onnx_adapter_files(adapted, x, tmp
     np.testing.assert_allclose(run(second), numpy_mlp(arrays(other), x), atol=ATOL)
     np.testing.assert_allclose(run(first), numpy_mlp(arrays(adapted), x), atol=ATOL)
     np.testing.assert_allclose(run(second), numpy_mlp(arrays(other), x), atol=ATOL)
-    # no active adapter: the defaults are the exported module's own factors
-    np.testing.assert_allclose(run(None), numpy_mlp(arrays(adapted), x), atol=ATOL)
+    # no active adapter: the zero-rank defaults, exactly the base model
+    np.testing.assert_array_equal(run(None), session(export_onnx(Mlp().map(lambda p, q: adapted_base(adapted, p, q)),
+                                                                 tmp_path / "base.onnx", x)).run(None, {"x": x})[0])
+    np.testing.assert_allclose(run(None), numpy_mlp(arrays(adapted), x, adapted=False), atol=ATOL)
 
 
 def test_inputs_export_without_adapter_equals_the_base_model_when_b_is_zero(x, tmp_path):
@@ -193,7 +211,17 @@ def test_io_binding_switches_adapters_by_binding_the_factors(adapted, x, tmp_pat
     np.testing.assert_allclose(binding.copy_outputs_to_cpu()[0], numpy_mlp(arrays(other), x), atol=ATOL)
 
 
-@pytest.mark.parametrize("mode", ["keep", "inputs"])
+def test_inputs_export_imports_back_as_the_base_model_without_adapters(adapted, x, tmp_path):
+    path = export_onnx(adapted, tmp_path / "i.onnx", x, lora="inputs")
+    imported = import_onnx(path)
+    params = dict(imported.named_params())
+    assert sorted(params) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert all(p.adapter() is None for p in params.values())
+    np.testing.assert_allclose(imported(Tensor.from_numpy(x)).to_numpy(), numpy_mlp(arrays(adapted), x, adapted=False),
+                               atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["keep"])
 def test_kept_export_imports_back_with_adapters_attached(adapted, x, tmp_path, mode):
     path = export_onnx(adapted, tmp_path / f"{mode}.onnx", x, lora=mode)
     imported = import_onnx(path)
@@ -212,7 +240,9 @@ def test_kept_export_imports_back_with_adapters_attached(adapted, x, tmp_path, m
     # and it exports again in any mode
     for again in ("merge", "keep", "inputs"):
         out = export_onnx(imported, tmp_path / f"{mode}-{again}.onnx", lora=again)
-        np.testing.assert_allclose(session(out).run(None, {"x": x})[0], expected, atol=ATOL, err_msg=again)
+        y = (run_with_adapter(out, {"x": x}, imported, tmp_path) if again == "inputs"
+             else session(out).run(None, {"x": x})[0])
+        np.testing.assert_allclose(y, expected, atol=ATOL, err_msg=again)
 
 
 def test_burnpack_with_factors_round_trips_and_goes_through_onnx(adapted, x, tmp_path):
@@ -270,8 +300,10 @@ def test_adapters_on_imported_matmul_and_gemm_trans_b_weights_use_the_weights_la
         set_session_config(module, SessionConfig(lora_mode=mode))
         np.testing.assert_allclose(module(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
         path = export_onnx(adapted, tmp_path / f"{mode}.onnx", lora=mode)
-        np.testing.assert_allclose(session(path).run(None, {"x": x})[0], expected, atol=ATOL, err_msg=mode)
-        if mode != "merge":
+        y = (run_with_adapter(path, {"x": x}, adapted, tmp_path) if mode == "inputs"
+             else session(path).run(None, {"x": x})[0])
+        np.testing.assert_allclose(y, expected, atol=ATOL, err_msg=mode)
+        if mode == "keep":
             back = import_onnx(path)
             assert dict(back.named_params())["w_t"].adapter().transposed
             np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
@@ -296,10 +328,14 @@ def test_other_uses_of_an_adapted_weight_get_the_merged_weight_in_the_graph(x, t
     expected = x4 @ w + w.sum()
     for mode in ("keep", "inputs"):
         path = export_onnx(module, tmp_path / f"{mode}.onnx", x4, lora=mode)
-        np.testing.assert_allclose(session(path).run(None, {"x": x4})[0], expected, atol=ATOL, err_msg=mode)
+        y = (run_with_adapter(path, {"x": x4}, module, tmp_path) if mode == "inputs"
+             else session(path).run(None, {"x": x4})[0])
+        np.testing.assert_allclose(y, expected, atol=ATOL, err_msg=mode)
         back = import_onnx(path)
-        assert dict(back.named_params())["fc.weight"].adapter() is not None
-        np.testing.assert_allclose(back(Tensor.from_numpy(x4)).to_numpy(), expected, atol=ATOL)
+        assert (dict(back.named_params())["fc.weight"].adapter() is not None) == (mode == "keep")
+        base = x4 @ v["fc.weight"] + v["fc.weight"].sum()
+        np.testing.assert_allclose(back(Tensor.from_numpy(x4)).to_numpy(), expected if mode == "keep" else base,
+                                   atol=ATOL)
 
 
 def test_unknown_lora_mode_is_rejected():

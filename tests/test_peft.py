@@ -113,7 +113,7 @@ def test_unsupported_peft_variants_name_the_option(tmp_path, option, message):
 
 def test_unmatched_modules_and_misfit_shapes_are_all_reported(tmp_path):
     tensors = {**factors("base_model.model.decoder.out"), **factors(),
-               "base_model.model.encoder.proj.lora_B.bias": BIAS}
+               "base_model.model.encoder.proj.bias": BIAS}
     folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3}, tensors)
     with pytest.raises(RecordError) as info:
         load_peft_adapter(net(), folder, key_map=KEY_MAP)
@@ -126,7 +126,8 @@ def test_factors_that_do_not_fit_the_target_name_both_shapes(tmp_path):
     folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3},
                         {"base_model.model.proj.lora_A.weight": np.zeros((2, 5), np.float32),
                          "base_model.model.proj.lora_B.weight": B})
-    with pytest.raises(RecordError, match=r"'proj.weight': the factors make a \(2, 5\) PyTorch weight, the param is \[3, 2\]"):
+    with pytest.raises(RecordError, match=r"'proj.weight': the factors make a \(2, 5\) PyTorch weight \(in 5 -> out 2\), "
+                                          r"the param is \[3, 2\], stored \(d_in, d_out\)"):
         load_peft_adapter(net(), folder)
 
 

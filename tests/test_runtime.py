@@ -66,6 +66,7 @@ def test_module_accepts_numpy_arrays():
 
 def test_repeated_calls_build_one_session_and_a_new_shape_one_more():
     m = TwoLayer()
+    runtime.set_session_config(m, runtime.SessionConfig(dynamic_shapes="static"))  # a session per shape
     x = Tensor.from_numpy(array(2, 4))
     before = runtime.sessions_built()
     for _ in range(5):
@@ -288,6 +289,7 @@ def test_cache_bounds_evict_sessions():
     runtime.set_cache_size(sessions=2)
     try:
         m = TwoLayer()
+        runtime.set_session_config(m, runtime.SessionConfig(dynamic_shapes="static"))  # a session per shape
         before = runtime.sessions_built()
         for n in (1, 2, 3):
             m(array(n, 4))

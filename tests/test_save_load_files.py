@@ -73,11 +73,11 @@ def test_load_file_on_a_safetensors_file_names_load_safetensors(tmp_path, monkey
         Net().load_file("w.safetensors")
     assert str(info.value) == (
         "cannot load 'w.safetensors': it is not a burnpack (.bpk) file, which is all load_file reads; for a "
-        "safetensors file, use module, report = onnxparam.convert.load_safetensors(module, 'w.safetensors')")
+        "safetensors file, use onnxparam.convert.load_safetensors(module, 'w.safetensors')")
     assert isinstance(info.value.__cause__, onnxparam.BurnpackFormatError)
     assert Path("w.safetensors").read_bytes() == before
     # the suggested call reads the file: the values written, not the module's fresh init
-    assert _same(_values(load_safetensors(Net(), "w.safetensors")[0]), _arrays())
+    assert _same(_values(load_safetensors(Net(), "w.safetensors")), _arrays())
 
 
 def test_load_file_on_an_onnx_file_names_import_onnx_and_read_onnx_record(tmp_path, monkeypatch):

@@ -9,17 +9,17 @@ the model layer knows nothing of it.
   gradient per trainable param (:mod:`.training`);
 * :class:`Gradients` — ``ParamId -> Tensor`` (Burn's ``GradientsParams``), what the optimizers
   of :mod:`onnxparam.optim` take;
-* :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`.losses`);
+* :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops.losses`);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
-  (:mod:`.rules`, :mod:`.rules_nn`); :func:`build_training_model` — the graph transformation
-  (:mod:`.backward`).
+  (:mod:`.rules`, :mod:`.rules_nn`, :mod:`.rules_layers`); :func:`build_training_model` — the
+  graph transformation (:mod:`.backward`).
 
 The API is functional (JAX's ``value_and_grad`` shape, Burn's ``GradientsParams`` result);
 there is no tape and no ``loss.backward()``.
 """
 
+from ..ops.losses import cross_entropy, mse
 from .backward import GRAD_SUFFIX, build_training_model
-from .losses import cross_entropy, mse
 from .rules import NON_DIFFERENTIABLE, RULES
 from .training import (
     MAX_CACHED_TRAINING,

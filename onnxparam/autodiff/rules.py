@@ -601,4 +601,3 @@ def _gather_elements(e, node, gout, need):
     zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints(xd))
     idx = _normalized_indices(e, idx, xd[axis])
     return [e.op("ScatterElements", zeros, idx, gout[0], axis=axis, reduction="add"), None]
-

@@ -54,6 +54,35 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
                 group=group, output_padding=output_padding if any(output_padding) else None)
 
 
+def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple, o: int, kernel: tuple,
+                     strides, dilations, begin, end, group: int) -> ir.Value:
+    """The gradient of a convolution's weight ``[O, C / group, k...]`` for input ``x`` (dims
+    ``xd``) and output gradient ``g`` (dims ``yd``):
+    ``dw[o, c, k] = sum_{n, p} g[n, o, p] * x_pad[n, c, p * s + k * d]``, a convolution of ``x``
+    (batch and channel axes swapped, grouped) with ``g`` as the weight, strides and dilations
+    exchanged, cut to the kernel size. (Also the weight gradient of ``ConvTranspose``, with the
+    roles of ``x`` and ``g`` exchanged: :mod:`.rules_layers`.)"""
+    nd = len(xd) - 2
+    n, c = xd[0], xd[1]
+    cg, og = c // group, o // group
+    # x: [N, C, S] -> [N, G, Cg, S] -> [Cg, G, N, S] -> [Cg, G*N, S]  (batch Cg, channels group-major)
+    xs = e.reshape(x, (n, group, cg) + xd[2:])
+    xs = e.transpose(xs, [2, 1, 0] + list(range(3, 3 + nd)))
+    xs = e.reshape(xs, (cg, group * n) + xd[2:])
+    # g: [N, O, P] -> [N, G, Og, P] -> [G, Og, N, P] -> [G*Og, N, P]  (the weight, in N per group)
+    gs = e.reshape(g, (n, group, og) + yd[2:])
+    gs = e.transpose(gs, [1, 2, 0] + list(range(3, 3 + nd)))
+    gs = e.reshape(gs, (o, n) + yd[2:])
+    full = e.op("Conv", xs, gs, strides=dilations, dilations=strides, pads=list(begin) + list(end),
+                group=group)  # [Cg, O, k'...], k' >= k
+    full = e.transpose(full, [1, 0] + list(range(2, 2 + nd)))
+    size = [(xd[2 + i] + begin[i] + end[i] - (yd[2 + i] - 1) * strides[i] - 1) // dilations[i] + 1
+            for i in range(nd)]
+    if list(size) != list(kernel):
+        full = e.op("Slice", full, e.ints([0] * nd), e.ints(kernel), e.ints(range(2, 2 + nd)))
+    return full
+
+
 @rule("Conv")
 def _conv(e, node, gout, need):
     """``y = conv(x, w) + b`` (cross-correlation, ONNX spec: Conv):
@@ -78,25 +107,7 @@ def _conv(e, node, gout, need):
     if need[0]:
         dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group)
     if need[1]:
-        n, c = xd[0], xd[1]
-        o = wd[0]
-        cg, og = c // group, o // group
-        # x: [N, C, S] -> [N, G, Cg, S] -> [Cg, G, N, S] -> [Cg, G*N, S]  (batch Cg, channels group-major)
-        xs = e.reshape(x, (n, group, cg) + xd[2:])
-        xs = e.transpose(xs, [2, 1, 0] + list(range(3, 3 + nd)))
-        xs = e.reshape(xs, (cg, group * n) + xd[2:])
-        # g: [N, O, P] -> [N, G, Og, P] -> [G, Og, N, P] -> [G*Og, N, P]  (the weight, in N per group)
-        gs = e.reshape(g, (n, group, og) + yd[2:])
-        gs = e.transpose(gs, [1, 2, 0] + list(range(3, 3 + nd)))
-        gs = e.reshape(gs, (o, n) + yd[2:])
-        full = e.op("Conv", xs, gs, strides=dilations, dilations=strides, pads=list(begin) + list(end),
-                    group=group)  # [Cg, O, k'...], k' >= k
-        full = e.transpose(full, [1, 0] + list(range(2, 2 + nd)))
-        size = [(xd[2 + i] + begin[i] + end[i] - (yd[2 + i] - 1) * strides[i] - 1) // dilations[i] + 1
-                for i in range(nd)]
-        if list(size) != list(kernel):
-            full = e.op("Slice", full, e.ints([0] * nd), e.ints(kernel), e.ints(range(2, 2 + nd)))
-        dw = full
+        dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group)
     if b is not None and len(need) > 2 and need[2]:
         db = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return [dx, dw, db][:len(node.inputs)]

@@ -77,8 +77,7 @@ def _load_weights(module, path: Path, fmt: str, allow_partial: bool = False):
         return module.try_load_file(path, allow_partial=allow_partial)
     from ..convert import load_safetensors
 
-    loaded, _ = load_safetensors(module, path, allow_partial=allow_partial)
-    return loaded
+    return load_safetensors(module, path, allow_partial=allow_partial)
 
 
 def _load_model(args, src: Path) -> _Model:

@@ -1,7 +1,6 @@
 """``onnxparam convert``: file-to-file weight conversion (wraps :func:`onnxparam.convert.convert`)."""
 
 import argparse
-import re
 import time
 from pathlib import Path
 
@@ -22,7 +21,9 @@ CAST_CHOICES = ("f16", "bf16", "f32")
 
 
 def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", type=Path, metavar="IN", help="the source: .bpk, .safetensors or .onnx")
+    parser.add_argument("src", type=Path, metavar="IN",
+                        help="the source: .bpk, .safetensors, .onnx, or .pt/.pth (torch.save; read without torch, "
+                        "nothing in it runs)")
     parser.add_argument(
         "dst", type=Path, metavar="OUT", help="the target: .bpk, .safetensors or .onnx (replaced atomically)"
     )
@@ -68,14 +69,34 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="transpose the rank-2 tensors whose target name matches RE (repeatable)",
     )
     parser.add_argument(
+        "--no-transpose",
+        type=_regex,
+        action="append",
+        metavar="RE",
+        help="with --pytorch: do not transpose the tensors whose target name matches RE (repeatable)",
+    )
+    parser.add_argument(
+        "--contiguous-indices",
+        action="store_true",
+        help="renumber gappy integer name segments to 0, 1, 2 ... first (nn.Sequential's fc.0, fc.2 -> fc.0, fc.1)",
+    )
+    parser.add_argument(
+        "--top-level-key",
+        metavar="KEY",
+        help="for a .pt/.pth source: the checkpoint dict's entry holding the state dict (e.g. state_dict, model)",
+    )
+    parser.add_argument(
         "--cast", choices=CAST_CHOICES, help="store every float tensor in this precision (round to nearest even)"
     )
     parser.add_argument(
         "--pytorch",
         action="store_true",
-        help="PyTorch <-> Burn layouts, for a .safetensors on one side: transpose rank-2 "
-        "'*.weight' tensors (Linear) and rename rank-1 norm 'weight'/'bias' <-> "
-        "'gamma'/'beta' (see the README)",
+        help="PyTorch <-> Burn layouts (from a .pt/.safetensors to .bpk/.onnx, or to a .safetensors): "
+        "without a module only what names and shapes settle: a rank-2 'P.weight' with a 'P.bias' is a "
+        "Linear (transposed); norm 'weight'/'bias' <-> 'gamma'/'beta'; 'num_batches_tracked' left out. "
+        "A rank-2 weight without a bias (a bias-free Linear or an Embedding) is NOT transposed and is "
+        "listed as untouched: decide with --transpose RE / --no-transpose RE, or load into a module "
+        "(onnxparam.convert.load_pytorch / load_safetensors(adapter='pytorch'), which decide by layer type)",
     )
     parser.add_argument(
         "--allow-partial",
@@ -95,53 +116,9 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
-PYTORCH_NORM_TO_BURN = {"weight": "gamma", "bias": "beta"}
-"""A norm layer's PyTorch param names -> Burn's (``burn-store``'s ``PyTorchToBurnAdapter``)."""
-
-
-def _pytorch_rules(names_shapes: list, to_pytorch: bool, remap: list, include, exclude) -> tuple[list, list]:
-    """``--pytorch`` without a module: the remap rules and transpose regexes it adds.
-
-    NOTE: Burn's adapters decide by the *module type* holding a param; a file alone has no
-    types, so this is the shape rule that fits Linear and norm layers: a rank-2 ``X.weight`` is a
-    Linear weight (transposed), a rank-1 ``X.weight`` is a norm scale (``X.weight``/``X.bias``
-    renamed to ``X.gamma``/``X.beta``, or back). An ``Embedding`` table (rank-2, not transposed
-    between PyTorch and Burn) would be transposed too: leave it out with ``--transpose`` rules
-    of your own instead, or load into a module (``onnxparam.convert.load_safetensors``).
-    """
-    from ..convert import KeyRemapper, PathFilter
-
-    rules = []
-    rank = dict(names_shapes)
-    if to_pytorch:
-        for name, shape in names_shapes:
-            prefix, _, leaf = name.rpartition(".")
-            if leaf == "gamma" and len(shape) == 1:
-                rules.append((f"^{re.escape(name)}$", f"{prefix}.weight" if prefix else "weight"))
-                beta = f"{prefix}.beta" if prefix else "beta"
-                if beta in rank:
-                    rules.append((f"^{re.escape(beta)}$", f"{prefix}.bias" if prefix else "bias"))
-    else:
-        for name, shape in names_shapes:
-            prefix, _, leaf = name.rpartition(".")
-            if leaf == "weight" and len(shape) == 1:
-                rules.append((f"^{re.escape(name)}$", f"{prefix}.gamma" if prefix else "gamma"))
-                bias = f"{prefix}.bias" if prefix else "bias"
-                if bias in rank and len(rank[bias]) == 1:
-                    rules.append((f"^{re.escape(bias)}$", f"{prefix}.beta" if prefix else "beta"))
-    rules += list(remap or [])
-    remapper, keep = KeyRemapper.of(rules), PathFilter(include, exclude)
-    transposes = [
-        f"^{re.escape(remapper.apply(name))}$"
-        for name, shape in names_shapes
-        if keep.matches(name) and len(shape) == 2 and name.rpartition(".")[2] == "weight"
-    ]
-    return rules, transposes
-
-
 def _source_tensors(path: Path, fmt: str) -> list:
     """``(name, shape, nbytes)`` of a source's tensors from its header (no tensor data read)."""
-    if fmt == "onnx":
+    if fmt in ("onnx", "pytorch"):
         doc = inspect_file(path, count_nonfinite=False)
         return [(t["name"], tuple(t["shape"]), t["bytes"]) for t in doc["tensors"]]
     inspected = _READERS[fmt](path)
@@ -151,7 +128,7 @@ def _source_tensors(path: Path, fmt: str) -> list:
 def _run_convert(args: argparse.Namespace) -> int:
     from ..convert import PathFilter, convert
 
-    src_fmt = _file_format(args.src, "input file")
+    src_fmt = _file_format(args.src, "input file", ("burnpack", "onnx", "safetensors", "pytorch"))
     dst_fmt = _file_format(args.dst, "output file")
     _existing(args.src, "input file")
     if args.graph is not None:
@@ -166,24 +143,16 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.dst.is_dir():
         raise IsADirectoryError(f"output file '{args.dst}' is a folder, not a file")
 
-    source = None
+    if args.top_level_key is not None and src_fmt != "pytorch":
+        raise UsageError(f"{PROG} convert: error: --top-level-key applies to a .pt/.pth input; the input is '{args.src}'")
+    if args.no_transpose and not args.pytorch:
+        raise UsageError(f"{PROG} convert: error: --no-transpose takes tensors out of --pytorch's transposes; add --pytorch")
     remap, transpose = list(args.remap or []), list(args.transpose or [])
-    if args.pytorch:
-        if (src_fmt == "safetensors") == (dst_fmt == "safetensors"):
-            raise UsageError(
-                f"{PROG} convert: error: --pytorch needs a .safetensors file (PyTorch's layout) on "
-                "exactly one side of the conversion"
-            )
-        source = _source_tensors(args.src, src_fmt)
-        remap, extra = _pytorch_rules(
-            [(n, s) for n, s, _ in source], dst_fmt == "safetensors", remap, args.include, args.exclude
-        )
-        transpose += extra
 
     total = None
     keep = PathFilter(args.include, args.exclude)
-    if src_fmt != "onnx" or source is not None or args.include or args.exclude:
-        source = source or _source_tensors(args.src, src_fmt)
+    if src_fmt not in ("onnx", "pytorch") or args.include or args.exclude:
+        source = _source_tensors(args.src, src_fmt)
         kept = [nbytes for name, _, nbytes in source if keep.matches(name)]
         if source and not kept:
             names = ", ".join(repr(name) for name, _, _ in source[:3]) + (" ..." if len(source) > 3 else "")
@@ -208,6 +177,10 @@ def _run_convert(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             cast=args.cast,
             transpose=transpose or None,
+            no_transpose=args.no_transpose,
+            pytorch=args.pytorch,
+            top_level_key=args.top_level_key,
+            contiguous_indices=args.contiguous_indices,
             allow_partial=args.allow_partial,
             zero_copy=args.zero_copy,
             lossless=not args.plain,

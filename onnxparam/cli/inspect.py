@@ -1,4 +1,4 @@
-"""``onnxparam inspect``: the tensors and metadata of a .bpk, .onnx or .safetensors file."""
+"""``onnxparam inspect``: the tensors and metadata of a .bpk, .onnx, .safetensors or .pt / .pth file."""
 
 import argparse
 import json
@@ -68,6 +68,10 @@ class _Inspected:
     metadata: dict
     scalars: dict
     tensors: list = field(default_factory=list)
+
+
+QUANT_OPS_KEY = "onnxparam.quant.ops"
+"""The export's per-op report (:data:`onnxparam.quant._qdq_forms.REPORT_KEY`)."""
 
 
 def _scheme_text(scheme) -> Optional[str]:
@@ -163,15 +167,15 @@ def _read_safetensors_info(path: Path) -> _Inspected:
 def _read_onnx_info(path: Path) -> _Inspected:
     import onnx_ir as ir
 
-    from ..convert.converter import _is_weights_only, _read_weights_only
+    from ..convert._onnx_files import _is_weights_only, _load_mapped, _read_weights_only
     from ..formats.safetensors import SCALARS_KEY, _decode_scalars
     from ..onnx_io.records import read_onnx_record
-    from ..onnx_io.source import load_model
 
     # NOTE: the converter's own readers (private helpers of onnxparam.convert.converter), so
     # `inspect` lists exactly the tensors `convert` would carry: every initializer of a
     # weights-only model, the weights (onnxparam.onnx_io.weights) of any other graph.
-    model = load_model(path).model
+    # Inline weights are read as views of the mapped file (never the whole protobuf at once).
+    model = _load_mapped(path)
     weights_only = _is_weights_only(model)
     record = _read_weights_only(model, str(path)) if weights_only else read_onnx_record(model)
     metadata = dict(record.metadata)
@@ -201,7 +205,7 @@ def _read_onnx_info(path: Path) -> _Inspected:
         {
             t.const_value.location
             for t in model.graph.initializers.values()
-            if isinstance(t.const_value, ir.ExternalTensor)
+            if isinstance(t.const_value, ir.ExternalTensor) and t.const_value.location != path.name
         }
     )
     # NOTE: the weight rules (onnxparam.onnx_io.weights) leave small integer / bool and 0-d
@@ -282,14 +286,33 @@ def _count_nonfinite(inspected: _Inspected) -> None:
             mapping.close()
 
 
-_READERS = {"burnpack": _read_burnpack_info, "safetensors": _read_safetensors_info, "onnx": _read_onnx_info}
+def _read_pytorch_info(path: Path) -> _Inspected:
+    """A ``torch.save`` checkpoint, read without torch (restricted unpickler, nothing runs)."""
+    from ..dtype import dtype_from_numpy
+    from ..formats.pytorch import read_pytorch
+    from ..tensor import TensorData
+
+    checkpoint = read_pytorch(path)
+    tensors = []
+    for name, array in checkpoint.tensors.items():
+        dtype = dtype_from_numpy(array.dtype)
+        tensors.append(_TensorInfo(name, dtype, tuple(int(d) for d in array.shape), int(array.nbytes), None,
+                                   loader=lambda _a=array, _d=dtype: TensorData(_a, _d, tuple(_a.shape))))
+    info = {"byteorder": checkpoint.byteorder, "skipped": list(checkpoint.skipped),
+            "tied": [list(g) for g in checkpoint.tied], "shared": [list(g) for g in checkpoint.shared]}
+    return _Inspected(path, "pytorch", path.stat().st_size, info, {}, {}, tensors)
+
+
+_READERS = {"burnpack": _read_burnpack_info, "safetensors": _read_safetensors_info, "onnx": _read_onnx_info,
+            "pytorch": _read_pytorch_info}
 
 
 def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dict:
     """What ``onnxparam inspect FILE --json`` prints, as a dict.
 
-    Keys: ``path``, ``format`` (``burnpack`` / ``safetensors`` / ``onnx``), ``file_bytes``,
-    ``info`` (format facts: burnpack ``version``; safetensors ``header_metadata`` = the raw
+    Keys: ``path``, ``format`` (``burnpack`` / ``safetensors`` / ``onnx`` / ``pytorch``),
+    ``file_bytes``, ``info`` (format facts: burnpack ``version``; ``.pt`` ``byteorder``,
+    ``skipped`` (non-tensor entries), ``tied`` / ``shared`` name groups; safetensors ``header_metadata`` = the raw
     ``__metadata__``; ONNX ``ir_version``, ``opset_imports``, ``producer_*``,
     ``metadata_props``, ``inputs``, ``outputs``, ``initializers`` and
     ``non_weight_initializers``: those left out of ``tensors``...), ``metadata`` (the record's text metadata:
@@ -304,7 +327,7 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
         BurnpackFormatError / OnnxFormatError / RecordError: for a malformed file.
     """
     path = Path(path)
-    fmt = _file_format(path, "input file")
+    fmt = _file_format(path, "input file", tuple(_READERS))
     _existing(path, "input file")
     inspected = _READERS[fmt](path)
     if count_nonfinite:
@@ -332,7 +355,8 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 
 
 def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="a .bpk, .onnx or .safetensors file")
+    parser.add_argument("file", type=Path, metavar="FILE",
+                        help="a .bpk, .onnx, .safetensors or .pt/.pth file (torch.save, read without torch)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
     parser.add_argument(
         "--no-count", action="store_true", help="do not scan float tensors for NaN / Inf (reads no tensor data)"
@@ -373,6 +397,14 @@ def _print_inspect(doc: dict) -> None:
             _out(f"{kind + ':':<10} {', '.join(values[:MAX_LISTED_VALUES]) or '-'}{more}")
         for key, value in info["metadata_props"].items():
             _out(f"  metadata_props {key} = {_clip(value)}")
+        if QUANT_OPS_KEY in info["metadata_props"]:  # what each op with a quantized weight became
+            from ._quant_table import print_quantized_ops
+
+            print_quantized_ops(json.loads(info["metadata_props"][QUANT_OPS_KEY]))
+    if doc["format"] == "pytorch":
+        _out(f"pytorch:   {info['byteorder']}-endian, {len(info['skipped'])} non-tensor entries"
+             + (f" ({_clip(', '.join(info['skipped']))})" if info["skipped"] else "")
+             + "".join(f"; tied: {', '.join(g)}" for g in info["tied"]))
     if doc["format"] == "safetensors":
         own = [k for k in info["header_metadata"] if k.startswith("onnxparam.")]
         if own:

@@ -1,12 +1,17 @@
-"""``onnxparam quantize``: quantize a model's weights (QDQ ONNX or QFloat burnpack)."""
+"""``onnxparam quantize``: quantize a model's weights (QDQ ONNX or QFloat burnpack).
+
+``onnxparam quantize MODEL OUT [--scheme q8s] [--calibrate inputs.npz] [--per-channel]
+[--include RE] [--exclude RE] [--block-size N] [--prefer speed|size]``: for an ``.onnx`` OUT each
+op with a quantized weight gets the fastest form ONNX Runtime runs (``--prefer speed``, the
+default; :mod:`onnxparam.quant._qdq_forms`), static int8 where ``--calibrate`` gives activation
+ranges, and a table says what each op became."""
 
 import argparse
-import contextlib
 import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, UsageError, _file_format, _out
+from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
@@ -34,9 +39,35 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheme",
-        required=True,
+        default="q8s",
         choices=QUANT_SCHEMES,
-        help="quantized values: 8 or 4 bits, symmetric (s) or full (f) range",
+        help="quantized values: 8 or 4 bits, symmetric (s) or full (f) range (default q8s)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="INPUTS.npz",
+        help="representative inputs (one array per graph input, by input name or in order; batch first): "
+        "activation ranges for static int8 (QLinearConv / QLinearMatMul); .onnx OUT only",
+    )
+    parser.add_argument("--calibrate-batch", type=int, default=32, metavar="N",
+                        help="calibration batch size (default 32)")
+    parser.add_argument(
+        "--per-channel",
+        action="store_true",
+        help="one scale per output channel (Conv axis 0, ConvTranspose axis 1, MatMul / Linear columns); "
+        "stored as Burn blocks when extents fit in 255, else ONNX per-axis (.onnx OUT only)",
+    )
+    parser.add_argument("--include", type=_regex, action="append", metavar="RE",
+                        help="quantize only params whose path matches RE (repeatable)")
+    parser.add_argument("--exclude", type=_regex, action="append", metavar="RE",
+                        help="leave params whose path matches RE float (repeatable)")
+    parser.add_argument(
+        "--prefer",
+        choices=("speed", "size"),
+        default="speed",
+        help="speed (default): ops ORT runs slower with a weight-only DequantizeLinear than in float "
+        "(uncalibrated Conv, ConvTranspose, Gemm) keep float weights; size: every weight stays integer",
     )
     parser.add_argument(
         "--block-size",
@@ -55,11 +86,65 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
 
 
-def _quantizer(scheme_name: str, block_size: Optional[tuple]):
+def _quantizer(scheme_name: str, block_size: Optional[tuple], per_channel: bool = False):
     from .. import quant
 
     scheme = quant.QuantScheme(quant.QuantValue[QUANT_SCHEMES[scheme_name]], block_size=block_size)
-    return quant.Quantizer(scheme), scheme
+    return quant.Quantizer(scheme, per_channel=per_channel), scheme
+
+
+def _group(include: Optional[list], exclude: Optional[list]):
+    """The ``ParamGroup`` of ``--include`` / ``--exclude``, or ``None`` for every weight."""
+    if not include and not exclude:
+        return None
+    from ..group import ParamGroup
+
+    group = ParamGroup.from_regexes(include) if include else ParamGroup.all()
+    return group.excluding(ParamGroup.from_regexes(exclude)) if exclude else group
+
+
+def _calibration_arrays(path: Path, model) -> list:
+    """The arrays of ``--calibrate``: by graph input name when the file names them all, else in
+    the file's order."""
+    import numpy as np
+
+    _existing(path, "the --calibrate file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the --calibrate file '{path}' is not a readable .npz of arrays: {e}") from e
+    if not arrays:
+        raise ValueError(f"the --calibrate file '{path}' holds no arrays")
+    source = getattr(model.module, "_source", None)
+    names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else []
+    if names and all(n in arrays for n in names):
+        return [arrays[n] for n in names]
+    if names and len(arrays) != len(names):
+        raise ValueError(f"the --calibrate file '{path}' holds {len(arrays)} arrays ({', '.join(arrays)}); the model "
+                         f"takes {len(names)} inputs ({', '.join(names)}): name them so")
+    return list(arrays.values())
+
+
+def _calibrate(args, model):
+    from ..quant import quantize_activations
+
+    arrays = _calibration_arrays(args.calibrate, model)
+    total = len(arrays[0])
+    bar = _progress(total, "calibrating", getattr(args, "quiet", False), unit="sample")
+
+    def progress(done, n):
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        module = quantize_activations(model.module, arrays, batch_size=args.calibrate_batch, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    ranges = getattr(module, "_onnxparam_activation_ranges", ())
+    _out(f"calibrated: {total} samples in batches of {args.calibrate_batch}: {len(ranges)} activation ranges")
+    return module
 
 
 def _block_text(block_size: tuple) -> str:
@@ -68,36 +153,46 @@ def _block_text(block_size: tuple) -> str:
 
 def _run_quantize(args: argparse.Namespace) -> int:
     dst_fmt = _file_format(args.dst, "output file", ("onnx", "burnpack"))
-    if args.reblock and dst_fmt != "onnx":
-        raise UsageError(f"{PROG} quantize: error: --reblock applies to an .onnx output; the output is '{args.dst}'")
-    quantizer, scheme = _quantizer(args.scheme, args.block_size)
+    for flag, given in (("--reblock", args.reblock), ("--calibrate", args.calibrate is not None)):
+        if given and dst_fmt != "onnx":
+            raise UsageError(f"{PROG} quantize: error: {flag} applies to an .onnx output; the output is '{args.dst}'")
+    if args.per_channel and args.block_size is not None:
+        raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
+    quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
     before = _count_dtypes(model.module)
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
     # none was, the one error line below says why instead.
     with warnings.catch_warnings(record=True) as held:
         warnings.simplefilter("always")
-        model.module = model.module.quantize_weights(quantizer)
+        group = _group(args.include, args.exclude)
+        if group is None:
+            model.module = model.module.quantize_weights(quantizer)
+        else:
+            model.module = model.module.quantize_weights_group(quantizer, group)
     after = _count_dtypes(model.module)
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)
     if quantized == 0:
         raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if dst_fmt == "onnx":
-        options = contextlib.nullcontext()
-        if args.reblock:
-            from ..quant import qdq_options
-
-            options = qdq_options(reblock=True)
-        with options:
-            model.export(args.dst)
-    else:
-        model.module.save_file(args.dst)
     _out(
         f"quantized: {quantized} of {sum(before.values())} params to "
-        f"{_scheme_text(scheme)}; dtypes {before} -> {after}"
+        f"{_scheme_text(scheme)}{', per output channel' if args.per_channel else ''}; dtypes {before} -> {after}"
     )
+    if dst_fmt == "onnx":
+        from ..quant import qdq_options
+
+        if args.calibrate is not None:
+            model.module = _calibrate(args, model)
+        with qdq_options(reblock=args.reblock, prefer=args.prefer):
+            model.export(args.dst)
+        from ..quant import quantized_ops
+        from ._quant_table import print_quantized_ops
+
+        print_quantized_ops(quantized_ops(args.dst))
+    else:
+        model.module.save_file(args.dst)
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
     return EXIT_OK
 

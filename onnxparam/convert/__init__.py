@@ -4,17 +4,26 @@ Layering: :mod:`~onnxparam.formats.safetensors` is a *format* (bytes <-> lazy te
 snapshots; knows nothing of modules); :mod:`~onnxparam.convert.adapters` transforms snapshots
 (renaming, filtering, layouts, casts); :mod:`~onnxparam.convert.store` is the *bridge* to
 modules (Burn's store: load with a report, save); :mod:`~onnxparam.convert.converter` converts
-files of any two formats (``.bpk``, ``.safetensors``, ``.onnx``) without a module.
+files of any two formats (``.bpk``, ``.safetensors``, ``.onnx``; ``.pt`` / ``.pth`` as a source)
+without a module.
+
+One loading path: every loader returns the loaded copy of the module and goes through
+:func:`apply_record` (``Module.load_record`` / ``load_file`` too); the :class:`LoadReport` is
+filled into the ``report=`` you pass (``report = LoadReport(); m = load_pytorch(m, p,
+report=report)``) and is ``error.report`` on a raised ``RecordError``.
 
 The public names::
 
     read_safetensors(path) -> SafetensorsFile            # lazy, zero-copy; .to_record(), .close()
     write_safetensors(path, tensors, *, metadata=None, scalars=None, lossless=True, progress=None)
     load_safetensors(module, path, *, adapter=None, remap=None, include=None, exclude=None,
-                     cast=None, allow_partial=False, contiguous_indices=False) -> (module, LoadReport)
+                     cast=None, allow_partial=False, contiguous_indices=False, report=None) -> module
+    load_pytorch(module, path, *, top_level_key=None, adapter="pytorch", ... same) -> module
+    load_onnx(module, path, *, ... same) -> module
     save_safetensors(module, path, *, adapter=None, remap=None, include=None, exclude=None,
                      cast=None, metadata=None, lossless=True) -> SaveReport
-    apply_record(module, record, ...) -> (module, LoadReport)   # any record, same options
+    apply_record(module, record, ..., report=None) -> module   # any record or dict of arrays, same options
+    read_record(path) -> ModuleRecord                          # any format, lazy
     collect_record(module, ...) -> (ModuleRecord, SaveReport)
     convert(src, dst, *, graph=None, remap=None, include=None, exclude=None, cast=None,
             transpose=None, metadata=None, allow_partial=False, zero_copy=False, lossless=True,
@@ -32,9 +41,9 @@ from .adapters import (
     cast_spec,
     map_indices_contiguous,
 )
-from .converter import FORMATS, convert, format_of
+from .converter import FORMATS, convert, format_of, read_record
 from .report import ConvertReport, LoadReport, SaveReport
-from .store import apply_record, collect_record, load_safetensors, save_safetensors
+from .store import apply_record, collect_record, load_onnx, load_pytorch, load_safetensors, save_safetensors
 
 __all__ = [
     "read_safetensors",
@@ -42,6 +51,9 @@ __all__ = [
     "SafetensorsFile",
     "SafetensorsTensor",
     "load_safetensors",
+    "load_pytorch",
+    "load_onnx",
+    "read_record",
     "save_safetensors",
     "convert",
     "format_of",

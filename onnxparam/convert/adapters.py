@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .._snapshot import TensorSnapshot
 from ..dtype import DType
-from ..record import TensorSnapshot
+from ..formats._names import KeyRemapper, map_indices_contiguous
 from ..tensor import TensorData
 
 __all__ = [
@@ -53,8 +54,12 @@ __all__ = [
 LINEAR_TYPES = ("Linear",)
 """Module class names whose rank-2 ``weight`` is transposed between PyTorch and Burn (Burn's
 ``module_names::LINEAR``)."""
-NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm")
-"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta``."""
+NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "RmsNorm", "InstanceNorm")
+"""Module class names whose ``weight``/``bias`` are Burn's ``gamma``/``beta`` (Burn's
+``is_normalization_layer``: BatchNorm, LayerNorm, GroupNorm, RmsNorm; and InstanceNorm, whose
+affine params PyTorch also calls ``weight``/``bias``)."""
+PRELU_TYPES = ("PRelu",)
+"""Module class names whose ``alpha`` is PyTorch's ``nn.PReLU.weight`` (same shape)."""
 BATCH_NORM_TYPES = ("BatchNorm",)
 """Module class names whose PyTorch ``num_batches_tracked`` buffer has no Burn counterpart."""
 
@@ -63,100 +68,7 @@ _NORM_TO_PYTORCH = {"gamma": "weight", "beta": "bias"}
 PYTORCH_ONLY_BUFFERS = ("num_batches_tracked",)
 
 
-# -- names --------------------------------------------------------------------------------------
-
-_RUST_GROUP = re.compile(r"\$(?:\$|\{(\w+)\}|(\w+))")
-
-
-def _python_replacement(replacement: str) -> str:
-    """Accept Burn's (Rust ``regex``) ``$1`` / ``${name}`` / ``$$`` next to Python's ``\\1``."""
-
-    def sub(match: re.Match) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        return r"\g<" + (match.group(1) or match.group(2)) + ">"
-
-    return _RUST_GROUP.sub(sub, replacement)
-
-
-class KeyRemapper:
-    """Renames tensors by an ordered list of regex rules (Burn's ``KeyRemapper``).
-
-    Each rule is ``re.sub(pattern, replacement, name)`` on the result of the rules before it,
-    replacing every match. Replacements take Python's ``\\1`` / ``\\g<name>`` and Burn's ``$1``
-    / ``${name}`` (``$$`` is a literal ``$``)::
-
-        KeyRemapper([(r"^model\\.", ""), (r"\\.ln_(\\d)\\.", r".norm$1.")])
-
-    Args:
-        rules: ``(pattern, replacement)`` pairs, in order.
-
-    Raises:
-        re.error: for an invalid pattern.
-    """
-
-    def __init__(self, rules: Iterable[tuple[str, str]] = ()):
-        self._rules = tuple((re.compile(p), r, _python_replacement(r)) for p, r in rules)
-
-    @staticmethod
-    def of(remap: "KeyRemapper | Iterable[tuple[str, str]] | Mapping[str, str] | None") -> "KeyRemapper":
-        """A remapper from a remapper, a list of pairs or a ``{pattern: replacement}`` dict."""
-        if isinstance(remap, KeyRemapper):
-            return remap
-        if remap is None:
-            return KeyRemapper()
-        if isinstance(remap, Mapping):
-            return KeyRemapper(remap.items())
-        return KeyRemapper(remap)
-
-    def add(self, pattern: str, replacement: str) -> "KeyRemapper":
-        """A new remapper with one more rule at the end (Burn's ``add_pattern``)."""
-        return KeyRemapper([(p.pattern, r) for p, r, _ in self._rules] + [(pattern, replacement)])
-
-    @property
-    def rules(self) -> tuple:
-        return tuple((p.pattern, r) for p, r, _ in self._rules)
-
-    def __bool__(self) -> bool:
-        return bool(self._rules)
-
-    def apply(self, name: str) -> str:
-        """``name`` after every rule."""
-        for pattern, _, replacement in self._rules:
-            name = pattern.sub(replacement, name)
-        return name
-
-    __call__ = apply
-
-    def __repr__(self) -> str:
-        return f"KeyRemapper({list(self.rules)!r})"
-
-
-def map_indices_contiguous(names: Iterable[str]) -> dict:
-    """``{old: new}`` renumbering the integer segments of dotted names to ``0, 1, 2 ...``.
-
-    Every position (the dotted prefix before an integer segment, in the *original* names) is
-    renumbered on its own, keeping order: ``fc.0, fc.2, fc.4`` become ``fc.0, fc.1, fc.2``.
-    Burn's ``map_indices_contiguous``; for PyTorch ``nn.Sequential`` checkpoints whose
-    parameter-free layers (ReLU, Dropout) leave gaps in the numbering.
-    """
-    names = list(names)
-    positions: dict[str, set] = {}
-    for name in names:
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                positions.setdefault(".".join(parts[:i]), set()).add(int(part))
-    renumber = {prefix: {old: new for new, old in enumerate(sorted(seen))} for prefix, seen in positions.items()}
-    out = {}
-    for name in names:
-        parts = name.split(".")
-        new_parts = [
-            str(renumber[".".join(parts[:i])][int(part)]) if part.isdigit() else part
-            for i, part in enumerate(parts)
-        ]
-        out[name] = ".".join(new_parts)
-    return out
+# -- names: one implementation, in the formats layer (re-exported here) ------------------------
 
 
 Patterns = Union[str, Sequence[str], None]
@@ -232,11 +144,13 @@ class PyTorchAdapter(ModuleAdapter):
       transposed: PyTorch ``nn.Linear.weight`` is ``(d_output, d_input)``, Burn's ``Linear`` and
       ONNX ``MatMul`` take ``(d_input, d_output)``. So is any rank-2 tensor whose module path
       matches a ``transpose`` regex.
-    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``)
-      Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``. ``running_mean`` and
-      ``running_var`` keep their names; PyTorch's ``num_batches_tracked`` (BatchNorm) has no
-      Burn counterpart and is ignored when loading.
-    * Conv weights need nothing: both store ``(out, in/groups, k...)``.
+    * In a module whose type is in ``norm_types`` (``BatchNorm``, ``LayerNorm``, ``GroupNorm``,
+      ``RmsNorm``, ``InstanceNorm``) Burn's ``gamma``/``beta`` are PyTorch's ``weight``/``bias``.
+      ``running_mean`` and ``running_var`` keep their names; PyTorch's ``num_batches_tracked``
+      (BatchNorm) has no Burn counterpart and is ignored when loading.
+    * A ``PRelu``'s ``alpha`` is PyTorch's ``nn.PReLU.weight``.
+    * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
+      convolutions: both store ``(in, out/groups, k...)``.
 
     Args:
         linear_types: class names treated as ``Linear``.
@@ -260,6 +174,8 @@ class PyTorchAdapter(ModuleAdapter):
         if leaf in _NORM_TO_PYTORCH and self._is(module_types, self.norm_types):
             leaf = _NORM_TO_PYTORCH[leaf]
             return f"{parent}.{leaf}" if parent else leaf
+        if leaf == "alpha" and self._is(module_types, frozenset(PRELU_TYPES)):
+            return f"{parent}.weight" if parent else "weight"
         return path
 
     def transposes(self, path: str, module_types: tuple, shape: tuple) -> bool:
@@ -268,6 +184,54 @@ class PyTorchAdapter(ModuleAdapter):
         if path.rpartition(".")[2] == "weight" and self._is(module_types, self.linear_types):
             return True
         return any(p.search(path) for p in self.transpose)
+
+    def restructure(self, module, tensors: Mapping, mapper_of) -> tuple[dict, dict]:
+        """PyTorch's packed layers as Burn's params, by the type of each sub-module of ``module``.
+
+        ``nn.LSTM`` / ``nn.GRU`` (gates packed in one matrix), ``nn.MultiheadAttention``
+        (``in_proj_weight`` packs query, key and value) and ``nn.TransformerEncoderLayer`` /
+        ``DecoderLayer`` have no one-to-one param mapping; for each sub-module that is an
+        ``Lstm``, ``BiLstm``, ``Gru``, ``BiGru``, ``MultiHeadAttention`` or
+        ``TransformerEncoderLayer`` / ``DecoderLayer``, the file tensors under its path go through
+        :mod:`onnxparam.convert.torch_layers` (which reads them: these layers are loaded
+        eagerly) and come back under Burn's names, in Burn's layouts (not transposed again).
+
+        Args:
+            module: the target module.
+            tensors: file name (after remapping) -> ``TensorSnapshot``.
+            mapper_of: ``sub-module -> (state subtree -> Burn record) or None``
+                (:func:`onnxparam.convert.torch_layers.layer_mapper`; passed in, so this
+                module does not import torch_layers, which uses this adapter).
+
+        Returns:
+            ``(mapped, consumed)``: Burn path -> snapshot, and file name -> the layer (``"path
+            (Type)"``) it went into.
+
+        Raises:
+            RecordError: a layer's tensors are missing or mis-shaped (named by torch_layers).
+        """
+        from ..module import named_modules
+        from ..record import as_snapshot
+
+        mapped: dict = {}
+        consumed: dict = {}
+        claimed: list = []
+        for path, sub in named_modules(module):
+            if any(path == c or path.startswith(c + ".") for c in claimed):
+                continue
+            mapper = mapper_of(sub)
+            if mapper is None:
+                continue
+            prefix = f"{path}." if path else ""
+            names = [n for n in tensors if n.startswith(prefix)]
+            if not names:
+                continue
+            claimed.append(path)
+            subtree = {n[len(prefix):]: tensors[n].to_data().to_numpy() for n in names}
+            for leaf, array in mapper(subtree).items():
+                mapped[prefix + leaf] = as_snapshot(np.ascontiguousarray(array), prefix + leaf)
+            consumed.update({n: f"{path or '<root>'} ({type(sub).__name__})" for n in names})
+        return mapped, consumed
 
     def ignores(self, file_name: str, module_types: tuple) -> bool:
         return (file_name.rpartition(".")[2] in PYTORCH_ONLY_BUFFERS

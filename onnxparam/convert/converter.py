@@ -1,9 +1,11 @@
-"""File-to-file weight conversion: ``.bpk`` <-> ``.safetensors`` <-> ``.onnx``, without a module.
+"""File-to-file weight conversion: ``.bpk`` <-> ``.safetensors`` <-> ``.onnx`` (and ``.pt`` /
+``.pth`` as a source), without a module.
 
-:func:`convert` reads the source lazily, renames / filters / transposes / casts tensor by tensor,
-and streams the target: at most one tensor's data is in memory at a time (for ``.onnx`` targets
-whose weights stay inside the protobuf, the protobuf itself holds them all: pass
-``external_data=True`` to stream there too). Every target is written atomically.
+:func:`convert` reads the source lazily (memory-mapped), renames / filters / transposes / casts
+tensor by tensor, and streams the target: at most one tensor's data is in memory at a time.
+Inline ``.onnx`` files too: a weights-only model is written field by field and an ``.onnx``
+source is read through a map (:mod:`onnxparam.convert._onnx_files`); only ``graph=`` targets
+build the protobuf in memory. Every target is written atomically.
 
 What is kept, per direction:
 
@@ -48,78 +50,35 @@ ONNX targets:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .._scratch import atomic_output
-from ..dtype import DType
+from ..dtype import DType, dtype_from_numpy
 from ..errors import RecordError
-from ..formats._extensions import FORMATS, format_of
-from ..formats.safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars, read_safetensors, write_safetensors
-from ..param import ParamId
-from ..record import ModuleRecord, TensorSnapshot
+from ..formats._extensions import FORMATS, WRITABLE, format_of
+from ..formats._names import map_indices_contiguous
+from ..formats.safetensors import read_safetensors, write_safetensors
+from ..record import ModuleRecord
 from ..tensor import TensorData
+from ._onnx_files import (
+    OUTPUT_SUFFIX,
+    SOURCE_NAME_KEY,
+    WEIGHTS_IR_VERSION,
+    WEIGHTS_OPSET,
+    _external_data_files,
+    _read_onnx,
+    _write_onnx,
+    _write_onnx_zero_copy,
+)
+from ._pytorch_layout import plan_pytorch_layout
+from ._tensors import _Source, _Tensor
 from .adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
 from .report import ConvertReport
 
-__all__ = ["convert", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX", "SOURCE_NAME_KEY"]
-
-
-WEIGHTS_OPSET = 21
-"""Opset of weights-only ONNX models (``Identity`` takes every dtype, bfloat16 included, since 14)."""
-WEIGHTS_IR_VERSION = 10
-"""IR version 10 (ONNX 1.16) is the first with initializer ``metadata_props``, where param ids go."""
-OUTPUT_SUFFIX = ":value"
-"""Graph output name of a weight in a weights-only model: ``<initializer name>:value``."""
-SOURCE_NAME_KEY = "onnxparam.name"
-"""Initializer ``metadata_props`` key of a weights-only model: the tensor's name when it is not
-a module path (``'a..b'``, ``'ünï/cödé:0'``, which burnpack and safetensors files may hold).
-
-NOTE: such an initializer is named as the source names it (ONNX names are free-form), and this
-key makes reading it back give that name rather than :func:`~onnxparam.onnx_io.naming.onnx_name_to_path`
-of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
-
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """A tensor on its way through :func:`convert` (anything the three writers take)."""
-
-    name: str
-    dtype: DType
-    shape: tuple
-    param_id: Any
-    loader: Callable[[], TensorData]
-    scheme: Any = None
-    bool_store: Optional[str] = None
-    source_name: str = ""
-    file_slice: Optional[tuple] = None
-    """``(absolute offset, byte count)`` in the source file; ``None`` once the data is transformed."""
-
-    def to_data(self) -> TensorData:
-        return self.loader()
-
-    def snapshot(self) -> TensorSnapshot:
-        pid = None if self.param_id is None else ParamId(int(self.param_id))
-        return TensorSnapshot(self.dtype, self.shape, pid, self.loader, self.scheme)
-
-
-@dataclass
-class _Source:
-    tensors: list
-    metadata: dict
-    scalars: dict
-    handle: Any = None
-    external_files: frozenset = frozenset()
-    """Real paths of the files an ``.onnx`` source's external tensors read (empty otherwise)."""
-
-    def close(self) -> None:
-        close = getattr(self.handle, "close", None)
-        if close is not None:
-            close()
+__all__ = ["convert", "read_record", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX",
+           "SOURCE_NAME_KEY"]
 
 
 def _read_burnpack(path: Path) -> _Source:
@@ -144,40 +103,45 @@ def _read_safetensors(path: Path) -> _Source:
     return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
 
 
-def _read_onnx(path: Path) -> _Source:
-    from ..onnx_io.records import read_onnx_record
-    from ..onnx_io.source import load_model
+def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
+    from ..formats.pytorch import read_pytorch
 
-    model = load_model(path).model
-    record = _read_weights_only(model, str(path)) if _is_weights_only(model) else read_onnx_record(model)
-    metadata = dict(record.metadata)
-    raw_scalars = metadata.pop(SCALARS_KEY, None)
-    scalars = {}
-    if raw_scalars is not None:
+    checkpoint = read_pytorch(path, top_level_key=top_level_key)
+    tensors, problems = [], []
+    for name, array in checkpoint.tensors.items():
         try:
-            scalars = _decode_scalars(path, json.loads(raw_scalars))
+            dtype = dtype_from_numpy(array.dtype)
         except ValueError as exc:
-            raise RecordError(f"'{path}': the recorded scalars are not valid JSON ({exc})") from None
-    tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name)
-               for name, s in record.items()]
-    return _Source(tensors, metadata, scalars, external_files=_external_data_files(model))
+            problems.append(f"'{name}': {exc}")
+            continue
+
+        def load(_array=array, _dtype=dtype):
+            return TensorData(_array, _dtype, tuple(_array.shape))
+
+        tensors.append(_Tensor(name, dtype, tuple(int(d) for d in array.shape), None, load, source_name=name))
+    if problems:
+        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype Burn has no dtype for", problems)
+    notes = [f"not a tensor, left out: '{name}'" for name in checkpoint.skipped]
+    notes += [f"one tensor in the file, written once per name: {', '.join(group)}" for group in checkpoint.tied]
+    return _Source(tensors, {}, {}, notes=notes)
 
 
-def _external_data_files(model) -> frozenset:
-    """Real paths of the files ``model``'s (an ``ir.Model``) external tensors read: initializers
-    and ``Constant`` / tensor attributes, subgraphs included (locations resolved against the
-    model's folder, as ONNX Runtime does)."""
-    import onnx_ir as ir
+def read_record(path: "str | os.PathLike", *, top_level_key: Optional[str] = None) -> ModuleRecord:
+    """The tensors of a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` file as a
+    lazy :class:`~onnxparam.ModuleRecord` (names as :func:`convert` reads them; the data stays in
+    the mapped file until read). ``top_level_key`` selects a checkpoint dict's entry (``.pt``).
 
-    from ..onnx_io.source import iter_graphs
-
-    tensors = []
-    for g in iter_graphs(model.graph):
-        tensors += [value.const_value for value in g.initializers.values()]
-        for node in g:
-            tensors += [a.value for a in node.attributes.values()
-                        if not a.is_ref() and a.type == ir.AttributeType.TENSOR]
-    return frozenset(os.path.realpath(t.path) for t in tensors if isinstance(t, ir.ExternalTensor))
+    Raises:
+        ValueError: for an unknown extension.
+        FileNotFoundError: for a missing file.
+        RecordError / OnnxFormatError: for a malformed file.
+    """
+    path = Path(path)
+    fmt = format_of(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file: '{path}'")
+    source = _read_pytorch(path, top_level_key) if fmt == "pytorch" else _READERS[fmt](path)
+    return ModuleRecord({t.name: t.snapshot() for t in source.tensors}, source.metadata)
 
 
 def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> None:
@@ -204,53 +168,6 @@ def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> N
             )
 
 
-def _is_weights_only(model) -> bool:
-    """True for a model :func:`_weights_only_model` wrote: no inputs, and every node an
-    ``Identity`` from an initializer ``<name>`` to the output ``<name>:value``."""
-    graph = model.graph
-    if len(graph.inputs) or not len(graph.initializers):
-        return False
-    fed = set()
-    for node in graph:
-        if (node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1
-                or len(node.outputs) != 1 or node.inputs[0] is None
-                or node.outputs[0].name != node.inputs[0].name + OUTPUT_SUFFIX):
-            return False
-        fed.add(node.inputs[0].name)
-    return fed == set(graph.initializers)
-
-
-def _read_weights_only(model, source: str) -> ModuleRecord:
-    """Every initializer of a weights-only model, in order. (The ONNX bridge's weight rules
-    leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)"""
-    from ..onnx_io import metadata as md
-    from ..onnx_io.naming import onnx_name_to_path
-    from ..onnx_io.weights import burn_dtype, tensor_data
-
-    values = list(model.graph.initializers.values())
-    metas = md.read_params(model.metadata_props,
-                           {v.name: dict(v.const_value.metadata_props) for v in values if v.const_value is not None},
-                           source)
-    items = {}
-    for value in values:
-        tensor = value.const_value
-        dtype = burn_dtype(tensor.dtype)
-        if dtype is None:
-            raise RecordError(f"{source}: initializer {value.name!r} has element type {tensor.dtype.name}, "
-                              "which Burn has no dtype for")
-        meta = metas.get(value.name, md.ParamMetadata())
-        name = tensor.metadata_props.get(SOURCE_NAME_KEY) or onnx_name_to_path(value.name)
-        if name in items:
-            raise RecordError(f"{source}: two initializers are read as the tensor {name!r} (one is {value.name!r}); "
-                              f"remove or fix the {SOURCE_NAME_KEY!r} metadata of one")
-        items[name] = TensorSnapshot(
-            dtype, tuple(int(d) for d in tensor.shape.numpy()), meta.param_id,
-            lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
-    props = model.metadata_props
-    record_meta = {k[len(md.RECORD_PREFIX):]: v for k, v in props.items() if k.startswith(md.RECORD_PREFIX)}
-    return ModuleRecord(items, record_meta)
-
-
 def convert(
     src: "str | os.PathLike",
     dst: "str | os.PathLike",
@@ -261,6 +178,10 @@ def convert(
     exclude=None,
     cast=None,
     transpose=None,
+    no_transpose=None,
+    pytorch: bool = False,
+    top_level_key: Optional[str] = None,
+    contiguous_indices: bool = False,
     metadata: Optional[dict] = None,
     allow_partial: bool = False,
     zero_copy: bool = False,
@@ -271,7 +192,8 @@ def convert(
     """Convert the weights of ``src`` into ``dst``; formats from the extensions.
 
     Args:
-        src: a ``.bpk``, ``.safetensors`` or ``.onnx`` file.
+        src: a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` (``torch.save``,
+            read without torch by :func:`onnxparam.formats.pytorch.read_pytorch`) file.
         dst: the file to write (``.bpk``, ``.safetensors`` or ``.onnx``); replaced atomically.
         graph: for an ``.onnx`` target: an existing ONNX model whose weights are replaced by the
             source's tensors (matched by path); without it a weights-only model is written.
@@ -283,6 +205,18 @@ def convert(
             :func:`~onnxparam.convert.adapters.cast_spec`).
         transpose: regexes (searched in the *target* names) of rank-2 tensors to transpose,
             e.g. ``r"^fc\\d\\.weight$"`` for Linear weights between PyTorch and Burn layouts.
+        no_transpose: regexes (target names) of tensors ``pytorch=True`` must not transpose.
+        pytorch: PyTorch <-> Burn layouts without a module: only what names and shapes settle
+            (a Linear weight is known by its bias; norm ``weight``/``bias`` <-> ``gamma``/``beta``;
+            ``num_batches_tracked`` left out); every rank-2 ``weight`` left alone is listed in
+            ``report.untouched`` (see :mod:`onnxparam.convert._pytorch_layout`). The direction
+            follows the formats: to Burn from a ``.pt`` / ``.safetensors`` source, to PyTorch
+            into a ``.safetensors`` target.
+        top_level_key: for a ``.pt`` source: the checkpoint dict's entry holding the state dict.
+        contiguous_indices: first renumber the integer segments of the source names to 0, 1,
+            2 ... per position (``fc.0, fc.2`` -> ``fc.0, fc.1``; Burn's
+            ``map_indices_contiguous``, for ``nn.Sequential`` gaps); ``include`` / ``exclude`` /
+            ``remap`` then see the renumbered names.
         metadata: entries added to (or replacing) the source's metadata.
         allow_partial: with ``graph``: keep the graph's own data for weights the source lacks,
             and ignore source tensors the graph has no weight for.
@@ -308,17 +242,36 @@ def convert(
     """
     src, dst = Path(src), Path(dst)
     src_fmt, dst_fmt = format_of(src), format_of(dst)
+    if dst_fmt not in WRITABLE:
+        raise ValueError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
+                         ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+    to_pytorch = _pytorch_direction(src, dst, src_fmt, dst_fmt) if pytorch else None
+    if top_level_key is not None and src_fmt != "pytorch":
+        raise ValueError(f"top_level_key applies to .pt / .pth sources; the source is '{src}'")
     if graph is not None and dst_fmt != "onnx":
         raise ValueError(f"graph= applies to .onnx targets only; the target is '{dst}'")
     if zero_copy:
         _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
     if not src.exists():
         raise FileNotFoundError(f"no such file: '{src}'")
-    source = _READERS[src_fmt](src)
+    source = _read_pytorch(src, top_level_key) if src_fmt == "pytorch" else _READERS[src_fmt](src)
     try:
         _check_target_is_not_read(src, dst, source, graph)
         report = ConvertReport(source=str(src), target=str(dst))
-        tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose)
+        report.notes += source.notes
+        if contiguous_indices:
+            renumbered = map_indices_contiguous([t.name for t in source.tensors])
+            report.renamed += [(old, new) for old, new in renumbered.items() if old != new]
+            source.tensors = [replace(t, name=renumbered[t.name]) for t in source.tensors]
+        plan = None
+        if to_pytorch is not None:
+            plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)
+            user = KeyRemapper.of(remap)
+            if not isinstance(user, KeyRemapper):
+                raise ValueError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
+                                 "replacement) pairs or a KeyRemapper")
+            remap = KeyRemapper(plan.rules + list(user.rules))
+        tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose, no_transpose, plan)
         if progress is not None:
             tensors = [_with_progress(t, progress) for t in tensors]
         meta = dict(source.metadata)
@@ -330,6 +283,18 @@ def convert(
     report.tensors = [t.name for t in tensors]
     report.bytes_written = dst.stat().st_size
     return report
+
+
+def _pytorch_direction(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> bool:
+    """``True`` (Burn -> PyTorch) for a ``.safetensors`` target from a Burn-layout source,
+    ``False`` (PyTorch -> Burn) from a ``.pt`` / ``.safetensors`` source to a Burn-side target."""
+    if dst_fmt == "safetensors" and src_fmt in ("burnpack", "onnx"):
+        return True
+    if src_fmt in ("pytorch", "safetensors") and dst_fmt in ("burnpack", "onnx"):
+        return False
+    raise ValueError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
+                     f"(.bpk / .onnx); '{src}' -> '{dst}' has PyTorch's layout on "
+                     f"{'both sides' if dst_fmt == 'safetensors' else 'neither side'}")
 
 
 def _check_zero_copy_options(src: Path, dst: Path, src_fmt: str, dst_fmt: str, cast, transpose) -> None:
@@ -348,17 +313,29 @@ def _check_zero_copy_options(src: Path, dst: Path, src_fmt: str, dst_fmt: str, c
         )
 
 
-def _transform(tensors: list, report: ConvertReport, remap, include, exclude, cast, transpose) -> list:
+def _transform(tensors: list, report: ConvertReport, remap, include, exclude, cast, transpose, no_transpose=None,
+               plan=None) -> list:
     remapper = KeyRemapper.of(remap)
     path_filter = PathFilter(include, exclude)
     casts = cast_spec(cast)
     transposes = _compile_all(transpose) or ()
+    keep_as_is = _compile_all(no_transpose) or ()
+    auto = set(plan.transpose) if plan is not None else set()
+    dropped = set(plan.dropped) if plan is not None else set()
+    if plan is not None:
+        for name, why in plan.untouched:
+            target = remapper.apply(name)
+            if not any(p.search(target) for p in transposes + keep_as_is):
+                report.untouched.append((name, why))
     out: list[_Tensor] = []
     origin: dict[str, str] = {}
     problems: list[str] = []
     for t in tensors:
         if not path_filter.matches(t.name):
             report.skipped.append(t.name)
+            continue
+        if t.name in dropped:
+            report.ignored.append(t.name)
             continue
         name = remapper.apply(t.name)
         if name in origin:
@@ -368,7 +345,9 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
         if name != t.name:
             report.renamed.append((t.name, name))
             t = replace(t, name=name)
-        if transposes and any(p.search(name) for p in transposes):
+        wanted = (t.name in auto or any(p.search(name) for p in transposes)) and not any(
+            p.search(name) for p in keep_as_is)
+        if wanted:
             if len(t.shape) != 2 or t.dtype is DType.QFloat:
                 problems.append(f"cannot transpose '{name}': only plain rank-2 tensors are transposed, it is "
                                 f"{t.dtype.name} {list(t.shape)}")
@@ -404,174 +383,6 @@ def _write_burnpack(dst: Path, tensors: list, metadata: dict, scalars: dict) -> 
         for t in tensors
     )
     burnpack.write(dst, entries, metadata=metadata, scalars=scalars)
-
-
-# -- ONNX targets -------------------------------------------------------------------------------
-
-
-def _record_metadata(metadata: dict, scalars: dict) -> dict:
-    meta = dict(metadata)
-    if scalars:
-        meta[SCALARS_KEY] = json.dumps(_encode_scalars(scalars), separators=(",", ":"), ensure_ascii=False)
-    return meta
-
-
-def _onnx_problems(tensors: list) -> list:
-    problems = []
-    for t in tensors:
-        if t.dtype is DType.QFloat:
-            problems.append(f"tensor '{t.name}' is quantized (QFloat): ONNX holds quantized weights as "
-                            "DequantizeLinear (QDQ) initializers, written by the ONNX exporter; dequantize or export it")
-    return problems
-
-
-def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, allow_partial: bool,
-                external_data) -> None:
-    problems = _onnx_problems(tensors)
-    if problems:
-        raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
-    record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
-    if graph is not None:
-        from ..onnx_io.records import write_record_to_onnx
-
-        write_record_to_onnx(record, graph, dst, allow_partial=allow_partial, external_data=external_data)
-        return
-    from ..onnx_io.save import save_model
-
-    model = _weights_only_model(tensors, record.metadata, lambda t, onnx_name, props: _lazy_tensor(t, onnx_name, props))
-    save_model(model, dst, external_data=external_data)
-
-
-def _lazy_tensor(t: _Tensor, onnx_name: str, props: dict):
-    import onnx_ir as ir
-
-    dtype = ir.DataType(t.dtype.to_onnx())
-
-    def materialize(_t=t, _name=onnx_name, _dtype=dtype):
-        return ir.Tensor(_t.to_data().to_numpy(), dtype=_dtype, name=_name)
-
-    return ir.LazyTensor(materialize, dtype=dtype, shape=ir.Shape(t.shape), name=onnx_name, metadata_props=props)
-
-
-def _weights_only_model(tensors: list, record_meta: dict, make_tensor):
-    """A model whose graph holds ``tensors`` as initializers, each returned by an ``Identity``."""
-    import onnx_ir as ir
-
-    from .._version import __version__
-    from ..onnx_io import metadata as md
-    from ..onnx_io.naming import onnx_name_to_path, path_to_onnx_name
-
-    initializers, outputs, nodes = [], [], []
-    metas = {}
-    names: dict[str, str] = {}
-    problems = []
-    for t in tensors:
-        try:
-            onnx_name = path_to_onnx_name(t.name)
-        except ValueError:  # not a module path: ONNX names are free-form, keep it (SOURCE_NAME_KEY)
-            onnx_name = t.name
-        if onnx_name in names:
-            problems.append(f"tensors {names[onnx_name]!r} and {t.name!r} both become the ONNX initializer "
-                            f"{onnx_name!r}; rename one (--remap / remap=)")
-            continue
-        names[onnx_name] = t.name
-        pid = None if t.param_id is None else ParamId(int(t.param_id))
-        meta = md.ParamMetadata(pid)
-        if not meta.is_empty():
-            metas[onnx_name] = meta
-        props = md.tensor_props(meta)
-        if onnx_name_to_path(onnx_name) != t.name:
-            props[SOURCE_NAME_KEY] = t.name
-        dtype = ir.DataType(t.dtype.to_onnx())
-        tensor = make_tensor(t, onnx_name, props)
-        value = ir.Value(name=onnx_name, shape=ir.Shape(t.shape), type=ir.TensorType(dtype), const_value=tensor)
-        initializers.append(value)
-        out = ir.Value(name=onnx_name + OUTPUT_SUFFIX, shape=ir.Shape(t.shape), type=ir.TensorType(dtype))
-        nodes.append(ir.Node("", "Identity", [value], outputs=[out], name=onnx_name + OUTPUT_SUFFIX))
-        outputs.append(out)
-    if problems:
-        raise RecordError(f"cannot make a weights-only model: {len(problems)} problem(s)", problems)
-    clash = sorted(n + OUTPUT_SUFFIX for n in names if n + OUTPUT_SUFFIX in names)
-    if clash:
-        raise RecordError(f"cannot make a weights-only model: output names {clash} are also weight names")
-    graph = ir.Graph(inputs=[], outputs=outputs, nodes=nodes, initializers=initializers,
-                     opset_imports={"": WEIGHTS_OPSET}, name="weights")
-    model = ir.Model(graph, ir_version=WEIGHTS_IR_VERSION, producer_name="onnxparam", producer_version=__version__)
-    props = {md.VERSION_KEY: __version__}
-    if metas:
-        props[md.PARAMS_KEY] = md.model_params_prop(metas)
-    for key, value in record_meta.items():
-        props[md.RECORD_PREFIX + key] = str(value)
-    model.metadata_props.update(props)
-    return model
-
-
-def _write_onnx_zero_copy(src: Path, dst: Path, tensors: list, metadata: dict, scalars: dict, graph,
-                          allow_partial: bool, report: ConvertReport) -> None:
-    import onnx_ir as ir
-
-    location = Path(os.path.relpath(os.path.abspath(src), os.path.abspath(dst.parent))).as_posix()
-    base_dir = os.path.abspath(dst.parent)
-    problems = _onnx_problems(tensors)
-    for t in tensors:
-        if t.dtype is DType.Bool and t.bool_store == "U32":
-            problems.append(f"tensor '{t.name}' is a Bool stored as U32: ONNX bool is one byte, so its bytes "
-                            "cannot be referenced; convert without zero_copy")
-        if t.file_slice is None:  # pragma: no cover - excluded by _check_zero_copy_options
-            problems.append(f"tensor '{t.name}' was transformed; zero_copy references source bytes only")
-    if problems:
-        raise RecordError(f"cannot write '{dst}' with zero_copy: {len(problems)} problem(s)", problems)
-
-    def external(t: _Tensor, onnx_name: str, props: dict):
-        offset, length = t.file_slice
-        return ir.ExternalTensor(location, offset, length, ir.DataType(t.dtype.to_onnx()), shape=ir.Shape(t.shape),
-                                 name=onnx_name, metadata_props=props, base_dir=base_dir)
-
-    record_meta = _record_metadata(metadata, scalars)
-    if graph is None:
-        model = _weights_only_model(tensors, record_meta, external)
-    else:
-        model = _graph_with_external_weights(tensors, record_meta, graph, allow_partial, external, report)
-    from ..onnx_io import metadata as md
-
-    header_bytes = min((t.file_slice[0] for t in tensors), default=os.path.getsize(src))
-    model.metadata_props[md.ZERO_COPY_KEY] = md.zero_copy_fingerprint(src, location, header_bytes)
-    proto = ir.serde.serialize_model(model)
-    with atomic_output(dst) as out:
-        out.write(proto.SerializeToString())
-    report.notes.append(f"zero-copy: the weights stay in '{src}' (ONNX external data location '{location}')")
-
-
-def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_partial: bool, external,
-                                 report: ConvertReport):
-    """``graph`` (a copy) whose weights are external slices of the source (``external``)."""
-    import onnx_ir as ir
-
-    from ..onnx_io.records import weights_into_graph
-    from ..onnx_io.source import iter_graphs
-    from ..onnx_io.weights import INITIALIZER
-
-    ours = set()
-
-    def make_tensor(t, site, props):
-        if site.kind == INITIALIZER:
-            tensor = external(t, site.name, props)
-            ours.add(id(tensor))
-            return tensor
-        # NOTE: a Constant node's value cannot point at external data in ONNX Runtime, so
-        # Constant-held weights are copied into the model.
-        report.notes.append(f"'{site.path}' is held by a Constant node: its data is copied into the model")
-        return ir.Tensor(t.to_data().to_numpy(), dtype=site.tensor.dtype, name=site.name)
-
-    model = weights_into_graph({t.name: t for t in tensors}, graph, allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta)
-    # Other external tensors of the graph point at files beside the *old* model: bring them in.
-    for g in iter_graphs(model.graph):
-        for value in g.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor) and id(tensor) not in ours:
-                value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
-    return model
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,13 @@ changes neither factor; the layout that matters is the target param's here: an a
 attached says it, else the module's declared layout (``lora_transposed_paths``), else the shape
 (``(in, out)`` vs ``(out, in)``; a square weight is taken as ``(in, out)``, Burn's layout).
 
+Embedding LoRA (``lora_embedding_A`` / ``_B``), convolution LoRA (``lora_A`` a conv,
+``lora_B`` a 1x1 conv; the delta reshaped to the weight) and ``lora_bias`` (``lora_B.bias``,
+added to the layer's bias times the scale, as PEFT merges it) are loaded.
+
 Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
 (``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
-embedding / convolution LoRA (``lora_embedding_A``, 4-d factors), non-LoRA ``peft_type``.
+non-LoRA ``peft_type``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import math
 import os
 import re
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -45,7 +50,7 @@ from ..module import named_params, rebuild
 from ..param import Param, ParamId
 from ..tensor import Tensor
 
-__all__ = ["load_peft_adapter", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
+__all__ = ["load_peft_adapter", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -56,6 +61,10 @@ DEFAULT_PEFT_KEY_MAP = ((r"^base_model\.model\.", ""),)
 
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
 """``<module>.lora_A.weight`` (and the older ``<module>.lora_A.<adapter name>.weight``)."""
+_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B)(?:\.[^.]+)?$")
+"""``<module>.lora_embedding_A`` ``(r, num_embeddings)`` / ``_B`` ``(dim, r)`` (embedding LoRA)."""
+_BIAS_KEY = re.compile(r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.(?P<which>bias)$")
+"""``<module>.lora_B.bias`` ``(out,)`` (``lora_bias=True``)."""
 
 
 PEFT_DEFAULT_LORA_ALPHA = 8
@@ -85,7 +94,7 @@ class PeftConfig:
         if raw.get("bias", "none") not in ("none", None):
             problems.append(f"bias={raw.get('bias')!r}: trained biases are not part of a LoRA adapter; "
                             "only bias='none' is supported")
-        for key in ("use_qalora", "lora_bias"):
+        for key in ("use_qalora",):
             if raw.get(key):
                 problems.append(f"{key}=true is not supported")
         if problems:
@@ -99,6 +108,7 @@ class PeftConfig:
             raise RecordError(f"{source}: adapter_config.json needs an integer 'r' >= 1 and a finite number "
                               f"'lora_alpha' ({type(e).__name__}: {e})") from None
         self.use_rslora = bool(raw.get("use_rslora", False))
+        self.lora_bias = bool(raw.get("lora_bias", False))
         self.fan_in_fan_out = bool(raw.get("fan_in_fan_out", False))
         # NOTE (reliability fuzzing): patterns are checked here, so a bad key or value is a
         # RecordError naming it, not a re.error / ValueError while the weights are matched.
@@ -193,30 +203,166 @@ def _map_key(name: str, rules: Sequence) -> str:
     return name
 
 
+IN_OUT, OUT_IN, CONV = "in_out", "out_in", "conv"
+"""A 2-d weight's layout: ``(d_in, d_out)`` (Burn's ``Linear``, ONNX ``MatMul`` B, an embedding
+table ``(num_embeddings, dim)``) or ``(d_out, d_in)`` (PyTorch's ``Linear``, ``Gemm`` ``transB=1``,
+``Transpose -> MatMul``)."""
+
+
+@dataclass
+class PeftLoadReport:
+    """What :func:`load_peft_adapter` did with each PEFT module of a checkpoint.
+
+    Attributes:
+        matched: PEFT module name -> the param path its adapter was attached to.
+        unmatched: PEFT module names that map to no param (ignored with ``allow_partial``).
+        problems: one line per problem that stopped the load (empty on success).
+    """
+
+    matched: dict = field(default_factory=dict)
+    unmatched: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.matched)} PEFT module(s) matched, {len(self.unmatched)} unmatched"]
+        lines += [f"  {name} -> {path}" for name, path in self.matched.items()]
+        lines += [f"  {name}: no param" for name in self.unmatched]
+        return "\n".join(lines)
+
+
+class _Targets:
+    """Resolves a mapped PEFT module name to a param path and says each param's layout.
+
+    Names resolve, in order, as a module path (``fc1.weight``, or ``fc1`` + ``.weight``), as an
+    ONNX weight name of an imported module (``onnx::MatMul_352`` as the file spells it), or,
+    in an imported graph, as the ``<module>.weight`` whose ``MatMul`` / ``Gemm`` output gets
+    ``<module>.bias`` added (how torch's TorchScript exporter leaves ``nn.Linear`` weights it
+    renamed). Layouts come from modules that declare them from their graph
+    (``lora_weight_layouts``: an imported ``OnnxModule``), else from ``lora_transposed_paths``
+    declarations, else Burn's ``(d_in, d_out)`` (this library's ``nn`` modules); never from
+    shapes."""
+
+    def __init__(self, module):
+        from ..module import named_modules
+
+        self.params = dict(named_params(module))
+        self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
+        self.graph_prefixes: list = []
+        self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
+        for prefix, sub in named_modules(module):
+            method = getattr(sub, "lora_weight_layouts", None)
+            if not callable(method):
+                continue
+            join = (lambda p, _pre=prefix: f"{_pre}.{p}" if _pre else p)
+            self.graph_prefixes.append(f"{prefix}." if prefix else "")
+            self.layouts.update({join(p): layout for p, layout in method().items()})
+            onnx_names = sub.onnx_names  # a property: path -> ONNX name
+            for path, name in onnx_names.items():
+                self.names.setdefault(name, join(path))
+            by_name = {name: join(path) for path, name in onnx_names.items()}
+            for alias, name in _linear_aliases(sub.ir_model).items():
+                if name in by_name:
+                    self.names.setdefault(alias, by_name[name])
+
+    def resolve(self, mapped: str) -> Optional[str]:
+        for candidate in (mapped, f"{mapped}.weight"):
+            if candidate in self.params:
+                return candidate
+        for candidate in (mapped, f"{mapped}.weight"):
+            if candidate in self.names:
+                return self.names[candidate]
+        return None
+
+    def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:
+        """The bias param of the module whose weight is ``weight_path`` (``fc.weight`` ->
+        ``fc.bias``; ``<mapped>.bias`` as a path or an ONNX name)."""
+        candidates = [f"{mapped}.bias"]
+        if weight_path.endswith(".weight"):
+            candidates.insert(0, weight_path[: -len(".weight")] + ".bias")
+        for candidate in candidates:
+            if candidate in self.params:
+                return candidate
+            if candidate in self.names and self.names[candidate] in self.params:
+                return self.names[candidate]
+        return None
+
+    def layout(self, path: str) -> str:
+        """``IN_OUT`` / ``OUT_IN``, or why the layout is not known."""
+        if path in self.layouts:
+            return self.layouts[path]
+        if any(path.startswith(prefix) for prefix in self.graph_prefixes):
+            return "the graph does not use it as a 2-d weight"
+        # this library's modules: Linear / Embedding (d_in, d_out), Conv (out, in / groups, *kernel)
+        return CONV if len(self.params[path].lazy_shape()) >= 3 else IN_OUT
+
+
+def _linear_aliases(model) -> dict:
+    """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is an initializer
+    (directly or through a 2-d ``Transpose``) and whose output gets an initializer named
+    ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
+    aliases = {}
+    for node in model.graph.all_nodes():
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        weight = node.inputs[1]
+        producer = weight.producer() if weight is not None else None
+        if producer is not None and producer.op_type == "Transpose":
+            weight = producer.inputs[0]
+        if weight is None or not weight.is_initializer():
+            continue
+        biases = [node.inputs[2]] if node.op_type == "Gemm" and len(node.inputs) > 2 else []
+        for user, _ in node.outputs[0].uses():
+            if user.op_type == "Add":
+                biases += [v for v in user.inputs if v is not None and v is not node.outputs[0]]
+        for bias in biases:  # NOTE: torch dedupes equal initializers: the bias may be an Identity's output
+            if bias is not None and bias.name and bias.name.endswith(".bias"):
+                aliases.setdefault(bias.name[: -len(".bias")] + ".weight", weight.name)
+        scope = node.name or ""
+        if scope.startswith("/") and scope.count("/") >= 2:  # torch's node names: /<module path>/MatMul
+            aliases.setdefault(scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name)
+    return aliases
+
+
+def _factor_array(snap, np_dtype) -> np.ndarray:
+    return np.asarray(snap.to_data().to_numpy())
+
+
 def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = None, *,
-                      allow_partial: bool = False):
+                      allow_partial: bool = False, return_report: bool = False):
     """A copy of ``module`` with the LoRA adapters of a PEFT checkpoint attached.
 
     Args:
-        module: any :class:`~onnxparam.Module`.
+        module: any :class:`~onnxparam.Module` (an imported :class:`~onnxparam.OnnxModule` too).
         folder_or_files: a folder with ``adapter_config.json`` and ``adapter_model.safetensors``,
             or those two paths.
         key_map: ``[(regex, replacement), ...]`` applied in order (``re.sub``) to each PEFT
-            module name, after :data:`DEFAULT_PEFT_KEY_MAP` strips ``base_model.model.``; the
-            result is the module path of the adapted param (``"fc1.weight"``), or of its module
-            (``"fc1"``, ``.weight`` is appended when that is not a param).
-        allow_partial: ignore PEFT modules that map to no param (else an error lists them).
+            module name, after :data:`DEFAULT_PEFT_KEY_MAP` strips ``base_model.model.``. The
+            result names the adapted param as a module path (``"fc1.weight"``, or ``"fc1"``,
+            ``.weight`` appended), or, on an imported model, as the ONNX weight name users see
+            (``"onnx::MatMul_352"``, ``"bert.encoder.layer.0.attention.self.query.weight"``).
+            Without a rule, an imported ``nn.Linear`` weight that torch's exporter renamed is
+            found through its ``<module>.bias`` (see :class:`_Targets`).
+        allow_partial: ignore PEFT modules that map to no param (they are listed in the
+            report); zero matched modules is an error all the same.
+        return_report: return ``(module, PeftLoadReport)`` instead of the module.
 
     Returns:
         the new module: each target param (frozen) carries a :class:`~onnxparam.LoraAdapter`
         with ``a = lora_A.T`` ``(d_in, r)``, ``b = lora_B.T`` ``(r, d_out)`` at the param's
-        float dtype, the PEFT scale, and the param's layout (module docstring). A target that
-        already has an adapter keeps its factors' ids.
+        float dtype, the PEFT scale (``alpha / r``, rsLoRA ``alpha / sqrt(r)``) and the layout
+        its graph (or module) declares. Embedding LoRA (``lora_embedding_A`` ``(r, num)``,
+        ``lora_embedding_B`` ``(dim, r)``) attaches the same way to the ``(num, dim)`` table.
+        With ``lora_bias`` the bias param gets a rank-1 adapter whose delta is
+        ``scale * lora_B.bias`` (PEFT's merge). A target that already has an adapter keeps its
+        factors' ids.
 
     Raises:
-        RecordError: for an unsupported variant (the option named), keys that are not LoRA
-            factors, unmatched modules, or factors whose shapes do not fit the target (every
-            problem listed together).
+        RecordError: for an unsupported variant (the option named: DoRA, convolution LoRA ...),
+            keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
+            matched module at all, or a target whose layout the graph does not decide; every
+            problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
+        ShapeMismatchError: (a ``RecordError``) when the only problems are factors that do
+            not fit their target (the param and both shapes named).
     """
     from ..formats.safetensors import read_safetensors
 
@@ -228,35 +374,39 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
                           f"{CONFIG_FILE} and {WEIGHTS_FILE}")
     tensors = read_safetensors(weights_path).tensors
     pairs: dict = {}
-    problems = []
+    report = PeftLoadReport()
+    problems = report.problems
     for key, snap in tensors.items():
-        match = _KEY.match(key)
+        match = _KEY.match(key) or _EMBEDDING_KEY.match(key) or _BIAS_KEY.match(key)
         if match is None:
-            what = ("lora_embedding factors (embedding LoRA)" if "lora_embedding_" in key else
-                    "a bias (bias training)" if key.endswith(".bias") else
+            what = ("a bias (bias training)" if key.endswith(".bias") else
                     "a full weight (modules_to_save)" if ".modules_to_save." in key or ".lora_" not in key
                     else "not a LoRA factor")
             problems.append(f"{key!r}: {what} is not supported")
             continue
         pairs.setdefault(match["module"], {})[match["which"]] = snap
-    params = dict(named_params(module))
-    flipped = transposed_paths(module)
+    targets = _Targets(module)
     plan: dict = {}
     for name, factors in pairs.items():
-        if set(factors) != {"A", "B"}:
-            problems.append(f"PEFT module {name!r} has lora_{next(iter(factors))} but not its pair")
+        if not {"A", "B"} <= set(factors):
+            have = sorted(factors)
+            problems.append(f"PEFT module {name!r} has lora_{have[0]} but not its pair")
             continue
         mapped = _map_key(name, rules)
-        target = mapped if mapped in params else f"{mapped}.weight"
-        if target not in params:
+        target = targets.resolve(mapped)
+        if target is None:
+            report.unmatched.append(name)
             if not allow_partial:
                 problems.append(f"PEFT module {name!r} maps to {mapped!r}, which is not a param (nor is "
-                                f"{mapped + '.weight'!r}); add a key_map rule (regex, replacement)")
+                                f"{mapped + '.weight'!r}, nor an ONNX weight of that name); add a key_map rule "
+                                "(regex, replacement)")
             continue
         A, B = factors["A"], factors["B"]
         if len(A.shape) != 2 or len(B.shape) != 2:
-            problems.append(f"PEFT module {name!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
-                            "(convolution LoRA) are not supported")
+            entry = _conv_entry(name, target, A, B, targets, config, problems)
+            if entry is not None:
+                plan[target] = entry
+                report.matched[name] = target
             continue
         rank, d_in = A.shape
         d_out, rank_b = B.shape
@@ -268,35 +418,50 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             problems.append(f"PEFT module {name!r}: the config's rank is {expected_rank} (r / rank_pattern), "
                             f"the factors have rank {rank}")
             continue
-        param = params[target]
+        param = targets.params[target]
         shape = tuple(param.lazy_shape())
-        adapter = param.adapter()
-        if adapter is not None:
-            transposed = bool(adapter.transposed)
-        elif target in flipped:
-            transposed = True
-        else:
-            transposed = shape == (d_out, d_in) and shape != (d_in, d_out)
+        layout = targets.layout(target)
+        if layout not in (IN_OUT, OUT_IN):
+            problems.append(f"PEFT module {name!r} -> {target!r}: the layout of {target!r} {list(shape)} is not "
+                            f"known: {layout}; an adapter cannot be attached without knowing its input axis")
+            continue
+        transposed = layout == OUT_IN
         want = (d_out, d_in) if transposed else (d_in, d_out)
-        if len(shape) != 2 or shape != want:
+        if shape != want:
             problems.append(
-                f"PEFT module {name!r} -> {target!r}: the factors make a ({d_out}, {d_in}) PyTorch weight, "
-                f"the param is {list(shape)}"
-                + ("" if len(shape) != 2 else "; check the key_map points at the right weight"))
+                f"PEFT module {name!r} -> {target!r}: the factors make a ({d_out}, {d_in}) PyTorch weight "
+                f"(in {d_in} -> out {d_out}), the param is {list(shape)}, stored "
+                f"{'(d_out, d_in)' if transposed else '(d_in, d_out)'} as its graph / module says, so it needs "
+                f"{list(want)}; check the key_map points at the right weight")
             continue
         if target in plan:
             problems.append(f"PEFT modules {plan[target][0]!r} and {name!r} both map to {target!r}")
             continue
-        plan[target] = (name, A, B, config.scale_for(name, rank), transposed)
+        scale = config.scale_for(name, rank)
+        plan[target] = (name, _factor_array(A, None).T, _factor_array(B, None).T, scale, transposed)
+        report.matched[name] = target
+        if "bias" in factors:
+            bias_path = targets.bias_of(mapped, target)
+            bias = _factor_array(factors["bias"], None).reshape(-1)
+            if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
+                problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
+                                f"{target!r} has no bias param of that size to attach it to")
+                continue
+            plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
+    if not report.matched and not problems:
+        problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
+                        f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
     if problems:
         kind = ShapeMismatchError if all("the param is" in p for p in problems) else RecordError
-        raise kind(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}", problems)
+        error = kind(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}", problems)
+        error.report = report
+        raise error
 
     def attach(path: str, param: Param) -> Param:
         entry = plan.get(path)
         if entry is None:
             return param
-        name, A, B, scale, transposed = entry
+        name, a, b, scale, transposed = entry
         dtype = param.lazy_dtype()
         # NOTE: factors follow the base's float dtype (F32 for a quantized base), as apply_lora's
         np_dtype = np.float32 if dtype is DType.QFloat or not dtype.is_float else dtype.to_numpy()
@@ -305,10 +470,38 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         a_id = old.a.id if old is not None else ParamId()
         b_id = old.b.id if old is not None else ParamId()
         # NOTE: PEFT's A is (r, in), B is (out, r); ours are their transposes (module docstring)
-        a = np.ascontiguousarray(np.asarray(A.to_data().to_numpy()).T.astype(np_dtype))
-        b = np.ascontiguousarray(np.asarray(B.to_data().to_numpy()).T.astype(np_dtype))
-        pa = Param.initialized(a_id, Tensor.from_numpy(a, device), True)
-        pb = Param.initialized(b_id, Tensor.from_numpy(b, device), True)
+        pa = Param.initialized(a_id, Tensor.from_numpy(np.ascontiguousarray(a.astype(np_dtype)), device), True)
+        pb = Param.initialized(b_id, Tensor.from_numpy(np.ascontiguousarray(b.astype(np_dtype)), device), True)
         return param.set_require_grad(False).with_adapter(LoraAdapter(pa, pb, float(scale), transposed=transposed))
 
-    return rebuild(module, attach)
+    result = rebuild(module, attach)
+    return (result, report) if return_report else result
+
+
+def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
+    """The plan entry of a convolution LoRA (PEFT ``Conv1d/2d/3d``): ``lora_A`` is a conv
+    ``(r, in / groups, *kernel)``, ``lora_B`` a 1x1 conv ``(out, r, 1, ...)``; the delta
+    ``scale * B.flatten(1) @ A.flatten(1)`` reshaped to the weight ``(out, in / groups,
+    *kernel)``: a transposed adapter ``a = A.flatten(1).T``, ``b = B.flatten(1).T``."""
+    param = targets.params[target]
+    shape = tuple(param.lazy_shape())
+    layout = targets.layout(target)
+    rank = A.shape[0]
+    if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or B.shape[1] != rank \
+            or any(k != 1 for k in B.shape[2:]):
+        problems.append(f"PEFT module {name!r} -> {target!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
+                        f"do not make a convolution LoRA for {target!r} {list(shape)} ({layout})")
+        return None
+    want = (B.shape[0],) + tuple(A.shape[1:])
+    if shape != want:
+        problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight, "
+                        f"the param is {list(shape)}")
+        return None
+    if config.rank_for(name) != rank:
+        problems.append(f"PEFT module {name!r}: the config's rank is {config.rank_for(name)} (r / rank_pattern), "
+                        f"the factors have rank {rank}")
+        return None
+    a = _factor_array(A, None).reshape(rank, -1).T
+    b = _factor_array(B, None).reshape(B.shape[0], rank).T
+    return name, a, b, config.scale_for(name, rank), True
+

@@ -130,6 +130,12 @@ class ConvertReport:
         renamed: ``(source name, written name)``.
         transposed: ``(written name, source shape, written shape)``.
         cast: ``(written name, source dtype, written dtype)``.
+        ignored: source names left out because the target has no counterpart by design
+            (``num_batches_tracked`` under ``pytorch=True``, as the PyTorch adapter ignores it
+            when loading into a module).
+        untouched: ``(source name, why)`` for tensors ``pytorch=True`` could not decide from
+            names and shapes (a rank-2 ``weight`` without a bias: Linear or Embedding); settle
+            them with ``transpose`` / ``no_transpose`` (``--transpose RE`` / ``--no-transpose RE``).
         bytes_written: size of the target file (for zero-copy ONNX: the model file only).
         notes: anything else worth telling (e.g. "weights stay in model.bpk (zero-copy)").
     """
@@ -141,15 +147,21 @@ class ConvertReport:
     renamed: list = field(default_factory=list)
     transposed: list = field(default_factory=list)
     cast: list = field(default_factory=list)
+    ignored: list = field(default_factory=list)
+    untouched: list = field(default_factory=list)
     bytes_written: int = 0
     notes: list = field(default_factory=list)
 
     def __str__(self) -> str:
         head = (f"ConvertReport: {self.source!r} -> {self.target!r}: {len(self.tensors)} tensors, "
                 f"{self.bytes_written} bytes written, {len(self.skipped)} skipped, {len(self.renamed)} renamed, "
-                f"{len(self.transposed)} transposed, {len(self.cast)} cast")
+                f"{len(self.transposed)} transposed, {len(self.cast)} cast, {len(self.ignored)} ignored, "
+                f"{len(self.untouched)} untouched")
         lines = [head]
         lines += [f"  note: {n}" for n in self.notes]
+        lines += _section("untouched (decide with --transpose RE / --no-transpose RE, or load into a module)",
+                          [f"{n}: {why}" for n, why in self.untouched])
+        lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))
         lines += _change_sections(self)
         return "\n".join(lines)

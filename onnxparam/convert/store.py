@@ -16,6 +16,7 @@ dtype are checked against the param. Every problem is collected before anything 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Optional
 
@@ -23,7 +24,7 @@ from ..dtype import DType
 from ..errors import RecordError
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..module import named_modules
-from ..record import ModuleRecord, TensorSnapshot, _dtype_fits, load_record
+from ..record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
 from .adapters import (
     KeyRemapper,
     ModuleAdapter,
@@ -36,7 +37,8 @@ from .adapters import (
 )
 from .report import LoadReport, SaveReport
 
-__all__ = ["apply_record", "collect_record", "load_safetensors", "save_safetensors", "module_types"]
+__all__ = ["apply_record", "collect_record", "load_safetensors", "load_pytorch", "load_onnx", "save_safetensors",
+           "module_types"]
 
 
 def module_types(module) -> dict:
@@ -67,13 +69,22 @@ def apply_record(
     allow_partial: bool = False,
     contiguous_indices: bool = False,
     source: str = "",
+    report: Optional[LoadReport] = None,
 ):
-    """A copy of ``module`` holding the tensors of ``record``, and a report of what happened.
+    """A copy of ``module`` holding the tensors of ``record``: THE record application.
+
+    Every loader goes through here: :meth:`Module.load_record <onnxparam.Module.load_record>`,
+    :meth:`Module.load_file <onnxparam.Module.load_file>` (burnpack), :func:`load_safetensors`,
+    :func:`load_pytorch`, :func:`load_onnx` and :func:`onnxparam.record.load_record`. Each
+    returns the loaded module; the :class:`LoadReport` is filled into the ``report`` you pass
+    (and attached to a raised ``RecordError`` as ``error.report``).
 
     Args:
         module: the target :class:`~onnxparam.Module`; it is not changed.
-        record: ``name -> TensorSnapshot`` (a :class:`~onnxparam.ModuleRecord`, or
-            ``read_safetensors(path).to_record()``, ``ModuleRecord.load_file(path)`` ...).
+        record: ``name -> tensor``: a :class:`~onnxparam.ModuleRecord` (``TensorSnapshot``
+            values), or a plain dict of numpy arrays, :class:`~onnxparam.Tensor` /
+            ``TensorData`` values or torch tensors (a ``model.state_dict()``; torch is not
+            imported for it).
         adapter: ``"pytorch"`` (PyTorch layouts and names, see
             :class:`~onnxparam.convert.adapters.PyTorchAdapter`), ``None``, or an adapter.
         remap: key remapping rules applied to the record's names: a
@@ -89,22 +100,27 @@ def apply_record(
         contiguous_indices: renumber integer path segments of the record's names to 0, 1, 2...
             (PyTorch ``nn.Sequential`` gaps) before remapping.
         source: the name used in messages and the report (a file path).
+        report: a :class:`LoadReport` to fill in (``report = LoadReport(); m = apply_record(m,
+            rec, report=report)``); ``None`` when you do not need it.
 
     Returns:
-        ``(module, report)``: the loaded copy (lazy: no data is read until a value is needed;
-        ids from the record where it has them, else the module's) and a :class:`LoadReport`.
+        The loaded copy of ``module`` (lazy: no data is read until a value is needed; ids from
+        the record where it has them, else the module's).
 
     Raises:
         RecordError: listing every problem (missing, unused, mis-shaped, mis-typed tensors, two
             tensors renamed to one name), each naming the tensor with expected and found
             shape / dtype; its ``report`` attribute holds the :class:`LoadReport`.
     """
+    record = as_record(record)
     adapter = resolve_adapter(adapter)
     remapper = KeyRemapper.of(remap)
     path_filter = PathFilter(include, exclude)
     to_module_dtype = isinstance(cast, str) and cast.lower() == "module"
     casts = None if to_module_dtype else cast_spec(cast)
-    report = LoadReport(source=str(source))
+    report = LoadReport() if report is None else report
+    report.source = str(source)
+    has = "the file has" if source else "the record has"
     problems: list[str] = []
 
     renumbered = map_indices_contiguous(record) if contiguous_indices else {n: n for n in record}
@@ -116,11 +132,25 @@ def apply_record(
             report.errors.append(problems[-1])
             continue
         by_name[name] = original
+    snaps = {name: record[original] for name, original in by_name.items()}
 
     types = module_types(module)
+    params = dict(module.named_params())
+    restructured: set = set()
+    restructure = getattr(adapter, "restructure", None)
+    if restructure is not None:
+        from .torch_layers import layer_mapper
+
+        mapped, consumed = restructure(module, snaps, layer_mapper)
+        for name, layer in consumed.items():
+            report.renamed.append((by_name.pop(name), layer))
+            del snaps[name]
+        for name, snap in mapped.items():
+            by_name[name], snaps[name] = name, snap
+        restructured = set(mapped)
     used: set = set()
     matched: dict[str, TensorSnapshot] = {}
-    for path, param in module.named_params():
+    for path, param in params.items():
         owner = _owner(path, types)
         key = path if path in by_name else adapter.file_name(path, owner)
         if not path_filter.matches(path):
@@ -132,12 +162,12 @@ def apply_record(
             continue
         used.add(key)
         original = by_name[key]
-        snap = record[original]
+        snap = snaps[key]
         if original != path:
             report.renamed.append((original, path))
         where = f"'{path}'" + (f" (from '{original}')" if original != path else "")
         expected_shape = tuple(int(d) for d in param.lazy_shape())
-        if adapter.transposes(path, owner, tuple(snap.shape)):
+        if key not in restructured and adapter.transposes(path, owner, tuple(snap.shape)):
             try:
                 snap = transpose_snapshot(snap)
             except ValueError as exc:
@@ -158,10 +188,10 @@ def apply_record(
             snap = cast_snapshot(snap, target, name=path)
         error = None
         if tuple(snap.shape) != expected_shape:
-            error = (f"shape mismatch for {where}: the module expects {list(expected_shape)}, the file has "
+            error = (f"shape mismatch for {where}: the module expects {list(expected_shape)}, {has} "
                      f"{_shape(snap.shape)}" + _shape_hint(expected_shape, tuple(snap.shape), path, report))
         elif not _dtype_fits(expected_dtype, snap.dtype):
-            error = (f"dtype mismatch for {where}: the module expects {expected_dtype.name}, the file has "
+            error = (f"dtype mismatch for {where}: the module expects {expected_dtype.name}, {has} "
                      f"{snap.dtype.name}; pass cast='module' to convert it to the module's dtype")
         if error is not None:
             problems.append(error)
@@ -182,23 +212,46 @@ def apply_record(
             report.unused.append(original)
 
     if not allow_partial:
-        params = dict(module.named_params()) if report.missing else {}
         for path in report.missing:
             param_desc = _describe(params[path])
-            problems.append(f"missing tensor '{path}': the module expects {param_desc}, the file has none"
+            problems.append(f"missing tensor '{path}': the module expects {param_desc}, {has} none"
                             + _missing_hint(path, report))
         for original in report.unused:
-            renamed = remapper.apply(renumbered[original])
+            renamed = remapper.apply(renumbered[original]) if original in renumbered else original
             shown = f"'{original}'" + (f" (renamed to '{renamed}')" if renamed != original else "")
-            problems.append(f"unused tensor {shown}: the module has no param at this path; "
-                            "rename it with remap=[(pattern, replacement)], or pass allow_partial=True")
+            problems.append(f"unexpected tensor {shown}: " + _unexpected_hint(renamed, params))
     if problems:
         what = f"'{source}'" if source else "the record"
         error = RecordError(f"cannot load {what} into {type(module).__name__}: {len(problems)} problem(s)", problems)
         error.report = report
         raise error
-    loaded = load_record(module, ModuleRecord(matched), allow_partial=True)
-    return loaded, report
+    return _rebuild(module, matched)
+
+
+def _rebuild(module, matched: Mapping):
+    """A copy of ``module`` whose params at ``matched``'s paths take those (checked) snapshots,
+    each through ``Param.transform_for_load``; no data is read here."""
+    from ..module import rebuild
+
+    def load(path: str, param):
+        snap = matched.get(path)
+        if snap is None:
+            return param
+        return param.transform_for_load(snap, snap.param_id if snap.param_id is not None else param.id)
+
+    return rebuild(module, load)
+
+
+_LORA_FACTOR = re.compile(r"^(?P<base>.+)\.lora\.(?:a|b)$")
+
+
+def _unexpected_hint(name: str, params: Mapping) -> str:
+    match = _LORA_FACTOR.match(name)
+    if match and match.group("base") in params:
+        return (f"it is a LoRA factor, but '{match.group('base')}' has no adapter; LoRA's scale is not stored "
+                "in records, so apply_lora(LoraConfig(rank, alpha)) with the training config first, then load")
+    return ("the module has no param at this path; rename it with remap=[(pattern, replacement)], "
+            "or pass allow_partial=True")
 
 
 def _describe(param) -> str:
@@ -284,17 +337,19 @@ def load_safetensors(
     cast=None,
     allow_partial: bool = False,
     contiguous_indices: bool = False,
+    report: Optional[LoadReport] = None,
 ):
-    """Load a safetensors file into a copy of ``module``; see :func:`apply_record`.
+    """Load a safetensors file into a copy of ``module`` through :func:`apply_record`.
 
     Example, a PyTorch checkpoint into Burn-layout layers::
 
-        model, report = load_safetensors(model, "model.safetensors", adapter="pytorch",
-                                         remap=[(r"^backbone\\.", "")], allow_partial=True)
+        report = LoadReport()
+        model = load_safetensors(model, "model.safetensors", adapter="pytorch",
+                                 remap=[(r"^backbone\\.", "")], allow_partial=True, report=report)
         print(report)
 
     Returns:
-        ``(module, LoadReport)``; the file's data stays memory-mapped until a value is needed.
+        The loaded copy of ``module``; the file's data stays memory-mapped until a value is needed.
 
     Raises:
         RecordError: for a malformed file, or tensors that do not fit (all listed).
@@ -302,7 +357,84 @@ def load_safetensors(
     st_file = read_safetensors(path)
     return apply_record(module, st_file.to_record(), adapter=adapter, remap=remap, include=include,
                         exclude=exclude, cast=cast, allow_partial=allow_partial,
-                        contiguous_indices=contiguous_indices, source=str(path))
+                        contiguous_indices=contiguous_indices, source=str(path), report=report)
+
+
+def load_pytorch(
+    module,
+    path: "str | os.PathLike",
+    *,
+    top_level_key: Optional[str] = None,
+    adapter: "ModuleAdapter | str | None" = "pytorch",
+    remap=None,
+    include=None,
+    exclude=None,
+    cast=None,
+    allow_partial: bool = False,
+    contiguous_indices: bool = False,
+    report: Optional[LoadReport] = None,
+):
+    """Load a ``torch.save`` checkpoint (``.pt`` / ``.pth``) into a copy of ``module``, without torch.
+
+    The file is read by :func:`onnxparam.formats.pytorch.read_pytorch` (restricted unpickler:
+    nothing in the file runs; contiguous tensors stay views of the mapped file) and applied by
+    :func:`apply_record` with the PyTorch adapter by default: by the type of the module holding
+    each param, ``Linear`` weights are transposed, ``Embedding`` tables are not, norm
+    ``weight``/``bias`` load into ``gamma``/``beta``, and BatchNorm's ``num_batches_tracked``
+    is reported as ``ignored``.
+
+    Example::
+
+        model = load_pytorch(Net(), "net.pt", top_level_key="state_dict", remap=[(r"^module\\.", "")])
+
+    Args:
+        top_level_key: the entry of a checkpoint dict holding the state dict (``"state_dict"``,
+            ``"model"``); ``None`` for a plain ``torch.save(model.state_dict())`` file.
+        adapter: ``"pytorch"`` (default) or ``None`` for a checkpoint already in Burn's layout.
+
+    Returns:
+        The loaded copy of ``module``. Non-tensor entries of the checkpoint (an epoch number,
+        optimizer hyper-parameters) are listed in ``report.skipped``.
+
+    Raises:
+        RecordError: for a file that is not a torch checkpoint, a pickle naming a global outside
+            the allow-list (nothing is run), a missing ``top_level_key``, or tensors that do not
+            fit (all listed).
+    """
+    from ..formats.pytorch import read_pytorch
+
+    checkpoint = read_pytorch(path, top_level_key=top_level_key)
+    record = as_record(checkpoint.tensors)
+    report = LoadReport() if report is None else report
+    try:
+        return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
+                            cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
+                            source=str(path), report=report)
+    finally:
+        report.skipped.extend(f"{name} (not a tensor)" for name in checkpoint.skipped)
+
+
+def load_onnx(module, path: "str | os.PathLike", *, adapter=None, remap=None, include=None, exclude=None,
+              cast=None, allow_partial: bool = False, contiguous_indices: bool = False,
+              report: Optional[LoadReport] = None):
+    """Load the weights of an ``.onnx`` file (a model onnxparam exported, or a weights-only one
+    ``onnxparam convert`` wrote) into a copy of ``module`` through :func:`apply_record`.
+
+    The weights are found by :func:`onnxparam.onnx_io.records.read_onnx_record`. To build a
+    module *from* an ONNX graph use :func:`onnxparam.import_onnx` instead (it returns a new
+    ``OnnxModule``; it is a constructor, not a loader).
+
+    Returns:
+        The loaded copy of ``module``.
+
+    Raises:
+        RecordError / OnnxFormatError: for a malformed file or tensors that do not fit.
+    """
+    from .converter import read_record
+
+    return apply_record(module, read_record(path), adapter=adapter, remap=remap, include=include, exclude=exclude,
+                        cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
+                        source=str(path), report=report)
 
 
 def save_safetensors(

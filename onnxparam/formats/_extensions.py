@@ -3,14 +3,17 @@ ask it before loading any reader)."""
 
 from pathlib import Path
 
-__all__ = ["FORMATS", "format_of"]
+__all__ = ["FORMATS", "WRITABLE", "format_of"]
 
-FORMATS = {".bpk": "burnpack", ".safetensors": "safetensors", ".onnx": "onnx"}
-"""File extension -> format name."""
+FORMATS = {".bpk": "burnpack", ".safetensors": "safetensors", ".onnx": "onnx", ".pt": "pytorch", ".pth": "pytorch"}
+"""File extension -> format name. ``pytorch`` (``torch.save`` checkpoints) is read, never written."""
+
+WRITABLE = ("burnpack", "safetensors", "onnx")
+"""The formats :func:`onnxparam.convert.convert` writes."""
 
 
 def format_of(path) -> str:
-    """``"burnpack"``, ``"safetensors"`` or ``"onnx"`` from the extension.
+    """``"burnpack"``, ``"safetensors"``, ``"onnx"`` or ``"pytorch"`` from the extension.
 
     Raises:
         ValueError: for any other extension.

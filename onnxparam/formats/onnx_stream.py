@@ -45,7 +45,7 @@ from google.protobuf.message import DecodeError
 from .._scratch import atomic_output
 from ..errors import OnnxFormatError
 
-__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "MAX_PROTOBUF_BYTES"]
+__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "read_onnx_mapped", "MAX_PROTOBUF_BYTES"]
 
 MAX_PROTOBUF_BYTES = 2**31 - 1
 """Protobuf cannot parse a message of 2 GiB or more (a signed 32-bit length): onnx.load and ONNX
@@ -72,6 +72,8 @@ class StreamedTensor:
             tensor is written, so a conversion can be deferred until then).
         nbytes: the byte length of ``data``; required when ``data`` is a callable, otherwise
             taken from ``data``.
+        metadata_props: ``(key, value)`` string pairs of the ``TensorProto``'s
+            ``metadata_props`` (field 16, written after the bytes, as protobuf orders fields).
     """
 
     name: str
@@ -79,6 +81,7 @@ class StreamedTensor:
     dims: tuple[int, ...]
     data: Source | Callable[[], Source]
     nbytes: int | None = None
+    metadata_props: tuple[tuple[str, str], ...] = ()
 
     def byte_length(self) -> int:
         if self.nbytes is not None:
@@ -118,9 +121,10 @@ def write_onnx_streamed(
     """
     tensors = list(tensors)
     headers = [_tensor_header(t) for t in tensors]
+    trailers = [_tensor_trailer(t) for t in tensors]
     model_rest = _without(model, "graph")
     graph_rest = model.graph.SerializeToString() if model.HasField("graph") else b""
-    init_lengths = [len(h) + t.byte_length() for t, h in zip(tensors, headers)]
+    init_lengths = [len(h) + t.byte_length() + len(tr) for t, h, tr in zip(tensors, headers, trailers)]
     graph_length = len(graph_rest) + sum(_len_field_overhead(_GRAPH_INITIALIZER_FIELD, n) + n for n in init_lengths)
     model_chunks = _split_fields(model_rest)
     total = sum(len(c) for _, c in model_chunks) + _len_field_overhead(_MODEL_GRAPH_FIELD, graph_length) + graph_length
@@ -138,9 +142,10 @@ def write_onnx_streamed(
         for field, chunk in graph_chunks:
             if field <= _GRAPH_INITIALIZER_FIELD:
                 out.write(chunk)
-        for tensor, header, length in zip(tensors, headers, init_lengths):
+        for tensor, header, trailer, length in zip(tensors, headers, trailers, init_lengths):
             out.write(_tag(_GRAPH_INITIALIZER_FIELD, _WIRE_LEN) + _varint(length) + header)
             _copy_data(out, tensor)
+            out.write(trailer)
         for field, chunk in graph_chunks:
             if field > _GRAPH_INITIALIZER_FIELD:
                 out.write(chunk)
@@ -190,6 +195,20 @@ def _tensor_header(t: StreamedTensor) -> bytes:
     parts.append(_tag(8, _WIRE_LEN) + _varint(len(name)) + name)
     parts.append(_tag(9, _WIRE_LEN) + _varint(n))
     return b"".join(parts)
+
+
+def _len_field(field: int, payload: bytes) -> bytes:
+    return _tag(field, _WIRE_LEN) + _varint(len(payload)) + payload
+
+
+def _string_entry(key: str, value: str) -> bytes:
+    """A ``StringStringEntryProto`` (key = 1, value = 2)."""
+    return _len_field(1, key.encode("utf-8")) + _len_field(2, value.encode("utf-8"))
+
+
+def _tensor_trailer(t: StreamedTensor) -> bytes:
+    """TensorProto field 16 (``metadata_props``), which follows raw_data (field 9)."""
+    return b"".join(_len_field(16, _string_entry(k, v)) for k, v in t.metadata_props)
 
 
 def _expected_nbytes(t: StreamedTensor) -> int | None:
@@ -378,3 +397,69 @@ def _simple_tensor(view: memoryview, pos: int, end: int) -> StreamedTensor | Non
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model of an inline ``.onnx`` file with each ``raw_data`` initializer of its main graph
+    turned into an *external-data reference into the file itself*, in place and in order.
+
+    The file is walked in a read-only map (nothing is copied but the small fields): an
+    initializer's ``raw_data`` (field 9) is replaced by ``external_data`` (field 13:
+    ``location`` = the file's name, ``offset`` = where its bytes start in the file, ``length``)
+    and ``data_location = EXTERNAL`` (field 14). ``onnx_ir`` then reads each tensor as a view
+    of a map of the file when (and if) it is needed (set the model's base folder to the file's
+    folder), so reading a 1 GiB model costs its structure, not 2 GiB of protobuf and copies.
+    Initializer order, names, metadata and every other field are kept as they are.
+
+    Raises:
+        OnnxFormatError: the file is not a protobuf ``ModelProto`` (truncated, bad lengths) or
+            holds no graph.
+    """
+    path = os.fspath(path)
+    location = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as e:
+        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    view = memoryview(mapped)
+    try:
+        model_out, found_graph = bytearray(), False
+        for field, wire, start, value_start, end in _walk(view, 0, len(view)):
+            if field != _MODEL_GRAPH_FIELD or wire != _WIRE_LEN:
+                model_out += view[start:end]
+                continue
+            found_graph = True
+            graph_out = bytearray()
+            for g_field, g_wire, g_start, g_value, g_end in _walk(view, value_start, end):
+                if g_field == _GRAPH_INITIALIZER_FIELD and g_wire == _WIRE_LEN:
+                    graph_out += _len_field(_GRAPH_INITIALIZER_FIELD, _external_tensor(view, g_value, g_end, location))
+                else:
+                    graph_out += view[g_start:g_end]
+            model_out += _len_field(_MODEL_GRAPH_FIELD, bytes(graph_out))
+        model = onnx.ModelProto.FromString(bytes(model_out))
+    except (IndexError, ValueError, UnicodeDecodeError, DecodeError) as e:
+        raise OnnxFormatError(
+            f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e}); the file may be truncated"
+        ) from None
+    if not found_graph:
+        raise OnnxFormatError(f"{path}: holds no ONNX graph (ModelProto field {_MODEL_GRAPH_FIELD}); is it an .onnx file?")
+    return model
+
+
+def _external_tensor(view: memoryview, pos: int, end: int, location: str) -> bytes:
+    """One TensorProto's bytes with its raw_data (if any) replaced by a reference to ``location``."""
+    out, raw = bytearray(), None
+    for field, wire, start, value, field_end in _walk(view, pos, end):
+        if field == 9 and wire == _WIRE_LEN:
+            raw = (value, field_end - value)
+        else:
+            out += view[start:field_end]
+    if raw is None:
+        return bytes(out)
+    offset, length = raw
+    for key, val in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        out += _len_field(13, _string_entry(key, val))
+    out += _tag(14, _WIRE_VARINT) + _varint(1)  # data_location = EXTERNAL
+    return bytes(out)

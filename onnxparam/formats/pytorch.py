@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import RecordError
+from ._limits import name_problem, shape_problem
+from ._names import KeyRemapper, map_indices_contiguous
 from ._torch_archive import StorageBytes, open_checkpoint
 from ._torch_pickle import TensorRef
 
@@ -86,12 +88,12 @@ def read_pytorch(
 
     1. ``top_level_key`` selects one entry of the top dict first (``"state_dict"``, ``"model"``).
     2. ``key_remap`` applies each ``(pattern, replacement)`` with :func:`re.sub` to every name,
-       one rule after the other (a later rule sees the earlier rules' output), as Burn's
-       ``KeyRemapper``. ``[(r"^module\\.", "")]`` strips a DataParallel prefix.
+       one rule after the other (a later rule sees the earlier rules' output):
+       :class:`~onnxparam.formats._names.KeyRemapper`, Burn's ``KeyRemapper``. ``[(r"^module\\.", "")]`` strips a DataParallel prefix.
     3. ``include`` keeps only names matching at least one regex (:func:`re.search`); the others
        are listed in ``excluded`` and their storages are never read.
     4. ``renumber`` renames integer path components to ``0..n-1`` in ascending order among
-       siblings that share a prefix: ``layers.0``, ``layers.2``, ``layers.5`` become
+       siblings that share a prefix (:func:`~onnxparam.formats._names.map_indices_contiguous`): ``layers.0``, ``layers.2``, ``layers.5`` become
        ``layers.0``, ``layers.1``, ``layers.2`` (nested indices are re-numbered per parent).
 
     Args:
@@ -128,12 +130,16 @@ def read_pytorch(
         refs["tensor"] = tree
     names = _remap(path, list(refs), key_remap)
     refs = _rename(path, refs, names)
+    bad = [problem for problem in map(name_problem, refs) if problem is not None]
+    if bad:
+        raise RecordError(f"{path}: tensors the library cannot name", bad)
     patterns = _compile(path, [include] if isinstance(include, str) else list(include or ()), "include")
     excluded = [n for n in refs if patterns and not any(p.search(n) for p in patterns)]
     for name in excluded:
         del refs[name]
     if renumber:
-        refs = _rename(path, refs, _renumber(list(refs)))
+        mapping = map_indices_contiguous(refs)
+        refs = _rename(path, refs, [mapping[n] for n in refs])
     tensors, tied, shared = _materialize(path, refs, storage_bytes, byteorder)
     return PytorchCheckpoint(tensors, skipped, excluded, tied, shared, byteorder)
 
@@ -195,18 +201,14 @@ def _compile(path: str, patterns: Sequence[str], what: str) -> list[re.Pattern]:
 
 
 def _remap(path: str, names: list[str], rules: Any) -> list[str]:
-    if hasattr(rules, "apply"):  # a remapper object, e.g. the converter's KeyRemapper
-        try:
-            return [rules.apply(n) for n in names]
-        except (re.error, IndexError) as e:
-            raise RecordError(f"{path}: key_remap {rules!r} failed ({e})") from None
-    for pattern, replacement in rules:
-        (compiled,) = _compile(path, [pattern], "key_remap")
-        try:
-            names = [compiled.sub(replacement, n) for n in names]
-        except (re.error, IndexError) as e:
-            raise RecordError(f"{path}: key_remap replacement {replacement!r} is invalid ({e})") from None
-    return names
+    try:
+        remapper = KeyRemapper.of(rules)
+    except re.error as e:
+        raise RecordError(f"{path}: key_remap regex {getattr(e, 'pattern', '?')!r} is invalid ({e})") from None
+    try:
+        return [remapper.apply(n) for n in names]
+    except (re.error, IndexError) as e:
+        raise RecordError(f"{path}: key_remap {remapper!r} failed ({e})") from None
 
 
 def _rename(path: str, refs: dict[str, TensorRef], new_names: list[str]) -> dict[str, TensorRef]:
@@ -221,22 +223,6 @@ def _rename(path: str, refs: dict[str, TensorRef], new_names: list[str]) -> dict
     if problems:
         raise RecordError(f"{path}: tensor names collide after renaming", problems)
     return out
-
-
-def _renumber(names: list[str]) -> list[str]:
-    parts = [n.split(".") for n in names]
-    depth = max((len(p) for p in parts), default=0)
-    for i in range(depth):
-        # Per parent prefix (already re-numbered at shallower depths), the integer components at i.
-        siblings: dict[tuple[str, ...], set[int]] = {}
-        for p in parts:
-            if i < len(p) and p[i].isdigit():
-                siblings.setdefault(tuple(p[:i]), set()).add(int(p[i]))
-        ranks = {prefix: {v: r for r, v in enumerate(sorted(vals))} for prefix, vals in siblings.items()}
-        for p in parts:
-            if i < len(p) and p[i].isdigit():
-                p[i] = str(ranks[tuple(p[:i])][int(p[i])])
-    return [".".join(p) for p in parts]
 
 
 # -- bytes -----------------------------------------------------------------------------------
@@ -278,6 +264,9 @@ def _array(path: str, name: str, ref: TensorRef, raw: memoryview, byteorder: str
     """Copy (or view) one tensor out of its storage bytes; never reads past them."""
     dtype = ref.dtype if byteorder == "little" else ref.dtype.newbyteorder(">")
     itemsize = dtype.itemsize
+    problem = shape_problem(ref.size, itemsize)
+    if problem is not None:
+        raise _ViewError(f"'{name}': {problem}")
     numel = math.prod(ref.size)
     available = len(raw) // itemsize
     if numel * itemsize > max(len(raw), MAX_EXPANDED_BYTES):

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextvars
+from typing import Optional
+
 from .. import ops
 from ..device import Device
 from ..dtype import DType
@@ -28,6 +31,18 @@ def _check_epsilon(epsilon: float) -> float:
     return epsilon
 
 
+_COLLECTOR: contextvars.ContextVar = contextvars.ContextVar("onnxparam_batch_stats", default=None)
+
+
+def record_batch_stats(layer, mean: Tensor, var: Tensor) -> None:
+    """Called by a training-mode ``BatchNorm`` forward: remember its batch statistics when
+    :func:`onnxparam.nn.update_running_stats` is tracing (else nothing)."""
+    entries: Optional[list] = _COLLECTOR.get()
+    if entries is not None:
+        entries.append((layer, mean, var))
+
+
+
 @config
 class BatchNormConfig:
     """Configuration of a :class:`BatchNorm` layer (Burn's ``BatchNormConfig``).
@@ -35,8 +50,8 @@ class BatchNormConfig:
     Args:
         num_features: the channel count ``C`` (axis 1 of the input).
         epsilon: added to the variance for numerical stability.
-        momentum: the running statistics' update weight during training (kept as configuration;
-            this library runs inference only).
+        momentum: the running statistics' update weight during training
+            (:func:`onnxparam.nn.update_running_stats`).
     """
 
     num_features: int
@@ -64,11 +79,14 @@ class BatchNorm(Module):
 
     Shapes: input ``[N, C, ...]`` (rank >= 2) -> output of the same shape and dtype.
 
-    ONNX: ``BatchNormalization`` (inference form), through :func:`onnxparam.ops.batch_norm`.
+    ONNX: ``BatchNormalization`` (inference form), through :func:`onnxparam.ops.batch_norm`;
+    in training mode (``module.train()``) the batch-statistics composition of
+    :func:`onnxparam.ops.batch_norm_train` (Burn's ``forward_train``: per-channel mean and biased
+    variance of this batch).
 
-    NOTE: the forward always uses the running statistics, also after ``train()``: this library
-    does not compute gradients, so Burn's training path (batch statistics, running-state
-    updates) has nothing to feed.
+    NOTE: the running statistics are not written by the training forward (a traced graph cannot
+    write its initializers and modules are values): :func:`onnxparam.nn.update_running_stats`
+    returns the module with the statistics Burn's ``forward_train`` would have written.
 
     Raises:
         ValueError: for a non-positive ``num_features`` or ``epsilon``, or a non-float dtype.
@@ -92,6 +110,10 @@ class BatchNorm(Module):
         return self.gamma.lazy_shape()[0]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            y, mean, var = ops.batch_norm_train(x, self.gamma.val(), self.beta.val(), epsilon=self.epsilon)
+            record_batch_stats(self, mean, var)
+            return y
         return ops.batch_norm(x, self.gamma.val(), self.beta.val(), self.running_mean.val(),
                               self.running_var.val(), epsilon=self.epsilon)
 

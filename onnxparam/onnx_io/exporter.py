@@ -41,6 +41,7 @@ def export_onnx(
     input_names: Optional[Sequence[str]] = None,
     output_names: Optional[Sequence[str]] = None,
     dynamic_axes: Optional[Mapping] = None,
+    dynamic_batch: "bool | str | None" = None,
     opset: Optional[int] = None,
     lora: str = "merge",
     external_data: Union[None, bool, str] = None,
@@ -60,7 +61,18 @@ def export_onnx(
             model's own input names).
         output_names: graph output names (default ``output`` / ``output_0`` ...; an imported
             model's own output names).
-        dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``.
+        dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``;
+            a declared output dim the forward makes a constant raises ``TraceError`` naming the
+            node (the file would break at another size).
+        dynamic_batch: ``True`` (or a dim name): dim 0 of every tensor input and output is the
+            batch (``"batch"``); ``False``: the example's shapes, as they are. ``None`` (the
+            default, when ``dynamic_axes`` is not given): the batch is made dynamic when it
+            can be: dim 0 of the example inputs of rank >= 2 that share the first one's dim 0
+            becomes ``"batch"`` (outputs follow it); if the forward cannot be traced that way,
+            or pins the batch in a constant (an output whose dim 0 becomes the example's batch
+            size as a constant), the file keeps the example's shapes and a ``UserWarning`` says
+            why (pass ``dynamic_batch=False`` to pin it silently). See "Dynamic shapes" in the
+            README.
         opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
             an imported model cannot be re-targeted to another opset).
         lora: the LoRA mode of :func:`onnxparam.trace.trace_module` (``"merge"``: an adapted
@@ -82,14 +94,15 @@ def export_onnx(
             :func:`~onnxparam.onnx_io.save.save_model`).
     """
     model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
-                             dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs)
+                             dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
+                             dynamic_batch=dynamic_batch)
     for key, value in (metadata or {}).items():
         model.metadata_props[str(key)] = str(value)
     return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
 
 
 def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
-                     opset=None, lora: str = "merge", kwargs=None) -> ir.Model:
+                     opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
     """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy)."""
     from ..trace import trace_module
 
@@ -99,12 +112,59 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
             return direct
         model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
     else:
-        traced = trace_module(module, tuple(example_inputs), kwargs=kwargs, input_names=input_names,
-                              output_names=output_names, dynamic_axes=dynamic_axes, opset=opset, lora=lora)
+        def trace(axes, batch=False):
+            return trace_module(module, tuple(example_inputs), kwargs=kwargs, input_names=input_names,
+                                output_names=output_names, dynamic_axes=axes, opset=opset, lora=lora,
+                                dynamic_batch=batch)
+
+        if dynamic_batch is None and dynamic_axes is None:
+            traced = _auto_batch(module, example_inputs, kwargs, trace)
+        else:
+            traced = trace(dynamic_axes, bool(dynamic_batch) and dynamic_batch)
         model = traced.model
         by_name = {path: (path, param) for path, param in traced.params.items()}
     _write_param_metadata(model, module, by_name)
+    from ..quant._qdq_forms import write_report
+
+    write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
+
+
+def _auto_batch(module, example_inputs, kwargs, trace):
+    """The default of :func:`export_onnx`: a dynamic batch where the forward allows it, else the
+    example's shapes with a warning (see ``dynamic_batch``)."""
+    import warnings
+
+    from ..errors import TraceError
+    from ..trace import _as_spec, _is_input, baking_node
+
+    tensors = [x for x in list(example_inputs) + list((kwargs or {}).values()) if _is_input(x)]
+    shapes = [_as_spec(x).shape for x in tensors]
+    ranked = [s for s in shapes if len(s) >= 2 and isinstance(s[0], int)]
+    if not ranked:
+        return trace(None)
+    size = ranked[0][0]
+    axes = {i: {0: "batch"} for i, s in enumerate(shapes) if len(s) >= 2 and s[0] == size}
+    why = None
+    try:
+        traced = trace(axes)
+    except TraceError as e:
+        why = f"the forward needs a concrete batch: {e}"
+    else:
+        for value in traced.graph.outputs:
+            dims = [d if isinstance(d, int) else d.value for d in (value.shape or ())]
+            if dims and dims[0] == size and size > 1:
+                node = baking_node(value)
+                where = f" at node {node.name!r} ({node.op_type})" if node is not None else ""
+                why = (f"output {value.name!r} has dim 0 = {size} as a constant{where} (a size taken from the "
+                       "example, not from the input?)")
+                break
+        else:
+            return traced
+    warnings.warn(f"export_onnx: {type(module).__name__} is exported with the example's batch size {size} "
+                  f"pinned, as {why}. Pass dynamic_batch=False to pin it without this warning, or "
+                  "dynamic_axes / dynamic_batch=True to require dynamic dims", UserWarning, stacklevel=4)
+    return trace(None)
 
 
 def _adapter_scales(module) -> dict:

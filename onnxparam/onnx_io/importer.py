@@ -216,6 +216,14 @@ class OnnxModule(Module):
         path = self.path_of(name)
         return dict(named_params(self))[path]
 
+    def lora_weight_layouts(self) -> dict:
+        """``path -> "in_out" | "out_in"`` (or why the graph does not decide) for each 2-d
+        weight, from the nodes that consume it (``onnxparam._lora_import.weight_layouts``)."""
+        from .._lora_import import weight_layouts
+
+        layouts = weight_layouts(self._source.loaded.model)
+        return {path: layouts[name] for path, name in self._source.names.items() if name in layouts}
+
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""

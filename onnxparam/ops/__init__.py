@@ -23,10 +23,13 @@ attribute forms where a graph is traced at an older opset (an imported model kee
 an op ONNX lacks at that opset raises :class:`~onnxparam.TraceError`.
 
 Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod:`.shape`,
-:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.custom`; import the ops
-from ``onnxparam.ops``.
+:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.nn_layers` (transposed
+convolution, group / RMS normalization, Burn's wider activations, training-mode batch norm and
+dropout), :mod:`.nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
+interpolation), :mod:`.nn_deform` (deformable convolution, fold, 3-D adaptive pooling), :mod:`.custom`; import the ops from ``onnxparam.ops``.
 """
 
+from .creation import arange, full, ones, zeros
 from .custom import custom, subgraph
 from .elementwise import (
     abs,
@@ -57,13 +60,56 @@ from .elementwise import (
 )
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
+from .nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d
+from .nn_layers import (
+    batch_norm_train,
+    celu,
+    conv_transpose1d,
+    conv_transpose2d,
+    dropout_train,
+    elu,
+    glu,
+    group_norm,
+    hard_shrink,
+    hard_sigmoid,
+    hard_swish,
+    hardtanh,
+    leaky_relu,
+    log_sigmoid,
+    mish,
+    prelu,
+    relu6,
+    rms_norm,
+    selu,
+    silu,
+    soft_shrink,
+    softplus,
+    softsign,
+    tanhshrink,
+    threshold,
+    thresholded_relu,
+)
+from .nn_spatial import (
+    adaptive_avg_pool1d,
+    avg_pool1d,
+    conv3d,
+    conv_transpose3d,
+    interpolate,
+    local_response_norm,
+    max_pool1d,
+    pixel_shuffle,
+    unfold4d,
+)
 from .reduce import argmax, max, mean, min, sum
+from .sequence_layers import gru, lstm, mask_fill, quiet_softmax
 from .shape import (
     concat,
     embedding,
+    expand,
     flatten,
     gather,
     gather_elements,
+    getitem,
     permute,
     reshape,
     slice,
@@ -82,12 +128,26 @@ __all__ = [
     "matmul", "linear", "gelu", "softmax", "log_softmax",
     # shapes
     "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze", "concat", "split",
-    "slice", "gather", "gather_elements", "embedding",
+    "slice", "gather", "gather_elements", "embedding", "expand", "getitem",
+    # creation (sizes may be symbolic)
+    "zeros", "ones", "full", "arange",
     # reductions
     "sum", "mean", "max", "min", "argmax",
     # convolution, pooling, normalization
     "conv1d", "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "batch_norm",
     "layer_norm", "dropout",
+    # sequence layers
+    "quiet_softmax", "mask_fill", "lstm", "gru",
+    # wider layer set (nn_layers)
+    "conv_transpose1d", "conv_transpose2d", "group_norm", "rms_norm", "prelu", "leaky_relu", "elu", "selu",
+    "celu", "hard_sigmoid", "hard_swish", "softplus", "softsign", "silu", "mish", "glu", "batch_norm_train",
+    "dropout_train", "relu6", "hardtanh", "log_sigmoid", "tanhshrink", "hard_shrink", "soft_shrink", "thresholded_relu",
+    "threshold",
+    # spatial layers (nn_spatial)
+    "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
+    "local_response_norm", "interpolate",
+    # deformable convolution, fold, 3-D adaptive pooling (nn_deform)
+    "deform_conv2d", "fold4d", "adaptive_avg_pool3d",
     # any node
     "custom", "subgraph",
 ]

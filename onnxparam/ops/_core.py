@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import trace as _trace
 from .._services import service
+from .._symint import SymInt
 from ..dtype import DType
 from ..errors import TraceError
 from ..tensor import Tensor
@@ -56,11 +57,32 @@ def _int64s(values) -> Tensor:
 
 
 def _int64_input(values) -> Tensor:
-    """A 1-D int64 input: a tensor as is (cast when needed), else a constant."""
+    """A 1-D int64 input: a tensor as is (cast when needed), else a constant; a sequence holding
+    :class:`~onnxparam._symint.SymInt` s becomes a ``Concat`` of their values and the ints."""
     if isinstance(values, Tensor):
         t = _t(values)
         return t if t.dtype is DType.I64 else _emit("Cast", [t], {"to": DType.I64}, types=[(DType.I64, t.shape)])
-    return _int64s([values] if isinstance(values, (int, np.integer)) else values)
+    if isinstance(values, SymInt):
+        return values.value()
+    if isinstance(values, (int, np.integer)):
+        return _int64s([values])
+    values = list(values)
+    if not builtins.any(isinstance(v, SymInt) for v in values):
+        return _int64s(values)
+    parts, run = [], []
+    for v in values:
+        if isinstance(v, SymInt):
+            if run:
+                parts.append(_int64s(run))
+                run = []
+            parts.append(v.value())
+        else:
+            run.append(v)
+    if run:
+        parts.append(_int64s(run))
+    if len(parts) == 1:
+        return parts[0]
+    return _emit("Concat", parts, {"axis": 0}, types=[(DType.I64, (len(values),))])
 
 
 def _norm_dim(dim: int, rank: int, what: str = "dim") -> int:

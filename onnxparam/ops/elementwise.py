@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._symint import SymInt
 from ..dtype import DType
 from ..tensor import Tensor
 from ._core import _const, _emit, _is_scalar, _op, _opset, _t
@@ -28,6 +29,8 @@ def _promote_with_scalar(t: Tensor, s):
 
 def _operands(op: str, a, b):
     """Two operands of a binary op as symbolic tensors of one dtype."""
+    if isinstance(a, SymInt) or isinstance(b, SymInt):  # a size in arithmetic: its int64 scalar, cast
+        a, b = _sized(a, b), _sized(b, a)
     a_scalar, b_scalar = _is_scalar(a), _is_scalar(b)
     if a_scalar and b_scalar:
         raise TypeError(f"{op}: at least one operand must be a Tensor; got two scalars")
@@ -41,6 +44,14 @@ def _operands(op: str, a, b):
         raise TypeError(f"{op}: operand dtypes differ ({a.dtype.name} and {b.dtype.name}); "
                         f"cast one with .cast(DType.{a.dtype.name})")
     return a, b
+
+
+def _sized(x, other):
+    if not isinstance(x, SymInt):
+        return x
+    t = x.scalar()
+    want = _t(other).dtype if isinstance(other, (Tensor, np.ndarray)) else DType.I64
+    return t if want is DType.I64 else cast(t, want)
 
 
 def _binary(op_type: str, a, b, name: str) -> Tensor:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._symint import SymInt
 from ..dtype import DType
 from ..errors import TraceError
 from ..tensor import Tensor
@@ -30,7 +31,7 @@ from .elementwise import cast
 
 __all__ = [
     "reshape", "flatten", "transpose", "permute", "squeeze", "unsqueeze", "concat", "split", "slice", "gather",
-    "gather_elements", "embedding",
+    "gather_elements", "embedding", "expand", "getitem",
 ]
 @_op
 def reshape(x, shape) -> Tensor:
@@ -38,7 +39,24 @@ def reshape(x, shape) -> Tensor:
     ``shape`` is a sequence of ints or a 1-D int tensor. ONNX: ``Reshape`` (ONNX spec: Reshape,
     ``allowzero=0``)."""
     x = _t(x)
-    return _emit("Reshape", [x, _int64_input(shape)])
+    types = None
+    if not isinstance(shape, Tensor) and not isinstance(shape, (int, np.integer, SymInt)):
+        dims = list(shape)
+        if builtins.any(isinstance(d, SymInt) for d in list(x.shape) + dims):
+            types = [(x.dtype, _reshape_dims(x.shape, dims))]
+    return _emit("Reshape", [x, _int64_input(shape)], types=types)
+
+
+def _reshape_dims(in_shape, dims) -> tuple:
+    """The output dims of ``Reshape`` (``allowzero=0``) with sizes that may be symbolic."""
+    out = [in_shape[i] if isinstance(d, (int, np.integer)) and d == 0 else d for i, d in enumerate(dims)]
+    holes = [i for i, d in enumerate(out) if isinstance(d, (int, np.integer)) and d == -1]
+    if len(holes) > 1:
+        raise ValueError(f"reshape: more than one -1 in {list(dims)}")
+    if holes:
+        known = math.prod(d for i, d in enumerate(out) if i != holes[0])
+        out[holes[0]] = math.prod(in_shape) // known
+    return tuple(int(d) if isinstance(d, np.integer) else d for d in out)
 
 
 @_op
@@ -56,7 +74,7 @@ def flatten(x, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     if start > end:
         raise ValueError(f"flatten: start_dim {start_dim} is after end_dim {end_dim}")
     merged = x.shape[start:end + 1]
-    size = math.prod(merged) if _static_dims(merged) else None
+    size = math.prod(merged)  # an int, or a SymInt product (emitted only if used)
     out_shape = x.shape[:start] + (size,) + x.shape[end + 1:]
     types = [(x.dtype, out_shape)]
     if start == end:
@@ -107,7 +125,7 @@ def squeeze(x, dims=None) -> Tensor:
         ValueError: when a named dim is known not to be 1.
     """
     x = _t(x)
-    axes = [i for i, d in enumerate(x.shape) if d == 1] if dims is None else _norm_dims(dims, x.rank)
+    axes = [i for i, d in enumerate(x.shape) if isinstance(d, int) and d == 1] if dims is None else _norm_dims(dims, x.rank)
     for a in axes:
         if isinstance(x.shape[a], int) and x.shape[a] != 1:
             raise ValueError(f"squeeze: dim {a} of shape {list(x.shape)} has size {x.shape[a]}, not 1")
@@ -231,3 +249,83 @@ def embedding(weight, indices) -> Tensor:
     ONNX: ``Gather`` (``axis=0``)."""
     return _emit("Gather", [_t(weight), _indices(indices)], {"axis": 0})
 
+
+
+@_op
+def expand(x, shape) -> Tensor:
+    """``x`` broadcast to ``shape`` (ints and :class:`~onnxparam._symint.SymInt` s; ``-1`` or
+    ``1`` keeps the input dim, as PyTorch's ``expand``; leading new dims allowed).
+    ONNX: ``Expand`` (ONNX spec: Expand-13, numpy broadcasting)."""
+    x = _t(x)
+    dims = list(shape)
+    rank = builtins.max(len(dims), x.rank)
+    in_dims = [1] * (rank - x.rank) + list(x.shape)
+    given = [-1] * (rank - len(dims)) + dims
+    out = []
+    for g, d in zip(given, in_dims):
+        keep = isinstance(g, (int, np.integer)) and int(g) in (-1, 1)
+        out.append(d if keep else g)
+    target = [1 if isinstance(g, (int, np.integer)) and int(g) == -1 else g for g in dims]
+    return _emit("Expand", [x, _int64_input(target)], types=[(x.dtype, tuple(out))])
+
+
+_INT64_MIN = int(np.iinfo(np.int64).min)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+@_op
+def getitem(x, key) -> Tensor:
+    """``x[key]`` with basic indexing: ints (the dim is removed; ONNX ``Gather``), slices with
+    int or :class:`~onnxparam._symint.SymInt` bounds and int steps (ONNX ``Slice``), ``None``
+    (a new dim; ``Unsqueeze``), ``...``; one 1-D int tensor picks along its dim (``Gather``)."""
+    x = _t(x)
+    key = key if isinstance(key, tuple) else (key,)
+    used = builtins.sum(1 for k in key if k is not None and k is not Ellipsis)
+    if used > x.rank:
+        raise IndexError(f"too many indices ({used}) for a tensor of rank {x.rank}")
+    if builtins.sum(1 for k in key if k is Ellipsis) > 1:
+        raise IndexError("an index can only have one ellipsis (...)")
+    expanded = []
+    for k in key:
+        expanded.extend([builtins.slice(None)] * (x.rank - used) if k is Ellipsis else [k])
+    expanded += [builtins.slice(None)] * (x.rank - builtins.sum(1 for k in expanded if k is not None))
+    starts, ends, axes, steps, picks, news = [], [], [], [], [], []
+    axis = out_pos = 0
+    for k in expanded:
+        if k is None:
+            news.append(out_pos)
+            out_pos += 1
+            continue
+        if isinstance(k, builtins.slice):
+            step = 1 if k.step is None else int(k.step)
+            if step == 0:
+                raise ValueError("slice step cannot be zero")
+            if not (k.start is None and k.stop is None and step == 1):
+                lo, hi = (0, _INT64_MAX) if step > 0 else (-1, _INT64_MIN)
+                starts.append(lo if k.start is None else k.start)
+                ends.append(hi if k.stop is None else k.stop)
+                axes.append(axis)
+                steps.append(step)
+            out_pos += 1
+        elif isinstance(k, (Tensor, np.ndarray, list)):
+            picks.append((axis, k))
+            out_pos += 1
+        else:
+            picks.append((axis, k if isinstance(k, SymInt) else int(k)))
+        axis += 1
+    y = x
+    if axes:
+        y = slice(y, starts, ends, axes, steps)
+    removed = 0
+    for ax, k in picks:
+        if isinstance(k, SymInt):
+            idx = k.scalar()
+        elif isinstance(k, int):
+            idx = _tracer().constant(np.asarray(k, dtype=np.int64))
+        else:
+            idx = _indices(k)
+        y = _emit("Gather", [y, idx], {"axis": ax - removed})
+        removed += 1 if idx.rank == 0 else 0
+    if news:
+        y = unsqueeze(y, news)
+    return y

@@ -25,7 +25,8 @@ _UPPER_LAYERS = {
     "quantize": ".calibration", "round_half_away_from_zero": ".calibration", "QuantizedTensor": ".tensor",
     "Calibration": ".module", "Quantizer": ".module",
     "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": "._activations",
-    "matmulnbits_accuracy_level": ".qdq",
+    "matmulnbits_accuracy_level": ".qdq", "quantized_ops": "._qdq_forms", "quantize_per_axis": ".calibration",
+    "channel_axes": ".module",
 }
 """Names imported on first use: those of the model layer (:mod:`.module`) and the graph layer
 (:mod:`.qdq`), since this facade sits in the value layer, which ``burnpack`` and ``tensor``
@@ -59,6 +60,9 @@ __all__ = [
     "qdq_options",
     "quantize_activations",
     "matmulnbits_accuracy_level",
+    "quantized_ops",
+    "quantize_per_axis",
+    "channel_axes",
     "QuantizationWarning",
     "quantize",
     "quantized_nbytes",

@@ -13,7 +13,7 @@ from ._qdq_options import _QDQ_META, ACTIVATION_RANGES_ATTR, qdq_options
 from .qdq import _activation_sites
 
 
-def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None):
+def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None, progress=None):
     """A copy of ``module`` that carries activation ranges measured on ``calibration_inputs``, so
     its traced graphs (``module(x)`` and export) get static ``QuantizeLinear -> DequantizeLinear``
     pairs around every ``MatMul`` / ``Conv`` with a quantized weight (module docstring).
@@ -27,6 +27,7 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             representative inputs, batch first; run in batches of ``batch_size`` (all at once
             when ``None``).
         batch_size: calibration batch size.
+        progress: called as ``progress(done, total)`` (samples) after each batch, or ``None``.
 
     Returns:
         the module copy (ranges in the private attribute :data:`ACTIVATION_RANGES_ATTR`).
@@ -45,9 +46,12 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     args = [np.asarray(a) for a in args]
     plain = rebuild(module, lambda p, param: param,
                     lambda path, m: m.__dict__.pop(ACTIVATION_RANGES_ATTR, None) if path == "" else None)
-    with qdq_options(matmul="dequantize"):
+    source = getattr(plain, "_source", None)
+    # NOTE: an imported graph's export keeps its own input names; calibrate under the same ones
+    names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else None
+    with qdq_options(matmul="dequantize", prefer="size"):
         traced = trace_module(plain, tuple(InputSpec(("batch",) + a.shape[1:], DType.from_numpy(a.dtype))
-                                           for a in args))
+                                           for a in args), input_names=names)
     emitted = {id(v.meta[_QDQ_META].output._symbol.value) for v in traced.graph.initializers.values()
                if _QDQ_META in v.meta}
     sites = _activation_sites(traced.graph, emitted)
@@ -75,6 +79,8 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             if name in lo and result.size:
                 lo[name] = min(lo[name], float(np.min(result)))
                 hi[name] = max(hi[name], float(np.max(result)))
+        if progress is not None:
+            progress(min(start + step, n), n)
     ranges = tuple((name, lo[name], hi[name]) for name in sites if math.isfinite(lo[name]))
 
     def set_ranges(path, m):

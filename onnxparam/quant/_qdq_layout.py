@@ -71,6 +71,8 @@ def _onnx_grid(qt: QuantizedTensor, opset: int):
     if qt.global_scale is not None:
         scales = (np.float32(qt.global_scale) * scales).astype(np.float32)  # Burn's (global * scale)
     rank = len(qt.shape)
+    if getattr(qt, "axis", None) is not None:
+        return scales.reshape(-1), qt.axis, None
     if scheme.block is None or scales.size == 1:
         return scales.reshape(()), None, None
     extents = scheme.block.size.to_dim_vec(rank)

@@ -25,6 +25,7 @@ NBITS_MIN_BLOCK = 16
 """``MatMulNBits`` blocks: a power of 2, at least 16 (ORT's ``DQMatMulToMatMulNBits`` selector)."""
 
 MATMUL_MODES = ("auto", "dynamic", "dequantize")
+PREFER_MODES = ("speed", "size")
 _QDQ_META = "onnxparam.qdq"
 
 
@@ -40,23 +41,31 @@ class QdqOptions:
             ones without zero point (lossless either way).
         reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
             fuses ``MatMulNBits`` (lossy; the largest error is reported), instead of warning.
+        prefer: ``"speed"`` (default): a weight feeding only ops that ORT runs slower with a
+            weight-only ``DequantizeLinear`` than in float (Conv, ConvTranspose, Gemm without
+            calibrated activations) is written as a float initializer (exactly ``param.val()``),
+            so the export is never slower than float32; ``"size"``: every quantized weight stays
+            integer (smallest file; those ops dequantize at every run).
 
     Raises:
-        ValueError: for an unknown ``matmul`` mode.
+        ValueError: for an unknown ``matmul`` or ``prefer`` mode.
     """
 
     matmul: str = "auto"
     unsigned: bool = False
     reblock: bool = False
+    prefer: str = "speed"
 
     def __post_init__(self):
         if self.matmul not in MATMUL_MODES:
             raise ValueError(f"QdqOptions.matmul must be one of {', '.join(MATMUL_MODES)}; got {self.matmul!r}")
+        if self.prefer not in PREFER_MODES:
+            raise ValueError(f"QdqOptions.prefer must be one of {', '.join(PREFER_MODES)}; got {self.prefer!r}")
 
 
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("onnxparam_qdq_options", default=None)
 
-RUNTIME_DEFAULT_OPTIONS = QdqOptions(matmul="dequantize")
+RUNTIME_DEFAULT_OPTIONS = QdqOptions(matmul="dequantize", prefer="size")
 """What ``module(x)`` traces with outside :func:`qdq_options`: weight-only ``DequantizeLinear``,
 so a quantized module computes with exactly ``param.val()`` (no activation quantization)."""
 

@@ -23,10 +23,10 @@ import numpy as np
 from ..errors import QuantizationError
 from .layout import _check_decodable, expand_scales
 from .scales import F32_MIN_POSITIVE, validated_scales
-from .scheme import QuantMode, QuantScheme, ScaleDtype
+from .scheme import BlockSize, QuantMode, QuantScheme, ScaleDtype
 from .tensor import QuantizedTensor
 
-__all__ = ["quantize", "round_half_away_from_zero"]
+__all__ = ["quantize", "quantize_per_axis", "round_half_away_from_zero"]
 
 _FLOAT_INPUTS = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _F16_MAX = 65504.0
@@ -121,3 +121,49 @@ def quantize(array, scheme: QuantScheme) -> QuantizedTensor:
         q = round_half_away_from_zero(x.astype(np.float32) / divisor)
         q = np.where(np.isnan(q), np.float32(0), np.clip(q, a, b))
     return QuantizedTensor(x.shape, scheme, q.astype(np.int8), scales, global_scale)
+
+
+def per_axis_block(shape: tuple, axis: int) -> tuple:
+    """The block extents of one scale per index of ``axis``: the whole tensor but 1 along ``axis``."""
+    return tuple(1 if i == axis else int(d) for i, d in enumerate(shape))
+
+
+def quantize_per_axis(array, scheme: QuantScheme, axis: int) -> QuantizedTensor:
+    """Quantize ``array`` with one scale per index of ``axis`` (per output channel): MinMax over
+    every other axis, ``scale = max|x| / 127`` for Q8S (``2 * alpha / (b - a)``, as :func:`quantize`).
+
+    When Burn's block sizes can hold it (every extent of :func:`per_axis_block` at most 255) the
+    result is Burn's own block scheme (f32 block scales), which burnpack stores; else it is an
+    ONNX per-axis tensor (:attr:`QuantizedTensor.axis`), exported to ONNX as ``DequantizeLinear``
+    with ``axis`` but refused by a burnpack save (Burn cannot read it).
+
+    Args:
+        array: float values, rank >= 1.
+        scheme: a per-tensor, one-level scheme: its value type and store are used.
+        axis: the channel axis (0 for Conv ``[O, I, kh, kw]``, 1 for ConvTranspose ``[I, O/g, kh, kw]``
+            and a ``[K, N]`` MatMul weight).
+
+    Raises:
+        QuantizationError: for an axis out of range, a blocked or two-level ``scheme``, or values
+            :func:`quantize` refuses.
+    """
+    x = np.asarray(array)
+    if not 0 <= axis < x.ndim:
+        raise QuantizationError(f"axis {axis} is out of range for a tensor of shape {list(x.shape)}")
+    if scheme.block is not None or scheme.is_two_level:
+        raise QuantizationError(f"per-axis quantization takes a per-tensor scheme, got {scheme.describe()}")
+    extents = per_axis_block(x.shape, axis)
+    try:
+        block = BlockSize(extents)  # extents over 255 (or over 5 dims) are not Burn's
+    except QuantizationError:
+        block = None
+    if block is not None:
+        return quantize(x, QuantScheme(scheme.value, block_size=block, store=scheme.store))
+    moved = np.moveaxis(x, axis, 0)
+    flat = moved.reshape(moved.shape[0], -1)
+    # one row per channel: the per-tensor MinMax of each row (Burn's formula, row by row)
+    parts = [quantize(row, QuantScheme(scheme.value, store=scheme.store)) for row in flat]
+    values = np.stack([p.values for p in parts]).reshape(moved.shape)
+    scales = np.array([p.scales.reshape(()) for p in parts], np.float32)
+    return QuantizedTensor(x.shape, QuantScheme(scheme.value, store=scheme.store),
+                           np.moveaxis(values, 0, axis), scales, axis=axis)

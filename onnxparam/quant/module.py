@@ -31,7 +31,9 @@ from dataclasses import dataclass, replace
 from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
 from ..param import Param, _Lazy
-from .calibration import quantize
+import numpy as np
+
+from .calibration import quantize, quantize_per_axis
 from .scheme import QuantScheme
 
 __all__ = ["Calibration", "Quantizer", "is_weight", "quantize_weights"]
@@ -57,6 +59,12 @@ class Quantizer:
         scheme: the scheme every quantized param gets.
         calibration: :attr:`Calibration.MinMax` (the only one).
         min_rank: the smallest param rank that is quantized (default 2: weights, not biases).
+        per_channel: one scale per **output channel** instead of the scheme's grid (the scheme
+            must be per-tensor; it gives the value type): axis 0 of a Conv weight
+            ``[O, I, kh, kw]``, axis 1 of a ConvTranspose weight ``[I, O/g, kh, kw]`` and of a
+            ``[K, N]`` MatMul / Linear weight, axis 0 of a ``Gemm`` B with ``transB=1``
+            (:func:`channel_axes`). Stored as Burn's block scheme when its extents fit (at most
+            255), else as an ONNX per-axis tensor (:func:`~onnxparam.quant.calibration.quantize_per_axis`).
 
     Raises:
         QuantizationError: for a scheme Burn cannot quantize with (checked on the first tensor)
@@ -66,12 +74,16 @@ class Quantizer:
     scheme: QuantScheme = QuantScheme()
     calibration: Calibration = Calibration.MinMax
     min_rank: int = 2
+    per_channel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.scheme, QuantScheme):
             raise QuantizationError(f"Quantizer.scheme must be a QuantScheme, found {self.scheme!r}")
         if not isinstance(self.calibration, Calibration):
             raise QuantizationError(f"unknown calibration {self.calibration!r}; use Calibration.MinMax")
+        if self.per_channel and (self.scheme.block is not None or self.scheme.is_two_level):
+            raise QuantizationError(f"per_channel takes a per-tensor scheme (it sets the scale grid itself); got "
+                                    f"{self.scheme.describe()}")
 
     def with_scheme(self, scheme: QuantScheme) -> Quantizer:
         return replace(self, scheme=scheme)
@@ -79,8 +91,14 @@ class Quantizer:
     def with_min_rank(self, min_rank: int) -> Quantizer:
         return replace(self, min_rank=int(min_rank))
 
-    def quantize(self, array):
-        """``array`` (float, any shape) as a :class:`~onnxparam.quant.QuantizedTensor` (§4)."""
+    def quantize(self, array, axis: int | None = None):
+        """``array`` (float, any shape) as a :class:`~onnxparam.quant.QuantizedTensor` (§4);
+        with :attr:`per_channel`, one scale per index of ``axis`` (default: the last axis of a
+        2-D array, else axis 0)."""
+        if self.per_channel and np.ndim(array) >= 1:
+            if axis is None:
+                axis = 1 if np.ndim(array) == 2 else 0
+            return quantize_per_axis(array, self.scheme, int(axis) % np.ndim(array))
         return quantize(array, self.scheme)
 
 
@@ -95,7 +113,7 @@ def is_weight(path: str, param: Param, quantizer: Quantizer) -> bool:
     return rank >= quantizer.min_rank
 
 
-def quantize_param(param: Param, quantizer: Quantizer, path: str = "param") -> Param:
+def quantize_param(param: Param, quantizer: Quantizer, path: str = "param", axis: int | None = None) -> Param:
     """``param`` with a ``QFloat`` base (same id, mappers and adapter; frozen), quantized lazily.
 
     Raises:
@@ -104,11 +122,11 @@ def quantize_param(param: Param, quantizer: Quantizer, path: str = "param") -> P
     """
     source = param.clone()
 
-    def init(device, require_grad, _source=source, _quantizer=quantizer, _path=path):
+    def init(device, require_grad, _source=source, _quantizer=quantizer, _path=path, _axis=axis):
         base = _source.base()
         array = base.to_numpy()
         try:
-            qt = _quantizer.quantize(array)
+            qt = _quantizer.quantize(array, _axis)
         except QuantizationError as e:
             raise QuantizationError(f"cannot quantize {_path!r} {list(array.shape)}: {e}") from e
         qt.float_dtype = base.dtype  # dequantized back to the param's own float dtype (F16 stays F16)
@@ -184,6 +202,7 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
             "float module instead, or pass a group that leaves them out")
 
     skipped = []
+    axes = channel_axes(module) if quantizer.per_channel else {}
 
     def fn(path: str, param: Param) -> Param:
         if not is_weight(path, param, quantizer):
@@ -194,7 +213,7 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
         if shape is not None and not _blocks_divide(shape, quantizer.scheme):
             skipped.append(f"{path} {list(shape)}")
             return param
-        return quantize_param(param, quantizer, path)
+        return quantize_param(param, quantizer, path, axes.get(path))
 
     result = rebuild(module, fn)
     if skipped:
@@ -209,3 +228,49 @@ def _blocks_divide(shape: tuple, scheme: QuantScheme) -> bool:
         return True
     extents = scheme.block.size.to_dim_vec(len(shape))
     return len(scheme.block.size.dims) <= len(shape) and all(d % b == 0 for d, b in zip(shape, extents))
+
+
+def channel_axes(module) -> dict:
+    """``{param path: output-channel axis}`` of the weights of ``module`` whose layer is known:
+    ``Conv`` 0, ``ConvTranspose`` 1 (ONNX operator spec: ConvTranspose, ``W`` is
+    ``[C_in, C_out/group, k...]``), ``MatMul`` B / Linear ``[d_in, d_out]`` 1 (the last axis),
+    ``Gemm`` B 1, or 0 with ``transB=1``. From the class names of ``onnxparam.nn`` modules and the
+    nodes of imported ONNX graphs; other weights get :meth:`Quantizer.quantize`'s default."""
+    from ..module import named_modules
+
+    axes = {}
+    for prefix, sub in named_modules(module):
+        base = f"{prefix}." if prefix else ""
+        source = getattr(sub, "_source", None)
+        if source is not None and hasattr(source, "names") and hasattr(source, "loaded"):
+            by_name = {name: path for path, name in source.names.items()}
+            for node in source.loaded.model.graph.all_nodes():
+                if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
+                    continue
+                path = by_name.get(node.inputs[1].name)
+                axis = _node_axis(node)
+                if path is not None and axis is not None:
+                    axes.setdefault(base + path, axis)
+            continue
+        kind = type(sub).__name__
+        if "weight" in getattr(sub, "__dict__", {}):
+            if kind.startswith("ConvTranspose"):
+                axes[base + "weight"] = 1
+            elif kind.startswith("Conv"):
+                axes[base + "weight"] = 0
+            elif kind == "Linear":
+                axes[base + "weight"] = 1
+    return axes
+
+
+def _node_axis(node) -> int | None:
+    if node.op_type == "Conv":
+        return 0
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "MatMul":
+        return -1
+    if node.op_type == "Gemm":
+        attr = node.attributes.get("transB")
+        return 0 if attr is not None and attr.value == 1 else 1
+    return None

@@ -10,14 +10,17 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
 Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); ``INT8`` below 21
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul
+                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``), others ``INT8``
 Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
 per-tensor                      scalar scale
 blocks, scale grid varying      per-axis (``axis``), 1-D scale
 along one axis only
 a block with one extent > 1     blocked: ``axis`` = that axis, ``block_size`` = its extent,
 (at axis ``i``)                 scale shaped as the grid (opset >= 21)
-scale dtype F16 / BF16 / UE4M3  widened to float32 (exact)
+ONNX per-axis (``qt.axis``)      per-axis (``axis``), 1-D scale (``Quantizer(per_channel=True)``)
+scale dtype F16 / BF16 / UE4M3  widened to float32 (exact); an F16 weight (opset >= 19) whose
+                                scales are F16 values gets an F16 scale and F16 output, no Cast
 two levels                      ``global * block_scale`` folded in float32 (Burn's own product)
 2-D blocks                      not expressible: the float weight is exported (a warning says so)
 ==============================  ==============================================================
@@ -49,13 +52,23 @@ asserts it on the optimized graph):
   everywhere; it is what ``module(x)`` uses unless called inside :func:`qdq_options`, so the
   runtime computes with exactly ``param.val()``.
 * ``Conv`` / ``Gemm`` with only a dequantized weight are not fused (ORT needs quantized
-  activations too: see below); a weight-only conv dequantizes at every run. ``Gemm`` with
-  ``transB=1`` (PyTorch's layout, imported models) is warned about as well.
+  activations too: see below); a weight-only conv dequantizes at every run, so the default
+  (``prefer="speed"``) writes those weights float (below).
 
 **Activations** (:func:`onnxparam.quant.quantize_activations`): with calibration data, ``QuantizeLinear ->
 DequantizeLinear`` pairs (uint8, asymmetric, MinMax ranges) are put on the activation input and
 the output of every ``MatMul`` / ``Conv`` with a quantized weight, so ORT fuses ``QLinearConv`` /
 ``QLinearMatMul`` (static quantization; ORT quantizes a float conv bias itself).
+
+**Which form each op gets** (``QdqOptions.prefer``; ``_qdq_forms``): ``"speed"`` (default) writes
+a weight that feeds only ops ORT runs slower with a weight-only ``DequantizeLinear`` than in float
+(Conv, ConvTranspose, Gemm without calibrated activations) as its float values, so the default
+export is never slower than float32; ``"size"`` keeps every weight integer. The choice per op is
+written to the model's ``onnxparam.quant.ops`` metadata (``quantized_ops``) and logged.
+
+**Burnpack and ONNX-only schemes**: a per-channel weight whose block extents exceed Burn's 255
+is an ONNX per-axis tensor (``QuantizedTensor.axis``); saving it to burnpack raises, naming the
+param (Burn could not read it). Per-channel weights within Burn's limits are Burn block schemes.
 
 Parts: options and metadata keys (``_qdq_options``), weight layouts (``_qdq_layout``), this
 module (the export pass: :func:`emit_param`, :func:`finish_graph`, activation QDQ pairs),
@@ -78,6 +91,8 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
+from . import _nbits
+from . import _qdq_forms as _forms
 from ._qdq_layout import WeightLayout, reblocked_layout, weight_layout
 from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fast path)
     _OPTIONS,
@@ -95,6 +110,7 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
     qdq_options,
     runtime_options,
 )
+from .scheme import QuantValue
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -166,9 +182,14 @@ def emit_param(tracer, param, path: str, shape: tuple):
     qt = _quantized_of(param)
     options = current_options()
     layout = weight_layout(qt, tracer.opset, options)
+    opset21 = False
+    if layout is None and tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        # NOTE: written with opset 21's layout for a moment: finish_graph turns its MatMul uses into
+        # com.microsoft MatMulNBits, or the weight into a float one (quant/_nbits.py)
+        layout, opset21 = weight_layout(qt, 21, options), True
     if layout is None:
         warnings.warn(
-            f"{path!r} ({qt.scheme.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
+            f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
             f"DequantizeLinear cannot express at opset {tracer.opset} (2-D blocks need per-element scales; "
             "blocks need opset 21): it is exported as a float32 initializer (dequantized, exact)",
             QuantizationWarning, stacklevel=4)
@@ -182,7 +203,9 @@ def emit_param(tracer, param, path: str, shape: tuple):
     tracer._names.add(path)
     tracer._params[path] = param
     tracer._param_values[path] = value
-    scale = tracer.constant(layout.scale, name=f"{path}_scale")._symbol.value
+    half = _half_scale(qt, layout, tracer.opset)
+    scale_array = layout.scale.astype(np.float16) if half else layout.scale
+    scale = tracer.constant(scale_array, name=f"{path}_scale")._symbol.value
     zero_point = None
     if layout.zero_point is not None:
         zero_point = ir.Value(name=tracer.unique_name(f"{path}_zero_point"),
@@ -197,19 +220,33 @@ def emit_param(tracer, param, path: str, shape: tuple):
         attrs["block_size"] = layout.block_size
     # NOTE: no empty trailing zero-point input: ORT's DQ -> MatMulNBits selector rejects it
     inputs = [value, scale] + ([zero_point] if zero_point is not None else [])
-    out = tracer.emit("DequantizeLinear", inputs, attrs,
-                      output_types=[(DType.F32, tuple(shape))])[0]
+    out_dtype = DType.F16 if half else DType.F32
+    out = tracer.emit("DequantizeLinear", inputs, attrs, output_types=[(out_dtype, tuple(shape))])[0]
     out._symbol.param = param
     node = out._symbol.value.producer()
     value.meta[_QDQ_META] = _Emitted(path, param, qt, layout, value, scale, zero_point, node, out)
     value.meta[_QDQ_META + ".ref"] = layout_ref
-    if qt.float_dtype is not DType.F32:
+    if opset21:
+        value.meta[_QDQ_META + ".opset21"] = True
+    if qt.float_dtype is not out_dtype:
         # NOTE: DequantizeLinear computes in float32 (its scale's type; a narrower scale would round
         # it); the weight comes back at the param's own dtype, as Param.val() casts it. The Cast
         # hides the MatMul from the fused forms (finish_graph), so such a weight is not fused.
         out = tracer.emit("Cast", [out], {"to": qt.float_dtype}, output_types=[(qt.float_dtype, tuple(shape))])[0]
         out._symbol.param = param
     return out
+
+
+def _half_scale(qt: QuantizedTensor, layout: WeightLayout, opset: int) -> bool:
+    """Whether an F16 weight's ``DequantizeLinear`` takes an F16 scale and gives F16 directly:
+    opset >= 19 (ONNX operator spec: DequantizeLinear-19 adds float16 scales) and every scale
+    exactly an F16 value (as ``quantize_weights`` of an F16 param makes them; ``q * scale`` is
+    then rounded once, as ``Param.val()`` rounds Burn's float32 product to F16)."""
+    if qt.float_dtype is not DType.F16 or opset < 19:
+        return False
+    scale = np.asarray(layout.scale, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(scale.astype(np.float16).astype(np.float32), scale))
 
 
 def _scheme_props(qt: QuantizedTensor) -> dict:
@@ -273,21 +310,18 @@ def finish_graph(tracer) -> None:
     options = current_options()
     if tracer.mode == "merge":
         _expand_qlora(tracer, emitted)
-    convs: list = []
     for e in emitted:
-        _check_fusable(tracer, e, options, convs)
-    if convs and not ranges:
-        # NOTE: measured on MNIST with ORT 1.32: a weight-only DequantizeLinear -> Conv is not
-        # fused and keeps ORT from pre-packing the conv weight: ~4x slower than float32.
-        warnings.warn(f"{', '.join(repr(p) for p in convs)} feed Conv nodes with only a dequantized weight: ORT "
-                      "fuses no weight-only DequantizeLinear -> Conv, so these convs dequantize at every run and "
-                      "run slower than float32; quantize activations too (onnxparam.quant.quantize_activations) "
-                      "or leave conv weights float (quantize_weights_group)", QuantizationWarning, stacklevel=4)
+        _check_fusable(tracer, e, options)
+    if tracer.opset < 21:
+        for e in emitted:
+            _nbits.matmul_nbits(tracer, e)
     if ranges:
         _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
     elif options.matmul in ("auto", "dynamic"):
         for e in emitted:
             _dynamic_matmuls(tracer, e)
+    _forms.keep_float(tracer, emitted, options.prefer)
+    _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():
             e.node.graph.remove(e.node, safe=True)
@@ -310,16 +344,10 @@ def _uses(value: ir.Value) -> list:
     return list(value.uses())
 
 
-def _check_fusable(tracer, e: _Emitted, options: QdqOptions, convs: list) -> None:
+def _check_fusable(tracer, e: _Emitted, options: QdqOptions) -> None:
     out = e.output._symbol.value
     layout = e.layout
     for node, index in _uses(out):
-        if node.op_type == "Conv" and index == 1:
-            convs.append(e.path)
-        if node.op_type == "Gemm" and index == 1:
-            warnings.warn(f"{e.path!r} feeds Gemm {node.name!r}: ORT fuses no weight-only DequantizeLinear -> Gemm, "
-                          "so it dequantizes at every run (export it through MatMul, or quantize activations)",
-                          QuantizationWarning, stacklevel=5)
         if node.op_type != "MatMul" or index != 1 or layout.values.ndim != 2:
             continue
         if layout.block_size is not None and layout.axis == 1:
@@ -403,7 +431,8 @@ _QUANTIZED_OPS = ("MatMul", "Conv")
 
 def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
     """Value names to put a ``QuantizeLinear -> DequantizeLinear`` pair on: the activation input
-    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param."""
+    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param, and
+    (when there are such ops) the inputs and output of every ``Add`` of two activations."""
     names = []
     for node in graph:
         if node.op_type not in _QUANTIZED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
@@ -413,7 +442,24 @@ def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
         for v in (node.inputs[0], node.outputs[0]):
             if v.dtype == ir.DataType.FLOAT and v.name not in names:
                 names.append(v.name)
+    if names:
+        # NOTE: residual adds of two activations too (ORT fuses DQ, DQ -> Add -> Q into QLinearAdd,
+        # as onnxruntime.quantization.quantize_static's QDQ output does); bias adds are left float
+        for node in graph:
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            values = (node.inputs[0], node.inputs[1], node.outputs[0])
+            if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
+                continue
+            for v in values:
+                if v.name not in names:
+                    names.append(v.name)
     return names
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
 def _uint8_qparams(lo: float, hi: float) -> tuple:

@@ -49,6 +49,11 @@ class QuantizedTensor:
             unless set, e.g. by ``quantize_weights`` on an F16 param): ``Param.val()`` and the
             traced ``DequantizeLinear`` give the weight back at this dtype. Not stored in bytes
             (Burn's ``QFloat`` does not record it).
+        axis: ``None`` for Burn's schemes; else the axis of an **ONNX per-axis** scale (one
+            scale per index of ``shape[axis]``, ONNX operator spec: DequantizeLinear-21 ``axis``)
+            that Burn's block sizes cannot express (an extent over 255). ``scheme`` then is
+            per-tensor (it gives the value type), ``scales`` has shape ``(shape[axis],)``, and
+            :meth:`to_bytes` raises: Burn cannot store it.
 
     Args:
         shape: logical shape.
@@ -57,14 +62,16 @@ class QuantizedTensor:
         values: int8-convertible array of ``shape``.
         scales: float32-convertible array with ``prod(params_shape)`` elements.
         global_scale: required exactly when the scheme has two levels.
+        axis: the per-axis scale's axis (see Attributes), or ``None``.
 
     Raises:
         QuantizationError: when the arrays do not fit the shape and scheme.
     """
 
-    __slots__ = ("shape", "scheme", "values", "scales", "global_scale", "float_dtype")
+    __slots__ = ("shape", "scheme", "values", "scales", "global_scale", "float_dtype", "axis")
 
-    def __init__(self, shape, scheme: QuantScheme, values, scales, global_scale: float | None = None):
+    def __init__(self, shape, scheme: QuantScheme, values, scales, global_scale: float | None = None,
+                 axis: int | None = None):
         shape = tuple(int(d) for d in shape)
         values = np.asarray(values)
         if values.dtype != np.int8:
@@ -77,7 +84,14 @@ class QuantizedTensor:
             values = values.astype(np.int8)
         if values.shape != shape:
             raise QuantizationError(f"values of shape {list(values.shape)} do not fill a tensor of shape {list(shape)}")
-        grid = params_shape(shape, scheme)
+        if axis is not None:
+            if scheme.block is not None or scheme.is_two_level or not 0 <= int(axis) < len(shape):
+                raise QuantizationError(f"a per-axis scale needs a per-tensor, one-level scheme and an axis in "
+                                        f"0..{len(shape) - 1}; got {scheme.describe()}, axis {axis}")
+            axis = int(axis)
+            grid = (shape[axis],)
+        else:
+            grid = params_shape(shape, scheme)
         scales = np.asarray(scales, dtype=np.float32)
         if scales.size != math.prod(grid):
             raise QuantizationError(
@@ -92,6 +106,7 @@ class QuantizedTensor:
         self.scales = _read_only(np.ascontiguousarray(scales.reshape(grid)))
         self.global_scale = None if global_scale is None else np.float32(global_scale)
         self.float_dtype = DType.F32
+        self.axis = axis
 
     # -- bytes (§2) ---------------------------------------------------------------------------
 
@@ -128,9 +143,15 @@ class QuantizedTensor:
         """Burn's bytes for this tensor, the inverse of :meth:`from_bytes` (§2).
 
         Raises:
-            QuantizationError: for an unsupported store or value, or a scale that its dtype
-                cannot hold exactly.
+            QuantizationError: for an unsupported store or value, a scale that its dtype
+                cannot hold exactly, or an ONNX per-axis tensor (:attr:`axis`; Burn has no
+                such scheme).
         """
+        if self.axis is not None:
+            raise QuantizationError(
+                f"a per-axis scale along axis {self.axis} of {list(self.shape)} is ONNX-only: Burn's block extents "
+                f"are at most 255, so a burnpack file cannot store it (export it to ONNX, or quantize with a "
+                "block size)")
         parts = [pack_values(self.values, self.scheme), encode_scales(self.scales, self.scheme.scale_dtype())]
         global_dtype = self.scheme.global_scale_dtype()
         if global_dtype is not None:
@@ -153,6 +174,10 @@ class QuantizedTensor:
         """
         if self.values.size == 0:
             return np.zeros(self.shape, np.float32)
+        if self.axis is not None:
+            shape = [1] * len(self.shape)
+            shape[self.axis] = -1
+            return (self.scales.reshape(shape) * self.values.astype(np.float32)).astype(np.float32, copy=False)
         scale = expand_scales(self.scales, self.shape, self.scheme)
         if self.global_scale is not None:
             scale = np.float32(self.global_scale) * scale
@@ -201,5 +226,10 @@ class QuantizedTensor:
         tensor = Tensor(quant=self, shape=self.shape, dtype=DType.QFloat)
         return tensor if device is None else tensor.to_device(device)
 
+    def describe(self) -> str:
+        """The scheme in words (``scheme.describe()``, plus ``per-axis N`` for an ONNX per-axis tensor)."""
+        text = self.scheme.describe()
+        return text if self.axis is None else f"{text}, per-axis {self.axis} (ONNX)"
+
     def __repr__(self) -> str:
-        return f"QuantizedTensor(shape={list(self.shape)}, scheme={self.scheme.describe()})"
+        return f"QuantizedTensor(shape={list(self.shape)}, scheme={self.describe()})"

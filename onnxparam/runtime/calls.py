@@ -52,11 +52,14 @@ class RuntimeStats:
         sessions_built: module sessions built (each a new ``InferenceSession``).
         eager_sessions_built: one-op sessions built for eager ops.
         traces: forwards traced by module calls.
+        dynamic_traces: of those, traces with symbolic dims (automatic dynamic, see
+            :class:`SessionConfig`).
     """
 
     sessions_built: int = 0
     eager_sessions_built: int = 0
     traces: int = 0
+    dynamic_traces: int = 0
 
 
 _STATS = RuntimeStats()
@@ -83,6 +86,7 @@ def clear_caches() -> None:
     with _LOCK:
         _sessions.clear()
         _traces.clear()
+        _families.clear()
         _eager.clear()
         _fast.clear()
 
@@ -322,25 +326,112 @@ def _split_call(args, kwargs):
     return args, kwargs, tensors
 
 
-def _traced(module, args, kwargs, mode: str = "merge"):
+def _tensor_sig(value):
+    return ("T", value.shape, value.dtype) if isinstance(value, Tensor) else ("S", _freeze(value))
+
+
+def _traced(module, args, kwargs, mode: str = "merge", policy: str = "static"):
     """The trace key and :class:`~onnxparam.trace.TracedModel` of a call (traced if needed),
-    in LoRA ``mode``."""
-    call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _freeze(a)) for a in args),
-                tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
-                      for k, v in kwargs.items()))
+    in LoRA ``mode``, under the shape ``policy`` (:attr:`SessionConfig.dynamic_shapes`)."""
+    call_sig = (tuple(_tensor_sig(a) for a in args), tuple((k, _tensor_sig(v)) for k, v in kwargs.items()))
     with _LOCK:
         options = qdq.runtime_options()
-        trace_key = (_structure_key(module), call_sig, mode, options)
+        structure = _structure_key(module)
+        trace_key = (structure, call_sig, mode, options)
         traced = _traces.get(trace_key)
-        if traced is None:
-            with qdq.qdq_options(options):
-                traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
-            _STATS.traces += 1
-            _traces[trace_key] = traced
-            _trim(_traces, _limits["traces"])
-        else:
+        if traced is not None:
             _traces.move_to_end(trace_key)
+            return trace_key, traced
+        if policy == "auto":
+            hit = _dynamic_trace(module, args, kwargs, (structure, mode, options))
+            if hit is not None:
+                return hit
+        with qdq.qdq_options(options):
+            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
+        _STATS.traces += 1
+        _traces[trace_key] = traced
+        _trim(_traces, _limits["traces"])
     return trace_key, traced
+
+
+class _Family:
+    """What automatic dynamic remembers about the calls of one module structure with one
+    argument layout (ranks, dtypes, non-tensor values): the first call's shapes, the dims seen
+    to change, and how they are grouped into symbols."""
+
+    __slots__ = ("first", "dynamic", "groups", "duck", "static_only")
+
+    def __init__(self, shapes):
+        self.first = shapes
+        self.dynamic: frozenset = frozenset()
+        self.groups: tuple = ()
+        self.duck = True  # dims of equal sizes share a symbol (checked on every reuse)
+        self.static_only = False
+
+
+_families: "OrderedDict[Any, _Family]" = OrderedDict()
+
+
+def _dynamic_trace(module, args, kwargs, where: tuple):
+    """Automatic dynamic (see :class:`SessionConfig`): the trace key and trace serving this call
+    with symbolic dims, or ``None`` when it takes a concrete trace."""
+    values = list(args) + list(kwargs.values())
+    shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
+    layout = (tuple(("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)) for v in args),
+              tuple((k, ("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
+                    for k, v in kwargs.items()))
+    family_key = (where, layout)
+    family = _families.get(family_key)
+    if family is None:
+        _families[family_key] = _Family(shapes)
+        _trim(_families, _limits["traces"])
+        return None
+    _families.move_to_end(family_key)
+    if family.static_only:
+        return None
+    changed = {(i, axis) for i, shape in enumerate(shapes) if shape is not None
+               for axis, (d, f) in enumerate(zip(shape, family.first[i])) if d != f}
+    dynamic = family.dynamic | changed
+    if not dynamic or any(shapes[i][axis] < 2 for i, axis in dynamic):
+        return None  # the first shape again, or a size 0 / 1: specialized (a concrete trace)
+    groups = family.groups if dynamic == family.dynamic else ()
+    if groups and not all(len({shapes[i][a] for i, a in group}) == 1 for group in groups):
+        family.duck, groups = False, ()  # sizes once equal now differ: one symbol per dim
+    if not groups:
+        by_size: dict = {}
+        for i, axis in sorted(dynamic):
+            key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
+            by_size.setdefault(key, []).append((i, axis))
+        groups = tuple(tuple(g) for g in by_size.values())
+    gen_sig = tuple(("T", tuple("?" if (i, a) in dynamic else d for a, d in enumerate(shape)), values[i].dtype)
+                    if shape is not None else ("S", _freeze(values[i])) for i, shape in enumerate(shapes))
+    gen_key = (where[0], ("dynamic", gen_sig, tuple(kwargs), groups), where[1], where[2])
+    traced = _traces.get(gen_key)
+    if traced is None:
+        names = _trace._forward_arg_names(module, len(args)) + list(kwargs)
+        dim_name = {}
+        for group in groups:
+            i, axis = group[0]
+            for member in group:
+                dim_name[member] = f"{names[i]}_dim{axis}"
+        specs = [_trace.InputSpec(tuple(dim_name.get((i, a), d) for a, d in enumerate(v.shape)), v.dtype)
+                 if isinstance(v, Tensor) else v for i, v in enumerate(values)]
+        try:
+            with qdq.qdq_options(where[2]):
+                traced = _trace.trace_module(module, tuple(specs[:len(args)]),
+                                             kwargs=dict(zip(kwargs, specs[len(args):])), lora=where[1],
+                                             min_dynamic_size=2)
+        except Exception:  # noqa: BLE001 - the forward needs concrete sizes: a trace per shape ("static")
+            family.static_only = True
+            return None
+        _STATS.traces += 1
+        _STATS.dynamic_traces += 1
+        _traces[gen_key] = traced
+        _trim(_traces, _limits["traces"])
+    else:
+        _traces.move_to_end(gen_key)
+    family.dynamic, family.groups = dynamic, groups
+    return gen_key, traced
 
 
 def _resolve(module, args, kwargs, remember: bool = False):
@@ -351,7 +442,7 @@ def _resolve(module, args, kwargs, remember: bool = False):
     args, kwargs, tensors = _split_call(args, kwargs)
     config = session_config(module)
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, config.lora_mode)
+        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, config.dynamic_shapes)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)
@@ -369,7 +460,7 @@ def _resolve(module, args, kwargs, remember: bool = False):
         else:
             _sessions.move_to_end(session_key)
         if fed:
-            runner = runner.with_fed_params([(name, p) for name, p in used if name in fed])
+            runner = runner.with_fed_params(lora_graph.fed_factors(traced.model, by_path))
         if remember and _qdq_options_get() is None:
             _remember(module, args, kwargs, runner, traced, by_path)
     return runner, tensors

@@ -10,7 +10,7 @@ from ..lora import LORA_MODES
 
 ort = import_onnxruntime()
 
-__all__ = ["SessionConfig", "session_config", "CONFIG_ATTR", "DEFAULTS"]
+__all__ = ["SessionConfig", "session_config", "CONFIG_ATTR", "DEFAULTS", "DYNAMIC_SHAPE_POLICIES"]
 
 CONFIG_ATTR = "_onnxparam_session_config"
 """The private attribute a module keeps its own :class:`SessionConfig` in (copied with it)."""
@@ -28,6 +28,10 @@ EXECUTION_MODES = {
     "sequential": ort.ExecutionMode.ORT_SEQUENTIAL,
     "parallel": ort.ExecutionMode.ORT_PARALLEL,
 }
+
+
+DYNAMIC_SHAPE_POLICIES = ("auto", "static")
+"""Values of :attr:`SessionConfig.dynamic_shapes`."""
 
 
 def _freeze_provider(p):
@@ -62,9 +66,17 @@ class SessionConfig:
             ``"merge"`` (the effective weights, no overhead), ``"keep"`` (the adapter as graph
             nodes) or ``"inputs"`` (as ``"keep"``, the factors fed as inputs on every call: one
             session serves every adapter of the same rank, and switching adapters builds none).
+        dynamic_shapes: how ``module(x)`` treats input shapes (:data:`DYNAMIC_SHAPE_POLICIES`).
+            ``"auto"`` (default; PyTorch ``torch.compile``'s "automatic dynamic"): the first call
+            traces with concrete shapes; when a later call differs in some dims, the forward is
+            traced once more with those dims symbolic (:mod:`onnxparam._symint`), and that trace
+            and its one session serve every later size (dims of size 0 or 1 are specialized: such
+            a call gets a concrete trace, as in PyTorch). A forward that cannot be traced with a
+            symbolic dim (Python control flow on it, ``int(x.shape[0])``) falls back to a trace
+            per shape. ``"static"``: a trace and a session per distinct input shape.
 
     Raises:
-        ValueError: for an unknown optimization level, execution mode or LoRA mode.
+        ValueError: for an unknown optimization level, execution mode, LoRA mode or shape policy.
     """
 
     intra_op_num_threads: int = 0
@@ -76,8 +88,12 @@ class SessionConfig:
     log_severity_level: int = 4
     qdq_accuracy_level: int = 1
     lora_mode: str = "merge"
+    dynamic_shapes: str = "auto"
 
     def __post_init__(self):
+        if self.dynamic_shapes not in DYNAMIC_SHAPE_POLICIES:
+            raise ValueError(f"dynamic_shapes must be one of {', '.join(DYNAMIC_SHAPE_POLICIES)}; "
+                             f"got {self.dynamic_shapes!r}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}; got {self.lora_mode!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
@@ -108,6 +124,9 @@ class SessionConfig:
 
     def with_lora_mode(self, mode: str) -> "SessionConfig":
         return replace(self, lora_mode=mode)
+
+    def with_dynamic_shapes(self, policy: str) -> "SessionConfig":
+        return replace(self, dynamic_shapes=policy)
 
     def with_qdq_accuracy_level(self, level: int) -> "SessionConfig":
         return replace(self, qdq_accuracy_level=int(level))

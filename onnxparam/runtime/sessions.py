@@ -155,7 +155,7 @@ class Runner:
         self.fed: dict = {}  # graph input -> value fed on every run ("inputs" LoRA factors)
 
     def with_fed_params(self, params: Sequence[tuple]) -> "Runner":
-        """A copy of this runner (same session) that feeds ``(graph input, param)`` values on
+        """A copy of this runner (same session) that feeds ``(graph input, param or array)`` values on
         every run: the LoRA factors of an ``"inputs"``-mode graph. On CUDA they are
         device-resident ``OrtValue`` s bound through IO binding.
 
@@ -165,13 +165,16 @@ class Runner:
 
         fed = {}
         for name, param in params:
-            dtype = DType.from_onnx(int(self.traced.graph.initializers[name].dtype))
-            with _trace.untraced():
-                tensor = param.val()
-            if self.device.is_cuda and tensor._ort is not None and tensor.dtype is dtype:
-                fed[name] = tensor._ort
-                continue
-            array = _trace.param_array(param, dtype)
+            if isinstance(param, np.ndarray):  # a value computed by the caller (LoRA: scale * b)
+                array = param
+            else:
+                dtype = DType.from_onnx(int(self.traced.graph.initializers[name].dtype))
+                with _trace.untraced():
+                    tensor = param.val()
+                if self.device.is_cuda and tensor._ort is not None and tensor.dtype is dtype:
+                    fed[name] = tensor._ort
+                    continue
+                array = _trace.param_array(param, dtype)
             if self._needs_ortvalues:
                 fed[name] = ortvalue_from_numpy(array, self.device) if self.device.is_cuda else ortvalue_host(array)
             else:

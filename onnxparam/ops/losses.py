@@ -7,8 +7,8 @@ ops they are made of (``LogSoftmax``, ``GatherElements``, ``ReduceMean`` ...).
 from __future__ import annotations
 
 from .. import ops
-from ..ops._core import _op, _t
 from ..tensor import Tensor
+from ._core import _op, _t
 
 __all__ = ["cross_entropy", "mse"]
 

@@ -1,0 +1,114 @@
+"""Writing a module's LoRA adapters as a Hugging Face PEFT adapter folder:
+:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert.peft.load_peft_adapter`).
+
+PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target module
+``<m>``, ``base_model.model.<m>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``,
+delta (PyTorch layout ``(out, in)``) ``= scale * B @ A``; ``scale = lora_alpha / r`` (per module
+through ``alpha_pattern`` / ``rank_pattern``). This library's adapter has ``a`` ``(d_in, r)``
+and ``b`` ``(r, d_out)`` in every layout, so ``A = a.T`` and ``B = b.T``. A bias adapter
+(PEFT's ``lora_bias``: ``a`` ``(1, 1)``, ``b`` ``(1, d_out)``) becomes ``lora_B.bias`` scaled
+so that ``scale_of_the_weight * lora_B.bias`` is its delta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import RecordError
+
+__all__ = ["save_peft_adapter"]
+
+
+def _module_name(path: str, suffix: str, rules: Sequence) -> str:
+    name = path[: -len(suffix)] if path.endswith(suffix) else path
+    for pattern, repl in rules:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[Sequence] = None,
+                      base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write ``module``'s LoRA adapters as a PEFT adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
+    PyTorch model with the same weights.
+
+    Args:
+        module: a module with adapters on 2-d weights named ``<m>.weight`` (and optionally
+            ``lora_bias`` adapters on ``<m>.bias``).
+        folder: the folder to write (created if needed; the two files are replaced).
+        key_map: ``[(regex, replacement), ...]`` applied (``re.sub``) to each module path
+            ``<m>`` to give the PyTorch module name (default: unchanged).
+        base_model_name_or_path: recorded in the config (informational).
+
+    Returns:
+        the folder's ``Path``.
+
+    Raises:
+        RecordError: a module without adapters, an adapter on a param not named
+            ``<m>.weight`` / ``<m>.bias``, or a bias adapter without its weight's adapter.
+    """
+    from safetensors.numpy import save_file
+
+    from ..module import named_params
+    from ..trace import untraced
+
+    rules = [tuple(r) for r in (key_map or ())]
+    weights, biases, problems = {}, {}, []
+    with untraced():
+        for path, param in named_params(module):
+            adapter = param.adapter()
+            if adapter is None:
+                continue
+            a = np.asarray(adapter.a.val().to_numpy(), dtype=np.float32)
+            b = np.asarray(adapter.b.val().to_numpy(), dtype=np.float32)
+            if path.endswith(".weight") and len(param.lazy_shape()) == 2:
+                weights[_module_name(path, ".weight", rules)] = (a, b, float(adapter.scale))
+            elif path.endswith(".bias") and len(param.lazy_shape()) == 1:
+                biases[_module_name(path, ".bias", rules)] = (a @ b).reshape(-1) * float(adapter.scale)
+            else:
+                problems.append(f"{path!r}: PEFT adapters are named after a module's 'weight' (or 'bias' with "
+                                "lora_bias); this param is neither")
+    if not weights and not biases and not problems:
+        raise RecordError(f"{type(module).__name__} has no LoRA adapter to save (apply_lora or load_peft_adapter first)")
+    for name in biases:
+        if name not in weights:
+            problems.append(f"{name + '.bias'!r} has a bias adapter (lora_bias) but {name + '.weight'!r} has none")
+    if problems:
+        raise RecordError(f"cannot save the adapters of {type(module).__name__} as a PEFT adapter", problems)
+    ranks = Counter(a.shape[1] for a, _, _ in weights.values())
+    r = ranks.most_common(1)[0][0]
+    alphas = Counter(scale * a.shape[1] for a, _, scale in weights.values())
+    alpha = alphas.most_common(1)[0][0]
+    tensors, rank_pattern, alpha_pattern = {}, {}, {}
+    for name, (a, b, scale) in weights.items():
+        key = f"base_model.model.{name}"
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
+        rank = a.shape[1]
+        # NOTE: PEFT matches pattern keys as regexes against the end of the module name
+        anchored = re.escape(name)
+        if rank != r:
+            rank_pattern[anchored] = int(rank)
+        if scale * rank != alpha:
+            alpha_pattern[anchored] = float(scale * rank)
+        if name in biases:
+            tensors[f"{key}.lora_B.bias"] = np.ascontiguousarray((biases[name] / scale).astype(np.float32))
+    config = {
+        "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(alpha),
+        "target_modules": sorted(weights), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        "use_rslora": False, "use_dora": False, "lora_bias": bool(biases), "bias": "none",
+        "lora_dropout": 0.0, "fan_in_fan_out": False, "init_lora_weights": True,
+        "base_model_name_or_path": base_model_name_or_path, "inference_mode": True,
+    }
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder

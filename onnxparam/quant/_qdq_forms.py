@@ -1,0 +1,181 @@
+"""Which form each quantized weight takes in an exported graph, per consuming op, and the report
+of those choices (see :mod:`onnxparam.quant.qdq`, "Which form each op gets").
+
+The forms, as ONNX Runtime 1.32 on CPU runs them (measured with ``tools/bench.py quant``):
+
+=====================  =========================================================================
+form                   what is written / what ORT runs
+=====================  =========================================================================
+``dynamic int8``       ``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul`` (ORT:
+                       ``DynamicQuantizeMatMul``, an int8 GEMM; faster than float32)
+``static int8``        activation ``QuantizeLinear -> DequantizeLinear`` pairs from calibration
+                       (ORT: ``QLinearConv`` / ``QLinearMatMul``; faster than float32)
+``4-bit MatMulNBits``  ``DequantizeLinear -> MatMul`` fused by ORT, or ``com.microsoft.MatMulNBits``
+                       written directly below opset 21 (the size-first form for 4 bits)
+``dequantize``         weight-only ``DequantizeLinear``: the weight is dequantized at every run
+                       (smallest file; slower than float32 for Conv / ConvTranspose / Gemm)
+``float``              the dequantized weight as a float initializer (exactly ``param.val()``):
+                       what ``prefer="speed"`` (the default) writes where only the weight-only
+                       form exists (a Conv without calibration data)
+=====================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from ..dtype import DType
+
+REPORT_KEY = "onnxparam.quant.ops"
+"""Model ``metadata_props`` key: JSON list of ``{"node", "op", "weight", "form"}``, one per op
+with a quantized weight (:func:`quantized_ops` reads it)."""
+
+_REPORT_META = "onnxparam.quant.report"
+_LOG = logging.getLogger("onnxparam.quant")
+
+_SLOW_WEIGHT_ONLY = ("Conv", "ConvTranspose", "Gemm")
+"""Ops ORT runs slower with a weight-only ``DequantizeLinear`` than with a float weight."""
+
+
+def consumers(value: ir.Value) -> list:
+    """``(node, input index)`` of every use of ``value``, looking through a ``Cast`` (an F16
+    weight's ``DequantizeLinear -> Cast``)."""
+    found = []
+    for node, index in list(value.uses()):
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+            found.extend(consumers(node.outputs[0]))
+        else:
+            found.append((node, index))
+    return found
+
+
+def _statically_quantized(node: ir.Node) -> bool:
+    """Whether ``node``'s activation input comes from an activation ``DequantizeLinear``."""
+    producer = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    return producer is not None and producer.op_type == "DequantizeLinear"
+
+
+def keep_float(tracer, emitted: list, prefer: str) -> None:
+    """``prefer="speed"``: a weight whose every use is a Conv / ConvTranspose / Gemm weight
+    input without activation quantization becomes a float initializer (the dequantized values,
+    exactly ``param.val()``); its ``DequantizeLinear`` (and scale constants) go away."""
+    if prefer != "speed":
+        return
+    for e in emitted:
+        uses = consumers(e.output._symbol.value)
+        if not uses or not all(node.op_type in _SLOW_WEIGHT_ONLY and index == 1 and not _statically_quantized(node)
+                               for node, index in uses):
+            continue
+        to_float(tracer, e)
+
+
+def to_float(tracer, e) -> None:
+    """Write the quantized param ``e`` as its dequantized float initializer (F32 / F16)."""
+    dtype = e.quantized.float_dtype
+    np_dtype = np.float16 if dtype is DType.F16 else np.float32
+    onnx_dtype = ir.DataType.FLOAT16 if dtype is DType.F16 else ir.DataType.FLOAT
+    if dtype not in (DType.F32, DType.F16):
+        return  # BF16 / F64 weights keep the DequantizeLinear (+ Cast) form
+    layout_ref = e.value.meta["onnxparam.qdq.ref"]
+
+    def make(_ref=layout_ref, _name=e.path, _np=np_dtype):
+        return ir.Tensor(_ref[0].dequantize().astype(_np), name=_name)
+
+    e.value.const_value = ir.LazyTensor(make, onnx_dtype, e.value.shape, name=e.path)
+    e.value.type = ir.TensorType(onnx_dtype)
+    e.value.meta["onnxparam.qdq.float"] = True
+    for node, index in consumers(e.output._symbol.value):
+        node.replace_input_with(index, e.value)
+    graph = e.node.graph
+    out = e.output._symbol.value
+    for cast, _ in list(out.uses()):  # the F16 Cast, now unused
+        if not cast.outputs[0].uses() and not cast.outputs[0].is_graph_output():
+            graph.remove(cast, safe=True)
+    drop_unused_constants(tracer, e)
+
+
+def drop_unused_constants(tracer, e) -> None:
+    """Forget ``e``'s scale / zero-point constants once no node but its own (about to be
+    removed) ``DequantizeLinear`` reads them (a deduplicated constant may serve others)."""
+    def unused(v):
+        return all(node is e.node for node, _ in v.uses())
+
+    dropped = {id(v) for v in (e.scale, e.zero_point) if v is not None and unused(v)}
+    tracer._constants[:] = [v for v in tracer._constants if id(v) not in dropped]
+
+
+def is_float(value: ir.Value) -> bool:
+    """Whether :func:`keep_float` turned this quantized param's initializer into a float one."""
+    return bool(value.meta.get("onnxparam.qdq.float"))
+
+
+def _form(node: ir.Node, e) -> str:
+    if node.op_type in ("MatMul", "Conv") and _statically_quantized(node):
+        return "static int8"
+    if node.op_type == "MatMul" and e.layout.values.ndim == 2 and (
+            e.layout.bits == 4 or e.layout.block_size is not None):
+        return f"{e.layout.bits}-bit MatMulNBits"
+    return "dequantize"
+
+
+def record_report(tracer, emitted: list) -> None:
+    """Note, on the graph, which form each op with a quantized weight got (:data:`REPORT_KEY`)."""
+    rows = []
+    for e in emitted:
+        for user, _ in list(e.value.uses()):
+            if user.op_type == "DequantizeLinear":
+                for node, _ in consumers(user.outputs[0]):
+                    rows.append({"node": node.name, "op": node.op_type, "weight": e.path, "form": _form(node, e)})
+            elif user.op_type == "MatMulInteger":
+                rows.append({"node": user.name, "op": "MatMul", "weight": e.path, "form": "dynamic int8"})
+            elif user.op_type == "MatMulNBits":
+                rows.append({"node": user.name, "op": "MatMul", "weight": e.path, "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
+            else:
+                rows.append({"node": user.name, "op": user.op_type, "weight": e.path,
+                             "form": "float" if is_float(e.value) else "dequantize"})
+    tracer.graph.meta[_REPORT_META] = rows
+
+
+def write_report(model: ir.Model) -> list:
+    """Move the traced graph's report into ``model.metadata_props[REPORT_KEY]`` and log its
+    summary line (logger ``onnxparam.quant``, INFO); returns the rows (``[]`` without
+    quantized weights)."""
+    rows = model.graph.meta.get(_REPORT_META) or []
+    if rows:
+        model.metadata_props[REPORT_KEY] = json.dumps(rows, separators=(",", ":"))
+        _LOG.info("quantized export: %s", summary(rows))
+    return rows
+
+
+def summary(rows: list) -> str:
+    """One line: how many ops got each form (``"3 MatMul dynamic int8, 2 Conv float"``)."""
+    counts: dict = {}
+    for row in rows:
+        key = f"{row['op']} {row['form']}"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {key}" for key, n in counts.items())
+
+
+def quantized_ops(model) -> list:
+    """The per-op report of an exported model: rows ``{"node", "op", "weight", "form"}``.
+
+    Args:
+        model: an ``onnx.ModelProto``, an ``onnx_ir.Model``, or a ``.onnx`` path.
+
+    Returns:
+        the rows (``[]`` for a model exported without quantized weights).
+    """
+    if isinstance(model, ir.Model):
+        props = model.metadata_props
+    elif hasattr(model, "metadata_props"):
+        props = {p.key: p.value for p in model.metadata_props}
+    else:
+        import onnx
+
+        props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
+    text = props.get(REPORT_KEY)
+    return json.loads(text) if text else []

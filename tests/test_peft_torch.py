@@ -1,0 +1,285 @@
+"""PEFT adapters (made by Hugging Face PEFT in torch) on models exported by torch's TorchScript
+exporter and imported here: merge / keep / inputs all equal PEFT's forward; one ``lora="inputs"``
+export serves every adapter through ONNX Runtime's ``LoraAdapter`` (and none = the base model,
+PEFT's ``disable_adapter()``); adapters trained here go back to PEFT through a PEFT folder.
+
+Oracles: ``peft.PeftModel`` forward in torch on the same weights, and plain ONNX Runtime
+sessions on the written files. (torch's dynamo exporter needs ``onnxscript``, not installed in
+this environment, so only the TorchScript exporter is covered.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+import onnxruntime as ort  # noqa: E402
+
+from onnxparam import LoraConfig, Module, Tensor, export_onnx, import_onnx, write_onnx_adapter  # noqa: E402
+from onnxparam.convert.peft import load_peft_adapter  # noqa: E402
+from onnxparam.runtime import SessionConfig, set_session_config  # noqa: E402
+
+ATOL = 2e-4
+
+# (r, alpha, use_rslora, lora_bias): ranks 2 / 4 / 8, alpha != rank, rsLoRA, lora_bias
+ADAPTERS = [(2, 5, False, False), (4, 3, True, False), (8, 12, False, True)]
+
+
+@contextlib.contextmanager
+def quiet():
+    """torch's TorchScript exporter warns that it is deprecated, and PEFT's save_pretrained that
+    a 1-d lora_B.bias (lora_bias=True) looks like an unsharded ZeRO-3 tensor: both expected."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def randomize(model, seed: int):
+    """Every param of ``model`` drawn from N(0, 0.3) (no zero biases: torch's exporter would
+    dedupe equal initializers)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def peft_model(base, folder, r, alpha, rslora, lora_bias, targets, seed):
+    """A PEFT LoRA model on a copy of ``base`` with non-zero random factors, saved to ``folder``."""
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_bias=lora_bias,
+                             target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    with quiet():
+        model.save_pretrained(str(folder))
+    return model
+
+
+def session(path):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_options(adapter_file):
+    options = ort.RunOptions()
+    if adapter_file is None:
+        return options, None
+    lora = ort.LoraAdapter()
+    lora.Load(str(adapter_file))
+    options.add_active_adapter(lora)
+    return options, lora  # NOTE: keep the LoraAdapter alive while the options are used
+
+
+class Wrapped(torch.nn.Module):
+    """BERT's last hidden state as a plain output (input ids only)."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids):
+        return self.bert(input_ids=input_ids).last_hidden_state
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=24, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = randomize(Wrapped(transformers.BertModel(config)).eval(), seed=1)
+    ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
+    folder = tmp_path_factory.mktemp("bert")
+    path = folder / "bert.onnx"
+    with quiet():
+        torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"], output_names=["hidden"],
+                          dynamo=False, dynamic_axes={"input_ids": {0: "batch"}})
+    return model, import_onnx(path), ids, folder
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 8)  # square: a layout guess cannot tell its axes apart
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.fixture(scope="module", params=["gemm-2d", "matmul-3d"])
+def mlp(request, tmp_path_factory):
+    """The MLP exported on 2-d inputs (``Gemm transB=1``) and on 3-d inputs without constant
+    folding (``Transpose -> MatMul``): the two patterns torch writes for ``nn.Linear``."""
+    model = randomize(Mlp().eval(), seed=2)
+    x = torch.randn(3, 6) if request.param == "gemm-2d" else torch.randn(2, 3, 6)
+    folder = tmp_path_factory.mktemp(request.param)
+    path = folder / "mlp.onnx"
+    with quiet():
+        torch.onnx.export(model, (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False,
+                          do_constant_folding=False)
+    return model, import_onnx(path), x, folder
+
+
+def as_input(module, x):
+    return Tensor.from_numpy(x.numpy())
+
+
+@pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: f"r{s[0]}-a{s[1]}{'-rs' if s[2] else ''}{'-bias' if s[3] else ''}")
+def test_peft_adapters_on_a_torch_exported_mlp_equal_peft_in_every_mode(mlp, spec, tmp_path):
+    model, imported, x, _ = mlp
+    r, alpha, rslora, lora_bias = spec
+    reference = peft_model(model, tmp_path / "ad", r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=r)
+    with torch.no_grad():
+        expected = reference(x).numpy()
+    adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
+    assert sorted(report.matched) == ["base_model.model.fc1", "base_model.model.fc2"] and not report.unmatched
+    for mode in ("merge", "keep", "inputs"):
+        module = adapted.map(lambda p, q: q)
+        set_session_config(module, SessionConfig(lora_mode=mode))
+        np.testing.assert_allclose(module(as_input(module, x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
+    path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
+    options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
+    np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
+
+
+def test_peft_adapters_on_a_torch_exported_bert_equal_peft_in_every_mode(bert, tmp_path):
+    model, imported, ids, _ = bert
+    targets = ["query", "value", "dense"]
+    for r, alpha, rslora, lora_bias in ADAPTERS:
+        reference = peft_model(model, tmp_path / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=10 + r)
+        with torch.no_grad():
+            expected = reference(ids).numpy()
+        # the pooler is not in the exported graph (only the last hidden state is an output)
+        adapted, report = load_peft_adapter(imported, tmp_path / f"r{r}", allow_partial=True, return_report=True)
+        assert len(report.matched) == 5  # query, value, 3 dense layers
+        assert report.unmatched == ["base_model.model.bert.pooler.dense"]
+        for mode in ("merge", "keep", "inputs"):
+            module = adapted.map(lambda p, q: q)
+            set_session_config(module, SessionConfig(lora_mode=mode))
+            np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy())).to_numpy(), expected, atol=ATOL,
+                                       err_msg=f"r{r} {mode}")
+
+
+def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(bert, tmp_path):
+    model, imported, ids, _ = bert
+    targets = ["query", "value", "dense"]
+    references, files = [], []
+    for r, alpha, rslora, lora_bias in ADAPTERS:
+        references.append(peft_model(model, tmp_path / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=20 + r))
+        adapted = load_peft_adapter(imported, tmp_path / f"r{r}", allow_partial=True)
+        files.append(write_onnx_adapter(adapted, tmp_path / f"r{r}.onnx_adapter"))
+    # exported once, from the module holding the lora_bias adapter (it has every factor input)
+    path = export_onnx(adapted, tmp_path / "bert-inputs.onnx", ids.numpy(), lora="inputs",
+                       dynamic_axes={"input_ids": {0: "batch"}})
+    sess = session(path)
+    feeds = {"input_ids": ids.numpy()}
+    for index in (0, 1, 2, None, 1, 0):
+        options, keep = run_options(None if index is None else files[index])
+        got = sess.run(None, feeds, options)[0]
+        reference = references[0 if index is None else index]
+        with torch.no_grad():
+            if index is None:
+                with reference.disable_adapter():
+                    expected = reference(ids).numpy()
+            else:
+                expected = reference(ids).numpy()
+        np.testing.assert_allclose(got, expected, atol=ATOL, err_msg=str(index))
+    with torch.no_grad():  # and "none" is exactly the base model's output
+        np.testing.assert_allclose(sess.run(None, feeds)[0], model(ids).numpy(), atol=ATOL)
+
+
+class OurMlp(Module):
+    def __init__(self):
+        from onnxparam.nn import Linear
+
+        self.fc1 = Linear(6, 8)
+        self.fc2 = Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+def test_adapters_trained_here_load_in_peft_and_give_the_same_outputs(tmp_path):
+    from onnxparam import Param, save_peft_adapter
+    from onnxparam.autodiff import grad
+    from onnxparam.optim import Adam
+
+    torch_model = randomize(Mlp().eval(), seed=3)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+
+    def from_torch(path, param):
+        value = weights[path]
+        return Param(param.id, value=Tensor.from_numpy(np.ascontiguousarray(value.T if value.ndim == 2 else value)))
+
+    ours = OurMlp().map(from_torch).apply_lora(LoraConfig(rank=4, alpha=6.0, seed=0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype(np.float32)
+    target = rng.normal(size=(16, 8)).astype(np.float32)
+
+    def loss(model, xs, ts):
+        diff = model(xs) - ts
+        return (diff * diff).mean()
+
+    optim = Adam(lr=5e-2)
+    for _ in range(5):
+        _, grads = grad(loss, ours, x, target)
+        ours = optim.step(ours, grads)
+    assert np.abs(ours.fc2.weight.adapter().b.val().to_numpy()).max() > 0  # it trained
+    folder = save_peft_adapter(ours, tmp_path / "trained")
+    with quiet():
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+    with torch.no_grad():
+        expected = loaded(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ours(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
+    # and back: the folder loads here onto the plain module with the same result
+    back = load_peft_adapter(OurMlp().map(from_torch), folder)
+    np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
+
+
+def test_named_adapters_switch_disable_and_delete_like_peft(tmp_path):
+    from onnxparam import LoraAdapterSet, Param
+
+    torch_model = randomize(Mlp().eval(), seed=4)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    ours = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    for name, (r, alpha, rslora, lora_bias) in zip(("one", "two"), ADAPTERS[:2]):
+        peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=30 + r)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "one"),
+                                                   adapter_name="one").eval()
+        reference.load_adapter(str(tmp_path / "two"), adapter_name="two")
+    adapters = LoraAdapterSet().add("one", load_peft_adapter(ours, tmp_path / "one")) \
+                               .add("two", load_peft_adapter(ours, tmp_path / "two"))
+    x = torch.randn(4, 6)
+    xt = Tensor.from_numpy(x.numpy())
+    module = ours
+    for name in ("two", "one", None, "two"):
+        module = adapters.activate(module, name)
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    expected = reference(x).numpy()
+            else:
+                reference.set_adapter(name)
+                expected = reference(x).numpy()
+        np.testing.assert_allclose(module(xt).to_numpy(), expected, atol=ATOL, err_msg=str(name))
+    reference.delete_adapter("one")
+    adapters = adapters.delete("one")
+    assert adapters.names == ["two"] == list(reference.peft_config)
+    with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two'\]"):
+        adapters.activate(module, "one")

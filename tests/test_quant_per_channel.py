@@ -189,7 +189,7 @@ def test_float16_weights_get_float16_scales_and_dequantize_to_the_same_values(tm
 
     model = Scaled().quantize_weights(Quantizer(per_channel=True))
     x = RNG.normal(size=(8, 6)).astype(np.float16)
-    out = op.export_onnx(model, tmp_path / "q.onnx", x, dynamic_batch=False)  # x * w: dim 0 is the weight's
+    out = op.export_onnx(model, tmp_path / "q.onnx", x, dynamic_batch=False)  # x * w: both [8, 6]
     graph = onnx.load(str(out)).graph
     scale = next(i for i in graph.initializer if i.name.startswith("w_scale"))
     assert scale.data_type == TensorProto.FLOAT16

@@ -14,17 +14,22 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   from the same module, with the same session options, at batch 1 and 256. Targets: ratio
   <= 1.05 at batch 1, <= 1.01 at 256.
 * ``convert``: ``onnxparam.convert.convert`` on a synthetic model of :data:`CONVERT_MODEL_BYTES`
-  (1 GiB, float32 plus some float16 / int64 tensors) in four directions (``.bpk -> .safetensors``,
-  ``.safetensors -> .bpk``, ``.bpk -> .onnx`` with external data, ``.onnx -> .bpk``) against
-  copying the ``.bpk`` once (``shutil.copyfile``), every case in a fresh subprocess, files in the
-  page cache, best of ``--convert-repeats``. Prints GB/s of tensor data and the time ratio
-  (target <= :data:`CONVERT_TIME_TARGET`), and the memory ratio: peak *anonymous* RSS growth
-  during the conversion / the largest tensor (target <= :data:`CONVERT_MEMORY_TARGET`).
-  Temporary files (~4 GiB at most) are removed at the end.
-* ``lora``: an MLP of :data:`LORA_LAYERS` ``Linear(1024, 1024)`` + ReLU at batch
-  :data:`LORA_BATCH`, with LoRA at ranks :data:`LORA_RANKS`, exported in the three LoRA modes and
-  run in plain ``onnxruntime.InferenceSession`` s (same options). ``keep`` and ``inputs`` (with an
-  adapter active through ``RunOptions.add_active_adapter``) vs ``merge``: target
+  (1 GiB, float32 plus some float16 / int64 tensors; ``--convert-mib``) for every pair of
+  formats: ``.bpk``, ``.safetensors``, ``.onnx`` (weights inline in the protobuf) and ``.pt``
+  (``torch.save``; a source only, made when torch is installed), each case in a fresh
+  subprocess (in process: best of ``--convert-repeats``) and once as the command line
+  (``onnxparam convert SRC DST -q``: imports included, the whole process's RSS), against copying
+  the ``.bpk`` once + fsync, files in the page cache. Prints GB/s of tensor data, the time ratio
+  (in process: target <= :data:`CONVERT_TIME_TARGET`) and the peak RSS growth split into
+  anonymous and file-backed (the mapped source) pages; target: anonymous growth <=
+  :data:`CONVERT_MEMORY_TARGET` x the largest tensor + :data:`CONVERT_MEMORY_SLACK`. Temporary
+  files (~5 GiB at most) are removed at the end.
+* ``lora``: a transformer encoder block (:class:`onnxparam.nn.TransformerEncoder`, one layer,
+  ``d_model`` :data:`LORA_WIDTH`, ``d_ff`` 4x, :data:`LORA_HEADS` heads) on
+  ``[`` :data:`LORA_BATCH` ``,`` :data:`LORA_SEQ` ``, d_model]``, LoRA on its six weight matrices
+  (q, k, v, out, two feed-forward) at ranks :data:`LORA_RANKS`, exported in the three LoRA modes
+  and run in plain ``onnxruntime.InferenceSession`` s (same options). ``keep`` and ``inputs``
+  (with an adapter active through ``RunOptions.add_active_adapter``) vs ``merge``: target
   :data:`LORA_OVERHEAD_TARGET`. Switching adapters: a run with the other ``.onnx_adapter``
   active vs building a session for the other adapter merged (and one run), and the runtime's
   ``module(x)`` after loading other factors in ``"inputs"`` mode (no new session) vs in
@@ -33,9 +38,16 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   ``optim.Adam.step``; all params, and LoRA rank 4 on the linear layers) vs the same step in
   PyTorch (same weights, eval-mode BatchNorm, ``torch.optim.Adam``), target
   :data:`TRAIN_TARGET`. Without PyTorch it prints ``torch not installed`` and our step times.
-* ``quant``: :func:`bench_quant`: the exported int8 model (4 ``Linear(1024, 1024)``, batch 32)
-  vs its float32 export and vs ``onnxruntime.quantization.quantize_dynamic`` of that export;
-  targets: faster than float32, no slower than ``quantize_dynamic`` (ratio <= 1.0), file <= 0.3x.
+* ``quant``: ``tools/bench_quant.py``: a ResNet-like conv net, a transformer block and the MNIST
+  model, each as float32, the default int8 export, calibrated static int8, 4-bit, and ONNX
+  Runtime's ``quantize_dynamic`` / ``quantize_static`` / ``MatMulNBitsQuantizer``, timed
+  interleaved (ratio of medians vs float32); file sizes, cosine vs float32, MNIST accuracy.
+  Targets: default <= 1.0 everywhere, static conv net <= 0.5, every onnxparam variant no slower
+  than the matching ORT tool.
+* ``import``: :func:`bench_import`: the imported PP-OCRv4 detector (``tests/data/onnx``) called at
+  :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
+  dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
+  (target <= :data:`IMPORT_RSS_TARGET`).
 * ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
   plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
   over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -148,53 +161,72 @@ def bench_mnist(args: argparse.Namespace) -> list[Result]:
 
 
 CONVERT_MODEL_BYTES = 2**30
-"""Tensor bytes of the synthetic model: 1 GiB, so the file is far larger than any one tensor."""
+"""Tensor bytes of the synthetic model (default 1 GiB; ``--convert-mib`` changes it), so the
+file is far larger than any one tensor."""
 CONVERT_LARGEST_SHAPE = (4096, 4096)
-"""The largest tensors: float32 (4096, 4096) = 64 MiB each (15 of them, plus smaller ones)."""
-CONVERT_TIME_TARGET = 3.0
-"""Conversion time / copying the file once. Both read and write every byte once (page cache to
-page cache); a conversion also plans offsets, decodes headers and writes per tensor."""
+"""The largest tensors: float32 (4096, 4096) = 64 MiB each (plus smaller ones)."""
+CONVERT_TIME_TARGET = 2.0
+"""In-process conversion time / (copying the file once + fsync). Both read and write every
+byte once (page cache to page cache) and fsync the target; a conversion also plans offsets,
+decodes headers and writes per tensor."""
 CONVERT_MEMORY_TARGET = 1.2
-"""Peak anonymous RSS growth / largest tensor: memory bounded by one tensor plus a margin."""
-CONVERT_CASES = {
-    # case -> (source file, target file) in the bench folder
-    "copy": ("model.bpk", "copy.bpk"),
-    "bpk->safetensors": ("model.bpk", "out.safetensors"),
-    "safetensors->bpk": ("model.safetensors", "out.bpk"),
-    "bpk->onnx": ("model.bpk", "out.onnx"),
-    "onnx->bpk": ("model.onnx", "out.bpk"),
-}
+"""Peak RSS growth minus the file-backed pages (the mapped source) <= this x the largest tensor
++ :data:`CONVERT_MEMORY_SLACK`: memory bounded by one tensor plus a margin."""
+CONVERT_MEMORY_SLACK = 100 * 2**20
+CONVERT_SOURCES = {"bpk": "model.bpk", "safetensors": "model.safetensors", "onnx": "model.onnx", "pt": "model.pt"}
+"""Source format -> file in the bench folder (``.onnx``: weights inline in the protobuf;
+``.pt``: ``torch.save`` of the state dict, written only when torch is installed)."""
+CONVERT_TARGETS = {"bpk": "out.bpk", "safetensors": "out.safetensors", "onnx": "out.onnx"}
 CONVERT_CASE_FLAG = "--run-convert-case"
 """Internal: ``bench.py --run-convert-case CASE FOLDER`` runs one case and prints JSON."""
 RSS_SAMPLE_S = 0.002
+RSS_KEYS = ("VmRSS", "RssAnon", "RssFile")
 
 
-def _synthetic_tensors():
-    """``(name, array factory)`` of the synthetic model, data order; 1 GiB of tensor data."""
+def _convert_cases(with_pt: bool) -> dict:
+    """case -> (source file, target file): every pair of formats, ``.pt`` as a source only."""
+    cases = {"copy": ("model.bpk", "copy.bpk")}
+    for src, src_file in CONVERT_SOURCES.items():
+        if src == "pt" and not with_pt:
+            continue
+        for dst, dst_file in CONVERT_TARGETS.items():
+            if src != dst:
+                cases[f"{src}->{dst}"] = (src_file, dst_file)
+    return cases
+
+
+def _synthetic_tensors(model_bytes: int = CONVERT_MODEL_BYTES):
+    """``(name, shape, dtype)`` of the synthetic model, data order; ``model_bytes`` of tensor data."""
     big = int(np.prod(CONVERT_LARGEST_SHAPE)) * 4
     tensors, total, i = [], 0, 0
-    while total + big <= CONVERT_MODEL_BYTES - 2**20 * 16:
+    while total + big <= model_bytes - 2**20 * 16:
         tensors.append((f"layers.{i}.weight", CONVERT_LARGEST_SHAPE, np.float32))
         tensors.append((f"layers.{i}.bias", (CONVERT_LARGEST_SHAPE[1],), np.float32))
         total += big + CONVERT_LARGEST_SHAPE[1] * 4
         i += 1
-    rest = CONVERT_MODEL_BYTES - total
+    rest = model_bytes - total
     head_rows = rest // 2 // (4096 * 2)
     tensors.append(("head.weight", (head_rows, 4096), np.float16))
-    tensors.append(("head.steps", (-(-(rest - head_rows * 4096 * 2) // 8),), np.int64))  # rounded up: >= 1 GiB
+    tensors.append(("head.steps", (-(-(rest - head_rows * 4096 * 2) // 8),), np.int64))  # rounded up
     return tensors
 
 
-def _rss_kib() -> dict:
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "RssAnon")}
+def _rss_kib(pid="self") -> dict:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in RSS_KEYS}
+
+
+def _copy_fsync(src: Path, dst: Path) -> None:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _run_convert_case(case: str, folder: str) -> int:
     """One case in this (fresh) process: seconds and RSS before / peak (sampled every 2 ms)."""
     from onnxparam.convert import convert
 
-    src, dst = (Path(folder) / name for name in CONVERT_CASES[case])
+    src, dst = (Path(folder) / name for name in _convert_cases(True)[case])
     start = _rss_kib()
     peak = dict(start)
     done = threading.Event()
@@ -209,9 +241,9 @@ def _run_convert_case(case: str, folder: str) -> int:
     sampler.start()
     t0 = time.perf_counter()
     if case == "copy":
-        shutil.copyfile(src, dst)
+        _copy_fsync(src, dst)
     else:
-        convert(src, dst, external_data=True if dst.suffix == ".onnx" else None)
+        convert(src, dst)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
@@ -221,72 +253,121 @@ def _run_convert_case(case: str, folder: str) -> int:
     return 0
 
 
+def _run_cli_case(src: Path, dst: Path) -> dict:
+    """``onnxparam convert SRC DST -q`` as a command: wall seconds (imports included) and the
+    child's peak RSS (sampled from /proc every 2 ms; start = 0, the whole process)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = dict.fromkeys(RSS_KEYS, 0)
+    while child.poll() is None:
+        try:
+            for k, v in _rss_kib(child.pid).items():
+                peak[k] = max(peak[k], v)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+        time.sleep(RSS_SAMPLE_S)
+    seconds = time.perf_counter() - t0
+    if child.returncode:
+        raise RuntimeError(f"onnxparam convert {src.name} {dst.name} failed: {child.stderr.read().decode()}")
+    return {"seconds": seconds, "start": dict.fromkeys(RSS_KEYS, 0), "peak": peak}
+
+
 def _remove_target(folder: Path, name: str) -> None:
     for path in folder.glob(name + "*"):
         path.unlink()
 
 
-def bench_convert(args: argparse.Namespace) -> list[Result]:
+def _write_sources(folder: Path, tensors: list) -> bool:
+    """The ``.bpk`` (random data), then the other sources from it; ``False`` when torch (for the
+    ``.pt``) is missing."""
     from onnxparam import burnpack
     from onnxparam.convert import convert
 
-    tensors = _synthetic_tensors()
+    rng = np.random.default_rng(0)
+
+    def entry(name, shape, dt):
+        def data(_shape=shape, _dt=dt):
+            if np.dtype(_dt).kind == "f":
+                return rng.standard_normal(_shape, dtype=np.float32).astype(_dt, copy=False)
+            return np.arange(int(np.prod(_shape)), dtype=_dt).reshape(_shape)
+
+        return burnpack.TensorEntry(name, _dtype(dt), shape, data, param_id=len(name))
+
+    burnpack.write(folder / "model.bpk", (entry(*t) for t in tensors), metadata={"model": "synthetic"})
+    convert(folder / "model.bpk", folder / "model.safetensors")
+    convert(folder / "model.bpk", folder / "model.onnx")
+    try:
+        import torch
+    except ImportError:
+        return False
+    from onnxparam.convert import read_record
+
+    record = read_record(folder / "model.bpk")
+    state = {name: torch.from_numpy(np.array(snap.to_data().to_numpy())) for name, snap in record.items()}
+    torch.save(state, folder / "model.pt")
+    del state
+    return True
+
+
+def bench_convert(args: argparse.Namespace) -> list[Result]:
+    model_bytes = args.convert_mib * 2**20
+    tensors = _synthetic_tensors(model_bytes)
     largest = max(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in tensors)
     data_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in tensors)
+    memory_limit = CONVERT_MEMORY_TARGET * largest + CONVERT_MEMORY_SLACK
     results = []
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-convert-") as tmp:
         folder = Path(tmp)
-        rng = np.random.default_rng(0)
-
-        def entry(name, shape, dt):
-            def data(_shape=shape, _dt=dt):
-                if np.dtype(_dt).kind == "f":
-                    return rng.standard_normal(_shape, dtype=np.float32).astype(_dt, copy=False)
-                return np.arange(int(np.prod(_shape)), dtype=_dt).reshape(_shape)
-
-            return burnpack.TensorEntry(name, _dtype(dt), shape, data, param_id=len(name))
-
         t0 = time.perf_counter()
-        burnpack.write(folder / "model.bpk", (entry(*t) for t in tensors), metadata={"model": "synthetic"})
-        convert(folder / "model.bpk", folder / "model.safetensors")
-        convert(folder / "model.bpk", folder / "model.onnx", external_data=True)
+        with_pt = _write_sources(folder, tensors)
+        cases = _convert_cases(with_pt)
         size = (folder / "model.bpk").stat().st_size
         print(f"convert: synthetic model {len(tensors)} tensors, {data_bytes / 2**30:.2f} GiB of tensor data, "
-              f"largest tensor {largest / 2**20:.0f} MiB; .bpk {size:,} bytes (setup {time.perf_counter() - t0:.1f} s)",
-              file=sys.stderr)
+              f"largest tensor {largest / 2**20:.0f} MiB; .bpk {size:,} bytes (setup {time.perf_counter() - t0:.1f} s)"
+              + ("" if with_pt else "; torch not installed: no .pt cases"), file=sys.stderr)
         best: dict = {}
+        cli: dict = {}
         for repeat in range(args.convert_repeats):
-            for case in CONVERT_CASES:
+            for case, (src, dst) in cases.items():
                 out = subprocess.run([sys.executable, __file__, CONVERT_CASE_FLAG, case, str(folder)],
                                      capture_output=True, text=True, check=True)
                 run = json.loads(out.stdout.strip().splitlines()[-1])
                 if case not in best or run["seconds"] < best[case]["seconds"]:
                     best[case] = run
-                _remove_target(folder, CONVERT_CASES[case][1])
+                _remove_target(folder, dst)
+                if case != "copy" and repeat == 0:
+                    cli[case] = _run_cli_case(folder / src, folder / dst)
+                    _remove_target(folder, dst)
         copy_s = best["copy"]["seconds"]
-        print(f"convert: copy {size / copy_s / 1e9:.2f} GB/s", file=sys.stderr)
-        for case in CONVERT_CASES:
+        print(f"convert: copy + fsync {size / copy_s / 1e9:.2f} GB/s ({copy_s:.2f} s); memory target: growth less "
+              f"file-backed pages <= {memory_limit / 2**20:.0f} MiB", file=sys.stderr)
+        print(f"convert: {'case':<22} {'GB/s':>6} {'s':>6} {'x copy':>6}  peak RSS growth MiB: {'anon':>7} "
+              f"{'file':>7} {'all':>7}", file=sys.stderr)
+        for case in cases:
             if case == "copy":
                 continue
-            run = best[case]
-            anon = (run["peak"]["RssAnon"] - run["start"]["RssAnon"]) * 1024
-            rss = (run["peak"]["VmRSS"] - run["start"]["VmRSS"]) * 1024
-            print(f"convert: {case:<17} {data_bytes / run['seconds'] / 1e9:6.2f} GB/s  {run['seconds']:6.2f} s  "
-                  f"peak RSS growth: anonymous {anon / 2**20:7.1f} MiB = {anon / largest:.2f} x largest tensor, "
-                  f"all (incl. mapped file pages) {rss / 2**20:7.1f} MiB", file=sys.stderr)
-            results.append(Result("convert", f"{case} time", run["seconds"], copy_s, CONVERT_TIME_TARGET))
-            results.append(Result("convert", f"{case} memory", float(anon), float(largest), CONVERT_MEMORY_TARGET,
-                                  unit="MiB"))
+            for how, run in (("in process", best[case]), ("CLI", cli[case])):
+                growth = {k: (run["peak"][k] - run["start"][k]) * 1024 for k in RSS_KEYS}
+                print(f"convert: {case + ' ' + how:<22} {data_bytes / run['seconds'] / 1e9:6.2f} {run['seconds']:6.2f} "
+                      f"{run['seconds'] / copy_s:6.2f}  {'':>19}{growth['RssAnon'] / 2**20:7.1f} "
+                      f"{growth['RssFile'] / 2**20:7.1f} {growth['VmRSS'] / 2**20:7.1f}", file=sys.stderr)
+                if how == "in process":
+                    results.append(Result("convert", f"{case} time", run["seconds"], copy_s, CONVERT_TIME_TARGET))
+                    results.append(Result("convert", f"{case} memory", float(growth["RssAnon"]), memory_limit, 1.0,
+                                          unit="MiB"))
     return results
 
 
-LORA_LAYERS = 4
-LORA_WIDTH = 1024
-LORA_BATCH = 32
+LORA_WIDTH = 512
+LORA_HEADS = 8
+LORA_SEQ = 64
+LORA_BATCH = 4
 LORA_RANKS = (8, 16)
 LORA_OVERHEAD_TARGET = 1.10
-"""kept / inputs latency over merged: the adapter branch costs ``2 * r * width`` MACs per row
-(1.6% of the layer at r = 8) plus four small nodes per layer."""
+"""kept / inputs latency over merged: the adapter branch costs ``r * (d_in + d_out)`` MACs per
+row and weight (3% of the block at r = 8, 6% at r = 16) plus an ``Add`` per weight; the scale
+is folded into ``b`` (a constant ORT folds in ``keep``; in the fed ``b`` for ``inputs``)."""
 LORA_SWITCH_TARGET = 0.25
 """A run after switching adapters / building a new session and running it once. Both sides
 include the run itself (a few ms here), which bounds the ratio from below."""
@@ -295,17 +376,8 @@ include the run itself (a few ms here), which bounds the ratio from below."""
 def bench_lora(args: argparse.Namespace) -> list[Result]:
     import onnxruntime as ort
 
-    from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, runtime, write_onnx_adapter
-    from onnxparam.nn import Linear
-
-    class Mlp(Module):
-        def __init__(self):
-            self.layers = [Linear(LORA_WIDTH, LORA_WIDTH) for _ in range(LORA_LAYERS)]
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x).relu()
-            return x
+    from onnxparam import LoraConfig, Param, ParamGroup, Tensor, export_onnx, runtime, write_onnx_adapter
+    from onnxparam.nn import TransformerEncoder
 
     def with_factors(module, seed):
         rng = np.random.default_rng(seed)
@@ -314,8 +386,9 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             if path.endswith((".lora.a", ".lora.b")) else p)
 
     config = runtime.SessionConfig(intra_op_num_threads=args.threads)
-    x = np.random.default_rng(0).normal(size=(LORA_BATCH, LORA_WIDTH)).astype(np.float32)
-    base = Mlp()
+    x = np.random.default_rng(0).normal(size=(LORA_BATCH, LORA_SEQ, LORA_WIDTH)).astype(np.float32)
+    base = TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
+    weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
     results = []
     repeats = max(args.repeats // 5, 20)
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-") as tmp:
@@ -326,7 +399,8 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
                                         providers=["CPUExecutionProvider"])
 
         for rank in LORA_RANKS:
-            first = with_factors(base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=0)), 1)
+            first = with_factors(base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=0,
+                                                            param_group=weights)), 1)
             second = with_factors(first, 2)
             paths = {mode: export_onnx(first, folder / f"r{rank}-{mode}.onnx", x, lora=mode)
                      for mode in ("merge", "keep", "inputs")}
@@ -529,71 +603,47 @@ def bench_train(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-QUANT_LAYERS = 4
-QUANT_DIM = 1024
-QUANT_BATCH = 32
-QUANT_VS_FLOAT_TARGET = 1.0
-"""int8 export / float32 export: must be faster."""
-QUANT_VS_DYNAMIC_TARGET = 1.0
-"""int8 export / ``quantize_dynamic`` of the float export: no slower."""
-
-
 def bench_quant(args: argparse.Namespace) -> list[Result]:
-    """The matmul-heavy model (:data:`QUANT_LAYERS` ``Linear(1024, 1024)`` + ReLU, batch
-    :data:`QUANT_BATCH`) quantized with ``Quantizer(QuantScheme())`` (Q8S per tensor) and exported
-    (``DynamicQuantizeMatMul`` after ORT's fusions), vs the float32 export and vs
-    ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights) of that float32 file, all in plain
-    ``InferenceSession`` s with the same options."""
-    import logging
+    """Quantized exports vs float32 and vs ONNX Runtime's tools: :mod:`bench_quant` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_quant import bench_quant as run
 
-    import onnxruntime as ort
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    return run(args, Result)
 
+
+IMPORT_SIZES = [(h, w) for h in (384, 352, 320, 288, 256, 224) for w in (384, 352, 320, 288, 256, 224)][:32]
+"""``(H, W)`` of the 32 calls of the ``import`` section (the largest first)."""
+
+IMPORT_RSS_TARGET = 1.2
+"""Highest acceptable peak RSS over the 32 calls / RSS after the first call."""
+
+
+def bench_import(args: argparse.Namespace) -> list[Result]:
+    """An imported model called at many input sizes: one session, flat memory (module docstring)."""
     import onnxparam as op
-    from onnxparam import nn
-    from onnxparam.quant import Quantizer
+    from onnxparam.runtime import sessions_built
 
-    class Stack(op.Module):
-        def __init__(self):
-            self.layers = [nn.Linear(QUANT_DIM, QUANT_DIM) for _ in range(QUANT_LAYERS)]
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = op.ops.relu(layer(x))
-            return x
-
-    logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic's pre-processing advice
-    model = Stack()
-    x = np.random.default_rng(0).normal(size=(QUANT_BATCH, QUANT_DIM)).astype(np.float32)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = args.threads
-    so.log_severity_level = 3
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        axes = {0: {0: "batch"}}
-        f32 = op.export_onnx(model, tmp / "f32.onnx", x, dynamic_axes=axes)
-        ours = op.export_onnx(model.quantize_weights(Quantizer()), tmp / "q8.onnx", x, dynamic_axes=axes)
-        quantize_dynamic(str(f32), str(tmp / "dyn.onnx"), weight_type=QuantType.QInt8)
-        runs = {}
-        for name, path in (("ours", ours), ("f32", f32), ("dynamic", tmp / "dyn.onnx")):
-            session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-            runs[name] = lambda _s=session: _s.run(None, {"x": x})[0]
-        reference = runs["f32"]()
-        error = float(np.abs(runs["ours"]() - reference).max())
-        repeats = max(args.repeats // 5, 20)
-        t_ours, t_f32 = interleaved_medians(runs["ours"], runs["f32"], repeats)
-        results.append(Result("quant", "q8 vs float32", t_ours, t_f32, QUANT_VS_FLOAT_TARGET))
-        t_ours, t_dyn = interleaved_medians(runs["ours"], runs["dynamic"], repeats)
-        results.append(Result("quant", "q8 vs quantize_dynamic", t_ours, t_dyn, QUANT_VS_DYNAMIC_TARGET))
-        sizes = {k: Path(p).stat().st_size for k, p in (("ours", ours), ("f32", f32))}
-        results.append(Result("quant", "file size vs float32", sizes["ours"], sizes["f32"], 0.3, unit="MiB"))
-        print(f"quant: max |q8 - float32| on the outputs: {error:.4g}")
-    return results
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "onnx" / "ppocr_v4_det.onnx"
+    module = op.import_onnx(path)
+    rng = np.random.default_rng(0)
+    before = sessions_built()
+    peak = 0
+    first = None
+    for h, w in IMPORT_SIZES:
+        module(rng.normal(size=(1, 3, h, w)).astype(np.float32))
+        rss = _rss_kib()["VmRSS"] * 1024
+        first = rss if first is None else first
+        peak = max(peak, rss)
+    built = sessions_built() - before
+    print(f"import: ppocr_v4_det at {len(IMPORT_SIZES)} sizes: {built} session(s) built, RSS after the first "
+          f"call {first / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
+    return [Result("import", "ppocr det sessions/32 sizes", built, 1, 1.0, unit="count"),
+            Result("import", "ppocr det peak RSS/first", peak, first, IMPORT_RSS_TARGET, unit="MiB")]
 
 
 def bench_dynamic(args: argparse.Namespace) -> list[Result]:
-    sys.path.insert(0, str(Path(__file__).parent))
+    """A traced transformer block at new shapes vs plain ORT: :mod:`bench_dynamic` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_dynamic import run
 
     return run(args, Result, interleaved_medians)
@@ -605,6 +655,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "lora": bench_lora,
     "train": bench_train,
     "quant": bench_quant,
+    "import": bench_import,
     "dynamic": bench_dynamic,
 }
 """Section name -> function; run in this order when none is named."""
@@ -619,6 +670,8 @@ def main(argv=None) -> int:
                         help="ONNX Runtime intra-op threads for both sides (default: 0 = ONNX Runtime's choice)")
     parser.add_argument("--convert-repeats", type=int, default=3,
                         help="runs of each convert case, best kept (default: 3)")
+    parser.add_argument("--convert-mib", type=int, default=CONVERT_MODEL_BYTES // 2**20,
+                        help="tensor MiB of the convert section's synthetic model (default: 1024)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:

@@ -22,7 +22,9 @@ when it takes longer than ``--case-seconds``; memory is bounded by the reader's 
 tests check tracemalloc peaks for huge declared sizes). ``.onnx_adapter`` files are not read by
 this library (ONNX Runtime reads them), so they have no target.
 
-Usage: ``python tools/fuzz.py [--cases 2000] [--seed 1] [--targets onnx,safetensors,...]``.
+Usage: ``python tools/fuzz.py [--cases 2000] [--seed 1] [--targets onnx,safetensors,...]
+[--structured-cases 10000]``. After the byte-level targets it runs the structure-aware campaign of
+``tools/fuzz_structured.py`` (ONNX, burnpack, safetensors, ``.pt``), 10,000 cases per format.
 Prints cases tried / refused / accepted / failures per target and exits 1 on any failure; each
 failure is printed with its seed and case number, and ``--save DIR`` keeps the failing inputs.
 
@@ -449,6 +451,9 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     parser.add_argument("--case-seconds", type=float, default=5.0, help="a slower case is a failure")
     parser.add_argument("--save", type=Path, help="copy failing inputs into this folder")
+    parser.add_argument("--structured-cases", type=int, default=10_000,
+                        help="cases per format of the structure-aware campaign (tools/fuzz_structured.py; default "
+                             "10,000, ten times the test suite's); 0 skips it")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.targets.split(",") if n.strip()]
     unknown = [n for n in names if n not in TARGETS]
@@ -469,6 +474,20 @@ def main(argv=None) -> int:
                 if problem not in seen:  # one line per distinct failure
                     seen.add(problem)
                     print(f"    case {case} (seed {args.seed}): {problem}")
+    if args.structured_cases:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import fuzz_structured
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in fuzz_structured.FORMATS:
+                start = time.perf_counter()
+                out = fuzz_structured.run_format(name, args.structured_cases, args.seed, Path(tmp))
+                total_failures += len(out.findings)
+                print(f"{name + '*':<12} {out.tried:>7} {out.refused:>8} {out.accepted:>9} {len(out.findings):>9} "
+                      f"{'':>9} {time.perf_counter() - start:>6.1f}s")
+                for problem in sorted({f.problem for f in out.findings}):
+                    print(f"    (seed {args.seed}): {problem}")
+        print("(* structure-aware: tools/fuzz_structured.py)")
     print(f"failures: {total_failures}")
     return 1 if total_failures else 0
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..dtype import DType
 from ..errors import BurnpackFormatError, QuantizationError, RecordError
+from ..formats._limits import MAX_RANK, name_problem
 from ..formats._mapped import MappedFile
 from ..quant.scheme import QuantScheme
 from . import cbor
@@ -158,8 +159,9 @@ def _parse_metadata(label: str, raw: bytes) -> tuple[list[Descriptor], dict, dic
 
 
 def _parse_descriptor(label: str, name: Any, obj: Any) -> Descriptor:
-    if not isinstance(name, str):
-        raise BurnpackFormatError(f"{label}: tensor name {name!r} is not text")
+    problem = name_problem(name)
+    if problem is not None:
+        raise BurnpackFormatError(f"{label}: {problem}")
     where = f"{label}: tensor {name!r}"
     if not isinstance(obj, dict):
         raise BurnpackFormatError(f"{where}: descriptor is not a map, found {obj!r:.200}")
@@ -175,6 +177,8 @@ def _parse_descriptor(label: str, name: Any, obj: Any) -> Descriptor:
     shape, offsets, param_id = obj["shape"], obj["data_offsets"], obj.get("param_id")
     if not (isinstance(shape, list) and all(_is_u64(d) for d in shape)):
         raise BurnpackFormatError(f"{where}: shape {shape!r:.200} is not a list of u64")
+    if len(shape) > MAX_RANK:
+        raise BurnpackFormatError(f"{where}: shape has {len(shape)} dims, more than the {MAX_RANK} numpy supports")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(o) for o in offsets)):
         raise BurnpackFormatError(f"{where}: data_offsets {offsets!r:.200} is not [start, end] of u64")
     if param_id is not None and not _is_u64(param_id):

@@ -13,6 +13,7 @@ import numpy as np
 from .._scratch import atomic_output
 from ..dtype import DType, dtype_from_numpy
 from ..errors import QuantizationError, RecordError
+from ..formats._limits import name_problem, shape_problem
 from ..quant.scheme import QuantScheme
 from . import cbor
 from .header import (
@@ -141,13 +142,10 @@ def _plan(label: str, entries: Iterable[Any]) -> list[_Planned]:
 
 def _describe(label: str, entry: Any, offset: int) -> Descriptor:
     name = getattr(entry, "name", None)
-    if not isinstance(name, str):
-        raise RecordError(f"{label}: tensor name {name!r} is not text")
+    problem = name_problem(name)
+    if problem is not None:
+        raise RecordError(f"{label}: {problem}; nothing was written")
     where = f"{label}: tensor {name!r}"
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RecordError(f"{where}: name is not valid Unicode ({e.reason})") from None
     dtype = getattr(entry, "dtype", None)
     if not isinstance(dtype, DType):
         raise RecordError(f"{where}: dtype {dtype!r} is not an onnxparam DType")
@@ -175,6 +173,9 @@ def _describe(label: str, entry: Any, offset: int) -> Descriptor:
         nbytes = expected_nbytes(dtype, shape, bool_store, scheme)
     except QuantizationError as e:
         raise RecordError(f"{where}: {e}") from e
+    problem = shape_problem(shape, 1 if dtype is DType.QFloat else expected_nbytes(dtype, (1,), bool_store))
+    if problem is not None:
+        raise RecordError(f"{where}: {problem}; the burnpack reader would refuse it, nothing was written")
     if nbytes > MAX_TENSOR_BYTES:
         raise RecordError(f"{where}: {nbytes} bytes exceed the {MAX_TENSOR_BYTES}-byte (10 GiB) tensor limit")
     start = align(offset)

@@ -18,6 +18,7 @@ from .._snapshot import TensorSnapshot
 from ..dtype import DType
 from ..errors import RecordError
 from ..tensor import TensorData
+from ._limits import is_utf8_text, tensor_problem
 from ._safetensors_header import (
     DTYPE_FROM_SAFETENSORS,
     DTYPES_KEY,
@@ -87,11 +88,13 @@ def write_safetensors(
     user_meta = dict(metadata or {})
     for key, value in user_meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"safetensors metadata maps text to text; got {key!r}: {value!r}")
+            raise RecordError(f"{path}: safetensors metadata maps text to text; got {key!r}: {value!r}")
         if key.startswith(RESERVED_PREFIX):
-            raise ValueError(f"metadata key '{key}' is reserved for this library (prefix '{RESERVED_PREFIX}')")
+            raise RecordError(f"{path}: metadata key '{key}' is reserved for this library (prefix '{RESERVED_PREFIX}')")
+        if not (is_utf8_text(key) and is_utf8_text(value)):
+            raise RecordError(f"{path}: metadata entry {key!r}: {value!r} is not valid Unicode (a lone surrogate)")
     if scalars and not lossless:
-        raise ValueError("scalars are kept in the 'onnxparam.scalars' metadata key, which lossless=False omits")
+        raise RecordError("scalars are kept in the 'onnxparam.scalars' metadata key, which lossless=False omits")
 
     planned: list[_Planned] = []
     seen: set = set()
@@ -99,11 +102,16 @@ def write_safetensors(
     ids: dict[str, str] = {}
     for name, snap in items:
         if not isinstance(name, str):
-            raise RecordError(f"tensor names are text; got {name!r}")
+            raise RecordError(f"{path}: tensor names are text; got {name!r}")
         if name in seen:
-            raise RecordError(f"the tensor name '{name}' appears twice")
+            raise RecordError(f"{path}: the tensor name '{name}' appears twice")
         seen.add(name)
         planned.append(_plan(name, snap, lossless, notes))
+        # NOTE: what read_safetensors refuses is never written (a name, a rank, an empty shape)
+        itemsize = 1 if snap.dtype is DType.QFloat else snap.dtype.itemsize
+        problem = tensor_problem(name, tuple(int(d) for d in snap.shape), itemsize)
+        if problem is not None:
+            raise RecordError(f"{path}: {problem}; nothing was written")
         if snap.param_id is not None:
             ids[name] = str(int(snap.param_id))
 

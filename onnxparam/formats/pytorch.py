@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RecordError
+from ._limits import name_problem, shape_problem
 from ._names import KeyRemapper, map_indices_contiguous
 from ._torch_archive import StorageBytes, open_checkpoint
 from ._torch_pickle import TensorRef
@@ -129,6 +130,9 @@ def read_pytorch(
         refs["tensor"] = tree
     names = _remap(path, list(refs), key_remap)
     refs = _rename(path, refs, names)
+    bad = [problem for problem in map(name_problem, refs) if problem is not None]
+    if bad:
+        raise RecordError(f"{path}: tensors the library cannot name", bad)
     patterns = _compile(path, [include] if isinstance(include, str) else list(include or ()), "include")
     excluded = [n for n in refs if patterns and not any(p.search(n) for p in patterns)]
     for name in excluded:
@@ -260,6 +264,9 @@ def _array(path: str, name: str, ref: TensorRef, raw: memoryview, byteorder: str
     """Copy (or view) one tensor out of its storage bytes; never reads past them."""
     dtype = ref.dtype if byteorder == "little" else ref.dtype.newbyteorder(">")
     itemsize = dtype.itemsize
+    problem = shape_problem(ref.size, itemsize)
+    if problem is not None:
+        raise _ViewError(f"'{name}': {problem}")
     numel = math.prod(ref.size)
     available = len(raw) // itemsize
     if numel * itemsize > max(len(raw), MAX_EXPANDED_BYTES):

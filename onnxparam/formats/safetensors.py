@@ -72,6 +72,7 @@ from ..errors import RecordError
 from ..param import ParamId
 from ..tensor import TensorData
 from ._mapped import MappedFile
+from ._limits import is_utf8_text, name_problem, shape_problem
 from ._safetensors_header import (  # noqa: F401  (re-exported: the converters read the scalars' form)
     _KNOWN_KEYS,
     _NON_FINITE,
@@ -237,6 +238,9 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
         raw_meta = header.pop(METADATA_KEY, None) or {}
         if not isinstance(raw_meta, dict) or not all(isinstance(v, str) for v in raw_meta.values()):
             raise _format_error(path, "__metadata__ must map text to text")
+        for key, value in raw_meta.items():
+            if not (is_utf8_text(key) and is_utf8_text(value)):
+                raise _format_error(path, f"__metadata__ entry {key!r} is not valid Unicode (a lone surrogate)")
 
         layout: dict[str, tuple] = {}
         for name, info in header.items():
@@ -282,6 +286,9 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
 
 
 def _check_entry(path, name: str, info) -> tuple:
+    problem = name_problem(name)
+    if problem is not None:
+        raise _format_error(path, problem)
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         raise _format_error(path, f"tensor '{name}' needs 'dtype', 'shape' and 'data_offsets'")
     st_dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
@@ -294,6 +301,9 @@ def _check_entry(path, name: str, info) -> tuple:
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise _format_error(path, f"tensor '{name}' has data_offsets {offsets!r}, not [begin, end] with begin <= end")
+    problem = shape_problem(shape, DTYPE_FROM_SAFETENSORS[st_dtype].itemsize)
+    if problem is not None:
+        raise _format_error(path, f"tensor {name!r}: {problem}")
     numel = 1
     for d in shape:
         numel *= d

@@ -70,8 +70,10 @@ from .attention import (
 )
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
 from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
+from .deform_conv import DeformConv2d, DeformConv2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
+from .fold import AdaptiveAvgPool3d, AdaptiveAvgPool3dConfig, Fold4d, Fold4dConfig
 from .initializer import Initializer, seed
 from .interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
 from .linear import Linear, LinearConfig
@@ -144,6 +146,8 @@ __all__ = [
     "Conv3dConfig",
     "ConvTranspose3d",
     "ConvTranspose3dConfig",
+    "DeformConv2d",
+    "DeformConv2dConfig",
     "BatchNorm",
     "BatchNormConfig",
     "LayerNorm",
@@ -170,10 +174,14 @@ __all__ = [
     "AvgPool1dConfig",
     "AdaptiveAvgPool1d",
     "AdaptiveAvgPool1dConfig",
+    "AdaptiveAvgPool3d",
+    "AdaptiveAvgPool3dConfig",
     "PixelShuffle",
     "PixelShuffleConfig",
     "Unfold4d",
     "Unfold4dConfig",
+    "Fold4d",
+    "Fold4dConfig",
     "InterpolateMode",
     "Interpolate1d",
     "Interpolate1dConfig",

@@ -73,6 +73,11 @@ def _parse(data: bytes, source: str) -> onnx.ModelProto:
     try:
         proto.ParseFromString(data)
     except DecodeError as e:
+        if "MaxDepth" in str(e) or "recursion" in str(e).lower():
+            raise OnnxFormatError(
+                f"{source}: its protobuf nests messages deeper than the parser allows (about 100 levels: "
+                "subgraphs inside subgraphs); refused"
+            ) from None
         raise OnnxFormatError(
             f"{source}: not a readable ONNX model: the protobuf is truncated or corrupt ({e}); "
             "check that the file was copied completely and is an .onnx model"
@@ -99,6 +104,9 @@ def _check_proto(proto: onnx.ModelProto, source: str) -> None:
                 f"{source}: two initializers are named {init.name!r}; ONNX names are unique in a graph"
             )
         seen.add(init.name)
+    from ._validate import check_structure
+
+    check_structure(proto, source)
 
 
 def _invalid_text_field(message, where: str) -> Optional[str]:
@@ -126,6 +134,25 @@ def _invalid_text_field(message, where: str) -> Optional[str]:
 
 
 def load_model(path_or_model) -> LoadedModel:
+    """Parse ``path_or_model`` into an ``onnx_ir.Model`` and validate it (see :func:`_load_model`).
+
+    NOTE: the boundary of the ONNX reader: an exception of onnx, onnx_ir, protobuf or numpy that a
+    check did not foresee becomes an :class:`OnnxFormatError` naming the source, never escapes.
+    """
+    try:
+        return _load_model(path_or_model)
+    except (OnnxFormatError, TypeError) as e:
+        if isinstance(e, OnnxFormatError) or describe_source(path_or_model) == repr(path_or_model):
+            raise
+        source = describe_source(path_or_model)
+        raise OnnxFormatError(f"{source}: the ONNX model is malformed: {type(e).__name__}: {e}") from e
+    except (MemoryError, RecursionError, ValueError, AttributeError, KeyError, IndexError, OverflowError,
+            AssertionError, UnicodeError, RuntimeError) as e:
+        source = describe_source(path_or_model)
+        raise OnnxFormatError(f"{source}: the ONNX model is malformed: {type(e).__name__}: {e}") from e
+
+
+def _load_model(path_or_model) -> LoadedModel:
     """Parse ``path_or_model`` into an ``onnx_ir.Model`` and validate it (see the module docstring).
 
     Args:
@@ -169,6 +196,11 @@ def load_model(path_or_model) -> LoadedModel:
     _check_zero_copy(model, source, path)
     _check_tensor_sizes(model, source)
     _check_names(model, source)
+    for graph in iter_graphs(model.graph):
+        try:
+            topological_nodes(graph)
+        except OnnxFormatError as e:
+            raise OnnxFormatError(f"{source}: {e}") from None
     return LoadedModel(model, source, path)
 
 
@@ -237,8 +269,8 @@ def _check_external_data(model: ir.Model, source: str) -> None:
             )
         if file not in sizes:
             try:
-                sizes[file] = os.stat(file).st_size
-            except OSError:
+                sizes[file] = os.stat(file).st_size if os.path.isfile(file) else None
+            except (OSError, ValueError):
                 sizes[file] = None
         size = sizes[file]
         if size is None:

@@ -1,0 +1,260 @@
+"""Structural checks of an ``onnx.ModelProto`` before anything trusts it.
+
+:func:`check_structure` walks the protobuf once (graphs, subgraphs, nodes, attributes, tensors,
+value infos) and refuses what would otherwise escape later as another library's exception or a
+wrong result: attributes whose declared type is UNDEFINED or disagrees with the value they hold
+or with the operator's schema, required attributes that are missing, ``ref_attr_name`` outside a
+function, subgraphs nested deeper than :data:`MAX_GRAPH_DEPTH`, opset versions outside
+``[1, 2**31)``, node domains no opset import declares, element types ONNX does not define,
+negative tensor dims, typed tensor data of the wrong length, two producers of one name, and external
+data locations that hold NUL or bad offsets.
+
+Every problem is an :class:`~onnxparam.OnnxFormatError` that names the source, the graph, the
+node (name and op type) or the tensor, and what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import onnx
+from onnx import AttributeProto, TensorProto
+
+from ..errors import OnnxFormatError
+
+__all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure"]
+
+MAX_GRAPH_DEPTH = 24
+"""Subgraphs (``If`` / ``Loop`` / ``Scan`` bodies) nested deeper are refused. NOTE: the readers
+walk subgraphs recursively; real models nest a handful of levels, and the protobuf parser itself
+stops at 100 nested messages (each subgraph level is three: graph, node, attribute)."""
+
+MAX_OPSET_VERSION = 2**31 - 1
+"""Opset versions are ``int64`` in the protobuf but ``int`` in ONNX's C++ schema lookups."""
+
+_VALUE_FIELD = {
+    AttributeProto.FLOAT: "f", AttributeProto.INT: "i", AttributeProto.STRING: "s", AttributeProto.TENSOR: "t",
+    AttributeProto.GRAPH: "g", AttributeProto.SPARSE_TENSOR: "sparse_tensor", AttributeProto.TYPE_PROTO: "tp",
+    AttributeProto.FLOATS: "floats", AttributeProto.INTS: "ints", AttributeProto.STRINGS: "strings",
+    AttributeProto.TENSORS: "tensors", AttributeProto.GRAPHS: "graphs",
+    AttributeProto.SPARSE_TENSORS: "sparse_tensors", AttributeProto.TYPE_PROTOS: "type_protos",
+}
+"""Attribute type -> the AttributeProto field that holds its value (ONNX's onnx.proto)."""
+
+_NEEDS_PRESENCE = frozenset({AttributeProto.TENSOR, AttributeProto.GRAPH, AttributeProto.SPARSE_TENSOR,
+                             AttributeProto.TYPE_PROTO})
+"""Attribute types whose value must be present (a scalar number may be the proto default)."""
+
+_ELEM_TYPES = frozenset(v for v in TensorProto.DataType.values() if v != TensorProto.UNDEFINED)
+
+_TYPED_FIELD = {
+    TensorProto.FLOAT: "float_data", TensorProto.DOUBLE: "double_data", TensorProto.INT64: "int64_data",
+    TensorProto.UINT32: "uint64_data", TensorProto.UINT64: "uint64_data",
+    **{t: "int32_data" for t in (TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT16,
+                                 TensorProto.UINT8, TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.BFLOAT16)},
+}
+"""Element type -> the typed field holding one value per element (ONNX's onnx.proto)."""
+
+
+def _type_name(code: int) -> str:
+    try:
+        return AttributeProto.AttributeType.Name(code)
+    except ValueError:
+        return str(code)
+
+
+class _Checker:
+    def __init__(self, model: onnx.ModelProto, source: str):
+        self.source = source
+        self.opsets: dict = {}
+        self.function_domains = {f.domain for f in model.functions}
+        for entry in model.opset_import:
+            domain = "" if entry.domain == "ai.onnx" else entry.domain
+            if not 1 <= entry.version <= MAX_OPSET_VERSION:
+                self.fail(f"imports opset {entry.version} of domain {entry.domain or 'ai.onnx'!r}; opset versions "
+                          f"are 1 to {MAX_OPSET_VERSION}")
+            if domain in self.opsets:
+                self.fail(f"imports domain {entry.domain or 'ai.onnx'!r} twice (opsets {self.opsets[domain]} and "
+                          f"{entry.version}); each domain has one opset")
+            self.opsets[domain] = entry.version
+
+    def fail(self, message: str):
+        raise OnnxFormatError(f"{self.source}: {message}")
+
+    # -- graphs ----------------------------------------------------------------------------------
+
+    def graph(self, graph: onnx.GraphProto, depth: int, where: str) -> None:
+        if depth > MAX_GRAPH_DEPTH:
+            self.fail(f"{where} nests subgraphs more than {MAX_GRAPH_DEPTH} levels deep; refused (a real "
+                      "model nests a few levels)")
+        label = f"graph {graph.name!r}" if depth == 0 else f"{where} (graph {graph.name!r})"
+        for value in graph.input:
+            self.value_info(value, f"input {value.name!r} of {label}", required=depth == 0)
+        for value in graph.output:
+            self.value_info(value, f"output {value.name!r} of {label}", required=depth == 0)
+        for value in graph.value_info:
+            self.value_info(value, f"value_info {value.name!r} of {label}", required=False)
+        for init in graph.initializer:
+            self.tensor(init, f"initializer {init.name!r}" + ("" if depth == 0 else f" of {label}"))
+        produced: dict = {}
+        inputs = {v.name for v in graph.input}
+        initializers = {t.name for t in graph.initializer}
+        for index, node in enumerate(graph.node):
+            node_label = self.node_label(node, index, label)
+            self.node(node, node_label, depth)
+            for name in node.output:
+                if not name:
+                    continue  # an omitted optional output
+                other = produced.get(name)
+                if other is not None:
+                    self.fail(f"value {name!r} is produced twice in {label}: by {other} and by {node_label}; "
+                              "ONNX names are assigned once")
+                if name in inputs or name in initializers:
+                    what = "a graph input" if name in inputs else "an initializer"
+                    self.fail(f"{node_label} produces {name!r}, which is already {what} of {label}")
+                produced[name] = node_label
+
+    @staticmethod
+    def node_label(node: onnx.NodeProto, index: int, graph_label: str) -> str:
+        name = f"node {node.name!r}" if node.name else f"node #{index}"
+        return f"{name} ({node.op_type or 'no op type'}) of {graph_label}"
+
+    def value_info(self, value: onnx.ValueInfoProto, label: str, required: bool) -> None:
+        if not value.HasField("type") or not value.type.HasField("tensor_type"):
+            return  # sequences, maps, optionals: left to the consumers
+        tensor_type = value.type.tensor_type
+        elem = tensor_type.elem_type
+        if elem != TensorProto.UNDEFINED and elem not in _ELEM_TYPES:
+            self.fail(f"{label} has element type {elem}, which ONNX does not define")
+        if elem == TensorProto.UNDEFINED and required:
+            self.fail(f"{label} has no element type (UNDEFINED)")
+        # NOTE: negative dims are not refused here: exporters (Paddle) write -1 for a dynamic dim
+
+    # -- nodes -----------------------------------------------------------------------------------
+
+    def node(self, node: onnx.NodeProto, label: str, depth: int) -> None:
+        if not node.op_type:
+            self.fail(f"{label} has no op_type")
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if domain not in self.opsets and domain not in self.function_domains:
+            self.fail(f"{label} is in domain {node.domain!r}, which the model imports no opset of "
+                      f"(it imports {', '.join(repr(d or 'ai.onnx') for d in self.opsets) or 'none'})")
+        schema = self.schema(node.op_type, domain)
+        if schema is None and domain == "" and domain in self.opsets:
+            self.fail(f"{label}: ONNX defines no operator {node.op_type!r} up to opset {self.opsets[domain]} "
+                      "(op types are case-sensitive)")
+        names: set = set()
+        for attr in node.attribute:
+            attr_label = f"attribute {attr.name!r} of {label}"
+            if not attr.name:
+                self.fail(f"an attribute of {label} has no name")
+            if attr.name in names:
+                self.fail(f"{label} has two attributes named {attr.name!r}")
+            names.add(attr.name)
+            if attr.ref_attr_name:
+                self.fail(f"{attr_label} refers to function attribute {attr.ref_attr_name!r} (ref_attr_name), "
+                          "which only a function body may do")
+            self.attribute(attr, attr_label, depth, schema)
+        if schema is not None and domain == "":
+            unknown = sorted(names - set(schema.attributes))
+            if unknown:
+                self.fail(f"{label} has attribute(s) {', '.join(map(repr, unknown))}, which "
+                          f"{node.op_type}-{schema.since_version} does not define")
+        if node.op_type == "Constant" and domain == "" and len(names) != 1:
+            self.fail(f"{label} has {len(names)} value attributes ({', '.join(sorted(names)) or 'none'}); a "
+                      "Constant has exactly one")
+        if schema is not None:
+            missing = sorted(n for n, a in schema.attributes.items() if a.required and n not in names)
+            if missing:
+                self.fail(f"{label} lacks the required attribute(s) {', '.join(map(repr, missing))} of "
+                          f"{node.op_type}-{schema.since_version}")
+
+    def schema(self, op_type: str, domain: str):
+        if domain not in self.opsets:
+            return None
+        try:
+            return onnx.defs.get_schema(op_type, self.opsets[domain], domain)
+        except onnx.defs.SchemaError:
+            return None  # custom operators: their attributes are theirs
+
+    def attribute(self, attr: AttributeProto, label: str, depth: int, schema) -> None:
+        if attr.type == AttributeProto.UNDEFINED:
+            self.fail(f"{label} has type UNDEFINED; an attribute declares the type of its value")
+        field = _VALUE_FIELD.get(attr.type)
+        if field is None:
+            self.fail(f"{label} has type {attr.type}, which ONNX does not define")
+        held = [f.name for f, _ in attr.ListFields() if f.name in _VALUE_FIELD.values()]
+        wrong = [f for f in held if f != field]
+        if wrong:
+            self.fail(f"{label} is typed {_type_name(attr.type)} but holds a value in field {wrong[0]!r}; the file "
+                      "is corrupt")
+        if attr.type in _NEEDS_PRESENCE and field not in held:
+            self.fail(f"{label} is typed {_type_name(attr.type)} but holds no value")
+        if schema is not None and attr.name in schema.attributes:
+            expected = int(schema.attributes[attr.name].type)
+            if expected != attr.type:
+                self.fail(f"{label} is {_type_name(attr.type)}, but {schema.name}-{schema.since_version} takes "
+                          f"{_type_name(expected)}")
+        if attr.type == AttributeProto.GRAPH:
+            self.graph(attr.g, depth + 1, label)
+        elif attr.type == AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                self.graph(sub, depth + 1, label)
+        elif attr.type == AttributeProto.TENSOR:
+            self.tensor(attr.t, label)
+        elif attr.type == AttributeProto.TENSORS:
+            for t in attr.tensors:
+                self.tensor(t, label)
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    def tensor(self, tensor: TensorProto, label: str) -> None:
+        dims = list(tensor.dims)
+        if any(d < 0 for d in dims):
+            self.fail(f"{label} has negative dims {dims}")
+        if tensor.data_type not in _ELEM_TYPES:
+            self.fail(f"{label} has element type {tensor.data_type}, which ONNX does not define")
+        if tensor.data_location == TensorProto.EXTERNAL:
+            self.external(tensor, label)
+            return
+        if tensor.HasField("raw_data"):
+            return  # its length is checked against dims and type by source._check_tensor_sizes
+        numel = 1
+        for d in dims:
+            numel *= d
+        field = _TYPED_FIELD.get(tensor.data_type)
+        if field is None:
+            return
+        count = len(getattr(tensor, field))
+        if count != numel:
+            self.fail(f"{label} is {TensorProto.DataType.Name(tensor.data_type)} {dims} ({numel} values) but its "
+                      f"{field} holds {count}; the file is corrupt")
+
+    def external(self, tensor: TensorProto, label: str) -> None:
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = entries.get("location")
+        if not location:
+            self.fail(f"{label} keeps its data externally but names no location")
+        if "\x00" in location:
+            self.fail(f"{label} has external data location {location!r}, which holds a NUL character")
+        for key in ("offset", "length"):
+            value = entries.get(key)
+            if value is not None and not (value.isascii() and value.isdigit()):
+                self.fail(f"{label} has external data {key} {value!r}; expected a non-negative integer")
+
+
+def check_structure(model: onnx.ModelProto, source: str) -> Optional[None]:
+    """Refuse a structurally invalid model (see the module docstring).
+
+    Raises:
+        OnnxFormatError: naming ``source``, the graph, node / tensor / attribute and the problem.
+    """
+    checker = _Checker(model, source)
+    if model.ir_version > onnx.IR_VERSION:
+        checker.fail(f"has IR version {model.ir_version}, newer than the installed onnx reads (IR "
+                     f"{onnx.IR_VERSION}); update onnx")
+    checker.graph(model.graph, 0, f"graph {model.graph.name!r}")
+    for function in model.functions:
+        for index, node in enumerate(function.node):
+            if not node.op_type:
+                checker.fail(f"node #{index} of function {function.name!r} has no op_type")

@@ -1,0 +1,206 @@
+"""The ``quant`` section of ``tools/bench.py``: quantized exports vs float32 and vs ONNX Runtime's
+own quantization tool, measured in one process.
+
+Three models built with ``onnxparam.nn`` (no PyTorch): a ResNet-like conv net (:class:`ConvNet`),
+one transformer encoder block (``nn.TransformerEncoderConfig``) and the MNIST zoo model with its
+trained weights. Each is exported as
+
+* ``float32``: the float export (the baseline of every latency ratio);
+* ``default``: ``quantize_weights(Quantizer())`` exported with the default options (per op the
+  fastest form: dynamic int8 MatMul, float Conv without calibration);
+* ``static``: ``Quantizer(per_channel=True)`` + ``quantize_activations`` on calibration inputs
+  (QLinearConv / QLinearMatMul);
+* ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (MatMulNBits; conv weights whose
+  shape is not whole blocks stay float);
+* ``ort-dynamic``: ``onnxruntime.quantization.quantize_dynamic`` of the float32 file (QInt8);
+* ``ort-static``: ``onnxruntime.quantization.quantize_static`` of it (QDQ, same calibration inputs);
+* ``ort-4bit``: ``MatMulNBitsQuantizer`` of it (block 32, symmetric), where available.
+
+All run in plain ``InferenceSession`` s with the same options, timed interleaved (the order
+rotates every repetition), ratio of medians vs float32. Printed per variant: latency ratio, file
+size ratio, cosine similarity of the outputs vs float32 and (MNIST) digit accuracy. Targets:
+``default`` <= 1.0 on every model, ``static`` <= 0.5 on the conv net, and every onnxparam variant
+no slower than the matching ONNX Runtime tool (default vs ort-dynamic, static vs ort-static,
+4-bit vs ort-4bit).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+CONV_BATCHES = (1, 8)
+TRANSFORMER_BATCH = 8
+MNIST_BATCHES = (1, 256)
+DEFAULT_TARGET = 1.0
+STATIC_CONV_TARGET = 0.5
+VS_ORT_TARGET = 1.0
+
+
+def _models():
+    import onnxparam as op
+    from onnxparam import nn, ops
+
+    class Block(op.Module):
+        """conv3x3 -> BN -> ReLU -> conv3x3 -> BN, + the (1x1 projected) input, ReLU."""
+
+        def __init__(self, c_in, c_out, stride):
+            self.conv1 = nn.Conv2dConfig((c_in, c_out), (3, 3), stride=(stride, stride), padding=1).init()
+            self.bn1 = nn.BatchNormConfig(c_out).init()
+            self.conv2 = nn.Conv2dConfig((c_out, c_out), (3, 3), padding=1).init()
+            self.bn2 = nn.BatchNormConfig(c_out).init()
+            self.proj = (nn.Conv2dConfig((c_in, c_out), (1, 1), stride=(stride, stride)).init()
+                         if stride != 1 or c_in != c_out else None)
+
+        def forward(self, x):
+            y = ops.relu(self.bn1(self.conv1(x)))
+            y = self.bn2(self.conv2(y))
+            return ops.relu(ops.add(y, x if self.proj is None else self.proj(x)))
+
+    class ConvNet(op.Module):
+        """A ResNet-like net: stem conv, 4 residual blocks (64 -> 256 channels), global average
+        pool, Linear to 100 classes; input ``[N, 3, 64, 64]``."""
+
+        def __init__(self):
+            self.stem = nn.Conv2dConfig((3, 64), (3, 3), stride=(2, 2), padding=1).init()
+            self.blocks = [Block(64, 64, 1), Block(64, 128, 2), Block(128, 256, 2), Block(256, 256, 1)]
+            self.head = nn.LinearConfig(256, 100).init()
+
+        def forward(self, x):
+            x = ops.relu(self.stem(x))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.mean(dim=[2, 3]))
+
+    return ConvNet
+
+
+def _variants(name, model, example, calib, tmp: Path, axes) -> dict:
+    """``{variant: path}`` for one model (module docstring)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    import onnxparam as op
+    from onnxparam.quant import Quantizer, QuantScheme, QuantValue, quantize_activations
+
+    files = {"float32": op.export_onnx(model, tmp / f"{name}-f32.onnx", example, dynamic_axes=axes)}
+    files["default"] = op.export_onnx(model.quantize_weights(Quantizer()), tmp / f"{name}-default.onnx", example,
+                                      dynamic_axes=axes)
+    per_channel = model.quantize_weights(Quantizer(per_channel=True))
+    files["static"] = op.export_onnx(quantize_activations(per_channel, calib, batch_size=32),
+                                     tmp / f"{name}-static.onnx", example, dynamic_axes=axes)
+    four = model.quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1))))
+    files["4-bit"] = op.export_onnx(four, tmp / f"{name}-4bit.onnx", example, dynamic_axes=axes)
+    f32 = str(files["float32"])
+    input_name = onnx.load(f32, load_external_data=False).graph.input[0].name
+    quantize_dynamic(f32, str(tmp / f"{name}-ort-dyn.onnx"), weight_type=QuantType.QInt8)
+    files["ort-dynamic"] = tmp / f"{name}-ort-dyn.onnx"
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{input_name: calib[i:i + 32]} for i in range(0, len(calib), 32)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    quantize_static(f32, str(tmp / f"{name}-ort-static.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    files["ort-static"] = tmp / f"{name}-ort-static.onnx"
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(onnx.load(f32), block_size=32, is_symmetric=True)
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(tmp / f"{name}-ort-4bit.onnx"), False)
+        files["ort-4bit"] = tmp / f"{name}-ort-4bit.onnx"
+    except Exception as e:  # noqa: BLE001 - an optional comparison
+        print(f"quant: {name}: ORT's MatMulNBitsQuantizer is not available ({type(e).__name__}: {e})")
+    return files
+
+
+def _time(runs: dict, repeats: int, warmup: int = 3) -> dict:
+    """Median seconds per variant, interleaved (the order rotates every repetition)."""
+    names = list(runs)
+    for _ in range(warmup):
+        for n in names:
+            runs[n]()
+    times = {n: [] for n in names}
+    clock = time.perf_counter
+    for i in range(repeats):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = clock()
+            runs[n]()
+            times[n].append(clock() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def bench_quant(args, result_cls) -> list:
+    """The section (module docstring); returns ``result_cls`` rows for bench.py's table."""
+    import onnxruntime as ort
+
+    from onnxparam import nn
+    from onnxparam.zoo import mnist
+
+    logging.getLogger().setLevel(logging.ERROR)  # ORT's quantization tools' advice
+    warnings.simplefilter("ignore")  # "left float": conv kernels that are not whole 4-bit blocks
+    rng = np.random.default_rng(0)
+    ConvNet = _models()
+    nn.seed(0)
+    images, labels = mnist.load_digits()
+    images = images.astype(np.float32)
+    models = [
+        ("convnet", ConvNet(), rng.normal(size=(64, 3, 64, 64)).astype(np.float32), CONV_BATCHES),
+        ("transformer", nn.TransformerEncoderConfig(256, 1024, 4, 1, dropout=0.0).init(),
+         rng.normal(size=(64, 64, 256)).astype(np.float32), (TRANSFORMER_BATCH,)),
+        ("mnist", mnist.load_pretrained(), images, MNIST_BATCHES),
+    ]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = args.threads
+    so.log_severity_level = 3
+    results = []
+    repeats = max(args.repeats // 10, 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, model, data, batches in models:
+            files = _variants(name, model, data[:1], data[::max(len(data) // 64, 1)][:64], tmp, {0: {0: "batch"}})
+            sessions = {v: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"])
+                        for v, p in files.items()}
+            feed_name = sessions["float32"].get_inputs()[0].name
+            sizes = {v: Path(p).stat().st_size for v, p in files.items()}
+            whole = data[:256]
+            outs = {v: s.run(None, {feed_name: whole})[0] for v, s in sessions.items()}
+            print(f"quant: {name}: variant, file size vs float32, cosine vs float32"
+                  + (", digit accuracy" if name == "mnist" else ""))
+            for v in files:
+                line = f"quant:   {v:<12} size {sizes[v] / sizes['float32']:6.3f}  cosine {_cosine(outs[v], outs['float32']):.5f}"
+                if name == "mnist":
+                    acc = float((sessions[v].run(None, {feed_name: images})[0].argmax(1) == labels).mean())
+                    line += f"  accuracy {acc:.4f}"
+                print(line)
+            for batch in batches:
+                x = data[:batch]
+                runs = {v: (lambda _s=s, _x=x: _s.run(None, {feed_name: _x})) for v, s in sessions.items()}
+                med = _time(runs, repeats)
+                print(f"quant: {name} batch {batch}: latency / float32: "
+                      + ", ".join(f"{v} {med[v] / med['float32']:.3f}" for v in files if v != "float32"))
+                case = f"{name}[{batch}]"
+                results.append(result_cls("quant", f"{case} default", med["default"], med["float32"], DEFAULT_TARGET))
+                static_target = STATIC_CONV_TARGET if name == "convnet" else DEFAULT_TARGET
+                results.append(result_cls("quant", f"{case} static", med["static"], med["float32"], static_target))
+                for ours, theirs in (("default", "ort-dynamic"), ("static", "ort-static"), ("4-bit", "ort-4bit")):
+                    if theirs in med:
+                        results.append(result_cls("quant", f"{case} {ours}/{theirs}", med[ours], med[theirs],
+                                                  VS_ORT_TARGET))
+    return results

@@ -107,6 +107,9 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
     from ..trace import trace_module
 
     if isinstance(module, OnnxModule) and not kwargs:
+        direct = _export_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+        if direct is not None:
+            return direct
         model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
     else:
         def trace(axes, batch=False):
@@ -250,6 +253,48 @@ def _spec_of(x):
         return InputSpec(x.shape, x.dtype)
     array = np.asarray(x)
     return InputSpec(array.shape, DType.from_numpy(array.dtype))
+
+
+def _check_opset(module: OnnxModule, opset) -> None:
+    declared = module.onnx_opset_imports.get("")
+    if opset is not None and declared is not None and int(opset) != declared:
+        raise ValueError(
+            f"an imported ONNX graph keeps its own opset ({declared}); it cannot be exported at opset {opset} "
+            "(convert the file with onnx.version_converter instead)"
+        )
+
+
+def _export_imported(module: OnnxModule, example_inputs, input_names, output_names, dynamic_axes, opset, lora):
+    """The source graph itself with the module's weights (:mod:`._graph_model`), or ``None``
+    when the module is more than its graph can say (then it is traced)."""
+    from ._graph_model import apply_dynamic_axes, apply_example_shapes, export_model
+
+    _check_opset(module, opset)
+    if example_inputs and len(example_inputs) != len(module.input_names):
+        raise TypeError(f"the ONNX graph takes {len(module.input_names)} input(s) ({', '.join(module.input_names)}); "
+                        f"{len(example_inputs)} example input(s) were given")
+    built = export_model(module, lora, input_names, output_names)
+    if built is None:
+        return None
+    model, written = built
+    if example_inputs and dynamic_axes:
+        apply_example_shapes(model, [getattr(x, "shape", None) for x in example_inputs])
+    apply_dynamic_axes(model, dynamic_axes)
+    metas = {}
+    for name, (path, param, tensor) in written.items():
+        meta = md.ParamMetadata(param.id, param.require_grad, None)
+        tensor.metadata_props.update(md.tensor_props(meta))
+        metas[name] = meta
+    from .._version import __version__
+
+    props = md.strip_own_keys(model.metadata_props)
+    props[md.PARAMS_KEY] = md.model_params_prop(metas)
+    props[md.VERSION_KEY] = __version__
+    cls = type(module)
+    props[md.MODULE_KEY] = f"{cls.__module__}.{cls.__qualname__}"
+    model.metadata_props.clear()
+    model.metadata_props.update(props)
+    return model
 
 
 def _trace_imported(module: OnnxModule, example_inputs, input_names, output_names, dynamic_axes, opset, lora):

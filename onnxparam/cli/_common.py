@@ -1,9 +1,13 @@
 """Shared pieces of the command line: exit codes, the parser, argument types, output."""
 
 import argparse
+import contextlib
 import math
+import os
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -12,6 +16,13 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 """``argparse``'s (and the Unix) convention for a command-line usage error."""
+
+EXIT_SIGNAL_BASE = 128
+"""A process ended by signal N exits ``128 + N`` (the shells' convention): 130 for SIGINT, 143
+for SIGTERM."""
+
+QUIET = False
+"""Set by :func:`onnxparam.cli.main` from ``--quiet``: no progress bar anywhere."""
 
 PROG = "onnxparam"
 DEFAULT_OUT_DIR = "onnxparam-out"
@@ -24,6 +35,62 @@ scan (a few booleans per element) whatever the tensor's size."""
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 """Work smaller than this shows no progress bar (it would only flicker)."""
+
+
+class Interrupted(BaseException):
+    """Raised by the CLI's handler of SIGINT / SIGTERM in the main thread, through the running
+    command (a ``BaseException``, so no ``except Exception`` swallows it; the writers' clean-up
+    runs as it passes)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
+_SIGNAL_WORDS = {getattr(signal, "SIGINT", -1): "interrupted (SIGINT)", getattr(signal, "SIGTERM", -1): "terminated (SIGTERM)"}
+
+
+def _interrupted(signum: int) -> int:
+    """After a SIGINT / SIGTERM: remove this process's scratch entries, print one line, return
+    the exit code (``128 + signum``). Further signals are ignored meanwhile."""
+    from .._scratch import remove_live_scratch
+
+    for s in _SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(s, signal.SIG_IGN)
+    remove_live_scratch()
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{PROG}: {_SIGNAL_WORDS.get(signum, f'signal {signum}')}; unfinished files were removed, "
+              "previous files are unchanged", file=sys.stderr, flush=True)
+    return EXIT_SIGNAL_BASE + int(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While the CLI runs (main thread only): SIGINT and SIGTERM raise :class:`Interrupted`;
+    the previous handlers are restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list = []
+
+    def handler(signum, frame):
+        if fired:  # a second signal while the first unwinds: let the clean-up finish
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    previous = {}
+    for s in _SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(s, old if old is not None else signal.SIG_DFL)
 
 
 class UsageError(Exception):
@@ -99,7 +166,7 @@ def _out(line: str = "") -> None:
 
 def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
     """A tqdm bar on stderr, or ``None`` (``--quiet``, not a terminal, small work, no tqdm)."""
-    if quiet or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
+    if quiet or QUIET or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
         return None
     try:
         from tqdm import tqdm

@@ -45,6 +45,8 @@ __all__ = [
     "preserve_mode",
     "cannot_write_error",
     "remove_live_scratch",
+    "register",
+    "release",
     "is_scratch_name",
 ]
 
@@ -69,7 +71,8 @@ def is_scratch_name(name: str) -> bool:
     return _SCRATCH.fullmatch(name) is not None
 
 
-def _register(path) -> None:
+def register(path) -> None:
+    """Remember ``path`` (a scratch entry this process is writing) for :func:`remove_live_scratch`."""
     with _LIVE_LOCK:
         _LIVE.add(os.path.abspath(os.fspath(path)))
 
@@ -271,7 +274,7 @@ def create_scratch(target: Path, make, path_for_errors=None):
             if clear is not None:
                 raise clear from e
             raise
-        _register(tmp)
+        register(tmp)
         return tmp, made
 
 

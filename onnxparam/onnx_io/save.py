@@ -228,8 +228,9 @@ def _not_unicode(target: Path, error: UnicodeEncodeError) -> OnnxFormatError:
 
 
 def _file_written(error: OSError, tmp_dir: Path, target: Path, location: Optional[str]) -> Path:
-    """The user's file a failed write was for: the error's file moved out of the scratch folder,
-    else the data file (numpy's short writes name none), else the model."""
+    """The user's file a failed write was for: the error's file moved out of the scratch folder;
+    for numpy's errno-less short write (``tofile``, which onnx_ir writes external data with) the
+    data file; else the model."""
     name = getattr(error, "filename", None)
     if name:
         path = Path(os.fspath(name))
@@ -237,7 +238,9 @@ def _file_written(error: OSError, tmp_dir: Path, target: Path, location: Optiona
             return target.parent / path.name
         if tmp_dir not in path.parents:
             return path
-    return target.parent / location if location is not None else target
+    if error.errno is None and location is not None:
+        return target.parent / location
+    return target
 
 
 _BACKUP_FOLDER = "previous"

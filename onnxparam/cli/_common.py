@@ -84,7 +84,8 @@ def _signals_raise():
     previous = {}
     for s in _SIGNALS:
         with contextlib.suppress(ValueError, OSError):
-            previous[s] = signal.signal(s, handler)
+            if signal.getsignal(s) is not signal.SIG_IGN:  # nohup / background jobs: keep ignoring
+                previous[s] = signal.signal(s, handler)
     try:
         yield
     finally:

@@ -61,6 +61,7 @@ from ._common import (
     Command,
     Interrupted,
     _interrupted,
+    add_common_flags,
     _signals_raise,
     UsageError,
     _Parser,
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(p)
+        add_common_flags(p)
         p.set_defaults(_run=command.run)
     return parser
 
@@ -172,9 +174,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return int(e.code or 0)
     from ..errors import OnnxParamError
 
+    capture = bool(getattr(args, "json", False) and getattr(args, "_json_capture", False))
     try:
         _common.QUIET = bool(getattr(args, "quiet", False))
-        return int(args._run(args))
+        _common.JSON_DOC = {"command": args.command, "results": {}, "output": []} if capture else None
+        code = int(args._run(args))
+        if capture and code == EXIT_OK:
+            import json
+
+            doc, _common.JSON_DOC = _common.JSON_DOC, None
+            print(json.dumps(doc, indent=2, ensure_ascii=False, default=str), flush=True)
+        return code
     except UsageError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE
@@ -191,3 +201,5 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
         print(f"{PROG}: error: unexpected {type(e).__name__}: {one_line(e)} (please report this)", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        _common.QUIET, _common.JSON_DOC = False, None

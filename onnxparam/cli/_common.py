@@ -161,8 +161,33 @@ def _device(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+JSON_DOC: Optional[dict] = None
+"""While a command added ``--json`` by :func:`add_common_flags` runs with it: the document
+printed at the end (``command``, the command's structured ``results``, its ``output`` lines)."""
+
+
 def _out(line: str = "") -> None:
+    if JSON_DOC is not None:
+        JSON_DOC["output"].append(line)
+        return
     print(line, flush=True)
+
+
+def json_result(key: str, value) -> None:
+    """Add ``key: value`` to the ``--json`` document's ``results`` (nothing without ``--json``)."""
+    if JSON_DOC is not None:
+        JSON_DOC["results"][key] = value
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """Give a subcommand ``-q/--quiet`` and ``--json`` unless it declares its own."""
+    options = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    if "--quiet" not in options:
+        parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    if "--json" not in options:
+        parser.add_argument("--json", action="store_true",
+                            help="print one JSON document (the results and the output lines) instead of text")
+        parser.set_defaults(_json_capture=True)
 
 
 def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):

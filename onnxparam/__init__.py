@@ -63,6 +63,8 @@ _provide("record.apply", "onnxparam.convert.store:apply_record")  # Module.load_
 _provide("runtime.call_module", "onnxparam.runtime.calls:call_module")  # Module.__call__
 _provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
 _provide("runtime.ortvalue_from_numpy", "onnxparam.runtime.devices:ortvalue_from_numpy")  # Tensor.to_device
+_provide("runtime.clear_caches", "onnxparam.runtime.calls:clear_caches")  # nn.seed: seeded dropout restarts
+_provide("autodiff.clear_cache", "onnxparam.autodiff.training:clear_cache")  # nn.seed: the training graphs too
 
 __all__ = [
     "__version__",
@@ -94,6 +96,7 @@ __all__ = [
     "TensorSnapshot",
     "LoraConfig",
     "LoraAdapter",
+    "LoraAdapterSet",
     "write_onnx_adapter",
     "load_peft_adapter",
     "save_peft_adapter",
@@ -116,7 +119,7 @@ _LAZY = {
     "burnpack": None, "nn": None, "autodiff": None, "optim": None, "runtime": None, "ops": None,
     "DType": "dtype",
     "ParamGroup": "group",
-    "LoraAdapter": "lora", "LoraConfig": "lora",
+    "LoraAdapter": "lora", "LoraConfig": "lora", "LoraAdapterSet": "lora",
     "write_onnx_adapter": "_lora_adapter_file",
     "Module": "module", "ModuleMapper": "module", "ModuleVisitor": "module",
     "OnnxModule": "onnx_io", "export_onnx": "onnx_io", "import_onnx": "onnx_io",

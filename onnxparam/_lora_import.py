@@ -13,7 +13,7 @@ from .lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_m
 from .param import Param
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -44,54 +44,84 @@ def _scalar(value: ir.Value) -> Optional[float]:
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
 
-def _lora_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
-    """``(x, a, b, coefficient, [nodes])`` when ``out = Mul(MatMul(MatMul(x, a), b), s)`` with
-    ``a`` / ``b`` factor initializers of one base (``factors``: value name -> (base, "a"|"b"))."""
+def _factor(value: Optional[ir.Value], factors: dict, which: str) -> Optional[tuple]:
+    """``(factor, coefficient, [nodes])`` when ``value`` is factor ``which`` (``"a"`` / ``"b"``)
+    itself or ``Mul(factor, s)`` / ``Mul(s, factor)`` with a scalar ``s`` (the kept export's
+    ``scale * b``)."""
+    if value is None:
+        return None
+    if factors.get(value.name, (None, None))[1] == which:
+        return value, 1.0, []
+    mul = _producer(value, "Mul")
+    if mul is not None and len(mul.inputs) == 2:
+        for first, second in ((0, 1), (1, 0)):
+            factor, other = mul.inputs[first], mul.inputs[second]
+            if factor is not None and other is not None and factors.get(factor.name, (None, None))[1] == which:
+                coefficient = _scalar(other)
+                if coefficient is not None:
+                    return factor, coefficient, [mul]
+    return None
+
+
+def _scaled_outputs(out: ir.Value) -> list:
+    """``[(value, coefficient, [nodes])]``: ``out`` itself, and when ``out = Mul(v, s)`` with a
+    scalar ``s`` (older kept exports scale the branch's output), ``v`` with ``s``."""
+    found = [(out, 1.0, [])]
     mul = _producer(out, "Mul")
-    if mul is None:  # "inputs" mode: the scale is in the fed b
-        candidates = [(_producer(out, "MatMul"), 1.0, [])]
-    else:
-        candidates = [(_producer(mul.inputs[first], "MatMul"),
-                       _scalar(mul.inputs[second]) if mul.inputs[second] is not None else None, [mul])
-                      for first, second in ((0, 1), (1, 0))]
-    for mm_b, coefficient, muls in candidates:
-        if mm_b is None or coefficient is None:
+    if mul is not None and len(mul.inputs) == 2:
+        for first, second in ((0, 1), (1, 0)):
+            if mul.inputs[first] is not None and mul.inputs[second] is not None:
+                coefficient = _scalar(mul.inputs[second])
+                if coefficient is not None:
+                    found.append((mul.inputs[first], coefficient, [mul]))
+    return found
+
+
+def _lora_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
+    """``(x, a, b, coefficient, [nodes])`` when ``out = MatMul(MatMul(x, a), s * b)`` (the kept
+    export), ``MatMul(MatMul(x, a), b)`` (``"inputs"``: the scale is in the fed ``b``) or
+    ``Mul(MatMul(MatMul(x, a), b), s)`` (older kept exports), with ``a`` / ``b`` factor
+    initializers of one base (``factors``: value name -> (base, "a"|"b"))."""
+    for value, outer, outer_nodes in _scaled_outputs(out):
+        mm_b = _producer(value, "MatMul")
+        if mm_b is None:
             continue
-        b = mm_b.inputs[1]
+        b_found = _factor(mm_b.inputs[1], factors, "b")
         mm_a = _producer(mm_b.inputs[0], "MatMul")
-        if mm_a is None or factors.get(b.name, (None, None))[1] != "b":
+        if b_found is None or mm_a is None:
             continue
+        b, coefficient, b_nodes = b_found
         a = mm_a.inputs[1]
-        if factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
+        if a is None or factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
             continue
-        return mm_a.inputs[0], a, b, coefficient, [mm_a, mm_b] + muls
+        return mm_a.inputs[0], a, b, outer * coefficient, b_nodes + [mm_a, mm_b] + outer_nodes
     return None
 
 
 def _merged_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
-    """``(a, b, coefficient, transposed, [nodes])`` when ``out`` is ``Mul(MatMul(a, b), s)``,
-    optionally ``Transpose``-d."""
+    """``(a, b, coefficient, transposed, [nodes])`` when ``out`` is ``MatMul(a, s * b)`` (or one
+    of the other scalings of :func:`_lora_chain`), optionally ``Transpose``-d (a transposed
+    adapter) or ``Reshape``-d (a bias's adapter)."""
     transpose = _producer(out, "Transpose")
-    inner = transpose.inputs[0] if transpose is not None else out
-    mul = _producer(inner, "Mul")
-    if mul is None:  # "inputs" mode: the scale is in the fed b
-        candidates = [(_producer(inner, "MatMul"), 1.0, [])]
-    else:
-        candidates = [(_producer(mul.inputs[first], "MatMul"),
-                       _scalar(mul.inputs[second]) if mul.inputs[second] is not None else None, [mul])
-                      for first, second in ((0, 1), (1, 0))]
-    for mm, coefficient, muls in candidates:
-        if mm is None or coefficient is None:
+    wrapper = transpose or _producer(out, "Reshape")
+    inner = wrapper.inputs[0] if wrapper is not None else out
+    for value, outer, outer_nodes in _scaled_outputs(inner):
+        mm = _producer(value, "MatMul")
+        if mm is None:
             continue
-        a, b = mm.inputs
-        if factors.get(a.name, (None, None))[1] == "a" and factors.get(b.name, (None, None))[1] == "b" \
-                and factors[a.name][0] == factors[b.name][0]:
-            nodes = [mm] + muls + ([transpose] if transpose is not None else [])
-            return a, b, coefficient, transpose is not None, nodes
+        b_found = _factor(mm.inputs[1], factors, "b")
+        a = mm.inputs[0]
+        if b_found is None or a is None or factors.get(a.name, (None, None))[1] != "a":
+            continue
+        b, coefficient, b_nodes = b_found
+        if factors[a.name][0] == factors[b.name][0]:
+            nodes = b_nodes + [mm] + outer_nodes + ([wrapper] if wrapper is not None else [])
+            return a, b, outer * coefficient, transpose is not None, nodes
     return None
 
 
 def _remove_if_unused(nodes: list) -> None:
+    """Remove ``nodes`` (producers before consumers) that nothing uses any more."""
     for node in reversed(nodes):
         if node.graph is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
             node.graph.remove(node, safe=True)
@@ -278,9 +308,11 @@ def _strip(add: ir.Node, y: ir.Value, nodes: list) -> None:
 
 IN_OUT = "in_out"
 OUT_IN = "out_in"
+CONV = "conv"
 """Weight layouts: ``(d_in, d_out)`` (ONNX ``MatMul`` B, ``Gemm`` B with ``transB=0``, Burn's
 ``Linear``; a ``Gather``-ed embedding table ``(num_embeddings, dim)`` reads as one too) and
-``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``)."""
+``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``);
+``CONV``: a ``Conv`` weight ``(out, in / groups, *kernel)``."""
 
 
 def weight_layouts(model: ir.Model) -> dict:
@@ -295,6 +327,7 @@ def weight_layouts(model: ir.Model) -> dict:
     ``Gemm`` B, ``transB=0`` / ``1``        IN_OUT / OUT_IN
     ``Transpose(perm=[1, 0]) -> MatMul`` B  OUT_IN
     ``Gather`` data (an embedding table)    IN_OUT (rows are the looked-up axis)
+    ``Conv`` W                              CONV
     ======================================  =========
     """
     claims: dict = {}
@@ -303,7 +336,12 @@ def weight_layouts(model: ir.Model) -> dict:
         if node.domain not in ("", "ai.onnx"):
             continue
         for index, value in enumerate(node.inputs):
-            if value is None or not value.is_initializer() or value.shape is None or len(value.shape) != 2:
+            if value is None or not value.is_initializer() or value.shape is None:
+                continue
+            if node.op_type == "Conv" and index == 1 and len(value.shape) >= 3:
+                claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
+                continue
+            if len(value.shape) != 2:
                 continue
             layout = None
             if node.op_type == "MatMul" and index == 1:

@@ -27,7 +27,7 @@ from .group import ParamGroup
 from .param import Param, ParamId
 from .tensor import Tensor
 
-__all__ = ["LoraConfig", "LoraAdapter", "apply_lora", "merge_param", "transposed_paths", "LORA_LAYOUT_METHOD"]
+__all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "LORA_LAYOUT_METHOD"]
 
 LORA_MODES = ("merge", "keep", "inputs")
 """How an adapted weight appears in a traced graph: ``"merge"``: one initializer
@@ -134,9 +134,12 @@ class LoraAdapter:
 
     def delta_for(self, shape: tuple) -> np.ndarray:
         """:meth:`delta` in a param's ``shape``: a 1-d param (a bias with PEFT's ``lora_bias``,
-        ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened."""
+        ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened; a convolution
+        weight ``(out, in / groups, *kernel)`` (PEFT's conv LoRA: a transposed adapter with
+        ``a`` ``(in / groups * prod(kernel), r)``, ``b`` ``(r, out)``) gets the ``(out, ...)``
+        delta reshaped."""
         delta = self.delta()
-        return delta.reshape(shape) if len(shape) == 1 else delta
+        return delta.reshape(shape) if len(shape) != 2 else delta
 
     def apply(self, base: Tensor) -> Tensor:
         """``base + delta`` at ``base``'s dtype (computed in float32, or float64 for F64)."""
@@ -229,3 +232,81 @@ def merge_param(param: Param) -> Param:
         return param
     merged = param.val()
     return Param(param.id, value=merged, require_grad=param.require_grad, mapper=param._mapper)
+
+
+class LoraAdapterSet:
+    """Named adapters for one module (PEFT's ``add_adapter`` / ``set_adapter`` /
+    ``disable_adapter`` / ``delete_adapter``), on top of Burn's one adapter per param: each
+    name holds ``{param path: LoraAdapter}``; :meth:`activate` returns the module with exactly
+    that name's adapters attached. Immutable: :meth:`add` and :meth:`delete` return new sets.
+
+    Example::
+
+        adapters = LoraAdapterSet().add("sql", load_peft_adapter(base, "sql/")).add("chat", chat)
+        model = adapters.activate(base, "sql")   # base + the "sql" adapters
+        plain = adapters.disable(model)          # the base model
+    """
+
+    def __init__(self, sets: Optional[dict] = None):
+        self._sets = dict(sets or {})
+
+    @property
+    def names(self) -> list:
+        """The adapter names, in the order they were added."""
+        return list(self._sets)
+
+    def adapters(self, name: str) -> dict:
+        """``{param path: LoraAdapter}`` of ``name``. Raises ``KeyError`` naming the known names."""
+        if name not in self._sets:
+            raise KeyError(f"no adapter named {name!r}; the set holds {self.names}")
+        return dict(self._sets[name])
+
+    def add(self, name: str, module) -> "LoraAdapterSet":
+        """A set with ``name`` -> the adapters ``module`` carries (``apply_lora``,
+        ``load_peft_adapter``, a trained module ...).
+
+        Raises:
+            ValueError: ``name`` is already in the set, or ``module`` has no adapters.
+        """
+        from .module import named_params
+
+        if name in self._sets:
+            raise ValueError(f"an adapter named {name!r} is already in the set; delete it first")
+        found = {path: p.adapter() for path, p in named_params(module) if p.adapter() is not None}
+        if not found:
+            raise ValueError(f"{type(module).__name__} has no LoRA adapters to add as {name!r}")
+        return LoraAdapterSet({**self._sets, name: found})
+
+    def delete(self, name: str) -> "LoraAdapterSet":
+        """A set without ``name`` (``KeyError`` when it has none)."""
+        self.adapters(name)
+        return LoraAdapterSet({k: v for k, v in self._sets.items() if k != name})
+
+    def activate(self, module, name: Optional[str]):
+        """``module`` with exactly ``name``'s adapters attached (every other adapter removed);
+        ``None``: no adapter (:meth:`disable`).
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: ``module`` lacks a param the adapters are for, or has it in another shape.
+        """
+        from .module import named_params, rebuild
+
+        chosen = {} if name is None else self.adapters(name)
+        params = dict(named_params(module))
+        problems = [f"{path!r}: not a param of {type(module).__name__}" for path in chosen if path not in params]
+        for path, adapter in chosen.items():
+            if path in params:
+                shape = tuple(params[path].lazy_shape())
+                d_in, d_out = int(adapter.a.lazy_shape()[0]), int(adapter.b.lazy_shape()[1])
+                size = int(np.prod(shape)) if shape else 1
+                if d_in * d_out != size:
+                    problems.append(f"{path!r}: the adapter makes a ({d_in}, {d_out}) delta, the param is {list(shape)}")
+        if problems:
+            raise ValueError(f"cannot activate adapter {name!r}: " + "; ".join(problems))
+        return rebuild(module, lambda path, p: p.with_adapter(chosen.get(path)) if (
+            p.adapter() is not None or path in chosen) else p)
+
+    def disable(self, module):
+        """``module`` without any adapter: the base model (PEFT's ``disable_adapter``)."""
+        return self.activate(module, None)

@@ -47,6 +47,8 @@ does not store it) or, failing that, from the graph's constant.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx_ir as ir
 
@@ -114,6 +116,7 @@ class _Expander:
         self.path = tracer._param_paths.get(id(param), base.name)
         self._factors = None
         self._merged = None
+        self._scaled_b: dict = {}
 
     def _node(self, graph: ir.Graph, op: str, inputs: list, dims: list, label: str, attrs=None) -> ir.Node:
         name = self.tracer.unique_name(f"{label}")
@@ -154,25 +157,32 @@ class _Expander:
             self._factors = (values[0], values[1], scale)
         return self._factors
 
-    def _scaled(self, graph, value: ir.Value, scale, coefficient: float, dims: list, label: str) -> list:
-        """``[Mul(value, s)]`` (``s`` the scale constant, or ``coefficient`` when it differs);
-        ``[]`` when nothing is to be multiplied (``"inputs"`` mode with coefficient 1)."""
-        if scale is None:  # "inputs": b is fed pre-scaled; only a Gemm's alpha remains
+    def scaled_b(self, coefficient: float) -> ir.Value:
+        """``coefficient * b`` (the scale, times a ``Gemm``'s ``alpha``), once per coefficient,
+        at the top of the main graph: it depends on initializers only, so ONNX Runtime folds it
+        into one constant and the branch costs two small ``MatMul`` s and an ``Add``. In
+        ``"inputs"`` mode ``b`` is fed pre-scaled and only a ``Gemm``'s ``alpha`` remains."""
+        a, b, scale = self.factors()
+        if scale is None:
             coefficient = coefficient / float(self.adapter.scale)
             if coefficient == 1.0:
-                return []
-            scale = self.tracer.constant(np.asarray(coefficient, dtype=self.dtype.to_numpy()),
-                                         name=f"{self.path}.lora.gemm_alpha")._symbol.value
-        elif coefficient != float(self.adapter.scale):
-            scale = self.tracer.constant(np.asarray(coefficient, dtype=self.dtype.to_numpy()),
-                                         name=f"{self.path}.lora.scale")._symbol.value
-        return [self._node(graph, "Mul", [value, scale], dims, label)]
+                return b
+        hit = self._scaled_b.get(coefficient)
+        if hit is None:
+            if scale is None or coefficient != float(self.adapter.scale):
+                scale = self.tracer.constant(np.asarray(coefficient, dtype=self.dtype.to_numpy()),
+                                             name=f"{self.path}.lora.scale")._symbol.value
+            node = self._node(self.tracer.graph, "Mul", [b, scale], _dims(b), f"/{self.path}.lora/Mul")
+            _prepend(self.tracer.graph, [node])
+            hit = self._scaled_b[coefficient] = node.outputs[0]
+        return hit
 
     def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
-        """``y + coefficient * ((x @ a) @ b)`` after ``node`` (its output ``y``), replacing
-        every use of ``y``. ``coefficient`` is relative to the adapter's scale: ``scale`` times
-        a ``Gemm``'s ``alpha`` (just the ``alpha`` in ``"inputs"`` mode)."""
-        a, b, scale = self.factors()
+        """``y + (x @ a) @ (coefficient * b)`` after ``node`` (its output ``y``), replacing
+        every use of ``y``. ``coefficient`` is the adapter's scale, times a ``Gemm``'s
+        ``alpha``."""
+        a, _, _ = self.factors()
+        b = self.scaled_b(coefficient)
         graph = node.graph
         y = node.outputs[0]
         out_dims = _dims(y)
@@ -180,28 +190,27 @@ class _Expander:
         label = f"{node.name}/lora"
         xa = self._node(graph, "MatMul", [x, a], out_dims[:-1] + [rank], f"{label}/MatMul_a")
         xab = self._node(graph, "MatMul", [xa.outputs[0], b], out_dims, f"{label}/MatMul_b")
-        scaled = self._scaled(graph, xab.outputs[0], scale, coefficient, out_dims, f"{label}/Mul")
         uses = list(y.uses())
-        total = self._node(graph, "Add", [y, (scaled or [xab])[-1].outputs[0]], out_dims, f"{label}/Add")
-        graph.insert_after(node, [xa, xab] + scaled + [total])
+        total = self._node(graph, "Add", [y, xab.outputs[0]], out_dims, f"{label}/Add")
+        graph.insert_after(node, [xa, xab, total])
         _redirect(y, total.outputs[0], uses)
 
     def merged(self) -> ir.Value:
         """``W + scale * (a @ b)`` (transposed for a transposed adapter), once, at the top of
         the main graph (it depends on initializers and factor inputs only)."""
         if self._merged is None:
-            a, b, scale = self.factors()
+            a, b, _ = self.factors()
             a_dims, b_dims = _dims(a), _dims(b)
+            b = self.scaled_b(float(self.adapter.scale))
             graph = self.tracer.graph
             label = f"/{self.path}.lora"
             dims = [a_dims[0], b_dims[1]]
-            ab = self._node(graph, "MatMul", [a, b], dims, f"{label}/MatMul")
-            nodes = [ab] + self._scaled(graph, ab.outputs[0], scale, float(self.adapter.scale), dims, f"{label}/Mul")
+            nodes = [self._node(graph, "MatMul", [a, b], dims, f"{label}/MatMul")]
             if self.adapter.transposed:
                 nodes.append(self._node(graph, "Transpose", [nodes[-1].outputs[0]], dims[::-1],
                                         f"{label}/Transpose", {"perm": [1, 0]}))
             base_dims = _dims(self.base)
-            if len(base_dims) == 1:  # a bias's adapter (PEFT lora_bias): (1, d) -> (d,)
+            if len(base_dims) != 2:  # a bias's (PEFT lora_bias) or a convolution's adapter
                 shape = self.tracer.constant(np.asarray(base_dims, dtype=np.int64),
                                              name=f"{self.path}.lora.shape")._symbol.value
                 nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], base_dims,
@@ -283,12 +292,24 @@ def _factor_inputs(tracer, param: Param, path: str, dtype: DType) -> tuple:
     return values[0], values[1]
 
 
+_HEADERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""graph -> the last node of its LoRA header: the nodes that depend on initializers only
+(factor ``Cast`` s, ``scale * b``, merged weights), kept at the top of the graph in creation
+order (each is created after its inputs, so the order is topological)."""
+
+
 def _prepend(graph: ir.Graph, nodes: list) -> None:
-    first = next(iter(graph), None)
-    if first is None:
-        graph.extend(nodes)
+    """Append ``nodes`` to ``graph``'s LoRA header (the top of the graph, :data:`_HEADERS`)."""
+    last = _HEADERS.get(graph)
+    if last is not None and last.graph is graph:
+        graph.insert_after(last, nodes)
     else:
-        graph.insert_before(first, nodes)
+        first = next(iter(graph), None)
+        if first is None:
+            graph.extend(nodes)
+        else:
+            graph.insert_before(first, nodes)
+    _HEADERS[graph] = nodes[-1]
 
 
 def _redirect(old: ir.Value, new: ir.Value, uses: list) -> None:

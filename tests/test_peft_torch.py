@@ -248,3 +248,38 @@ def test_adapters_trained_here_load_in_peft_and_give_the_same_outputs(tmp_path):
     # and back: the folder loads here onto the plain module with the same result
     back = load_peft_adapter(OurMlp().map(from_torch), folder)
     np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
+
+
+def test_named_adapters_switch_disable_and_delete_like_peft(tmp_path):
+    from onnxparam import LoraAdapterSet, Param
+
+    torch_model = randomize(Mlp().eval(), seed=4)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    ours = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    for name, (r, alpha, rslora, lora_bias) in zip(("one", "two"), ADAPTERS[:2]):
+        peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=30 + r)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "one"),
+                                                   adapter_name="one").eval()
+        reference.load_adapter(str(tmp_path / "two"), adapter_name="two")
+    adapters = LoraAdapterSet().add("one", load_peft_adapter(ours, tmp_path / "one")) \
+                               .add("two", load_peft_adapter(ours, tmp_path / "two"))
+    x = torch.randn(4, 6)
+    xt = Tensor.from_numpy(x.numpy())
+    module = ours
+    for name in ("two", "one", None, "two"):
+        module = adapters.activate(module, name)
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    expected = reference(x).numpy()
+            else:
+                reference.set_adapter(name)
+                expected = reference(x).numpy()
+        np.testing.assert_allclose(module(xt).to_numpy(), expected, atol=ATOL, err_msg=str(name))
+    reference.delete_adapter("one")
+    adapters = adapters.delete("one")
+    assert adapters.names == ["two"] == list(reference.peft_config)
+    with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two'\]"):
+        adapters.activate(module, "one")

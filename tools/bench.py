@@ -24,10 +24,12 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   anonymous and file-backed (the mapped source) pages; target: anonymous growth <=
   :data:`CONVERT_MEMORY_TARGET` x the largest tensor + :data:`CONVERT_MEMORY_SLACK`. Temporary
   files (~5 GiB at most) are removed at the end.
-* ``lora``: an MLP of :data:`LORA_LAYERS` ``Linear(1024, 1024)`` + ReLU at batch
-  :data:`LORA_BATCH`, with LoRA at ranks :data:`LORA_RANKS`, exported in the three LoRA modes and
-  run in plain ``onnxruntime.InferenceSession`` s (same options). ``keep`` and ``inputs`` (with an
-  adapter active through ``RunOptions.add_active_adapter``) vs ``merge``: target
+* ``lora``: a transformer encoder block (:class:`onnxparam.nn.TransformerEncoder`, one layer,
+  ``d_model`` :data:`LORA_WIDTH`, ``d_ff`` 4x, :data:`LORA_HEADS` heads) on
+  ``[`` :data:`LORA_BATCH` ``,`` :data:`LORA_SEQ` ``, d_model]``, LoRA on its six weight matrices
+  (q, k, v, out, two feed-forward) at ranks :data:`LORA_RANKS`, exported in the three LoRA modes
+  and run in plain ``onnxruntime.InferenceSession`` s (same options). ``keep`` and ``inputs``
+  (with an adapter active through ``RunOptions.add_active_adapter``) vs ``merge``: target
   :data:`LORA_OVERHEAD_TARGET`. Switching adapters: a run with the other ``.onnx_adapter``
   active vs building a session for the other adapter merged (and one run), and the runtime's
   ``module(x)`` after loading other factors in ``"inputs"`` mode (no new session) vs in
@@ -42,6 +44,10 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   interleaved (ratio of medians vs float32); file sizes, cosine vs float32, MNIST accuracy.
   Targets: default <= 1.0 everywhere, static conv net <= 0.5, every onnxparam variant no slower
   than the matching ORT tool.
+* ``import``: :func:`bench_import`: the imported PP-OCRv4 detector (``tests/data/onnx``) called at
+  :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
+  dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
+  (target <= :data:`IMPORT_RSS_TARGET`).
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class Result:
     """How ``ours_s`` / ``baseline_s`` print: ``"ms"`` (seconds shown as ms) or ``"MiB"`` (bytes)."""
 
     def show(self, value: float) -> str:
+        if self.unit == "count":
+            return f"{value:8.0f}   "
         return f"{value / 2**20:8.1f} MiB" if self.unit == "MiB" else f"{value * 1e3:8.3f} ms"
 
     @property
@@ -348,13 +356,15 @@ def bench_convert(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-LORA_LAYERS = 4
-LORA_WIDTH = 1024
-LORA_BATCH = 32
+LORA_WIDTH = 512
+LORA_HEADS = 8
+LORA_SEQ = 64
+LORA_BATCH = 4
 LORA_RANKS = (8, 16)
 LORA_OVERHEAD_TARGET = 1.10
-"""kept / inputs latency over merged: the adapter branch costs ``2 * r * width`` MACs per row
-(1.6% of the layer at r = 8) plus four small nodes per layer."""
+"""kept / inputs latency over merged: the adapter branch costs ``r * (d_in + d_out)`` MACs per
+row and weight (3% of the block at r = 8, 6% at r = 16) plus an ``Add`` per weight; the scale
+is folded into ``b`` (a constant ORT folds in ``keep``; in the fed ``b`` for ``inputs``)."""
 LORA_SWITCH_TARGET = 0.25
 """A run after switching adapters / building a new session and running it once. Both sides
 include the run itself (a few ms here), which bounds the ratio from below."""
@@ -363,17 +373,8 @@ include the run itself (a few ms here), which bounds the ratio from below."""
 def bench_lora(args: argparse.Namespace) -> list[Result]:
     import onnxruntime as ort
 
-    from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, runtime, write_onnx_adapter
-    from onnxparam.nn import Linear
-
-    class Mlp(Module):
-        def __init__(self):
-            self.layers = [Linear(LORA_WIDTH, LORA_WIDTH) for _ in range(LORA_LAYERS)]
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x).relu()
-            return x
+    from onnxparam import LoraConfig, Param, ParamGroup, Tensor, export_onnx, runtime, write_onnx_adapter
+    from onnxparam.nn import TransformerEncoder
 
     def with_factors(module, seed):
         rng = np.random.default_rng(seed)
@@ -382,8 +383,9 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             if path.endswith((".lora.a", ".lora.b")) else p)
 
     config = runtime.SessionConfig(intra_op_num_threads=args.threads)
-    x = np.random.default_rng(0).normal(size=(LORA_BATCH, LORA_WIDTH)).astype(np.float32)
-    base = Mlp()
+    x = np.random.default_rng(0).normal(size=(LORA_BATCH, LORA_SEQ, LORA_WIDTH)).astype(np.float32)
+    base = TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
+    weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
     results = []
     repeats = max(args.repeats // 5, 20)
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-") as tmp:
@@ -394,7 +396,8 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
                                         providers=["CPUExecutionProvider"])
 
         for rank in LORA_RANKS:
-            first = with_factors(base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=0)), 1)
+            first = with_factors(base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=0,
+                                                            param_group=weights)), 1)
             second = with_factors(first, 2)
             paths = {mode: export_onnx(first, folder / f"r{rank}-{mode}.onnx", x, lora=mode)
                      for mode in ("merge", "keep", "inputs")}
@@ -605,12 +608,43 @@ def bench_quant(args: argparse.Namespace) -> list[Result]:
     return run(args, Result)
 
 
+IMPORT_SIZES = [(h, w) for h in (384, 352, 320, 288, 256, 224) for w in (384, 352, 320, 288, 256, 224)][:32]
+"""``(H, W)`` of the 32 calls of the ``import`` section (the largest first)."""
+
+IMPORT_RSS_TARGET = 1.2
+"""Highest acceptable peak RSS over the 32 calls / RSS after the first call."""
+
+
+def bench_import(args: argparse.Namespace) -> list[Result]:
+    """An imported model called at many input sizes: one session, flat memory (module docstring)."""
+    import onnxparam as op
+    from onnxparam.runtime import sessions_built
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "onnx" / "ppocr_v4_det.onnx"
+    module = op.import_onnx(path)
+    rng = np.random.default_rng(0)
+    before = sessions_built()
+    peak = 0
+    first = None
+    for h, w in IMPORT_SIZES:
+        module(rng.normal(size=(1, 3, h, w)).astype(np.float32))
+        rss = _rss_kib()["VmRSS"] * 1024
+        first = rss if first is None else first
+        peak = max(peak, rss)
+    built = sessions_built() - before
+    print(f"import: ppocr_v4_det at {len(IMPORT_SIZES)} sizes: {built} session(s) built, RSS after the first "
+          f"call {first / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
+    return [Result("import", "ppocr det sessions/32 sizes", built, 1, 1.0, unit="count"),
+            Result("import", "ppocr det peak RSS/first", peak, first, IMPORT_RSS_TARGET, unit="MiB")]
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
     "lora": bench_lora,
     "train": bench_train,
     "quant": bench_quant,
+    "import": bench_import,
 }
 """Section name -> function; run in this order when none is named."""
 

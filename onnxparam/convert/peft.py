@@ -22,9 +22,13 @@ changes neither factor; the layout that matters is the target param's here: an a
 attached says it, else the module's declared layout (``lora_transposed_paths``), else the shape
 (``(in, out)`` vs ``(out, in)``; a square weight is taken as ``(in, out)``, Burn's layout).
 
+Embedding LoRA (``lora_embedding_A`` / ``_B``), convolution LoRA (``lora_A`` a conv,
+``lora_B`` a 1x1 conv; the delta reshaped to the weight) and ``lora_bias`` (``lora_B.bias``,
+added to the layer's bias times the scale, as PEFT merges it) are loaded.
+
 Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
 (``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
-embedding / convolution LoRA (``lora_embedding_A``, 4-d factors), non-LoRA ``peft_type``.
+non-LoRA ``peft_type``.
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def _map_key(name: str, rules: Sequence) -> str:
     return name
 
 
-IN_OUT, OUT_IN = "in_out", "out_in"
+IN_OUT, OUT_IN, CONV = "in_out", "out_in", "conv"
 """A 2-d weight's layout: ``(d_in, d_out)`` (Burn's ``Linear``, ONNX ``MatMul`` B, an embedding
 table ``(num_embeddings, dim)``) or ``(d_out, d_in)`` (PyTorch's ``Linear``, ``Gemm`` ``transB=1``,
 ``Transpose -> MatMul``)."""
@@ -288,7 +292,8 @@ class _Targets:
             return self.layouts[path]
         if any(path.startswith(prefix) for prefix in self.graph_prefixes):
             return "the graph does not use it as a 2-d weight"
-        return IN_OUT
+        # this library's modules: Linear / Embedding (d_in, d_out), Conv (out, in / groups, *kernel)
+        return CONV if len(self.params[path].lazy_shape()) >= 3 else IN_OUT
 
 
 def _linear_aliases(model) -> dict:
@@ -398,8 +403,10 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             continue
         A, B = factors["A"], factors["B"]
         if len(A.shape) != 2 or len(B.shape) != 2:
-            problems.append(f"PEFT module {name!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
-                            "(convolution LoRA) are not supported")
+            entry = _conv_entry(name, target, A, B, targets, config, problems)
+            if entry is not None:
+                plan[target] = entry
+                report.matched[name] = target
             continue
         rank, d_in = A.shape
         d_out, rank_b = B.shape
@@ -469,3 +476,32 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
 
     result = rebuild(module, attach)
     return (result, report) if return_report else result
+
+
+def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
+    """The plan entry of a convolution LoRA (PEFT ``Conv1d/2d/3d``): ``lora_A`` is a conv
+    ``(r, in / groups, *kernel)``, ``lora_B`` a 1x1 conv ``(out, r, 1, ...)``; the delta
+    ``scale * B.flatten(1) @ A.flatten(1)`` reshaped to the weight ``(out, in / groups,
+    *kernel)``: a transposed adapter ``a = A.flatten(1).T``, ``b = B.flatten(1).T``."""
+    param = targets.params[target]
+    shape = tuple(param.lazy_shape())
+    layout = targets.layout(target)
+    rank = A.shape[0]
+    if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or B.shape[1] != rank \
+            or any(k != 1 for k in B.shape[2:]):
+        problems.append(f"PEFT module {name!r} -> {target!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
+                        f"do not make a convolution LoRA for {target!r} {list(shape)} ({layout})")
+        return None
+    want = (B.shape[0],) + tuple(A.shape[1:])
+    if shape != want:
+        problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight, "
+                        f"the param is {list(shape)}")
+        return None
+    if config.rank_for(name) != rank:
+        problems.append(f"PEFT module {name!r}: the config's rank is {config.rank_for(name)} (r / rank_pattern), "
+                        f"the factors have rank {rank}")
+        return None
+    a = _factor_array(A, None).reshape(rank, -1).T
+    b = _factor_array(B, None).reshape(B.shape[0], rank).T
+    return name, a, b, config.scale_for(name, rank), True
+

@@ -16,10 +16,11 @@ Non-param state (stride, epsilon, ...) is plain attributes, shown by ``extra_rep
 module display. Each layer's docstring gives shapes, dtypes, layouts, the ONNX operator emitted
 and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls.
 
-**Training mode.** ``module.train()`` switches ``Dropout`` to dropping and ``BatchNorm`` to
-batch statistics; :func:`update_running_stats` returns the module with the running statistics
-Burn's training forward writes (:mod:`.running_stats` says why it is a separate call).
-``valid()`` switches back. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
+**Training mode.** ``module.train()`` switches ``Dropout`` to dropping, ``RRelu`` to random
+slopes and ``BatchNorm`` to batch statistics; :func:`update_running_stats` returns the module
+with the running statistics Burn's training forward writes (:mod:`.running_stats` says why it is
+a separate call). ``valid()`` switches back. :func:`seed` makes the random masks and slopes
+reproducible. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
@@ -70,8 +71,10 @@ from .attention import (
 )
 from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
 from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
+from .deform_conv import DeformConv2d, DeformConv2dConfig
 from .dropout import Dropout, DropoutConfig
 from .embedding import Embedding, EmbeddingConfig
+from .fold import AdaptiveAvgPool3d, AdaptiveAvgPool3dConfig, Fold4d, Fold4dConfig
 from .initializer import Initializer, seed
 from .interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
 from .linear import Linear, LinearConfig
@@ -94,6 +97,7 @@ from .pos_encoding import (
 )
 from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
 from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
+from .rrelu import RRelu, RReluConfig
 from .running_stats import update_running_stats
 from .spatial import (
     AdaptiveAvgPool1d,
@@ -144,6 +148,8 @@ __all__ = [
     "Conv3dConfig",
     "ConvTranspose3d",
     "ConvTranspose3dConfig",
+    "DeformConv2d",
+    "DeformConv2dConfig",
     "BatchNorm",
     "BatchNormConfig",
     "LayerNorm",
@@ -170,10 +176,14 @@ __all__ = [
     "AvgPool1dConfig",
     "AdaptiveAvgPool1d",
     "AdaptiveAvgPool1dConfig",
+    "AdaptiveAvgPool3d",
+    "AdaptiveAvgPool3dConfig",
     "PixelShuffle",
     "PixelShuffleConfig",
     "Unfold4d",
     "Unfold4dConfig",
+    "Fold4d",
+    "Fold4dConfig",
     "InterpolateMode",
     "Interpolate1d",
     "Interpolate1dConfig",
@@ -223,6 +233,8 @@ __all__ = [
     "PReluConfig",
     "LeakyRelu",
     "LeakyReluConfig",
+    "RRelu",
+    "RReluConfig",
     "Silu",
     "Mish",
     "HardSwish",

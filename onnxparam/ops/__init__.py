@@ -26,7 +26,7 @@ Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod
 :mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.nn_layers` (transposed
 convolution, group / RMS normalization, Burn's wider activations, training-mode batch norm and
 dropout), :mod:`.nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
-interpolation), :mod:`.custom`; import the ops from ``onnxparam.ops``.
+interpolation), :mod:`.nn_deform` (deformable convolution, fold, 3-D adaptive pooling), :mod:`.custom`; import the ops from ``onnxparam.ops``.
 """
 
 from .creation import arange, full, ones, zeros
@@ -60,6 +60,7 @@ from .elementwise import (
 )
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
+from .nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d, rrelu_train
 from .nn_layers import (
     batch_norm_train,
     celu,
@@ -145,6 +146,8 @@ __all__ = [
     # spatial layers (nn_spatial)
     "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
     "local_response_norm", "interpolate",
+    # deformable convolution, fold, 3-D adaptive pooling (nn_deform)
+    "deform_conv2d", "fold4d", "adaptive_avg_pool3d", "rrelu_train",
     # any node
     "custom", "subgraph",
 ]

@@ -167,9 +167,34 @@ def test_lora_on_a_public_model_starts_as_the_original_and_its_merged_export_com
     want = _plain(path, feeds)
     for g, w in zip(adapted(**feeds), want, strict=True):  # b = 0: the adapter adds nothing yet
         np.testing.assert_array_equal(g.to_numpy(), w)
-    exported = op.export_onnx(adapted, tmp_path / "lora.onnx")
-    for g, w in zip(_plain(exported, feeds), want, strict=True):
-        np.testing.assert_array_equal(g, w)
+    for mode in ("merge", "keep"):
+        exported = op.export_onnx(adapted, tmp_path / f"lora_{mode}.onnx", lora=mode)
+        for g, w in zip(_plain(exported, feeds), want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_kept_lora_on_an_imported_graph_adds_the_adapter_branch_and_reimports_as_the_adapter(tmp_path):
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 13]>
+    g (float[N, 4] x) => (float[N, 3] y) <float[4, 3] w = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}> {
+        y = MatMul(x, w)
+    }""")
+    adapted = op.import_onnx(model).apply_lora(op.LoraConfig(rank=2, alpha=4))
+    adapted = adapted.map(lambda path, p: p.map(lambda t: op.Tensor.from_numpy(np.full(t.shape, 0.1, np.float32)))
+                          if path.endswith("lora.b") else p)
+    a = adapted.param_of("w").adapter().a.val().to_numpy()
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    want = x @ w + 2.0 * (x @ a) @ np.full((2, 3), 0.1, np.float32)  # scale = alpha / rank (Hu et al. 2021)
+    np.testing.assert_allclose(adapted(x).to_numpy(), want, rtol=1e-5)
+    exported = op.export_onnx(adapted, tmp_path / "keep.onnx", lora="keep")
+    written = onnx.load(str(exported))
+    assert sorted(t.name for t in written.graph.initializer if t.name.startswith("w.lora.")) == ["w.lora.a", "w.lora.b", "w.lora.scale"]
+    assert [n.op_type for n in written.graph.node].count("MatMul") == 3  # x @ w, then (x @ a) @ b: no a @ b
+    np.testing.assert_allclose(_plain(exported, {"x": x})[0], want, rtol=1e-5)
+    again = op.import_onnx(exported)
+    assert again.param_of("w").adapter() is not None
+    np.testing.assert_allclose(again(x).to_numpy(), want, rtol=1e-5)
 
 
 def _graphs(g):

@@ -281,8 +281,8 @@ def _export_imported(module: OnnxModule, example_inputs, input_names, output_nam
         apply_example_shapes(model, [getattr(x, "shape", None) for x in example_inputs])
     apply_dynamic_axes(model, dynamic_axes)
     metas = {}
-    for name, (path, param, tensor) in written.items():
-        meta = md.ParamMetadata(param.id, param.require_grad, None)
+    for name, (path, param, tensor, scale) in written.items():
+        meta = md.ParamMetadata(param.id, param.require_grad, scale)
         tensor.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
     from .._version import __version__

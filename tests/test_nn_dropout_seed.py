@@ -192,3 +192,68 @@ def test_train_mode_encoder_layer_gradients_match_finite_differences_with_the_ma
             assert g.flat[j] == pytest.approx(want, rel=3e-2, abs=3e-3), path
             checked += 1
     assert checked >= 4
+
+
+# -- RRelu (Burn's activation/rrelu.rs) ---------------------------------------------------------------
+
+
+def test_rrelu_in_valid_mode_is_leaky_relu_with_the_midpoint_slope_as_burns_test_and_torch():
+    layer = nn.RReluConfig().with_lower(0.1).with_upper(0.3).init()
+    x = np.array([[-2.0, -1.0, 0.0], [0.5, 1.0, 2.0]], np.float32)
+    np.testing.assert_allclose(layer(tensor(x)).to_numpy(), [[-0.4, -0.2, 0.0], [0.5, 1.0, 2.0]], rtol=1e-6)
+    cfg = nn.RReluConfig()
+    assert (cfg.lower, cfg.upper) == (0.125, 1.0 / 3.0)
+    assert list(nn.RRelu().named_params()) == []
+    with pytest.raises(ValueError, match="upper bound"):
+        nn.RReluConfig(0.5, 0.2).init()
+    torch = pytest.importorskip("torch")
+    z = RNG.normal(size=(3, 7)).astype(np.float32)
+    ref = torch.nn.RReLU(0.125, 1.0 / 3.0).eval()(torch.from_numpy(z)).numpy()
+    np.testing.assert_allclose(nn.RRelu()(tensor(z)).to_numpy(), ref, rtol=1e-6, atol=1e-7)
+
+
+def _holder_sum(m):
+    return ops.sum(m())
+
+
+def test_training_rrelu_draws_slopes_in_range_reproducibly_and_its_gradient_is_the_slope():
+    x = RNG.normal(size=(20, 30)).astype(np.float32)
+    nn.seed(4)
+    layer = nn.RRelu(0.1, 0.3).train()
+    y1, y2 = layer(tensor(x)).to_numpy(), layer(tensor(x)).to_numpy()
+    neg = x < 0
+    np.testing.assert_array_equal(y1[~neg], x[~neg])  # positives pass through
+    slopes = y1[neg] / x[neg]
+    assert slopes.min() >= 0.1 - 1e-6 and slopes.max() < 0.3 + 1e-6 and slopes.std() > 0.03
+    assert not np.array_equal(y1, y2)  # new slopes at every run
+    nn.seed(4)
+    np.testing.assert_array_equal(nn.RRelu(0.1, 0.3).train()(tensor(x)).to_numpy(), y1)
+
+    class Holder(op.Module):
+        def __init__(self):
+            self.x = op.Param.initialized(op.ParamId(), tensor(x))
+            self.act = nn.RRelu(0.1, 0.3)
+
+        def forward(self):
+            return self.act(self.x.val())
+
+    holder = Holder().train()
+    loss, grads = grad(_holder_sum, holder)
+    g = grads[holder.x.id].to_numpy()
+    np.testing.assert_array_equal(g[~neg], 1.0)
+    assert g[neg].min() >= 0.1 - 1e-6 and g[neg].max() < 0.3 + 1e-6
+    # forward and backward share the slopes: the loss is sum(x * dloss/dx)
+    assert float(loss.to_numpy()) == pytest.approx(float((x * g).sum()), rel=1e-5)
+
+
+def test_training_rrelu_exports_with_its_seed_and_plain_ort_replays_it(tmp_path):
+    layer = nn.RRelu().train()
+    x = RNG.normal(size=(4, 6)).astype(np.float32)
+    nn.seed(21)
+    path = op.export_onnx(layer, tmp_path / "rrelu.onnx", tensor(x))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    nn.seed(21)
+    np.testing.assert_array_equal(got, layer(tensor(x)).to_numpy())
+    valid_path = op.export_onnx(layer.valid(), tmp_path / "rrelu_valid.onnx", tensor(x))
+    assert [n.op_type for n in onnx.load(str(valid_path)).graph.node] == ["LeakyRelu"]

@@ -45,7 +45,8 @@ _rng = np.random.default_rng()
 
 def seed(value: int) -> None:
     """Reseed the generator every initializer draws from (Burn's ``Backend::seed``), and the
-    separate stream training-mode :class:`~onnxparam.nn.Dropout` seeds its masks from.
+    separate stream training-mode :class:`~onnxparam.nn.Dropout` (and :class:`~onnxparam.nn.RRelu`)
+    seeds its masks from.
 
     Draws happen when a lazy param is first read, so the values depend on the order in which
     params are first read after seeding, as in Burn.
@@ -78,7 +79,7 @@ _dropout_rng: Optional[np.random.Generator] = None
 
 
 def next_dropout_seed() -> Optional[float]:
-    """The ``seed`` attribute of the next training-mode dropout node: ``None`` (ONNX Runtime
+    """The ``seed`` attribute of the next training-mode dropout (or RReLU) node: ``None`` (ONNX Runtime
     picks one) until :func:`seed` was called, then the next draw of the dropout stream (an
     integer below ``2**24``, exact as the attribute's float)."""
     with _RNG_LOCK:

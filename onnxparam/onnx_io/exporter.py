@@ -145,12 +145,16 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 
 def _has_quantized_weights(module) -> bool:
-    """Whether ``module`` holds a quantized param or calibrated activation ranges (quant)."""
+    """Whether ``module`` holds a param quantized in the module (not one imported quantized and
+    unchanged: an imported QDQ graph goes out as it came in, issue 14) or calibrated activation
+    ranges (quant)."""
     from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+    from ._graph_model import is_source_valued
 
     if getattr(module, ACTIVATION_RANGES_ATTR, None):
         return True
-    return any(param.lazy_dtype() is DType.QFloat for _, param in named_params(module))
+    return any(param.lazy_dtype() is DType.QFloat and not is_source_valued(module._source, path, param)
+               for path, param in named_params(module))
 
 
 def _auto_batch(module, example_inputs, kwargs, trace):

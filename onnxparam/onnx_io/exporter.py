@@ -25,6 +25,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 import onnx_ir as ir
 
+from ..dtype import DType
+from ..errors import TraceError
 from ..module import named_params
 from . import metadata as md
 from .importer import OnnxModule
@@ -107,10 +109,22 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
     from ..trace import trace_module
 
     if isinstance(module, OnnxModule) and not kwargs:
-        direct = _export_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
-        if direct is not None:
-            return direct
-        model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+        # NOTE (quant, issue 17): a quantized import is traced first, so the QDQ pass picks each op's
+        # form (dynamic / static int8, float convs, MatMulNBits); the source graph is the fallback
+        traced_first = _has_quantized_weights(module)
+        model = None
+        if traced_first:
+            try:
+                model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes,
+                                                 opset, lora)
+            except TraceError:
+                model = None
+        if model is None:
+            direct = _export_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+            if direct is not None:
+                return direct
+            model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset,
+                                             lora)
     else:
         def trace(axes, batch=False):
             return trace_module(module, tuple(example_inputs), kwargs=kwargs, input_names=input_names,
@@ -128,6 +142,15 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
     write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
+
+
+def _has_quantized_weights(module) -> bool:
+    """Whether ``module`` holds a quantized param or calibrated activation ranges (quant)."""
+    from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+
+    if getattr(module, ACTIVATION_RANGES_ATTR, None):
+        return True
+    return any(param.lazy_dtype() is DType.QFloat for _, param in named_params(module))
 
 
 def _auto_batch(module, example_inputs, kwargs, trace):
@@ -149,7 +172,7 @@ def _auto_batch(module, example_inputs, kwargs, trace):
     try:
         traced = trace(axes)
     except TraceError as e:
-        why = f"the forward needs a concrete batch: {e}"
+        why = f"the forward cannot be traced with dim 0 of its inputs dynamic: {e}"
     else:
         for value in traced.graph.outputs:
             dims = [d if isinstance(d, int) else d.value for d in (value.shape or ())]

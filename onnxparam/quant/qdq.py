@@ -320,6 +320,7 @@ def finish_graph(tracer) -> None:
     elif options.matmul in ("auto", "dynamic"):
         for e in emitted:
             _dynamic_matmuls(tracer, e)
+            _forms.dynamic_gemms(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
     _forms.record_report(tracer, emitted)
     for e in emitted:

@@ -37,7 +37,15 @@ def big_bpk(tmp_path_factory) -> Path:
 def start_convert(src: Path, dst: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "--external-data",
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+                            preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """In the child: SIGINT / SIGTERM as a terminal gives them. NOTE: a test runner started in
+    the background inherits an ignored SIGINT, which the CLI (as any Unix tool) keeps ignoring."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def wait_for_scratch(folder: Path, proc: subprocess.Popen) -> str:

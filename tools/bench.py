@@ -48,6 +48,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
   dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
   (target <= :data:`IMPORT_RSS_TARGET`).
+* ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
+  plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
+  over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
 """
 
 from __future__ import annotations
@@ -638,6 +641,14 @@ def bench_import(args: argparse.Namespace) -> list[Result]:
             Result("import", "ppocr det peak RSS/first", peak, first, IMPORT_RSS_TARGET, unit="MiB")]
 
 
+def bench_dynamic(args: argparse.Namespace) -> list[Result]:
+    """A traced transformer block at new shapes vs plain ORT: :mod:`bench_dynamic` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_dynamic import run
+
+    return run(args, Result, interleaved_medians)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
@@ -645,6 +656,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "train": bench_train,
     "quant": bench_quant,
     "import": bench_import,
+    "dynamic": bench_dynamic,
 }
 """Section name -> function; run in this order when none is named."""
 

@@ -57,6 +57,8 @@ _provide("record.apply", "onnxparam.convert.store:apply_record")  # Module.load_
 _provide("runtime.call_module", "onnxparam.runtime.calls:call_module")  # Module.__call__
 _provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
 _provide("runtime.ortvalue_from_numpy", "onnxparam.runtime.devices:ortvalue_from_numpy")  # Tensor.to_device
+_provide("runtime.clear_caches", "onnxparam.runtime.calls:clear_caches")  # nn.seed: seeded dropout restarts
+_provide("autodiff.clear_cache", "onnxparam.autodiff.training:clear_cache")  # nn.seed: the training graphs too
 
 __all__ = [
     "__version__",

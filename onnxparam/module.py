@@ -174,6 +174,14 @@ def _call_module():
     return _CALL_MODULE
 
 
+_MUTATIONS = [0]
+"""Bumped whenever an attribute of a watched module is set or deleted (see ``Module.__setattr__``)."""
+
+_WATCHED: set = set()
+"""``id``s of the modules whose calls the runtime's fast path remembers, and of their sub-modules.
+An id reused by another object only bumps :data:`_MUTATIONS` needlessly (never the reverse)."""
+
+
 class Module:
     """Base class of every module; see the module docstring for traversal and value semantics.
 
@@ -192,6 +200,18 @@ class Module:
     def __call__(self, *args, **kwargs):
         # NOTE: bound once; an import statement on every call costs ~1 us, measurable at batch 1.
         return (_CALL_MODULE or _call_module())(self, args, kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        # NOTE: configuration attributes are baked into the traced graph; the runtime's fast path
+        # rechecks a module's structure only when this counter moved (rebinding, sub-module swaps).
+        if id(self) in _WATCHED:
+            _MUTATIONS[0] += 1
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if id(self) in _WATCHED:
+            _MUTATIONS[0] += 1
+        object.__delattr__(self, name)
 
     # -- traversal ----------------------------------------------------------------------------
 

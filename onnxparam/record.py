@@ -102,7 +102,13 @@ _OTHER_FORMATS = {
             "module.load_record(onnxparam.onnx_io.read_onnx_record('{path}'))"
         ),
     ),
+    ".pt": (
+        "a PyTorch (torch.save)",
+        "write a file PyTorch loads with onnxparam.convert.save_safetensors(module, path, adapter='pytorch')",
+        "use onnxparam.convert.load_pytorch(module, '{path}') (read without torch)",
+    ),
 }
+_OTHER_FORMATS[".pth"] = _OTHER_FORMATS[".pt"]
 """Suffix -> (format name, how to write it, how to load it) for the formats ``save_file`` /
 ``load_file`` do not handle; their error messages point at the right function."""
 

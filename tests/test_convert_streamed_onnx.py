@@ -83,3 +83,32 @@ def test_bpk_to_inline_onnx_holds_every_tensor_onnx_reads_back_and_bpk_comes_bac
     assert [int(s.param_id) for s in record.values()] == [100, 101, 102, 103]
     convert(tmp_path / "m.onnx", tmp_path / "back.bpk")
     assert (tmp_path / "back.bpk").read_bytes() == (tmp_path / "m.bpk").read_bytes()
+
+
+def test_save_inline_streams_computed_and_lazy_tensors_byte_identical_to_onnx_save(tmp_path):
+    import onnx_ir as ir
+
+    from onnxparam.formats._ir_stream import save_inline
+
+    w = RNG.standard_normal((3, 4)).astype(np.float32)
+    b = np.arange(4, dtype=np.int64)
+    x = ir.Value(name="x", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    wv = ir.Value(name="w", shape=ir.Shape([3, 4]), type=ir.TensorType(ir.DataType.FLOAT),
+                  const_value=ir.Tensor(w, name="w", metadata_props={"k": "v"}))
+    calls = []
+
+    def late():
+        calls.append(1)
+        return ir.Tensor(b)
+
+    bv = ir.Value(name="b", shape=ir.Shape([4]), type=ir.TensorType(ir.DataType.INT64),
+                  const_value=ir.LazyTensor(late, dtype=ir.DataType.INT64, shape=ir.Shape([4]), name="b"))
+    node = ir.Node("", "MatMul", [x, wv], num_outputs=1)
+    node.outputs[0].name = "y"
+    model = ir.Model(ir.Graph([x], [node.outputs[0]], nodes=[node], initializers=[wv, bv], opset_imports={"": 17}),
+                     ir_version=10)
+    save_inline(model, tmp_path / "streamed.onnx")
+    assert len(calls) == 1  # evaluated once, while written
+    assert model.graph.initializers["w"].const_value.metadata_props == {"k": "v"}  # the model is unchanged
+    onnx.save(ir.serde.serialize_model(model), tmp_path / "oracle.onnx")
+    assert (tmp_path / "streamed.onnx").read_bytes() == (tmp_path / "oracle.onnx").read_bytes()

@@ -443,7 +443,7 @@ def test_bigru_gradients_match_finite_differences():
 def test_exported_recurrent_layers_run_in_plain_onnxruntime(tmp_path, name, build):
     module = with_random_weights(build())
     x = RNG.normal(size=(5, 2, 3)).astype(np.float32)
-    path = op.export_onnx(module, tmp_path / f"{name}.onnx", Tensor.from_numpy(x))
+    path = op.export_onnx(module, tmp_path / f"{name}.onnx", Tensor.from_numpy(x), dynamic_batch=False)  # dim 0: the static sequence
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = session.run(None, {session.get_inputs()[0].name: x})
     want = module(Tensor.from_numpy(x))
@@ -468,7 +468,7 @@ def test_lstm_as_onnxs_lstm_operator_matches_the_numpy_recurrence(options, tmp_p
     np.testing.assert_allclose(out.to_numpy(), want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cell.to_numpy(), want_c, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(hidden.to_numpy(), want_h, rtol=1e-5, atol=1e-5)
-    path = op.export_onnx(module, tmp_path / "lstm.onnx", Tensor.from_numpy(x))
+    path = op.export_onnx(module, tmp_path / "lstm.onnx", Tensor.from_numpy(x), dynamic_batch=False)
     assert [n.op_type for n in onnx.load(str(path)).graph.node].count("LSTM") == 1
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0],

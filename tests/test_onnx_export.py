@@ -289,7 +289,7 @@ def test_weights_changed_in_an_imported_module_are_in_the_exported_file(tmp_path
     np.testing.assert_array_equal(session(written).run(None, {"bytes": x})[0], expected)
 
 
-def test_overridable_initializers_stay_graph_inputs_and_constant_weights_become_initializers(tmp_path):
+def test_overridable_initializers_stay_graph_inputs_and_constant_weights_stay_constants(tmp_path):
     model = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 13]>
     g (float[3] x, float[3] bias) => (float[3] y) <float[3] bias = {1, 2, 3}> {
@@ -301,8 +301,8 @@ def test_overridable_initializers_stay_graph_inputs_and_constant_weights_become_
     check(path)
     written = onnx.load(str(path))
     assert [i.name for i in written.graph.input] == ["x", "bias"]
-    assert sorted(i.name for i in written.graph.initializer) == ["bias", "scale"]
-    assert [n.op_type for n in written.graph.node] == ["Mul", "Add"]
+    assert sorted(i.name for i in written.graph.initializer) == ["bias"]
+    assert [n.op_type for n in written.graph.node] == ["Constant", "Mul", "Add"]
     x, other = np.ones(3, np.float32), np.array([5, 6, 7], np.float32)
     np.testing.assert_array_equal(session(path).run(None, {"x": x, "bias": other})[0], x * 2 + other)
 
@@ -421,13 +421,15 @@ g (bool[1] cond, float[2] x, int64[1] trip) => (float[2] y, float[2] acc) <float
 
 
 @pytest.mark.parametrize("cond", [True, False])
-def test_control_flow_exports_with_subgraph_weights_as_outer_initializers(tmp_path, cond):
+def test_control_flow_exports_with_subgraph_weights_where_they_were(tmp_path, cond):
     model = onnx.parser.parse_model(CONTROL_FLOW)
     path = export_onnx(import_onnx(model), tmp_path / "cf.onnx")
     check(path)
     written = onnx.load(str(path))
-    assert sorted(i.name for i in written.graph.initializer) == ["e_w", "outer_w", "step", "then_w", "true_"]
-    assert [n.op_type for n in written.graph.node] == ["If", "Loop"]
+    assert sorted(i.name for i in written.graph.initializer) == ["outer_w"]
+    assert [n.op_type for n in written.graph.node] == [n.op_type for n in model.graph.node]
+    bodies = [[(n.op_type, list(n.output)) for a in n.attribute for n in a.g.node] for n in written.graph.node]
+    assert bodies == [[(n.op_type, list(n.output)) for a in n.attribute for n in a.g.node] for n in model.graph.node]
     feeds = {"cond": np.array([cond]), "x": np.array([1.5, -2.0], np.float32), "trip": np.array([3], np.int64)}
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -436,7 +438,7 @@ def test_control_flow_exports_with_subgraph_weights_as_outer_initializers(tmp_pa
         np.testing.assert_array_equal(got, want)
 
 
-def test_model_local_functions_are_inlined_and_run_as_the_original(tmp_path):
+def test_model_local_functions_are_kept_and_run_as_the_original(tmp_path):
     model = onnx.parser.parse_model("""
     <ir_version: 8, opset_import: ["" : 13, "local" : 1]>
     g (float[2] x) => (float[2] y) <float[2] w = {1, 3}> { y = local.scaled_twice(x, w) }
@@ -448,7 +450,10 @@ def test_model_local_functions_are_inlined_and_run_as_the_original(tmp_path):
     np.testing.assert_array_equal(module(t(x)).to_numpy(), (x + x) * np.array([1, 3], np.float32))
     path = export_onnx(module, tmp_path / "f.onnx")
     check(path)
-    assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Add", "Mul"]
+    written = onnx.load(str(path))
+    assert [n.op_type for n in written.graph.node] == ["scaled_twice"]
+    assert [(f.domain, f.name, [n.op_type for n in f.node]) for f in written.functions] == \
+        [("local", "scaled_twice", ["Add", "Mul"])]
     np.testing.assert_array_equal(session(path).run(None, {"x": x})[0], (x + x) * np.array([1, 3], np.float32))
 
 

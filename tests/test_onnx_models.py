@@ -132,8 +132,11 @@ def check_round_trip(name: str, tmp_path: Path) -> None:
     for key, snap in source.items():
         assert target[key].dtype == snap.dtype
         np.testing.assert_array_equal(target[key].to_data().to_numpy(), snap.to_data().to_numpy())
+    # the graph that came in goes out: the same nodes in the same order, weights where they were
     weight_names = {module.onnx_names[k] for k in source}
-    assert weight_names <= {i.name for i in written.graph.initializer}
+    assert weight_names <= _weight_names(exported)
+    assert [(n.op_type, n.name, list(n.output)) for n in written.graph.node] == \
+        [(n.op_type, n.name, list(n.output)) for n in original.graph.node]
 
 
 @pytest.mark.parametrize("name", SAMPLE)

@@ -283,3 +283,32 @@ def test_a_torch_lstm_checkpoint_loads_through_the_adapter_by_layer_type(tmp_pat
     assert report.ok
     assert ("lstm.weight_ih_l0", "lstm (Lstm)") in report.renamed  # packed gates, split by torch_layers
     assert [p for p, _, _ in report.transposed] == ["head.weight"]
+
+
+class Mlp(op.Module):
+    def __init__(self):
+        self.layers = [nn.Linear(4, 5), nn.Linear(5, 2)]
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x))
+
+
+def test_a_sequential_with_gaps_converts_with_contiguous_indices_and_loads(tmp_path):
+    torch.manual_seed(4)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Identity(), torch.nn.Linear(5, 2)).eval()
+    torch.save({"state_dict": {f"layers.{k}": v for k, v in seq.state_dict().items()}}, tmp_path / "seq.pt")
+    result = _cli("convert", "seq.pt", "seq.bpk", "--pytorch", "--top-level-key", "state_dict",
+                  "--contiguous-indices", "-q", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "layers.2.weight -> layers.1.weight" in result.stdout
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = seq(torch.from_numpy(x)).numpy()
+    loaded = Mlp().load_file(tmp_path / "seq.bpk")
+    np.testing.assert_allclose(loaded(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_load_file_on_a_pt_file_names_load_pytorch(trained):
+    _, path = trained
+    with pytest.raises(op.RecordError, match=r"use onnxparam.convert.load_pytorch\(module, '.*net.pt'\)"):
+        Net().load_file(path)

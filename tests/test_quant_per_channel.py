@@ -235,3 +235,32 @@ def test_mnist_per_channel_int8_variants_stay_within_one_point_of_float32(tmp_pa
         variants["size"] = op.export_onnx(per_channel, tmp_path / "sz.onnx", images[:1], dynamic_axes=axes)
     for name, path in variants.items():
         assert accuracy(path) >= base - 0.01, name
+
+
+# -- Gemm -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trans_b", [1, 0])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_gemm_weights_run_as_ort_integer_matmul_by_default(trans_b, per_channel, tmp_path):
+    w = RNG.normal(size=(48, 32)).astype(np.float32)  # [N, K] with transB=1, else [K, N]
+    c = RNG.normal(size=(48 if trans_b else 32,)).astype(np.float32)
+    node = helper.make_node("Gemm", ["x", "w", "c"], ["y"], transB=trans_b)
+    d_in = 32 if trans_b else 48
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", d_in])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c")])
+    src = tmp_path / "gemm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), src)
+    model = import_onnx(src).quantize_weights(Quantizer(per_channel=per_channel))
+    out = op.export_onnx(model, tmp_path / "q.onnx")
+    assert [(r["op"], r["form"]) for r in quantized_ops(out)] == [("Gemm", "dynamic int8")]
+    if per_channel:  # one scale per output column: axis 0 of a transB weight, else axis 1
+        inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(out)).graph.initializer}
+        scale = next(v for k, v in inits.items() if k.startswith("w_scale"))
+        np.testing.assert_allclose(scale, np.abs(w).max(axis=1 if trans_b else 0) / 127, rtol=1e-7)
+    ops = optimized_ops(out, tmp_path)
+    assert "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
+    x = RNG.normal(size=(6, d_in)).astype(np.float32)
+    expected = run(src, x=x)
+    np.testing.assert_allclose(run(out, x=x), expected, atol=0.03 * np.abs(expected).max())

@@ -44,6 +44,13 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   interleaved (ratio of medians vs float32); file sizes, cosine vs float32, MNIST accuracy.
   Targets: default <= 1.0 everywhere, static conv net <= 0.5, every onnxparam variant no slower
   than the matching ORT tool.
+* ``import``: :func:`bench_import`: the imported PP-OCRv4 detector (``tests/data/onnx``) called at
+  :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
+  dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
+  (target <= :data:`IMPORT_RSS_TARGET`).
+* ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
+  plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
+  over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class Result:
     """How ``ours_s`` / ``baseline_s`` print: ``"ms"`` (seconds shown as ms) or ``"MiB"`` (bytes)."""
 
     def show(self, value: float) -> str:
+        if self.unit == "count":
+            return f"{value:8.0f}   "
         return f"{value / 2**20:8.1f} MiB" if self.unit == "MiB" else f"{value * 1e3:8.3f} ms"
 
     @property
@@ -613,12 +622,52 @@ def bench_quant(args: argparse.Namespace) -> list[Result]:
     return run(args, Result)
 
 
+IMPORT_SIZES = [(h, w) for h in (384, 352, 320, 288, 256, 224) for w in (384, 352, 320, 288, 256, 224)][:32]
+"""``(H, W)`` of the 32 calls of the ``import`` section (the largest first)."""
+
+IMPORT_RSS_TARGET = 1.2
+"""Highest acceptable peak RSS over the 32 calls / RSS after the first call."""
+
+
+def bench_import(args: argparse.Namespace) -> list[Result]:
+    """An imported model called at many input sizes: one session, flat memory (module docstring)."""
+    import onnxparam as op
+    from onnxparam.runtime import sessions_built
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "onnx" / "ppocr_v4_det.onnx"
+    module = op.import_onnx(path)
+    rng = np.random.default_rng(0)
+    before = sessions_built()
+    peak = 0
+    first = None
+    for h, w in IMPORT_SIZES:
+        module(rng.normal(size=(1, 3, h, w)).astype(np.float32))
+        rss = _rss_kib()["VmRSS"] * 1024
+        first = rss if first is None else first
+        peak = max(peak, rss)
+    built = sessions_built() - before
+    print(f"import: ppocr_v4_det at {len(IMPORT_SIZES)} sizes: {built} session(s) built, RSS after the first "
+          f"call {first / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
+    return [Result("import", "ppocr det sessions/32 sizes", built, 1, 1.0, unit="count"),
+            Result("import", "ppocr det peak RSS/first", peak, first, IMPORT_RSS_TARGET, unit="MiB")]
+
+
+def bench_dynamic(args: argparse.Namespace) -> list[Result]:
+    """A traced transformer block at new shapes vs plain ORT: :mod:`bench_dynamic` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_dynamic import run
+
+    return run(args, Result, interleaved_medians)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
     "lora": bench_lora,
     "train": bench_train,
     "quant": bench_quant,
+    "import": bench_import,
+    "dynamic": bench_dynamic,
 }
 """Section name -> function; run in this order when none is named."""
 

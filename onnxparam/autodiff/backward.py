@@ -39,6 +39,40 @@ def _is_float(value: ir.Value) -> bool:
     return value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
 
 
+def _fill_dynamic_dims(model: ir.Model) -> None:
+    """Give static dims to the values traced with dynamic ones (e.g. the nodes of an imported
+    model, typed from its file) when the graph inputs are static: ONNX shape inference (with data
+    propagation) runs on the graph and only dims that were not ints are taken from it. Rules
+    that need static dims (``MatMul``, ``Reshape`` ...) then see the concrete shapes."""
+    graph = model.graph
+    values = [out for node in graph.all_nodes() for out in node.outputs]
+    if all(v.shape is None or all(isinstance(d, int) for d in v.shape) for v in values):
+        return
+    if not all(v.shape is not None and all(isinstance(d, int) for d in v.shape) for v in graph.inputs):
+        return  # symbolic inputs (InputSpecs): nothing concrete to propagate
+    try:
+        from onnx_ir.passes.common import _c_api_utils
+
+        inferred = _c_api_utils.call_onnx_api(
+            lambda proto: onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True),
+            model)
+    except Exception:  # noqa: BLE001 - best effort: the rules name the value whose dims they lack
+        return
+    shapes = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None
+                                 for d in info.type.tensor_type.shape.dim]
+    for v in values:
+        known = shapes.get(v.name)
+        if v.shape is None or known is None or len(known) != len(v.shape):
+            continue
+        dims_now = list(v.shape)
+        merged = [d if isinstance(d, int) else (k if k is not None else d) for d, k in zip(dims_now, known)]
+        if merged != dims_now:
+            v.shape = ir.Shape(merged)
+
+
 def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[TracedModel, tuple]:
     """Extend ``traced`` (consumed: its graph is changed in place) with the gradients of its
     first output with respect to the params at paths ``wrt``.
@@ -73,6 +107,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         raise TraceError(f"not params of this trace: {', '.join(map(repr, unknown))}")
     opset = graph.opset_imports.get("", 1)
     graph.sort()
+    _fill_dynamic_dims(traced.model)
 
     # 1. differentiated params -> graph inputs
     wrt_values = {}

@@ -76,6 +76,11 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --pytorch: do not transpose the tensors whose target name matches RE (repeatable)",
     )
     parser.add_argument(
+        "--contiguous-indices",
+        action="store_true",
+        help="renumber gappy integer name segments to 0, 1, 2 ... first (nn.Sequential's fc.0, fc.2 -> fc.0, fc.1)",
+    )
+    parser.add_argument(
         "--top-level-key",
         metavar="KEY",
         help="for a .pt/.pth source: the checkpoint dict's entry holding the state dict (e.g. state_dict, model)",
@@ -175,6 +180,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             no_transpose=args.no_transpose,
             pytorch=args.pytorch,
             top_level_key=args.top_level_key,
+            contiguous_indices=args.contiguous_indices,
             allow_partial=args.allow_partial,
             zero_copy=args.zero_copy,
             lossless=not args.plain,

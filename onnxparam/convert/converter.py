@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional
 from ..dtype import DType, dtype_from_numpy
 from ..errors import RecordError
 from ..formats._extensions import FORMATS, WRITABLE, format_of
+from ..formats._names import map_indices_contiguous
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..record import ModuleRecord
 from ..tensor import TensorData
@@ -180,6 +181,7 @@ def convert(
     no_transpose=None,
     pytorch: bool = False,
     top_level_key: Optional[str] = None,
+    contiguous_indices: bool = False,
     metadata: Optional[dict] = None,
     allow_partial: bool = False,
     zero_copy: bool = False,
@@ -211,6 +213,10 @@ def convert(
             follows the formats: to Burn from a ``.pt`` / ``.safetensors`` source, to PyTorch
             into a ``.safetensors`` target.
         top_level_key: for a ``.pt`` source: the checkpoint dict's entry holding the state dict.
+        contiguous_indices: first renumber the integer segments of the source names to 0, 1,
+            2 ... per position (``fc.0, fc.2`` -> ``fc.0, fc.1``; Burn's
+            ``map_indices_contiguous``, for ``nn.Sequential`` gaps); ``include`` / ``exclude`` /
+            ``remap`` then see the renumbered names.
         metadata: entries added to (or replacing) the source's metadata.
         allow_partial: with ``graph``: keep the graph's own data for weights the source lacks,
             and ignore source tensors the graph has no weight for.
@@ -253,6 +259,10 @@ def convert(
         _check_target_is_not_read(src, dst, source, graph)
         report = ConvertReport(source=str(src), target=str(dst))
         report.notes += source.notes
+        if contiguous_indices:
+            renumbered = map_indices_contiguous([t.name for t in source.tensors])
+            report.renamed += [(old, new) for old, new in renumbered.items() if old != new]
+            source.tensors = [replace(t, name=renumbered[t.name]) for t in source.tensors]
         plan = None
         if to_pytorch is not None:
             plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)

@@ -16,10 +16,11 @@ Non-param state (stride, epsilon, ...) is plain attributes, shown by ``extra_rep
 module display. Each layer's docstring gives shapes, dtypes, layouts, the ONNX operator emitted
 and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls.
 
-**Training mode.** ``module.train()`` switches ``Dropout`` to dropping and ``BatchNorm`` to
-batch statistics; :func:`update_running_stats` returns the module with the running statistics
-Burn's training forward writes (:mod:`.running_stats` says why it is a separate call).
-``valid()`` switches back. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
+**Training mode.** ``module.train()`` switches ``Dropout`` to dropping, ``RRelu`` to random
+slopes and ``BatchNorm`` to batch statistics; :func:`update_running_stats` returns the module
+with the running statistics Burn's training forward writes (:mod:`.running_stats` says why it is
+a separate call). ``valid()`` switches back. :func:`seed` makes the random masks and slopes
+reproducible. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
 from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
@@ -96,6 +97,7 @@ from .pos_encoding import (
 )
 from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
 from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
+from .rrelu import RRelu, RReluConfig
 from .running_stats import update_running_stats
 from .spatial import (
     AdaptiveAvgPool1d,
@@ -231,6 +233,8 @@ __all__ = [
     "PReluConfig",
     "LeakyRelu",
     "LeakyReluConfig",
+    "RRelu",
+    "RReluConfig",
     "Silu",
     "Mish",
     "HardSwish",

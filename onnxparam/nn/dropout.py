@@ -6,6 +6,7 @@ from .. import ops
 from ..module import Module
 from ..tensor import Tensor
 from ._config import config
+from .initializer import next_dropout_seed
 
 __all__ = ["Dropout", "DropoutConfig"]
 
@@ -41,6 +42,11 @@ class Dropout(Module):
     training mode ``RandomUniformLike`` / ``GreaterOrEqual`` / ``Where``
     (:func:`onnxparam.ops.dropout_train`), a fresh mask at every run.
 
+    Reproducible masks: after :func:`onnxparam.nn.seed` each traced dropout node gets a seed
+    from a stream of that seed (``RandomUniformLike``'s ``seed`` attribute), so the same seed,
+    program and calls give the same masks, step after step (see :func:`onnxparam.nn.seed`);
+    without ``seed`` the masks come from ONNX Runtime's own random seed.
+
     NOTE: Burn applies dropout whenever the backend is an autodiff backend; here ``train()`` /
     ``valid()`` are that switch (the module's mode is part of the traced graph's cache key).
 
@@ -53,7 +59,7 @@ class Dropout(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.training and self.prob > 0.0:
-            return ops.dropout_train(x, self.prob)
+            return ops.dropout_train(x, self.prob, seed=next_dropout_seed())
         return ops.dropout(x, self.prob)
 
     def extra_repr(self) -> str:

@@ -44,14 +44,48 @@ _rng = np.random.default_rng()
 
 
 def seed(value: int) -> None:
-    """Reseed the generator every initializer draws from (Burn's ``Backend::seed``).
+    """Reseed the generator every initializer draws from (Burn's ``Backend::seed``), and the
+    separate stream training-mode :class:`~onnxparam.nn.Dropout` (and :class:`~onnxparam.nn.RRelu`)
+    seeds its masks from.
 
     Draws happen when a lazy param is first read, so the values depend on the order in which
     params are first read after seeding, as in Burn.
+
+    Dropout: each training-mode ``Dropout`` node traced after ``seed`` gets its own ``seed``
+    attribute drawn from a stream of ``value`` (independent of the param draws, so seeding gives
+    the same initial weights with or without dropout in the model). ONNX Runtime's random
+    generator for that node starts at its seed when the session is built and advances at every
+    run, so the masks differ from step to step, and the same seed, the same program and the same
+    calls give the same masks. To make that hold within one process too, ``seed`` forgets the
+    cached traces and sessions (:func:`onnxparam.runtime.clear_caches`,
+    :func:`onnxparam.autodiff.training.clear_cache`): the next calls trace and build afresh.
+    Without any ``seed`` call, dropout masks are drawn from ONNX Runtime's own random seed.
     """
-    global _rng
+    global _rng, _dropout_rng
     with _RNG_LOCK:
         _rng = np.random.default_rng(int(value))
+        _dropout_rng = np.random.default_rng([int(value) & 0xFFFFFFFFFFFFFFFF, _DROPOUT_STREAM])
+    from .._services import service
+
+    for name in ("runtime.clear_caches", "autodiff.clear_cache"):  # upper layers: services, not imports
+        try:
+            service(name)()
+        except LookupError:  # onnxparam not imported as a package: nothing is cached
+            pass
+
+
+_DROPOUT_STREAM = 0x64726F70  # "drop": the dropout seeds' stream, apart from the param draws
+_dropout_rng: Optional[np.random.Generator] = None
+
+
+def next_dropout_seed() -> Optional[float]:
+    """The ``seed`` attribute of the next training-mode dropout (or RReLU) node: ``None`` (ONNX Runtime
+    picks one) until :func:`seed` was called, then the next draw of the dropout stream (an
+    integer below ``2**24``, exact as the attribute's float)."""
+    with _RNG_LOCK:
+        if _dropout_rng is None:
+            return None
+        return float(_dropout_rng.integers(0, 1 << 24))
 
 
 def _draw(method: str, *args, shape: tuple) -> np.ndarray:

@@ -25,6 +25,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 import onnx_ir as ir
 
+from ..dtype import DType
+from ..errors import TraceError
 from ..module import named_params
 from . import metadata as md
 from .importer import OnnxModule
@@ -107,7 +109,22 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
     from ..trace import trace_module
 
     if isinstance(module, OnnxModule) and not kwargs:
-        model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+        # NOTE (quant, issue 17): a quantized import is traced first, so the QDQ pass picks each op's
+        # form (dynamic / static int8, float convs, MatMulNBits); the source graph is the fallback
+        traced_first = _has_quantized_weights(module)
+        model = None
+        if traced_first:
+            try:
+                model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes,
+                                                 opset, lora)
+            except TraceError:
+                model = None
+        if model is None:
+            direct = _export_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+            if direct is not None:
+                return direct
+            model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset,
+                                             lora)
     else:
         def trace(axes, batch=False):
             return trace_module(module, tuple(example_inputs), kwargs=kwargs, input_names=input_names,
@@ -125,6 +142,19 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
     write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
+
+
+def _has_quantized_weights(module) -> bool:
+    """Whether ``module`` holds a param quantized in the module (not one imported quantized and
+    unchanged: an imported QDQ graph goes out as it came in, issue 14) or calibrated activation
+    ranges (quant)."""
+    from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+    from ._graph_model import is_source_valued
+
+    if getattr(module, ACTIVATION_RANGES_ATTR, None):
+        return True
+    return any(param.lazy_dtype() is DType.QFloat and not is_source_valued(module._source, path, param)
+               for path, param in named_params(module))
 
 
 def _auto_batch(module, example_inputs, kwargs, trace):
@@ -146,7 +176,7 @@ def _auto_batch(module, example_inputs, kwargs, trace):
     try:
         traced = trace(axes)
     except TraceError as e:
-        why = f"the forward needs a concrete batch: {e}"
+        why = f"the forward cannot be traced with dim 0 of its inputs dynamic: {e}"
     else:
         for value in traced.graph.outputs:
             dims = [d if isinstance(d, int) else d.value for d in (value.shape or ())]
@@ -250,6 +280,48 @@ def _spec_of(x):
         return InputSpec(x.shape, x.dtype)
     array = np.asarray(x)
     return InputSpec(array.shape, DType.from_numpy(array.dtype))
+
+
+def _check_opset(module: OnnxModule, opset) -> None:
+    declared = module.onnx_opset_imports.get("")
+    if opset is not None and declared is not None and int(opset) != declared:
+        raise ValueError(
+            f"an imported ONNX graph keeps its own opset ({declared}); it cannot be exported at opset {opset} "
+            "(convert the file with onnx.version_converter instead)"
+        )
+
+
+def _export_imported(module: OnnxModule, example_inputs, input_names, output_names, dynamic_axes, opset, lora):
+    """The source graph itself with the module's weights (:mod:`._graph_model`), or ``None``
+    when the module is more than its graph can say (then it is traced)."""
+    from ._graph_model import apply_dynamic_axes, apply_example_shapes, export_model
+
+    _check_opset(module, opset)
+    if example_inputs and len(example_inputs) != len(module.input_names):
+        raise TypeError(f"the ONNX graph takes {len(module.input_names)} input(s) ({', '.join(module.input_names)}); "
+                        f"{len(example_inputs)} example input(s) were given")
+    built = export_model(module, lora, input_names, output_names)
+    if built is None:
+        return None
+    model, written = built
+    if example_inputs and dynamic_axes:
+        apply_example_shapes(model, [getattr(x, "shape", None) for x in example_inputs])
+    apply_dynamic_axes(model, dynamic_axes)
+    metas = {}
+    for name, (path, param, tensor, scale) in written.items():
+        meta = md.ParamMetadata(param.id, param.require_grad, scale)
+        tensor.metadata_props.update(md.tensor_props(meta))
+        metas[name] = meta
+    from .._version import __version__
+
+    props = md.strip_own_keys(model.metadata_props)
+    props[md.PARAMS_KEY] = md.model_params_prop(metas)
+    props[md.VERSION_KEY] = __version__
+    cls = type(module)
+    props[md.MODULE_KEY] = f"{cls.__module__}.{cls.__qualname__}"
+    model.metadata_props.clear()
+    model.metadata_props.update(props)
+    return model
 
 
 def _trace_imported(module: OnnxModule, example_inputs, input_names, output_names, dynamic_axes, opset, lora):

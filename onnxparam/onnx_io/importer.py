@@ -44,6 +44,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._graph_model import copy_model
 from .naming import onnx_name_to_path
 from .records import site_metadata
 from .source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
@@ -110,8 +111,9 @@ class _SourceGraph:
     """What an :class:`OnnxModule` knows about its source model (immutable once built, shared
     by every copy of the module; compared by identity)."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, pristine: ir.Model):
         model = loaded.model
+        self.pristine = pristine  # the model as it came in: what runs and what an export writes
         graph = model.graph
         self.loaded = loaded
         self.sites: tuple = tuple(find_weights(model, loaded.source))
@@ -124,6 +126,13 @@ class _SourceGraph:
         self.opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
         self.names = {site.path: site.name for site in self.sites}
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
+        self.cells: dict = {}  # path -> the lazy cell each param was imported with
+
+
+def _has_qdq_nodes(model: ir.Model) -> bool:
+    """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
+    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
+               for node in model.graph)
 
 
 class OnnxModule(Module):
@@ -135,12 +144,18 @@ class OnnxModule(Module):
     :class:`~onnxparam.Tensor`, several a tuple.
     """
 
-    def __init__(self, loaded: LoadedModel):
-        _qdq_import.fold_dequantize_weights(loaded.model)  # DequantizeLinear(int initializer) -> one QFloat weight
-        source = _SourceGraph(loaded)
+    def __init__(self, loaded: LoadedModel, pristine: Optional[ir.Model] = None):
+        if pristine is None:
+            pristine = loaded.model
+            if _has_qdq_nodes(pristine):
+                loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
+        # DequantizeLinear(int initializer) -> one QFloat weight (in the working copy only)
+        _qdq_import.fold_dequantize_weights(loaded.model)
+        source = _SourceGraph(loaded, pristine)
         metas = site_metadata(loaded.model, list(source.sites), loaded.source)
         entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]
         _build_tree(self, entries)
+        source.cells = {path: param._cell for path, param in entries}
         # NOTE: one private attribute holding everything derived from the source: copies made
         # by transforms share it, and the runtime's structure key sees one identity-hashed
         # object instead of walking tables.
@@ -245,6 +260,25 @@ class OnnxModule(Module):
         return f"{src}, opset {opsets}, {len(self._source.order)} nodes"
 
     # -- running ----------------------------------------------------------------------------
+
+    def __call__(self, *inputs, **named):
+        """``module(x)``: outside a trace, the source graph itself runs in ONNX Runtime
+        (:mod:`~onnxparam.onnx_io._graph_run`); inside a trace (this module used by another's
+        ``forward``), :meth:`forward` inlines the graph into the trace.
+
+        Raises:
+            TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
+            ExecutionError: when ONNX Runtime cannot build or run the graph.
+        """
+        from .. import trace as tr
+
+        if tr.current_tracer() is None:
+            from ._graph_run import _NO_SESSION, run_graph
+
+            result = run_graph(self, self._bind(inputs, named))
+            if result is not _NO_SESSION:
+                return result
+        return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
@@ -452,8 +486,10 @@ class OnnxModule(Module):
         traced values, its weights the params' initializers, its own names made unique."""
         clone = original.clone(allow_outer_scope_values=True)
         # weights inside the body (at any depth) -> the params' traced initializers
-        names = {site.name: site for site in self._source.sites}
-        for graph in list(iter_graphs(clone)):
+        # NOTE: by (graph, name): sibling bodies may hold weights of the same name
+        by_graph = {(id(site.graph), site.name): site for site in self._source.sites}
+        for source_graph, graph in list(zip(iter_graphs(original), iter_graphs(clone))):
+            names = {name: site for (gid, name), site in by_graph.items() if gid == id(source_graph)}
             for name in list(graph.initializers):
                 site = names.get(name)
                 if site is not None and site.kind == INITIALIZER:
@@ -514,12 +550,47 @@ def import_onnx(path_or_model) -> OnnxModule:
     """
     from .. import _lora_import
 
-    loaded = load_model(path_or_model)
-    if loaded.model.functions:
-        loaded = _inline_functions(loaded)
+    try:
+        loaded = load_model(path_or_model)
+    except OnnxFormatError:
+        loaded = _load_densified(path_or_model)
+        if loaded is None:
+            raise
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
     loaded, adapters = _lora_import.strip_imported(loaded)
-    return _lora_import.attach_imported(OnnxModule(loaded), adapters)
+    pristine = loaded.model
+    if loaded.model.functions:
+        loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
+    elif _has_qdq_nodes(pristine):
+        loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
+    return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
+
+
+def _load_densified(path_or_model) -> Optional[LoadedModel]:
+    """The model with its sparse initializers made dense initializers of the same name (as ONNX
+    Runtime reads them; ``onnx_ir`` does not keep sparse initializers), or ``None`` when it has
+    none (the caller then reports the original error)."""
+    import onnx
+
+    from ._sparse import densify_sparse_initializers
+
+    try:
+        if isinstance(path_or_model, onnx.ModelProto):
+            proto = onnx.ModelProto()
+            proto.CopyFrom(path_or_model)
+        elif isinstance(path_or_model, (bytes, bytearray)):
+            proto = onnx.load_from_string(bytes(path_or_model))
+        elif isinstance(path_or_model, (str, Path)) or hasattr(path_or_model, "__fspath__"):
+            proto = onnx.load(str(path_or_model))
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - unreadable: the original error says why
+        return None
+    if not densify_sparse_initializers(proto):
+        return None
+    loaded = load_model(proto)
+    path = Path(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray)) else None
+    return LoadedModel(loaded.model, str(path) if path is not None else loaded.source, path)
 
 
 def _inline_functions(loaded: LoadedModel) -> LoadedModel:

@@ -183,8 +183,9 @@ def save_model(
         tmp_model = tmp_dir / target.name
         try:
             if location is None:
-                proto = ir.serde.serialize_model(model)
-                onnx.save(proto, tmp_model)
+                from ..formats._ir_stream import save_inline  # NOTE: field by field, one tensor in memory
+
+                save_inline(model, tmp_model)
             else:
                 _save_external(model, tmp_model, location, max_shard_size_bytes, alignment_bytes,
                                external_data_min_tensor_bytes)

@@ -60,7 +60,7 @@ from .elementwise import (
 )
 from .linalg import gelu, linear, log_softmax, matmul, softmax
 from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
-from .nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d
+from .nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d, rrelu_train
 from .nn_layers import (
     batch_norm_train,
     celu,
@@ -147,7 +147,7 @@ __all__ = [
     "conv3d", "conv_transpose3d", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "pixel_shuffle", "unfold4d",
     "local_response_norm", "interpolate",
     # deformable convolution, fold, 3-D adaptive pooling (nn_deform)
-    "deform_conv2d", "fold4d", "adaptive_avg_pool3d",
+    "deform_conv2d", "fold4d", "adaptive_avg_pool3d", "rrelu_train",
     # any node
     "custom", "subgraph",
 ]

@@ -1,5 +1,6 @@
 """Ops of the remaining Burn layers: deformable convolution (``DeformConv``), folding
-(``Col2Im``, the adjoint of :func:`onnxparam.ops.unfold4d`) and 3-D adaptive average pooling.
+(``Col2Im``, the adjoint of :func:`onnxparam.ops.unfold4d`), 3-D adaptive average pooling and
+training-mode RReLU.
 
 Gradient rules for ``DeformConv`` and ``Col2Im``: :mod:`onnxparam.autodiff.rules_deform`;
 adaptive 3-D pooling is ``GlobalAveragePool`` / ``AveragePool`` / ``MatMul`` (existing rules).
@@ -11,11 +12,12 @@ import numpy as np
 
 from ..tensor import Tensor
 from ._core import _emit, _int64s, _ntuple, _op, _require_opset, _t, _tracer
+from .elementwise import less, mul, where
 from .linalg import matmul
 from .nn import _adaptive_matrix
 from .shape import reshape
 
-__all__ = ["deform_conv2d", "fold4d", "adaptive_avg_pool3d"]
+__all__ = ["deform_conv2d", "fold4d", "adaptive_avg_pool3d", "rrelu_train"]
 
 
 def _static(x: Tensor, rank: int, what: str, batch: bool = False) -> tuple:
@@ -152,3 +154,27 @@ def adaptive_avg_pool3d(x, output_size) -> Tensor:
         y = reshape(matmul(_tracer().constant(_adaptive_matrix(d, od, x.dtype)), reshape(y, [0, c, d, oh * ow])),
                     [0, c, od, oh, ow])
     return y
+
+
+@_op
+def rrelu_train(x, lower: float = 0.125, upper: float = 1.0 / 3.0, seed=None) -> Tensor:
+    """Training-mode randomized leaky ReLU (Xu et al. 2015, "Empirical Evaluation of Rectified
+    Activations in Convolutional Network"; Burn's ``RRelu::forward`` on an autodiff backend):
+    ``x if x >= 0 else a * x`` with a slope ``a ~ U[lower, upper)`` drawn per element at every
+    run. (Inference mode is ``leaky_relu(x, (lower + upper) / 2)``.)
+
+    ``seed``: the ``RandomUniformLike`` node's ``seed`` attribute, or ``None`` for ONNX
+    Runtime's own (see :func:`onnxparam.ops.dropout_train`).
+
+    ONNX: ``RandomUniformLike`` (``low``, ``high``), ``Less``, ``Mul``, ``Where``; the gradient
+    is ``a`` for negative inputs and 1 elsewhere, with the forward's slopes.
+
+    Raises:
+        ValueError: when ``lower > upper``.
+    """
+    if float(lower) > float(upper):
+        raise ValueError(f"rrelu: lower bound ({lower}) must be <= upper bound ({upper})")
+    x = _t(x)
+    attrs = {"low": float(lower), "high": float(upper), "seed": None if seed is None else float(seed)}
+    slope = _emit("RandomUniformLike", [x], attrs, types=[(x.dtype, x.shape)])
+    return where(less(x, 0.0), mul(x, slope), x)

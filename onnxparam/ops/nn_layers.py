@@ -404,10 +404,14 @@ def batch_norm_train(x, gamma, beta, epsilon: float = 1e-5) -> tuple:
 
 
 @_op
-def dropout_train(x, prob: float) -> Tensor:
+def dropout_train(x, prob: float, seed=None) -> Tensor:
     """Training-mode dropout (Srivastava et al. 2014; Burn's ``Dropout::forward``): each element
     is zeroed with probability ``prob`` and the others scaled by ``1 / (1 - prob)``, a fresh
     mask at every run.
+
+    ``seed``: the ``RandomUniformLike`` node's ``seed`` attribute (a float, as ONNX's), or
+    ``None`` for ONNX Runtime's own; with a seed, a new session draws the same sequence of masks,
+    run after run (:class:`onnxparam.nn.Dropout` takes it from :func:`onnxparam.nn.seed`).
 
     ONNX: ``RandomUniformLike``, ``GreaterOrEqual``, ``Mul``, ``Where`` (the mask is one value of
     the graph, so a backward graph reuses the forward's mask).
@@ -420,6 +424,7 @@ def dropout_train(x, prob: float) -> Tensor:
     x = _t(x)
     if float(prob) == 0.0:
         return x
-    noise = _emit("RandomUniformLike", [x], types=[(x.dtype, x.shape)])
+    attrs = None if seed is None else {"seed": float(seed)}
+    noise = _emit("RandomUniformLike", [x], attrs, types=[(x.dtype, x.shape)])
     keep = greater_equal(noise, float(prob))
     return where(keep, mul(x, 1.0 / (1.0 - float(prob))), 0.0)

@@ -53,9 +53,20 @@ def _reshape_dims(in_shape, dims) -> tuple:
     holes = [i for i, d in enumerate(out) if isinstance(d, (int, np.integer)) and d == -1]
     if len(holes) > 1:
         raise ValueError(f"reshape: more than one -1 in {list(dims)}")
-    if holes:
-        known = math.prod(d for i, d in enumerate(out) if i != holes[0])
-        out[holes[0]] = math.prod(in_shape) // known
+    if holes:  # the input's dims over the others, common factors cancelled ([b, 8, -1] of [b, 8, L]: L)
+        rest = list(in_shape)
+        known = []
+        for i, d in enumerate(out):
+            if i == holes[0]:
+                continue
+            same = next((j for j, r in enumerate(rest) if r is d or (
+                isinstance(r, SymInt) and isinstance(d, SymInt) and r.expr == d.expr) or (
+                isinstance(r, int) and isinstance(d, (int, np.integer)) and r == d)), None)
+            if same is None:
+                known.append(d)
+            else:
+                rest.pop(same)
+        out[holes[0]] = math.prod(rest) // math.prod(known)
     return tuple(int(d) if isinstance(d, np.integer) else d for d in out)
 
 
@@ -125,7 +136,9 @@ def squeeze(x, dims=None) -> Tensor:
         ValueError: when a named dim is known not to be 1.
     """
     x = _t(x)
-    axes = [i for i, d in enumerate(x.shape) if isinstance(d, int) and d == 1] if dims is None else _norm_dims(dims, x.rank)
+    # NOTE: a symbolic dim is compared too: decided by its bounds, else a TraceError (never
+    # silently "not 1": the graph would differ from the concrete trace of a size-1 input)
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if dims is None else _norm_dims(dims, x.rank)
     for a in axes:
         if isinstance(x.shape[a], int) and x.shape[a] != 1:
             raise ValueError(f"squeeze: dim {a} of shape {list(x.shape)} has size {x.shape[a]}, not 1")

@@ -131,7 +131,10 @@ def record_report(tracer, emitted: list) -> None:
                 for node, _ in consumers(user.outputs[0]):
                     rows.append({"node": node.name, "op": node.op_type, "weight": e.path, "form": _form(node, e)})
             elif user.op_type == "MatMulInteger":
-                rows.append({"node": user.name, "op": "MatMul", "weight": e.path, "form": "dynamic int8"})
+                op = "Gemm" if id(user) in e.value.meta.get("onnxparam.qdq.gemm", ()) else "MatMul"
+                rows.append({"node": user.name, "op": op, "weight": e.path, "form": "dynamic int8"})
+            elif user.op_type == "Transpose" and any(u.op_type == "MatMulInteger" for u, _ in user.outputs[0].uses()):
+                rows.append({"node": user.name, "op": "Gemm", "weight": e.path, "form": "dynamic int8"})
             elif user.op_type == "MatMulNBits":
                 rows.append({"node": user.name, "op": "MatMul", "weight": e.path, "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
             else:
@@ -179,3 +182,76 @@ def quantized_ops(model) -> list:
         props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
     text = props.get(REPORT_KEY)
     return json.loads(text) if text else []
+
+
+# -- Gemm: dynamic int8 --------------------------------------------------------------------------
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _new_node(tracer, op: str, inputs: list, outputs: list, label: str, attrs=()) -> ir.Node:
+    node = ir.Node("", op, inputs, list(attrs), num_outputs=len(outputs), name=tracer.unique_name(label))
+    for out, (dtype, dims) in zip(node.outputs, outputs):
+        out.name = tracer.unique_name(f"{node.name}_output_{out.index()}")
+        out.type = ir.TensorType(dtype)
+        out.shape = None if dims is None else ir.Shape(dims)
+    return node
+
+
+def _dims(value: ir.Value):
+    return None if value.shape is None else [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def dynamic_gemms(tracer, e) -> None:
+    """``Gemm(x, DQ(W), C)`` (``transA=0``, ``alpha = beta = 1``) of an 8-bit weight with one scale
+    per tensor or per output column -> ``DynamicQuantizeLinear(x) -> MatMulInteger(xq, W[^T]) ->
+    Cast -> Mul (-> Add C)``, the form ORT fuses to ``DynamicQuantizeMatMul`` (``transB=1``: the
+    int8 weight goes through a ``Transpose`` that ORT folds into a constant)."""
+    layout = e.layout
+    if layout.bits != 8 or layout.values.ndim != 2 or layout.block_size is not None:
+        return
+    f32, u8, i32 = ir.DataType.FLOAT, ir.DataType.UINT8, ir.DataType.INT32
+    for node, index in list(e.output._symbol.value.uses()):
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or index != 1:
+            continue
+        trans_b = _attr(node, "transB", 0) == 1
+        if _attr(node, "transA", 0) != 0 or _attr(node, "alpha", 1.0) != 1.0 or _attr(node, "beta", 1.0) != 1.0:
+            continue
+        if layout.axis not in (None, 0 if trans_b else 1):
+            continue
+        x, y = node.inputs[0], node.outputs[0]
+        if x.dtype != f32:
+            continue
+        graph, label = node.graph, f"{node.name}/dynamic"
+        n = layout.values.shape[0 if trans_b else 1]
+        k = layout.values.shape[1 if trans_b else 0]
+        new = []
+        weight = e.value
+        if trans_b:
+            tr = _new_node(tracer, "Transpose", [e.value], [(e.value.dtype, [k, n])], f"{label}/Transpose",
+                           [ir.AttrInt64s("perm", [1, 0])])
+            new.append(tr)
+            weight = tr.outputs[0]
+        dql = _new_node(tracer, "DynamicQuantizeLinear", [x], [(u8, _dims(x)), (f32, []), (u8, [])],
+                        f"{label}/DynamicQuantizeLinear")
+        xq, xs, xz = dql.outputs
+        mmi = _new_node(tracer, "MatMulInteger", [xq, weight, xz] + ([e.zero_point] if e.zero_point is not None else []),
+                        [(i32, _dims(y))], f"{label}/MatMulInteger")
+        cast = _new_node(tracer, "Cast", [mmi.outputs[0]], [(f32, _dims(y))], f"{label}/Cast",
+                         [ir.AttrInt64("to", int(f32))])
+        scale = _new_node(tracer, "Mul", [xs, e.scale], [(f32, list(layout.scale.shape))], f"{label}/Mul_scale")
+        result = _new_node(tracer, "Mul", [cast.outputs[0], scale.outputs[0]], [(f32, _dims(y))], f"{label}/Mul")
+        new += [dql, mmi, cast, scale, result]
+        e.value.meta.setdefault("onnxparam.qdq.gemm", set()).add(id(mmi))
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            result = _new_node(tracer, "Add", [result.outputs[0], node.inputs[2]], [(f32, _dims(y))], f"{label}/Add")
+            new.append(result)
+        graph.insert_after(node, new)
+        out = result.outputs[0]
+        y.replace_all_uses_with(out, replace_graph_outputs=True)
+        name = y.name
+        graph.remove(node, safe=True)
+        out.name = name

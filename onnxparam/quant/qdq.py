@@ -10,14 +10,17 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
 Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); ``INT8`` below 21
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul
+                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``), others ``INT8``
 Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
 per-tensor                      scalar scale
 blocks, scale grid varying      per-axis (``axis``), 1-D scale
 along one axis only
 a block with one extent > 1     blocked: ``axis`` = that axis, ``block_size`` = its extent,
 (at axis ``i``)                 scale shaped as the grid (opset >= 21)
-scale dtype F16 / BF16 / UE4M3  widened to float32 (exact)
+ONNX per-axis (``qt.axis``)      per-axis (``axis``), 1-D scale (``Quantizer(per_channel=True)``)
+scale dtype F16 / BF16 / UE4M3  widened to float32 (exact); an F16 weight (opset >= 19) whose
+                                scales are F16 values gets an F16 scale and F16 output, no Cast
 two levels                      ``global * block_scale`` folded in float32 (Burn's own product)
 2-D blocks                      not expressible: the float weight is exported (a warning says so)
 ==============================  ==============================================================
@@ -49,13 +52,23 @@ asserts it on the optimized graph):
   everywhere; it is what ``module(x)`` uses unless called inside :func:`qdq_options`, so the
   runtime computes with exactly ``param.val()``.
 * ``Conv`` / ``Gemm`` with only a dequantized weight are not fused (ORT needs quantized
-  activations too: see below); a weight-only conv dequantizes at every run. ``Gemm`` with
-  ``transB=1`` (PyTorch's layout, imported models) is warned about as well.
+  activations too: see below); a weight-only conv dequantizes at every run, so the default
+  (``prefer="speed"``) writes those weights float (below).
 
 **Activations** (:func:`onnxparam.quant.quantize_activations`): with calibration data, ``QuantizeLinear ->
 DequantizeLinear`` pairs (uint8, asymmetric, MinMax ranges) are put on the activation input and
 the output of every ``MatMul`` / ``Conv`` with a quantized weight, so ORT fuses ``QLinearConv`` /
 ``QLinearMatMul`` (static quantization; ORT quantizes a float conv bias itself).
+
+**Which form each op gets** (``QdqOptions.prefer``; ``_qdq_forms``): ``"speed"`` (default) writes
+a weight that feeds only ops ORT runs slower with a weight-only ``DequantizeLinear`` than in float
+(Conv, ConvTranspose, Gemm without calibrated activations) as its float values, so the default
+export is never slower than float32; ``"size"`` keeps every weight integer. The choice per op is
+written to the model's ``onnxparam.quant.ops`` metadata (``quantized_ops``) and logged.
+
+**Burnpack and ONNX-only schemes**: a per-channel weight whose block extents exceed Burn's 255
+is an ONNX per-axis tensor (``QuantizedTensor.axis``); saving it to burnpack raises, naming the
+param (Burn could not read it). Per-channel weights within Burn's limits are Burn block schemes.
 
 Parts: options and metadata keys (``_qdq_options``), weight layouts (``_qdq_layout``), this
 module (the export pass: :func:`emit_param`, :func:`finish_graph`, activation QDQ pairs),
@@ -307,6 +320,7 @@ def finish_graph(tracer) -> None:
     elif options.matmul in ("auto", "dynamic"):
         for e in emitted:
             _dynamic_matmuls(tracer, e)
+            _forms.dynamic_gemms(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
     _forms.record_report(tracer, emitted)
     for e in emitted:
@@ -418,7 +432,8 @@ _QUANTIZED_OPS = ("MatMul", "Conv")
 
 def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
     """Value names to put a ``QuantizeLinear -> DequantizeLinear`` pair on: the activation input
-    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param."""
+    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param, and
+    (when there are such ops) the inputs and output of every ``Add`` of two activations."""
     names = []
     for node in graph:
         if node.op_type not in _QUANTIZED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
@@ -428,7 +443,24 @@ def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
         for v in (node.inputs[0], node.outputs[0]):
             if v.dtype == ir.DataType.FLOAT and v.name not in names:
                 names.append(v.name)
+    if names:
+        # NOTE: residual adds of two activations too (ORT fuses DQ, DQ -> Add -> Q into QLinearAdd,
+        # as onnxruntime.quantization.quantize_static's QDQ output does); bias adds are left float
+        for node in graph:
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            values = (node.inputs[0], node.inputs[1], node.outputs[0])
+            if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
+                continue
+            for v in values:
+                if v.name not in names:
+                    names.append(v.name)
     return names
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
 def _uint8_qparams(lo: float, hi: float) -> tuple:

@@ -18,6 +18,11 @@ providers, ``OrtValue`` s), :mod:`.sessions` (building and running sessions, err
    values* meaning the identity of each used param's stored tensor or lazy cell, so a module
    loaded with new weights gets a new session while a ``no_grad()`` / ``train()`` copy (same
    tensors) reuses the old one.
+4. input shapes follow :attr:`SessionConfig.dynamic_shapes` (default ``"auto"``, PyTorch's
+   "automatic dynamic"): the first call is traced with its concrete shapes; the first call
+   whose shapes differ retraces once with the changed dims symbolic, and that trace and its one
+   session serve every later size (``"static"``: a trace and a session per shape).
+   :func:`stats` counts traces (``dynamic_traces`` among them) and sessions.
 
 **Sessions** are built from the traced model *without copying weights into protobuf*: param
 initializers are serialized as external-data stubs and their values handed to ONNX Runtime as

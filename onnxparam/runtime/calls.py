@@ -13,11 +13,13 @@ import numpy as np
 
 from .. import lora_graph
 from .. import trace as _trace
-from ..errors import TraceError
+from ..errors import ExecutionError, TraceError
 from ..param import Param
 from ..quant import qdq
 from ..tensor import Tensor
-from ._keys import _PLAIN, _freeze, _param_signature, _Ref, _structure_key, _value_token  # noqa: F401
+from ..module import _MUTATIONS, _WATCHED
+from ._keys import (_PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key,  # noqa: F401
+                    _unchanged, _value_token)
 from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from .devices import pick_device
 from .sessions import Runner, build_runner
@@ -213,7 +215,7 @@ class _FastEntry:
     """What the fast path remembers about one module object: its runners by signature and how
     to check, cheaply, that the params a runner was built from are still in place."""
 
-    __slots__ = ("module", "by_sig", "last1", "getter", "expected")
+    __slots__ = ("module", "by_sig", "last1", "getter", "expected", "version", "watched")
 
     def __init__(self, module, traced, params_by_path: dict):
         # NOTE: a weak reference (the cache keeps no module's weights alive); when the module
@@ -230,9 +232,18 @@ class _FastEntry:
                 expected.append(param)
         self.getter = _compile_getter(all_steps) if all_steps else None
         self.expected = tuple(expected)
+        # NOTE: the configuration the graph was traced with: no module attribute written since
+        # (version) and no list / dict / set / array attribute changed in place (watched)
+        ids, watched = _mutable_state(module)
+        _WATCHED.update(ids)
+        self.version = _MUTATIONS[0]
+        self.watched = watched or None
 
     def params_current(self, module) -> bool:
-        """True when every used param is still the same object at the same path."""
+        """True when every used param is still the same object at the same path and the
+        module's configuration is unchanged (so the remembered graphs still hold)."""
+        if self.version != _MUTATIONS[0] or (self.watched is not None and not _unchanged(self.watched)):
+            return False
         getter = self.getter
         if getter is None:
             return True
@@ -298,7 +309,8 @@ def call_module(module, args: tuple, kwargs: dict):
             if runner is not None:
                 a = args[0]
                 if a.__class__ is Tensor and a._host is not None and a.shape == runner.shape1 and \
-                        a.dtype is runner.dtype1:
+                        a.dtype is runner.dtype1 and entry.version == _MUTATIONS[0] and \
+                        (entry.watched is None or _unchanged(entry.watched)):
                     getter = entry.getter  # NOTE: params_current, inlined (this is the hot path)
                     try:
                         current = getter is None or getter(module) == entry.expected
@@ -312,6 +324,15 @@ def call_module(module, args: tuple, kwargs: dict):
             if runner is not None and entry.params_current(module):
                 return runner.run(_call_tensors(args, kwargs))
     runner, tensors = _resolve(module, args, kwargs, remember=True)
+    try:
+        return runner.run(tensors)
+    except ExecutionError:
+        if not runner.traced._cache.get("dynamic"):
+            raise
+    # NOTE: a symbolic dim the forward pins (a feature dim checked against a weight only when it
+    # is an int) fails in ONNX Runtime: a concrete trace of this shape gives the forward's own
+    # error, or runs (and is remembered for this shape instead)
+    runner, tensors = _resolve(module, args, kwargs, remember=True, policy="static")
     return runner.run(tensors)
 
 
@@ -357,15 +378,16 @@ def _traced(module, args, kwargs, mode: str = "merge", policy: str = "static"):
 class _Family:
     """What automatic dynamic remembers about the calls of one module structure with one
     argument layout (ranks, dtypes, non-tensor values): the first call's shapes, the dims seen
-    to change, and how they are grouped into symbols."""
+    to change, the least size a symbolic dim stands for, and how dims are grouped into symbols."""
 
-    __slots__ = ("first", "dynamic", "groups", "duck", "static_only")
+    __slots__ = ("first", "dynamic", "groups", "duck", "least", "static_only")
 
     def __init__(self, shapes):
         self.first = shapes
         self.dynamic: frozenset = frozenset()
-        self.groups: tuple = ()
+        self.groups: dict = {}
         self.duck = True  # dims of equal sizes share a symbol (checked on every reuse)
+        self.least = 1  # symbolic dims stand for sizes >= 1; 2 once a forward needed "== 1" decided
         self.static_only = False
 
 
@@ -374,7 +396,13 @@ _families: "OrderedDict[Any, _Family]" = OrderedDict()
 
 def _dynamic_trace(module, args, kwargs, where: tuple):
     """Automatic dynamic (see :class:`SessionConfig`): the trace key and trace serving this call
-    with symbolic dims, or ``None`` when it takes a concrete trace."""
+    with symbolic dims, or ``None`` when it takes a concrete trace.
+
+    A changed dim becomes symbolic for sizes >= 1 (size 0 is specialized). When the forward
+    cannot be traced so (it asks ``x.shape[0] == 1``, ``squeeze()`` ...), sizes 0 and 1 are
+    specialized as in PyTorch (a trace where those dims are concrete and the others symbolic)
+    and symbolic dims stand for sizes >= 2; if that fails too, every shape gets its own trace.
+    """
     values = list(args) + list(kwargs.values())
     shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
     layout = (tuple(("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)) for v in args),
@@ -392,57 +420,72 @@ def _dynamic_trace(module, args, kwargs, where: tuple):
     changed = {(i, axis) for i, shape in enumerate(shapes) if shape is not None
                for axis, (d, f) in enumerate(zip(shape, family.first[i])) if d != f}
     dynamic = family.dynamic | changed
-    if not dynamic or any(shapes[i][axis] < 2 for i, axis in dynamic):
-        return None  # the first shape again, or a size 0 / 1: specialized (a concrete trace)
-    groups = family.groups if dynamic == family.dynamic else ()
-    if groups and not all(len({shapes[i][a] for i, a in group}) == 1 for group in groups):
-        family.duck, groups = False, ()  # sizes once equal now differ: one symbol per dim
-    if not groups:
-        by_size: dict = {}
-        for i, axis in sorted(dynamic):
-            key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
-            by_size.setdefault(key, []).append((i, axis))
-        groups = tuple(tuple(g) for g in by_size.values())
-    gen_sig = tuple(("T", tuple("?" if (i, a) in dynamic else d for a, d in enumerate(shape)), values[i].dtype)
-                    if shape is not None else ("S", _freeze(values[i])) for i, shape in enumerate(shapes))
-    gen_key = (where[0], ("dynamic", gen_sig, tuple(kwargs), groups), where[1], where[2])
-    traced = _traces.get(gen_key)
-    if traced is None:
-        names = _trace._forward_arg_names(module, len(args)) + list(kwargs)
-        dim_name = {}
-        for group in groups:
-            i, axis = group[0]
-            for member in group:
-                dim_name[member] = f"{names[i]}_dim{axis}"
-        specs = [_trace.InputSpec(tuple(dim_name.get((i, a), d) for a, d in enumerate(v.shape)), v.dtype)
-                 if isinstance(v, Tensor) else v for i, v in enumerate(values)]
-        try:
-            with qdq.qdq_options(where[2]):
-                traced = _trace.trace_module(module, tuple(specs[:len(args)]),
-                                             kwargs=dict(zip(kwargs, specs[len(args):])), lora=where[1],
-                                             min_dynamic_size=2)
-        except Exception:  # noqa: BLE001 - the forward needs concrete sizes: a trace per shape ("static")
-            family.static_only = True
-            return None
-        _STATS.traces += 1
-        _STATS.dynamic_traces += 1
-        _traces[gen_key] = traced
-        _trim(_traces, _limits["traces"])
-    else:
-        _traces.move_to_end(gen_key)
-    family.dynamic, family.groups = dynamic, groups
-    return gen_key, traced
+    while True:
+        least = family.least
+        symbolic = frozenset((i, a) for i, a in dynamic if shapes[i][a] >= least)
+        if not symbolic:
+            return None  # the first shape again, or only specialized sizes: a concrete trace
+        groups = family.groups.get((least, symbolic))
+        if groups and not all(len({shapes[i][a] for i, a in group}) == 1 for group in groups):
+            family.duck, groups = False, None  # sizes once equal now differ: one symbol per dim
+        if not groups:
+            by_size: dict = {}
+            for i, axis in sorted(symbolic):
+                key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
+                by_size.setdefault(key, []).append((i, axis))
+            groups = tuple(tuple(g) for g in by_size.values())
+        gen_sig = tuple(("T", tuple("?" if (i, a) in symbolic else d for a, d in enumerate(shape)), values[i].dtype)
+                        if shape is not None else ("S", _freeze(values[i])) for i, shape in enumerate(shapes))
+        gen_key = (where[0], ("dynamic", least, gen_sig, tuple(kwargs), groups), where[1], where[2])
+        traced = _traces.get(gen_key)
+        if traced is None:
+            traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)
+            if traced is None:  # the forward needs concrete sizes at this bound
+                if least == 1:
+                    family.least = 2
+                    continue
+                family.static_only = True
+                return None
+            _STATS.traces += 1
+            _STATS.dynamic_traces += 1
+            traced._cache["dynamic"] = True
+            _traces[gen_key] = traced
+            _trim(_traces, _limits["traces"])
+        else:
+            _traces.move_to_end(gen_key)
+        family.dynamic = dynamic
+        family.groups[(least, symbolic)] = groups
+        return gen_key, traced
 
 
-def _resolve(module, args, kwargs, remember: bool = False):
-    """The runner for this call (tracing and building as needed) and the input tensors."""
+def _trace_symbolic(module, args, kwargs, values, groups, where, least):
+    """The trace with the dims of ``groups`` symbolic (one name per group), or ``None``."""
+    names = _trace._forward_arg_names(module, len(args)) + list(kwargs)
+    dim_name = {}
+    for group in groups:
+        i, axis = group[0]
+        for member in group:
+            dim_name[member] = f"{names[i]}_dim{axis}"
+    specs = [_trace.InputSpec(tuple(dim_name.get((i, a), d) for a, d in enumerate(v.shape)), v.dtype)
+             if isinstance(v, Tensor) else v for i, v in enumerate(values)]
+    try:
+        with qdq.qdq_options(where[2]):
+            return _trace.trace_module(module, tuple(specs[:len(args)]), kwargs=dict(zip(kwargs, specs[len(args):])),
+                                       lora=where[1], min_dynamic_size=least)
+    except Exception:  # noqa: BLE001 - the forward needs concrete sizes (a TraceError, or its own error)
+        return None
+
+
+def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None):
+    """The runner for this call (tracing and building as needed) and the input tensors
+    (``policy`` overrides the config's ``dynamic_shapes``)."""
     from ..module import named_params
 
     owner = type(module).__name__
     args, kwargs, tensors = _split_call(args, kwargs)
     config = session_config(module)
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, config.dynamic_shapes)
+        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)
@@ -473,10 +516,19 @@ def _forget_module(key: int) -> None:
         del _fast[key]
 
 
+_MAX_WATCHED = 100_000
+
+
 def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
     sig = _fast_signature(args, kwargs)
     if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
         return
+    if len(_WATCHED) > _MAX_WATCHED:  # ids of dead modules pile up: keep those of remembered ones
+        _WATCHED.clear()
+        for kept in list(_fast.values()):
+            alive = kept.module()
+            if alive is not None:
+                _WATCHED.update(_mutable_state(alive)[0])
     entry = _fast.get(id(module))
     if entry is None or entry.module() is not module:
         entry = _FastEntry(module, traced, by_path)

@@ -69,11 +69,13 @@ class SessionConfig:
         dynamic_shapes: how ``module(x)`` treats input shapes (:data:`DYNAMIC_SHAPE_POLICIES`).
             ``"auto"`` (default; PyTorch ``torch.compile``'s "automatic dynamic"): the first call
             traces with concrete shapes; when a later call differs in some dims, the forward is
-            traced once more with those dims symbolic (:mod:`onnxparam._symint`), and that trace
-            and its one session serve every later size (dims of size 0 or 1 are specialized: such
-            a call gets a concrete trace, as in PyTorch). A forward that cannot be traced with a
-            symbolic dim (Python control flow on it, ``int(x.shape[0])``) falls back to a trace
-            per shape. ``"static"``: a trace and a session per distinct input shape.
+            traced once more with those dims symbolic (:mod:`onnxparam._symint`; sizes >= 1, a
+            size 0 gets a concrete trace), and that trace and its one session serve every later
+            size. A forward that needs ``x.shape[0] == 1`` decided (or ``squeeze()``) is retraced
+            with sizes 0 and 1 specialized as in PyTorch (those dims concrete, the others
+            symbolic, symbolic sizes >= 2); one that needs concrete sizes (Python control flow
+            on a size, ``int(x.shape[0])``) falls back to a trace per
+            shape. ``"static"``: a trace and a session per distinct input shape.
 
     Raises:
         ValueError: for an unknown optimization level, execution mode, LoRA mode or shape policy.

@@ -1,0 +1,136 @@
+"""Running an imported model's own graph in ONNX Runtime (``module(x)`` outside a trace).
+
+The session is built from :func:`~onnxparam.onnx_io._graph_model.session_parts` (the source graph
+verbatim, the params' values injected) and cached by the source graph, the params' value
+identities, the device and the session config: the input shapes are not part of the key, so
+calling with new shapes reuses the session wherever the graph's own dims allow them (ONNX Runtime
+checks them).
+
+Values pass through as ONNX Runtime takes and gives them: tensors of onnxparam's dtypes as
+:class:`~onnxparam.Tensor` (numpy arrays and Python scalars accepted), other tensors (strings,
+float8, int4 ...) as numpy arrays, sequences as lists, absent optionals as ``None``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+
+from ..dtype import DType
+from ..errors import ExecutionError
+from ..module import named_params
+from ..tensor import Tensor
+
+__all__ = ["run_graph", "MAX_GRAPH_SESSIONS"]
+
+MAX_GRAPH_SESSIONS = 32
+"""Sessions of imported graphs kept (LRU); each holds its weights."""
+
+_LOCK = threading.RLock()
+_sessions: "OrderedDict" = OrderedDict()
+_NO_SESSION = object()
+
+
+def _to_feed(x, declared):
+    """A graph input value as ONNX Runtime takes it."""
+    if isinstance(x, Tensor):
+        return np.asarray(x.to_numpy())
+    if x is None or isinstance(x, (list, np.ndarray)):
+        return x
+    if isinstance(x, tuple):
+        return list(x)
+    array = np.asarray(x)
+    dtype = getattr(declared, "dtype", None)
+    if dtype is not None and array.dtype.kind in "biuf":
+        try:
+            array = array.astype(dtype.numpy())
+        except (TypeError, ValueError):
+            pass
+    return array
+
+
+def _from_ort(value):
+    if isinstance(value, np.ndarray):
+        try:
+            dtype = DType.from_numpy(value.dtype)
+        except (TypeError, ValueError):
+            return value
+        if dtype is DType.QFloat or value.dtype.kind not in "biuf":
+            return value
+        value.setflags(write=False)
+        return Tensor(host=value, shape=value.shape, dtype=dtype)
+    if isinstance(value, list):
+        return [_from_ort(v) for v in value]
+    return value
+
+
+def _session(module):
+    """The cached ``(session, keepalive)`` for ``module``'s current params, or ``None`` when its
+    graph alone cannot express it."""
+    from ..runtime import calls
+    from ..runtime._keys import _value_token
+    from ..runtime.config import session_config
+    from ..runtime.devices import ortvalue_host, pick_device, providers_for
+    from ..runtime.sessions import ort
+    from ._graph_model import session_parts
+
+    source = module._source
+    config = session_config(module)
+    params = list(named_params(module))
+    if config.lora_mode != "merge" and any(p.adapter() is not None for _, p in params):
+        return None
+    device = pick_device(type(module).__name__, params, [])
+    key = (id(source), device, config, tuple(_value_token(p) for _, p in params))
+    with _LOCK:
+        hit = _sessions.get(key)
+        if hit is not None:
+            _sessions.move_to_end(key)
+            return None if hit is _NO_SESSION else hit[0]
+        parts = session_parts(module)
+        if parts is None:
+            _sessions[key] = _NO_SESSION
+            return None
+        data, names, arrays = parts
+        options = config.session_options()
+        values = [ortvalue_host(a) for a in arrays]
+        if names:
+            options.add_external_initializers(names, values)
+        try:
+            session = ort.InferenceSession(data, options, providers=providers_for(device, config))
+        except Exception as e:
+            raise ExecutionError(f"ONNX Runtime failed to build a session for the imported model "
+                                 f"{module.extra_repr()}: {str(e).strip()}") from e
+        calls._STATS.sessions_built += 1
+        _sessions[key] = (session, (source, options, values, arrays))
+        while len(_sessions) > MAX_GRAPH_SESSIONS:
+            _sessions.popitem(last=False)
+        return session
+
+
+def clear() -> None:
+    """Forget every cached session of imported graphs."""
+    with _LOCK:
+        _sessions.clear()
+
+
+def run_graph(module, bound: dict) -> Optional[object]:
+    """Run ``module``'s source graph with ``bound`` (graph input name -> value); its outputs (one
+    value, or a tuple), or ``_NO_SESSION`` when the graph alone cannot express the module."""
+    session = _session(module)
+    if session is None:
+        return _NO_SESSION
+    source = module._source
+    declared = {v.name: v for v in list(source.pristine.graph.inputs)}
+    feed = {name: _to_feed(x, declared.get(name)) for name, x in bound.items()}
+    names = [v.name for v in source.pristine.graph.outputs]
+    try:
+        outs = session.run(names, feed)
+    except Exception as e:
+        raise ExecutionError(f"ONNX Runtime failed to run the imported model {module.extra_repr()}: "
+                             f"{str(e).strip()}") from e
+    outs = [_from_ort(o) for o in outs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+

@@ -145,12 +145,16 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 
 def _has_quantized_weights(module) -> bool:
-    """Whether ``module`` holds a quantized param or calibrated activation ranges (quant)."""
+    """Whether ``module`` holds a param quantized in the module (not one imported quantized and
+    unchanged: an imported QDQ graph goes out as it came in, issue 14) or calibrated activation
+    ranges (quant)."""
     from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+    from ._graph_model import is_source_valued
 
     if getattr(module, ACTIVATION_RANGES_ATTR, None):
         return True
-    return any(param.lazy_dtype() is DType.QFloat for _, param in named_params(module))
+    return any(param.lazy_dtype() is DType.QFloat and not is_source_valued(module._source, path, param)
+               for path, param in named_params(module))
 
 
 def _auto_batch(module, example_inputs, kwargs, trace):
@@ -304,8 +308,8 @@ def _export_imported(module: OnnxModule, example_inputs, input_names, output_nam
         apply_example_shapes(model, [getattr(x, "shape", None) for x in example_inputs])
     apply_dynamic_axes(model, dynamic_axes)
     metas = {}
-    for name, (path, param, tensor) in written.items():
-        meta = md.ParamMetadata(param.id, param.require_grad, None)
+    for name, (path, param, tensor, scale) in written.items():
+        meta = md.ParamMetadata(param.id, param.require_grad, scale)
         tensor.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
     from .._version import __version__

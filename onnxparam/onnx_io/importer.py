@@ -486,8 +486,10 @@ class OnnxModule(Module):
         traced values, its weights the params' initializers, its own names made unique."""
         clone = original.clone(allow_outer_scope_values=True)
         # weights inside the body (at any depth) -> the params' traced initializers
-        names = {site.name: site for site in self._source.sites}
-        for graph in list(iter_graphs(clone)):
+        # NOTE: by (graph, name): sibling bodies may hold weights of the same name
+        by_graph = {(id(site.graph), site.name): site for site in self._source.sites}
+        for source_graph, graph in list(zip(iter_graphs(original), iter_graphs(clone))):
+            names = {name: site for (gid, name), site in by_graph.items() if gid == id(source_graph)}
             for name in list(graph.initializers):
                 site = names.get(name)
                 if site is not None and site.kind == INITIALIZER:
@@ -548,7 +550,12 @@ def import_onnx(path_or_model) -> OnnxModule:
     """
     from .. import _lora_import
 
-    loaded = load_model(path_or_model)
+    try:
+        loaded = load_model(path_or_model)
+    except OnnxFormatError:
+        loaded = _load_densified(path_or_model)
+        if loaded is None:
+            raise
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
     loaded, adapters = _lora_import.strip_imported(loaded)
     pristine = loaded.model
@@ -557,6 +564,33 @@ def import_onnx(path_or_model) -> OnnxModule:
     elif _has_qdq_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
+
+
+def _load_densified(path_or_model) -> Optional[LoadedModel]:
+    """The model with its sparse initializers made dense initializers of the same name (as ONNX
+    Runtime reads them; ``onnx_ir`` does not keep sparse initializers), or ``None`` when it has
+    none (the caller then reports the original error)."""
+    import onnx
+
+    from ._sparse import densify_sparse_initializers
+
+    try:
+        if isinstance(path_or_model, onnx.ModelProto):
+            proto = onnx.ModelProto()
+            proto.CopyFrom(path_or_model)
+        elif isinstance(path_or_model, (bytes, bytearray)):
+            proto = onnx.load_from_string(bytes(path_or_model))
+        elif isinstance(path_or_model, (str, Path)) or hasattr(path_or_model, "__fspath__"):
+            proto = onnx.load(str(path_or_model))
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - unreadable: the original error says why
+        return None
+    if not densify_sparse_initializers(proto):
+        return None
+    loaded = load_model(proto)
+    path = Path(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray)) else None
+    return LoadedModel(loaded.model, str(path) if path is not None else loaded.source, path)
 
 
 def _inline_functions(loaded: LoadedModel) -> LoadedModel:

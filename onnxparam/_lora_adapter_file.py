@@ -39,9 +39,10 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     """Write an ONNX Runtime adapter file (``.onnx_adapter``, ``onnxruntime.AdapterFormat``).
 
     Args:
-        module_or_params: a module with LoRA adapters (its factors are written under their
-            record paths, ``fc.weight.lora.a`` ..., the names of the ``lora="inputs"`` export's
-            graph inputs), or a mapping ``name -> array``.
+        module_or_params: a module with LoRA adapters (``a`` and ``scale * b`` are written
+            under the factors' record paths, ``fc.weight.lora.a`` ..., the names of the
+            ``lora="inputs"`` export's graph inputs: :func:`adapter_params`), or a mapping
+            ``name -> array`` written as given (then ``b`` must already carry the scale).
         path: the file to write.
         adapter_version, model_version: the versions stored in the file's header.
 

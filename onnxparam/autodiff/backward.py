@@ -73,6 +73,21 @@ def _fill_dynamic_dims(model: ir.Model) -> None:
             v.shape = ir.Shape(merged)
 
 
+def _rule_failure(node: ir.Node, why: str, opset: int, traced: TracedModel) -> str:
+    """A gradient rule's failure, naming the node, the params that feed it, and where the
+    graph's opset comes from when the rule needs a newer one."""
+    params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
+    text = f"gradient of node {node.name!r} ({node.op_type}"
+    text += f", fed by {', '.join(map(repr, params))})" if params else ")"
+    text += f": {why}"
+    if "opset" in why:
+        text += (f". The graph's ai.onnx opset is {opset}: an imported model keeps its file's opset, and the "
+                 "loss's ops are emitted at it; use ops that are differentiable there in the loss (e.g. "
+                 "cross_entropy's one-hot form instead of gather / gather_elements), freeze the params "
+                 "before this node, or convert the model to a newer opset")
+    return text
+
+
 def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[TracedModel, tuple]:
     """Extend ``traced`` (consumed: its graph is changed in place) with the gradients of its
     first output with respect to the params at paths ``wrt``.
@@ -147,12 +162,12 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")
                              + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
                                "onnxparam.autodiff.rules.RULES")
-        if len(node.outputs) == 1 or node.op_type == "Split":
+        if len(node.outputs) > 1 and node.op_type != "Split" and any(g is not None for g in gout[1:]):
+            raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
+        try:
             results = fn(e, node, gout, need)
-        else:
-            if any(g is not None for g in gout[1:]):
-                raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
-            results = fn(e, node, gout, need)
+        except TraceError as err:
+            raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
         for value, n, g in zip(node.inputs, need, results):
             if not n or g is None:
                 continue

@@ -20,10 +20,13 @@ receiver as it was. Structure is copied; tensor storage is shared and never muta
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Mapping
 from typing import Callable, Iterator, Optional
 
 from ._services import service
 from .device import Device
+from .errors import RecordError
 from .param import Param
 
 __all__ = ["Module", "ModuleVisitor", "ModuleMapper", "named_params", "named_modules", "rebuild"]
@@ -174,6 +177,14 @@ def _call_module():
     return _CALL_MODULE
 
 
+_MUTATIONS = [0]
+"""Bumped whenever an attribute of a watched module is set or deleted (see ``Module.__setattr__``)."""
+
+_WATCHED: set = set()
+"""``id``s of the modules whose calls the runtime's fast path remembers, and of their sub-modules.
+An id reused by another object only bumps :data:`_MUTATIONS` needlessly (never the reverse)."""
+
+
 class Module:
     """Base class of every module; see the module docstring for traversal and value semantics.
 
@@ -192,6 +203,18 @@ class Module:
     def __call__(self, *args, **kwargs):
         # NOTE: bound once; an import statement on every call costs ~1 us, measurable at batch 1.
         return (_CALL_MODULE or _call_module())(self, args, kwargs)
+
+    def __setattr__(self, name: str, value) -> None:
+        # NOTE: configuration attributes are baked into the traced graph; the runtime's fast path
+        # rechecks a module's structure only when this counter moved (rebinding, sub-module swaps).
+        if id(self) in _WATCHED:
+            _MUTATIONS[0] += 1
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if id(self) in _WATCHED:
+            _MUTATIONS[0] += 1
+        object.__delattr__(self, name)
 
     # -- traversal ----------------------------------------------------------------------------
 
@@ -304,8 +327,15 @@ class Module:
             source: the file named in messages and the report.
 
         Raises:
-            RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor.
+            RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor; or
+                ``record`` is not a mapping (the message names the type it got).
         """
+        if not isinstance(record, Mapping):
+            what = "None" if record is None else f"a {type(record).__name__}"
+            raise RecordError(
+                f"a record maps param paths to tensors (a dict, a ModuleRecord); got {what}"
+                + (" (load a file with try_load_file / load_file)" if isinstance(record, (str, os.PathLike)) else "")
+            )
         apply_record = service("record.apply")
 
         return apply_record(self, record, allow_partial=allow_partial, report=report, source=source)

@@ -14,11 +14,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
-from test_autodiff import check_grad, f32
+from test_autodiff import check_grad, f32, f64
 
 import onnxparam as op
 from onnxparam import nn, ops
-from onnxparam.errors import ExecutionError, TraceError
+from onnxparam.autodiff import grad, mse
+from onnxparam.errors import ExecutionError
+from onnxparam.optim import SGD
 
 RNG = np.random.default_rng(19)
 
@@ -138,37 +140,31 @@ def test_deform_conv2d_integer_offsets_shift_the_taps():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def _deform_grad_case(size, c_out, weight_groups, offset_groups, padding):
-    x, offset, mask = _deform_case(n=1, c_in=4, c_out=c_out, k=(2, 2), size=size, stride=(1, 1),
-                                   padding=(padding, padding), offset_groups=offset_groups)
-    w, b = f32(c_out, 4 // weight_groups, 2, 2), f32(c_out)
+def _deform_grad_case(size, c_out, weight_groups, offset_groups, padding, stride=1, mask=True, frozen=()):
+    """All five operands in float64 (``DeformConv`` runs in double in ORT) against central differences."""
+    x, offset, m = _deform_case(n=1, c_in=4, c_out=c_out, k=(2, 2), size=size, stride=(stride, stride),
+                                padding=(padding, padding), offset_groups=offset_groups)
+    arrays = [x.astype(np.float64), offset.astype(np.float64), f64(c_out, 4 // weight_groups, 2, 2), f64(c_out)]
 
-    def fn(x, offset, w, b, mask):
-        return ops.deform_conv2d(x, offset, w, mask, b, padding=padding, weight_groups=weight_groups,
+    def fn(x, offset, w, b, m=None):
+        return ops.deform_conv2d(x, offset, w, m, b, stride=stride, padding=padding, weight_groups=weight_groups,
                                  offset_groups=offset_groups)
 
-    check_grad(fn, [x, offset, w, b, mask], frozen=(0, 1), eps=1e-2, rtol=2e-3, atol=2e-3)
+    check_grad(fn, arrays + ([m.astype(np.float64)] if mask else []), frozen=frozen, eps=1e-6, rtol=1e-5, atol=1e-7)
 
 
 def test_deform_conv2d_gradients_match_finite_differences():
-    # weight, bias and mask (x and offset frozen: no rule for them); more groups in the slow sweep
-    _deform_grad_case((3, 3), c_out=2, weight_groups=2, offset_groups=1, padding=0)
+    # input, offsets, weight, bias and mask; offsets reach outside the image (padding 1, offsets ~ N(0, 1.5))
+    _deform_grad_case((3, 3), c_out=2, weight_groups=2, offset_groups=2, padding=1)
 
 
 @pytest.mark.slow
 def test_deform_conv2d_gradients_match_finite_differences_sweep(request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("a sweep of group layouts: run with -m slow")
-    _deform_grad_case((4, 4), c_out=2, weight_groups=2, offset_groups=2, padding=1)
-    _deform_grad_case((3, 4), c_out=3, weight_groups=1, offset_groups=4, padding=1)
-    _deform_grad_case((3, 3), c_out=4, weight_groups=4, offset_groups=1, padding=0)
-
-
-def test_deform_conv2d_gradient_of_offsets_is_refused_clearly():
-    x, offset, _ = _deform_case(n=1, c_in=2, c_out=2, k=(1, 1), size=(3, 3), stride=(1, 1), padding=(0, 0),
-                                weight_groups=1, offset_groups=1)
-    with pytest.raises(TraceError, match="offset"):
-        check_grad(lambda x, offset, w: ops.deform_conv2d(x, offset, w), [x, offset, f32(2, 2, 1, 1)], frozen=(0,))
+    _deform_grad_case((4, 5), c_out=3, weight_groups=1, offset_groups=4, padding=1, stride=2)
+    _deform_grad_case((3, 3), c_out=4, weight_groups=4, offset_groups=1, padding=0, mask=False)
+    _deform_grad_case((4, 4), c_out=2, weight_groups=2, offset_groups=2, padding=1, frozen=(0, 1))
 
 
 class _DeformNet(op.Module):
@@ -183,6 +179,25 @@ class _DeformNet(op.Module):
         offset = ops.slice(om, [0], [18], [1])
         mask = ops.sigmoid(ops.slice(om, [18], [27], [1]))
         return self.deform(x, offset, mask)
+
+
+def _deform_net_loss(m, x, target):
+    return mse(m(x), target)
+
+
+def test_a_dcn_v2_block_trains_its_offset_conv_through_ort_and_exports(tmp_path):
+    nn.seed(6)
+    x = RNG.normal(size=(2, 3, 6, 5)).astype(np.float32)
+    target = RNG.normal(size=(2, 4, 6, 5)).astype(np.float32)
+    model, opt, losses = _DeformNet(), SGD(lr=0.05), []
+    before = model.offsets.weight.val().to_numpy().copy()
+    for _ in range(5):
+        loss, grads = grad(_deform_net_loss, model, x, target)
+        losses.append(float(loss.to_numpy()))
+        model = opt.step(model, grads)
+    assert losses[-1] < losses[0]
+    assert not np.allclose(model.offsets.weight.val().to_numpy(), before)  # gradients reach the offsets' conv
+    assert_export_runs_in_plain_ort(model, x, tmp_path, rtol=1e-4, atol=1e-5, name="dcn")
 
 
 def test_deform_conv2d_exports_and_runs_in_plain_onnxruntime(tmp_path):

@@ -39,6 +39,55 @@ def _is_float(value: ir.Value) -> bool:
     return value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
 
 
+def _fill_dynamic_dims(model: ir.Model) -> None:
+    """Give static dims to the values traced with dynamic ones (e.g. the nodes of an imported
+    model, typed from its file) when the graph inputs are static: ONNX shape inference (with data
+    propagation) runs on the graph and only dims that were not ints are taken from it. Rules
+    that need static dims (``MatMul``, ``Reshape`` ...) then see the concrete shapes."""
+    graph = model.graph
+    values = [out for node in graph.all_nodes() for out in node.outputs]
+    if all(v.shape is None or all(isinstance(d, int) for d in v.shape) for v in values):
+        return
+    if not all(v.shape is not None and all(isinstance(d, int) for d in v.shape) for v in graph.inputs):
+        return  # symbolic inputs (InputSpecs): nothing concrete to propagate
+    try:
+        from onnx_ir.passes.common import _c_api_utils
+
+        inferred = _c_api_utils.call_onnx_api(
+            lambda proto: onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True),
+            model)
+    except Exception:  # noqa: BLE001 - best effort: the rules name the value whose dims they lack
+        return
+    shapes = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None
+                                 for d in info.type.tensor_type.shape.dim]
+    for v in values:
+        known = shapes.get(v.name)
+        if v.shape is None or known is None or len(known) != len(v.shape):
+            continue
+        dims_now = list(v.shape)
+        merged = [d if isinstance(d, int) else (k if k is not None else d) for d, k in zip(dims_now, known)]
+        if merged != dims_now:
+            v.shape = ir.Shape(merged)
+
+
+def _rule_failure(node: ir.Node, why: str, opset: int, traced: TracedModel) -> str:
+    """A gradient rule's failure, naming the node, the params that feed it, and where the
+    graph's opset comes from when the rule needs a newer one."""
+    params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
+    text = f"gradient of node {node.name!r} ({node.op_type}"
+    text += f", fed by {', '.join(map(repr, params))})" if params else ")"
+    text += f": {why}"
+    if "opset" in why:
+        text += (f". The graph's ai.onnx opset is {opset}: an imported model keeps its file's opset, and the "
+                 "loss's ops are emitted at it; use ops that are differentiable there in the loss (e.g. "
+                 "cross_entropy's one-hot form instead of gather / gather_elements), freeze the params "
+                 "before this node, or convert the model to a newer opset")
+    return text
+
+
 def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[TracedModel, tuple]:
     """Extend ``traced`` (consumed: its graph is changed in place) with the gradients of its
     first output with respect to the params at paths ``wrt``.
@@ -73,6 +122,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         raise TraceError(f"not params of this trace: {', '.join(map(repr, unknown))}")
     opset = graph.opset_imports.get("", 1)
     graph.sort()
+    _fill_dynamic_dims(traced.model)
 
     # 1. differentiated params -> graph inputs
     wrt_values = {}
@@ -112,12 +162,12 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")
                              + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
                                "onnxparam.autodiff.rules.RULES")
-        if len(node.outputs) == 1 or node.op_type == "Split":
+        if len(node.outputs) > 1 and node.op_type != "Split" and any(g is not None for g in gout[1:]):
+            raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
+        try:
             results = fn(e, node, gout, need)
-        else:
-            if any(g is not None for g in gout[1:]):
-                raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
-            results = fn(e, node, gout, need)
+        except TraceError as err:
+            raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
         for value, n, g in zip(node.inputs, need, results):
             if not n or g is None:
                 continue

@@ -116,7 +116,10 @@ class Emitter:
         return list(node.outputs)
 
     def op(self, op_type: str, *inputs: Optional[ir.Value], **attrs) -> ir.Value:
-        """Append a one-output node ``op_type(*inputs, **attrs)``; return its output."""
+        """Append a one-output node ``op_type(*inputs, **attrs)``; return its output.
+        ``LessOrEqual`` / ``GreaterOrEqual`` (opset 12) become ``Not(Greater / Less)`` before."""
+        if self.opset < 12 and op_type in ("LessOrEqual", "GreaterOrEqual"):
+            return self.op("Not", self.op("Greater" if op_type == "LessOrEqual" else "Less", *inputs))
         return self.nodes(op_type, inputs, attrs)[0]
 
     def typed(self, value: ir.Value, dtype: np.dtype, shape: Sequence) -> ir.Value:
@@ -157,6 +160,13 @@ class Emitter:
             return self.op("ReduceSum", x, self.ints(axes), keepdims=int(keepdims))
         return self.op("ReduceSum", x, axes=axes, keepdims=int(keepdims))
 
+    def unsqueeze(self, x: ir.Value, axes: Sequence[int]) -> ir.Value:
+        """``Unsqueeze`` at ``axes`` (axes as an input from opset 13, an attribute before)."""
+        axes = [int(a) for a in axes]
+        if self.opset >= 13:
+            return self.op("Unsqueeze", x, self.ints(axes))
+        return self.op("Unsqueeze", x, axes=axes)
+
     def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
         return self.op("Reshape", x, self.ints(shape))
 
@@ -185,9 +195,11 @@ class Emitter:
             o = out[lead + i]
             if d == 1 and o != 1:
                 axes.append(lead + i)
-            elif d != o:
+            elif d != o and isinstance(d, int):
                 raise TraceError(f"cannot reduce a gradient of shape {list(out)} to {list(want)} "
                                  f"({target.name!r}): dim {i} is not statically broadcast")
+        # NOTE: a dynamic dim of ``target`` against a size-n dim of the result is taken as n, not
+        # as a broadcast 1 (ONNX's shape-inference merge rule); a wrong guess fails in ONNX Runtime
         if not axes:
             return grad
         summed = self.reduce_sum(grad, axes, keepdims=True)

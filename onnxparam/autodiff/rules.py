@@ -360,6 +360,9 @@ def _matmul(e, node, gout, need):
     the last two dims); a 1-D ``a`` is ``[1, k]``, a 1-D ``b`` is ``[k, 1]``."""
     a, b = node.inputs
     g = gout[0]
+    dyn = _matmul_dynamic(e, a, b, g, need)
+    if dyn is not None:
+        return dyn
     ad, bd = static_dims(a, "MatMul's gradient"), static_dims(b, "MatMul's gradient")
     if len(ad) == 1 and len(bd) == 1:
         return [e.op("Mul", g, b) if need[0] else None, e.op("Mul", g, a) if need[1] else None]
@@ -377,6 +380,24 @@ def _matmul(e, node, gout, need):
     if need[1]:
         db = e.op("MatMul", _swap_last(e, a2, len(a2d)), g2)
         db = _sum_to(e, db, out2d[:-2] + b2d[-2:], bd)
+    return [da, db]
+
+
+def _matmul_dynamic(e, a, b, g, need):
+    """The common forms with dynamic dims in ``a``: ``[..., k] @ [k, n]`` with ``b`` static
+    (a weight): ``da = g @ b^T``, ``db = reshape(a, [-1, k])^T @ reshape(g, [-1, n])`` (the
+    batch dims summed by the product). ``None`` for the other forms (static dims or not this)."""
+    ad, bd = dims(a), dims(b)
+    if all(isinstance(d, int) for d in ad + bd) or len(ad) < 2 or len(bd) != 2:
+        return None
+    if len(ad) > 2 and not all(isinstance(d, int) for d in bd):
+        return None
+    bt = e.op("Transpose", b, perm=[1, 0])
+    da = e.op("MatMul", g, bt) if need[0] else None
+    db = None
+    if need[1]:
+        a2, g2 = (a, g) if len(ad) == 2 else (e.reshape(a, [-1, bd[0]]), e.reshape(g, [-1, bd[1]]))
+        db = e.op("MatMul", e.op("Transpose", a2, perm=[1, 0]), g2)
     return [da, db]
 
 
@@ -423,9 +444,9 @@ def _gemm(e, node, gout, need):
 
 def _reduce_layout(node: ir.Node) -> tuple:
     """``(axes, keep_shape)``: the reduced axes of ``node``'s input and the output's shape with
-    those dims kept as 1, or ``(None, None)`` for the no-op form."""
+    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op form."""
     x = node.inputs[0]
-    xd = static_dims(x, f"{node.op_type}'s gradient")
+    xd = dims(x)
     axes = _axes(node, 1, len(xd))
     if not axes:
         if int(attr(node, "noop_with_empty_axes", 0)):
@@ -435,18 +456,41 @@ def _reduce_layout(node: ir.Node) -> tuple:
     return axes, keep
 
 
+def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir.Value:
+    """``v`` (shaped like ``node``'s output) with the reduced dims as 1: as it is for
+    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic ones)."""
+    if int(attr(node, "keepdims", 1)):
+        return v
+    if all(isinstance(d, int) for d in keep):
+        return e.reshape(v, keep)
+    return e.unsqueeze(v, axes)
+
+
+def _expand_to(e: Emitter, v: ir.Value, like: ir.Value) -> ir.Value:
+    """``Expand`` to ``like``'s shape (a constant when static, else through ``Shape``)."""
+    d = dims(like)
+    return e.op("Expand", v, e.ints(d) if all(isinstance(k, int) for k in d) else e.op("Shape", like))
+
+
 @rule("ReduceSum", "ReduceMean")
 def _reduce_sum_mean(e, node, gout, need):
     """``y = sum(x, axes)``: ``dx = expand(g, x.shape)`` (``g`` reshaped with the reduced dims
-    kept as 1); ``ReduceMean`` divides by the count of reduced elements."""
+    kept as 1); ``ReduceMean`` divides by the count of reduced elements (``Size(x) / Size(y)``
+    when a reduced dim is dynamic)."""
     x, g = node.inputs[0], gout[0]
     axes, keep = _reduce_layout(node)
     if axes is None:
         return [g] + [None] * (len(node.inputs) - 1)
     xd = dims(x)
-    dx = e.op("Expand", e.reshape(g, keep), e.ints(xd))
+    dx = _expand_to(e, _kept(e, node, g, axes, keep), x)
     if node.op_type == "ReduceMean":
-        dx = _scale(e, dx, 1.0 / math.prod(xd[a] for a in axes))
+        reduced = [xd[a] for a in axes]
+        if all(isinstance(d, int) for d in reduced):
+            dx = _scale(e, dx, 1.0 / math.prod(reduced))
+        else:
+            to = int(x.dtype)
+            count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", node.outputs[0]), to=to))
+            dx = e.op("Div", dx, count)
     return [dx] + [None] * (len(node.inputs) - 1)
 
 
@@ -458,10 +502,10 @@ def _reduce_max_min(e, node, gout, need):
     axes, keep = _reduce_layout(node)
     if axes is None:
         return [g] + [None] * (len(node.inputs) - 1)
-    y_keep = e.reshape(node.outputs[0], keep)
+    y_keep = _kept(e, node, node.outputs[0], axes, keep)
     mask = e.op("Cast", e.op("Equal", x, y_keep), to=int(x.dtype))
     count = e.reduce_sum(mask, axes, keepdims=True)
-    dx = e.op("Mul", mask, e.op("Div", e.reshape(g, keep), count))
+    dx = e.op("Mul", mask, e.op("Div", _kept(e, node, g, axes, keep), count))
     return [dx] + [None] * (len(node.inputs) - 1)
 
 

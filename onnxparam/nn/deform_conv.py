@@ -76,9 +76,11 @@ class DeformConv2d(Module):
         mask: ``[N, offset_groups * k_h * k_w, H_out, W_out]`` or ``None`` (v1: all ones);
         output: ``[N, C_out, H_out, W_out]``, ``H_out`` as :class:`~onnxparam.nn.Conv2d`'s.
 
-    ONNX: ``DeformConv`` (opset 19; :func:`onnxparam.ops.deform_conv2d`). Gradients
-    (:mod:`onnxparam.autodiff.rules_deform`): for the weight, the bias and the mask; not for
-    ``x`` or ``offset`` (a ``TraceError`` says so when a training graph needs them).
+    ONNX: ``DeformConv`` (opset 19; :func:`onnxparam.ops.deform_conv2d`). Gradients for all
+    five operands (``x``, ``offset``, weight, bias, ``mask``:
+    :mod:`onnxparam.autodiff.rules_deform`), so the convolution that predicts the offsets
+    trains too. PyTorch: torchvision's ``DeformConv2d`` has the same ``weight`` / ``bias``
+    names and layouts.
 
     Raises:
         ValueError: for non-positive sizes, channels not divisible by the groups, an invalid

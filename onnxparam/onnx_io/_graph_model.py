@@ -33,7 +33,7 @@ import onnx_ir as ir
 from ..dtype import DType
 from ..module import named_params
 from .source import iter_graphs
-from .weights import CONSTANT, INITIALIZER, find_weights, tensor_data
+from .weights import INITIALIZER, find_weights, tensor_data
 
 __all__ = ["source_sites", "session_parts", "export_model", "is_source_valued"]
 
@@ -105,9 +105,12 @@ def _plan(module, lora: str) -> Optional[list]:
             if same:
                 continue  # a weight of the importer's rewrites, unchanged: the graph holds it
             return None
-        if param.adapter() is not None and lora != "merge":
-            return None
         dtype = param.lazy_dtype()
+        if param.adapter() is not None and lora != "merge":
+            if dtype is DType.QFloat or lora != "keep":
+                return None  # QLoRA and "inputs" mode (factors as graph inputs): traced
+            plan.append((site, param, "lora"))
+            continue
         if same and dtype is not site.dtype:
             plan.append((site, param, "source"))  # an imported QDQ weight (int data, QFloat param)
         elif dtype is DType.QFloat:
@@ -124,7 +127,87 @@ def _array(site, param, how: str) -> np.ndarray:
 
     if how == "source":
         return tensor_data(site.tensor, site.dtype).array
+    if how == "lora":
+        return param_array(param.with_adapter(None), site.dtype)  # the raw base: nodes add the adapter
     return param_array(param, site.dtype)
+
+
+class _Symbol:
+    def __init__(self, value: ir.Value):
+        self.value = value
+
+
+class _Emitted:
+    """What :class:`onnxparam.lora_graph._Expander` reads of a traced tensor."""
+
+    def __init__(self, value: ir.Value, dtype: DType):
+        self._symbol = _Symbol(value)
+        self.dtype = dtype
+
+
+class _LoraEmitter:
+    """The part of a tracer :class:`onnxparam.lora_graph._Expander` uses, over an export clone:
+    nodes go into the weight's own graph, factors and scales become main-graph initializers
+    named ``<weight>.lora.a`` / ``.lora.b`` (what :mod:`onnxparam._lora_import` recognizes)."""
+
+    def __init__(self, main: ir.Graph, graph: ir.Graph, site, param, taken: set, lora: str, written: dict):
+        self.graph = graph
+        self.main = main
+        self.mode = lora
+        self.taken = taken
+        self.site = site
+        self.written = written
+        self._param_paths = {id(param): site.name}
+        self._names = taken
+        self._constants: list = []
+        self.factor_values = []
+
+    def unique_name(self, name: str) -> str:
+        return _unique(self.taken, name)
+
+    def _initializer(self, name: str, tensor, dtype: ir.DataType, shape) -> ir.Value:
+        value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(shape)), const_value=tensor)
+        self.main.register_initializer(value)
+        return value
+
+    def param_value(self, factor) -> _Emitted:
+        from ..trace import param_array
+
+        which = "a" if self._adapter().a is factor else "b"
+        name = self.unique_name(f"{self.site.name}.lora.{which}")
+        dtype = factor.lazy_dtype()
+        onnx_dtype = ir.DataType(dtype.to_onnx())
+        tensor = ir.LazyTensor(lambda _f=factor, _d=dtype: ir.tensor(param_array(_f, _d)), onnx_dtype,
+                               ir.Shape(list(factor.lazy_shape())), name=name)
+        value = self._initializer(name, tensor, onnx_dtype, factor.lazy_shape())
+        self.factor_values.append(value)
+        self.written[name] = (f"{self.site.path}.lora.{which}", factor, tensor, float(self._adapter().scale))
+        return _Emitted(value, dtype)
+
+    def constant(self, array, name: str) -> _Emitted:
+        array = np.asarray(array)
+        name = self.unique_name(name)
+        tensor = ir.Tensor(array, name=name)
+        return _Emitted(self._initializer(name, tensor, tensor.dtype, array.shape), DType.from_numpy(array.dtype))
+
+    def _adapter(self):
+        return self._param.adapter()
+
+
+def _expand_lora(clone: ir.Model, clone_map: dict, site, param, taken: set, lora: str, written: dict) -> None:
+    """Emit ``param``'s adapter at every use of its weight (``"keep"`` / ``"inputs"``: the nodes
+    :mod:`onnxparam.lora_graph` writes for a traced module)."""
+    from ..lora_graph import _Expander
+
+    graph = clone_map[id(site.graph)]
+    base = clone_map[id(site.value)] if site.kind == INITIALIZER else clone_map[id(site.node)].outputs[0]
+    if base.shape is None or base.type is None:  # a Constant's output the file left undeclared
+        base.type = ir.TensorType(site.tensor.dtype)
+        base.shape = ir.Shape(list(param.lazy_shape()))
+    emitter = _LoraEmitter(clone.graph, graph, site, param, taken, lora, written)
+    emitter._param = param
+    _Expander(emitter, param, base, site.dtype).expand()
+
 
 
 def _set_weight(clone_map: dict, site, tensor) -> None:
@@ -284,7 +367,7 @@ def _quantize_site(clone: ir.Model, clone_map: dict, site, param, taken: set, op
 
 
 def export_model(module, lora: str, input_names=None, output_names=None) -> Optional[tuple]:
-    """``(model, {weight name: (path, param, tensor)})``: the source graph with the module's
+    """``(model, {initializer name: (path, param, tensor, LoRA scale or None)})``: the source graph with the module's
     weights (module docstring), or ``None`` when the graph alone cannot express the module."""
     source = module._source
     plan = _plan(module, lora)
@@ -300,6 +383,12 @@ def export_model(module, lora: str, input_names=None, output_names=None) -> Opti
             tensor = _quantize_site(clone, clone_map, site, param, taken, opset)
             if tensor is None:
                 return None
+        elif how == "lora":
+            shape = ir.Shape(list(param.lazy_shape()))
+            tensor = ir.LazyTensor(lambda _s=site, _p=param: ir.tensor(_array(_s, _p, "lora"), dtype=_s.tensor.dtype),
+                                   site.tensor.dtype, shape, name=site.name)
+            _set_weight(clone_map, site, tensor)
+            _expand_lora(clone, clone_map, site, param, taken, lora, written)
         elif how == "source":
             tensor = ir.LazyTensor(lambda _t=site.tensor: _t, site.tensor.dtype, site.tensor.shape, name=site.name)
             _set_weight(clone_map, site, tensor)
@@ -308,7 +397,7 @@ def export_model(module, lora: str, input_names=None, output_names=None) -> Opti
             tensor = ir.LazyTensor(lambda _s=site, _p=param: ir.tensor(_array(_s, _p, "value"), dtype=_s.tensor.dtype),
                                    site.tensor.dtype, shape, name=site.name)
             _set_weight(clone_map, site, tensor)
-        written[site.name] = (site.path, param, tensor)
+        written[site.name] = (site.path, param, tensor, None)
     graph = clone.graph
     for values, names in ((graph.inputs, input_names), (graph.outputs, output_names)):
         if names is None:

@@ -6,15 +6,16 @@ params' ids and trainable flags are written into ONNX metadata
 (:mod:`~onnxparam.onnx_io.metadata`), and the model is saved by
 :func:`~onnxparam.onnx_io.save.save_model` (external data when needed, atomic).
 
-An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs (its graph inputs'
-declared types are used) and comes back as the graph it was: the same nodes in the same order
-with their original node and value names, the original input / output names and initializer
-names (module paths decoded back), overridable initializers still graph inputs (IR >= 4; an
-IR < 4 file's initializer inputs are constants, as ONNX Runtime reads them), the model's opsets
-and its other metadata. What changes: weights held in ``Constant`` nodes or in subgraphs are
-written as main-graph initializers (subgraphs use them as outer-scope values, which ONNX
-allows), non-weight ``Constant`` nodes become initializers, and the IR version is the tracer's.
-Weights changed in the module are what the file holds.
+An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs and comes back as the
+graph it was (:mod:`~onnxparam.onnx_io._graph_model`): the same nodes in the same order, node and
+value names, attributes, opset imports, IR version, metadata, value infos, model-local functions
+and subgraphs, every weight where the file held it (initializer, subgraph initializer or
+``Constant`` node) with the module's current value. Only what the user changed differs: new
+weight values, LoRA adapters (merged into the weight, or kept as graph nodes with
+``lora="keep"``), trainable flags and param ids (metadata). Example inputs with
+``dynamic_axes`` fix the other input dims; ``input_names`` / ``output_names`` rename the graph's.
+Weights quantized in the module, LoRA in ``"inputs"`` mode and QLoRA are traced instead (then
+the graph is rebuilt by the tracer, as for any module).
 """
 
 from __future__ import annotations
@@ -146,12 +147,16 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 
 def _has_quantized_weights(module) -> bool:
-    """Whether ``module`` holds a quantized param or calibrated activation ranges (quant)."""
+    """Whether ``module`` holds a param quantized in the module (not one imported quantized and
+    unchanged: an imported QDQ graph goes out as it came in, issue 14) or calibrated activation
+    ranges (quant)."""
     from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+    from ._graph_model import is_source_valued
 
     if getattr(module, ACTIVATION_RANGES_ATTR, None):
         return True
-    return any(param.lazy_dtype() is DType.QFloat for _, param in named_params(module))
+    return any(param.lazy_dtype() is DType.QFloat and not is_source_valued(module._source, path, param)
+               for path, param in named_params(module))
 
 
 def _auto_batch(module, example_inputs, kwargs, trace):
@@ -305,8 +310,8 @@ def _export_imported(module: OnnxModule, example_inputs, input_names, output_nam
         apply_example_shapes(model, [getattr(x, "shape", None) for x in example_inputs])
     apply_dynamic_axes(model, dynamic_axes)
     metas = {}
-    for name, (path, param, tensor) in written.items():
-        meta = md.ParamMetadata(param.id, param.require_grad, None)
+    for name, (path, param, tensor, scale) in written.items():
+        meta = md.ParamMetadata(param.id, param.require_grad, scale)
         tensor.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
     from .._version import __version__

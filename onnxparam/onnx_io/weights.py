@@ -166,9 +166,12 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
     """The weights of ``model`` in graph order: per graph (main graph first, then subgraphs depth
     first), initializers in declaration order, then weight ``Constant`` nodes in node order.
 
+    Sibling subgraphs (the two branches of an ``If``) may hold weights of the same name: the
+    later one's path gets a ``__1`` (``__2`` ...) suffix.
+
     Raises:
-        OnnxFormatError: when two weights have the same name, or two names the same path
-            (impossible for names of one model unless a subgraph shadows an outer name).
+        OnnxFormatError: when two weights of one graph (or a subgraph and the main graph) have
+            the same name or path.
     """
     sites: list[WeightSite] = []
     main = model.graph
@@ -198,15 +201,25 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
             sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,
                                     burn_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape.numpy()), False))
     seen: dict[str, WeightSite] = {}
+    unique = []
     for site in sites:
         other = seen.get(site.path)
         if other is not None:
-            raise OnnxFormatError(
-                f"{source}: two weights share the name {site.name!r} (graphs {other.graph.name!r} and "
-                f"{site.graph.name!r}); ONNX names must be unique across a model and its subgraphs"
-            )
+            if other.graph is site.graph or other.graph is main or site.graph is main:
+                raise OnnxFormatError(
+                    f"{source}: two weights share the name {site.name!r} (graphs {other.graph.name!r} and "
+                    f"{site.graph.name!r}); ONNX names must be unique within a graph and its enclosing graphs"
+                )
+            # NOTE: sibling subgraphs (an If's two branches) may each hold a weight of the same
+            # name: the later one's path gets a suffix, its ONNX name stays
+            k = 1
+            while f"{site.path}__{k}" in seen:
+                k += 1
+            site = WeightSite(site.name, f"{site.path}__{k}", site.kind, site.value, site.node, site.graph,
+                              site.tensor, site.dtype, site.shape, site.is_graph_input)
         seen[site.path] = site
-    return sites
+        unique.append(site)
+    return unique
 
 
 def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:

@@ -41,9 +41,38 @@ def _operands(op: str, a, b):
         return _promote_with_scalar(_t(a), b)
     a, b = _t(a), _t(b)
     if a.dtype is not b.dtype:
-        raise TypeError(f"{op}: operand dtypes differ ({a.dtype.name} and {b.dtype.name}); "
-                        f"cast one with .cast(DType.{a.dtype.name})")
+        raise TypeError(_dtype_mismatch(op, a, b))
     return a, b
+
+
+def _from_input(t: Tensor) -> bool:
+    """Whether symbolic ``t`` is computed from a graph input (not only from params and constants)."""
+    stack, seen = [t._symbol.value], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or value.const_value is not None:
+            continue
+        seen.add(id(value))
+        node = value.producer()
+        if node is None:  # neither an initializer nor a node's output: a graph input
+            return True
+        stack.extend(v for v in node.inputs if v is not None)
+    return False
+
+
+def _dtype_mismatch(op: str, a: Tensor, b: Tensor) -> str:
+    """The message for operands of different dtypes: when one comes from the inputs and the
+    other from params / constants (e.g. ``nn.Linear`` fed int64 data), the input is what to cast."""
+    text = f"{op}: operand dtypes differ ({a.dtype.name} and {b.dtype.name}); "
+    a_in, b_in = _from_input(a), _from_input(b)
+    if a_in != b_in:
+        data, fixed = (a, b) if a_in else (b, a)
+        param = fixed._symbol.param
+        path = None if param is None else fixed._symbol.tracer._param_paths.get(id(param))
+        what = f"param '{path}'" if path else "param" if param is not None else "value computed from params / constants"
+        return (text + f"the {fixed.dtype.name} {what} meets {data.dtype.name} data computed from the inputs: "
+                f"cast the input to the layer's dtype, e.g. x.cast(DType.{fixed.dtype.name})")
+    return text + f"cast one to the other's dtype (.cast(DType.{a.dtype.name}) or .cast(DType.{b.dtype.name}))"
 
 
 def _sized(x, other):

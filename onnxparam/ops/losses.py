@@ -1,12 +1,13 @@
 """Loss functions as graph ops (traced like any op; eager outside a trace).
 
 Both return a 0-d float tensor, the batch mean, and are differentiated by the rules of the
-ops they are made of (``LogSoftmax``, ``GatherElements``, ``ReduceMean`` ...).
+ops they are made of (``LogSoftmax``, ``Equal``, ``ReduceSum``, ``ReduceMean`` ...).
 """
 
 from __future__ import annotations
 
 from .. import ops
+from .._symint import SymInt
 from ..tensor import Tensor
 from ._core import _op, _t
 
@@ -27,8 +28,9 @@ def cross_entropy(logits, targets, dim: int = -1) -> Tensor:
             probabilities of ``logits``' dtype.
         dim: the class axis of ``logits``.
 
-    ONNX: ``LogSoftmax``, ``GatherElements`` (indices) or ``Mul`` + ``ReduceSum``
-    (probabilities), ``ReduceMean``, ``Neg``.
+    ONNX: ``LogSoftmax``, ``Equal`` + ``Cast`` (a one-hot mask of the indices; ``Range`` when
+    the class count is dynamic, ``GatherElements`` when it is unknown), ``Mul`` + ``ReduceSum``,
+    ``ReduceMean``, ``Neg``: differentiable at opset 11 (``GatherElements``' gradient needs 16).
 
     Raises:
         ValueError: when ``targets``' rank fits neither form.
@@ -44,8 +46,19 @@ def cross_entropy(logits, targets, dim: int = -1) -> Tensor:
         raise ValueError(f"class-index targets must have shape {list(logits.shape[:-1])} for logits "
                          f"{list(logits.shape)}; got {list(targets.shape)}")
     axis = dim if dim >= 0 else logits.rank + dim
-    picked = ops.gather_elements(logp, ops.unsqueeze(targets, [axis]), axis)
-    return ops.neg(ops.mean(picked))
+    classes = logits.shape[axis]
+    if not isinstance(classes, (int, SymInt)):  # an unknown class count: nothing to compare with
+        picked = ops.gather_elements(logp, ops.unsqueeze(targets, [axis]), axis)
+        return ops.neg(ops.mean(picked))
+    # NOTE: a one-hot mask (Equal + Cast) rather than GatherElements, whose gradient needs
+    # ScatterElements with reduction="add" (opset 16+): the loss stays differentiable at the
+    # opset of the model it is added to (imported models are often opset 11-15)
+    class_ids = ops.arange(classes, dtype=targets.dtype)  # a constant, or Range (opset 11) when dynamic
+    trailing = logits.rank - 1 - axis
+    if trailing:
+        class_ids = ops.unsqueeze(class_ids, list(range(1, trailing + 1)))
+    one_hot = ops.cast(ops.equal(ops.unsqueeze(targets, [axis]), class_ids), logp.dtype)
+    return ops.neg(ops.mean(ops.sum(ops.mul(one_hot, logp), axis)))
 
 
 @_op

@@ -42,11 +42,15 @@ def _freeze(value):
         return (type(value), tuple(_freeze(v) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((_freeze(k), _freeze(v)) for k, v in value.items()))
-    if isinstance(value, np.ndarray) and value.size <= 64:
+    if isinstance(value, np.ndarray):
+        # NOTE: by content, whatever the size: the forward bakes an array attribute's values into
+        # the graph, and an in-place write must select another trace (identity would miss it)
         return (np.ndarray, value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, np.generic):
         return (type(value), value.item())
-    if isinstance(value, (np.ndarray, Tensor)):
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_freeze(v) for v in value))
+    if isinstance(value, Tensor):
         return _Ref(value)
     try:
         hash(value)
@@ -96,6 +100,51 @@ def _structure_key(module) -> tuple:
         return _freeze(value)
 
     return node(module, "")
+
+
+def _mutable_state(module) -> tuple:
+    """``(module ids, watched)`` of ``module``'s tree: the ids of its modules (whose attribute
+    writes bump ``module._MUTATIONS``) and ``(object, snapshot, is_array)`` for every mutable
+    value in its configuration (lists, dicts, sets, numpy arrays) that can change in place
+    without an attribute write. ``_unchanged(watched)`` tells whether they still match."""
+    from ..module import Module
+
+    ids: set = set()
+    watched: list = []
+    seen: set = set()
+
+    def visit(value):
+        if isinstance(value, (Param, Tensor)) or value.__class__ in _PLAIN or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, Module):
+            ids.add(id(value))
+            for name, child in vars(value).items():
+                if name != CONFIG_ATTR:
+                    visit(child)
+        elif isinstance(value, np.ndarray):
+            watched.append((value, value.tobytes(), True))
+        elif isinstance(value, (list, dict, set)):
+            watched.append((value, value.copy(), False))
+            for child in (value.values() if isinstance(value, dict) else value):
+                visit(child)
+        elif isinstance(value, tuple):
+            for child in value:
+                visit(child)
+
+    visit(module)
+    return ids, tuple(watched)
+
+
+def _unchanged(watched: tuple) -> bool:
+    """True when every value of :func:`_mutable_state`'s ``watched`` still equals its snapshot."""
+    try:
+        for obj, snapshot, is_array in watched:
+            if (obj.tobytes() if is_array else obj) != snapshot:
+                return False
+    except Exception:  # noqa: BLE001 - e.g. an item replaced by an array (ambiguous truth): changed
+        return False
+    return True
 
 
 def _value_token(param: Param):

@@ -17,7 +17,9 @@ from ..errors import ExecutionError, TraceError
 from ..param import Param
 from ..quant import qdq
 from ..tensor import Tensor
-from ._keys import _PLAIN, _freeze, _param_signature, _Ref, _structure_key, _value_token  # noqa: F401
+from ..module import _MUTATIONS, _WATCHED
+from ._keys import (_PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key,  # noqa: F401
+                    _unchanged, _value_token)
 from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from .devices import pick_device
 from .sessions import Runner, build_runner
@@ -213,7 +215,7 @@ class _FastEntry:
     """What the fast path remembers about one module object: its runners by signature and how
     to check, cheaply, that the params a runner was built from are still in place."""
 
-    __slots__ = ("module", "by_sig", "last1", "getter", "expected")
+    __slots__ = ("module", "by_sig", "last1", "getter", "expected", "version", "watched")
 
     def __init__(self, module, traced, params_by_path: dict):
         # NOTE: a weak reference (the cache keeps no module's weights alive); when the module
@@ -230,9 +232,18 @@ class _FastEntry:
                 expected.append(param)
         self.getter = _compile_getter(all_steps) if all_steps else None
         self.expected = tuple(expected)
+        # NOTE: the configuration the graph was traced with: no module attribute written since
+        # (version) and no list / dict / set / array attribute changed in place (watched)
+        ids, watched = _mutable_state(module)
+        _WATCHED.update(ids)
+        self.version = _MUTATIONS[0]
+        self.watched = watched or None
 
     def params_current(self, module) -> bool:
-        """True when every used param is still the same object at the same path."""
+        """True when every used param is still the same object at the same path and the
+        module's configuration is unchanged (so the remembered graphs still hold)."""
+        if self.version != _MUTATIONS[0] or (self.watched is not None and not _unchanged(self.watched)):
+            return False
         getter = self.getter
         if getter is None:
             return True
@@ -298,7 +309,8 @@ def call_module(module, args: tuple, kwargs: dict):
             if runner is not None:
                 a = args[0]
                 if a.__class__ is Tensor and a._host is not None and a.shape == runner.shape1 and \
-                        a.dtype is runner.dtype1:
+                        a.dtype is runner.dtype1 and entry.version == _MUTATIONS[0] and \
+                        (entry.watched is None or _unchanged(entry.watched)):
                     getter = entry.getter  # NOTE: params_current, inlined (this is the hot path)
                     try:
                         current = getter is None or getter(module) == entry.expected
@@ -504,10 +516,19 @@ def _forget_module(key: int) -> None:
         del _fast[key]
 
 
+_MAX_WATCHED = 100_000
+
+
 def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
     sig = _fast_signature(args, kwargs)
     if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
         return
+    if len(_WATCHED) > _MAX_WATCHED:  # ids of dead modules pile up: keep those of remembered ones
+        _WATCHED.clear()
+        for kept in list(_fast.values()):
+            alive = kept.module()
+            if alive is not None:
+                _WATCHED.update(_mutable_state(alive)[0])
     entry = _fast.get(id(module))
     if entry is None or entry.module() is not module:
         entry = _FastEntry(module, traced, by_path)

@@ -153,14 +153,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # NOTE: catch_warnings restores warnings.showwarning on return, so calling main() from
     # Python (tests) leaves the caller's warning machinery as it was; the signal handlers are
     # restored likewise.
-    with warnings.catch_warnings(), _signals_raise():
+    with warnings.catch_warnings(), _signals_raise() as fired:
         # NOTE: the filters of a fresh interpreter (a warning is a line on stderr, never an
         # error), also when main() is called from Python with other filters in force
         warnings.resetwarnings()
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)
         warnings.showwarning = _show_warning
-        return _main(argv)
+        try:
+            code = _main(argv)
+        except Interrupted as e:  # while the parser is built or the arguments parsed
+            return _interrupted(e.signum)
+        # NOTE: a signal whose exception some library code swallowed still ends the command
+        # as interrupted (its writes are atomic: a completed one is whole).
+        return _interrupted(fired[0]) if fired and code != 128 + int(fired[0]) else code
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

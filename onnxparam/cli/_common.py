@@ -69,11 +69,13 @@ def _interrupted(signum: int) -> int:
 @contextlib.contextmanager
 def _signals_raise():
     """While the CLI runs (main thread only): SIGINT and SIGTERM raise :class:`Interrupted`;
-    the previous handlers are restored afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    the previous handlers are restored afterwards. Yields the list of signals received, so the
+    caller can still exit ``128 + signal`` when library code swallowed the exception (a C
+    extension that checks for signals and clears the error, say)."""
     fired: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield fired
+        return
 
     def handler(signum, frame):
         if fired:  # a second signal while the first unwinds: let the clean-up finish
@@ -87,7 +89,7 @@ def _signals_raise():
             if signal.getsignal(s) is not signal.SIG_IGN:  # nohup / background jobs: keep ignoring
                 previous[s] = signal.signal(s, handler)
     try:
-        yield
+        yield fired
     finally:
         for s, old in previous.items():
             with contextlib.suppress(ValueError, OSError, TypeError):

@@ -8,26 +8,35 @@ The tracer (:mod:`onnxparam.trace`) calls into this module at two points only:
   (main graph and ``If`` / ``Loop`` bodies) gets its adapter:
 
   ================================  ============================================================
-  use of the base ``W``             what is emitted
+  use of the base ``W``             what is emitted (``sb``: ``scale * b``, see below)
   ================================  ============================================================
-  ``MatMul(x, W)``, ``W`` (in, out) ``y + scale * MatMul(MatMul(x, a), b)`` — ``a @ b`` is never
+  ``MatMul(x, W)``, ``W`` (in, out) ``y + MatMul(MatMul(x, a), sb)`` — ``a @ b`` is never
                                     formed (Hu et al. 2021; cost ``O(n * r * (in + out))``)
-  ``Gemm(x, W, transB=t)``, with    ``y + (alpha_gemm * scale) * MatMul(MatMul(x, a), b)``;
-  ``transA=0`` and ``t`` equal to   ``t=1`` is PyTorch's ``(out, in)`` layout, whose adapter is
+  ``Gemm(x, W, transB=t)``, with    ``y + MatMul(MatMul(x, a), alpha_gemm * sb)``; ``t=1`` is
+  ``transA=0`` and ``t`` equal to   PyTorch's ``(out, in)`` layout, whose adapter is
   the adapter's ``transposed``      ``transposed`` (delta ``(a @ b).T``)
-  anything else                     the merged weight ``W + scale * (a @ b)`` (``Transpose``-d
-                                    for a transposed adapter), computed once in the graph
+  ``MatMul(x, Transpose(W))``,      ``y + MatMul(MatMul(x, a), sb)`` after the ``MatMul`` (torch's
+  ``transposed`` adapter            exporters' ``nn.Linear`` on 3-d inputs)
+  anything else                     the merged weight ``W + a @ sb`` (``Transpose``-d for a
+                                    transposed adapter, ``Reshape``-d for a 1-d bias or a conv
+                                    weight), computed once in the graph
   ================================  ============================================================
 
   In ``"merge"`` mode only a base that is not an initializer (a quantized weight emitted as
   ``DequantizeLinear``: QLoRA) gets nodes: the merged weight, as it cannot be one initializer.
 
-  The factors are initializers named by their record paths (``fc.weight.lora.a``,
-  ``fc.weight.lora.b``), the scale a 0-d constant. In ``"inputs"`` mode the factors are also
-  **graph inputs** with those initializers as defaults: ONNX Runtime's multi-LoRA API
-  (``onnxruntime.LoraAdapter`` + ``RunOptions.add_active_adapter``) feeds them by name, and
-  :func:`onnxparam.write_onnx_adapter` writes ``.onnx_adapter`` files whose names are those paths by
-  construction.
+  ``"keep"``: the factors are initializers named by their record paths (``fc.weight.lora.a``,
+  ``fc.weight.lora.b``) and ``sb = Mul(b, scale)`` sits at the top of the graph (initializers
+  only: ONNX Runtime folds it into one constant, so no full-width ``Mul`` runs per call).
+  ``"inputs"``: the factors are **graph inputs** ``<W>.lora.a`` ``(d_in, r)`` and
+  ``<W>.lora.b`` ``(r, d_out)`` with a symbolic rank ``r`` (:data:`FACTOR_RANK_DIM`), at the
+  base's dtype, whose defaults are **zero-rank** initializers (``(d_in, 0)`` / ``(0, d_out)``):
+  with no adapter active the branch adds exactly zero and the session is the base model. The
+  scale is not in the graph: what is fed for ``b`` is ``scale * b`` (:func:`fed_factor`; as
+  Olive writes adapters), so one exported model serves adapters of any rank, alpha or rsLoRA.
+  ONNX Runtime's multi-LoRA API (``onnxruntime.LoraAdapter`` + ``RunOptions.add_active_adapter``)
+  feeds them by name, and :func:`onnxparam.write_onnx_adapter` writes ``.onnx_adapter`` files
+  holding ``a`` and ``scale * b`` under those names.
 
 NOTE (ONNX Runtime, checked on 1.32): ``run_with_iobinding`` ignores the active adapters of the
 ``RunOptions``. To switch adapters with device-resident data, bind the factor values as inputs
@@ -38,11 +47,12 @@ Parts: this module is the export pass; ``.onnx_adapter`` files are written by
 :func:`onnxparam.write_onnx_adapter` (``onnxparam/_lora_adapter_file.py``), and the import-time
 recognition lives in ``onnxparam/_lora_import.py``.
 
-Import (``strip_lora_subexpressions``) recognizes both shapes the export writes — the kept
+Import (``strip_lora_subexpressions``) recognizes the shapes the export writes — the kept
 branch after a ``MatMul`` / ``Gemm`` and the merged-weight expression — by their factor
 initializers (``<W>.lora.a`` / ``<W>.lora.b``), removes them from the graph and returns the
 adapters to attach, with their scale taken from ONNX metadata (``onnxparam.lora.scale``; Burn
-does not store it) or, failing that, from the graph's constant.
+does not store it) or, failing that, from the graph's constant. An ``"inputs"`` export's
+zero-rank defaults import as no adapter (the base model).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 import numpy as np
 
 from onnxparam import DType, LoraConfig, Module, Param, ParamGroup, ParamId, Tensor
+from onnxparam.nn import Linear
 
 
 class Lin(Module):
@@ -127,3 +128,28 @@ def test_lora_config_accepts_ints_numpy_scalars_and_float_dtypes():
     assert LoraConfig(rank=2, alpha=-1).scale == -0.5  # a negative alpha is a valid (finite) scale
     with pytest.raises(TypeError, match=r"^LoraConfig\.rank must be an int; got float 3\.0$"):
         config.with_rank(3.0)
+
+
+def test_rslora_scale_is_alpha_over_sqrt_rank():
+    # Kalajdzievski 2023 / PEFT use_rslora: alpha / sqrt(r)
+    assert LoraConfig(rank=4, alpha=6.0, use_rslora=True).scale == 3.0
+    assert LoraConfig(rank=4, alpha=6.0).scale == 1.5
+
+
+def test_an_adapter_set_refuses_empty_modules_duplicate_names_and_misfit_params():
+    from onnxparam import LoraAdapterSet
+
+    class One(Module):
+        def __init__(self, d_in, d_out):
+            self.fc = Linear(d_in, d_out)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(ValueError, match=r"One has no LoRA adapters to add as 'x'"):
+        LoraAdapterSet().add("x", One(3, 2))
+    adapters = LoraAdapterSet().add("x", One(3, 2).apply_lora(LoraConfig(rank=1, alpha=1.0, seed=0)))
+    with pytest.raises(ValueError, match=r"an adapter named 'x' is already in the set"):
+        adapters.add("x", One(3, 2).apply_lora(LoraConfig(rank=1, alpha=1.0, seed=0)))
+    with pytest.raises(ValueError, match=r"'fc.weight': the adapter makes a \(3, 2\) delta, the param is \[4, 2\]"):
+        adapters.activate(One(4, 2), "x")

@@ -346,3 +346,35 @@ def test_unknown_lora_mode_is_rejected():
 def test_writing_an_adapter_of_a_module_without_adapters_says_to_apply_lora(tmp_path):
     with pytest.raises(ValueError, match=r"no LoRA adapter to write.*apply_lora"):
         write_onnx_adapter(Mlp(), tmp_path / "none.onnx_adapter")
+
+
+def test_one_inputs_export_runs_adapters_of_any_rank_alpha_and_rslora_at_their_own_strength(x, tmp_path):
+    """The export's own rank 4 / alpha 6 is nowhere in the graph: a rank-2 alpha-7 adapter and
+    a rank-8 rsLoRA adapter (scale alpha / sqrt(r)) run in the same session, each equal to
+    ``x @ (W + scale * A @ B)``, and no adapter is the base model."""
+    exported = Mlp().apply_lora(LoraConfig(rank=RANK, alpha=ALPHA, seed=0))
+    path = export_onnx(exported, tmp_path / "i.onnx", x, lora="inputs", dynamic_axes={"x": {0: "batch"}})
+    sess = session(path)
+    base = {p: q.base() for p, q in exported.named_params()}
+
+    def rebased(config, seed):
+        fresh = Mlp().map(lambda p, q: Param(q.id, value=base[p], require_grad=False)).apply_lora(config)
+        return with_factors(fresh, seed)
+
+    for config, seed in ((LoraConfig(rank=2, alpha=7.0, seed=1), 21),
+                         (LoraConfig(rank=8, alpha=3.0, use_rslora=True, seed=2), 22)):
+        other = rebased(config, seed)
+        scale = config.alpha / (np.sqrt(config.rank) if config.use_rslora else config.rank)
+        v = arrays(other)
+        h = x
+        for i, name in enumerate(("fc1", "fc2")):
+            h = h @ (v[f"{name}.weight"] + scale * v[f"{name}.weight.lora.a"] @ v[f"{name}.weight.lora.b"]) \
+                + v[f"{name}.bias"]
+            h = np.maximum(h, 0.0) if i == 0 else h
+        file = write_onnx_adapter(other, tmp_path / f"r{config.rank}.onnx_adapter")
+        lora = ort.LoraAdapter()
+        lora.Load(str(file))
+        options = ort.RunOptions()
+        options.add_active_adapter(lora)
+        np.testing.assert_allclose(sess.run(None, {"x": x}, options)[0], h, atol=ATOL, err_msg=str(config.rank))
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], numpy_mlp(arrays(exported), x, adapted=False), atol=ATOL)

@@ -283,3 +283,44 @@ def test_named_adapters_switch_disable_and_delete_like_peft(tmp_path):
     assert adapters.names == ["two"] == list(reference.peft_config)
     with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two'\]"):
         adapters.activate(module, "one")
+
+
+class TorchEmbedLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+class OurEmbedLinear(Module):
+    def __init__(self):
+        from onnxparam.nn import Embedding, Linear
+
+        self.emb = Embedding(10, 6)
+        self.fc = Linear(6, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_embedding_and_linear_adapters_saved_here_load_in_peft_with_the_same_outputs(tmp_path):
+    from onnxparam import Param, save_peft_adapter
+
+    torch_model = randomize(TorchEmbedLinear().eval(), seed=5)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    ours = OurEmbedLinear().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if path == "fc.weight" else weights[path]))))
+    rng = np.random.default_rng(6)
+    adapted = ours.apply_lora(LoraConfig(rank=3, alpha=5.0, use_rslora=True, seed=0)).map(
+        lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.5, size=p.lazy_shape()).astype(np.float32)),
+                              require_grad=True) if ".lora." in path else p)
+    folder = save_peft_adapter(adapted, tmp_path / "saved")
+    with quiet():
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+    ids = torch.tensor([[1, 4, 9], [0, 7, 3]])
+    with torch.no_grad():
+        expected = loaded(ids).numpy()
+    np.testing.assert_allclose(adapted(Tensor.from_numpy(ids.numpy())).to_numpy(), expected, atol=ATOL)

@@ -128,6 +128,8 @@ def test_linear_weights_get_one_scale_per_column_and_ort_fuses_the_integer_matmu
     assert "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
     expected = x @ w + model.bias.val().to_numpy()
     np.testing.assert_allclose(run(out, x=x), expected, atol=0.03 * np.abs(expected).max())
+    exact = x @ q.weight.val().to_numpy() + q.bias.val().to_numpy()  # module(x): the dequantized weight
+    np.testing.assert_allclose(q(op.Tensor.from_numpy(x)).to_numpy(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_calibrated_per_channel_conv_runs_qlinear_conv(tmp_path):
@@ -264,3 +266,18 @@ def test_gemm_weights_run_as_ort_integer_matmul_by_default(trans_b, per_channel,
     x = RNG.normal(size=(6, d_in)).astype(np.float32)
     expected = run(src, x=x)
     np.testing.assert_allclose(run(out, x=x), expected, atol=0.03 * np.abs(expected).max())
+
+
+def test_per_column_four_bit_matmul_fuses_matmul_nbits_at_opset_21_and_logs_the_summary(tmp_path, caplog):
+    import logging
+
+    w = RNG.normal(size=(96, 40)).astype(np.float32)
+    src = matmul_graph(tmp_path, w, 21)
+    model = import_onnx(src).quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S), per_channel=True))
+    with caplog.at_level(logging.INFO, logger="onnxparam.quant"):
+        out = op.export_onnx(model, tmp_path / "q.onnx")
+    assert "quantized export: 1 MatMul 4-bit MatMulNBits" in caplog.text
+    scale, axis = dequantize_node(out, "w")
+    assert axis == 1
+    np.testing.assert_allclose(scale.reshape(-1), np.abs(w).max(axis=0) / 7, rtol=1e-6)  # Q4S: max|w| / 7
+    assert "MatMulNBits" in optimized_ops(out, tmp_path)

@@ -5,7 +5,8 @@ PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target
 ``<m>``, ``base_model.model.<m>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``,
 delta (PyTorch layout ``(out, in)``) ``= scale * B @ A``; ``scale = lora_alpha / r`` (per module
 through ``alpha_pattern`` / ``rank_pattern``). This library's adapter has ``a`` ``(d_in, r)``
-and ``b`` ``(r, d_out)`` in every layout, so ``A = a.T`` and ``B = b.T``. A bias adapter
+and ``b`` ``(r, d_out)`` in every layout, so ``A = a.T`` and ``B = b.T`` (an ``Embedding``'s are
+``lora_embedding_A`` / ``_B``; a ``Conv``'s are reshaped to a conv and a 1x1 conv). A bias adapter
 (PEFT's ``lora_bias``: ``a`` ``(1, 1)``, ``b`` ``(1, d_out)``) becomes ``lora_B.bias`` scaled
 so that ``scale_of_the_weight * lora_B.bias`` is its delta.
 """
@@ -59,8 +60,13 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     from ..module import named_params
     from ..trace import untraced
 
+    from ..module import named_modules
+    from ..nn import Embedding
+
     rules = [tuple(r) for r in (key_map or ())]
-    weights, biases, problems = {}, {}, []
+    embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)
+                  if isinstance(sub, Embedding)}
+    weights, biases, kinds, problems = {}, {}, {}, []
     with untraced():
         for path, param in named_params(module):
             adapter = param.adapter()
@@ -68,13 +74,16 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
                 continue
             a = np.asarray(adapter.a.val().to_numpy(), dtype=np.float32)
             b = np.asarray(adapter.b.val().to_numpy(), dtype=np.float32)
-            if path.endswith(".weight") and len(param.lazy_shape()) == 2:
-                weights[_module_name(path, ".weight", rules)] = (a, b, float(adapter.scale))
-            elif path.endswith(".bias") and len(param.lazy_shape()) == 1:
+            shape = tuple(param.lazy_shape())
+            if path.endswith(".weight") and (len(shape) == 2 or (len(shape) >= 3 and adapter.transposed)):
+                name = _module_name(path, ".weight", rules)
+                weights[name] = (a, b, float(adapter.scale))
+                kinds[name] = ("embedding" if path in embeddings else "conv" if len(shape) >= 3 else "linear", shape)
+            elif path.endswith(".bias") and len(shape) == 1:
                 biases[_module_name(path, ".bias", rules)] = (a @ b).reshape(-1) * float(adapter.scale)
             else:
-                problems.append(f"{path!r}: PEFT adapters are named after a module's 'weight' (or 'bias' with "
-                                "lora_bias); this param is neither")
+                problems.append(f"{path!r} {list(shape)}: PEFT adapters are written for a module's 'weight' "
+                                "(Linear, Embedding, Conv) or 'bias' (lora_bias); this param is neither")
     if not weights and not biases and not problems:
         raise RecordError(f"{type(module).__name__} has no LoRA adapter to save (apply_lora or load_peft_adapter first)")
     for name in biases:
@@ -89,8 +98,17 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
     for name, (a, b, scale) in weights.items():
         key = f"base_model.model.{name}"
-        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
-        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
+        kind, shape = kinds[name]
+        if kind == "embedding":  # PEFT's Embedding: lora_embedding_A (r, num), _B (dim, r)
+            tensors[f"{key}.lora_embedding_A"] = np.ascontiguousarray(a.T)
+            tensors[f"{key}.lora_embedding_B"] = np.ascontiguousarray(b.T)
+        elif kind == "conv":  # PEFT's Conv: lora_A a conv (r, in / groups, *kernel), lora_B 1x1 (out, r, 1, ..)
+            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T.reshape((a.shape[1],) + shape[1:]))
+            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
+                b.T.reshape((shape[0], b.shape[0]) + (1,) * (len(shape) - 2)))
+        else:
+            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
+            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
         rank = a.shape[1]
         # NOTE: PEFT matches pattern keys as regexes against the end of the module name
         anchored = re.escape(name)

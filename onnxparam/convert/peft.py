@@ -323,7 +323,7 @@ def _linear_aliases(model) -> dict:
     return aliases
 
 
-def _factor_array(snap, np_dtype) -> np.ndarray:
+def _factor_array(snap) -> np.ndarray:
     return np.asarray(snap.to_data().to_numpy())
 
 
@@ -351,13 +351,14 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         with ``a = lora_A.T`` ``(d_in, r)``, ``b = lora_B.T`` ``(r, d_out)`` at the param's
         float dtype, the PEFT scale (``alpha / r``, rsLoRA ``alpha / sqrt(r)``) and the layout
         its graph (or module) declares. Embedding LoRA (``lora_embedding_A`` ``(r, num)``,
-        ``lora_embedding_B`` ``(dim, r)``) attaches the same way to the ``(num, dim)`` table.
+        ``lora_embedding_B`` ``(dim, r)``) attaches the same way to the ``(num, dim)`` table;
+        convolution LoRA to a ``Conv`` weight (:func:`_conv_entry`).
         With ``lora_bias`` the bias param gets a rank-1 adapter whose delta is
         ``scale * lora_B.bias`` (PEFT's merge). A target that already has an adapter keeps its
         factors' ids.
 
     Raises:
-        RecordError: for an unsupported variant (the option named: DoRA, convolution LoRA ...),
+        RecordError: for an unsupported variant (the option named: DoRA, trained biases ...),
             keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
             matched module at all, or a target whose layout the graph does not decide; every
             problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
@@ -438,11 +439,11 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             problems.append(f"PEFT modules {plan[target][0]!r} and {name!r} both map to {target!r}")
             continue
         scale = config.scale_for(name, rank)
-        plan[target] = (name, _factor_array(A, None).T, _factor_array(B, None).T, scale, transposed)
+        plan[target] = (name, _factor_array(A).T, _factor_array(B).T, scale, transposed)
         report.matched[name] = target
         if "bias" in factors:
             bias_path = targets.bias_of(mapped, target)
-            bias = _factor_array(factors["bias"], None).reshape(-1)
+            bias = _factor_array(factors["bias"]).reshape(-1)
             if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
                 problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
                                 f"{target!r} has no bias param of that size to attach it to")
@@ -501,7 +502,7 @@ def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
         problems.append(f"PEFT module {name!r}: the config's rank is {config.rank_for(name)} (r / rank_pattern), "
                         f"the factors have rank {rank}")
         return None
-    a = _factor_array(A, None).reshape(rank, -1).T
-    b = _factor_array(B, None).reshape(B.shape[0], rank).T
+    a = _factor_array(A).reshape(rank, -1).T
+    b = _factor_array(B).reshape(B.shape[0], rank).T
     return name, a, b, config.scale_for(name, rank), True
 

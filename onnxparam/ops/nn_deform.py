@@ -96,7 +96,8 @@ def fold4d(x, output_size, kernel_size, stride=(1, 1), padding=(0, 0), dilation=
     :func:`onnxparam.ops.unfold4d`, row ``c * kH * kW + i * kW + j`` of block ``l`` adds into
     ``y[n, c, h_l * s + i * d - p, w_l * s + j * d - p]``.
 
-    ONNX: ``Col2Im`` (opset 18, ONNX spec: Col2Im).
+    ONNX: ``Col2Im`` (opset 18, ONNX spec: Col2Im). NOTE: ONNX Runtime 1.32's CPU provider has
+    ``Col2Im`` for float32 only (a float64 graph fails at session creation, naming the node).
 
     Raises:
         ValueError: when the rows are not a multiple of ``kH * kW`` or ``L`` is not the number of

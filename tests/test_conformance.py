@@ -15,10 +15,9 @@ import re
 import warnings
 
 import numpy as np
+import onnx_cases
 import onnx_ir as ir
 import pytest
-
-import onnx_cases
 
 ort = pytest.importorskip("onnxruntime")
 

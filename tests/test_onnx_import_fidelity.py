@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_cases
 import pytest
 from onnx import numpy_helper
 
-import onnx_cases
 import onnxparam as op
 from onnxparam.runtime import sessions_built
 

@@ -33,7 +33,7 @@ import onnx_ir as ir
 from ..dtype import DType
 from ..module import named_params
 from .source import iter_graphs
-from .weights import CONSTANT, INITIALIZER, find_weights, tensor_data
+from .weights import INITIALIZER, find_weights, tensor_data
 
 __all__ = ["source_sites", "session_parts", "export_model", "is_source_valued"]
 

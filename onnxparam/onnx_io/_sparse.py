@@ -3,9 +3,14 @@ dense initializers of the same name, the way ONNX Runtime reads them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import numpy as np
 
-__all__ = ["densify_sparse_initializers"]
+from .source import LoadedModel, load_model
+
+__all__ = ["densify_sparse_initializers", "load_densified"]
 
 
 def _dense(sparse) -> np.ndarray:
@@ -46,3 +51,28 @@ def densify_sparse_initializers(proto) -> int:
 
     visit(proto.graph)
     return count
+
+
+def load_densified(path_or_model) -> Optional[LoadedModel]:
+    """The model with its sparse initializers made dense initializers of the same name (as ONNX
+    Runtime reads them; ``onnx_ir`` does not keep sparse initializers), or ``None`` when it has
+    none (the caller then reports the original error)."""
+    import onnx
+
+    try:
+        if isinstance(path_or_model, onnx.ModelProto):
+            proto = onnx.ModelProto()
+            proto.CopyFrom(path_or_model)
+        elif isinstance(path_or_model, (bytes, bytearray)):
+            proto = onnx.load_from_string(bytes(path_or_model))
+        elif isinstance(path_or_model, (str, Path)) or hasattr(path_or_model, "__fspath__"):
+            proto = onnx.load(str(path_or_model))
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - unreadable: the original error says why
+        return None
+    if not densify_sparse_initializers(proto):
+        return None
+    loaded = load_model(proto)
+    path = Path(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray)) else None
+    return LoadedModel(loaded.model, str(path) if path is not None else loaded.source, path)

@@ -6,15 +6,16 @@ params' ids and trainable flags are written into ONNX metadata
 (:mod:`~onnxparam.onnx_io.metadata`), and the model is saved by
 :func:`~onnxparam.onnx_io.save.save_model` (external data when needed, atomic).
 
-An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs (its graph inputs'
-declared types are used) and comes back as the graph it was: the same nodes in the same order
-with their original node and value names, the original input / output names and initializer
-names (module paths decoded back), overridable initializers still graph inputs (IR >= 4; an
-IR < 4 file's initializer inputs are constants, as ONNX Runtime reads them), the model's opsets
-and its other metadata. What changes: weights held in ``Constant`` nodes or in subgraphs are
-written as main-graph initializers (subgraphs use them as outer-scope values, which ONNX
-allows), non-weight ``Constant`` nodes become initializers, and the IR version is the tracer's.
-Weights changed in the module are what the file holds.
+An imported :class:`~onnxparam.onnx_io.OnnxModule` needs no example inputs and comes back as the
+graph it was (:mod:`~onnxparam.onnx_io._graph_model`): the same nodes in the same order, node and
+value names, attributes, opset imports, IR version, metadata, value infos, model-local functions
+and subgraphs, every weight where the file held it (initializer, subgraph initializer or
+``Constant`` node) with the module's current value. Only what the user changed differs: new
+weight values, LoRA adapters (merged into the weight, or kept as graph nodes with
+``lora="keep"``), trainable flags and param ids (metadata). Example inputs with
+``dynamic_axes`` fix the other input dims; ``input_names`` / ``output_names`` rename the graph's.
+Weights quantized in the module, LoRA in ``"inputs"`` mode and QLoRA are traced instead (then
+the graph is rebuilt by the tracer, as for any module).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def export_onnx(
             or pins the batch in a constant (an output whose dim 0 becomes the example's batch
             size as a constant), the file keeps the example's shapes and a ``UserWarning`` says
             why (pass ``dynamic_batch=False`` to pin it silently). See "Dynamic shapes" in the
-            README.
+            README. An imported :class:`~onnxparam.onnx_io.OnnxModule` keeps its graph's own
+            dims instead (``dynamic_axes`` still apply).
         opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
             an imported model cannot be re-targeted to another opset).
         lora: the LoRA mode of :func:`onnxparam.trace.trace_module` (``"merge"``: an adapted

@@ -13,13 +13,24 @@ zero-copy view of the tensor (memory-mapped from the external data file for exte
 Param ids and trainable flags recorded by onnxparam (:mod:`~onnxparam.onnx_io.metadata`) are
 taken; other params get a fresh random id, and float params require grad.
 
-:meth:`OnnxModule.forward` re-emits the graph's nodes through :func:`onnxparam.ops.custom`, so
-``module(x)`` traces and runs the graph through the same tracer and runtime as any module. The
-graph runs as it is: every node, its domain (``ai.onnx.ml``, ``com.microsoft`` ...), the
-model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow (``If`` /
-``Loop`` / ``Scan`` bodies are cloned with their outer-scope references and weights rewired to
-the traced values). One exception changes the graph at import: model-local functions are
-inlined (``onnx_ir``'s inliner), as the tracer emits graph nodes only.
+The graph is the model: the module keeps its source graph verbatim, and ``module(x)`` outside a
+trace runs that graph in ONNX Runtime with the params bound to its weights
+(:mod:`~onnxparam.onnx_io._graph_run`): no operator needs a schema, no value a known rank or a
+Burn dtype (strings, float8, sequences, optionals, maps pass through), and one session serves
+every input shape the graph's dims allow. :func:`~onnxparam.onnx_io.export_onnx` writes the same
+graph back (:mod:`~onnxparam.onnx_io._graph_model`).
+
+Inside a trace (an imported module used by another module's ``forward``),
+:meth:`OnnxModule.forward` re-emits the graph's nodes through :func:`onnxparam.ops.custom` at
+the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow bodies cloned
+with their outer-scope references and weights rewired to the traced values; this path needs
+output ranks the file or ONNX shape inference gives. For it only, model-local functions are
+inlined and ``DequantizeLinear`` weights folded into ``QFloat`` params in a working copy of the
+graph (the source stays as it came in).
+
+Sibling subgraphs may hold weights of the same name (the later one's path gets a ``__1``
+suffix, see :func:`~onnxparam.onnx_io.weights.find_weights`); sparse initializers import as
+dense weights of the same name.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from ..param import Param, ParamId
 from ..quant import _qdq_import
 from ..tensor import Tensor
 from . import metadata as md
+from ._graph_model import copy_model
 from ._node_rules import (
     _constant_array,
     _has_schema,
@@ -44,7 +56,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
-from ._graph_model import copy_model
+from ._sparse import load_densified
 from .naming import onnx_name_to_path
 from .records import site_metadata
 from .source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
@@ -553,7 +565,7 @@ def import_onnx(path_or_model) -> OnnxModule:
     try:
         loaded = load_model(path_or_model)
     except OnnxFormatError:
-        loaded = _load_densified(path_or_model)
+        loaded = load_densified(path_or_model)
         if loaded is None:
             raise
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
@@ -564,33 +576,6 @@ def import_onnx(path_or_model) -> OnnxModule:
     elif _has_qdq_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
-
-
-def _load_densified(path_or_model) -> Optional[LoadedModel]:
-    """The model with its sparse initializers made dense initializers of the same name (as ONNX
-    Runtime reads them; ``onnx_ir`` does not keep sparse initializers), or ``None`` when it has
-    none (the caller then reports the original error)."""
-    import onnx
-
-    from ._sparse import densify_sparse_initializers
-
-    try:
-        if isinstance(path_or_model, onnx.ModelProto):
-            proto = onnx.ModelProto()
-            proto.CopyFrom(path_or_model)
-        elif isinstance(path_or_model, (bytes, bytearray)):
-            proto = onnx.load_from_string(bytes(path_or_model))
-        elif isinstance(path_or_model, (str, Path)) or hasattr(path_or_model, "__fspath__"):
-            proto = onnx.load(str(path_or_model))
-        else:
-            return None
-    except Exception:  # noqa: BLE001 - unreadable: the original error says why
-        return None
-    if not densify_sparse_initializers(proto):
-        return None
-    loaded = load_model(proto)
-    path = Path(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray)) else None
-    return LoadedModel(loaded.model, str(path) if path is not None else loaded.source, path)
 
 
 def _inline_functions(loaded: LoadedModel) -> LoadedModel:

@@ -205,7 +205,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
     for site in sites:
         other = seen.get(site.path)
         if other is not None:
-            if other.graph is site.graph or site.graph is main:
+            if other.graph is site.graph or other.graph is main or site.graph is main:
                 raise OnnxFormatError(
                     f"{source}: two weights share the name {site.name!r} (graphs {other.graph.name!r} and "
                     f"{site.graph.name!r}); ONNX names must be unique within a graph and its enclosing graphs"

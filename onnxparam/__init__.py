@@ -27,8 +27,14 @@ Where a lower layer needs an upper one at run time (``Tensor.__add__`` -> ops, `
 (:mod:`onnxparam._services`), imported on first use.
 """
 
-from ._services import provide as _provide
-from ._version import __version__
+from ._cli_start import install_if_command_line as _install_if_command_line
+
+# NOTE: the command line's first signal handlers, before any heavy import (a Ctrl-C while the
+# CLI starts is one line and exit 130, not a traceback); nothing happens for library users.
+_install_if_command_line()
+
+from ._services import provide as _provide  # noqa: E402
+from ._version import __version__  # noqa: E402
 from .device import Device
 from .errors import (
     BurnpackFormatError,

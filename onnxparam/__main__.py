@@ -1,4 +1,8 @@
-"""``python -m onnxparam``: the ``onnxparam`` command line (:mod:`onnxparam.cli`)."""
+"""``python -m onnxparam``: the ``onnxparam`` command line (:mod:`onnxparam.cli`).
+
+The start-up signal handlers were installed by the package's ``__init__`` already
+(:mod:`onnxparam._cli_start`), before anything heavy was imported.
+"""
 
 import sys
 

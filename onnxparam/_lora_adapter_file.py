@@ -4,7 +4,12 @@ through ONNX Runtime's adapter API."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
+
+from .errors import ExecutionError, OnnxParamError
 
 __all__ = ["adapter_params", "write_onnx_adapter"]
 
@@ -60,7 +65,7 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     from pathlib import Path
 
     from ._ort import import_onnxruntime
-    from ._scratch import check_replaceable, preserve_mode, scratch_name
+    from ._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
 
     ort = import_onnxruntime()
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
@@ -77,11 +82,38 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     # a read-only file that open(path, "w") refuses: check first, keep the old mode.
     mode = check_replaceable(path)
     scratch = path.with_name(scratch_name(path.name))
+    register(scratch)
     try:
-        fmt.export_adapter(str(scratch))
+        try:
+            fmt.export_adapter(str(scratch))
+        except Exception as e:
+            if isinstance(e, (OSError, OnnxParamError)):
+                raise
+            raise _adapter_write_error(e, path) from e
         preserve_mode(mode, scratch)
         os.replace(scratch, path)
-    except BaseException:
+    except BaseException as e:
         scratch.unlink(missing_ok=True)
+        full = disk_full_error(e, path)
+        if full is not None:
+            raise full from e
         raise
+    finally:
+        release(scratch)
     return path
+
+
+_CXX_SOURCE = re.compile(r"\S*onnxruntime\S*\.(?:cc|cpp|h):\d+\s+(?:(?:[\w:<>~*&]+\s+)?[\w:<>~]+\([^)]*\)\s*)?")
+"""ONNX Runtime's C++ source location (``/onnxruntime_src/...cc:123 void f(...)``) in its messages."""
+
+
+def _adapter_write_error(error: Exception, path) -> Exception:
+    """ONNX Runtime's failure to write ``path`` as the library's error: ``OSError(ENOSPC)`` when
+    the disk is full, else an :class:`~onnxparam.errors.ExecutionError` naming the file (the C++
+    source location left out)."""
+    import errno
+
+    text = " ".join(_CXX_SOURCE.sub("", str(error)).split()) or type(error).__name__
+    if "no space left" in text.lower():
+        return OSError(errno.ENOSPC, text, os.fspath(path))
+    return ExecutionError(f"ONNX Runtime could not write the adapter file '{path}': {text}")

@@ -7,8 +7,13 @@ scratch name therefore carries the writer's process id::
 
     .<target name>.<pid>-<12 hex digits>.tmp        (a file, or a folder for ONNX saves)
 
-and the next save to the same target removes the scratch entries of processes that no longer
-run. Entries of live processes (another save in progress) are left alone.
+and the next save of *any* target in that folder removes the scratch entries of processes that
+no longer run. Entries of live processes (another save in progress) are left alone.
+
+A process that is *told* to stop (SIGINT, SIGTERM) removes its own scratch entries: every entry
+this module creates is registered in :data:`_LIVE` until it is renamed or removed, and the CLI's
+signal handler calls :func:`remove_live_scratch` (the writers' own clean-up also runs, as the
+handler raises through them).
 
 Renaming over a file needs write permission on its *folder* only, so the rename would replace a
 read-only file that ``open(path, "w")`` refuses, and the new file would get the umask's mode,
@@ -28,6 +33,7 @@ import re
 import secrets
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -38,6 +44,10 @@ __all__ = [
     "check_replaceable",
     "preserve_mode",
     "cannot_write_error",
+    "remove_live_scratch",
+    "register",
+    "release",
+    "is_scratch_name",
 ]
 
 _HEX_DIGITS = 12
@@ -46,6 +56,50 @@ _HEX_DIGITS = 12
 def scratch_name(target_name: str) -> str:
     """A fresh scratch name for a save to ``target_name`` by this process."""
     return f".{target_name}.{os.getpid()}-{secrets.token_hex(_HEX_DIGITS // 2)}.tmp"
+
+
+_SCRATCH = re.compile(rf"\..+\.(\d+)-[0-9a-f]{{{_HEX_DIGITS}}}\.tmp")
+"""Any scratch entry's name (:func:`scratch_name`); group 1 is the writer's process id."""
+
+_LIVE: set = set()
+"""Scratch entries this process created and has not yet renamed or removed (absolute paths)."""
+_LIVE_LOCK = threading.Lock()
+
+
+def is_scratch_name(name: str) -> bool:
+    """Whether ``name`` is a writer's scratch entry (``inspect`` and folder listings skip them)."""
+    return _SCRATCH.fullmatch(name) is not None
+
+
+def register(path) -> None:
+    """Remember ``path`` (a scratch entry this process is writing) for :func:`remove_live_scratch`."""
+    with _LIVE_LOCK:
+        _LIVE.add(os.path.abspath(os.fspath(path)))
+
+
+def release(path) -> None:
+    """Forget ``path`` (renamed into place or removed): :func:`remove_live_scratch` skips it."""
+    with _LIVE_LOCK:
+        _LIVE.discard(os.path.abspath(os.fspath(path)))
+
+
+def remove_live_scratch() -> list:
+    """Remove every scratch entry this process still has (files or folders); returns their
+    paths. Called on SIGINT / SIGTERM by the CLI; safe to call at any moment (best effort)."""
+    with _LIVE_LOCK:
+        paths = sorted(_LIVE)
+        _LIVE.clear()
+    removed = []
+    for path in paths:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,13 +114,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_scratch(directory: str, target_name: str) -> list:
-    """Remove the scratch entries for ``target_name`` in ``directory`` whose writer process is
-    gone; returns their names. Best effort: errors are ignored. POSIX only (elsewhere a process
-    id cannot be probed without side effects, and nothing is removed)."""
+def remove_stale_scratch(directory: str, target_name: str = "") -> list:
+    """Remove the scratch entries in ``directory`` whose writer process is gone, whatever
+    target they were for (``target_name`` is kept for callers; every target's count); returns
+    their names. Best effort: errors are ignored. POSIX only (elsewhere a process id cannot be
+    probed without side effects, and nothing is removed)."""
     if os.name != "posix":
         return []
-    pattern = re.compile(re.escape(f".{target_name}.") + rf"(\d+)-[0-9a-f]{{{_HEX_DIGITS}}}\.tmp")
+    pattern = _SCRATCH
     removed = []
     try:
         entries = os.listdir(directory)
@@ -92,16 +147,31 @@ _DISK_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 """errno values meaning "no space left": the device is full, or the user's quota is."""
 
 
-def disk_full_error(error: BaseException, target) -> "OSError | None":
-    """For an ``OSError`` meaning "no space left" (``ENOSPC``, ``EDQUOT``): an ``OSError`` of the
-    same errno whose message names the target and says the old file is untouched; else ``None``."""
-    if not isinstance(error, OSError) or error.errno not in _DISK_FULL:
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+"""numpy's ``tofile`` message for a short write (no errno): what a full disk gives there."""
+
+
+def disk_full_error(error: BaseException, target, writing=None) -> "OSError | None":
+    """For an ``OSError`` meaning "no space left" (``ENOSPC``, ``EDQUOT``, or numpy's errno-less
+    short write "N requested and M written"): an ``OSError`` of errno ``ENOSPC`` / ``EDQUOT``
+    whose message names the file being written (``writing``, default ``target``; never a scratch
+    name) and says the old file is untouched; else ``None``."""
+    if not isinstance(error, OSError):
         return None
+    code = error.errno
+    if code is None and _SHORT_WRITE.search(str(error)):
+        code = errno.ENOSPC
+    if code not in _DISK_FULL:
+        return None
+    label = os.fspath(target)
+    file = label if writing is None else os.fspath(writing)
+    saving = "" if file == label else f" (saving '{label}')"
+    # NOTE: out of inodes is ENOSPC too (creating the scratch entry); "or inodes" covers it
     return OSError(
-        error.errno,
-        f"{os.strerror(error.errno)} while saving '{os.fspath(target)}': the disk is full, nothing was "
-        "replaced (any previous file is unchanged); free space or save elsewhere",
-        os.fspath(target),
+        code,
+        f"{os.strerror(code)} writing '{file}'{saving}: the disk (or its inodes, or the quota) is full; nothing "
+        "was replaced (any previous file is unchanged); free space or save elsewhere",
+        label,
     )
 
 
@@ -191,18 +261,21 @@ def create_scratch(target: Path, make, path_for_errors=None):
     entry (a file or a folder) and must fail with ``FileExistsError`` if it exists. Errors name
     ``path_for_errors`` (default ``target``), never the scratch name.
     """
-    remove_stale_scratch(os.fspath(target.parent), target.name)
+    remove_stale_scratch(os.fspath(target.parent) or ".")
+    label = target if path_for_errors is None else path_for_errors
     while True:
         tmp = target.with_name(scratch_name(target.name))
         try:
-            return tmp, make(tmp)
+            made = make(tmp)
         except FileExistsError:  # pragma: no cover - 48 random bits collided
             continue
         except OSError as e:
-            clear = cannot_write_error(e, target if path_for_errors is None else path_for_errors)
+            clear = cannot_write_error(e, label) or disk_full_error(e, label)
             if clear is not None:
                 raise clear from e
             raise
+        register(tmp)
+        return tmp, made
 
 
 @contextlib.contextmanager
@@ -233,10 +306,12 @@ def atomic_output(path: "str | os.PathLike") -> Iterator[BinaryIO]:
             os.fsync(handle.fileno())
         preserve_mode(mode, tmp)
         os.replace(tmp, target)
+        release(tmp)
         sync_directory(os.fspath(target.parent) or ".")
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        release(tmp)
         full = disk_full_error(e, target)
         if full is not None:
             raise full from e

@@ -239,7 +239,8 @@ class SymInt:
         return self._compare(o, ">=")
 
     def __hash__(self):
-        return hash(self.expr)
+        # NOTE: equal to its name's hash, as a SymInt compares equal to its dim_param name
+        return hash(self.name) if self.name is not None else hash(self.expr)
 
     # -- lowering -----------------------------------------------------------------------------------
 

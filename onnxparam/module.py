@@ -20,10 +20,13 @@ receiver as it was. Structure is copied; tensor storage is shared and never muta
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Mapping
 from typing import Callable, Iterator, Optional
 
 from ._services import service
 from .device import Device
+from .errors import RecordError
 from .param import Param
 
 __all__ = ["Module", "ModuleVisitor", "ModuleMapper", "named_params", "named_modules", "rebuild"]
@@ -324,8 +327,15 @@ class Module:
             source: the file named in messages and the report.
 
         Raises:
-            RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor.
+            RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor; or
+                ``record`` is not a mapping (the message names the type it got).
         """
+        if not isinstance(record, Mapping):
+            what = "None" if record is None else f"a {type(record).__name__}"
+            raise RecordError(
+                f"a record maps param paths to tensors (a dict, a ModuleRecord); got {what}"
+                + (" (load a file with try_load_file / load_file)" if isinstance(record, (str, os.PathLike)) else "")
+            )
         apply_record = service("record.apply")
 
         return apply_record(self, record, allow_partial=allow_partial, report=report, source=source)

@@ -115,6 +115,14 @@ class _Lazy:
         self.value: Optional[Tensor] = None
         self.lock = threading.Lock()
 
+    def __deepcopy__(self, memo) -> "_Lazy":
+        # NOTE: a once-cell is shared, never copied (clones initialize once, together); its lock
+        # cannot be copied anyway
+        return self
+
+    def __copy__(self) -> "_Lazy":
+        return self
+
     def get(self) -> Tensor:
         value = self.value
         if value is not None:
@@ -298,6 +306,11 @@ class Param:
                      require_grad=self.require_grad, mapper=self._mapper, adapter=self._adapter)
 
     __copy__ = clone
+
+    def __deepcopy__(self, memo) -> "Param":
+        """``copy.deepcopy`` is :meth:`clone`: values are immutable and the lazy once-cell is
+        shared, so a deep copy of a module initializes each param once, with its original."""
+        return self.clone()
 
     def map(self, func: Callable[[Tensor], Tensor]) -> "Param":
         """A param (same id, mappers, flags and adapter) whose base is ``func(base)``.

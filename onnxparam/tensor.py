@@ -211,6 +211,12 @@ class Tensor:
                 "use x.shape[0] (a symbolic size) instead of len(x)")
         return first
 
+    def __iter__(self):
+        """The slices along dim 0 (``q, k, v = qkv``); a dynamic dim 0 in a trace raises
+        ``TraceError`` as ``len()`` does (the number of slices is not known)."""
+        for i in range(len(self)):
+            yield self[i]
+
     def size(self, dim=None):
         """The shape, or dim ``dim`` of it (PyTorch's ``size``); a dynamic dim inside a trace is a
         symbolic size (see :mod:`onnxparam._symint`)."""

@@ -490,16 +490,18 @@ class Tracer:
             raise TraceError("this trace is already finished")
         single = not isinstance(outputs, (tuple, list))
         outs = [outputs] if single else list(outputs)
+        fresh: set = set()  # default names made unique here (unique_name registers them)
         if output_names is None:
             bases = ["output"] if single else [f"output_{i}" for i in range(len(outs))]
             output_names = [b if b not in self._names else self.unique_name(b) for b in bases]
+            fresh = {n for n, b in zip(output_names, bases) if n != b}
         output_names = [str(n) for n in output_names]
         if len(output_names) != len(outs):
             raise TraceError(f"{len(output_names)} output names given for {len(outs)} outputs")
         for out, name in zip(outs, output_names):
             value = self._local_output(out, self.graph)
             if name != value.name:
-                if name in self._names:
+                if name in self._names and name not in fresh:
                     raise TraceError(f"output name {name!r} is already used (by a param path, input or node)")
                 self._names.add(name)
                 value.name = name

@@ -67,7 +67,7 @@ def _save(kind: str, module: Module, path):
 def _load(kind: str, path) -> Module:
     if kind == "burnpack":
         return _template().load_file(path)
-    module, _report = load_safetensors(_template(), path)
+    module = load_safetensors(_template(), path)
     return module
 
 

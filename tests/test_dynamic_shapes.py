@@ -397,3 +397,17 @@ def test_a_dim_the_weights_pin_gets_the_forwards_own_error_not_the_runtimes():
             m(rand(2, 9))
     x = rand(3, 16)
     np.testing.assert_allclose(m(x).to_numpy(), mlp_numpy(m, x), rtol=1e-5, atol=1e-5)
+
+
+def test_iterating_a_traced_tensor_unpacks_a_static_dim_and_refuses_a_dynamic_one():
+    class Unpack(op.Module):
+        def forward(self, x):
+            a, b, c = x  # static dim 0 (3)
+            return a + b * c
+
+    traced = trace_module(Unpack(), InputSpec((3, "n")))
+    x = rand(3, 5)
+    np.testing.assert_allclose(proto_session(traced).run(None, {"x": x})[0], x[0] + x[1] * x[2], rtol=1e-6)
+    assert [row.to_numpy().tolist() for row in op.Tensor.from_numpy(x[:2])] == x[:2].tolist()
+    with pytest.raises(TraceError, match=r"len\(\) must return a Python int"):
+        trace_module(Unpack(), InputSpec(("n", 5)))

@@ -22,6 +22,7 @@ ORDER = ["values", "model", "formats", "graph", "runtime", "bridges", "top"]
 LAYERS = {
     # values: numbers, dtypes, devices, errors, quantized values; no files, no modules
     "_version.py": "values", "_services.py": "values", "_ort.py": "values", "_scratch.py": "values",
+    "_cli_start.py": "values",
     "dtype.py": "values", "device.py": "values", "errors.py": "values", "tensor.py": "values",
     "quant/__init__.py": "values", "quant/scheme.py": "values", "quant/scales.py": "values",
     "quant/layout.py": "values", "quant/tensor.py": "values", "quant/calibration.py": "values",

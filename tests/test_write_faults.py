@@ -233,9 +233,83 @@ def test_a_full_disk_is_reported_as_enospc_naming_the_file(tmp_path, monkeypatch
     assert info.value.errno == errno.ENOSPC and not isinstance(info.value, Injected)
     assert info.value.filename == str(target)
     assert str(info.value) == (
-        f"[Errno {errno.ENOSPC}] No space left on device while saving '{target}': the disk is full, nothing was "
-        f"replaced (any previous file is unchanged); free space or save elsewhere: '{target}'")
+        f"[Errno {errno.ENOSPC}] No space left on device writing '{target}': the disk (or its inodes, or the "
+        f"quota) is full; nothing was replaced (any previous file is unchanged); free space or save elsewhere: "
+        f"'{target}'")
     assert snapshot_folder(tmp_path) == before
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_full_disk_at_every_write_and_fsync_names_the_target_and_keeps_the_old_file(tmp_path, monkeypatch, writer):
+    save, read, name = WRITERS[writer]
+    target = tmp_path / name
+    save(target, 1)
+    before = snapshot_folder(tmp_path)
+    with monkeypatch.context() as m:
+        counter = Injector(m, tmp_path)
+        save(target, 2)
+    for p in tmp_path.iterdir():
+        p.unlink()
+    for n, data in before.items():
+        (tmp_path / n).write_bytes(data)
+    tried = 0
+    for op in ("write", "fsync"):
+        for at in range(1, counter.counts[op] + 1):
+            with monkeypatch.context() as m:
+                Injector(m, tmp_path, op, at, error=OSError(errno.ENOSPC, "No space left on device"))
+                try:
+                    save(target, 2)
+                except OSError as e:
+                    tried += 1
+                    assert e.errno == errno.ENOSPC and e.filename == str(target), (op, at, e)
+                    assert str(e).startswith("[Errno 28] No space left on device writing '"), (op, at, e)
+                    assert ".tmp" not in str(e)  # never the scratch name
+                    assert snapshot_folder(tmp_path) == before, (op, at)
+                    continue
+            # a best-effort step after the rename (the directory fsync): the new file, whole
+            assert not same(read(target), _arrays(1)), (op, at)
+            for p in tmp_path.iterdir():
+                p.unlink()
+            for n, data in before.items():
+                (tmp_path / n).write_bytes(data)
+    assert tried >= counter.counts["write"]
+
+
+def test_a_short_external_data_write_is_reported_as_a_full_disk_naming_the_data_file(tmp_path, monkeypatch):
+    import onnx_ir.external_data as ext
+
+    target = tmp_path / "out.onnx"
+    save_onnx(target, 1)
+    before = snapshot_folder(tmp_path)
+
+    def short_write(tensor, file, offset):  # numpy's tofile on a full disk: no errno
+        raise OSError("262144 requested and 2048 written")
+
+    monkeypatch.setattr(ext, "_write_tensor_at", short_write)
+    with pytest.raises(OSError) as info:
+        save_onnx(target, 2)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(target)
+    assert str(info.value).startswith(
+        f"[Errno {errno.ENOSPC}] No space left on device writing '{tmp_path / 'out.onnx.data'}' (saving '{target}'): "
+        "the disk (or its inodes, or the quota) is full")
+    assert snapshot_folder(tmp_path) == before
+
+
+def test_an_onnx_runtime_failure_writing_an_adapter_is_an_execution_error_naming_the_file(tmp_path, monkeypatch):
+    import onnxruntime
+
+    from onnxparam import ExecutionError
+
+    def export(self, target):
+        raise onnxruntime.capi.onnxruntime_pybind11_state.Fail(
+            "/onnxruntime_src/onnxruntime/core/framework/adapter.cc:45 void onnxruntime::Save(int) cannot open file")
+
+    monkeypatch.setattr(onnxruntime.AdapterFormat, "export_adapter", export)
+    path = tmp_path / "a.onnx_adapter"
+    with pytest.raises(ExecutionError) as info:
+        save_adapter(path, 1)
+    assert str(info.value) == f"ONNX Runtime could not write the adapter file '{path}': cannot open file"
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- a process killed mid-save ----------------------------------------------------------------------
@@ -516,4 +590,44 @@ def test_a_scratch_the_system_refuses_is_reported_naming_the_target(tmp_path, mo
     assert str(info.value) == (
         f"[Errno {errno.EROFS}] cannot write 'd/{name}': the folder 'd' is on a read-only file system; "
         f"nothing was written: 'd/{name}'")
+    assert list(Path("d").iterdir()) == []
+
+
+@pytest.mark.parametrize("writer", sorted(PERMISSION_WRITERS))
+def test_out_of_inodes_creating_the_scratch_names_the_target(tmp_path, monkeypatch, writer):
+    save, name = PERMISSION_WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def is_scratch(path) -> bool:
+        base = os.path.basename(os.fspath(path))
+        return base.startswith(f".{name}.") and base.endswith(".tmp")
+
+    def fake_open(path, *args, **kwargs):
+        if is_scratch(path):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        if is_scratch(path):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    if writer == "write_onnx_adapter":  # ONNX Runtime creates the file itself, from C++
+        import onnxruntime
+
+        def export(self, target):
+            raise onnxruntime.capi.onnxruntime_pybind11_state.Fail(
+                "/onnxruntime_src/onnxruntime/core/platform/posix/env.cc:12 void onnxruntime::Save(int) "
+                "No space left on device")
+
+        monkeypatch.setattr(onnxruntime.AdapterFormat, "export_adapter", export)
+    with pytest.raises(OSError) as info:
+        save(Path("d") / name, 1)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == f"d/{name}"
+    assert str(info.value).startswith(f"[Errno {errno.ENOSPC}] No space left on device writing 'd/{name}': the disk "
+                                      "(or its inodes, or the quota) is full; nothing was replaced")
     assert list(Path("d").iterdir()) == []

@@ -5,7 +5,10 @@ arguments to its own parser and a function that runs it and returns the exit cod
 command by writing those and listing it in :data:`COMMANDS`; :func:`main` does the rest.
 
 Exit codes: 0 success, 1 a failure (one line on stderr: ``onnxparam: error: ...``), 2 a usage
-error (one line on stderr naming the bad argument, as ``argparse`` words it). No tracebacks.
+error (one line on stderr naming the bad argument, as ``argparse`` words it), 130 interrupted
+(SIGINT, Ctrl-C) and 143 terminated (SIGTERM), each with one line on stderr and the scratch
+files of unfinished saves removed (the previous files intact). No tracebacks, at any moment:
+``python -m onnxparam`` installs its handlers before importing anything heavy.
 Warnings are one line each on stderr, ``onnxparam: warning: <message>`` (no source path; Python
 keyword spellings replaced by the options that do the same, :data:`CLI_SPELLINGS`).
 Progress bars (``tqdm``) go to stderr, only on a terminal, never with ``--quiet``.
@@ -44,16 +47,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 from typing import Optional, Sequence
 
+from . import _common
 from ._common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     PROG,
     Command,
+    Interrupted,
+    _interrupted,
+    add_common_flags,
+    _signals_raise,
     UsageError,
     _Parser,
     one_line,
@@ -112,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         command.add_arguments(p)
+        add_common_flags(p)
         p.set_defaults(_run=command.run)
     return parser
 
@@ -141,8 +151,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     # NOTE: catch_warnings restores warnings.showwarning on return, so calling main() from
-    # Python (tests) leaves the caller's warning machinery as it was.
-    with warnings.catch_warnings():
+    # Python (tests) leaves the caller's warning machinery as it was; the signal handlers are
+    # restored likewise.
+    with warnings.catch_warnings(), _signals_raise():
         # NOTE: the filters of a fresh interpreter (a warning is a line on stderr, never an
         # error), also when main() is called from Python with other filters in force
         warnings.resetwarnings()
@@ -163,14 +174,23 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return int(e.code or 0)
     from ..errors import OnnxParamError
 
+    capture = bool(getattr(args, "json", False) and getattr(args, "_json_capture", False))
     try:
-        return int(args._run(args))
+        _common.QUIET = bool(getattr(args, "quiet", False))
+        _common.JSON_DOC = {"command": args.command, "results": {}, "output": []} if capture else None
+        code = int(args._run(args))
+        if capture and code == EXIT_OK:
+            import json
+
+            doc, _common.JSON_DOC = _common.JSON_DOC, None
+            print(json.dumps(doc, indent=2, ensure_ascii=False, default=str), flush=True)
+        return code
     except UsageError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return EXIT_FAILURE
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        return _interrupted(signum)
     except BrokenPipeError:  # `onnxparam inspect big.bpk | head`: the reader left; say nothing
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -181,3 +201,5 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
         print(f"{PROG}: error: unexpected {type(e).__name__}: {one_line(e)} (please report this)", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        _common.QUIET, _common.JSON_DOC = False, None

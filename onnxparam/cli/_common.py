@@ -1,9 +1,13 @@
 """Shared pieces of the command line: exit codes, the parser, argument types, output."""
 
 import argparse
+import contextlib
 import math
+import os
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -12,6 +16,13 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 """``argparse``'s (and the Unix) convention for a command-line usage error."""
+
+EXIT_SIGNAL_BASE = 128
+"""A process ended by signal N exits ``128 + N`` (the shells' convention): 130 for SIGINT, 143
+for SIGTERM."""
+
+QUIET = False
+"""Set by :func:`onnxparam.cli.main` from ``--quiet``: no progress bar anywhere."""
 
 PROG = "onnxparam"
 DEFAULT_OUT_DIR = "onnxparam-out"
@@ -24,6 +35,63 @@ scan (a few booleans per element) whatever the tensor's size."""
 
 PROGRESS_MIN_BYTES = 64 * 1024 * 1024
 """Work smaller than this shows no progress bar (it would only flicker)."""
+
+
+class Interrupted(BaseException):
+    """Raised by the CLI's handler of SIGINT / SIGTERM in the main thread, through the running
+    command (a ``BaseException``, so no ``except Exception`` swallows it; the writers' clean-up
+    runs as it passes)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
+_SIGNAL_WORDS = {getattr(signal, "SIGINT", -1): "interrupted (SIGINT)", getattr(signal, "SIGTERM", -1): "terminated (SIGTERM)"}
+
+
+def _interrupted(signum: int) -> int:
+    """After a SIGINT / SIGTERM: remove this process's scratch entries, print one line, return
+    the exit code (``128 + signum``). Further signals are ignored meanwhile."""
+    from .._scratch import remove_live_scratch
+
+    for s in _SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(s, signal.SIG_IGN)
+    remove_live_scratch()
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{PROG}: {_SIGNAL_WORDS.get(signum, f'signal {signum}')}; unfinished files were removed, "
+              "previous files are unchanged", file=sys.stderr, flush=True)
+    return EXIT_SIGNAL_BASE + int(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """While the CLI runs (main thread only): SIGINT and SIGTERM raise :class:`Interrupted`;
+    the previous handlers are restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list = []
+
+    def handler(signum, frame):
+        if fired:  # a second signal while the first unwinds: let the clean-up finish
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    previous = {}
+    for s in _SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(s) is not signal.SIG_IGN:  # nohup / background jobs: keep ignoring
+                previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(s, old if old is not None else signal.SIG_DFL)
 
 
 class UsageError(Exception):
@@ -93,13 +161,38 @@ def _device(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+JSON_DOC: Optional[dict] = None
+"""While a command added ``--json`` by :func:`add_common_flags` runs with it: the document
+printed at the end (``command``, the command's structured ``results``, its ``output`` lines)."""
+
+
 def _out(line: str = "") -> None:
+    if JSON_DOC is not None:
+        JSON_DOC["output"].append(line)
+        return
     print(line, flush=True)
+
+
+def json_result(key: str, value) -> None:
+    """Add ``key: value`` to the ``--json`` document's ``results`` (nothing without ``--json``)."""
+    if JSON_DOC is not None:
+        JSON_DOC["results"][key] = value
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """Give a subcommand ``-q/--quiet`` and ``--json`` unless it declares its own."""
+    options = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    if "--quiet" not in options:
+        parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    if "--json" not in options:
+        parser.add_argument("--json", action="store_true",
+                            help="print one JSON document (the results and the output lines) instead of text")
+        parser.set_defaults(_json_capture=True)
 
 
 def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
     """A tqdm bar on stderr, or ``None`` (``--quiet``, not a terminal, small work, no tqdm)."""
-    if quiet or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
+    if quiet or QUIET or (total is not None and unit == "B" and total < PROGRESS_MIN_BYTES):
         return None
     try:
         from tqdm import tqdm

@@ -1,10 +1,12 @@
 """``onnxparam convert``: file-to-file weight conversion (wraps :func:`onnxparam.convert.convert`)."""
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 from ._common import (
+    json_result,
     EXIT_OK,
     PROG,
     UsageError,
@@ -191,6 +193,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
+    json_result("report", dataclasses.asdict(report))
     _out(str(report))
     data = total if total is not None else report.bytes_written
     _out(

@@ -162,7 +162,7 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     # 1. float32: the module through ONNX Runtime, then its exported graph in a plain session.
     logits = np.empty((n, mnist.NUM_CLASSES), dtype=np.float32)
     times = []
-    progress = _progress(n, "classifying", quiet=False, unit="img")
+    progress = _progress(n, "classifying", quiet=getattr(args, "quiet", False), unit="img")
     for start in starts:
         x = Tensor.from_numpy(pixels[start : start + batch], device)
         t0 = time.perf_counter()

@@ -58,6 +58,9 @@ def _load_mapped(path: Path):
     if not path.is_file():
         raise OnnxFormatError(f"'{path}': no such ONNX file")
     proto = read_onnx_mapped(path)
+    from ..onnx_io._validate import check_structure
+
+    check_structure(proto, str(path))  # what load_model checks of a file's protobuf
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # NOTE: onnx_ir raises several types for malformed protos

@@ -8,6 +8,9 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
   through a restricted unpickler (``docs/pytorch_checkpoint.md``).
 * :mod:`.onnx_stream`: ``.onnx`` files with inline initializers written and read field by
   field, so peak memory stays near one tensor.
+* ``._names``: tensor-name rewriting (``KeyRemapper``, ``map_indices_contiguous``), the one
+  implementation the ``.pt`` reader, the loaders and the converter share.
+* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`.onnx_stream`.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
 
@@ -18,7 +21,8 @@ _NAMES = {
     "read_safetensors": ".safetensors", "write_safetensors": ".safetensors",
     "PytorchCheckpoint": ".pytorch", "read_pytorch": ".pytorch", "pytorch_record": ".pytorch",
     "StreamedTensor": ".onnx_stream", "write_onnx_streamed": ".onnx_stream",
-    "read_onnx_streamed": ".onnx_stream",
+    "read_onnx_streamed": ".onnx_stream", "read_onnx_mapped": ".onnx_stream",
+    "KeyRemapper": "._names", "map_indices_contiguous": "._names",
 }
 """Each public name and its module, imported on first use: the burnpack reader imports
 ``._mapped``, and importing this package must not pull in every format."""

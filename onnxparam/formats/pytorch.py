@@ -149,8 +149,11 @@ def pytorch_record(
     *,
     drop: str | None = r"(^|\.)num_batches_tracked$",
 ) -> dict[str, np.ndarray]:
-    """A plain ``{dotted name: array}`` dict ready for ``Module.load_record`` (with the PyTorch
-    adapter, which transposes Linear weights and renames norm params).
+    """A plain ``{dotted name: array}`` dict of the checkpoint's tensors.
+
+    To load a checkpoint into a module use :func:`onnxparam.convert.load_pytorch` (the one
+    loading path: the PyTorch adapter transposes Linear weights by layer type, renames norm
+    params and reports ``num_batches_tracked`` as ignored); this helper only filters names.
 
     Args:
         checkpoint: what :func:`read_pytorch` returned.

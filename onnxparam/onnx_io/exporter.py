@@ -75,7 +75,8 @@ def export_onnx(
             or pins the batch in a constant (an output whose dim 0 becomes the example's batch
             size as a constant), the file keeps the example's shapes and a ``UserWarning`` says
             why (pass ``dynamic_batch=False`` to pin it silently). See "Dynamic shapes" in the
-            README.
+            README. An imported :class:`~onnxparam.onnx_io.OnnxModule` keeps its graph's own
+            dims instead (``dynamic_axes`` still apply).
         opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
             an imported model cannot be re-targeted to another opset).
         lora: the LoRA mode of :func:`onnxparam.trace.trace_module` (``"merge"``: an adapted

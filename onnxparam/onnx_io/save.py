@@ -46,6 +46,7 @@ import onnx_ir as ir
 from .._scratch import (
     check_replaceable,
     create_scratch,
+    release,
     disk_full_error,
     preserve_mode,
 )
@@ -196,9 +197,13 @@ def save_model(
             root = e
             while isinstance(root, ir.serde.SerdeError) and root.__cause__ is not None:
                 root = root.__cause__
+            if isinstance(root, UnicodeEncodeError):
+                raise _not_unicode(target, root) from None
             if root is e:
                 raise
             raise root from None
+        except UnicodeEncodeError as e:
+            raise _not_unicode(target, e) from None
         written = sorted(p.name for p in tmp_dir.iterdir() if p.name != target.name)
         for name in written + [target.name]:
             _fsync(tmp_dir / name)
@@ -206,12 +211,36 @@ def save_model(
         if location is not None:
             _remove_stale_shards(target.parent, location, set(written))
     except OSError as e:
-        full = disk_full_error(e, target)
+        full = disk_full_error(e, target, _file_written(e, tmp_dir, target, location))
         if full is not None:
             raise full from e
         raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        release(tmp_dir)
+    return target
+
+
+def _not_unicode(target: Path, error: UnicodeEncodeError) -> OnnxFormatError:
+    """A name (initializer, node, value, metadata) that protobuf cannot store as UTF-8 text."""
+    text = error.object if isinstance(error.object, str) else repr(error.object)
+    return OnnxFormatError(f"{target}: the name {text!r} is not valid Unicode ({error.reason}: a lone surrogate); "
+                           "ONNX stores names as UTF-8, nothing was written")
+
+
+def _file_written(error: OSError, tmp_dir: Path, target: Path, location: Optional[str]) -> Path:
+    """The user's file a failed write was for: the error's file moved out of the scratch folder;
+    for numpy's errno-less short write (``tofile``, which onnx_ir writes external data with) the
+    data file; else the model."""
+    name = getattr(error, "filename", None)
+    if name:
+        path = Path(os.fspath(name))
+        if path.parent == tmp_dir:
+            return target.parent / path.name
+        if tmp_dir not in path.parents:
+            return path
+    if error.errno is None and location is not None:
+        return target.parent / location
     return target
 
 

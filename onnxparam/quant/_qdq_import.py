@@ -148,8 +148,23 @@ def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: Qua
     new = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(qt.shape)),
                    const_value=lazy)
     new.meta[_IMPORTED] = qt
-    float_value.replace_all_uses_with(new, replace_graph_outputs=True)
     graph.register_initializer(new)
+    outputs = list(graph.outputs)
+    if float_value in outputs:
+        # NOTE: a dequantized weight that is also a graph output keeps its output name (the
+        # graph's interface): an Identity of the folded weight takes the name, not the weight
+        out_name = float_value.name
+        float_value.name = f"{out_name}.folded"
+        identity = ir.node("Identity", [new])
+        identity.outputs[0].name = out_name
+        identity.outputs[0].type, identity.outputs[0].shape = float_value.type, float_value.shape
+        graph.append(identity)
+        for i, value in enumerate(outputs):
+            if value is float_value:
+                graph.outputs[i] = identity.outputs[0]
+        float_value.replace_all_uses_with(new)
+        return
+    float_value.replace_all_uses_with(new, replace_graph_outputs=True)
 
 
 def _fold_dynamic(graph, mmi: ir.Node) -> int:

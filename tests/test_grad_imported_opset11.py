@@ -156,3 +156,84 @@ def test_a_loss_op_without_a_gradient_at_the_model_opset_is_named_with_the_opset
     message = str(info.value)
     # ONNX operator spec: ScatterElements' "reduction" attribute arrives in opset 16
     assert "GatherElements" in message and "opset 16" in message and "opset is 11" in message
+
+
+def _max_min_model(w: np.ndarray) -> bytes:
+    """``min(max(x @ w, 0.1, b), 0.8)`` at opset 11 (variadic, broadcasting Max / Min)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Max", ["h", "lo", "b"], ["m"]),
+        helper.make_node("Min", ["m", "hi"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(B, "b"),
+         numpy_helper.from_array(np.array(0.1, np.float32), "lo"), numpy_helper.from_array(np.array(0.8, np.float32), "hi")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]).SerializeToString()
+
+
+def test_grad_through_variadic_max_and_min_matches_finite_differences(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_max_min_model(W))
+    module = op.import_onnx(str(path))
+    _, grads = grad(lambda m, x: (m(x=x) * m(x=x)).sum(), module, op.Tensor.from_numpy(X))
+
+    def np_loss(w: np.ndarray) -> float:
+        session = ort.InferenceSession(_max_min_model(w), providers=["CPUExecutionProvider"])
+        return _np_square_sum(session.run(None, {"x": X})[0].astype(np.float64))
+
+    dw, db = grads.by_path()["w"].to_numpy(), grads.by_path()["b"].to_numpy()
+    h = X @ W
+    checked = 0
+    eps = 1e-3
+    for i in range(4):
+        for j in range(3):
+            plus, minus = W.copy(), W.copy()
+            plus[i, j] += eps
+            minus[i, j] -= eps
+            np.testing.assert_allclose(dw[i, j], (np_loss(plus) - np_loss(minus)) / (2 * eps), rtol=1e-2, atol=1e-3)
+            checked += 1
+    assert checked == 12 and np.abs(dw).max() > 1e-2  # some entries pass through the max
+    # b wins where it is the largest and below 0.8: numpy formula of d/db sum(y^2)
+    y = np.minimum(np.maximum(np.maximum(h, 0.1), B), 0.8)
+    wins = (B >= np.maximum(h, 0.1)) & (B < 0.8)
+    np.testing.assert_allclose(db, (2 * y * wins).sum(0), rtol=1e-4, atol=1e-5)
+
+
+def _pool_model(w: np.ndarray) -> bytes:
+    """``flatten(GlobalMaxPool(x * w))`` at opset 11, ``w`` a per-channel scale ``[1, 2, 1, 1]``."""
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("GlobalMaxPool", ["h"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]).SerializeToString()
+
+
+def test_grad_through_global_max_pool_matches_finite_differences(tmp_path):
+    w = np.array([0.7, -1.3], np.float32).reshape(1, 2, 1, 1)
+    x = RNG.normal(size=(3, 2, 3, 5)).astype(np.float32)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_pool_model(w))
+    _, grads = grad(lambda m, x: (m(x=x) * m(x=x)).sum(), op.import_onnx(str(path)), op.Tensor.from_numpy(x))
+
+    def np_loss(w2: np.ndarray) -> float:
+        session = ort.InferenceSession(_pool_model(w2), providers=["CPUExecutionProvider"])
+        return _np_square_sum(session.run(None, {"x": x})[0].astype(np.float64))
+
+    dw = grads.by_path()["w"].to_numpy()
+    eps = 1e-3
+    for c in range(2):
+        plus, minus = w.copy(), w.copy()
+        plus[0, c] += eps
+        minus[0, c] -= eps
+        np.testing.assert_allclose(dw[0, c], (np_loss(plus) - np_loss(minus)) / (2 * eps), rtol=1e-3, atol=1e-4)

@@ -3,7 +3,8 @@
 
 Oracles: a numpy deformable convolution v2 written from the paper (Zhu et al. 2019, eq. (1):
 ``y(p) = sum_k w_k * x(p + p_k + dp_k) * dm_k`` with bilinear sampling that reads 0 outside the
-image; torchvision, which has the reference kernel, is not installable here), Burn's own fold
+image; torchvision, which has the reference kernel, is not installable here), an independent
+torch implementation from ``grid_sample`` whose autograd checks all five gradients, Burn's own fold
 test vectors (``fold.rs``), numpy col2im, torch's ``nn.Fold`` / ``adaptive_avg_pool3d`` where
 torch is installed, central finite differences and plain ONNX Runtime on the exported file.
 """
@@ -165,6 +166,68 @@ def test_deform_conv2d_gradients_match_finite_differences_sweep(request):
     _deform_grad_case((4, 5), c_out=3, weight_groups=1, offset_groups=4, padding=1, stride=2)
     _deform_grad_case((3, 3), c_out=4, weight_groups=4, offset_groups=1, padding=0, mask=False)
     _deform_grad_case((4, 4), c_out=2, weight_groups=2, offset_groups=2, padding=1, frozen=(0, 1))
+
+
+def _torch_deform_conv2d(torch, x, offset, w, mask, b, stride, padding, weight_groups, offset_groups):
+    """Deformable convolution v2 in torch from ``grid_sample`` (bilinear, zeros outside,
+    ``align_corners=True`` maps -1 / 1 to the first / last pixel centre), then a grouped
+    contraction with the weight: an independent implementation with torch's autograd."""
+    n, c, h, wd = x.shape
+    o, c_g, kh, kw = w.shape
+    _, _, ho, wo = offset.shape
+    per = c // offset_groups
+    ii = torch.arange(ho, dtype=x.dtype)[:, None] * stride - padding
+    jj = torch.arange(wo, dtype=x.dtype)[None, :] * stride - padding
+    cols = []
+    for ki in range(kh):
+        for kj in range(kw):
+            k = ki * kw + kj
+            taps = []
+            for g in range(offset_groups):
+                py = ii + ki + offset[:, g * 2 * kh * kw + 2 * k]
+                px = jj + kj + offset[:, g * 2 * kh * kw + 2 * k + 1]
+                grid = torch.stack([2 * px / (wd - 1) - 1, 2 * py / (h - 1) - 1], dim=-1)
+                sample = torch.nn.functional.grid_sample(x[:, g * per:(g + 1) * per], grid, mode="bilinear",
+                                                         padding_mode="zeros", align_corners=True)
+                taps.append(sample * mask[:, g * kh * kw + k][:, None])
+            cols.append(torch.cat(taps, 1))  # [n, c, ho, wo]
+    cols = torch.stack(cols, 2)  # [n, c, K, ho, wo]
+    o_g = o // weight_groups
+    outs = [torch.einsum("nckhw,ock->nohw", cols[:, gi * c_g:(gi + 1) * c_g],
+                         w[gi * o_g:(gi + 1) * o_g].reshape(o_g, c_g, kh * kw)) for gi in range(weight_groups)]
+    return torch.cat(outs, 1) + b[None, :, None, None]
+
+
+def test_deform_conv2d_and_its_gradients_match_a_torch_grid_sample_implementation():
+    torch = pytest.importorskip("torch")
+    x, offset, m = _deform_case(n=2, c_in=4, c_out=6, k=(3, 2), size=(5, 6), stride=(2, 2), padding=(1, 1),
+                                offset_groups=2)
+    w, b = f64(6, 2, 3, 2), f64(6)
+    arrays = [x.astype(np.float64), offset.astype(np.float64), w, b, m.astype(np.float64)]
+    module = _Operands5(arrays)
+    loss, grads = grad(_sum_of_deform, module)
+    tx = [torch.tensor(a, requires_grad=True) for a in arrays]
+    ref = _torch_deform_conv2d(torch, *tx[:2], tx[2], tx[4], tx[3], stride=2, padding=1, weight_groups=2,
+                               offset_groups=2)
+    total = (ref * torch.tensor(WEIGHT_R)).sum()
+    total.backward()
+    assert float(loss.to_numpy()) == pytest.approx(total.item(), rel=1e-10)
+    for param, t in zip(module.params, tx):
+        np.testing.assert_allclose(grads[param.id].to_numpy(), t.grad.numpy(), rtol=1e-8, atol=1e-10)
+
+
+WEIGHT_R = RNG.normal(size=(2, 6, 3, 4))
+
+
+class _Operands5(op.Module):
+    def __init__(self, arrays):
+        self.params = [op.Param.initialized(op.ParamId(), tensor(a)) for a in arrays]
+
+
+def _sum_of_deform(m):
+    x, offset, w, b, mask = (p.val() for p in m.params)
+    y = ops.deform_conv2d(x, offset, w, mask, b, stride=2, padding=1, weight_groups=2, offset_groups=2)
+    return ops.sum(ops.mul(y, WEIGHT_R))
 
 
 class _DeformNet(op.Module):

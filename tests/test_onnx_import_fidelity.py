@@ -305,3 +305,24 @@ def test_an_imported_qdq_graph_reexports_as_the_same_dequantize_linear_matmul(tm
     assert structure(written)["graph"] == structure(model)["graph"]
     assert [n.op_type for n in written.graph.node] == ["DequantizeLinear", "MatMul"]
     np.testing.assert_array_equal(numpy_helper.to_array(next(t for t in written.graph.initializer if t.name == "wq")), q)
+
+
+def test_an_imported_model_inside_another_modules_forward_runs_as_plain_onnx_runtime():
+    # the fp16 silero model: an If whose output rank ONNX shape inference leaves unknown
+    path = DATA / "silero_vad_half.onnx"
+
+    class Scaled(op.Module):
+        onnx_opset_imports = {"": 16}  # the imported graph's opset
+
+        def __init__(self, vad):
+            self.vad = vad
+
+        def forward(self, x, state):
+            out, new_state = self.vad(x, state)
+            return out * 2.0, new_state
+
+    feeds = _silero_feeds(path)
+    want = _plain(path, feeds)
+    got = Scaled(op.import_onnx(path))(op.Tensor.from_numpy(feeds["input"]), op.Tensor.from_numpy(feeds["state"]))
+    np.testing.assert_allclose(got[0].to_numpy(), 2.0 * want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1].to_numpy(), want[1], rtol=1e-6, atol=1e-7)

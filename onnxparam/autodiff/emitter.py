@@ -167,6 +167,11 @@ class Emitter:
             return self.op("Unsqueeze", x, self.ints(axes))
         return self.op("Unsqueeze", x, axes=axes)
 
+    def expand_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
+        """``Expand`` to ``like``'s shape (a constant when static, else through ``Shape``)."""
+        d = dims(like)
+        return self.op("Expand", x, self.ints(d) if all(isinstance(k, int) for k in d) else self.op("Shape", like))
+
     def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
         return self.op("Reshape", x, self.ints(shape))
 

@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from ..errors import TraceError
 from .emitter import Emitter, dims, np_dtype, static_dims
+from .rules_matmul import matmul_dynamic
 
 __all__ = ["RULES", "NON_DIFFERENTIABLE", "rule", "attr", "const_array"]
 
@@ -360,7 +361,7 @@ def _matmul(e, node, gout, need):
     the last two dims); a 1-D ``a`` is ``[1, k]``, a 1-D ``b`` is ``[k, 1]``."""
     a, b = node.inputs
     g = gout[0]
-    dyn = _matmul_dynamic(e, a, b, g, need)
+    dyn = matmul_dynamic(e, a, b, g, need)
     if dyn is not None:
         return dyn
     ad, bd = static_dims(a, "MatMul's gradient"), static_dims(b, "MatMul's gradient")
@@ -380,24 +381,6 @@ def _matmul(e, node, gout, need):
     if need[1]:
         db = e.op("MatMul", _swap_last(e, a2, len(a2d)), g2)
         db = _sum_to(e, db, out2d[:-2] + b2d[-2:], bd)
-    return [da, db]
-
-
-def _matmul_dynamic(e, a, b, g, need):
-    """The common forms with dynamic dims in ``a``: ``[..., k] @ [k, n]`` with ``b`` static
-    (a weight): ``da = g @ b^T``, ``db = reshape(a, [-1, k])^T @ reshape(g, [-1, n])`` (the
-    batch dims summed by the product). ``None`` for the other forms (static dims or not this)."""
-    ad, bd = dims(a), dims(b)
-    if all(isinstance(d, int) for d in ad + bd) or len(ad) < 2 or len(bd) != 2:
-        return None
-    if len(ad) > 2 and not all(isinstance(d, int) for d in bd):
-        return None
-    bt = e.op("Transpose", b, perm=[1, 0])
-    da = e.op("MatMul", g, bt) if need[0] else None
-    db = None
-    if need[1]:
-        a2, g2 = (a, g) if len(ad) == 2 else (e.reshape(a, [-1, bd[0]]), e.reshape(g, [-1, bd[1]]))
-        db = e.op("MatMul", e.op("Transpose", a2, perm=[1, 0]), g2)
     return [da, db]
 
 
@@ -466,12 +449,6 @@ def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir
     return e.unsqueeze(v, axes)
 
 
-def _expand_to(e: Emitter, v: ir.Value, like: ir.Value) -> ir.Value:
-    """``Expand`` to ``like``'s shape (a constant when static, else through ``Shape``)."""
-    d = dims(like)
-    return e.op("Expand", v, e.ints(d) if all(isinstance(k, int) for k in d) else e.op("Shape", like))
-
-
 @rule("ReduceSum", "ReduceMean")
 def _reduce_sum_mean(e, node, gout, need):
     """``y = sum(x, axes)``: ``dx = expand(g, x.shape)`` (``g`` reshaped with the reduced dims
@@ -482,7 +459,7 @@ def _reduce_sum_mean(e, node, gout, need):
     if axes is None:
         return [g] + [None] * (len(node.inputs) - 1)
     xd = dims(x)
-    dx = _expand_to(e, _kept(e, node, g, axes, keep), x)
+    dx = e.expand_like(_kept(e, node, g, axes, keep), x)
     if node.op_type == "ReduceMean":
         reduced = [xd[a] for a in axes]
         if all(isinstance(d, int) for d in reduced):

@@ -1,6 +1,7 @@
 """Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops.nn_layers`):
 ``ConvTranspose``, ``PRelu`` and the elementwise activations ``Elu``, ``Selu``, ``Celu``,
-``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, and ``Resize`` (conventions and
+``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, ``Resize``, and the variadic
+elementwise ``Max`` / ``Min`` of imported models (conventions and
 notation: :mod:`.rules`; forward semantics: the ONNX operator specification).
 """
 
@@ -11,7 +12,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from ..errors import TraceError
-from .emitter import Emitter, np_dtype, static_dims
+from .emitter import Emitter, dims, np_dtype, static_dims
 from .rules import attr, const_array, rule
 from .rules_nn import _conv_geometry, conv_weight_grad
 
@@ -211,3 +212,29 @@ def _resize(e, node, gout, need):
             raise TraceError(f"node {node.name!r}: Resize's gradient supports resized last two axes only; "
                              f"axis {a} of {list(xd)} changes")
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Max", "Min")
+def _max_min(e, node, gout, need):
+    """``y = max(x_1, ..., x_n)`` elementwise, numpy broadcasting (ONNX spec: Max, Min): the
+    gradient goes to the inputs equal to ``y``, ties sharing it equally (PyTorch's ``maximum``
+    rule): ``dx_i = unb(g * [x_i == y] / #{j: x_j == y}, x_i)``."""
+    g, y = gout[0], node.outputs[0]
+    shape, to = dims(y), int(y.dtype)
+    masks = [e.op("Cast", e.op("Equal", x, y), to=to) for x in node.inputs]
+    count = masks[0]
+    for mask in masks[1:]:
+        count = e.op("Add", count, mask)
+    share = e.op("Div", g, count) if len(masks) > 1 else g
+    return [e.unbroadcast(e.op("Mul", share, mask), x, shape) if n else None
+            for x, mask, n in zip(node.inputs, masks, need)]
+
+
+@rule("GlobalMaxPool")
+def _global_max_pool(e, node, gout, need):
+    """``y = max of x over its spatial dims`` (kept as 1; ONNX spec: GlobalMaxPool): as
+    ``ReduceMax``, ties share: ``dx = g * [x == y] / #{x == y}``."""
+    x, y, g = node.inputs[0], node.outputs[0], gout[0]
+    mask = e.op("Cast", e.op("Equal", x, y), to=int(x.dtype))
+    count = e.reduce_sum(mask, list(range(2, len(dims(x)))), keepdims=True)
+    return [e.op("Mul", mask, e.op("Div", g, count))]

@@ -56,6 +56,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._probe import probed_types
 from ._sparse import load_densified
 from .naming import onnx_name_to_path
 from .records import site_metadata
@@ -445,7 +446,8 @@ class OnnxModule(Module):
                 # Node-level inference sees only this node; the whole-graph inference of the
                 # source (data propagated through Shape/Concat ...) may know more (an Expand
                 # whose shape is computed has no rank otherwise).
-                types = self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                         or probed_types(self._source, node, count, env))
                 if types is None:
                     raise TraceError(f"{where} of the imported ONNX graph: {e}") from e
                 result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)

@@ -12,7 +12,10 @@ Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's form
 * :mod:`.calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
 * :mod:`.module`       :class:`Quantizer`, :class:`Calibration`: quantizing a module's params
 * :mod:`.qdq`          quantized params in ONNX graphs (QDQ export / import, static activations);
-  the tracer and the ONNX importer call into it
+  the tracer and the ONNX importer call into it; ``_qdq_forms`` picks each op's form (float /
+  dynamic / static int8, ``prefer="speed"|"size"``) and writes the per-op report
+  (:func:`quantized_ops`), ``_nbits`` writes 4-bit MatMul weights as ``com.microsoft.MatMulNBits``
+  below opset 21
 """
 
 import importlib

@@ -27,7 +27,8 @@ from .group import ParamGroup
 from .param import Param, ParamId
 from .tensor import Tensor
 
-__all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "LORA_LAYOUT_METHOD"]
+__all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "untargetable_paths",
+           "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD"]
 
 LORA_MODES = ("merge", "keep", "inputs")
 """How an adapted weight appears in a traced graph: ``"merge"``: one initializer
@@ -157,6 +158,30 @@ relative to the module. :func:`apply_lora` gives those params transposed adapter
 An imported :class:`~onnxparam.OnnxModule` answers from its graph."""
 
 
+LORA_TARGETS_METHOD = "lora_weight_layouts"
+"""The optional method a module defines to say, for its rank-2 params, how its graph uses them:
+``{path: "in_out" | "out_in" | reason}`` (an imported :class:`~onnxparam.OnnxModule` reads it from
+the nodes consuming each weight: ``MatMul`` B, ``Gemm``, ``Transpose -> MatMul``). A param whose
+entry is a reason (a LayerNorm scale of shape ``(1, d)`` used by ``Mul``, a bias used by ``Add``) is
+no matrix of a linear map: :func:`apply_lora` leaves it without an adapter under the default
+(every-param) group and refuses it, naming the reason, when a narrower group selects it."""
+
+
+def untargetable_paths(module) -> dict:
+    """``{path: reason}`` of rank-2 params that the modules of the tree declare (through
+    :data:`LORA_TARGETS_METHOD`) are not used as the matrix of a linear map."""
+    from .module import named_modules
+
+    found = {}
+    for prefix, sub in named_modules(module):
+        method = getattr(sub, LORA_TARGETS_METHOD, None)
+        if callable(method):
+            for p, layout in method().items():
+                if layout not in ("in_out", "out_in"):
+                    found[f"{prefix}.{p}" if prefix else p] = layout
+    return found
+
+
 def transposed_paths(module) -> set:
     """Paths (from ``module``) of params stored ``(d_out, d_in)``, as the modules of the tree
     declare them through :data:`LORA_LAYOUT_METHOD`."""
@@ -177,6 +202,10 @@ def apply_lora(module, config: LoraConfig):
     A param the group matches that already has an adapter is an error (``ValueError``): the new
     config would otherwise be silently ignored for it.
 
+    Rank-2 params that the module's graph does not use as a linear map's matrix (declared through
+    :data:`LORA_TARGETS_METHOD`) get no adapter under the default group; a narrower group that
+    selects one raises ``ValueError`` naming it.
+
     A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
     imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
     in its own layout. The factors are lazy params: ``A`` is drawn from N(0, std) only when
@@ -185,6 +214,8 @@ def apply_lora(module, config: LoraConfig):
     from .module import rebuild
 
     transposed = transposed_paths(module)
+    not_linear = untargetable_paths(module)
+    every_param = repr(config.param_group) == repr(ParamGroup.all())
     rng = np.random.default_rng(config.seed)
     rank = int(config.rank)
     std = float(config.init_std) if config.init_std is not None else 1.0 / rank
@@ -197,6 +228,11 @@ def apply_lora(module, config: LoraConfig):
         shape = param.lazy_shape()
         if len(shape) != 2 or not config.param_group.matches(param.id, path):
             return frozen
+        if path in not_linear:
+            if every_param:
+                return frozen
+            raise ValueError(f"{path!r} {tuple(shape)} is not the matrix of a linear map in its graph "
+                             f"({not_linear[path]}): LoRA cannot adapt it; narrow the param_group")
         if param.adapter() is not None:
             old = param.adapter()
             raise ValueError(f"{path!r} already has a LoRA adapter (rank {old.rank}, scale {old.scale:g}); "

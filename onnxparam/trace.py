@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ._symint import SymInt
 from ._trace_types import (  # noqa: F401  (re-exported: onnxparam.trace is their public home)
     _CURRENT,
     GraphPasses,
@@ -68,7 +69,6 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam.trace is thei
     param_array,
     untraced,
 )
-from ._symint import SymInt
 from .device import CPU
 from .dtype import DType
 from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError

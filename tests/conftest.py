@@ -17,3 +17,16 @@ else:
     set_hypothesis_home_dir(_storage)
     settings.register_profile("onnxparam", database=None)
     settings.load_profile("onnxparam")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (long sweeps, races that need an idle machine) run only when the
+    marker expression asks for them (``-m slow``); otherwise they are reported as skipped."""
+    import pytest
+
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -142,8 +142,6 @@ def test_every_sampled_case_plain_onnx_runtime_passes_imports_runs_and_reexports
 
 @pytest.mark.slow
 def test_every_case_plain_onnx_runtime_passes_imports_runs_and_reexports_equal(request, tmp_path):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("every conformance case: run with -m slow")
     all_cases = onnx_cases.node_cases() + onnx_cases.model_cases()
     counted, failures = _sweep(all_cases, tmp_path)
     assert failures == []

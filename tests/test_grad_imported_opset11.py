@@ -6,7 +6,6 @@ Runtime runs of the original file with one weight entry perturbed."""
 from __future__ import annotations
 
 import numpy as np
-
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -161,8 +161,6 @@ def test_deform_conv2d_gradients_match_finite_differences():
 
 @pytest.mark.slow
 def test_deform_conv2d_gradients_match_finite_differences_sweep(request):
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("a sweep of group layouts: run with -m slow")
     _deform_grad_case((4, 5), c_out=3, weight_groups=1, offset_groups=4, padding=1, stride=2)
     _deform_grad_case((3, 3), c_out=4, weight_groups=4, offset_groups=1, padding=0, mask=False)
     _deform_grad_case((4, 4), c_out=2, weight_groups=2, offset_groups=2, padding=1, frozen=(0, 1))

@@ -149,14 +149,8 @@ def test_real_model_runs_exports_and_reruns_as_the_original(name, tmp_path):
     check_round_trip(name, tmp_path)
 
 
-def _slow_enabled(config) -> bool:
-    return "slow" in (config.getoption("markexpr") or "")
-
-
 @pytest.mark.slow
 def test_every_shipped_model_round_trips(request, tmp_path):
-    if not _slow_enabled(request.config):
-        pytest.skip("every model: run with -m slow")
     failures = []
     for name in CASES:
         folder = tmp_path / name

@@ -20,9 +20,9 @@ from onnxparam import nn
 from onnxparam.errors import OnnxParamError
 from onnxparam.onnx_io import import_onnx
 from onnxparam.quant import (
+    Quantizer,
     QuantScheme,
     QuantValue,
-    Quantizer,
     qdq_options,
     quantize_activations,
     quantized_ops,

@@ -84,7 +84,13 @@ def _models():
 def _variants(name, model, example, calib, tmp: Path, axes) -> dict:
     """``{variant: path}`` for one model (module docstring)."""
     import onnx
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     import onnxparam as op
     from onnxparam.quant import Quantizer, QuantScheme, QuantValue, quantize_activations

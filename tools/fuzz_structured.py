@@ -523,9 +523,9 @@ def _convert_onward(rng: random.Random, path: Path) -> None:
     (a writer must refuse what its reader refuses)."""
     if rng.random() >= 0.3:
         return
+    import onnxparam.burnpack as bp
     from onnxparam.convert import convert, read_safetensors
     from onnxparam.onnx_io import read_onnx_record
-    import onnxparam.burnpack as bp
 
     target = rng.choice([".bpk", ".safetensors", ".onnx"])
     if target == path.suffix:

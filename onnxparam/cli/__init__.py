@@ -60,11 +60,11 @@ from ._common import (
     PROG,
     Command,
     Interrupted,
-    _interrupted,
-    add_common_flags,
-    _signals_raise,
     UsageError,
+    _interrupted,
     _Parser,
+    _signals_raise,
+    add_common_flags,
     one_line,
 )
 from ._models import export_mnist_onnx

@@ -3,7 +3,6 @@
 import argparse
 import contextlib
 import math
-import os
 import re
 import signal
 import sys

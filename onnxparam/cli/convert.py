@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 from ._common import (
-    json_result,
     EXIT_OK,
     PROG,
     UsageError,
@@ -16,6 +15,7 @@ from ._common import (
     _progress,
     _regex,
     _remap_rule,
+    json_result,
 )
 from .inspect import _READERS, inspect_file
 

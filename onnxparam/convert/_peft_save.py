@@ -57,11 +57,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     """
     from safetensors.numpy import save_file
 
-    from ..module import named_params
-    from ..trace import untraced
-
-    from ..module import named_modules
+    from ..module import named_modules, named_params
     from ..nn import Embedding
+    from ..trace import untraced
 
     rules = [tuple(r) for r in (key_map or ())]
     embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)

@@ -71,8 +71,8 @@ from ..dtype import DType
 from ..errors import RecordError
 from ..param import ParamId
 from ..tensor import TensorData
-from ._mapped import MappedFile
 from ._limits import is_utf8_text, name_problem, shape_problem
+from ._mapped import MappedFile
 from ._safetensors_header import (  # noqa: F401  (re-exported: the converters read the scalars' form)
     _KNOWN_KEYS,
     _NON_FINITE,

@@ -46,9 +46,9 @@ import onnx_ir as ir
 from .._scratch import (
     check_replaceable,
     create_scratch,
-    release,
     disk_full_error,
     preserve_mode,
+    release,
 )
 from ..errors import OnnxFormatError
 from .source import iter_graphs

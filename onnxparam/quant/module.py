@@ -28,11 +28,11 @@ import enum
 import warnings
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
 from ..param import Param, _Lazy
-import numpy as np
-
 from .calibration import quantize, quantize_per_axis
 from .scheme import QuantScheme
 

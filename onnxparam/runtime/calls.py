@@ -14,12 +14,11 @@ import numpy as np
 from .. import lora_graph
 from .. import trace as _trace
 from ..errors import ExecutionError, TraceError
+from ..module import _MUTATIONS, _WATCHED
 from ..param import Param
 from ..quant import qdq
 from ..tensor import Tensor
-from ..module import _MUTATIONS, _WATCHED
-from ._keys import (_PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key,  # noqa: F401
-                    _unchanged, _value_token)
+from ._keys import _PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token  # noqa: F401
 from .config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from .devices import pick_device
 from .sessions import Runner, build_runner

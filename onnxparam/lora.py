@@ -176,8 +176,10 @@ def untargetable_paths(module) -> dict:
     for prefix, sub in named_modules(module):
         method = getattr(sub, LORA_TARGETS_METHOD, None)
         if callable(method):
-            for p, layout in method().items():
-                if layout not in ("in_out", "out_in"):
+            layouts = method()
+            for p, param in sub.named_params():
+                layout = layouts.get(p, "no node of the graph uses it as a matrix")
+                if len(param.lazy_shape()) == 2 and layout not in ("in_out", "out_in"):
                     found[f"{prefix}.{p}" if prefix else p] = layout
     return found
 

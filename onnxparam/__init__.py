@@ -40,6 +40,7 @@ from .errors import (
     BurnpackFormatError,
     DeviceError,
     ExecutionError,
+    FileAccessError,
     OnnxFormatError,
     OnnxParamError,
     PrecisionWarning,
@@ -112,6 +113,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "FileAccessError",
     "PrecisionWarning",
 ]
 

@@ -37,6 +37,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from .errors import file_error
+
 __all__ = [
     "scratch_name",
     "remove_stale_scratch",
@@ -167,7 +169,7 @@ def disk_full_error(error: BaseException, target, writing=None) -> "OSError | No
     file = label if writing is None else os.fspath(writing)
     saving = "" if file == label else f" (saving '{label}')"
     # NOTE: out of inodes is ENOSPC too (creating the scratch entry); "or inodes" covers it
-    return OSError(
+    return file_error(
         code,
         f"{os.strerror(code)} writing '{file}'{saving}: the disk (or its inodes, or the quota) is full; nothing "
         "was replaced (any previous file is unchanged); free space or save elsewhere",
@@ -210,7 +212,7 @@ def check_replaceable(target) -> int | None:
     # NOTE: the mode bits as well as os.access: for root os.access always says writable, but a
     # file chmod'ed read-only is a statement of intent that a save must not overrule.
     if st is not None and (not st.st_mode & _ANY_WRITE_BIT or not os.access(label, os.W_OK)):
-        raise PermissionError(
+        raise file_error(
             errno.EACCES,
             f"'{label}' is read-only; the file was not changed (make it writable, e.g. chmod u+w, "
             "or save elsewhere)",
@@ -249,8 +251,8 @@ def cannot_write_error(error: BaseException, target) -> OSError | None:
 
 
 def _error(code: int, label: str, reason: str) -> OSError:
-    # NOTE: OSError(errno, ...) builds the subclass of that errno (FileNotFoundError, ...).
-    return OSError(code, f"cannot write '{label}': {reason}; nothing was written", label)
+    # NOTE: file_error builds the library leaf of that errno (also a FileNotFoundError, ...).
+    return file_error(code, f"cannot write '{label}': {reason}; nothing was written", label)
 
 
 def create_scratch(target: Path, make, path_for_errors=None):

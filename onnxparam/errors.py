@@ -14,7 +14,15 @@ keeps working::
     │   └── TraceValueError (ValueError)    ... because of a value of the wrong shape / a bad argument
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
-    └── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
+    ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
+    └── FileAccessError (OSError)           a file or folder cannot be read or written as asked
+        ├── FileMissingError (FileNotFoundError)
+        ├── FilePermissionError (PermissionError)
+        ├── IsAFolderError (IsADirectoryError)
+        └── NotAFolderError (NotADirectoryError)
+
+``file_error(errno, message, filename)`` builds the leaf of an ``errno`` (as ``OSError(errno,
+...)`` builds the builtin subclass), so ``except FileNotFoundError`` keeps working.
 
 Warnings (not errors: the operation completes)::
 
@@ -36,6 +44,12 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "FileAccessError",
+    "FileMissingError",
+    "FilePermissionError",
+    "IsAFolderError",
+    "NotAFolderError",
+    "file_error",
     "PrecisionWarning",
     "QuantizationWarning",
 ]
@@ -95,6 +109,37 @@ class ExecutionError(OnnxParamError, RuntimeError):
 
 class OnnxFormatError(OnnxParamError, ValueError):
     """An ONNX file or model could not be read, or is inconsistent (dangling names, ...)."""
+
+
+class FileAccessError(OnnxParamError, OSError):
+    """A file or folder cannot be read or written as asked (missing, read-only, a folder where a
+    file is expected, disk full ...); ``errno`` and ``filename`` as :class:`OSError`'s, the
+    message names the file and what to do. Nothing was changed."""
+
+
+class FileMissingError(FileAccessError, FileNotFoundError):
+    """``ENOENT``: the file, or the folder to write into, does not exist."""
+
+
+class FilePermissionError(FileAccessError, PermissionError):
+    """``EACCES`` / ``EPERM``: the file is read-only or the folder is not writable."""
+
+
+class IsAFolderError(FileAccessError, IsADirectoryError):
+    """``EISDIR``: a folder where a file is expected."""
+
+
+class NotAFolderError(FileAccessError, NotADirectoryError):
+    """``ENOTDIR``: a file where a folder is expected."""
+
+
+def file_error(code: int, message: str, filename=None) -> FileAccessError:
+    """The :class:`FileAccessError` leaf for ``code`` (an ``errno`` number)."""
+    import errno as _errno
+
+    leaf = {_errno.ENOENT: FileMissingError, _errno.EACCES: FilePermissionError, _errno.EPERM: FilePermissionError,
+            _errno.EISDIR: IsAFolderError, _errno.ENOTDIR: NotAFolderError}.get(code, FileAccessError)
+    return leaf(code, message) if filename is None else leaf(code, message, filename)
 
 
 class QuantizationError(OnnxParamError, ValueError):

@@ -50,13 +50,14 @@ ONNX targets:
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..dtype import DType, dtype_from_numpy
-from ..errors import RecordError
+from ..errors import RecordError, file_error
 from ..formats._extensions import FORMATS, WRITABLE, format_of
 from ..formats._names import map_indices_contiguous
 from ..formats.safetensors import read_safetensors, write_safetensors
@@ -139,7 +140,7 @@ def read_record(path: "str | os.PathLike", *, top_level_key: Optional[str] = Non
     path = Path(path)
     fmt = format_of(path)
     if not path.exists():
-        raise FileNotFoundError(f"no such file: '{path}'")
+        raise file_error(errno.ENOENT, f"no such file: '{path}'", os.fspath(path))
     source = _read_pytorch(path, top_level_key) if fmt == "pytorch" else _READERS[fmt](path)
     return ModuleRecord({t.name: t.snapshot() for t in source.tensors}, source.metadata)
 
@@ -253,7 +254,7 @@ def convert(
     if zero_copy:
         _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
     if not src.exists():
-        raise FileNotFoundError(f"no such file: '{src}'")
+        raise file_error(errno.ENOENT, f"no such file: '{src}'", os.fspath(src))
     source = _read_pytorch(src, top_level_key) if src_fmt == "pytorch" else _READERS[src_fmt](src)
     try:
         _check_target_is_not_read(src, dst, source, graph)

@@ -22,12 +22,14 @@ digits from the UCI / scikit-learn digits set, resized to MNIST's 28x28 layout).
 
 from __future__ import annotations
 
+import errno
 import importlib.resources
 from pathlib import Path
 
 import numpy as np
 
 from ..device import Device
+from ..errors import file_error
 from ..module import Module
 from ..nn import (
     BatchNormConfig,
@@ -138,22 +140,24 @@ def _data_file(parts: tuple) -> Path:
     """A packaged data file as a filesystem path.
 
     Raises:
-        FileNotFoundError: when the data package or file is missing (an install that predates
+        FileMissingError: (a ``FileNotFoundError``) when the data package or file is missing (an install that predates
             the data mapping, or a broken one), with the fix.
     """
     try:
         root = importlib.resources.files(_DATA_PACKAGE)
     except ModuleNotFoundError as e:
-        raise FileNotFoundError(
+        raise file_error(
+            errno.ENOENT,
             f"the packaged model data ({_DATA_PACKAGE}) is not installed; reinstall onnxparam "
-            "(from a checkout: pip install -e .)"
+            "(from a checkout: pip install -e .)",
         ) from e
     resource = root.joinpath(*parts)
     # NOTE: wheels are installed unzipped, so the resource is a real file; a zipped install
     # (zipimport) would need importlib.resources.as_file, which callers holding paths cannot use.
     path = Path(str(resource))
     if not path.is_file():
-        raise FileNotFoundError(f"packaged data file {'/'.join(parts)} not found at {path}; reinstall onnxparam")
+        raise file_error(errno.ENOENT, f"packaged data file {'/'.join(parts)} not found at {path}; reinstall onnxparam",
+                         str(path))
     return path
 
 

@@ -47,10 +47,11 @@ draws small values to make merged and kept graphs compute something to compare."
 
 
 INT8_NOTE = (
-    "int8 QDQ is ~0.26x the size; its speed depends on the layers: the fc layers run ONNX Runtime's "
-    "integer kernels, but weight-only conv weights are dequantized at every run, and at MNIST's size "
-    "that overhead can make the int8 file slower than float32 (static activation quantization, "
-    "onnxparam.quant.quantize_activations, turns the convs into QLinearConv)"
+    "the int8 file is ~0.37x the size: the fc weights are int8 and run ONNX Runtime's dynamic-quantization "
+    "integer kernels; the small convs stay float32, because without calibration data a weight-only int8 conv "
+    "is dequantized at every run (the default never picks a form slower than float32: onnxparam quantize "
+    "--calibrate or onnxparam.quant.quantize_activations turns the convs into QLinearConv); at MNIST's size "
+    "the timings of the rows are within this machine's noise"
 )
 LORA_NOTE = (
     f"the LoRA rows use rank-{TOUR_LORA_RANK} adapters (alpha {TOUR_LORA_ALPHA:g}) whose b factors are small random "

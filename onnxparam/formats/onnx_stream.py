@@ -256,24 +256,10 @@ def _without(message: Any, field: str) -> bytes:
 
 def _split_fields(data: bytes) -> list[tuple[int, bytes]]:
     """Split a serialized message into ``(field number, bytes of that field incl. its tag)``."""
-    chunks, pos = [], 0
-    while pos < len(data):
-        start = pos
-        key, pos = _read_varint(data, pos)
-        field, wire = key >> 3, key & 7
-        if wire == _WIRE_VARINT:
-            _, pos = _read_varint(data, pos)
-        elif wire == _WIRE_I64:
-            pos += 8
-        elif wire == _WIRE_I32:
-            pos += 4
-        elif wire == _WIRE_LEN:
-            length, pos = _read_varint(data, pos)
-            pos += length
-        else:  # groups (3, 4) are not used by onnx.proto
-            raise OnnxFormatError(f"unexpected protobuf wire type {wire} for field {field}")
-        chunks.append((field, data[start:pos]))
-    return chunks
+    try:
+        return [(field, data[start:stop]) for field, _, start, _, stop in _walk(memoryview(data), 0, len(data))]
+    except ValueError as e:  # groups (wire types 3, 4) are not used by onnx.proto
+        raise OnnxFormatError(str(e)) from e
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from ..errors import TraceError
 from ..trace import TracedModel
-from . import rules_deform, rules_layers, rules_nn  # noqa: F401  (register the conv / pool / norm, nn_layers and nn_deform rules)
+from . import _rules_shape, rules_deform, rules_layers, rules_nn  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from .emitter import Emitter, dims, np_dtype
 from .rules import NON_DIFFERENTIABLE, RULES
 

@@ -35,7 +35,7 @@ LAYERS = {
     "onnx_io/_validate.py": "formats",
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs
-    "trace.py": "graph", "_trace_types.py": "graph", "_trace_finish.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "lora_graph": "graph",
+    "trace.py": "graph", "_trace_types.py": "graph", "_trace_finish.py": "graph", "nn/_conv_common.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "lora_graph": "graph",
     "quant/qdq": "graph", "quant/_qdq_options.py": "graph", "quant/_qdq_layout.py": "graph",
     "quant/_qdq_import.py": "graph", "quant/_qdq_forms.py": "graph", "quant/_nbits.py": "graph", "autodiff": "graph", "autodiff/_rules_shape.py": "graph",
     # runtime: ONNX Runtime sessions and calls; training steps run on it

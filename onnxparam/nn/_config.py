@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
-__all__ = ["config", "pair", "positive", "padding_2d", "check_float_dtype"]
+__all__ = ["config", "derived_config", "layer_from_config", "pair", "positive", "padding_2d", "check_float_dtype"]
 
 PaddingSpec = Union[str, int, tuple]
 
@@ -30,6 +30,38 @@ def config(cls):
         with_field.__doc__ = f"A copy of this config with ``{f.name} = value``."
         setattr(cls, name, with_field)
     return cls
+
+
+def derived_config(name: str, base, module: str, doc: str, *, drop: tuple = (), insert_after: Optional[dict] = None,
+                   methods: Optional[dict] = None):
+    """A :func:`config` class ``name`` (defined in ``module``) whose fields are ``base``'s, in
+    ``base``'s order and with its defaults, without those in ``drop``; ``insert_after`` maps a
+    field of ``base`` to a new field ``(name, type, default)`` placed right after it; ``methods``
+    are added to the class (its ``init``).
+
+    NOTE: for configs that Burn defines as another config's fields with one more or one fewer
+    (``BiLstmConfig`` is ``LstmConfig`` without ``reverse``): the field lists cannot drift apart.
+    """
+    annotations: dict = {}
+    namespace: dict = {}
+    for f in dataclasses.fields(base):
+        if f.name not in drop:
+            annotations[f.name] = f.type
+            if f.default is not dataclasses.MISSING:
+                namespace[f.name] = f.default
+        if insert_after and f.name in insert_after:
+            new, kind, default = insert_after[f.name]
+            annotations[new] = kind
+            namespace[new] = default
+    namespace.update(methods or {}, __annotations__=annotations, __doc__=doc, __module__=module, __qualname__=name)
+    return config(type(name, (), namespace))
+
+
+def layer_from_config(config, layer_cls, **extra):
+    """``layer_cls(**fields of config, **extra)``: a config's ``init`` when its layer takes
+    exactly the config's fields (by name) plus ``extra`` (``device``, ``dtype``)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return layer_cls(**fields, **extra)
 
 
 def positive(value, name: str) -> int:

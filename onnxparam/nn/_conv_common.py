@@ -11,12 +11,11 @@ weight ``[C_out, C_in / groups, k...]`` has ``fan_in = C_in / groups * prod(k)``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from ._config import check_float_dtype, pair, positive
 
-__all__ = ["spatial", "check_groups", "init_conv", "layer_from_config"]
+__all__ = ["spatial", "check_groups", "init_conv"]
 
 
 def spatial(value, name: str, rank: int, minimum: int = 1):
@@ -83,10 +82,3 @@ def init_conv(layer, layer_name: str, rank: int, channels_in: int, channels_out:
     layer.weight = initializer.init_with(shape, fan_in, fan_out, device, dtype)
     layer.bias = initializer.init_with((channels_out,), fan_in, fan_out, device, dtype) if bias else None
     return groups
-
-
-def layer_from_config(config, layer_cls, **extra):
-    """``layer_cls(**fields of config, **extra)``: a config's ``init`` when its layer takes
-    exactly the config's fields (by name) plus ``extra`` (``device``, ``dtype``)."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return layer_cls(**fields, **extra)

@@ -16,8 +16,8 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, padding_2d, pair, positive
-from ._conv_common import init_conv, layer_from_config
+from ._config import config, layer_from_config, padding_2d, pair, positive
+from ._conv_common import init_conv
 from .initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["Conv1d", "Conv1dConfig", "Conv2d", "Conv2dConfig"]

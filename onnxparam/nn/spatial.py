@@ -19,8 +19,8 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, pair, positive
-from ._conv_common import init_conv, layer_from_config, spatial
+from ._config import config, layer_from_config, pair, positive
+from ._conv_common import init_conv, spatial
 from .conv_transpose import _init_transposed
 from .initializer import DEFAULT_INITIALIZER, Initializer
 

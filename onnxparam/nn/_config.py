@@ -36,11 +36,12 @@ def derived_config(name: str, base, module: str, doc: str, *, drop: tuple = (), 
                    methods: Optional[dict] = None):
     """A :func:`config` class ``name`` (defined in ``module``) whose fields are ``base``'s, in
     ``base``'s order and with its defaults, without those in ``drop``; ``insert_after`` maps a
-    field of ``base`` to a new field ``(name, type, default)`` placed right after it; ``methods``
-    are added to the class (its ``init``).
+    field of ``base`` to new fields ``[(name, type, default), ...]`` placed right after it;
+    ``methods`` are added to the class (its ``init``).
 
     NOTE: for configs that Burn defines as another config's fields with one more or one fewer
-    (``BiLstmConfig`` is ``LstmConfig`` without ``reverse``): the field lists cannot drift apart.
+    (``BiLstmConfig`` is ``LstmConfig`` without ``reverse``, ``DeformConv2dConfig`` is
+    ``Conv2dConfig`` with two kinds of groups): the field lists cannot drift apart.
     """
     annotations: dict = {}
     namespace: dict = {}
@@ -49,8 +50,7 @@ def derived_config(name: str, base, module: str, doc: str, *, drop: tuple = (), 
             annotations[f.name] = f.type
             if f.default is not dataclasses.MISSING:
                 namespace[f.name] = f.default
-        if insert_after and f.name in insert_after:
-            new, kind, default = insert_after[f.name]
+        for new, kind, default in (insert_after or {}).get(f.name, ()):
             annotations[new] = kind
             namespace[new] = default
     namespace.update(methods or {}, __annotations__=annotations, __doc__=doc, __module__=module, __qualname__=name)

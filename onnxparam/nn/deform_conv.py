@@ -16,17 +16,22 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, layer_from_config, padding_2d, pair, positive
+from ._config import derived_config, layer_from_config, padding_2d, pair, positive
 from ._conv_common import init_conv
-from .conv import Padding2d
+from .conv import Conv2dConfig, Padding2d
 from .initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["DeformConv2d", "DeformConv2dConfig"]
 
 
-@config
-class DeformConv2dConfig:
-    """Configuration of a :class:`DeformConv2d` layer (Burn's ``DeformConv2dConfig``).
+def _init_deform_conv2d(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "DeformConv2d":
+    """A new :class:`DeformConv2d` with lazy params on ``device``."""
+    return layer_from_config(self, DeformConv2d, device=device, dtype=dtype)
+
+
+DeformConv2dConfig = derived_config("DeformConv2dConfig", Conv2dConfig, __name__, """Configuration of a :class:`DeformConv2d` layer (Burn's ``DeformConv2dConfig``): the fields
+    of :class:`~onnxparam.nn.Conv2dConfig`, in its order and with its defaults, with ``groups``
+    split in two.
 
     Args:
         channels: ``(C_in, C_out)``.
@@ -40,21 +45,8 @@ class DeformConv2dConfig:
         bias: whether the layer adds a bias (default ``True``).
         initializer: Burn's default ``KaimingUniform(gain=1/sqrt(3))`` with
             ``fan_in = C_in / weight_groups * k_h * k_w`` (weight and bias).
-    """
-
-    channels: tuple
-    kernel_size: tuple
-    stride: tuple = (1, 1)
-    dilation: tuple = (1, 1)
-    weight_groups: int = 1
-    offset_groups: int = 1
-    padding: Padding2d = "valid"
-    bias: bool = True
-    initializer: Initializer = DEFAULT_INITIALIZER
-
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "DeformConv2d":
-        """A new :class:`DeformConv2d` with lazy params on ``device``."""
-        return layer_from_config(self, DeformConv2d, device=device, dtype=dtype)
+    """, drop=("groups",), insert_after={"dilation": [("weight_groups", "int", 1), ("offset_groups", "int", 1)]},
+    methods={"init": _init_deform_conv2d})
 
 
 class DeformConv2d(Module):

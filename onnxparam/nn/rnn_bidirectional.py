@@ -119,7 +119,7 @@ BiGruConfig = derived_config("BiGruConfig", GruConfig, __name__, """Configuratio
     :class:`~onnxparam.nn.GruConfig`, in its order and with its defaults, plus ``batch_first``
     (``True``) after ``initializer`` (``d_input``, ``d_hidden``, ``bias``, ``reset_after``,
     ``initializer``, ``batch_first``, ``gate_activation``, ``hidden_activation``, ``clip``,
-    ``onnx_op``).""", insert_after={"initializer": ("batch_first", "bool", True)}, methods={"init": _init_bigru})
+    ``onnx_op``).""", insert_after={"initializer": [("batch_first", "bool", True)]}, methods={"init": _init_bigru})
 
 
 class BiGru(Module):

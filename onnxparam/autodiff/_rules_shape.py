@@ -3,9 +3,9 @@ elements without arithmetic (Reshape and its kin, Expand, Transpose, Concat, Spl
 Gather, GatherElements).
 
 Conventions (a rule's signature, the notation ``g = dL/dy``, ``unb``) are those of
-:mod:`onnxparam.autodiff.rules`; semantics of each forward operator: the ONNX operator
+:mod:`onnxparam.autodiff._rules`; semantics of each forward operator: the ONNX operator
 specification, https://onnx.ai/onnx/operators/. Importing this module registers the rules in
-:data:`onnxparam.autodiff.rules.RULES` (:mod:`onnxparam.autodiff.backward` does).
+:data:`onnxparam.autodiff._rules.RULES` (:mod:`onnxparam.autodiff._backward` does).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import TraceError
-from .emitter import Emitter, dims, np_dtype, static_dims
-from .rules import attr, const_array, rule
+from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._rules import attr, const_array, rule
 
 __all__ = []
 

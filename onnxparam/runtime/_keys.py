@@ -16,7 +16,7 @@ from ..dtype import DType
 from ..errors import TraceError
 from ..param import Param
 from ..tensor import Tensor
-from .config import CONFIG_ATTR
+from ._config import CONFIG_ATTR
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 

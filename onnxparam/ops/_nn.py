@@ -19,11 +19,17 @@ __all__ = [
 ]
 
 
+_LAYOUTS = {3: "[N, C, L]", 4: "[N, C, H, W]", 5: "[N, C, D, H, W]"}
+
+
+def _check_rank(name: str, x: Tensor, rank: int) -> None:
+    if x.rank != rank:
+        raise ValueError(f"{name} expects x of rank {rank} {_LAYOUTS[rank]}; got shape {list(x.shape)}")
+
+
 def _conv(name: str, x, weight, bias, stride, padding, dilation, groups: int, nd: int) -> Tensor:
     x, weight = _t(x), _t(weight)
-    layout = "[N, C, L]" if nd == 1 else "[N, C, H, W]"
-    if x.rank != nd + 2:
-        raise ValueError(f"{name} expects x of rank {nd + 2} {layout}; got shape {list(x.shape)}")
+    _check_rank(name, x, nd + 2)
     if weight.rank != nd + 2:
         raise ValueError(f"{name} expects weight of rank {nd + 2} [out, in/groups, k...]; got {list(weight.shape)}")
     groups = int(groups)
@@ -91,14 +97,6 @@ def conv2d(x, weight, bias=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
     ONNX: ``Conv`` (ONNX spec: Conv).
     """
     return _conv("conv2d", x, weight, bias, stride, padding, dilation, groups, 2)
-
-
-_LAYOUTS = {3: "[N, C, L]", 4: "[N, C, H, W]"}
-
-
-def _check_rank(name: str, x: Tensor, rank: int) -> None:
-    if x.rank != rank:
-        raise ValueError(f"{name} expects x of rank {rank} {_LAYOUTS[rank]}; got shape {list(x.shape)}")
 
 
 def _pool(op_type: str, name: str, x, nd: int, kernel_size, stride, padding, ceil_mode: bool, *,

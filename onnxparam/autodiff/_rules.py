@@ -2,7 +2,7 @@
 reductions; shape ops are in :mod:`._rules_shape`, convolution, pooling and normalization in
 :mod:`._rules_nn`).
 
-A rule is ``rule(e, node, gout, need) -> list`` where ``e`` is the :class:`~.emitter.Emitter`,
+A rule is ``rule(e, node, gout, need) -> list`` where ``e`` is the :class:`~._emitter.Emitter`,
 ``node`` the forward ``onnx_ir.Node``, ``gout[i]`` the gradient of the loss with respect to
 output ``i`` (an ``onnx_ir.Value`` of that output's shape, or ``None`` when nothing downstream
 needs it) and ``need[j]`` whether input ``j`` needs a gradient. It returns one entry per input:

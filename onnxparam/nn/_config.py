@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-__all__ = ["config", "derived_config", "layer_from_config", "pair", "positive", "padding_2d", "check_float_dtype"]
+__all__ = [
+    "config", "derived_config", "layer_from_config", "pair", "positive", "spatial", "padding_2d", "check_float_dtype",
+]
 
 PaddingSpec = Union[str, int, tuple]
 
@@ -77,6 +79,28 @@ def pair(value, name: str, minimum: int = 1) -> tuple[int, int]:
     if len(items) != 2 or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
         raise ValueError(f"{name} must be an int or a pair of ints >= {minimum}; got {value!r}")
     return int(items[0]), int(items[1])
+
+
+def spatial(value, name: str, rank: int, minimum: int = 1):
+    """A size argument of a rank-``rank`` layer: an int for rank 1, else a ``rank``-tuple (an
+    int means the same in every dim); each entry an int >= ``minimum`` (1 or 0).
+
+    Raises:
+        ValueError: naming ``name``, for a wrong count, a bool, a non-integer or a value below
+            ``minimum``.
+    """
+    if rank == 1:
+        if minimum == 1:
+            return positive(value, name)
+        if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        return int(value)
+    if rank == 2:
+        return pair(value, name, minimum)
+    items = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(items) != rank or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
+        raise ValueError(f"{name} must be an int or a triple of ints >= {minimum}; got {value!r}")
+    return tuple(int(v) for v in items)
 
 
 def padding_2d(padding: PaddingSpec, kernel_size: tuple, dilation: tuple, stride: tuple) -> tuple[int, int]:

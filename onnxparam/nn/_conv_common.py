@@ -1,6 +1,6 @@
-"""What every convolution layer shares: size arguments per spatial rank, the groups check, and
-the lazy ``weight`` / ``bias`` with Burn's initializer fans (``Conv1d`` .. ``Conv3d``,
-``ConvTranspose1d`` .. ``ConvTranspose3d``, ``DeformConv2d``).
+"""What every convolution layer shares: the groups check and the lazy ``weight`` / ``bias``
+with Burn's initializer fans (``Conv1d`` .. ``Conv3d``, ``ConvTranspose1d`` ..
+``ConvTranspose3d``, ``DeformConv2d``).
 
 Fans (Burn's ``burn-nn/src/modules/conv/*.rs``, the same as PyTorch's defaults): a convolution's
 weight ``[C_out, C_in / groups, k...]`` has ``fan_in = C_in / groups * prod(k)`` and
@@ -13,31 +13,9 @@ from __future__ import annotations
 
 import math
 
-from ._config import check_float_dtype, pair, positive
+from ._config import check_float_dtype, positive, spatial
 
-__all__ = ["spatial", "check_groups", "init_conv"]
-
-
-def spatial(value, name: str, rank: int, minimum: int = 1):
-    """A size argument of a rank-``rank`` layer: an int for rank 1, else a ``rank``-tuple (an
-    int means the same in every dim); each entry an int >= ``minimum`` (1 or 0).
-
-    Raises:
-        ValueError: naming ``name``, for a wrong count, a bool, a non-integer or a value below
-            ``minimum``.
-    """
-    if rank == 1:
-        if minimum == 1:
-            return positive(value, name)
-        if isinstance(value, bool) or int(value) != value or int(value) < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-        return int(value)
-    if rank == 2:
-        return pair(value, name, minimum)
-    items = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
-    if len(items) != rank or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
-        raise ValueError(f"{name} must be an int or a triple of ints >= {minimum}; got {value!r}")
-    return tuple(int(v) for v in items)
+__all__ = ["check_groups", "init_conv"]
 
 
 def check_groups(channels_in: int, channels_out: int, groups, name: str = "groups") -> int:

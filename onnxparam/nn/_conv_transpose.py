@@ -20,8 +20,8 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, layer_from_config, pair
-from ._conv_common import init_conv, spatial
+from ._config import config, layer_from_config, pair, spatial
+from ._conv_common import init_conv
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["ConvTranspose1d", "ConvTranspose1dConfig", "ConvTranspose2d", "ConvTranspose2dConfig"]

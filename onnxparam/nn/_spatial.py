@@ -19,8 +19,8 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, layer_from_config, pair, positive
-from ._conv_common import init_conv, spatial
+from ._config import config, layer_from_config, pair, positive, spatial
+from ._conv_common import init_conv
 from ._conv_transpose import _init_transposed
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 

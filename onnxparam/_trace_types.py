@@ -91,6 +91,9 @@ def _ir_dtype(dtype: DType) -> ir.DataType:
 
 
 def _type_proto(value: ir.Value) -> onnx.TypeProto:
+    if value.type is not None and not isinstance(value.type, ir.TensorType):
+        # a sequence / optional / map an imported graph passes between its own nodes
+        return ir.serde.serialize_type(value.type)
     shape = None
     if value.shape is not None:
         shape = [d if isinstance(d, int) else d.value for d in value.shape]

@@ -48,6 +48,7 @@ from ..quant import _qdq_import
 from ..tensor import Tensor
 from . import metadata as md
 from ._graph_model import copy_model
+from ._opaque import emit_opaque, opaque_node
 from ._node_rules import (
     _constant_array,
     _has_schema,
@@ -335,7 +336,11 @@ class OnnxModule(Module):
                 hold, such as strings; an operator without schema whose output types the file
                 does not declare; an opset the enclosing trace cannot host).
         """
-        outputs, _ = self._run(self._bind(inputs, named))
+        from ._boundary import declared_inputs
+        from ._opaque import check_outputs
+
+        outputs, _ = self._run(declared_inputs(self._source, self._bind(inputs, named)))
+        check_outputs(self._source, outputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _run(self, bound: dict, keep_unused: bool = False) -> tuple[list, dict]:
@@ -430,7 +435,9 @@ class OnnxModule(Module):
         count = _used_outputs(node, self._source.opsets)
         domain = "" if node.domain == "ai.onnx" else node.domain
         where = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
-        if not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
+        if opaque_node(self._source, node, count):  # sequences, strings ... (see _opaque)
+            result = emit_opaque(self._source, tracer, node, inputs, attributes, count)
+        elif not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
             types = self._declared_types(node, count)
             if types is None:
                 raise TraceError(
@@ -462,7 +469,7 @@ class OnnxModule(Module):
         from .. import ops
 
         try:
-            if _CUSTOM_KEYWORDS & attributes.keys():
+            if _CUSTOM_KEYWORDS & attributes.keys() or any(isinstance(x, ir.Value) for x in inputs):
                 return tracer.emit(node.op_type, inputs, attributes, domain=domain, num_outputs=count,
                                    output_types=types, name=node.op_type)
             if types is not None:

@@ -449,16 +449,23 @@ class OnnxModule(Module):
         else:
             try:
                 result = self._custom(tracer, node, domain, inputs, attributes, count, None, where)
+                error = None
             except TraceError as e:
+                result, error = None, e
+            if result is None or not all(t.rank_known for t in _as_list(result)):
                 # Node-level inference sees only this node; the whole-graph inference of the
                 # source (data propagated through Shape/Concat ...) may know more (an Expand
                 # whose shape is computed has no rank otherwise).
                 types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
                          or probed_types(self._source, node, count, env))
-                if types is None:
-                    raise TraceError(f"{where} of the imported ONNX graph: {e}") from e
-                result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
-        results = result if isinstance(result, (list, tuple)) else [result]
+                if types is None and error is not None:
+                    raise TraceError(f"{where} of the imported ONNX graph: {error}") from error
+                if types is not None:
+                    if result is not None:  # emitted with an unknown rank: again, typed
+                        made = _as_list(result)[0]._symbol.value.producer()
+                        made.graph.remove(made, safe=True)
+                    result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
+        results = _as_list(result)
         for v, t in zip(node.outputs, results):
             if v.name:
                 env[id(v)] = (v, t)
@@ -551,6 +558,10 @@ class OnnxModule(Module):
         if param is None:
             raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
         return param.val()
+
+
+def _as_list(result) -> list:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
 def import_onnx(path_or_model) -> OnnxModule:

@@ -47,8 +47,8 @@ from ..param import Param, ParamId
 from ..quant import _qdq_import
 from ..tensor import Tensor
 from . import metadata as md
+from ._bodies import wired_subgraph
 from ._graph_model import copy_model
-from ._opaque import emit_opaque, opaque_node
 from ._node_rules import (
     _constant_array,
     _has_schema,
@@ -57,12 +57,13 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._opaque import emit_opaque, opaque_node
 from ._probe import probed_types
 from ._sparse import load_densified
 from .naming import onnx_name_to_path
 from .records import site_metadata
 from .source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
-from .weights import CONSTANT, INITIALIZER, WeightSite, burn_dtype, find_weights, tensor_data
+from .weights import CONSTANT, WeightSite, burn_dtype, find_weights, tensor_data
 
 __all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
 
@@ -428,9 +429,9 @@ class OnnxModule(Module):
         attributes: dict[str, Any] = {}
         for name, attr in node.attributes.items():
             if not attr.is_ref() and attr.type == ir.AttributeType.GRAPH:
-                attr = ir.AttrGraph(name, self._subgraph(attr.value, env, params, tracer))
+                attr = ir.AttrGraph(name, wired_subgraph(self, attr.value, env, params, tracer))
             elif not attr.is_ref() and attr.type == ir.AttributeType.GRAPHS:
-                attr = ir.AttrGraphs(name, [self._subgraph(g, env, params, tracer) for g in attr.value])
+                attr = ir.AttrGraphs(name, [wired_subgraph(self, g, env, params, tracer) for g in attr.value])
             attributes[name] = attr
         count = _used_outputs(node, self._source.opsets)
         domain = "" if node.domain == "ai.onnx" else node.domain
@@ -508,56 +509,6 @@ class OnnxModule(Module):
                 return None
             types.append((dtype, tuple(None if d == "" else d for d in dims)))
         return types
-
-    def _subgraph(self, original: ir.Graph, env: dict, params: dict, tracer) -> ir.Graph:
-        """A clone of a graph attribute wired into the trace: its outer-scope references use the
-        traced values, its weights the params' initializers, its own names made unique."""
-        clone = original.clone(allow_outer_scope_values=True)
-        # weights inside the body (at any depth) -> the params' traced initializers
-        # NOTE: by (graph, name): sibling bodies may hold weights of the same name
-        by_graph = {(id(site.graph), site.name): site for site in self._source.sites}
-        for source_graph, graph in list(zip(iter_graphs(original), iter_graphs(clone))):
-            names = {name: site for (gid, name), site in by_graph.items() if gid == id(source_graph)}
-            for name in list(graph.initializers):
-                site = names.get(name)
-                if site is not None and site.kind == INITIALIZER:
-                    value = graph.initializers[name]
-                    value.replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
-                    graph.initializers.pop(name)
-            for node in list(graph):
-                if node.op_type == "Constant" and node.outputs and node.outputs[0].name in names \
-                        and names[node.outputs[0].name].kind == CONSTANT:
-                    site = names[node.outputs[0].name]
-                    node.outputs[0].replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
-                    graph.remove(node, safe=True)
-        # references to enclosing graphs -> the traced values
-        own = {id(g) for g in iter_graphs(clone)}
-        for node in clone.all_nodes():
-            for i, v in enumerate(node.inputs):
-                if v is None:
-                    continue
-                hit = env.get(id(v))
-                if hit is not None:
-                    node.replace_input_with(i, tracer.value_of(hit[1]))
-                elif v.graph is not None and id(v.graph) not in own:
-                    node.replace_input_with(i, tracer.value_of(self._lookup(v, env, tracer)))
-        # the body's own names must not clash with the trace's
-        for graph in iter_graphs(clone):
-            graph.name = tracer.unique_name(graph.name or "subgraph")
-            owned = list(graph.inputs) + list(graph.initializers.values()) + [o for n in graph for o in n.outputs]
-            for value in owned:
-                if value.name:
-                    value.name = tracer.unique_name(value.name)
-            for node in graph:
-                if node.name:
-                    node.name = tracer.unique_name(node.name)
-        return clone
-
-    def _param_tensor(self, site: WeightSite, params: dict) -> Tensor:
-        param = params.get(site.path)
-        if param is None:
-            raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
-        return param.val()
 
 
 def _as_list(result) -> list:

@@ -1,0 +1,68 @@
+"""Graph attributes (``If`` branches, ``Loop`` / ``Scan`` bodies) of an imported graph wired into
+a trace (:meth:`~onnxparam.onnx_io.OnnxModule.forward` inside another module's ``forward``).
+
+A body is cloned verbatim; only its weights become the params' traced initializers, its
+references to enclosing graphs the traced values, and its own names unique in the trace.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..errors import TraceError
+from ..tensor import Tensor
+from .source import iter_graphs
+from .weights import CONSTANT, INITIALIZER, WeightSite
+
+__all__ = ["wired_subgraph"]
+
+
+def wired_subgraph(module, original: ir.Graph, env: dict, params: dict, tracer) -> ir.Graph:
+    """A clone of a graph attribute wired into the trace: its outer-scope references use the
+    traced values, its weights the params' initializers, its own names made unique."""
+    clone = original.clone(allow_outer_scope_values=True)
+    # weights inside the body (at any depth) -> the params' traced initializers
+    # NOTE: by (graph, name): sibling bodies may hold weights of the same name
+    by_graph = {(id(site.graph), site.name): site for site in module._source.sites}
+    for source_graph, graph in list(zip(iter_graphs(original), iter_graphs(clone))):
+        names = {name: site for (gid, name), site in by_graph.items() if gid == id(source_graph)}
+        for name in list(graph.initializers):
+            site = names.get(name)
+            if site is not None and site.kind == INITIALIZER:
+                value = graph.initializers[name]
+                value.replace_all_uses_with(_param_tensor(site, params)._symbol.value)
+                graph.initializers.pop(name)
+        for node in list(graph):
+            if node.op_type == "Constant" and node.outputs and node.outputs[0].name in names \
+                    and names[node.outputs[0].name].kind == CONSTANT:
+                site = names[node.outputs[0].name]
+                node.outputs[0].replace_all_uses_with(_param_tensor(site, params)._symbol.value)
+                graph.remove(node, safe=True)
+    # references to enclosing graphs -> the traced values
+    own = {id(g) for g in iter_graphs(clone)}
+    for node in clone.all_nodes():
+        for i, v in enumerate(node.inputs):
+            if v is None:
+                continue
+            hit = env.get(id(v))
+            if hit is not None:
+                node.replace_input_with(i, tracer.value_of(hit[1]))
+            elif v.graph is not None and id(v.graph) not in own:
+                node.replace_input_with(i, tracer.value_of(module._lookup(v, env, tracer)))
+    # the body's own names must not clash with the trace's
+    for graph in iter_graphs(clone):
+        graph.name = tracer.unique_name(graph.name or "subgraph")
+        owned = list(graph.inputs) + list(graph.initializers.values()) + [o for n in graph for o in n.outputs]
+        for value in owned:
+            if value.name:
+                value.name = tracer.unique_name(value.name)
+        for node in graph:
+            if node.name:
+                node.name = tracer.unique_name(node.name)
+    return clone
+
+def _param_tensor(site: WeightSite, params: dict) -> Tensor:
+    param = params.get(site.path)
+    if param is None:
+        raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
+    return param.val()

@@ -120,6 +120,11 @@ class Tensor:
         if data.dtype is DType.QFloat:
             # the quantization values own QFloat bytes (quant.tensor builds on this file)
             return service("quant.tensor").QuantizedTensor.from_data(data).to_tensor(device)
+        if data.dtype.is_onnx_only:  # an imported float8 weight: held, not computed with here
+            array = np.ascontiguousarray(data.to_numpy())
+            array.flags.writeable = False
+            tensor = Tensor(host=array, shape=array.shape, dtype=data.dtype)
+            return tensor if device is None else tensor.to_device(device)
         tensor = Tensor.from_numpy(data.to_numpy())
         if tensor.dtype is not data.dtype:  # Flex32 shares float32 storage
             tensor = Tensor(host=tensor._host, shape=tensor.shape, dtype=data.dtype)

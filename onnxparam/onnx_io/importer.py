@@ -86,7 +86,8 @@ def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
     if quantized is not None:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
-    require_grad = meta.require_grad if meta.require_grad is not None else site.dtype.is_float
+    require_grad = (meta.require_grad if meta.require_grad is not None
+                    else site.dtype.is_float and not site.dtype.is_onnx_only)
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
         return Tensor.from_data(tensor_data(_tensor, _dtype), None if device == CPU else device)

@@ -11,8 +11,8 @@ import onnx_ir as ir
 
 from ..errors import TraceError
 from ..tensor import Tensor
-from .source import iter_graphs
-from .weights import CONSTANT, INITIALIZER, WeightSite
+from ._source import iter_graphs
+from ._weights import CONSTANT, INITIALIZER, WeightSite
 
 __all__ = ["wired_subgraph"]
 

@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..tensor import Tensor
-from .source import iter_graphs
+from ._source import iter_graphs
 
 __all__ = ["declared_inputs", "declared_view", "has_control_flow"]
 
@@ -69,7 +69,7 @@ def declared_view(tracer, x, value: ir.Value):
     """
     if not isinstance(x, Tensor) or not x.is_symbolic or not _more_specific(tuple(x.shape), _declared(value)):
         return x
-    from ..trace import InputSpec
+    from .._trace import InputSpec
 
     body = tracer.subgraph(lambda i, cond, v: (cond, v),
                            [InputSpec((), DType.I64), InputSpec((), DType.Bool), InputSpec(tuple(x.shape), x.dtype)],
@@ -88,7 +88,7 @@ def declared_view(tracer, x, value: ir.Value):
 def declared_inputs(source, bound: dict) -> dict:
     """``bound`` (graph input name -> value) with each input of a graph that holds control flow
     behind :func:`declared_view`; unchanged for other graphs or outside a trace."""
-    from .. import trace as tr
+    from .. import _trace as tr
 
     tracer = tr.current_tracer()
     graph = source.loaded.model.graph

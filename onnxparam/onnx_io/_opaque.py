@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import TraceError
-from .weights import burn_dtype
+from ._weights import burn_dtype
 
 __all__ = ["source_types", "is_opaque", "opaque_node", "emit_opaque", "check_outputs"]
 

@@ -23,10 +23,14 @@ graph back (:mod:`~onnxparam.onnx_io._graph_model`).
 Inside a trace (an imported module used by another module's ``forward``),
 :meth:`OnnxModule.forward` re-emits the graph's nodes through :func:`onnxparam.ops._custom` at
 the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow bodies cloned
-with their outer-scope references and weights rewired to the traced values; this path needs
-output ranks the file or ONNX shape inference gives. For it only, model-local functions are
-inlined and ``DequantizeLinear`` weights folded into ``QFloat`` params in a working copy of the
-graph (the source stays as it came in).
+with their outer-scope references and weights rewired to the traced values
+(:mod:`~onnxparam.onnx_io._bodies`). Output ranks come from ONNX shape inference, else the file
+or a probe run (:mod:`~onnxparam.onnx_io._probe`), else stay unknown (see
+:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, strings, float8 ... are copied
+as they are (:mod:`~onnxparam.onnx_io._opaque`); the inputs of a graph with control flow are
+given the file's declared types (:mod:`~onnxparam.onnx_io._boundary`). For this path only,
+model-local functions are inlined and ``DequantizeLinear`` weights folded into ``QFloat``
+params in a working copy of the graph (the source stays as it came in).
 
 Sibling subgraphs may hold weights of the same name (the later one's path gets a ``__1``
 suffix, see :func:`~onnxparam.onnx_io._weights.find_weights`); sparse initializers import as

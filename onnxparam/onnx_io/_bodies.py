@@ -29,15 +29,13 @@ def wired_subgraph(module, original: ir.Graph, env: dict, params: dict, tracer) 
         for name in list(graph.initializers):
             site = names.get(name)
             if site is not None and site.kind == INITIALIZER:
-                value = graph.initializers[name]
-                value.replace_all_uses_with(_param_tensor(site, params)._symbol.value)
-                graph.initializers.pop(name)
+                value = graph.initializers.pop(name)
+                _rewire(graph, value, _param_tensor(site, params)._symbol.value, None)
         for node in list(graph):
             if node.op_type == "Constant" and node.outputs and node.outputs[0].name in names \
                     and names[node.outputs[0].name].kind == CONSTANT:
                 site = names[node.outputs[0].name]
-                node.outputs[0].replace_all_uses_with(_param_tensor(site, params)._symbol.value)
-                graph.remove(node, safe=True)
+                _rewire(graph, node.outputs[0], _param_tensor(site, params)._symbol.value, node)
     # references to enclosing graphs -> the traced values
     own = {id(g) for g in iter_graphs(clone)}
     for node in clone.all_nodes():
@@ -60,6 +58,27 @@ def wired_subgraph(module, original: ir.Graph, env: dict, params: dict, tracer) 
             if node.name:
                 node.name = tracer.unique_name(node.name)
     return clone
+
+def _rewire(graph: ir.Graph, value: ir.Value, param: ir.Value, node) -> None:
+    """Uses of the weight ``value`` of ``graph`` (produced by ``node``, or an initializer) take
+    the param's traced ``param`` instead; a weight that is one of the body's outputs (an ``If``
+    branch returning a constant) becomes an ``Identity`` of the param, as a body's outputs must
+    be produced inside it."""
+    if value.is_graph_output():
+        identity = ir.Node("", "Identity", [param], name=f"{value.name}_param")
+        if node is not None:
+            graph.insert_before(node, identity)
+        else:
+            graph.insert_before(graph[0], identity) if len(graph) else graph.append(identity)
+        out = identity.outputs[0]
+        out.type, out.shape = value.type, value.shape
+        value.replace_all_uses_with(out, replace_graph_outputs=True)
+        out.name = value.name
+    else:
+        value.replace_all_uses_with(param)
+    if node is not None:
+        graph.remove(node, safe=True)
+
 
 def _param_tensor(site: WeightSite, params: dict) -> Tensor:
     param = params.get(site.path)

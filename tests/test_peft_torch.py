@@ -1,11 +1,12 @@
-"""PEFT adapters (made by Hugging Face PEFT in torch) on models exported by torch's TorchScript
-exporter and imported here: merge / keep / inputs all equal PEFT's forward; one ``lora="inputs"``
+"""PEFT adapters (made by Hugging Face PEFT in torch) on models exported by torch's exporters
+(TorchScript and dynamo) and imported here: merge / keep / inputs all equal PEFT's forward; one ``lora="inputs"``
 export serves every adapter through ONNX Runtime's ``LoraAdapter`` (and none = the base model,
 PEFT's ``disable_adapter()``); adapters trained here go back to PEFT through a PEFT folder.
 
 Oracles: ``peft.PeftModel`` forward in torch on the same weights, and plain ONNX Runtime
-sessions on the written files. (torch's dynamo exporter needs ``onnxscript``, not installed in
-this environment, so only the TorchScript exporter is covered.)
+sessions on the written files. The dynamo exporter (it needs ``onnxscript``) folds
+``nn.Linear``'s transpose into unnamed ``val_N`` initializers read by ``MatMul``; the TorchScript
+one writes ``Gemm transB=1`` or ``Transpose -> MatMul``: each test runs on both.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def peft_model(base, folder, r, alpha, rslora, lora_bias, targets, seed):
     return model
 
 
+EXPORTERS = ["torchscript", "dynamo"]
+
+
+def export(model, args, path, exporter, *, dynamic_batch=None, **kwargs):
+    """``model`` written to ``path`` by torch's TorchScript or dynamo exporter (input 0's axis 0
+    named ``dynamic_batch`` when given); the dynamo exporter is skipped without ``onnxscript``."""
+    dynamo = exporter == "dynamo"
+    if dynamo:
+        pytest.importorskip("onnxscript")
+        if dynamic_batch:
+            kwargs["dynamic_shapes"] = ({0: torch.export.Dim(dynamic_batch)},)
+    elif dynamic_batch:
+        kwargs["dynamic_axes"] = {kwargs["input_names"][0]: {0: dynamic_batch}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, args, str(path), dynamo=dynamo, **({"verbose": False} if dynamo else {}), **kwargs)
+    return path
+
+
 def session(path):
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -94,19 +113,17 @@ class Wrapped(torch.nn.Module):
         return self.bert(input_ids=input_ids).last_hidden_state
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
+@pytest.fixture(scope="module", params=EXPORTERS)
+def bert(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=24, max_position_embeddings=16)
     torch.manual_seed(0)
     model = randomize(Wrapped(transformers.BertModel(config)).eval(), seed=1)
     ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
-    folder = tmp_path_factory.mktemp("bert")
-    path = folder / "bert.onnx"
-    with quiet():
-        torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"], output_names=["hidden"],
-                          dynamo=False, dynamic_axes={"input_ids": {0: "batch"}})
+    folder = tmp_path_factory.mktemp(f"bert-{request.param}")
+    path = export(model, (ids,), folder / "bert.onnx", request.param, input_names=["input_ids"],
+                  output_names=["hidden"], dynamic_batch="batch")
     return model, import_onnx(path), ids, folder
 
 
@@ -120,17 +137,19 @@ class Mlp(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-@pytest.fixture(scope="module", params=["gemm-2d", "matmul-3d"])
+@pytest.fixture(scope="module", params=[(e, d) for e in EXPORTERS for d in ("2d", "3d")],
+                ids=lambda p: "-".join(p))
 def mlp(request, tmp_path_factory):
-    """The MLP exported on 2-d inputs (``Gemm transB=1``) and on 3-d inputs without constant
-    folding (``Transpose -> MatMul``): the two patterns torch writes for ``nn.Linear``."""
+    """The MLP exported on 2-d and 3-d inputs by both exporters: TorchScript (no constant
+    folding) writes ``Gemm transB=1`` for 2-d and ``Transpose -> MatMul`` for 3-d; dynamo writes
+    ``Gemm transB=1`` on the named weight for 2-d and ``MatMul`` on a pre-transposed ``val_N``
+    initializer for 3-d."""
+    exporter, dims = request.param
     model = randomize(Mlp().eval(), seed=2)
-    x = torch.randn(3, 6) if request.param == "gemm-2d" else torch.randn(2, 3, 6)
-    folder = tmp_path_factory.mktemp(request.param)
-    path = folder / "mlp.onnx"
-    with quiet():
-        torch.onnx.export(model, (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False,
-                          do_constant_folding=False)
+    x = torch.randn(3, 6) if dims == "2d" else torch.randn(2, 3, 6)
+    folder = tmp_path_factory.mktemp("-".join(request.param))
+    extra = {} if exporter == "dynamo" else {"do_constant_folding": False}
+    path = export(model, (x,), folder / "mlp.onnx", exporter, input_names=["x"], output_names=["y"], **extra)
     return model, import_onnx(path), x, folder
 
 
@@ -174,19 +193,19 @@ def test_peft_adapters_on_a_torch_exported_bert_equal_peft_in_every_mode(bert, t
                                        err_msg=f"r{r} {mode}")
 
 
-def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(bert, tmp_path):
-    model, imported, ids, _ = bert
-    targets = ["query", "value", "dense"]
+def assert_switching_equals_peft(model, imported, x, input_name, targets, folder, seed, **export_kwargs):
+    """One ``lora="inputs"`` export of ``imported``, one ORT session, the three PEFT adapters
+    of :data:`ADAPTERS` and none active in turn: each run equals PEFT's forward (none:
+    ``disable_adapter()``, and the plain torch model)."""
     references, files = [], []
     for r, alpha, rslora, lora_bias in ADAPTERS:
-        references.append(peft_model(model, tmp_path / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=20 + r))
-        adapted = load_peft_adapter(imported, tmp_path / f"r{r}", allow_partial=True)
-        files.append(write_onnx_adapter(adapted, tmp_path / f"r{r}.onnx_adapter"))
+        references.append(peft_model(model, folder / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=seed + r))
+        adapted = load_peft_adapter(imported, folder / f"r{r}", allow_partial=True)
+        files.append(write_onnx_adapter(adapted, folder / f"r{r}.onnx_adapter"))
     # exported once, from the module holding the lora_bias adapter (it has every factor input)
-    path = export_onnx(adapted, tmp_path / "bert-inputs.onnx", ids.numpy(), lora="inputs",
-                       dynamic_axes={"input_ids": {0: "batch"}})
+    path = export_onnx(adapted, folder / "inputs.onnx", x.numpy(), lora="inputs", **export_kwargs)
     sess = session(path)
-    feeds = {"input_ids": ids.numpy()}
+    feeds = {input_name: x.numpy()}
     for index in (0, 1, 2, None, 1, 0):
         options, keep = run_options(None if index is None else files[index])
         got = sess.run(None, feeds, options)[0]
@@ -194,12 +213,48 @@ def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(b
         with torch.no_grad():
             if index is None:
                 with reference.disable_adapter():
-                    expected = reference(ids).numpy()
+                    expected = reference(x).numpy()
             else:
-                expected = reference(ids).numpy()
+                expected = reference(x).numpy()
         np.testing.assert_allclose(got, expected, atol=ATOL, err_msg=str(index))
     with torch.no_grad():  # and "none" is exactly the base model's output
-        np.testing.assert_allclose(sess.run(None, feeds)[0], model(ids).numpy(), atol=ATOL)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], model(x).numpy(), atol=ATOL)
+
+
+def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(bert, tmp_path):
+    model, imported, ids, _ = bert
+    assert_switching_equals_peft(model, imported, ids, "input_ids", ["query", "value", "dense"], tmp_path, seed=20,
+                                 dynamic_axes={"input_ids": {0: "batch"}})
+
+
+def test_one_inputs_export_of_an_mlp_switches_among_three_peft_adapters_and_none(mlp, tmp_path):
+    model, imported, x, _ = mlp
+    assert_switching_equals_peft(model, imported, x, "x", ["fc1", "fc2"], tmp_path, seed=40)
+
+
+class BiasFreeMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8, bias=False)
+        self.fc2 = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_peft_adapter_finds_bias_free_linears_that_the_dynamo_exporter_renamed(tmp_path):
+    """dynamo writes ``MatMul(x, val_N)`` for a bias-free ``nn.Linear`` on 3-d inputs: no bias
+    and no node name tell the module, only the node's ``name_scopes`` metadata does."""
+    model = randomize(BiasFreeMlp().eval(), seed=7)
+    x = torch.randn(2, 3, 6)
+    imported = import_onnx(export(model, (x,), tmp_path / "m.onnx", "dynamo", input_names=["x"], output_names=["y"]))
+    assert not any(name.endswith(".weight") for name in imported.onnx_names.values())  # renamed: val_N
+    reference = peft_model(model, tmp_path / "ad", 4, 6, False, False, ["fc1", "fc2"], seed=8)
+    with torch.no_grad():
+        expected = reference(x).numpy()
+    adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
+    assert sorted(report.matched) == ["base_model.model.fc1", "base_model.model.fc2"]
+    np.testing.assert_allclose(adapted(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
 
 
 class OurMlp(Module):

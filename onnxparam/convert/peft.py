@@ -431,6 +431,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             if entry is not None:
                 plan[target] = entry
                 report.matched[name] = target
+                if "bias" in factors:  # a conv's lora_B (a 1x1 conv) has the bias
+                    _plan_bias(name, mapped, target, factors["bias"], B.shape[0], entry[3], targets, plan, problems)
             continue
         rank, d_in = A.shape
         d_out, rank_b = B.shape
@@ -465,13 +467,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         plan[target] = (name, _factor_array(A).T, _factor_array(B).T, scale, transposed)
         report.matched[name] = target
         if "bias" in factors:
-            bias_path = targets.bias_of(mapped, target)
-            bias = _factor_array(factors["bias"]).reshape(-1)
-            if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
-                problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
-                                f"{target!r} has no bias param of that size to attach it to")
-                continue
-            plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
+            _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems)
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
@@ -500,6 +496,20 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
 
     result = rebuild(module, attach)
     return (result, report) if return_report else result
+
+
+def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: float, targets, plan: dict,
+               problems: list) -> None:
+    """Plans PEFT's ``lora_B.bias`` (``lora_bias=True``; ``(out,)``) as a rank-1 adapter on the
+    layer's bias param: ``a = [[1]]``, ``b = lora_B.bias`` ``(1, out)``, the weight's scale (PEFT
+    adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way)."""
+    bias_path = targets.bias_of(mapped, target)
+    bias = _factor_array(snap).reshape(-1)
+    if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
+        problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
+                        f"{target!r} has no bias param of size {d_out} to attach it to")
+        return
+    plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
 
 
 def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):

@@ -47,7 +47,8 @@ def adapter_params(module) -> dict:
     return params
 
 
-def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, model_version: int = 1):
+def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, model_version: int = 1,
+                       adapter_name=None):
     """Write an ONNX Runtime adapter file (``.onnx_adapter``, ``onnxruntime.AdapterFormat``).
 
     Args:
@@ -57,6 +58,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
             ``name -> array`` written as given (then ``b`` must already carry the scale).
         path: the file to write.
         adapter_version, model_version: the versions stored in the file's header.
+        adapter_name: write this named adapter of the module (``Module.add_adapter``) instead
+            of the active one (``KeyError`` for an unknown name).
 
     Returns:
         the ``pathlib.Path`` written.
@@ -80,6 +83,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     from ._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
 
     ort = import_onnxruntime()
+    if adapter_name is not None and not isinstance(module_or_params, dict):
+        module_or_params = module_or_params.set_adapter(adapter_name)
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
     if not params:
         raise ValueError("no LoRA adapter to write: the module has no adapters (apply_lora first)")

@@ -379,3 +379,82 @@ def test_embedding_and_linear_adapters_saved_here_load_in_peft_with_the_same_out
     with torch.no_grad():
         expected = loaded(ids).numpy()
     np.testing.assert_allclose(adapted(Tensor.from_numpy(ids.numpy())).to_numpy(), expected, atol=ATOL)
+
+
+def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports(tmp_path):
+    from onnxparam import Param, save_peft_adapter
+
+    torch_model = randomize(Mlp().eval(), seed=9)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    names = ("one", "two", "three")
+    for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
+        peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=50 + r)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "one"),
+                                                   adapter_name="one").eval()
+        for name in names[1:]:
+            reference.load_adapter(str(tmp_path / name), adapter_name=name)
+    x = torch.randn(4, 6)
+    xt = Tensor.from_numpy(x.numpy())
+
+    def peft_out(name):
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    return reference(x).numpy()
+            reference.set_adapter(name)
+            return reference(x).numpy()
+
+    module = base
+    for name in names:
+        module = module.add_adapter(name, load_peft_adapter(base, tmp_path / name))
+    assert module.lora_adapters.names == list(names) and module.active_adapter is None
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)  # added, not active
+    # copies (map), records (into_record / load_record) and switching keep the set
+    module = module.set_adapter("two").map(lambda path, p: p)
+    assert module.active_adapter == "two"
+    reloaded = base
+    for name in names:
+        reloaded = reloaded.add_adapter(name, load_peft_adapter(base, tmp_path / name))
+    module = reloaded.set_adapter("two").load_record(module.into_record())
+    for name in ("two", "one", None, "three", "two"):
+        module = module.set_adapter(name)
+        np.testing.assert_allclose(module(xt).to_numpy(), peft_out(name), atol=ATOL, err_msg=str(name))
+    # the active adapter lives in the params: new values (training, load_record) survive a switch
+    module = module.map(lambda path, p: Param(p.id, value=Tensor.from_numpy(2 * p.val().to_numpy()), require_grad=True)
+                        if path == "fc1.weight.lora.b" else p)
+    module = module.set_adapter("one").set_adapter("two")
+    with torch.no_grad():
+        reference.set_adapter("two")
+        reference.base_model.model.fc1.lora_B["two"].weight.mul_(2)
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out("two"), atol=ATOL)
+    # saved by name, PEFT loads each folder with PEFT's own outputs
+    for name in ("three", "two"):
+        folder = save_peft_adapter(module, tmp_path / f"saved-{name}", adapter_name=name)
+        with quiet():
+            loaded = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(loaded(x).numpy(), peft_out(name), atol=ATOL, err_msg=name)
+    # exported once (lora="inputs"), one .onnx_adapter per name, switched in one session
+    path = export_onnx(module, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
+    files = {name: write_onnx_adapter(module, tmp_path / f"{name}.onnx_adapter", adapter_name=name) for name in names}
+    sess = session(path)
+    for name in ("one", "three", None, "two"):
+        options, keep = run_options(files.get(name))
+        np.testing.assert_allclose(sess.run(None, {"x": x.numpy()}, options)[0], peft_out(name), atol=ATOL,
+                                   err_msg=str(name))
+    # deleting the active adapter leaves the base model; merging drops the named set
+    module = module.set_adapter("one")
+    merged = module.merge_lora()
+    assert merged.lora_adapters.names == [] and merged.active_adapter is None
+    np.testing.assert_allclose(merged(xt).to_numpy(), peft_out("one"), atol=ATOL)
+    module = module.delete_adapter("one")
+    reference.set_adapter("two")  # NOTE: PEFT would make another adapter active; here none is
+    reference.delete_adapter("one")
+    assert module.lora_adapters.names == ["two", "three"] == list(reference.peft_config)
+    assert module.active_adapter is None
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)
+    with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two', 'three'\]"):
+        module.set_adapter("one")

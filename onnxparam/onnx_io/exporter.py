@@ -108,8 +108,11 @@ def export_onnx(
 def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                      opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
     """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy)."""
+    from ..lora import with_every_named_target
     from ..trace import trace_module
 
+    if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
+        module = with_every_named_target(module)
     if isinstance(module, OnnxModule) and not kwargs:
         # NOTE (quant, issue 17): a quantized import is traced first, so the QDQ pass picks each op's
         # form (dynamic / static int8, float convs, MatMulNBits); the source graph is the fallback

@@ -19,9 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from onnxparam import Module, Param, Tensor, nn, save_peft_adapter  # noqa: E402
+from onnxparam import Module, Param, Tensor, load_peft_adapter, nn, save_peft_adapter  # noqa: E402
 from onnxparam.autodiff import grad, mse  # noqa: E402
-from onnxparam.convert.peft import load_peft_adapter  # noqa: E402
 from onnxparam.optim import Adam  # noqa: E402
 
 ATOL = 2e-4

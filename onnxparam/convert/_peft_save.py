@@ -1,5 +1,5 @@
 """Writing a module's LoRA adapters as a Hugging Face PEFT adapter folder:
-:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert.peft.load_peft_adapter`).
+:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert._peft.load_peft_adapter`).
 
 PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target module
 ``<m>``, ``base_model.model.<m>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``,
@@ -59,9 +59,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     """
     from safetensors.numpy import save_file
 
+    from .._trace import untraced
     from ..module import named_modules, named_params
     from ..nn import Embedding
-    from ..trace import untraced
 
     if adapter_name is not None:
         module = module.set_adapter(adapter_name)

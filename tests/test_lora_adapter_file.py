@@ -14,8 +14,17 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnxparam import (LoraConfig, Module, OnnxFormatError, Param, RecordError, Tensor, check_onnx_adapter,
-                       export_onnx, write_onnx_adapter)
+from onnxparam import (
+    LoraConfig,
+    Module,
+    OnnxFormatError,
+    Param,
+    RecordError,
+    Tensor,
+    check_onnx_adapter,
+    export_onnx,
+    write_onnx_adapter,
+)
 from onnxparam.nn import Linear
 
 RANK, ALPHA = 2, 5.0

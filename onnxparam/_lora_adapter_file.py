@@ -28,7 +28,8 @@ __all__ = ["adapter_params", "write_onnx_adapter", "check_onnx_adapter"]
 
 def adapter_params(module) -> dict:
     """``{"<path>.lora.a": array, "<path>.lora.b": array, ...}`` for every adapter of
-    ``module``: the graph-input names of its ``"inputs"`` export and the values they are fed:
+    ``module`` (an imported model's weights by their ONNX names: ``onnx::MatMul_7.lora.a``):
+    the graph-input names of its ``"inputs"`` export and the values they are fed:
     ``a`` ``(d_in, r)`` and ``scale * b`` ``(r, d_out)`` (the scale folded into ``b``, as Olive
     writes adapters: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA), at the base's float
     dtype (float32 for a quantized base)."""
@@ -36,14 +37,18 @@ def adapter_params(module) -> dict:
     from ._trace import untraced
     from .module import named_params
 
+    # NOTE: an imported model's export names its weights as its file does (onnx::MatMul_12),
+    # and the factor inputs after them (onnx::MatMul_12.lora.a): the same names here
+    onnx_names = getattr(module, "onnx_names", None) or {}
     params = {}
     with untraced():
         for path, param in named_params(module):
             if param.adapter() is None:
                 continue
             dtype = param.lazy_dtype()
-            params[f"{path}.lora.a"] = fed_factor(param, "a", dtype)
-            params[f"{path}.lora.b"] = fed_factor(param, "b", dtype)
+            name = onnx_names.get(path, path)
+            params[f"{name}.lora.a"] = fed_factor(param, "a", dtype)
+            params[f"{name}.lora.b"] = fed_factor(param, "b", dtype)
     return params
 
 

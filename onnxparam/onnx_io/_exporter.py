@@ -360,7 +360,7 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
         traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None, None, input_names=names)
     model = traced.model
     graph = model.graph
-    originals = module.onnx_names
+    originals = factor_onnx_names(module.onnx_names, list(traced.params) + [v.name for v in graph.inputs])
     by_name = {}
     for path, param in traced.params.items():
         by_name[originals.get(path, path)] = (path, param)
@@ -395,6 +395,21 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
     model.domain = source.domain
     model.model_version = source.model_version
     return model, by_name
+
+
+def factor_onnx_names(originals: dict, paths) -> dict:
+    """``originals`` (param path -> the ONNX name it had in the source file) plus, for each
+    LoRA factor path ``<path>.lora.a`` / ``.lora.b`` among ``paths`` whose base has a source
+    name, ``<source name>.lora.a`` / ``.b``: factors are named after the weight as the file
+    spells it (``onnx::MatMul_12.lora.a``), not after its escaped module path."""
+    from .._lora_graph import FACTOR_SUFFIXES
+
+    names = dict(originals)
+    for path in paths:
+        for suffix in FACTOR_SUFFIXES:
+            if path.endswith(suffix) and path[: -len(suffix)] in originals:
+                names.setdefault(path, originals[path[: -len(suffix)]] + suffix)
+    return names
 
 
 def _traced_values(env: dict) -> dict:
@@ -452,6 +467,9 @@ def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
         claim(value, name)
     for path in traced_model.param_paths:
         claim(graph.initializers[path], originals.get(path, path))
+    for value in graph.inputs:  # lora="inputs" factors: named after their weight's source name
+        if value.is_initializer() and value.name in originals:
+            claim(value, originals[value.name])
     for original, value in traced.values():
         claim(value, original.name)
     # every value of the model, subgraphs included

@@ -79,3 +79,18 @@ def test_inspect_shows_kept_factor_names_escaped_once_like_their_weight(imported
         assert escaped in listed
     assert sorted(n for n in listed if ".lora." in n) == [f"{escaped}.lora.a", f"{escaped}.lora.b"]
     assert "_x5f_" not in " ".join(listed)  # an escaped name escaped again
+
+
+def test_a_kept_export_imported_and_kept_again_has_no_leftover_initializers(imported, tmp_path):
+    adapted, w, x = imported
+    first = export_onnx(adapted, tmp_path / "kept.onnx", x, lora="keep")
+    again = import_onnx(first)
+    second = export_onnx(again, tmp_path / "kept-again.onnx", x, lora="keep")
+    model = onnx.load(str(second))
+    used = {name for node in model.graph.node for name in node.input}
+    assert sorted(i.name for i in model.graph.initializer if i.name not in used) == []
+    assert sorted(i.name for i in model.graph.initializer) == sorted(
+        [WEIGHT] + [f"{WEIGHT}.lora.{s}" for s in ("a", "b", "scale")])
+    _, a, b = factors(adapted)
+    got = ort.InferenceSession(str(second), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, x @ (w + ALPHA / RANK * a @ b), rtol=1e-4, atol=1e-5)

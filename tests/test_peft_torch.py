@@ -23,7 +23,15 @@ peft = pytest.importorskip("peft")
 
 import onnxruntime as ort  # noqa: E402
 
-from onnxparam import LoraConfig, Module, Tensor, export_onnx, import_onnx, load_peft_adapter, write_onnx_adapter  # noqa: E402
+from onnxparam import (  # noqa: E402
+    LoraConfig,
+    Module,
+    Tensor,
+    export_onnx,
+    import_onnx,
+    load_peft_adapter,  # noqa: E402
+    write_onnx_adapter,
+)
 from onnxparam.runtime import SessionConfig, set_session_config  # noqa: E402
 
 ATOL = 2e-4

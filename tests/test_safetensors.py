@@ -255,8 +255,7 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 
 def test_quantized_tensor_survives_safetensors(tmp_path):
-    from onnxparam.quant import QuantScheme
-    from onnxparam.quant._tensor import QuantizedTensor
+    from onnxparam.quant import QuantizedTensor, QuantScheme
 
     scheme = QuantScheme()
     q = QuantizedTensor.quantize(RNG.standard_normal((4, 8)).astype(np.float32), scheme)

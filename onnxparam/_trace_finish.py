@@ -123,6 +123,6 @@ def check_batch_outputs(traced: TracedModel, batch: str) -> None:
             continue
         if dims and isinstance(dims[0], int):
             raise TraceError(baked_message(value, 0, dims[0], batch, "dynamic_batch declares"))
-        got = "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
+        got = "an unknown rank" if value.shape is None else "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
         raise TraceError(f"dynamic_batch declares dim 0 of every output the batch ({batch!r}), but output "
                          f"{value.name!r} has {got}; pass dynamic_axes for the dims that are dynamic instead")

@@ -73,7 +73,8 @@ def _read_onnx(path: Path) -> _Source:
     from ..onnx_io.records import read_onnx_record
 
     model = _load_mapped(path)
-    record = _read_weights_only(model, str(path)) if _is_weights_only(model) else read_onnx_record(model)
+    slices: dict = {}
+    record = _read_weights_only(model, str(path), slices) if _is_weights_only(model) else read_onnx_record(model)
     metadata = dict(record.metadata)
     raw_scalars = metadata.pop(SCALARS_KEY, None)
     scalars = {}
@@ -82,7 +83,9 @@ def _read_onnx(path: Path) -> _Source:
             scalars = _decode_scalars(path, json.loads(raw_scalars))
         except ValueError as exc:
             raise RecordError(f"'{path}': the recorded scalars are not valid JSON ({exc})") from None
-    tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name)
+    where = os.path.abspath(path)
+    tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name, slices.get(name),
+                       where if name in slices else None)
                for name, s in record.items()]
     itself = frozenset({os.path.realpath(path)})
     return _Source(tensors, metadata, scalars, external_files=_external_data_files(model) - itself)
@@ -121,9 +124,13 @@ def _is_weights_only(model) -> bool:
     return fed == set(graph.initializers)
 
 
-def _read_weights_only(model, source: str) -> ModuleRecord:
+def _read_weights_only(model, source: str, slices: "dict | None" = None) -> ModuleRecord:
     """Every initializer of a weights-only model, in order. (The ONNX bridge's weight rules
-    leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)"""
+    leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)
+
+    ``slices``, when given, receives ``name -> (offset, byte count)`` for each tensor whose
+    bytes lie in the file ``source`` itself as every target stores them (``raw_data`` mapped
+    by :func:`_load_mapped`, the element type Burn's dtype writes back)."""
     from ..onnx_io import metadata as md
     from ..onnx_io.naming import onnx_name_to_path
     from ..onnx_io.weights import burn_dtype, tensor_data
@@ -144,12 +151,33 @@ def _read_weights_only(model, source: str) -> ModuleRecord:
         if name in items:
             raise RecordError(f"{source}: two initializers are read as the tensor {name!r} (one is {value.name!r}); "
                               f"remove or fix the {SOURCE_NAME_KEY!r} metadata of one")
-        items[name] = TensorSnapshot(
-            dtype, tuple(int(d) for d in tensor.shape.numpy()), meta.param_id,
-            lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
+        shape = tuple(int(d) for d in tensor.shape.numpy())
+        items[name] = TensorSnapshot(dtype, shape, meta.param_id, lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
+        if slices is not None:
+            where = _slice_in_file(tensor, dtype, shape, source)
+            if where is not None:
+                slices[name] = where
     props = model.metadata_props
     record_meta = {k[len(md.RECORD_PREFIX):]: v for k, v in props.items() if k.startswith(md.RECORD_PREFIX)}
     return ModuleRecord(items, record_meta)
+
+
+def _slice_in_file(tensor, dtype: DType, shape: tuple, source: str):
+    """``(offset, length)`` of an external tensor's bytes in ``source`` itself, when they are
+    the bytes the tensor's Burn dtype stores (same element type, little-endian, exact length)."""
+    import onnx_ir as ir
+
+    if not isinstance(tensor, ir.ExternalTensor) or dtype is DType.Bool or tensor.offset is None:
+        return None
+    if dtype.to_onnx() != int(tensor.dtype.value) or os.path.realpath(tensor.path) != os.path.realpath(source):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    length = n * dtype.itemsize
+    if tensor.length is not None and tensor.length != length:
+        return None
+    return int(tensor.offset), length
 
 
 # -- ONNX targets -------------------------------------------------------------------------------
@@ -216,6 +244,7 @@ def _write_weights_only_streamed(dst: Path, tensors: list, record_meta: dict) ->
     their ``metadata_props``, so only one tensor's bytes are in memory at a time."""
     import onnx_ir as ir
 
+    from ..formats._file_range import file_range_of
     from ..formats.onnx_stream import StreamedTensor, write_onnx_streamed
 
     def placeholder(t: _Tensor, onnx_name: str, props: dict):
@@ -226,7 +255,8 @@ def _write_weights_only_streamed(dst: Path, tensors: list, record_meta: dict) ->
     initializers = list(proto.graph.initializer)
     del proto.graph.initializer[:]
     streamed = [
-        StreamedTensor(init.name, init.data_type, tuple(init.dims), lambda _t=t: _t.to_data().to_numpy(), _nbytes(t),
+        StreamedTensor(init.name, init.data_type, tuple(init.dims),
+                       file_range_of(t) or (lambda _t=t: _t.to_data().to_numpy()), _nbytes(t),
                        tuple((p.key, p.value) for p in init.metadata_props))
         for init, t in zip(initializers, tensors)
     ]

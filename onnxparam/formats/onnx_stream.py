@@ -44,6 +44,7 @@ from google.protobuf.message import DecodeError
 
 from .._scratch import atomic_output
 from ..errors import OnnxFormatError
+from ._file_range import FileRange, copy_range
 
 __all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "read_onnx_mapped", "MAX_PROTOBUF_BYTES"]
 
@@ -56,7 +57,7 @@ _GRAPH_INITIALIZER_FIELD = 5
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
 _COPY_CHUNK_BYTES = 16 << 20  # NOTE: bounded slices keep a lazily mapped source from being paged in all at once
 
-Source = Union[np.ndarray, bytes, bytearray, memoryview]
+Source = Union[np.ndarray, bytes, bytearray, memoryview, FileRange]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +69,9 @@ class StreamedTensor:
         data_type: an ``onnx.TensorProto.DataType`` value (``TensorProto.FLOAT`` ...).
         dims: the shape.
         data: the raw_data bytes — a numpy array (written C-ordered, little-endian), any
-            bytes-like object, or a zero-argument callable returning one (called once, when the
-            tensor is written, so a conversion can be deferred until then).
+            bytes-like object, a :class:`~onnxparam.formats._file_range.FileRange` (bytes of
+            another file, copied by the kernel), or a zero-argument callable returning one
+            (called once, when the tensor is written, so a conversion can be deferred until then).
         nbytes: the byte length of ``data``; required when ``data`` is a callable, otherwise
             taken from ``data``.
         metadata_props: ``(key, value)`` string pairs of the ``TensorProto``'s
@@ -88,7 +90,7 @@ class StreamedTensor:
             return self.nbytes
         if callable(self.data):
             raise OnnxFormatError(f"initializer '{self.name}': nbytes is required when data is a callable")
-        if isinstance(self.data, np.ndarray):
+        if isinstance(self.data, (np.ndarray, FileRange)):
             return self.data.nbytes
         return memoryview(self.data).nbytes
 
@@ -237,6 +239,12 @@ _LITTLE = np.little_endian
 
 def _copy_data(out, tensor: StreamedTensor) -> None:
     data = tensor.data() if callable(tensor.data) else tensor.data
+    if isinstance(data, FileRange):
+        if data.nbytes != tensor.byte_length():
+            raise OnnxFormatError(f"initializer '{tensor.name}': the file range holds {data.nbytes} bytes, "
+                                  f"{tensor.byte_length()} were announced")
+        copy_range(out, data)
+        return
     view = _buffer(data)
     if view.nbytes != tensor.byte_length():
         # NOTE: the lengths before this tensor are written already; the scratch file is discarded.

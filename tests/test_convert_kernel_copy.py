@@ -146,7 +146,7 @@ def test_pt_contiguous_tensors_are_copied_and_strided_ones_computed_with_torchs_
 
 def test_pt_strided_tensors_are_copied_when_looked_up_not_when_read(tmp_path):
     torch = pytest.importorskip("torch")
-    from onnxparam.formats.pytorch import read_pytorch
+    from onnxparam.formats import read_pytorch
 
     n = 1024
     big = torch.arange(n * n, dtype=torch.float32).reshape(n, n)  # 4 MiB

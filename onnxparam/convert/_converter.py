@@ -165,9 +165,11 @@ def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> N
         raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
     readers = [(src, source.external_files)]
     if isinstance(graph, (str, os.PathLike)):
-        from ..onnx_io._source import load_model
+        from ._onnx_files import _load_template
 
-        readers.append((Path(graph), _external_data_files(load_model(graph).model)))
+        if target == os.path.realpath(graph):
+            raise ValueError(f"the target and the graph template are the same file '{graph}'; write to another file")
+        readers.append((Path(graph), _external_data_files(_load_template(graph))))
     for model, files in readers:
         if target in files:
             raise ValueError(

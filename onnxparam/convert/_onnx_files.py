@@ -47,12 +47,12 @@ of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
 
 def _load_mapped(path: Path):
     """``path`` as an ``onnx_ir.Model`` whose inline weights are external-data views of the file
-    itself (:func:`onnxparam.formats._onnx_stream.read_onnx_mapped`), validated as
+    itself (:func:`onnxparam.formats.read_onnx_mapped`), validated as
     :func:`onnxparam.onnx_io._source.load_model` validates any model."""
     import onnx_ir as ir
 
     from ..errors import OnnxFormatError
-    from ..formats._onnx_stream import read_onnx_mapped
+    from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
     if not path.is_file():
@@ -206,9 +206,7 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
     if graph is not None:
-        from ..onnx_io._records import write_record_to_onnx
-
-        write_record_to_onnx(record, graph, dst, allow_partial=allow_partial, external_data=external_data)
+        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data)
         return
     if not external_data and (external_data is not None or _total_bytes(tensors) < _STREAM_LIMIT):
         _write_weights_only_streamed(dst, tensors, record.metadata)
@@ -217,6 +215,38 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
 
     model = _weights_only_model(tensors, record.metadata, lambda t, onnx_name, props: _lazy_tensor(t, onnx_name, props))
     save_model(model, dst, external_data=external_data)
+
+
+def _load_template(graph):
+    """A ``graph=`` template: a path is read through a map (:func:`_load_mapped`: its inline
+    weights, subgraphs' too, stay in the file until read); a model is taken as it is."""
+    return _load_mapped(Path(graph)) if isinstance(graph, (str, os.PathLike)) else graph
+
+
+def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_partial: bool,
+                      external_data) -> None:
+    """``graph`` (a template path or model) with its weights replaced by ``tensors``, written as
+    :func:`onnxparam.onnx_io.save_model` writes (inline: streamed, subgraphs included). A tensor
+    whose bytes lie unchanged in its source file becomes an external reference to them for the
+    time of the write, so the inline writer copies them file to file; the others are computed
+    one at a time."""
+    import onnx_ir as ir
+
+    from ..onnx_io._records import _lazy_tensor, weights_into_graph
+    from ..onnx_io._save import DEFAULT_ALIGNMENT_BYTES, save_model
+    from ..onnx_io._weights import INITIALIZER
+
+    def make_tensor(t: _Tensor, site, props: dict):
+        in_file = t.file_range() if site.kind == INITIALIZER else None
+        if in_file is not None and int(site.tensor.dtype) == t.dtype.to_onnx() and in_file.nbytes == _nbytes(t):
+            return ir.ExternalTensor(in_file.path, in_file.offset, in_file.nbytes, site.tensor.dtype,
+                                     shape=ir.Shape(site.shape), name=site.name, metadata_props=props)
+        return _lazy_tensor(t.snapshot(), site, props)
+
+    source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
+                               make_tensor=make_tensor, metadata=record_meta, source=source)
+    save_model(model, dst, external_data=external_data, alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
 
 
 _STREAM_LIMIT = (1 << 31) - (64 << 20)
@@ -384,8 +414,9 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
         report.notes.append(f"'{site.path}' is held by a Constant node: its data is copied into the model")
         return ir.Tensor(t.to_data().to_numpy(), dtype=site.tensor.dtype, name=site.name)
 
-    model = weights_into_graph({t.name: t for t in tensors}, graph, allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta)
+    source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
+                               make_tensor=make_tensor, metadata=record_meta, source=source)
     # Other external tensors of the graph point at files beside the *old* model: bring them in.
     for g in iter_graphs(model.graph):
         for value in g.initializers.values():

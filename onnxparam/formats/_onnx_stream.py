@@ -46,7 +46,7 @@ from .._scratch import atomic_output
 from ..errors import OnnxFormatError
 from ._file_range import FileRange, copy_range
 
-__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "read_onnx_mapped", "MAX_PROTOBUF_BYTES"]
+__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "MAX_PROTOBUF_BYTES"]
 
 MAX_PROTOBUF_BYTES = 2**31 - 1
 """Protobuf cannot parse a message of 2 GiB or more (a signed 32-bit length): onnx.load and ONNX
@@ -391,55 +391,6 @@ def _simple_tensor(view: memoryview, pos: int, end: int) -> StreamedTensor | Non
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
-    """The model of an inline ``.onnx`` file with each ``raw_data`` initializer of its main graph
-    turned into an *external-data reference into the file itself*, in place and in order.
-
-    The file is walked in a read-only map (nothing is copied but the small fields): an
-    initializer's ``raw_data`` (field 9) is replaced by ``external_data`` (field 13:
-    ``location`` = the file's name, ``offset`` = where its bytes start in the file, ``length``)
-    and ``data_location = EXTERNAL`` (field 14). ``onnx_ir`` then reads each tensor as a view
-    of a map of the file when (and if) it is needed (set the model's base folder to the file's
-    folder), so reading a 1 GiB model costs its structure, not 2 GiB of protobuf and copies.
-    Initializer order, names, metadata and every other field are kept as they are.
-
-    Raises:
-        OnnxFormatError: the file is not a protobuf ``ModelProto`` (truncated, bad lengths) or
-            holds no graph.
-    """
-    path = os.fspath(path)
-    location = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except OSError as e:
-        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    view = memoryview(mapped)
-    try:
-        model_out, found_graph = bytearray(), False
-        for field, wire, start, value_start, end in _walk(view, 0, len(view)):
-            if field != _MODEL_GRAPH_FIELD or wire != _WIRE_LEN:
-                model_out += view[start:end]
-                continue
-            found_graph = True
-            graph_out = bytearray()
-            for g_field, g_wire, g_start, g_value, g_end in _walk(view, value_start, end):
-                if g_field == _GRAPH_INITIALIZER_FIELD and g_wire == _WIRE_LEN:
-                    graph_out += _len_field(_GRAPH_INITIALIZER_FIELD, _external_tensor(view, g_value, g_end, location))
-                else:
-                    graph_out += view[g_start:g_end]
-            model_out += _len_field(_MODEL_GRAPH_FIELD, bytes(graph_out))
-        model = onnx.ModelProto.FromString(bytes(model_out))
-    except (IndexError, ValueError, UnicodeDecodeError, DecodeError) as e:
-        raise OnnxFormatError(
-            f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e}); the file may be truncated"
-        ) from None
-    if not found_graph:
-        raise OnnxFormatError(f"{path}: holds no ONNX graph (ModelProto field {_MODEL_GRAPH_FIELD}); is it an .onnx file?")
-    return model
 
 
 def _external_tensor(view: memoryview, pos: int, end: int, location: str) -> bytes:

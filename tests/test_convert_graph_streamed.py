@@ -180,3 +180,32 @@ def test_save_inline_equals_protobufs_serializer_with_subgraphs_constants_and_ex
     assert (tmp_path / "streamed.onnx").read_bytes() == (tmp_path / "protobuf.onnx").read_bytes()
     assert isinstance(model.graph.initializers["fc.weight"].const_value, ir.Tensor)  # the model is unchanged
     assert isinstance(then_value.const_value, ir.LazyTensor)
+
+
+def test_an_imported_model_with_shapes_between_its_weights_exports_streamed(tmp_path, no_whole_model_save):
+    # NOTE: torch's exporter puts small int64 shape initializers between the weights; the writer
+    # used to fall back to serializing the whole model then (2x the weights in memory).
+    import onnxparam as op
+
+    rng = np.random.default_rng(5)
+    weights = [rng.standard_normal((K, K), dtype=np.float32) for _ in range(2)]
+    inits, nodes, x = [], [], "x"
+    for i, w in enumerate(weights):
+        inits += [numpy_helper.from_array(w, f"layers.{i}.weight"), numpy_helper.from_array(np.array([1, K]), f"s{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"layers.{i}.weight"], [f"h{i}"]),
+                  helper.make_node("Reshape", [f"h{i}", f"s{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, K])], initializer=inits)
+    source = tmp_path / "in.onnx"
+    source.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString())
+    op.export_onnx(op.import_onnx(source), tmp_path / "out.onnx")
+    assert no_whole_model_save["streamed"] == 1
+    out = onnx.load(str(tmp_path / "out.onnx"))
+    assert [i.name for i in out.graph.initializer] == [i.name for i in inits]
+    for init in inits:
+        got = numpy_helper.to_array(next(i for i in out.graph.initializer if i.name == init.name))
+        assert got.tobytes() == numpy_helper.to_array(init).tobytes(), init.name
+    v = np.linspace(-1, 1, K, dtype=np.float32)[None]
+    y = ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": v})[0]
+    np.testing.assert_allclose(y, v @ weights[0] @ weights[1], rtol=1e-4, atol=1e-2)

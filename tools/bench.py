@@ -50,6 +50,10 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
   dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
   (target <= :data:`IMPORT_RSS_TARGET`).
+* ``export``: ``tools/bench_export.py``: peak RSS growth of ``export_onnx`` (anonymous / file
+  pages, and / the model's bytes) for a module loaded from a ``.bpk`` and for an imported inline
+  ``.onnx`` whose shape initializers sit between its weights (``--convert-mib`` of weights);
+  target: anonymous growth <= 1.2 x the largest tensor + 100 MiB.
 * ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
   plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
   over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
@@ -706,6 +710,14 @@ def bench_dynamic(args: argparse.Namespace) -> list[Result]:
     return run(args, Result, interleaved_medians)
 
 
+def bench_export(args: argparse.Namespace) -> list[Result]:
+    """Peak memory of ``export_onnx`` (a mapped module; an imported model): :mod:`bench_export` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_export import bench_export as run
+
+    return run(args, Result)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
@@ -714,6 +726,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "quant": bench_quant,
     "import": bench_import,
     "dynamic": bench_dynamic,
+    "export": bench_export,
 }
 """Section name -> function; run in this order when none is named."""
 

@@ -16,7 +16,8 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
 * ``convert``: ``onnxparam.convert.convert`` on a synthetic model of :data:`CONVERT_MODEL_BYTES`
   (1 GiB, float32 plus some float16 / int64 tensors; ``--convert-mib``) for every pair of
   formats: ``.bpk``, ``.safetensors``, ``.onnx`` (weights inline in the protobuf) and ``.pt``
-  (``torch.save``; a source only, made when torch is installed), each case in a fresh
+  (``torch.save``; a source only, made when torch is installed), and ``.bpk -> .onnx`` into
+  a template (``graph=`` the inline ``.onnx``: its weights replaced), each case in a fresh
   subprocess that first converts a small model of the same pair (imports paid), then times the
   big one; ``--convert-repeats`` times, each beside a run copying the ``.bpk`` once + fsync
   (alternating which goes first; files in the page cache); the time ratio is median / median of
@@ -183,6 +184,8 @@ CONVERT_SOURCES = {"bpk": "model.bpk", "safetensors": "model.safetensors", "onnx
 """Source format -> file in the bench folder (``.onnx``: weights inline in the protobuf;
 ``.pt``: ``torch.save`` of the state dict, written only when torch is installed)."""
 CONVERT_TARGETS = {"bpk": "out.bpk", "safetensors": "out.safetensors", "onnx": "out.onnx"}
+GRAPH_CASE = "bpk->onnx graph="
+"""``convert(model.bpk, out.onnx, graph=model.onnx)``: a template's weights replaced (streamed)."""
 CONVERT_WARM = "warm"
 """Sub-folder of the bench folder holding the small model each case process converts first."""
 CONVERT_WARM_BYTES = 8 * 2**20
@@ -201,6 +204,7 @@ def _convert_cases(with_pt: bool) -> dict:
         for dst, dst_file in CONVERT_TARGETS.items():
             if src != dst:
                 cases[f"{src}->{dst}"] = (src_file, dst_file)
+    cases[GRAPH_CASE] = (CONVERT_SOURCES["bpk"], CONVERT_TARGETS["onnx"])  # the inline .onnx as the template
     return cases
 
 
@@ -240,10 +244,12 @@ def _run_convert_case(case: str, folder: str) -> int:
     from onnxparam.convert import convert
 
     src, dst = (Path(folder) / name for name in _convert_cases(True)[case])
+    warm = src.parent / CONVERT_WARM
+    graph = {"graph": src.parent / CONVERT_SOURCES["onnx"]} if case == GRAPH_CASE else {}
     if case == "copy":
-        _copy_fsync(src.parent / CONVERT_WARM / src.name, dst.parent / CONVERT_WARM / dst.name)
+        _copy_fsync(warm / src.name, warm / dst.name)
     else:
-        convert(src.parent / CONVERT_WARM / src.name, dst.parent / CONVERT_WARM / dst.name)
+        convert(warm / src.name, warm / dst.name, **({"graph": warm / CONVERT_SOURCES["onnx"]} if graph else {}))
     _remove_target(dst.parent / CONVERT_WARM, dst.name)
     start = _rss_kib()
     peak = dict(start)
@@ -261,7 +267,7 @@ def _run_convert_case(case: str, folder: str) -> int:
     if case == "copy":
         _copy_fsync(src, dst)
     else:
-        convert(src, dst)
+        convert(src, dst, **graph)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
@@ -285,11 +291,12 @@ def _run_case_process(case: str, folder: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _run_cli_case(src: Path, dst: Path) -> dict:
+def _run_cli_case(src: Path, dst: Path, graph: "Path | None" = None) -> dict:
     """``onnxparam convert SRC DST -q`` as a command: wall seconds (imports included) and the
     child's peak RSS (sampled from /proc every 2 ms; start = 0, the whole process)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q"],
+    extra = ["--graph", str(graph)] if graph is not None else []
+    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q", *extra],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env())
     peak = dict.fromkeys(RSS_KEYS, 0)
     while child.poll() is None:
@@ -386,7 +393,8 @@ def bench_convert(args: argparse.Namespace) -> list[Result]:
                         copies[case].append(run)
                     _remove_target(folder, cases[which][1])
                 if repeat == 0:
-                    cli[case] = _run_cli_case(folder / src, folder / dst)
+                    template = folder / CONVERT_SOURCES["onnx"] if case == GRAPH_CASE else None
+                    cli[case] = _run_cli_case(folder / src, folder / dst, template)
                     _remove_target(folder, dst)
         best = {case: _median_run(case_runs) for case, case_runs in runs.items()}
         copy_s = best["copy"]["seconds"]

@@ -3,9 +3,13 @@
 
 :func:`convert` reads the source lazily (memory-mapped), renames / filters / transposes / casts
 tensor by tensor, and streams the target: at most one tensor's data is in memory at a time.
-Inline ``.onnx`` files too: a weights-only model is written field by field and an ``.onnx``
-source is read through a map (:mod:`onnxparam.convert._onnx_files`); only ``graph=`` targets
-build the protobuf in memory. Every target is written atomically.
+Inline ``.onnx`` files too: a weights-only model is written field by field, a ``graph=``
+template and an ``.onnx`` source are read through a map, subgraphs (``If`` branches) included,
+and a template's tensors are streamed wherever they sit (:mod:`onnxparam.convert._onnx_files`,
+:mod:`onnxparam.formats._onnx_nested`). A tensor whose bytes the conversion leaves unchanged
+(no cast, no transpose) is copied from the source file to the target by the kernel
+(:mod:`onnxparam.formats._file_range`): no page of it passes through Python. Every target is
+written atomically.
 
 What is kept, per direction:
 

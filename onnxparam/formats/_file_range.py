@@ -32,7 +32,9 @@ _CHUNK_BYTES = 1 << 30
 _FALLBACK_CHUNK_BYTES = 16 << 20
 """``pread`` / ``write`` chunk when the kernel calls are unavailable: bounded memory."""
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF,
-                   errno.EPERM}
+                   errno.EPERM, errno.ENOTSOCK}
+"""Errors meaning "this kernel call cannot copy between these files" (another file system, an
+old kernel, macOS's socket-only sendfile): the next way is tried."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def copy_range(out, source: FileRange) -> None:
     out.flush()
     dst = out.fileno()
     try:
-        src = os.open(source.path, os.O_RDONLY)
+        src = os.open(source.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except OSError as e:
         raise RecordError(f"'{source.path}': cannot read the source's tensor bytes ({e.strerror or e})") from e
     try:
@@ -94,13 +96,20 @@ def _copy(src: int, dst: int, offset: int, count: int) -> None:
         if count == 0:
             return
     while count:  # NOTE: the kernel calls copied part or nothing: finish through user space
-        chunk = os.pread(src, min(count, _FALLBACK_CHUNK_BYTES), offset)
+        chunk = _pread(src, min(count, _FALLBACK_CHUNK_BYTES), offset)
         if not chunk:
             raise RecordError(f"the source ended {count} bytes early at byte {offset}")
         view = memoryview(chunk)
         while view:
             view = view[os.write(dst, view):]
         offset, count = offset + len(chunk), count - len(chunk)
+
+
+def _pread(fd: int, count: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, count, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # NOTE: Windows has no pread
+    return os.read(fd, count)
 
 
 def _copy_file_range(src: int, dst: int, offset: int, count: int) -> int:

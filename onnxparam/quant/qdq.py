@@ -10,8 +10,10 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
 Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul
-                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``), others ``INT8``
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul /
+                                Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``); any
+                                other 4-bit weight is written float, with a warning and the reason
+                                in the per-op report (never as ``INT8``)
 Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
 per-tensor                      scalar scale
 blocks, scale grid varying      per-axis (``axis``), 1-D scale
@@ -183,9 +185,11 @@ def emit_param(tracer, param, path: str, shape: tuple):
     options = current_options()
     layout = weight_layout(qt, tracer.opset, options)
     opset21 = False
-    if layout is None and tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
-        # NOTE: written with opset 21's layout for a moment: finish_graph turns its MatMul uses into
-        # com.microsoft MatMulNBits, or the weight into a float one (quant/_nbits.py)
+    if tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        # NOTE: a 4-bit weight is never written as INT8 below opset 21 (it would claim 4 bits and
+        # store 8): it takes opset 21's INT4 layout for a moment, and finish_graph turns its MatMul /
+        # Gemm uses into com.microsoft MatMulNBits, or the weight into a float one with a reported
+        # reason (quant/_nbits.py)
         layout, opset21 = weight_layout(qt, 21, options), True
     if layout is None:
         warnings.warn(
@@ -314,7 +318,7 @@ def finish_graph(tracer) -> None:
         _check_fusable(tracer, e, options)
     if tracer.opset < 21:
         for e in emitted:
-            _nbits.matmul_nbits(tracer, e)
+            _nbits.matmul_nbits(tracer, e, options.prefer)
     if ranges:
         _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
     elif options.matmul in ("auto", "dynamic"):

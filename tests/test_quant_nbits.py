@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
-from onnxparam.quant import Quantizer, QuantizationWarning, QuantScheme, QuantValue, qdq_options, quantized_ops
+from onnxparam.quant import QuantizationWarning, Quantizer, QuantScheme, QuantValue, qdq_options, quantized_ops
 
 RNG = np.random.default_rng(11)
 
@@ -116,3 +116,63 @@ def _with_weight(src, w: np.ndarray, tmp_path):
     path = tmp_path / "oracle.onnx"
     onnx.save(model, path)
     return path
+
+
+# -- import: MatMulNBits -> QFloat --------------------------------------------------------------------
+
+
+def nbits_weight(path) -> np.ndarray:
+    """The numpy-unpacked ``[K, N]`` weight of the one ``MatMulNBits`` in ``path``."""
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: i for i in graph.initializer}
+    (node,) = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    return unpack_nbits(node, inits)
+
+
+@pytest.mark.parametrize("op_type, quantizer", [
+    ("MatMul", Quantizer(QuantScheme(QuantValue.Q4S))),
+    ("MatMul", Quantizer(QuantScheme(QuantValue.Q4F, block_size=(32, 1)))),
+    ("Gemm", Quantizer(QuantScheme(QuantValue.Q4S), per_channel=True)),
+], ids=["matmul-per-tensor", "matmul-blocks-along-k", "gemm-transb-per-channel"])
+def test_our_matmul_nbits_export_imports_back_as_the_same_qfloat_params(op_type, quantizer, tmp_path):
+    trans_b = int(op_type == "Gemm")
+    w = RNG.normal(size=(40, 96) if trans_b else (96, 40)).astype(np.float32)
+    c = RNG.normal(size=(40,)).astype(np.float32) if trans_b else None
+    model = op.import_onnx(linear_graph(tmp_path, op_type, w, c, 17, trans_b)).quantize_weights(quantizer)
+    original = model.save_file(tmp_path / "a.bpk").read_bytes()
+    exported = op.export_onnx(model, tmp_path / "q.onnx")
+    imported = op.import_onnx(exported)
+    param = imported.param_of("w")
+    assert param.lazy_dtype() is op.DType.QFloat
+    assert param.base()._quant.scheme == model.param_of("w").base()._quant.scheme
+    unpacked = nbits_weight(exported)
+    np.testing.assert_array_equal(param.val().to_numpy(), unpacked.T if trans_b else unpacked)
+    assert imported.save_file(tmp_path / "b.bpk").read_bytes() == original
+    x = RNG.normal(size=(4, 96)).astype(np.float32)
+    np.testing.assert_allclose(imported(x).to_numpy(), run(exported, x=x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_ort_matmul_nbits_quantizer_output_imports_as_qfloat_equal_to_the_unpacked_weights(symmetric, tmp_path):
+    nbits = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
+    w = RNG.normal(size=(96, 40)).astype(np.float32)
+    quantizer = nbits.MatMulNBitsQuantizer(onnx.load(str(linear_graph(tmp_path, "MatMul", w, None, 17))),
+                                           block_size=32, is_symmetric=symmetric)
+    quantizer.process()
+    src = tmp_path / "ort_q4.onnx"
+    onnx.save(quantizer.model.model, src)
+    imported = op.import_onnx(src)
+    ((name, param),) = list(imported.named_params())
+    qt = param.base()._quant
+    assert param.lazy_dtype() is op.DType.QFloat and qt.scheme.block.size.dims[-2:] == (32, 1)
+    # Burn has no zero point: asymmetric codes minus their zero points span -15..15, held as 8 bits
+    assert qt.scheme.value in ((QuantValue.Q4S, QuantValue.Q4F) if symmetric else (QuantValue.Q8S,))
+    np.testing.assert_array_equal(param.val().to_numpy(), nbits_weight(src))
+    x = RNG.normal(size=(4, 96)).astype(np.float32)
+    expected = run(src, x=x)
+    np.testing.assert_allclose(imported(x).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+    out = op.export_onnx(imported, tmp_path / "back.onnx")
+    before = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(src)).graph.initializer}
+    after = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(out)).graph.initializer}
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    np.testing.assert_array_equal(run(out, x=x), expected)

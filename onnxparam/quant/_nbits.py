@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from ..errors import QuantizationWarning
 from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, slow_weight_only, to_float
-from ._qdq_options import NBITS_MIN_BLOCK
+from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
 
 MS_DOMAIN = "com.microsoft"
 
@@ -150,7 +150,11 @@ def matmul_nbits(tracer, e, prefer: str = "size") -> None:
         values = values.T
     k, n = values.shape
     packed = pack(values, block)
+    props = dict(e.value.const_value.metadata_props)  # the Burn scheme: import restores it
+    if trans:
+        props[NBITS_TRANS_KEY] = "1"
     e.value.const_value = ir.Tensor(packed, name=e.path)
+    e.value.const_value.metadata_props.update(props)
     e.value.type = ir.TensorType(ir.DataType.UINT8)
     e.value.shape = ir.Shape(list(packed.shape))
     graph = e.node.graph

@@ -446,7 +446,7 @@ def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
             continue
         if id(node.inputs[1]) not in emitted_outputs:
             continue
-        for v in (node.inputs[0], node.outputs[0]):
+        for v in (node.inputs[0], _past_relu(node.outputs[0])):
             if v.dtype == ir.DataType.FLOAT and v.name not in names:
                 names.append(v.name)
     if names:
@@ -458,10 +458,24 @@ def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
             values = (node.inputs[0], node.inputs[1], node.outputs[0])
             if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
                 continue
-            for v in values:
+            for v in values[:2] + (_past_relu(values[2]),):
                 if v.name not in names:
                     names.append(v.name)
     return names
+
+
+def _past_relu(value: ir.Value) -> ir.Value:
+    """The output of the ``Relu`` that is ``value``'s only use, else ``value``: the pair goes
+    after the ``Relu`` (as ``quantize_static`` puts it), where ORT drops the ``Relu`` (its ``Q``
+    has zero point 0) and fuses ``Conv + Relu + Q`` / ``Add + Relu + Q``; a pair before the
+    ``Relu`` would make ORT requantize (``DQ -> Q``) between two integer ops."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return value
+    node, _ = uses[0]
+    if node.op_type != "Relu" or node.domain not in ("", "ai.onnx") or node.outputs[0].dtype != ir.DataType.FLOAT:
+        return value
+    return node.outputs[0]
 
 
 def _is_constant(value: ir.Value) -> bool:

@@ -60,3 +60,42 @@ def test_activation_pairs_follow_a_relu_so_integer_ops_chain_without_requantizin
     assert requantized == []  # every integer op feeds the next one directly
     expected = run(f32, x)
     np.testing.assert_allclose(run(out, x), expected, atol=0.05 * np.abs(expected).max())
+
+
+def batch_norm(c: int, rng) -> nn.BatchNorm:
+    """A BatchNorm with non-trivial statistics and affine params (so that folding matters)."""
+    bn = nn.BatchNormConfig(c).init()
+    for name, values in (("gamma", rng.uniform(0.5, 2.0, c)), ("beta", rng.normal(0, 0.5, c)),
+                         ("running_mean", rng.normal(0, 0.5, c)), ("running_var", rng.uniform(0.5, 2.0, c))):
+        setattr(bn, name, op.Param.from_tensor(op.Tensor.from_numpy(values.astype(np.float32))))
+    return bn
+
+
+class ConvBn(op.Module):
+    """conv -> BN -> ReLU -> max pool -> conv -> BN -> ReLU (an MNIST-like stem)."""
+
+    def __init__(self, rng):
+        self.a = nn.Conv2dConfig((3, 16), (3, 3), padding=1).init()
+        self.bn_a = batch_norm(16, rng)
+        self.b = nn.Conv2dConfig((16, 16), (3, 3), padding=1).init()
+        self.bn_b = batch_norm(16, rng)
+        self.pool = nn.MaxPool2dConfig((2, 2)).init()
+
+    def forward(self, x):
+        h = self.pool(ops.relu(self.bn_a(self.a(x))))
+        return ops.relu(self.bn_b(self.b(h)))
+
+
+def test_batch_norm_after_a_per_channel_conv_is_folded_so_ort_runs_integer_convs_end_to_end(tmp_path):
+    nn.seed(4)
+    model = ConvBn(np.random.default_rng(4))
+    x = RNG.normal(size=(16, 3, 12, 12)).astype(np.float32)
+    axes = {0: {0: "batch"}}
+    f32 = op.export_onnx(model, tmp_path / "f32.onnx", x[:1], dynamic_axes=axes)
+    static = quantize_activations(model.quantize_weights(Quantizer(per_channel=True)), x)
+    out = op.export_onnx(static, tmp_path / "static.onnx", x[:1], dynamic_axes=axes)
+    kinds = [n.op_type for n in optimized(out, tmp_path)]
+    assert "BatchNormalization" not in kinds and kinds.count("QLinearConv") == 2
+    assert kinds.count("DequantizeLinear") == 1  # only the graph output leaves uint8
+    expected = run(f32, x)
+    np.testing.assert_allclose(run(out, x), expected, atol=0.05 * np.abs(expected).max())

@@ -202,7 +202,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
 def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
     """Before quantizing anything: refuse a ``--per-channel`` burnpack output whose weights Burn
     could not read (a per-channel block with an extent over 255), naming each and why."""
-    from ..quant.module import onnx_only_weights
+    from ..quant._module import onnx_only_weights
 
     wide = onnx_only_weights(module, quantizer, group)
     if not wide:
@@ -220,7 +220,7 @@ def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
 
 def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
     """Why :meth:`quantize_weights` quantized no param of ``module`` (one line)."""
-    from ..quant.module import is_weight
+    from ..quant._module import is_weight
 
     candidates = []
     for path, param in module.named_params():

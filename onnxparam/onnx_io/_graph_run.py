@@ -70,11 +70,11 @@ def _from_ort(value):
 def _session(module):
     """The cached ``(session, keepalive)`` for ``module``'s current params, or ``None`` when its
     graph alone cannot express it."""
-    from ..runtime import calls
+    from ..runtime import _calls as calls
+    from ..runtime._config import session_config
+    from ..runtime._devices import ortvalue_host, pick_device, providers_for
     from ..runtime._keys import _value_token
-    from ..runtime.config import session_config
-    from ..runtime.devices import ortvalue_host, pick_device, providers_for
-    from ..runtime.sessions import ort
+    from ..runtime._sessions import ort
     from ._graph_model import session_parts
 
     source = module._source

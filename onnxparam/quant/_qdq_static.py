@@ -1,6 +1,6 @@
 """Static activation quantization in an exported graph: where the ``QuantizeLinear ->
 DequantizeLinear`` pairs go (from calibrated ranges, :func:`onnxparam.quant.quantize_activations`)
-so that ONNX Runtime runs integer kernels end to end (see :mod:`onnxparam.quant.qdq`).
+so that ONNX Runtime runs integer kernels end to end (see :mod:`onnxparam.quant._qdq`).
 
 Placement (what ``onnxruntime.quantization.quantize_static`` writes, and what ORT 1.32's QDQ
 optimizer needs to fuse; the per-value choices checked in ``tests/test_qdq_static.py``):

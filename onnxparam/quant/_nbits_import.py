@@ -38,8 +38,8 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import QuantizationError
-from ._qdq_options import GLOBAL_SCALE_KEY, NBITS_TRANS_KEY, SCHEME_KEY, _const
 from ._layout import params_shape
+from ._qdq_options import GLOBAL_SCALE_KEY, NBITS_TRANS_KEY, SCHEME_KEY, _const
 from ._scheme import QuantScheme, QuantValue, ScaleDtype
 from ._tensor import QuantizedTensor
 

@@ -42,9 +42,9 @@ from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
 
 MS_DOMAIN = "com.microsoft"
 
-
 NBITS_MAX_BLOCK = 256
 """The largest block a per-tensor / per-channel 4-bit weight gets (module docstring)."""
+
 
 def _grid(e, trans: bool):
     """``(scale [K_blocks, N], block)`` of a 4-bit weight used as ``[K, N]`` (``[N, K]`` when
@@ -75,7 +75,7 @@ def _grid(e, trans: bool):
 def _block_for(k: int) -> int:
     """The power of 2 in ``16..256`` giving the fewest bytes for one row of ``B`` plus its
     float32 scales (module docstring)."""
-    sizes = [NBITS_MIN_BLOCK << i for i in range(5)]
+    sizes = [b for b in (NBITS_MIN_BLOCK << i for i in range(8)) if b <= NBITS_MAX_BLOCK]
     return min(sizes, key=lambda b: (-(-k // b) * (b // 2 + 4), b))
 
 

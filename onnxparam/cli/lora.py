@@ -12,6 +12,7 @@ from ._common import (
     _file_format,
     _finite_float,
     _out,
+    json_result,
     _positive_int,
     _regex,
 )
@@ -157,6 +158,9 @@ def _run_lora(args: argparse.Namespace) -> int:
         raise ValueError(f"no rank-2 float weight of '{args.src}' matches the LoRA targets; nothing to adapt")
     if not ranks:
         _check_rank(adapted, names, rank)
+    json_result("lora", {"action": args.action, "adapted": names, "rank": rank, "alpha": args.alpha,
+                         "scale": args.alpha / rank, "factors": str(factors_file) if ranks else None,
+                         "seed": None if ranks else args.seed})
     _out(
         f"lora:      {len(names)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale "
         f"{args.alpha / rank:g}); {origin}"
@@ -171,6 +175,7 @@ def _run_lora(args: argparse.Namespace) -> int:
         _save_module(adapted.merge_lora(), args.dst)
     else:
         _save_module(adapted, args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 

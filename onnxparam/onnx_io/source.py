@@ -7,7 +7,10 @@ reads only its protobuf.
 
 Every problem becomes an :class:`~onnxparam.OnnxFormatError` naming the source and the problem:
 not an ONNX model, a truncated or corrupt protobuf, an external data file that is missing or too
-short, a name that nothing produces (a node input, a graph output).
+short, a name that nothing produces (a node input, a graph output). A model handed over in memory
+gets the checks a file gets: an ``onnx.ModelProto`` directly, an ``onnx_ir.Model`` through its
+structure serialized without tensor bytes (:func:`~onnxparam.onnx_io._validate.structure_proto`);
+its messages name ``<onnx.ModelProto>`` / ``<onnx_ir.Model>`` / ``<bytes>`` where a file's name the path.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class LoadedModel:
 
     Attributes:
         model: the model (shared, never mutated by this package).
-        source: a label for messages: the file path, or ``"<ModelProto>"`` / ``"<onnx_ir.Model>"``.
+        source: a label for messages: the file path, or ``"<onnx.ModelProto>"`` /
+            ``"<onnx_ir.Model>"`` / ``"<bytes>"``.
         path: the file, when the model was read from one.
     """
 

@@ -15,9 +15,9 @@ from ._common import (
     MNIST_ONNX_FILE,
     _device,
     _out,
-    json_result,
     _positive_int,
     _progress,
+    json_result,
 )
 from ._models import export_mnist_onnx
 from .inspect import _print_table, _scheme_text

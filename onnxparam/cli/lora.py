@@ -12,9 +12,9 @@ from ._common import (
     _file_format,
     _finite_float,
     _out,
-    json_result,
     _positive_int,
     _regex,
+    json_result,
 )
 from ._models import LORA_FACTOR_RE, _add_model_arguments, _architecture, _load_weights
 from .convert import _source_tensors

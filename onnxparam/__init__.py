@@ -9,11 +9,11 @@ import each other in a cycle):
    :mod:`~onnxparam.quant` (schemes, layout, scales, ``QuantizedTensor``, MinMax calibration).
 2. **model**: :mod:`~onnxparam.param` (``ParamId``, ``Param``), :mod:`~onnxparam.group`,
    :mod:`~onnxparam.module` (the one traversal), :mod:`~onnxparam.lora`,
-   ``onnxparam.quant.module`` (quantizing a module's weights). No files, no ONNX.
+   ``onnxparam.quant._module`` (quantizing a module's weights). No files, no ONNX.
 3. **formats**: bytes of files, no modules: :mod:`~onnxparam.burnpack`,
    :mod:`~onnxparam.formats` (safetensors, the shared memory map), the ONNX protobuf parts of
    :mod:`~onnxparam.onnx_io` (``source``, ``save``, ``weights``, ``metadata``, ``naming``).
-4. **graph**: :mod:`~onnxparam.trace`, :mod:`~onnxparam.ops`, :mod:`~onnxparam.nn` (layers
+4. **graph**: :mod:`~onnxparam._trace`, :mod:`~onnxparam.ops`, :mod:`~onnxparam.nn` (layers
    built from ops), the graph passes (``lora_graph``, ``quant.qdq``) and the backward graphs of
    :mod:`~onnxparam.autodiff`.
 5. **runtime**: :mod:`~onnxparam.runtime` (ONNX Runtime sessions, calls), training steps
@@ -55,17 +55,17 @@ from .errors import (
 # Services the upper layers give the lower ones (onnxparam/_services.py), imported on first use.
 _provide("ops", "onnxparam.ops")  # Tensor's operators (values -> graph)
 _provide("trace.passes", "onnxparam._passes:STANDARD_PASSES")  # the tracer's default passes
-_provide("quant.tensor", "onnxparam.quant.tensor")  # Tensor.from_data of QFloat bytes
-_provide("quant.quantize", "onnxparam.quant.calibration:quantize")  # QuantizedTensor.quantize
+_provide("quant.tensor", "onnxparam.quant._tensor")  # Tensor.from_data of QFloat bytes
+_provide("quant.quantize", "onnxparam.quant._calibration:quantize")  # QuantizedTensor.quantize
 _provide("lora", "onnxparam.lora")  # Module.apply_lora / merge_lora / valid
-_provide("quant.module", "onnxparam.quant.module")  # Module.quantize_weights / apply_qlora
+_provide("quant.module", "onnxparam.quant._module")  # Module.quantize_weights / apply_qlora
 _provide("record", "onnxparam.record")  # Module.into_record / load_record / save_file (model -> bridges)
-_provide("record.apply", "onnxparam.convert.store:apply_record")  # Module.load_record / load_file: the one loading path
-_provide("runtime.call_module", "onnxparam.runtime.calls:call_module")  # Module.__call__
+_provide("record.apply", "onnxparam.convert._store:apply_record")  # Module.load_record / load_file: the one loading path
+_provide("runtime.call_module", "onnxparam.runtime._calls:call_module")  # Module.__call__
 _provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
-_provide("runtime.ortvalue_from_numpy", "onnxparam.runtime.devices:ortvalue_from_numpy")  # Tensor.to_device
-_provide("runtime.clear_caches", "onnxparam.runtime.calls:clear_caches")  # nn.seed: seeded dropout restarts
-_provide("autodiff.clear_cache", "onnxparam.autodiff.training:clear_cache")  # nn.seed: the training graphs too
+_provide("runtime.ortvalue_from_numpy", "onnxparam.runtime._devices:ortvalue_from_numpy")  # Tensor.to_device
+_provide("runtime.clear_caches", "onnxparam.runtime._calls:clear_caches")  # nn.seed: seeded dropout restarts
+_provide("autodiff.clear_cache", "onnxparam.autodiff._training:clear_cache")  # nn.seed: the training graphs too
 
 __all__ = [
     "__version__",
@@ -131,7 +131,7 @@ _LAZY = {
     "ScaleDtype": "quant",
     "ModuleRecord": "record", "TensorSnapshot": "record",
     "Tensor": "tensor", "TensorData": "tensor",
-    "load_peft_adapter": "convert.peft", "PeftLoadReport": "convert.peft",
+    "load_peft_adapter": "convert._peft", "PeftLoadReport": "convert._peft",
     "save_peft_adapter": "convert._peft_save",
     "grad": "autodiff", "Gradients": "autodiff",
 }

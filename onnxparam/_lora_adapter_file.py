@@ -1,5 +1,5 @@
 """``.onnx_adapter`` files: a module's LoRA factors in ONNX Runtime's adapter format, for graphs
-exported with ``lora="inputs"`` (see :mod:`onnxparam.lora_graph`). Runtime layer: it writes
+exported with ``lora="inputs"`` (see :mod:`onnxparam._lora_graph`). Runtime layer: it writes
 through ONNX Runtime's adapter API."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def adapter_params(module) -> dict:
     ``a`` ``(d_in, r)`` and ``scale * b`` ``(r, d_out)`` (the scale folded into ``b``, as Olive
     writes adapters: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA), at the base's float
     dtype (float32 for a quantized base)."""
-    from .lora_graph import fed_factor
+    from ._lora_graph import fed_factor
+    from ._trace import untraced
     from .module import named_params
-    from .trace import untraced
 
     params = {}
     with untraced():

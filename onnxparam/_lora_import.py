@@ -1,4 +1,4 @@
-"""Recognizing LoRA adapters in an imported ONNX graph (the shapes :mod:`onnxparam.lora_graph`
+"""Recognizing LoRA adapters in an imported ONNX graph (the shapes :mod:`onnxparam._lora_graph`
 exports), removing them from the graph and attaching them to the imported module."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from .lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
+from ._lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
 from .param import Param
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
@@ -198,7 +198,7 @@ def _factor_names(graph: ir.Graph) -> dict:
     """Factor initializer name -> (base initializer name, "a" | "b"). The base is the
     initializer named by the factor's prefix, or (an imported model re-exported) whose module
     path is that prefix."""
-    from .onnx_io.naming import onnx_name_to_path
+    from .onnx_io._naming import onnx_name_to_path
 
     names = list(graph.initializers)
     by_path = None
@@ -235,8 +235,8 @@ def strip_imported(loaded):
     ``(loaded, [])``. Used by :func:`onnxparam.import_onnx`."""
     if not has_lora_factors(loaded.model):
         return loaded, []
-    from .onnx_io import metadata as md
-    from .onnx_io.source import LoadedModel, base_dir_of
+    from .onnx_io import _metadata as md
+    from .onnx_io._source import LoadedModel, base_dir_of
 
     base = base_dir_of(loaded.model)
     model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
@@ -260,9 +260,9 @@ def attach_imported(module, found: list):
         return module
     from .lora import LoraAdapter
     from .module import rebuild
-    from .onnx_io import metadata as md
-    from .onnx_io.naming import onnx_name_to_path
-    from .onnx_io.weights import burn_dtype, tensor_data
+    from .onnx_io import _metadata as md
+    from .onnx_io._naming import onnx_name_to_path
+    from .onnx_io._weights import burn_dtype, tensor_data
     from .param import ParamId
     from .tensor import Tensor
 

@@ -1,12 +1,12 @@
 """The standard graph passes of a trace (graph layer): LoRA adapters, then QDQ.
 
-The tracer (:mod:`onnxparam.trace`) imports no pass; its callers give it these (the package
+The tracer (:mod:`onnxparam._trace`) imports no pass; its callers give it these (the package
 ``__init__`` registers them as the default, service ``"trace.passes"``).
 """
 
-from . import lora_graph
-from .quant import qdq
-from .trace import GraphPasses
+from . import _lora_graph as lora_graph
+from ._trace import GraphPasses
+from .quant import _qdq as qdq
 
 __all__ = ["STANDARD_PASSES"]
 

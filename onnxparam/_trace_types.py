@@ -1,5 +1,5 @@
 """The values a trace is made of (graph layer): input specs, symbols, ONNX types and attributes,
-node-level type inference, and the traced model. :mod:`onnxparam.trace` re-exports the public ones.
+node-level type inference, and the traced model. :mod:`onnxparam._trace` re-exports the public ones.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class ParamMapper:
 
 
 value_hook: contextvars.ContextVar = contextvars.ContextVar("onnxparam_param_value_hook", default=None)
-"""When set (by the tracer in :mod:`onnxparam.trace`), ``Param.val()`` returns ``hook(param)``
+"""When set (by the tracer in :mod:`onnxparam._trace`), ``Param.val()`` returns ``hook(param)``
 instead of a concrete value: inside a traced forward a param is a graph initializer."""
 
 

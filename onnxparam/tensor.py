@@ -7,7 +7,7 @@ A :class:`Tensor` has one of three storages:
   a zero-copy view of a memory-mapped weight file.
 * **device**: an ``onnxruntime.OrtValue`` resident on a CUDA device, so values that stay on the
   GPU are not copied back on every call. ``to_numpy`` copies to the host.
-* **symbolic**: a value inside a graph being traced (see :mod:`onnxparam.trace`). It has a shape
+* **symbolic**: a value inside a graph being traced (see :mod:`onnxparam._trace`). It has a shape
   (ints, or ``None``/``str`` for dynamic dims) and a dtype, but no data; ``to_numpy`` raises.
 
 The tensor ops (``+``, ``@``, ``relu`` ...) are methods here that delegate to

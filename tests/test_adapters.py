@@ -26,7 +26,7 @@ from onnxparam.convert import (
     read_safetensors,
     save_safetensors,
 )
-from onnxparam.convert.adapters import cast_spec
+from onnxparam.convert._adapters import cast_spec
 
 RNG = np.random.default_rng(7)
 MNIST_BPK = Path(__file__).resolve().parents[1] / "models" / "mnist" / "model.bpk"

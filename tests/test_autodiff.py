@@ -321,7 +321,7 @@ def test_gradients_only_for_params_that_require_grad_and_frozen_branch_is_pruned
 
 
 def test_training_session_is_reused_across_steps_with_new_trainable_values():
-    from onnxparam.autodiff import training as grad_module
+    from onnxparam.autodiff import _training as grad_module
 
     m = Mlp()
     x, t = f64(5, 4), np.array([0, 1, 2, 1, 0])

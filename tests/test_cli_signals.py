@@ -116,7 +116,7 @@ def test_a_signal_in_process_removes_the_scratch_files_of_unfinished_saves(tmp_p
 
     src = tmp_path / "a.bpk"
     bp.write(src, [bp.TensorEntry.from_numpy(f"t{i}", np.ones(4, np.float32)) for i in range(3)])
-    import onnxparam.burnpack.writer as writer
+    import onnxparam.burnpack._writer as writer
 
     real = writer._stream
 

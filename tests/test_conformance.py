@@ -87,7 +87,7 @@ def check_case(case, tmp_path, to_file: bool = True) -> tuple:
                 out = tmp_path / f"{case.name.replace('/', '_')}.onnx"
                 op.export_onnx(module, out)
             else:  # the model export_onnx writes, serialized in memory (no file sync per case)
-                from onnxparam.onnx_io.exporter import trace_for_export
+                from onnxparam.onnx_io._exporter import trace_for_export
 
                 out = ir.to_proto(trace_for_export(module)).SerializeToString()
             stage = "ort-export"

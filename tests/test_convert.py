@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 import onnxparam as op
 from onnxparam import burnpack
 from onnxparam.convert import convert, read_safetensors
-from onnxparam.convert.converter import OUTPUT_SUFFIX
+from onnxparam.convert._converter import OUTPUT_SUFFIX
 
 MNIST_DIR = Path(__file__).resolve().parents[1] / "models" / "mnist"
 MNIST_BPK = MNIST_DIR / "model.bpk"
@@ -262,7 +262,7 @@ def test_onnx_initializer_names_and_order_are_kept(tmp_path):
 
 def _rich_bpk(path: Path) -> None:
     from onnxparam.quant import QuantScheme
-    from onnxparam.quant.tensor import QuantizedTensor
+    from onnxparam.quant._tensor import QuantizedTensor
 
     q = QuantizedTensor.quantize(RNG.standard_normal((4, 8)).astype(np.float32), QuantScheme())
     entries = [

@@ -31,8 +31,8 @@ from safetensors.numpy import save_file
 
 from onnxparam import Module, Param, ParamId, RecordError, Tensor, import_onnx
 from onnxparam.convert import load_safetensors, save_safetensors
-from onnxparam.convert.peft import load_peft_adapter
-from onnxparam.formats.safetensors import read_safetensors
+from onnxparam.convert._peft import load_peft_adapter
+from onnxparam.formats._safetensors import read_safetensors
 from onnxparam.module import named_params
 from onnxparam.nn import Linear
 
@@ -133,7 +133,7 @@ def test_onnx_names_that_differ_only_in_punctuation_stay_distinct_params(tmp_pat
 
 def test_per_channel_quantization_of_a_burn_linear_weight_scales_each_output_column():
     from onnxparam.quant import QuantScheme, QuantValue, quantize
-    from onnxparam.quant.qdq import weight_layout
+    from onnxparam.quant._qdq import weight_layout
 
     w = np.array([[1.0, -8.0, 0.5], [2.0, 4.0, -0.25], [-3.0, 1.0, 0.125], [0.5, 2.0, 1.0]], np.float32)  # (in=4, out=3)
     qt = quantize(w, QuantScheme(QuantValue.Q8S, (4, 1)))  # one block per column

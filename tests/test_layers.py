@@ -24,23 +24,23 @@ LAYERS = {
     "_version.py": "values", "_services.py": "values", "_ort.py": "values", "_scratch.py": "values",
     "_cli_start.py": "values",
     "dtype.py": "values", "device.py": "values", "errors.py": "values", "tensor.py": "values",
-    "quant/__init__.py": "values", "quant/scheme.py": "values", "quant/scales.py": "values",
-    "quant/layout.py": "values", "quant/tensor.py": "values", "quant/calibration.py": "values",
+    "quant/__init__.py": "values", "quant/_scheme.py": "values", "quant/_scales.py": "values",
+    "quant/_layout.py": "values", "quant/_tensor.py": "values", "quant/_calibration.py": "values",
     # model: params, groups, the module tree, LoRA adapters, quantized weights, layers
     "param.py": "model", "group.py": "model", "module.py": "model", "lora.py": "model",
-    "quant/module.py": "model", "_snapshot.py": "model",
+    "quant/_module.py": "model", "_snapshot.py": "model",
     # formats: bytes of files (burnpack, safetensors, ONNX protobuf); no modules
-    "burnpack": "formats", "formats": "formats", "onnx_io/source.py": "formats", "onnx_io/save.py": "formats",
-    "onnx_io/weights.py": "formats", "onnx_io/metadata.py": "formats", "onnx_io/naming.py": "formats",
+    "burnpack": "formats", "formats": "formats", "onnx_io/_source.py": "formats", "onnx_io/_save.py": "formats",
+    "onnx_io/_weights.py": "formats", "onnx_io/_metadata.py": "formats", "onnx_io/_naming.py": "formats",
     "onnx_io/_validate.py": "formats",
     "onnx_io/_source_errors.py": "graph",  # the imported file named in run-time errors (runtime uses it)
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs
-    "trace.py": "graph", "_trace_types.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "lora_graph": "graph",
-    "quant/qdq": "graph", "quant/_qdq_options.py": "graph", "quant/_qdq_layout.py": "graph",
+    "_trace.py": "graph", "_trace_types.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "_lora_graph": "graph",
+    "quant/_qdq.py": "graph", "quant/_qdq_options.py": "graph", "quant/_qdq_layout.py": "graph",
     "quant/_qdq_import.py": "graph", "quant/_qdq_forms.py": "graph", "quant/_nbits.py": "graph", "autodiff": "graph",
     # runtime: ONNX Runtime sessions and calls; training steps run on it
-    "runtime": "runtime", "quant/_activations.py": "runtime", "_lora_adapter_file.py": "runtime", "autodiff/__init__.py": "runtime", "autodiff/training.py": "runtime", "optim": "runtime",
+    "runtime": "runtime", "quant/_activations.py": "runtime", "_lora_adapter_file.py": "runtime", "autodiff/__init__.py": "runtime", "autodiff/_training.py": "runtime", "optim": "runtime",
     # bridges: module <-> records <-> files, ONNX import/export, converters, PEFT
     "record.py": "bridges", "onnx_io": "bridges", "convert": "bridges",
     # top: the CLI, the model zoo, the package facade
@@ -158,8 +158,8 @@ def cycles(graph) -> list:
 def test_the_checker_sees_imports_inside_functions_and_the_package_inits_they_run():
     source = "import os\n\ndef f():\n    from ..ops import add\n    from .. import record\n"
     assert imported_files("nn/x.py", source) == {"ops/__init__.py", "record.py"}
-    assert imported_files("autodiff/x.py", "from ..quant.scheme import QuantScheme\n") == {
-        "quant/__init__.py", "quant/scheme.py"}
+    assert imported_files("autodiff/_x.py", "from ..quant._scheme import QuantScheme\n") == {
+        "quant/__init__.py", "quant/_scheme.py"}
     assert imported_files("cli/x.py", "def f():\n    from .. import __version__\n") == {"__init__.py"}
 
 
@@ -196,7 +196,7 @@ def test_every_allowlisted_import_still_exists_and_goes_upward():
 
 @pytest.mark.parametrize("fmt", ["burnpack", "formats"])
 def test_the_file_formats_know_bytes_and_snapshots_not_modules(fmt):
-    module_code = {"module.py", "lora.py", "group.py", "quant/module.py"}
+    module_code = {"module.py", "lora.py", "group.py", "quant/_module.py"}
     graph = import_graph()
     for rel, targets in graph.items():
         if rel.startswith(fmt + "/"):

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from onnxparam import RecordError, ShapeMismatchError, Tensor, import_onnx
-from onnxparam.convert.peft import load_peft_adapter
+from onnxparam.convert._peft import load_peft_adapter
 from onnxparam.runtime import SessionConfig, set_session_config
 
 R, ALPHA = 2, 3.0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from onnxparam import Tensor
-from onnxparam.nn import initializer as initializer_module
+from onnxparam.nn import _initializer as initializer_module
 from onnxparam.zoo import mnist
 
 BURNPACK_HEADER = struct.Struct("<IHI")  # magic u32, format version u16, metadata size u32

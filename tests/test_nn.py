@@ -9,7 +9,7 @@ import pytest
 
 import onnxparam.nn as nn
 from onnxparam import DType, Module, Tensor
-from onnxparam.nn import initializer as initializer_module
+from onnxparam.nn import _initializer as initializer_module
 
 RNG = np.random.default_rng(1234)
 _erf = np.frompyfunc(math.erf, 1, 1)

@@ -1,7 +1,7 @@
 """MultiHeadAttention, CrossAttention, PositionWiseFeedForward, TransformerEncoder/Decoder,
 PositionalEncoding and RotaryEncoding: Burn's record names, numpy formulas (Vaswani et al.
 2017; RoFormer), values from Burn's own unit tests, torch's modules with the same weights
-(through :mod:`onnxparam.convert.torch_layers`), gradients against central finite
+(through :mod:`onnxparam.convert._torch_layers`), gradients against central finite
 differences, the exported graph in plain ONNX Runtime, and a small encoder trained through ORT.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import onnxparam as op
 from onnxparam import DType, Tensor, nn, ops
 from onnxparam.autodiff import cross_entropy, grad
-from onnxparam.convert.torch_layers import (
+from onnxparam.convert._torch_layers import (
     mha_from_torch,
     mha_to_torch,
     transformer_decoder_layer_from_torch,
@@ -434,7 +434,7 @@ def test_quiet_softmax_and_mask_fill_ops_match_their_formulas():
 
 def test_a_torch_transformer_classifier_state_dict_loads_and_gives_torchs_logits():
     torch = pytest.importorskip("torch")
-    from onnxparam.convert.torch_layers import torch_state_dict_to_record
+    from onnxparam.convert._torch_layers import torch_state_dict_to_record
 
     class TorchClassifier(torch.nn.Module):
         def __init__(self):

@@ -17,7 +17,7 @@ import pytest
 import onnxparam as op
 from onnxparam import DType, Tensor, nn, ops
 from onnxparam.autodiff import cross_entropy, grad
-from onnxparam.convert.torch_layers import gru_from_torch, gru_to_torch, lstm_from_torch, lstm_to_torch
+from onnxparam.convert._torch_layers import gru_from_torch, gru_to_torch, lstm_from_torch, lstm_to_torch
 from onnxparam.errors import RecordError
 from onnxparam.optim import Adam
 
@@ -504,7 +504,7 @@ def test_onnx_op_layers_have_no_gradient_and_no_state_clip():
 
 def test_a_torch_lstm_tagger_state_dict_loads_into_the_same_tagger_and_gives_torchs_logits():
     torch = pytest.importorskip("torch")
-    from onnxparam.convert.torch_layers import torch_state_dict_to_record
+    from onnxparam.convert._torch_layers import torch_state_dict_to_record
 
     class TorchTagger(torch.nn.Module):
         def __init__(self):

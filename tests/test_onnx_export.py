@@ -31,14 +31,14 @@ from onnxparam import (
     Tensor,
 )
 from onnxparam.nn import Linear
+from onnxparam.onnx_io import _save as save_module
 from onnxparam.onnx_io import (
     export_onnx,
     import_onnx,
     read_onnx_record,
     write_record_to_onnx,
 )
-from onnxparam.onnx_io import save as save_module
-from onnxparam.onnx_io.exporter import trace_for_export
+from onnxparam.onnx_io._exporter import trace_for_export
 from onnxparam.zoo import mnist
 
 DATA = __import__("pathlib").Path(__file__).parent / "data" / "onnx"

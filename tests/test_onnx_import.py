@@ -21,7 +21,7 @@ import onnxparam as op
 from onnxparam import DType, Module, ModuleRecord, ParamGroup, ParamId, Tensor, TraceError
 from onnxparam.module import Module as ModuleClass
 from onnxparam.onnx_io import OnnxModule, OnnxScope, import_onnx, onnx_name_to_path, path_to_onnx_name
-from onnxparam.onnx_io.naming import RESERVED_SEGMENTS, is_valid_path
+from onnxparam.onnx_io._naming import RESERVED_SEGMENTS, is_valid_path
 
 DATA = __import__("pathlib").Path(__file__).parent / "data" / "onnx"
 

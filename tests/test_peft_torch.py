@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 import onnxruntime as ort  # noqa: E402
 
 from onnxparam import LoraConfig, Module, Tensor, export_onnx, import_onnx, write_onnx_adapter  # noqa: E402
-from onnxparam.convert.peft import load_peft_adapter  # noqa: E402
+from onnxparam.convert._peft import load_peft_adapter  # noqa: E402
 from onnxparam.runtime import SessionConfig, set_session_config  # noqa: E402
 
 ATOL = 2e-4

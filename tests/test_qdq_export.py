@@ -1,4 +1,4 @@
-"""QDQ export and import of quantized params (onnxparam.quant.qdq).
+"""QDQ export and import of quantized params (onnxparam.quant._qdq).
 
 Oracles: ``onnx.reference.ReferenceEvaluator`` (ONNX's own operator semantics), numpy formulas
 (ONNX QuantizeLinear rounds half to even: ``np.round``), Burn's bytes from docs/burnpack.md §2.4, the

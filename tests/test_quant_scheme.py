@@ -5,7 +5,7 @@ from __future__ import annotations
 import cbor2
 import pytest
 
-from onnxparam.burnpack import cbor
+from onnxparam.burnpack import _cbor as cbor
 from onnxparam.errors import QuantizationError
 from onnxparam.quant import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 

@@ -23,7 +23,7 @@ from onnxparam.quant import (
     quantized_nbytes,
     round_half_away_from_zero,
 )
-from onnxparam.quant.scales import decode_scales, round_up
+from onnxparam.quant._scales import decode_scales, round_up
 from onnxparam.tensor import Tensor
 
 X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4

@@ -331,4 +331,4 @@ def test_the_call_caches_keep_no_module_alive():
     del module
     gc.collect()
     assert alive() is None
-    assert rt.calls._fast == {} or all(entry.module() is not None for entry in rt.calls._fast.values())
+    assert rt._calls._fast == {} or all(entry.module() is not None for entry in rt._calls._fast.values())

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 import onnxparam as op
 from onnxparam.convert import read_safetensors, write_safetensors
-from onnxparam.formats.safetensors import (
+from onnxparam.formats._safetensors import (
     DTYPES_KEY,
     MAX_HEADER_BYTES,
     ORDER_KEY,
@@ -256,7 +256,7 @@ def test_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_quantized_tensor_survives_safetensors(tmp_path):
     from onnxparam.quant import QuantScheme
-    from onnxparam.quant.tensor import QuantizedTensor
+    from onnxparam.quant._tensor import QuantizedTensor
 
     scheme = QuantScheme()
     q = QuantizedTensor.quantize(RNG.standard_normal((4, 8)).astype(np.float32), scheme)

@@ -26,7 +26,7 @@ import pytest
 
 import onnxparam.burnpack as bp
 from onnxparam import Module, Tensor
-from onnxparam.formats.safetensors import read_safetensors, write_safetensors
+from onnxparam.formats._safetensors import read_safetensors, write_safetensors
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import save_model
 from onnxparam.record import ModuleRecord
@@ -331,7 +331,7 @@ _KILL_SCRIPT = textwrap.dedent("""
         bp.write(target, [bp.TensorEntry.from_numpy("big", big),
                           bp.TensorEntry("last", __import__("onnxparam").DType.F32, (1,), lambda: stall(np.ones(1, np.float32)))])
     elif kind == "safetensors":
-        from onnxparam.formats.safetensors import write_safetensors
+        from onnxparam.formats._safetensors import write_safetensors
         from onnxparam.record import TensorSnapshot
         from onnxparam.tensor import TensorData
         from onnxparam.dtype import DType

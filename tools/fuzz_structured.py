@@ -374,8 +374,8 @@ def _bpk_base(folder: Path) -> bytes:
 
 
 def _mutate_bpk(rng: random.Random, folder: Path) -> bytes:
-    from onnxparam.burnpack import cbor
-    from onnxparam.burnpack.header import data_section_start, pack_header
+    from onnxparam.burnpack import _cbor as cbor
+    from onnxparam.burnpack._header import data_section_start, pack_header
 
     raw = _bpk_base(folder)
     meta_len = struct.unpack_from("<I", raw, 6)[0]
@@ -482,7 +482,7 @@ def _make_st(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_st(rng: random.Random, path: Path) -> None:
-    from onnxparam.formats.safetensors import read_safetensors
+    from onnxparam.formats._safetensors import read_safetensors
 
     with read_safetensors(path) as f:
         for snap in f.tensors.values():
@@ -551,7 +551,7 @@ def _make_pt(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_pt(rng: random.Random, path: Path) -> None:
-    from onnxparam.formats.pytorch import pytorch_record, read_pytorch
+    from onnxparam.formats._pytorch import pytorch_record, read_pytorch
 
     checkpoint = read_pytorch(path)
     for array in checkpoint.tensors.values():

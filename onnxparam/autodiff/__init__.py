@@ -1,27 +1,27 @@
 """Gradients through ONNX Runtime: reverse-mode autodiff built as an ONNX graph.
 
-Layer: *runtime* (beside :mod:`onnxparam.trace` and :mod:`onnxparam.runtime`, which it uses);
+Layer: *runtime* (beside :mod:`onnxparam._trace` and :mod:`onnxparam.runtime`, which it uses);
 the model layer knows nothing of it.
 
 * :func:`grad` — ``loss, grads = grad(loss_fn, module, *inputs)``: traces
   ``loss_fn(module, *inputs)`` into an ONNX graph, appends its backward graph, and runs forward
   and backward as **one** cached ONNX Runtime session whose outputs are the loss and one
-  gradient per trainable param (:mod:`.training`);
+  gradient per trainable param (:mod:`._training`);
 * :class:`Gradients` — ``ParamId -> Tensor`` (Burn's ``GradientsParams``), what the optimizers
   of :mod:`onnxparam.optim` take;
-* :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops.losses`);
+* :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops._losses`);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
-  (:mod:`.rules`, :mod:`.rules_nn`, :mod:`.rules_layers`); :func:`build_training_model` — the
-  graph transformation (:mod:`.backward`).
+  (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`); :func:`build_training_model` — the
+  graph transformation (:mod:`._backward`).
 
 The API is functional (JAX's ``value_and_grad`` shape, Burn's ``GradientsParams`` result);
 there is no tape and no ``loss.backward()``.
 """
 
-from ..ops.losses import cross_entropy, mse
-from .backward import GRAD_SUFFIX, build_training_model
-from .rules import NON_DIFFERENTIABLE, RULES
-from .training import (
+from ..ops._losses import cross_entropy, mse
+from ._backward import GRAD_SUFFIX, build_training_model
+from ._rules import NON_DIFFERENTIABLE, RULES
+from ._training import (
     MAX_CACHED_TRAINING,
     Gradients,
     clear_cache,

@@ -40,7 +40,7 @@ Public API::
 Reading then writing a Burn-written file reproduces it byte for byte.
 """
 
-from .header import (
+from ._header import (
     ALIGNMENT,
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -50,9 +50,9 @@ from .header import (
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
 )
-from .metadata import BOOL_STORES, SCALAR_KINDS, Scalar
-from .reader import BurnpackEntry, BurnpackFile, read
-from .writer import TensorEntry, write
+from ._metadata import BOOL_STORES, SCALAR_KINDS, Scalar
+from ._reader import BurnpackEntry, BurnpackFile, read
+from ._writer import TensorEntry, write
 
 __all__ = [
     "read",

@@ -168,12 +168,12 @@ def _read_onnx_info(path: Path) -> _Inspected:
     import onnx_ir as ir
 
     from ..convert._onnx_files import _is_weights_only, _load_mapped, _read_weights_only
-    from ..formats.safetensors import SCALARS_KEY, _decode_scalars
-    from ..onnx_io.records import read_onnx_record
+    from ..formats._safetensors import SCALARS_KEY, _decode_scalars
+    from ..onnx_io._records import read_onnx_record
 
-    # NOTE: the converter's own readers (private helpers of onnxparam.convert.converter), so
+    # NOTE: the converter's own readers (private helpers of onnxparam.convert._converter), so
     # `inspect` lists exactly the tensors `convert` would carry: every initializer of a
-    # weights-only model, the weights (onnxparam.onnx_io.weights) of any other graph.
+    # weights-only model, the weights (onnxparam.onnx_io._weights) of any other graph.
     # Inline weights are read as views of the mapped file (never the whole protobuf at once).
     model = _load_mapped(path)
     weights_only = _is_weights_only(model)
@@ -208,9 +208,9 @@ def _read_onnx_info(path: Path) -> _Inspected:
             if isinstance(t.const_value, ir.ExternalTensor) and t.const_value.location != path.name
         }
     )
-    # NOTE: the weight rules (onnxparam.onnx_io.weights) leave small integer / bool and 0-d
+    # NOTE: the weight rules (onnxparam.onnx_io._weights) leave small integer / bool and 0-d
     # initializers (shapes, axes, indices) in the graph: they are counted here, not listed.
-    from ..onnx_io.naming import onnx_name_to_path
+    from ..onnx_io._naming import onnx_name_to_path
 
     non_weights = 0 if weights_only else sum(
         1 for name in model.graph.initializers if onnx_name_to_path(name) not in record
@@ -289,7 +289,7 @@ def _count_nonfinite(inspected: _Inspected) -> None:
 def _read_pytorch_info(path: Path) -> _Inspected:
     """A ``torch.save`` checkpoint, read without torch (restricted unpickler, nothing runs)."""
     from ..dtype import dtype_from_numpy
-    from ..formats.pytorch import read_pytorch
+    from ..formats._pytorch import read_pytorch
     from ..tensor import TensorData
 
     checkpoint = read_pytorch(path)

@@ -206,7 +206,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
     """Why :meth:`quantize_weights` quantized no param of ``module`` (one line)."""
-    from ..quant.module import is_weight
+    from ..quant._module import is_weight
 
     candidates = []
     for path, param in module.named_params():

@@ -1,9 +1,9 @@
 """Weight migration: safetensors files, PyTorch <-> Burn layouts, and file-to-file conversion.
 
-Layering: :mod:`~onnxparam.formats.safetensors` is a *format* (bytes <-> lazy tensor
-snapshots; knows nothing of modules); :mod:`~onnxparam.convert.adapters` transforms snapshots
-(renaming, filtering, layouts, casts); :mod:`~onnxparam.convert.store` is the *bridge* to
-modules (Burn's store: load with a report, save); :mod:`~onnxparam.convert.converter` converts
+Layering: :mod:`~onnxparam.formats._safetensors` is a *format* (bytes <-> lazy tensor
+snapshots; knows nothing of modules); :mod:`~onnxparam.convert._adapters` transforms snapshots
+(renaming, filtering, layouts, casts); :mod:`~onnxparam.convert._store` is the *bridge* to
+modules (Burn's store: load with a report, save); :mod:`~onnxparam.convert._converter` converts
 files of any two formats (``.bpk``, ``.safetensors``, ``.onnx``; ``.pt`` / ``.pth`` as a source)
 without a module.
 
@@ -30,8 +30,8 @@ The public names::
             external_data=None, progress=None) -> ConvertReport
 """
 
-from ..formats.safetensors import SafetensorsFile, SafetensorsTensor, read_safetensors, write_safetensors
-from .adapters import (
+from ..formats._safetensors import SafetensorsFile, SafetensorsTensor, read_safetensors, write_safetensors
+from ._adapters import (
     BurnToPyTorchAdapter,
     KeyRemapper,
     ModuleAdapter,
@@ -41,9 +41,9 @@ from .adapters import (
     cast_spec,
     map_indices_contiguous,
 )
-from .converter import FORMATS, convert, format_of, read_record
-from .report import ConvertReport, LoadReport, SaveReport
-from .store import apply_record, collect_record, load_onnx, load_pytorch, load_safetensors, save_safetensors
+from ._converter import FORMATS, convert, format_of, read_record
+from ._report import ConvertReport, LoadReport, SaveReport
+from ._store import apply_record, collect_record, load_onnx, load_pytorch, load_safetensors, save_safetensors
 
 __all__ = [
     "read_safetensors",

@@ -1,10 +1,10 @@
 """ONNX sources and targets of :func:`onnxparam.convert.convert` (private; the formats are
-described in :mod:`onnxparam.convert.converter`).
+described in :mod:`onnxparam.convert._converter`).
 
 Inline ``.onnx`` files are streamed both ways, so peak anonymous memory stays near one tensor:
 
 * writing a weights-only model goes through
-  :func:`onnxparam.formats.onnx_stream.write_onnx_streamed` (lengths first, then each tensor's
+  :func:`onnxparam.formats._onnx_stream.write_onnx_streamed` (lengths first, then each tensor's
   bytes straight from its source);
 * reading maps the file and turns every ``raw_data`` initializer into an external-data
   reference *into the file itself* (:func:`_mapped_model`), so ``onnx_ir`` reads each tensor as
@@ -20,11 +20,11 @@ from pathlib import Path
 from .._scratch import atomic_output
 from ..dtype import DType
 from ..errors import RecordError
-from ..formats.safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars
+from ..formats._safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars
 from ..param import ParamId
 from ..record import ModuleRecord, TensorSnapshot
+from ._report import ConvertReport
 from ._tensors import _Source, _Tensor
-from .report import ConvertReport
 
 __all__ = ["WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX", "SOURCE_NAME_KEY"]
 
@@ -40,20 +40,20 @@ SOURCE_NAME_KEY = "onnxparam.name"
 a module path (``'a..b'``, ``'ünï/cödé:0'``, which burnpack and safetensors files may hold).
 
 NOTE: such an initializer is named as the source names it (ONNX names are free-form), and this
-key makes reading it back give that name rather than :func:`~onnxparam.onnx_io.naming.onnx_name_to_path`
+key makes reading it back give that name rather than :func:`~onnxparam.onnx_io._naming.onnx_name_to_path`
 of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
 
 
 
 def _load_mapped(path: Path):
     """``path`` as an ``onnx_ir.Model`` whose inline weights are external-data views of the file
-    itself (:func:`onnxparam.formats.onnx_stream.read_onnx_mapped`), validated as
-    :func:`onnxparam.onnx_io.source.load_model` validates any model."""
+    itself (:func:`onnxparam.formats._onnx_stream.read_onnx_mapped`), validated as
+    :func:`onnxparam.onnx_io._source.load_model` validates any model."""
     import onnx_ir as ir
 
     from ..errors import OnnxFormatError
-    from ..formats.onnx_stream import read_onnx_mapped
-    from ..onnx_io.source import load_model
+    from ..formats._onnx_stream import read_onnx_mapped
+    from ..onnx_io._source import load_model
 
     if not path.is_file():
         raise OnnxFormatError(f"'{path}': no such ONNX file")
@@ -70,7 +70,7 @@ def _load_mapped(path: Path):
 
 
 def _read_onnx(path: Path) -> _Source:
-    from ..onnx_io.records import read_onnx_record
+    from ..onnx_io._records import read_onnx_record
 
     model = _load_mapped(path)
     record = _read_weights_only(model, str(path)) if _is_weights_only(model) else read_onnx_record(model)
@@ -94,7 +94,7 @@ def _external_data_files(model) -> frozenset:
     model's folder, as ONNX Runtime does)."""
     import onnx_ir as ir
 
-    from ..onnx_io.source import iter_graphs
+    from ..onnx_io._source import iter_graphs
 
     tensors = []
     for g in iter_graphs(model.graph):
@@ -124,9 +124,9 @@ def _is_weights_only(model) -> bool:
 def _read_weights_only(model, source: str) -> ModuleRecord:
     """Every initializer of a weights-only model, in order. (The ONNX bridge's weight rules
     leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)"""
-    from ..onnx_io import metadata as md
-    from ..onnx_io.naming import onnx_name_to_path
-    from ..onnx_io.weights import burn_dtype, tensor_data
+    from ..onnx_io import _metadata as md
+    from ..onnx_io._naming import onnx_name_to_path
+    from ..onnx_io._weights import burn_dtype, tensor_data
 
     values = list(model.graph.initializers.values())
     metas = md.read_params(model.metadata_props,
@@ -178,14 +178,14 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
     if graph is not None:
-        from ..onnx_io.records import write_record_to_onnx
+        from ..onnx_io._records import write_record_to_onnx
 
         write_record_to_onnx(record, graph, dst, allow_partial=allow_partial, external_data=external_data)
         return
     if not external_data and (external_data is not None or _total_bytes(tensors) < _STREAM_LIMIT):
         _write_weights_only_streamed(dst, tensors, record.metadata)
         return
-    from ..onnx_io.save import save_model
+    from ..onnx_io._save import save_model
 
     model = _weights_only_model(tensors, record.metadata, lambda t, onnx_name, props: _lazy_tensor(t, onnx_name, props))
     save_model(model, dst, external_data=external_data)
@@ -211,12 +211,12 @@ def _total_bytes(tensors: list) -> int:
 
 def _write_weights_only_streamed(dst: Path, tensors: list, record_meta: dict) -> None:
     """A weights-only model with inline weights, written field by field
-    (:func:`~onnxparam.formats.onnx_stream.write_onnx_streamed`): the structure is serialized
+    (:func:`~onnxparam.formats._onnx_stream.write_onnx_streamed`): the structure is serialized
     with placeholder initializers, which are then taken out and streamed in the same order with
     their ``metadata_props``, so only one tensor's bytes are in memory at a time."""
     import onnx_ir as ir
 
-    from ..formats.onnx_stream import StreamedTensor, write_onnx_streamed
+    from ..formats._onnx_stream import StreamedTensor, write_onnx_streamed
 
     def placeholder(t: _Tensor, onnx_name: str, props: dict):
         return ir.ExternalTensor("placeholder", 0, _nbytes(t), ir.DataType(t.dtype.to_onnx()), shape=ir.Shape(t.shape),
@@ -249,8 +249,8 @@ def _weights_only_model(tensors: list, record_meta: dict, make_tensor):
     import onnx_ir as ir
 
     from .._version import __version__
-    from ..onnx_io import metadata as md
-    from ..onnx_io.naming import onnx_name_to_path, path_to_onnx_name
+    from ..onnx_io import _metadata as md
+    from ..onnx_io._naming import onnx_name_to_path, path_to_onnx_name
 
     initializers, outputs, nodes = [], [], []
     metas = {}
@@ -323,7 +323,7 @@ def _write_onnx_zero_copy(src: Path, dst: Path, tensors: list, metadata: dict, s
         model = _weights_only_model(tensors, record_meta, external)
     else:
         model = _graph_with_external_weights(tensors, record_meta, graph, allow_partial, external, report)
-    from ..onnx_io import metadata as md
+    from ..onnx_io import _metadata as md
 
     header_bytes = min((t.file_slice[0] for t in tensors), default=os.path.getsize(src))
     model.metadata_props[md.ZERO_COPY_KEY] = md.zero_copy_fingerprint(src, location, header_bytes)
@@ -338,9 +338,9 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
     """``graph`` (a copy) whose weights are external slices of the source (``external``)."""
     import onnx_ir as ir
 
-    from ..onnx_io.records import weights_into_graph
-    from ..onnx_io.source import iter_graphs
-    from ..onnx_io.weights import INITIALIZER
+    from ..onnx_io._records import weights_into_graph
+    from ..onnx_io._source import iter_graphs
+    from ..onnx_io._weights import INITIALIZER
 
     ours = set()
 

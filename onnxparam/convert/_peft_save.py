@@ -1,5 +1,5 @@
 """Writing a module's LoRA adapters as a Hugging Face PEFT adapter folder:
-:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert.peft.load_peft_adapter`).
+:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert._peft.load_peft_adapter`).
 
 PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target module
 ``<m>``, ``base_model.model.<m>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``,
@@ -57,9 +57,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     """
     from safetensors.numpy import save_file
 
+    from .._trace import untraced
     from ..module import named_modules, named_params
     from ..nn import Embedding
-    from ..trace import untraced
 
     rules = [tuple(r) for r in (key_map or ())]
     embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)

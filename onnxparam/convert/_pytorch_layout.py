@@ -1,7 +1,7 @@
 """PyTorch <-> Burn layouts for a file-to-file conversion, where no module says which layer a
 tensor belongs to (``convert(..., pytorch=True)``, ``onnxparam convert --pytorch``).
 
-With a module, :class:`~onnxparam.convert.adapters.PyTorchAdapter` decides by the type of the
+With a module, :class:`~onnxparam.convert._adapters.PyTorchAdapter` decides by the type of the
 module holding each param (Burn's ``PyTorchToBurnAdapter``). A file has names and shapes only,
 so this module acts only where they leave no doubt, and lists every tensor it left alone:
 

@@ -3,25 +3,25 @@
 Formats layer: these modules know bytes and tensor snapshots, not modules (the bridges in
 :mod:`onnxparam.convert` load them into modules).
 
-* :mod:`.safetensors`: Hugging Face safetensors files (lazy zero-copy reads, streaming writes).
-* :mod:`.pytorch`: PyTorch ``torch.save`` checkpoints (zip and legacy), read without torch
+* :mod:`._safetensors`: Hugging Face safetensors files (lazy zero-copy reads, streaming writes).
+* :mod:`._pytorch`: PyTorch ``torch.save`` checkpoints (zip and legacy), read without torch
   through a restricted unpickler (``docs/pytorch_checkpoint.md``).
-* :mod:`.onnx_stream`: ``.onnx`` files with inline initializers written and read field by
+* :mod:`._onnx_stream`: ``.onnx`` files with inline initializers written and read field by
   field, so peak memory stays near one tensor.
 * ``._names``: tensor-name rewriting (``KeyRemapper``, ``map_indices_contiguous``), the one
   implementation the ``.pt`` reader, the loaders and the converter share.
-* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`.onnx_stream`.
+* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`._onnx_stream`.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
 
 import importlib
 
 _NAMES = {
-    "SafetensorsFile": ".safetensors", "SafetensorsTensor": ".safetensors",
-    "read_safetensors": ".safetensors", "write_safetensors": ".safetensors",
-    "PytorchCheckpoint": ".pytorch", "read_pytorch": ".pytorch", "pytorch_record": ".pytorch",
-    "StreamedTensor": ".onnx_stream", "write_onnx_streamed": ".onnx_stream",
-    "read_onnx_streamed": ".onnx_stream", "read_onnx_mapped": ".onnx_stream",
+    "SafetensorsFile": "._safetensors", "SafetensorsTensor": "._safetensors",
+    "read_safetensors": "._safetensors", "write_safetensors": "._safetensors",
+    "PytorchCheckpoint": "._pytorch", "read_pytorch": "._pytorch", "pytorch_record": "._pytorch",
+    "StreamedTensor": "._onnx_stream", "write_onnx_streamed": "._onnx_stream",
+    "read_onnx_streamed": "._onnx_stream", "read_onnx_mapped": "._onnx_stream",
     "KeyRemapper": "._names", "map_indices_contiguous": "._names",
 }
 """Each public name and its module, imported on first use: the burnpack reader imports

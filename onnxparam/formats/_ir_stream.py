@@ -2,7 +2,7 @@
 
 :func:`save_inline` serializes the model's *structure* with each main-graph initializer replaced
 by a placeholder (an external reference, no data), then hands the structure and the
-initializers to :func:`onnxparam.formats.onnx_stream.write_onnx_streamed`, which writes the
+initializers to :func:`onnxparam.formats._onnx_stream.write_onnx_streamed`, which writes the
 lengths first and then each tensor's bytes, one tensor in memory at a time. The bytes equal
 ``onnx.save(ir.serde.serialize_model(model))`` (protobuf's field order is kept; the test checks
 it). Initializers parsed from a protobuf are written as they are, in the structure; when such an
@@ -41,7 +41,7 @@ def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
         OnnxFormatError: the file would reach protobuf's 2 GiB limit.
         Exception: whatever a lazy tensor's function raises, as it raised it.
     """
-    from .onnx_stream import StreamedTensor, write_onnx_streamed
+    from ._onnx_stream import StreamedTensor, write_onnx_streamed
 
     values = [v for v in model.graph.initializers.values() if _streamable(v.const_value)]
     originals = {id(v): v.const_value for v in values}

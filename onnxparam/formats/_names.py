@@ -1,7 +1,7 @@
 """Tensor-name rewriting shared by every reader and loader: regex key remapping and contiguous
 index re-numbering (Burn's ``burn-store`` ``KeyRemapper`` and ``map_indices_contiguous``).
 
-Formats layer: names only, no tensors. :func:`onnxparam.formats.pytorch.read_pytorch` applies
+Formats layer: names only, no tensors. :func:`onnxparam.formats._pytorch.read_pytorch` applies
 them while reading a checkpoint; :func:`onnxparam.convert.apply_record` and
 :func:`onnxparam.convert.convert` apply them to any record. This is the one implementation
 (``onnxparam.convert`` re-exports both names).

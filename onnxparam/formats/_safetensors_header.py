@@ -1,5 +1,5 @@
 """The safetensors header as this library writes and reads it: sizes, dtype names, the
-``onnxparam.*`` metadata keys and the scalars' JSON form (see :mod:`onnxparam.formats.safetensors`)."""
+``onnxparam.*`` metadata keys and the scalars' JSON form (see :mod:`onnxparam.formats._safetensors`)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _format_error(path, message: str) -> RecordError:
 
 
 def _decode_scalars(path, raw: dict) -> dict:
-    from ..burnpack.metadata import scalar_from_cbor
+    from ..burnpack._metadata import scalar_from_cbor
 
     out = {}
     for name, obj in raw.items():

@@ -1,5 +1,5 @@
 """Writing safetensors files: streamed one tensor at a time, atomically, in the layout of the
-``safetensors`` library (see :mod:`onnxparam.formats.safetensors`)."""
+``safetensors`` library (see :mod:`onnxparam.formats._safetensors`)."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def _qfloat_nbytes(name: str, snap, shape: tuple, scheme) -> int:
     if scheme is None:
         raise RecordError(f"quantized tensor '{name}' has no quantization scheme")
     try:
-        from ..quant.layout import quantized_nbytes
+        from ..quant._layout import quantized_nbytes
 
         return int(quantized_nbytes(shape, scheme))
     except Exception:  # noqa: BLE001 - fall back to the data itself (read once more later)

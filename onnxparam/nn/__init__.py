@@ -18,13 +18,13 @@ and the Burn source file it follows; the forwards are :mod:`onnxparam.ops` calls
 
 **Training mode.** ``module.train()`` switches ``Dropout`` to dropping, ``RRelu`` to random
 slopes and ``BatchNorm`` to batch statistics; :func:`update_running_stats` returns the module
-with the running statistics Burn's training forward writes (:mod:`.running_stats` says why it is
+with the running statistics Burn's training forward writes (:mod:`._running_stats` says why it is
 a separate call). ``valid()`` switches back. :func:`seed` makes the random masks and slopes
 reproducible. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
-from .activation import Gelu, Relu, Sigmoid, Softmax, Tanh
-from .activation_ext import (
+from ._activation import Gelu, Relu, Sigmoid, Softmax, Tanh
+from ._activation_ext import (
     Celu,
     CeluConfig,
     Elu,
@@ -59,7 +59,7 @@ from .activation_ext import (
     ThresholdedRelu,
     ThresholdedReluConfig,
 )
-from .attention import (
+from ._attention import (
     CrossAttention,
     CrossAttentionConfig,
     MhaInput,
@@ -69,18 +69,18 @@ from .attention import (
     generate_autoregressive_mask,
     generate_padding_mask,
 )
-from .conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
-from .conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
-from .deform_conv import DeformConv2d, DeformConv2dConfig
-from .dropout import Dropout, DropoutConfig
-from .embedding import Embedding, EmbeddingConfig
-from .fold import AdaptiveAvgPool3d, AdaptiveAvgPool3dConfig, Fold4d, Fold4dConfig
-from .initializer import Initializer, seed
-from .interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
-from .linear import Linear, LinearConfig
-from .norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
-from .norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
-from .pool import (
+from ._conv import Conv1d, Conv1dConfig, Conv2d, Conv2dConfig
+from ._conv_transpose import ConvTranspose1d, ConvTranspose1dConfig, ConvTranspose2d, ConvTranspose2dConfig
+from ._deform_conv import DeformConv2d, DeformConv2dConfig
+from ._dropout import Dropout, DropoutConfig
+from ._embedding import Embedding, EmbeddingConfig
+from ._fold import AdaptiveAvgPool3d, AdaptiveAvgPool3dConfig, Fold4d, Fold4dConfig
+from ._initializer import Initializer, seed
+from ._interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
+from ._linear import Linear, LinearConfig
+from ._norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
+from ._norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
+from ._pool import (
     AdaptiveAvgPool2d,
     AdaptiveAvgPool2dConfig,
     AvgPool2d,
@@ -88,18 +88,18 @@ from .pool import (
     MaxPool2d,
     MaxPool2dConfig,
 )
-from .pos_encoding import (
+from ._pos_encoding import (
     PositionalEncoding,
     PositionalEncodingConfig,
     RotaryEncoding,
     RotaryEncodingConfig,
     generate_sinusoids,
 )
-from .rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
-from .rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
-from .rrelu import RRelu, RReluConfig
-from .running_stats import update_running_stats
-from .spatial import (
+from ._rnn import GateController, Gru, GruConfig, Lstm, LstmConfig, LstmState
+from ._rnn_bidirectional import BiGru, BiGruConfig, BiLstm, BiLstmConfig
+from ._rrelu import RRelu, RReluConfig
+from ._running_stats import update_running_stats
+from ._spatial import (
     AdaptiveAvgPool1d,
     AdaptiveAvgPool1dConfig,
     AvgPool1d,
@@ -117,7 +117,7 @@ from .spatial import (
     Unfold4d,
     Unfold4dConfig,
 )
-from .transformer import (
+from ._transformer import (
     PositionWiseFeedForward,
     PositionWiseFeedForwardConfig,
     TransformerDecoder,

@@ -27,7 +27,7 @@ import numpy as np
 from .. import ops
 from ..dtype import DType
 from ..module import Module
-from ..ops import losses as _losses
+from ..ops import _losses
 from ..tensor import Tensor
 from ._config import config
 

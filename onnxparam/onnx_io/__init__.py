@@ -1,19 +1,19 @@
 """ONNX import and export: ONNX models as modules, modules as ONNX models.
 
 A bridge between the model layer (:mod:`onnxparam.module`, :mod:`onnxparam.param`) and ONNX
-files; it uses the tracer (:mod:`onnxparam.trace`) to emit graphs and ``onnx_ir`` to read and
+files; it uses the tracer (:mod:`onnxparam._trace`) to emit graphs and ``onnx_ir`` to read and
 write them. Parts, each its own module:
 
-* :mod:`~onnxparam.onnx_io.naming`: ONNX names <-> module paths (a reversible escaping).
-* :mod:`~onnxparam.onnx_io.metadata`: the ``metadata_props`` keys that keep param ids,
+* :mod:`~onnxparam.onnx_io._naming`: ONNX names <-> module paths (a reversible escaping).
+* :mod:`~onnxparam.onnx_io._metadata`: the ``metadata_props`` keys that keep param ids,
   trainable flags and LoRA scales.
-* :mod:`~onnxparam.onnx_io.source`: reading a model, with every problem an ``OnnxFormatError``.
-* :mod:`~onnxparam.onnx_io.weights`: which tensors of a graph are weights (params).
-* :mod:`~onnxparam.onnx_io.importer`: :func:`import_onnx` -> :class:`OnnxModule`.
-* :mod:`~onnxparam.onnx_io.exporter`: :func:`export_onnx`.
-* :mod:`~onnxparam.onnx_io.records`: ONNX weights <-> :class:`~onnxparam.ModuleRecord`
+* :mod:`~onnxparam.onnx_io._source`: reading a model, with every problem an ``OnnxFormatError``.
+* :mod:`~onnxparam.onnx_io._weights`: which tensors of a graph are weights (params).
+* :mod:`~onnxparam.onnx_io._importer`: :func:`import_onnx` -> :class:`OnnxModule`.
+* :mod:`~onnxparam.onnx_io._exporter`: :func:`export_onnx`.
+* :mod:`~onnxparam.onnx_io._records`: ONNX weights <-> :class:`~onnxparam.ModuleRecord`
   (:func:`read_onnx_record`, :func:`write_record_to_onnx`), for the converters.
-* :mod:`~onnxparam.onnx_io.save`: writing a model (external data, sharding, atomic rename).
+* :mod:`~onnxparam.onnx_io._save`: writing a model (external data, sharding, atomic rename).
 
 Layers: ``naming``, ``metadata``, ``source``, ``weights`` and ``save`` know ONNX protobuf bytes
 (the formats layer: the LoRA and QDQ graph passes use them); ``importer``, ``exporter`` and
@@ -25,11 +25,11 @@ first use.
 import importlib
 
 _NAMES = {
-    "export_onnx": ".exporter",
-    "import_onnx": ".importer", "OnnxModule": ".importer", "OnnxScope": ".importer",
-    "onnx_name_to_path": ".naming", "path_to_onnx_name": ".naming",
-    "read_onnx_record": ".records", "write_record_to_onnx": ".records",
-    "save_model": ".save",
+    "export_onnx": "._exporter",
+    "import_onnx": "._importer", "OnnxModule": "._importer", "OnnxScope": "._importer",
+    "onnx_name_to_path": "._naming", "path_to_onnx_name": "._naming",
+    "read_onnx_record": "._records", "write_record_to_onnx": "._records",
+    "save_model": "._save",
 }
 
 

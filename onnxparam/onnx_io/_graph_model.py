@@ -32,8 +32,8 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..module import named_params
-from .source import iter_graphs
-from .weights import INITIALIZER, find_weights, tensor_data
+from ._source import iter_graphs
+from ._weights import INITIALIZER, find_weights, tensor_data
 
 __all__ = ["source_sites", "session_parts", "export_model", "is_source_valued"]
 
@@ -42,7 +42,7 @@ _INJECTED_LOCATION = "onnxparam-injected-initializer"
 
 
 def source_sites(source) -> dict:
-    """Module path -> :class:`~onnxparam.onnx_io.weights.WeightSite` in the pristine graph
+    """Module path -> :class:`~onnxparam.onnx_io._weights.WeightSite` in the pristine graph
     (computed once per imported model)."""
     sites = source.cache.get("pristine_sites")
     if sites is None:
@@ -66,7 +66,7 @@ def copy_model(model: ir.Model) -> ir.Model:
     try:
         return model.clone()
     except RuntimeError:
-        from .source import base_dir_of
+        from ._source import base_dir_of
 
         base = base_dir_of(model)
         copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
@@ -123,7 +123,7 @@ def _plan(module, lora: str) -> Optional[list]:
 
 
 def _array(site, param, how: str) -> np.ndarray:
-    from ..trace import param_array
+    from .._trace import param_array
 
     if how == "source":
         return tensor_data(site.tensor, site.dtype).array
@@ -138,7 +138,7 @@ class _Symbol:
 
 
 class _Emitted:
-    """What :class:`onnxparam.lora_graph._Expander` reads of a traced tensor."""
+    """What :class:`onnxparam._lora_graph._Expander` reads of a traced tensor."""
 
     def __init__(self, value: ir.Value, dtype: DType):
         self._symbol = _Symbol(value)
@@ -146,7 +146,7 @@ class _Emitted:
 
 
 class _LoraEmitter:
-    """The part of a tracer :class:`onnxparam.lora_graph._Expander` uses, over an export clone:
+    """The part of a tracer :class:`onnxparam._lora_graph._Expander` uses, over an export clone:
     nodes go into the weight's own graph, factors and scales become main-graph initializers
     named ``<weight>.lora.a`` / ``.lora.b`` (what :mod:`onnxparam._lora_import` recognizes)."""
 
@@ -171,7 +171,7 @@ class _LoraEmitter:
         return value
 
     def param_value(self, factor) -> _Emitted:
-        from ..trace import param_array
+        from .._trace import param_array
 
         which = "a" if self._adapter().a is factor else "b"
         name = self.unique_name(f"{self.site.name}.lora.{which}")
@@ -196,8 +196,8 @@ class _LoraEmitter:
 
 def _expand_lora(clone: ir.Model, clone_map: dict, site, param, taken: set, lora: str, written: dict) -> None:
     """Emit ``param``'s adapter at every use of its weight (``"keep"`` / ``"inputs"``: the nodes
-    :mod:`onnxparam.lora_graph` writes for a traced module)."""
-    from ..lora_graph import _Expander
+    :mod:`onnxparam._lora_graph` writes for a traced module)."""
+    from .._lora_graph import _Expander
 
     graph = clone_map[id(site.graph)]
     base = clone_map[id(site.value)] if site.kind == INITIALIZER else clone_map[id(site.node)].outputs[0]
@@ -303,7 +303,7 @@ def _quantize_site(clone: ir.Model, clone_map: dict, site, param, taken: set, op
     """Replace the float weight of ``site`` by ``DequantizeLinear(int weight, scale[, zero
     point])`` (the int initializer keeps the weight's name, so a re-import finds the same param).
     Returns the int tensor (for metadata), or ``None`` when ONNX cannot express the scales."""
-    from ..quant import qdq
+    from ..quant import _qdq as qdq
     from ..quant._qdq_layout import weight_layout
 
     qt = qdq._quantized_of(param)

@@ -70,7 +70,7 @@ def _from_ort(value):
 def _error(module, error: Exception, action: str) -> ExecutionError:
     """An :class:`ExecutionError` naming the imported file and the failing node (when ONNX
     Runtime's message names one of the source graph's nodes)."""
-    from ..runtime.sessions import failing_node
+    from ..runtime._sessions import failing_node
     from ._source_errors import source_label
 
     source = module._source
@@ -85,11 +85,11 @@ def _error(module, error: Exception, action: str) -> ExecutionError:
 def _session(module):
     """The cached ``(session, keepalive)`` for ``module``'s current params, or ``None`` when its
     graph alone cannot express it."""
-    from ..runtime import calls
+    from ..runtime import _calls as calls
+    from ..runtime._config import session_config
+    from ..runtime._devices import ortvalue_host, pick_device, providers_for
     from ..runtime._keys import _value_token
-    from ..runtime.config import session_config
-    from ..runtime.devices import ortvalue_host, pick_device, providers_for
-    from ..runtime.sessions import ort
+    from ..runtime._sessions import ort
     from ._graph_model import session_parts
 
     source = module._source

@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 
 from ..dtype import DType
-from .weights import burn_dtype
+from ._weights import burn_dtype
 
 _OUTPUT_COUNT_MATTERS = frozenset({"BatchNormalization"})
 """Operators whose behaviour depends on how many outputs they have (BatchNormalization before

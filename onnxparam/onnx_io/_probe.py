@@ -36,7 +36,7 @@ def _input_signature(source, env: dict) -> Optional[tuple]:
 
 def _probe(source, sig: tuple) -> dict:
     """Value name -> ``(DType, rank)`` of every main-graph value ONNX Runtime computes."""
-    from ..runtime.sessions import ort
+    from ..runtime._sessions import ort
     from ._graph_model import copy_model
 
     model = copy_model(source.loaded.model)

@@ -10,7 +10,7 @@ several models can tell which one failed:
 * When the module is traced inside another module's ``forward``, its nodes run in the enclosing
   module's session; :func:`record_scope` remembers, per traced graph, the node-name scope
   (``/encoder``) the imported graph was inlined under, and :func:`imported_source` maps a failing
-  node's name back to the file (used by ``runtime.sessions.execution_error``).
+  node's name back to the file (used by ``runtime._sessions.execution_error``).
 """
 
 from __future__ import annotations

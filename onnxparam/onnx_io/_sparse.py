@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from .source import LoadedModel, load_model
+from ._source import LoadedModel, load_model
 
 __all__ = ["densify_sparse_initializers", "load_densified"]
 

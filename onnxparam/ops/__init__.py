@@ -6,7 +6,7 @@ operand is numeric. Layouts are Burn's / ONNX's: NCHW / NCL, conv weight
 operator(s) emitted; the semantics (and formulas) are the ONNX operator specification's,
 https://onnx.ai/onnx/operators/ (cited as "ONNX spec: <Op>").
 
-Inside a trace (a module's ``forward``, see :mod:`onnxparam.trace`) an op appends nodes to the
+Inside a trace (a module's ``forward``, see :mod:`onnxparam._trace`) an op appends nodes to the
 graph and returns symbolic tensors. Outside a trace, an op on concrete tensors runs *eagerly*:
 the op is traced into a small graph whose inputs are its tensor arguments, run through ONNX
 Runtime, and the session cached by signature (shapes, dtypes, devices, other arguments) in
@@ -22,16 +22,16 @@ Opsets: the ops target ``ai.onnx`` 13 and newer natively (``Gelu`` from 20,
 attribute forms where a graph is traced at an older opset (an imported model keeps its own);
 an op ONNX lacks at that opset raises :class:`~onnxparam.TraceError`.
 
-Modules: :mod:`.elementwise`, :mod:`.linalg` (matmul, linear, activations), :mod:`.shape`,
-:mod:`.reduce`, :mod:`.nn` (convolution, pooling, normalization), :mod:`.nn_layers` (transposed
+Modules: :mod:`._elementwise`, :mod:`._linalg` (matmul, linear, activations), :mod:`._shape`,
+:mod:`._reduce`, :mod:`._nn` (convolution, pooling, normalization), :mod:`._nn_layers` (transposed
 convolution, group / RMS normalization, Burn's wider activations, training-mode batch norm and
-dropout), :mod:`.nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
-interpolation), :mod:`.nn_deform` (deformable convolution, fold, 3-D adaptive pooling), :mod:`.custom`; import the ops from ``onnxparam.ops``.
+dropout), :mod:`._nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
+interpolation), :mod:`._nn_deform` (deformable convolution, fold, 3-D adaptive pooling), :mod:`._custom`; import the ops from ``onnxparam.ops``.
 """
 
-from .creation import arange, full, ones, zeros
-from .custom import custom, subgraph
-from .elementwise import (
+from ._creation import arange, full, ones, zeros
+from ._custom import custom, subgraph
+from ._elementwise import (
     abs,
     add,
     cast,
@@ -58,10 +58,10 @@ from .elementwise import (
     tanh,
     where,
 )
-from .linalg import gelu, linear, log_softmax, matmul, softmax
-from .nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
-from .nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d, rrelu_train
-from .nn_layers import (
+from ._linalg import gelu, linear, log_softmax, matmul, softmax
+from ._nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
+from ._nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d, rrelu_train
+from ._nn_layers import (
     batch_norm_train,
     celu,
     conv_transpose1d,
@@ -89,7 +89,7 @@ from .nn_layers import (
     threshold,
     thresholded_relu,
 )
-from .nn_spatial import (
+from ._nn_spatial import (
     adaptive_avg_pool1d,
     avg_pool1d,
     conv3d,
@@ -100,9 +100,9 @@ from .nn_spatial import (
     pixel_shuffle,
     unfold4d,
 )
-from .reduce import argmax, max, mean, min, sum
-from .sequence_layers import gru, lstm, mask_fill, quiet_softmax
-from .shape import (
+from ._reduce import argmax, max, mean, min, sum
+from ._sequence_layers import gru, lstm, mask_fill, quiet_softmax
+from ._shape import (
     concat,
     embedding,
     expand,

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from .. import trace as _trace
+from .. import _trace
 from .._services import service
 from .._symint import SymInt
 from ..dtype import DType

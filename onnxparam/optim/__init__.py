@@ -20,8 +20,8 @@ Typical loop::
     optim.save_file("optim.bpk"); model.save_file("model.bpk")
 """
 
-from .adam import Adam
-from .base import OPTIMIZER_METADATA_KEY, STEP_SCALAR, Optimizer, OptimizerRecord
-from .sgd import SGD
+from ._adam import Adam
+from ._base import OPTIMIZER_METADATA_KEY, STEP_SCALAR, Optimizer, OptimizerRecord
+from ._sgd import SGD
 
 __all__ = ["Optimizer", "OptimizerRecord", "SGD", "Adam", "STEP_SCALAR", "OPTIMIZER_METADATA_KEY"]

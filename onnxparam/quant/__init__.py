@@ -5,13 +5,13 @@ tensor (values, scales, optional global scale), but nothing of files: the burnpa
 (:mod:`onnxparam.burnpack`) stores these bytes, and the model layer attaches them to params.
 Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's format):
 
-* :mod:`.scheme`       the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
-* :mod:`.layout`       the byte layout of values and scales (§2)
-* :mod:`.scales`       scale dtypes: round-up, encode, decode (§2.3, §4.4)
-* :mod:`.tensor`       :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3)
-* :mod:`.calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
-* :mod:`.module`       :class:`Quantizer`, :class:`Calibration`: quantizing a module's params
-* :mod:`.qdq`          quantized params in ONNX graphs (QDQ export / import, static activations);
+* :mod:`._scheme`       the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
+* :mod:`._layout`       the byte layout of values and scales (§2)
+* :mod:`._scales`       scale dtypes: round-up, encode, decode (§2.3, §4.4)
+* :mod:`._tensor`       :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3)
+* :mod:`._calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
+* :mod:`._module`       :class:`Quantizer`, :class:`Calibration`: quantizing a module's params
+* :mod:`._qdq`          quantized params in ONNX graphs (QDQ export / import, static activations);
   the tracer and the ONNX importer call into it; ``_qdq_forms`` picks each op's form (float /
   dynamic / static int8, ``prefer="speed"|"size"``) and writes the per-op report
   (:func:`quantized_ops`), ``_nbits`` writes 4-bit MatMul weights as ``com.microsoft.MatMulNBits``
@@ -21,18 +21,18 @@ Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's form
 import importlib
 
 from ..errors import QuantizationWarning
-from .layout import params_shape, quantized_nbytes
-from .scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
+from ._layout import params_shape, quantized_nbytes
+from ._scheme import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 
 _UPPER_LAYERS = {
-    "quantize": ".calibration", "round_half_away_from_zero": ".calibration", "QuantizedTensor": ".tensor",
-    "Calibration": ".module", "Quantizer": ".module",
-    "QdqOptions": ".qdq", "qdq_options": ".qdq", "quantize_activations": "._activations",
-    "matmulnbits_accuracy_level": ".qdq", "quantized_ops": "._qdq_forms", "quantize_per_axis": ".calibration",
-    "channel_axes": ".module",
+    "quantize": "._calibration", "round_half_away_from_zero": "._calibration", "QuantizedTensor": "._tensor",
+    "Calibration": "._module", "Quantizer": "._module",
+    "QdqOptions": "._qdq", "qdq_options": "._qdq", "quantize_activations": "._activations",
+    "matmulnbits_accuracy_level": "._qdq", "quantized_ops": "._qdq_forms", "quantize_per_axis": "._calibration",
+    "channel_axes": "._module",
 }
-"""Names imported on first use: those of the model layer (:mod:`.module`) and the graph layer
-(:mod:`.qdq`), since this facade sits in the value layer, which ``burnpack`` and ``tensor``
+"""Names imported on first use: those of the model layer (:mod:`._module`) and the graph layer
+(:mod:`._qdq`), since this facade sits in the value layer, which ``burnpack`` and ``tensor``
 import; and those whose modules import ``ml_dtypes`` (slow), which reading a burnpack file's
 header does not need."""
 

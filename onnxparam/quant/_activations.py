@@ -1,5 +1,5 @@
 """Static activation quantization: calibrating activation ranges by running the traced module in
-ONNX Runtime (runtime layer; the graph rewrite is :mod:`onnxparam.quant.qdq`'s)."""
+ONNX Runtime (runtime layer; the graph rewrite is :mod:`onnxparam.quant._qdq`'s)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from ..dtype import DType
 from ..errors import QuantizationError
+from ._qdq import _activation_sites
 from ._qdq_options import _QDQ_META, ACTIVATION_RANGES_ATTR, qdq_options
-from .qdq import _activation_sites
 
 
 def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None, progress=None):
@@ -38,8 +38,8 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     import onnx
 
     from .._ort import import_onnxruntime
+    from .._trace import InputSpec, trace_module
     from ..module import rebuild
-    from ..trace import InputSpec, trace_module
 
     ort = import_onnxruntime()
     args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]

@@ -1,5 +1,5 @@
 """Which form each quantized weight takes in an exported graph, per consuming op, and the report
-of those choices (see :mod:`onnxparam.quant.qdq`, "Which form each op gets").
+of those choices (see :mod:`onnxparam.quant._qdq`, "Which form each op gets").
 
 The forms, as ONNX Runtime 1.32 on CPU runs them (measured with ``tools/bench.py quant``):
 

@@ -1,5 +1,5 @@
 """QDQ import: ``DequantizeLinear`` of integer initializers (and the dynamic ``MatMulInteger`` form)
-folded into one weight that becomes a ``QFloat`` param (see :mod:`onnxparam.quant.qdq`)."""
+folded into one weight that becomes a ``QFloat`` param (see :mod:`onnxparam.quant._qdq`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import onnx_ir as ir
 from ..dtype import DType
 from ..errors import QuantizationError
 from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
-from .scheme import QuantScheme, QuantValue
-from .tensor import QuantizedTensor
+from ._scheme import QuantScheme, QuantValue
+from ._tensor import QuantizedTensor
 
 # -- import --------------------------------------------------------------------------------------------
 
@@ -78,7 +78,7 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         global_scale = np.float32(float.fromhex(props[GLOBAL_SCALE_KEY]))
         scale = (scale / global_scale).astype(np.float32)
     try:
-        from .layout import params_shape
+        from ._layout import params_shape
 
         grid = params_shape(values.shape, scheme)
         qt = QuantizedTensor(values.shape, scheme, q.astype(np.int8), scale.reshape(grid), global_scale)

@@ -1,5 +1,5 @@
 """How one quantized weight is laid out as ONNX ``DequantizeLinear`` initializers (see
-:mod:`onnxparam.quant.qdq`, the table of its docstring)."""
+:mod:`onnxparam.quant._qdq`, the table of its docstring)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from ._calibration import quantize
 from ._qdq_options import NBITS_MIN_BLOCK, QdqOptions
-from .calibration import quantize
-from .scheme import QuantScheme, QuantValue
-from .tensor import QuantizedTensor
+from ._scheme import QuantScheme, QuantValue
+from ._tensor import QuantizedTensor
 
 # -- weight layouts ------------------------------------------------------------------------------
 

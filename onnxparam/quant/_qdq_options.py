@@ -1,4 +1,4 @@
-"""QDQ export options and the metadata keys of quantized initializers (see :mod:`onnxparam.quant.qdq`)."""
+"""QDQ export options and the metadata keys of quantized initializers (see :mod:`onnxparam.quant._qdq`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
 """ONNX Runtime session config entry: the ``accuracy_level`` of the ``MatMulNBits`` it fuses from
 ``DequantizeLinear -> MatMul`` (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 activations)."""
 
-SCHEME_KEY = "onnxparam.quant.scheme"
+SCHEME_KEY = "onnxparam.quant._scheme"
 """Initializer ``metadata_props`` key: the Burn ``QuantScheme`` (JSON of its CBOR value)."""
 
 GLOBAL_SCALE_KEY = "onnxparam.quant.global_scale"

@@ -1,8 +1,8 @@
 """ONNX Runtime execution: ``module(x)`` and eager ops, with cached ``InferenceSession`` s.
 
-Modules of this package: :mod:`.config` (:class:`SessionConfig`), :mod:`.devices` (execution
-providers, ``OrtValue`` s), :mod:`.sessions` (building and running sessions, errors),
-:mod:`.calls` (module calls, caches, eager ops). Import from ``onnxparam.runtime``.
+Modules of this package: :mod:`._config` (:class:`SessionConfig`), :mod:`._devices` (execution
+providers, ``OrtValue`` s), :mod:`._sessions` (building and running sessions, errors),
+:mod:`._calls` (module calls, caches, eager ops). Import from ``onnxparam.runtime``.
 
 **Calling a module** (:func:`call_module`, behind ``Module.__call__``):
 
@@ -47,8 +47,7 @@ after ``load_record``); :func:`session_for` returns the ``InferenceSession`` a c
 node (parsed from ONNX Runtime's message) and the param paths feeding it.
 """
 
-from ._eager import run_eager
-from .calls import (
+from ._calls import (
     MAX_CACHED_SESSIONS,
     MAX_CACHED_TRACES,
     MAX_EAGER_SESSIONS,
@@ -64,8 +63,9 @@ from .calls import (
     stats,
     traced_for,
 )
-from .config import SessionConfig, session_config
-from .devices import ortvalue_from_numpy, providers_for
+from ._config import SessionConfig, session_config
+from ._devices import ortvalue_from_numpy, providers_for
+from ._eager import run_eager
 
 __all__ = [
     "SessionConfig",

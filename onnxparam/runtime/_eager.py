@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import trace as _trace
+from .. import _trace
 from ..errors import TraceError
 from ..tensor import Tensor
+from ._calls import _LOCK, _STATS, _eager, _limits, _trim
+from ._config import DEFAULTS
+from ._devices import pick_device
 from ._keys import _freeze
-from .calls import _LOCK, _STATS, _eager, _limits, _trim
-from .config import DEFAULTS
-from .devices import pick_device
-from .sessions import build_runner
+from ._sessions import build_runner
 
 __all__ = ["run_eager"]
 

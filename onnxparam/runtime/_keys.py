@@ -11,7 +11,7 @@ from ..device import Device
 from ..dtype import DType
 from ..param import Param
 from ..tensor import Tensor
-from .config import CONFIG_ATTR
+from ._config import CONFIG_ATTR
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 

@@ -1,0 +1,213 @@
+"""A small node emitter that appends backward nodes to an existing ``onnx_ir.Graph``.
+
+The forward graph comes from :mod:`onnxparam._trace` with every value typed (dtype + shape).
+Gradient rules (:mod:`._rules`) read those types and emit nodes through an :class:`Emitter`;
+the values they create are left untyped (ONNX Runtime infers them), except where a rule says
+otherwise. Constants become initializers holding their data.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from .._trace import _to_attr
+from ..dtype import DType
+from ..errors import TraceError
+
+__all__ = ["Emitter", "dims", "static_dims", "np_dtype"]
+
+
+def dims(value: ir.Value) -> tuple:
+    """The dims of ``value`` (ints, str for named dynamic dims, ``None`` for unknown ones).
+
+    Raises:
+        TraceError: when the rank is unknown.
+    """
+    if value.shape is None:
+        raise TraceError(f"value {value.name!r} has no known shape; gradients need typed forward values")
+    return tuple(d if isinstance(d, int) else d.value for d in value.shape)
+
+
+def static_dims(value: ir.Value, why: str) -> tuple:
+    """The dims of ``value`` as ints.
+
+    Raises:
+        TraceError: when a dim is dynamic (``why`` says which rule needs it).
+    """
+    out = dims(value)
+    if not all(isinstance(d, int) for d in out):
+        raise TraceError(f"{why} needs static dims; {value.name!r} has shape {list(out)} "
+                         "(grad() traces with the concrete input shapes; pass tensors, not InputSpecs)")
+    return out
+
+
+def np_dtype(value: ir.Value) -> np.dtype:
+    """The numpy dtype of a typed value."""
+    if value.dtype is None:
+        raise TraceError(f"value {value.name!r} has no known dtype")
+    return np.dtype(DType.from_onnx(int(value.dtype)).to_numpy())
+
+
+_BOOL_OPS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Not"})
+
+
+def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Optional[ir.DataType]:
+    """The element type of an emitted node's output, as the rules need it (``Cast``'s target,
+    bool for comparisons, int64 for ``Shape`` and ``MaxPool``'s indices, else the first typed
+    input's)."""
+    if op_type == "Cast":
+        return ir.DataType(int(attrs["to"]))
+    if op_type in _BOOL_OPS:
+        return ir.DataType.BOOL
+    if op_type == "Shape" or (op_type == "MaxPool" and index == 1):
+        return ir.DataType.INT64
+    start = 1 if op_type == "Where" else 0
+    for v in inputs[start:]:
+        if v is not None and v.dtype is not None:
+            return v.dtype
+    return None
+
+
+class Emitter:
+    """Appends nodes and constants to ``graph``, with names unique in it.
+
+    Args:
+        graph: the graph to extend (its existing values and nodes keep their names).
+        opset: the graph's ``ai.onnx`` opset; rules pick the operator forms it has.
+    """
+
+    def __init__(self, graph: ir.Graph, opset: int):
+        self.graph = graph
+        self.opset = int(opset)
+        self._names: set = set()
+        for v in list(graph.inputs) + list(graph.initializers.values()):
+            self._names.add(v.name)
+        for node in graph.all_nodes():
+            self._names.add(node.name)
+            for out in node.outputs:
+                self._names.add(out.name)
+        self._consts: dict = {}
+
+    def unique(self, base: str) -> str:
+        name, k = base, 0
+        while name in self._names:
+            k += 1
+            name = f"{base}_{k}"
+        self._names.add(name)
+        return name
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    def nodes(self, op_type: str, inputs: Sequence[Optional[ir.Value]], attrs: Optional[dict] = None,
+              num_outputs: int = 1) -> list[ir.Value]:
+        """Append one node; return its outputs."""
+        attributes = [_to_attr(k, v) for k, v in (attrs or {}).items() if v is not None]
+        name = self.unique(f"/grad/{op_type}")
+        node = ir.Node("", op_type, list(inputs), attributes, num_outputs=num_outputs, name=name)
+        for i, out in enumerate(node.outputs):
+            out.name = self.unique(f"{name}_output_{i}")
+            dtype = _output_dtype(op_type, i, list(inputs), attrs or {})
+            if dtype is not None:
+                out.type = ir.TensorType(dtype)
+        self.graph.append(node)
+        return list(node.outputs)
+
+    def op(self, op_type: str, *inputs: Optional[ir.Value], **attrs) -> ir.Value:
+        """Append a one-output node ``op_type(*inputs, **attrs)``; return its output.
+        ``LessOrEqual`` / ``GreaterOrEqual`` (opset 12) become ``Not(Greater / Less)`` before."""
+        if self.opset < 12 and op_type in ("LessOrEqual", "GreaterOrEqual"):
+            return self.op("Not", self.op("Greater" if op_type == "LessOrEqual" else "Less", *inputs))
+        return self.nodes(op_type, inputs, attrs)[0]
+
+    def typed(self, value: ir.Value, dtype: np.dtype, shape: Sequence) -> ir.Value:
+        """Set ``value``'s type (for graph outputs)."""
+        value.type = ir.TensorType(ir.DataType(DType.from_numpy(np.dtype(dtype)).to_onnx()))
+        value.shape = ir.Shape(list(shape))
+        return value
+
+    # -- constants ----------------------------------------------------------------------------
+
+    def const(self, value, dtype) -> ir.Value:
+        """An initializer holding ``value`` (a scalar or an array) as ``dtype`` (small ones shared)."""
+        arr = np.ascontiguousarray(np.asarray(value, dtype=np.dtype(dtype)))
+        key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 64 else None
+        if key is not None and key in self._consts:
+            return self._consts[key]
+        v = ir.Value(name=self.unique("/grad/const"), const_value=ir.tensor(arr))
+        self.typed(v, arr.dtype, arr.shape)
+        self.graph.register_initializer(v)
+        if key is not None:
+            self._consts[key] = v
+        return v
+
+    def ints(self, values) -> ir.Value:
+        return self.const(np.asarray(list(values), dtype=np.int64), np.int64)
+
+    def scalar_like(self, value: float, like: ir.Value) -> ir.Value:
+        return self.const(value, np_dtype(like))
+
+    # -- common patterns ----------------------------------------------------------------------
+
+    def reduce_sum(self, x: ir.Value, axes: Sequence[int], keepdims: bool) -> ir.Value:
+        """``ReduceSum`` over ``axes`` (axes as an input from opset 13, an attribute before)."""
+        axes = [int(a) for a in axes]
+        if not axes:
+            return x
+        if self.opset >= 13:
+            return self.op("ReduceSum", x, self.ints(axes), keepdims=int(keepdims))
+        return self.op("ReduceSum", x, axes=axes, keepdims=int(keepdims))
+
+    def unsqueeze(self, x: ir.Value, axes: Sequence[int]) -> ir.Value:
+        """``Unsqueeze`` at ``axes`` (axes as an input from opset 13, an attribute before)."""
+        axes = [int(a) for a in axes]
+        if self.opset >= 13:
+            return self.op("Unsqueeze", x, self.ints(axes))
+        return self.op("Unsqueeze", x, axes=axes)
+
+    def expand_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
+        """``Expand`` to ``like``'s shape (a constant when static, else through ``Shape``)."""
+        d = dims(like)
+        return self.op("Expand", x, self.ints(d) if all(isinstance(k, int) for k in d) else self.op("Shape", like))
+
+    def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
+        return self.op("Reshape", x, self.ints(shape))
+
+    def reshape_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
+        """``x`` reshaped to ``like``'s shape (static when known, else through ``Shape``)."""
+        d = dims(like)
+        if all(isinstance(k, int) for k in d):
+            return self.reshape(x, d)
+        return self.op("Reshape", x, self.op("Shape", like))
+
+    def transpose(self, x: ir.Value, perm: Sequence[int]) -> ir.Value:
+        perm = [int(p) for p in perm]
+        if perm == sorted(perm):
+            return x
+        return self.op("Transpose", x, perm=perm)
+
+    def unbroadcast(self, grad: ir.Value, target: ir.Value, out_shape: Sequence) -> ir.Value:
+        """``grad`` (of a broadcast result of shape ``out_shape``) summed back to ``target``'s
+        shape: over the leading dims ``target`` lacks and the dims where it has size 1 (numpy
+        broadcasting, reversed)."""
+        want = dims(target)
+        out = tuple(out_shape)
+        lead = len(out) - len(want)
+        axes = list(range(lead))
+        for i, d in enumerate(want):
+            o = out[lead + i]
+            if d == 1 and o != 1:
+                axes.append(lead + i)
+            elif d != o and isinstance(d, int):
+                raise TraceError(f"cannot reduce a gradient of shape {list(out)} to {list(want)} "
+                                 f"({target.name!r}): dim {i} is not statically broadcast")
+        # NOTE: a dynamic dim of ``target`` against a size-n dim of the result is taken as n, not
+        # as a broadcast 1 (ONNX's shape-inference merge rule); a wrong guess fails in ONNX Runtime
+        if not axes:
+            return grad
+        summed = self.reduce_sum(grad, axes, keepdims=True)
+        if lead:
+            summed = self.reshape_like(summed, target)
+        return summed

@@ -1,0 +1,624 @@
+"""Reverse-mode gradient rules, one per ONNX operator (elementwise, linear algebra, activations,
+reductions and shape ops; convolution, pooling and normalization are in :mod:`._rules_nn`).
+
+A rule is ``rule(e, node, gout, need) -> list`` where ``e`` is the :class:`~.emitter.Emitter`,
+``node`` the forward ``onnx_ir.Node``, ``gout[i]`` the gradient of the loss with respect to
+output ``i`` (an ``onnx_ir.Value`` of that output's shape, or ``None`` when nothing downstream
+needs it) and ``need[j]`` whether input ``j`` needs a gradient. It returns one entry per input:
+the gradient value (exactly that input's shape and dtype) or ``None``.
+
+Notation of the formulas below: ``x``, ``a``, ``b`` are the forward inputs, ``y`` the output,
+``g = dL/dy``; products are elementwise unless written ``@``. ``unb(t, a)`` sums ``t`` over the
+dims that numpy broadcasting added to ``a`` (leading dims, and dims where ``a`` has size 1).
+Semantics of each forward operator: the ONNX operator specification,
+https://onnx.ai/onnx/operators/.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import TraceError
+from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._rules_matmul import matmul_dynamic
+
+__all__ = ["RULES", "NON_DIFFERENTIABLE", "rule", "attr", "const_array"]
+
+Rule = Callable[[Emitter, ir.Node, list, list], list]
+
+RULES: dict[str, Rule] = {}
+"""ONNX ``op_type`` (domain ``ai.onnx``) -> its gradient rule."""
+
+NON_DIFFERENTIABLE = frozenset({
+    "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+    "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "ConstantOfShape",
+    "EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Range",
+})
+"""Operators whose outputs carry no gradient (integer, boolean or piecewise-constant results)."""
+
+
+def rule(*op_types: str):
+    """Register the decorated function as the gradient rule of ``op_types``."""
+
+    def register(fn: Rule) -> Rule:
+        for op_type in op_types:
+            RULES[op_type] = fn
+        return fn
+
+    return register
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """The Python value of ``node``'s attribute ``name`` (lists for repeated fields)."""
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    value = a.value
+    if isinstance(value, (tuple, list)) or hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+        return list(value)
+    return value
+
+
+def const_array(value: Optional[ir.Value]) -> Optional[np.ndarray]:
+    """The data of a constant input (an initializer that is not a param, or a ``Constant``
+    node's output), else ``None``."""
+    if value is None:
+        return None
+    const = value.const_value
+    if const is not None and not isinstance(const, ir.LazyTensor):
+        return np.asarray(const.numpy())
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return np.asarray(producer.attributes["value"].value.numpy())
+    return None
+
+
+def _axes(node: ir.Node, input_index: int, rank: int) -> Optional[list]:
+    """Axes given as an input (opset 13+/18+ forms) or an attribute; ``None`` when absent."""
+    axes = None
+    if len(node.inputs) > input_index and node.inputs[input_index] is not None:
+        data = const_array(node.inputs[input_index])
+        if data is None:
+            raise TraceError(f"node {node.name!r} ({node.op_type}): gradients need constant axes")
+        axes = [int(a) for a in data.reshape(-1)]
+    elif "axes" in node.attributes:
+        axes = [int(a) for a in attr(node, "axes")]
+    if axes is None:
+        return None
+    return sorted(a + rank if a < 0 else a for a in axes)
+
+
+def _scale(e: Emitter, x: ir.Value, factor: float) -> ir.Value:
+    return x if factor == 1.0 else e.op("Mul", x, e.scalar_like(factor, x))
+
+
+# -- elementwise arithmetic ---------------------------------------------------------------------
+
+
+@rule("Add")
+def _add(e, node, gout, need):
+    """``y = a + b``: ``da = unb(g, a)``, ``db = unb(g, b)``."""
+    g, shape = gout[0], dims(node.outputs[0])
+    return [e.unbroadcast(g, x, shape) if n else None for x, n in zip(node.inputs, need)]
+
+
+@rule("Sub")
+def _sub(e, node, gout, need):
+    """``y = a - b``: ``da = unb(g, a)``, ``db = -unb(g, b)``."""
+    g, shape = gout[0], dims(node.outputs[0])
+    a, b = node.inputs
+    return [e.unbroadcast(g, a, shape) if need[0] else None,
+            e.op("Neg", e.unbroadcast(g, b, shape)) if need[1] else None]
+
+
+@rule("Mul")
+def _mul(e, node, gout, need):
+    """``y = a * b``: ``da = unb(g * b, a)``, ``db = unb(g * a, b)``."""
+    g, shape = gout[0], dims(node.outputs[0])
+    a, b = node.inputs
+    return [e.unbroadcast(e.op("Mul", g, b), a, shape) if need[0] else None,
+            e.unbroadcast(e.op("Mul", g, a), b, shape) if need[1] else None]
+
+
+@rule("Div")
+def _div(e, node, gout, need):
+    """``y = a / b``: ``da = unb(g / b, a)``, ``db = unb(-g * y / b, b)``."""
+    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    a, b = node.inputs
+    da = e.unbroadcast(e.op("Div", g, b), a, shape) if need[0] else None
+    db = None
+    if need[1]:
+        db = e.unbroadcast(e.op("Neg", e.op("Div", e.op("Mul", g, y), b)), b, shape)
+    return [da, db]
+
+
+@rule("Pow")
+def _pow(e, node, gout, need):
+    """``y = a ** b``: ``da = unb(g * b * a ** (b - 1), a)``, ``db = unb(g * y * log(a), b)``
+    (``b`` cast to ``a``'s dtype when it has another one)."""
+    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    a, b = node.inputs
+    dtype = np_dtype(a)
+    bf = b if np_dtype(b) == dtype else e.op("Cast", b, to=int(a.dtype))
+    da = db = None
+    if need[0]:
+        a_pow = e.op("Pow", a, e.op("Sub", bf, e.const(1.0, dtype)))
+        da = e.unbroadcast(e.op("Mul", g, e.op("Mul", bf, a_pow)), a, shape)
+    if need[1]:
+        db = e.unbroadcast(e.op("Mul", g, e.op("Mul", y, e.op("Log", a))), b, shape)
+    return [da, db]
+
+
+@rule("Neg")
+def _neg(e, node, gout, need):
+    """``y = -x``: ``dx = -g``."""
+    return [e.op("Neg", gout[0])]
+
+
+@rule("Identity", "Dropout")
+def _identity(e, node, gout, need):
+    """``y = x`` (``Dropout`` in inference mode): ``dx = g``.
+
+    Raises:
+        TraceError: for a ``Dropout`` in training mode (its mask is random).
+    """
+    if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
+        mode = const_array(node.inputs[2])
+        if mode is None or bool(mode.reshape(-1)[0]):
+            raise TraceError(f"node {node.name!r}: Dropout in training mode has no gradient rule yet")
+    return [gout[0]] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Cast")
+def _cast(e, node, gout, need):
+    """``y = cast(x)``: ``dx = cast(g)`` back to ``x``'s dtype (float ``x`` only)."""
+    x = node.inputs[0]
+    if not np.issubdtype(np_dtype(x), np.floating):
+        return [None]
+    return [e.op("Cast", gout[0], to=int(x.dtype))]
+
+
+@rule("Abs")
+def _abs(e, node, gout, need):
+    """``y = |x|``: ``dx = g * sign(x)``."""
+    return [e.op("Mul", gout[0], e.op("Sign", node.inputs[0]))]
+
+
+@rule("Exp")
+def _exp(e, node, gout, need):
+    """``y = exp(x)``: ``dx = g * y``."""
+    return [e.op("Mul", gout[0], node.outputs[0])]
+
+
+@rule("Log")
+def _log(e, node, gout, need):
+    """``y = log(x)``: ``dx = g / x``."""
+    return [e.op("Div", gout[0], node.inputs[0])]
+
+
+@rule("Sqrt")
+def _sqrt(e, node, gout, need):
+    """``y = sqrt(x)``: ``dx = g / (2 y)``."""
+    y = node.outputs[0]
+    return [e.op("Div", gout[0], e.op("Mul", y, e.scalar_like(2.0, y)))]
+
+
+@rule("Reciprocal")
+def _reciprocal(e, node, gout, need):
+    """``y = 1 / x``: ``dx = -g * y * y``."""
+    y = node.outputs[0]
+    return [e.op("Neg", e.op("Mul", gout[0], e.op("Mul", y, y)))]
+
+
+@rule("Relu")
+def _relu(e, node, gout, need):
+    """``y = max(x, 0)``: ``dx = g * (x > 0)`` (0 at ``x = 0``, as PyTorch and Burn)."""
+    x = node.inputs[0]
+    return [e.op("Where", e.op("Greater", x, e.scalar_like(0.0, x)), gout[0], e.scalar_like(0.0, x))]
+
+
+@rule("LeakyRelu")
+def _leaky_relu(e, node, gout, need):
+    """``y = x if x > 0 else alpha * x``: ``dx = g if x > 0 else alpha * g``."""
+    x, g = node.inputs[0], gout[0]
+    alpha = float(attr(node, "alpha", 0.01))
+    return [e.op("Where", e.op("Greater", x, e.scalar_like(0.0, x)), g, _scale(e, g, alpha))]
+
+
+@rule("Sigmoid")
+def _sigmoid(e, node, gout, need):
+    """``y = 1 / (1 + exp(-x))``: ``dx = g * y * (1 - y)``."""
+    y = node.outputs[0]
+    return [e.op("Mul", gout[0], e.op("Mul", y, e.op("Sub", e.scalar_like(1.0, y), y)))]
+
+
+@rule("Tanh")
+def _tanh(e, node, gout, need):
+    """``y = tanh(x)``: ``dx = g * (1 - y * y)``."""
+    y = node.outputs[0]
+    return [e.op("Mul", gout[0], e.op("Sub", e.scalar_like(1.0, y), e.op("Mul", y, y)))]
+
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_TANH_C = math.sqrt(2.0 / math.pi)
+_GELU_TANH_K = 0.044715
+
+
+@rule("Erf")
+def _erf(e, node, gout, need):
+    """``y = erf(x)``: ``dx = g * 2 / sqrt(pi) * exp(-x * x)``."""
+    x = node.inputs[0]
+    dens = e.op("Exp", e.op("Neg", e.op("Mul", x, x)))
+    return [e.op("Mul", gout[0], _scale(e, dens, _TWO_OVER_SQRT_PI))]
+
+
+@rule("Gelu")
+def _gelu(e, node, gout, need):
+    """ONNX ``Gelu`` (opset 20).
+
+    ``approximate="none"``: ``y = x * Phi(x)``, ``dx = g * (Phi(x) + x * phi(x))`` with
+    ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``, ``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)``.
+
+    ``approximate="tanh"``: ``u = c (x + k x^3)``, ``t = tanh(u)``, ``y = x (1 + t) / 2``,
+    ``dx = g * ((1 + t) / 2 + x (1 - t^2) c (1 + 3 k x^2) / 2)``, ``c = sqrt(2/pi)``,
+    ``k = 0.044715``.
+    """
+    x, g = node.inputs[0], gout[0]
+    one = e.scalar_like(1.0, x)
+    half = e.scalar_like(0.5, x)
+    x2 = e.op("Mul", x, x)
+    if attr(node, "approximate", "none") == "tanh":
+        u = _scale(e, e.op("Add", x, _scale(e, e.op("Mul", x2, x), _GELU_TANH_K)), _GELU_TANH_C)
+        t = e.op("Tanh", u)
+        first = e.op("Mul", e.op("Add", one, t), half)
+        du = _scale(e, e.op("Add", one, _scale(e, x2, 3 * _GELU_TANH_K)), _GELU_TANH_C)
+        second = e.op("Mul", e.op("Mul", e.op("Mul", x, e.op("Sub", one, e.op("Mul", t, t))), du), half)
+        return [e.op("Mul", g, e.op("Add", first, second))]
+    cdf = e.op("Mul", e.op("Add", one, e.op("Erf", _scale(e, x, _INV_SQRT_2))), half)
+    pdf = _scale(e, e.op("Exp", e.op("Mul", x2, e.scalar_like(-0.5, x))), _INV_SQRT_2PI)
+    return [e.op("Mul", g, e.op("Add", cdf, e.op("Mul", x, pdf)))]
+
+
+@rule("Clip")
+def _clip(e, node, gout, need):
+    """``y = min(max(x, lo), hi)``: ``dx = g where lo <= x <= hi`` else 0; the bounds (inputs
+    1 and 2 from opset 11, attributes before) get no gradient."""
+    x, g = node.inputs[0], gout[0]
+    lo = node.inputs[1] if len(node.inputs) > 1 else None
+    hi = node.inputs[2] if len(node.inputs) > 2 else None
+    if lo is None and "min" in node.attributes:
+        lo = e.scalar_like(float(attr(node, "min")), x)
+    if hi is None and "max" in node.attributes:
+        hi = e.scalar_like(float(attr(node, "max")), x)
+    mask = None
+    for bound, op in ((lo, "GreaterOrEqual"), (hi, "LessOrEqual")):
+        if bound is not None:
+            m = e.op(op, x, bound)
+            mask = m if mask is None else e.op("And", mask, m)
+    dx = g if mask is None else e.op("Where", mask, g, e.scalar_like(0.0, x))
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Where")
+def _where(e, node, gout, need):
+    """``y = where(c, a, b)``: ``da = unb(where(c, g, 0), a)``, ``db = unb(where(c, 0, g), b)``."""
+    c, a, b = node.inputs
+    g, shape = gout[0], dims(node.outputs[0])
+    zero = e.scalar_like(0.0, node.outputs[0])
+    return [None,
+            e.unbroadcast(e.op("Where", c, g, zero), a, shape) if need[1] else None,
+            e.unbroadcast(e.op("Where", c, zero, g), b, shape) if need[2] else None]
+
+
+# -- softmax ------------------------------------------------------------------------------------
+
+
+def _softmax_axis(e: Emitter, node: ir.Node) -> int:
+    rank = len(dims(node.inputs[0]))
+    axis = int(attr(node, "axis", -1 if e.opset >= 13 else 1))
+    return axis + rank if axis < 0 else axis
+
+
+@rule("Softmax")
+def _softmax(e, node, gout, need):
+    """``y = softmax(x, axis)``: ``dx = y * (g - sum(g * y, axis, keepdims))``.
+
+    NOTE: before opset 13 Softmax flattens from ``axis`` on; the tracer only emits the last
+    axis there, where both definitions agree.
+    """
+    y, g = node.outputs[0], gout[0]
+    s = e.reduce_sum(e.op("Mul", g, y), [_softmax_axis(e, node)], keepdims=True)
+    return [e.op("Mul", y, e.op("Sub", g, s))]
+
+
+@rule("LogSoftmax")
+def _log_softmax(e, node, gout, need):
+    """``y = x - log(sum(exp(x), axis))``: ``dx = g - exp(y) * sum(g, axis, keepdims)``."""
+    y, g = node.outputs[0], gout[0]
+    s = e.reduce_sum(g, [_softmax_axis(e, node)], keepdims=True)
+    return [e.op("Sub", g, e.op("Mul", e.op("Exp", y), s))]
+
+
+# -- linear algebra -----------------------------------------------------------------------------
+
+
+def _swap_last(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
+    perm = list(range(rank))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return e.transpose(x, perm)
+
+
+@rule("MatMul")
+def _matmul(e, node, gout, need):
+    """``y = a @ b`` (numpy ``matmul``: batched, broadcasting, 1-D operands promoted):
+    ``da = unb(g @ b^T, a)``, ``db = unb(a^T @ g, b)`` on the promoted operands (``^T`` swaps
+    the last two dims); a 1-D ``a`` is ``[1, k]``, a 1-D ``b`` is ``[k, 1]``."""
+    a, b = node.inputs
+    g = gout[0]
+    dyn = matmul_dynamic(e, a, b, g, need)
+    if dyn is not None:
+        return dyn
+    ad, bd = static_dims(a, "MatMul's gradient"), static_dims(b, "MatMul's gradient")
+    if len(ad) == 1 and len(bd) == 1:
+        return [e.op("Mul", g, b) if need[0] else None, e.op("Mul", g, a) if need[1] else None]
+    a2d = (1,) + ad if len(ad) == 1 else ad
+    b2d = bd + (1,) if len(bd) == 1 else bd
+    a2 = e.reshape(a, a2d) if len(ad) == 1 else a
+    b2 = e.reshape(b, b2d) if len(bd) == 1 else b
+    batch = np.broadcast_shapes(a2d[:-2], b2d[:-2])
+    out2d = tuple(batch) + (a2d[-2], b2d[-1])
+    g2 = e.reshape(g, out2d) if len(ad) == 1 or len(bd) == 1 else g
+    da = db = None
+    if need[0]:
+        da = e.op("MatMul", g2, _swap_last(e, b2, len(b2d)))
+        da = _sum_to(e, da, out2d[:-2] + a2d[-2:], ad)
+    if need[1]:
+        db = e.op("MatMul", _swap_last(e, a2, len(a2d)), g2)
+        db = _sum_to(e, db, out2d[:-2] + b2d[-2:], bd)
+    return [da, db]
+
+
+def _sum_to(e: Emitter, t: ir.Value, have: tuple, want: tuple) -> ir.Value:
+    """``t`` of static shape ``have`` summed over broadcast dims and reshaped to ``want``."""
+    want2 = want if len(want) >= 2 else None
+    lead = len(have) - (len(want2) if want2 is not None else 2)
+    axes = list(range(lead))
+    if want2 is not None:
+        for i, d in enumerate(want2[:-2]):
+            if d == 1 and have[lead + i] != 1:
+                axes.append(lead + i)
+    if axes:
+        t = e.reduce_sum(t, axes, keepdims=True)
+    if axes and lead or want2 is None:
+        t = e.reshape(t, want)
+    return t
+
+
+@rule("Gemm")
+def _gemm(e, node, gout, need):
+    """``y = alpha * A' @ B' + beta * c`` with ``A' = a^T`` if ``transA`` (else ``a``), ``B'``
+    likewise: ``dA' = alpha * g @ B'^T``, ``dB' = alpha * A'^T @ g`` (transposed back for a
+    transposed operand), ``dc = beta * unb(g, c)``."""
+    a, b = node.inputs[0], node.inputs[1]
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    g = gout[0]
+    alpha, beta = float(attr(node, "alpha", 1.0)), float(attr(node, "beta", 1.0))
+    ta, tb = int(attr(node, "transA", 0)), int(attr(node, "transB", 0))
+    da = db = dc = None
+    if need[0]:
+        da = e.op("Gemm", b, g, alpha=alpha, transA=tb, transB=1) if ta else \
+            e.op("Gemm", g, b, alpha=alpha, transB=1 - tb)
+    if need[1]:
+        db = e.op("Gemm", g, a, alpha=alpha, transA=1, transB=ta) if tb else \
+            e.op("Gemm", a, g, alpha=alpha, transA=1 - ta)
+    if c is not None and len(need) > 2 and need[2]:
+        dc = _scale(e, e.unbroadcast(g, c, dims(node.outputs[0])), beta)
+    return [da, db, dc][:len(node.inputs)]
+
+
+# -- reductions ---------------------------------------------------------------------------------
+
+
+def _reduce_layout(node: ir.Node) -> tuple:
+    """``(axes, keep_shape)``: the reduced axes of ``node``'s input and the output's shape with
+    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op form."""
+    x = node.inputs[0]
+    xd = dims(x)
+    axes = _axes(node, 1, len(xd))
+    if not axes:
+        if int(attr(node, "noop_with_empty_axes", 0)):
+            return None, None
+        axes = list(range(len(xd)))
+    keep = tuple(1 if i in axes else d for i, d in enumerate(xd))
+    return axes, keep
+
+
+def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir.Value:
+    """``v`` (shaped like ``node``'s output) with the reduced dims as 1: as it is for
+    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic ones)."""
+    if int(attr(node, "keepdims", 1)):
+        return v
+    if all(isinstance(d, int) for d in keep):
+        return e.reshape(v, keep)
+    return e.unsqueeze(v, axes)
+
+
+@rule("ReduceSum", "ReduceMean")
+def _reduce_sum_mean(e, node, gout, need):
+    """``y = sum(x, axes)``: ``dx = expand(g, x.shape)`` (``g`` reshaped with the reduced dims
+    kept as 1); ``ReduceMean`` divides by the count of reduced elements (``Size(x) / Size(y)``
+    when a reduced dim is dynamic)."""
+    x, g = node.inputs[0], gout[0]
+    axes, keep = _reduce_layout(node)
+    if axes is None:
+        return [g] + [None] * (len(node.inputs) - 1)
+    xd = dims(x)
+    dx = e.expand_like(_kept(e, node, g, axes, keep), x)
+    if node.op_type == "ReduceMean":
+        reduced = [xd[a] for a in axes]
+        if all(isinstance(d, int) for d in reduced):
+            dx = _scale(e, dx, 1.0 / math.prod(reduced))
+        else:
+            to = int(x.dtype)
+            count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", node.outputs[0]), to=to))
+            dx = e.op("Div", dx, count)
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@rule("ReduceMax", "ReduceMin")
+def _reduce_max_min(e, node, gout, need):
+    """``y = max(x, axes)``: ``dx = g * (x == y) / count(x == y)`` — ties share the gradient
+    equally (PyTorch's ``amax`` rule)."""
+    x, g = node.inputs[0], gout[0]
+    axes, keep = _reduce_layout(node)
+    if axes is None:
+        return [g] + [None] * (len(node.inputs) - 1)
+    y_keep = _kept(e, node, node.outputs[0], axes, keep)
+    mask = e.op("Cast", e.op("Equal", x, y_keep), to=int(x.dtype))
+    count = e.reduce_sum(mask, axes, keepdims=True)
+    dx = e.op("Mul", mask, e.op("Div", _kept(e, node, g, axes, keep), count))
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+# -- shapes -------------------------------------------------------------------------------------
+
+
+@rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(e, node, gout, need):
+    """Ops that keep the elements in order: ``dx = reshape(g, x.shape)``."""
+    return [e.reshape_like(gout[0], node.inputs[0])] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Expand")
+def _expand(e, node, gout, need):
+    """``y = expand(x, shape)`` (broadcasting): ``dx = unb(g, x)``."""
+    return [e.unbroadcast(gout[0], node.inputs[0], dims(node.outputs[0])), None]
+
+
+@rule("Transpose")
+def _transpose(e, node, gout, need):
+    """``y = transpose(x, perm)``: ``dx = transpose(g, inverse(perm))``."""
+    rank = len(dims(node.inputs[0]))
+    perm = attr(node, "perm") or list(range(rank))[::-1]
+    return [e.transpose(gout[0], list(np.argsort(perm)))]
+
+
+@rule("Concat")
+def _concat(e, node, gout, need):
+    """``y = concat(x_1 .. x_n, axis)``: ``dx_i = split(g, sizes, axis)[i]``."""
+    rank = len(dims(node.outputs[0]))
+    axis = int(attr(node, "axis"))
+    axis = axis + rank if axis < 0 else axis
+    sizes = [static_dims(x, "Concat's gradient")[axis] for x in node.inputs]
+    if len(sizes) == 1:
+        return [gout[0]]
+    if e.opset >= 13:
+        parts = e.nodes("Split", [gout[0], e.ints(sizes)], {"axis": axis}, num_outputs=len(sizes))
+    else:
+        parts = e.nodes("Split", [gout[0]], {"axis": axis, "split": sizes}, num_outputs=len(sizes))
+    return [p if n else None for p, n in zip(parts, need)]
+
+
+@rule("Split")
+def _split(e, node, gout, need):
+    """``(y_1 .. y_n) = split(x, axis)``: ``dx = concat(g_1 .. g_n, axis)`` (zeros for an
+    output nothing used)."""
+    x = node.inputs[0]
+    rank = len(dims(x))
+    axis = int(attr(node, "axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    parts = []
+    for out, g in zip(node.outputs, gout):
+        if g is None:
+            g = e.const(np.zeros(static_dims(out, "Split's gradient"), dtype=np_dtype(x)), np_dtype(x))
+        parts.append(g)
+    return [e.op("Concat", *parts, axis=axis)] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Slice")
+def _slice(e, node, gout, need):
+    """``y = x[starts:ends:steps]`` along ``axes``: ``dx`` is zeros with ``g`` scattered back to
+    the selected elements (``ScatterElements`` on the flattened tensor with constant indices
+    computed from the static shape and the constant bounds)."""
+    x = node.inputs[0]
+    xd = static_dims(x, "Slice's gradient")
+    if len(node.inputs) > 1:
+        starts, ends = const_array(node.inputs[1]), const_array(node.inputs[2])
+        axes = const_array(node.inputs[3]) if len(node.inputs) > 3 else None
+        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 else None
+        if starts is None or ends is None or (len(node.inputs) > 3 and node.inputs[3] is not None and axes is None) \
+                or (len(node.inputs) > 4 and node.inputs[4] is not None and steps is None):
+            raise TraceError(f"node {node.name!r} (Slice): gradients need constant bounds")
+    else:
+        starts, ends, axes, steps = attr(node, "starts"), attr(node, "ends"), attr(node, "axes"), None
+    starts = [int(s) for s in np.asarray(starts).reshape(-1)]
+    ends = [int(s) for s in np.asarray(ends).reshape(-1)]
+    axes = list(range(len(starts))) if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+    steps = [1] * len(starts) if steps is None else [int(s) for s in np.asarray(steps).reshape(-1)]
+    index = [slice(None)] * len(xd)
+    for s, t, a, k in zip(starts, ends, axes, steps):
+        index[a + len(xd) if a < 0 else a] = slice(s, t, k)
+    flat = np.arange(math.prod(xd), dtype=np.int64).reshape(xd)[tuple(index)].reshape(-1)
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints([math.prod(xd)]))
+    scattered = e.op("ScatterElements", zeros, e.const(flat, np.int64), e.reshape(gout[0], [-1]), axis=0)
+    return [e.reshape(scattered, xd)] + [None] * (len(node.inputs) - 1)
+
+
+def _normalized_indices(e: Emitter, idx: ir.Value, size: int) -> ir.Value:
+    """``idx`` as int64 with negative entries counted from the end (``idx + size``)."""
+    if np_dtype(idx) != np.int64:
+        idx = e.op("Cast", idx, to=int(ir.DataType.INT64))
+    zero = e.const(0, np.int64)
+    return e.op("Where", e.op("Less", idx, zero), e.op("Add", idx, e.const(size, np.int64)), idx)
+
+
+@rule("Gather")
+def _gather(e, node, gout, need):
+    """``y = take(x, idx, axis)``: ``dx`` is zeros of ``x``'s shape with every slice of ``g``
+    *added* at its index (repeated indices accumulate): ``ScatterND(reduction="add")`` on
+    ``x`` with ``axis`` moved first (the embedding gradient for ``axis=0``).
+
+    Raises:
+        TraceError: below opset 16 (``ScatterND`` has no ``reduction`` there).
+    """
+    if e.opset < 16:
+        raise TraceError("Gather's gradient needs ScatterND with reduction='add' (opset 16+); "
+                         f"this graph is at opset {e.opset}")
+    x, idx = node.inputs
+    g = gout[0]
+    xd = static_dims(x, "Gather's gradient")
+    q = len(dims(idx))
+    rank = len(xd)
+    axis = int(attr(node, "axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    # g: xd[:axis] + idx.shape + xd[axis+1:]  ->  idx.shape + xd[:axis] + xd[axis+1:]
+    perm = list(range(axis, axis + q)) + list(range(axis)) + list(range(axis + q, rank - 1 + q))
+    gt = e.transpose(g, perm)
+    moved = (xd[axis],) + xd[:axis] + xd[axis + 1:]
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints(moved))
+    index = e.reshape(_normalized_indices(e, idx, xd[axis]), tuple(static_dims(idx, "Gather's gradient")) + (1,))
+    dxm = e.op("ScatterND", zeros, index, gt, reduction="add")
+    back = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return [e.transpose(dxm, back), None]
+
+
+@rule("GatherElements")
+def _gather_elements(e, node, gout, need):
+    """``y[i][j] = x[idx[i][j]][j]`` (axis 0): ``dx = ScatterElements(zeros, idx, g, axis,
+    reduction="add")`` (opset 16+)."""
+    if e.opset < 16:
+        raise TraceError("GatherElements' gradient needs ScatterElements with reduction='add' (opset 16+); "
+                         f"this graph is at opset {e.opset}")
+    x, idx = node.inputs
+    xd = static_dims(x, "GatherElements' gradient")
+    axis = int(attr(node, "axis", 0))
+    axis = axis + len(xd) if axis < 0 else axis
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints(xd))
+    idx = _normalized_indices(e, idx, xd[axis])
+    return [e.op("ScatterElements", zeros, idx, gout[0], axis=axis, reduction="add"), None]

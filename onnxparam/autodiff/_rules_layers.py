@@ -1,0 +1,240 @@
+"""Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops._nn_layers`):
+``ConvTranspose``, ``PRelu`` and the elementwise activations ``Elu``, ``Selu``, ``Celu``,
+``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, ``Resize``, and the variadic
+elementwise ``Max`` / ``Min`` of imported models (conventions and
+notation: :mod:`._rules`; forward semantics: the ONNX operator specification).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+from ..errors import TraceError
+from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._rules import attr, const_array, rule
+from ._rules_nn import _conv_geometry, conv_weight_grad
+
+__all__ = []
+
+
+@rule("ConvTranspose")
+def _conv_transpose(e, node, gout, need):
+    """``y = ConvTranspose(x, w) + b`` (ONNX spec: ConvTranspose; ``w`` is
+    ``[C_in, C_out / group, k...]``) is the adjoint of ``Conv(., w)`` with the same strides,
+    dilations, pads and group, so:
+
+    * ``dx = Conv(g, w)`` (the same attributes; cut to ``x``'s size when ``output_padding``
+      made the output longer than the convolution reads back);
+    * ``dw`` is ``Conv``'s weight gradient with the roles exchanged: input ``g``, output
+      gradient ``x`` (:func:`.rules_nn.conv_weight_grad`);
+    * ``db = sum(g, axes=[0, 2, ...])``.
+
+    Raises:
+        TraceError: for ``output_shape`` or ``auto_pad`` forms (the ops never emit them).
+    """
+    if "output_shape" in node.attributes or attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+        raise TraceError(f"node {node.name!r}: ConvTranspose with output_shape / auto_pad has no gradient rule")
+    x, w = node.inputs[0], node.inputs[1]
+    b = node.inputs[2] if len(node.inputs) > 2 else None
+    g = gout[0]
+    xd = static_dims(x, "ConvTranspose's gradient")
+    wd = static_dims(w, "ConvTranspose's gradient")
+    yd = static_dims(node.outputs[0], "ConvTranspose's gradient")
+    nd = len(xd) - 2
+    kernel = tuple(wd[2:])
+    group = int(attr(node, "group", 1))
+    strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
+    out = [None] * len(node.inputs)
+    if need[0]:
+        dx = e.op("Conv", g, w, strides=strides, dilations=dilations, pads=list(begin) + list(end), group=group)
+        read = [(yd[2 + i] + begin[i] + end[i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+                for i in range(nd)]
+        if read != list(xd[2:]):
+            dx = e.op("Slice", dx, e.ints([0] * nd), e.ints(xd[2:]), e.ints(range(2, 2 + nd)))
+        out[0] = dx
+    if need[1]:
+        out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group)
+    if b is not None and need[2]:
+        out[2] = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
+    return out
+
+
+def _where_positive(e: Emitter, x, if_positive, otherwise, strict: bool = True):
+    test = e.op("Greater" if strict else "GreaterOrEqual", x, e.scalar_like(0.0, x))
+    return e.op("Where", test, if_positive, otherwise)
+
+
+@rule("PRelu")
+def _prelu(e, node, gout, need):
+    """``y = x if x >= 0 else slope * x`` (``slope`` broadcast to ``x``):
+    ``dx = g if x >= 0 else slope * g``; ``dslope = unb(g * x if x < 0 else 0, slope)``."""
+    x, slope = node.inputs
+    g = gout[0]
+    out = [None, None]
+    if need[0]:
+        out[0] = _where_positive(e, x, g, e.op("Mul", g, slope), strict=False)
+    if need[1]:
+        shape = static_dims(node.outputs[0], "PRelu's gradient")
+        masked = _where_positive(e, x, e.scalar_like(0.0, x), e.op("Mul", g, x), strict=False)
+        out[1] = e.unbroadcast(masked, slope, shape)
+    return out
+
+
+@rule("Elu")
+def _elu(e, node, gout, need):
+    """``y = x if x >= 0 else alpha * (exp(x) - 1)``: ``dx = g if x > 0 else g * (y + alpha)``."""
+    x, y, g = node.inputs[0], node.outputs[0], gout[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    return [_where_positive(e, x, g, e.op("Mul", g, e.op("Add", y, e.scalar_like(alpha, y))))]
+
+
+@rule("Selu")
+def _selu(e, node, gout, need):
+    """``y = gamma * x if x > 0 else gamma * alpha * (exp(x) - 1)``:
+    ``dx = gamma * g if x > 0 else g * (y + gamma * alpha)``."""
+    x, y, g = node.inputs[0], node.outputs[0], gout[0]
+    alpha = float(attr(node, "alpha", 1.67326319217681884765625))
+    gamma = float(attr(node, "gamma", 1.05070102214813232421875))
+    return [_where_positive(e, x, e.op("Mul", g, e.scalar_like(gamma, g)),
+                            e.op("Mul", g, e.op("Add", y, e.scalar_like(gamma * alpha, y))))]
+
+
+@rule("Celu")
+def _celu(e, node, gout, need):
+    """``y = max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``:
+    ``dx = g if x > 0 else g * (y / alpha + 1)`` (``= g * exp(x / alpha)``)."""
+    x, y, g = node.inputs[0], node.outputs[0], gout[0]
+    alpha = float(attr(node, "alpha", 1.0))
+    slope = e.op("Add", e.op("Mul", y, e.scalar_like(1.0 / alpha, y)), e.scalar_like(1.0, y))
+    return [_where_positive(e, x, g, e.op("Mul", g, slope))]
+
+
+@rule("HardSigmoid")
+def _hard_sigmoid(e, node, gout, need):
+    """``y = clamp(alpha * x + beta, 0, 1)``: ``dx = alpha * g`` where ``0 < alpha * x + beta < 1``,
+    else 0."""
+    x, g = node.inputs[0], gout[0]
+    alpha, beta = float(attr(node, "alpha", 0.2)), float(attr(node, "beta", 0.5))
+    v = e.op("Add", e.op("Mul", x, e.scalar_like(alpha, x)), e.scalar_like(beta, x))
+    inside = e.op("And", e.op("Greater", v, e.scalar_like(0.0, x)), e.op("Less", v, e.scalar_like(1.0, x)))
+    return [e.op("Where", inside, e.op("Mul", g, e.scalar_like(alpha, g)), e.scalar_like(0.0, x))]
+
+
+@rule("HardSwish")
+def _hard_swish(e, node, gout, need):
+    """``y = x * clamp(x / 6 + 1 / 2, 0, 1)``: ``dy/dx`` is 0 for ``x <= -3``, ``x / 3 + 1 / 2``
+    on ``(-3, 3)``, 1 for ``x >= 3``."""
+    x, g = node.inputs[0], gout[0]
+    middle = e.op("Add", e.op("Mul", x, e.scalar_like(1.0 / 3.0, x)), e.scalar_like(0.5, x))
+    slope = e.op("Where", e.op("GreaterOrEqual", x, e.scalar_like(3.0, x)), e.scalar_like(1.0, x),
+                 e.op("Where", e.op("Greater", x, e.scalar_like(-3.0, x)), middle, e.scalar_like(0.0, x)))
+    return [e.op("Mul", g, slope)]
+
+
+@rule("Softplus")
+def _softplus(e, node, gout, need):
+    """``y = log(1 + exp(x))``: ``dx = g * sigmoid(x)``."""
+    return [e.op("Mul", gout[0], e.op("Sigmoid", node.inputs[0]))]
+
+
+@rule("Softsign")
+def _softsign(e, node, gout, need):
+    """``y = x / (1 + |x|)``: ``dx = g / (1 + |x|)^2``."""
+    x = node.inputs[0]
+    d = e.op("Add", e.op("Abs", x), e.scalar_like(1.0, x))
+    return [e.op("Div", gout[0], e.op("Mul", d, d))]
+
+
+_RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
+                 "extrapolation_value")
+
+
+def _resize_matrix(node, n_in: int, n_out: int, scale) -> np.ndarray:
+    """The ``(n_out, n_in)`` matrix ``A`` of ``node``'s 1-D resampling along one axis
+    (``y = A @ x``): ONNX's reference ``Resize`` applied to the identity. Resize resamples each
+    axis independently (ONNX spec: Resize), so the full operator is these matrices per axis."""
+    attrs = {}
+    for name in _RESIZE_ATTRS:
+        value = attr(node, name, None)
+        if value is not None:
+            attrs[name] = value.decode() if isinstance(value, bytes) else value
+    inputs = ["X", "", "S", ""] if scale is not None else ["X", "", "", "S"]
+    resize = helper.make_node("Resize", inputs, ["Y"], axes=[2], **attrs)
+    s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
+    graph = helper.make_graph([resize], "resize_matrix",
+                              [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [n_in, 1, n_in]),
+                               helper.make_tensor_value_info("S", s_type, [1])],
+                              [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    feed = np.array([scale], np.float32) if scale is not None else np.array([n_out], np.int64)
+    y = ReferenceEvaluator(model).run(None, {"X": np.eye(n_in).reshape(n_in, 1, n_in), "S": feed})[0]
+    if y.shape != (n_in, 1, n_out):
+        raise TraceError(f"node {node.name!r}: cannot rebuild its resampling ({n_in} -> {n_out}, got {y.shape})")
+    return y[:, 0, :].T
+
+
+@rule("Resize")
+def _resize(e, node, gout, need):
+    """``y = Resize(x)`` over the last one or two axes is linear and separable:
+    ``y = A_h @ x @ A_w^T`` with constant interpolation matrices (one per resized axis, rebuilt
+    with ONNX's reference implementation from the node's mode and coordinate attributes), so
+    ``dx = A_h^T @ g @ A_w`` (``MatMul`` s; an axis whose size does not change and whose matrix
+    is the identity is skipped).
+
+    Raises:
+        TraceError: for a resized axis other than the last two, a ``roi`` input
+            (``tf_crop_and_resize``) or scales / sizes that are not constants.
+    """
+    x, g = node.inputs[0], gout[0]
+    xd = static_dims(x, "Resize's gradient")
+    yd = static_dims(node.outputs[0], "Resize's gradient")
+    rank = len(xd)
+    if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
+        raise TraceError(f"node {node.name!r}: Resize with a computed roi has no gradient rule")
+    axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
+    scales = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    if scales is not None and scales.size == 0:
+        scales = None
+    dtype = np_dtype(x)
+    dx = g
+    for i, a in enumerate(axes):
+        scale = None if scales is None else float(scales[i if scales.size == len(axes) else a])
+        matrix = _resize_matrix(node, xd[a], yd[a], scale)
+        if matrix.shape[0] == matrix.shape[1] and np.allclose(matrix, np.eye(matrix.shape[0])):
+            continue
+        if a == rank - 1:
+            dx = e.op("MatMul", dx, e.const(matrix.astype(dtype), dtype))
+        elif a == rank - 2:
+            dx = e.op("MatMul", e.const(np.ascontiguousarray(matrix.T).astype(dtype), dtype), dx)
+        else:
+            raise TraceError(f"node {node.name!r}: Resize's gradient supports resized last two axes only; "
+                             f"axis {a} of {list(xd)} changes")
+    return [dx] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Max", "Min")
+def _max_min(e, node, gout, need):
+    """``y = max(x_1, ..., x_n)`` elementwise, numpy broadcasting (ONNX spec: Max, Min): the
+    gradient goes to the inputs equal to ``y``, ties sharing it equally (PyTorch's ``maximum``
+    rule): ``dx_i = unb(g * [x_i == y] / #{j: x_j == y}, x_i)``."""
+    g, y = gout[0], node.outputs[0]
+    shape, to = dims(y), int(y.dtype)
+    masks = [e.op("Cast", e.op("Equal", x, y), to=to) for x in node.inputs]
+    count = masks[0]
+    for mask in masks[1:]:
+        count = e.op("Add", count, mask)
+    share = e.op("Div", g, count) if len(masks) > 1 else g
+    return [e.unbroadcast(e.op("Mul", share, mask), x, shape) if n else None
+            for x, mask, n in zip(node.inputs, masks, need)]
+
+
+@rule("GlobalMaxPool")
+def _global_max_pool(e, node, gout, need):
+    """``y = max of x over its spatial dims`` (kept as 1; ONNX spec: GlobalMaxPool): as
+    ``ReduceMax``, ties share: ``dx = g * [x == y] / #{x == y}``."""
+    x, y, g = node.inputs[0], node.outputs[0], gout[0]
+    mask = e.op("Cast", e.op("Equal", x, y), to=int(x.dtype))
+    count = e.reduce_sum(mask, list(range(2, len(dims(x)))), keepdims=True)
+    return [e.op("Mul", mask, e.op("Div", g, count))]

@@ -1,0 +1,269 @@
+"""Gradient rules of convolution, pooling and normalization (conventions: :mod:`._rules`).
+
+Layouts are ONNX's: ``x`` ``[N, C, spatial...]``, conv weight ``[C_out, C_in / group, k...]``.
+These rules need static shapes (``grad()`` traces with the concrete input shapes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import TraceError
+from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._rules import attr, rule
+
+__all__ = []
+
+
+def _conv_geometry(node: ir.Node, xd: tuple, kernel: tuple) -> tuple:
+    """``(strides, dilations, pads_begin, pads_end)`` of a Conv / pool node, with ``auto_pad``
+    resolved to explicit pads from the static input shape (ONNX spec: Conv, auto_pad)."""
+    nd = len(xd) - 2
+    strides = list(attr(node, "strides", None) or [1] * nd)
+    dilations = list(attr(node, "dilations", None) or [1] * nd)
+    pads = list(attr(node, "pads", None) or [0] * (2 * nd))
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * nd)
+        for i in range(nd):
+            out = -(-xd[2 + i] // strides[i])
+            total = max((out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - xd[2 + i], 0)
+            small, large = total // 2, total - total // 2
+            pads[i], pads[nd + i] = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * nd)
+    return strides, dilations, pads[:nd], pads[nd:]
+
+
+def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd: tuple, yd: tuple,
+                                  kernel: tuple, strides, dilations, begin, end, group: int) -> ir.Value:
+    """The gradient of a convolution's input: ``ConvTranspose(g, weight)`` with the forward's
+    strides, dilations, pads and group, and ``output_padding`` chosen so the result has the
+    input's spatial size (the rows the forward's floor division dropped get zeros)."""
+    output_padding = []
+    for i in range(len(kernel)):
+        size = strides[i] * (yd[2 + i] - 1) + (kernel[i] - 1) * dilations[i] + 1 - begin[i] - end[i]
+        output_padding.append(xd[2 + i] - size)
+    if any(p < 0 for p in output_padding):
+        raise TraceError(f"cannot invert a convolution of input {list(xd)} to output {list(yd)}")
+    return e.op("ConvTranspose", g, weight, strides=strides, dilations=dilations, pads=list(begin) + list(end),
+                group=group, output_padding=output_padding if any(output_padding) else None)
+
+
+def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple, o: int, kernel: tuple,
+                     strides, dilations, begin, end, group: int) -> ir.Value:
+    """The gradient of a convolution's weight ``[O, C / group, k...]`` for input ``x`` (dims
+    ``xd``) and output gradient ``g`` (dims ``yd``):
+    ``dw[o, c, k] = sum_{n, p} g[n, o, p] * x_pad[n, c, p * s + k * d]``, a convolution of ``x``
+    (batch and channel axes swapped, grouped) with ``g`` as the weight, strides and dilations
+    exchanged, cut to the kernel size. (Also the weight gradient of ``ConvTranspose``, with the
+    roles of ``x`` and ``g`` exchanged: :mod:`._rules_layers`.)"""
+    nd = len(xd) - 2
+    n, c = xd[0], xd[1]
+    cg, og = c // group, o // group
+    # x: [N, C, S] -> [N, G, Cg, S] -> [Cg, G, N, S] -> [Cg, G*N, S]  (batch Cg, channels group-major)
+    xs = e.reshape(x, (n, group, cg) + xd[2:])
+    xs = e.transpose(xs, [2, 1, 0] + list(range(3, 3 + nd)))
+    xs = e.reshape(xs, (cg, group * n) + xd[2:])
+    # g: [N, O, P] -> [N, G, Og, P] -> [G, Og, N, P] -> [G*Og, N, P]  (the weight, in N per group)
+    gs = e.reshape(g, (n, group, og) + yd[2:])
+    gs = e.transpose(gs, [1, 2, 0] + list(range(3, 3 + nd)))
+    gs = e.reshape(gs, (o, n) + yd[2:])
+    full = e.op("Conv", xs, gs, strides=dilations, dilations=strides, pads=list(begin) + list(end),
+                group=group)  # [Cg, O, k'...], k' >= k
+    full = e.transpose(full, [1, 0] + list(range(2, 2 + nd)))
+    size = [(xd[2 + i] + begin[i] + end[i] - (yd[2 + i] - 1) * strides[i] - 1) // dilations[i] + 1
+            for i in range(nd)]
+    if list(size) != list(kernel):
+        full = e.op("Slice", full, e.ints([0] * nd), e.ints(kernel), e.ints(range(2, 2 + nd)))
+    return full
+
+
+@rule("Conv")
+def _conv(e, node, gout, need):
+    """``y = conv(x, w) + b`` (cross-correlation, ONNX spec: Conv):
+
+    * ``dx = ConvTranspose(g, w)`` (same strides, dilations, pads, group);
+    * ``dw[o, c, k] = sum_{n, p} g[n, o, p] * x_pad[n, c, p * s + k * d]``: a convolution of
+      ``x`` (batch and channel axes swapped, grouped) with ``g`` as the weight, strides and
+      dilations exchanged, cut to the kernel size;
+    * ``db = sum(g, axes=[0, 2, ...])``.
+    """
+    x, w = node.inputs[0], node.inputs[1]
+    b = node.inputs[2] if len(node.inputs) > 2 else None
+    g = gout[0]
+    xd = static_dims(x, "Conv's gradient")
+    wd = static_dims(w, "Conv's gradient")
+    yd = static_dims(node.outputs[0], "Conv's gradient")
+    nd = len(xd) - 2
+    kernel = tuple(wd[2:])
+    group = int(attr(node, "group", 1))
+    strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
+    dx = dw = db = None
+    if need[0]:
+        dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group)
+    if need[1]:
+        dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group)
+    if b is not None and len(need) > 2 and need[2]:
+        db = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
+    return [dx, dw, db][:len(node.inputs)]
+
+
+@rule("MaxPool")
+def _max_pool(e, node, gout, need):
+    """``y = max over each window of x``: ``dx`` is zeros with ``g`` added at each window's
+    arg-max. The arg-max comes from a second ``MaxPool`` with the ``Indices`` output (flat
+    indices into ``x``, ONNX spec: MaxPool), scattered with ``ScatterElements`` (``add`` for
+    overlapping windows, opset 16+)."""
+    x = node.inputs[0]
+    if int(attr(node, "storage_order", 0)):
+        raise TraceError(f"node {node.name!r}: MaxPool with storage_order=1 has no gradient rule")
+    xd = static_dims(x, "MaxPool's gradient")
+    kernel = attr(node, "kernel_shape")
+    strides = attr(node, "strides", None) or [1] * len(kernel)
+    attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
+             if k in node.attributes}
+    _, indices = e.nodes("MaxPool", [x], attrs, num_outputs=2)
+    total = math.prod(xd)
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints([total]))
+    overlap = any(s < k for s, k in zip(strides, kernel)) or bool(attr(node, "dilations", None))
+    reduction = None
+    if overlap:
+        if e.opset < 16:
+            raise TraceError("MaxPool's gradient with overlapping windows needs ScatterElements with "
+                             f"reduction='add' (opset 16+); this graph is at opset {e.opset}")
+        reduction = "add"
+    flat = e.op("ScatterElements", zeros, e.reshape(indices, [-1]), e.reshape(gout[0], [-1]), axis=0,
+                reduction=reduction)
+    return [e.reshape(flat, xd)]
+
+
+@rule("AveragePool")
+def _average_pool(e, node, gout, need):
+    """``y = mean over each window of x``: ``dx = ConvTranspose(g / count, ones)``, a
+    depthwise (``group = C``) transposed convolution with a ones kernel that spreads each
+    window's gradient over its cells; ``count`` is the kernel size, or with
+    ``count_include_pad=0`` the number of real cells per window (an ``AveragePool`` of ones
+    times the kernel size)."""
+    x, g = node.inputs[0], gout[0]
+    if int(attr(node, "ceil_mode", 0)):
+        raise TraceError(f"node {node.name!r}: AveragePool with ceil_mode=1 has no gradient rule")
+    xd = static_dims(x, "AveragePool's gradient")
+    yd = static_dims(node.outputs[0], "AveragePool's gradient")
+    kernel = tuple(attr(node, "kernel_shape"))
+    strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
+    dtype = np_dtype(x)
+    size = math.prod(kernel)
+    padded = any(begin) or any(end)
+    if padded and not int(attr(node, "count_include_pad", 0)):
+        attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "auto_pad")
+                 if k in node.attributes}
+        ones = e.op("Expand", e.scalar_like(1.0, x), e.ints(xd))
+        count = _scale_op(e, e.nodes("AveragePool", [ones], dict(attrs, count_include_pad=1))[0], float(size))
+        g = e.op("Div", g, count)
+    else:
+        g = _scale_op(e, g, 1.0 / size)
+    c = xd[1]
+    ones_kernel = e.const(np.ones((c, 1) + kernel, dtype=dtype), dtype)
+    return [_input_grad_by_conv_transpose(e, g, ones_kernel, xd, yd, kernel, strides, dilations, begin, end, c)]
+
+
+def _scale_op(e: Emitter, x: ir.Value, factor: float) -> ir.Value:
+    return e.op("Mul", x, e.scalar_like(factor, x))
+
+
+@rule("GlobalAveragePool")
+def _global_average_pool(e, node, gout, need):
+    """``y = mean(x, spatial axes, keepdims)``: ``dx = expand(g, x.shape) / (H * W ...)``."""
+    x = node.inputs[0]
+    xd = static_dims(x, "GlobalAveragePool's gradient")
+    return [_scale_op(e, e.op("Expand", gout[0], e.ints(xd)), 1.0 / math.prod(xd[2:]))]
+
+
+@rule("BatchNormalization")
+def _batch_norm(e, node, gout, need):
+    """Inference form (ONNX spec: BatchNormalization, ``training_mode=0``), per channel ``c``
+    (axis 1): ``y = (x - m) * s * gamma + beta`` with ``s = 1 / sqrt(v + eps)``:
+
+    * ``dx = g * gamma * s``;
+    * ``dgamma = sum(g * (x - m) * s)``, ``dbeta = sum(g)`` (sums over every axis but 1);
+    * ``dm = -sum(g) * gamma * s``, ``dv = -sum(g * (x - m)) * gamma * s^3 / 2``.
+
+    Raises:
+        TraceError: for the training form (more than one output, or ``training_mode=1``).
+    """
+    if len(node.outputs) > 1 or int(attr(node, "training_mode", 0)):
+        raise TraceError(f"node {node.name!r}: only BatchNormalization's inference form has a gradient rule")
+    x, gamma, _beta, mean, var = node.inputs
+    g = gout[0]
+    xd = dims(x)
+    rank = len(xd)
+    eps = float(attr(node, "epsilon", 1e-5))
+    bshape = [1, -1] + [1] * (rank - 2)
+    axes = [0] + list(range(2, rank))
+    s = e.op("Reciprocal", e.op("Sqrt", e.op("Add", var, e.scalar_like(eps, var))))  # [C]
+    gamma_s = e.op("Mul", gamma, s)
+    out = [None] * 5
+    if need[0]:
+        out[0] = e.op("Mul", g, e.reshape(gamma_s, bshape))
+    sum_g = e.reduce_sum(g, axes, keepdims=False) if need[2] or need[3] else None
+    if need[1] or need[4]:
+        sum_gxc = e.reduce_sum(e.op("Mul", g, e.op("Sub", x, e.reshape(mean, bshape))), axes, keepdims=False)
+        if need[1]:
+            out[1] = e.op("Mul", sum_gxc, s)
+        if need[4]:
+            s3 = e.op("Mul", e.op("Mul", s, s), s)
+            out[4] = e.op("Mul", e.op("Mul", sum_gxc, e.op("Mul", gamma, s3)), e.scalar_like(-0.5, var))
+    if need[2]:
+        out[2] = sum_g
+    if need[3]:
+        out[3] = e.op("Neg", e.op("Mul", sum_g, gamma_s))
+    return out
+
+
+@rule("LayerNormalization")
+def _layer_norm(e, node, gout, need):
+    """ONNX spec: LayerNormalization (opset 17), normalizing over axes ``axis..rank-1``:
+    ``xh = (x - mu) * r``, ``r = 1 / sqrt(var + eps)``, ``y = xh * gamma + beta``:
+
+    * ``dxh = g * gamma``; ``dx = r * (dxh - mean(dxh) - xh * mean(dxh * xh))`` (means over
+      the normalized axes);
+    * ``dgamma = unb(g * xh, gamma)``, ``dbeta = unb(g, beta)``.
+
+    Raises:
+        TraceError: when the node also outputs its mean / inverse std (training form).
+    """
+    if len(node.outputs) > 1:
+        raise TraceError(f"node {node.name!r}: LayerNormalization with Mean / InvStdDev outputs has no gradient rule")
+    x, gamma = node.inputs[0], node.inputs[1]
+    beta = node.inputs[2] if len(node.inputs) > 2 else None
+    g = gout[0]
+    xd = static_dims(x, "LayerNormalization's gradient")
+    rank = len(xd)
+    axis = int(attr(node, "axis", -1))
+    axis = axis + rank if axis < 0 else axis
+    axes = list(range(axis, rank))
+    n = float(math.prod(xd[axis:]))
+    eps = float(attr(node, "epsilon", 1e-5))
+
+    def mean(t):
+        return _scale_op(e, e.reduce_sum(t, axes, keepdims=True), 1.0 / n)
+
+    xc = e.op("Sub", x, mean(x))
+    r = e.op("Reciprocal", e.op("Sqrt", e.op("Add", mean(e.op("Mul", xc, xc)), e.scalar_like(eps, x))))
+    xh = e.op("Mul", xc, r)
+    out = [None] * len(node.inputs)
+    if need[0]:
+        dxh = e.op("Mul", g, gamma)
+        inner = e.op("Sub", e.op("Sub", dxh, mean(dxh)), e.op("Mul", xh, mean(e.op("Mul", dxh, xh))))
+        out[0] = e.op("Mul", r, inner)
+    shape = dims(node.outputs[0])
+    if need[1]:
+        out[1] = e.unbroadcast(e.op("Mul", g, xh), gamma, shape)
+    if beta is not None and need[2]:
+        out[2] = e.unbroadcast(g, beta, shape)
+    return out

@@ -1,0 +1,232 @@
+"""``grad(loss_fn, module, *inputs)``: the loss and the gradients of every trainable param,
+computed by one cached ONNX Runtime session; and :class:`Gradients`, keyed by ``ParamId``.
+
+**What is traced.** ``loss_fn(module, *inputs, **kwargs)`` runs inside a trace (as a module's
+``forward`` does): every op it calls, including the module's own forward, becomes ONNX nodes.
+It must return a one-element float tensor (use :func:`.losses.cross_entropy`,
+:func:`.losses.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
+form (``x @ W + scale * ((x @ a) @ b)``), so the factors are params of the graph and get their
+own gradients while the frozen base stays a constant. A quantized base (QLoRA) is traced as
+``DequantizeLinear`` of its stored integers (``QdqOptions(matmul="dequantize")``, what
+``module(x)`` computes), whatever :func:`~onnxparam.quant._qdq.qdq_options` encloses the call.
+
+**Which params get a gradient.** Exactly the float params with ``require_grad`` that the loss
+depends on (``module.no_grad()``, ``freeze_group``, ``apply_lora`` clear the flag; a frozen
+param gets no gradient and its part of the backward graph is pruned).
+
+**Caching.** The training graph is cached by ``(loss_fn object, module structure, input
+signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
+step re-traces). Trainable params are graph inputs fed on every run, so a training loop that
+changes them reuses one session; the session is keyed like inference sessions by the identity
+of the frozen params' values (a module loaded with new frozen weights gets a new session).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+
+from .. import _lora_graph as lora_graph
+from .. import _trace
+from ..errors import TraceError
+from ..param import Param, ParamId
+from ..quant import _qdq as qdq
+from ..runtime import _calls
+from ..runtime._config import session_config
+from ..runtime._devices import pick_device
+from ..runtime._sessions import build_runner
+from ..tensor import Tensor
+from ._backward import build_training_model
+
+__all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
+
+LOSS_OUTPUT = "loss"
+"""The training graph's first output (``output`` when a param path is already ``loss``)."""
+
+TRAINING_LORA_MODE = "keep"
+"""The LoRA mode of training graphs: adapters as graph nodes, so their factors get gradients."""
+
+MAX_CACHED_TRAINING = 16
+"""Training graphs (and, separately, training sessions) kept, least recently used dropped first."""
+
+_graphs: "OrderedDict[Any, tuple]" = OrderedDict()
+_sessions: "OrderedDict[Any, Any]" = OrderedDict()
+
+
+def clear_cache() -> None:
+    """Forget every cached training graph and session."""
+    with _calls._LOCK:
+        _graphs.clear()
+        _sessions.clear()
+
+
+class Gradients(Mapping):
+    """The gradients of one loss: ``ParamId -> Tensor`` (Burn's ``GradientsParams``).
+
+    Each gradient has its param's shape and dtype (the raw base's for a LoRA base that is
+    trainable). Index by ``ParamId`` or by the :class:`~onnxparam.Param` itself; only params
+    that require grad and that the loss depends on are present.
+    """
+
+    def __init__(self, grads: Mapping[ParamId, Tensor], paths: Optional[Mapping[ParamId, str]] = None):
+        self._grads = dict(grads)
+        self._paths = dict(paths or {})
+
+    def __getitem__(self, key) -> Tensor:
+        if isinstance(key, Param):
+            key = key.id
+        return self._grads[key]
+
+    def __contains__(self, key) -> bool:
+        if isinstance(key, Param):
+            key = key.id
+        return key in self._grads
+
+    def __iter__(self) -> Iterator[ParamId]:
+        return iter(self._grads)
+
+    def __len__(self) -> int:
+        return len(self._grads)
+
+    def path(self, key) -> Optional[str]:
+        """The module path the gradient was computed at (``fc1.weight.lora.a``)."""
+        return self._paths.get(key.id if isinstance(key, Param) else key)
+
+    def by_path(self) -> dict:
+        """``path -> Tensor``."""
+        return {self._paths.get(pid, str(pid)): t for pid, t in self._grads.items()}
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{self._paths.get(pid, pid)}: {list(t.shape)}" for pid, t in self._grads.items())
+        return f"Gradients({items})"
+
+
+def trainable_paths(module) -> tuple:
+    """Paths of the float params of ``module`` that require grad, in traversal order."""
+    from ..module import named_params
+
+    return tuple(path for path, p in named_params(module) if p.require_grad and p.lazy_dtype().is_float)
+
+
+def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel:
+    declared = dict(getattr(module, "onnx_opset_imports", None) or {})
+    tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph")
+    # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
+    # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
+    # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
+    # and not what module(x) computes). Fixed here, so it is not part of the cache key.
+    with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
+        args = list(args)
+        kwargs = dict(kwargs)
+        names = []
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                args[i] = tracer.input(f"input_{i}", a.shape, a.dtype, unique=True)
+                names.append(args[i]._symbol.value.name)
+        for k, v in kwargs.items():
+            if isinstance(v, Tensor):
+                kwargs[k] = tracer.input(str(k), v.shape, v.dtype, unique=True)
+                names.append(kwargs[k]._symbol.value.name)
+        loss = loss_fn(module, *args, **kwargs)
+        if not isinstance(loss, Tensor):
+            raise TraceError(f"loss_fn must return a Tensor (the loss); got {type(loss).__name__}")
+        # NOTE: the output is called "loss" unless a param or input already has that name
+        output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
+        return tracer.finish(loss, output_names=output, input_names=names)
+
+
+def _split(args, kwargs):
+    args = [Tensor.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+    kwargs = {k: Tensor.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    tensors = [a for a in args if isinstance(a, Tensor)] + [v for v in kwargs.values() if isinstance(v, Tensor)]
+    for t in tensors:
+        if t._symbol is not None:
+            raise TraceError(f"{t!r} is symbolic: grad() takes concrete inputs")
+    return args, kwargs, tensors
+
+
+def _training_entry(loss_fn, module, args, kwargs):
+    """``(key, training TracedModel, grad paths)`` for this call, traced and built if needed."""
+    wrt_all = trainable_paths(module)
+    call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _calls._freeze(a)) for a in args),
+                tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _calls._freeze(v)))
+                      for k, v in kwargs.items()))
+    key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all)
+    hit = _graphs.get(key)
+    if hit is not None:
+        _graphs.move_to_end(key)
+        return (key,) + hit
+    forward = _trace_loss(loss_fn, module, args, kwargs)
+    wrt = [p for p in wrt_all if p in forward.params]
+    training, grad_paths = build_training_model(forward, wrt)
+    _graphs[key] = (training, grad_paths)
+    _calls._trim(_graphs, MAX_CACHED_TRAINING)
+    return key, training, grad_paths
+
+
+def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
+    """The training :class:`~onnxparam._trace.TracedModel` that :func:`grad` runs (inputs: the
+    tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
+    args, kwargs, _ = _split(inputs, kwargs)
+    with _calls._LOCK:
+        return _training_entry(loss_fn, module, args, kwargs)[1]
+
+
+def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
+    """The loss and its gradients with respect to ``module``'s trainable params.
+
+    Args:
+        loss_fn: ``loss_fn(module, *inputs, **kwargs) -> Tensor``, a one-element float loss;
+            traced (see the module docstring), so it must use :mod:`onnxparam.ops` (and
+            modules) only. Pass the same function object on every step.
+        module: the :class:`~onnxparam.Module`; its float params with ``require_grad`` are
+            differentiated.
+        *inputs, **kwargs: tensors or arrays (graph inputs: their shapes and dtypes key the
+            cache) and plain Python values (baked into the graph).
+
+    Returns:
+        ``(loss, grads)``: ``loss`` a host :class:`~onnxparam.Tensor` of the loss's shape
+        (``float(loss.to_numpy())``), ``grads`` the :class:`Gradients`.
+
+    Raises:
+        TraceError: when ``loss_fn`` cannot be traced, does not return a one-element float
+            tensor, or uses an operator without a gradient rule on a trainable path.
+        DeviceError / ExecutionError: as for module calls.
+    """
+    from ..module import named_params
+
+    owner = f"grad({getattr(loss_fn, '__name__', 'loss_fn')}, {type(module).__name__})"
+    args, kwargs, tensors = _split(inputs, kwargs)
+    config = session_config(module)
+    with _calls._LOCK:
+        key, training, grad_paths = _training_entry(loss_fn, module, args, kwargs)
+        by_path = dict(named_params(module))
+        frozen = [(p, lora_graph.initializer_param(by_path.get(p, training.params[p]), TRAINING_LORA_MODE))
+                  for p in training.param_paths]
+        trainable = training.input_names[len(tensors):]
+        fed_params = [lora_graph.initializer_param(by_path[p], TRAINING_LORA_MODE) for p in trainable]
+        device = pick_device(owner, frozen + list(zip(trainable, fed_params)), tensors)
+        session_key = (key, device, config, tuple(_calls._value_token(p) for _, p in frozen))
+        runner = _sessions.get(session_key)
+        if runner is None:
+            runner = build_runner(training, [p for _, p in frozen], device, config, owner)
+            _sessions[session_key] = runner
+            _calls._trim(_sessions, MAX_CACHED_TRAINING)
+        else:
+            _sessions.move_to_end(session_key)
+    feeds = list(tensors)
+    for path, param in zip(trainable, fed_params):
+        dtype = _input_dtype(training, path)
+        feeds.append(Tensor.from_numpy(_trace.param_array(param, dtype)))
+    outputs = runner.run(feeds)
+    loss, values = outputs[0], outputs[1:]
+    grads = {by_path[p].id: t for p, t in zip(grad_paths, values)}
+    paths = {by_path[p].id: p for p in grad_paths}
+    return loss, Gradients(grads, paths)
+
+
+def _input_dtype(training, name: str):
+    cache = training._cache.setdefault("input_dtypes", {n: d for n, d, _ in training.input_types()})
+    return cache[name]

@@ -1,0 +1,421 @@
+"""File-to-file weight conversion: ``.bpk`` <-> ``.safetensors`` <-> ``.onnx`` (and ``.pt`` /
+``.pth`` as a source), without a module.
+
+:func:`convert` reads the source lazily (memory-mapped), renames / filters / transposes / casts
+tensor by tensor, and streams the target: at most one tensor's data is in memory at a time.
+Inline ``.onnx`` files too: a weights-only model is written field by field and an ``.onnx``
+source is read through a map (:mod:`onnxparam.convert._onnx_files`); only ``graph=`` targets
+build the protobuf in memory. Every target is written atomically.
+
+What is kept, per direction:
+
+=======================  ==================================================================
+names                    the same dotted paths in all three formats (ONNX initializer names
+                         via :func:`onnxparam.onnx_io._naming.path_to_onnx_name`); a name that
+                         is not a module path (``'a..b'``) is the initializer's name as it is,
+                         recorded in its :data:`SOURCE_NAME_KEY` metadata for the way back
+data order               burnpack data order = safetensors ``onnxparam.order`` = ONNX
+                         initializer order
+dtypes                   bit-exact; ``Flex32``, burnpack ``Bool`` stores and ``QFloat`` survive
+                         safetensors (``onnxparam.dtypes``); in ONNX ``Flex32`` becomes ``F32``,
+                         ``Bool`` is one byte, and ``QFloat`` is refused (it needs QDQ nodes)
+param ids                burnpack ``param_id`` = safetensors ``onnxparam.param_ids`` = ONNX
+                         initializer / model metadata (:mod:`onnxparam.onnx_io._metadata`)
+metadata, scalars        burnpack ``metadata`` = safetensors ``__metadata__`` = ONNX
+                         ``onnxparam.record.<key>``; scalars ride in ``onnxparam.scalars``
+LoRA factors             plain tensors (``<param>.lora.a`` / ``.lora.b``), kept like any other
+=======================  ==================================================================
+
+So ``.bpk -> .safetensors -> .bpk`` and ``.bpk -> .onnx -> .bpk`` reproduce a Burn-written file
+byte for byte.
+
+ONNX targets:
+
+* ``graph=model.onnx``: the graph's weights (:mod:`onnxparam.onnx_io._weights`) take the source's
+  tensors, matched by path; every missing, unexpected, mis-shaped or mis-typed tensor is
+  reported before anything is written (:func:`onnxparam.onnx_io._records.write_record_to_onnx`).
+* no graph: a *weights-only* model: one initializer per tensor, in data order, each exposed as a
+  graph output ``<name>:value`` through an ``Identity`` node, so ONNX Runtime can load and run
+  it (it refuses a graph without outputs) and hands the weights back. Read back, every
+  initializer of such a model is a tensor (small integer, bool and 0-d ones included, which
+  the weight rules of :mod:`onnxparam.onnx_io._weights` leave in ordinary graphs).
+* ``zero_copy=True`` (source ``.bpk`` or ``.safetensors``): the initializers are *external data
+  slices of the source file* (``location`` = the source's path relative to the model's folder,
+  ``offset`` = its data section start + the tensor's offset, ``length`` = its byte count), so
+  the ``.onnx`` adds no weight bytes to the disk and ONNX Runtime reads the weights straight from
+  the ``.bpk``. ONNX Runtime only accepts external files inside the model's folder, so the source
+  must be there (or below). Burnpack tensors start on 256-byte boundaries; ORT reads slices
+  that are not page-aligned into memory instead of mapping them, which changes nothing else.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..dtype import DType, dtype_from_numpy
+from ..errors import RecordError, file_error
+from ..formats._extensions import FORMATS, WRITABLE, format_of
+from ..formats._names import map_indices_contiguous
+from ..formats._safetensors import read_safetensors, write_safetensors
+from ..record import ModuleRecord
+from ..tensor import TensorData
+from ._adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
+from ._onnx_files import (
+    OUTPUT_SUFFIX,
+    SOURCE_NAME_KEY,
+    WEIGHTS_IR_VERSION,
+    WEIGHTS_OPSET,
+    _external_data_files,
+    _read_onnx,
+    _write_onnx,
+    _write_onnx_zero_copy,
+)
+from ._pytorch_layout import plan_pytorch_layout
+from ._report import ConvertReport
+from ._tensors import _Source, _Tensor
+
+__all__ = ["convert", "read_record", "FORMATS", "format_of", "WEIGHTS_OPSET", "WEIGHTS_IR_VERSION", "OUTPUT_SUFFIX",
+           "SOURCE_NAME_KEY"]
+
+
+def _read_burnpack(path: Path) -> _Source:
+    from .. import burnpack
+
+    bp = burnpack.read(path)
+    tensors = [
+        _Tensor(e.name, e.dtype, tuple(e.shape), e.param_id, e.to_data, e.scheme, e.bool_store, e.name,
+                (bp.data_offset + e.data_offsets[0], e.nbytes))
+        for e in bp.tensors.values()
+    ]
+    return _Source(tensors, dict(bp.metadata), dict(bp.scalars), bp)
+
+
+def _read_safetensors(path: Path) -> _Source:
+    st = read_safetensors(path)
+    tensors = [
+        _Tensor(name, t.dtype, tuple(t.shape), t.param_id, t.loader, t.scheme, t.bool_store, name,
+                (st.data_start + t.data_offsets[0], t.data_offsets[1] - t.data_offsets[0]))
+        for name, t in st.tensors.items()
+    ]
+    return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
+
+
+def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
+    from ..formats._pytorch import read_pytorch
+
+    checkpoint = read_pytorch(path, top_level_key=top_level_key)
+    tensors, problems = [], []
+    for name, array in checkpoint.tensors.items():
+        try:
+            dtype = dtype_from_numpy(array.dtype)
+        except ValueError as exc:
+            problems.append(f"'{name}': {exc}")
+            continue
+
+        def load(_array=array, _dtype=dtype):
+            return TensorData(_array, _dtype, tuple(_array.shape))
+
+        tensors.append(_Tensor(name, dtype, tuple(int(d) for d in array.shape), None, load, source_name=name))
+    if problems:
+        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype Burn has no dtype for", problems)
+    notes = [f"not a tensor, left out: '{name}'" for name in checkpoint.skipped]
+    notes += [f"one tensor in the file, written once per name: {', '.join(group)}" for group in checkpoint.tied]
+    return _Source(tensors, {}, {}, notes=notes)
+
+
+def read_record(path: "str | os.PathLike", *, top_level_key: Optional[str] = None) -> ModuleRecord:
+    """The tensors of a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` file as a
+    lazy :class:`~onnxparam.ModuleRecord` (names as :func:`convert` reads them; the data stays in
+    the mapped file until read). ``top_level_key`` selects a checkpoint dict's entry (``.pt``).
+
+    Raises:
+        ValueError: for an unknown extension.
+        FileNotFoundError: for a missing file.
+        RecordError / OnnxFormatError: for a malformed file.
+    """
+    path = Path(path)
+    fmt = format_of(path)
+    if not path.exists():
+        raise file_error(errno.ENOENT, f"no such file: '{path}'", os.fspath(path))
+    source = _read_pytorch(path, top_level_key) if fmt == "pytorch" else _READERS[fmt](path)
+    return ModuleRecord({t.name: t.snapshot() for t in source.tensors}, source.metadata)
+
+
+def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> None:
+    """Refuse a target that is the source itself or a file the source or ``graph`` reads its
+    external data from: replacing it would destroy the only copy of those weights (and leave
+    the ``.onnx`` pointing at other bytes).
+
+    Raises:
+        ValueError: naming the file and the model that reads it.
+    """
+    target = os.path.realpath(dst)
+    if target == os.path.realpath(src):
+        raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
+    readers = [(src, source.external_files)]
+    if isinstance(graph, (str, os.PathLike)):
+        from ..onnx_io._source import load_model
+
+        readers.append((Path(graph), _external_data_files(load_model(graph).model)))
+    for model, files in readers:
+        if target in files:
+            raise ValueError(
+                f"the target '{dst}' holds the external data (weights) of '{model}': replacing it would "
+                "destroy those weights; write to another file"
+            )
+
+
+def convert(
+    src: "str | os.PathLike",
+    dst: "str | os.PathLike",
+    *,
+    graph: "str | os.PathLike | None" = None,
+    remap=None,
+    include=None,
+    exclude=None,
+    cast=None,
+    transpose=None,
+    no_transpose=None,
+    pytorch: bool = False,
+    top_level_key: Optional[str] = None,
+    contiguous_indices: bool = False,
+    metadata: Optional[dict] = None,
+    allow_partial: bool = False,
+    zero_copy: bool = False,
+    lossless: bool = True,
+    external_data: "bool | str | None" = None,
+    progress: Optional[Callable[[str, int], None]] = None,
+) -> ConvertReport:
+    """Convert the weights of ``src`` into ``dst``; formats from the extensions.
+
+    Args:
+        src: a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` (``torch.save``,
+            read without torch by :func:`onnxparam.formats._pytorch.read_pytorch`) file.
+        dst: the file to write (``.bpk``, ``.safetensors`` or ``.onnx``); replaced atomically.
+        graph: for an ``.onnx`` target: an existing ONNX model whose weights are replaced by the
+            source's tensors (matched by path); without it a weights-only model is written.
+        remap: key remapping rules for the source names (``[(pattern, replacement)]``,
+            ``{pattern: replacement}`` or a :class:`~onnxparam.convert.KeyRemapper`).
+        include, exclude: regexes searched in the *source* names; tensors left out are
+            reported as ``skipped``.
+        cast: float precision change (``"f16"``, ``"bf16"``, ``{"f32": "f16"}`` ...; see
+            :func:`~onnxparam.convert._adapters.cast_spec`).
+        transpose: regexes (searched in the *target* names) of rank-2 tensors to transpose,
+            e.g. ``r"^fc\\d\\.weight$"`` for Linear weights between PyTorch and Burn layouts.
+        no_transpose: regexes (target names) of tensors ``pytorch=True`` must not transpose.
+        pytorch: PyTorch <-> Burn layouts without a module: only what names and shapes settle
+            (a Linear weight is known by its bias; norm ``weight``/``bias`` <-> ``gamma``/``beta``;
+            ``num_batches_tracked`` left out); every rank-2 ``weight`` left alone is listed in
+            ``report.untouched`` (see :mod:`onnxparam.convert._pytorch_layout`). The direction
+            follows the formats: to Burn from a ``.pt`` / ``.safetensors`` source, to PyTorch
+            into a ``.safetensors`` target.
+        top_level_key: for a ``.pt`` source: the checkpoint dict's entry holding the state dict.
+        contiguous_indices: first renumber the integer segments of the source names to 0, 1,
+            2 ... per position (``fc.0, fc.2`` -> ``fc.0, fc.1``; Burn's
+            ``map_indices_contiguous``, for ``nn.Sequential`` gaps); ``include`` / ``exclude`` /
+            ``remap`` then see the renumbered names.
+        metadata: entries added to (or replacing) the source's metadata.
+        allow_partial: with ``graph``: keep the graph's own data for weights the source lacks,
+            and ignore source tensors the graph has no weight for.
+        zero_copy: for an ``.onnx`` target from a ``.bpk`` / ``.safetensors`` source in the
+            target's folder: reference the source's bytes instead of copying them (module
+            docstring). No ``cast`` or ``transpose`` then.
+        lossless: for a ``.safetensors`` target: write the ``onnxparam.*`` keys (ids, order,
+            Burn dtypes, scalars); ``False`` writes a plain file as PyTorch tools do.
+        external_data: for an ``.onnx`` target without ``zero_copy``: as
+            :func:`onnxparam.onnx_io._save.save_model` (``None``: only when over 2 GiB).
+        progress: called as ``progress(name, nbytes)`` as each tensor's data is produced.
+
+    Returns:
+        a :class:`~onnxparam.convert.ConvertReport`.
+
+    Raises:
+        ValueError: for an unknown extension, options that do not fit the formats, or a target
+            that is the source or a file the source (or ``graph``) reads external data from.
+        RecordError: for tensors that do not fit (name clash after remapping, a graph mismatch,
+            a dtype the target cannot hold), each named; nothing is written then.
+        OnnxFormatError: for a malformed ONNX source or graph.
+        FileNotFoundError: for a missing source.
+    """
+    src, dst = Path(src), Path(dst)
+    src_fmt, dst_fmt = format_of(src), format_of(dst)
+    if dst_fmt not in WRITABLE:
+        raise ValueError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
+                         ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+    to_pytorch = _pytorch_direction(src, dst, src_fmt, dst_fmt) if pytorch else None
+    if top_level_key is not None and src_fmt != "pytorch":
+        raise ValueError(f"top_level_key applies to .pt / .pth sources; the source is '{src}'")
+    if graph is not None and dst_fmt != "onnx":
+        raise ValueError(f"graph= applies to .onnx targets only; the target is '{dst}'")
+    if zero_copy:
+        _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
+    if not src.exists():
+        raise file_error(errno.ENOENT, f"no such file: '{src}'", os.fspath(src))
+    source = _read_pytorch(src, top_level_key) if src_fmt == "pytorch" else _READERS[src_fmt](src)
+    try:
+        _check_target_is_not_read(src, dst, source, graph)
+        report = ConvertReport(source=str(src), target=str(dst))
+        report.notes += source.notes
+        if contiguous_indices:
+            renumbered = map_indices_contiguous([t.name for t in source.tensors])
+            report.renamed += [(old, new) for old, new in renumbered.items() if old != new]
+            source.tensors = [replace(t, name=renumbered[t.name]) for t in source.tensors]
+        plan = None
+        if to_pytorch is not None:
+            plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)
+            user = KeyRemapper.of(remap)
+            if not isinstance(user, KeyRemapper):
+                raise ValueError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
+                                 "replacement) pairs or a KeyRemapper")
+            remap = KeyRemapper(plan.rules + list(user.rules))
+        tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose, no_transpose, plan)
+        if progress is not None:
+            tensors = [_with_progress(t, progress) for t in tensors]
+        meta = dict(source.metadata)
+        meta.update(metadata or {})
+        options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data)
+        _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
+    finally:
+        source.close()
+    report.tensors = [t.name for t in tensors]
+    report.bytes_written = dst.stat().st_size
+    return report
+
+
+def _pytorch_direction(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> bool:
+    """``True`` (Burn -> PyTorch) for a ``.safetensors`` target from a Burn-layout source,
+    ``False`` (PyTorch -> Burn) from a ``.pt`` / ``.safetensors`` source to a Burn-side target."""
+    if dst_fmt == "safetensors" and src_fmt in ("burnpack", "onnx"):
+        return True
+    if src_fmt in ("pytorch", "safetensors") and dst_fmt in ("burnpack", "onnx"):
+        return False
+    raise ValueError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
+                     f"(.bpk / .onnx); '{src}' -> '{dst}' has PyTorch's layout on "
+                     f"{'both sides' if dst_fmt == 'safetensors' else 'neither side'}")
+
+
+def _check_zero_copy_options(src: Path, dst: Path, src_fmt: str, dst_fmt: str, cast, transpose) -> None:
+    if dst_fmt != "onnx" or src_fmt not in ("burnpack", "safetensors"):
+        raise ValueError(
+            f"zero_copy makes an .onnx model that reads its weights from a .bpk or .safetensors file; "
+            f"got '{src}' -> '{dst}'"
+        )
+    if cast is not None or transpose is not None:
+        raise ValueError("zero_copy references the source's bytes as they are: no cast or transpose")
+    rel = os.path.relpath(os.path.abspath(src), os.path.abspath(dst.parent))
+    if rel.startswith(os.pardir) or os.path.isabs(rel):
+        raise ValueError(
+            f"zero_copy needs '{src}' inside the ONNX model's folder '{dst.parent or '.'}': ONNX Runtime refuses "
+            "external data outside it; write the .onnx beside the source file"
+        )
+
+
+def _transform(tensors: list, report: ConvertReport, remap, include, exclude, cast, transpose, no_transpose=None,
+               plan=None) -> list:
+    remapper = KeyRemapper.of(remap)
+    path_filter = PathFilter(include, exclude)
+    casts = cast_spec(cast)
+    transposes = _compile_all(transpose) or ()
+    keep_as_is = _compile_all(no_transpose) or ()
+    auto = set(plan.transpose) if plan is not None else set()
+    dropped = set(plan.dropped) if plan is not None else set()
+    if plan is not None:
+        for name, why in plan.untouched:
+            target = remapper.apply(name)
+            if not any(p.search(target) for p in transposes + keep_as_is):
+                report.untouched.append((name, why))
+    out: list[_Tensor] = []
+    origin: dict[str, str] = {}
+    problems: list[str] = []
+    for t in tensors:
+        if not path_filter.matches(t.name):
+            report.skipped.append(t.name)
+            continue
+        if t.name in dropped:
+            report.ignored.append(t.name)
+            continue
+        name = remapper.apply(t.name)
+        if name in origin:
+            problems.append(f"name clash: tensors '{origin[name]}' and '{t.name}' are both renamed to '{name}'")
+            continue
+        origin[name] = t.name
+        if name != t.name:
+            report.renamed.append((t.name, name))
+            t = replace(t, name=name)
+        wanted = (t.name in auto or any(p.search(name) for p in transposes)) and not any(
+            p.search(name) for p in keep_as_is)
+        if wanted:
+            if len(t.shape) != 2 or t.dtype is DType.QFloat:
+                problems.append(f"cannot transpose '{name}': only plain rank-2 tensors are transposed, it is "
+                                f"{t.dtype.name} {list(t.shape)}")
+                continue
+            snap = transpose_snapshot(t.snapshot())
+            report.transposed.append((name, list(t.shape), list(snap.shape)))
+            t = replace(t, shape=tuple(snap.shape), loader=snap.loader, file_slice=None)
+        if casts is not None and t.dtype in casts and casts[t.dtype] != t.dtype:
+            snap = cast_snapshot(t.snapshot(), casts[t.dtype], name=name)
+            report.cast.append((name, t.dtype, snap.dtype))
+            t = replace(t, dtype=snap.dtype, loader=snap.loader, file_slice=None)
+        out.append(t)
+    if problems:
+        raise RecordError(f"cannot convert: {len(problems)} problem(s)", problems)
+    return out
+
+
+def _with_progress(t: _Tensor, progress: Callable[[str, int], None]) -> _Tensor:
+    def load(_t=t, _progress=progress):
+        data = _t.loader()
+        _progress(_t.name, int(getattr(data, "nbytes", 0)))
+        return data
+
+    return replace(t, loader=load)
+
+
+def _write_burnpack(dst: Path, tensors: list, metadata: dict, scalars: dict) -> None:
+    from .. import burnpack
+
+    entries = (
+        burnpack.TensorEntry(t.name, t.dtype, t.shape, t.loader, None if t.param_id is None else int(t.param_id),
+                             t.bool_store if t.dtype is DType.Bool else None, t.scheme)
+        for t in tensors
+    )
+    burnpack.write(dst, entries, metadata=metadata, scalars=scalars)
+
+
+@dataclass(frozen=True)
+class _TargetOptions:
+    """The options of :func:`convert` that a target format's writer reads (the others apply to
+    every pair: renaming, filtering, casts, metadata)."""
+
+    graph: Any
+    allow_partial: bool
+    zero_copy: bool
+    lossless: bool
+    external_data: Any
+
+
+def _to_burnpack(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    _write_burnpack(dst, tensors, meta, scalars)
+
+
+def _to_safetensors(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    write_safetensors(dst, [(t.name, t) for t in tensors], metadata=meta,
+                      scalars=scalars if options.lossless else None, lossless=options.lossless)
+
+
+def _to_onnx(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
+    if options.zero_copy:
+        _write_onnx_zero_copy(src, dst, tensors, meta, scalars, options.graph, options.allow_partial, report)
+    else:
+        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data)
+
+
+_READERS = {"burnpack": _read_burnpack, "safetensors": _read_safetensors, "onnx": _read_onnx}
+"""Format -> ``path -> _Source`` (lazy tensors, metadata, scalars)."""
+
+_WRITERS = {"burnpack": _to_burnpack, "safetensors": _to_safetensors, "onnx": _to_onnx}
+"""Format -> the writer of a target of that format (``_TargetOptions`` holds what it reads)."""

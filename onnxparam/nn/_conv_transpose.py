@@ -1,0 +1,214 @@
+"""1-D and 2-D transposed convolutions (Burn's ``burn-nn/src/modules/conv/conv_transpose1d.rs``
+and ``conv_transpose2d.rs``).
+
+Layouts are Burn's, which are ONNX ``ConvTranspose``'s and PyTorch's: input ``NCL`` / ``NCHW``,
+weight ``[channels_in, channels_out / groups, k...]`` — the axis order is *not* ``Conv``'s
+(``[channels_out, channels_in / groups, k...]``). Padding is explicit and symmetric (Burn's
+``padding``), ``padding_out`` adds rows at the end of each spatial dim (PyTorch's
+``output_padding``).
+
+Initializer: Burn's default ``KaimingUniform(gain=1/sqrt(3))`` with
+``fan_in = channels_out / groups * prod(kernel_size)`` (weight and bias), i.e.
+``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` — PyTorch's default for ``ConvTranspose`` too, since its
+weight's axis 1 is ``channels_out / groups``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import ops
+from ..device import Device
+from ..dtype import DType
+from ..module import Module
+from ..param import Param
+from ..tensor import Tensor
+from ._config import check_float_dtype, config, pair, positive
+from ._conv import _check_groups
+from ._initializer import DEFAULT_INITIALIZER, Initializer
+
+__all__ = ["ConvTranspose1d", "ConvTranspose1dConfig", "ConvTranspose2d", "ConvTranspose2dConfig"]
+
+
+def _non_negative(value, name: str) -> int:
+    if isinstance(value, bool) or int(value) != value or int(value) < 0:
+        raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+    return int(value)
+
+
+def _check_padding_out(padding_out: tuple, stride: tuple, dilation: tuple) -> None:
+    for p, s, d in zip(padding_out, stride, dilation):
+        if p >= max(s, d):
+            raise ValueError(f"padding_out {list(padding_out)} must be smaller than the stride {list(stride)} or "
+                             f"the dilation {list(dilation)} in each dim (ONNX spec: ConvTranspose)")
+
+
+@config
+class ConvTranspose1dConfig:
+    """Configuration of a :class:`ConvTranspose1d` layer (Burn's ``ConvTranspose1dConfig``).
+
+    Args:
+        channels: ``(C_in, C_out)``, as Burn's ``[usize; 2]``.
+        kernel_size: kernel length ``k``.
+        stride: step between input positions in the output.
+        dilation: spacing between kernel elements.
+        groups: ``C_in`` and ``C_out`` are split into this many independent groups.
+        padding: removed from both ends of the full output.
+        padding_out: added at the end of the output.
+        bias: whether the layer adds a bias.
+        initializer: see the module docstring.
+    """
+
+    channels: tuple
+    kernel_size: int
+    stride: int = 1
+    dilation: int = 1
+    groups: int = 1
+    padding: int = 0
+    padding_out: int = 0
+    bias: bool = True
+    initializer: Initializer = DEFAULT_INITIALIZER
+
+    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "ConvTranspose1d":
+        """A new :class:`ConvTranspose1d` with lazy params on ``device``."""
+        return ConvTranspose1d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
+                               groups=self.groups, padding=self.padding, padding_out=self.padding_out,
+                               bias=self.bias, initializer=self.initializer, device=device, dtype=dtype)
+
+
+class ConvTranspose1d(Module):
+    """1-D transposed convolution over ``[batch, channels_in, length]``.
+
+    ``ConvTranspose1d(channels, kernel_size, ...)`` takes exactly the fields of
+    :class:`ConvTranspose1dConfig` plus ``device`` and ``dtype``.
+
+    Params (lazy until first read):
+        weight: ``(channels_in, channels_out / groups, kernel_size)``, float.
+        bias: ``(channels_out,)`` or ``None``.
+
+    Shapes: input ``[N, C_in, L]`` -> output ``[N, C_out, L_out]`` with
+    ``L_out = (L - 1) * stride - 2 * padding + dilation * (k - 1) + padding_out + 1``.
+
+    ONNX: ``ConvTranspose`` (``strides``, ``pads``, ``dilations``, ``group``,
+    ``output_padding``), through :func:`onnxparam.ops.conv_transpose1d`.
+
+    Raises:
+        ValueError: for non-positive sizes, channels not divisible by ``groups``, negative
+            padding, ``padding_out`` not below the stride or dilation, or a non-float dtype.
+    """
+
+    def __init__(self, channels, kernel_size: int, *, stride: int = 1, dilation: int = 1, groups: int = 1,
+                 padding: int = 0, padding_out: int = 0, bias: bool = True,
+                 initializer: Initializer = DEFAULT_INITIALIZER,
+                 device: "Device | str" = "cpu", dtype: DType = DType.F32):
+        c_in, c_out = pair(channels, "channels")
+        k = positive(kernel_size, "kernel_size")
+        groups = _check_groups(c_in, c_out, groups)
+        dtype = check_float_dtype(dtype, "ConvTranspose1d")
+        self.stride = positive(stride, "stride")
+        self.kernel_size = k
+        self.dilation = positive(dilation, "dilation")
+        self.groups = groups
+        self.padding = _non_negative(padding, "padding")
+        self.padding_out = _non_negative(padding_out, "padding_out")
+        _check_padding_out((self.padding_out,), (self.stride,), (self.dilation,))
+        self.channels = (c_in, c_out)
+        fan_in = c_out // groups * k
+        self.weight: Param = initializer.init_with((c_in, c_out // groups, k), fan_in, None, device, dtype)
+        self.bias: Optional[Param] = (
+            initializer.init_with((c_out,), fan_in, None, device, dtype) if bias else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.conv_transpose1d(x, self.weight.val(), None if self.bias is None else self.bias.val(),
+                                    stride=self.stride, padding=self.padding, padding_out=self.padding_out,
+                                    dilation=self.dilation, groups=self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"channels={list(self.channels)}, stride={self.stride}, kernel_size={self.kernel_size}, "
+                f"dilation={self.dilation}, groups={self.groups}, padding={self.padding}, "
+                f"padding_out={self.padding_out}, bias={self.bias is not None}")
+
+
+@config
+class ConvTranspose2dConfig:
+    """Configuration of a :class:`ConvTranspose2d` layer (Burn's ``ConvTranspose2dConfig``).
+
+    Args:
+        channels: ``(C_in, C_out)``.
+        kernel_size: ``(k_h, k_w)`` (an int means square).
+        stride, dilation, padding, padding_out: pairs (or ints); see :class:`ConvTranspose1dConfig`.
+        groups: ``C_in`` and ``C_out`` are split into this many independent groups.
+        bias: whether the layer adds a bias.
+        initializer: see the module docstring.
+    """
+
+    channels: tuple
+    kernel_size: tuple
+    stride: tuple = (1, 1)
+    dilation: tuple = (1, 1)
+    groups: int = 1
+    padding: tuple = (0, 0)
+    padding_out: tuple = (0, 0)
+    bias: bool = True
+    initializer: Initializer = DEFAULT_INITIALIZER
+
+    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "ConvTranspose2d":
+        """A new :class:`ConvTranspose2d` with lazy params on ``device``."""
+        return ConvTranspose2d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
+                               groups=self.groups, padding=self.padding, padding_out=self.padding_out,
+                               bias=self.bias, initializer=self.initializer, device=device, dtype=dtype)
+
+
+class ConvTranspose2d(Module):
+    """2-D transposed convolution over ``[batch, channels_in, height, width]``.
+
+    ``ConvTranspose2d(channels, kernel_size, ...)`` takes exactly the fields of
+    :class:`ConvTranspose2dConfig` plus ``device`` and ``dtype``.
+
+    Params (lazy until first read):
+        weight: ``(channels_in, channels_out / groups, k_h, k_w)``, float — Burn's, ONNX's and
+            PyTorch's ``ConvTranspose2d`` layout.
+        bias: ``(channels_out,)`` or ``None``.
+
+    Shapes: input ``[N, C_in, H, W]`` -> output ``[N, C_out, H_out, W_out]`` with
+    ``H_out = (H - 1) * s_h - 2 * pad_h + d_h * (k_h - 1) + padding_out_h + 1`` (same for ``W``).
+
+    ONNX: ``ConvTranspose``, through :func:`onnxparam.ops.conv_transpose2d`.
+
+    Raises:
+        ValueError: as :class:`ConvTranspose1d`.
+    """
+
+    def __init__(self, channels, kernel_size, *, stride=(1, 1), dilation=(1, 1), groups: int = 1,
+                 padding=(0, 0), padding_out=(0, 0), bias: bool = True,
+                 initializer: Initializer = DEFAULT_INITIALIZER,
+                 device: "Device | str" = "cpu", dtype: DType = DType.F32):
+        c_in, c_out = pair(channels, "channels")
+        kh, kw = pair(kernel_size, "kernel_size")
+        groups = _check_groups(c_in, c_out, groups)
+        dtype = check_float_dtype(dtype, "ConvTranspose2d")
+        self.stride = pair(stride, "stride")
+        self.kernel_size = (kh, kw)
+        self.dilation = pair(dilation, "dilation")
+        self.groups = groups
+        self.padding = pair(padding, "padding", minimum=0)
+        self.padding_out = pair(padding_out, "padding_out", minimum=0)
+        _check_padding_out(self.padding_out, self.stride, self.dilation)
+        self.channels = (c_in, c_out)
+        fan_in = c_out // groups * kh * kw
+        self.weight: Param = initializer.init_with((c_in, c_out // groups, kh, kw), fan_in, None, device, dtype)
+        self.bias: Optional[Param] = (
+            initializer.init_with((c_out,), fan_in, None, device, dtype) if bias else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.conv_transpose2d(x, self.weight.val(), None if self.bias is None else self.bias.val(),
+                                    stride=self.stride, padding=self.padding, padding_out=self.padding_out,
+                                    dilation=self.dilation, groups=self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"channels={list(self.channels)}, stride={list(self.stride)}, "
+                f"kernel_size={list(self.kernel_size)}, dilation={list(self.dilation)}, groups={self.groups}, "
+                f"padding={list(self.padding)}, padding_out={list(self.padding_out)}, "
+                f"bias={self.bias is not None}")

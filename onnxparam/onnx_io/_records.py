@@ -1,0 +1,212 @@
+"""ONNX <-> :class:`~onnxparam.ModuleRecord`: an ONNX file's weights as a record, and a record's
+tensors written into an existing graph.
+
+These are the bridges the converters use (``onnxparam convert model.onnx out.bpk``,
+``onnxparam convert in.bpk out.onnx --graph model.onnx``). The record's keys are module paths
+(:func:`~onnxparam.onnx_io._naming.onnx_name_to_path` of the ONNX names), the same paths an
+imported :class:`~onnxparam.onnx_io.OnnxModule` has, so a record read from a file loads into the
+imported module and the other way round. Which tensors count as weights:
+:mod:`onnxparam.onnx_io._weights`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import onnx
+import onnx_ir as ir
+
+from ..dtype import DType
+from ..errors import RecordError
+from ..param import ParamId
+from ..record import ModuleRecord, TensorSnapshot
+from . import _metadata as md
+from ._naming import tree_order
+from ._save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
+from ._source import base_dir_of, load_model
+from ._weights import CONSTANT, INITIALIZER, WeightSite, find_weights, tensor_data
+
+__all__ = ["read_onnx_record", "write_record_to_onnx", "weights_into_graph", "site_metadata"]
+
+
+def site_metadata(model: ir.Model, sites: list[WeightSite], source: str) -> dict[str, md.ParamMetadata]:
+    """The recorded param facts (:mod:`~onnxparam.onnx_io._metadata`) per weight name."""
+    props = {site.name: dict(site.tensor.metadata_props) for site in sites if site.tensor.metadata_props}
+    return md.read_params(model.metadata_props, props, source)
+
+
+def read_onnx_record(path_or_model) -> ModuleRecord:
+    """The weights of an ONNX model as a lazy :class:`~onnxparam.ModuleRecord`.
+
+    Keys are module paths in the order an imported module visits them
+    (:func:`~onnxparam.onnx_io._naming.tree_order`, the order of ``import_onnx(...).into_record()``);
+    each snapshot has the Burn dtype, the shape, the param id recorded in the file's metadata
+    (``None`` when there is none) and a loader that reads the data only when asked (a zero-copy
+    view of the memory-mapped external data file, or of the protobuf bytes). The record's
+    ``metadata`` holds the file's ``onnxparam.record.*`` entries, without that prefix.
+
+    Args:
+        path_or_model: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` or bytes.
+
+    Raises:
+        OnnxFormatError: for anything :func:`~onnxparam.onnx_io._source.load_model` rejects.
+    """
+    loaded = load_model(path_or_model)
+    sites = find_weights(loaded.model, loaded.source)
+    metas = site_metadata(loaded.model, sites, loaded.source)
+    items = {}
+    by_path = {site.path: site for site in sites}
+    for site in (by_path[p] for p in tree_order(by_path)):
+        meta = metas.get(site.name, md.ParamMetadata())
+
+        def load(_t=site.tensor, _d=site.dtype):
+            return tensor_data(_t, _d)
+
+        items[site.path] = TensorSnapshot(site.dtype, site.shape, meta.param_id, load)
+    record_meta = {k[len(md.RECORD_PREFIX):]: v for k, v in loaded.model.metadata_props.items()
+                   if k.startswith(md.RECORD_PREFIX)}
+    return ModuleRecord(items, record_meta)
+
+
+def _fits(expected: DType, found: DType) -> bool:
+    return expected == found or {expected, found} <= {DType.F32, DType.Flex32}
+
+
+def write_record_to_onnx(
+    record: Mapping[str, TensorSnapshot],
+    graph: "str | os.PathLike | onnx.ModelProto | ir.Model",
+    path: "str | os.PathLike",
+    *,
+    allow_partial: bool = False,
+    external_data: Union[None, bool, str] = None,
+    max_shard_size_bytes: Optional[int] = DEFAULT_MAX_SHARD_SIZE_BYTES,
+) -> Path:
+    """Write ``graph`` to ``path`` with its weights replaced by ``record``'s tensors.
+
+    Each weight of the graph (:mod:`~onnxparam.onnx_io._weights`) whose module path is a key of
+    ``record`` takes that tensor: an initializer gets the new data (streamed through
+    ``onnx_ir.LazyTensor``; a large record goes to external data as in
+    :func:`~onnxparam.onnx_io._save.save_model`), a ``Constant``-held weight gets a new ``value``.
+    Param ids go into the initializer and model metadata (:mod:`~onnxparam.onnx_io._metadata`);
+    record ``metadata`` entries become ``onnxparam.record.<key>`` model metadata. Everything else
+    of the graph (nodes, opsets, other metadata) is kept. ``graph`` is never modified.
+
+    Args:
+        record: path -> snapshot (a :class:`~onnxparam.ModuleRecord`, e.g. from a burnpack file).
+        graph: the ONNX model whose graph is kept.
+        path: the ``.onnx`` file to write (atomically).
+        allow_partial: keep the graph's own data for weights the record lacks, and ignore record
+            tensors the graph has no weight for.
+        external_data: as :func:`~onnxparam.onnx_io._save.save_model`.
+        max_shard_size_bytes: as :func:`~onnxparam.onnx_io._save.save_model`.
+
+    Returns:
+        the ``pathlib.Path`` written.
+
+    Raises:
+        RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path
+            (with the ONNX name), before anything is written.
+        OnnxFormatError: for a malformed ``graph``.
+    """
+    model = weights_into_graph(record, graph, allow_partial=allow_partial, make_tensor=_lazy_tensor,
+                               metadata=getattr(record, "metadata", {}))
+    return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes,
+                      alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
+
+
+def weights_into_graph(
+    tensors: Mapping,
+    graph: "str | os.PathLike | onnx.ModelProto | ir.Model",
+    *,
+    allow_partial: bool,
+    make_tensor: Callable[[Any, WeightSite, dict], ir.TensorProtocol],
+    metadata: Optional[Mapping[str, str]] = None,
+) -> ir.Model:
+    """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
+    matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
+    zero-copy converter).
+
+    Args:
+        tensors: module path -> an object with ``shape``, ``dtype`` and ``param_id`` (a
+            :class:`~onnxparam.TensorSnapshot`, a burnpack entry ...).
+        graph: the ONNX model whose graph is kept (never modified).
+        allow_partial: see :func:`write_record_to_onnx`.
+        make_tensor: ``(tensor, site, metadata_props) -> onnx_ir tensor`` for each weight placed;
+            the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
+        metadata: ``onnxparam.record.<key>`` model metadata entries.
+
+    Raises:
+        RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
+    """
+    if isinstance(graph, ir.Model):
+        base_dir = base_dir_of(graph)
+        graph = ir.serde.serialize_model(graph)  # never change the caller's model: work on a copy
+        loaded = load_model(graph)
+        if base_dir:
+            ir.external_data.set_base_dir(loaded.model.graph, base_dir)
+    else:
+        loaded = load_model(graph)
+    model = loaded.model
+    sites = find_weights(model, loaded.source)
+    by_path = {site.path: site for site in sites}
+    problems: list[str] = []
+    for site in sites:
+        entry = tensors.get(site.path)
+        if entry is None:
+            if not allow_partial:
+                problems.append(f"missing tensor '{site.path}' (ONNX {site.name!r}): the graph expects "
+                                f"{site.dtype.name} {list(site.shape)}, the record has none")
+            continue
+        if tuple(entry.shape) != tuple(site.shape):
+            problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
+                            f"{list(site.shape)}, the record has {list(entry.shape)}")
+        if not _fits(site.dtype, entry.dtype):
+            hint = ("; quantized tensors are written as QDQ initializers by the quantization exporter"
+                    if entry.dtype is DType.QFloat else "; cast the record first")
+            problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
+                            f"{site.dtype.name}, the record has {entry.dtype.name}{hint}")
+    if not allow_partial:
+        for key in tensors:
+            if key not in by_path:
+                problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
+    if problems:
+        raise RecordError(f"cannot write the record into {loaded.source}: {len(problems)} problem(s)", problems)
+
+    metas = site_metadata(model, sites, loaded.source)
+    for site in sites:
+        entry = tensors.get(site.path)
+        if entry is None:
+            continue
+        old = metas.get(site.name, md.ParamMetadata())
+        pid = ParamId(int(entry.param_id)) if entry.param_id is not None else old.param_id
+        meta = md.ParamMetadata(pid, old.require_grad, old.lora_scale)
+        metas[site.name] = meta
+        props = {k: v for k, v in site.tensor.metadata_props.items() if not k.startswith(md.PREFIX)}
+        props.update(md.tensor_props(meta))
+        tensor = make_tensor(entry, site, props)
+        if site.kind == INITIALIZER:
+            site.value.const_value = tensor
+        else:
+            assert site.kind == CONSTANT
+            site.node.attributes["value"] = ir.AttrTensor("value", tensor)
+    props = md.strip_own_keys(model.metadata_props)
+    props[md.PARAMS_KEY] = md.model_params_prop(metas)
+    from .._version import __version__
+
+    props[md.VERSION_KEY] = __version__
+    for key, value in (metadata or {}).items():
+        props[md.RECORD_PREFIX + key] = str(value)
+    model.metadata_props.clear()
+    model.metadata_props.update(props)
+    return model
+
+
+def _lazy_tensor(snap: TensorSnapshot, site: WeightSite, props: dict) -> ir.LazyTensor:
+    def materialize(_snap=snap, _name=site.name, _dtype=site.tensor.dtype):
+        array = _snap.to_data().to_numpy()
+        return ir.Tensor(array, dtype=_dtype, name=_name)
+
+    return ir.LazyTensor(materialize, dtype=site.tensor.dtype, shape=ir.Shape(site.shape), name=site.name,
+                         metadata_props=props)

@@ -1,0 +1,243 @@
+"""Finding the weights of an ONNX graph: which tensors become params, under which paths.
+
+A **weight** is a tensor of the model that feeds computation the way a trained parameter does.
+Candidates are, in every graph of the model (the main graph and every ``If`` / ``Loop`` /
+``Scan`` body, recursively), the **initializers** (constant ones, and those that are also graph
+inputs: IR < 4 models list every initializer as an input; callers may override those, see
+``OnnxModule.forward``) and the tensors held by **``Constant`` nodes** (``value`` attribute).
+A candidate is a weight when (:func:`is_weight`):
+
+1. its element type has a Burn dtype (float, signed / unsigned int, bool) and it has at least
+   one element;
+2. it is not used *only* at inputs the ONNX operator schema marks non-differentiable (the
+   ``shape`` of ``Reshape`` / ``Expand``, ``starts`` / ``axes`` of ``Slice``, ``scales`` of
+   ``Resize``, ``min`` / ``max`` of ``Clip``, ``Equal``'s operands ...; the schema's
+   ``differentiation_category`` at the model's opset, or the newest schema's for the same input
+   name when the model's version predates categories): those are shapes, indices, bounds and
+   flags, not parameters. Inputs of unknown category (custom domains) count as weight uses, as
+   does being a graph output or having no use at all;
+3. a non-float candidate has more than :data:`MAX_INLINE_CONSTANT_ELEMENTS` elements (quantized
+   weights are large; index and shape vectors are small);
+4. it has rank >= 1: a 0-d tensor is a literal of an expression (the ``0.2`` of a
+   hard-sigmoid, ``1/sqrt(d)``), while exporters store learned tensors, even 1-element ones,
+   with a shape (``mobile_one_block_0.w_0`` in PP-OCRv4 is ``[1]``).
+
+What is not a weight is not a param: it stays part of the graph, keeping its name (an export
+writes it as an initializer), and so do ``Constant`` nodes with ``value_float`` /
+``value_ints`` / ... / ``sparse_value`` attributes and tensors of element types Burn has no
+dtype for (strings, float8, int4, complex; graphs that compute on those cannot be traced).
+
+NOTE: Paddle and some PyTorch exporters put every weight in ``Constant`` nodes, so ``Constant``
+nodes must be looked at too (PP-OCR: 342 of them, no initializer at all).
+
+One tensor used by several nodes is one value, so it is one weight (tied weights stay tied).
+The weight's **name** is the initializer's name or the ``Constant`` output's name; its **path**
+is :func:`~onnxparam.onnx_io._naming.onnx_name_to_path` of the name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ..dtype import DTYPE_FROM_ONNX, DType
+from ..errors import OnnxFormatError
+from ..tensor import TensorData
+from ._naming import onnx_name_to_path
+from ._source import iter_graphs
+
+__all__ = [
+    "MAX_INLINE_CONSTANT_ELEMENTS",
+    "INITIALIZER",
+    "CONSTANT",
+    "WeightSite",
+    "find_weights",
+    "is_weight",
+    "burn_dtype",
+    "tensor_data",
+]
+
+MAX_INLINE_CONSTANT_ELEMENTS = 64
+"""A non-float tensor with at most this many elements (a shape, axes, indices) is not a weight
+(rule 3 of the module docstring)."""
+
+INITIALIZER = "initializer"
+CONSTANT = "constant"
+
+
+def burn_dtype(dtype: ir.DataType) -> Optional[DType]:
+    """The Burn dtype of an ONNX element type, or ``None`` when Burn has none."""
+    return DTYPE_FROM_ONNX.get(int(dtype.value))
+
+
+@dataclass(frozen=True, eq=False)
+class WeightSite:
+    """Where a weight lives in the source graph.
+
+    Attributes:
+        name: the ONNX name (initializer name or ``Constant`` output name).
+        path: the module path of ``name``.
+        kind: :data:`INITIALIZER` or :data:`CONSTANT`.
+        value: the ``onnx_ir`` value (the initializer, or the ``Constant``'s output).
+        node: the ``Constant`` node, for :data:`CONSTANT` weights.
+        graph: the graph holding it (the main graph or a subgraph).
+        tensor: the ``onnx_ir`` tensor (in memory, or external and memory-mapped on access).
+        dtype: its Burn dtype.
+        shape: its shape.
+        is_graph_input: an initializer that is also an input of the main graph (overridable).
+    """
+
+    name: str
+    path: str
+    kind: str
+    value: ir.Value
+    node: Optional[ir.Node]
+    graph: ir.Graph
+    tensor: ir.TensorProtocol
+    dtype: DType
+    shape: tuple
+    is_graph_input: bool
+
+
+_NON_DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
+_UNKNOWN = onnx.defs.OpSchema.DifferentiationCategory.Unknown
+
+
+def _input_category(node: ir.Node, index: int, opsets: dict):
+    """The differentiation category of ``node``'s input ``index`` (``None`` when unknown).
+
+    Categories were added to the schemas in ONNX 1.8 and older operator versions often say
+    ``Unknown``; then the newest schema's category of the input with the same name is used."""
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    try:
+        schema = onnx.defs.get_schema(node.op_type, int(opsets.get(domain, 1)), domain)
+    except onnx.defs.SchemaError:
+        return None
+    formal = schema.inputs
+    if not formal:
+        return None
+    spec = formal[min(index, len(formal) - 1)]
+    category = spec.differentiation_category
+    if category == _UNKNOWN:
+        try:
+            latest = onnx.defs.get_schema(node.op_type, domain)
+        except onnx.defs.SchemaError:
+            return None
+        for other in latest.inputs:
+            if other.name == spec.name:
+                return other.differentiation_category
+    return category
+
+
+def _only_non_differentiable_uses(value: ir.Value, opsets: dict) -> bool:
+    uses = list(value.uses())
+    if not uses or value.is_graph_output():
+        return False
+    return all(_input_category(node, index, opsets) == _NON_DIFFERENTIABLE for node, index in uses)
+
+
+def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
+    """True when ``tensor`` (the data of ``value``) is a weight by the module docstring's rules.
+
+    Args:
+        tensor: the initializer's or ``Constant``'s tensor.
+        value: the initializer value or the ``Constant``'s output (its uses are looked at).
+        opsets: the model's opset imports (domain -> version), for the operator schemas.
+    """
+    dtype = burn_dtype(tensor.dtype)
+    if dtype is None:
+        return False
+    shape = tuple(tensor.shape.numpy())
+    size = int(np.prod(shape)) if shape else 1
+    if size < 1:
+        return False
+    if len(shape) == 0:
+        return False
+    if not dtype.is_float and size <= MAX_INLINE_CONSTANT_ELEMENTS:
+        return False
+    return not _only_non_differentiable_uses(value, opsets)
+
+
+def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]:
+    """The weights of ``model`` in graph order: per graph (main graph first, then subgraphs depth
+    first), initializers in declaration order, then weight ``Constant`` nodes in node order.
+
+    Sibling subgraphs (the two branches of an ``If``) may hold weights of the same name: the
+    later one's path gets a ``__1`` (``__2`` ...) suffix.
+
+    Raises:
+        OnnxFormatError: when two weights of one graph (or a subgraph and the main graph) have
+            the same name or path.
+    """
+    sites: list[WeightSite] = []
+    main = model.graph
+    opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+    main_inputs = {id(v) for v in main.inputs}
+    for graph in iter_graphs(main):
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None:
+                continue
+            if not is_weight(tensor, value, opsets):
+                continue
+            dtype = burn_dtype(tensor.dtype)
+            sites.append(WeightSite(name, onnx_name_to_path(name), INITIALIZER, value, None, graph, tensor, dtype,
+                                    tuple(int(d) for d in tensor.shape.numpy()),
+                                    graph is main and id(value) in main_inputs))
+        for node in graph:
+            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+                continue
+            attr = node.attributes.get("value")
+            if attr is None or attr.is_ref() or attr.type != ir.AttributeType.TENSOR:
+                continue
+            tensor = attr.value
+            value = node.outputs[0]
+            if not is_weight(tensor, value, opsets):
+                continue
+            sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,
+                                    burn_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape.numpy()), False))
+    seen: dict[str, WeightSite] = {}
+    unique = []
+    for site in sites:
+        other = seen.get(site.path)
+        if other is not None:
+            if other.graph is site.graph or other.graph is main or site.graph is main:
+                raise OnnxFormatError(
+                    f"{source}: two weights share the name {site.name!r} (graphs {other.graph.name!r} and "
+                    f"{site.graph.name!r}); ONNX names must be unique within a graph and its enclosing graphs"
+                )
+            # NOTE: sibling subgraphs (an If's two branches) may each hold a weight of the same
+            # name: the later one's path gets a suffix, its ONNX name stays
+            k = 1
+            while f"{site.path}__{k}" in seen:
+                k += 1
+            site = WeightSite(site.name, f"{site.path}__{k}", site.kind, site.value, site.node, site.graph,
+                              site.tensor, site.dtype, site.shape, site.is_graph_input)
+        seen[site.path] = site
+        unique.append(site)
+    return unique
+
+
+def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:
+    """The tensor's values as :class:`TensorData`: a zero-copy view of the memory-mapped file for
+    external tensors, of the protobuf bytes otherwise."""
+    try:
+        array = tensor.numpy()
+    except (ValueError, TypeError, AssertionError, OSError) as e:
+        # NOTE (reliability fuzzing): onnx_ir reports data that does not fit the declared dims
+        # or type (typed fields, external data) with numpy's or its own builtin errors.
+        from ..errors import OnnxFormatError
+
+        raise OnnxFormatError(
+            f"the data of tensor {tensor.name!r} ({tensor.dtype.name} {list(tensor.shape)}) cannot be read: {e}"
+        ) from e
+    want = dtype.to_numpy()
+    if array.dtype != want:
+        array = array.view(want) if array.dtype.itemsize == want.itemsize else array.astype(want)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return TensorData(array, dtype, tuple(array.shape))

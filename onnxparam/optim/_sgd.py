@@ -1,0 +1,61 @@
+"""Stochastic gradient descent with momentum and weight decay (Burn's ``Sgd``,
+``burn-optim/src/optim/sgd.rs`` with ``MomentumConfig`` and ``WeightDecayConfig``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ._base import Optimizer
+
+__all__ = ["SGD"]
+
+
+class SGD(Optimizer):
+    """``p <- p - lr * u`` per param, where (Burn's and PyTorch's rule)::
+
+        g = grad + weight_decay * p
+        v = g                                   on a param's first step
+        v = momentum * v + (1 - dampening) * g  after it
+        u = g + momentum * v if nesterov else v (u = g without momentum)
+
+    Args:
+        lr: learning rate.
+        momentum: momentum factor (0: plain SGD, no state).
+        weight_decay: L2 penalty added to the gradient.
+        dampening: momentum dampening.
+        nesterov: Nesterov momentum.
+
+    State per param (record field names as Burn's ``MomentumState``): ``velocity``.
+
+    Raises:
+        ValueError: for a negative learning rate, momentum or weight decay.
+    """
+
+    kind = "Sgd"
+    tensor_fields = ("velocity",)
+
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"SGD needs lr, momentum and weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
+        super().__init__(lr)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.dampening = float(dampening)
+        self.nesterov = bool(nesterov)
+
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
+        g = grad + self.weight_decay * value if self.weight_decay else grad
+        new_state = {}
+        if self.momentum:
+            v = state.get("velocity") if state else None
+            v = g.copy() if v is None else self.momentum * v + (1.0 - self.dampening) * g
+            new_state["velocity"] = v
+            g = g + self.momentum * v if self.nesterov else v
+        return value - lr * g, new_state
+
+    def __repr__(self) -> str:
+        return (f"SGD(lr={self.lr:g}, momentum={self.momentum:g}, weight_decay={self.weight_decay:g}, "
+                f"step={self.step_count})")

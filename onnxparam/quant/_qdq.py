@@ -1,0 +1,510 @@
+"""Quantized params in ONNX graphs: ``DequantizeLinear`` (QDQ) export, layouts ONNX Runtime
+fuses into integer kernels, static activation quantization, and QDQ import.
+
+**Weights** (:func:`emit_param`, called by the tracer's param hook for a ``QFloat`` param): the
+param's initializer (named by its path, as every param's) holds the **stored integer values**,
+never re-quantized; ``<path>_scale`` (and ``<path>_zero_point`` for unsigned values) are
+constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/burnpack.md`` §7):
+
+==============================  ==============================================================
+Burn                            ONNX ``DequantizeLinear``
+==============================  ==============================================================
+Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul
+                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``), others ``INT8``
+Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
+per-tensor                      scalar scale
+blocks, scale grid varying      per-axis (``axis``), 1-D scale
+along one axis only
+a block with one extent > 1     blocked: ``axis`` = that axis, ``block_size`` = its extent,
+(at axis ``i``)                 scale shaped as the grid (opset >= 21)
+ONNX per-axis (``qt.axis``)      per-axis (``axis``), 1-D scale (``Quantizer(per_channel=True)``)
+scale dtype F16 / BF16 / UE4M3  widened to float32 (exact); an F16 weight (opset >= 19) whose
+                                scales are F16 values gets an F16 scale and F16 output, no Cast
+two levels                      ``global * block_scale`` folded in float32 (Burn's own product)
+2-D blocks                      not expressible: the float weight is exported (a warning says so)
+==============================  ==============================================================
+
+ONNX's ``DequantizeLinear`` computes ``(q - zero_point) * scale`` in float32, which is Burn's
+``q * scale`` exactly, so the exported weight equals ``param.val()`` bit for bit. The Burn scheme
+(and a two-level global scale) is written into the initializer's ``metadata_props``
+(:data:`SCHEME_KEY`, :data:`GLOBAL_SCALE_KEY`) so import restores the exact ``QFloat`` tensor.
+
+**Which layouts ONNX Runtime fuses** (checked on ORT 1.32, CPU; ``tests/test_qdq_export.py``
+asserts it on the optimized graph):
+
+* ``DequantizeLinear(W) -> MatMul`` with W ``[K, N]`` per-tensor, per-column (axis 1) or blocked
+  along K (axis 0, block a power of 2 >= 16), 8 or 4 bits -> ``MatMulNBits``. Its activation
+  precision is ORT's ``accuracy_level`` (session config ``session.qdq_matmulnbits_accuracy_level``,
+  0/1 = float32 ... 4 = int8; see :func:`matmulnbits_accuracy_level`). NOTE: with 2-D
+  activations ORT 1.32 may first fuse ``MatMul + Add (+ Relu)`` into ``FusedGemm`` and then
+  dequantize that weight at every run (rank-3 activations are not affected). Blocks along N (axis 1,
+  e.g. Burn's ``block_size=32`` on a Linear weight) are **not** fused: ORT dequantizes at every
+  run. ``QdqOptions(reblock=True)`` re-quantizes such a weight with blocks along K (lossy: the
+  largest error is reported in the warning), else a warning names the param.
+* On x86 CPUs MatMulNBits at batch 1-256 measured *slower* than float32 (MLAS has no fast 8-bit
+  path there), while ``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul`` (what
+  ``onnxruntime.quantization.quantize_dynamic`` writes) is fused to ``DynamicQuantizeMatMul``, an
+  int8 GEMM 4-15x faster than float32. So by default (``matmul="auto"``) an exported 8-bit weight with
+  per-tensor or per-column scales feeding ``MatMul`` is exported in that form (the activation is
+  quantized to uint8 per tensor at run time); 4-bit and blocked weights keep
+  ``DequantizeLinear -> MatMul`` (``MatMulNBits``). ``matmul="dequantize"`` keeps plain QDQ
+  everywhere; it is what ``module(x)`` uses unless called inside :func:`qdq_options`, so the
+  runtime computes with exactly ``param.val()``.
+* ``Conv`` / ``Gemm`` with only a dequantized weight are not fused (ORT needs quantized
+  activations too: see below); a weight-only conv dequantizes at every run, so the default
+  (``prefer="speed"``) writes those weights float (below).
+
+**Activations** (:func:`onnxparam.quant.quantize_activations`): with calibration data, ``QuantizeLinear ->
+DequantizeLinear`` pairs (uint8, asymmetric, MinMax ranges) are put on the activation input and
+the output of every ``MatMul`` / ``Conv`` with a quantized weight, so ORT fuses ``QLinearConv`` /
+``QLinearMatMul`` (static quantization; ORT quantizes a float conv bias itself).
+
+**Which form each op gets** (``QdqOptions.prefer``; ``_qdq_forms``): ``"speed"`` (default) writes
+a weight that feeds only ops ORT runs slower with a weight-only ``DequantizeLinear`` than in float
+(Conv, ConvTranspose, Gemm without calibrated activations) as its float values, so the default
+export is never slower than float32; ``"size"`` keeps every weight integer. The choice per op is
+written to the model's ``onnxparam.quant.ops`` metadata (``quantized_ops``) and logged.
+
+**Burnpack and ONNX-only schemes**: a per-channel weight whose block extents exceed Burn's 255
+is an ONNX per-axis tensor (``QuantizedTensor.axis``); saving it to burnpack raises, naming the
+param (Burn could not read it). Per-channel weights within Burn's limits are Burn block schemes.
+
+Parts: options and metadata keys (``_qdq_options``), weight layouts (``_qdq_layout``), this
+module (the export pass: :func:`emit_param`, :func:`finish_graph`, activation QDQ pairs),
+calibration (``_activations``: :func:`onnxparam.quant.quantize_activations`) and import
+(``_qdq_import``: ``fold_dequantize_weights``, ``imported_param``).
+
+**Import** (``fold_dequantize_weights``): ``DequantizeLinear(integer initializer, constant
+scale[, constant zero point])`` and the ``DynamicQuantizeLinear -> MatMulInteger`` form above
+become one float weight that ``imported_param`` turns into a ``QFloat`` param.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from ..dtype import DType
+from ..errors import QuantizationError, QuantizationWarning
+from . import _nbits
+from . import _qdq_forms as _forms
+from ._qdq_layout import WeightLayout, reblocked_layout, weight_layout
+from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fast path)
+    _OPTIONS,
+    _QDQ_META,
+    ACCURACY_LEVEL_KEY,
+    ACTIVATION_RANGES_ATTR,
+    GLOBAL_SCALE_KEY,
+    MATMUL_MODES,
+    NBITS_MIN_BLOCK,
+    RUNTIME_DEFAULT_OPTIONS,
+    SCHEME_KEY,
+    QdqOptions,
+    current_options,
+    matmulnbits_accuracy_level,
+    qdq_options,
+    runtime_options,
+)
+from ._scheme import QuantValue
+from ._tensor import QuantizedTensor
+
+__all__ = [
+    "ACCURACY_LEVEL_KEY",
+    "GLOBAL_SCALE_KEY",
+    "SCHEME_KEY",
+    "ACTIVATION_RANGES_ATTR",
+    "NBITS_MIN_BLOCK",
+    "MATMUL_MODES",
+    "RUNTIME_DEFAULT_OPTIONS",
+    "QdqOptions",
+    "QuantizationWarning",
+    "WeightLayout",
+    "current_options",
+    "runtime_options",
+    "emit_param",
+    "finish_graph",
+    "is_qdq_initializer",
+    "matmulnbits_accuracy_level",
+    "qdq_options",
+    "quantized_param_value",
+    "reblocked_layout",
+    "weight_layout",
+]
+
+
+# -- export: the tracer's param hook -------------------------------------------------------------
+
+
+@dataclass
+class _Emitted:
+    """What :func:`emit_param` put in the graph for one param (kept in ``value.meta``)."""
+
+    path: str
+    param: object
+    quantized: QuantizedTensor
+    layout: WeightLayout
+    value: ir.Value
+    scale: ir.Value
+    zero_point: ir.Value | None
+    node: ir.Node
+    output: object  # the symbolic Tensor of the dequantized weight
+
+
+def _quantized_of(param) -> QuantizedTensor:
+    from .._trace import untraced
+
+    with untraced():
+        base = param.base()
+    if base._quant is None:  # pragma: no cover - lazy_dtype said QFloat
+        raise QuantizationError(f"param {param!r} is not quantized")
+    return base._quant
+
+
+def _initializer_tensor(layout_ref: list, name: str):
+    def make():
+        layout = layout_ref[0]
+        return ir.Tensor(layout.values, dtype=layout.onnx_dtype, name=name)
+
+    return make
+
+
+def emit_param(tracer, param, path: str, shape: tuple):
+    """The tracer's hook for a ``QFloat`` param: integer initializer ``path`` + scale (+ zero
+    point) constants -> ``DequantizeLinear``; returns the symbolic weight (float32, then cast to
+    the tensor's ``float_dtype`` when it is not F32), or ``None``
+    when ONNX cannot express the scheme (the tracer then exports the dequantized float weight,
+    and a :class:`QuantizationWarning` says so)."""
+    qt = _quantized_of(param)
+    options = current_options()
+    layout = weight_layout(qt, tracer.opset, options)
+    opset21 = False
+    if layout is None and tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        # NOTE: written with opset 21's layout for a moment: finish_graph turns its MatMul uses into
+        # com.microsoft MatMulNBits, or the weight into a float one (quant/_nbits.py)
+        layout, opset21 = weight_layout(qt, 21, options), True
+    if layout is None:
+        warnings.warn(
+            f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
+            f"DequantizeLinear cannot express at opset {tracer.opset} (2-D blocks need per-element scales; "
+            "blocks need opset 21): it is exported as a float32 initializer (dequantized, exact)",
+            QuantizationWarning, stacklevel=4)
+        return None
+    layout_ref = [layout]
+    lazy = ir.LazyTensor(_initializer_tensor(layout_ref, path), layout.onnx_dtype, ir.Shape(list(shape)), name=path)
+    lazy.metadata_props.update(_scheme_props(qt))
+    value = ir.Value(name=path, const_value=lazy)
+    value.type = ir.TensorType(layout.onnx_dtype)
+    value.shape = ir.Shape(list(shape))
+    tracer._names.add(path)
+    tracer._params[path] = param
+    tracer._param_values[path] = value
+    half = _half_scale(qt, layout, tracer.opset)
+    scale_array = layout.scale.astype(np.float16) if half else layout.scale
+    scale = tracer.constant(scale_array, name=f"{path}_scale")._symbol.value
+    zero_point = None
+    if layout.zero_point is not None:
+        zero_point = ir.Value(name=tracer.unique_name(f"{path}_zero_point"),
+                              const_value=ir.Tensor(layout.zero_point, dtype=layout.onnx_dtype))
+        zero_point.type = ir.TensorType(layout.onnx_dtype)
+        zero_point.shape = ir.Shape(list(layout.zero_point.shape))
+        tracer._constants.append(zero_point)
+    attrs = {}
+    if layout.axis is not None:
+        attrs["axis"] = layout.axis
+    if layout.block_size is not None:
+        attrs["block_size"] = layout.block_size
+    # NOTE: no empty trailing zero-point input: ORT's DQ -> MatMulNBits selector rejects it
+    inputs = [value, scale] + ([zero_point] if zero_point is not None else [])
+    out_dtype = DType.F16 if half else DType.F32
+    out = tracer.emit("DequantizeLinear", inputs, attrs, output_types=[(out_dtype, tuple(shape))])[0]
+    out._symbol.param = param
+    node = out._symbol.value.producer()
+    value.meta[_QDQ_META] = _Emitted(path, param, qt, layout, value, scale, zero_point, node, out)
+    value.meta[_QDQ_META + ".ref"] = layout_ref
+    if opset21:
+        value.meta[_QDQ_META + ".opset21"] = True
+    if qt.float_dtype is not out_dtype:
+        # NOTE: DequantizeLinear computes in float32 (its scale's type; a narrower scale would round
+        # it); the weight comes back at the param's own dtype, as Param.val() casts it. The Cast
+        # hides the MatMul from the fused forms (finish_graph), so such a weight is not fused.
+        out = tracer.emit("Cast", [out], {"to": qt.float_dtype}, output_types=[(qt.float_dtype, tuple(shape))])[0]
+        out._symbol.param = param
+    return out
+
+
+def _half_scale(qt: QuantizedTensor, layout: WeightLayout, opset: int) -> bool:
+    """Whether an F16 weight's ``DequantizeLinear`` takes an F16 scale and gives F16 directly:
+    opset >= 19 (ONNX operator spec: DequantizeLinear-19 adds float16 scales) and every scale
+    exactly an F16 value (as ``quantize_weights`` of an F16 param makes them; ``q * scale`` is
+    then rounded once, as ``Param.val()`` rounds Burn's float32 product to F16)."""
+    if qt.float_dtype is not DType.F16 or opset < 19:
+        return False
+    scale = np.asarray(layout.scale, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(scale.astype(np.float16).astype(np.float32), scale))
+
+
+def _scheme_props(qt: QuantizedTensor) -> dict:
+    props = {SCHEME_KEY: json.dumps(qt.scheme.to_cbor(), sort_keys=False, separators=(",", ":"))}
+    if qt.global_scale is not None:
+        props[GLOBAL_SCALE_KEY] = float(qt.global_scale).hex()
+    return props
+
+
+def is_qdq_initializer(value: ir.Value) -> bool:
+    """True for the integer initializer :func:`emit_param` made (its data comes with the graph,
+    not injected by the runtime)."""
+    return _QDQ_META in value.meta
+
+
+def _set_layout(tracer, emitted: _Emitted, layout: WeightLayout) -> None:
+    """Swap an emitted weight's layout (re-blocking): initializer data, scale, attributes."""
+    emitted.layout = layout
+    emitted.value.meta[_QDQ_META + ".ref"][0] = layout
+    emitted.value.type = ir.TensorType(layout.onnx_dtype)
+    emitted.value.const_value = ir.LazyTensor(
+        _initializer_tensor(emitted.value.meta[_QDQ_META + ".ref"], emitted.path), layout.onnx_dtype,
+        emitted.value.shape, name=emitted.path)
+    emitted.value.const_value.metadata_props.update(_scheme_props(emitted.quantized))
+    scale = ir.Value(name=tracer.unique_name(f"{emitted.path}_scale"), const_value=ir.tensor(layout.scale))
+    scale.type = ir.TensorType(ir.DataType.FLOAT)
+    scale.shape = ir.Shape(list(layout.scale.shape))
+    tracer._constants.append(scale)
+    emitted.node.replace_input_with(1, scale)
+    emitted.scale = scale
+    attrs = {"axis": ir.AttrInt64("axis", layout.axis if layout.axis is not None else 1)}
+    if layout.block_size is not None:
+        attrs["block_size"] = ir.AttrInt64("block_size", layout.block_size)
+    emitted.node.attributes.clear()
+    emitted.node.attributes.update(attrs)
+
+
+# -- export: finishing the graph ------------------------------------------------------------------
+
+
+def _emitted(tracer) -> list:
+    return [v.meta[_QDQ_META] for v in tracer._param_values.values() if _QDQ_META in v.meta]
+
+
+def quantized_param_value(tracer, param, path: str, shape: tuple):
+    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam._trace.GraphPasses.quantized_param`):
+    :func:`emit_param`'s dequantized tensor, or the float dtype the tracer holds the dequantized
+    values as when ONNX cannot express the scheme."""
+    tensor = emit_param(tracer, param, path, shape)
+    return tensor if tensor is not None else _quantized_of(param).float_dtype
+
+
+def finish_graph(tracer) -> None:
+    """Called by ``Tracer.finish`` (after LoRA's ``expand_adapters``, before the initializers are
+    registered): QLoRA in merge mode, layout checks / re-blocking, the dynamic ``MatMul`` form,
+    and static activation QDQ pairs. A no-op for graphs without quantized params or ranges."""
+    emitted = _emitted(tracer)
+    ranges = getattr(tracer._root, ACTIVATION_RANGES_ATTR, None) if getattr(tracer, "_root", None) is not None else None
+    if not emitted and not ranges:
+        return
+    options = current_options()
+    if tracer.mode == "merge":
+        _expand_qlora(tracer, emitted)
+    for e in emitted:
+        _check_fusable(tracer, e, options)
+    if tracer.opset < 21:
+        for e in emitted:
+            _nbits.matmul_nbits(tracer, e)
+    if ranges:
+        _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
+    elif options.matmul in ("auto", "dynamic"):
+        for e in emitted:
+            _dynamic_matmuls(tracer, e)
+            _forms.dynamic_gemms(tracer, e)
+    _forms.keep_float(tracer, emitted, options.prefer)
+    _forms.record_report(tracer, emitted)
+    for e in emitted:
+        if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():
+            e.node.graph.remove(e.node, safe=True)
+
+
+def _expand_qlora(tracer, emitted: list) -> None:
+    """Merge mode with a quantized base: the base stays quantized and the float adapter is added
+    by graph nodes (``x @ DQ(W) + scale * ((x @ a) @ b)``), as ``"keep"`` mode does."""
+    from .. import _lora_graph as lora_graph
+
+    for e in emitted:
+        if e.param.adapter() is None:
+            continue
+        # NOTE: lora_graph's expander (the "keep" mode emitter) does exactly this for a base value;
+        # the DQ output is the base here.
+        lora_graph._Expander(tracer, e.param, e.output._symbol.value, DType.F32).expand()
+
+
+def _uses(value: ir.Value) -> list:
+    return list(value.uses())
+
+
+def _check_fusable(tracer, e: _Emitted, options: QdqOptions) -> None:
+    out = e.output._symbol.value
+    layout = e.layout
+    for node, index in _uses(out):
+        if node.op_type != "MatMul" or index != 1 or layout.values.ndim != 2:
+            continue
+        if layout.block_size is not None and layout.axis == 1:
+            if options.reblock:
+                new = reblocked_layout(e.quantized, layout, tracer.opset, options)
+                if new is not None:
+                    _set_layout(tracer, e, new)
+                    warnings.warn(f"{e.path!r} was re-quantized with blocks of {new.block_size} along K (axis 0) so "
+                                  f"ORT fuses MatMulNBits; largest error {new.max_error:.6g} vs the stored values",
+                                  QuantizationWarning, stacklevel=5)
+                    return
+            warnings.warn(
+                f"{e.path!r} ({e.quantized.scheme.describe()}, shape {list(e.quantized.shape)}) is blocked along N "
+                f"(axis 1) of MatMul {node.name!r}: ORT fuses MatMulNBits only for blocks along K, so this weight "
+                "dequantizes at every run; quantize with block_size=(b, 1) or export with QdqOptions(reblock=True)",
+                QuantizationWarning, stacklevel=5)
+            return
+        if layout.block_size is not None and (layout.block_size < NBITS_MIN_BLOCK
+                                              or layout.block_size & (layout.block_size - 1)):
+            warnings.warn(f"{e.path!r}: block size {layout.block_size} is not a power of 2 >= 16, so ORT fuses no "
+                          "MatMulNBits and it dequantizes at every run", QuantizationWarning, stacklevel=5)
+
+
+def _node(tracer, graph, op: str, inputs: list, outputs: list, label: str, attrs=None, domain: str = "") -> ir.Node:
+    name = tracer.unique_name(label)
+    node = ir.Node(domain, op, inputs, [_attr(k, v) for k, v in (attrs or {}).items()], num_outputs=len(outputs),
+                   name=name)
+    for out, (dtype, dims) in zip(node.outputs, outputs):
+        out.name = tracer.unique_name(f"{name}_output_{out.index()}")
+        out.type = ir.TensorType(dtype)
+        out.shape = None if dims is None else ir.Shape(dims)
+    return node
+
+
+def _attr(name, value):
+    return ir.AttrInt64(name, int(value))
+
+
+def _dims(value: ir.Value):
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def _dynamic_matmuls(tracer, e: _Emitted) -> None:
+    """``MatMul(x, DQ(W))`` -> ``DynamicQuantizeLinear(x) -> MatMulInteger -> Cast -> Mul`` for an
+    8-bit per-tensor / per-column weight (ORT: ``DynamicQuantizeMatMul``)."""
+    layout = e.layout
+    if layout.bits != 8 or not layout.per_column_2d:
+        return
+    out = e.output._symbol.value
+    for node, index in _uses(out):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or index != 1:
+            continue
+        x, y = node.inputs[0], node.outputs[0]
+        if x.dtype != ir.DataType.FLOAT:
+            continue
+        graph = node.graph
+        u8, i32, f32 = ir.DataType.UINT8, ir.DataType.INT32, ir.DataType.FLOAT
+        label = f"{node.name}/dynamic"
+        dql = _node(tracer, graph, "DynamicQuantizeLinear", [x], [(u8, _dims(x)), (f32, []), (u8, [])],
+                    f"{label}/DynamicQuantizeLinear")
+        xq, xs, xz = dql.outputs
+        mm_inputs = [xq, e.value, xz] + ([e.zero_point] if e.zero_point is not None else [])
+        mmi = _node(tracer, graph, "MatMulInteger", mm_inputs, [(i32, _dims(y))], f"{label}/MatMulInteger")
+        cast = _node(tracer, graph, "Cast", [mmi.outputs[0]], [(f32, _dims(y))], f"{label}/Cast", {"to": int(f32)})
+        scale = _node(tracer, graph, "Mul", [xs, e.scale], [(f32, list(layout.scale.shape))], f"{label}/Mul_scale")
+        result = _node(tracer, graph, "Mul", [cast.outputs[0], scale.outputs[0]], [(f32, _dims(y))], f"{label}/Mul")
+        graph.insert_after(node, [dql, mmi, cast, scale, result])
+        new = result.outputs[0]
+        y.replace_all_uses_with(new, replace_graph_outputs=True)
+        old_name = y.name
+        graph.remove(node, safe=True)
+        new.name = old_name
+
+
+# -- static activation quantization ------------------------------------------------------------------
+
+_QUANTIZED_OPS = ("MatMul", "Conv")
+
+
+def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
+    """Value names to put a ``QuantizeLinear -> DequantizeLinear`` pair on: the activation input
+    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param, and
+    (when there are such ops) the inputs and output of every ``Add`` of two activations."""
+    names = []
+    for node in graph:
+        if node.op_type not in _QUANTIZED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        if id(node.inputs[1]) not in emitted_outputs:
+            continue
+        for v in (node.inputs[0], node.outputs[0]):
+            if v.dtype == ir.DataType.FLOAT and v.name not in names:
+                names.append(v.name)
+    if names:
+        # NOTE: residual adds of two activations too (ORT fuses DQ, DQ -> Add -> Q into QLinearAdd,
+        # as onnxruntime.quantization.quantize_static's QDQ output does); bias adds are left float
+        for node in graph:
+            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+                continue
+            values = (node.inputs[0], node.inputs[1], node.outputs[0])
+            if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
+                continue
+            for v in values:
+                if v.name not in names:
+                    names.append(v.name)
+    return names
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def _uint8_qparams(lo: float, hi: float) -> tuple:
+    """Asymmetric uint8 ``(scale, zero_point)`` covering ``[min(lo, 0), max(hi, 0)]`` (ORT's
+    calibrated activations: zero must be exact)."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = np.float32((hi - lo) / 255.0) if hi > lo else np.float32(1.0)
+    zero = int(np.clip(np.round(-lo / float(scale)), 0, 255))
+    return scale, np.uint8(zero)
+
+
+def _insert_activation_qdq(tracer, ranges: dict) -> None:
+    graph = tracer.graph
+    emitted = {id(e.output._symbol.value): e for e in _emitted(tracer)}
+    by_name = {}
+    for node in graph:
+        for out in node.outputs:
+            by_name[out.name] = out
+    for v in graph.inputs:
+        by_name[v.name] = v
+    qparams = {}
+    for name in _activation_sites(graph, set(emitted)):
+        value = by_name.get(name)
+        if value is None or name not in ranges:
+            continue
+        scale, zero = _uint8_qparams(*ranges[name])
+        qparams[name] = scale
+        s = tracer.constant(np.asarray(scale, np.float32), name=f"{name}_scale")._symbol.value
+        z = tracer.constant(np.asarray(zero, np.uint8), name=f"{name}_zero_point")._symbol.value
+        uses = _uses(value)
+        dims = _dims(value)
+        q = _node(tracer, graph, "QuantizeLinear", [value, s, z], [(ir.DataType.UINT8, dims)], f"{name}/QuantizeLinear")
+        dq = _node(tracer, graph, "DequantizeLinear", [q.outputs[0], s, z], [(ir.DataType.FLOAT, dims)],
+                   f"{name}/DequantizeLinear")
+        producer = value.producer()
+        if producer is None:
+            first = next(iter(graph))
+            graph.insert_before(first, [q, dq])
+        else:
+            graph.insert_after(producer, [q, dq])
+        for node, index in uses:
+            node.replace_input_with(index, dq.outputs[0])
+        if value.is_graph_output():
+            for i, out in enumerate(graph.outputs):
+                if out is value:
+                    graph.outputs[i] = dq.outputs[0]
+                    value.name, dq.outputs[0].name = dq.outputs[0].name, value.name

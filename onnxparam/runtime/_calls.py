@@ -1,0 +1,563 @@
+"""Calling modules (the fast and slow paths), the caches and their keys, and eager ops."""
+
+from __future__ import annotations
+
+import operator
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import _lora_graph as lora_graph
+from .. import _trace
+from ..errors import ExecutionError, TraceError
+from ..module import _MUTATIONS, _WATCHED
+from ..param import Param
+from ..quant import _qdq as qdq
+from ..tensor import Tensor
+from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
+from ._devices import pick_device
+from ._keys import _PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token  # noqa: F401
+from ._sessions import Runner, build_runner
+
+__all__ = [
+    "MAX_CACHED_SESSIONS", "MAX_CACHED_TRACES", "MAX_FAST_MODULES", "MAX_EAGER_SESSIONS", "RuntimeStats",
+    "call_module", "session_for", "traced_for", "set_session_config", "set_eager_session_config",
+    "stats", "sessions_built", "clear_caches", "set_cache_size",
+]
+
+MAX_CACHED_SESSIONS = 32
+"""Module sessions kept (LRU); each holds its weights, so this bounds memory."""
+
+MAX_CACHED_TRACES = 64
+"""Traced graphs kept (LRU), keyed by module structure + input signature + LoRA mode; each holds
+the params it was traced with (not their values: a lazy param stays lazy)."""
+
+MAX_FAST_MODULES = 64
+"""Module objects remembered by the fast path (oldest forgotten first)."""
+
+MAX_EAGER_SESSIONS = 256
+"""One-op sessions of eager ops kept (LRU)."""
+
+# -- caches -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RuntimeStats:
+    """Counters since the runtime was imported (:func:`clear_caches` does not reset them).
+
+    Attributes:
+        sessions_built: module sessions built (each a new ``InferenceSession``).
+        eager_sessions_built: one-op sessions built for eager ops.
+        traces: forwards traced by module calls.
+        dynamic_traces: of those, traces with symbolic dims (automatic dynamic, see
+            :class:`SessionConfig`).
+    """
+
+    sessions_built: int = 0
+    eager_sessions_built: int = 0
+    traces: int = 0
+    dynamic_traces: int = 0
+
+
+_STATS = RuntimeStats()
+_LOCK = threading.RLock()
+_sessions: "OrderedDict[Any, Runner]" = OrderedDict()
+_traces: "OrderedDict[Any, Any]" = OrderedDict()
+_eager: "OrderedDict[Any, Runner]" = OrderedDict()
+_fast: dict = {}
+_limits = {"sessions": MAX_CACHED_SESSIONS, "traces": MAX_CACHED_TRACES, "eager": MAX_EAGER_SESSIONS}
+
+
+def stats() -> RuntimeStats:
+    """A copy of the counters."""
+    return replace(_STATS)
+
+
+def sessions_built() -> int:
+    """How many module sessions were built so far (eager op sessions not counted)."""
+    return _STATS.sessions_built
+
+
+def clear_caches() -> None:
+    """Forget every cached trace and session (and the references they hold)."""
+    with _LOCK:
+        _sessions.clear()
+        _traces.clear()
+        _families.clear()
+        _eager.clear()
+        _fast.clear()
+
+
+def set_cache_size(sessions: Optional[int] = None, traces: Optional[int] = None, eager: Optional[int] = None) -> None:
+    """Change the LRU bounds (module sessions, traces, eager sessions); extra entries are evicted."""
+    with _LOCK:
+        for key, value in (("sessions", sessions), ("traces", traces), ("eager", eager)):
+            if value is not None:
+                if int(value) < 1:
+                    raise ValueError(f"cache size must be at least 1, got {value}")
+                _limits[key] = int(value)
+        _trim(_sessions, _limits["sessions"], _forget_runner)
+        _trim(_traces, _limits["traces"])
+        _trim(_eager, _limits["eager"])
+
+
+def set_session_config(module, config: Optional[SessionConfig]) -> None:
+    """Set the session options for ``module`` (a :class:`~onnxparam.Module`), or globally when
+    ``module`` is ``None``. ``config=None`` on a module returns it to the global config; on
+    ``None`` it restores the default global config.
+
+    The module keeps its config in a private attribute, so its transformed copies
+    (``load_record``, ``to_device`` ...) keep it too. Sessions built afterwards use it; cached
+    sessions built with another config are not reused.
+
+    Raises:
+        TypeError: when ``config`` is not a :class:`SessionConfig`.
+    """
+    if config is not None and not isinstance(config, SessionConfig):
+        raise TypeError(f"expected a SessionConfig, got {type(config).__name__}")
+    with _LOCK:
+        if module is None:
+            DEFAULTS.module = config if config is not None else SessionConfig()
+            _fast.clear()
+            return
+        if config is None:
+            module.__dict__.pop(CONFIG_ATTR, None)
+        else:
+            object.__setattr__(module, CONFIG_ATTR, config)
+        _fast.pop(id(module), None)
+
+
+def set_eager_session_config(config: SessionConfig) -> None:
+    """The options of eager op sessions (default: one intra-op thread, as those graphs are one op)."""
+    if not isinstance(config, SessionConfig):
+        raise TypeError(f"expected a SessionConfig, got {type(config).__name__}")
+    with _LOCK:
+        DEFAULTS.eager = config
+        _eager.clear()
+
+
+def _trim(cache: OrderedDict, limit: int, on_evict=None) -> None:
+    while len(cache) > limit:
+        _, evicted = cache.popitem(last=False)
+        if on_evict is not None:
+            on_evict(evicted)
+
+
+def _forget_runner(runner: Runner) -> None:
+    for module_id, sig in runner.fast_keys:
+        entry = _fast.get(module_id)
+        if entry is not None:
+            entry.by_sig.pop(sig, None)
+            if entry.last1 is not None and entry.last1.session is runner.session:  # or a fed copy
+                entry.last1 = None
+
+
+# -- module calls -----------------------------------------------------------------------------
+
+
+def _path_steps(module, path: str):
+    """The attribute / item steps leading from ``module`` to the param at ``path``, or
+    ``None`` when ``path`` does not lead to a param (e.g. a param reached outside the tree)."""
+    obj = module
+    steps = []
+    for part in path.split("."):
+        if isinstance(obj, (list, tuple)):
+            try:
+                key = int(part)
+                obj = obj[key]
+            except (ValueError, IndexError):
+                return None
+            steps.append((True, key))
+        elif isinstance(obj, dict):
+            key = part if part in obj else next((k for k in obj if str(k) == part), None)
+            if key is None:
+                return None
+            obj = obj[key]
+            steps.append((True, key))
+        else:
+            if part not in getattr(obj, "__dict__", {}):
+                return None
+            obj = getattr(obj, part)
+            steps.append((False, part))
+    return steps if isinstance(obj, Param) else None
+
+
+def _compile_getter(all_steps: list):
+    """``module -> tuple of objects`` at the given step lists.
+
+    Paths of attributes only (the usual case) become one ``operator.attrgetter`` (dotted names,
+    resolved in C); a path with an item step (a list or dict of modules) falls back to a loop.
+    """
+    if all(not is_item for steps in all_steps for is_item, _ in steps):
+        get = operator.attrgetter(*(".".join(key for _, key in steps) for steps in all_steps))
+        if len(all_steps) == 1:
+            return lambda m: (get(m),)
+        return get
+
+    def loop(m, _all=tuple(tuple(s) for s in all_steps)):
+        out = []
+        for steps in _all:
+            o = m
+            for is_item, key in steps:
+                o = o[key] if is_item else getattr(o, key)
+            out.append(o)
+        return tuple(out)
+
+    return loop
+
+
+class _FastEntry:
+    """What the fast path remembers about one module object: its runners by signature and how
+    to check, cheaply, that the params a runner was built from are still in place."""
+
+    __slots__ = ("module", "by_sig", "last1", "getter", "expected", "version", "watched")
+
+    def __init__(self, module, traced, params_by_path: dict):
+        # NOTE: a weak reference (the cache keeps no module's weights alive); when the module
+        # dies its entry is dropped (_forget_module) before its id can be reused
+        self.module = weakref.ref(module)
+        self.by_sig: dict = {}
+        self.last1: Optional[Runner] = None  # the runner of the last one-host-tensor call
+        all_steps, expected = [], []
+        for path in traced.param_paths:
+            param = params_by_path.get(path)
+            steps = None if param is None else _path_steps(module, path)
+            if steps is not None:
+                all_steps.append(steps)
+                expected.append(param)
+        self.getter = _compile_getter(all_steps) if all_steps else None
+        self.expected = tuple(expected)
+        # NOTE: the configuration the graph was traced with: no module attribute written since
+        # (version) and no list / dict / set / array attribute changed in place (watched)
+        ids, watched = _mutable_state(module)
+        _WATCHED.update(ids)
+        self.version = _MUTATIONS[0]
+        self.watched = watched or None
+
+    def params_current(self, module) -> bool:
+        """True when every used param is still the same object at the same path and the
+        module's configuration is unchanged (so the remembered graphs still hold)."""
+        if self.version != _MUTATIONS[0] or (self.watched is not None and not _unchanged(self.watched)):
+            return False
+        getter = self.getter
+        if getter is None:
+            return True
+        try:
+            return getter(module) == self.expected  # tuple ==: identity first, Param has no __eq__
+        except Exception:  # a path that no longer resolves: let the slow path look again
+            return False
+
+
+_current_tracer = _trace._CURRENT.get
+_fast_get = _fast.get
+
+
+def _fast_signature(args, kwargs):
+    """A hashable signature of a call whose arguments are tensors and plain Python values
+    (``None``, bools, ints, floats, strings: baked into the graph), or ``None`` for others."""
+    sig = []
+    for a in args:
+        if a.__class__ is Tensor:
+            if a._symbol is not None:
+                return None
+            sig.append((a.shape, a.dtype, None if a._host is not None else a.device))
+        elif a.__class__ in _PLAIN:
+            sig.append((a.__class__, a))
+        else:
+            return None
+    for k, a in kwargs.items():
+        if a.__class__ is Tensor:
+            if a._symbol is not None:
+                return None
+            sig.append((k, a.shape, a.dtype, None if a._host is not None else a.device))
+        elif a.__class__ in _PLAIN:
+            sig.append((k, a.__class__, a))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _call_tensors(args, kwargs) -> list:
+    return [a for a in args if a.__class__ is Tensor] + [a for a in kwargs.values() if a.__class__ is Tensor]
+
+
+_qdq_options_get = qdq._OPTIONS.get
+
+
+def call_module(module, args: tuple, kwargs: dict):
+    """Run ``module.forward(*args, **kwargs)``: inlined inside a trace, else through ONNX
+    Runtime (see the module docstring). Returns a Tensor, or a tuple for several outputs.
+
+    Raises:
+        TraceError: when the forward cannot be traced.
+        DeviceError: for unavailable or mixed devices.
+        ExecutionError: when ONNX Runtime fails (the node and its params are named).
+    """
+    tracer = _current_tracer()
+    if tracer is not None:
+        return tracer.call_module(module, args, kwargs)
+    # NOTE: inside quant.qdq_options the graph differs: no fast path, nothing remembered
+    entry = _fast_get(id(module)) if _qdq_options_get() is None else None
+    if entry is not None:
+        if len(args) == 1 and not kwargs:
+            runner = entry.last1
+            if runner is not None:
+                a = args[0]
+                if a.__class__ is Tensor and a._host is not None and a.shape == runner.shape1 and \
+                        a.dtype is runner.dtype1 and entry.version == _MUTATIONS[0] and \
+                        (entry.watched is None or _unchanged(entry.watched)):
+                    getter = entry.getter  # NOTE: params_current, inlined (this is the hot path)
+                    try:
+                        current = getter is None or getter(module) == entry.expected
+                    except Exception:
+                        current = False
+                    if current:
+                        return runner.run1(a._host)
+        sig = _fast_signature(args, kwargs)
+        if sig is not None:
+            runner = entry.by_sig.get(sig)
+            if runner is not None and entry.params_current(module):
+                return runner.run(_call_tensors(args, kwargs))
+    runner, tensors = _resolve(module, args, kwargs, remember=True)
+    try:
+        return runner.run(tensors)
+    except ExecutionError:
+        if not runner.traced._cache.get("dynamic"):
+            raise
+    # NOTE: a symbolic dim the forward pins (a feature dim checked against a weight only when it
+    # is an int) fails in ONNX Runtime: a concrete trace of this shape gives the forward's own
+    # error, or runs (and is remembered for this shape instead)
+    runner, tensors = _resolve(module, args, kwargs, remember=True, policy="static")
+    return runner.run(tensors)
+
+
+def _split_call(args, kwargs):
+    """The call's tensors (graph inputs, in input order) with arrays wrapped as tensors."""
+    args = [Tensor.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+    kwargs = {k: Tensor.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, Tensor) and value._symbol is not None:
+            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended")
+    tensors = [a for a in args if isinstance(a, Tensor)] + [v for v in kwargs.values() if isinstance(v, Tensor)]
+    return args, kwargs, tensors
+
+
+def _tensor_sig(value):
+    return ("T", value.shape, value.dtype) if isinstance(value, Tensor) else ("S", _freeze(value))
+
+
+def _traced(module, args, kwargs, mode: str = "merge", policy: str = "static"):
+    """The trace key and :class:`~onnxparam._trace.TracedModel` of a call (traced if needed),
+    in LoRA ``mode``, under the shape ``policy`` (:attr:`SessionConfig.dynamic_shapes`)."""
+    call_sig = (tuple(_tensor_sig(a) for a in args), tuple((k, _tensor_sig(v)) for k, v in kwargs.items()))
+    with _LOCK:
+        options = qdq.runtime_options()
+        structure = _structure_key(module)
+        trace_key = (structure, call_sig, mode, options)
+        traced = _traces.get(trace_key)
+        if traced is not None:
+            _traces.move_to_end(trace_key)
+            return trace_key, traced
+        if policy == "auto":
+            hit = _dynamic_trace(module, args, kwargs, (structure, mode, options))
+            if hit is not None:
+                return hit
+        with qdq.qdq_options(options):
+            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
+        _STATS.traces += 1
+        _traces[trace_key] = traced
+        _trim(_traces, _limits["traces"])
+    return trace_key, traced
+
+
+class _Family:
+    """What automatic dynamic remembers about the calls of one module structure with one
+    argument layout (ranks, dtypes, non-tensor values): the first call's shapes, the dims seen
+    to change, the least size a symbolic dim stands for, and how dims are grouped into symbols."""
+
+    __slots__ = ("first", "dynamic", "groups", "duck", "least", "static_only")
+
+    def __init__(self, shapes):
+        self.first = shapes
+        self.dynamic: frozenset = frozenset()
+        self.groups: dict = {}
+        self.duck = True  # dims of equal sizes share a symbol (checked on every reuse)
+        self.least = 1  # symbolic dims stand for sizes >= 1; 2 once a forward needed "== 1" decided
+        self.static_only = False
+
+
+_families: "OrderedDict[Any, _Family]" = OrderedDict()
+
+
+def _dynamic_trace(module, args, kwargs, where: tuple):
+    """Automatic dynamic (see :class:`SessionConfig`): the trace key and trace serving this call
+    with symbolic dims, or ``None`` when it takes a concrete trace.
+
+    A changed dim becomes symbolic for sizes >= 1 (size 0 is specialized). When the forward
+    cannot be traced so (it asks ``x.shape[0] == 1``, ``squeeze()`` ...), sizes 0 and 1 are
+    specialized as in PyTorch (a trace where those dims are concrete and the others symbolic)
+    and symbolic dims stand for sizes >= 2; if that fails too, every shape gets its own trace.
+    """
+    values = list(args) + list(kwargs.values())
+    shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
+    layout = (tuple(("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)) for v in args),
+              tuple((k, ("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
+                    for k, v in kwargs.items()))
+    family_key = (where, layout)
+    family = _families.get(family_key)
+    if family is None:
+        _families[family_key] = _Family(shapes)
+        _trim(_families, _limits["traces"])
+        return None
+    _families.move_to_end(family_key)
+    if family.static_only:
+        return None
+    changed = {(i, axis) for i, shape in enumerate(shapes) if shape is not None
+               for axis, (d, f) in enumerate(zip(shape, family.first[i])) if d != f}
+    dynamic = family.dynamic | changed
+    while True:
+        least = family.least
+        symbolic = frozenset((i, a) for i, a in dynamic if shapes[i][a] >= least)
+        if not symbolic:
+            return None  # the first shape again, or only specialized sizes: a concrete trace
+        groups = family.groups.get((least, symbolic))
+        if groups and not all(len({shapes[i][a] for i, a in group}) == 1 for group in groups):
+            family.duck, groups = False, None  # sizes once equal now differ: one symbol per dim
+        if not groups:
+            by_size: dict = {}
+            for i, axis in sorted(symbolic):
+                key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
+                by_size.setdefault(key, []).append((i, axis))
+            groups = tuple(tuple(g) for g in by_size.values())
+        gen_sig = tuple(("T", tuple("?" if (i, a) in symbolic else d for a, d in enumerate(shape)), values[i].dtype)
+                        if shape is not None else ("S", _freeze(values[i])) for i, shape in enumerate(shapes))
+        gen_key = (where[0], ("dynamic", least, gen_sig, tuple(kwargs), groups), where[1], where[2])
+        traced = _traces.get(gen_key)
+        if traced is None:
+            traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)
+            if traced is None:  # the forward needs concrete sizes at this bound
+                if least == 1:
+                    family.least = 2
+                    continue
+                family.static_only = True
+                return None
+            _STATS.traces += 1
+            _STATS.dynamic_traces += 1
+            traced._cache["dynamic"] = True
+            _traces[gen_key] = traced
+            _trim(_traces, _limits["traces"])
+        else:
+            _traces.move_to_end(gen_key)
+        family.dynamic = dynamic
+        family.groups[(least, symbolic)] = groups
+        return gen_key, traced
+
+
+def _trace_symbolic(module, args, kwargs, values, groups, where, least):
+    """The trace with the dims of ``groups`` symbolic (one name per group), or ``None``."""
+    names = _trace._forward_arg_names(module, len(args)) + list(kwargs)
+    dim_name = {}
+    for group in groups:
+        i, axis = group[0]
+        for member in group:
+            dim_name[member] = f"{names[i]}_dim{axis}"
+    specs = [_trace.InputSpec(tuple(dim_name.get((i, a), d) for a, d in enumerate(v.shape)), v.dtype)
+             if isinstance(v, Tensor) else v for i, v in enumerate(values)]
+    try:
+        with qdq.qdq_options(where[2]):
+            return _trace.trace_module(module, tuple(specs[:len(args)]), kwargs=dict(zip(kwargs, specs[len(args):])),
+                                       lora=where[1], min_dynamic_size=least)
+    except Exception:  # noqa: BLE001 - the forward needs concrete sizes (a TraceError, or its own error)
+        return None
+
+
+def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None):
+    """The runner for this call (tracing and building as needed) and the input tensors
+    (``policy`` overrides the config's ``dynamic_shapes``)."""
+    from ..module import named_params
+
+    owner = type(module).__name__
+    args, kwargs, tensors = _split_call(args, kwargs)
+    config = session_config(module)
+    with _LOCK:
+        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, policy or config.dynamic_shapes)
+        by_path = dict(named_params(module))
+        used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
+        device = pick_device(owner, used, tensors)
+        # NOTE: in "inputs" mode the factors are fed on every call, so their values are not part
+        # of the key: one session serves every adapter (switching builds nothing).
+        fed = set(traced._cache.setdefault("fed_factors", tuple(lora_graph.factor_input_names(traced.model))))
+        session_key = (trace_key, device, config, tuple(_value_token(lora_graph.initializer_param(p, traced.mode))
+                                                         for name, p in used if name not in fed))
+        runner = _sessions.get(session_key)
+        if runner is None:
+            runner = build_runner(traced, [p for _, p in used], device, config, owner)
+            _STATS.sessions_built += 1
+            _sessions[session_key] = runner
+            _trim(_sessions, _limits["sessions"], _forget_runner)
+        else:
+            _sessions.move_to_end(session_key)
+        if fed:
+            runner = runner.with_fed_params(lora_graph.fed_factors(traced.model, by_path))
+        if remember and _qdq_options_get() is None:
+            _remember(module, args, kwargs, runner, traced, by_path)
+    return runner, tensors
+
+
+def _forget_module(key: int) -> None:
+    """Drop the fast-path entry of a module that was garbage collected (its id may be reused)."""
+    entry = _fast.get(key)
+    if entry is not None and entry.module() is None:
+        del _fast[key]
+
+
+_MAX_WATCHED = 100_000
+
+
+def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
+    sig = _fast_signature(args, kwargs)
+    if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
+        return
+    if len(_WATCHED) > _MAX_WATCHED:  # ids of dead modules pile up: keep those of remembered ones
+        _WATCHED.clear()
+        for kept in list(_fast.values()):
+            alive = kept.module()
+            if alive is not None:
+                _WATCHED.update(_mutable_state(alive)[0])
+    entry = _fast.get(id(module))
+    if entry is None or entry.module() is not module:
+        entry = _FastEntry(module, traced, by_path)
+        _fast[id(module)] = entry
+        weakref.finalize(module, _forget_module, id(module))
+        while len(_fast) > MAX_FAST_MODULES:
+            _fast.pop(next(iter(_fast)))
+    if not entry.params_current(module):
+        entry = _FastEntry(module, traced, by_path)
+        _fast[id(module)] = entry
+    entry.by_sig[sig] = runner
+    if len(args) == 1 and not kwargs and args[0].__class__ is Tensor and args[0]._host is not None \
+            and not runner._needs_ortvalues:
+        runner.shape1, runner.dtype1 = args[0].shape, args[0].dtype
+        entry.last1 = runner
+    runner.fast_keys.append((id(module), sig))
+
+
+def session_for(module, *args, **kwargs):
+    """The ``onnxruntime.InferenceSession`` that ``module(*args, **kwargs)`` runs (built now if
+    needed). Arguments may be tensors, arrays or :class:`~onnxparam._trace.InputSpec` -free
+    concrete values, exactly as in a call."""
+    runner, _ = _resolve(module, args, kwargs)
+    return runner.session
+
+
+def traced_for(module, *args, **kwargs):
+    """The :class:`~onnxparam._trace.TracedModel` of ``module(*args, **kwargs)``: traced now, so
+    its lazy initializers are this module's params (a cached trace may come from another module
+    object of the same structure). No session is built, no param initialized."""
+    args, kwargs, _ = _split_call(args, kwargs)
+    with qdq.qdq_options(qdq.runtime_options()):
+        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)

@@ -121,10 +121,18 @@ def _merged_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
 
 
 def _remove_if_unused(nodes: list) -> None:
-    """Remove ``nodes`` (producers before consumers) that nothing uses any more."""
+    """Remove ``nodes`` (producers before consumers) that nothing uses any more, and the scalar
+    initializers they alone read (the kept export's ``<W>.lora.scale``)."""
     for node in reversed(nodes):
         if node.graph is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
-            node.graph.remove(node, safe=True)
+            graph = node.graph
+            inputs = [v for v in node.inputs if v is not None]
+            graph.remove(node, safe=True)
+            for value in inputs:
+                if (value.is_initializer() and not value.uses() and value not in graph.inputs
+                        and not value.is_graph_output() and value.name.endswith(".lora.scale")
+                        and graph.initializers.get(value.name) is value):
+                    graph.initializers.pop(value.name)
 
 
 def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:

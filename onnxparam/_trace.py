@@ -231,6 +231,8 @@ class Tracer:
     # -- values -------------------------------------------------------------------------------
 
     def _symbolic(self, value: ir.Value, dtype: DType, shape, param: Optional[Param] = None) -> Tensor:
+        if shape is None:  # an unknown rank (see Tensor.shape)
+            return Tensor(symbol=Symbol(value, self, param), shape=None, dtype=dtype, device=self.device)
         dims = tuple(d if isinstance(d, (int, SymInt)) else self.dim_symbol(d, value, i) for i, d in enumerate(shape))
         for d in dims:
             if isinstance(d, SymInt) and d.name is not None and d.tracer is self:
@@ -261,7 +263,7 @@ class Tracer:
     @staticmethod
     def _annotate(value: ir.Value, dtype: DType, shape) -> None:
         value.type = ir.TensorType(_ir_dtype(dtype))
-        value.shape = ir.Shape(_dims_of(shape))
+        value.shape = None if shape is None else ir.Shape(_dims_of(shape))
 
     def input(self, name: str, shape, dtype: DType, *, unique: bool = False) -> Tensor:
         """A new input of the graph being built (the main graph, or the current subgraph).
@@ -471,7 +473,7 @@ class Tracer:
         value = t._symbol.value
         producer = value.producer()
         if producer is None or producer.graph is not graph or value in graph.outputs:
-            t = self.emit("Identity", [t], output_types=[(t.dtype, t.shape)])[0]
+            t = self.emit("Identity", [t], output_types=[(t.dtype, t._shape)])[0]
             value = t._symbol.value
         return value
 
@@ -686,7 +688,7 @@ def _check_batch_outputs(traced: TracedModel, batch: str) -> None:
             continue
         if dims and isinstance(dims[0], int):
             raise TraceError(_baked_message(value, 0, dims[0], batch, "dynamic_batch declares"))
-        got = "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
+        got = "an unknown rank" if value.shape is None else "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
         raise TraceError(f"dynamic_batch declares dim 0 of every output the batch ({batch!r}), but output "
                          f"{value.name!r} has {got}; pass dynamic_axes for the dims that are dynamic instead")
 

@@ -91,6 +91,9 @@ def _ir_dtype(dtype: DType) -> ir.DataType:
 
 
 def _type_proto(value: ir.Value) -> onnx.TypeProto:
+    if value.type is not None and not isinstance(value.type, ir.TensorType):
+        # a sequence / optional / map an imported graph passes between its own nodes
+        return ir.serde.serialize_type(value.type)
     shape = None
     if value.shape is not None:
         shape = [d if isinstance(d, int) else d.value for d in value.shape]
@@ -290,13 +293,10 @@ def infer_node_types(node: ir.Node, values: list, opset_imports: Mapping[str, in
                 raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output "
                                  f"{out.index()}; pass output_dtypes= and output_shapes= to ops.custom")
             dtype = _dtype_from_onnx(tt.elem_type, where)
-        if dims is None:
-            if tt is None or not tt.HasField("shape"):
-                raise TraceError(f"{where}: the rank of output {out.index()} is unknown after ONNX shape "
-                                 "inference; pass output_shapes= to ops.custom")
+        if dims is None and tt is not None and tt.HasField("shape"):
             dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
                          else None for d in tt.shape.dim)
-        types.append((dtype, tuple(dims)))
+        types.append((dtype, None if dims is None else tuple(dims)))  # None: an unknown rank
     return types
 
 

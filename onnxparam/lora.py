@@ -28,7 +28,8 @@ from .param import Param, ParamId
 from .tensor import Tensor
 
 __all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "untargetable_paths",
-           "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD"]
+           "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD", "adapter_set", "active_adapter", "add_adapter", "set_adapter",
+           "disable_adapter", "delete_adapter", "DEFAULT_ADAPTER_NAME", "with_every_named_target"]
 
 LORA_MODES = ("merge", "keep", "inputs")
 """How an adapted weight appears in a traced graph: ``"merge"``: one initializer
@@ -301,19 +302,22 @@ class LoraAdapterSet:
 
     def add(self, name: str, module) -> "LoraAdapterSet":
         """A set with ``name`` -> the adapters ``module`` carries (``apply_lora``,
-        ``load_peft_adapter``, a trained module ...).
+        ``load_peft_adapter``, a trained module ...), or ``module`` itself when it is a
+        ``{param path: LoraAdapter}`` mapping.
 
         Raises:
             ValueError: ``name`` is already in the set, or ``module`` has no adapters.
         """
-        from .module import named_params
-
         if name in self._sets:
             raise ValueError(f"an adapter named {name!r} is already in the set; delete it first")
-        found = {path: p.adapter() for path, p in named_params(module) if p.adapter() is not None}
+        found = dict(module) if isinstance(module, dict) else _current_adapters(module)
         if not found:
             raise ValueError(f"{type(module).__name__} has no LoRA adapters to add as {name!r}")
         return LoraAdapterSet({**self._sets, name: found})
+
+    def _with(self, name: str, adapters: dict) -> "LoraAdapterSet":
+        """A set whose ``name`` holds ``adapters`` (in ``name``'s place when it is there)."""
+        return LoraAdapterSet({**self._sets, name: dict(adapters)})
 
     def delete(self, name: str) -> "LoraAdapterSet":
         """A set without ``name`` (``KeyError`` when it has none)."""
@@ -348,3 +352,120 @@ class LoraAdapterSet:
     def disable(self, module):
         """``module`` without any adapter: the base model (PEFT's ``disable_adapter``)."""
         return self.activate(module, None)
+
+
+def _current_adapters(module) -> dict:
+    """``{param path: LoraAdapter}`` of the adapters ``module``'s params carry now."""
+    from .module import named_params
+
+    return {path: p.adapter() for path, p in named_params(module) if p.adapter() is not None}
+
+
+DEFAULT_ADAPTER_NAME = "default"
+"""The name :func:`add_adapter` gives adapters a module already carries unnamed (PEFT's
+``adapter_name`` default)."""
+
+_SET_ATTR = "_lora_adapter_set"
+_ACTIVE_ATTR = "_lora_active_adapter"
+# NOTE: private attributes of the root module: traversal skips names starting with "_", and
+# rebuild's copy.copy carries them, so the named set follows every copy (map, load_record,
+# to_device, train ...). The ACTIVE adapter lives in the params only (trained, loaded and moved
+# with them); the set keeps the inactive ones and is refreshed from the params on each switch.
+
+
+def active_adapter(module) -> Optional[str]:
+    """The name of ``module``'s active named adapter, or ``None`` (no named adapter active)."""
+    return getattr(module, _ACTIVE_ATTR, None)
+
+
+def adapter_set(module) -> LoraAdapterSet:
+    """The named adapters ``module`` owns (:func:`add_adapter`), the active one with the values
+    its params hold now (after training or ``load_record``); an empty set for a module without."""
+    sets = getattr(module, _SET_ATTR, None) or LoraAdapterSet()
+    active = active_adapter(module)
+    if active is not None and active in sets.names:
+        sets = sets._with(active, _current_adapters(module))
+    return sets
+
+
+def _owning(module, sets: LoraAdapterSet, active: Optional[str]):
+    """``module`` (a fresh copy) made the owner of ``sets`` with ``active`` active."""
+    object.__setattr__(module, _SET_ATTR, sets if sets.names else None)
+    object.__setattr__(module, _ACTIVE_ATTR, active)
+    return module
+
+
+def _copy(module):
+    from .module import rebuild
+
+    return rebuild(module, lambda path, p: p)
+
+
+def add_adapter(module, name: str, source):
+    """A copy of ``module`` that owns one more named adapter (PEFT's ``add_adapter``; it does
+    not become active): ``source`` is a module carrying adapters for ``module``'s params (e.g.
+    ``load_peft_adapter(module, folder)``) or a ``{param path: LoraAdapter}`` mapping.
+    Adapters ``module`` already carries unnamed (``apply_lora``) are first named
+    :data:`DEFAULT_ADAPTER_NAME` and stay active.
+
+    Raises:
+        ValueError: ``name`` is taken, or ``source`` has no adapters.
+    """
+    sets, active = adapter_set(module), active_adapter(module)
+    if active is None:
+        current = _current_adapters(module)
+        if current:
+            sets, active = sets.add(DEFAULT_ADAPTER_NAME, current), DEFAULT_ADAPTER_NAME
+    return _owning(_copy(module), sets.add(name, source), active)
+
+
+def set_adapter(module, name: Optional[str]):
+    """A copy of ``module`` with its named adapter ``name`` active (PEFT's ``set_adapter``), the
+    one active before kept in the set with its current values; ``None``: no adapter.
+
+    Raises:
+        KeyError: an unknown name (the known ones listed).
+        ValueError: the adapter does not fit ``module``'s params (:meth:`LoraAdapterSet.activate`).
+    """
+    sets = adapter_set(module)
+    return _owning(sets.activate(module, name), sets, name)
+
+
+def disable_adapter(module):
+    """A copy of ``module`` with no adapter active, its named adapters kept (PEFT's
+    ``disable_adapter``): the base model."""
+    return set_adapter(module, None)
+
+
+def delete_adapter(module, name: str):
+    """A copy of ``module`` without its named adapter ``name`` (PEFT's ``delete_adapter``); when
+    it was active, no adapter is active afterwards (PEFT activates another one instead: here a
+    deletion never switches to an adapter the caller did not name).
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    sets, active = adapter_set(module), active_adapter(module)
+    sets = sets.delete(name)
+    if active == name:
+        return _owning(sets.disable(module), sets, None)
+    return _owning(_copy(module), sets, active)
+
+
+def with_every_named_target(module):
+    """``module`` (unchanged when it owns no named adapter) where every param that one of its
+    named adapters targets carries an adapter: the active one, else a named one's. Used for
+    ``lora="inputs"`` exports, whose factor inputs then cover every named adapter (their
+    defaults are zero-rank: the values of a stand-in adapter never reach the graph), so each
+    name's ``.onnx_adapter`` file fits the one export."""
+    from .module import rebuild
+
+    sets = getattr(module, _SET_ATTR, None)
+    if sets is None:
+        return module
+    stand_in: dict = {}
+    for name in sets.names:
+        for path, adapter in sets.adapters(name).items():
+            stand_in.setdefault(path, adapter)
+    return rebuild(module, lambda path, p: p if p.adapter() is not None or path not in stand_in
+                   else p.with_adapter(stand_in[path]))

@@ -294,11 +294,13 @@ class Module:
 
     def valid(self) -> "Module":
         """The inference module (Burn's ``AutodiffModule::valid``): training mode off, and LoRA
-        adapters merged into plain weights as Burn's ``valid`` folds them."""
-        merge_param = service("lora").merge_param
+        adapters merged into plain weights as Burn's ``valid`` folds them (named adapters
+        dropped: they were for the unmerged base)."""
+        lora = service("lora")
 
-        return rebuild(self, lambda path, p: merge_param(p),
-                       lambda path, m: object.__setattr__(m, "_training", False))
+        return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p),
+                                    lambda path, m: object.__setattr__(m, "_training", False)),
+                            lora.LoraAdapterSet(), None)
 
     @staticmethod
     def from_inner(module: "Module") -> "Module":
@@ -394,10 +396,39 @@ class Module:
         return apply_lora(self, config)
 
     def merge_lora(self) -> "Module":
-        """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters."""
-        merge_param = service("lora").merge_param
+        """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters (and no
+        named adapters: they were for the unmerged base)."""
+        lora = service("lora")
 
-        return rebuild(self, lambda path, p: merge_param(p))
+        return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p)), lora.LoraAdapterSet(), None)
+
+    # -- named adapters (PEFT's add / set / disable / delete; see onnxparam.lora.add_adapter) --
+
+    def add_adapter(self, name: str, source) -> "Module":
+        """A copy owning one more named adapter; see :func:`onnxparam.lora.add_adapter`."""
+        return service("lora").add_adapter(self, name, source)
+
+    def set_adapter(self, name: Optional[str]) -> "Module":
+        """A copy with named adapter ``name`` active; see :func:`onnxparam.lora.set_adapter`."""
+        return service("lora").set_adapter(self, name)
+
+    def disable_adapter(self) -> "Module":
+        """A copy with no adapter active, the named ones kept (the base model)."""
+        return service("lora").disable_adapter(self)
+
+    def delete_adapter(self, name: str) -> "Module":
+        """A copy without named adapter ``name``; see :func:`onnxparam.lora.delete_adapter`."""
+        return service("lora").delete_adapter(self, name)
+
+    @property
+    def lora_adapters(self):
+        """The named adapters this module owns (:class:`onnxparam.LoraAdapterSet`)."""
+        return service("lora").adapter_set(self)
+
+    @property
+    def active_adapter(self) -> Optional[str]:
+        """The active named adapter's name, or ``None``."""
+        return service("lora").active_adapter(self)
 
     def quantize_weights(self, quantizer) -> "Module":
         """A copy whose float weights are quantized by ``quantizer``; see :mod:`onnxparam.quant`."""

@@ -20,13 +20,13 @@ from onnxparam.convert import (
     PathFilter,
     PyTorchAdapter,
     apply_record,
+    cast_spec,
     collect_record,
     load_safetensors,
     map_indices_contiguous,
     read_safetensors,
     save_safetensors,
 )
-from onnxparam.convert._adapters import cast_spec
 
 RNG = np.random.default_rng(7)
 MNIST_BPK = Path(__file__).resolve().parents[1] / "models" / "mnist" / "model.bpk"

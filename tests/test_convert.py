@@ -261,8 +261,7 @@ def test_onnx_initializer_names_and_order_are_kept(tmp_path):
 
 
 def _rich_bpk(path: Path) -> None:
-    from onnxparam.quant import QuantScheme
-    from onnxparam.quant._tensor import QuantizedTensor
+    from onnxparam.quant import QuantizedTensor, QuantScheme
 
     q = QuantizedTensor.quantize(RNG.standard_normal((4, 8)).astype(np.float32), QuantScheme())
     entries = [

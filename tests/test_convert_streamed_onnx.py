@@ -15,7 +15,7 @@ from onnx import helper, numpy_helper
 from onnxparam import burnpack
 from onnxparam.convert import convert, read_record
 from onnxparam.dtype import DType
-from onnxparam.formats._onnx_stream import StreamedTensor, read_onnx_mapped, write_onnx_streamed
+from onnxparam.formats import StreamedTensor, read_onnx_mapped, write_onnx_streamed
 
 RNG = np.random.default_rng(11)
 

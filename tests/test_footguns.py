@@ -29,10 +29,9 @@ import pytest
 from onnx import numpy_helper
 from safetensors.numpy import save_file
 
-from onnxparam import Module, Param, ParamId, RecordError, Tensor, import_onnx
+from onnxparam import Module, Param, ParamId, RecordError, Tensor, import_onnx, load_peft_adapter
 from onnxparam.convert import load_safetensors, save_safetensors
-from onnxparam.convert._peft import load_peft_adapter
-from onnxparam.formats._safetensors import read_safetensors
+from onnxparam.formats import read_safetensors
 from onnxparam.module import named_params
 from onnxparam.nn import Linear
 

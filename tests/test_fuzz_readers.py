@@ -21,9 +21,8 @@ import pytest
 from onnx import TensorProto, numpy_helper
 from safetensors.numpy import save_file
 
-from onnxparam import Module, OnnxFormatError, OnnxParamError, RecordError
-from onnxparam.convert._peft import load_peft_adapter
-from onnxparam.formats._safetensors import read_safetensors
+from onnxparam import Module, OnnxFormatError, OnnxParamError, RecordError, load_peft_adapter
+from onnxparam.formats import read_safetensors
 from onnxparam.module import named_params
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import export_onnx, import_onnx

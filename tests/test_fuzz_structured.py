@@ -146,7 +146,7 @@ def test_a_constant_with_typed_data_shorter_than_its_dims_is_refused_at_import(t
 
 
 def test_a_safetensors_tensor_of_65_dims_is_refused_naming_file_and_tensor(tmp_path):
-    from onnxparam.formats._safetensors import read_safetensors
+    from onnxparam.formats import read_safetensors
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(fs._st({"w": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, bytes(4)))
@@ -155,7 +155,7 @@ def test_a_safetensors_tensor_of_65_dims_is_refused_naming_file_and_tensor(tmp_p
 
 
 def test_a_safetensors_lone_surrogate_name_is_refused(tmp_path):
-    from onnxparam.formats._safetensors import read_safetensors
+    from onnxparam.formats import read_safetensors
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(fs._st({"\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)))
@@ -165,7 +165,7 @@ def test_a_safetensors_lone_surrogate_name_is_refused(tmp_path):
 
 def test_an_empty_u8_tensor_with_huge_dims_is_neither_read_from_safetensors_nor_written_to_burnpack(tmp_path):
     import onnxparam.burnpack as bp
-    from onnxparam.formats._safetensors import read_safetensors
+    from onnxparam.formats import read_safetensors
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(fs._st({"e": {"dtype": "U8", "shape": [2**62, 0], "data_offsets": [0, 0]}}, b""))
@@ -197,7 +197,7 @@ def test_a_burnpack_tensor_with_an_empty_name_is_refused_by_reader_and_writer(tm
 
 
 def test_a_pt_tensor_of_65_dims_is_a_record_error(tmp_path):
-    from onnxparam.formats._pytorch import read_pytorch
+    from onnxparam.formats import read_pytorch
 
     pkl = b"\x80\x02}(" + fs._op_value("w") + fs._op_tensor(1, (1,) * 65, (1,) * 65) + b"u."
     path = tmp_path / "m.pt"

@@ -17,8 +17,7 @@ import onnxruntime as ort
 import pytest
 from safetensors.numpy import save_file
 
-from onnxparam import RecordError, ShapeMismatchError, Tensor, import_onnx
-from onnxparam.convert._peft import load_peft_adapter
+from onnxparam import RecordError, ShapeMismatchError, Tensor, import_onnx, load_peft_adapter
 from onnxparam.runtime import SessionConfig, set_session_config
 
 R, ALPHA = 2, 3.0

@@ -15,7 +15,7 @@ import onnxparam.burnpack as bp
 from onnxparam import Module, PrecisionWarning, Tensor
 from onnxparam.cli import inspect_file
 from onnxparam.convert import convert, load_safetensors, save_safetensors
-from onnxparam.formats._safetensors import read_safetensors
+from onnxparam.formats import read_safetensors
 from onnxparam.nn import Linear
 
 WEIGHT = np.array([[1.0, np.nan, -np.inf], [np.inf, 2.0, np.nan]], np.float32)  # 2 NaN, 2 inf

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from onnxparam.errors import OnnxFormatError
-from onnxparam.formats._onnx_stream import StreamedTensor, read_onnx_streamed, write_onnx_streamed
+from onnxparam.formats import StreamedTensor, read_onnx_streamed, write_onnx_streamed
 
 AFFINE = """
 <ir_version: 9, opset_import: ["" : 17], producer_name: "streamed", doc_string: "y = x @ w + b">

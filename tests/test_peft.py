@@ -12,8 +12,7 @@ import onnx.parser
 import pytest
 from safetensors.numpy import save_file
 
-from onnxparam import LoraConfig, Module, RecordError, Tensor, import_onnx
-from onnxparam.convert._peft import load_peft_adapter
+from onnxparam import LoraConfig, Module, RecordError, Tensor, import_onnx, load_peft_adapter
 from onnxparam.nn import Linear
 
 W_TORCH = np.array([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]], np.float32)  # (out=2, in=3)

@@ -1,11 +1,12 @@
-"""PEFT adapters (made by Hugging Face PEFT in torch) on models exported by torch's TorchScript
-exporter and imported here: merge / keep / inputs all equal PEFT's forward; one ``lora="inputs"``
+"""PEFT adapters (made by Hugging Face PEFT in torch) on models exported by torch's exporters
+(TorchScript and dynamo) and imported here: merge / keep / inputs all equal PEFT's forward; one ``lora="inputs"``
 export serves every adapter through ONNX Runtime's ``LoraAdapter`` (and none = the base model,
 PEFT's ``disable_adapter()``); adapters trained here go back to PEFT through a PEFT folder.
 
 Oracles: ``peft.PeftModel`` forward in torch on the same weights, and plain ONNX Runtime
-sessions on the written files. (torch's dynamo exporter needs ``onnxscript``, not installed in
-this environment, so only the TorchScript exporter is covered.)
+sessions on the written files. The dynamo exporter (it needs ``onnxscript``) folds
+``nn.Linear``'s transpose into unnamed ``val_N`` initializers read by ``MatMul``; the TorchScript
+one writes ``Gemm transB=1`` or ``Transpose -> MatMul``: each test runs on both.
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ peft = pytest.importorskip("peft")
 
 import onnxruntime as ort  # noqa: E402
 
-from onnxparam import LoraConfig, Module, Tensor, export_onnx, import_onnx, write_onnx_adapter  # noqa: E402
-from onnxparam.convert._peft import load_peft_adapter  # noqa: E402
+from onnxparam import (  # noqa: E402
+    LoraConfig,
+    Module,
+    Tensor,
+    export_onnx,
+    import_onnx,
+    load_peft_adapter,  # noqa: E402
+    write_onnx_adapter,
+)
 from onnxparam.runtime import SessionConfig, set_session_config  # noqa: E402
 
 ATOL = 2e-4
@@ -67,6 +75,24 @@ def peft_model(base, folder, r, alpha, rslora, lora_bias, targets, seed):
     return model
 
 
+EXPORTERS = ["torchscript", "dynamo"]
+
+
+def export(model, args, path, exporter, *, dynamic_batch=None, **kwargs):
+    """``model`` written to ``path`` by torch's TorchScript or dynamo exporter (input 0's axis 0
+    named ``dynamic_batch`` when given); the dynamo exporter is skipped without ``onnxscript``."""
+    dynamo = exporter == "dynamo"
+    if dynamo:
+        pytest.importorskip("onnxscript")
+        if dynamic_batch:
+            kwargs["dynamic_shapes"] = ({0: torch.export.Dim(dynamic_batch)},)
+    elif dynamic_batch:
+        kwargs["dynamic_axes"] = {kwargs["input_names"][0]: {0: dynamic_batch}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, args, str(path), dynamo=dynamo, **({"verbose": False} if dynamo else {}), **kwargs)
+    return path
+
+
 def session(path):
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -94,19 +120,17 @@ class Wrapped(torch.nn.Module):
         return self.bert(input_ids=input_ids).last_hidden_state
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
+@pytest.fixture(scope="module", params=EXPORTERS)
+def bert(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=24, max_position_embeddings=16)
     torch.manual_seed(0)
     model = randomize(Wrapped(transformers.BertModel(config)).eval(), seed=1)
     ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
-    folder = tmp_path_factory.mktemp("bert")
-    path = folder / "bert.onnx"
-    with quiet():
-        torch.onnx.export(model, (ids,), str(path), input_names=["input_ids"], output_names=["hidden"],
-                          dynamo=False, dynamic_axes={"input_ids": {0: "batch"}})
+    folder = tmp_path_factory.mktemp(f"bert-{request.param}")
+    path = export(model, (ids,), folder / "bert.onnx", request.param, input_names=["input_ids"],
+                  output_names=["hidden"], dynamic_batch="batch")
     return model, import_onnx(path), ids, folder
 
 
@@ -120,17 +144,19 @@ class Mlp(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-@pytest.fixture(scope="module", params=["gemm-2d", "matmul-3d"])
+@pytest.fixture(scope="module", params=[(e, d) for e in EXPORTERS for d in ("2d", "3d")],
+                ids=lambda p: "-".join(p))
 def mlp(request, tmp_path_factory):
-    """The MLP exported on 2-d inputs (``Gemm transB=1``) and on 3-d inputs without constant
-    folding (``Transpose -> MatMul``): the two patterns torch writes for ``nn.Linear``."""
+    """The MLP exported on 2-d and 3-d inputs by both exporters: TorchScript (no constant
+    folding) writes ``Gemm transB=1`` for 2-d and ``Transpose -> MatMul`` for 3-d; dynamo writes
+    ``Gemm transB=1`` on the named weight for 2-d and ``MatMul`` on a pre-transposed ``val_N``
+    initializer for 3-d."""
+    exporter, dims = request.param
     model = randomize(Mlp().eval(), seed=2)
-    x = torch.randn(3, 6) if request.param == "gemm-2d" else torch.randn(2, 3, 6)
-    folder = tmp_path_factory.mktemp(request.param)
-    path = folder / "mlp.onnx"
-    with quiet():
-        torch.onnx.export(model, (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False,
-                          do_constant_folding=False)
+    x = torch.randn(3, 6) if dims == "2d" else torch.randn(2, 3, 6)
+    folder = tmp_path_factory.mktemp("-".join(request.param))
+    extra = {} if exporter == "dynamo" else {"do_constant_folding": False}
+    path = export(model, (x,), folder / "mlp.onnx", exporter, input_names=["x"], output_names=["y"], **extra)
     return model, import_onnx(path), x, folder
 
 
@@ -174,19 +200,19 @@ def test_peft_adapters_on_a_torch_exported_bert_equal_peft_in_every_mode(bert, t
                                        err_msg=f"r{r} {mode}")
 
 
-def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(bert, tmp_path):
-    model, imported, ids, _ = bert
-    targets = ["query", "value", "dense"]
+def assert_switching_equals_peft(model, imported, x, input_name, targets, folder, seed, **export_kwargs):
+    """One ``lora="inputs"`` export of ``imported``, one ORT session, the three PEFT adapters
+    of :data:`ADAPTERS` and none active in turn: each run equals PEFT's forward (none:
+    ``disable_adapter()``, and the plain torch model)."""
     references, files = [], []
     for r, alpha, rslora, lora_bias in ADAPTERS:
-        references.append(peft_model(model, tmp_path / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=20 + r))
-        adapted = load_peft_adapter(imported, tmp_path / f"r{r}", allow_partial=True)
-        files.append(write_onnx_adapter(adapted, tmp_path / f"r{r}.onnx_adapter"))
+        references.append(peft_model(model, folder / f"r{r}", r, alpha, rslora, lora_bias, targets, seed=seed + r))
+        adapted = load_peft_adapter(imported, folder / f"r{r}", allow_partial=True)
+        files.append(write_onnx_adapter(adapted, folder / f"r{r}.onnx_adapter"))
     # exported once, from the module holding the lora_bias adapter (it has every factor input)
-    path = export_onnx(adapted, tmp_path / "bert-inputs.onnx", ids.numpy(), lora="inputs",
-                       dynamic_axes={"input_ids": {0: "batch"}})
+    path = export_onnx(adapted, folder / "inputs.onnx", x.numpy(), lora="inputs", **export_kwargs)
     sess = session(path)
-    feeds = {"input_ids": ids.numpy()}
+    feeds = {input_name: x.numpy()}
     for index in (0, 1, 2, None, 1, 0):
         options, keep = run_options(None if index is None else files[index])
         got = sess.run(None, feeds, options)[0]
@@ -194,12 +220,48 @@ def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(b
         with torch.no_grad():
             if index is None:
                 with reference.disable_adapter():
-                    expected = reference(ids).numpy()
+                    expected = reference(x).numpy()
             else:
-                expected = reference(ids).numpy()
+                expected = reference(x).numpy()
         np.testing.assert_allclose(got, expected, atol=ATOL, err_msg=str(index))
     with torch.no_grad():  # and "none" is exactly the base model's output
-        np.testing.assert_allclose(sess.run(None, feeds)[0], model(ids).numpy(), atol=ATOL)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], model(x).numpy(), atol=ATOL)
+
+
+def test_one_inputs_export_of_bert_switches_among_three_peft_adapters_and_none(bert, tmp_path):
+    model, imported, ids, _ = bert
+    assert_switching_equals_peft(model, imported, ids, "input_ids", ["query", "value", "dense"], tmp_path, seed=20,
+                                 dynamic_axes={"input_ids": {0: "batch"}})
+
+
+def test_one_inputs_export_of_an_mlp_switches_among_three_peft_adapters_and_none(mlp, tmp_path):
+    model, imported, x, _ = mlp
+    assert_switching_equals_peft(model, imported, x, "x", ["fc1", "fc2"], tmp_path, seed=40)
+
+
+class BiasFreeMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8, bias=False)
+        self.fc2 = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_peft_adapter_finds_bias_free_linears_that_the_dynamo_exporter_renamed(tmp_path):
+    """dynamo writes ``MatMul(x, val_N)`` for a bias-free ``nn.Linear`` on 3-d inputs: no bias
+    and no node name tell the module, only the node's ``name_scopes`` metadata does."""
+    model = randomize(BiasFreeMlp().eval(), seed=7)
+    x = torch.randn(2, 3, 6)
+    imported = import_onnx(export(model, (x,), tmp_path / "m.onnx", "dynamo", input_names=["x"], output_names=["y"]))
+    assert not any(name.endswith(".weight") for name in imported.onnx_names.values())  # renamed: val_N
+    reference = peft_model(model, tmp_path / "ad", 4, 6, False, False, ["fc1", "fc2"], seed=8)
+    with torch.no_grad():
+        expected = reference(x).numpy()
+    adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
+    assert sorted(report.matched) == ["base_model.model.fc1", "base_model.model.fc2"]
+    np.testing.assert_allclose(adapted(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
 
 
 class OurMlp(Module):
@@ -324,3 +386,82 @@ def test_embedding_and_linear_adapters_saved_here_load_in_peft_with_the_same_out
     with torch.no_grad():
         expected = loaded(ids).numpy()
     np.testing.assert_allclose(adapted(Tensor.from_numpy(ids.numpy())).to_numpy(), expected, atol=ATOL)
+
+
+def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports(tmp_path):
+    from onnxparam import Param, save_peft_adapter
+
+    torch_model = randomize(Mlp().eval(), seed=9)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    names = ("one", "two", "three")
+    for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
+        peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=50 + r)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "one"),
+                                                   adapter_name="one").eval()
+        for name in names[1:]:
+            reference.load_adapter(str(tmp_path / name), adapter_name=name)
+    x = torch.randn(4, 6)
+    xt = Tensor.from_numpy(x.numpy())
+
+    def peft_out(name):
+        with torch.no_grad():
+            if name is None:
+                with reference.disable_adapter():
+                    return reference(x).numpy()
+            reference.set_adapter(name)
+            return reference(x).numpy()
+
+    module = base
+    for name in names:
+        module = module.add_adapter(name, load_peft_adapter(base, tmp_path / name))
+    assert module.lora_adapters.names == list(names) and module.active_adapter is None
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)  # added, not active
+    # copies (map), records (into_record / load_record) and switching keep the set
+    module = module.set_adapter("two").map(lambda path, p: p)
+    assert module.active_adapter == "two"
+    reloaded = base
+    for name in names:
+        reloaded = reloaded.add_adapter(name, load_peft_adapter(base, tmp_path / name))
+    module = reloaded.set_adapter("two").load_record(module.into_record())
+    for name in ("two", "one", None, "three", "two"):
+        module = module.set_adapter(name)
+        np.testing.assert_allclose(module(xt).to_numpy(), peft_out(name), atol=ATOL, err_msg=str(name))
+    # the active adapter lives in the params: new values (training, load_record) survive a switch
+    module = module.map(lambda path, p: Param(p.id, value=Tensor.from_numpy(2 * p.val().to_numpy()), require_grad=True)
+                        if path == "fc1.weight.lora.b" else p)
+    module = module.set_adapter("one").set_adapter("two")
+    with torch.no_grad():
+        reference.set_adapter("two")
+        reference.base_model.model.fc1.lora_B["two"].weight.mul_(2)
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out("two"), atol=ATOL)
+    # saved by name, PEFT loads each folder with PEFT's own outputs
+    for name in ("three", "two"):
+        folder = save_peft_adapter(module, tmp_path / f"saved-{name}", adapter_name=name)
+        with quiet():
+            loaded = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(loaded(x).numpy(), peft_out(name), atol=ATOL, err_msg=name)
+    # exported once (lora="inputs"), one .onnx_adapter per name, switched in one session
+    path = export_onnx(module, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
+    files = {name: write_onnx_adapter(module, tmp_path / f"{name}.onnx_adapter", adapter_name=name) for name in names}
+    sess = session(path)
+    for name in ("one", "three", None, "two"):
+        options, keep = run_options(files.get(name))
+        np.testing.assert_allclose(sess.run(None, {"x": x.numpy()}, options)[0], peft_out(name), atol=ATOL,
+                                   err_msg=str(name))
+    # deleting the active adapter leaves the base model; merging drops the named set
+    module = module.set_adapter("one")
+    merged = module.merge_lora()
+    assert merged.lora_adapters.names == [] and merged.active_adapter is None
+    np.testing.assert_allclose(merged(xt).to_numpy(), peft_out("one"), atol=ATOL)
+    module = module.delete_adapter("one")
+    reference.set_adapter("two")  # NOTE: PEFT would make another adapter active; here none is
+    reference.delete_adapter("one")
+    assert module.lora_adapters.names == ["two", "three"] == list(reference.peft_config)
+    assert module.active_adapter is None
+    np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)
+    with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two', 'three'\]"):
+        module.set_adapter("one")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from onnxparam.errors import RecordError
-from onnxparam.formats._pytorch import read_pytorch
+from onnxparam.formats import read_pytorch
 
 DATA = Path(__file__).parent / "data" / "pytorch"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from onnxparam.errors import RecordError
-from onnxparam.formats._pytorch import PytorchCheckpoint, pytorch_record, read_pytorch
+from onnxparam.formats import PytorchCheckpoint, pytorch_record, read_pytorch
 
 DATA = Path(__file__).parent / "data" / "pytorch"
 STATE_DICT_FILES = ["state_dict_zip.pt", "state_dict_legacy.pt", "state_dict_big_endian.pt"]

@@ -236,19 +236,27 @@ def test_loop_body_subgraph_with_inputs():
 
     x = array(2, 2)
     np.testing.assert_allclose(Repeat()(x).to_numpy(), x * 8.0, rtol=1e-6)
-    with pytest.raises(TraceError, match=r"node '/Loop' \(Loop\): the rank of output 0 is unknown after ONNX shape "
-                                         r"inference; pass output_shapes= to ops.custom"):
-        _loop_without_types(x)
 
 
-def _loop_without_types(x):
+def test_a_value_of_unknown_rank_flows_on_and_only_reading_its_shape_raises_naming_it():
+    seen = {}
+
     class Loop(op.Module):
         def forward(self, x):
             body = ops.subgraph(lambda i, cond, acc: (cond, acc * 2.0),
                                 [InputSpec((), DType.I64), InputSpec((), DType.Bool), InputSpec(x.shape, x.dtype)])
-            return ops.custom("Loop", np.array(3, np.int64), np.array(True), x, body=body)
+            # no output_shapes: ONNX's Loop inference leaves the state's rank unknown
+            y = ops.custom("Loop", np.array(3, np.int64), np.array(True), x, body=body) + 1.0
+            seen["repr"] = repr(y)
+            for read in (lambda: y.shape, lambda: y.ndim, lambda: len(y)):
+                with pytest.raises(TraceError, match=r"the rank of traced value '/Add_output_0' \(output of Add node "
+                                                     r"'/Add'\) is unknown: ONNX shape inference does not give it"):
+                    read()
+            return y
 
-    return trace_module(Loop(), x)
+    x = array(2, 2)
+    np.testing.assert_allclose(Loop()(x).to_numpy(), x * 8.0 + 1.0, rtol=1e-6)
+    assert seen["repr"] == "Tensor(symbolic, shape=?, dtype=F32)"
 
 
 def test_reading_values_inside_forward_is_a_trace_error():

@@ -26,7 +26,7 @@ import pytest
 
 import onnxparam.burnpack as bp
 from onnxparam import Module, Tensor
-from onnxparam.formats._safetensors import read_safetensors, write_safetensors
+from onnxparam.formats import read_safetensors, write_safetensors
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import save_model
 from onnxparam.record import ModuleRecord

@@ -80,7 +80,7 @@ def child(mode: str, source: Path, target: Path, n_tensors: int) -> None:
 
     if mode not in ("onnx.load", "read_streamed"):
         onnx, model, arrays = _model_and_tensors(source, n_tensors)
-    from onnxparam.formats._onnx_stream import StreamedTensor, write_onnx_streamed
+    from onnxparam.formats import StreamedTensor, write_onnx_streamed
 
     base = _status()
     sampler = _Sampler()
@@ -89,7 +89,7 @@ def child(mode: str, source: Path, target: Path, n_tensors: int) -> None:
     if mode in ("onnx.load", "read_streamed"):  # read the .onnx at ``source``, touch every byte
         from onnx import numpy_helper
 
-        from onnxparam.formats._onnx_stream import read_onnx_streamed
+        from onnxparam.formats import read_onnx_streamed
 
         if mode == "onnx.load":
             arrays_read = [numpy_helper.to_array(t) for t in onnx.load(source).graph.initializer]

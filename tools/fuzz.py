@@ -240,7 +240,7 @@ def _st_bytes(header, data: bytes = b"", header_len: int | None = None) -> bytes
 
 
 def _good_safetensors() -> bytes:
-    from onnxparam.formats._safetensors import write_safetensors
+    from onnxparam.formats import write_safetensors
     from onnxparam.record import TensorSnapshot
     from onnxparam.tensor import TensorData
 
@@ -311,7 +311,7 @@ def _make_safetensors(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_safetensors(path: Path) -> None:
-    from onnxparam.formats._safetensors import read_safetensors
+    from onnxparam.formats import read_safetensors
 
     with read_safetensors(path) as f:
         for snap in f.tensors.values():
@@ -364,8 +364,7 @@ def _make_peft(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_peft(folder: Path) -> None:
-    from onnxparam import Module
-    from onnxparam.convert._peft import load_peft_adapter
+    from onnxparam import Module, load_peft_adapter
     from onnxparam.nn import Linear
 
     class Net(Module):

@@ -482,7 +482,7 @@ def _make_st(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_st(rng: random.Random, path: Path) -> None:
-    from onnxparam.formats._safetensors import read_safetensors
+    from onnxparam.formats import read_safetensors
 
     with read_safetensors(path) as f:
         for snap in f.tensors.values():
@@ -551,7 +551,7 @@ def _make_pt(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_pt(rng: random.Random, path: Path) -> None:
-    from onnxparam.formats._pytorch import pytorch_record, read_pytorch
+    from onnxparam.formats import pytorch_record, read_pytorch
 
     checkpoint = read_pytorch(path)
     for array in checkpoint.tensors.values():

@@ -149,6 +149,10 @@ def _describe(label: str, entry: Any, offset: int) -> Descriptor:
     dtype = getattr(entry, "dtype", None)
     if not isinstance(dtype, DType):
         raise RecordError(f"{where}: dtype {dtype!r} is not an onnxparam DType")
+    if not dtype.burnpack_storable:
+        raise RecordError(f"{where}: dtype {dtype.name} is an ONNX-only element type that Burn's DType has no "
+                          "variant for, so burnpack cannot store it; save it with save_safetensors (float8) "
+                          "or export the model to ONNX")
     shape = tuple(getattr(entry, "shape", ()))
     if not all(type(d) is int and 0 <= d <= U64_MAX for d in shape):  # fast path; numpy ints below
         if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and 0 <= d <= U64_MAX for d in shape):

@@ -106,6 +106,10 @@ def _run_lora(args: argparse.Namespace) -> int:
         factors_file, factors_fmt = args.src, src_fmt
 
     model = _architecture(args, args.src, src_fmt)
+    if src_fmt == "onnx" and args.adapter is None:
+        kept = {path: p.adapter() for path, p in model.module.named_params() if p.adapter() is not None}
+        if kept:  # a "keep" / "inputs"-with-factors export: its adapters came in with the import
+            return _write_kept(args, model, kept)
     ranks = _factor_shapes(factors_file, factors_fmt) if factors_file is not None else {}
     if ranks:
         found = sorted(set(ranks.values()))
@@ -176,6 +180,46 @@ def _run_lora(args: argparse.Namespace) -> int:
     else:
         _save_module(adapted, args.dst)
     json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
+    _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
+    return EXIT_OK
+
+
+def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
+    """``lora merge|keep|adapter`` on an ONNX file whose adapters the import found (a kept
+    export): they are used as they are. ``--alpha`` (and ``--rank``) must give the scale the
+    file records, so a mistyped alpha is never silently ignored.
+
+    Raises:
+        ValueError: ``--alpha`` / ``--rank`` disagree with the file's adapters, or their ranks differ.
+        UsageError: ``--targets`` (it chooses where *fresh* adapters go).
+    """
+    ranks = sorted({adapter.rank for adapter in kept.values()})
+    if len(ranks) > 1:
+        raise ValueError(f"'{args.src}' holds LoRA adapters of ranks {ranks}; one rank per file is supported")
+    rank = ranks[0]
+    if args.targets:
+        raise UsageError(f"{PROG} lora: error: --targets chooses where fresh adapters go; '{args.src}' already has "
+                         "LoRA factors")
+    if args.rank is not None and args.rank != rank:
+        raise ValueError(f"--rank {args.rank} does not match the LoRA factors in '{args.src}' (rank {rank})")
+    wanted = args.alpha / rank
+    off = sorted(path for path, adapter in kept.items() if abs(adapter.scale - wanted) > 1e-6 * max(abs(wanted), 1.0))
+    if off:
+        scale = kept[off[0]].scale
+        name = getattr(model.module, "onnx_names", {}).get(off[0], off[0])  # as the file spells it
+        raise ValueError(f"--alpha {args.alpha:g} gives scale {wanted:g} at rank {rank}, but '{args.src}' records "
+                         f"scale {scale:g} for {name!r}{' ...' if len(off) > 1 else ''} (alpha {scale * rank:g})")
+    _out(f"lora:      {len(kept)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale {wanted:g}); "
+         f"factors kept in {args.src}")
+    adapted = model.module
+    if args.action == "adapter":
+        _write_lora_adapter(adapted, args.dst)
+    elif args.dst.suffix.lower() == ".onnx":
+        model.export(args.dst, lora=args.action)
+    elif args.action == "merge":
+        _save_module(adapted.merge_lora(), args.dst)
+    else:
+        _save_module(adapted, args.dst)
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 

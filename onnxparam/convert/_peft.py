@@ -18,9 +18,9 @@ stored ``(d_in, d_out)`` (Burn's Linear, ONNX ``MatMul`` B) the delta is ``scale
 ``= (scale * B @ A).T``; for a base stored ``(d_out, d_in)`` (PyTorch's layout, ONNX ``Gemm``
 ``transB=1``; a *transposed* adapter) it is ``(scale * a @ b).T = scale * B @ A``. PEFT's
 ``fan_in_fan_out`` (GPT-2 ``Conv1D`` bases stored ``(in, out)``) describes the PyTorch base and
-changes neither factor; the layout that matters is the target param's here: an adapter already
-attached says it, else the module's declared layout (``lora_transposed_paths``), else the shape
-(``(in, out)`` vs ``(out, in)``; a square weight is taken as ``(in, out)``, Burn's layout).
+changes neither factor; the layout that matters is the target param's here, and it comes from the graph that
+consumes it (``MatMul`` B, ``Transpose -> MatMul``, ``Gemm transB``, ``Conv``), else the module's
+declared layout (``lora_transposed_paths``), else Burn's ``(in, out)``: never from the shape.
 
 Embedding LoRA (``lora_embedding_A`` / ``_B``), convolution LoRA (``lora_A`` a conv,
 ``lora_B`` a 1x1 conv; the delta reshaped to the weight) and ``lora_bias`` (``lora_B.bias``,
@@ -33,6 +33,7 @@ non-LoRA ``peft_type``.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -237,8 +238,10 @@ class _Targets:
     ONNX weight name of an imported module (``onnx::MatMul_352`` as the file spells it), or,
     in an imported graph, as the ``<module>.weight`` whose ``MatMul`` / ``Gemm`` output gets
     ``<module>.bias`` added (how torch's TorchScript exporter leaves ``nn.Linear`` weights it
-    renamed). Layouts come from modules that declare them from their graph
-    (``lora_weight_layouts``: an imported ``OnnxModule``), else from ``lora_transposed_paths``
+    renamed), or as the module path that torch's dynamo exporter records on the ``aten.linear``
+    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`). Layouts come from
+    modules that declare them from their graph (``lora_weight_layouts``: an imported
+    ``OnnxModule``), else from ``lora_transposed_paths``
     declarations, else Burn's ``(d_in, d_out)`` (this library's ``nn`` modules); never from
     shapes."""
 
@@ -320,7 +323,27 @@ def _linear_aliases(model) -> dict:
         scope = node.name or ""
         if scope.startswith("/") and scope.count("/") >= 2:  # torch's node names: /<module path>/MatMul
             aliases.setdefault(scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name)
+        module_path = _dynamo_linear_scope(node)
+        if module_path:
+            aliases.setdefault(module_path + ".weight", weight.name)
     return aliases
+
+
+def _dynamo_linear_scope(node) -> Optional[str]:
+    """The module path of an ``aten.linear`` node written by torch's dynamo exporter, from the
+    node's ``pkg.torch.onnx.name_scopes`` metadata (``['', 'fc1', 'linear']`` -> ``"fc1"``);
+    ``None`` for any other node. (The exporter folds ``nn.Linear``'s weight transpose into an
+    unnamed ``val_N`` initializer: this names it whether or not the layer has a bias.)"""
+    props = node.metadata_props
+    if "aten.linear" not in props.get("pkg.torch.onnx.fx_node", ""):
+        return None
+    try:
+        scopes = ast.literal_eval(props.get("pkg.torch.onnx.name_scopes", ""))
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2 or not isinstance(scopes[-2], str):
+        return None
+    return scopes[-2] or None
 
 
 def _factor_array(snap) -> np.ndarray:
@@ -408,6 +431,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             if entry is not None:
                 plan[target] = entry
                 report.matched[name] = target
+                if "bias" in factors:  # a conv's lora_B (a 1x1 conv) has the bias
+                    _plan_bias(name, mapped, target, factors["bias"], B.shape[0], entry[3], targets, plan, problems)
             continue
         rank, d_in = A.shape
         d_out, rank_b = B.shape
@@ -442,13 +467,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         plan[target] = (name, _factor_array(A).T, _factor_array(B).T, scale, transposed)
         report.matched[name] = target
         if "bias" in factors:
-            bias_path = targets.bias_of(mapped, target)
-            bias = _factor_array(factors["bias"]).reshape(-1)
-            if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
-                problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
-                                f"{target!r} has no bias param of that size to attach it to")
-                continue
-            plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
+            _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems)
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
@@ -477,6 +496,20 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
 
     result = rebuild(module, attach)
     return (result, report) if return_report else result
+
+
+def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: float, targets, plan: dict,
+               problems: list) -> None:
+    """Plans PEFT's ``lora_B.bias`` (``lora_bias=True``; ``(out,)``) as a rank-1 adapter on the
+    layer's bias param: ``a = [[1]]``, ``b = lora_B.bias`` ``(1, out)``, the weight's scale (PEFT
+    adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way)."""
+    bias_path = targets.bias_of(mapped, target)
+    bias = _factor_array(snap).reshape(-1)
+    if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
+        problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
+                        f"{target!r} has no bias param of size {d_out} to attach it to")
+        return
+    plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
 
 
 def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):

@@ -35,7 +35,7 @@ def _module_name(path: str, suffix: str, rules: Sequence) -> str:
 
 
 def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[Sequence] = None,
-                      base_model_name_or_path: Optional[str] = None) -> Path:
+                      base_model_name_or_path: Optional[str] = None, adapter_name: Optional[str] = None) -> Path:
     """Write ``module``'s LoRA adapters as a PEFT adapter folder (``adapter_config.json`` +
     ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
     PyTorch model with the same weights.
@@ -47,6 +47,8 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
         key_map: ``[(regex, replacement), ...]`` applied (``re.sub``) to each module path
             ``<m>`` to give the PyTorch module name (default: unchanged).
         base_model_name_or_path: recorded in the config (informational).
+        adapter_name: write this named adapter of the module (``Module.add_adapter``) instead
+            of the active one (``KeyError`` for an unknown name).
 
     Returns:
         the folder's ``Path``.
@@ -61,6 +63,8 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     from ..module import named_modules, named_params
     from ..nn import Embedding
 
+    if adapter_name is not None:
+        module = module.set_adapter(adapter_name)
     rules = [tuple(r) for r in (key_map or ())]
     embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)
                   if isinstance(sub, Embedding)}

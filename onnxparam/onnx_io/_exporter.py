@@ -124,7 +124,10 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                       opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
     from .._trace import trace_module
+    from ..lora import with_every_named_target
 
+    if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
+        module = with_every_named_target(module)
     if isinstance(module, OnnxModule) and not kwargs:
         # NOTE (quant, issue 17): a quantized import is traced first, so the QDQ pass picks each op's
         # form (dynamic / static int8, float convs, MatMulNBits); the source graph is the fallback
@@ -372,7 +375,7 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
         traced = tracer.finish(outputs[0] if len(outputs) == 1 else list(outputs), None, None, input_names=names)
     model = traced.model
     graph = model.graph
-    originals = module.onnx_names
+    originals = factor_onnx_names(module.onnx_names, list(traced.params) + [v.name for v in graph.inputs])
     by_name = {}
     for path, param in traced.params.items():
         by_name[originals.get(path, path)] = (path, param)
@@ -407,6 +410,21 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
     model.domain = source.domain
     model.model_version = source.model_version
     return model, by_name
+
+
+def factor_onnx_names(originals: dict, paths) -> dict:
+    """``originals`` (param path -> the ONNX name it had in the source file) plus, for each
+    LoRA factor path ``<path>.lora.a`` / ``.lora.b`` among ``paths`` whose base has a source
+    name, ``<source name>.lora.a`` / ``.b``: factors are named after the weight as the file
+    spells it (``onnx::MatMul_12.lora.a``), not after its escaped module path."""
+    from .._lora_graph import FACTOR_SUFFIXES
+
+    names = dict(originals)
+    for path in paths:
+        for suffix in FACTOR_SUFFIXES:
+            if path.endswith(suffix) and path[: -len(suffix)] in originals:
+                names.setdefault(path, originals[path[: -len(suffix)]] + suffix)
+    return names
 
 
 def _traced_values(env: dict) -> dict:
@@ -464,6 +482,9 @@ def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
         claim(value, name)
     for path in traced_model.param_paths:
         claim(graph.initializers[path], originals.get(path, path))
+    for value in graph.inputs:  # lora="inputs" factors: named after their weight's source name
+        if value.is_initializer() and value.name in originals:
+            claim(value, originals[value.name])
     for original, value in traced.values():
         claim(value, original.name)
     # every value of the model, subgraphs included

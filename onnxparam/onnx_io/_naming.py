@@ -86,6 +86,8 @@ RESERVED_SEGMENTS = frozenset({
     "from_inner", "training", "into_record", "try_load_record", "load_record", "save_file",
     "try_load_file", "load_file", "apply_lora", "merge_lora", "quantize_weights",
     "quantize_weights_group", "apply_qlora", "extra_repr",
+    # named LoRA adapters on Module (onnxparam/lora.py)
+    "add_adapter", "set_adapter", "disable_adapter", "delete_adapter", "lora_adapters", "active_adapter",
     # OnnxModule / OnnxScope (onnxparam/onnx_io/_importer.py)
     "onnx_opset_imports", "onnx_names", "path_of", "param_of", "input_names", "output_names",
     "override_names", "input_specs", "ir_model", "source_path", "lora_transposed_paths",

@@ -27,6 +27,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
+from ._value_info import note_declared_value_info
 
 __all__ = ["LoadedModel", "load_model", "describe_source", "iter_graphs", "topological_nodes", "base_dir_of"]
 
@@ -207,6 +208,7 @@ def _load_model(path_or_model) -> LoadedModel:
             _check_proto(proto, source)
             try:
                 model = ir.serde.deserialize_model(proto)
+                note_declared_value_info(proto.graph, model.graph)  # an export writes the same value_info
             except Exception as e:  # onnx_ir raises several types for malformed protos
                 raise OnnxFormatError(f"{source}: the ONNX model is malformed: {e}") from e
             if path is not None:

@@ -115,7 +115,7 @@ def _session_model_bytes(traced) -> bytes:
 
 
 _new_tensor = Tensor.__new__
-_FAST_WRAP = set(Tensor.__slots__) == {"_host", "_ort", "_symbol", "_quant", "shape", "dtype", "device"}
+_FAST_WRAP = set(Tensor.__slots__) == {"_host", "_ort", "_symbol", "_quant", "_shape", "dtype", "device"}
 
 
 def _host_tensor(array: np.ndarray, dtype: DType) -> Tensor:
@@ -132,7 +132,7 @@ def _host_tensor(array: np.ndarray, dtype: DType) -> Tensor:
     t._ort = None
     t._symbol = None
     t._quant = None
-    t.shape = array.shape
+    t._shape = array.shape
     t.dtype = dtype
     t.device = CPU
     return t

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -294,10 +295,12 @@ def _read_pytorch_info(path: Path) -> _Inspected:
 
     checkpoint = read_pytorch(path)
     tensors = []
-    for name, array in checkpoint.tensors.items():
-        dtype = dtype_from_numpy(array.dtype)
-        tensors.append(_TensorInfo(name, dtype, tuple(int(d) for d in array.shape), int(array.nbytes), None,
-                                   loader=lambda _a=array, _d=dtype: TensorData(_a, _d, tuple(_a.shape))))
+    lazy = checkpoint.tensors  # NOTE: strided tensors are copied only when their values are read
+    for name in lazy:
+        dtype = dtype_from_numpy(lazy.dtype(name))
+        shape = tuple(int(d) for d in lazy.shape(name))
+        tensors.append(_TensorInfo(name, dtype, shape, math.prod(shape) * lazy.dtype(name).itemsize, None,
+                                   loader=lambda _n=name, _d=dtype, _s=shape: TensorData(lazy[_n], _d, _s)))
     info = {"byteorder": checkpoint.byteorder, "skipped": list(checkpoint.skipped),
             "tied": [list(g) for g in checkpoint.tied], "shared": [list(g) for g in checkpoint.shared]}
     return _Inspected(path, "pytorch", path.stat().st_size, info, {}, {}, tensors)

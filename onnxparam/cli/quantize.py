@@ -161,6 +161,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
+    if dst_fmt == "burnpack":
+        _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     before = _count_dtypes(model.module)
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
     # none was, the one error line below says why instead.
@@ -202,6 +204,25 @@ def _run_quantize(args: argparse.Namespace) -> int:
                             "input_bytes": args.src.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
     return EXIT_OK
+
+
+def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
+    """Before quantizing anything: refuse a ``--per-channel`` burnpack output whose weights Burn
+    could not read (a per-channel block with an extent over 255), naming each and why."""
+    from ..quant._module import onnx_only_weights
+
+    wide = onnx_only_weights(module, quantizer, group)
+    if not wide:
+        return
+    shown = "; ".join(f"{path} {list(shape)}: one scale per index of axis {axis} needs blocks of "
+                      f"{list(extents)}" for path, shape, axis, extents in wide[:4])
+    more = f" and {len(wide) - 4} more" if len(wide) > 4 else ""
+    names = "|".join(path.replace(".", r"\.") for path, *_ in wide[:4])
+    raise ValueError(
+        f"--per-channel cannot be stored in the burnpack file '{dst}': {shown}{more}. Burn's block "
+        f"extents are at most 255, so Burn could not read these weights. Write an .onnx output (ONNX "
+        f"per-axis scales have no such limit), use --block-size instead, or leave them float with "
+        f"--exclude '^({names})$'; nothing was quantized or written")
 
 
 def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:

@@ -152,7 +152,7 @@ class _SourceGraph:
 def _has_qdq_nodes(model: ir.Model) -> bool:
     """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
     return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
-               for node in model.graph)
+               or node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in model.graph)
 
 
 class OnnxModule(Module):

@@ -123,6 +123,7 @@ def weights_into_graph(
     allow_partial: bool,
     make_tensor: Callable[[Any, WeightSite, dict], ir.TensorProtocol],
     metadata: Optional[Mapping[str, str]] = None,
+    source: Optional[str] = None,
 ) -> ir.Model:
     """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
     matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
@@ -136,20 +137,21 @@ def weights_into_graph(
         make_tensor: ``(tensor, site, metadata_props) -> onnx_ir tensor`` for each weight placed;
             the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
         metadata: ``onnxparam.record.<key>`` model metadata entries.
+        source: how messages name ``graph`` (default: its path, or the kind of object).
 
     Raises:
         RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
     """
     if isinstance(graph, ir.Model):
         base_dir = base_dir_of(graph)
-        graph = ir.serde.serialize_model(graph)  # never change the caller's model: work on a copy
-        loaded = load_model(graph)
-        if base_dir:
-            ir.external_data.set_base_dir(loaded.model.graph, base_dir)
+        copy = ir.serde.deserialize_model(ir.serde.serialize_model(graph))  # never change the caller's model
+        if base_dir:  # NOTE: before the checks, which look for the external files
+            ir.external_data.set_base_dir(copy.graph, base_dir)
+        loaded = load_model(copy)
     else:
         loaded = load_model(graph)
     model = loaded.model
-    sites = find_weights(model, loaded.source)
+    sites = find_weights(model, source or loaded.source)
     by_path = {site.path: site for site in sites}
     problems: list[str] = []
     for site in sites:
@@ -172,9 +174,10 @@ def weights_into_graph(
             if key not in by_path:
                 problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
     if problems:
-        raise RecordError(f"cannot write the record into {loaded.source}: {len(problems)} problem(s)", problems)
+        raise RecordError(f"cannot write the record into {source or loaded.source}: {len(problems)} problem(s)",
+                          problems)
 
-    metas = site_metadata(model, sites, loaded.source)
+    metas = site_metadata(model, sites, source or loaded.source)
     for site in sites:
         entry = tensors.get(site.path)
         if entry is None:

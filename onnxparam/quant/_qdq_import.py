@@ -11,6 +11,7 @@ import onnx_ir as ir
 
 from ..dtype import DType
 from ..errors import QuantizationError
+from ._nbits_import import fold_matmul_nbits
 from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
 from ._scheme import QuantScheme, QuantValue
 from ._tensor import QuantizedTensor
@@ -95,7 +96,7 @@ def fold_dequantize_weights(model: ir.Model) -> int:
     :func:`imported_param` makes a ``QFloat`` param. Called by the ONNX importer before it looks
     for weights. Returns the number of weights folded."""
     graph = model.graph
-    folded = 0
+    folded = fold_matmul_nbits(graph)  # com.microsoft.MatMulNBits (quant/_nbits_import.py)
     for node in list(graph):
         if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
             folded += _fold_dynamic(graph, node)

@@ -283,16 +283,21 @@ class OnnxModule(Module):
         Raises:
             TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
             ExecutionError: when ONNX Runtime cannot build or run the graph.
+
+        Every error raised names the imported file (or the in-memory source) and, for a
+        run-time failure, the node (:mod:`~onnxparam.onnx_io._source_errors`).
         """
         from .. import _trace as tr
+        from ._source_errors import naming_source
 
-        if tr.current_tracer() is None:
-            from ._graph_run import _NO_SESSION, run_graph
+        with naming_source(self):
+            if tr.current_tracer() is None:
+                from ._graph_run import _NO_SESSION, run_graph
 
-            result = run_graph(self, self._bind(inputs, named))
-            if result is not _NO_SESSION:
-                return result
-        return Module.__call__(self, *inputs, **named)
+                result = run_graph(self, self._bind(inputs, named))
+                if result is not _NO_SESSION:
+                    return result
+            return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
@@ -354,6 +359,9 @@ class OnnxModule(Module):
         if tracer is None:
             raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
         self._check_opsets(tracer)
+        from ._source_errors import record_scope
+
+        record_scope(tracer, self)
         params = dict(named_params(self))
         env: dict = {}
         graph = self._source.loaded.model.graph

@@ -149,12 +149,6 @@ class _SourceGraph:
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
 
-def _has_qdq_nodes(model: ir.Model) -> bool:
-    """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
-    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
-               or node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in model.graph)
-
-
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
 
@@ -167,7 +161,7 @@ class OnnxModule(Module):
     def __init__(self, loaded: LoadedModel, pristine: Optional[ir.Model] = None):
         if pristine is None:
             pristine = loaded.model
-            if _has_qdq_nodes(pristine):
+            if _qdq_import.has_foldable_nodes(pristine):
                 loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
         # DequantizeLinear(int initializer) -> one QFloat weight (in the working copy only)
         _qdq_import.fold_dequantize_weights(loaded.model)
@@ -557,7 +551,7 @@ def import_onnx(path_or_model) -> OnnxModule:
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
-    elif _has_qdq_nodes(pristine):
+    elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
 

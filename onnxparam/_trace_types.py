@@ -346,3 +346,8 @@ def _forward_arg_names(module, count: int) -> list[str]:
 
 def _is_input(x) -> bool:
     return isinstance(x, (Tensor, np.ndarray, InputSpec))
+
+
+def _is_input_value(value: ir.Value, graphs) -> bool:
+    """Whether ``value`` is an input of one of ``graphs`` (not a node output or an initializer)."""
+    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)

@@ -35,7 +35,7 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, positive
+from ._config import check_float_dtype, config, layer_from_config, positive
 from ._initializer import Initializer
 from ._linear import Linear
 
@@ -169,7 +169,7 @@ class LstmConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Lstm":
         """A new :class:`Lstm` with lazy params on ``device``."""
-        return Lstm(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+        return layer_from_config(self, Lstm, device=device, dtype=dtype)
 
 
 class Lstm(Module):
@@ -311,7 +311,7 @@ class GruConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Gru":
         """A new :class:`Gru` with lazy params on ``device``."""
-        return Gru(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+        return layer_from_config(self, Gru, device=device, dtype=dtype)
 
 
 class Gru(Module):

@@ -444,7 +444,7 @@ class Module:
 
     def apply_qlora(self, config, quantizer) -> "Module":
         """A QLoRA copy: the weights ``config.param_group`` matches are quantized with
-        ``quantizer`` (:func:`onnxparam.quant.quantize_weights` with that group), then float LoRA
+        ``quantizer`` (:func:`onnxparam.quant._module.quantize_weights` with that group), then float LoRA
         adapters are attached to them (:func:`onnxparam.lora.apply_lora`).
 
         Every base param ends frozen (``require_grad=False``): the quantized weights hold integer

@@ -14,6 +14,7 @@ from ._common import (
     _out,
     _positive_int,
     _regex,
+    json_result,
 )
 from ._models import LORA_FACTOR_RE, _add_model_arguments, _architecture, _load_weights
 from .convert import _source_tensors
@@ -169,6 +170,9 @@ def _run_lora(args: argparse.Namespace) -> int:
                         + (f" ({why})" if why else ""))
     if not ranks:
         _check_rank(adapted, names, rank)
+    json_result("lora", {"action": args.action, "adapted": names, "rank": rank, "alpha": args.alpha,
+                         "scale": args.alpha / rank, "factors": str(factors_file) if ranks else None,
+                         "seed": None if ranks else args.seed})
     _out(
         f"lora:      {len(names)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale "
         f"{args.alpha / rank:g}); {origin}"
@@ -183,6 +187,7 @@ def _run_lora(args: argparse.Namespace) -> int:
         _save_module(adapted.merge_lora(), args.dst)
     else:
         _save_module(adapted, args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 

@@ -26,7 +26,7 @@ the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow
 with their outer-scope references and weights rewired to the traced values
 (:mod:`~onnxparam.onnx_io._bodies`). Output ranks come from ONNX shape inference, else the file
 or a probe run (:mod:`~onnxparam.onnx_io._probe`), else stay unknown (see
-:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, strings, float8 ... are copied
+:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, optionals or maps are copied
 as they are (:mod:`~onnxparam.onnx_io._opaque`); the inputs of a graph with control flow are
 given the file's declared types (:mod:`~onnxparam.onnx_io._boundary`). For this path only,
 model-local functions are inlined and ``DequantizeLinear`` weights folded into ``QFloat``
@@ -149,12 +149,6 @@ class _SourceGraph:
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
 
-def _has_qdq_nodes(model: ir.Model) -> bool:
-    """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
-    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
-               or node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in model.graph)
-
-
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
 
@@ -167,7 +161,7 @@ class OnnxModule(Module):
     def __init__(self, loaded: LoadedModel, pristine: Optional[ir.Model] = None):
         if pristine is None:
             pristine = loaded.model
-            if _has_qdq_nodes(pristine):
+            if _qdq_import.has_foldable_nodes(pristine):
                 loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
         # DequantizeLinear(int initializer) -> one QFloat weight (in the working copy only)
         _qdq_import.fold_dequantize_weights(loaded.model)
@@ -289,16 +283,21 @@ class OnnxModule(Module):
         Raises:
             TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
             ExecutionError: when ONNX Runtime cannot build or run the graph.
+
+        Every error raised names the imported file (or the in-memory source) and, for a
+        run-time failure, the node (:mod:`~onnxparam.onnx_io._source_errors`).
         """
         from .. import _trace as tr
+        from ._source_errors import naming_source
 
-        if tr.current_tracer() is None:
-            from ._graph_run import _NO_SESSION, run_graph
+        with naming_source(self):
+            if tr.current_tracer() is None:
+                from ._graph_run import _NO_SESSION, run_graph
 
-            result = run_graph(self, self._bind(inputs, named))
-            if result is not _NO_SESSION:
-                return result
-        return Module.__call__(self, *inputs, **named)
+                result = run_graph(self, self._bind(inputs, named))
+                if result is not _NO_SESSION:
+                    return result
+            return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
@@ -360,6 +359,9 @@ class OnnxModule(Module):
         if tracer is None:
             raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
         self._check_opsets(tracer)
+        from ._source_errors import record_scope
+
+        record_scope(tracer, self)
         params = dict(named_params(self))
         env: dict = {}
         graph = self._source.loaded.model.graph
@@ -549,7 +551,7 @@ def import_onnx(path_or_model) -> OnnxModule:
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
-    elif _has_qdq_nodes(pristine):
+    elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
 

@@ -69,7 +69,7 @@ def test_silero_fp32_inside_a_traced_forward_computes_as_plain_onnx_runtime_on_t
 
 SEQUENCES_AND_STRINGS = """
 <ir_version: 8, opset_import: ["" : 17]>
-agraph (float[N, 3] x) => (float[M, 3] y, float[N, 3] z) {
+agraph (float[N, 3] x) => (float[M, 3] y, float[N, 3] z, string[N, 3] t) {
     s = SequenceConstruct(x, x)
     y = ConcatFromSequence<axis = 0>(s)
     t = Cast<to = 8>(x)
@@ -85,8 +85,8 @@ class Around(op.Module):
         self.inner = inner
 
     def forward(self, x):
-        y, z = self.inner(x)
-        return y + 1.0, z * 2.0
+        y, z, *text = self.inner(x)
+        return (y + 1.0, z * 2.0, *text)
 
 
 def test_an_imported_graph_with_sequence_and_string_values_inside_a_traced_forward_computes_as_the_file():
@@ -97,6 +97,7 @@ def test_an_imported_graph_with_sequence_and_string_values_inside_a_traced_forwa
     got = Around(op.import_onnx(model))(op.Tensor.from_numpy(x))
     np.testing.assert_array_equal(got[0].to_numpy(), want[0] + np.float32(1.0))
     np.testing.assert_array_equal(got[1].to_numpy(), want[1] * np.float32(2.0))
+    assert got[2].dtype is op.DType.String and got[2].to_numpy().tolist() == want[2].tolist()  # a string tensor
 
 
 def test_a_sequence_output_of_an_imported_graph_inside_a_traced_forward_is_refused_naming_it():
@@ -108,5 +109,5 @@ def test_a_sequence_output_of_an_imported_graph_inside_a_traced_forward_is_refus
     """)
     module = Around(op.import_onnx(model))
     with pytest.raises(TraceError, match=r"output 's' of the imported ONNX graph is a Sequence.*a traced forward can "
-                                         r"pass on tensors of onnxparam's dtypes only"):
+                                         r"pass on tensors only"):
         module(op.Tensor.from_numpy(np.ones((2, 3), np.float32)))

@@ -335,3 +335,23 @@ def test_calling_a_module_with_a_wrong_dtype_raises_the_librarys_error_naming_th
     with pytest.raises(op.TraceTypeError, match=r"tracing Lin.forward: matmul: operand dtypes differ") as info:
         Lin()(ints)
     assert isinstance(info.value, op.OnnxParamError) and isinstance(info.value, TypeError)
+
+
+def test_string_tensors_flow_through_a_traced_forward_and_come_out_as_onnx_runtime_gives_them():
+    class Strings(op.Module):
+        def forward(self, x):
+            s = ops.custom("Cast", x, to=DType.String)  # ONNX-only element type: DType.String
+            assert s.dtype is DType.String and s.shape == x.shape
+            return s, ops.custom("Cast", s, to=DType.F32) * 2.0
+
+    x = np.array([[1.5, -2.25], [3.0, 0.125]], np.float32)
+    text, twice = Strings()(Tensor.from_numpy(x))
+    assert text.dtype is DType.String
+    ort = pytest.importorskip("onnxruntime")
+    cast = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Cast", ["x"], ["s"], to=onnx.TensorProto.STRING)], "cast",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])],
+        [onnx.helper.make_tensor_value_info("s", onnx.TensorProto.STRING, [2, 2])]))
+    want = ort.InferenceSession(cast.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert text.to_numpy().tolist() == want.tolist()  # plain ONNX Runtime's Cast to string
+    np.testing.assert_array_equal(twice.to_numpy(), x * 2.0)

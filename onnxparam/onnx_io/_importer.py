@@ -26,7 +26,7 @@ the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow
 with their outer-scope references and weights rewired to the traced values
 (:mod:`~onnxparam.onnx_io._bodies`). Output ranks come from ONNX shape inference, else the file
 or a probe run (:mod:`~onnxparam.onnx_io._probe`), else stay unknown (see
-:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, strings, float8 ... are copied
+:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, optionals or maps are copied
 as they are (:mod:`~onnxparam.onnx_io._opaque`); the inputs of a graph with control flow are
 given the file's declared types (:mod:`~onnxparam.onnx_io._boundary`). For this path only,
 model-local functions are inlined and ``DequantizeLinear`` weights folded into ``QFloat``

@@ -389,11 +389,12 @@ class Module:
 
     # -- LoRA and quantization (see onnxparam.lora / onnxparam.quant) -----------------------------
 
-    def apply_lora(self, config) -> "Module":
-        """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora`."""
+    def apply_lora(self, config, *, allow_empty: bool = False) -> "Module":
+        """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora` (``LoraError`` when
+        no param gets one, unless ``allow_empty``)."""
         apply_lora = service("lora").apply_lora
 
-        return apply_lora(self, config)
+        return apply_lora(self, config, allow_empty=allow_empty)
 
     def merge_lora(self) -> "Module":
         """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters (and no

@@ -565,6 +565,9 @@ def _inline_functions(loaded: LoadedModel) -> LoadedModel:
     model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
     if base:
         ir.external_data.set_base_dir(model.graph, base)
+    from ._data_watch import carry_stamps
+
+    carry_stamps(loaded.model, model)
     try:
         model = InlinePass()(model).model
     except Exception as e:

@@ -24,7 +24,11 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
+from ._data_watch import stamp_external_data
+from ._map_type import install as _install_map_type
 from ._value_info import note_declared_value_info
+
+_install_map_type()  # onnx_ir reads no map type (ONNX-ML ZipMap outputs): see _map_type
 
 __all__ = ["LoadedModel", "load_model", "describe_source", "iter_graphs", "topological_nodes", "base_dir_of"]
 
@@ -195,6 +199,7 @@ def _load_model(path_or_model) -> LoadedModel:
             if path is not None:
                 ir.external_data.set_base_dir(model.graph, str(path.parent))
     _check_external_data(model, source)
+    stamp_external_data(model)  # watched for changes after import (see _data_watch)
     _check_zero_copy(model, source, path)
     _check_tensor_sizes(model, source)
     _check_names(model, source)

@@ -168,6 +168,7 @@ def _load_model(path_or_model) -> LoadedModel:
         OnnxFormatError: the file is missing or is not an ONNX model, its protobuf is truncated or
             corrupt, an external data file is missing or shorter than a tensor needs, or a name is
             used that nothing produces.
+        IsAFolderError: the path is a folder (``IsADirectoryError``, as the CLI's).
         TypeError: for any other argument type.
     """
     source = describe_source(path_or_model)
@@ -178,6 +179,13 @@ def _load_model(path_or_model) -> LoadedModel:
         else:
             if isinstance(path_or_model, (str, os.PathLike)):
                 path = Path(path_or_model)
+                if path.is_dir():
+                    import errno
+
+                    from ..errors import file_error
+
+                    raise file_error(errno.EISDIR, f"cannot read '{source}': it is a folder, not a file; give the path of the .onnx file",
+                                     str(path))
                 if not path.is_file():
                     raise OnnxFormatError(f"{source}: no such ONNX file")
                 with open(path, "rb") as f:

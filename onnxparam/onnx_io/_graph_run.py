@@ -8,7 +8,8 @@ checks them).
 
 Values pass through as ONNX Runtime takes and gives them: tensors of onnxparam's dtypes as
 :class:`~onnxparam.Tensor` (numpy arrays and Python scalars accepted), other tensors (strings,
-float8, int4 ...) as numpy arrays, sequences as lists, absent optionals as ``None``.
+float8, int4 ...) as numpy arrays, sequences as lists, maps as dicts (a sequence of maps, as
+ZipMap gives, as a list of dicts), absent optionals as ``None``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _to_feed(x, declared):
     """A graph input value as ONNX Runtime takes it."""
     if isinstance(x, Tensor):
         return np.asarray(x.to_numpy())
-    if x is None or isinstance(x, (list, np.ndarray)):
-        return x
+    if x is None or isinstance(x, (list, dict, np.ndarray)):
+        return x  # a dict: an ONNX map value (ONNX-ML DictVectorizer, CastMap ...)
     if isinstance(x, tuple):
         return list(x)
     array = np.asarray(x)

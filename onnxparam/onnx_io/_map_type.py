@@ -5,8 +5,8 @@ whose declared type holds a ``map_type`` (the ONNX-ML ``ZipMap``, ``DictVectoriz
 ``CastMap`` operators make or take ``map(int64, float)`` / ``seq(map(string, float))``; the
 ONNX IR spec, "Types"), so such a model would not load at all. :func:`install` teaches its
 serde one more type: :class:`MapType` (key: a ``DataType``; value: any ``onnx_ir`` type)
-is read from, and written back to, the same ``TypeProto`` fields, so the graph exports as it came
-in and ONNX Runtime gets the declared type. A map has no shape (``deserialize_type_proto_for_shape``
+is read from, and written back to, the same ``TypeProto`` fields (verbatim), so the graph exports
+as it came in and ONNX Runtime gets the declared type. A map has no shape (``deserialize_type_proto_for_shape``
 gives ``None`` for it). ONNX Runtime hands a map output over as a Python ``dict`` and a sequence
 of maps as a ``list`` of them.
 """
@@ -26,14 +26,17 @@ class MapType:
         key_type: the key's element type (an integer type or ``STRING``).
         value_type: the value's type (a ``TensorType``, ``SequenceType``, :class:`MapType` ...).
         denotation: the type denotation, or ``None``.
+        source: the ``TypeProto.Map`` it was read from, written back verbatim (``onnx_ir``'s types
+            hold no shape, and a map's value type may declare one); ``None`` for a new type.
     """
 
-    __slots__ = ("key_type", "value_type", "denotation")
+    __slots__ = ("key_type", "value_type", "denotation", "source")
 
-    def __init__(self, key_type: ir.DataType, value_type, *, denotation=None) -> None:
+    def __init__(self, key_type: ir.DataType, value_type, *, denotation=None, source=None) -> None:
         self.key_type = key_type
         self.value_type = value_type
         self.denotation = denotation
+        self.source = source
 
     @property
     def elem_type(self):
@@ -74,7 +77,9 @@ def install() -> None:
             if value is None:
                 raise ValueError(f"a map type must declare its value type: {proto}")
             denotation = proto.denotation if proto.HasField("denotation") else None
-            return MapType(ir.DataType(proto.map_type.key_type), value, denotation=denotation)
+            source = type(proto.map_type)()
+            source.CopyFrom(proto.map_type)
+            return MapType(ir.DataType(proto.map_type.key_type), value, denotation=denotation, source=source)
         return read_type(proto)
 
     def deserialize_type_proto_for_shape(proto):
@@ -86,8 +91,11 @@ def install() -> None:
         if isinstance(from_, MapType):
             if from_.denotation:
                 type_proto.denotation = from_.denotation
-            type_proto.map_type.key_type = from_.key_type.value
-            serde.serialize_type_into(type_proto.map_type.value_type, from_.value_type)
+            if from_.source is not None:
+                type_proto.map_type.CopyFrom(from_.source)
+            else:
+                type_proto.map_type.key_type = from_.key_type.value
+                serde.serialize_type_into(type_proto.map_type.value_type, from_.value_type)
             return
         write_type(type_proto, from_)
 

@@ -327,7 +327,7 @@ class OnnxModule(Module):
                 dims = _dims(v)
                 if want is not None and x.dtype is not want:
                     raise TypeError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
-                if dims is not None and (len(dims) != len(x.shape) or any(
+                if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
                     raise TypeError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
         return bound

@@ -3,8 +3,8 @@ computed by one cached ONNX Runtime session; and :class:`Gradients`, keyed by ``
 
 **What is traced.** ``loss_fn(module, *inputs, **kwargs)`` runs inside a trace (as a module's
 ``forward`` does): every op it calls, including the module's own forward, becomes ONNX nodes.
-It must return a one-element float tensor (use :func:`.losses.cross_entropy`,
-:func:`.losses.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
+It must return a one-element float tensor (use :func:`onnxparam.autodiff.cross_entropy`,
+:func:`onnxparam.autodiff.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
 form (``x @ W + scale * ((x @ a) @ b)``), so the factors are params of the graph and get their
 own gradients while the frozen base stays a constant. A quantized base (QLoRA) is traced as
 ``DequantizeLinear`` of its stored integers (``QdqOptions(matmul="dequantize")``, what

@@ -7,6 +7,8 @@ expected an ``IsADirectoryError``, as the CLI reports it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnx.helper as h
@@ -36,7 +38,8 @@ def test_a_numpy_input_of_another_dtype_raises_naming_the_input_where_onnxruntim
         session.run(None, {"ids": wrong, "s": np.array(2, np.float32)})
     assert "'ids'" not in str(ort_error.value)
     module = op.import_onnx(int_model)
-    with pytest.raises(op.CallArgumentError, match=r"^graph input 'ids' takes INT32 \(numpy int32\) values, got a numpy "
+    named = re.escape(f"the model imported from '{int_model}': ")
+    with pytest.raises(op.CallArgumentError, match="^" + named + r"graph input 'ids' takes INT32 \(numpy int32\) values, got a numpy "
                                                     r"array of float32; cast it first: x\.astype\(np\.int32\)$") as info:
         module(wrong, np.float32(2))
     assert isinstance(info.value, TypeError) and isinstance(info.value, op.OnnxParamError)
@@ -53,12 +56,13 @@ def test_the_declared_dtype_runs_like_onnxruntime(int_model):
 
 def test_a_wrong_input_name_is_a_library_type_error_listing_the_inputs(int_model):
     module = op.import_onnx(int_model)
-    with pytest.raises(op.CallArgumentError, match=r"^the ONNX graph has no input 'idz'; its inputs are 'ids', 's'$") as info:
+    named = "^" + re.escape(f"the model imported from '{int_model}': ")
+    with pytest.raises(op.CallArgumentError, match=named + r"the ONNX graph has no input 'idz'; its inputs are 'ids', 's'$") as info:
         module(idz=np.zeros((1, 4), np.int32), s=2.0)
     assert isinstance(info.value, TypeError)
-    with pytest.raises(TypeError, match=r"^missing graph input\(s\) 's'; the graph takes 'ids', 's' in this order$"):
+    with pytest.raises(TypeError, match=named + r"missing graph input\(s\) 's'; the graph takes 'ids', 's' in this order$"):
         module(np.zeros((1, 4), np.int32))
-    with pytest.raises(op.CallArgumentError, match=r"^the ONNX graph takes 2 input\(s\) \(ids, s\); 3 were given$"):
+    with pytest.raises(op.CallArgumentError, match=named + r"the ONNX graph takes 2 input\(s\) \(ids, s\); 3 were given$"):
         module(np.zeros((1, 4), np.int32), 2.0, 3.0)
 
 

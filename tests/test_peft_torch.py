@@ -465,3 +465,34 @@ def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports
     np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)
     with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two', 'three'\]"):
         module.set_adapter("one")
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_peft_conv_and_lora_bias_adapters_on_a_torch_exported_conv_net_equal_peft_in_every_mode(exporter, tmp_path):
+    model = randomize(ConvNet().eval(), seed=11)
+    x = torch.randn(2, 2, 5, 5)
+    imported = import_onnx(export(model, (x,), tmp_path / "conv.onnx", exporter, input_names=["x"], output_names=["y"]))
+    reference = peft_model(model, tmp_path / "ad", 3, 5, False, True, ["conv", "fc"], seed=12)
+    with torch.no_grad():
+        expected = reference(x).numpy()
+    adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
+    assert sorted(report.matched) == ["base_model.model.conv", "base_model.model.fc"]
+    assert {path for path, p in adapted.named_params() if p.adapter() is not None} == {
+        "conv.weight", "conv.bias", "fc.weight", "fc.bias"}  # lora_bias on both layers
+    for mode in ("merge", "keep", "inputs"):
+        module = adapted.map(lambda p, q: q)
+        set_session_config(module, SessionConfig(lora_mode=mode))
+        np.testing.assert_allclose(module(as_input(module, x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
+    path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
+    options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
+    np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)

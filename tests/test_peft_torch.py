@@ -496,3 +496,37 @@ def test_peft_conv_and_lora_bias_adapters_on_a_torch_exported_conv_net_equal_pef
     path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
     options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
     np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
+
+
+def test_every_named_adapter_saves_in_peft_multi_adapter_layout_and_loads_back(tmp_path):
+    from onnxparam import Param, load_peft_adapters, save_peft_adapters
+
+    torch_model = randomize(Mlp().eval(), seed=13)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    names = ("default", "sql", "chat")
+    for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
+        peft_model(torch_model, tmp_path / "given" / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=60 + r)
+    module = base
+    for name in names:
+        module = module.add_adapter(name, load_peft_adapter(base, tmp_path / "given" / name))
+    folder = save_peft_adapters(module, tmp_path / "saved")
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["chat", "sql"]  # "default" at the top
+    with quiet():  # PEFT reads the layout it writes: from_pretrained + load_adapter by sub-folder
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+        for name in names[1:]:
+            reference.load_adapter(str(folder / name), adapter_name=name)
+    back = load_peft_adapters(base, folder)
+    assert sorted(back.lora_adapters.names) == sorted(names) and back.active_adapter is None
+    x = torch.randn(4, 6)
+    for name in names:
+        reference.set_adapter(name)
+        with torch.no_grad():
+            expected = reference(x).numpy()
+        np.testing.assert_allclose(back.set_adapter(name)(Tensor.from_numpy(x.numpy())).to_numpy(), expected,
+                                   atol=ATOL, err_msg=name)
+        with quiet():  # and each equals PEFT on the adapter as it was given
+            given = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "given" / name)).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(given(x).numpy(), expected, atol=ATOL, err_msg=name)

@@ -41,6 +41,7 @@ from .errors import (
     DeviceError,
     ExecutionError,
     FileAccessError,
+    LoraError,
     OnnxFormatError,
     OnnxParamError,
     PrecisionWarning,
@@ -116,6 +117,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "LoraError",
     "FileAccessError",
     "PrecisionWarning",
 ]

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ._services import service
 from ._symint import SymInt
-from .dtype import DType
+from .dtype import DType, dtype_from_onnx_element
 from .errors import TraceError
 from .param import Param, value_hook
 from .tensor import Tensor
@@ -91,6 +91,9 @@ def _ir_dtype(dtype: DType) -> ir.DataType:
 
 
 def _type_proto(value: ir.Value) -> onnx.TypeProto:
+    if value.type is not None and not isinstance(value.type, ir.TensorType):
+        # a sequence / optional / map an imported graph passes between its own nodes
+        return ir.serde.serialize_type(value.type)
     shape = None
     if value.shape is not None:
         shape = [d if isinstance(d, int) else d.value for d in value.shape]
@@ -98,10 +101,12 @@ def _type_proto(value: ir.Value) -> onnx.TypeProto:
 
 
 def _dtype_from_onnx(elem_type: int, what: str) -> DType:
+    """Any ONNX element type: a traced value may be a string / float8 ... tensor (an ONNX-only
+    ``DType``) that later nodes of the graph consume."""
     try:
-        return DType.from_onnx(elem_type)
+        return dtype_from_onnx_element(elem_type)
     except ValueError as e:
-        raise TraceError(f"{what}: {e}; onnxparam tensors hold numeric and bool values only") from e
+        raise TraceError(f"{what}: {e}") from e
 
 
 def param_array(param: Param, dtype: DType) -> np.ndarray:
@@ -229,11 +234,12 @@ class TracedModel:
 
     def input_types(self) -> list[tuple]:
         """``[(name, DType, shape), ...]`` of the graph inputs (dynamic dims as str / None)."""
-        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
 
     def output_types(self) -> list[tuple]:
-        """``[(name, DType, shape), ...]`` of the graph outputs."""
-        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.outputs]
+        """``[(name, DType, shape), ...]`` of the graph outputs (shape ``None``: an unknown rank)."""
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), None if v.shape is None else tuple(_dims_of_value(v)))
+                for v in self.graph.outputs]
 
     def to_proto(self) -> onnx.ModelProto:
         """The ``onnx.ModelProto`` with every initializer's data (runs lazy inits once each)."""
@@ -290,13 +296,10 @@ def infer_node_types(node: ir.Node, values: list, opset_imports: Mapping[str, in
                 raise TraceError(f"{where}: ONNX shape inference gives no tensor type for output "
                                  f"{out.index()}; pass output_dtypes= and output_shapes= to ops.custom")
             dtype = _dtype_from_onnx(tt.elem_type, where)
-        if dims is None:
-            if tt is None or not tt.HasField("shape"):
-                raise TraceError(f"{where}: the rank of output {out.index()} is unknown after ONNX shape "
-                                 "inference; pass output_shapes= to ops.custom")
+        if dims is None and tt is not None and tt.HasField("shape"):
             dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
                          else None for d in tt.shape.dim)
-        types.append((dtype, tuple(dims)))
+        types.append((dtype, None if dims is None else tuple(dims)))  # None: an unknown rank
     return types
 
 
@@ -343,3 +346,8 @@ def _forward_arg_names(module, count: int) -> list[str]:
 
 def _is_input(x) -> bool:
     return isinstance(x, (Tensor, np.ndarray, InputSpec))
+
+
+def _is_input_value(value: ir.Value, graphs) -> bool:
+    """Whether ``value`` is an input of one of ``graphs`` (not a node output or an initializer)."""
+    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)

@@ -36,24 +36,54 @@ Shape = tuple  # tuple[int | str | None, ...]
 
 
 class Tensor:
-    """An n-dimensional value of kind float, int or bool; see the module docstring.
+    """An n-dimensional value of kind float, int or bool; see the module docstring. Inside a
+    trace (and as an imported model's weight) it may also hold an ONNX-only element type
+    (``DType.String``, float8 ...; see :mod:`onnxparam.dtype`).
 
     Attributes:
-        shape: tuple of dims; ints for concrete tensors.
+        shape: tuple of dims; ints for concrete tensors. A symbolic tensor may have an unknown
+            rank (an operator whose output rank neither ONNX shape inference nor the caller
+            gives, e.g. a ``Loop`` state): it flows into further nodes, and reading ``shape``
+            (or ``ndim``, ``len`` ...) raises ``TraceError`` naming the value.
         dtype: a :class:`~onnxparam.DType`.
         device: a :class:`~onnxparam.Device`.
     """
 
-    __slots__ = ("_host", "_ort", "_symbol", "_quant", "shape", "dtype", "device")
+    __slots__ = ("_host", "_ort", "_symbol", "_quant", "_shape", "dtype", "device")
 
     def __init__(self, *, host=None, ort=None, symbol=None, quant=None, shape, dtype: DType, device: Device = CPU):
         self._host = host
         self._ort = ort
         self._symbol = symbol
         self._quant = quant
-        self.shape = tuple(shape)
+        if shape is None and symbol is None:
+            raise ValueError("only a symbolic tensor (inside a trace) may have an unknown rank")
+        self._shape = None if shape is None else tuple(shape)
         self.dtype = dtype
         self.device = device
+
+    @property
+    def shape(self) -> tuple:
+        if self._shape is None:
+            from .errors import TraceError
+
+            value = self._symbol.value
+            producer = value.producer()
+            made = f" (output of {producer.op_type} node {producer.name!r})" if producer is not None else ""
+            raise TraceError(
+                f"the rank of traced value {value.name!r}{made} is unknown: ONNX shape inference does not give it, so "
+                "Python code cannot read its shape; give the producing op its output shape (ops.custom(..., "
+                "output_shapes=...)) or reshape it to a known rank")
+        return self._shape
+
+    @shape.setter
+    def shape(self, value) -> None:
+        self._shape = tuple(value)
+
+    @property
+    def rank_known(self) -> bool:
+        """False for a symbolic tensor whose rank the trace does not know (see ``shape``)."""
+        return self._shape is not None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -92,6 +122,11 @@ class Tensor:
         if data.dtype is DType.QFloat:
             # the quantization values own QFloat bytes (quant.tensor builds on this file)
             return service("quant.tensor").QuantizedTensor.from_data(data).to_tensor(device)
+        if data.dtype.is_onnx_only:  # an imported float8 weight: held, not computed with here
+            array = np.ascontiguousarray(data.to_numpy())
+            array.flags.writeable = False
+            tensor = Tensor(host=array, shape=array.shape, dtype=data.dtype)
+            return tensor if device is None else tensor.to_device(device)
         tensor = Tensor.from_numpy(data.to_numpy())
         if tensor.dtype is not data.dtype:  # Flex32 shares float32 storage
             tensor = Tensor(host=tensor._host, shape=tensor.shape, dtype=data.dtype)
@@ -127,7 +162,11 @@ class Tensor:
 
     @property
     def kind(self) -> str:
-        """``"float"``, ``"int"`` or ``"bool"``."""
+        """``"float"``, ``"int"`` or ``"bool"`` (``"string"`` / ``"complex"`` for those ONNX-only dtypes)."""
+        if self.dtype is DType.String:
+            return "string"
+        if self.dtype in (DType.C64, DType.C128):
+            return "complex"
         return "float" if self.dtype.is_float else "bool" if self.dtype.is_bool else "int"
 
     # -- data access --------------------------------------------------------------------------
@@ -194,7 +233,7 @@ class Tensor:
         return Tensor(ort=ort_value, shape=self.shape, dtype=self.dtype, device=device)
 
     def __repr__(self) -> str:
-        shape = "[" + ", ".join(str(d) for d in self.shape) + "]"
+        shape = "?" if self._shape is None else "[" + ", ".join(str(d) for d in self._shape) + "]"
         if self._symbol is not None:
             return f"Tensor(symbolic, shape={shape}, dtype={self.dtype.name})"
         return f"Tensor(shape={shape}, dtype={self.dtype.name}, device={self.device})"

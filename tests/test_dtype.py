@@ -7,14 +7,51 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxparam import DType, Tensor
-from onnxparam.dtype import DTYPE_FROM_ONNX, NUMPY_DTYPES, ONNX_ELEMENT_TYPES
+from onnxparam.dtype import DTYPE_FROM_ONNX, NUMPY_DTYPES, ONNX_ELEMENT_TYPES, dtype_from_onnx_element
 
 # Burn's DType variants (burn-std/src/tensor/dtype.rs), in declaration order.
 BURN_DTYPES = ["F64", "F32", "Flex32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "Bool", "QFloat"]
 
 
 def test_dtype_names_are_burns():
-    assert [d.value for d in DType] == BURN_DTYPES
+    assert [d.value for d in DType if not d.is_onnx_only] == BURN_DTYPES
+    assert all(d.burnpack_storable for d in DType if not d.is_onnx_only)
+
+
+# ONNX's element types Burn has no dtype for (onnx.proto, TensorProto.DataType) and the ml_dtypes /
+# numpy type of one element
+ONNX_ONLY = [
+    (DType.String, TensorProto.STRING, np.object_), (DType.C64, TensorProto.COMPLEX64, np.complex64),
+    (DType.C128, TensorProto.COMPLEX128, np.complex128),
+    (DType.F8E4M3FN, TensorProto.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),
+    (DType.F8E4M3FNUZ, TensorProto.FLOAT8E4M3FNUZ, ml_dtypes.float8_e4m3fnuz),
+    (DType.F8E5M2, TensorProto.FLOAT8E5M2, ml_dtypes.float8_e5m2),
+    (DType.F8E5M2FNUZ, TensorProto.FLOAT8E5M2FNUZ, ml_dtypes.float8_e5m2fnuz),
+    (DType.F8E8M0FNU, TensorProto.FLOAT8E8M0, ml_dtypes.float8_e8m0fnu),
+    (DType.F6E2M3FN, TensorProto.FLOAT6E2M3, ml_dtypes.float6_e2m3fn),
+    (DType.F6E3M2FN, TensorProto.FLOAT6E3M2, ml_dtypes.float6_e3m2fn),
+    (DType.F4E2M1FN, TensorProto.FLOAT4E2M1, ml_dtypes.float4_e2m1fn),
+    (DType.I4, TensorProto.INT4, ml_dtypes.int4), (DType.U4, TensorProto.UINT4, ml_dtypes.uint4),
+    (DType.I2, TensorProto.INT2, ml_dtypes.int2), (DType.U2, TensorProto.UINT2, ml_dtypes.uint2),
+]
+
+
+@pytest.mark.parametrize("dtype,onnx_type,np_dtype", ONNX_ONLY, ids=[d.name for d, _, _ in ONNX_ONLY])
+def test_each_onnx_only_dtype_maps_to_its_onnx_element_type_and_is_not_storable_in_burnpack(dtype, onnx_type, np_dtype):
+    assert dtype.is_onnx_only and not dtype.burnpack_storable
+    assert dtype.to_onnx() == onnx_type
+    assert dtype_from_onnx_element(onnx_type) is dtype
+    assert dtype.to_numpy() == np.dtype(np_dtype)
+    if onnx_type != TensorProto.STRING:
+        # ONNX's own table agrees on the numpy type of each element type
+        assert helper.tensor_dtype_to_np_dtype(onnx_type) == np.dtype(np_dtype)
+    with pytest.raises(ValueError, match="has no Burn dtype"):
+        DType.from_onnx(onnx_type)  # DType.from_onnx answers for Burn's dtypes only
+
+
+def test_every_onnx_element_type_has_a_dtype():
+    defined = {v for k, v in TensorProto.DataType.items() if k != "UNDEFINED"}
+    assert {dtype_from_onnx_element(t).to_onnx() for t in defined} == defined
 
 
 @pytest.mark.parametrize("dtype,np_dtype,onnx_type", [

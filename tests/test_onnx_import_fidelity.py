@@ -50,9 +50,7 @@ def _graph_structure(g: onnx.GraphProto) -> dict:
         "name": g.name,
         "inputs": typed(g.input),
         "outputs": typed(g.output),
-        # NOTE: onnx_ir writes a value_info for every initializer (its tensor's own type and
-        # shape); those say how a weight is stored and are left out
-        "value_info": typed(v for v in g.value_info if v.name not in {t.name for t in g.initializer}),
+        "value_info": typed(g.value_info),  # initializers' entries too: exactly those the file declares
         "initializers": [(t.name, t.data_type, list(t.dims), numpy_helper.to_array(t).tobytes()) for t in g.initializer],
         "sparse_initializers": [s.SerializeToString(deterministic=True) for s in g.sparse_initializer],
         "nodes": nodes,
@@ -162,11 +160,16 @@ def test_a_quantized_public_model_exports_dequantize_linear_weights_that_compute
 @pytest.mark.parametrize("path", SILERO, ids=[p.name for p in SILERO])
 def test_lora_on_a_public_model_starts_as_the_original_and_its_merged_export_computes_as_its_call(path, tmp_path):
     imported = op.import_onnx(path)
-    adapted = imported.apply_lora(op.LoraConfig(rank=4, alpha=8))
-    # the adapted params are exactly the weights the graph uses as a MatMul / Gemm matrix (the
-    # fp16 model's only rank-2 weights are LSTM weights read through Slice: no linear map's matrix)
-    linear = sorted(p for p, layout in imported.lora_weight_layouts().items() if layout in ("in_out", "out_in"))
-    assert sorted(p for p, q in adapted.named_params() if q.adapter() is not None) == linear
+    config = op.LoraConfig(rank=4, alpha=8)
+    # the models' only rank-2 weights are LSTM weights read through Slice: no linear map's
+    # matrix, so apply_lora adapts nothing, and says so (an error, a warning with allow_empty)
+    assert not [p for p, layout in imported.lora_weight_layouts().items() if layout in ("in_out", "out_in")]
+    why = r"got a LoRA adapter: \d+ rank-2 float param\(s\) are not the matrix of a linear map"
+    with pytest.raises(op.LoraError, match=why):
+        imported.apply_lora(config)
+    with pytest.warns(UserWarning, match=why):
+        adapted = imported.apply_lora(config, allow_empty=True)
+    assert not [p for p, q in adapted.named_params() if q.adapter() is not None]
     feeds = _silero_feeds(path)
     want = _plain(path, feeds)
     for g, w in zip(adapted(**feeds), want, strict=True):  # b = 0: the adapter adds nothing yet
@@ -330,3 +333,21 @@ def test_an_imported_model_inside_another_modules_forward_runs_as_plain_onnx_run
     got = Scaled(op.import_onnx(path))(op.Tensor.from_numpy(feeds["input"]), op.Tensor.from_numpy(feeds["state"]))
     np.testing.assert_allclose(got[0].to_numpy(), 2.0 * want[0], rtol=1e-6)
     np.testing.assert_allclose(got[1].to_numpy(), want[1], rtol=1e-6, atol=1e-7)
+
+
+def test_value_info_of_initializers_comes_back_exactly_as_the_file_declares_it(tmp_path):
+    # `a` declared in value_info (as onnx_ir-based exporters write it), `b` not: an export of
+    # the import declares the same, in both directions
+    model = onnx.parser.parse_model("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    agraph (float[2, 3] x) => (float[2, 3] y) <float[2, 3] a = {1, 2, 3, 4, 5, 6}, float[2, 3] b = {6, 5, 4, 3, 2, 1}> {
+        t = Add(x, a)
+        y = Mul(t, b)
+    }
+    """)
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [2, 3]))
+    path = tmp_path / "declared.onnx"
+    onnx.save(model, str(path))
+    written = onnx.load(str(op.export_onnx(op.import_onnx(path), tmp_path / "exported.onnx")))
+    assert [v.name for v in written.graph.value_info] == ["a"]
+    assert structure(written)["graph"] == structure(onnx.load(str(path)))["graph"]

@@ -12,7 +12,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import onnxparam as op
 from onnxparam.cli import export_mnist_onnx, main
+from onnxparam.quant import Quantizer
 from onnxparam.zoo import mnist
 
 
@@ -93,3 +95,35 @@ def test_calibration_errors_name_the_file_and_the_inputs(mnist_onnx, tmp_path, c
     code, _, err = run_main(capsys, "quantize", mnist_onnx, tmp_path / "q.bpk", "--calibrate", tmp_path / "two.npz")
     assert code == 2 and "--calibrate applies to an .onnx output" in err
     assert not (tmp_path / "q.onnx").exists() and not (tmp_path / "q.bpk").exists()
+
+
+def test_per_channel_burnpack_output_refuses_wide_weights_before_quantizing_and_names_them(tmp_path, capsys):
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    wide = rng.normal(size=(8, 300, 3, 3)).astype(np.float32)  # per output channel: blocks [1, 300, 3, 3]
+    narrow = rng.normal(size=(8, 4)).astype(np.float32)  # per column: blocks [8, 1]
+    nodes = [helper.make_node("Conv", ["x", "wide"], ["h"]),
+             helper.make_node("ReduceMean", ["h", "axes"], ["p"], keepdims=0),
+             helper.make_node("MatMul", ["p", "narrow"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 300, 3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(wide, "wide"), numpy_helper.from_array(narrow, "narrow"),
+                               numpy_helper.from_array(np.array([2, 3], np.int64), "axes")])
+    src = tmp_path / "wide.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), src)
+    out = tmp_path / "out" / "q.bpk"
+    out.parent.mkdir()
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--per-channel")
+    assert code != 0 and "quantized:" not in stdout  # refused before any weight was quantized
+    assert "wide [8, 300, 3, 3]" in err and "[1, 300, 3, 3]" in err and "at most 255" in err
+    assert "narrow" not in err.split("Burn's block")[0] and not list(out.parent.iterdir())
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--per-channel", "--exclude", "^(wide)$")
+    assert code == 0, err
+    with op.burnpack.read(out) as f:
+        assert f.tensors["wide"].dtype is op.DType.F32
+        stored = f.tensors["narrow"]
+        assert stored.dtype is op.DType.QFloat
+    loaded = op.import_onnx(src).quantize_weights(Quantizer(per_channel=True)).load_file(out)
+    scale = loaded.param_of("narrow").base()._quant.scales.reshape(-1)
+    np.testing.assert_allclose(scale, np.abs(narrow).max(axis=0) / 127, rtol=1e-6)  # numpy: max|w| / 127 per column

@@ -236,19 +236,27 @@ def test_loop_body_subgraph_with_inputs():
 
     x = array(2, 2)
     np.testing.assert_allclose(Repeat()(x).to_numpy(), x * 8.0, rtol=1e-6)
-    with pytest.raises(TraceError, match=r"node '/Loop' \(Loop\): the rank of output 0 is unknown after ONNX shape "
-                                         r"inference; pass output_shapes= to ops.custom"):
-        _loop_without_types(x)
 
 
-def _loop_without_types(x):
+def test_a_value_of_unknown_rank_flows_on_and_only_reading_its_shape_raises_naming_it():
+    seen = {}
+
     class Loop(op.Module):
         def forward(self, x):
             body = ops.subgraph(lambda i, cond, acc: (cond, acc * 2.0),
                                 [InputSpec((), DType.I64), InputSpec((), DType.Bool), InputSpec(x.shape, x.dtype)])
-            return ops.custom("Loop", np.array(3, np.int64), np.array(True), x, body=body)
+            # no output_shapes: ONNX's Loop inference leaves the state's rank unknown
+            y = ops.custom("Loop", np.array(3, np.int64), np.array(True), x, body=body) + 1.0
+            seen["repr"] = repr(y)
+            for read in (lambda: y.shape, lambda: y.ndim, lambda: len(y)):
+                with pytest.raises(TraceError, match=r"the rank of traced value '/Add_output_0' \(output of Add node "
+                                                     r"'/Add'\) is unknown: ONNX shape inference does not give it"):
+                    read()
+            return y
 
-    return trace_module(Loop(), x)
+    x = array(2, 2)
+    np.testing.assert_allclose(Loop()(x).to_numpy(), x * 8.0 + 1.0, rtol=1e-6)
+    assert seen["repr"] == "Tensor(symbolic, shape=?, dtype=F32)"
 
 
 def test_reading_values_inside_forward_is_a_trace_error():
@@ -327,3 +335,23 @@ def test_calling_a_module_with_a_wrong_dtype_raises_the_librarys_error_naming_th
     with pytest.raises(op.TraceTypeError, match=r"tracing Lin.forward: matmul: operand dtypes differ") as info:
         Lin()(ints)
     assert isinstance(info.value, op.OnnxParamError) and isinstance(info.value, TypeError)
+
+
+def test_string_tensors_flow_through_a_traced_forward_and_come_out_as_onnx_runtime_gives_them():
+    class Strings(op.Module):
+        def forward(self, x):
+            s = ops.custom("Cast", x, to=DType.String)  # ONNX-only element type: DType.String
+            assert s.dtype is DType.String and s.shape == x.shape
+            return s, ops.custom("Cast", s, to=DType.F32) * 2.0
+
+    x = np.array([[1.5, -2.25], [3.0, 0.125]], np.float32)
+    text, twice = Strings()(Tensor.from_numpy(x))
+    assert text.dtype is DType.String
+    ort = pytest.importorskip("onnxruntime")
+    cast = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Cast", ["x"], ["s"], to=onnx.TensorProto.STRING)], "cast",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 2])],
+        [onnx.helper.make_tensor_value_info("s", onnx.TensorProto.STRING, [2, 2])]))
+    want = ort.InferenceSession(cast.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert text.to_numpy().tolist() == want.tolist()  # plain ONNX Runtime's Cast to string
+    np.testing.assert_array_equal(twice.to_numpy(), x * 2.0)

@@ -16,10 +16,13 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
 * ``convert``: ``onnxparam.convert.convert`` on a synthetic model of :data:`CONVERT_MODEL_BYTES`
   (1 GiB, float32 plus some float16 / int64 tensors; ``--convert-mib``) for every pair of
   formats: ``.bpk``, ``.safetensors``, ``.onnx`` (weights inline in the protobuf) and ``.pt``
-  (``torch.save``; a source only, made when torch is installed), each case in a fresh
-  subprocess (in process: best of ``--convert-repeats``) and once as the command line
-  (``onnxparam convert SRC DST -q``: imports included, the whole process's RSS), against copying
-  the ``.bpk`` once + fsync, files in the page cache. Prints GB/s of tensor data, the time ratio
+  (``torch.save``; a source only, made when torch is installed), and ``.bpk -> .onnx`` into
+  a template (``graph=`` the inline ``.onnx``: its weights replaced), each case in a fresh
+  subprocess that first converts a small model of the same pair (imports paid), then times the
+  big one; ``--convert-repeats`` times, each beside a run copying the ``.bpk`` once + fsync
+  (alternating which goes first; files in the page cache); the time ratio is median / median of
+  those pairs. Once more as the command line (``onnxparam convert SRC DST -q``: imports included,
+  the whole process's RSS). Prints GB/s of tensor data, the time ratio
   (in process: target <= :data:`CONVERT_TIME_TARGET`) and the peak RSS growth split into
   anonymous and file-backed (the mapped source) pages; target: anonymous growth <=
   :data:`CONVERT_MEMORY_TARGET` x the largest tensor + :data:`CONVERT_MEMORY_SLACK`. Temporary
@@ -48,9 +51,16 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
   dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
   (target <= :data:`IMPORT_RSS_TARGET`).
+* ``export``: ``tools/bench_export.py``: peak RSS growth of ``export_onnx`` (anonymous / file
+  pages, and / the model's bytes) for a module loaded from a ``.bpk`` and for an imported inline
+  ``.onnx`` whose shape initializers sit between its weights (``--convert-mib`` of weights);
+  target: anonymous growth <= 1.2 x the largest tensor + 100 MiB.
 * ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
   plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
   over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
+* ``inspect``: :func:`bench_inspect`: ``onnxparam inspect --no-count`` of an inline ``.onnx`` of
+  :data:`INSPECT_MODEL_BYTES` vs ``onnx.load`` of it, fresh processes: time (target
+  :data:`INSPECT_TIME_TARGET`) and peak anonymous RSS (target :data:`INSPECT_MEMORY_TARGET`).
 """
 
 from __future__ import annotations
@@ -177,6 +187,11 @@ CONVERT_SOURCES = {"bpk": "model.bpk", "safetensors": "model.safetensors", "onnx
 """Source format -> file in the bench folder (``.onnx``: weights inline in the protobuf;
 ``.pt``: ``torch.save`` of the state dict, written only when torch is installed)."""
 CONVERT_TARGETS = {"bpk": "out.bpk", "safetensors": "out.safetensors", "onnx": "out.onnx"}
+GRAPH_CASE = "bpk->onnx graph="
+"""``convert(model.bpk, out.onnx, graph=model.onnx)``: a template's weights replaced (streamed)."""
+CONVERT_WARM = "warm"
+"""Sub-folder of the bench folder holding the small model each case process converts first."""
+CONVERT_WARM_BYTES = 8 * 2**20
 CONVERT_CASE_FLAG = "--run-convert-case"
 """Internal: ``bench.py --run-convert-case CASE FOLDER`` runs one case and prints JSON."""
 RSS_SAMPLE_S = 0.002
@@ -192,22 +207,23 @@ def _convert_cases(with_pt: bool) -> dict:
         for dst, dst_file in CONVERT_TARGETS.items():
             if src != dst:
                 cases[f"{src}->{dst}"] = (src_file, dst_file)
+    cases[GRAPH_CASE] = (CONVERT_SOURCES["bpk"], CONVERT_TARGETS["onnx"])  # the inline .onnx as the template
     return cases
 
 
-def _synthetic_tensors(model_bytes: int = CONVERT_MODEL_BYTES):
+def _synthetic_tensors(model_bytes: int = CONVERT_MODEL_BYTES, largest=CONVERT_LARGEST_SHAPE):
     """``(name, shape, dtype)`` of the synthetic model, data order; ``model_bytes`` of tensor data."""
-    big = int(np.prod(CONVERT_LARGEST_SHAPE)) * 4
+    big = int(np.prod(largest)) * 4
     tensors, total, i = [], 0, 0
-    while total + big <= model_bytes - 2**20 * 16:
-        tensors.append((f"layers.{i}.weight", CONVERT_LARGEST_SHAPE, np.float32))
-        tensors.append((f"layers.{i}.bias", (CONVERT_LARGEST_SHAPE[1],), np.float32))
-        total += big + CONVERT_LARGEST_SHAPE[1] * 4
+    while total + big <= model_bytes - model_bytes // 64:
+        tensors.append((f"layers.{i}.weight", largest, np.float32))
+        tensors.append((f"layers.{i}.bias", (largest[1],), np.float32))
+        total += big + largest[1] * 4
         i += 1
     rest = model_bytes - total
-    head_rows = rest // 2 // (4096 * 2)
-    tensors.append(("head.weight", (head_rows, 4096), np.float16))
-    tensors.append(("head.steps", (-(-(rest - head_rows * 4096 * 2) // 8),), np.int64))  # rounded up
+    head_rows = rest // 2 // (largest[1] * 2)
+    tensors.append(("head.weight", (head_rows, largest[1]), np.float16))
+    tensors.append(("head.steps", (-(-(rest - head_rows * largest[1] * 2) // 8),), np.int64))  # rounded up
     return tensors
 
 
@@ -223,10 +239,21 @@ def _copy_fsync(src: Path, dst: Path) -> None:
 
 
 def _run_convert_case(case: str, folder: str) -> int:
-    """One case in this (fresh) process: seconds and RSS before / peak (sampled every 2 ms)."""
+    """One case in this (fresh) process: seconds and RSS before / peak (sampled every 2 ms).
+
+    The same pair is first converted once on the small model in ``folder/warm`` (imports and
+    first-call set-up paid, as in a program that converts more than once); the CLI line of the
+    section measures the cold command."""
     from onnxparam.convert import convert
 
     src, dst = (Path(folder) / name for name in _convert_cases(True)[case])
+    warm = src.parent / CONVERT_WARM
+    graph = {"graph": src.parent / CONVERT_SOURCES["onnx"]} if case == GRAPH_CASE else {}
+    if case == "copy":
+        _copy_fsync(warm / src.name, warm / dst.name)
+    else:
+        convert(warm / src.name, warm / dst.name, **({"graph": warm / CONVERT_SOURCES["onnx"]} if graph else {}))
+    _remove_target(dst.parent / CONVERT_WARM, dst.name)
     start = _rss_kib()
     peak = dict(start)
     done = threading.Event()
@@ -243,7 +270,7 @@ def _run_convert_case(case: str, folder: str) -> int:
     if case == "copy":
         _copy_fsync(src, dst)
     else:
-        convert(src, dst)
+        convert(src, dst, **graph)
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
@@ -253,12 +280,27 @@ def _run_convert_case(case: str, folder: str) -> int:
     return 0
 
 
-def _run_cli_case(src: Path, dst: Path) -> dict:
+def _child_env() -> dict:
+    """The environment of the case processes: this checkout's ``onnxparam`` first on the path."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run_case_process(case: str, folder: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, CONVERT_CASE_FLAG, case, str(folder)],
+                         capture_output=True, text=True, check=True, env=_child_env())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_cli_case(src: Path, dst: Path, graph: "Path | None" = None) -> dict:
     """``onnxparam convert SRC DST -q`` as a command: wall seconds (imports included) and the
     child's peak RSS (sampled from /proc every 2 ms; start = 0, the whole process)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    extra = ["--graph", str(graph)] if graph is not None else []
+    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q", *extra],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env())
     peak = dict.fromkeys(RSS_KEYS, 0)
     while child.poll() is None:
         try:
@@ -273,14 +315,26 @@ def _run_cli_case(src: Path, dst: Path) -> dict:
     return {"seconds": seconds, "start": dict.fromkeys(RSS_KEYS, 0), "peak": peak}
 
 
+def _median_run(runs: list) -> dict:
+    """The run of median seconds (its RSS figures with it)."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def _remove_target(folder: Path, name: str) -> None:
     for path in folder.glob(name + "*"):
         path.unlink()
 
 
 def _write_sources(folder: Path, tensors: list) -> bool:
-    """The ``.bpk`` (random data), then the other sources from it; ``False`` when torch (for the
-    ``.pt``) is missing."""
+    """The ``.bpk`` (random data), then the other sources from it, and the same formats of a
+    small model in ``folder/warm``; ``False`` when torch (for the ``.pt``) is missing."""
+    (folder / CONVERT_WARM).mkdir(exist_ok=True)
+    _write_source_files(folder / CONVERT_WARM, _synthetic_tensors(CONVERT_WARM_BYTES, (512, 512)))
+    return _write_source_files(folder, tensors)
+
+
+def _write_source_files(folder: Path, tensors: list) -> bool:
     from onnxparam import burnpack
     from onnxparam.convert import convert
 
@@ -326,19 +380,26 @@ def bench_convert(args: argparse.Namespace) -> list[Result]:
         print(f"convert: synthetic model {len(tensors)} tensors, {data_bytes / 2**30:.2f} GiB of tensor data, "
               f"largest tensor {largest / 2**20:.0f} MiB; .bpk {size:,} bytes (setup {time.perf_counter() - t0:.1f} s)"
               + ("" if with_pt else "; torch not installed: no .pt cases"), file=sys.stderr)
-        best: dict = {}
+        runs: dict = {case: [] for case in cases}
+        copies: dict = {case: [] for case in cases if case != "copy"}
         cli: dict = {}
         for repeat in range(args.convert_repeats):
             for case, (src, dst) in cases.items():
-                out = subprocess.run([sys.executable, __file__, CONVERT_CASE_FLAG, case, str(folder)],
-                                     capture_output=True, text=True, check=True)
-                run = json.loads(out.stdout.strip().splitlines()[-1])
-                if case not in best or run["seconds"] < best[case]["seconds"]:
-                    best[case] = run
-                _remove_target(folder, dst)
-                if case != "copy" and repeat == 0:
-                    cli[case] = _run_cli_case(folder / src, folder / dst)
+                if case == "copy":
+                    continue
+                # NOTE: the copy baseline runs beside each case, first or second by turns, so
+                # both see the same load on a shared machine: the ratio is of medians of pairs.
+                for which in (("copy", case) if repeat % 2 == 0 else (case, "copy")):
+                    run = _run_case_process(which, folder)
+                    runs[which].append(run)
+                    if which == "copy":
+                        copies[case].append(run)
+                    _remove_target(folder, cases[which][1])
+                if repeat == 0:
+                    template = folder / CONVERT_SOURCES["onnx"] if case == GRAPH_CASE else None
+                    cli[case] = _run_cli_case(folder / src, folder / dst, template)
                     _remove_target(folder, dst)
+        best = {case: _median_run(case_runs) for case, case_runs in runs.items()}
         copy_s = best["copy"]["seconds"]
         print(f"convert: copy + fsync {size / copy_s / 1e9:.2f} GB/s ({copy_s:.2f} s); memory target: growth less "
               f"file-backed pages <= {memory_limit / 2**20:.0f} MiB", file=sys.stderr)
@@ -347,15 +408,15 @@ def bench_convert(args: argparse.Namespace) -> list[Result]:
         for case in cases:
             if case == "copy":
                 continue
+            paired_copy = statistics.median(r["seconds"] for r in copies[case])
             for how, run in (("in process", best[case]), ("CLI", cli[case])):
                 growth = {k: (run["peak"][k] - run["start"][k]) * 1024 for k in RSS_KEYS}
                 print(f"convert: {case + ' ' + how:<22} {data_bytes / run['seconds'] / 1e9:6.2f} {run['seconds']:6.2f} "
-                      f"{run['seconds'] / copy_s:6.2f}  {'':>19}{growth['RssAnon'] / 2**20:7.1f} "
+                      f"{run['seconds'] / paired_copy:6.2f}  {'':>19}{growth['RssAnon'] / 2**20:7.1f} "
                       f"{growth['RssFile'] / 2**20:7.1f} {growth['VmRSS'] / 2**20:7.1f}", file=sys.stderr)
-                if how == "in process":
-                    results.append(Result("convert", f"{case} time", run["seconds"], copy_s, CONVERT_TIME_TARGET))
-                    results.append(Result("convert", f"{case} memory", float(growth["RssAnon"]), memory_limit, 1.0,
-                                          unit="MiB"))
+            results.append(Result("convert", f"{case} time", best[case]["seconds"], paired_copy, CONVERT_TIME_TARGET))
+            anon = max(r["peak"]["RssAnon"] - r["start"]["RssAnon"] for r in runs[case]) * 1024  # the worst run
+            results.append(Result("convert", f"{case} memory", float(anon), memory_limit, 1.0, unit="MiB"))
     return results
 
 
@@ -660,6 +721,68 @@ def bench_dynamic(args: argparse.Namespace) -> list[Result]:
     return run(args, Result, interleaved_medians)
 
 
+INSPECT_MODEL_BYTES = 256 * 2**20
+"""Tensor bytes of the ``inspect`` section's inline ``.onnx`` (16 float32 tensors)."""
+INSPECT_TIME_TARGET = 1.0
+INSPECT_MEMORY_TARGET = 0.25
+
+
+def _child_peak(argv: list) -> dict:
+    """Run ``argv``; wall seconds and the child's peak RSS (kB, sampled every 2 ms)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = dict.fromkeys(RSS_KEYS, 0)
+    while child.poll() is None:
+        try:
+            for k, v in _rss_kib(child.pid).items():
+                peak[k] = max(peak[k], v)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+        time.sleep(RSS_SAMPLE_S)
+    if child.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed: {child.stderr.read().decode()}")
+    return {"seconds": time.perf_counter() - t0, "peak": peak}
+
+
+def bench_inspect(args: argparse.Namespace) -> list[Result]:
+    """``onnxparam inspect --no-count`` of an inline ``.onnx`` (weights inside the protobuf) vs
+    ``onnx.load`` of the same file (after importing ``onnxparam.cli``), each a fresh process: wall time (target
+    :data:`INSPECT_TIME_TARGET`) and peak anonymous RSS (target :data:`INSPECT_MEMORY_TARGET`):
+    inspect walks the protobuf in a map and parses only the structure
+    (:func:`onnxparam.formats.onnx_stream.read_onnx_mapped`)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    side = int((INSPECT_MODEL_BYTES // 16 // 4) ** 0.5)
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((side, side), dtype=np.float32), f"w{i}") for i in range(16)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(16)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", side])],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(16)], inits)
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-inspect-") as tmp:
+        path = Path(tmp) / "inline.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        del inits, graph
+        ours = _child_peak([sys.executable, "-m", "onnxparam", "inspect", str(path), "--no-count", "-q"])
+        size = path.stat().st_size
+        # NOTE: the baseline imports what the command imports, so both sides differ by the reading alone
+        base = _child_peak([sys.executable, "-c", f"import onnx, onnxparam.cli; onnx.load({str(path)!r})"])
+    print(f"inspect: inline .onnx {size:,} bytes: "
+          f"inspect {ours['seconds']:.2f} s, peak anon RSS {ours['peak']['RssAnon'] / 2**10:.0f} MiB; onnx.load "
+          f"{base['seconds']:.2f} s, {base['peak']['RssAnon'] / 2**10:.0f} MiB", file=sys.stderr)
+    return [Result("inspect", "inline onnx time", ours["seconds"], base["seconds"], INSPECT_TIME_TARGET),
+            Result("inspect", "inline onnx memory", ours["peak"]["RssAnon"] * 1024.0,
+                   base["peak"]["RssAnon"] * 1024.0, INSPECT_MEMORY_TARGET, unit="MiB")]
+
+
+def bench_export(args: argparse.Namespace) -> list[Result]:
+    """Peak memory of ``export_onnx`` (a mapped module; an imported model): :mod:`bench_export` (tools/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_export import bench_export as run
+
+    return run(args, Result)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
@@ -668,6 +791,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "quant": bench_quant,
     "import": bench_import,
     "dynamic": bench_dynamic,
+    "inspect": bench_inspect,
+    "export": bench_export,
 }
 """Section name -> function; run in this order when none is named."""
 
@@ -679,8 +804,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=500, help="timed repetitions per case (default: 500)")
     parser.add_argument("--threads", type=int, default=0,
                         help="ONNX Runtime intra-op threads for both sides (default: 0 = ONNX Runtime's choice)")
-    parser.add_argument("--convert-repeats", type=int, default=3,
-                        help="runs of each convert case, best kept (default: 3)")
+    parser.add_argument("--convert-repeats", type=int, default=5,
+                        help="runs of each convert case, each beside a copy baseline; medians kept (default: 5)")
     parser.add_argument("--convert-mib", type=int, default=CONVERT_MODEL_BYTES // 2**20,
                         help="tensor MiB of the convert section's synthetic model (default: 1024)")
     args = parser.parse_args(argv)

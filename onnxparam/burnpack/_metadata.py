@@ -44,7 +44,8 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 BOOL_STORES: dict[str, int] = {"Native": 1, "U8": 1, "U32": 4}
 """Burn ``BoolStore`` variant -> bytes per element (``dtype.rs``, §1.2)."""
 
-PLAIN_DTYPES: dict[str, DType] = {d.value: d for d in DType if d not in (DType.Bool, DType.QFloat)}
+PLAIN_DTYPES: dict[str, DType] = {d.value: d for d in DType
+                                   if d not in (DType.Bool, DType.QFloat) and d.burnpack_storable}
 """CBOR text -> plain ``DType`` (§1.2)."""
 
 SCALAR_KINDS = ("Int", "UInt", "Float", "Bool")

@@ -13,6 +13,7 @@ import numpy as np
 from .._scratch import atomic_output
 from ..dtype import DType, dtype_from_numpy
 from ..errors import QuantizationError, RecordError
+from ..formats._file_range import FileRange, copy_range, file_range_of
 from ..formats._limits import name_problem, shape_problem
 from ..quant._scheme import QuantScheme
 from . import _cbor as cbor
@@ -50,6 +51,10 @@ class TensorEntry:
         param_id: the Burn ``ParamId`` (u64) or ``None``.
         bool_store: for ``Bool``: ``"Native"`` (default), ``"U8"`` or ``"U32"``.
         scheme: for ``QFloat``: the :class:`~onnxparam.quant.QuantScheme`.
+        file_range: where another file holds exactly the bytes to write (a
+            :class:`~onnxparam.formats._file_range.FileRange`, e.g. the tensor in the source of
+            a conversion); they are then copied file to file by the kernel and ``data`` is not
+            called. Used only when its byte count is the one the dtype and shape need.
     """
 
     name: str
@@ -59,6 +64,7 @@ class TensorEntry:
     param_id: int | None = None
     bool_store: str | None = None
     scheme: QuantScheme | None = None
+    file_range: FileRange | None = None
 
     @staticmethod
     def from_numpy(name: str, array, param_id: int | None = None) -> "TensorEntry":
@@ -99,7 +105,8 @@ def write(
         entries: iterable (consumed once) of objects with ``name``, ``dtype``, ``shape``,
             ``param_id`` and optionally ``bool_store`` and ``scheme``, whose data is given by a
             ``raw_bytes()`` method (a :class:`BurnpackEntry`) or a ``data`` attribute
-            (a :class:`TensorEntry`; see there for the accepted forms).
+            (a :class:`TensorEntry`; see there for the accepted forms), or copied from the file
+            range an optional ``file_range`` attribute gives.
         metadata: text -> text, written as the ``metadata`` section (omitted when empty).
         scalars: name -> :class:`Scalar` (or a Python bool/int/float), the ``scalars`` section.
 
@@ -149,6 +156,10 @@ def _describe(label: str, entry: Any, offset: int) -> Descriptor:
     dtype = getattr(entry, "dtype", None)
     if not isinstance(dtype, DType):
         raise RecordError(f"{where}: dtype {dtype!r} is not an onnxparam DType")
+    if not dtype.burnpack_storable:
+        raise RecordError(f"{where}: dtype {dtype.name} is an ONNX-only element type that Burn's DType has no "
+                          "variant for, so burnpack cannot store it; save it with save_safetensors (float8) "
+                          "or export the model to ONNX")
     shape = tuple(getattr(entry, "shape", ()))
     if not all(type(d) is int and 0 <= d <= U64_MAX for d in shape):  # fast path; numpy ints below
         if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and 0 <= d <= U64_MAX for d in shape):
@@ -216,7 +227,10 @@ def _stream(label: str, out, metadata_bytes: bytes, planned: list[_Planned]) -> 
         start, end = p.descriptor.data_offsets
         _pad(out, start - position)
         data = _data_bytes(label, p)
-        out.write(data)
+        if isinstance(data, FileRange):
+            copy_range(out, data)
+        else:
+            out.write(data)
         del data  # one tensor in memory at a time
         position = end
 
@@ -228,11 +242,14 @@ def _pad(out, count: int) -> None:
         count -= len(chunk)
 
 
-def _data_bytes(label: str, p: _Planned) -> memoryview:
+def _data_bytes(label: str, p: _Planned) -> "memoryview | FileRange":
     d = p.descriptor
     where = f"{label}: tensor {d.name!r}"
     source = p.source
     try:
+        in_file = file_range_of(source)
+        if in_file is not None and in_file.nbytes == d.data_offsets[1] - d.data_offsets[0]:
+            return in_file
         if callable(getattr(source, "raw_bytes", None)):
             data = source.raw_bytes()
         elif hasattr(source, "data"):

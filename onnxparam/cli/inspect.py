@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -294,10 +295,12 @@ def _read_pytorch_info(path: Path) -> _Inspected:
 
     checkpoint = read_pytorch(path)
     tensors = []
-    for name, array in checkpoint.tensors.items():
-        dtype = dtype_from_numpy(array.dtype)
-        tensors.append(_TensorInfo(name, dtype, tuple(int(d) for d in array.shape), int(array.nbytes), None,
-                                   loader=lambda _a=array, _d=dtype: TensorData(_a, _d, tuple(_a.shape))))
+    lazy = checkpoint.tensors  # NOTE: strided tensors are copied only when their values are read
+    for name in lazy:
+        dtype = dtype_from_numpy(lazy.dtype(name))
+        shape = tuple(int(d) for d in lazy.shape(name))
+        tensors.append(_TensorInfo(name, dtype, shape, math.prod(shape) * lazy.dtype(name).itemsize, None,
+                                   loader=lambda _n=name, _d=dtype, _s=shape: TensorData(lazy[_n], _d, _s)))
     info = {"byteorder": checkpoint.byteorder, "skipped": list(checkpoint.skipped),
             "tied": [list(g) for g in checkpoint.tied], "shared": [list(g) for g in checkpoint.shared]}
     return _Inspected(path, "pytorch", path.stat().st_size, info, {}, {}, tensors)
@@ -324,9 +327,12 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 
     Raises:
         ValueError: for an unknown extension. FileNotFoundError: for a missing file.
+        FileAccessError: for a writer's scratch file or folder, or a file inside one
+            (``.NAME.<pid>-<hex>.tmp``: an unfinished save, never a finished file).
         BurnpackFormatError / OnnxFormatError / RecordError: for a malformed file.
     """
     path = Path(path)
+    _refuse_scratch(path)
     fmt = _file_format(path, "input file", tuple(_READERS))
     _existing(path, "input file")
     inspected = _READERS[fmt](path)
@@ -352,6 +358,25 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
         "tensors": [t.to_json() for t in rows],
         "totals": totals,
     }
+
+
+def _refuse_scratch(path: Path) -> None:
+    """Refuse ``path`` when it, or a folder above it, is an atomic writer's scratch entry
+    (:func:`onnxparam._scratch.scratch_name`): its content is an unfinished save."""
+    from .._scratch import is_scratch_name
+    from ..errors import FileAccessError
+
+    for entry in (path, *path.parents):
+        if not is_scratch_name(entry.name):
+            continue
+        target, _, owner = entry.name[1:-len(".tmp")].rpartition(".")
+        kind = "folder" if entry.is_dir() else "file"
+        where = "is the" if entry == path else "is inside the"
+        raise FileAccessError(
+            f"'{path}' {where} scratch {kind} of an unfinished save of '{entry.parent / target}' (by process "
+            f"{owner.split('-')[0]}), not a finished file; inspect '{entry.parent / target}' instead (the next save "
+            "into that folder removes a stale scratch entry)"
+        )
 
 
 def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:

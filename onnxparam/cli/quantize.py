@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex
+from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex, json_result
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
@@ -144,6 +144,7 @@ def _calibrate(args, model):
             bar.close()
     ranges = getattr(module, "_onnxparam_activation_ranges", ())
     _out(f"calibrated: {total} samples in batches of {args.calibrate_batch}: {len(ranges)} activation ranges")
+    json_result("calibrated", {"samples": total, "batch_size": args.calibrate_batch, "activation_ranges": len(ranges)})
     return module
 
 
@@ -160,6 +161,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
+    if dst_fmt == "burnpack":
+        _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     before = _count_dtypes(model.module)
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
     # none was, the one error line below says why instead.
@@ -176,6 +179,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
+                              "per_channel": bool(args.per_channel), "dtypes_before": before, "dtypes_after": after})
     _out(
         f"quantized: {quantized} of {sum(before.values())} params to "
         f"{_scheme_text(scheme)}{', per output channel' if args.per_channel else ''}; dtypes {before} -> {after}"
@@ -190,11 +195,34 @@ def _run_quantize(args: argparse.Namespace) -> int:
         from ..quant import quantized_ops
         from ._quant_table import print_quantized_ops
 
-        print_quantized_ops(quantized_ops(args.dst))
+        rows = quantized_ops(args.dst)
+        json_result("ops", rows)
+        print_quantized_ops(rows)
     else:
         model.module.save_file(args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size, "format": dst_fmt,
+                            "input_bytes": args.src.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
     return EXIT_OK
+
+
+def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
+    """Before quantizing anything: refuse a ``--per-channel`` burnpack output whose weights Burn
+    could not read (a per-channel block with an extent over 255), naming each and why."""
+    from ..quant._module import onnx_only_weights
+
+    wide = onnx_only_weights(module, quantizer, group)
+    if not wide:
+        return
+    shown = "; ".join(f"{path} {list(shape)}: one scale per index of axis {axis} needs blocks of "
+                      f"{list(extents)}" for path, shape, axis, extents in wide[:4])
+    more = f" and {len(wide) - 4} more" if len(wide) > 4 else ""
+    names = "|".join(path.replace(".", r"\.") for path, *_ in wide[:4])
+    raise ValueError(
+        f"--per-channel cannot be stored in the burnpack file '{dst}': {shown}{more}. Burn's block "
+        f"extents are at most 255, so Burn could not read these weights. Write an .onnx output (ONNX "
+        f"per-axis scales have no such limit), use --block-size instead, or leave them float with "
+        f"--exclude '^({names})$'; nothing was quantized or written")
 
 
 def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:

@@ -3,9 +3,13 @@
 
 :func:`convert` reads the source lazily (memory-mapped), renames / filters / transposes / casts
 tensor by tensor, and streams the target: at most one tensor's data is in memory at a time.
-Inline ``.onnx`` files too: a weights-only model is written field by field and an ``.onnx``
-source is read through a map (:mod:`onnxparam.convert._onnx_files`); only ``graph=`` targets
-build the protobuf in memory. Every target is written atomically.
+Inline ``.onnx`` files too: a weights-only model is written field by field, a ``graph=``
+template and an ``.onnx`` source are read through a map, subgraphs (``If`` branches) included,
+and a template's tensors are streamed wherever they sit (:mod:`onnxparam.convert._onnx_files`,
+:mod:`onnxparam.formats._onnx_nested`). A tensor whose bytes the conversion leaves unchanged
+(no cast, no transpose) is copied from the source file to the target by the kernel
+(:mod:`onnxparam.formats._file_range`): no page of it passes through Python. Every target is
+written atomically.
 
 What is kept, per direction:
 
@@ -86,9 +90,10 @@ def _read_burnpack(path: Path) -> _Source:
     from .. import burnpack
 
     bp = burnpack.read(path)
+    where = os.path.abspath(path)
     tensors = [
         _Tensor(e.name, e.dtype, tuple(e.shape), e.param_id, e.to_data, e.scheme, e.bool_store, e.name,
-                (bp.data_offset + e.data_offsets[0], e.nbytes))
+                (bp.data_offset + e.data_offsets[0], e.nbytes), where)
         for e in bp.tensors.values()
     ]
     return _Source(tensors, dict(bp.metadata), dict(bp.scalars), bp)
@@ -96,9 +101,10 @@ def _read_burnpack(path: Path) -> _Source:
 
 def _read_safetensors(path: Path) -> _Source:
     st = read_safetensors(path)
+    where = os.path.abspath(path)
     tensors = [
         _Tensor(name, t.dtype, tuple(t.shape), t.param_id, t.loader, t.scheme, t.bool_store, name,
-                (st.data_start + t.data_offsets[0], t.data_offsets[1] - t.data_offsets[0]))
+                (st.data_start + t.data_offsets[0], t.data_offsets[1] - t.data_offsets[0]), where)
         for name, t in st.tensors.items()
     ]
     return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
@@ -109,17 +115,22 @@ def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
 
     checkpoint = read_pytorch(path, top_level_key=top_level_key)
     tensors, problems = [], []
-    for name, array in checkpoint.tensors.items():
+    where = os.path.abspath(path)
+    lazy = checkpoint.tensors
+    for name in lazy:
         try:
-            dtype = dtype_from_numpy(array.dtype)
+            dtype = dtype_from_numpy(lazy.dtype(name))
         except ValueError as exc:
             problems.append(f"'{name}': {exc}")
             continue
+        shape = tuple(int(d) for d in lazy.shape(name))
 
-        def load(_array=array, _dtype=dtype):
-            return TensorData(_array, _dtype, tuple(_array.shape))
+        def load(_name=name, _dtype=dtype, _shape=shape):  # NOTE: a strided tensor is copied only here
+            return TensorData(lazy[_name], _dtype, _shape)
 
-        tensors.append(_Tensor(name, dtype, tuple(int(d) for d in array.shape), None, load, source_name=name))
+        in_file = lazy.file_slice(name)
+        tensors.append(_Tensor(name, dtype, shape, None, load, source_name=name, file_slice=in_file,
+                               source_path=where if in_file is not None else None))
     if problems:
         raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype Burn has no dtype for", problems)
     notes = [f"not a tensor, left out: '{name}'" for name in checkpoint.skipped]
@@ -158,9 +169,11 @@ def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> N
         raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
     readers = [(src, source.external_files)]
     if isinstance(graph, (str, os.PathLike)):
-        from ..onnx_io._source import load_model
+        from ._onnx_files import _load_template
 
-        readers.append((Path(graph), _external_data_files(load_model(graph).model)))
+        if target == os.path.realpath(graph):
+            raise ValueError(f"the target and the graph template are the same file '{graph}'; write to another file")
+        readers.append((Path(graph), _external_data_files(_load_template(graph))))
     for model, files in readers:
         if target in files:
             raise ValueError(
@@ -380,7 +393,7 @@ def _write_burnpack(dst: Path, tensors: list, metadata: dict, scalars: dict) -> 
 
     entries = (
         burnpack.TensorEntry(t.name, t.dtype, t.shape, t.loader, None if t.param_id is None else int(t.param_id),
-                             t.bool_store if t.dtype is DType.Bool else None, t.scheme)
+                             t.bool_store if t.dtype is DType.Bool else None, t.scheme, t.file_range())
         for t in tensors
     )
     burnpack.write(dst, entries, metadata=metadata, scalars=scalars)

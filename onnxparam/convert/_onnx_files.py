@@ -47,12 +47,12 @@ of it, so ``.bpk -> .onnx -> .bpk`` stays lossless for every name."""
 
 def _load_mapped(path: Path):
     """``path`` as an ``onnx_ir.Model`` whose inline weights are external-data views of the file
-    itself (:func:`onnxparam.formats._onnx_stream.read_onnx_mapped`), validated as
+    itself (:func:`onnxparam.formats.read_onnx_mapped`), validated as
     :func:`onnxparam.onnx_io._source.load_model` validates any model."""
     import onnx_ir as ir
 
     from ..errors import OnnxFormatError
-    from ..formats._onnx_stream import read_onnx_mapped
+    from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
     if not path.is_file():
@@ -73,7 +73,8 @@ def _read_onnx(path: Path) -> _Source:
     from ..onnx_io._records import read_onnx_record
 
     model = _load_mapped(path)
-    record = _read_weights_only(model, str(path)) if _is_weights_only(model) else read_onnx_record(model)
+    slices: dict = {}
+    record = _read_weights_only(model, str(path), slices) if _is_weights_only(model) else read_onnx_record(model)
     metadata = dict(record.metadata)
     raw_scalars = metadata.pop(SCALARS_KEY, None)
     scalars = {}
@@ -82,7 +83,9 @@ def _read_onnx(path: Path) -> _Source:
             scalars = _decode_scalars(path, json.loads(raw_scalars))
         except ValueError as exc:
             raise RecordError(f"'{path}': the recorded scalars are not valid JSON ({exc})") from None
-    tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name)
+    where = os.path.abspath(path)
+    tensors = [_Tensor(name, s.dtype, tuple(s.shape), s.param_id, s.loader, s.scheme, None, name, slices.get(name),
+                       where if name in slices else None)
                for name, s in record.items()]
     itself = frozenset({os.path.realpath(path)})
     return _Source(tensors, metadata, scalars, external_files=_external_data_files(model) - itself)
@@ -121,9 +124,13 @@ def _is_weights_only(model) -> bool:
     return fed == set(graph.initializers)
 
 
-def _read_weights_only(model, source: str) -> ModuleRecord:
+def _read_weights_only(model, source: str, slices: "dict | None" = None) -> ModuleRecord:
     """Every initializer of a weights-only model, in order. (The ONNX bridge's weight rules
-    leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)"""
+    leave small integer / bool and 0-d initializers in a *graph*; here each one is a tensor.)
+
+    ``slices``, when given, receives ``name -> (offset, byte count)`` for each tensor whose
+    bytes lie in the file ``source`` itself as every target stores them (``raw_data`` mapped
+    by :func:`_load_mapped`, the element type Burn's dtype writes back)."""
     from ..onnx_io import _metadata as md
     from ..onnx_io._naming import onnx_name_to_path
     from ..onnx_io._weights import burn_dtype, tensor_data
@@ -144,12 +151,33 @@ def _read_weights_only(model, source: str) -> ModuleRecord:
         if name in items:
             raise RecordError(f"{source}: two initializers are read as the tensor {name!r} (one is {value.name!r}); "
                               f"remove or fix the {SOURCE_NAME_KEY!r} metadata of one")
-        items[name] = TensorSnapshot(
-            dtype, tuple(int(d) for d in tensor.shape.numpy()), meta.param_id,
-            lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
+        shape = tuple(int(d) for d in tensor.shape.numpy())
+        items[name] = TensorSnapshot(dtype, shape, meta.param_id, lambda _t=tensor, _d=dtype: tensor_data(_t, _d))
+        if slices is not None:
+            where = _slice_in_file(tensor, dtype, shape, source)
+            if where is not None:
+                slices[name] = where
     props = model.metadata_props
     record_meta = {k[len(md.RECORD_PREFIX):]: v for k, v in props.items() if k.startswith(md.RECORD_PREFIX)}
     return ModuleRecord(items, record_meta)
+
+
+def _slice_in_file(tensor, dtype: DType, shape: tuple, source: str):
+    """``(offset, length)`` of an external tensor's bytes in ``source`` itself, when they are
+    the bytes the tensor's Burn dtype stores (same element type, little-endian, exact length)."""
+    import onnx_ir as ir
+
+    if not isinstance(tensor, ir.ExternalTensor) or dtype is DType.Bool or tensor.offset is None:
+        return None
+    if dtype.to_onnx() != int(tensor.dtype.value) or os.path.realpath(tensor.path) != os.path.realpath(source):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    length = n * dtype.itemsize
+    if tensor.length is not None and tensor.length != length:
+        return None
+    return int(tensor.offset), length
 
 
 # -- ONNX targets -------------------------------------------------------------------------------
@@ -178,9 +206,7 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
     if graph is not None:
-        from ..onnx_io._records import write_record_to_onnx
-
-        write_record_to_onnx(record, graph, dst, allow_partial=allow_partial, external_data=external_data)
+        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data)
         return
     if not external_data and (external_data is not None or _total_bytes(tensors) < _STREAM_LIMIT):
         _write_weights_only_streamed(dst, tensors, record.metadata)
@@ -189,6 +215,38 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
 
     model = _weights_only_model(tensors, record.metadata, lambda t, onnx_name, props: _lazy_tensor(t, onnx_name, props))
     save_model(model, dst, external_data=external_data)
+
+
+def _load_template(graph):
+    """A ``graph=`` template: a path is read through a map (:func:`_load_mapped`: its inline
+    weights, subgraphs' too, stay in the file until read); a model is taken as it is."""
+    return _load_mapped(Path(graph)) if isinstance(graph, (str, os.PathLike)) else graph
+
+
+def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_partial: bool,
+                      external_data) -> None:
+    """``graph`` (a template path or model) with its weights replaced by ``tensors``, written as
+    :func:`onnxparam.onnx_io.save_model` writes (inline: streamed, subgraphs included). A tensor
+    whose bytes lie unchanged in its source file becomes an external reference to them for the
+    time of the write, so the inline writer copies them file to file; the others are computed
+    one at a time."""
+    import onnx_ir as ir
+
+    from ..onnx_io._records import _lazy_tensor, weights_into_graph
+    from ..onnx_io._save import DEFAULT_ALIGNMENT_BYTES, save_model
+    from ..onnx_io._weights import INITIALIZER
+
+    def make_tensor(t: _Tensor, site, props: dict):
+        in_file = t.file_range() if site.kind == INITIALIZER else None
+        if in_file is not None and int(site.tensor.dtype) == t.dtype.to_onnx() and in_file.nbytes == _nbytes(t):
+            return ir.ExternalTensor(in_file.path, in_file.offset, in_file.nbytes, site.tensor.dtype,
+                                     shape=ir.Shape(site.shape), name=site.name, metadata_props=props)
+        return _lazy_tensor(t.snapshot(), site, props)
+
+    source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
+                               make_tensor=make_tensor, metadata=record_meta, source=source)
+    save_model(model, dst, external_data=external_data, alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
 
 
 _STREAM_LIMIT = (1 << 31) - (64 << 20)
@@ -216,6 +274,7 @@ def _write_weights_only_streamed(dst: Path, tensors: list, record_meta: dict) ->
     their ``metadata_props``, so only one tensor's bytes are in memory at a time."""
     import onnx_ir as ir
 
+    from ..formats._file_range import file_range_of
     from ..formats._onnx_stream import StreamedTensor, write_onnx_streamed
 
     def placeholder(t: _Tensor, onnx_name: str, props: dict):
@@ -226,7 +285,8 @@ def _write_weights_only_streamed(dst: Path, tensors: list, record_meta: dict) ->
     initializers = list(proto.graph.initializer)
     del proto.graph.initializer[:]
     streamed = [
-        StreamedTensor(init.name, init.data_type, tuple(init.dims), lambda _t=t: _t.to_data().to_numpy(), _nbytes(t),
+        StreamedTensor(init.name, init.data_type, tuple(init.dims),
+                       file_range_of(t) or (lambda _t=t: _t.to_data().to_numpy()), _nbytes(t),
                        tuple((p.key, p.value) for p in init.metadata_props))
         for init, t in zip(initializers, tensors)
     ]
@@ -354,8 +414,9 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
         report.notes.append(f"'{site.path}' is held by a Constant node: its data is copied into the model")
         return ir.Tensor(t.to_data().to_numpy(), dtype=site.tensor.dtype, name=site.name)
 
-    model = weights_into_graph({t.name: t for t in tensors}, graph, allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta)
+    source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
+                               make_tensor=make_tensor, metadata=record_meta, source=source)
     # Other external tensors of the graph point at files beside the *old* model: bring them in.
     for g in iter_graphs(model.graph):
         for value in g.initializers.values():

@@ -192,7 +192,8 @@ def apply_record(
                      f"{_shape(snap.shape)}" + _shape_hint(expected_shape, tuple(snap.shape), path, report))
         elif not _dtype_fits(expected_dtype, snap.dtype):
             error = (f"dtype mismatch for {where}: the module expects {expected_dtype.name}, {has} "
-                     f"{snap.dtype.name}; pass cast='module' to convert it to the module's dtype")
+                     f"{snap.dtype.name}; convert it to the module's dtype with "
+                     f"onnxparam.convert.apply_record(module, record, cast='module') (or a load_* function's cast=)")
         if error is not None:
             problems.append(error)
             report.errors.append(error)
@@ -404,7 +405,7 @@ def load_pytorch(
     from ..formats._pytorch import read_pytorch
 
     checkpoint = read_pytorch(path, top_level_key=top_level_key)
-    record = as_record(checkpoint.tensors)
+    record = _lazy_record(checkpoint.tensors)
     report = LoadReport() if report is None else report
     try:
         return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
@@ -412,6 +413,24 @@ def load_pytorch(
                             source=str(path), report=report)
     finally:
         report.skipped.extend(f"{name} (not a tensor)" for name in checkpoint.skipped)
+
+
+def _lazy_record(tensors) -> ModuleRecord:
+    """A record of a checkpoint's :class:`~onnxparam.formats.CheckpointTensors` whose
+    snapshots look each tensor up only when its data is read (a strided one is copied then)."""
+    from ..dtype import dtype_from_numpy
+    from ..tensor import TensorData
+
+    snapshots = {}
+    for name in tensors:
+        try:
+            dtype = dtype_from_numpy(tensors.dtype(name))
+        except ValueError as exc:
+            raise RecordError(f"record entry '{name}': {exc}") from None
+        shape = tuple(int(d) for d in tensors.shape(name))
+        snapshots[name] = TensorSnapshot(dtype, shape, None,
+                                         lambda _n=name, _d=dtype, _s=shape: TensorData(tensors[_n], _d, _s))
+    return ModuleRecord(snapshots)
 
 
 def load_onnx(module, path: "str | os.PathLike", *, adapter=None, remap=None, include=None, exclude=None,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..dtype import DType
+from ..formats._file_range import FileRange
 from ..param import ParamId
 from ..record import TensorSnapshot
 from ..tensor import TensorData
@@ -27,6 +28,16 @@ class _Tensor:
     source_name: str = ""
     file_slice: Optional[tuple] = None
     """``(absolute offset, byte count)`` in the source file; ``None`` once the data is transformed."""
+    source_path: Optional[str] = None
+    """The source file, when ``file_slice`` holds the tensor's bytes exactly as every target
+    stores them (row-major, little-endian): then writers copy them file to file."""
+
+    def file_range(self) -> Optional[FileRange]:
+        """The tensor's bytes in the source file (:mod:`onnxparam.formats._file_range`), or
+        ``None`` when they must be produced (transformed, or a ``Bool``, whose stores differ)."""
+        if self.file_slice is None or self.source_path is None or self.dtype is DType.Bool:
+            return None
+        return FileRange(self.source_path, int(self.file_slice[0]), int(self.file_slice[1]))
 
     def to_data(self) -> TensorData:
         return self.loader()

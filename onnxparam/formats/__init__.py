@@ -10,7 +10,12 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
   field, so peak memory stays near one tensor.
 * ``._names``: tensor-name rewriting (``KeyRemapper``, ``map_indices_contiguous``), the one
   implementation the ``.pt`` reader, the loaders and the converter share.
-* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`._onnx_stream`.
+* ``._onnx_nested``: the tensors of every graph of a serialized model (subgraphs, ``Constant``
+  values) rewritten in place: placeholders given their bytes, inline bytes mapped
+  (:func:`read_onnx_mapped`).
+* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`._onnx_nested`.
+* ``._file_range``: tensor bytes copied file to file by the kernel when a conversion leaves them
+  unchanged.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
 
@@ -19,9 +24,10 @@ import importlib
 _NAMES = {
     "SafetensorsFile": "._safetensors", "SafetensorsTensor": "._safetensors",
     "read_safetensors": "._safetensors", "write_safetensors": "._safetensors",
-    "PytorchCheckpoint": "._pytorch", "read_pytorch": "._pytorch", "pytorch_record": "._pytorch",
+    "PytorchCheckpoint": "._pytorch", "CheckpointTensors": "._pytorch", "read_pytorch": "._pytorch",
+    "pytorch_record": "._pytorch",
     "StreamedTensor": "._onnx_stream", "write_onnx_streamed": "._onnx_stream",
-    "read_onnx_streamed": "._onnx_stream", "read_onnx_mapped": "._onnx_stream",
+    "read_onnx_streamed": "._onnx_stream", "read_onnx_mapped": "._onnx_nested",
     "KeyRemapper": "._names", "map_indices_contiguous": "._names",
 }
 """Each public name and its module, imported on first use: the burnpack reader imports

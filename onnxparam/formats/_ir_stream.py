@@ -1,78 +1,92 @@
 """Write an ``onnx_ir`` model with inline weights without building its protobuf in memory.
 
-:func:`save_inline` serializes the model's *structure* with each main-graph initializer replaced
-by a placeholder (an external reference, no data), then hands the structure and the
-initializers to :func:`onnxparam.formats._onnx_stream.write_onnx_streamed`, which writes the
-lengths first and then each tensor's bytes, one tensor in memory at a time. The bytes equal
-``onnx.save(ir.serde.serialize_model(model))`` (protobuf's field order is kept; the test checks
-it). Initializers parsed from a protobuf are written as they are, in the structure; when such an
-initializer (or one the streamed writer cannot write: a doc string, string data) would come
-after a streamed one, the whole model is written the ordinary way, to keep the order.
+:func:`save_inline` serializes the model's *structure* with each tensor it streams replaced by a
+placeholder (an external reference, no data) — the initializers of the main graph and of every
+subgraph (``If`` / ``Loop`` / ``Scan`` bodies) and the tensor attributes (``Constant`` values) —
+then :func:`onnxparam.formats._onnx_nested.write_with_tensors` writes the structure with each
+placeholder's ``raw_data`` in place, one tensor's bytes at a time (the lengths around it follow
+from the sizes). The bytes equal ``onnx.save(ir.serde.serialize_model(model))`` with external
+tensors read in (protobuf's field order is kept; the test checks it).
+
+Streamed: computed / lazy / numpy-backed tensors (evaluated one at a time, while written) and
+external tensors (their file range copied by the kernel,
+:mod:`onnxparam.formats._file_range`). Tensors parsed from a protobuf (already in memory),
+string tensors and tensors with a doc string stay in the structure as they are.
 """
 
 from __future__ import annotations
 
 import os
 
-import onnx
+import numpy as np
 import onnx_ir as ir
 
 __all__ = ["save_inline"]
 
-_PLACEHOLDER = "onnxparam-streamed-placeholder"
-_STREAMED_FIELDS = {"dims", "data_type", "name", "external_data", "data_location", "metadata_props"}
-
 
 def _streamable(tensor) -> bool:
     # NOTE: a tensor parsed from a protobuf (TensorProtoTensor) is already in memory and is
-    # written verbatim by onnx_ir (typed fields kept); only computed / lazy / numpy-backed
-    # tensors are streamed.
-    return (tensor is not None and not isinstance(tensor, (ir.ExternalTensor, ir.serde.TensorProtoTensor))
+    # written verbatim by onnx_ir (typed fields kept).
+    return (tensor is not None and not isinstance(tensor, ir.serde.TensorProtoTensor)
             and tensor.dtype != ir.DataType.STRING and not tensor.doc_string)
 
 
-def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
-    """Write ``model`` with every tensor inside the protobuf, streaming the initializers' bytes.
+def _data(tensor):
+    """The raw_data source of ``tensor``: a file range for an external tensor, else a callable
+    giving its bytes (a little-endian array when numpy holds them as ONNX does: no copy)."""
+    if isinstance(tensor, ir.ExternalTensor):
+        from ._file_range import FileRange
 
-    The model is not changed (initializers are swapped for placeholders while the structure is
+        length = tensor.length if tensor.length is not None else tensor.nbytes
+        return FileRange(os.fspath(tensor.path), int(tensor.offset or 0), int(length))
+
+    def produce(_t=tensor):
+        if _t.dtype.bitwidth >= 8:
+            array = _t.numpy()
+            if isinstance(array, np.ndarray) and array.nbytes == _t.nbytes:
+                return array
+        return _t.tobytes()  # NOTE: sub-byte types are packed two (or four) to a byte
+
+    return produce
+
+
+def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
+    """Write ``model`` with every tensor inside the protobuf, streaming the tensors' bytes.
+
+    The model is not changed (tensors are swapped for placeholders while the structure is
     serialized, then put back). Lazy tensors are evaluated one at a time, while written.
 
     Raises:
         OnnxFormatError: the file would reach protobuf's 2 GiB limit.
+        RecordError: an external tensor's file is missing or shorter than the tensor.
         Exception: whatever a lazy tensor's function raises, as it raised it.
     """
-    from ._onnx_stream import StreamedTensor, write_onnx_streamed
+    from ._onnx_nested import PLACEHOLDER_PREFIX, write_with_tensors
+    from ._onnx_stream import MAX_PROTOBUF_BYTES, StreamedTensor
 
-    values = [v for v in model.graph.initializers.values() if _streamable(v.const_value)]
-    originals = {id(v): v.const_value for v in values}
+    data: dict[str, StreamedTensor] = {}
+    restore = []
+
+    def placeholder(t):
+        key = str(len(data))
+        data[key] = StreamedTensor(t.name or "", int(t.dtype), tuple(t.shape.numpy()), _data(t), int(t.nbytes))
+        return ir.ExternalTensor(PLACEHOLDER_PREFIX + key, 0, int(t.nbytes), t.dtype, shape=t.shape, name=t.name,
+                                 metadata_props=dict(t.metadata_props))
+
     try:
-        for v in values:
-            t = v.const_value
-            v.const_value = ir.ExternalTensor(_PLACEHOLDER, 0, t.nbytes, t.dtype, shape=t.shape, name=t.name,
-                                              metadata_props=dict(t.metadata_props))
-        proto = ir.serde.serialize_model(model)
+        for graph in model.graphs():
+            for value in graph.initializers.values():
+                t = value.const_value
+                if _streamable(t):
+                    value.const_value = placeholder(t)
+                    restore.append(lambda _v=value, _t=t: setattr(_v, "const_value", _t))
+            for node in graph:
+                for name, attr in list(node.attributes.items()):
+                    if not attr.is_ref() and attr.type == ir.AttributeType.TENSOR and _streamable(attr.value):
+                        node.attributes[name] = ir.AttrTensor(name, placeholder(attr.value))
+                        restore.append(lambda _n=node, _k=name, _a=attr: _n.attributes.__setitem__(_k, _a))
+        structure = ir.serde.serialize_model(model).SerializeToString()
     finally:
-        for v in values:
-            v.const_value = originals[id(v)]
-    by_name = {v.name: originals[id(v)] for v in values}
-    inits = list(proto.graph.initializer)
-    placeholders = [_is_placeholder(t) for t in inits]
-    # NOTE: the streamed writer appends its tensors after the model's own initializers: stream
-    # only when every placeholder comes after every ordinary initializer (the usual case: all).
-    first = placeholders.index(True) if True in placeholders else len(inits)
-    if not all(placeholders[first:]) or any(
-            {f.name for f, _ in t.ListFields()} - _STREAMED_FIELDS for t in inits[first:]):
-        onnx.save(ir.serde.serialize_model(model), os.fspath(path))
-        return
-    streamed = [
-        StreamedTensor(t.name, t.data_type, tuple(t.dims), lambda _t=by_name[t.name]: _t.tobytes(),
-                       by_name[t.name].nbytes, tuple((p.key, p.value) for p in t.metadata_props))
-        for t in inits[first:]
-    ]
-    del proto.graph.initializer[first:]
-    write_onnx_streamed(path, proto, streamed)
-
-
-def _is_placeholder(t: onnx.TensorProto) -> bool:
-    return t.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == "location" and e.value == _PLACEHOLDER for e in t.external_data)
+        for undo in reversed(restore):
+            undo()
+    write_with_tensors(path, structure, data, max_bytes=MAX_PROTOBUF_BYTES)

@@ -44,8 +44,9 @@ from google.protobuf.message import DecodeError
 
 from .._scratch import atomic_output
 from ..errors import OnnxFormatError
+from ._file_range import FileRange, copy_range
 
-__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "read_onnx_mapped", "MAX_PROTOBUF_BYTES"]
+__all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "MAX_PROTOBUF_BYTES"]
 
 MAX_PROTOBUF_BYTES = 2**31 - 1
 """Protobuf cannot parse a message of 2 GiB or more (a signed 32-bit length): onnx.load and ONNX
@@ -56,7 +57,7 @@ _GRAPH_INITIALIZER_FIELD = 5
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
 _COPY_CHUNK_BYTES = 16 << 20  # NOTE: bounded slices keep a lazily mapped source from being paged in all at once
 
-Source = Union[np.ndarray, bytes, bytearray, memoryview]
+Source = Union[np.ndarray, bytes, bytearray, memoryview, FileRange]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +69,9 @@ class StreamedTensor:
         data_type: an ``onnx.TensorProto.DataType`` value (``TensorProto.FLOAT`` ...).
         dims: the shape.
         data: the raw_data bytes — a numpy array (written C-ordered, little-endian), any
-            bytes-like object, or a zero-argument callable returning one (called once, when the
-            tensor is written, so a conversion can be deferred until then).
+            bytes-like object, a :class:`~onnxparam.formats._file_range.FileRange` (bytes of
+            another file, copied by the kernel), or a zero-argument callable returning one
+            (called once, when the tensor is written, so a conversion can be deferred until then).
         nbytes: the byte length of ``data``; required when ``data`` is a callable, otherwise
             taken from ``data``.
         metadata_props: ``(key, value)`` string pairs of the ``TensorProto``'s
@@ -88,7 +90,7 @@ class StreamedTensor:
             return self.nbytes
         if callable(self.data):
             raise OnnxFormatError(f"initializer '{self.name}': nbytes is required when data is a callable")
-        if isinstance(self.data, np.ndarray):
+        if isinstance(self.data, (np.ndarray, FileRange)):
             return self.data.nbytes
         return memoryview(self.data).nbytes
 
@@ -237,6 +239,12 @@ _LITTLE = np.little_endian
 
 def _copy_data(out, tensor: StreamedTensor) -> None:
     data = tensor.data() if callable(tensor.data) else tensor.data
+    if isinstance(data, FileRange):
+        if data.nbytes != tensor.byte_length():
+            raise OnnxFormatError(f"initializer '{tensor.name}': the file range holds {data.nbytes} bytes, "
+                                  f"{tensor.byte_length()} were announced")
+        copy_range(out, data)
+        return
     view = _buffer(data)
     if view.nbytes != tensor.byte_length():
         # NOTE: the lengths before this tensor are written already; the scratch file is discarded.
@@ -383,55 +391,6 @@ def _simple_tensor(view: memoryview, pos: int, end: int) -> StreamedTensor | Non
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
-    """The model of an inline ``.onnx`` file with each ``raw_data`` initializer of its main graph
-    turned into an *external-data reference into the file itself*, in place and in order.
-
-    The file is walked in a read-only map (nothing is copied but the small fields): an
-    initializer's ``raw_data`` (field 9) is replaced by ``external_data`` (field 13:
-    ``location`` = the file's name, ``offset`` = where its bytes start in the file, ``length``)
-    and ``data_location = EXTERNAL`` (field 14). ``onnx_ir`` then reads each tensor as a view
-    of a map of the file when (and if) it is needed (set the model's base folder to the file's
-    folder), so reading a 1 GiB model costs its structure, not 2 GiB of protobuf and copies.
-    Initializer order, names, metadata and every other field are kept as they are.
-
-    Raises:
-        OnnxFormatError: the file is not a protobuf ``ModelProto`` (truncated, bad lengths) or
-            holds no graph.
-    """
-    path = os.fspath(path)
-    location = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except OSError as e:
-        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    view = memoryview(mapped)
-    try:
-        model_out, found_graph = bytearray(), False
-        for field, wire, start, value_start, end in _walk(view, 0, len(view)):
-            if field != _MODEL_GRAPH_FIELD or wire != _WIRE_LEN:
-                model_out += view[start:end]
-                continue
-            found_graph = True
-            graph_out = bytearray()
-            for g_field, g_wire, g_start, g_value, g_end in _walk(view, value_start, end):
-                if g_field == _GRAPH_INITIALIZER_FIELD and g_wire == _WIRE_LEN:
-                    graph_out += _len_field(_GRAPH_INITIALIZER_FIELD, _external_tensor(view, g_value, g_end, location))
-                else:
-                    graph_out += view[g_start:g_end]
-            model_out += _len_field(_MODEL_GRAPH_FIELD, bytes(graph_out))
-        model = onnx.ModelProto.FromString(bytes(model_out))
-    except (IndexError, ValueError, UnicodeDecodeError, DecodeError) as e:
-        raise OnnxFormatError(
-            f"{path}: not a valid ONNX protobuf ({type(e).__name__}: {e}); the file may be truncated"
-        ) from None
-    if not found_graph:
-        raise OnnxFormatError(f"{path}: holds no ONNX graph (ModelProto field {_MODEL_GRAPH_FIELD}); is it an .onnx file?")
-    return model
 
 
 def _external_tensor(view: memoryview, pos: int, end: int, location: str) -> bytes:

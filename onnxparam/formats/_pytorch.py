@@ -13,7 +13,8 @@ partial loading).
 
 The file is mapped, not read: a tensor that is a contiguous slice of its storage is a read-only
 view of the map (the map stays open while such an array lives); strided tensors (transposes,
-``expand``'s zero strides, every other non-contiguous view) are copied out C-contiguous.
+``expand``'s zero strides, every other non-contiguous view) are copied out C-contiguous when
+they are looked up (:class:`CheckpointTensors`), one at a time, never all at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import math
 import os
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +35,7 @@ from ._names import KeyRemapper, map_indices_contiguous
 from ._torch_archive import StorageBytes, open_checkpoint
 from ._torch_pickle import TensorRef
 
-__all__ = ["PytorchCheckpoint", "read_pytorch", "pytorch_record", "MAX_EXPANDED_BYTES"]
+__all__ = ["PytorchCheckpoint", "CheckpointTensors", "read_pytorch", "pytorch_record", "MAX_EXPANDED_BYTES"]
 
 MAX_EXPANDED_BYTES = 1 << 30
 """The largest copy of a view that is *bigger than its storage* (zero strides from ``expand``,
@@ -48,7 +50,8 @@ class PytorchCheckpoint:
 
     Attributes:
         tensors: dotted name -> read-only numpy array, in the file's order (the pickle's dict
-            order). Shape and dtype are torch's (``torch.bfloat16`` -> ``ml_dtypes.bfloat16``,
+            order): a :class:`CheckpointTensors` mapping (strided tensors are copied when
+            looked up; shapes and dtypes are known without reading). Shape and dtype are torch's (``torch.bfloat16`` -> ``ml_dtypes.bfloat16``,
             ``torch.bool`` -> ``bool``, ``torch.uint16`` -> ``uint16`` ...); PyTorch layouts
             are kept (``nn.Linear.weight`` is ``(out, in)``).
         skipped: dotted paths of values that are not tensors (an epoch int, optimizer
@@ -65,7 +68,7 @@ class PytorchCheckpoint:
             native order either way.
     """
 
-    tensors: Mapping[str, np.ndarray]
+    tensors: "CheckpointTensors"
     skipped: list[str]
     excluded: list[str]
     tied: list[tuple[str, ...]]
@@ -231,23 +234,95 @@ def _rename(path: str, refs: dict[str, TensorRef], new_names: list[str]) -> dict
 # -- bytes -----------------------------------------------------------------------------------
 
 
+class CheckpointTensors(Mapping):
+    """The tensors of a checkpoint: ``name -> read-only numpy array``, in the file's order.
+
+    Nothing is copied when the checkpoint is read. A tensor that is a contiguous slice of its
+    storage is a view of the mapped file; any other (a transpose, ``expand``'s zero strides, a
+    big-endian file, a ``conj`` / ``neg`` view) is copied out C-contiguous *when it is looked
+    up*, and the copy is held only as long as the caller holds it (so converting or inspecting a
+    checkpoint of strided tensors holds one copy at a time). Names of one tensor (tied weights)
+    give the same array object while it is alive. Bounds were checked when the file was read.
+    """
+
+    def __init__(self, views: dict[str, "_View"]):
+        self._views = views
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._views[name].array()
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, without reading its data."""
+        return tuple(self._views[name].ref.size)
+
+    def dtype(self, name: str) -> np.dtype:
+        """The numpy dtype (native byte order) of the tensor, without reading its data."""
+        return self._views[name].ref.dtype
+
+    def file_slice(self, name: str) -> tuple[int, int] | None:
+        """``(offset, byte count)`` of the tensor's bytes in the file when they are its value as
+        it is (contiguous, little-endian, not a ``conj`` / ``neg`` view, stored uncompressed);
+        ``None`` otherwise."""
+        return self._views[name].file_slice
+
+    def is_lazy_copy(self, name: str) -> bool:
+        """Whether looking the tensor up copies it (a strided or converted view)."""
+        return self._views[name].view is None
+
+
+class _View:
+    """One distinct tensor view of a storage: a ready array (a view of the map) or the recipe of
+    the copy :meth:`array` makes on demand."""
+
+    def __init__(self, ref: TensorRef, raw: memoryview, byteorder: str, file_offset: int | None):
+        self.ref, self.raw, self.byteorder = ref, raw, byteorder
+        self.view: np.ndarray | None = None
+        self.file_slice: tuple[int, int] | None = None
+        self._copy: weakref.ref | None = None
+        numel = math.prod(ref.size)
+        plain = byteorder == "little" and not ref.conj and not ref.neg
+        if numel and plain and _is_contiguous(ref.size, ref.stride):
+            dtype = ref.dtype
+            flat = np.frombuffer(raw, dtype=dtype, count=len(raw) // dtype.itemsize)
+            self.view = _read_only(flat[ref.offset : ref.offset + numel].reshape(ref.size))
+            if file_offset is not None:
+                self.file_slice = (file_offset + ref.offset * dtype.itemsize, numel * dtype.itemsize)
+
+    def array(self) -> np.ndarray:
+        if self.view is not None:
+            return self.view
+        held = self._copy() if self._copy is not None else None
+        if held is None:
+            held = _copy_out(self.ref, self.raw, self.byteorder)
+            self._copy = weakref.ref(held)
+        return held
+
+
 def _materialize(
     path: str, refs: dict[str, TensorRef], storage_bytes: StorageBytes, byteorder: str
-) -> tuple[dict[str, np.ndarray], list[tuple[str, ...]], list[tuple[str, ...]]]:
-    arrays: dict[tuple, np.ndarray] = {}
+) -> tuple[CheckpointTensors, list[tuple[str, ...]], list[tuple[str, ...]]]:
+    views: dict[tuple, _View] = {}
     by_view: dict[tuple, list[str]] = {}
     by_storage: dict[str, set[tuple]] = {}
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, _View] = {}
     problems = []
     for name, ref in refs.items():
         view = (ref.storage.key, ref.offset, ref.size, ref.stride, ref.dtype.str, ref.conj, ref.neg)
-        if view not in arrays:
+        if view not in views:
+            raw = storage_bytes(ref.storage)
             try:
-                arrays[view] = _array(path, name, ref, storage_bytes(ref.storage), byteorder)
+                _check_view(name, ref, raw, byteorder)
             except _ViewError as e:
                 problems.append(str(e))
                 continue
-        tensors[name] = arrays[view]
+            views[view] = _View(ref, raw, byteorder, storage_bytes.file_offset(ref.storage))
+        tensors[name] = views[view]
         by_view.setdefault(view, []).append(name)
         by_storage.setdefault(ref.storage.key, set()).add(view)
     if problems:
@@ -256,17 +331,16 @@ def _materialize(
     shared = sorted(
         tuple(sorted(n for v in views for n in by_view[v])) for views in by_storage.values() if len(views) > 1
     )
-    return tensors, tied, shared
+    return CheckpointTensors(tensors), tied, shared
 
 
 class _ViewError(Exception):
     pass
 
 
-def _array(path: str, name: str, ref: TensorRef, raw: memoryview, byteorder: str) -> np.ndarray:
-    """Copy (or view) one tensor out of its storage bytes; never reads past them."""
-    dtype = ref.dtype if byteorder == "little" else ref.dtype.newbyteorder(">")
-    itemsize = dtype.itemsize
+def _check_view(name: str, ref: TensorRef, raw: memoryview, byteorder: str) -> None:
+    """Refuse a view that reads past its storage or expands past :data:`MAX_EXPANDED_BYTES`."""
+    itemsize = ref.dtype.itemsize
     problem = shape_problem(ref.size, itemsize)
     if problem is not None:
         raise _ViewError(f"'{name}': {problem}")
@@ -277,32 +351,41 @@ def _array(path: str, name: str, ref: TensorRef, raw: memoryview, byteorder: str
             f"'{name}': shape {ref.size} with stride {ref.stride} would expand {len(raw)} bytes of storage "
             f"'{ref.storage.key}' into {numel * itemsize} bytes (limit {MAX_EXPANDED_BYTES})"
         )
-    if numel == 0:
-        out = np.empty(ref.size, dtype=ref.dtype)
-    else:
+    if numel:
         last = ref.offset + sum((s - 1) * st for s, st in zip(ref.size, ref.stride))
         if last >= available:
             raise _ViewError(
                 f"'{name}': shape {ref.size}, stride {ref.stride}, offset {ref.offset} needs "
                 f"{(last + 1) * itemsize} bytes of storage '{ref.storage.key}', which holds {len(raw)}"
             )
-        flat = np.frombuffer(raw, dtype=dtype, count=available)
-        if _is_contiguous(ref.size, ref.stride):
-            out = flat[ref.offset : ref.offset + numel].reshape(ref.size)
-        else:
-            strided = np.lib.stride_tricks.as_strided(
-                flat[ref.offset :], shape=ref.size, strides=[st * itemsize for st in ref.stride], writeable=False
-            )
-            out = np.ascontiguousarray(strided)
-        if byteorder != "little" or ref.conj or ref.neg:
-            out = out.astype(ref.dtype)  # native byte order; a copy we may modify
-            if ref.conj:
-                out = np.conj(out)
-            if ref.neg:
-                out = np.negative(out)
-    if out.flags.writeable:
-        out.flags.writeable = False
-    return out
+
+
+def _copy_out(ref: TensorRef, raw: memoryview, byteorder: str) -> np.ndarray:
+    """The view's values, C-contiguous, native byte order, a new read-only array (bounds were
+    checked by :func:`_check_view`)."""
+    dtype = ref.dtype if byteorder == "little" else ref.dtype.newbyteorder(">")
+    itemsize = dtype.itemsize
+    if math.prod(ref.size) == 0:
+        return _read_only(np.empty(ref.size, dtype=ref.dtype))
+    flat = np.frombuffer(raw, dtype=dtype, count=len(raw) // itemsize)
+    if _is_contiguous(ref.size, ref.stride):  # NOTE: a 0-d tensor too (as_strided would make it 1-d)
+        out = flat[ref.offset : ref.offset + math.prod(ref.size)].reshape(ref.size)
+    else:
+        out = np.ascontiguousarray(np.lib.stride_tricks.as_strided(
+            flat[ref.offset :], shape=ref.size, strides=[st * itemsize for st in ref.stride], writeable=False))
+    if byteorder != "little" or ref.conj or ref.neg:
+        out = out.astype(ref.dtype)  # native byte order; a copy we may modify
+        if ref.conj:
+            out = np.conj(out)
+        if ref.neg:
+            out = np.negative(out)
+    return _read_only(out)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    if array.flags.writeable:
+        array.flags.writeable = False
+    return array
 
 
 def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:

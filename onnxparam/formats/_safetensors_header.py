@@ -45,20 +45,28 @@ SAFETENSORS_DTYPES: dict[DType, str] = {
     DType.U16: "U16",
     DType.U8: "U8",
     DType.Bool: "BOOL",
+    # ONNX-only float8 types the safetensors format names (its README's dtype list)
+    DType.F8E4M3FN: "F8_E4M3",
+    DType.F8E5M2: "F8_E5M2",
+    DType.F8E8M0FNU: "F8_E8M0",
 }
 """``DType`` -> safetensors dtype name (``Flex32`` has f32 storage; ``QFloat`` is stored as ``U8``
-bytes, see the module docstring)."""
+bytes, see the module docstring). safetensors' ``F8_E4M3`` is the finite-only e4m3 (ONNX
+``FLOAT8E4M3FN``, ``torch.float8_e4m3fn``) and ``F8_E8M0`` the exponent-only e8m0 with NaN
+(``FLOAT8E8M0``, ``torch.float8_e8m0fnu``); the ``fnuz`` variants have no safetensors name."""
 
 DTYPE_FROM_SAFETENSORS: dict[str, DType] = {
     name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype is not DType.Flex32
 }
-"""safetensors dtype name -> ``DType``. Names Burn has no dtype for (``F8_E4M3``, ``C64`` ...)
-are absent and refused when read."""
+"""safetensors dtype name -> ``DType``. The float8 names read as ONNX-only dtypes (see
+:mod:`onnxparam.dtype`); names onnxparam has no dtype for (``C64``, ``F4`` ...) are absent and
+refused when read."""
 
 _WRITE_RANK: dict[str, int] = {
     name: rank
     for rank, name in enumerate(
-        ["BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
+        ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
+         "F64", "I64", "U64"]
     )
 }
 """The order of the ``Dtype`` enum of the Rust ``safetensors`` crate (restricted to the names

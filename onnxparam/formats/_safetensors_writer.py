@@ -18,6 +18,7 @@ from .._snapshot import TensorSnapshot
 from ..dtype import DType
 from ..errors import RecordError
 from ..tensor import TensorData
+from ._file_range import copy_range, file_range_of
 from ._limits import is_utf8_text, tensor_problem
 from ._safetensors_header import (
     DTYPE_FROM_SAFETENSORS,
@@ -66,7 +67,10 @@ def write_safetensors(
         tensors: ``name -> snapshot`` (a :class:`~onnxparam.ModuleRecord` works) or pairs, in
             data order; anything with ``dtype``, ``shape``, ``param_id`` and ``to_data()``,
             and optionally ``scheme`` (``QFloat``) and ``bool_store`` (a burnpack entry works).
-            Data is fetched one tensor at a time, in file order.
+            Data is fetched one tensor at a time, in file order; a snapshot whose
+            ``file_range`` (attribute or method) gives a
+            :class:`~onnxparam.formats._file_range.FileRange` of the right byte count has its
+            bytes copied from that file by the kernel instead.
         metadata: ``str -> str`` written to ``__metadata__`` (keys sorted). Keys starting with
             ``onnxparam.`` are reserved.
         scalars: burnpack scalars to carry (``onnxparam.burnpack.Scalar`` or bool / int /
@@ -144,9 +148,13 @@ def write_safetensors(
         out.write(struct.pack("<Q", len(header_bytes)))
         out.write(header_bytes)
         for p in file_order:
-            raw = _tensor_bytes(p)
-            out.write(raw.data)
-            del raw
+            in_file = file_range_of(p.snapshot)
+            if in_file is not None and in_file.nbytes == p.nbytes and p.snapshot.dtype is not DType.Bool:
+                copy_range(out, in_file)  # the bytes as they are in another file: a kernel copy
+            else:
+                raw = _tensor_bytes(p)
+                out.write(raw.data)
+                del raw
             if progress is not None:
                 progress(p.name, p.nbytes)
     return target

@@ -64,8 +64,27 @@ _PICKLE_ERRORS = (
     struct.error,
 )
 
-StorageBytes = Callable[[StorageRef], memoryview]
-"""Returns a storage's bytes (exactly ``ref.nbytes``) or raises RecordError."""
+class StorageBytes:
+    """``storage_bytes(ref)``: a storage's bytes (exactly ``ref.nbytes``, a read-only view of the
+    map) or a RecordError; :meth:`file_offset` says where they start in the file."""
+
+    def __init__(self, read: Callable[[StorageRef], "tuple[memoryview, int | None]"]):
+        self._read = read
+        self._cache: dict[str, tuple[memoryview, int | None]] = {}
+
+    def _get(self, ref: StorageRef) -> "tuple[memoryview, int | None]":
+        found = self._cache.get(ref.key)
+        if found is None:
+            found = self._cache[ref.key] = self._read(ref)
+        return found
+
+    def __call__(self, ref: StorageRef) -> memoryview:
+        return self._get(ref)[0]
+
+    def file_offset(self, ref: StorageRef) -> "int | None":
+        """The byte of the file where the storage's bytes start; ``None`` when they were
+        decompressed (a zip re-packed with deflate)."""
+        return self._get(ref)[1]
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Any, StorageBytes, str]:
@@ -133,11 +152,7 @@ def _open_zip(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, str]:
         raise RecordError(f"{path}: zip record unreadable ({e}); the file may be truncated") from None
     if byteorder not in ("little", "big"):
         raise RecordError(f"{path}: '{prefix}byteorder' says {byteorder!r}, expected 'little' or 'big'")
-    cache: dict[str, memoryview] = {}
-
-    def storage_bytes(ref: StorageRef) -> memoryview:
-        if ref.key in cache:
-            return cache[ref.key]
+    def storage_bytes(ref: StorageRef) -> tuple[memoryview, int | None]:
         name = f"{prefix}data/{ref.key}"
         info = infos.get(name)
         if info is None:
@@ -149,17 +164,16 @@ def _open_zip(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, str]:
             )
         if info.compress_type == zipfile.ZIP_STORED:
             start = _data_offset(path, mapped, info)
-            view = memoryview(mapped)[start : start + ref.nbytes]
+            return memoryview(mapped)[start : start + ref.nbytes], start
         else:  # NOTE: torch never compresses storages; other zip tools may have re-packed the file.
             try:
                 with zipfile.ZipFile(path) as reopened:  # the handle opened above is closed by now
                     view = memoryview(reopened.read(name))[: ref.nbytes]
             except (zipfile.BadZipFile, EOFError, OSError) as e:
                 raise RecordError(f"{path}: record '{name}' unreadable ({e})") from None
-        cache[ref.key] = view
-        return view
+        return view, None
 
-    return tree, storage_bytes, byteorder
+    return tree, StorageBytes(storage_bytes), byteorder
 
 
 def _data_offset(path: str, mapped: mmap.mmap, info: zipfile.ZipInfo) -> int:
@@ -226,8 +240,8 @@ def _open_legacy(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, st
     if missing:
         raise RecordError(f"{path}: storages {missing} are referenced but not in the storage key list")
 
-    def storage_bytes(ref: StorageRef) -> memoryview:
+    def storage_bytes(ref: StorageRef) -> tuple[memoryview, int]:
         start = offsets[ref.key]
-        return memoryview(mapped)[start : start + ref.nbytes]
+        return memoryview(mapped)[start : start + ref.nbytes], start
 
-    return tree, storage_bytes, "little"
+    return tree, StorageBytes(storage_bytes), "little"

@@ -33,6 +33,7 @@ import onnx_ir as ir
 from ..dtype import DType
 from ..module import named_params
 from ._source import iter_graphs
+from ._value_info import drop_undeclared_initializer_types
 from ._weights import INITIALIZER, find_weights, tensor_data
 
 __all__ = ["source_sites", "session_parts", "export_model", "is_source_valued"]
@@ -408,6 +409,7 @@ def export_model(module, lora: str, input_names=None, output_names=None) -> Opti
                             f"{'inputs' if values is graph.inputs else 'outputs'}")
         for v, name in zip(wanted, names):
             v.name = str(name)
+    drop_undeclared_initializer_types(zip(iter_graphs(source.pristine.graph), iter_graphs(clone.graph)))
     return clone, written
 
 

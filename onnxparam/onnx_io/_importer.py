@@ -23,10 +23,14 @@ graph back (:mod:`~onnxparam.onnx_io._graph_model`).
 Inside a trace (an imported module used by another module's ``forward``),
 :meth:`OnnxModule.forward` re-emits the graph's nodes through :func:`onnxparam.ops._custom` at
 the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow bodies cloned
-with their outer-scope references and weights rewired to the traced values; this path needs
-output ranks the file or ONNX shape inference gives. For it only, model-local functions are
-inlined and ``DequantizeLinear`` weights folded into ``QFloat`` params in a working copy of the
-graph (the source stays as it came in).
+with their outer-scope references and weights rewired to the traced values
+(:mod:`~onnxparam.onnx_io._bodies`). Output ranks come from ONNX shape inference, else the file
+or a probe run (:mod:`~onnxparam.onnx_io._probe`), else stay unknown (see
+:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, optionals or maps are copied
+as they are (:mod:`~onnxparam.onnx_io._opaque`); the inputs of a graph with control flow are
+given the file's declared types (:mod:`~onnxparam.onnx_io._boundary`). For this path only,
+model-local functions are inlined and ``DequantizeLinear`` weights folded into ``QFloat``
+params in a working copy of the graph (the source stays as it came in).
 
 Sibling subgraphs may hold weights of the same name (the later one's path gets a ``__1``
 suffix, see :func:`~onnxparam.onnx_io._weights.find_weights`); sparse initializers import as
@@ -47,6 +51,7 @@ from ..param import Param, ParamId
 from ..quant import _qdq_import
 from ..tensor import Tensor
 from . import _metadata as md
+from ._bodies import wired_subgraph
 from ._graph_model import copy_model
 from ._naming import onnx_name_to_path
 from ._node_rules import (
@@ -57,11 +62,12 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._opaque import emit_opaque, opaque_node
 from ._probe import probed_types
 from ._records import site_metadata
 from ._source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
 from ._sparse import load_densified
-from ._weights import CONSTANT, INITIALIZER, WeightSite, burn_dtype, find_weights, tensor_data
+from ._weights import CONSTANT, WeightSite, burn_dtype, find_weights, tensor_data
 
 __all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
 
@@ -84,7 +90,8 @@ def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
     if quantized is not None:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
-    require_grad = meta.require_grad if meta.require_grad is not None else site.dtype.is_float
+    require_grad = (meta.require_grad if meta.require_grad is not None
+                    else site.dtype.is_float and not site.dtype.is_onnx_only)
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
         return Tensor.from_data(tensor_data(_tensor, _dtype), None if device == CPU else device)
@@ -142,12 +149,6 @@ class _SourceGraph:
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
 
-def _has_qdq_nodes(model: ir.Model) -> bool:
-    """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
-    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
-               for node in model.graph)
-
-
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
 
@@ -160,7 +161,7 @@ class OnnxModule(Module):
     def __init__(self, loaded: LoadedModel, pristine: Optional[ir.Model] = None):
         if pristine is None:
             pristine = loaded.model
-            if _has_qdq_nodes(pristine):
+            if _qdq_import.has_foldable_nodes(pristine):
                 loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
         # DequantizeLinear(int initializer) -> one QFloat weight (in the working copy only)
         _qdq_import.fold_dequantize_weights(loaded.model)
@@ -282,16 +283,21 @@ class OnnxModule(Module):
         Raises:
             TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
             ExecutionError: when ONNX Runtime cannot build or run the graph.
+
+        Every error raised names the imported file (or the in-memory source) and, for a
+        run-time failure, the node (:mod:`~onnxparam.onnx_io._source_errors`).
         """
         from .. import _trace as tr
+        from ._source_errors import naming_source
 
-        if tr.current_tracer() is None:
-            from ._graph_run import _NO_SESSION, run_graph
+        with naming_source(self):
+            if tr.current_tracer() is None:
+                from ._graph_run import _NO_SESSION, run_graph
 
-            result = run_graph(self, self._bind(inputs, named))
-            if result is not _NO_SESSION:
-                return result
-        return Module.__call__(self, *inputs, **named)
+                result = run_graph(self, self._bind(inputs, named))
+                if result is not _NO_SESSION:
+                    return result
+            return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
@@ -335,7 +341,11 @@ class OnnxModule(Module):
                 hold, such as strings; an operator without schema whose output types the file
                 does not declare; an opset the enclosing trace cannot host).
         """
-        outputs, _ = self._run(self._bind(inputs, named))
+        from ._boundary import declared_inputs
+        from ._opaque import check_outputs
+
+        outputs, _ = self._run(declared_inputs(self._source, self._bind(inputs, named)))
+        check_outputs(self._source, outputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _run(self, bound: dict, keep_unused: bool = False) -> tuple[list, dict]:
@@ -349,6 +359,9 @@ class OnnxModule(Module):
         if tracer is None:
             raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
         self._check_opsets(tracer)
+        from ._source_errors import record_scope
+
+        record_scope(tracer, self)
         params = dict(named_params(self))
         env: dict = {}
         graph = self._source.loaded.model.graph
@@ -423,14 +436,16 @@ class OnnxModule(Module):
         attributes: dict[str, Any] = {}
         for name, attr in node.attributes.items():
             if not attr.is_ref() and attr.type == ir.AttributeType.GRAPH:
-                attr = ir.AttrGraph(name, self._subgraph(attr.value, env, params, tracer))
+                attr = ir.AttrGraph(name, wired_subgraph(self, attr.value, env, params, tracer))
             elif not attr.is_ref() and attr.type == ir.AttributeType.GRAPHS:
-                attr = ir.AttrGraphs(name, [self._subgraph(g, env, params, tracer) for g in attr.value])
+                attr = ir.AttrGraphs(name, [wired_subgraph(self, g, env, params, tracer) for g in attr.value])
             attributes[name] = attr
         count = _used_outputs(node, self._source.opsets)
         domain = "" if node.domain == "ai.onnx" else node.domain
         where = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
-        if not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
+        if opaque_node(self._source, node, count):  # sequences, strings ... (see _opaque)
+            result = emit_opaque(self._source, tracer, node, inputs, attributes, count)
+        elif not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
             types = self._declared_types(node, count)
             if types is None:
                 raise TraceError(
@@ -442,16 +457,23 @@ class OnnxModule(Module):
         else:
             try:
                 result = self._custom(tracer, node, domain, inputs, attributes, count, None, where)
+                error = None
             except TraceError as e:
+                result, error = None, e
+            if result is None or not all(t.rank_known for t in _as_list(result)):
                 # Node-level inference sees only this node; the whole-graph inference of the
                 # source (data propagated through Shape/Concat ...) may know more (an Expand
                 # whose shape is computed has no rank otherwise).
                 types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
                          or probed_types(self._source, node, count, env))
-                if types is None:
-                    raise TraceError(f"{where} of the imported ONNX graph: {e}") from e
-                result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
-        results = result if isinstance(result, (list, tuple)) else [result]
+                if types is None and error is not None:
+                    raise TraceError(f"{where} of the imported ONNX graph: {error}") from error
+                if types is not None:
+                    if result is not None:  # emitted with an unknown rank: again, typed
+                        made = _as_list(result)[0]._symbol.value.producer()
+                        made.graph.remove(made, safe=True)
+                    result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
+        results = _as_list(result)
         for v, t in zip(node.outputs, results):
             if v.name:
                 env[id(v)] = (v, t)
@@ -462,7 +484,7 @@ class OnnxModule(Module):
         from .. import ops
 
         try:
-            if _CUSTOM_KEYWORDS & attributes.keys():
+            if _CUSTOM_KEYWORDS & attributes.keys() or any(isinstance(x, ir.Value) for x in inputs):
                 return tracer.emit(node.op_type, inputs, attributes, domain=domain, num_outputs=count,
                                    output_types=types, name=node.op_type)
             if types is not None:
@@ -495,55 +517,9 @@ class OnnxModule(Module):
             types.append((dtype, tuple(None if d == "" else d for d in dims)))
         return types
 
-    def _subgraph(self, original: ir.Graph, env: dict, params: dict, tracer) -> ir.Graph:
-        """A clone of a graph attribute wired into the trace: its outer-scope references use the
-        traced values, its weights the params' initializers, its own names made unique."""
-        clone = original.clone(allow_outer_scope_values=True)
-        # weights inside the body (at any depth) -> the params' traced initializers
-        # NOTE: by (graph, name): sibling bodies may hold weights of the same name
-        by_graph = {(id(site.graph), site.name): site for site in self._source.sites}
-        for source_graph, graph in list(zip(iter_graphs(original), iter_graphs(clone))):
-            names = {name: site for (gid, name), site in by_graph.items() if gid == id(source_graph)}
-            for name in list(graph.initializers):
-                site = names.get(name)
-                if site is not None and site.kind == INITIALIZER:
-                    value = graph.initializers[name]
-                    value.replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
-                    graph.initializers.pop(name)
-            for node in list(graph):
-                if node.op_type == "Constant" and node.outputs and node.outputs[0].name in names \
-                        and names[node.outputs[0].name].kind == CONSTANT:
-                    site = names[node.outputs[0].name]
-                    node.outputs[0].replace_all_uses_with(self._param_tensor(site, params)._symbol.value)
-                    graph.remove(node, safe=True)
-        # references to enclosing graphs -> the traced values
-        own = {id(g) for g in iter_graphs(clone)}
-        for node in clone.all_nodes():
-            for i, v in enumerate(node.inputs):
-                if v is None:
-                    continue
-                hit = env.get(id(v))
-                if hit is not None:
-                    node.replace_input_with(i, tracer.value_of(hit[1]))
-                elif v.graph is not None and id(v.graph) not in own:
-                    node.replace_input_with(i, tracer.value_of(self._lookup(v, env, tracer)))
-        # the body's own names must not clash with the trace's
-        for graph in iter_graphs(clone):
-            graph.name = tracer.unique_name(graph.name or "subgraph")
-            owned = list(graph.inputs) + list(graph.initializers.values()) + [o for n in graph for o in n.outputs]
-            for value in owned:
-                if value.name:
-                    value.name = tracer.unique_name(value.name)
-            for node in graph:
-                if node.name:
-                    node.name = tracer.unique_name(node.name)
-        return clone
 
-    def _param_tensor(self, site: WeightSite, params: dict) -> Tensor:
-        param = params.get(site.path)
-        if param is None:
-            raise TraceError(f"the imported module has no param at {site.path!r} (ONNX {site.name!r})")
-        return param.val()
+def _as_list(result) -> list:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
 def import_onnx(path_or_model) -> OnnxModule:
@@ -575,7 +551,7 @@ def import_onnx(path_or_model) -> OnnxModule:
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
-    elif _has_qdq_nodes(pristine):
+    elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
 

@@ -47,19 +47,40 @@ def read_onnx_record(path_or_model) -> ModuleRecord:
     view of the memory-mapped external data file, or of the protobuf bytes). The record's
     ``metadata`` holds the file's ``onnxparam.record.*`` entries, without that prefix.
 
+    Quantized weights (an integer initializer read by ``DequantizeLinear``, the exporter's
+    ``MatMulInteger -> Cast -> Mul(scale)`` form, ``com.microsoft.MatMulNBits``) are ``QFloat``
+    entries holding their codes and scales, named as the integer initializer: the params
+    :func:`~onnxparam.onnx_io.import_onnx` makes of them (folded on a copy of the model; a
+    form Burn cannot hold stays the integer tensor and its scale, each an entry of its own).
+
     Args:
         path_or_model: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` or bytes.
 
     Raises:
         OnnxFormatError: for anything :func:`~onnxparam.onnx_io._source.load_model` rejects.
     """
+    from ..quant import _qdq_import
+
     loaded = load_model(path_or_model)
-    sites = find_weights(loaded.model, loaded.source)
-    metas = site_metadata(loaded.model, sites, loaded.source)
+    model = loaded.model
+    if _qdq_import.has_foldable_nodes(model):
+        # quantized weights (DequantizeLinear / MatMulInteger / MatMulNBits of an integer
+        # initializer) are QFloat entries, as import_onnx makes them params (a copy is folded)
+        from ._graph_model import copy_model
+
+        model = copy_model(model)
+        _qdq_import.fold_dequantize_weights(model)
+    sites = find_weights(model, loaded.source)
+    metas = site_metadata(model, sites, loaded.source)
     items = {}
     by_path = {site.path: site for site in sites}
     for site in (by_path[p] for p in tree_order(by_path)):
         meta = metas.get(site.name, md.ParamMetadata())
+        quantized = _qdq_import.imported_quantized(site)
+        if quantized is not None:
+            items[site.path] = TensorSnapshot(DType.QFloat, tuple(quantized.shape), meta.param_id,
+                                              lambda _q=quantized: _q.to_tensor().into_data(), quantized.scheme)
+            continue
 
         def load(_t=site.tensor, _d=site.dtype):
             return tensor_data(_t, _d)
@@ -123,6 +144,7 @@ def weights_into_graph(
     allow_partial: bool,
     make_tensor: Callable[[Any, WeightSite, dict], ir.TensorProtocol],
     metadata: Optional[Mapping[str, str]] = None,
+    source: Optional[str] = None,
 ) -> ir.Model:
     """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
     matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
@@ -136,20 +158,21 @@ def weights_into_graph(
         make_tensor: ``(tensor, site, metadata_props) -> onnx_ir tensor`` for each weight placed;
             the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
         metadata: ``onnxparam.record.<key>`` model metadata entries.
+        source: how messages name ``graph`` (default: its path, or the kind of object).
 
     Raises:
         RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
     """
     if isinstance(graph, ir.Model):
         base_dir = base_dir_of(graph)
-        graph = ir.serde.serialize_model(graph)  # never change the caller's model: work on a copy
-        loaded = load_model(graph)
-        if base_dir:
-            ir.external_data.set_base_dir(loaded.model.graph, base_dir)
+        copy = ir.serde.deserialize_model(ir.serde.serialize_model(graph))  # never change the caller's model
+        if base_dir:  # NOTE: before the checks, which look for the external files
+            ir.external_data.set_base_dir(copy.graph, base_dir)
+        loaded = load_model(copy)
     else:
         loaded = load_model(graph)
     model = loaded.model
-    sites = find_weights(model, loaded.source)
+    sites = find_weights(model, source or loaded.source)
     by_path = {site.path: site for site in sites}
     problems: list[str] = []
     for site in sites:
@@ -172,9 +195,10 @@ def weights_into_graph(
             if key not in by_path:
                 problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
     if problems:
-        raise RecordError(f"cannot write the record into {loaded.source}: {len(problems)} problem(s)", problems)
+        raise RecordError(f"cannot write the record into {source or loaded.source}: {len(problems)} problem(s)",
+                          problems)
 
-    metas = site_metadata(model, sites, loaded.source)
+    metas = site_metadata(model, sites, source or loaded.source)
     for site in sites:
         entry = tensors.get(site.path)
         if entry is None:

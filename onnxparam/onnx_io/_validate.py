@@ -11,6 +11,10 @@ data locations that hold NUL or bad offsets.
 
 Every problem is an :class:`~onnxparam.OnnxFormatError` that names the source, the graph, the
 node (name and op type) or the tensor, and what was expected.
+
+An in-memory ``onnx_ir.Model`` gets the same checks: :func:`structure_proto` serializes its
+structure (graphs, nodes, attributes, opsets, the element types and dims of its initializers,
+not their bytes) into the protobuf :func:`check_structure` walks.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 from typing import Optional
 
 import onnx
+import onnx_ir as ir
 from onnx import AttributeProto, TensorProto
 
 from ..errors import OnnxFormatError
 
-__all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure"]
+__all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure", "structure_proto"]
 
 MAX_GRAPH_DEPTH = 24
 """Subgraphs (``If`` / ``Loop`` / ``Scan`` bodies) nested deeper are refused. NOTE: the readers
@@ -258,3 +263,105 @@ def check_structure(model: onnx.ModelProto, source: str) -> Optional[None]:
         for index, node in enumerate(function.node):
             if not node.op_type:
                 checker.fail(f"node #{index} of function {function.name!r} has no op_type")
+
+
+def structure_proto(model: ir.Model, source: str) -> onnx.ModelProto:
+    """The structure of an in-memory ``onnx_ir.Model`` as an ``onnx.ModelProto`` for
+    :func:`check_structure`: opsets, functions, graphs, nodes and attributes as ``onnx_ir``
+    serializes them; main-graph initializers with their name, element type and dims and an empty
+    ``raw_data`` (their bytes are neither copied nor materialized; their sizes are checked on the
+    ``onnx_ir`` tensors).
+
+    Raises:
+        OnnxFormatError: for a node, attribute, value or function ``onnx_ir`` cannot serialize
+            (an attribute of type UNDEFINED, a value of the wrong kind ...), naming it.
+    """
+    proto = onnx.ModelProto()
+    proto.ir_version = int(model.ir_version or 0)
+    for domain, version in model.opset_imports.items():
+        entry = proto.opset_import.add()
+        entry.domain, entry.version = _as_int_field(domain, version, source)
+    for function in model.functions.values():
+        try:
+            proto.functions.append(ir.serde.serialize_function(function))
+        except Exception as e:  # noqa: BLE001 - onnx_ir raises several types for what it cannot write
+            raise OnnxFormatError(f"{source}: function {getattr(function, 'name', '?')!r} cannot be represented in "
+                                  f"ONNX: {_cause(e)}") from None
+    _structure_graph(proto.graph, model.graph, source, int(model.ir_version or 0))
+    return proto
+
+
+def _as_int_field(domain, version, source: str) -> tuple:
+    if not isinstance(domain, str) or isinstance(version, bool) or not isinstance(version, int):
+        raise OnnxFormatError(f"{source}: opset import {domain!r}: {version!r}; expected a domain string and an "
+                              "integer version")
+    if not -(2**63) <= version < 2**63:
+        raise OnnxFormatError(f"{source}: imports opset {version} of domain {domain or 'ai.onnx'!r}; opset versions "
+                              f"are 1 to {MAX_OPSET_VERSION}")
+    return domain, version
+
+
+def _cause(e: BaseException) -> str:
+    """``onnx_ir`` wraps serialization errors in ``SerdeError`` s whose cause says what failed."""
+    while e.__cause__ is not None and type(e).__name__ == "SerdeError":
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"
+
+
+def _structure_graph(graph_proto: onnx.GraphProto, graph: ir.Graph, source: str, ir_version: int) -> None:
+    label = f"graph {graph.name!r}"
+    if graph.name:
+        graph_proto.name = graph.name
+    for field, values in (("input", graph.inputs), ("output", graph.outputs)):
+        for value in values:
+            try:
+                ir.serde.serialize_value_into(getattr(graph_proto, field).add(), value)
+            except Exception as e:  # noqa: BLE001
+                raise OnnxFormatError(f"{source}: {field} {getattr(value, 'name', '?')!r} of {label} cannot be "
+                                      f"represented in ONNX: {_cause(e)}") from None
+    for name, value in graph.initializers.items():
+        tensor = graph_proto.initializer.add()
+        const = value.const_value
+        if isinstance(const, ir.TensorProtoTensor) and not const.raw.HasField("raw_data") and \
+                const.raw.data_location != TensorProto.EXTERNAL:
+            tensor.CopyFrom(const.raw)  # typed fields (float_data ...): their counts are checked
+            tensor.name = name
+            continue
+        tensor.name = name
+        if const is None:
+            raise OnnxFormatError(f"{source}: initializer {name!r} of {label} holds no tensor (its const_value is "
+                                  "None); an initializer has a value")
+        dtype = const.dtype
+        tensor.data_type = int(dtype) if dtype is not None else TensorProto.UNDEFINED
+        for dim in const.shape:
+            if not isinstance(dim, int):
+                raise OnnxFormatError(f"{source}: initializer {name!r} of {label} has a symbolic dim {dim!r}; an "
+                                      "initializer's dims are integers")
+            tensor.dims.append(dim)
+        tensor.raw_data = b""  # presence only: the byte count is checked on the onnx_ir tensor
+    for node in graph.all_nodes():
+        for attr in node.attributes.values():
+            if attr.is_ref() or attr.type not in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
+                continue
+            values = [attr.value] if attr.type == ir.AttributeType.STRING else list(attr.value)
+            wrong = [v for v in values if not isinstance(v, str)]
+            if wrong:
+                # NOTE: the in-memory twin of a file's string field that is not UTF-8 (source.py)
+                raise OnnxFormatError(f"{source}: attribute {attr.name!r} of node {node.name!r} ({node.op_type}) is "
+                                      f"typed {attr.type.name} but holds {type(wrong[0]).__name__}, not text")
+    for index, node in enumerate(graph):
+        node_label = f"node {node.name!r}" if node.name else f"node #{index}"
+        node_label += f" ({node.op_type}) of {label}"
+        for attr in node.attributes.values():
+            try:
+                if attr.is_ref():
+                    ir.serde.serialize_reference_attribute_into(onnx.AttributeProto(), attr)
+                else:
+                    ir.serde.serialize_attribute(attr)
+            except Exception as e:  # noqa: BLE001
+                raise OnnxFormatError(f"{source}: attribute {getattr(attr, 'name', '?')!r} of {node_label} cannot be "
+                                      f"represented in ONNX: {_cause(e)}") from None
+        try:
+            ir.serde.serialize_node_into(graph_proto.node.add(), node, model_ir_version=ir_version)
+        except Exception as e:  # noqa: BLE001
+            raise OnnxFormatError(f"{source}: {node_label} cannot be represented in ONNX: {_cause(e)}") from None

@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..dtype import DTYPE_FROM_ONNX, DType
+from ..dtype import DTYPE_FROM_ONNX, DType, dtype_from_onnx_element
 from ..errors import OnnxFormatError
 from ..tensor import TensorData
 from ._naming import onnx_name_to_path
@@ -58,6 +58,7 @@ __all__ = [
     "find_weights",
     "is_weight",
     "burn_dtype",
+    "weight_dtype",
     "tensor_data",
 ]
 
@@ -72,6 +73,24 @@ CONSTANT = "constant"
 def burn_dtype(dtype: ir.DataType) -> Optional[DType]:
     """The Burn dtype of an ONNX element type, or ``None`` when Burn has none."""
     return DTYPE_FROM_ONNX.get(int(dtype.value))
+
+
+_ONNX_ONLY_WEIGHTS = frozenset({DType.F8E4M3FN, DType.F8E4M3FNUZ, DType.F8E5M2, DType.F8E5M2FNUZ, DType.F8E8M0FNU})
+"""ONNX-only element types whose tensors import as params (float8 weights, one byte each); other
+ONNX-only tensors (strings, packed int4 ...) stay in the graph as it came in."""
+
+
+def weight_dtype(dtype: ir.DataType) -> Optional[DType]:
+    """The param dtype of a tensor of ONNX element type ``dtype``: Burn's, or an ONNX-only float8
+    type (see :mod:`onnxparam.dtype`), else ``None`` (not a weight)."""
+    hit = burn_dtype(dtype)
+    if hit is not None:
+        return hit
+    try:
+        other = dtype_from_onnx_element(int(dtype.value))
+    except ValueError:
+        return None
+    return other if other in _ONNX_ONLY_WEIGHTS else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +167,7 @@ def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
         value: the initializer value or the ``Constant``'s output (its uses are looked at).
         opsets: the model's opset imports (domain -> version), for the operator schemas.
     """
-    dtype = burn_dtype(tensor.dtype)
+    dtype = weight_dtype(tensor.dtype)
     if dtype is None:
         return False
     shape = tuple(tensor.shape.numpy())
@@ -184,7 +203,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
                 continue
             if not is_weight(tensor, value, opsets):
                 continue
-            dtype = burn_dtype(tensor.dtype)
+            dtype = weight_dtype(tensor.dtype)
             sites.append(WeightSite(name, onnx_name_to_path(name), INITIALIZER, value, None, graph, tensor, dtype,
                                     tuple(int(d) for d in tensor.shape.numpy()),
                                     graph is main and id(value) in main_inputs))
@@ -199,7 +218,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
             if not is_weight(tensor, value, opsets):
                 continue
             sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,
-                                    burn_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape.numpy()), False))
+                                    weight_dtype(tensor.dtype), tuple(int(d) for d in tensor.shape.numpy()), False))
     seen: dict[str, WeightSite] = {}
     unique = []
     for site in sites:

@@ -15,7 +15,8 @@ Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's form
   the tracer and the ONNX importer call into it; ``_qdq_forms`` picks each op's form (float /
   dynamic / static int8, ``prefer="speed"|"size"``) and writes the per-op report
   (:func:`quantized_ops`), ``_nbits`` writes 4-bit MatMul weights as ``com.microsoft.MatMulNBits``
-  below opset 21
+  below opset 21 (4-bit Gemm weights too; other 4-bit weights are written float with a reason),
+  ``_nbits_import`` reads ``MatMulNBits`` weights back as ``QFloat`` params
 """
 
 import importlib

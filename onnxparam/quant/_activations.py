@@ -9,8 +9,8 @@ import numpy as np
 
 from ..dtype import DType
 from ..errors import QuantizationError
-from ._qdq import _activation_sites
 from ._qdq_options import _QDQ_META, ACTIVATION_RANGES_ATTR, qdq_options
+from ._qdq_static import activation_sites as _activation_sites
 
 
 def quantize_activations(module, calibration_inputs, *, batch_size: int | None = None, progress=None):

@@ -223,6 +223,38 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
     return result
 
 
+def onnx_only_weights(module, quantizer: Quantizer, group=None) -> list:
+    """The weights :func:`quantize_weights` would quantize as **ONNX per-axis** tensors, which a
+    burnpack file cannot store (checked before any value is quantized, from shapes alone).
+
+    With :attr:`Quantizer.per_channel`, a weight's per-channel block is the whole tensor but 1 on
+    its channel axis (:func:`channel_axes`); Burn's block extents are at most 255 (``docs/burnpack.md``
+    §1.3), so a weight with another axis over 255 is ONNX-only
+    (:func:`~onnxparam.quant._calibration.quantize_per_axis`).
+
+    Returns:
+        ``[(path, shape, axis, extents)]``, ``[]`` without ``per_channel`` or when every weight fits.
+    """
+    from ._calibration import per_axis_block
+
+    if not quantizer.per_channel:
+        return []
+    axes = channel_axes(module)
+    found = []
+    for path, param in module.named_params():
+        if not is_weight(path, param, quantizer) or (group is not None and not group.matches(param.id, path)):
+            continue
+        shape = _shape_or_none(param)
+        if not shape:
+            continue
+        axis = axes.get(path)
+        axis = (1 if len(shape) == 2 else 0) if axis is None else axis % len(shape)  # Quantizer.quantize's default
+        extents = per_axis_block(shape, axis)
+        if any(e > 255 for e in extents) or len(extents) > 5:
+            found.append((path, shape, axis, extents))
+    return found
+
+
 def _blocks_divide(shape: tuple, scheme: QuantScheme) -> bool:
     if scheme.block is None:
         return True

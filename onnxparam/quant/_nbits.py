@@ -1,20 +1,32 @@
-"""4-bit ``MatMul`` weights below opset 21: ONNX Runtime's ``com.microsoft.MatMulNBits``.
+"""4-bit weights below opset 21: ONNX Runtime's ``com.microsoft.MatMulNBits``.
 
-``DequantizeLinear`` takes ``INT4`` values and blocked scales only from opset 21; below it a 4-bit
-weight would be written as int8 (or float32 for blocked scales). ORT's contrib operator
-``MatMulNBits`` (ONNX Runtime contrib operator spec: ``com.microsoft.MatMulNBits``, ``bits=4``)
-runs 4-bit weights at any opset:
+``DequantizeLinear`` takes ``INT4`` values only from opset 21. Below it a 4-bit weight is never
+stored as int8 (a file that claims 4 bits and holds 8): every ``MatMul`` use and every ``Gemm``
+weight use (``transA=0``, ``alpha = beta = 1``) becomes ORT's contrib operator ``MatMulNBits``
+(ONNX Runtime contrib operator spec: ``com.microsoft.MatMulNBits``, ``bits=4``), which runs 4-bit
+weights at any opset; a 4-bit weight with any other use (Conv, ConvTranspose, Mul, ...: no 4-bit
+form exists below opset 21) is written as its float values (exactly ``param.val()``), with a
+:class:`QuantizationWarning` and ``"reason"`` in its per-op report rows.
+
+``MatMulNBits`` (the layout ORT documents and packs itself):
 
 * ``Y = A @ dequantize(B)^T``; ``A`` float ``[..., K]``; attributes ``K``, ``N``, ``bits``,
   ``block_size`` (a power of 2, at least 16);
 * ``B`` uint8 ``[N, ceil(K / block_size), block_size / 2]``: row ``n`` holds column ``n`` of the
-  ``[K, N]`` weight, blocks along K, two codes per byte, the first in the low nibble;
+  ``[K, N]`` weight (row ``n`` of a ``Gemm`` ``transB=1`` weight ``[N, K]``), blocks along K, two
+  codes per byte, the first in the low nibble;
 * ``scales`` ``A``'s float type, ``[N * ceil(K / block_size)]`` (``n`` major);
 * no ``zero_points`` input: the zero point is ``2^(bits-1) = 8``, so a code is Burn's signed
   value + 8 (lossless for Q4S / Q4F, values -8..7); padding codes (K not a multiple of the
   block) are 8, i.e. 0.
 
-The param's initializer (named by its path) then holds ``B``; its scales are a constant.
+Blocks: a blocked Burn scheme along K keeps its block (a power of 2 >= 16). A per-tensor or
+per-output-channel weight has one scale for all of K, so any block repeats the same scale; it
+gets the power of 2 in 16..256 that makes ``B`` plus scales smallest (one block over K when K is
+a power of 2 up to 256; MLAS' 4-bit kernels take blocks of 16..256).
+
+The param's initializer (named by its path) then holds ``B``; its scales are a constant. A
+``Gemm``'s ``C`` is added after the ``MatMulNBits`` (``Add``).
 """
 
 from __future__ import annotations
@@ -25,19 +37,23 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import QuantizationWarning
-from ._qdq_forms import drop_unused_constants, to_float
-from ._qdq_options import NBITS_MIN_BLOCK
+from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, slow_weight_only, to_float
+from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
 
 MS_DOMAIN = "com.microsoft"
 
+NBITS_MAX_BLOCK = 256
+"""The largest block a per-tensor / per-channel 4-bit weight gets (module docstring)."""
 
-def _grid(e):
-    """``(scale [K_blocks, N], block)`` of a 4-bit ``[K, N]`` weight, or ``None`` when its scales
-    are not constant along blocks of K (blocks along N)."""
+
+def _grid(e, trans: bool):
+    """``(scale [K_blocks, N], block)`` of a 4-bit weight used as ``[K, N]`` (``[N, K]`` when
+    ``trans``), or ``None`` when its scales are not constant along blocks of K."""
     from ._qdq_layout import _onnx_grid
 
     qt = e.quantized
-    k, n = qt.shape
+    k_axis = 1 if trans else 0
+    k, n = qt.shape[k_axis], qt.shape[1 - k_axis]
     grid = _onnx_grid(qt, 21)
     if grid is None:
         return None
@@ -46,20 +62,21 @@ def _grid(e):
         block = _block_for(k)
         return np.full((-(-k // block), n), np.float32(scale), np.float32), block
     if block is None:
-        if axis != 1:
+        if axis != 1 - k_axis:
             return None
         block = _block_for(k)
-        return np.broadcast_to(scale.reshape(1, n), (-(-k // block), n)).astype(np.float32), block
-    if axis == 0 and block >= NBITS_MIN_BLOCK and block & (block - 1) == 0:
-        return np.asarray(scale, np.float32).reshape(-1, n), block
+        return np.broadcast_to(np.asarray(scale, np.float32).reshape(1, n), (-(-k // block), n)).copy(), block
+    if axis == k_axis and block >= NBITS_MIN_BLOCK and block & (block - 1) == 0:
+        scale = np.asarray(scale, np.float32)
+        return (scale.T if trans else scale).reshape(-1, n), block
     return None
 
 
 def _block_for(k: int) -> int:
-    block = NBITS_MIN_BLOCK
-    while block < 128 and block < k:
-        block *= 2
-    return block
+    """The power of 2 in ``16..256`` giving the fewest bytes for one row of ``B`` plus its
+    float32 scales (module docstring)."""
+    sizes = [b for b in (NBITS_MIN_BLOCK << i for i in range(8)) if b <= NBITS_MAX_BLOCK]
+    return min(sizes, key=lambda b: (-(-k // b) * (b // 2 + 4), b))
 
 
 def pack(values: np.ndarray, block: int) -> np.ndarray:
@@ -72,33 +89,76 @@ def pack(values: np.ndarray, block: int) -> np.ndarray:
     return (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8)
 
 
-def matmul_nbits(tracer, e) -> None:
-    """Below opset 21: every ``MatMul(A, DQ(W))`` of a 4-bit ``[K, N]`` weight becomes
-    ``MatMulNBits``; a 4-bit weight that cannot (other uses, blocks along N) is written as the
-    float weight when its ``DequantizeLinear`` is not valid at this opset (a warning names it)."""
-    if e.quantized.scheme.value.name not in ("Q4S", "Q4F") or len(e.quantized.shape) != 2:
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _use_kind(node: ir.Node, index: int):
+    """``"MatMul"`` / ``"Gemm"`` / ``"GemmT"`` (``transB=1``) for a use ``MatMulNBits`` can take
+    the place of, else the reason it cannot (a string starting with a space is a reason)."""
+    if node.domain not in ("", "ai.onnx") or index != 1:
+        return f" {node.op_type} {node.name!r} takes it as input {index}"
+    if node.inputs[0] is None or node.inputs[0].dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+        return f" {node.op_type} {node.name!r} has a non-float32/float16 input"
+    if node.op_type == "MatMul":
+        return "MatMul"
+    if node.op_type == "Gemm":
+        if _attr(node, "transA", 0) != 0 or _attr(node, "alpha", 1.0) != 1.0 or (
+                len(node.inputs) > 2 and node.inputs[2] is not None and _attr(node, "beta", 1.0) != 1.0):
+            return f" Gemm {node.name!r} has transA / alpha / beta"
+        return "GemmT" if _attr(node, "transB", 0) == 1 else "Gemm"
+    return f" {node.op_type} {node.name!r} has no 4-bit form below opset 21"
+
+
+def matmul_nbits(tracer, e, prefer: str = "size") -> None:
+    """Below opset 21, a 4-bit weight (module docstring): every ``MatMul(A, DQ(W))`` /
+    ``Gemm(A, DQ(W)[, C])`` use becomes ``MatMulNBits``; a weight that cannot (another use,
+    blocks along N, mixed ``transB``) is written as the float weight, with a warning naming it
+    and the reason recorded for the per-op report (silently with ``prefer="speed"`` when every
+    use is one that preference writes float at any opset: an uncalibrated Conv)."""
+    if e.quantized.scheme.value.name not in ("Q4S", "Q4F") or not e.value.meta.get("onnxparam.qdq.opset21"):
         return
     out = e.output._symbol.value
     uses = list(out.uses())
-    grid = _grid(e)
-    fits = grid is not None and uses and all(
-        node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and index == 1
-        and node.inputs[0].dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) for node, index in uses)
-    if not fits:
-        if e.value.meta.get("onnxparam.qdq.opset21"):
-            warnings.warn(f"{e.path!r} ({e.quantized.describe()}) is 4-bit with scales DequantizeLinear takes only "
-                          f"from opset 21, and not only a MatMul weight (MatMulNBits): it is exported as the float "
-                          f"weight at opset {tracer.opset}", QuantizationWarning, stacklevel=6)
-            to_float(tracer, e)
+    kinds = {_use_kind(node, index) for node, index in uses}
+    reason = next((k.strip() for k in sorted(kinds) if k.startswith(" ")), None)
+    if reason is None and len(e.quantized.shape) != 2:
+        reason = f"a rank-{len(e.quantized.shape)} weight is no MatMul matrix"
+    if reason is None and not uses:
+        reason = "no op uses it"
+    if reason is None and "GemmT" in kinds and len(kinds) > 1:
+        reason = "its uses take it both as [K, N] and transposed"
+    trans = "GemmT" in kinds
+    grid = _grid(e, trans) if reason is None else None
+    if reason is None and grid is None:
+        reason = "its scales vary along N within a block (MatMulNBits blocks run along K)"
+    if reason is not None and prefer == "speed" and slow_weight_only(e):
+        to_float(tracer, e)  # what prefer="speed" writes at any opset (_qdq_forms.keep_float)
+        return
+    if reason is not None:
+        warnings.warn(f"{e.path!r} ({e.quantized.describe()}) is 4-bit, and at opset {tracer.opset} 4-bit weights "
+                      f"exist only as com.microsoft MatMulNBits (opset 21 has INT4 DequantizeLinear), which this "
+                      f"weight cannot be: {reason}; it is exported as the float weight (not as int8)",
+                      QuantizationWarning, stacklevel=6)
+        e.value.meta[FLOAT_REASON_KEY] = f"4-bit below opset 21: {reason}"
+        to_float(tracer, e, any_dtype=True)
         return
     scale, block = grid
-    k, n = e.quantized.shape
-    packed = pack(np.asarray(e.quantized.values), block)
+    values = np.asarray(e.quantized.values)
+    if trans:
+        values = values.T
+    k, n = values.shape
+    packed = pack(values, block)
+    props = dict(e.value.const_value.metadata_props)  # the Burn scheme: import restores it
+    if trans:
+        props[NBITS_TRANS_KEY] = "1"
     e.value.const_value = ir.Tensor(packed, name=e.path)
+    e.value.const_value.metadata_props.update(props)
     e.value.type = ir.TensorType(ir.DataType.UINT8)
     e.value.shape = ir.Shape(list(packed.shape))
     graph = e.node.graph
-    fused = []
+    fused, gemms = [], set()
     for node, _ in uses:
         a, y = node.inputs[0], node.outputs[0]
         np_dtype = np.float16 if a.dtype == ir.DataType.FLOAT16 else np.float32
@@ -107,14 +167,25 @@ def matmul_nbits(tracer, e) -> None:
         new = ir.Node(MS_DOMAIN, "MatMulNBits", [a, e.value, s],
                       [ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", 4),
                        ir.AttrInt64("block_size", block)], num_outputs=1, name=tracer.unique_name(f"{node.name}/nbits"))
+        added = [new]
         result = new.outputs[0]
         result.type, result.shape = y.type, y.shape
-        graph.insert_after(node, [new])
+        if node.op_type == "Gemm":
+            gemms.add(id(new))
+            if len(node.inputs) > 2 and node.inputs[2] is not None:
+                result.name = tracer.unique_name(f"{new.name}_output_0")
+                add = ir.Node("", "Add", [result, node.inputs[2]], num_outputs=1,
+                              name=tracer.unique_name(f"{node.name}/nbits/Add"))
+                add.outputs[0].type, add.outputs[0].shape = y.type, y.shape
+                added.append(add)
+                result = add.outputs[0]
+        graph.insert_after(node, added)
         y.replace_all_uses_with(result, replace_graph_outputs=True)
         name = y.name
         graph.remove(node, safe=True)
         result.name = name
         fused.append(new)
     e.value.meta["onnxparam.qdq.nbits"] = fused
+    e.value.meta["onnxparam.qdq.nbits_gemm"] = gemms
     tracer.opset_imports.setdefault(MS_DOMAIN, 1)
     drop_unused_constants(tracer, e)

@@ -10,8 +10,10 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
 Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul
-                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``), others ``INT8``
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul /
+                                Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``); any
+                                other 4-bit weight is written float, with a warning and the reason
+                                in the per-op report (never as ``INT8``)
 Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
 per-tensor                      scalar scale
 blocks, scale grid varying      per-axis (``axis``), 1-D scale
@@ -71,13 +73,16 @@ is an ONNX per-axis tensor (``QuantizedTensor.axis``); saving it to burnpack rai
 param (Burn could not read it). Per-channel weights within Burn's limits are Burn block schemes.
 
 Parts: options and metadata keys (``_qdq_options``), weight layouts (``_qdq_layout``), this
-module (the export pass: :func:`emit_param`, :func:`finish_graph`, activation QDQ pairs),
+module (the export pass: :func:`emit_param`, :func:`finish_graph`), activation QDQ pairs
+(``_qdq_static``: where they go, tied through MaxPool / Flatten, after a Relu),
 calibration (``_activations``: :func:`onnxparam.quant.quantize_activations`) and import
 (``_qdq_import``: ``fold_dequantize_weights``, ``imported_param``).
 
 **Import** (``fold_dequantize_weights``): ``DequantizeLinear(integer initializer, constant
 scale[, constant zero point])`` and the ``DynamicQuantizeLinear -> MatMulInteger`` form above
-become one float weight that ``imported_param`` turns into a ``QFloat`` param.
+become one float weight that ``imported_param`` turns into a ``QFloat`` param; so does a
+``com.microsoft.MatMulNBits`` weight (``_nbits_import``: Burn's 4-bit block scheme along K, Q8S
+for zero points other than 8), which becomes ``MatMul`` (or the ``Gemm`` it was exported from).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ from ..dtype import DType
 from ..errors import QuantizationError, QuantizationWarning
 from . import _nbits
 from . import _qdq_forms as _forms
+from . import _qdq_static as _static
 from ._qdq_layout import WeightLayout, reblocked_layout, weight_layout
 from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fast path)
     _OPTIONS,
@@ -110,6 +116,8 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
     qdq_options,
     runtime_options,
 )
+from ._qdq_static import dims as _dims
+from ._qdq_static import node as _node
 from ._scheme import QuantValue
 from ._tensor import QuantizedTensor
 
@@ -183,9 +191,11 @@ def emit_param(tracer, param, path: str, shape: tuple):
     options = current_options()
     layout = weight_layout(qt, tracer.opset, options)
     opset21 = False
-    if layout is None and tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
-        # NOTE: written with opset 21's layout for a moment: finish_graph turns its MatMul uses into
-        # com.microsoft MatMulNBits, or the weight into a float one (quant/_nbits.py)
+    if tracer.opset < 21 and qt.scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        # NOTE: a 4-bit weight is never written as INT8 below opset 21 (it would claim 4 bits and
+        # store 8): it takes opset 21's INT4 layout for a moment, and finish_graph turns its MatMul /
+        # Gemm uses into com.microsoft MatMulNBits, or the weight into a float one with a reported
+        # reason (quant/_nbits.py)
         layout, opset21 = weight_layout(qt, 21, options), True
     if layout is None:
         warnings.warn(
@@ -314,9 +324,11 @@ def finish_graph(tracer) -> None:
         _check_fusable(tracer, e, options)
     if tracer.opset < 21:
         for e in emitted:
-            _nbits.matmul_nbits(tracer, e)
+            _nbits.matmul_nbits(tracer, e, options.prefer)
     if ranges:
-        _insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges})
+        _static.fold_batch_norms(tracer, emitted)
+        _static.insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges},
+                                       {id(e.output._symbol.value) for e in emitted})
     elif options.matmul in ("auto", "dynamic"):
         for e in emitted:
             _dynamic_matmuls(tracer, e)
@@ -372,27 +384,6 @@ def _check_fusable(tracer, e: _Emitted, options: QdqOptions) -> None:
                           "MatMulNBits and it dequantizes at every run", QuantizationWarning, stacklevel=5)
 
 
-def _node(tracer, graph, op: str, inputs: list, outputs: list, label: str, attrs=None, domain: str = "") -> ir.Node:
-    name = tracer.unique_name(label)
-    node = ir.Node(domain, op, inputs, [_attr(k, v) for k, v in (attrs or {}).items()], num_outputs=len(outputs),
-                   name=name)
-    for out, (dtype, dims) in zip(node.outputs, outputs):
-        out.name = tracer.unique_name(f"{name}_output_{out.index()}")
-        out.type = ir.TensorType(dtype)
-        out.shape = None if dims is None else ir.Shape(dims)
-    return node
-
-
-def _attr(name, value):
-    return ir.AttrInt64(name, int(value))
-
-
-def _dims(value: ir.Value):
-    if value.shape is None:
-        return None
-    return [d if isinstance(d, int) else d.value for d in value.shape]
-
-
 def _dynamic_matmuls(tracer, e: _Emitted) -> None:
     """``MatMul(x, DQ(W))`` -> ``DynamicQuantizeLinear(x) -> MatMulInteger -> Cast -> Mul`` for an
     8-bit per-tensor / per-column weight (ORT: ``DynamicQuantizeMatMul``)."""
@@ -423,88 +414,3 @@ def _dynamic_matmuls(tracer, e: _Emitted) -> None:
         old_name = y.name
         graph.remove(node, safe=True)
         new.name = old_name
-
-
-# -- static activation quantization ------------------------------------------------------------------
-
-_QUANTIZED_OPS = ("MatMul", "Conv")
-
-
-def _activation_sites(graph: ir.Graph, emitted_outputs: set) -> list:
-    """Value names to put a ``QuantizeLinear -> DequantizeLinear`` pair on: the activation input
-    and the output of every float ``MatMul`` / ``Conv`` whose weight is a dequantized param, and
-    (when there are such ops) the inputs and output of every ``Add`` of two activations."""
-    names = []
-    for node in graph:
-        if node.op_type not in _QUANTIZED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
-            continue
-        if id(node.inputs[1]) not in emitted_outputs:
-            continue
-        for v in (node.inputs[0], node.outputs[0]):
-            if v.dtype == ir.DataType.FLOAT and v.name not in names:
-                names.append(v.name)
-    if names:
-        # NOTE: residual adds of two activations too (ORT fuses DQ, DQ -> Add -> Q into QLinearAdd,
-        # as onnxruntime.quantization.quantize_static's QDQ output does); bias adds are left float
-        for node in graph:
-            if node.op_type != "Add" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-                continue
-            values = (node.inputs[0], node.inputs[1], node.outputs[0])
-            if any(v is None or v.dtype != ir.DataType.FLOAT or _is_constant(v) for v in values):
-                continue
-            for v in values:
-                if v.name not in names:
-                    names.append(v.name)
-    return names
-
-
-def _is_constant(value: ir.Value) -> bool:
-    producer = value.producer()
-    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
-
-
-def _uint8_qparams(lo: float, hi: float) -> tuple:
-    """Asymmetric uint8 ``(scale, zero_point)`` covering ``[min(lo, 0), max(hi, 0)]`` (ORT's
-    calibrated activations: zero must be exact)."""
-    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
-    scale = np.float32((hi - lo) / 255.0) if hi > lo else np.float32(1.0)
-    zero = int(np.clip(np.round(-lo / float(scale)), 0, 255))
-    return scale, np.uint8(zero)
-
-
-def _insert_activation_qdq(tracer, ranges: dict) -> None:
-    graph = tracer.graph
-    emitted = {id(e.output._symbol.value): e for e in _emitted(tracer)}
-    by_name = {}
-    for node in graph:
-        for out in node.outputs:
-            by_name[out.name] = out
-    for v in graph.inputs:
-        by_name[v.name] = v
-    qparams = {}
-    for name in _activation_sites(graph, set(emitted)):
-        value = by_name.get(name)
-        if value is None or name not in ranges:
-            continue
-        scale, zero = _uint8_qparams(*ranges[name])
-        qparams[name] = scale
-        s = tracer.constant(np.asarray(scale, np.float32), name=f"{name}_scale")._symbol.value
-        z = tracer.constant(np.asarray(zero, np.uint8), name=f"{name}_zero_point")._symbol.value
-        uses = _uses(value)
-        dims = _dims(value)
-        q = _node(tracer, graph, "QuantizeLinear", [value, s, z], [(ir.DataType.UINT8, dims)], f"{name}/QuantizeLinear")
-        dq = _node(tracer, graph, "DequantizeLinear", [q.outputs[0], s, z], [(ir.DataType.FLOAT, dims)],
-                   f"{name}/DequantizeLinear")
-        producer = value.producer()
-        if producer is None:
-            first = next(iter(graph))
-            graph.insert_before(first, [q, dq])
-        else:
-            graph.insert_after(producer, [q, dq])
-        for node, index in uses:
-            node.replace_input_with(index, dq.outputs[0])
-        if value.is_graph_output():
-            for i, out in enumerate(graph.outputs):
-                if out is value:
-                    graph.outputs[i] = dq.outputs[0]
-                    value.name, dq.outputs[0].name = dq.outputs[0].name, value.name

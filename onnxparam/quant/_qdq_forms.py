@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -32,7 +33,11 @@ from ..dtype import DType
 
 REPORT_KEY = "onnxparam.quant.ops"
 """Model ``metadata_props`` key: JSON list of ``{"node", "op", "weight", "form"}``, one per op
-with a quantized weight (:func:`quantized_ops` reads it)."""
+with a quantized weight (:func:`quantized_ops` reads it); a ``"float"`` row that was forced
+(a 4-bit weight below opset 21 that no ``MatMulNBits`` can take) also has ``"reason"``."""
+
+FLOAT_REASON_KEY = "onnxparam.qdq.float_reason"
+"""``value.meta`` key: why a quantized weight was written float (the report row's ``reason``)."""
 
 _REPORT_META = "onnxparam.quant.report"
 _LOG = logging.getLogger("onnxparam.quant")
@@ -66,20 +71,29 @@ def keep_float(tracer, emitted: list, prefer: str) -> None:
     if prefer != "speed":
         return
     for e in emitted:
-        uses = consumers(e.output._symbol.value)
-        if not uses or not all(node.op_type in _SLOW_WEIGHT_ONLY and index == 1 and not _statically_quantized(node)
-                               for node, index in uses):
-            continue
-        to_float(tracer, e)
+        if slow_weight_only(e):
+            to_float(tracer, e)
 
 
-def to_float(tracer, e) -> None:
-    """Write the quantized param ``e`` as its dequantized float initializer (F32 / F16)."""
+def slow_weight_only(e) -> bool:
+    """Whether every use of ``e``'s dequantized weight is the weight input of an op ORT runs
+    slower with a weight-only ``DequantizeLinear`` than in float (:func:`keep_float`)."""
+    uses = consumers(e.output._symbol.value)
+    return bool(uses) and all(node.op_type in _SLOW_WEIGHT_ONLY and index == 1 and not _statically_quantized(node)
+                              for node, index in uses)
+
+
+_FLOAT_TYPES = {DType.F32: (np.float32, ir.DataType.FLOAT), DType.F16: (np.float16, ir.DataType.FLOAT16),
+                DType.BF16: (ml_dtypes.bfloat16, ir.DataType.BFLOAT16), DType.F64: (np.float64, ir.DataType.DOUBLE)}
+
+
+def to_float(tracer, e, any_dtype: bool = False) -> None:
+    """Write the quantized param ``e`` as its dequantized float initializer (F32 / F16; BF16 /
+    F64 too with ``any_dtype``, else those keep the ``DequantizeLinear`` (+ ``Cast``) form)."""
     dtype = e.quantized.float_dtype
-    np_dtype = np.float16 if dtype is DType.F16 else np.float32
-    onnx_dtype = ir.DataType.FLOAT16 if dtype is DType.F16 else ir.DataType.FLOAT
-    if dtype not in (DType.F32, DType.F16):
-        return  # BF16 / F64 weights keep the DequantizeLinear (+ Cast) form
+    if dtype not in (DType.F32, DType.F16) and not (any_dtype and dtype in _FLOAT_TYPES):
+        return
+    np_dtype, onnx_dtype = _FLOAT_TYPES[dtype]
     layout_ref = e.value.meta["onnxparam.qdq.ref"]
 
     def make(_ref=layout_ref, _name=e.path, _np=np_dtype):
@@ -136,10 +150,15 @@ def record_report(tracer, emitted: list) -> None:
             elif user.op_type == "Transpose" and any(u.op_type == "MatMulInteger" for u, _ in user.outputs[0].uses()):
                 rows.append({"node": user.name, "op": "Gemm", "weight": e.path, "form": "dynamic int8"})
             elif user.op_type == "MatMulNBits":
-                rows.append({"node": user.name, "op": "MatMul", "weight": e.path, "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
+                op = "Gemm" if id(user) in e.value.meta.get("onnxparam.qdq.nbits_gemm", ()) else "MatMul"
+                rows.append({"node": user.name, "op": op, "weight": e.path,
+                             "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
             else:
-                rows.append({"node": user.name, "op": user.op_type, "weight": e.path,
-                             "form": "float" if is_float(e.value) else "dequantize"})
+                row = {"node": user.name, "op": user.op_type, "weight": e.path,
+                       "form": "float" if is_float(e.value) else "dequantize"}
+                if e.value.meta.get(FLOAT_REASON_KEY):
+                    row["reason"] = e.value.meta[FLOAT_REASON_KEY]
+                rows.append(row)
     tracer.graph.meta[_REPORT_META] = rows
 
 

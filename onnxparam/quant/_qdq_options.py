@@ -15,6 +15,10 @@ ACCURACY_LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
 SCHEME_KEY = "onnxparam.quant._scheme"
 """Initializer ``metadata_props`` key: the Burn ``QuantScheme`` (JSON of its CBOR value)."""
 
+NBITS_TRANS_KEY = "onnxparam.quant.nbits_trans"
+"""Initializer ``metadata_props`` key on an exported ``MatMulNBits`` ``B``: ``"1"`` when the param
+is a ``Gemm`` ``transB=1`` weight ``[N, K]`` (import restores that shape and the ``Gemm``)."""
+
 GLOBAL_SCALE_KEY = "onnxparam.quant.global_scale"
 """Initializer ``metadata_props`` key: a two-level scheme's global scale (``float.hex``)."""
 

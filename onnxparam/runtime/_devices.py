@@ -68,11 +68,21 @@ def _c_contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
 
 
+_FLOAT8_ONNX_TYPES = {d.to_numpy().name: d.to_onnx() for d in (DType.F8E4M3FN, DType.F8E4M3FNUZ, DType.F8E5M2,
+                                                                 DType.F8E5M2FNUZ, DType.F8E8M0FNU)}
+"""``ml_dtypes`` float8 type name -> ONNX element type (see :mod:`onnxparam.dtype`)."""
+
+
 def ortvalue_host(array: np.ndarray):
-    """A CPU ``OrtValue`` sharing ``array``'s memory (bfloat16 through its raw uint16 bits)."""
+    """A CPU ``OrtValue`` sharing ``array``'s memory (bfloat16 through its raw uint16 bits, the
+    one-byte float8 types of ``ml_dtypes`` through their raw bytes)."""
     array = _c_contiguous(array)
     if array.dtype == ml_dtypes.bfloat16:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), DType.BF16.to_onnx())
+    if array.dtype.itemsize == 1 and array.dtype.kind in "Vf":
+        onnx_type = _FLOAT8_ONNX_TYPES.get(array.dtype.name)  # NOTE: ml_dtypes gives some kind "f", some "V"
+        if onnx_type is not None:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), onnx_type)
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 

@@ -23,7 +23,7 @@ from ._devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, pro
 
 ort = import_onnxruntime()
 
-__all__ = ["Runner", "build_runner", "execution_error"]
+__all__ = ["Runner", "build_runner", "execution_error", "failing_node"]
 
 _INJECTED_LOCATION = "onnxparam-injected-initializer"
 """The external-data location written for param initializers of a session's model; ONNX Runtime
@@ -50,7 +50,9 @@ def _find_node(graph: ir.Graph, name: str):
     return None
 
 
-def _failing_node(message: str, graph: ir.Graph):
+def failing_node(message: str, graph: ir.Graph):
+    """The node of ``graph`` (subgraphs included) that ONNX Runtime's ``message`` names, or the
+    one node of an operator it has no kernel for; ``None`` when the message names none."""
     for pattern in _NODE_PATTERNS:
         match = pattern.search(message)
         if match:
@@ -69,11 +71,16 @@ def _failing_node(message: str, graph: ir.Graph):
 def execution_error(error: Exception, traced, owner: str, action: str) -> ExecutionError:
     """An :class:`ExecutionError` naming the failing node and the param paths feeding it."""
     message = str(error).strip()
-    node = None if traced is None else _failing_node(message, traced.graph)
+    node = None if traced is None else failing_node(message, traced.graph)
     text = f"ONNX Runtime failed to {action} {owner}"
     if node is not None:
+        from ..onnx_io._source_errors import imported_source
+
         params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
         text += f" at node '{node.name}' ({node.op_type})"
+        imported = imported_source(traced.graph, node.name)
+        if imported is not None:
+            text += f" of the model imported from {imported!r}"
         text += f", fed by params {', '.join(repr(p) for p in params)}" if params else " (no param feeds it)"
     return ExecutionError(f"{text}: {message}")
 
@@ -108,7 +115,7 @@ def _session_model_bytes(traced) -> bytes:
 
 
 _new_tensor = Tensor.__new__
-_FAST_WRAP = set(Tensor.__slots__) == {"_host", "_ort", "_symbol", "_quant", "shape", "dtype", "device"}
+_FAST_WRAP = set(Tensor.__slots__) == {"_host", "_ort", "_symbol", "_quant", "_shape", "dtype", "device"}
 
 
 def _host_tensor(array: np.ndarray, dtype: DType) -> Tensor:
@@ -125,7 +132,7 @@ def _host_tensor(array: np.ndarray, dtype: DType) -> Tensor:
     t._ort = None
     t._symbol = None
     t._quant = None
-    t.shape = array.shape
+    t._shape = array.shape
     t.dtype = dtype
     t.device = CPU
     return t

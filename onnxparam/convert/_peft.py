@@ -545,7 +545,7 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     """A copy of ``module`` owning every adapter of a PEFT multi-adapter folder as a named
     adapter (``Module.add_adapter``), none active: ``folder`` itself holds ``"default"`` (when
     it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
-    (PEFT's ``save_pretrained`` layout; :func:`onnxparam.convert.save_peft_adapters`).
+    (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
 
     Raises:
         RecordError: ``folder`` holds no adapter, or one does not load

@@ -140,7 +140,7 @@ def save_peft_adapters(module, folder: "str | os.PathLike", *, key_map: Optional
     multi-adapter layout (``PeftModel.save_pretrained`` with several adapters): the adapter
     named ``"default"`` in ``folder`` itself, every other one in ``folder/<name>/``, each a
     :func:`save_peft_adapter` folder (``PeftModel.from_pretrained(model, folder / name,
-    adapter_name=name)`` loads it). :func:`onnxparam.convert.load_peft_adapters` reads it back.
+    adapter_name=name)`` loads it). :func:`onnxparam.load_peft_adapters` reads it back.
 
     Returns:
         ``folder``'s ``Path``.

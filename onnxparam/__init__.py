@@ -41,6 +41,7 @@ from .errors import (
     DeviceError,
     ExecutionError,
     FileAccessError,
+    LoraError,
     OnnxFormatError,
     OnnxParamError,
     PrecisionWarning,
@@ -114,6 +115,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "LoraError",
     "FileAccessError",
     "PrecisionWarning",
 ]

@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from .errors import ExecutionError, OnnxParamError
+from .errors import ExecutionError, LoraError, OnnxParamError
 
 __all__ = ["adapter_params", "write_onnx_adapter", "check_onnx_adapter"]
 
@@ -76,7 +76,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     collected first): hold a reference for as long as the options are used.
 
     Raises:
-        ValueError: when there is nothing to write (a module without adapters).
+        LoraError: (a ``ValueError``) there is nothing to write (a module without adapters, an
+            empty mapping).
         PermissionError: (``EACCES``) ``path`` is read-only (whatever the process's privileges),
             or its folder is not writable; nothing is written.
         FileNotFoundError: (``ENOENT``) ``path``'s folder does not exist.
@@ -92,7 +93,9 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
         module_or_params = module_or_params.set_adapter(adapter_name)
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
     if not params:
-        raise ValueError("no LoRA adapter to write: the module has no adapters (apply_lora first)")
+        what = "the mapping is empty" if isinstance(module_or_params, dict) else (
+            f"{type(module_or_params).__name__} has no LoRA adapters")
+        raise LoraError(f"no LoRA adapter to write to '{path}': {what} (apply_lora or load_peft_adapter first)")
     values = {str(k): ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
     fmt = ort.AdapterFormat()
     fmt.set_adapter_version(int(adapter_version))

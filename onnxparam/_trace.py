@@ -29,8 +29,8 @@ LoRA modes (``lora=``): ``"merge"`` (the initializer holds ``base + scale * (a @
 ``"inputs"`` (as ``"keep"``, the factors also overridable graph inputs for ONNX Runtime's
 multi-LoRA API). Each param's symbolic tensor carries its :class:`~onnxparam.Param`
 (``tensor._symbol.param``); :func:`onnxparam._lora_graph.expand_adapters` rewrites the finished
-graph, so ops and callers need no change. Quantized params are traced as
-their dequantized float value (a later issue emits QuantizeLinear/DequantizeLinear).
+graph, so ops and callers need no change. Quantized params go through the QDQ pass
+(``GraphPasses.quantized_param``). Closing a trace lives in :mod:`onnxparam._trace_finish`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ import onnx
 import onnx_ir as ir
 
 from ._symint import SymInt
+from ._trace_finish import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
 from ._trace_types import (  # noqa: F401  (re-exported: onnxparam._trace is their public home)
     _CURRENT,
+    INFERENCE_DATA_MAX_ELEMENTS,
     GraphPasses,
     InputSpec,
     Symbol,
@@ -59,6 +61,7 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam._trace is the
     _forward_arg_names,
     _ir_dtype,
     _is_input,
+    _is_input_value,
     _lazy_initializer,
     _outer_values,
     _to_attr,
@@ -77,18 +80,8 @@ from .param import Param, value_hook
 from .tensor import Tensor
 
 __all__ = [
-    "DEFAULT_OPSET",
-    "MIN_OPSET",
-    "LORA_MODES",
-    "InputSpec",
-    "Symbol",
-    "Tracer",
-    "TracedModel",
-    "current_tracer",
-    "trace_module",
-    "subgraph",
-    "untraced",
-    "param_array",
+    "DEFAULT_OPSET", "MIN_OPSET", "LORA_MODES", "InputSpec", "Symbol", "Tracer", "TracedModel",
+    "current_tracer", "trace_module", "subgraph", "untraced", "param_array",
 ]
 
 DEFAULT_OPSET = 21
@@ -103,11 +96,8 @@ forms below it; an operator ONNX lacks at the graph's opset raises ``TraceError`
 DEFAULT_DOMAIN_VERSIONS = {"ai.onnx.ml": 3, "com.microsoft": 1}
 """Opset versions given to custom domains first used by a node, when not configured."""
 
-
 CONSTANT_DEDUP_MAX_ELEMENTS = 64
 """Constants up to this many elements are shared when equal (scalars, shape vectors)."""
-
-from ._trace_types import INFERENCE_DATA_MAX_ELEMENTS  # noqa: E402,F401  (re-exported)
 
 
 class Tracer:
@@ -423,7 +413,7 @@ class Tracer:
             if all(d is not None and s is not None for d, s in output_hints):
                 output_types = output_hints
         if output_types is None:
-            output_types = self._infer(node, values, output_hints)
+            output_types = infer_node_types(node, values, self.opset_imports, output_hints)
         elif len(output_types) != num_outputs:
             raise TraceError(f"{node_name}: {len(output_types)} output types given for {num_outputs} outputs")
         outputs = []
@@ -433,10 +423,6 @@ class Tracer:
             outputs.append(self._symbolic(out, dtype, shape))
         self._sinks[-1].append(node)
         return outputs
-
-    def _infer(self, node: ir.Node, values: list, hints: Optional[Sequence] = None) -> list[tuple]:
-        """Output ``(DType, shape)`` s of ``node``; see :func:`onnxparam._trace_types.infer_node_types`."""
-        return infer_node_types(node, values, self.opset_imports, hints)
 
     # -- subgraphs ------------------------------------------------------------------------------
 
@@ -488,93 +474,7 @@ class Tracer:
         Raises:
             TraceError: for outputs that are not tensors, or clashing output names.
         """
-        if self._finished:
-            raise TraceError("this trace is already finished")
-        single = not isinstance(outputs, (tuple, list))
-        outs = [outputs] if single else list(outputs)
-        fresh: set = set()  # default names made unique here (unique_name registers them)
-        if output_names is None:
-            bases = ["output"] if single else [f"output_{i}" for i in range(len(outs))]
-            output_names = [b if b not in self._names else self.unique_name(b) for b in bases]
-            fresh = {n for n, b in zip(output_names, bases) if n != b}
-        output_names = [str(n) for n in output_names]
-        if len(output_names) != len(outs):
-            raise TraceError(f"{len(output_names)} output names given for {len(outs)} outputs")
-        for out, name in zip(outs, output_names):
-            value = self._local_output(out, self.graph)
-            if name != value.name:
-                if name in self._names and name not in fresh:
-                    raise TraceError(f"output name {name!r} is already used (by a param path, input or node)")
-                self._names.add(name)
-                value.name = name
-            self.graph.outputs.append(value)
-        for name, axes in (dynamic_axes or {}).items():
-            if isinstance(name, str) and name in output_names:
-                index = output_names.index(name)
-                value = self.graph.outputs[index]
-                tracked = self.tensor_of(outs[index]).shape
-                dims = list(_dims_of_value(value))
-                for axis, dim in _axes_items(axes, name):
-                    if axis < len(tracked) and isinstance(tracked[axis], int):
-                        raise TraceError(_baked_message(value, axis, tracked[axis], dim, "dynamic_axes declares"))
-                    dims[axis] = dim
-                value.shape = ir.Shape(dims)
-        for rewrite in self.passes.finish:  # LoRA adapters as nodes (may add params), then QDQ
-            rewrite(self)
-        params = sorted(self._params, key=lambda p: (self._param_order.get(p, len(self._param_order)), p))
-        for path in params:
-            self.graph.register_initializer(self._param_values[path])
-        for value in self._constants:
-            self.graph.register_initializer(value)
-        for domain, version in self.opset_imports.items():
-            self.graph.opset_imports[domain] = version
-        opsets = [onnx.helper.make_opsetid(d, v) for d, v in self.opset_imports.items()]
-        ir_version = max(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True), 8)
-        from ._version import __version__
-
-        model = ir.Model(self.graph, ir_version=ir_version, producer_name="onnxparam", producer_version=__version__)
-        self._finished = True
-        return TracedModel(
-            model=model,
-            input_names=tuple(input_names) if input_names else tuple(v.name for v in self.graph.inputs),
-            output_names=tuple(output_names),
-            param_paths=tuple(params),
-            params={p: self._params[p] for p in params},
-            mode=self.mode,
-            single_output=single,
-        )
-
-
-def baking_node(value: ir.Value) -> Optional[ir.Node]:
-    """The node where a dynamic dim became a constant on the way to ``value``: walking back from
-    ``value``'s producer, the nearest node whose output on the path has only static dims while
-    one of its inputs has a dynamic dim (``Reshape`` to a constant shape, a broadcast with a
-    constant ...), or ``None``."""
-    seen, todo = set(), [value]
-    while todo:
-        current = todo.pop(0)
-        node = current.producer()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        static_out = all(isinstance(d, int) for d in _dims_of_value(current))
-        inputs = [v for v in node.inputs if v is not None]
-        if static_out and any(not all(isinstance(d, int) for d in _dims_of_value(v)) for v in inputs):
-            return node
-        todo.extend(inputs)
-    return None
-
-
-def _baked_message(value: ir.Value, axis: int, size: int, dim, what: str) -> str:
-    node = baking_node(value)
-    where = (f" at node {node.name!r} ({node.op_type})" if node is not None else "")
-    return (f"{what} dim {axis} of output {value.name!r} dynamic ({dim!r}), but the traced forward makes it the "
-            f"constant {size}{where}: the graph would only work at that size. Compute the size from the input "
-            "(x.shape[0], -1 in reshape) instead of a Python int, or leave the dim static")
-
-
-def _is_input_value(value: ir.Value, graphs) -> bool:
-    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)
+        return finish_trace(self, outputs, output_names, dynamic_axes, input_names)
 
 
 def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = None,
@@ -676,21 +576,8 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             raise kind(f"tracing {type(module).__name__}.forward: {e}") from e
         traced = tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
     if batch is not None:
-        _check_batch_outputs(traced, batch)
+        check_batch_outputs(traced, batch)
     return traced
-
-
-def _check_batch_outputs(traced: TracedModel, batch: str) -> None:
-    """Every output's dim 0 is the batch (the ``dynamic_batch`` shorthand)."""
-    for value in traced.graph.outputs:
-        dims = _dims_of_value(value)
-        if dims and dims[0] == batch:
-            continue
-        if dims and isinstance(dims[0], int):
-            raise TraceError(_baked_message(value, 0, dims[0], batch, "dynamic_batch declares"))
-        got = "an unknown rank" if value.shape is None else "a scalar" if not dims else f"dim 0 {dims[0] or '?'!r}"
-        raise TraceError(f"dynamic_batch declares dim 0 of every output the batch ({batch!r}), but output "
-                         f"{value.name!r} has {got}; pass dynamic_axes for the dims that are dynamic instead")
 
 
 def subgraph(fn: Callable, inputs: Sequence = (), *, name: Optional[str] = None) -> ir.Graph:

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ._services import service
 from ._symint import SymInt
-from .dtype import DType
+from .dtype import DType, dtype_from_onnx_element
 from .errors import TraceError
 from .param import Param, value_hook
 from .tensor import Tensor
@@ -101,10 +101,12 @@ def _type_proto(value: ir.Value) -> onnx.TypeProto:
 
 
 def _dtype_from_onnx(elem_type: int, what: str) -> DType:
+    """Any ONNX element type: a traced value may be a string / float8 ... tensor (an ONNX-only
+    ``DType``) that later nodes of the graph consume."""
     try:
-        return DType.from_onnx(elem_type)
+        return dtype_from_onnx_element(elem_type)
     except ValueError as e:
-        raise TraceError(f"{what}: {e}; onnxparam tensors hold numeric and bool values only") from e
+        raise TraceError(f"{what}: {e}") from e
 
 
 def param_array(param: Param, dtype: DType) -> np.ndarray:
@@ -232,11 +234,12 @@ class TracedModel:
 
     def input_types(self) -> list[tuple]:
         """``[(name, DType, shape), ...]`` of the graph inputs (dynamic dims as str / None)."""
-        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
 
     def output_types(self) -> list[tuple]:
-        """``[(name, DType, shape), ...]`` of the graph outputs."""
-        return [(v.name, DType.from_onnx(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.outputs]
+        """``[(name, DType, shape), ...]`` of the graph outputs (shape ``None``: an unknown rank)."""
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), None if v.shape is None else tuple(_dims_of_value(v)))
+                for v in self.graph.outputs]
 
     def to_proto(self) -> onnx.ModelProto:
         """The ``onnx.ModelProto`` with every initializer's data (runs lazy inits once each)."""
@@ -343,3 +346,8 @@ def _forward_arg_names(module, count: int) -> list[str]:
 
 def _is_input(x) -> bool:
     return isinstance(x, (Tensor, np.ndarray, InputSpec))
+
+
+def _is_input_value(value: ir.Value, graphs) -> bool:
+    """Whether ``value`` is an input of one of ``graphs`` (not a node output or an initializer)."""
+    return value.producer() is None and value.const_value is None and any(value in g.inputs for g in graphs)

@@ -15,6 +15,7 @@ keeps working::
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
+    ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
     └── FileAccessError (OSError)           a file or folder cannot be read or written as asked
         ├── FileMissingError (FileNotFoundError)
         ├── FilePermissionError (PermissionError)
@@ -44,6 +45,7 @@ __all__ = [
     "ExecutionError",
     "OnnxFormatError",
     "QuantizationError",
+    "LoraError",
     "FileAccessError",
     "FileMissingError",
     "FilePermissionError",
@@ -144,6 +146,12 @@ def file_error(code: int, message: str, filename=None) -> FileAccessError:
 
 class QuantizationError(OnnxParamError, ValueError):
     """A quantization scheme is unsupported, or quantized data is inconsistent with it."""
+
+
+class LoraError(OnnxParamError, ValueError):
+    """LoRA adapters cannot be attached or written as asked: no param of a module can take one
+    (none matched, or none is the matrix of a linear map), a param already has one, or there
+    is no adapter to write."""
 
 
 class PrecisionWarning(UserWarning):

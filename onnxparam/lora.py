@@ -198,22 +198,32 @@ def transposed_paths(module) -> set:
     return found
 
 
-def apply_lora(module, config: LoraConfig):
+def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
     param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
 
-    A param the group matches that already has an adapter is an error (``ValueError``): the new
-    config would otherwise be silently ignored for it.
-
     Rank-2 params that the module's graph does not use as a linear map's matrix (declared through
     :data:`LORA_TARGETS_METHOD`) get no adapter under the default group; a narrower group that
-    selects one raises ``ValueError`` naming it.
+    selects one is an error naming it.
 
     A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
     imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
     in its own layout. The factors are lazy params: ``A`` is drawn from N(0, std) only when
     first needed.
+
+    Args:
+        module: the module to adapt (unchanged).
+        config: the :class:`LoraConfig`.
+        allow_empty: accept a result with no adapter at all (a ``UserWarning`` names why
+            nothing was adapted) instead of raising.
+
+    Raises:
+        LoraError: (a ``ValueError``) a matched param already has an adapter (the new config
+            would otherwise be silently ignored for it); a narrower group selects a rank-2
+            param that is no linear map's matrix; or no param gets an adapter (unless
+            ``allow_empty``), the message listing the candidate params and why each was skipped.
     """
+    from .errors import LoraError
     from .module import rebuild
 
     transposed = transposed_paths(module)
@@ -222,6 +232,8 @@ def apply_lora(module, config: LoraConfig):
     rng = np.random.default_rng(config.seed)
     rank = int(config.rank)
     std = float(config.init_std) if config.init_std is not None else 1.0 / rank
+    skipped: dict = {"linear": [], "rank": [], "group": []}  # why float params got no adapter
+    adapted = []
 
     def adapt(path: str, param: Param) -> Param:
         dtype = param.lazy_dtype()
@@ -229,18 +241,23 @@ def apply_lora(module, config: LoraConfig):
             return param
         frozen = param.set_require_grad(False)
         shape = param.lazy_shape()
-        if len(shape) != 2 or not config.param_group.matches(param.id, path):
+        if len(shape) != 2:
+            skipped["rank"].append(f"{path!r} {tuple(shape)}")
+            return frozen
+        if not config.param_group.matches(param.id, path):
+            skipped["group"].append(f"{path!r} {tuple(shape)}")
             return frozen
         if path in not_linear:
             if every_param:
+                skipped["linear"].append(f"{path!r} {tuple(shape)}: {not_linear[path]}")
                 return frozen
-            raise ValueError(f"{path!r} {tuple(shape)} is not the matrix of a linear map in its graph "
-                             f"({not_linear[path]}): LoRA cannot adapt it; narrow the param_group")
+            raise LoraError(f"{path!r} {tuple(shape)} is not the matrix of a linear map in its graph "
+                            f"({not_linear[path]}): LoRA cannot adapt it; narrow the param_group")
         if param.adapter() is not None:
             old = param.adapter()
-            raise ValueError(f"{path!r} already has a LoRA adapter (rank {old.rank}, scale {old.scale:g}); "
-                             "merge_lora() first or apply the new config to a module without adapters "
-                             "(or narrow its param_group)")
+            raise LoraError(f"{path!r} already has a LoRA adapter (rank {old.rank}, scale {old.scale:g}); "
+                            "merge_lora() first or apply the new config to a module without adapters "
+                            "(or narrow its param_group)")
         flip = path in transposed
         d_out, d_in = shape if flip else shape[::-1]
         factor_dtype = config.dtype or (DType.F32 if dtype is DType.QFloat else dtype)
@@ -257,9 +274,43 @@ def apply_lora(module, config: LoraConfig):
         device = param.lazy_device()
         a = Param.uninitialized(ParamId(), init_a, device, True, (d_in, rank), factor_dtype)
         b = Param.uninitialized(ParamId(), init_b, device, True, (rank, d_out), factor_dtype)
+        adapted.append(path)
         return frozen.with_adapter(LoraAdapter(a, b, config.scale, transposed=flip))
 
-    return rebuild(module, adapt)
+    out = rebuild(module, adapt)
+    if not adapted:
+        message = _nothing_adapted(module, config, skipped)
+        if not allow_empty:
+            raise LoraError(message + "; pass allow_empty=True to accept a module without adapters")
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return out
+
+
+def _nothing_adapted(module, config: LoraConfig, skipped: dict) -> str:
+    """Why :func:`apply_lora` attached no adapter to ``module``: the candidate params and the
+    reason each was skipped (a few named per reason)."""
+
+    def listed(items: list) -> str:
+        return "; ".join(items[:4]) + (f"; ... ({len(items) - 4} more)" if len(items) > 4 else "")
+
+    source = getattr(module, "source_path", None)
+    name = type(module).__name__ + (f" ('{source}')" if source is not None else "")
+    reasons = []
+    if skipped["linear"]:
+        reasons.append(f"{len(skipped['linear'])} rank-2 float param(s) are not the matrix of a linear map in "
+                       f"the graph (no MatMul / Gemm / Gather uses them as one), so LoRA cannot adapt them: "
+                       f"{listed(skipped['linear'])}")
+    if skipped["group"]:
+        reasons.append(f"{len(skipped['group'])} rank-2 float param(s) do not match the param_group "
+                       f"{config.param_group!r}: {listed(skipped['group'])}")
+    if skipped["rank"]:
+        reasons.append(f"{len(skipped['rank'])} float param(s) are not rank-2 (LoRA adapts matrices only): "
+                       f"{listed(skipped['rank'])}")
+    if not reasons:
+        reasons.append("it has no float param to adapt (only integer or bool params, LoRA factors, or none)")
+    return f"apply_lora (rank {config.rank}): no param of {name} got a LoRA adapter: " + "; ".join(reasons)
 
 
 def merge_param(param: Param) -> Param:

@@ -389,11 +389,12 @@ class Module:
 
     # -- LoRA and quantization (see onnxparam.lora / onnxparam.quant) -----------------------------
 
-    def apply_lora(self, config) -> "Module":
-        """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora`."""
+    def apply_lora(self, config, *, allow_empty: bool = False) -> "Module":
+        """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora` (``LoraError`` when
+        no param gets one, unless ``allow_empty``)."""
         apply_lora = service("lora").apply_lora
 
-        return apply_lora(self, config)
+        return apply_lora(self, config, allow_empty=allow_empty)
 
     def merge_lora(self) -> "Module":
         """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters (and no
@@ -443,7 +444,7 @@ class Module:
 
     def apply_qlora(self, config, quantizer) -> "Module":
         """A QLoRA copy: the weights ``config.param_group`` matches are quantized with
-        ``quantizer`` (:func:`onnxparam.quant.quantize_weights` with that group), then float LoRA
+        ``quantizer`` (:func:`onnxparam.quant._module.quantize_weights` with that group), then float LoRA
         adapters are attached to them (:func:`onnxparam.lora.apply_lora`).
 
         Every base param ends frozen (``require_grad=False``): the quantized weights hold integer

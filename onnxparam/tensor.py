@@ -36,7 +36,9 @@ Shape = tuple  # tuple[int | str | None, ...]
 
 
 class Tensor:
-    """An n-dimensional value of kind float, int or bool; see the module docstring.
+    """An n-dimensional value of kind float, int or bool; see the module docstring. Inside a
+    trace (and as an imported model's weight) it may also hold an ONNX-only element type
+    (``DType.String``, float8 ...; see :mod:`onnxparam.dtype`).
 
     Attributes:
         shape: tuple of dims; ints for concrete tensors. A symbolic tensor may have an unknown
@@ -160,7 +162,11 @@ class Tensor:
 
     @property
     def kind(self) -> str:
-        """``"float"``, ``"int"`` or ``"bool"``."""
+        """``"float"``, ``"int"`` or ``"bool"`` (``"string"`` / ``"complex"`` for those ONNX-only dtypes)."""
+        if self.dtype is DType.String:
+            return "string"
+        if self.dtype in (DType.C64, DType.C128):
+            return "complex"
         return "float" if self.dtype.is_float else "bool" if self.dtype.is_bool else "int"
 
     # -- data access --------------------------------------------------------------------------

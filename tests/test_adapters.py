@@ -269,8 +269,8 @@ def test_every_problem_is_reported_at_once_with_expected_and_found(tmp_path):
     message = str(info.value)
     assert message.startswith(f"cannot load '{path}' into Net: 2 problem(s)")
     assert "shape mismatch for 'fc1.bias': the module expects [4], the file has [5]" in message
-    assert ("dtype mismatch for 'norm.running_mean': the module expects F32, the file has F16; "
-            "pass cast='module' to convert it to the module's dtype") in message
+    assert "dtype mismatch for 'norm.running_mean': the module expects F32, the file has F16; " in message
+    assert "cast='module'" in message
     assert info.value.problems == info.value.report.errors
 
 

@@ -64,3 +64,61 @@ def test_the_checker_finds_a_reference_that_does_not_resolve():
     assert DOC_REF.findall("see ``notes/ops_contract.md`` and BURNPACK.md §2") == ["notes/ops_contract.md",
                                                                                   "BURNPACK.md"]
     assert not (ROOT / "notes" / "ops_contract.md").is_file()
+
+
+XREF = re.compile(r":(?:mod|func|class|meth|data|attr|exc):`~?(\.*[\w.]+)`")
+"""A Sphinx cross-reference (``:func:`onnxparam.ops.conv2d``, ``:mod:`._rules_nn``)."""
+
+
+def absolute(ref: str, module: str, is_package: bool) -> str:
+    """``ref`` as a dotted name: a leading ``.`` is the module's package, each further ``.`` one
+    package up (Python's relative import rule)."""
+    dots = len(ref) - len(ref.lstrip("."))
+    if not dots:
+        return ref
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    return ".".join(base[: len(base) - (dots - 1)] + [ref[dots:]])
+
+
+def resolves(name: str) -> bool:
+    """Whether ``name`` is a module of the package or an attribute reached from one."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def package_refs():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        is_package = rel.name == "__init__"
+        module = ".".join(rel.parent.parts if is_package else rel.parts)
+        for ref in XREF.findall(path.read_text()):
+            name = absolute(ref, module, is_package)
+            if name.startswith("onnxparam"):
+                yield path.relative_to(ROOT), ref, name
+
+
+def test_every_cross_reference_of_the_package_names_one_of_its_modules_or_objects():
+    refs = list(package_refs())
+    assert len(refs) > 500 and any(name == "onnxparam.autodiff._rules_nn" for _, _, name in refs)
+    unresolved = sorted(f"{path}: {ref}" for path, ref, name in refs if not resolves(name))
+    assert unresolved == []
+
+
+def test_the_cross_reference_checker_reads_relative_names_and_refuses_missing_ones():
+    assert absolute(".._trace.Tracer", "onnxparam.autodiff._training", False) == "onnxparam._trace.Tracer"
+    assert absolute("._rules_nn", "onnxparam.autodiff", True) == "onnxparam.autodiff._rules_nn"
+    assert resolves("onnxparam.nn.Conv2d.forward") and resolves("onnxparam.autodiff._rules_nn")
+    assert not resolves("onnxparam.autodiff.losses.mse") and not resolves("onnxparam.quant.quantize_weights")

@@ -48,9 +48,10 @@ def test_factor_a_is_normal_with_std_one_over_rank_by_default():
 
 
 def test_param_group_limits_which_params_get_adapters_and_dtype_is_respected():
-    adapted = Lin(np.zeros((3, 4), np.float32)).apply_lora(
-        LoraConfig(rank=1, alpha=1.0, dtype=DType.F16, param_group=ParamGroup.from_path("nothing")))
-    assert adapted.weight.adapter() is None and adapted.weight.require_grad is False
+    adapted = Two().apply_lora(
+        LoraConfig(rank=1, alpha=1.0, dtype=DType.F16, param_group=ParamGroup.from_path("fc.weight")))
+    assert adapted.fc.weight.adapter() is not None
+    assert adapted.other.weight.adapter() is None and adapted.other.weight.require_grad is False
     adapted = Lin(np.zeros((3, 4), np.float32)).apply_lora(LoraConfig(rank=1, alpha=1.0, dtype=DType.F16))
     assert adapted.weight.adapter().a.lazy_dtype() is DType.F16
 

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 import onnxparam as op
-from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, import_onnx, write_onnx_adapter
+from onnxparam import LoraConfig, LoraError, Module, Param, Tensor, export_onnx, import_onnx, write_onnx_adapter
 from onnxparam._lora_adapter_file import adapter_params
 from onnxparam.nn import Linear
 from onnxparam.runtime import SessionConfig, sessions_built, set_session_config
@@ -344,7 +344,7 @@ def test_unknown_lora_mode_is_rejected():
 
 
 def test_writing_an_adapter_of_a_module_without_adapters_says_to_apply_lora(tmp_path):
-    with pytest.raises(ValueError, match=r"no LoRA adapter to write.*apply_lora"):
+    with pytest.raises(LoraError, match=r"no LoRA adapter to write to .*none.onnx_adapter.*: Mlp has no LoRA adapters \(apply_lora"):
         write_onnx_adapter(Mlp(), tmp_path / "none.onnx_adapter")
 
 

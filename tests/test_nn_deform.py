@@ -11,6 +11,8 @@ torch is installed, central finite differences and plain ONNX Runtime on the exp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -372,3 +374,16 @@ def test_fold_and_pool3d_export_and_run_in_plain_onnxruntime(tmp_path):
     got = assert_export_runs_in_plain_ort(net, x, tmp_path, name="fold")
     assert got.shape == (2, 1, 1, 2, 3)
     _assert_other_batch_runs(net, tmp_path / "fold.onnx", RNG.normal(size=(1, 3, 4, 5)).astype(np.float32))
+
+
+def test_deform_conv2d_config_has_conv2d_configs_fields_with_the_groups_split_in_two():
+    import dataclasses
+
+    fields = [(f.name, f.default) for f in dataclasses.fields(nn.DeformConv2dConfig)]
+    assert fields == [("channels", dataclasses.MISSING), ("kernel_size", dataclasses.MISSING), ("stride", (1, 1)),
+                      ("dilation", (1, 1)), ("weight_groups", 1), ("offset_groups", 1), ("padding", "valid"),
+                      ("bias", True), ("initializer", nn.Initializer.KaimingUniform(gain=1 / math.sqrt(3.0)))]
+    assert nn.DeformConv2dConfig.__name__ == "DeformConv2dConfig" and nn.DeformConv2dConfig.__module__.startswith("onnxparam.nn")
+    layer = nn.DeformConv2dConfig((4, 6), 3, stride=2, padding=1).init(dtype=op.DType.F64)
+    assert isinstance(layer, nn.DeformConv2d) and layer.stride == (2, 2) and layer.padding == (1, 1)
+    assert layer.weight.lazy_dtype() is op.DType.F64

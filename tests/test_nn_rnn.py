@@ -532,3 +532,28 @@ def test_bilstm_gradients_with_an_initial_state_match_finite_differences():
     module = WithState(with_random_weights(nn.BiLstm(2, 2, input_forget=True, dtype=DType.F64), np.float64))
     state = [RNG.normal(size=(2, 1, 2)), RNG.normal(size=(2, 1, 2))]
     _check_module_grad(module, RNG.normal(size=(1, 3, 2)), extra=state)
+
+
+def test_bidirectional_configs_hold_burns_fields_in_order_with_their_defaults_and_build_their_layers():
+    import dataclasses
+
+    bilstm = [(f.name, f.default) for f in dataclasses.fields(nn.BiLstmConfig)]
+    assert bilstm == [("d_input", dataclasses.MISSING), ("d_hidden", dataclasses.MISSING), ("bias", True),
+                      ("initializer", nn.Initializer.XavierNormal(gain=1.0)), ("batch_first", True), ("clip", None),
+                      ("input_forget", False), ("gate_activation", "sigmoid"), ("cell_activation", "tanh"),
+                      ("hidden_activation", "tanh"), ("onnx_op", False)]
+    bigru = [(f.name, f.default) for f in dataclasses.fields(nn.BiGruConfig)]
+    assert bigru == [("d_input", dataclasses.MISSING), ("d_hidden", dataclasses.MISSING), ("bias", True),
+                     ("reset_after", True), ("initializer", nn.Initializer.XavierNormal(gain=1.0)), ("batch_first", True),
+                     ("gate_activation", "sigmoid"), ("hidden_activation", "tanh"), ("clip", None),
+                     ("onnx_op", False)]
+    config = nn.BiLstmConfig(4, 3).with_clip(2.0).with_batch_first(False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.clip = 1.0
+    layer = config.init(dtype=DType.F64)
+    assert isinstance(layer, nn.BiLstm) and not layer.batch_first and layer.reverse.clip == 2.0
+    assert layer.forward_lstm.clip == 2.0 and layer.reverse.reverse and layer.d_hidden == 3
+    assert layer.reverse.input_gate.input_transform.weight.lazy_dtype() is DType.F64
+    gru = nn.BiGruConfig(4, 3, reset_after=False, batch_first=False).init()
+    assert isinstance(gru, nn.BiGru) and not gru.batch_first and not gru.forward_gru.reset_after
+    assert repr(nn.BiGruConfig(2, 5)).startswith("BiGruConfig(d_input=2, d_hidden=5, bias=True, reset_after=True")

@@ -10,6 +10,8 @@ differences and plain ONNX Runtime on the exported file.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from nn_layer_checks import assert_export_runs_in_plain_ort, param_table, tensor
@@ -167,3 +169,11 @@ def test_spatial_layers_export_to_plain_onnx_runtime(tmp_path):
                                     rtol=1e-5, atol=1e-5, name="net3d")
     assert_export_runs_in_plain_ort(_Net2d(), RNG.normal(size=(2, 8, 3, 4)).astype(np.float32), tmp_path,
                                     rtol=1e-5, atol=1e-6, name="net2d")
+
+
+@pytest.mark.parametrize("name", ["conv3d", "conv_transpose3d"])
+def test_3d_convolutions_name_the_ncdhw_layout_for_an_input_of_the_wrong_rank(name):
+    x = op.Tensor.from_numpy(np.zeros((1, 2, 3, 3), np.float32))
+    w = op.Tensor.from_numpy(np.zeros((2, 2, 1, 1, 1), np.float32))
+    with pytest.raises(ValueError, match=re.escape(f"{name} expects x of rank 5 [N, C, D, H, W]; got shape [1, 2, 3, 3]")):
+        getattr(ops, name)(x, w)

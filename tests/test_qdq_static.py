@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 
 import onnxparam as op
 from onnxparam import nn, ops
@@ -74,10 +75,10 @@ def batch_norm(c: int, rng) -> nn.BatchNorm:
 class ConvBn(op.Module):
     """conv -> BN -> ReLU -> max pool -> conv -> BN -> ReLU (an MNIST-like stem)."""
 
-    def __init__(self, rng):
-        self.a = nn.Conv2dConfig((3, 16), (3, 3), padding=1).init()
+    def __init__(self, rng, bias: bool = True):
+        self.a = nn.Conv2dConfig((3, 16), (3, 3), padding=1, bias=bias).init()
         self.bn_a = batch_norm(16, rng)
-        self.b = nn.Conv2dConfig((16, 16), (3, 3), padding=1).init()
+        self.b = nn.Conv2dConfig((16, 16), (3, 3), padding=1, bias=bias).init()
         self.bn_b = batch_norm(16, rng)
         self.pool = nn.MaxPool2dConfig((2, 2)).init()
 
@@ -86,13 +87,15 @@ class ConvBn(op.Module):
         return ops.relu(self.bn_b(self.b(h)))
 
 
-def test_batch_norm_after_a_per_channel_conv_is_folded_so_ort_runs_integer_convs_end_to_end(tmp_path):
+@pytest.mark.parametrize("per_channel, bias", [(True, True), (False, False)],
+                         ids=["per-channel-with-bias", "per-tensor-without-bias"])
+def test_batch_norm_after_an_int8_conv_is_folded_so_ort_runs_integer_convs_end_to_end(per_channel, bias, tmp_path):
     nn.seed(4)
-    model = ConvBn(np.random.default_rng(4))
+    model = ConvBn(np.random.default_rng(4), bias)
     x = RNG.normal(size=(16, 3, 12, 12)).astype(np.float32)
     axes = {0: {0: "batch"}}
     f32 = op.export_onnx(model, tmp_path / "f32.onnx", x[:1], dynamic_axes=axes)
-    static = quantize_activations(model.quantize_weights(Quantizer(per_channel=True)), x)
+    static = quantize_activations(model.quantize_weights(Quantizer(per_channel=per_channel)), x)
     out = op.export_onnx(static, tmp_path / "static.onnx", x[:1], dynamic_axes=axes)
     kinds = [n.op_type for n in optimized(out, tmp_path)]
     assert "BatchNormalization" not in kinds and kinds.count("QLinearConv") == 2

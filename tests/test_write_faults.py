@@ -560,12 +560,9 @@ def test_saving_into_a_read_only_folder_names_the_target(tmp_path, monkeypatch, 
     assert list(Path("ro").iterdir()) == []
 
 
-@pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_a_scratch_the_system_refuses_is_reported_naming_the_target(tmp_path, monkeypatch, writer):
-    """A refusal only the kernel knows (here a read-only file system) names the target too."""
-    save, _read, name = WRITERS[writer]
-    monkeypatch.chdir(tmp_path)
-    Path("d").mkdir()
+def _refuse_scratch(monkeypatch, name: str, code: int, text: str) -> None:
+    """Make the kernel's answer to creating a save's scratch file or folder (``.<name>.*.tmp``)
+    the error ``code`` (``OSError(code, text, path)``), as a full or read-only file system would."""
     real_open, real_mkdir = os.open, os.mkdir
 
     def is_scratch(path) -> bool:
@@ -574,16 +571,25 @@ def test_a_scratch_the_system_refuses_is_reported_naming_the_target(tmp_path, mo
 
     def fake_open(path, *args, **kwargs):
         if is_scratch(path):
-            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+            raise OSError(code, text, os.fspath(path))
         return real_open(path, *args, **kwargs)
 
     def fake_mkdir(path, *args, **kwargs):
         if is_scratch(path):
-            raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+            raise OSError(code, text, os.fspath(path))
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(os, "mkdir", fake_mkdir)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_scratch_the_system_refuses_is_reported_naming_the_target(tmp_path, monkeypatch, writer):
+    """A refusal only the kernel knows (here a read-only file system) names the target too."""
+    save, _read, name = WRITERS[writer]
+    monkeypatch.chdir(tmp_path)
+    Path("d").mkdir()
+    _refuse_scratch(monkeypatch, name, errno.EROFS, "Read-only file system")
     with pytest.raises(OSError) as info:
         save(Path("d") / name, 1)
     assert info.value.errno == errno.EROFS and info.value.filename == f"d/{name}"
@@ -598,24 +604,7 @@ def test_out_of_inodes_creating_the_scratch_names_the_target(tmp_path, monkeypat
     save, name = PERMISSION_WRITERS[writer]
     monkeypatch.chdir(tmp_path)
     Path("d").mkdir()
-    real_open, real_mkdir = os.open, os.mkdir
-
-    def is_scratch(path) -> bool:
-        base = os.path.basename(os.fspath(path))
-        return base.startswith(f".{name}.") and base.endswith(".tmp")
-
-    def fake_open(path, *args, **kwargs):
-        if is_scratch(path):
-            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
-        return real_open(path, *args, **kwargs)
-
-    def fake_mkdir(path, *args, **kwargs):
-        if is_scratch(path):
-            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", fake_open)
-    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    _refuse_scratch(monkeypatch, name, errno.ENOSPC, "No space left on device")
     if writer == "write_onnx_adapter":  # ONNX Runtime creates the file itself, from C++
         import onnxruntime
 

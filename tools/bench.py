@@ -58,6 +58,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
 * ``dynamic``: ``tools/bench_dynamic.py``: a transformer block's ``module(x)`` at new shapes vs
   plain ORT on its dynamic export: first-call and new-shape latency, sessions built and peak RSS
   over 32 shapes (targets: 2 sessions, RSS <= 1.2x the first call's).
+* ``inspect``: :func:`bench_inspect`: ``onnxparam inspect --no-count`` of an inline ``.onnx`` of
+  :data:`INSPECT_MODEL_BYTES` vs ``onnx.load`` of it, fresh processes: time (target
+  :data:`INSPECT_TIME_TARGET`) and peak anonymous RSS (target :data:`INSPECT_MEMORY_TARGET`).
 """
 
 from __future__ import annotations
@@ -718,6 +721,60 @@ def bench_dynamic(args: argparse.Namespace) -> list[Result]:
     return run(args, Result, interleaved_medians)
 
 
+INSPECT_MODEL_BYTES = 256 * 2**20
+"""Tensor bytes of the ``inspect`` section's inline ``.onnx`` (16 float32 tensors)."""
+INSPECT_TIME_TARGET = 1.0
+INSPECT_MEMORY_TARGET = 0.25
+
+
+def _child_peak(argv: list) -> dict:
+    """Run ``argv``; wall seconds and the child's peak RSS (kB, sampled every 2 ms)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = dict.fromkeys(RSS_KEYS, 0)
+    while child.poll() is None:
+        try:
+            for k, v in _rss_kib(child.pid).items():
+                peak[k] = max(peak[k], v)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+        time.sleep(RSS_SAMPLE_S)
+    if child.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed: {child.stderr.read().decode()}")
+    return {"seconds": time.perf_counter() - t0, "peak": peak}
+
+
+def bench_inspect(args: argparse.Namespace) -> list[Result]:
+    """``onnxparam inspect --no-count`` of an inline ``.onnx`` (weights inside the protobuf) vs
+    ``onnx.load`` of the same file (after importing ``onnxparam.cli``), each a fresh process: wall time (target
+    :data:`INSPECT_TIME_TARGET`) and peak anonymous RSS (target :data:`INSPECT_MEMORY_TARGET`):
+    inspect walks the protobuf in a map and parses only the structure
+    (:func:`onnxparam.formats.onnx_stream.read_onnx_mapped`)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    side = int((INSPECT_MODEL_BYTES // 16 // 4) ** 0.5)
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((side, side), dtype=np.float32), f"w{i}") for i in range(16)]
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]) for i in range(16)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", side])],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(16)], inits)
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-inspect-") as tmp:
+        path = Path(tmp) / "inline.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        del inits, graph
+        ours = _child_peak([sys.executable, "-m", "onnxparam", "inspect", str(path), "--no-count", "-q"])
+        size = path.stat().st_size
+        # NOTE: the baseline imports what the command imports, so both sides differ by the reading alone
+        base = _child_peak([sys.executable, "-c", f"import onnx, onnxparam.cli; onnx.load({str(path)!r})"])
+    print(f"inspect: inline .onnx {size:,} bytes: "
+          f"inspect {ours['seconds']:.2f} s, peak anon RSS {ours['peak']['RssAnon'] / 2**10:.0f} MiB; onnx.load "
+          f"{base['seconds']:.2f} s, {base['peak']['RssAnon'] / 2**10:.0f} MiB", file=sys.stderr)
+    return [Result("inspect", "inline onnx time", ours["seconds"], base["seconds"], INSPECT_TIME_TARGET),
+            Result("inspect", "inline onnx memory", ours["peak"]["RssAnon"] * 1024.0,
+                   base["peak"]["RssAnon"] * 1024.0, INSPECT_MEMORY_TARGET, unit="MiB")]
+
+
 def bench_export(args: argparse.Namespace) -> list[Result]:
     """Peak memory of ``export_onnx`` (a mapped module; an imported model): :mod:`bench_export` (tools/)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -734,6 +791,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "quant": bench_quant,
     "import": bench_import,
     "dynamic": bench_dynamic,
+    "inspect": bench_inspect,
     "export": bench_export,
 }
 """Section name -> function; run in this order when none is named."""

@@ -9,7 +9,8 @@ trained weights. Each is exported as
 * ``default``: ``quantize_weights(Quantizer())`` exported with the default options (per op the
   fastest form: dynamic int8 MatMul, float Conv without calibration);
 * ``static``: ``Quantizer(per_channel=True)`` + ``quantize_activations`` on calibration inputs
-  (QLinearConv / QLinearMatMul);
+  (QLinearConv / QLinearMatMul; BatchNorms after convs folded in, pairs after a Relu, so ORT
+  chains the integer convs in NHWC: ``onnxparam.quant._qdq_static``);
 * ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (MatMulNBits; conv weights whose
   shape is not whole blocks stay float);
 * ``ort-dynamic``: ``onnxruntime.quantization.quantize_dynamic`` of the float32 file (QInt8);

@@ -30,6 +30,7 @@ onnx-structured,...`` runs as many as asked (``--cases``; 10,000 per format by d
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import random
 import shutil
@@ -290,6 +291,54 @@ def _read_onnx(rng: random.Random, path: Path) -> None:
             module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
         except OnnxParamError as e:
             # NOTE: a run refused by the tracer or ONNX Runtime names the node, not the file
+            raise RefusedWhenRun(e) from e
+
+
+_FED: dict = {}
+"""``label``: what an in-memory case fed the reader (``<onnx.ModelProto>`` ...), for the runner's check
+that the error names it."""
+
+
+def _read_onnx_in_memory(rng: random.Random, path: Path) -> None:
+    """The mutated model fed without a file: as an ``onnx_ir.Model`` (when ``onnx_ir`` can
+    deserialize it), an ``onnx.ModelProto``, or bytes when protobuf cannot parse it."""
+    import onnx
+    import onnx_ir as ir
+
+    from onnxparam.module import named_params
+    from onnxparam.onnx_io import import_onnx, read_onnx_record
+
+    data = path.read_bytes()
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception:  # noqa: BLE001 - an unparsable protobuf is fed as bytes
+        model, _FED["label"] = data, "<bytes>"
+    else:
+        model, _FED["label"] = proto, "<onnx.ModelProto>"
+        if rng.random() < 0.6:
+            logger = logging.getLogger("onnx_ir")
+            level = logger.level
+            logger.setLevel(logging.CRITICAL)  # it logs the dangling names the reader then refuses
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model, _FED["label"] = ir.serde.deserialize_model(proto), "<onnx_ir.Model>"
+            except Exception:  # noqa: BLE001 - what onnx_ir cannot build stays a ModelProto
+                pass
+            finally:
+                logger.setLevel(level)
+    module = import_onnx(model)
+    for _, param in named_params(module):
+        param.val().to_numpy()
+    for snap in read_onnx_record(model).values():
+        snap.to_data()
+    if rng.random() < 0.1:
+        from onnxparam.errors import OnnxParamError
+
+        try:
+            module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
+        except OnnxParamError as e:
             raise RefusedWhenRun(e) from e
 
 
@@ -558,6 +607,7 @@ class Format:
 
 FORMATS = {
     "onnx": Format("onnx", "OnnxParamError", _make_onnx, _read_onnx),
+    "onnx-in-memory": Format("onnx-in-memory", "OnnxParamError", _make_onnx, _read_onnx_in_memory),
     "burnpack": Format("burnpack", "OnnxParamError", _make_bpk, _read_bpk),
     "safetensors": Format("safetensors", "OnnxParamError", _make_st, _read_st),
     "pt": Format("pt", "OnnxParamError", _make_pt, _read_pt),
@@ -596,6 +646,7 @@ def run_format(name: str, cases: int, seed: int, folder: Path) -> Outcome:
         path = fmt.make(rng, case_dir)
         out.tried += 1
         problem = None
+        _FED.clear()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a reader may warn (NaN payloads); not a finding
@@ -603,14 +654,17 @@ def run_format(name: str, cases: int, seed: int, folder: Path) -> Outcome:
             out.accepted += 1
         except RefusedWhenRun as e:
             out.refused += 1
-            if not str(e.args[0]).strip():
+            message = str(e.args[0])
+            if not message.strip():
                 problem = f"{type(e.args[0]).__name__} with an empty message when run"
+            elif _FED.get("label", path.name) not in message:
+                problem = f"{type(e.args[0]).__name__} when run not naming the source: {message[:300]}"
         except error_type as e:
             out.refused += 1
             message = str(e)
             if not message.strip():
                 problem = f"{type(e).__name__} with an empty message"
-            elif path.name not in message:
+            elif _FED.get("label", path.name) not in message:
                 problem = f"{type(e).__name__} not naming the file: {message[:300]}"
         except Exception as e:  # noqa: BLE001 - any other exception is the finding
             frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from .._trace import TracedModel
 from ..errors import TraceError
-from . import _rules_deform, _rules_layers, _rules_nn  # noqa: F401  (register the conv / pool / norm, nn_layers and nn_deform rules)
+from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from ._emitter import Emitter, dims, np_dtype
 from ._rules import NON_DIFFERENTIABLE, RULES
 

@@ -14,7 +14,7 @@ from onnx.reference import ReferenceEvaluator
 from ..errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, const_array, rule
-from ._rules_nn import _conv_geometry, conv_weight_grad
+from ._rules_nn import conv_operands, conv_weight_grad
 
 __all__ = []
 
@@ -28,7 +28,7 @@ def _conv_transpose(e, node, gout, need):
     * ``dx = Conv(g, w)`` (the same attributes; cut to ``x``'s size when ``output_padding``
       made the output longer than the convolution reads back);
     * ``dw`` is ``Conv``'s weight gradient with the roles exchanged: input ``g``, output
-      gradient ``x`` (:func:`.rules_nn.conv_weight_grad`);
+      gradient ``x`` (:func:`._rules_nn.conv_weight_grad`);
     * ``db = sum(g, axes=[0, 2, ...])``.
 
     Raises:
@@ -36,16 +36,7 @@ def _conv_transpose(e, node, gout, need):
     """
     if "output_shape" in node.attributes or attr(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
         raise TraceError(f"node {node.name!r}: ConvTranspose with output_shape / auto_pad has no gradient rule")
-    x, w = node.inputs[0], node.inputs[1]
-    b = node.inputs[2] if len(node.inputs) > 2 else None
-    g = gout[0]
-    xd = static_dims(x, "ConvTranspose's gradient")
-    wd = static_dims(w, "ConvTranspose's gradient")
-    yd = static_dims(node.outputs[0], "ConvTranspose's gradient")
-    nd = len(xd) - 2
-    kernel = tuple(wd[2:])
-    group = int(attr(node, "group", 1))
-    strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
+    x, w, b, g, xd, wd, yd, nd, kernel, group, strides, dilations, begin, end = conv_operands(node, gout)
     out = [None] * len(node.inputs)
     if need[0]:
         dx = e.op("Conv", g, w, strides=strides, dilations=dilations, pads=list(begin) + list(end), group=group)

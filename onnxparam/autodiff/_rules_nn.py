@@ -7,6 +7,7 @@ These rules need static shapes (``grad()`` traces with the concrete input shapes
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import numpy as np
 import onnx_ir as ir
@@ -15,7 +16,7 @@ from ..errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, rule
 
-__all__ = []
+__all__ = ["ConvOperands", "conv_operands", "conv_weight_grad"]
 
 
 def _conv_geometry(node: ir.Node, xd: tuple, kernel: tuple) -> tuple:
@@ -37,6 +38,43 @@ def _conv_geometry(node: ir.Node, xd: tuple, kernel: tuple) -> tuple:
     elif auto_pad == "VALID":
         pads = [0] * (2 * nd)
     return strides, dilations, pads[:nd], pads[nd:]
+
+
+class ConvOperands(NamedTuple):
+    """What the gradient rules of ``Conv`` and ``ConvTranspose`` read from the forward node:
+    its values (``b`` ``None`` without a bias), their static dims, the spatial rank ``nd``, the
+    kernel size, ``group`` and the geometry of :func:`_conv_geometry`."""
+
+    x: ir.Value
+    w: ir.Value
+    b: Optional[ir.Value]
+    g: ir.Value
+    xd: tuple
+    wd: tuple
+    yd: tuple
+    nd: int
+    kernel: tuple
+    group: int
+    strides: list
+    dilations: list
+    begin: list
+    end: list
+
+
+def conv_operands(node: ir.Node, gout: list) -> ConvOperands:
+    """The :class:`ConvOperands` of a ``Conv`` / ``ConvTranspose`` node and its output gradient.
+
+    Raises:
+        TraceError: when a dim is dynamic (the rules need static shapes).
+    """
+    what = f"{node.op_type}'s gradient"
+    x, w = node.inputs[0], node.inputs[1]
+    b = node.inputs[2] if len(node.inputs) > 2 else None
+    xd, wd = static_dims(x, what), static_dims(w, what)
+    yd = static_dims(node.outputs[0], what)
+    kernel = tuple(wd[2:])
+    geometry = _conv_geometry(node, xd, kernel)
+    return ConvOperands(x, w, b, gout[0], xd, wd, yd, len(xd) - 2, kernel, int(attr(node, "group", 1)), *geometry)
 
 
 def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd: tuple, yd: tuple,
@@ -93,16 +131,7 @@ def _conv(e, node, gout, need):
       dilations exchanged, cut to the kernel size;
     * ``db = sum(g, axes=[0, 2, ...])``.
     """
-    x, w = node.inputs[0], node.inputs[1]
-    b = node.inputs[2] if len(node.inputs) > 2 else None
-    g = gout[0]
-    xd = static_dims(x, "Conv's gradient")
-    wd = static_dims(w, "Conv's gradient")
-    yd = static_dims(node.outputs[0], "Conv's gradient")
-    nd = len(xd) - 2
-    kernel = tuple(wd[2:])
-    group = int(attr(node, "group", 1))
-    strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
+    x, w, b, g, xd, wd, yd, nd, kernel, group, strides, dilations, begin, end = conv_operands(node, gout)
     dx = dw = db = None
     if need[0]:
         dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group)

@@ -3,8 +3,8 @@ computed by one cached ONNX Runtime session; and :class:`Gradients`, keyed by ``
 
 **What is traced.** ``loss_fn(module, *inputs, **kwargs)`` runs inside a trace (as a module's
 ``forward`` does): every op it calls, including the module's own forward, becomes ONNX nodes.
-It must return a one-element float tensor (use :func:`.losses.cross_entropy`,
-:func:`.losses.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
+It must return a one-element float tensor (use :func:`onnxparam.autodiff.cross_entropy`,
+:func:`onnxparam.autodiff.mse`, or ``ops.mean`` of something). LoRA adapters are traced in the ``"keep"``
 form (``x @ W + scale * ((x @ a) @ b)``), so the factors are params of the graph and get their
 own gradients while the frozen base stays a constant. A quantized base (QLoRA) is traced as
 ``DequantizeLinear`` of its stored integers (``QdqOptions(matmul="dequantize")``, what
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping, Optional
-
-import numpy as np
 
 from .. import _lora_graph as lora_graph
 from .. import _trace
@@ -137,22 +135,10 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel
         return tracer.finish(loss, output_names=output, input_names=names)
 
 
-def _split(args, kwargs):
-    args = [Tensor.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
-    kwargs = {k: Tensor.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    tensors = [a for a in args if isinstance(a, Tensor)] + [v for v in kwargs.values() if isinstance(v, Tensor)]
-    for t in tensors:
-        if t._symbol is not None:
-            raise TraceError(f"{t!r} is symbolic: grad() takes concrete inputs")
-    return args, kwargs, tensors
-
-
-def _training_entry(loss_fn, module, args, kwargs):
-    """``(key, training TracedModel, grad paths)`` for this call, traced and built if needed."""
+def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
+    """``(key, training TracedModel, grad paths)`` for this call (``call_sig``: its signature
+    from the runtime's ``_split_call``), traced and built if needed."""
     wrt_all = trainable_paths(module)
-    call_sig = (tuple(("T", a.shape, a.dtype) if isinstance(a, Tensor) else ("S", _calls._freeze(a)) for a in args),
-                tuple((k, ("T", v.shape, v.dtype) if isinstance(v, Tensor) else ("S", _calls._freeze(v)))
-                      for k, v in kwargs.items()))
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all)
     hit = _graphs.get(key)
     if hit is not None:
@@ -169,9 +155,9 @@ def _training_entry(loss_fn, module, args, kwargs):
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
     """The training :class:`~onnxparam._trace.TracedModel` that :func:`grad` runs (inputs: the
     tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
-    args, kwargs, _ = _split(inputs, kwargs)
+    args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
-        return _training_entry(loss_fn, module, args, kwargs)[1]
+        return _training_entry(loss_fn, module, args, kwargs, call_sig)[1]
 
 
 def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
@@ -198,10 +184,10 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
     from ..module import named_params
 
     owner = f"grad({getattr(loss_fn, '__name__', 'loss_fn')}, {type(module).__name__})"
-    args, kwargs, tensors = _split(inputs, kwargs)
+    args, kwargs, tensors, call_sig = _calls._split_call(inputs, kwargs)
     config = session_config(module)
     with _calls._LOCK:
-        key, training, grad_paths = _training_entry(loss_fn, module, args, kwargs)
+        key, training, grad_paths = _training_entry(loss_fn, module, args, kwargs, call_sig)
         by_path = dict(named_params(module))
         frozen = [(p, lora_graph.initializer_param(by_path.get(p, training.params[p]), TRAINING_LORA_MODE))
                   for p in training.param_paths]

@@ -21,6 +21,13 @@ Commands:
   (memory-mapped) in :data:`COUNT_CHUNK_BYTES` chunks, so a file larger than memory is fine (an
   ``.onnx`` whose weights sit inside the protobuf is parsed whole: protobuf has no lazy reads).
   ``--json`` prints one JSON document (:func:`inspect_file` builds it).
+
+Every subcommand takes ``--json``: one JSON object on stdout, ``{"command", "results",
+"output"}`` (``results``: convert's report; quantize's params, scheme, per-op table and written
+file; lora's action, adapted weights, rank, alpha and written file; export's model accuracy and
+one entry per written variant with its path, bytes and per-op report), ``inspect``'s document
+for inspect; a failure prints ``{"command", "error", "type", "exit_code"}`` instead (and its
+line on stderr) and exits with that code.
 * ``onnxparam convert IN OUT [--graph G.onnx] [--zero-copy] [--remap PATTERN=REPL ...]
   [--include RE ...] [--exclude RE ...] [--transpose RE ...] [--cast f16|bf16|f32]
   [--pytorch] [--allow-partial] [--external-data] [--plain] [--quiet]``: wraps
@@ -46,6 +53,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -169,18 +177,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _interrupted(fired[0]) if fired and code != 128 + int(fired[0]) else code
 
 
+def _json_error(command: Optional[str], error: BaseException, message: str, code: int) -> None:
+    """With ``--json``: the error as one JSON object on stdout (``command``, ``error``, ``type``,
+    ``exit_code``), besides the usual line on stderr."""
+    import json
+
+    doc = {"command": command, "error": message, "type": type(error).__name__, "exit_code": code}
+    with contextlib.suppress(OSError, ValueError):
+        print(json.dumps(doc, ensure_ascii=False), flush=True)
+
+
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
         print(e, file=sys.stderr)
+        if "--json" in argv:
+            _json_error(next((a for a in argv if a in {c.name for c in COMMANDS}), None), e, str(e), EXIT_USAGE)
         return EXIT_USAGE
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
     from ..errors import OnnxParamError
 
-    capture = bool(getattr(args, "json", False) and getattr(args, "_json_capture", False))
+    wants_json = bool(getattr(args, "json", False))
+    capture = wants_json and bool(getattr(args, "_json_capture", False))
     try:
         _common.QUIET = bool(getattr(args, "quiet", False))
         _common.JSON_DOC = {"command": args.command, "results": {}, "output": []} if capture else None
@@ -193,6 +215,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return code
     except UsageError as e:
         print(e, file=sys.stderr)
+        if wants_json:
+            _json_error(args.command, e, str(e), EXIT_USAGE)
         return EXIT_USAGE
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
@@ -203,9 +227,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return EXIT_FAILURE
     except (OnnxParamError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+        if wants_json:
+            _json_error(args.command, e, one_line(e), EXIT_FAILURE)
         return EXIT_FAILURE
     except Exception as e:  # noqa: BLE001 - the CLI promises one line, never a traceback
         print(f"{PROG}: error: unexpected {type(e).__name__}: {one_line(e)} (please report this)", file=sys.stderr)
+        if wants_json:
+            _json_error(args.command, e, f"unexpected {type(e).__name__}: {one_line(e)}", EXIT_FAILURE)
         return EXIT_FAILURE
     finally:
         _common.QUIET, _common.JSON_DOC = False, None

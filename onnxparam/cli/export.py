@@ -17,6 +17,7 @@ from ._common import (
     _out,
     _positive_int,
     _progress,
+    json_result,
 )
 from ._models import export_mnist_onnx
 from .inspect import _print_table, _scheme_text
@@ -177,6 +178,8 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     predicted = logits.argmax(axis=1)
     correct = int((predicted == labels).sum())
     _out(f"accuracy: {correct / n:.4f} ({correct}/{n}) through ONNX Runtime, device {device}")
+    json_result("model", {"name": "mnist", "params": model.num_params(), "weights": str(weights), "device": str(device),
+                          "images": n, "batch_size": batch, "correct": correct, "accuracy": correct / n})
     # NOTE: the first call traces the forward and builds the ORT session; latency is the
     # steady state after it (all calls when there is only one).
     per_batch_ms, images_per_s = _latency(times, batch)
@@ -225,6 +228,7 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
             ]
         )
     _print_table(table, right={2, 3, 4, 5})
+    json_result("variants", [_row_json(r) for r in rows])
     _out()
     _out(f"note:     {LATENCY_NOTE}.")
     if any(r.variant.startswith("LoRA") and r.file for r in rows):
@@ -232,6 +236,18 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     if any(r.variant.startswith("int8") and r.file for r in rows):
         _out(f"note:     {INT8_NOTE}.")
     return EXIT_OK
+
+
+def _row_json(row: _TourRow) -> dict:
+    """One row of the tour's table for ``--json`` (a QDQ file adds its per-op report)."""
+    doc = {"variant": row.variant, "path": None if row.file is None else str(row.file),
+           "bytes": None if row.file is None else row.file.stat().st_size, "accuracy": row.accuracy,
+           "ms_per_batch": row.ms_per_batch, "images_per_s": row.images_per_s, "note": row.note}
+    if row.file is not None and row.file.suffix == ".onnx":
+        from ..quant import quantized_ops
+
+        doc["ops"] = quantized_ops(row.file)
+    return doc
 
 
 def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, device) -> _TourRow:

@@ -327,9 +327,12 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 
     Raises:
         ValueError: for an unknown extension. FileNotFoundError: for a missing file.
+        FileAccessError: for a writer's scratch file or folder, or a file inside one
+            (``.NAME.<pid>-<hex>.tmp``: an unfinished save, never a finished file).
         BurnpackFormatError / OnnxFormatError / RecordError: for a malformed file.
     """
     path = Path(path)
+    _refuse_scratch(path)
     fmt = _file_format(path, "input file", tuple(_READERS))
     _existing(path, "input file")
     inspected = _READERS[fmt](path)
@@ -355,6 +358,25 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
         "tensors": [t.to_json() for t in rows],
         "totals": totals,
     }
+
+
+def _refuse_scratch(path: Path) -> None:
+    """Refuse ``path`` when it, or a folder above it, is an atomic writer's scratch entry
+    (:func:`onnxparam._scratch.scratch_name`): its content is an unfinished save."""
+    from .._scratch import is_scratch_name
+    from ..errors import FileAccessError
+
+    for entry in (path, *path.parents):
+        if not is_scratch_name(entry.name):
+            continue
+        target, _, owner = entry.name[1:-len(".tmp")].rpartition(".")
+        kind = "folder" if entry.is_dir() else "file"
+        where = "is the" if entry == path else "is inside the"
+        raise FileAccessError(
+            f"'{path}' {where} scratch {kind} of an unfinished save of '{entry.parent / target}' (by process "
+            f"{owner.split('-')[0]}), not a finished file; inspect '{entry.parent / target}' instead (the next save "
+            "into that folder removes a stale scratch entry)"
+        )
 
 
 def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from ._common import (
     _out,
     _positive_int,
     _regex,
+    json_result,
 )
 from ._models import LORA_FACTOR_RE, _add_model_arguments, _architecture, _load_weights
 from .convert import _source_tensors
@@ -86,6 +87,7 @@ def _factor_shapes(path: Path, fmt: str) -> dict:
 
 
 def _run_lora(args: argparse.Namespace) -> int:
+    from ..errors import LoraError
     from ..group import ParamGroup
     from ..lora import LoraConfig
 
@@ -143,7 +145,12 @@ def _run_lora(args: argparse.Namespace) -> int:
     factors_in_src = bool(ranks) and factors_file == args.src
     if src_fmt != "onnx" and not factors_in_src:
         module = _load_weights(module, args.src, src_fmt)
-    adapted = module.apply_lora(LoraConfig(rank, args.alpha, param_group=group, seed=args.seed))
+    with warnings.catch_warnings(record=True) as caught:  # nothing adapted: the error below says why
+        warnings.simplefilter("always")
+        adapted = module.apply_lora(LoraConfig(rank, args.alpha, param_group=group, seed=args.seed), allow_empty=True)
+    for w in caught:
+        if "got a LoRA adapter" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ranks:
         if factors_in_src:
             adapted = _load_weights(adapted, args.src, src_fmt)  # base and factors together
@@ -158,9 +165,14 @@ def _run_lora(args: argparse.Namespace) -> int:
             f"adapt (rank-2 float): {', '.join(strays[:5])}{' ...' if len(strays) > 5 else ''}"
         )
     if not names:
-        raise ValueError(f"no rank-2 float weight of '{args.src}' matches the LoRA targets; nothing to adapt")
+        why = next((str(w.message) for w in caught if "got a LoRA adapter" in str(w.message)), "")
+        raise LoraError(f"no rank-2 float weight of '{args.src}' matches the LoRA targets; nothing to adapt"
+                        + (f" ({why})" if why else ""))
     if not ranks:
         _check_rank(adapted, names, rank)
+    json_result("lora", {"action": args.action, "adapted": names, "rank": rank, "alpha": args.alpha,
+                         "scale": args.alpha / rank, "factors": str(factors_file) if ranks else None,
+                         "seed": None if ranks else args.seed})
     _out(
         f"lora:      {len(names)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale "
         f"{args.alpha / rank:g}); {origin}"
@@ -175,6 +187,7 @@ def _run_lora(args: argparse.Namespace) -> int:
         _save_module(adapted.merge_lora(), args.dst)
     else:
         _save_module(adapted, args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 
@@ -204,6 +217,8 @@ def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
         name = getattr(model.module, "onnx_names", {}).get(off[0], off[0])  # as the file spells it
         raise ValueError(f"--alpha {args.alpha:g} gives scale {wanted:g} at rank {rank}, but '{args.src}' records "
                          f"scale {scale:g} for {name!r}{' ...' if len(off) > 1 else ''} (alpha {scale * rank:g})")
+    json_result("lora", {"action": args.action, "adapted": sorted(kept), "rank": rank, "alpha": args.alpha,
+                         "scale": wanted, "factors": str(args.src), "seed": None})
     _out(f"lora:      {len(kept)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale {wanted:g}); "
          f"factors kept in {args.src}")
     adapted = model.module
@@ -215,6 +230,7 @@ def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
         _save_module(adapted.merge_lora(), args.dst)
     else:
         _save_module(adapted, args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex
+from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex, json_result
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
@@ -144,6 +144,7 @@ def _calibrate(args, model):
             bar.close()
     ranges = getattr(module, "_onnxparam_activation_ranges", ())
     _out(f"calibrated: {total} samples in batches of {args.calibrate_batch}: {len(ranges)} activation ranges")
+    json_result("calibrated", {"samples": total, "batch_size": args.calibrate_batch, "activation_ranges": len(ranges)})
     return module
 
 
@@ -178,6 +179,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
+                              "per_channel": bool(args.per_channel), "dtypes_before": before, "dtypes_after": after})
     _out(
         f"quantized: {quantized} of {sum(before.values())} params to "
         f"{_scheme_text(scheme)}{', per output channel' if args.per_channel else ''}; dtypes {before} -> {after}"
@@ -192,9 +195,13 @@ def _run_quantize(args: argparse.Namespace) -> int:
         from ..quant import quantized_ops
         from ._quant_table import print_quantized_ops
 
-        print_quantized_ops(quantized_ops(args.dst))
+        rows = quantized_ops(args.dst)
+        json_result("ops", rows)
+        print_quantized_ops(rows)
     else:
         model.module.save_file(args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size, "format": dst_fmt,
+                            "input_bytes": args.src.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
     return EXIT_OK
 

@@ -192,7 +192,8 @@ def apply_record(
                      f"{_shape(snap.shape)}" + _shape_hint(expected_shape, tuple(snap.shape), path, report))
         elif not _dtype_fits(expected_dtype, snap.dtype):
             error = (f"dtype mismatch for {where}: the module expects {expected_dtype.name}, {has} "
-                     f"{snap.dtype.name}; pass cast='module' to convert it to the module's dtype")
+                     f"{snap.dtype.name}; convert it to the module's dtype with "
+                     f"onnxparam.convert.apply_record(module, record, cast='module') (or a load_* function's cast=)")
         if error is not None:
             problems.append(error)
             report.errors.append(error)

@@ -102,6 +102,26 @@ def _check_no_projection(state: Mapping, what: str) -> None:
         raise RecordError(f"{what}: {extra[0]!r} is an LSTM projection (proj_size > 0), which Burn's Lstm lacks")
 
 
+def _recurrent_from_torch(state: Mapping, gates: tuple, layer: int, what: str) -> dict:
+    """One layer of a packed PyTorch ``nn.LSTM`` / ``nn.GRU`` state_dict as Burn's per-gate
+    record; ``forward.`` / ``reverse.`` prefixed when the layer is bidirectional (``*_reverse``)."""
+    suffix = f"_l{int(layer)}"
+    forward = _gates_from_torch(state, gates, suffix, what)
+    if f"weight_ih{suffix}_reverse" not in state:
+        return forward
+    reverse = _gates_from_torch(state, gates, suffix + "_reverse", what)
+    return {**{f"forward.{k}": v for k, v in forward.items()}, **{f"reverse.{k}": v for k, v in reverse.items()}}
+
+
+def _recurrent_to_torch(record: Mapping, gates: tuple, layer: int, what: str) -> dict:
+    """The inverse of :func:`_recurrent_from_torch`."""
+    suffix = f"_l{int(layer)}"
+    if any(k.startswith("forward.") for k in record):
+        return {**_gates_to_torch(record, gates, "forward.", suffix, what),
+                **_gates_to_torch(record, gates, "reverse.", suffix + "_reverse", what)}
+    return _gates_to_torch(record, gates, "", suffix, what)
+
+
 def lstm_from_torch(state: Mapping, layer: int = 0) -> dict:
     """Burn names for one layer of a PyTorch ``nn.LSTM`` state_dict.
 
@@ -115,48 +135,26 @@ def lstm_from_torch(state: Mapping, layer: int = 0) -> dict:
         (``input_gate.input_transform.weight (d_input, H)`` ...); for a bidirectional one
         (``*_reverse`` present), :class:`~onnxparam.nn.BiLstm`'s (``forward.`` / ``reverse.``).
     """
-    what = "lstm_from_torch"
-    _check_no_projection(state, what)
-    suffix = f"_l{int(layer)}"
-    forward = _gates_from_torch(state, LSTM_GATES, suffix, what)
-    if f"weight_ih{suffix}_reverse" not in state:
-        return forward
-    reverse = _gates_from_torch(state, LSTM_GATES, suffix + "_reverse", what)
-    return {**{f"forward.{k}": v for k, v in forward.items()}, **{f"reverse.{k}": v for k, v in reverse.items()}}
+    _check_no_projection(state, "lstm_from_torch")
+    return _recurrent_from_torch(state, LSTM_GATES, layer, "lstm_from_torch")
 
 
 def lstm_to_torch(record: Mapping, layer: int = 0) -> dict:
     """The inverse of :func:`lstm_from_torch`: an ``Lstm`` / ``BiLstm`` record (numpy arrays by
     Burn name) as ``nn.LSTM`` state_dict entries of layer ``layer``."""
-    what = "lstm_to_torch"
-    suffix = f"_l{int(layer)}"
-    if any(k.startswith("forward.") for k in record):
-        return {**_gates_to_torch(record, LSTM_GATES, "forward.", suffix, what),
-                **_gates_to_torch(record, LSTM_GATES, "reverse.", suffix + "_reverse", what)}
-    return _gates_to_torch(record, LSTM_GATES, "", suffix, what)
+    return _recurrent_to_torch(record, LSTM_GATES, layer, "lstm_to_torch")
 
 
 def gru_from_torch(state: Mapping, layer: int = 0) -> dict:
     """Burn names for one layer of a PyTorch ``nn.GRU`` state_dict (``weight_ih_l0 (3H, d_input)``
     ..., gates r, z, n): :class:`~onnxparam.nn.Gru`'s record (``reset_after=True``), or
     :class:`~onnxparam.nn.BiGru`'s (``forward.`` / ``reverse.``) when ``*_reverse`` is present."""
-    what = "gru_from_torch"
-    suffix = f"_l{int(layer)}"
-    forward = _gates_from_torch(state, GRU_GATES, suffix, what)
-    if f"weight_ih{suffix}_reverse" not in state:
-        return forward
-    reverse = _gates_from_torch(state, GRU_GATES, suffix + "_reverse", what)
-    return {**{f"forward.{k}": v for k, v in forward.items()}, **{f"reverse.{k}": v for k, v in reverse.items()}}
+    return _recurrent_from_torch(state, GRU_GATES, layer, "gru_from_torch")
 
 
 def gru_to_torch(record: Mapping, layer: int = 0) -> dict:
     """The inverse of :func:`gru_from_torch` (a ``Gru`` or ``BiGru`` record)."""
-    what = "gru_to_torch"
-    suffix = f"_l{int(layer)}"
-    if any(k.startswith("forward.") for k in record):
-        return {**_gates_to_torch(record, GRU_GATES, "forward.", suffix, what),
-                **_gates_to_torch(record, GRU_GATES, "reverse.", suffix + "_reverse", what)}
-    return _gates_to_torch(record, GRU_GATES, "", suffix, what)
+    return _recurrent_to_torch(record, GRU_GATES, layer, "gru_to_torch")
 
 
 def mha_from_torch(state: Mapping) -> dict:

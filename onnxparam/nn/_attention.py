@@ -21,7 +21,7 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, positive
+from ._config import check_float_dtype, config, layer_from_config, positive
 from ._dropout import Dropout
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 from ._linear import Linear
@@ -136,8 +136,7 @@ class MultiHeadAttentionConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "MultiHeadAttention":
         """A new :class:`MultiHeadAttention` with lazy params on ``device``."""
-        return MultiHeadAttention(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device,
-                                  dtype=dtype)
+        return layer_from_config(self, MultiHeadAttention, device=device, dtype=dtype)
 
 
 class MultiHeadAttention(Module):
@@ -238,8 +237,7 @@ class CrossAttentionConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "CrossAttention":
         """A new :class:`CrossAttention` with lazy params on ``device``."""
-        return CrossAttention(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device,
-                              dtype=dtype)
+        return layer_from_config(self, CrossAttention, device=device, dtype=dtype)
 
 
 class CrossAttention(Module):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
-__all__ = ["config", "pair", "positive", "padding_2d", "check_float_dtype"]
+__all__ = [
+    "config", "derived_config", "layer_from_config", "pair", "positive", "spatial", "padding_2d", "check_float_dtype",
+]
 
 PaddingSpec = Union[str, int, tuple]
 
@@ -32,6 +34,38 @@ def config(cls):
     return cls
 
 
+def derived_config(name: str, base, module: str, doc: str, *, drop: tuple = (), insert_after: Optional[dict] = None,
+                   methods: Optional[dict] = None):
+    """A :func:`config` class ``name`` (defined in ``module``) whose fields are ``base``'s, in
+    ``base``'s order and with its defaults, without those in ``drop``; ``insert_after`` maps a
+    field of ``base`` to new fields ``[(name, type, default), ...]`` placed right after it;
+    ``methods`` are added to the class (its ``init``).
+
+    NOTE: for configs that Burn defines as another config's fields with one more or one fewer
+    (``BiLstmConfig`` is ``LstmConfig`` without ``reverse``, ``DeformConv2dConfig`` is
+    ``Conv2dConfig`` with two kinds of groups): the field lists cannot drift apart.
+    """
+    annotations: dict = {}
+    namespace: dict = {}
+    for f in dataclasses.fields(base):
+        if f.name not in drop:
+            annotations[f.name] = f.type
+            if f.default is not dataclasses.MISSING:
+                namespace[f.name] = f.default
+        for new, kind, default in (insert_after or {}).get(f.name, ()):
+            annotations[new] = kind
+            namespace[new] = default
+    namespace.update(methods or {}, __annotations__=annotations, __doc__=doc, __module__=module, __qualname__=name)
+    return config(type(name, (), namespace))
+
+
+def layer_from_config(config, layer_cls, **extra):
+    """``layer_cls(**fields of config, **extra)``: a config's ``init`` when its layer takes
+    exactly the config's fields (by name) plus ``extra`` (``device``, ``dtype``)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return layer_cls(**fields, **extra)
+
+
 def positive(value, name: str) -> int:
     """``value`` as an int > 0, or ``ValueError`` naming the argument."""
     if isinstance(value, bool) or int(value) != value or int(value) <= 0:
@@ -45,6 +79,28 @@ def pair(value, name: str, minimum: int = 1) -> tuple[int, int]:
     if len(items) != 2 or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
         raise ValueError(f"{name} must be an int or a pair of ints >= {minimum}; got {value!r}")
     return int(items[0]), int(items[1])
+
+
+def spatial(value, name: str, rank: int, minimum: int = 1):
+    """A size argument of a rank-``rank`` layer: an int for rank 1, else a ``rank``-tuple (an
+    int means the same in every dim); each entry an int >= ``minimum`` (1 or 0).
+
+    Raises:
+        ValueError: naming ``name``, for a wrong count, a bool, a non-integer or a value below
+            ``minimum``.
+    """
+    if rank == 1:
+        if minimum == 1:
+            return positive(value, name)
+        if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        return int(value)
+    if rank == 2:
+        return pair(value, name, minimum)
+    items = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if len(items) != rank or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
+        raise ValueError(f"{name} must be an int or a triple of ints >= {minimum}; got {value!r}")
+    return tuple(int(v) for v in items)
 
 
 def padding_2d(padding: PaddingSpec, kernel_size: tuple, dilation: tuple, stride: tuple) -> tuple[int, int]:

@@ -9,31 +9,21 @@ symmetric padding (an int, or a pair for 2-D).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 from .. import ops
 from ..device import Device
 from ..dtype import DType
 from ..module import Module
-from ..param import Param
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, padding_2d, pair, positive
+from ._config import config, layer_from_config, padding_2d, pair, positive
+from ._conv_common import init_conv
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["Conv1d", "Conv1dConfig", "Conv2d", "Conv2dConfig"]
 
 Padding1d = Union[str, int]
 Padding2d = Union[str, int, tuple]
-
-
-def _check_groups(channels_in: int, channels_out: int, groups: int) -> int:
-    groups = positive(groups, "groups")
-    if channels_in % groups or channels_out % groups:
-        raise ValueError(
-            f"both channel counts must be divisible by groups: channels=({channels_in}, {channels_out}), "
-            f"groups={groups}"
-        )
-    return groups
 
 
 @config
@@ -65,9 +55,7 @@ class Conv1dConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Conv1d":
         """A new :class:`Conv1d` with lazy params on ``device``."""
-        return Conv1d(self.channels_in, self.channels_out, self.kernel_size, stride=self.stride,
-                      dilation=self.dilation, groups=self.groups, padding=self.padding, bias=self.bias,
-                      initializer=self.initializer, device=device, dtype=dtype)
+        return layer_from_config(self, Conv1d, device=device, dtype=dtype)
 
 
 class Conv1d(Module):
@@ -96,11 +84,9 @@ class Conv1d(Module):
                  initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         c_in, c_out = positive(channels_in, "channels_in"), positive(channels_out, "channels_out")
-        k = positive(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "Conv1d")
-        self.stride = positive(stride, "stride")
-        self.dilation = positive(dilation, "dilation")
+        self.groups = init_conv(self, "Conv1d", 1, c_in, c_out, kernel_size, stride, dilation, groups, bias,
+                                initializer, device, dtype)
+        k = self.kernel_size
         if isinstance(padding, str):
             padding = padding.lower()
             self._pad = padding_2d(padding, (k, k), (self.dilation,) * 2, (self.stride,) * 2)[0]
@@ -108,14 +94,7 @@ class Conv1d(Module):
             if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
                 raise ValueError(f"padding must be 'valid', 'same' or an int >= 0; got {padding!r}")
             self._pad = padding
-        self.kernel_size = k
-        self.groups = groups
         self.padding = padding
-        fan_in, fan_out = c_in // groups * k, c_out // groups * k
-        self.weight: Param = initializer.init_with((c_out, c_in // groups, k), fan_in, fan_out, device, dtype)
-        self.bias: Optional[Param] = (
-            initializer.init_with((c_out,), fan_in, fan_out, device, dtype) if bias else None
-        )
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv1d(x, self.weight.val(), None if self.bias is None else self.bias.val(),
@@ -155,9 +134,7 @@ class Conv2dConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Conv2d":
         """A new :class:`Conv2d` with lazy params on ``device``."""
-        return Conv2d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                      groups=self.groups, padding=self.padding, bias=self.bias,
-                      initializer=self.initializer, device=device, dtype=dtype)
+        return layer_from_config(self, Conv2d, device=device, dtype=dtype)
 
 
 class Conv2d(Module):
@@ -187,20 +164,10 @@ class Conv2d(Module):
                  initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         c_in, c_out = pair(channels, "channels")
-        kh, kw = pair(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "Conv2d")
-        self.stride = pair(stride, "stride")
-        self.kernel_size = (kh, kw)
-        self.dilation = pair(dilation, "dilation")
-        self.groups = groups
+        self.groups = init_conv(self, "Conv2d", 2, c_in, c_out, kernel_size, stride, dilation, groups, bias,
+                                initializer, device, dtype)
         self.padding = padding.lower() if isinstance(padding, str) else pair(padding, "padding", minimum=0)
         self._pad = padding_2d(self.padding, self.kernel_size, self.dilation, self.stride)
-        fan_in, fan_out = c_in // groups * kh * kw, c_out // groups * kh * kw
-        self.weight: Param = initializer.init_with((c_out, c_in // groups, kh, kw), fan_in, fan_out, device, dtype)
-        self.bias: Optional[Param] = (
-            initializer.init_with((c_out,), fan_in, fan_out, device, dtype) if bias else None
-        )
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv2d(x, self.weight.val(), None if self.bias is None else self.bias.val(),

@@ -15,25 +15,31 @@ weight's axis 1 is ``channels_out / groups``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .. import ops
 from ..device import Device
 from ..dtype import DType
 from ..module import Module
-from ..param import Param
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, pair, positive
-from ._conv import _check_groups
+from ._config import config, layer_from_config, pair, spatial
+from ._conv_common import init_conv
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["ConvTranspose1d", "ConvTranspose1dConfig", "ConvTranspose2d", "ConvTranspose2dConfig"]
 
 
-def _non_negative(value, name: str) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 0:
-        raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
-    return int(value)
+def _init_transposed(layer, layer_name: str, rank: int, channels, kernel_size, stride, dilation, groups, padding,
+                     padding_out, bias: bool, initializer, device, dtype) -> None:
+    """The ``__init__`` of ``ConvTranspose1d`` .. ``ConvTranspose3d`` (sizes per ``rank``)."""
+    c_in, c_out = pair(channels, "channels")
+    layer.groups = init_conv(layer, layer_name, rank, c_in, c_out, kernel_size, stride, dilation, groups, bias,
+                             initializer, device, dtype, transposed=True)
+    layer.padding = spatial(padding, "padding", rank, minimum=0)
+    layer.padding_out = spatial(padding_out, "padding_out", rank, minimum=0)
+    if rank == 1:
+        _check_padding_out((layer.padding_out,), (layer.stride,), (layer.dilation,))
+    else:
+        _check_padding_out(layer.padding_out, layer.stride, layer.dilation)
+    layer.channels = (c_in, c_out)
 
 
 def _check_padding_out(padding_out: tuple, stride: tuple, dilation: tuple) -> None:
@@ -71,9 +77,7 @@ class ConvTranspose1dConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "ConvTranspose1d":
         """A new :class:`ConvTranspose1d` with lazy params on ``device``."""
-        return ConvTranspose1d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                               groups=self.groups, padding=self.padding, padding_out=self.padding_out,
-                               bias=self.bias, initializer=self.initializer, device=device, dtype=dtype)
+        return layer_from_config(self, ConvTranspose1d, device=device, dtype=dtype)
 
 
 class ConvTranspose1d(Module):
@@ -101,23 +105,8 @@ class ConvTranspose1d(Module):
                  padding: int = 0, padding_out: int = 0, bias: bool = True,
                  initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        c_in, c_out = pair(channels, "channels")
-        k = positive(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "ConvTranspose1d")
-        self.stride = positive(stride, "stride")
-        self.kernel_size = k
-        self.dilation = positive(dilation, "dilation")
-        self.groups = groups
-        self.padding = _non_negative(padding, "padding")
-        self.padding_out = _non_negative(padding_out, "padding_out")
-        _check_padding_out((self.padding_out,), (self.stride,), (self.dilation,))
-        self.channels = (c_in, c_out)
-        fan_in = c_out // groups * k
-        self.weight: Param = initializer.init_with((c_in, c_out // groups, k), fan_in, None, device, dtype)
-        self.bias: Optional[Param] = (
-            initializer.init_with((c_out,), fan_in, None, device, dtype) if bias else None
-        )
+        _init_transposed(self, "ConvTranspose1d", 1, channels, kernel_size, stride, dilation, groups, padding,
+                         padding_out, bias, initializer, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv_transpose1d(x, self.weight.val(), None if self.bias is None else self.bias.val(),
@@ -155,9 +144,7 @@ class ConvTranspose2dConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "ConvTranspose2d":
         """A new :class:`ConvTranspose2d` with lazy params on ``device``."""
-        return ConvTranspose2d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                               groups=self.groups, padding=self.padding, padding_out=self.padding_out,
-                               bias=self.bias, initializer=self.initializer, device=device, dtype=dtype)
+        return layer_from_config(self, ConvTranspose2d, device=device, dtype=dtype)
 
 
 class ConvTranspose2d(Module):
@@ -184,23 +171,8 @@ class ConvTranspose2d(Module):
                  padding=(0, 0), padding_out=(0, 0), bias: bool = True,
                  initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        c_in, c_out = pair(channels, "channels")
-        kh, kw = pair(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "ConvTranspose2d")
-        self.stride = pair(stride, "stride")
-        self.kernel_size = (kh, kw)
-        self.dilation = pair(dilation, "dilation")
-        self.groups = groups
-        self.padding = pair(padding, "padding", minimum=0)
-        self.padding_out = pair(padding_out, "padding_out", minimum=0)
-        _check_padding_out(self.padding_out, self.stride, self.dilation)
-        self.channels = (c_in, c_out)
-        fan_in = c_out // groups * kh * kw
-        self.weight: Param = initializer.init_with((c_in, c_out // groups, kh, kw), fan_in, None, device, dtype)
-        self.bias: Optional[Param] = (
-            initializer.init_with((c_out,), fan_in, None, device, dtype) if bias else None
-        )
+        _init_transposed(self, "ConvTranspose2d", 2, channels, kernel_size, stride, dilation, groups, padding,
+                         padding_out, bias, initializer, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv_transpose2d(x, self.weight.val(), None if self.bias is None else self.bias.val(),

@@ -15,18 +15,23 @@ from .. import ops
 from ..device import Device
 from ..dtype import DType
 from ..module import Module
-from ..param import Param
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, padding_2d, pair, positive
-from ._conv import Padding2d
+from ._config import derived_config, layer_from_config, padding_2d, pair, positive
+from ._conv import Conv2dConfig, Padding2d
+from ._conv_common import init_conv
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = ["DeformConv2d", "DeformConv2dConfig"]
 
 
-@config
-class DeformConv2dConfig:
-    """Configuration of a :class:`DeformConv2d` layer (Burn's ``DeformConv2dConfig``).
+def _init_deform_conv2d(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "DeformConv2d":
+    """A new :class:`DeformConv2d` with lazy params on ``device``."""
+    return layer_from_config(self, DeformConv2d, device=device, dtype=dtype)
+
+
+DeformConv2dConfig = derived_config("DeformConv2dConfig", Conv2dConfig, __name__, """Configuration of a :class:`DeformConv2d` layer (Burn's ``DeformConv2dConfig``): the fields
+    of :class:`~onnxparam.nn.Conv2dConfig`, in its order and with its defaults, with ``groups``
+    split in two.
 
     Args:
         channels: ``(C_in, C_out)``.
@@ -40,24 +45,8 @@ class DeformConv2dConfig:
         bias: whether the layer adds a bias (default ``True``).
         initializer: Burn's default ``KaimingUniform(gain=1/sqrt(3))`` with
             ``fan_in = C_in / weight_groups * k_h * k_w`` (weight and bias).
-    """
-
-    channels: tuple
-    kernel_size: tuple
-    stride: tuple = (1, 1)
-    dilation: tuple = (1, 1)
-    weight_groups: int = 1
-    offset_groups: int = 1
-    padding: Padding2d = "valid"
-    bias: bool = True
-    initializer: Initializer = DEFAULT_INITIALIZER
-
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "DeformConv2d":
-        """A new :class:`DeformConv2d` with lazy params on ``device``."""
-        return DeformConv2d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                            weight_groups=self.weight_groups, offset_groups=self.offset_groups,
-                            padding=self.padding, bias=self.bias, initializer=self.initializer,
-                            device=device, dtype=dtype)
+    """, drop=("groups",), insert_after={"dilation": [("weight_groups", "int", 1), ("offset_groups", "int", 1)]},
+    methods={"init": _init_deform_conv2d})
 
 
 class DeformConv2d(Module):
@@ -92,28 +81,15 @@ class DeformConv2d(Module):
                  initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         c_in, c_out = pair(channels, "channels")
-        kh, kw = pair(kernel_size, "kernel_size")
-        wg = positive(weight_groups, "weight_groups")
         og = positive(offset_groups, "offset_groups")
-        if c_in % wg or c_out % wg:
-            raise ValueError(f"both channel counts must be divisible by weight_groups: channels=({c_in}, {c_out}), "
-                             f"weight_groups={wg}")
         if c_in % og:
             raise ValueError(f"channels_in must be divisible by offset_groups: channels_in={c_in}, "
                              f"offset_groups={og}")
-        dtype = check_float_dtype(dtype, "DeformConv2d")
-        self.stride = pair(stride, "stride")
-        self.kernel_size = (kh, kw)
-        self.dilation = pair(dilation, "dilation")
-        self.weight_groups = wg
+        self.weight_groups = init_conv(self, "DeformConv2d", 2, c_in, c_out, kernel_size, stride, dilation,
+                                       weight_groups, bias, initializer, device, dtype, groups_name="weight_groups")
         self.offset_groups = og
         self.padding = padding.lower() if isinstance(padding, str) else pair(padding, "padding", minimum=0)
         self._pad = padding_2d(self.padding, self.kernel_size, self.dilation, self.stride)
-        fan_in, fan_out = c_in // wg * kh * kw, c_out // wg * kh * kw
-        self.weight: Param = initializer.init_with((c_out, c_in // wg, kh, kw), fan_in, fan_out, device, dtype)
-        self.bias: Optional[Param] = (
-            initializer.init_with((c_out,), fan_in, fan_out, device, dtype) if bias else None
-        )
 
     def forward(self, x: Tensor, offset: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         return ops.deform_conv2d(x, offset, self.weight.val(), mask,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .. import ops
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config, pair, positive
+from ._config import config, pair, spatial
 
 __all__ = ["Fold4d", "Fold4dConfig", "AdaptiveAvgPool3d", "AdaptiveAvgPool3dConfig"]
 
@@ -56,13 +56,6 @@ class Fold4d(Module):
                 f"stride={list(self.stride)}, dilation={list(self.dilation)}, padding={list(self.padding)}")
 
 
-def _triple(value, name: str) -> tuple:
-    items = (value,) * 3 if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
-    if len(items) != 3:
-        raise ValueError(f"{name} must be an int or three ints; got {value!r}")
-    return tuple(positive(v, name) for v in items)
-
-
 @config
 class AdaptiveAvgPool3dConfig:
     """Configuration of an :class:`AdaptiveAvgPool3d` layer (Burn's ``AdaptiveAvgPool3dConfig``).
@@ -87,7 +80,7 @@ class AdaptiveAvgPool3d(Module):
     """
 
     def __init__(self, output_size):
-        self.output_size = _triple(output_size, "output_size")
+        self.output_size = spatial(output_size, "output_size", 3)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.adaptive_avg_pool3d(x, self.output_size)

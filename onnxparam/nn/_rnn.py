@@ -35,7 +35,7 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, positive
+from ._config import check_float_dtype, config, layer_from_config, positive
 from ._initializer import Initializer
 from ._linear import Linear
 
@@ -121,11 +121,24 @@ def _packed_bias(wb: Optional[Tensor], rb: Optional[Tensor]) -> Optional[Tensor]
     return None if wb is None else ops.unsqueeze(ops.concat([wb, rb], 0), [0])
 
 
-def _check_onnx_op(onnx_op: bool, clip, what: str) -> bool:
+def _check_recurrent(what: str, d_input, d_hidden, dtype, onnx_op, clip, activations: dict) -> tuple:
+    """The arguments :class:`Lstm` and :class:`Gru` share, checked: ``(d_input, d_hidden, dtype,
+    onnx_op)`` as ``int, int, DType, bool``; ``activations`` maps field names to names.
+
+    Raises:
+        ValueError: for non-positive sizes, a non-float dtype, ``clip`` with ``onnx_op``, a
+            ``clip`` that is not positive, or an unknown activation.
+    """
+    d_input, d_hidden = positive(d_input, "d_input"), positive(d_hidden, "d_hidden")
+    dtype = check_float_dtype(dtype, what)
     if onnx_op and clip is not None:
         raise ValueError(f"{what}(onnx_op=True) cannot clip: ONNX's clip bounds the gates' pre-activations, "
                          "Burn's clamps the state; use onnx_op=False (the unrolled form) with clip")
-    return bool(onnx_op)
+    if clip is not None and not float(clip) > 0:
+        raise ValueError(f"clip must be a positive number or None; got {clip!r}")
+    for field, name in activations.items():
+        _activation(name, field)
+    return d_input, d_hidden, dtype, bool(onnx_op)
 
 
 def _check_input(x: Tensor, d_input: int, what: str) -> None:
@@ -169,7 +182,7 @@ class LstmConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Lstm":
         """A new :class:`Lstm` with lazy params on ``device``."""
-        return Lstm(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+        return layer_from_config(self, Lstm, device=device, dtype=dtype)
 
 
 class Lstm(Module):
@@ -207,15 +220,10 @@ class Lstm(Module):
                  clip: Optional[float] = None, input_forget: bool = False, gate_activation: str = "sigmoid",
                  cell_activation: str = "tanh", hidden_activation: str = "tanh", onnx_op: bool = False,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        d_input = positive(d_input, "d_input")
-        d_hidden = positive(d_hidden, "d_hidden")
-        dtype = check_float_dtype(dtype, "Lstm")
-        self.onnx_op = _check_onnx_op(onnx_op, clip, "Lstm")
-        if clip is not None and not float(clip) > 0:
-            raise ValueError(f"clip must be a positive number or None; got {clip!r}")
-        for name, value in (("gate_activation", gate_activation), ("cell_activation", cell_activation),
-                            ("hidden_activation", hidden_activation)):
-            _activation(value, name)
+        d_input, d_hidden, dtype, self.onnx_op = _check_recurrent(
+            "Lstm", d_input, d_hidden, dtype, onnx_op, clip,
+            {"gate_activation": gate_activation, "cell_activation": cell_activation,
+             "hidden_activation": hidden_activation})
         gate = lambda: GateController(d_input, d_hidden, bias, initializer, device, dtype)  # noqa: E731
         self.input_gate = gate()
         self.forget_gate = gate()
@@ -311,7 +319,7 @@ class GruConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Gru":
         """A new :class:`Gru` with lazy params on ``device``."""
-        return Gru(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+        return layer_from_config(self, Gru, device=device, dtype=dtype)
 
 
 class Gru(Module):
@@ -342,14 +350,9 @@ class Gru(Module):
                  initializer: Initializer = RNN_INITIALIZER, gate_activation: str = "sigmoid",
                  hidden_activation: str = "tanh", clip: Optional[float] = None, onnx_op: bool = False,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        d_input = positive(d_input, "d_input")
-        d_hidden = positive(d_hidden, "d_hidden")
-        dtype = check_float_dtype(dtype, "Gru")
-        self.onnx_op = _check_onnx_op(onnx_op, clip, "Gru")
-        if clip is not None and not float(clip) > 0:
-            raise ValueError(f"clip must be a positive number or None; got {clip!r}")
-        _activation(gate_activation, "gate_activation")
-        _activation(hidden_activation, "hidden_activation")
+        d_input, d_hidden, dtype, self.onnx_op = _check_recurrent(
+            "Gru", d_input, d_hidden, dtype, onnx_op, clip,
+            {"gate_activation": gate_activation, "hidden_activation": hidden_activation})
         gate = lambda: GateController(d_input, d_hidden, bias, initializer, device, dtype)  # noqa: E731
         self.update_gate = gate()
         self.reset_gate = gate()

@@ -17,9 +17,9 @@ from ..device import Device
 from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
-from ._config import config
+from ._config import derived_config, layer_from_config
 from ._initializer import Initializer
-from ._rnn import RNN_INITIALIZER, Gru, Lstm, LstmState
+from ._rnn import RNN_INITIALIZER, Gru, GruConfig, Lstm, LstmConfig, LstmState
 
 __all__ = ["BiLstm", "BiLstmConfig", "BiGru", "BiGruConfig"]
 
@@ -35,26 +35,16 @@ class _ForwardMethod:
         obj.__dict__["forward"] = value
 
 
-@config
-class BiLstmConfig:
-    """Configuration of a :class:`BiLstm` (Burn's ``BiLstmConfig``); fields as :class:`LstmConfig`
-    without ``reverse``."""
+def _init_bilstm(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiLstm":
+    """A new :class:`BiLstm` with lazy params on ``device``."""
+    return layer_from_config(self, BiLstm, device=device, dtype=dtype)
 
-    d_input: int
-    d_hidden: int
-    bias: bool = True
-    initializer: Initializer = RNN_INITIALIZER
-    batch_first: bool = True
-    clip: Optional[float] = None
-    input_forget: bool = False
-    gate_activation: str = "sigmoid"
-    cell_activation: str = "tanh"
-    hidden_activation: str = "tanh"
-    onnx_op: bool = False
 
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiLstm":
-        """A new :class:`BiLstm` with lazy params on ``device``."""
-        return BiLstm(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+BiLstmConfig = derived_config("BiLstmConfig", LstmConfig, __name__, """Configuration of a :class:`BiLstm` (Burn's ``BiLstmConfig``): the fields of
+    :class:`~onnxparam.nn.LstmConfig`, in its order and with its defaults, without ``reverse``
+    (``d_input``, ``d_hidden``, ``bias``, ``initializer``, ``batch_first``, ``clip``,
+    ``input_forget``, ``gate_activation``, ``cell_activation``, ``hidden_activation``,
+    ``onnx_op``).""", drop=("reverse",), methods={"init": _init_bilstm})
 
 
 class BiLstm(Module):
@@ -120,25 +110,16 @@ class BiLstm(Module):
 BiLstm.forward = _ForwardMethod()
 
 
-@config
-class BiGruConfig:
-    """Configuration of a :class:`BiGru` (Burn's ``BiGruConfig``); fields as :class:`GruConfig`
-    plus ``batch_first``."""
+def _init_bigru(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiGru":
+    """A new :class:`BiGru` with lazy params on ``device``."""
+    return layer_from_config(self, BiGru, device=device, dtype=dtype)
 
-    d_input: int
-    d_hidden: int
-    bias: bool = True
-    reset_after: bool = True
-    initializer: Initializer = RNN_INITIALIZER
-    batch_first: bool = True
-    gate_activation: str = "sigmoid"
-    hidden_activation: str = "tanh"
-    clip: Optional[float] = None
-    onnx_op: bool = False
 
-    def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "BiGru":
-        """A new :class:`BiGru` with lazy params on ``device``."""
-        return BiGru(**{f: getattr(self, f) for f in self.__dataclass_fields__}, device=device, dtype=dtype)
+BiGruConfig = derived_config("BiGruConfig", GruConfig, __name__, """Configuration of a :class:`BiGru` (Burn's ``BiGruConfig``): the fields of
+    :class:`~onnxparam.nn.GruConfig`, in its order and with its defaults, plus ``batch_first``
+    (``True``) after ``initializer`` (``d_input``, ``d_hidden``, ``bias``, ``reset_after``,
+    ``initializer``, ``batch_first``, ``gate_activation``, ``hidden_activation``, ``clip``,
+    ``onnx_op``).""", insert_after={"initializer": [("batch_first", "bool", True)]}, methods={"init": _init_bigru})
 
 
 class BiGru(Module):

@@ -18,11 +18,10 @@ from .. import ops
 from ..device import Device
 from ..dtype import DType
 from ..module import Module
-from ..param import Param
 from ..tensor import Tensor
-from ._config import check_float_dtype, config, pair, positive
-from ._conv import _check_groups
-from ._conv_transpose import _check_padding_out
+from ._config import config, layer_from_config, pair, positive, spatial
+from ._conv_common import init_conv
+from ._conv_transpose import _init_transposed
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 
 __all__ = [
@@ -30,13 +29,6 @@ __all__ = [
     "AvgPool1d", "AvgPool1dConfig", "AdaptiveAvgPool1d", "AdaptiveAvgPool1dConfig", "PixelShuffle",
     "PixelShuffleConfig", "Unfold4d", "Unfold4dConfig", "LocalResponseNorm", "LocalResponseNormConfig",
 ]
-
-
-def _triple(value, name: str, minimum: int = 1) -> tuple:
-    items = (value,) * 3 if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
-    if len(items) != 3 or any(isinstance(v, bool) or int(v) != v or int(v) < minimum for v in items):
-        raise ValueError(f"{name} must be an int or a triple of ints >= {minimum}; got {value!r}")
-    return tuple(int(v) for v in items)
 
 
 def _padding_3d(padding, kernel: tuple, dilation: tuple, stride: tuple) -> tuple:
@@ -52,7 +44,7 @@ def _padding_3d(padding, kernel: tuple, dilation: tuple, stride: tuple) -> tuple
                                  f"dilation={dilation}, stride={stride}; pass explicit padding instead")
             return tuple(s // 2 for s in spans)
         raise ValueError(f"unknown padding {padding!r}: expected 'valid', 'same', an int or a triple of ints")
-    return _triple(padding, "padding", minimum=0)
+    return spatial(padding, "padding", 3, minimum=0)
 
 
 @config
@@ -79,9 +71,7 @@ class Conv3dConfig:
     initializer: Initializer = DEFAULT_INITIALIZER
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "Conv3d":
-        return Conv3d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                      groups=self.groups, padding=self.padding, bias=self.bias, initializer=self.initializer,
-                      device=device, dtype=dtype)
+        return layer_from_config(self, Conv3d, device=device, dtype=dtype)
 
 
 class Conv3d(Module):
@@ -103,18 +93,10 @@ class Conv3d(Module):
                  padding="valid", bias: bool = True, initializer: Initializer = DEFAULT_INITIALIZER,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
         c_in, c_out = pair(channels, "channels")
-        k = _triple(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "Conv3d")
-        self.stride = _triple(stride, "stride")
-        self.kernel_size = k
-        self.dilation = _triple(dilation, "dilation")
-        self.groups = groups
-        self.padding = padding.lower() if isinstance(padding, str) else _triple(padding, "padding", minimum=0)
-        self._pad = _padding_3d(self.padding, k, self.dilation, self.stride)
-        fan_in, fan_out = c_in // groups * k[0] * k[1] * k[2], c_out // groups * k[0] * k[1] * k[2]
-        self.weight: Param = initializer.init_with((c_out, c_in // groups) + k, fan_in, fan_out, device, dtype)
-        self.bias: Optional[Param] = initializer.init_with((c_out,), fan_in, fan_out, device, dtype) if bias else None
+        self.groups = init_conv(self, "Conv3d", 3, c_in, c_out, kernel_size, stride, dilation, groups, bias,
+                                initializer, device, dtype)
+        self.padding = padding.lower() if isinstance(padding, str) else spatial(padding, "padding", 3, minimum=0)
+        self._pad = _padding_3d(self.padding, self.kernel_size, self.dilation, self.stride)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv3d(x, self.weight.val(), None if self.bias is None else self.bias.val(), stride=self.stride,
@@ -141,9 +123,7 @@ class ConvTranspose3dConfig:
     initializer: Initializer = DEFAULT_INITIALIZER
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "ConvTranspose3d":
-        return ConvTranspose3d(self.channels, self.kernel_size, stride=self.stride, dilation=self.dilation,
-                               groups=self.groups, padding=self.padding, padding_out=self.padding_out,
-                               bias=self.bias, initializer=self.initializer, device=device, dtype=dtype)
+        return layer_from_config(self, ConvTranspose3d, device=device, dtype=dtype)
 
 
 class ConvTranspose3d(Module):
@@ -163,21 +143,8 @@ class ConvTranspose3d(Module):
                  padding=(0, 0, 0), padding_out=(0, 0, 0), bias: bool = True,
                  initializer: Initializer = DEFAULT_INITIALIZER, device: "Device | str" = "cpu",
                  dtype: DType = DType.F32):
-        c_in, c_out = pair(channels, "channels")
-        k = _triple(kernel_size, "kernel_size")
-        groups = _check_groups(c_in, c_out, groups)
-        dtype = check_float_dtype(dtype, "ConvTranspose3d")
-        self.stride = _triple(stride, "stride")
-        self.kernel_size = k
-        self.dilation = _triple(dilation, "dilation")
-        self.groups = groups
-        self.padding = _triple(padding, "padding", minimum=0)
-        self.padding_out = _triple(padding_out, "padding_out", minimum=0)
-        _check_padding_out(self.padding_out, self.stride, self.dilation)
-        self.channels = (c_in, c_out)
-        fan_in = c_out // groups * k[0] * k[1] * k[2]
-        self.weight: Param = initializer.init_with((c_in, c_out // groups) + k, fan_in, None, device, dtype)
-        self.bias: Optional[Param] = initializer.init_with((c_out,), fan_in, None, device, dtype) if bias else None
+        _init_transposed(self, "ConvTranspose3d", 3, channels, kernel_size, stride, dilation, groups, padding,
+                         padding_out, bias, initializer, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.conv_transpose3d(x, self.weight.val(), None if self.bias is None else self.bias.val(),

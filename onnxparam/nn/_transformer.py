@@ -22,7 +22,7 @@ from ..dtype import DType
 from ..module import Module
 from ..tensor import Tensor
 from ._attention import MhaInput, MultiHeadAttention
-from ._config import config, positive
+from ._config import config, layer_from_config, positive
 from ._dropout import Dropout
 from ._initializer import DEFAULT_INITIALIZER, Initializer
 from ._linear import Linear
@@ -67,8 +67,7 @@ class PositionWiseFeedForwardConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "PositionWiseFeedForward":
         """A new :class:`PositionWiseFeedForward` with lazy params on ``device``."""
-        return PositionWiseFeedForward(**{f: getattr(self, f) for f in self.__dataclass_fields__},
-                                       device=device, dtype=dtype)
+        return layer_from_config(self, PositionWiseFeedForward, device=device, dtype=dtype)
 
 
 class PositionWiseFeedForward(Module):
@@ -134,8 +133,7 @@ class TransformerEncoderConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "TransformerEncoder":
         """A new :class:`TransformerEncoder` with lazy params on ``device``."""
-        return TransformerEncoder(**{f: getattr(self, f) for f in self.__dataclass_fields__},
-                                  device=device, dtype=dtype)
+        return layer_from_config(self, TransformerEncoder, device=device, dtype=dtype)
 
 
 def _or(value: Optional[float], default: float) -> float:
@@ -244,8 +242,7 @@ class TransformerDecoderConfig:
 
     def init(self, device: "Device | str" = "cpu", dtype: DType = DType.F32) -> "TransformerDecoder":
         """A new :class:`TransformerDecoder` with lazy params on ``device``."""
-        return TransformerDecoder(**{f: getattr(self, f) for f in self.__dataclass_fields__},
-                                  device=device, dtype=dtype)
+        return layer_from_config(self, TransformerDecoder, device=device, dtype=dtype)
 
 
 class TransformerDecoderLayer(Module):

@@ -107,7 +107,22 @@ def export_onnx(
 
 def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                      opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
-    """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy)."""
+    """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy); errors raised
+    for an imported module name its file."""
+    if isinstance(module, OnnxModule):
+        from ._source_errors import naming_source
+
+        with naming_source(module):
+            return _trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
+                                     dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
+                                     dynamic_batch=dynamic_batch)
+    return _trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
+                             dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
+                             dynamic_batch=dynamic_batch)
+
+
+def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
+                      opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
     from .._trace import trace_module
     from ..lora import with_every_named_target
 

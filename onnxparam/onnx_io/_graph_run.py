@@ -67,6 +67,21 @@ def _from_ort(value):
     return value
 
 
+def _error(module, error: Exception, action: str) -> ExecutionError:
+    """An :class:`ExecutionError` naming the imported file and the failing node (when ONNX
+    Runtime's message names one of the source graph's nodes)."""
+    from ..runtime._sessions import failing_node
+    from ._source_errors import source_label
+
+    source = module._source
+    message = str(error).strip()
+    node = failing_node(message, source.pristine.graph)
+    where = f" at node {node.name!r} ({node.op_type})" if node is not None else ""
+    label = source_label(module)
+    what = f"the model imported from {label!r}" if source.loaded.path is not None else f"the imported model {label}"
+    return ExecutionError(f"ONNX Runtime failed to {action} {what}{where}: {message}")
+
+
 def _session(module):
     """The cached ``(session, keepalive)`` for ``module``'s current params, or ``None`` when its
     graph alone cannot express it."""
@@ -101,8 +116,7 @@ def _session(module):
         try:
             session = ort.InferenceSession(data, options, providers=providers_for(device, config))
         except Exception as e:
-            raise ExecutionError(f"ONNX Runtime failed to build a session for the imported model "
-                                 f"{module.extra_repr()}: {str(e).strip()}") from e
+            raise _error(module, e, "build a session for") from e
         calls._STATS.sessions_built += 1
         _sessions[key] = (session, (source, options, values, arrays))
         while len(_sessions) > MAX_GRAPH_SESSIONS:
@@ -129,8 +143,7 @@ def run_graph(module, bound: dict) -> Optional[object]:
     try:
         outs = session.run(names, feed)
     except Exception as e:
-        raise ExecutionError(f"ONNX Runtime failed to run the imported model {module.extra_repr()}: "
-                             f"{str(e).strip()}") from e
+        raise _error(module, e, "run") from e
     outs = [_from_ort(o) for o in outs]
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -26,7 +26,7 @@ the model's opset versions (:attr:`OnnxModule.onnx_opset_imports`), control flow
 with their outer-scope references and weights rewired to the traced values
 (:mod:`~onnxparam.onnx_io._bodies`). Output ranks come from ONNX shape inference, else the file
 or a probe run (:mod:`~onnxparam.onnx_io._probe`), else stay unknown (see
-:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, strings, float8 ... are copied
+:class:`~onnxparam.Tensor`); nodes whose outputs are sequences, optionals or maps are copied
 as they are (:mod:`~onnxparam.onnx_io._opaque`); the inputs of a graph with control flow are
 given the file's declared types (:mod:`~onnxparam.onnx_io._boundary`). For this path only,
 model-local functions are inlined and ``DequantizeLinear`` weights folded into ``QFloat``
@@ -67,7 +67,7 @@ from ._probe import probed_types
 from ._records import site_metadata
 from ._source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
 from ._sparse import load_densified
-from ._weights import CONSTANT, WeightSite, burn_dtype, find_weights, tensor_data
+from ._weights import CONSTANT, WeightSite, burn_dtype, feeds_quantized_weight, find_weights, tensor_data
 
 __all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
 
@@ -91,7 +91,8 @@ def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = (meta.require_grad if meta.require_grad is not None
-                    else site.dtype.is_float and not site.dtype.is_onnx_only)
+                    else site.dtype.is_float and not site.dtype.is_onnx_only
+                    and not feeds_quantized_weight(site.value))  # a quantized weight's scale is not trained
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
         return Tensor.from_data(tensor_data(_tensor, _dtype), None if device == CPU else device)
@@ -149,12 +150,6 @@ class _SourceGraph:
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
 
-def _has_qdq_nodes(model: ir.Model) -> bool:
-    """True when the importer's QDQ folding may rewrite the main graph (it then works on a clone)."""
-    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
-               or node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in model.graph)
-
-
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
 
@@ -167,7 +162,7 @@ class OnnxModule(Module):
     def __init__(self, loaded: LoadedModel, pristine: Optional[ir.Model] = None):
         if pristine is None:
             pristine = loaded.model
-            if _has_qdq_nodes(pristine):
+            if _qdq_import.has_foldable_nodes(pristine):
                 loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
         # DequantizeLinear(int initializer) -> one QFloat weight (in the working copy only)
         _qdq_import.fold_dequantize_weights(loaded.model)
@@ -289,16 +284,21 @@ class OnnxModule(Module):
         Raises:
             TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
             ExecutionError: when ONNX Runtime cannot build or run the graph.
+
+        Every error raised names the imported file (or the in-memory source) and, for a
+        run-time failure, the node (:mod:`~onnxparam.onnx_io._source_errors`).
         """
         from .. import _trace as tr
+        from ._source_errors import naming_source
 
-        if tr.current_tracer() is None:
-            from ._graph_run import _NO_SESSION, run_graph
+        with naming_source(self):
+            if tr.current_tracer() is None:
+                from ._graph_run import _NO_SESSION, run_graph
 
-            result = run_graph(self, self._bind(inputs, named))
-            if result is not _NO_SESSION:
-                return result
-        return Module.__call__(self, *inputs, **named)
+                result = run_graph(self, self._bind(inputs, named))
+                if result is not _NO_SESSION:
+                    return result
+            return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
         """Graph input name -> given value; checks count, names, dtype and rank."""
@@ -328,7 +328,7 @@ class OnnxModule(Module):
                 dims = _dims(v)
                 if want is not None and x.dtype is not want:
                     raise TypeError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
-                if dims is not None and (len(dims) != len(x.shape) or any(
+                if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
                     raise TypeError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
         return bound
@@ -360,6 +360,9 @@ class OnnxModule(Module):
         if tracer is None:
             raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
         self._check_opsets(tracer)
+        from ._source_errors import record_scope
+
+        record_scope(tracer, self)
         params = dict(named_params(self))
         env: dict = {}
         graph = self._source.loaded.model.graph
@@ -549,7 +552,7 @@ def import_onnx(path_or_model) -> OnnxModule:
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
-    elif _has_qdq_nodes(pristine):
+    elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
 

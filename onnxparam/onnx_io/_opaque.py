@@ -1,12 +1,12 @@
-"""Nodes of an imported graph whose outputs onnxparam tensors cannot hold, inlined as they are.
+"""Nodes of an imported graph whose outputs are not tensors, inlined as they are.
 
 Inside a trace (an imported module called by another module's ``forward``) each node of the
-imported graph is re-emitted; most become symbolic :class:`~onnxparam.Tensor` s. A node whose
-output the source types as a sequence, an optional, a map, or a tensor of an element type
-onnxparam tensors do not hold (string, float8, int4 ...) is copied into the trace as an
-``onnx_ir`` node with the source's output types; its outputs stay ``onnx_ir.Value`` s that only
-later nodes of the same imported graph consume (``SequenceConstruct`` -> ``ConcatFromSequence``,
-``Cast`` to string and back). ONNX Runtime computes them as in the original file.
+imported graph is re-emitted; its outputs become symbolic :class:`~onnxparam.Tensor` s (of any
+ONNX element type: strings and float8 too). A node whose output the source types as a
+sequence, an optional or a map is copied into the trace as an ``onnx_ir`` node with the
+source's output types; its outputs stay ``onnx_ir.Value`` s that only later nodes of the same
+imported graph consume (``SequenceConstruct`` -> ``ConcatFromSequence``). ONNX Runtime computes
+them as in the original file.
 
 The types come from the file (graph outputs, ``value_info``) completed by ONNX's whole-graph
 shape inference of the source (computed once per imported model).
@@ -20,7 +20,6 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import TraceError
-from ._weights import burn_dtype
 
 __all__ = ["source_types", "is_opaque", "opaque_node", "emit_opaque", "check_outputs"]
 
@@ -45,15 +44,12 @@ def source_types(source) -> dict:
 
 
 def is_opaque(tp: Optional[onnx.TypeProto]) -> bool:
-    """True for a type onnxparam tensors cannot hold (not a tensor, or an element type with no
-    :class:`~onnxparam.DType`); ``False`` for an unknown type."""
+    """True for a type a traced :class:`~onnxparam.Tensor` cannot hold (a sequence, an optional,
+    a map, a sparse tensor); ``False`` for tensors of every element type and unknown types."""
     if tp is None:
         return False
     kind = tp.WhichOneof("value")
-    if kind != "tensor_type":
-        return kind is not None
-    elem = tp.tensor_type.elem_type
-    return elem != 0 and burn_dtype(ir.DataType(elem)) is None
+    return kind is not None and kind != "tensor_type"
 
 
 def opaque_node(source, node: ir.Node, count: int) -> bool:
@@ -85,7 +81,7 @@ def emit_opaque(source, tracer, node: ir.Node, inputs: list, attributes: dict, c
 
 def check_outputs(source, outputs: list) -> None:
     """A traced forward passes on tensors only: an imported graph output that stayed an
-    ``onnx_ir.Value`` (a sequence, a string tensor ...) is refused, naming it.
+    ``onnx_ir.Value`` (a sequence, an optional, a map) is refused, naming it.
 
     Raises:
         TraceError: naming the output and its ONNX type.
@@ -94,4 +90,4 @@ def check_outputs(source, outputs: list) -> None:
         if isinstance(out, ir.Value):
             raise TraceError(
                 f"output {value.name!r} of the imported ONNX graph is a {out.type}: a traced forward can pass on "
-                "tensors of onnxparam's dtypes only (call the imported module outside a trace to get it)")
+                "tensors only (call the imported module outside a trace to get it)")

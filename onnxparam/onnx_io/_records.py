@@ -47,19 +47,40 @@ def read_onnx_record(path_or_model) -> ModuleRecord:
     view of the memory-mapped external data file, or of the protobuf bytes). The record's
     ``metadata`` holds the file's ``onnxparam.record.*`` entries, without that prefix.
 
+    Quantized weights (an integer initializer read by ``DequantizeLinear``, the exporter's
+    ``MatMulInteger -> Cast -> Mul(scale)`` form, ``com.microsoft.MatMulNBits``) are ``QFloat``
+    entries holding their codes and scales, named as the integer initializer: the params
+    :func:`~onnxparam.onnx_io.import_onnx` makes of them (folded on a copy of the model; a
+    form Burn cannot hold stays the integer tensor and its scale, each an entry of its own).
+
     Args:
         path_or_model: a path, ``onnx.ModelProto``, ``onnx_ir.Model`` or bytes.
 
     Raises:
         OnnxFormatError: for anything :func:`~onnxparam.onnx_io._source.load_model` rejects.
     """
+    from ..quant import _qdq_import
+
     loaded = load_model(path_or_model)
-    sites = find_weights(loaded.model, loaded.source)
-    metas = site_metadata(loaded.model, sites, loaded.source)
+    model = loaded.model
+    if _qdq_import.has_foldable_nodes(model):
+        # quantized weights (DequantizeLinear / MatMulInteger / MatMulNBits of an integer
+        # initializer) are QFloat entries, as import_onnx makes them params (a copy is folded)
+        from ._graph_model import copy_model
+
+        model = copy_model(model)
+        _qdq_import.fold_dequantize_weights(model)
+    sites = find_weights(model, loaded.source)
+    metas = site_metadata(model, sites, loaded.source)
     items = {}
     by_path = {site.path: site for site in sites}
     for site in (by_path[p] for p in tree_order(by_path)):
         meta = metas.get(site.name, md.ParamMetadata())
+        quantized = _qdq_import.imported_quantized(site)
+        if quantized is not None:
+            items[site.path] = TensorSnapshot(DType.QFloat, tuple(quantized.shape), meta.param_id,
+                                              lambda _q=quantized: _q.to_tensor().into_data(), quantized.scheme)
+            continue
 
         def load(_t=site.tensor, _d=site.dtype):
             return tensor_data(_t, _d)

@@ -7,7 +7,10 @@ reads only its protobuf.
 
 Every problem becomes an :class:`~onnxparam.OnnxFormatError` naming the source and the problem:
 not an ONNX model, a truncated or corrupt protobuf, an external data file that is missing or too
-short, a name that nothing produces (a node input, a graph output).
+short, a name that nothing produces (a node input, a graph output). A model handed over in memory
+gets the checks a file gets: an ``onnx.ModelProto`` directly, an ``onnx_ir.Model`` through its
+structure serialized without tensor bytes (:func:`~onnxparam.onnx_io._validate.structure_proto`);
+its messages name ``<onnx.ModelProto>`` / ``<onnx_ir.Model>`` / ``<bytes>`` where a file's name the path.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class LoadedModel:
 
     Attributes:
         model: the model (shared, never mutated by this package).
-        source: a label for messages: the file path, or ``"<ModelProto>"`` / ``"<onnx_ir.Model>"``.
+        source: a label for messages: the file path, or ``"<onnx.ModelProto>"`` /
+            ``"<onnx_ir.Model>"`` / ``"<bytes>"``.
         path: the file, when the model was read from one.
     """
 
@@ -110,6 +114,20 @@ def _check_proto(proto: onnx.ModelProto, source: str) -> None:
     check_structure(proto, source)
 
 
+def _check_ir_model(model: ir.Model, source: str) -> None:
+    """The checks a file gets, for an in-memory ``onnx_ir.Model``: its structure serialized
+    without tensor bytes (:func:`~onnxparam.onnx_io._validate.structure_proto`) goes through
+    :func:`~onnxparam.onnx_io._validate.check_structure`."""
+    from ._validate import check_structure, structure_proto
+
+    if not isinstance(model.graph, ir.Graph):
+        raise OnnxFormatError(f"{source}: not an ONNX model: its graph is {type(model.graph).__name__}")
+    if not isinstance(model.ir_version, int) or model.ir_version <= 0:
+        raise OnnxFormatError(f"{source}: not an ONNX model: its IR version is {model.ir_version!r}; expected a "
+                              "positive integer")
+    check_structure(structure_proto(model, source), source)
+
+
 def _invalid_text_field(message, where: str) -> Optional[str]:
     """The dotted field path of the first ``string`` field that is not valid UTF-8, else ``None``.
 
@@ -171,6 +189,7 @@ def _load_model(path_or_model) -> LoadedModel:
     with _quiet_ir_logger():
         if isinstance(path_or_model, ir.Model):
             model = path_or_model
+            _check_ir_model(model, source)
         else:
             if isinstance(path_or_model, (str, os.PathLike)):
                 path = Path(path_or_model)

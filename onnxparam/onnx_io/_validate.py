@@ -11,6 +11,10 @@ data locations that hold NUL or bad offsets.
 
 Every problem is an :class:`~onnxparam.OnnxFormatError` that names the source, the graph, the
 node (name and op type) or the tensor, and what was expected.
+
+An in-memory ``onnx_ir.Model`` gets the same checks: :func:`structure_proto` serializes its
+structure (graphs, nodes, attributes, opsets, the element types and dims of its initializers,
+not their bytes) into the protobuf :func:`check_structure` walks.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 from typing import Optional
 
 import onnx
+import onnx_ir as ir
 from onnx import AttributeProto, TensorProto
 
 from ..errors import OnnxFormatError
 
-__all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure"]
+__all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure", "structure_proto"]
 
 MAX_GRAPH_DEPTH = 24
 """Subgraphs (``If`` / ``Loop`` / ``Scan`` bodies) nested deeper are refused. NOTE: the readers
@@ -258,3 +263,149 @@ def check_structure(model: onnx.ModelProto, source: str) -> Optional[None]:
         for index, node in enumerate(function.node):
             if not node.op_type:
                 checker.fail(f"node #{index} of function {function.name!r} has no op_type")
+
+
+def structure_proto(model: ir.Model, source: str) -> onnx.ModelProto:
+    """The structure of an in-memory ``onnx_ir.Model`` as an ``onnx.ModelProto`` for
+    :func:`check_structure`: opsets, functions, graphs, nodes and attributes as ``onnx_ir``
+    serializes them, except tensors (initializers and tensor attributes, in every graph): their
+    name, element type and dims with an empty ``raw_data`` (their bytes are neither copied nor
+    materialized; their sizes are checked on the ``onnx_ir`` tensors).
+
+    Raises:
+        OnnxFormatError: for a node, attribute, value or function ``onnx_ir`` cannot serialize
+            (an attribute of type UNDEFINED, a value of the wrong kind ...), naming it.
+    """
+    proto = onnx.ModelProto()
+    proto.ir_version = int(model.ir_version or 0)
+    for domain, version in model.opset_imports.items():
+        entry = proto.opset_import.add()
+        entry.domain, entry.version = _as_int_field(domain, version, source)
+    for function in model.functions.values():
+        try:
+            proto.functions.append(ir.serde.serialize_function(function))
+        except Exception as e:  # noqa: BLE001 - onnx_ir raises several types for what it cannot write
+            raise OnnxFormatError(f"{source}: function {getattr(function, 'name', '?')!r} cannot be represented in "
+                                  f"ONNX: {_cause(e)}") from None
+    _structure_graph(proto.graph, model.graph, source, 0, set())
+    return proto
+
+
+def _as_int_field(domain, version, source: str) -> tuple:
+    if not isinstance(domain, str) or isinstance(version, bool) or not isinstance(version, int):
+        raise OnnxFormatError(f"{source}: opset import {domain!r}: {version!r}; expected a domain string and an "
+                              "integer version")
+    if not -(2**63) <= version < 2**63:
+        raise OnnxFormatError(f"{source}: imports opset {version} of domain {domain or 'ai.onnx'!r}; opset versions "
+                              f"are 1 to {MAX_OPSET_VERSION}")
+    return domain, version
+
+
+def _cause(e: BaseException) -> str:
+    """``onnx_ir`` wraps serialization errors in ``SerdeError`` s whose cause says what failed."""
+    while e.__cause__ is not None and type(e).__name__ == "SerdeError":
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"
+
+
+def _structure_graph(graph_proto: onnx.GraphProto, graph: ir.Graph, source: str, depth: int, seen: set) -> None:
+    """``graph``'s structure into ``graph_proto``: values as ``onnx_ir`` serializes them, nodes
+    built field by field, tensors as stubs (:func:`_tensor_stub`), subgraphs recursively down to
+    one level past :data:`MAX_GRAPH_DEPTH` (which :func:`check_structure` then refuses).
+    ``seen``: ids of the graphs walked so far (NOTE: one graph object in two attributes would be
+    walked once per path, exponentially in the depth; a file cannot express it)."""
+    label = f"graph {graph.name!r}"
+    if graph.name:
+        graph_proto.name = graph.name
+    for field, values in (("input", graph.inputs), ("output", graph.outputs)):
+        for value in values:
+            try:
+                ir.serde.serialize_value_into(getattr(graph_proto, field).add(), value)
+            except Exception as e:  # noqa: BLE001
+                raise OnnxFormatError(f"{source}: {field} {getattr(value, 'name', '?')!r} of {label} cannot be "
+                                      f"represented in ONNX: {_cause(e)}") from None
+    for name, value in graph.initializers.items():
+        if value.const_value is None:
+            raise OnnxFormatError(f"{source}: initializer {name!r} of {label} holds no tensor (its const_value is "
+                                  "None); an initializer has a value")
+        _tensor_stub(graph_proto.initializer.add(), value.const_value, f"initializer {name!r} of {label}", source)
+        graph_proto.initializer[-1].name = name
+    if depth > MAX_GRAPH_DEPTH:
+        return  # too deep: check_structure refuses this graph's depth before looking at its nodes
+    for index, node in enumerate(graph):
+        node_label = f"node {node.name!r}" if node.name else f"node #{index}"
+        node_label += f" ({node.op_type}) of {label}"
+        proto = graph_proto.node.add()
+        try:
+            proto.op_type = node.op_type
+            proto.domain = node.domain
+            if node.name:
+                proto.name = node.name
+            if node.overload:
+                proto.overload = node.overload
+            proto.input.extend("" if v is None else (v.name or "") for v in node.inputs)
+            proto.output.extend(v.name or "" for v in node.outputs)
+        except (TypeError, ValueError) as e:
+            raise OnnxFormatError(f"{source}: {node_label} cannot be represented in ONNX: {_cause(e)}") from None
+        for attr in node.attributes.values():
+            attr_label = f"attribute {getattr(attr, 'name', '?')!r} of {node_label}"
+            try:
+                _structure_attribute(proto.attribute.add(), attr, attr_label, source, depth, seen)
+            except OnnxFormatError:
+                raise
+            except Exception as e:  # noqa: BLE001 - onnx_ir raises several types for what it cannot write
+                raise OnnxFormatError(f"{source}: {attr_label} cannot be represented in ONNX: {_cause(e)}") from None
+
+
+def _structure_attribute(out: AttributeProto, attr, label: str, source: str, depth: int, seen: set) -> None:
+    if attr.is_ref():
+        ir.serde.serialize_reference_attribute_into(out, attr)
+        return
+    kind = attr.type
+    if kind in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
+        values = [attr.value] if kind == ir.AttributeType.STRING else list(attr.value)
+        wrong = [v for v in values if not isinstance(v, str)]
+        if wrong:
+            # NOTE: the in-memory twin of a file's string field that is not UTF-8 (source.py)
+            raise OnnxFormatError(f"{source}: {label} is typed {kind.name} but holds {type(wrong[0]).__name__}, "
+                                  "not text")
+    if kind not in (ir.AttributeType.TENSOR, ir.AttributeType.TENSORS, ir.AttributeType.GRAPH,
+                    ir.AttributeType.GRAPHS):
+        out.CopyFrom(ir.serde.serialize_attribute(attr))
+        return
+    out.name = attr.name
+    out.type = int(kind)
+    if kind == ir.AttributeType.TENSOR:
+        _tensor_stub(out.t, attr.value, label, source)
+    elif kind == ir.AttributeType.TENSORS:
+        for tensor in attr.value:
+            _tensor_stub(out.tensors.add(), tensor, label, source)
+    else:
+        subs = [attr.value] if kind == ir.AttributeType.GRAPH else list(attr.value)
+        for sub in subs:
+            if id(sub) in seen:
+                raise OnnxFormatError(f"{source}: {label} holds the same onnx_ir.Graph object as another graph "
+                                      "attribute; each subgraph is its own graph (copy it)")
+            seen.add(id(sub))
+            _structure_graph(out.g if kind == ir.AttributeType.GRAPH else out.graphs.add(), sub, source, depth + 1,
+                             seen)
+
+
+def _tensor_stub(out: TensorProto, tensor, label: str, source: str) -> None:
+    """A tensor's element type and dims with an empty ``raw_data`` (its bytes are neither copied
+    nor materialized: their count is checked on the ``onnx_ir`` tensor); typed-field data
+    (``float_data`` ...) is copied, so :func:`check_structure` counts its values."""
+    if tensor is None:
+        raise OnnxFormatError(f"{source}: {label} holds no tensor")
+    if isinstance(tensor, ir.TensorProtoTensor) and not tensor.raw.HasField("raw_data") and \
+            tensor.raw.data_location != TensorProto.EXTERNAL:
+        out.CopyFrom(tensor.raw)
+        return
+    if tensor.name:
+        out.name = tensor.name
+    out.data_type = int(tensor.dtype) if tensor.dtype is not None else TensorProto.UNDEFINED
+    for dim in tensor.shape:
+        if not isinstance(dim, int):
+            raise OnnxFormatError(f"{source}: {label} has a symbolic dim {dim!r}; a tensor's dims are integers")
+        out.dims.append(dim)
+    out.raw_data = b""  # presence only

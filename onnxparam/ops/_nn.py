@@ -19,11 +19,17 @@ __all__ = [
 ]
 
 
+_LAYOUTS = {3: "[N, C, L]", 4: "[N, C, H, W]", 5: "[N, C, D, H, W]"}
+
+
+def _check_rank(name: str, x: Tensor, rank: int) -> None:
+    if x.rank != rank:
+        raise ValueError(f"{name} expects x of rank {rank} {_LAYOUTS[rank]}; got shape {list(x.shape)}")
+
+
 def _conv(name: str, x, weight, bias, stride, padding, dilation, groups: int, nd: int) -> Tensor:
     x, weight = _t(x), _t(weight)
-    layout = "[N, C, L]" if nd == 1 else "[N, C, H, W]"
-    if x.rank != nd + 2:
-        raise ValueError(f"{name} expects x of rank {nd + 2} {layout}; got shape {list(x.shape)}")
+    _check_rank(name, x, nd + 2)
     if weight.rank != nd + 2:
         raise ValueError(f"{name} expects weight of rank {nd + 2} [out, in/groups, k...]; got {list(weight.shape)}")
     groups = int(groups)
@@ -93,26 +99,34 @@ def conv2d(x, weight, bias=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
     return _conv("conv2d", x, weight, bias, stride, padding, dilation, groups, 2)
 
 
-def _check_4d(name: str, x: Tensor) -> None:
-    if x.rank != 4:
-        raise ValueError(f"{name} expects x of rank 4 [N, C, H, W]; got shape {list(x.shape)}")
+def _pool(op_type: str, name: str, x, nd: int, kernel_size, stride, padding, ceil_mode: bool, *,
+          dilation=None, count_include_pad=None) -> Tensor:
+    """``MaxPool`` (with ``dilation``) or ``AveragePool`` (with ``count_include_pad``) over the
+    ``nd`` spatial dims of ``x`` (``[N, C, spatial...]``): ``stride=None`` means ``kernel_size``,
+    ``padding`` is symmetric per spatial dim. Attributes at their defaults are left out (older
+    opsets lack some of them)."""
+    x = _t(x)
+    _check_rank(name, x, nd + 2)
+    kernel = _ntuple(kernel_size, nd, "kernel_size")
+    attrs = {
+        "kernel_shape": kernel,
+        "strides": kernel if stride is None else _ntuple(stride, nd, "stride"),
+        "pads": list(_ntuple(padding, nd, "padding")) * 2,
+    }
+    if dilation is not None:
+        dilations = _ntuple(dilation, nd, "dilation")
+        attrs["dilations"] = None if dilations == (1,) * nd else dilations
+    if count_include_pad is not None:
+        attrs["count_include_pad"] = int(bool(count_include_pad))
+    attrs["ceil_mode"] = int(bool(ceil_mode)) or None
+    return _emit(op_type, [x], attrs)
 
 
 @_op
 def max_pool2d(x, kernel_size, stride=None, padding=(0, 0), dilation=(1, 1), ceil_mode: bool = False) -> Tensor:
     """2-D max pooling, NCHW; ``stride=None`` means ``stride = kernel_size``; padding is
     symmetric per spatial dim (padded cells never win). ONNX: ``MaxPool`` (ONNX spec: MaxPool)."""
-    x = _t(x)
-    _check_4d("max_pool2d", x)
-    kernel = _ntuple(kernel_size, 2, "kernel_size")
-    attrs = {
-        "kernel_shape": kernel,
-        "strides": kernel if stride is None else _ntuple(stride, 2, "stride"),
-        "pads": list(_ntuple(padding, 2, "padding")) * 2,
-        "dilations": None if _ntuple(dilation, 2, "dilation") == (1, 1) else _ntuple(dilation, 2, "dilation"),
-        "ceil_mode": int(bool(ceil_mode)) or None,  # NOTE: defaults are left out (older opsets lack them)
-    }
-    return _emit("MaxPool", [x], attrs)
+    return _pool("MaxPool", "max_pool2d", x, 2, kernel_size, stride, padding, ceil_mode, dilation=dilation)
 
 
 @_op
@@ -121,17 +135,8 @@ def avg_pool2d(x, kernel_size, stride=None, padding=(0, 0), count_include_pad: b
     """2-D average pooling, NCHW; ``stride=None`` means ``stride = kernel_size``;
     ``count_include_pad``: padded zeros count in the divisor (Burn's default).
     ONNX: ``AveragePool`` (ONNX spec: AveragePool)."""
-    x = _t(x)
-    _check_4d("avg_pool2d", x)
-    kernel = _ntuple(kernel_size, 2, "kernel_size")
-    attrs = {
-        "kernel_shape": kernel,
-        "strides": kernel if stride is None else _ntuple(stride, 2, "stride"),
-        "pads": list(_ntuple(padding, 2, "padding")) * 2,
-        "count_include_pad": int(bool(count_include_pad)),
-        "ceil_mode": int(bool(ceil_mode)) or None,
-    }
-    return _emit("AveragePool", [x], attrs)
+    return _pool("AveragePool", "avg_pool2d", x, 2, kernel_size, stride, padding, ceil_mode,
+                 count_include_pad=count_include_pad)
 
 
 def _adaptive_matrix(n_in: int, n_out: int, dtype: DType) -> np.ndarray:
@@ -158,7 +163,7 @@ def adaptive_avg_pool2d(x, output_size) -> Tensor:
         TraceError: when the spatial dims are dynamic and the output is not ``(1, 1)``.
     """
     x = _t(x)
-    _check_4d("adaptive_avg_pool2d", x)
+    _check_rank("adaptive_avg_pool2d", x, 4)
     size = (output_size, output_size) if isinstance(output_size, (int, np.integer)) or output_size is None \
         else tuple(output_size)
     h, w = x.shape[2], x.shape[3]

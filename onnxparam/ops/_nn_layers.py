@@ -36,6 +36,7 @@ from ._elementwise import (
     tanh,
     where,
 )
+from ._nn import _check_rank
 from ._reduce import mean
 from ._shape import reshape, split
 
@@ -50,9 +51,7 @@ __all__ = [
 def _conv_transpose(name: str, x, weight, bias, stride, padding, padding_out, dilation, groups: int,
                     nd: int) -> Tensor:
     x, weight = _t(x), _t(weight)
-    layout = "[N, C, L]" if nd == 1 else "[N, C, H, W]"
-    if x.rank != nd + 2:
-        raise ValueError(f"{name} expects x of rank {nd + 2} {layout}; got shape {list(x.shape)}")
+    _check_rank(name, x, nd + 2)
     if weight.rank != nd + 2:
         raise ValueError(f"{name} expects weight of rank {nd + 2} [in, out/groups, k...]; got {list(weight.shape)}")
     groups = int(groups)

@@ -14,7 +14,7 @@ from ..tensor import Tensor
 from ._core import _emit, _ntuple, _op, _t, _tracer
 from ._elementwise import add, div, mul, pow
 from ._linalg import matmul
-from ._nn import _adaptive_matrix, _conv
+from ._nn import _adaptive_matrix, _check_rank, _conv, _pool
 from ._nn_layers import _conv_transpose
 from ._reduce import mean
 from ._shape import permute, reshape, squeeze, unsqueeze
@@ -50,27 +50,12 @@ def conv_transpose3d(x, weight, bias=None, stride=(1, 1, 1), padding=(0, 0, 0), 
     return _conv_transpose("conv_transpose3d", x, weight, bias, stride, padding, padding_out, dilation, groups, 3)
 
 
-def _check_3d(name: str, x: Tensor) -> None:
-    if x.rank != 3:
-        raise ValueError(f"{name} expects x of rank 3 [N, C, L]; got shape {list(x.shape)}")
-
-
 @_op
 def max_pool1d(x, kernel_size: int, stride=None, padding: int = 0, dilation: int = 1,
                ceil_mode: bool = False) -> Tensor:
     """1-D max pooling over ``[N, C, L]``; ``stride=None`` means ``kernel_size``; symmetric
     ``padding`` (padded cells never win). ONNX: ``MaxPool`` (ONNX spec: MaxPool)."""
-    x = _t(x)
-    _check_3d("max_pool1d", x)
-    k = _ntuple(kernel_size, 1, "kernel_size")
-    attrs = {
-        "kernel_shape": k,
-        "strides": k if stride is None else _ntuple(stride, 1, "stride"),
-        "pads": list(_ntuple(padding, 1, "padding")) * 2,
-        "dilations": None if _ntuple(dilation, 1, "dilation") == (1,) else _ntuple(dilation, 1, "dilation"),
-        "ceil_mode": int(bool(ceil_mode)) or None,
-    }
-    return _emit("MaxPool", [x], attrs)
+    return _pool("MaxPool", "max_pool1d", x, 1, kernel_size, stride, padding, ceil_mode, dilation=dilation)
 
 
 @_op
@@ -79,17 +64,8 @@ def avg_pool1d(x, kernel_size: int, stride=None, padding: int = 0, count_include
     """1-D average pooling over ``[N, C, L]``; ``stride=None`` means ``kernel_size``;
     ``count_include_pad``: padded zeros count in the divisor (Burn's default).
     ONNX: ``AveragePool`` (ONNX spec: AveragePool)."""
-    x = _t(x)
-    _check_3d("avg_pool1d", x)
-    k = _ntuple(kernel_size, 1, "kernel_size")
-    attrs = {
-        "kernel_shape": k,
-        "strides": k if stride is None else _ntuple(stride, 1, "stride"),
-        "pads": list(_ntuple(padding, 1, "padding")) * 2,
-        "count_include_pad": int(bool(count_include_pad)),
-        "ceil_mode": int(bool(ceil_mode)) or None,
-    }
-    return _emit("AveragePool", [x], attrs)
+    return _pool("AveragePool", "avg_pool1d", x, 1, kernel_size, stride, padding, ceil_mode,
+                 count_include_pad=count_include_pad)
 
 
 @_op
@@ -104,7 +80,7 @@ def adaptive_avg_pool1d(x, output_size: int) -> Tensor:
         ValueError: for a rank other than 3, or a dynamic ``L`` with ``output_size > 1``.
     """
     x = _t(x)
-    _check_3d("adaptive_avg_pool1d", x)
+    _check_rank("adaptive_avg_pool1d", x, 3)
     out = int(output_size)
     if out == 1:
         return mean(x, 2, keepdim=True)

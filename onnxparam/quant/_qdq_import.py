@@ -89,6 +89,19 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
     return qt
 
 
+def has_foldable_nodes(model: ir.Model) -> bool:
+    """True when :func:`fold_dequantize_weights` may rewrite ``model``'s main graph (callers that
+    must keep the model as it is then fold a copy)."""
+    return any(node.op_type in ("DequantizeLinear", "MatMulInteger") and node.domain in ("", "ai.onnx")
+               or node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in model.graph)
+
+
+def imported_quantized(site) -> "QuantizedTensor | None":
+    """The quantized value :func:`fold_dequantize_weights` gave the weight ``site``
+    (a :class:`~onnxparam.onnx_io._weights.WeightSite`), else ``None``."""
+    return site.value.meta.get(_IMPORTED) if site.value is not None else None
+
+
 def fold_dequantize_weights(model: ir.Model) -> int:
     """Turn each ``DequantizeLinear(integer initializer, constant scale[, constant zero point])``
     of the main graph (and the ``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul`` form the
@@ -228,7 +241,7 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
 def imported_param(site, meta):
     """The ``QFloat`` param of a weight :func:`fold_dequantize_weights` made, else ``None``
     (called by the importer for every weight site)."""
-    qt = site.value.meta.get(_IMPORTED) if site.value is not None else None
+    qt = imported_quantized(site)
     if qt is None:
         return None
     from ..param import Param, ParamId

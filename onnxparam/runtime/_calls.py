@@ -13,14 +13,14 @@ import numpy as np
 
 from .. import _lora_graph as lora_graph
 from .. import _trace
-from ..errors import ExecutionError, TraceError
+from ..errors import ExecutionError
 from ..module import _MUTATIONS, _WATCHED
 from ..param import Param
 from ..quant import _qdq as qdq
 from ..tensor import Tensor
 from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
-from ._keys import _PLAIN, _freeze, _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token  # noqa: F401
+from ._keys import _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token, call_signature  # noqa: F401
 from ._sessions import Runner, build_runner
 
 __all__ = [
@@ -256,35 +256,6 @@ _current_tracer = _trace._CURRENT.get
 _fast_get = _fast.get
 
 
-def _fast_signature(args, kwargs):
-    """A hashable signature of a call whose arguments are tensors and plain Python values
-    (``None``, bools, ints, floats, strings: baked into the graph), or ``None`` for others."""
-    sig = []
-    for a in args:
-        if a.__class__ is Tensor:
-            if a._symbol is not None:
-                return None
-            sig.append((a.shape, a.dtype, None if a._host is not None else a.device))
-        elif a.__class__ in _PLAIN:
-            sig.append((a.__class__, a))
-        else:
-            return None
-    for k, a in kwargs.items():
-        if a.__class__ is Tensor:
-            if a._symbol is not None:
-                return None
-            sig.append((k, a.shape, a.dtype, None if a._host is not None else a.device))
-        elif a.__class__ in _PLAIN:
-            sig.append((k, a.__class__, a))
-        else:
-            return None
-    return tuple(sig)
-
-
-def _call_tensors(args, kwargs) -> list:
-    return [a for a in args if a.__class__ is Tensor] + [a for a in kwargs.values() if a.__class__ is Tensor]
-
-
 _qdq_options_get = qdq._OPTIONS.get
 
 
@@ -317,17 +288,19 @@ def call_module(module, args: tuple, kwargs: dict):
                         current = False
                     if current:
                         return runner.run1(a._host)
-        sig = _fast_signature(args, kwargs)
+        leaves: list = []
+        sig = call_signature(args, kwargs, leaves, cheap=True)
         if sig is not None:
             runner = entry.by_sig.get(sig)
             if runner is not None and entry.params_current(module):
-                return runner.run(_call_tensors(args, kwargs))
+                return runner.run(leaves)
     runner, tensors = _resolve(module, args, kwargs, remember=True)
     try:
         return runner.run(tensors)
     except ExecutionError:
         if not runner.traced._cache.get("dynamic"):
             raise
+        _forget_fast(module, runner)  # NOTE: the next call of this signature must not reuse it
     # NOTE: a symbolic dim the forward pins (a feature dim checked against a weight only when it
     # is an int) fails in ONNX Runtime: a concrete trace of this shape gives the forward's own
     # error, or runs (and is remembered for this shape instead)
@@ -336,24 +309,19 @@ def call_module(module, args: tuple, kwargs: dict):
 
 
 def _split_call(args, kwargs):
-    """The call's tensors (graph inputs, in input order) with arrays wrapped as tensors."""
+    """The call with arrays wrapped as tensors, its tensors (graph inputs, in input order) and
+    its :func:`~._keys.call_signature` without placements (part of the trace key)."""
     args = [Tensor.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
     kwargs = {k: Tensor.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, Tensor) and value._symbol is not None:
-            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended")
-    tensors = [a for a in args if isinstance(a, Tensor)] + [v for v in kwargs.values() if isinstance(v, Tensor)]
-    return args, kwargs, tensors
+    tensors: list = []
+    call_sig = call_signature(args, kwargs, tensors, placed=False)
+    return args, kwargs, tensors, call_sig
 
 
-def _tensor_sig(value):
-    return ("T", value.shape, value.dtype) if isinstance(value, Tensor) else ("S", _freeze(value))
-
-
-def _traced(module, args, kwargs, mode: str = "merge", policy: str = "static"):
+def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: str = "static"):
     """The trace key and :class:`~onnxparam._trace.TracedModel` of a call (traced if needed),
-    in LoRA ``mode``, under the shape ``policy`` (:attr:`SessionConfig.dynamic_shapes`)."""
-    call_sig = (tuple(_tensor_sig(a) for a in args), tuple((k, _tensor_sig(v)) for k, v in kwargs.items()))
+    in LoRA ``mode``, under the shape ``policy`` (:attr:`SessionConfig.dynamic_shapes`);
+    ``call_sig`` is the call's signature from :func:`_split_call`."""
     with _LOCK:
         options = qdq.runtime_options()
         structure = _structure_key(module)
@@ -363,7 +331,7 @@ def _traced(module, args, kwargs, mode: str = "merge", policy: str = "static"):
             _traces.move_to_end(trace_key)
             return trace_key, traced
         if policy == "auto":
-            hit = _dynamic_trace(module, args, kwargs, (structure, mode, options))
+            hit = _dynamic_trace(module, args, kwargs, call_sig, (structure, mode, options))
             if hit is not None:
                 return hit
         with qdq.qdq_options(options):
@@ -393,7 +361,7 @@ class _Family:
 _families: "OrderedDict[Any, _Family]" = OrderedDict()
 
 
-def _dynamic_trace(module, args, kwargs, where: tuple):
+def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
     """Automatic dynamic (see :class:`SessionConfig`): the trace key and trace serving this call
     with symbolic dims, or ``None`` when it takes a concrete trace.
 
@@ -404,9 +372,7 @@ def _dynamic_trace(module, args, kwargs, where: tuple):
     """
     values = list(args) + list(kwargs.values())
     shapes = tuple(v.shape if isinstance(v, Tensor) else None for v in values)
-    layout = (tuple(("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)) for v in args),
-              tuple((k, ("T", len(v.shape), v.dtype) if isinstance(v, Tensor) else ("S", _freeze(v)))
-                    for k, v in kwargs.items()))
+    layout = _with_shapes(call_sig, len(args), lambda i: len(shapes[i]) if shapes[i] is not None else None)
     family_key = (where, layout)
     family = _families.get(family_key)
     if family is None:
@@ -433,9 +399,9 @@ def _dynamic_trace(module, args, kwargs, where: tuple):
                 key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
                 by_size.setdefault(key, []).append((i, axis))
             groups = tuple(tuple(g) for g in by_size.values())
-        gen_sig = tuple(("T", tuple("?" if (i, a) in symbolic else d for a, d in enumerate(shape)), values[i].dtype)
-                        if shape is not None else ("S", _freeze(values[i])) for i, shape in enumerate(shapes))
-        gen_key = (where[0], ("dynamic", least, gen_sig, tuple(kwargs), groups), where[1], where[2])
+        gen_sig = _with_shapes(call_sig, len(args), lambda i: None if shapes[i] is None else tuple(
+            "?" if (i, a) in symbolic else d for a, d in enumerate(shapes[i])))
+        gen_key = (where[0], ("dynamic", least, gen_sig, groups), where[1], where[2])
         traced = _traces.get(gen_key)
         if traced is None:
             traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)
@@ -455,6 +421,16 @@ def _dynamic_trace(module, args, kwargs, where: tuple):
         family.dynamic = dynamic
         family.groups[(least, symbolic)] = groups
         return gen_key, traced
+
+
+def _with_shapes(call_sig: tuple, n_args: int, shape_of) -> tuple:
+    """``call_sig`` with the shape of the tensor entry of argument ``i`` (positional first, then
+    keyword) replaced by ``shape_of(i)`` (a rank, or a shape with ``"?"`` for symbolic dims)."""
+    def entry(i, e):
+        new = shape_of(i)
+        return e if new is None else (e[0], new) + e[2:]
+
+    return tuple(entry(i, e) if i < n_args else (e[0], entry(i, e[1])) for i, e in enumerate(call_sig))
 
 
 def _trace_symbolic(module, args, kwargs, values, groups, where, least):
@@ -481,10 +457,10 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
     from ..module import named_params
 
     owner = type(module).__name__
-    args, kwargs, tensors = _split_call(args, kwargs)
+    args, kwargs, tensors, call_sig = _split_call(args, kwargs)
     config = session_config(module)
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, config.lora_mode, policy or config.dynamic_shapes)
+        trace_key, traced = _traced(module, args, kwargs, call_sig, config.lora_mode, policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)
@@ -508,6 +484,17 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
     return runner, tensors
 
 
+def _forget_fast(module, runner: Runner) -> None:
+    """Drop what the fast path remembers of ``runner`` for ``module`` (its run failed)."""
+    entry = _fast.get(id(module))
+    if entry is None:
+        return
+    for sig in [sig for sig, kept in entry.by_sig.items() if kept is runner]:
+        del entry.by_sig[sig]
+    if entry.last1 is runner:
+        entry.last1 = None
+
+
 def _forget_module(key: int) -> None:
     """Drop the fast-path entry of a module that was garbage collected (its id may be reused)."""
     entry = _fast.get(key)
@@ -519,7 +506,7 @@ _MAX_WATCHED = 100_000
 
 
 def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> None:
-    sig = _fast_signature(args, kwargs)
+    sig = call_signature(args, kwargs, cheap=True)
     if sig is None:  # arguments the fast path cannot compare cheaply: always the slow path
         return
     if len(_WATCHED) > _MAX_WATCHED:  # ids of dead modules pile up: keep those of remembered ones
@@ -558,6 +545,6 @@ def traced_for(module, *args, **kwargs):
     """The :class:`~onnxparam._trace.TracedModel` of ``module(*args, **kwargs)``: traced now, so
     its lazy initializers are this module's params (a cached trace may come from another module
     object of the same structure). No session is built, no param initialized."""
-    args, kwargs, _ = _split_call(args, kwargs)
+    args, kwargs, _, _ = _split_call(args, kwargs)
     with qdq.qdq_options(qdq.runtime_options()):
         return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)

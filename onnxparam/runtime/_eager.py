@@ -6,30 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _trace
-from ..errors import TraceError
 from ..tensor import Tensor
 from ._calls import _LOCK, _STATS, _eager, _limits, _trim
 from ._config import DEFAULTS
 from ._devices import pick_device
-from ._keys import _freeze
+from ._keys import call_signature
 from ._sessions import build_runner
 
 __all__ = ["run_eager"]
-
-
-def _eager_key(value, leaves: list):
-    if isinstance(value, Tensor):
-        if value._symbol is not None:
-            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended, so ops on it cannot run")
-        leaves.append(value)
-        return ("T", value.shape, value.dtype, value.device)
-    if isinstance(value, np.ndarray):
-        return _eager_key(Tensor.from_numpy(value), leaves)
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_eager_key(v, leaves) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _eager_key(v, leaves)) for k, v in value.items()))
-    return _freeze(value)
 
 
 def _with_leaves(value, inputs):
@@ -52,7 +36,7 @@ def run_eager(fn, args: tuple, kwargs: dict):
         DeviceError / ExecutionError: as for module calls.
     """
     leaves: list = []
-    key = (fn, _eager_key(args, leaves), _eager_key(kwargs, leaves))
+    key = (fn, call_signature(args, kwargs, leaves, nested=True))
     if not leaves:
         raise TypeError(f"{fn.__name__}: at least one argument must be a Tensor")
     device = pick_device(f"ops.{fn.__name__}", (), leaves)

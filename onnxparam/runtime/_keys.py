@@ -1,14 +1,19 @@
 """Cache keys of the runtime: a module's structure, its params' values, call arguments, frozen
-into hashable tuples (no tensor data is read)."""
+into hashable tuples (no tensor data is read).
+
+:func:`call_signature` is the one input signature of a call: module calls (the trace key and
+the fast path) and eager ops all key their caches by it."""
 
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import numpy as np
 
 from ..device import Device
 from ..dtype import DType
+from ..errors import TraceError
 from ..param import Param
 from ..tensor import Tensor
 from ._config import CONFIG_ATTR
@@ -57,6 +62,72 @@ def _freeze(value):
     except TypeError:
         return _Ref(value)
     return value
+
+
+def call_signature(args, kwargs, leaves: Optional[list] = None, *, nested: bool = False, cheap: bool = False,
+                   placed: bool = True):
+    """The input signature of a call ``f(*args, **kwargs)``: the part of a cache key its
+    arguments give (hashable; no tensor data is read).
+
+    One entry per positional argument, then ``(name, entry)`` per keyword argument. A tensor's
+    entry is ``("T", shape, dtype, placement)``: ``placement`` is ``None`` for a tensor held in
+    host memory (a session on any device takes it) and its device for a device-resident one; a
+    numpy array counts as a host tensor. Any other value is :func:`_freeze` d (a plain Python
+    value is ``(type, value)``, so ``1`` and ``1.0`` differ): the traced graph bakes it in.
+
+    Args:
+        args: the positional arguments.
+        kwargs: the keyword arguments (their order is part of the signature).
+        leaves: when given, the tensors that become graph inputs are appended to it, in input
+            order (arrays wrapped as tensors): what the session is run on.
+        nested: tensors inside lists, tuples and dicts are graph inputs too (eager ops); without
+            it they are frozen by identity (a module's ``forward`` bakes them in as constants).
+        cheap: return ``None`` at the first argument that is neither a tensor, an array nor a
+            plain Python value (the fast path compares cheap signatures only and keeps no
+            reference to argument objects).
+        placed: include each tensor's placement; ``False`` for trace keys (a traced graph is
+            the same on every device; the session key adds the device).
+
+    Returns:
+        a tuple, or ``None`` (only with ``cheap``).
+
+    Raises:
+        TraceError: for a symbolic tensor (it belongs to a trace that has ended).
+    """
+    sig = []
+    for value in args:
+        entry = _entry(value, leaves, nested, cheap, placed)
+        if entry is None:
+            return None
+        sig.append(entry)
+    for name, value in kwargs.items():
+        entry = _entry(value, leaves, nested, cheap, placed)
+        if entry is None:
+            return None
+        sig.append((name, entry))
+    return tuple(sig)
+
+
+def _entry(value, leaves, nested, cheap, placed):
+    """One argument's part of :func:`call_signature` (``None``: not cheap)."""
+    cls = value.__class__
+    if cls is np.ndarray:
+        value, cls = Tensor.from_numpy(value), Tensor
+    if cls is Tensor or isinstance(value, Tensor):
+        if value._symbol is not None:
+            raise TraceError(f"{value!r} is symbolic: it belongs to a trace that has ended, so ops on it cannot run")
+        if leaves is not None:
+            leaves.append(value)
+        return ("T", value.shape, value.dtype, (None if value._host is not None else value.device) if placed else None)
+    if cls in _PLAIN:
+        return (cls, value)
+    if cheap:
+        return None
+    if nested and isinstance(value, (list, tuple)):
+        return (type(value), tuple(_entry(v, leaves, nested, cheap, placed) for v in value))
+    if nested and isinstance(value, dict):
+        return (dict, tuple((k, _entry(v, leaves, nested, cheap, placed)) for k, v in value.items()))
+    return _freeze(value)
 
 
 def _param_signature(param: Param):

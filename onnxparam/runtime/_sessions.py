@@ -13,7 +13,7 @@ from .. import _lora_graph as lora_graph
 from .. import _trace
 from .._ort import import_onnxruntime
 from ..device import CPU, Device
-from ..dtype import DType
+from ..dtype import DType, dtype_from_onnx_element
 from ..errors import ExecutionError, OnnxParamError
 from ..param import Param
 from ..quant import _qdq as qdq
@@ -23,7 +23,7 @@ from ._devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, pro
 
 ort = import_onnxruntime()
 
-__all__ = ["Runner", "build_runner", "execution_error"]
+__all__ = ["Runner", "build_runner", "execution_error", "failing_node"]
 
 _INJECTED_LOCATION = "onnxparam-injected-initializer"
 """The external-data location written for param initializers of a session's model; ONNX Runtime
@@ -50,7 +50,9 @@ def _find_node(graph: ir.Graph, name: str):
     return None
 
 
-def _failing_node(message: str, graph: ir.Graph):
+def failing_node(message: str, graph: ir.Graph):
+    """The node of ``graph`` (subgraphs included) that ONNX Runtime's ``message`` names, or the
+    one node of an operator it has no kernel for; ``None`` when the message names none."""
     for pattern in _NODE_PATTERNS:
         match = pattern.search(message)
         if match:
@@ -69,11 +71,16 @@ def _failing_node(message: str, graph: ir.Graph):
 def execution_error(error: Exception, traced, owner: str, action: str) -> ExecutionError:
     """An :class:`ExecutionError` naming the failing node and the param paths feeding it."""
     message = str(error).strip()
-    node = None if traced is None else _failing_node(message, traced.graph)
+    node = None if traced is None else failing_node(message, traced.graph)
     text = f"ONNX Runtime failed to {action} {owner}"
     if node is not None:
+        from ..onnx_io._source_errors import imported_source
+
         params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
         text += f" at node '{node.name}' ({node.op_type})"
+        imported = imported_source(traced.graph, node.name)
+        if imported is not None:
+            text += f" of the model imported from {imported!r}"
         text += f", fed by params {', '.join(repr(p) for p in params)}" if params else " (no param feeds it)"
     return ExecutionError(f"{text}: {message}")
 
@@ -276,7 +283,7 @@ def build_runner(traced, params: Sequence[Param], device: Device, config: Sessio
         if qdq.is_qdq_initializer(value):
             continue
         # NOTE: in the "keep" / "inputs" LoRA modes an adapted weight's initializer is its raw base
-        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), DType.from_onnx(int(value.dtype)))
+        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), dtype_from_onnx_element(int(value.dtype)))
         if tuple(array.shape) != tuple(value.shape.numpy()):
             raise ExecutionError(f"param {path!r} of {owner} has shape {list(array.shape)} but was traced with "
                                  f"{list(value.shape.numpy())}")

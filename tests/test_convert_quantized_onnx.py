@@ -1,0 +1,133 @@
+"""Converting a quantized ONNX file keeps every quantized weight, as QFloat with its scale.
+
+The oracle is the file itself, read with the ``onnx`` package: each integer weight's codes times
+the scale initializer beside it (the DequantizeLinear formula of the ONNX operator spec,
+``y = (x - zero_point) * scale``, and the ``MatMulInteger -> Cast -> Mul(scale)`` form), and plain
+ONNX Runtime running the original file.
+"""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxparam as op
+from onnxparam import burnpack, convert, nn
+from onnxparam.errors import RecordError
+
+RNG = np.random.default_rng(7)
+
+
+class Mlp(op.Module):
+    def __init__(self):
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(op.ops.relu(self.fc1(x)))
+
+
+def initializers(path) -> dict:
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+
+def exact_options():
+    """ONNX Runtime computing the graph as written (its QDQ fusion would also quantize x)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
+
+
+def dequantized(path) -> dict:
+    """Every entry of a converted file, QFloat ones dequantized."""
+    return {name: snap.to_tensor().to_numpy() for name, snap in convert.read_record(path).items()}
+
+
+def test_the_library_s_own_int8_export_converts_to_burnpack_with_every_weight_and_its_scale(tmp_path):
+    x = op.Tensor.from_numpy(RNG.normal(size=(8, 16)).astype(np.float32))
+    q8 = Mlp().quantize_weights(op.Quantizer(op.QuantScheme(value=op.QuantValue.Q8S)))
+    op.export_onnx(q8, tmp_path / "mlp-int8.onnx", x)
+    raw = initializers(tmp_path / "mlp-int8.onnx")
+    assert raw["fc1.weight"].dtype == np.int8  # the file holds codes, not floats
+
+    report = convert.convert(tmp_path / "mlp-int8.onnx", tmp_path / "mlp.bpk")
+
+    assert sorted(report.tensors) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"] and not report.skipped
+    with burnpack.read(tmp_path / "mlp.bpk") as stored:
+        dtypes = {name: entry.dtype for name, entry in stored.tensors.items()}
+    assert dtypes == {
+        "fc1.weight": op.DType.QFloat, "fc1.bias": op.DType.F32, "fc2.weight": op.DType.QFloat, "fc2.bias": op.DType.F32}
+    values = dequantized(tmp_path / "mlp.bpk")
+    for name in ("fc1.weight", "fc2.weight"):
+        expected = raw[name].astype(np.float32) * raw[name + "_scale"]
+        np.testing.assert_array_equal(values[name], expected)
+    np.testing.assert_array_equal(values["fc1.bias"], raw["fc1.bias"])
+
+
+def test_a_dequantize_linear_graph_nobody_here_wrote_converts_with_its_codes_and_scales(tmp_path):
+    codes = RNG.integers(-127, 128, size=(6, 5)).astype(np.int8)
+    scale = np.float32(0.031)
+    bias = RNG.normal(size=(5,)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"]),
+         helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("Add", ["h", "b"], ["y"])],
+        "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+        [numpy_helper.from_array(codes, "w_q"), numpy_helper.from_array(scale, "w_scale"),
+         numpy_helper.from_array(bias, "b")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "qdq.onnx")
+
+    convert.convert(tmp_path / "qdq.onnx", tmp_path / "qdq.bpk")
+
+    values = dequantized(tmp_path / "qdq.bpk")
+    assert set(values) == {"w_q", "b"}
+    np.testing.assert_array_equal(values["w_q"], codes.astype(np.float32) * scale)
+    # the record loads into the module imported from the same file, which then computes what
+    # plain ONNX Runtime computes on the original by the ONNX semantics (graph optimizations off:
+    # ORT's QDQ fusion would also quantize x, an approximation the graph does not ask for)
+    x = RNG.normal(size=(2, 6)).astype(np.float32)
+    expected = ort.InferenceSession(str(tmp_path / "qdq.onnx"), exact_options()).run(None, {"x": x})[0]
+    module = op.import_onnx(tmp_path / "qdq.onnx").load_file(tmp_path / "qdq.bpk")
+    np.testing.assert_allclose(module(x).to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_dtype_mismatch_names_the_function_that_takes_cast(tmp_path):
+    net = Mlp()
+    half = {path: param.val().to_numpy().astype(np.float16) for path, param in net.named_params()}
+
+    with pytest.raises(RecordError) as info:
+        convert.apply_record(Mlp(), half)
+
+    message = str(info.value)
+    assert "the module expects F32" in message and "F16" in message
+    assert "apply_record(module, record, cast='module')" in message
+    loaded = convert.apply_record(Mlp(), half, cast="module")  # and the hint works
+    np.testing.assert_array_equal(loaded.fc1.weight.val().to_numpy(), half["fc1.weight"].astype(np.float32))
+
+
+def test_asymmetric_uint8_codes_burn_cannot_hold_convert_as_codes_scale_and_zero_point(tmp_path):
+    codes = RNG.integers(0, 256, size=(6, 5)).astype(np.uint8)
+    scale, zero_point = np.float32(0.02), np.uint8(131)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w"]),
+         helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "u8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+        [numpy_helper.from_array(codes, "w_q"), numpy_helper.from_array(scale, "w_scale"),
+         numpy_helper.from_array(zero_point, "w_zp")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "u8.onnx")
+
+    convert.convert(tmp_path / "u8.onnx", tmp_path / "u8.bpk")
+    convert.convert(tmp_path / "u8.bpk", tmp_path / "back.onnx", graph=tmp_path / "u8.onnx")
+
+    values = dequantized(tmp_path / "u8.bpk")
+    np.testing.assert_array_equal(values["w_q"], codes)
+    assert values["w_scale"] == scale and values["w_zp"] == zero_point
+    assert {n: a.tobytes() for n, a in initializers(tmp_path / "back.onnx").items()} == {
+        n: a.tobytes() for n, a in initializers(tmp_path / "u8.onnx").items()}
+    x = RNG.normal(size=(2, 6)).astype(np.float32)
+    expected = x @ ((codes.astype(np.float32) - np.float32(zero_point)) * scale)  # ONNX spec: DequantizeLinear
+    got = ort.InferenceSession(str(tmp_path / "back.onnx"), exact_options()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -32,6 +32,13 @@ def initializers(path) -> dict:
     return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
 
 
+def exact_options():
+    """ONNX Runtime computing the graph as written (its QDQ fusion would also quantize x)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
+
+
 def dequantized(path) -> dict:
     """Every entry of a converted file, QFloat ones dequantized."""
     return {name: snap.to_tensor().to_numpy() for name, snap in convert.read_record(path).items()}
@@ -81,9 +88,7 @@ def test_a_dequantize_linear_graph_nobody_here_wrote_converts_with_its_codes_and
     # plain ONNX Runtime computes on the original by the ONNX semantics (graph optimizations off:
     # ORT's QDQ fusion would also quantize x, an approximation the graph does not ask for)
     x = RNG.normal(size=(2, 6)).astype(np.float32)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    expected = ort.InferenceSession(str(tmp_path / "qdq.onnx"), options).run(None, {"x": x})[0]
+    expected = ort.InferenceSession(str(tmp_path / "qdq.onnx"), exact_options()).run(None, {"x": x})[0]
     module = op.import_onnx(tmp_path / "qdq.onnx").load_file(tmp_path / "qdq.bpk")
     np.testing.assert_allclose(module(x).to_numpy(), expected, rtol=1e-6, atol=1e-6)
 
@@ -100,3 +105,29 @@ def test_a_dtype_mismatch_names_the_function_that_takes_cast(tmp_path):
     assert "apply_record(module, record, cast='module')" in message
     loaded = convert.apply_record(Mlp(), half, cast="module")  # and the hint works
     np.testing.assert_array_equal(loaded.fc1.weight.val().to_numpy(), half["fc1.weight"].astype(np.float32))
+
+
+def test_asymmetric_uint8_codes_burn_cannot_hold_convert_as_codes_scale_and_zero_point(tmp_path):
+    codes = RNG.integers(0, 256, size=(6, 5)).astype(np.uint8)
+    scale, zero_point = np.float32(0.02), np.uint8(131)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w"]),
+         helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "u8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+        [numpy_helper.from_array(codes, "w_q"), numpy_helper.from_array(scale, "w_scale"),
+         numpy_helper.from_array(zero_point, "w_zp")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "u8.onnx")
+
+    convert.convert(tmp_path / "u8.onnx", tmp_path / "u8.bpk")
+    convert.convert(tmp_path / "u8.bpk", tmp_path / "back.onnx", graph=tmp_path / "u8.onnx")
+
+    values = dequantized(tmp_path / "u8.bpk")
+    np.testing.assert_array_equal(values["w_q"], codes)
+    assert values["w_scale"] == scale and values["w_zp"] == zero_point
+    assert {n: a.tobytes() for n, a in initializers(tmp_path / "back.onnx").items()} == {
+        n: a.tobytes() for n, a in initializers(tmp_path / "u8.onnx").items()}
+    x = RNG.normal(size=(2, 6)).astype(np.float32)
+    expected = x @ ((codes.astype(np.float32) - np.float32(zero_point)) * scale)  # ONNX spec: DequantizeLinear
+    got = ort.InferenceSession(str(tmp_path / "back.onnx"), exact_options()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -67,7 +67,7 @@ from ._probe import probed_types
 from ._records import site_metadata
 from ._source import LoadedModel, base_dir_of, iter_graphs, load_model, topological_nodes
 from ._sparse import load_densified
-from ._weights import CONSTANT, WeightSite, burn_dtype, find_weights, tensor_data
+from ._weights import CONSTANT, WeightSite, burn_dtype, feeds_quantized_weight, find_weights, tensor_data
 
 __all__ = ["OnnxModule", "OnnxScope", "import_onnx"]
 
@@ -91,7 +91,8 @@ def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = (meta.require_grad if meta.require_grad is not None
-                    else site.dtype.is_float and not site.dtype.is_onnx_only)
+                    else site.dtype.is_float and not site.dtype.is_onnx_only
+                    and not feeds_quantized_weight(site.value))  # a quantized weight's scale is not trained
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
         return Tensor.from_data(tensor_data(_tensor, _dtype), None if device == CPU else device)
@@ -327,7 +328,7 @@ class OnnxModule(Module):
                 dims = _dims(v)
                 if want is not None and x.dtype is not want:
                     raise TypeError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
-                if dims is not None and (len(dims) != len(x.shape) or any(
+                if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
                     raise TypeError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
         return bound

@@ -22,6 +22,13 @@ A candidate is a weight when (:func:`is_weight`):
    hard-sigmoid, ``1/sqrt(d)``), while exporters store learned tensors, even 1-element ones,
    with a shape (``mobile_one_block_0.w_0`` in PP-OCRv4 is ``[1]``).
 
+5. rules 2-4 do not apply to the codes, scale and zero point of a quantized weight (the
+   constant data, scale and zero-point inputs of ``DequantizeLinear``, the weight inputs of
+   ``MatMulInteger`` / ``ConvInteger`` / ``QLinearMatMul`` / ``QLinearConv`` and ONNX Runtime's
+   ``MatMulNBits``): they are weights whatever their size. (The importer first folds the forms
+   Burn can hold into one ``QFloat`` weight each, :mod:`onnxparam.quant._qdq_import`; what is
+   left, e.g. asymmetric ``uint8`` codes with a zero point, is carried as it is.)
+
 What is not a weight is not a param: it stays part of the graph, keeping its name (an export
 writes it as an initializer), and so do ``Constant`` nodes with ``value_float`` /
 ``value_ints`` / ... / ``sparse_value`` attributes and tensors of element types Burn has no
@@ -60,6 +67,7 @@ __all__ = [
     "burn_dtype",
     "weight_dtype",
     "tensor_data",
+    "feeds_quantized_weight",
 ]
 
 MAX_INLINE_CONSTANT_ELEMENTS = 64
@@ -159,6 +167,41 @@ def _only_non_differentiable_uses(value: ir.Value, opsets: dict) -> bool:
     return all(_input_category(node, index, opsets) == _NON_DIFFERENTIABLE for node, index in uses)
 
 
+_QUANTIZED_WEIGHT_INPUTS = {
+    ("", "DequantizeLinear"): (0, 1, 2),
+    ("", "MatMulInteger"): (1, 3),
+    ("", "ConvInteger"): (1, 3),
+    ("", "QLinearMatMul"): (3, 4, 5),
+    ("", "QLinearConv"): (3, 4, 5, 8),
+    ("com.microsoft", "MatMulNBits"): (1, 2, 3, 5),
+}
+"""Operator inputs that hold a quantized weight's codes, scale, zero point (and ``QLinearConv``'s
+int32 bias), by (domain, op type): ONNX operator spec for the ``ai.onnx`` ones, ONNX Runtime's
+contrib-op docs for ``MatMulNBits``. Their schemas mark them non-differentiable (integer data),
+yet they are the model's weights (rule 5 of the module docstring)."""
+
+
+def _is_constant(value: Optional[ir.Value]) -> bool:
+    if value is None:
+        return False
+    producer = value.producer()
+    return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def feeds_quantized_weight(value: ir.Value) -> bool:
+    """True when ``value`` is used at a quantized-weight input (:data:`_QUANTIZED_WEIGHT_INPUTS`);
+    for ``DequantizeLinear``, only when its data input is a constant (a weight's codes, not an
+    activation's)."""
+    for node, index in value.uses():
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if index not in _QUANTIZED_WEIGHT_INPUTS.get((domain, node.op_type), ()):
+            continue
+        if node.op_type == "DequantizeLinear" and not _is_constant(node.inputs[0]):
+            continue
+        return True
+    return False
+
+
 def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
     """True when ``tensor`` (the data of ``value``) is a weight by the module docstring's rules.
 
@@ -174,6 +217,8 @@ def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
     size = int(np.prod(shape)) if shape else 1
     if size < 1:
         return False
+    if feeds_quantized_weight(value):
+        return True  # rule 5: codes, scales and zero points of a quantized weight, any size or rank
     if len(shape) == 0:
         return False
     if not dtype.is_float and size <= MAX_INLINE_CONSTANT_ELEMENTS:

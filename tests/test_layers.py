@@ -33,6 +33,7 @@ LAYERS = {
     "burnpack": "formats", "formats": "formats", "onnx_io/_source.py": "formats", "onnx_io/_save.py": "formats",
     "onnx_io/_weights.py": "formats", "onnx_io/_metadata.py": "formats", "onnx_io/_naming.py": "formats",
     "onnx_io/_validate.py": "formats", "onnx_io/_value_info.py": "formats",
+    "onnx_io/_map_type.py": "formats", "onnx_io/_data_watch.py": "formats",
     "onnx_io/_source_errors.py": "graph",  # the imported file named in run-time errors (runtime uses it)
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs

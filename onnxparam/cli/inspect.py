@@ -201,6 +201,8 @@ def _read_onnx_info(path: Path) -> _Inspected:
 
     def value_json(v) -> dict:
         dtype = v.dtype.name if v.dtype is not None else None
+        if v.type is not None and not isinstance(v.type, ir.TensorType):
+            dtype = repr(v.type)  # a sequence, optional or map: its whole type (e.g. Sequence(Map(INT64, ...)))
         dims = None if v.shape is None else [d if isinstance(d, int) else str(d) for d in v.shape]
         return {"name": v.name, "dtype": dtype, "shape": dims}
 

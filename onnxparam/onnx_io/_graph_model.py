@@ -73,6 +73,9 @@ def copy_model(model: ir.Model) -> ir.Model:
         copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
         if base:
             ir.external_data.set_base_dir(copy.graph, base)
+        from ._data_watch import carry_stamps
+
+        carry_stamps(model, copy)
         return copy
 
 

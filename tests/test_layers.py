@@ -218,6 +218,18 @@ def test_importing_the_package_the_cli_or_the_burnpack_reader_loads_no_heavy_dep
     assert out.strip() == "[]"
 
 
+@pytest.mark.parametrize("statement", ["import onnxparam", "import onnxparam.cli"])
+def test_importing_the_package_or_the_cli_loads_no_numpy(statement):
+    """``onnxparam --help`` / ``--version`` import only the CLI: numpy (tens of ms) waits for
+    the first command that reads or computes tensors."""
+    import subprocess
+    import sys
+
+    code = f"{statement}\nimport sys\nprint('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 @pytest.mark.parametrize("facade, table", [("onnxparam", "_LAZY"), ("onnxparam.quant", "_UPPER_LAYERS"),
                                            ("onnxparam.onnx_io", "_NAMES"), ("onnxparam.formats", "_NAMES")])
 def test_every_lazy_name_of_a_facade_is_the_object_its_module_defines(facade, table):

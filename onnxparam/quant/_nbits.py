@@ -6,7 +6,8 @@ weight use (``transA=0``, ``alpha = beta = 1``) becomes ORT's contrib operator `
 (ONNX Runtime contrib operator spec: ``com.microsoft.MatMulNBits``, ``bits=4``), which runs 4-bit
 weights at any opset; a 4-bit weight with any other use (Conv, ConvTranspose, Mul, ...: no 4-bit
 form exists below opset 21) is written as its float values (``param.val()``, or the original
-ones given ``QdqOptions.float_module``), with a :class:`QuantizationWarning` and ``"reason"`` in its per-op report rows.
+ones given ``QdqOptions.float_module``), with a :class:`QuantizationWarning` and ``"reason"``
+in its per-op report rows.
 
 ``MatMulNBits`` (the layout ORT documents and packs itself):
 

@@ -131,3 +131,11 @@ def test_a_session_that_cannot_be_built_names_the_file_and_the_node_without_a_ke
         import_onnx(path)(op.Tensor.from_numpy(X))
     message = str(info.value)
     assert str(path) in message and "node 'mystery_node' (Mystery)" in message
+
+
+def test_an_export_of_an_imported_model_refused_by_the_writer_names_the_source_file(model_file, tmp_path):
+    module = import_onnx(model_file)
+    with pytest.raises(op.OnnxParamError) as info:
+        export_onnx(module, tmp_path / "out.onnx", metadata={"note": "\ud800"})  # not encodable as UTF-8
+    assert str(model_file) in str(info.value)
+    assert not (tmp_path / "out.onnx").exists()

@@ -123,3 +123,21 @@ def test_a_usage_error_with_json_prints_the_error_object_with_exit_code_2(mlp, t
     assert code == 2 == doc["exit_code"]
     assert doc["command"] == "quantize" and "--scheme" in doc["error"] and doc["type"] == "UsageError"
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_lora_merge_of_a_kept_file_json_names_the_files_adapters_and_the_merge_matches_numpy(mlp, tmp_path, capsys):
+    kept = tmp_path / "kept.onnx"
+    assert main(["lora", "keep", str(mlp), str(kept), "--rank", "4", "--alpha", "8", "-q"]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "merged.onnx"
+    code, doc, _ = run_json(capsys, "lora", "merge", kept, merged, "--alpha", "8")
+    assert code == 0
+    weights = {i.name: numpy_helper.to_array(i) for i in onnx.load(kept).graph.initializer}
+    lora = doc["results"]["lora"]
+    assert sorted(lora["adapted"]) == sorted(n[: -len(".lora.a")] for n in weights if n.endswith(".lora.a"))
+    assert (lora["rank"], lora["scale"], lora["factors"]) == (4, 2.0, str(kept))
+    assert doc["results"]["written"] == {"path": str(merged), "bytes": merged.stat().st_size}
+    out = {i.name: numpy_helper.to_array(i) for i in onnx.load(merged).graph.initializer}
+    for name in lora["adapted"]:  # LoRA (Hu et al. 2021): W + scale * (a @ b)
+        expected = weights[name] + 2.0 * weights[f"{name}.lora.a"] @ weights[f"{name}.lora.b"]
+        np.testing.assert_allclose(out[name], expected, rtol=1e-5, atol=1e-5)

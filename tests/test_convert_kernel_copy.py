@@ -128,7 +128,8 @@ def test_a_source_that_shrank_since_it_was_read_is_a_library_error_naming_it(tmp
 # -- .pt sources -----------------------------------------------------------------------------
 
 
-def test_pt_contiguous_tensors_are_copied_and_strided_ones_computed_with_torchs_values(tmp_path, spy):
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_pt_contiguous_tensors_are_copied_and_strided_ones_computed_with_torchs_values(tmp_path, spy, zip_format):
     torch = pytest.importorskip("torch")
     base = torch.arange(2 * 300 * 1024, dtype=torch.float32).reshape(600, 1024)
     state = {
@@ -136,7 +137,7 @@ def test_pt_contiguous_tensors_are_copied_and_strided_ones_computed_with_torchs_
         "offset_slice": base[300:],  # contiguous, storage offset 300 * 1024 elements
         "transposed": base[:300].t(),  # strided: copied out
     }
-    torch.save(state, tmp_path / "m.pt")
+    torch.save(state, tmp_path / "m.pt", _use_new_zipfile_serialization=zip_format)
     convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
     got = load_file(tmp_path / "m.safetensors")
     for name, tensor in state.items():

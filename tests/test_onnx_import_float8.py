@@ -98,3 +98,24 @@ def test_a_float8_type_safetensors_has_no_name_for_is_refused_naming_the_tensor(
     module = op.import_onnx(_model(TensorProto.FLOAT8E4M3FNUZ, w))
     with pytest.raises(RecordError, match=r"tensor 'dense.w' has dtype F8E4M3FNUZ, which safetensors cannot hold"):
         save_safetensors(module, tmp_path / "w.safetensors")
+
+
+def test_an_imported_float8_weight_inside_a_traced_forward_computes_as_plain_onnx_runtime(tmp_path):
+    model = _model(TensorProto.FLOAT8E5M2, _weights(ml_dtypes.float8_e5m2, 3))
+
+    class Shifted(op.Module):
+        onnx_opset_imports = {"": 21}  # the imported graph's opset
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) - 1.0
+
+    module = Shifted(op.import_onnx(model))
+    x = np.random.default_rng(4).normal(size=(2, 4)).astype(np.float32)
+    want = _plain(model, {"x": x}) - np.float32(1.0)
+    np.testing.assert_array_equal(module(op.Tensor.from_numpy(x)).to_numpy(), want)
+    exported = op.export_onnx(module, tmp_path / "shifted.onnx", op.Tensor.from_numpy(x))
+    name = onnx.load(str(exported)).graph.input[0].name
+    np.testing.assert_array_equal(_plain(exported, {name: x}), want)

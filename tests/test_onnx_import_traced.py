@@ -111,3 +111,45 @@ def test_a_sequence_output_of_an_imported_graph_inside_a_traced_forward_is_refus
     with pytest.raises(TraceError, match=r"output 's' of the imported ONNX graph is a Sequence.*a traced forward can "
                                          r"pass on tensors only"):
         module(op.Tensor.from_numpy(np.ones((2, 3), np.float32)))
+
+
+def test_an_imported_output_of_unknown_rank_flows_on_and_only_reading_its_shape_raises_naming_it(tmp_path):
+    # a Loop state: ONNX's Loop inference drops its shape and the file declares none
+    body = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         onnx.helper.make_node("Add", ["acc_in", "acc_in"], ["acc_out"])], "body",
+        [onnx.helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         onnx.helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         onnx.helper.make_tensor_value_info("acc_in", onnx.TensorProto.FLOAT, None)],
+        [onnx.helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         onnx.helper.make_tensor_value_info("acc_out", onnx.TensorProto.FLOAT, None)])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Loop", ["trips", "", "x"], ["y"], body=body)], "doubling",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array(3, np.int64), "trips")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    seen = {}
+
+    class Plus(op.Module):
+        onnx_opset_imports = {"": 17}
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            try:
+                y.shape
+            except TraceError as e:
+                seen["error"] = str(e)
+            return y + 1.0
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    want = _plain(model, {"x": x})[0] + np.float32(1.0)
+    # a symbolic batch: no probe run gives the Loop state's rank
+    exported = op.export_onnx(Plus(op.import_onnx(model)), tmp_path / "plus.onnx", op.Tensor.from_numpy(x),
+                              dynamic_axes={"x": {0: "batch"}})
+    assert "the rank of traced value" in seen["error"] and "(output of Loop node" in seen["error"]
+    name = onnx.load(str(exported)).graph.input[0].name
+    np.testing.assert_array_equal(_plain(exported, {name: x})[0], want)

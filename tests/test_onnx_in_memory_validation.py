@@ -8,6 +8,7 @@ protobuf-level validator) and the ONNX spec facts each case breaks.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx.parser
 import onnx_ir as ir
@@ -113,19 +114,61 @@ def test_an_ir_model_with_two_producers_of_one_name_is_refused():
     assert f"value {first.outputs[0].name!r} is produced twice" in message
 
 
-def test_an_ir_model_with_a_string_attribute_holding_bytes_is_refused():
+def test_an_ir_model_with_a_string_attribute_holding_a_number_is_refused():
     model = ir.serde.deserialize_model(onnx.parser.parse_model("""
 <ir_version: 8, opset_import: ["" : 17]>
 g (float[2] x) => (float[2] y) { y = Cast<to = 1>(x) }"""))
     node = list(model.graph)[0]
-    node.attributes["note"] = ir.AttrString("note", b"\xff\xfe")
+    node.attributes["note"] = ir.Attr("note", ir.AttributeType.STRING, 42)
     node.domain = "com.example"
     model.opset_imports["com.example"] = 1
     message = in_memory_message(model, "<onnx_ir.Model>")
-    assert "attribute 'note'" in message and "holds bytes, not text" in message
+    assert "attribute 'note'" in message and "holds int, not text" in message
 
 
 def test_an_ir_initializer_without_a_value_is_refused_naming_it():
     model = ir.serde.deserialize_model(base())
     model.graph.initializers["w"].const_value = None
     assert "initializer 'w' of graph 'g' holds no tensor" in in_memory_message(model, "<onnx_ir.Model>")
+
+
+def test_checking_an_ir_model_copies_no_tensor_bytes():
+    from onnxparam.onnx_io._validate import structure_proto  # the internal this test is about
+
+    model = ir.serde.deserialize_model(base())
+    big = np.arange(2**20, dtype=np.float32)  # 4 MiB in a Constant node and as an initializer
+    const = [n for n in model.graph if n.op_type == "Constant"][0]
+    const.attributes.pop("value_float")
+    const.attributes["value"] = ir.AttrTensor("value", ir.Tensor(big))
+    model.graph.initializers["w"].const_value = ir.Tensor(big[:4].copy())
+    proto = structure_proto(model, "<onnx_ir.Model>")
+    assert proto.ByteSize() < 64 * 1024 < big.nbytes
+    assert list(proto.graph.node[1].attribute[0].t.dims) == [2**20]  # the dims are kept for the checks
+
+
+def test_an_ir_model_nesting_if_two_hundred_deep_is_refused_without_recursion_error():
+    cond = ir.Value(name="c", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+
+    def if_node(branch: ir.Graph, level: int) -> ir.Node:
+        leaf = ir.Graph([], [], nodes=[], name=f"else{level}")
+        return ir.Node("", "If", [cond], [ir.AttrGraph("then_branch", branch), ir.AttrGraph("else_branch", leaf)],
+                       outputs=[ir.Value(name=f"o{level}")])
+
+    branch = ir.Graph([], [], nodes=[], name="leaf")
+    for level in range(200):
+        node = if_node(branch, level)
+        branch = ir.Graph([], list(node.outputs), nodes=[node], name=f"level{level}")
+    top = if_node(branch, 200)
+    graph = ir.Graph([cond], list(top.outputs), nodes=[top], name="g")
+    model = ir.Model(graph, ir_version=8)
+    model.opset_imports[""] = 17
+    message = in_memory_message(model, "<onnx_ir.Model>")
+    assert "nests subgraphs more than 24 levels deep" in message
+
+
+def test_an_ir_model_using_one_subgraph_object_twice_is_refused():
+    model = ir.serde.deserialize_model(base())
+    if_node = [n for n in model.graph if n.op_type == "If"][0]
+    if_node.attributes["else_branch"] = ir.AttrGraph("else_branch", if_node.attributes["then_branch"].value)
+    message = in_memory_message(model, "<onnx_ir.Model>")
+    assert "'else_branch'" in message and "same onnx_ir.Graph object" in message

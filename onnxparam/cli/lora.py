@@ -217,6 +217,8 @@ def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
         name = getattr(model.module, "onnx_names", {}).get(off[0], off[0])  # as the file spells it
         raise ValueError(f"--alpha {args.alpha:g} gives scale {wanted:g} at rank {rank}, but '{args.src}' records "
                          f"scale {scale:g} for {name!r}{' ...' if len(off) > 1 else ''} (alpha {scale * rank:g})")
+    json_result("lora", {"action": args.action, "adapted": sorted(kept), "rank": rank, "alpha": args.alpha,
+                         "scale": wanted, "factors": str(args.src), "seed": None})
     _out(f"lora:      {len(kept)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale {wanted:g}); "
          f"factors kept in {args.src}")
     adapted = model.module
@@ -228,6 +230,7 @@ def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
         _save_module(adapted.merge_lora(), args.dst)
     else:
         _save_module(adapted, args.dst)
+    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
     return EXIT_OK
 

@@ -67,8 +67,9 @@ def declared_view(tracer, x, value: ir.Value):
         a symbolic tensor with ``x``'s values and Python shape whose ONNX type has the file's
         element type and rank and unknown dims.
     """
-    if not isinstance(x, Tensor) or not x.is_symbolic or not _more_specific(tuple(x.shape), _declared(value)):
-        return x
+    if not isinstance(x, Tensor) or not x.is_symbolic or not x.rank_known \
+            or not _more_specific(tuple(x.shape), _declared(value)):
+        return x  # (a value of unknown rank says nothing the file does not)
     from .._trace import InputSpec
 
     body = tracer.subgraph(lambda i, cond, v: (cond, v),

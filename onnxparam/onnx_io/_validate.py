@@ -268,9 +268,9 @@ def check_structure(model: onnx.ModelProto, source: str) -> Optional[None]:
 def structure_proto(model: ir.Model, source: str) -> onnx.ModelProto:
     """The structure of an in-memory ``onnx_ir.Model`` as an ``onnx.ModelProto`` for
     :func:`check_structure`: opsets, functions, graphs, nodes and attributes as ``onnx_ir``
-    serializes them; main-graph initializers with their name, element type and dims and an empty
-    ``raw_data`` (their bytes are neither copied nor materialized; their sizes are checked on the
-    ``onnx_ir`` tensors).
+    serializes them, except tensors (initializers and tensor attributes, in every graph): their
+    name, element type and dims with an empty ``raw_data`` (their bytes are neither copied nor
+    materialized; their sizes are checked on the ``onnx_ir`` tensors).
 
     Raises:
         OnnxFormatError: for a node, attribute, value or function ``onnx_ir`` cannot serialize
@@ -287,7 +287,7 @@ def structure_proto(model: ir.Model, source: str) -> onnx.ModelProto:
         except Exception as e:  # noqa: BLE001 - onnx_ir raises several types for what it cannot write
             raise OnnxFormatError(f"{source}: function {getattr(function, 'name', '?')!r} cannot be represented in "
                                   f"ONNX: {_cause(e)}") from None
-    _structure_graph(proto.graph, model.graph, source, int(model.ir_version or 0))
+    _structure_graph(proto.graph, model.graph, source, 0, set())
     return proto
 
 
@@ -308,7 +308,12 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _structure_graph(graph_proto: onnx.GraphProto, graph: ir.Graph, source: str, ir_version: int) -> None:
+def _structure_graph(graph_proto: onnx.GraphProto, graph: ir.Graph, source: str, depth: int, seen: set) -> None:
+    """``graph``'s structure into ``graph_proto``: values as ``onnx_ir`` serializes them, nodes
+    built field by field, tensors as stubs (:func:`_tensor_stub`), subgraphs recursively down to
+    one level past :data:`MAX_GRAPH_DEPTH` (which :func:`check_structure` then refuses).
+    ``seen``: ids of the graphs walked so far (NOTE: one graph object in two attributes would be
+    walked once per path, exponentially in the depth; a file cannot express it)."""
     label = f"graph {graph.name!r}"
     if graph.name:
         graph_proto.name = graph.name
@@ -320,48 +325,88 @@ def _structure_graph(graph_proto: onnx.GraphProto, graph: ir.Graph, source: str,
                 raise OnnxFormatError(f"{source}: {field} {getattr(value, 'name', '?')!r} of {label} cannot be "
                                       f"represented in ONNX: {_cause(e)}") from None
     for name, value in graph.initializers.items():
-        tensor = graph_proto.initializer.add()
-        const = value.const_value
-        if isinstance(const, ir.TensorProtoTensor) and not const.raw.HasField("raw_data") and \
-                const.raw.data_location != TensorProto.EXTERNAL:
-            tensor.CopyFrom(const.raw)  # typed fields (float_data ...): their counts are checked
-            tensor.name = name
-            continue
-        tensor.name = name
-        if const is None:
+        if value.const_value is None:
             raise OnnxFormatError(f"{source}: initializer {name!r} of {label} holds no tensor (its const_value is "
                                   "None); an initializer has a value")
-        dtype = const.dtype
-        tensor.data_type = int(dtype) if dtype is not None else TensorProto.UNDEFINED
-        for dim in const.shape:
-            if not isinstance(dim, int):
-                raise OnnxFormatError(f"{source}: initializer {name!r} of {label} has a symbolic dim {dim!r}; an "
-                                      "initializer's dims are integers")
-            tensor.dims.append(dim)
-        tensor.raw_data = b""  # presence only: the byte count is checked on the onnx_ir tensor
-    for node in graph.all_nodes():
-        for attr in node.attributes.values():
-            if attr.is_ref() or attr.type not in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
-                continue
-            values = [attr.value] if attr.type == ir.AttributeType.STRING else list(attr.value)
-            wrong = [v for v in values if not isinstance(v, str)]
-            if wrong:
-                # NOTE: the in-memory twin of a file's string field that is not UTF-8 (source.py)
-                raise OnnxFormatError(f"{source}: attribute {attr.name!r} of node {node.name!r} ({node.op_type}) is "
-                                      f"typed {attr.type.name} but holds {type(wrong[0]).__name__}, not text")
+        _tensor_stub(graph_proto.initializer.add(), value.const_value, f"initializer {name!r} of {label}", source)
+        graph_proto.initializer[-1].name = name
+    if depth > MAX_GRAPH_DEPTH:
+        return  # too deep: check_structure refuses this graph's depth before looking at its nodes
     for index, node in enumerate(graph):
         node_label = f"node {node.name!r}" if node.name else f"node #{index}"
         node_label += f" ({node.op_type}) of {label}"
-        for attr in node.attributes.values():
-            try:
-                if attr.is_ref():
-                    ir.serde.serialize_reference_attribute_into(onnx.AttributeProto(), attr)
-                else:
-                    ir.serde.serialize_attribute(attr)
-            except Exception as e:  # noqa: BLE001
-                raise OnnxFormatError(f"{source}: attribute {getattr(attr, 'name', '?')!r} of {node_label} cannot be "
-                                      f"represented in ONNX: {_cause(e)}") from None
+        proto = graph_proto.node.add()
         try:
-            ir.serde.serialize_node_into(graph_proto.node.add(), node, model_ir_version=ir_version)
-        except Exception as e:  # noqa: BLE001
+            proto.op_type = node.op_type
+            proto.domain = node.domain
+            if node.name:
+                proto.name = node.name
+            if node.overload:
+                proto.overload = node.overload
+            proto.input.extend("" if v is None else (v.name or "") for v in node.inputs)
+            proto.output.extend(v.name or "" for v in node.outputs)
+        except (TypeError, ValueError) as e:
             raise OnnxFormatError(f"{source}: {node_label} cannot be represented in ONNX: {_cause(e)}") from None
+        for attr in node.attributes.values():
+            attr_label = f"attribute {getattr(attr, 'name', '?')!r} of {node_label}"
+            try:
+                _structure_attribute(proto.attribute.add(), attr, attr_label, source, depth, seen)
+            except OnnxFormatError:
+                raise
+            except Exception as e:  # noqa: BLE001 - onnx_ir raises several types for what it cannot write
+                raise OnnxFormatError(f"{source}: {attr_label} cannot be represented in ONNX: {_cause(e)}") from None
+
+
+def _structure_attribute(out: AttributeProto, attr, label: str, source: str, depth: int, seen: set) -> None:
+    if attr.is_ref():
+        ir.serde.serialize_reference_attribute_into(out, attr)
+        return
+    kind = attr.type
+    if kind in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
+        values = [attr.value] if kind == ir.AttributeType.STRING else list(attr.value)
+        # NOTE: bytes pass, as in a file: AttributeProto.s is a bytes field (custom operators keep
+        # binary data there), and onnx_ir reads what is not UTF-8 as bytes
+        wrong = [v for v in values if not isinstance(v, (str, bytes))]
+        if wrong:
+            raise OnnxFormatError(f"{source}: {label} is typed {kind.name} but holds {type(wrong[0]).__name__}, "
+                                  "not text")
+    if kind not in (ir.AttributeType.TENSOR, ir.AttributeType.TENSORS, ir.AttributeType.GRAPH,
+                    ir.AttributeType.GRAPHS):
+        out.CopyFrom(ir.serde.serialize_attribute(attr))
+        return
+    out.name = attr.name
+    out.type = int(kind)
+    if kind == ir.AttributeType.TENSOR:
+        _tensor_stub(out.t, attr.value, label, source)
+    elif kind == ir.AttributeType.TENSORS:
+        for tensor in attr.value:
+            _tensor_stub(out.tensors.add(), tensor, label, source)
+    else:
+        subs = [attr.value] if kind == ir.AttributeType.GRAPH else list(attr.value)
+        for sub in subs:
+            if id(sub) in seen:
+                raise OnnxFormatError(f"{source}: {label} holds the same onnx_ir.Graph object as another graph "
+                                      "attribute; each subgraph is its own graph (copy it)")
+            seen.add(id(sub))
+            _structure_graph(out.g if kind == ir.AttributeType.GRAPH else out.graphs.add(), sub, source, depth + 1,
+                             seen)
+
+
+def _tensor_stub(out: TensorProto, tensor, label: str, source: str) -> None:
+    """A tensor's element type and dims with an empty ``raw_data`` (its bytes are neither copied
+    nor materialized: their count is checked on the ``onnx_ir`` tensor); typed-field data
+    (``float_data`` ...) is copied, so :func:`check_structure` counts its values."""
+    if tensor is None:
+        raise OnnxFormatError(f"{source}: {label} holds no tensor")
+    if isinstance(tensor, ir.TensorProtoTensor) and not tensor.raw.HasField("raw_data") and \
+            tensor.raw.data_location != TensorProto.EXTERNAL:
+        out.CopyFrom(tensor.raw)
+        return
+    if tensor.name:
+        out.name = tensor.name
+    out.data_type = int(tensor.dtype) if tensor.dtype is not None else TensorProto.UNDEFINED
+    for dim in tensor.shape:
+        if not isinstance(dim, int):
+            raise OnnxFormatError(f"{source}: {label} has a symbolic dim {dim!r}; a tensor's dims are integers")
+        out.dims.append(dim)
+    out.raw_data = b""  # presence only

@@ -61,7 +61,7 @@ def _int64_input(values) -> Tensor:
     :class:`~onnxparam._symint.SymInt` s becomes a ``Concat`` of their values and the ints."""
     if isinstance(values, Tensor):
         t = _t(values)
-        return t if t.dtype is DType.I64 else _emit("Cast", [t], {"to": DType.I64}, types=[(DType.I64, t.shape)])
+        return t if t.dtype is DType.I64 else _emit("Cast", [t], {"to": DType.I64}, types=[(DType.I64, t._shape)])
     if isinstance(values, SymInt):
         return values.value()
     if isinstance(values, (int, np.integer)):

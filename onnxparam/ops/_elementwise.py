@@ -90,7 +90,7 @@ def _binary(op_type: str, a, b, name: str) -> Tensor:
 
 def _unary(op_type: str, x, attrs=None) -> Tensor:
     x = _t(x)
-    return _emit(op_type, [x], attrs, types=[(x.dtype, x.shape)])
+    return _emit(op_type, [x], attrs, types=[(x.dtype, x._shape)])
 
 
 @_op
@@ -193,10 +193,10 @@ def clamp(x, min=None, max=None) -> Tensor:
         return x
     if _opset() < 11:
         attrs = {"min": None if min is None else float(min), "max": None if max is None else float(max)}
-        return _emit("Clip", [x], attrs, types=[(x.dtype, x.shape)])
+        return _emit("Clip", [x], attrs, types=[(x.dtype, x._shape)])
     lo = None if min is None else _t(min) if isinstance(min, Tensor) else _const(min, x.dtype)
     hi = None if max is None else _t(max) if isinstance(max, Tensor) else _const(max, x.dtype)
-    return _emit("Clip", [x, lo, hi], types=[(x.dtype, x.shape)])
+    return _emit("Clip", [x, lo, hi], types=[(x.dtype, x._shape)])
 
 
 def _compare(op_type: str, a, b, name: str) -> Tensor:
@@ -247,7 +247,7 @@ def _as_bool(x, what: str) -> Tensor:
 def logical_not(x) -> Tensor:
     """Boolean not. ONNX: ``Not``."""
     x = _as_bool(x, "logical_not")
-    return _emit("Not", [x], types=[(DType.Bool, x.shape)])
+    return _emit("Not", [x], types=[(DType.Bool, x._shape)])
 
 
 @_op
@@ -285,5 +285,5 @@ def cast(x, dtype: DType) -> Tensor:
         return x
     if dtype is DType.QFloat:
         raise ValueError("cast cannot make QFloat tensors; use a Quantizer")
-    return _emit("Cast", [x], {"to": dtype}, types=[(dtype, x.shape)])
+    return _emit("Cast", [x], {"to": dtype}, types=[(dtype, x._shape)])
 

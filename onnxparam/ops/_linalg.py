@@ -57,7 +57,7 @@ def gelu(x, approximate: str = "none") -> Tensor:
         raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
     x = _t(x)
     if _opset() >= 20:
-        return _emit("Gelu", [x], {"approximate": approximate}, types=[(x.dtype, x.shape)])
+        return _emit("Gelu", [x], {"approximate": approximate}, types=[(x.dtype, x._shape)])
     if approximate == "none":
         inner = add(erf(div(x, _SQRT_2)), 1.0)
     else:
@@ -73,7 +73,7 @@ def _softmax(op_type: str, x, dim: int) -> Tensor:
         # only for the last dim
         raise TraceError(f"{op_type} before opset 13 normalizes over all dims from 'axis' on; "
                          f"use the last dim (got dim {dim} of rank {x.rank}) or opset 13+")
-    return _emit(op_type, [x], {"axis": axis}, types=[(x.dtype, x.shape)])
+    return _emit(op_type, [x], {"axis": axis}, types=[(x.dtype, x._shape)])
 
 
 @_op

@@ -13,7 +13,7 @@ from .. import _lora_graph as lora_graph
 from .. import _trace
 from .._ort import import_onnxruntime
 from ..device import CPU, Device
-from ..dtype import DType
+from ..dtype import DType, dtype_from_onnx_element
 from ..errors import ExecutionError, OnnxParamError
 from ..param import Param
 from ..quant import _qdq as qdq
@@ -283,7 +283,7 @@ def build_runner(traced, params: Sequence[Param], device: Device, config: Sessio
         if qdq.is_qdq_initializer(value):
             continue
         # NOTE: in the "keep" / "inputs" LoRA modes an adapted weight's initializer is its raw base
-        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), DType.from_onnx(int(value.dtype)))
+        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), dtype_from_onnx_element(int(value.dtype)))
         if tuple(array.shape) != tuple(value.shape.numpy()):
             raise ExecutionError(f"param {path!r} of {owner} has shape {list(array.shape)} but was traced with "
                                  f"{list(value.shape.numpy())}")

@@ -114,6 +114,7 @@ def test_a_blocked_4bit_add_weight_below_opset_21_is_written_float_with_its_reas
     assert rows["a"]["op"] == "Add" and rows["a"]["form"] == "float"
     assert takes_weight(onnx.load(str(out)), rows["a"]["node"], "Add", "a")
     assert "4-bit below opset 21" in rows["a"]["reason"]
+    assert f"Add {rows['a']['node']!r} has no 4-bit form" in rows["a"]["reason"]  # the written graph's name
     inits = {t.name: t for t in onnx.load(str(out)).graph.initializer}
     assert inits["a"].data_type == TensorProto.FLOAT
     # without the float module: the dequantized values, numpy's symmetric 4-bit per block of 32
@@ -244,3 +245,41 @@ def test_the_static_table_names_the_add_that_takes_a_quantized_weight(tmp_path, 
     assert rows["w"]["op"] == "MatMul" and takes_weight(written, rows["w"]["node"], "MatMul", "w")
     assert "QuantizeLinear" not in stdout.split("ops:")[1].splitlines()[0]
     assert any(line.split()[:3] == [rows["shift"]["node"], "Add", "shift"] for line in stdout.splitlines())
+
+
+def test_a_file_barely_smaller_gets_a_warning_naming_the_float_ops_and_the_ways_out(tmp_path, capsys):
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(rng.normal(size=(64, 64, 3, 3)).astype(np.float32), "big"),
+             numpy_helper.from_array(rng.normal(size=(64, 8)).astype(np.float32), "small")]
+    nodes = [helper.make_node("Conv", ["x", "big"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["h"], ["p"]),
+             helper.make_node("Flatten", ["p"], ["f"], axis=1),
+             helper.make_node("MatMul", ["f", "small"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    src = tmp_path / "big_conv.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out)
+    assert code == 0, err
+    assert "1 Conv float, 1 MatMul dynamic int8" in stdout
+    ratio = out.stat().st_size / src.stat().st_size
+    assert ratio > 0.9  # the float conv is nearly all of the file
+    assert f"little got smaller: 1 of 2 ops keep float weights (1 Conv; original values); the output is {ratio:.0%}" in err
+    assert "--calibrate INPUTS.npz" in err and "--prefer size" in err
+    inits = source_weights(out)
+    assert inits["big"].tobytes() == source_weights(src)["big"].tobytes()
+
+
+def test_4bit_weights_without_a_4bit_form_at_the_opset_are_named_with_the_way_out(sources, tmp_path, capsys):
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", sources[15], out, "--scheme", "q4s", "--block-size", "32",
+                                 "--prefer", "size")
+    assert code == 0, err
+    rows = quantized_ops(out)
+    assert {r["weight"] for r in rows if r["form"] == "float"} >= {"wc", "m", "a"}
+    assert "have no quantized form here (reasons above)" in err and "--scheme q8s" in err
+    session(out)  # ORT loads it
+    original, written = source_weights(sources[15]), source_weights(out)
+    for name in ("wc", "m", "a"):
+        assert written[name].tobytes() == original[name].tobytes(), name

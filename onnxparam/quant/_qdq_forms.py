@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import ml_dtypes
 import numpy as np
@@ -221,14 +222,31 @@ def record_report(tracer, emitted: list) -> None:
                     row["reason"] = e.value.meta[FLOAT_REASON_KEY]
                 rows.append(row)
     tracer.graph.meta[_REPORT_META] = rows
+    if any(row.get("reason") for row in rows):  # reasons quote trace-time node names
+        tracer.graph.meta[_REPORT_META + ".nodes"] = {node.name: node for node in tracer.graph if node.name}
+
+
+def _final_names(text: str, nodes: dict) -> str:
+    """``text`` with each quoted trace-time node name (``'/Add'``) replaced by the node's name
+    in the written graph (an imported graph's nodes get their source names back)."""
+    def name(match):
+        node = nodes.get(match.group(1))
+        return repr(node.name) if node is not None and node.name else match.group(0)
+
+    return re.sub(r"'([^']*)'", name, text)
 
 
 def write_report(model: ir.Model) -> list:
     """Move the traced graph's report into ``model.metadata_props[REPORT_KEY]`` and log its
     summary line (logger ``onnxparam.quant``, INFO); returns the rows (``[]`` without
-    quantized weights)."""
-    rows = [{**row, "node": row["node"].name if isinstance(row["node"], ir.Node) else row["node"]}
-            for row in model.graph.meta.get(_REPORT_META) or []]
+    quantized weights). Node names (also those a ``reason`` quotes) are the written graph's."""
+    nodes = model.graph.meta.get(_REPORT_META + ".nodes") or {}
+    rows = []
+    for row in model.graph.meta.get(_REPORT_META) or []:
+        row = {**row, "node": row["node"].name if isinstance(row["node"], ir.Node) else row["node"]}
+        if row.get("reason"):
+            row["reason"] = _final_names(row["reason"], nodes)
+        rows.append(row)
     if rows:
         model.metadata_props[REPORT_KEY] = json.dumps(rows, separators=(",", ":"))
         _LOG.info("quantized export: %s", summary(rows))

@@ -38,6 +38,7 @@ from ._version import __version__  # noqa: E402
 from .device import Device
 from .errors import (
     BurnpackFormatError,
+    CallArgumentError,
     DeviceError,
     ExecutionError,
     FileAccessError,
@@ -115,6 +116,7 @@ __all__ = [
     "TraceTypeError",
     "TraceValueError",
     "ExecutionError",
+    "CallArgumentError",
     "OnnxFormatError",
     "QuantizationError",
     "LoraError",

@@ -38,6 +38,7 @@ from ._version import __version__  # noqa: E402
 from .device import Device
 from .errors import (
     BurnpackFormatError,
+    CallArgumentError,
     DeviceError,
     ExecutionError,
     FileAccessError,
@@ -103,6 +104,8 @@ __all__ = [
     "check_onnx_adapter",
     "load_peft_adapter",
     "save_peft_adapter",
+    "load_peft_adapters",
+    "save_peft_adapters",
     "PeftLoadReport",
     "OnnxParamError",
     "RecordError",
@@ -113,6 +116,7 @@ __all__ = [
     "TraceTypeError",
     "TraceValueError",
     "ExecutionError",
+    "CallArgumentError",
     "OnnxFormatError",
     "QuantizationError",
     "LoraError",
@@ -136,7 +140,8 @@ _LAZY = {
     "ModuleRecord": "record", "TensorSnapshot": "record",
     "Tensor": "tensor", "TensorData": "tensor",
     "load_peft_adapter": "convert._peft", "PeftLoadReport": "convert._peft",
-    "save_peft_adapter": "convert._peft_save",
+    "save_peft_adapter": "convert._peft_save", "save_peft_adapters": "convert._peft_save",
+    "load_peft_adapters": "convert._peft",
     "grad": "autodiff", "Gradients": "autodiff",
 }
 """Every public name and the module that defines it (``None``: the name is a subpackage),

@@ -13,6 +13,7 @@ keeps working::
     │   ├── TraceTypeError (TypeError)      ... because of a value of the wrong kind
     │   └── TraceValueError (ValueError)    ... because of a value of the wrong shape / a bad argument
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
+    ├── CallArgumentError (TypeError)       an imported model was called with inputs its graph does not take
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
     ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
@@ -43,6 +44,7 @@ __all__ = [
     "TraceTypeError",
     "TraceValueError",
     "ExecutionError",
+    "CallArgumentError",
     "OnnxFormatError",
     "QuantizationError",
     "LoraError",
@@ -107,6 +109,14 @@ class TraceValueError(TraceError, ValueError):
 
 class ExecutionError(OnnxParamError, RuntimeError):
     """ONNX Runtime failed to create or run a session; the message names nodes and params."""
+
+
+class CallArgumentError(OnnxParamError, TypeError):
+    """An imported ONNX model was called with inputs its graph does not take: an unknown, missing
+    or duplicate input name, too many inputs, or a value of another element type or shape than
+    the graph declares for that input (the message names the input).
+
+    Also a ``TypeError``, as Python's own error for a call with wrong arguments."""
 
 
 class OnnxFormatError(OnnxParamError, ValueError):

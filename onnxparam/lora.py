@@ -335,6 +335,9 @@ class LoraAdapterSet:
         adapters = LoraAdapterSet().add("sql", load_peft_adapter(base, "sql/")).add("chat", chat)
         model = adapters.activate(base, "sql")   # base + the "sql" adapters
         plain = adapters.disable(model)          # the base model
+
+    A module can own its set instead (``base.add_adapter("sql", ...).set_adapter("sql")``,
+    :func:`add_adapter`): then copies, ``load_record``, saving and exporting by name carry it.
     """
 
     def __init__(self, sets: Optional[dict] = None):

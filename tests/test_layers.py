@@ -33,6 +33,7 @@ LAYERS = {
     "burnpack": "formats", "formats": "formats", "onnx_io/_source.py": "formats", "onnx_io/_save.py": "formats",
     "onnx_io/_weights.py": "formats", "onnx_io/_metadata.py": "formats", "onnx_io/_naming.py": "formats",
     "onnx_io/_validate.py": "formats", "onnx_io/_value_info.py": "formats",
+    "onnx_io/_map_type.py": "formats", "onnx_io/_data_watch.py": "formats",
     "onnx_io/_source_errors.py": "graph",  # the imported file named in run-time errors (runtime uses it)
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs
@@ -215,6 +216,18 @@ def test_importing_the_package_the_cli_or_the_burnpack_reader_loads_no_heavy_dep
     code = f"{statement}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("statement", ["import onnxparam", "import onnxparam.cli"])
+def test_importing_the_package_or_the_cli_loads_no_numpy(statement):
+    """``onnxparam --help`` / ``--version`` import only the CLI: numpy (tens of ms) waits for
+    the first command that reads or computes tensors."""
+    import subprocess
+    import sys
+
+    code = f"{statement}\nimport sys\nprint('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 @pytest.mark.parametrize("facade, table", [("onnxparam", "_LAZY"), ("onnxparam.quant", "_UPPER_LAYERS"),

@@ -137,3 +137,16 @@ def test_a_config_without_lora_alpha_gets_peft_default_alpha_8_not_r(tmp_path):
     adapter = module.proj.weight.adapter()
     assert adapter.scale == 8 / 2
     np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(4.0), rtol=1e-5)
+
+
+def test_saving_all_named_adapters_needs_some_and_loading_needs_a_peft_folder(tmp_path):
+    from onnxparam import load_peft_adapters, save_peft_adapters
+
+    with pytest.raises(RecordError, match="owns no named adapters"):
+        save_peft_adapters(Net().apply_lora(LoraConfig(rank=2, alpha=2.0, seed=0)), tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecordError, match="holds no PEFT adapter"):
+        load_peft_adapters(Net(), tmp_path / "empty")
+    adapted = Net().apply_lora(LoraConfig(rank=2, alpha=2.0, seed=0))
+    with pytest.raises(RecordError, match=r"adapter names \['a/b'\] cannot be folder names"):
+        save_peft_adapters(Net().add_adapter("a/b", adapted), tmp_path / "out")

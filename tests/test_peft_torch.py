@@ -465,3 +465,68 @@ def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports
     np.testing.assert_allclose(module(xt).to_numpy(), peft_out(None), atol=ATOL)
     with pytest.raises(KeyError, match=r"no adapter named 'one'; the set holds \['two', 'three'\]"):
         module.set_adapter("one")
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_peft_conv_and_lora_bias_adapters_on_a_torch_exported_conv_net_equal_peft_in_every_mode(exporter, tmp_path):
+    model = randomize(ConvNet().eval(), seed=11)
+    x = torch.randn(2, 2, 5, 5)
+    imported = import_onnx(export(model, (x,), tmp_path / "conv.onnx", exporter, input_names=["x"], output_names=["y"]))
+    reference = peft_model(model, tmp_path / "ad", 3, 5, False, True, ["conv", "fc"], seed=12)
+    with torch.no_grad():
+        expected = reference(x).numpy()
+    adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
+    assert sorted(report.matched) == ["base_model.model.conv", "base_model.model.fc"]
+    assert {path for path, p in adapted.named_params() if p.adapter() is not None} == {
+        "conv.weight", "conv.bias", "fc.weight", "fc.bias"}  # lora_bias on both layers
+    for mode in ("merge", "keep", "inputs"):
+        module = adapted.map(lambda p, q: q)
+        set_session_config(module, SessionConfig(lora_mode=mode))
+        np.testing.assert_allclose(module(as_input(module, x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
+    path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
+    options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
+    np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
+
+
+def test_every_named_adapter_saves_in_peft_multi_adapter_layout_and_loads_back(tmp_path):
+    from onnxparam import Param, load_peft_adapters, save_peft_adapters
+
+    torch_model = randomize(Mlp().eval(), seed=13)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
+        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    names = ("default", "sql", "chat")
+    for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
+        peft_model(torch_model, tmp_path / "given" / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=60 + r)
+    module = base
+    for name in names:
+        module = module.add_adapter(name, load_peft_adapter(base, tmp_path / "given" / name))
+    folder = save_peft_adapters(module, tmp_path / "saved")
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["chat", "sql"]  # "default" at the top
+    with quiet():  # PEFT reads the layout it writes: from_pretrained + load_adapter by sub-folder
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(folder)).eval()
+        for name in names[1:]:
+            reference.load_adapter(str(folder / name), adapter_name=name)
+    back = load_peft_adapters(base, folder)
+    assert sorted(back.lora_adapters.names) == sorted(names) and back.active_adapter is None
+    x = torch.randn(4, 6)
+    for name in names:
+        reference.set_adapter(name)
+        with torch.no_grad():
+            expected = reference(x).numpy()
+        np.testing.assert_allclose(back.set_adapter(name)(Tensor.from_numpy(x.numpy())).to_numpy(), expected,
+                                   atol=ATOL, err_msg=name)
+        with quiet():  # and each equals PEFT on the adapter as it was given
+            given = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "given" / name)).eval()
+        with torch.no_grad():
+            np.testing.assert_allclose(given(x).numpy(), expected, atol=ATOL, err_msg=name)

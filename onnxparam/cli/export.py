@@ -1,12 +1,12 @@
 """``onnxparam export mnist``: the tour of the packaged MNIST model."""
 
+from __future__ import annotations
+
 import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import numpy as np
+from typing import TYPE_CHECKING, Optional
 
 from ._common import (
     DEFAULT_BATCH_SIZE,
@@ -22,6 +22,9 @@ from ._common import (
 from ._models import export_mnist_onnx
 from .inspect import _print_table, _scheme_text
 from .quantize import _quantizer
+
+if TYPE_CHECKING:
+    import numpy as np  # NOTE: imported where used, so `onnxparam --help` / `--version` skip it
 
 EXPORT_MODELS = ("mnist",)
 """Models ``onnxparam export`` knows (the packaged zoo)."""
@@ -104,6 +107,8 @@ def _latency(times: list, batch: int) -> tuple:
     both on one basis: the median seconds of the full ``batch``-sized calls after the first (the
     first builds sessions; a short last batch would skew the median), and ``batch`` / that median.
     With fewer calls, whichever there are."""
+    import numpy as np
+
     steady = times[1:] if len(times) > 1 else times
     full = [(t, k) for t, k in steady if k == batch] or steady
     seconds = float(np.median([t for t, _ in full]))
@@ -120,6 +125,8 @@ LATENCY_NOTE = (
 def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
     """Logits of a plain ``onnxruntime.InferenceSession`` on ``path`` over all ``pixels``, and
     :func:`_latency` of its calls (ms per batch, images per second)."""
+    import numpy as np
+
     from .._ort import import_onnxruntime
 
     ort = import_onnxruntime()
@@ -137,6 +144,8 @@ def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
 
 
 def _run_export_mnist(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from .. import Device, Tensor
     from ..zoo import mnist
 
@@ -253,6 +262,8 @@ def _row_json(row: _TourRow) -> dict:
 def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, device) -> _TourRow:
     """``module.save_file`` then every tensor compared, byte for byte, with Burn's file; then the
     file loaded into a fresh module, which classifies the digits."""
+    import numpy as np
+
     from .. import burnpack
     from ..tensor import Tensor
     from ..zoo.mnist import Mnist
@@ -303,6 +314,8 @@ def _tour_int8(model, path: Path, pixels, batch, providers, accuracy) -> _TourRo
 
 
 def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list:
+    import numpy as np
+
     from ..dtype import DType
     from ..group import ParamGroup
     from ..lora import LoraConfig

@@ -7,23 +7,25 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ._common import COUNT_CHUNK_BYTES, EXIT_OK, _existing, _file_format, _out
 
+if TYPE_CHECKING:
+    import numpy as np
+
 FLOAT_BITS = {
     # Burn dtype name -> (unsigned view, exponent mask, mantissa mask) of the IEEE-754 layout.
-    "F64": (np.uint64, 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF),
-    "F32": (np.uint32, 0x7F80_0000, 0x007F_FFFF),
-    "Flex32": (np.uint32, 0x7F80_0000, 0x007F_FFFF),
-    "F16": (np.uint16, 0x7C00, 0x03FF),
-    "BF16": (np.uint16, 0x7F80, 0x007F),
+    "F64": ("uint64", 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF),
+    "F32": ("uint32", 0x7F80_0000, 0x007F_FFFF),
+    "Flex32": ("uint32", 0x7F80_0000, 0x007F_FFFF),
+    "F16": ("uint16", 0x7C00, 0x03FF),
+    "BF16": ("uint16", 0x7F80, 0x007F),
 }
 """How NaN / Inf are found in a float tensor's bytes: all exponent bits set means non-finite,
 and then a zero mantissa means Inf, any other NaN. Working on the bits treats every float width
-alike (bfloat16 has no numpy type of its own) and never converts a value."""
+alike (bfloat16 has no numpy type of its own) and never converts a value. NOTE: numpy is
+imported where a tensor is scanned, not with the module (``onnxparam --help`` stays fast)."""
 
 
 @dataclass
@@ -45,7 +47,7 @@ class _TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     def to_json(self) -> dict:
         return {
@@ -100,7 +102,7 @@ def _nbytes(dtype, shape, scheme) -> int:
         from ..quant import quantized_nbytes
 
         return int(quantized_nbytes(tuple(shape), scheme))
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _scalar_json(scalar) -> dict:
@@ -199,6 +201,8 @@ def _read_onnx_info(path: Path) -> _Inspected:
 
     def value_json(v) -> dict:
         dtype = v.dtype.name if v.dtype is not None else None
+        if v.type is not None and not isinstance(v.type, ir.TensorType):
+            dtype = repr(v.type)  # a sequence, optional or map: its whole type (e.g. Sequence(Map(INT64, ...)))
         dims = None if v.shape is None else [d if isinstance(d, int) else str(d) for d in v.shape]
         return {"name": v.name, "dtype": dtype, "shape": dims}
 
@@ -235,7 +239,9 @@ def _read_onnx_info(path: Path) -> _Inspected:
     return _Inspected(path, "onnx", path.stat().st_size, info, metadata, scalars, tensors)
 
 
-def _count_bits(words: np.ndarray, exp_mask: int, mant_mask: int) -> tuple[int, int]:
+def _count_bits(words: "np.ndarray", exp_mask: int, mant_mask: int) -> tuple[int, int]:
+    import numpy as np
+
     exp = words.dtype.type(exp_mask)
     nonfinite = (words & exp) == exp
     if not nonfinite.any():
@@ -246,6 +252,8 @@ def _count_bits(words: np.ndarray, exp_mask: int, mant_mask: int) -> tuple[int, 
 
 def _count_nonfinite(inspected: _Inspected) -> None:
     """Fill ``nan`` / ``inf`` of every plain float tensor, streaming :data:`COUNT_CHUNK_BYTES` at a time."""
+    import numpy as np
+
     rows = [t for t in inspected.tensors if t.dtype.name in FLOAT_BITS]
     if not rows:
         return

@@ -55,6 +55,13 @@ def _load_mapped(path: Path):
     from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
+    if path.is_dir():
+        import errno
+
+        from ..errors import file_error
+
+        raise file_error(errno.EISDIR, f"cannot read '{path}': it is a folder, not a file; give the path of the .onnx file",
+                         str(path))
     if not path.is_file():
         raise OnnxFormatError(f"'{path}': no such ONNX file")
     proto = read_onnx_mapped(path)

@@ -51,7 +51,7 @@ from ..module import named_params, rebuild
 from ..param import Param, ParamId
 from ..tensor import Tensor
 
-__all__ = ["load_peft_adapter", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
+__all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -539,3 +539,29 @@ def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
     b = _factor_array(B).reshape(B.shape[0], rank).T
     return name, a, b, config.scale_for(name, rank), True
 
+
+
+def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Sequence] = None):
+    """A copy of ``module`` owning every adapter of a PEFT multi-adapter folder as a named
+    adapter (``Module.add_adapter``), none active: ``folder`` itself holds ``"default"`` (when
+    it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
+    (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
+
+    Raises:
+        RecordError: ``folder`` holds no adapter, or one does not load
+            (:func:`load_peft_adapter`, every module required).
+        ValueError: a name is taken already (``module`` owns it, or carries unnamed adapters
+            and a folder is named ``"default"``).
+    """
+    folder = Path(folder)
+    found = []
+    if folder.is_dir():
+        if (folder / CONFIG_FILE).is_file():
+            found.append(("default", folder))
+        found += sorted((sub.name, sub) for sub in folder.iterdir() if (sub / CONFIG_FILE).is_file())
+    if not found:
+        raise RecordError(f"{folder} holds no PEFT adapter ({CONFIG_FILE} in it or in a sub-folder)")
+    result = module
+    for name, path in found:
+        result = result.add_adapter(name, load_peft_adapter(module, path, key_map))
+    return result

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import RecordError
 
-__all__ = ["save_peft_adapter"]
+__all__ = ["save_peft_adapter", "save_peft_adapters"]
 
 
 def _module_name(path: str, suffix: str, rules: Sequence) -> str:
@@ -131,4 +131,34 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
+def save_peft_adapters(module, folder: "str | os.PathLike", *, key_map: Optional[Sequence] = None,
+                       base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write every named adapter ``module`` owns (``Module.add_adapter``) in PEFT's
+    multi-adapter layout (``PeftModel.save_pretrained`` with several adapters): the adapter
+    named ``"default"`` in ``folder`` itself, every other one in ``folder/<name>/``, each a
+    :func:`save_peft_adapter` folder (``PeftModel.from_pretrained(model, folder / name,
+    adapter_name=name)`` loads it). :func:`onnxparam.load_peft_adapters` reads it back.
+
+    Returns:
+        ``folder``'s ``Path``.
+
+    Raises:
+        RecordError: ``module`` owns no named adapter, or one that :func:`save_peft_adapter`
+            refuses (a name that is not a plain folder name included).
+    """
+    names = module.lora_adapters.names
+    if not names:
+        raise RecordError(f"{type(module).__name__} owns no named adapters (Module.add_adapter); use "
+                          "save_peft_adapter for its active adapters")
+    bad = [name for name in names if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)]
+    if bad:
+        raise RecordError(f"adapter names {bad} cannot be folder names; PEFT stores each adapter in a folder "
+                          "named after it")
+    folder = Path(folder)
+    for name in names:
+        save_peft_adapter(module, folder if name == "default" else folder / name, key_map=key_map,
+                          base_model_name_or_path=base_model_name_or_path, adapter_name=name)
     return folder

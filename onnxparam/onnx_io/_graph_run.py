@@ -8,7 +8,8 @@ checks them).
 
 Values pass through as ONNX Runtime takes and gives them: tensors of onnxparam's dtypes as
 :class:`~onnxparam.Tensor` (numpy arrays and Python scalars accepted), other tensors (strings,
-float8, int4 ...) as numpy arrays, sequences as lists, absent optionals as ``None``.
+float8, int4 ...) as numpy arrays, sequences as lists, maps as dicts (a sequence of maps, as
+ZipMap gives, as a list of dicts), absent optionals as ``None``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _to_feed(x, declared):
     """A graph input value as ONNX Runtime takes it."""
     if isinstance(x, Tensor):
         return np.asarray(x.to_numpy())
-    if x is None or isinstance(x, (list, np.ndarray)):
-        return x
+    if x is None or isinstance(x, (list, dict, np.ndarray)):
+        return x  # a dict: an ONNX map value (ONNX-ML DictVectorizer, CastMap ...)
     if isinstance(x, tuple):
         return list(x)
     array = np.asarray(x)
@@ -133,10 +134,13 @@ def clear() -> None:
 def run_graph(module, bound: dict) -> Optional[object]:
     """Run ``module``'s source graph with ``bound`` (graph input name -> value); its outputs (one
     value, or a tuple), or ``_NO_SESSION`` when the graph alone cannot express the module."""
+    from ._data_watch import check_source
+
+    source = module._source
+    check_source(source)  # a data file changed in place since import: the session's weights are stale
     session = _session(module)
     if session is None:
         return _NO_SESSION
-    source = module._source
     declared = {v.name: v for v in list(source.pristine.graph.inputs)}
     feed = {name: _to_feed(x, declared.get(name)) for name, x in bound.items()}
     names = [v.name for v in source.pristine.graph.outputs]

@@ -42,10 +42,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import onnx_ir as ir
 
 from ..device import CPU
-from ..errors import OnnxFormatError, TraceError
+from ..errors import CallArgumentError, OnnxFormatError, TraceError
 from ..module import Module, named_params
 from ..param import Param, ParamId
 from ..quant import _qdq_import
@@ -126,6 +127,19 @@ def _dims(value: ir.Value) -> Optional[tuple]:
     if value.shape is None:
         return None
     return tuple((d if d >= 0 else None) if isinstance(d, int) else (d.value or None) for d in value.shape)
+
+
+def _check_array_dtype(value: ir.Value, array) -> None:
+    """A numpy array given for graph input ``value`` has the element type the graph declares
+    (else ONNX Runtime's "Unexpected input data type" would name no input)."""
+    try:
+        want = np.dtype(value.type.dtype.numpy())
+        got = np.dtype(array.dtype)
+    except (TypeError, ValueError, AttributeError):
+        return  # a type numpy does not name (strings, float8 ...): left to ONNX Runtime
+    if got != want and got.kind in "biufc" and want.kind in "biufc":
+        raise CallArgumentError(f"graph input {value.name!r} takes {value.type.dtype.name} (numpy {want.name}) values, "
+                                f"got a numpy array of {got.name}; cast it first: x.astype(np.{want.name})")
 
 
 class _SourceGraph:
@@ -282,7 +296,8 @@ class OnnxModule(Module):
         ``forward``), :meth:`forward` inlines the graph into the trace.
 
         Raises:
-            TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
+            CallArgumentError (a TypeError): for missing, unknown or duplicate inputs, or a wrong
+                dtype / rank (named).
             ExecutionError: when ONNX Runtime cannot build or run the graph.
 
         Every error raised names the imported file (or the in-memory source) and, for a
@@ -304,40 +319,43 @@ class OnnxModule(Module):
         """Graph input name -> given value; checks count, names, dtype and rank."""
         required = self._source.inputs
         if len(inputs) > len(required):
-            raise TypeError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
-                            f"{len(inputs)} were given")
+            raise CallArgumentError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
+                                    f"{len(inputs)} were given")
         bound = {v.name: x for v, x in zip(required, inputs)}
         allowed = {v.name for v in required} | {v.name for v in self._source.overrides}
         for name, x in named.items():
             if name not in allowed:
-                raise TypeError(f"the ONNX graph has no input {name!r}; its inputs are "
-                                f"{', '.join(map(repr, self.input_names))}"
-                                + (f" and the overridable initializers {', '.join(map(repr, self.override_names))}"
-                                   if self._source.overrides else ""))
+                raise CallArgumentError(f"the ONNX graph has no input {name!r}; its inputs are "
+                                        f"{', '.join(map(repr, self.input_names))}"
+                                        + (f" and the overridable initializers {', '.join(map(repr, self.override_names))}"
+                                           if self._source.overrides else ""))
             if name in bound:
-                raise TypeError(f"graph input {name!r} was given twice (positionally and by name)")
+                raise CallArgumentError(f"graph input {name!r} was given twice (positionally and by name)")
             bound[name] = x
         missing = [v.name for v in required if v.name not in bound]
         if missing:
-            raise TypeError(f"missing graph input(s) {', '.join(map(repr, missing))}; the graph takes "
-                            f"{', '.join(map(repr, self.input_names))} in this order")
+            raise CallArgumentError(f"missing graph input(s) {', '.join(map(repr, missing))}; the graph takes "
+                                    f"{', '.join(map(repr, self.input_names))} in this order")
         for v in list(required) + list(self._source.overrides):
             x = bound.get(v.name)
             if isinstance(x, Tensor) and v.dtype is not None:
                 want = burn_dtype(v.dtype)
                 dims = _dims(v)
                 if want is not None and x.dtype is not want:
-                    raise TypeError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
+                    raise CallArgumentError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
                 if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
-                    raise TypeError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
+                    raise CallArgumentError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
+            elif isinstance(x, np.ndarray) and isinstance(v.type, ir.TensorType):
+                _check_array_dtype(v, x)
         return bound
 
     def forward(self, *inputs, **named):
         """Run the graph: emits each node through :func:`onnxparam.ops._custom` (module docstring).
 
         Raises:
-            TypeError: for missing, unknown or duplicate inputs, or a wrong dtype / rank.
+            CallArgumentError (a TypeError): for missing, unknown or duplicate inputs, or a wrong
+                dtype / rank (named).
             TraceError: when a node cannot be traced (an element type onnxparam tensors cannot
                 hold, such as strings; an operator without schema whose output types the file
                 does not declare; an opset the enclosing trace cannot host).
@@ -538,6 +556,7 @@ def import_onnx(path_or_model) -> OnnxModule:
         OnnxFormatError: the input is not an ONNX model, its protobuf is truncated, an external
             data file is missing or short, a name is used that nothing produces, or two weights
             share a name. Each message names the file and the problem.
+        IsAFolderError (a FileAccessError and IsADirectoryError): the path is a folder.
     """
     from .. import _lora_import
 
@@ -568,6 +587,9 @@ def _inline_functions(loaded: LoadedModel) -> LoadedModel:
     model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
     if base:
         ir.external_data.set_base_dir(model.graph, base)
+    from ._data_watch import carry_stamps
+
+    carry_stamps(loaded.model, model)
     try:
         model = InlinePass()(model).model
     except Exception as e:

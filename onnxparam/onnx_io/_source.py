@@ -27,7 +27,11 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
+from ._data_watch import stamp_external_data
+from ._map_type import install as _install_map_type
 from ._value_info import note_declared_value_info
+
+_install_map_type()  # onnx_ir reads no map type (ONNX-ML ZipMap outputs): see _map_type
 
 __all__ = ["LoadedModel", "load_model", "describe_source", "iter_graphs", "topological_nodes", "base_dir_of"]
 
@@ -182,6 +186,7 @@ def _load_model(path_or_model) -> LoadedModel:
         OnnxFormatError: the file is missing or is not an ONNX model, its protobuf is truncated or
             corrupt, an external data file is missing or shorter than a tensor needs, or a name is
             used that nothing produces.
+        IsAFolderError: the path is a folder (``IsADirectoryError``, as the CLI's).
         TypeError: for any other argument type.
     """
     source = describe_source(path_or_model)
@@ -193,6 +198,13 @@ def _load_model(path_or_model) -> LoadedModel:
         else:
             if isinstance(path_or_model, (str, os.PathLike)):
                 path = Path(path_or_model)
+                if path.is_dir():
+                    import errno
+
+                    from ..errors import file_error
+
+                    raise file_error(errno.EISDIR, f"cannot read '{source}': it is a folder, not a file; give the path of the .onnx file",
+                                     str(path))
                 if not path.is_file():
                     raise OnnxFormatError(f"{source}: no such ONNX file")
                 with open(path, "rb") as f:
@@ -214,6 +226,7 @@ def _load_model(path_or_model) -> LoadedModel:
             if path is not None:
                 ir.external_data.set_base_dir(model.graph, str(path.parent))
     _check_external_data(model, source)
+    stamp_external_data(model)  # watched for changes after import (see _data_watch)
     _check_zero_copy(model, source, path)
     _check_tensor_sizes(model, source)
     _check_names(model, source)

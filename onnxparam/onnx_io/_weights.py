@@ -289,6 +289,9 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
 def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:
     """The tensor's values as :class:`TensorData`: a zero-copy view of the memory-mapped file for
     external tensors, of the protobuf bytes otherwise."""
+    from ._data_watch import check_tensor
+
+    check_tensor(tensor)  # an external data file changed since import: named, not NaN
     try:
         array = tensor.numpy()
     except (ValueError, TypeError, AssertionError, OSError) as e:
@@ -296,8 +299,9 @@ def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:
         # or type (typed fields, external data) with numpy's or its own builtin errors.
         from ..errors import OnnxFormatError
 
+        where = f" from the external data file '{tensor.path}'" if isinstance(tensor, ir.ExternalTensor) else ""
         raise OnnxFormatError(
-            f"the data of tensor {tensor.name!r} ({tensor.dtype.name} {list(tensor.shape)}) cannot be read: {e}"
+            f"the data of tensor {tensor.name!r} ({tensor.dtype.name} {list(tensor.shape)}) cannot be read{where}: {e}"
         ) from e
     want = dtype.to_numpy()
     if array.dtype != want:

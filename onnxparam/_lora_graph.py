@@ -135,7 +135,7 @@ class _Expander:
         out = node.outputs[0]
         out.name = self.tracer.unique_name(f"{name}_output_0")
         out.type = ir.TensorType(ir.DataType(self.dtype.to_onnx()))
-        out.shape = ir.Shape(dims)
+        out.shape = ir.Shape(dims) if dims is not None else None  # None: a shape the graph left unknown
         node.metadata_props[LORA_NODE_KEY] = self.path
         return node
 
@@ -195,10 +195,10 @@ class _Expander:
         b = self.scaled_b(coefficient)
         graph = node.graph
         y = node.outputs[0]
-        out_dims = _dims(y)
+        out_dims = _dims(y) if y.shape is not None else None  # imported graphs may not declare it
         rank = _dims(a)[-1] if _dims(a) else self.adapter.rank
         label = f"{node.name}/lora"
-        xa = self._node(graph, "MatMul", [x, a], out_dims[:-1] + [rank], f"{label}/MatMul_a")
+        xa = self._node(graph, "MatMul", [x, a], out_dims[:-1] + [rank] if out_dims else None, f"{label}/MatMul_a")
         xab = self._node(graph, "MatMul", [xa.outputs[0], b], out_dims, f"{label}/MatMul_b")
         uses = list(y.uses())
         total = self._node(graph, "Add", [y, xab.outputs[0]], out_dims, f"{label}/Add")
@@ -241,7 +241,8 @@ class _Expander:
             if node.metadata_props.get(LORA_NODE_KEY) == self.path and node.op_type == "Add":
                 continue  # the merged weight's own Add
             if node.domain in ("", "ai.onnx") and node.outputs:
-                if index == 1 and node.op_type == "MatMul" and not transposed and len(_dims(node.inputs[0])) >= 1:
+                if index == 1 and node.op_type == "MatMul" and not transposed and (
+                        node.inputs[0].shape is None or len(node.inputs[0].shape) >= 1):
                     self.branch(node, node.inputs[0], float(self.adapter.scale))
                     continue
                 if index == 1 and node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \

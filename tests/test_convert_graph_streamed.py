@@ -209,3 +209,16 @@ def test_an_imported_model_with_shapes_between_its_weights_exports_streamed(tmp_
     v = np.linspace(-1, 1, K, dtype=np.float32)[None]
     y = ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": v})[0]
     np.testing.assert_allclose(y, v @ weights[0] @ weights[1], rtol=1e-4, atol=1e-2)
+
+
+def test_a_graph_models_weights_branches_included_convert_out_by_kernel_copy(tmp_path, no_whole_model_save):
+    from safetensors.numpy import load_file
+
+    values = source_values()
+    if_template(tmp_path / "model.onnx", values)
+    convert(tmp_path / "model.onnx", tmp_path / "w.safetensors")
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert set(got) == set(values)
+    for name, array in values.items():
+        assert got[name].tobytes() == array.tobytes(), name
+    assert sorted(no_whole_model_save["copied"]) == sorted(v.nbytes for v in values.values())

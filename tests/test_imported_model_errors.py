@@ -115,3 +115,27 @@ def test_an_in_memory_models_run_time_failure_names_the_in_memory_source_and_the
         module(op.Tensor.from_numpy(X), op.Tensor.from_numpy(BAD_SHAPE))
     message = str(info.value)
     assert "<onnx.ModelProto>" in message and "node 'impossible_reshape' (Reshape)" in message
+
+
+def test_a_session_that_cannot_be_built_names_the_file_and_the_node_without_a_kernel(tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    node = helper.make_node("Mystery", ["x"], ["y"], name="mystery_node", domain="com.example")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    path = tmp_path / "custom.onnx"
+    onnx.save(model, path)
+    with pytest.raises(Exception, match="Mystery"):  # plain ONNX Runtime has no kernel for it either
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with pytest.raises(ExecutionError) as info:
+        import_onnx(path)(op.Tensor.from_numpy(X))
+    message = str(info.value)
+    assert str(path) in message and "node 'mystery_node' (Mystery)" in message
+
+
+def test_an_export_of_an_imported_model_refused_by_the_writer_names_the_source_file(model_file, tmp_path):
+    module = import_onnx(model_file)
+    with pytest.raises(op.OnnxParamError) as info:
+        export_onnx(module, tmp_path / "out.onnx", metadata={"note": "\ud800"})  # not encodable as UTF-8
+    assert str(model_file) in str(info.value)
+    assert not (tmp_path / "out.onnx").exists()

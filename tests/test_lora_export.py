@@ -378,3 +378,30 @@ def test_one_inputs_export_runs_adapters_of_any_rank_alpha_and_rslora_at_their_o
         options.add_active_adapter(lora)
         np.testing.assert_allclose(sess.run(None, {"x": x}, options)[0], h, atol=ATOL, err_msg=str(config.rank))
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], numpy_mlp(arrays(exported), x, adapted=False), atol=ATOL)
+
+
+def test_a_matmul_whose_input_shape_the_file_leaves_undeclared_gets_the_branch_not_a_merged_weight(tmp_path):
+    """torch's TorchScript exporter declares no shape for intermediate values: the adapter still
+    goes after the ``MatMul`` (``W`` itself stays the only weight the ``MatMul`` reads, and no
+    ``W + a @ b`` is formed per run in ``"inputs"`` mode)."""
+    rng = np.random.default_rng(9)
+    w = rng.normal(size=(4, 3)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["h"]), onnx.helper.make_node("MatMul", ["h", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+        initializer=[onnx.numpy_helper.from_array(w, "w")])  # no value_info for h
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(tmp_path / "src.onnx"))
+    adapted = with_factors(import_onnx(tmp_path / "src.onnx").apply_lora(LoraConfig(rank=2, alpha=3.0, seed=0)), 3)
+    v = arrays(adapted)
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    expected = np.maximum(x, 0) @ (w + 1.5 * v["w.lora.a"] @ v["w.lora.b"])
+    for mode in ("keep", "inputs"):
+        path = export_onnx(adapted, tmp_path / f"{mode}.onnx", x, lora=mode)
+        nodes = onnx.load(str(path)).graph.node
+        assert [n.op_type for n in nodes if "w" in n.input] == ["MatMul"], mode  # no W + a @ b
+        y = (run_with_adapter(path, {"x": x}, adapted, tmp_path) if mode == "inputs"
+             else session(path).run(None, {"x": x})[0])
+        np.testing.assert_allclose(y, expected, atol=ATOL, err_msg=mode)

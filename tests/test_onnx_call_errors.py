@@ -76,3 +76,14 @@ def test_import_of_a_folder_is_an_is_a_directory_error_as_in_the_cli(tmp_path, c
     assert isinstance(info.value, IsADirectoryError) and info.value.filename == str(folder)
     assert main(["inspect", str(folder)]) == 1
     assert "is a folder, not a file" in capsys.readouterr().err
+
+
+def test_converting_a_folder_named_like_an_onnx_file_is_an_is_a_directory_error(tmp_path):
+    from onnxparam.convert import convert
+
+    folder = tmp_path / "model.onnx"
+    folder.mkdir()
+    with pytest.raises(op.FileAccessError, match=rf"'{folder}': it is a folder, not a file") as info:
+        convert(folder, tmp_path / "out.safetensors")
+    assert isinstance(info.value, IsADirectoryError)
+    assert not (tmp_path / "out.safetensors").exists()

@@ -109,3 +109,16 @@ def test_a_fresh_import_after_the_change_reads_the_new_weights(tmp_path):
         f.write(np.zeros(32, np.float32).tobytes())
     np.testing.assert_allclose(op.import_onnx(path)(X).to_numpy(), X @ W, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(_ort(path), X @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_after_the_data_file_changed_raises_instead_of_writing_other_weights(tmp_path):
+    path, data = _model(tmp_path)
+    module = op.import_onnx(path)
+    with open(data, "r+b") as f:
+        f.seek(_offset(path, "W"))
+        f.write(b"\xff" * 64)
+    out = tmp_path / "out" / "exported.onnx"
+    out.parent.mkdir()
+    with pytest.raises(op.OnnxFormatError, match=rf"external data file '{data}' .*modified in place"):
+        op.export_onnx(module, out)
+    assert not out.exists()

@@ -19,9 +19,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   (``torch.save``; a source only, made when torch is installed), and ``.bpk -> .onnx`` into
   a template (``graph=`` the inline ``.onnx``: its weights replaced), each case in a fresh
   subprocess that first converts a small model of the same pair (imports paid), then times the
-  big one; ``--convert-repeats`` times, each beside a run copying the ``.bpk`` once + fsync
-  (alternating which goes first; files in the page cache); the time ratio is median / median of
-  those pairs. Once more as the command line (``onnxparam convert SRC DST -q``: imports included,
+  big one; ``--convert-repeats`` times, each beside a run copying the case's source file once +
+  fsync (alternating which goes first; files in the page cache); the time ratio is median /
+  median of those pairs. Once more as the command line (``onnxparam convert SRC DST -q``: imports included,
   the whole process's RSS). Prints GB/s of tensor data, the time ratio
   (in process: target <= :data:`CONVERT_TIME_TARGET`) and the peak RSS growth split into
   anonymous and file-backed (the mapped source) pages; target: anonymous growth <=
@@ -192,6 +192,8 @@ GRAPH_CASE = "bpk->onnx graph="
 CONVERT_WARM = "warm"
 """Sub-folder of the bench folder holding the small model each case process converts first."""
 CONVERT_WARM_BYTES = 8 * 2**20
+COPY_OF = "copy of "
+"""Case-name prefix of a baseline run: the named case's source file copied + fsync."""
 CONVERT_CASE_FLAG = "--run-convert-case"
 """Internal: ``bench.py --run-convert-case CASE FOLDER`` runs one case and prints JSON."""
 RSS_SAMPLE_S = 0.002
@@ -246,7 +248,12 @@ def _run_convert_case(case: str, folder: str) -> int:
     section measures the cold command."""
     from onnxparam.convert import convert
 
-    src, dst = (Path(folder) / name for name in _convert_cases(True)[case])
+    copying = case.startswith(COPY_OF)
+    if copying:  # the baseline of a case: its source file copied once + fsync
+        src, dst = Path(folder) / _convert_cases(True)[case[len(COPY_OF):]][0], Path(folder) / "copy.bin"
+        case = "copy"
+    else:
+        src, dst = (Path(folder) / name for name in _convert_cases(True)[case])
     warm = src.parent / CONVERT_WARM
     graph = {"graph": src.parent / CONVERT_SOURCES["onnx"]} if case == GRAPH_CASE else {}
     if case == "copy":
@@ -389,12 +396,16 @@ def bench_convert(args: argparse.Namespace) -> list[Result]:
                     continue
                 # NOTE: the copy baseline runs beside each case, first or second by turns, so
                 # both see the same load on a shared machine: the ratio is of medians of pairs.
-                for which in (("copy", case) if repeat % 2 == 0 else (case, "copy")):
+                # NOTE: the baseline copies the case's own source file, so both read the same
+                # pages (a source read less often may have left the page cache).
+                for which in ((COPY_OF + case, case) if repeat % 2 == 0 else (case, COPY_OF + case)):
                     run = _run_case_process(which, folder)
-                    runs[which].append(run)
-                    if which == "copy":
+                    if which == case:
+                        runs[case].append(run)
+                    else:
+                        runs["copy"].append(run)
                         copies[case].append(run)
-                    _remove_target(folder, cases[which][1])
+                    _remove_target(folder, "copy.bin" if which != case else dst)
                 if repeat == 0:
                     template = folder / CONVERT_SOURCES["onnx"] if case == GRAPH_CASE else None
                     cli[case] = _run_cli_case(folder / src, folder / dst, template)

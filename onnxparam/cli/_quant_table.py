@@ -1,5 +1,7 @@
 """The table of what each op with a quantized weight became (``quantize`` and ``inspect``)."""
 
+from typing import Optional
+
 from ._common import _out
 
 
@@ -21,3 +23,50 @@ def print_quantized_ops(rows: list) -> None:
     reasons = {r["weight"]: r["reason"] for r in rows if r.get("reason")}
     for weight, reason in reasons.items():
         _out(f"  {weight} is float: {reason}")
+
+
+LITTLE_GAIN = 0.9
+"""An output at least this fraction of the input's size, with float weights, gained little."""
+
+
+def _op_counts(rows: list) -> str:
+    counts: dict = {}
+    for row in rows:
+        counts[row["op"]] = counts.get(row["op"], 0) + 1
+    return ", ".join(f"{n} {op}" for op, n in counts.items())
+
+
+def little_gained(rows: list, out_bytes: int, in_bytes: int, calibrated: bool, prefer: str) -> Optional[str]:
+    """The warning ``onnxparam quantize`` gives when its .onnx output is (nearly) the float model:
+    every op's weight was written float, or some were and the output is at least
+    :data:`LITTLE_GAIN` of the input's size; ``None`` otherwise. It says which ops kept float
+    weights, why, and what would change that (``--calibrate``, ``--prefer size``, ``--scheme``).
+
+    Args:
+        rows: :func:`onnxparam.quant.quantized_ops` of the output.
+        out_bytes: the output file's size; in_bytes: the input file's size.
+        calibrated: whether ``--calibrate`` was given; prefer: ``--prefer``.
+    """
+    floats = [r for r in rows if r["form"] == "float"]
+    if not floats or (len(floats) < len(rows) and out_bytes < LITTLE_GAIN * in_bytes):
+        return None
+    ratio = out_bytes / in_bytes if in_bytes else 1.0
+    if len(floats) == len(rows):
+        head = (f"nothing got smaller or faster: every quantized weight was written float with its original "
+                f"values ({_op_counts(floats)}), so the output computes exactly as the float model")
+    else:
+        head = (f"little got smaller: {len(floats)} of {len(rows)} ops keep float weights ({_op_counts(floats)}; "
+                "original values)")
+    parts = [f"{head}; the output is {ratio:.0%} of the input's size"]
+    chosen = [r for r in floats if not r.get("reason")]
+    forced = [r for r in floats if r.get("reason")]
+    if chosen and prefer == "speed":
+        fixes = ([] if calibrated else ["--calibrate INPUTS.npz (representative inputs) for static int8 "
+                                        "(QLinearConv / QLinearMatMul)"])
+        fixes.append("--prefer size for a smaller file (those weights then dequantize at every run)")
+        parts.append(f"{_op_counts(chosen)} stay float because ONNX Runtime runs them slower with a weight-only "
+                     f"DequantizeLinear than in float; use " + " or ".join(fixes))
+    if forced:
+        parts.append(f"{_op_counts(forced)} have no quantized form here (reasons above); a 4-bit weight needs "
+                     "opset 21 or a MatMul / Gemm use: --scheme q8s quantizes them")
+    return "; ".join(parts)

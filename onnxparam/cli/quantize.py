@@ -4,7 +4,10 @@
 [--include RE] [--exclude RE] [--block-size N] [--prefer speed|size]``: for an ``.onnx`` OUT each
 op with a quantized weight gets the fastest form ONNX Runtime runs (``--prefer speed``, the
 default; :mod:`onnxparam.quant._qdq_forms`), static int8 where ``--calibrate`` gives activation
-ranges, and a table says what each op became."""
+ranges, and a table says what each op became. A weight some op gets in float (no faster form
+without calibration, no 4-bit form at the model's opset) keeps its original float values, and a
+warning says when nothing (or little) got smaller or faster, and what would
+(:func:`onnxparam.cli._quant_table.little_gained`)."""
 
 import argparse
 import warnings
@@ -164,6 +167,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     before = _count_dtypes(model.module)
+    float_module = model.module  # the original values of weights the export leaves float
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
     # none was, the one error line below says why instead.
     with warnings.catch_warnings(record=True) as held:
@@ -190,14 +194,20 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
         if args.calibrate is not None:
             model.module = _calibrate(args, model)
-        with qdq_options(reblock=args.reblock, prefer=args.prefer):
+        with qdq_options(reblock=args.reblock, prefer=args.prefer, float_module=float_module):
             model.export(args.dst)
         from ..quant import quantized_ops
-        from ._quant_table import print_quantized_ops
+        from ._quant_table import little_gained, print_quantized_ops
 
         rows = quantized_ops(args.dst)
         json_result("ops", rows)
         print_quantized_ops(rows)
+        gain = little_gained(rows, args.dst.stat().st_size, args.src.stat().st_size, args.calibrate is not None,
+                             args.prefer)
+        if gain is not None:
+            from ..errors import QuantizationWarning
+
+            warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
         model.module.save_file(args.dst)
     json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size, "format": dst_fmt,

@@ -55,6 +55,13 @@ def _load_mapped(path: Path):
     from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
+    if path.is_dir():
+        import errno
+
+        from ..errors import file_error
+
+        raise file_error(errno.EISDIR, f"cannot read '{path}': it is a folder, not a file; give the path of the .onnx file",
+                         str(path))
     if not path.is_file():
         raise OnnxFormatError(f"'{path}': no such ONNX file")
     proto = read_onnx_mapped(path)
@@ -74,7 +81,11 @@ def _read_onnx(path: Path) -> _Source:
 
     model = _load_mapped(path)
     slices: dict = {}
-    record = _read_weights_only(model, str(path), slices) if _is_weights_only(model) else read_onnx_record(model)
+    if _is_weights_only(model):
+        record = _read_weights_only(model, str(path), slices)
+    else:
+        record = read_onnx_record(model)
+        slices = _graph_slices(model, record, str(path))
     metadata = dict(record.metadata)
     raw_scalars = metadata.pop(SCALARS_KEY, None)
     scalars = {}
@@ -162,12 +173,30 @@ def _read_weights_only(model, source: str, slices: "dict | None" = None) -> Modu
     return ModuleRecord(items, record_meta)
 
 
+def _graph_slices(model, record, source: str) -> dict:
+    """``path -> (offset, byte count)`` of a graph model's initializer weights whose bytes lie in
+    ``source`` itself as the record reads them (see :func:`_slice_in_file`); quantized entries
+    (folded from QDQ nodes) and ``Constant`` values are computed instead."""
+    from ..onnx_io._weights import INITIALIZER, find_weights
+
+    slices = {}
+    for site in find_weights(model, source):
+        snap = record.get(site.path)
+        if site.kind != INITIALIZER or snap is None or snap.dtype is not site.dtype or snap.dtype is DType.QFloat:
+            continue
+        where = _slice_in_file(site.tensor, snap.dtype, tuple(snap.shape), source)
+        if where is not None:
+            slices[site.path] = where
+    return slices
+
+
 def _slice_in_file(tensor, dtype: DType, shape: tuple, source: str):
     """``(offset, length)`` of an external tensor's bytes in ``source`` itself, when they are
     the bytes the tensor's Burn dtype stores (same element type, little-endian, exact length)."""
     import onnx_ir as ir
 
-    if not isinstance(tensor, ir.ExternalTensor) or dtype is DType.Bool or tensor.offset is None:
+    if (not isinstance(tensor, ir.ExternalTensor) or dtype in (DType.Bool, DType.QFloat) or tensor.offset is None
+            or tuple(int(d) for d in tensor.shape.numpy()) != shape):
         return None
     if dtype.to_onnx() != int(tensor.dtype.value) or os.path.realpath(tensor.path) != os.path.realpath(source):
         return None

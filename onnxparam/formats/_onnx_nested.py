@@ -51,7 +51,8 @@ _CHILDREN = {
 _RAW_DATA, _EXTERNAL_DATA, _DATA_LOCATION = 9, 13, 14
 
 Piece = Any
-"""``bytes`` / ``memoryview``, or a data object with ``nbytes`` (written by the caller's writer)."""
+"""``bytes`` / ``memoryview``, or a data object with ``byte_length()`` (a
+:class:`~onnxparam.formats._onnx_stream.StreamedTensor`, written by the caller's writer)."""
 TensorFn = Callable[[memoryview, int, int, str], "Optional[list]"]
 """``(view, start, end, holder)`` of one serialized TensorProto (``holder``: ``"graph"`` for an
 initializer, ``"attribute"`` for a tensor attribute) -> its new pieces, or ``None`` to keep it."""
@@ -66,7 +67,7 @@ def rewrite_tensors(data, on_tensor: TensorFn) -> tuple[list, int]:
     """
     view = memoryview(data)
     try:
-        found = _rewrite(view, 0, len(view), "model", on_tensor, _walk)
+        found = _rewrite(view, 0, len(view), "model", on_tensor)
     except (IndexError, ValueError) as e:
         raise OnnxFormatError(f"not a valid ONNX protobuf ({e})") from None
     if found is None:
@@ -74,13 +75,13 @@ def rewrite_tensors(data, on_tensor: TensorFn) -> tuple[list, int]:
     return found
 
 
-def _rewrite(view: memoryview, start: int, end: int, kind: str, on_tensor: TensorFn, walk) -> "tuple[list, int] | None":
+def _rewrite(view: memoryview, start: int, end: int, kind: str, on_tensor: TensorFn) -> "tuple[list, int] | None":
     children = _CHILDREN[kind]
     pieces: list = []
     length = 0
     run_start = start  # untouched fields since here are copied as one slice
     changed = False
-    for field, wire, f_start, v_start, f_end in walk(view, start, end):
+    for field, wire, f_start, v_start, f_end in _walk(view, start, end):
         child = children.get(field) if wire == _WIRE_LEN else None
         if child is None:
             continue
@@ -88,7 +89,7 @@ def _rewrite(view: memoryview, start: int, end: int, kind: str, on_tensor: Tenso
             new = on_tensor(view, v_start, f_end, kind)
             sub = None if new is None else (new, sum(_size(p) for p in new))
         else:
-            sub = _rewrite(view, v_start, f_end, child, on_tensor, walk)
+            sub = _rewrite(view, v_start, f_end, child, on_tensor)
         if sub is None:
             continue
         changed = True
@@ -132,12 +133,12 @@ def write_pieces(out, pieces: list, write_data: Callable[[Any, Any], None]) -> N
 # -- placeholders -> inline raw_data ----------------------------------------------------------
 
 
-def _placeholder_key(view: memoryview, start: int, end: int, walk) -> "tuple[str, list] | None":
+def _placeholder_key(view: memoryview, start: int, end: int) -> "tuple[str, list] | None":
     """The key of a placeholder TensorProto and its fields, or ``None`` for any other tensor."""
-    fields = list(walk(view, start, end))
+    fields = list(_walk(view, start, end))
     for field, wire, _, v_start, f_end in fields:
         if field == _EXTERNAL_DATA and wire == _WIRE_LEN:
-            entry = {f: bytes(view[v:e]) for f, w, _, v, e in walk(view, v_start, f_end) if w == _WIRE_LEN}
+            entry = {f: bytes(view[v:e]) for f, w, _, v, e in _walk(view, v_start, f_end) if w == _WIRE_LEN}
             if entry.get(1) == b"location" and entry.get(2, b"").startswith(PLACEHOLDER_PREFIX.encode()):
                 return entry[2][len(PLACEHOLDER_PREFIX):].decode("utf-8"), fields
     return None
@@ -163,7 +164,7 @@ def write_with_tensors(path: "str | os.PathLike", structure: bytes, data: dict, 
     used = set()
 
     def on_tensor(view, start, end, holder):
-        found = _placeholder_key(view, start, end, _walk)
+        found = _placeholder_key(view, start, end)
         if found is None:
             return None
         key, fields = found

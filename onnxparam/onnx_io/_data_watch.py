@@ -7,7 +7,7 @@ other weights silently (NaN outputs), and one truncated after import a numpy err
 file. So, like the burnpack and safetensors readers (:class:`onnxparam.formats._mapped.FileWatch`),
 import records each data file's identity (:class:`FileStamp`: size, modification time, inode,
 device; one ``stat`` per file, nothing read) on its tensors (``tensor.meta``), and every read of a
-weight (:func:`check_tensor`) and every run of the imported graph (:func:`check_stamps`) ``stat`` s
+weight (:func:`check_tensor`) and every run or export of the imported graph (:func:`check_source`) ``stat`` s
 the file again and raises :class:`~onnxparam.OnnxFormatError` naming the file and the tensor when
 it changed.
 
@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from ..errors import OnnxFormatError
 
-__all__ = ["FileStamp", "stamp_external_data", "carry_stamps", "check_tensor", "data_stamps", "check_stamps"]
+__all__ = ["FileStamp", "stamp_external_data", "carry_stamps", "check_tensor", "data_stamps", "check_stamps", "check_source"]
 
 STAMP_KEY = "onnxparam.data_file_stamp"
 """``tensor.meta`` key of an external tensor's :class:`FileStamp` (never serialized)."""
@@ -168,3 +168,16 @@ def check_stamps(stamps: tuple) -> None:
         change = stamp.change()
         if change is not None:
             raise stamp.error(label, change)
+
+
+def check_source(source) -> None:
+    """:func:`check_stamps` for an imported model's source (its ``_SourceGraph``; the stamps are
+    collected once, in ``source.cache``): before each run of its graph and each export.
+
+    Raises:
+        OnnxFormatError: naming the data file and its tensors.
+    """
+    stamps = source.cache.get("data_stamps")
+    if stamps is None:
+        stamps = source.cache["data_stamps"] = data_stamps(source.pristine)
+    check_stamps(stamps)

@@ -96,13 +96,20 @@ def export_onnx(
             model's own.
         OnnxFormatError: when the model cannot be saved (see
             :func:`~onnxparam.onnx_io._save.save_model`).
+
+        For an imported module, each of these names the file it was imported from.
     """
-    model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
-                             dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
-                             dynamic_batch=dynamic_batch)
-    for key, value in (metadata or {}).items():
-        model.metadata_props[str(key)] = str(value)
-    return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
+    import contextlib
+
+    from ._source_errors import naming_source
+
+    with naming_source(module) if isinstance(module, OnnxModule) else contextlib.nullcontext():
+        model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
+                                 dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
+                                 dynamic_batch=dynamic_batch)
+        for key, value in (metadata or {}).items():
+            model.metadata_props[str(key)] = str(value)
+        return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
 
 
 def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,

@@ -373,7 +373,10 @@ def _quantize_site(clone: ir.Model, clone_map: dict, site, param, taken: set, op
 def export_model(module, lora: str, input_names=None, output_names=None) -> Optional[tuple]:
     """``(model, {initializer name: (path, param, tensor, LoRA scale or None)})``: the source graph with the module's
     weights (module docstring), or ``None`` when the graph alone cannot express the module."""
+    from ._data_watch import check_source
+
     source = module._source
+    check_source(source)  # a data file changed since import: its bytes are not the imported weights
     plan = _plan(module, lora)
     if plan is None:
         return None

@@ -134,13 +134,10 @@ def clear() -> None:
 def run_graph(module, bound: dict) -> Optional[object]:
     """Run ``module``'s source graph with ``bound`` (graph input name -> value); its outputs (one
     value, or a tuple), or ``_NO_SESSION`` when the graph alone cannot express the module."""
-    from ._data_watch import check_stamps, data_stamps
+    from ._data_watch import check_source
 
     source = module._source
-    stamps = source.cache.get("data_stamps")
-    if stamps is None:
-        stamps = source.cache["data_stamps"] = data_stamps(source.pristine)
-    check_stamps(stamps)  # a data file changed in place since import: the session's weights are stale
+    check_source(source)  # a data file changed in place since import: the session's weights are stale
     session = _session(module)
     if session is None:
         return _NO_SESSION

@@ -364,9 +364,10 @@ def _structure_attribute(out: AttributeProto, attr, label: str, source: str, dep
     kind = attr.type
     if kind in (ir.AttributeType.STRING, ir.AttributeType.STRINGS):
         values = [attr.value] if kind == ir.AttributeType.STRING else list(attr.value)
-        wrong = [v for v in values if not isinstance(v, str)]
+        # NOTE: bytes pass, as in a file: AttributeProto.s is a bytes field (custom operators keep
+        # binary data there), and onnx_ir reads what is not UTF-8 as bytes
+        wrong = [v for v in values if not isinstance(v, (str, bytes))]
         if wrong:
-            # NOTE: the in-memory twin of a file's string field that is not UTF-8 (source.py)
             raise OnnxFormatError(f"{source}: {label} is typed {kind.name} but holds {type(wrong[0]).__name__}, "
                                   "not text")
     if kind not in (ir.AttributeType.TENSOR, ir.AttributeType.TENSORS, ir.AttributeType.GRAPH,

@@ -5,8 +5,9 @@ stored as int8 (a file that claims 4 bits and holds 8): every ``MatMul`` use and
 weight use (``transA=0``, ``alpha = beta = 1``) becomes ORT's contrib operator ``MatMulNBits``
 (ONNX Runtime contrib operator spec: ``com.microsoft.MatMulNBits``, ``bits=4``), which runs 4-bit
 weights at any opset; a 4-bit weight with any other use (Conv, ConvTranspose, Mul, ...: no 4-bit
-form exists below opset 21) is written as its float values (exactly ``param.val()``), with a
-:class:`QuantizationWarning` and ``"reason"`` in its per-op report rows.
+form exists below opset 21) is written as its float values (``param.val()``, or the original
+ones given ``QdqOptions.float_module``), with a :class:`QuantizationWarning` and ``"reason"``
+in its per-op report rows.
 
 ``MatMulNBits`` (the layout ORT documents and packs itself):
 

@@ -201,7 +201,8 @@ def emit_param(tracer, param, path: str, shape: tuple):
         warnings.warn(
             f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "
             f"DequantizeLinear cannot express at opset {tracer.opset} (2-D blocks need per-element scales; "
-            "blocks need opset 21): it is exported as a float32 initializer (dequantized, exact)",
+            "blocks need opset 21): it is exported as a float32 initializer ("
+            f"{'its original values' if _forms.original_param(tracer, param) is not None else 'dequantized, exact'})",
             QuantizationWarning, stacklevel=4)
         return None
     layout_ref = [layout]
@@ -303,10 +304,17 @@ def _emitted(tracer) -> list:
 
 def quantized_param_value(tracer, param, path: str, shape: tuple):
     """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam._trace.GraphPasses.quantized_param`):
-    :func:`emit_param`'s dequantized tensor, or the float dtype the tracer holds the dequantized
-    values as when ONNX cannot express the scheme."""
+    :func:`emit_param`'s dequantized tensor; when ONNX cannot express the scheme, the original
+    float param's tensor (:attr:`QdqOptions.float_module`), else the float dtype the tracer holds
+    the dequantized values as."""
     tensor = emit_param(tracer, param, path, shape)
-    return tensor if tensor is not None else _quantized_of(param).float_dtype
+    if tensor is not None:
+        return tensor
+    original = _forms.original_param(tracer, param)
+    if original is not None:  # QdqOptions.float_module: the original float values, not val()
+        tracer._param_paths[id(original)] = path
+        return tracer.param_value(original)
+    return _quantized_of(param).float_dtype
 
 
 def finish_graph(tracer) -> None:

@@ -14,9 +14,10 @@ form                   what is written / what ORT runs
                        written directly below opset 21 (the size-first form for 4 bits)
 ``dequantize``         weight-only ``DequantizeLinear``: the weight is dequantized at every run
                        (smallest file; slower than float32 for Conv / ConvTranspose / Gemm)
-``float``              the dequantized weight as a float initializer (exactly ``param.val()``):
-                       what ``prefer="speed"`` (the default) writes where only the weight-only
-                       form exists (a Conv without calibration data)
+``float``              a float initializer: what ``prefer="speed"`` (the default) writes where
+                       only the weight-only form exists (a Conv without calibration data); the
+                       original float values when ``QdqOptions.float_module`` gives them (what
+                       ``onnxparam quantize`` does), else the dequantized ones (``param.val()``)
 =====================  =========================================================================
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import ml_dtypes
 import numpy as np
@@ -66,8 +68,8 @@ def _statically_quantized(node: ir.Node) -> bool:
 
 def keep_float(tracer, emitted: list, prefer: str) -> None:
     """``prefer="speed"``: a weight whose every use is a Conv / ConvTranspose / Gemm weight
-    input without activation quantization becomes a float initializer (the dequantized values,
-    exactly ``param.val()``); its ``DequantizeLinear`` (and scale constants) go away."""
+    input without activation quantization becomes a float initializer (:func:`to_float`: the
+    original values, or the dequantized ones); its ``DequantizeLinear`` (and scale constants) go away."""
     if prefer != "speed":
         return
     for e in emitted:
@@ -87,21 +89,62 @@ _FLOAT_TYPES = {DType.F32: (np.float32, ir.DataType.FLOAT), DType.F16: (np.float
                 DType.BF16: (ml_dtypes.bfloat16, ir.DataType.BFLOAT16), DType.F64: (np.float64, ir.DataType.DOUBLE)}
 
 
+_ORIGINALS_META = "onnxparam.qdq.originals"
+ORIGINAL_META = "onnxparam.qdq.original"
+"""``value.meta`` key: ``True`` when a weight written float holds its original float values."""
+
+
+def original_param(tracer, param):
+    """The float param ``param`` was quantized from: the param with its id in
+    :attr:`QdqOptions.float_module <onnxparam.quant.QdqOptions>` when that one is float and of
+    the same shape, else ``None`` (no ``float_module``, or the param is not in it)."""
+    from ._qdq_options import current_options
+
+    source = current_options().float_module
+    if source is None:
+        return None
+    held = tracer.graph.meta.get(_ORIGINALS_META)
+    if held is None or held[0] is not source:
+        held = (source, {p.id: p for _, p in source.named_params()})
+        tracer.graph.meta[_ORIGINALS_META] = held
+    found = held[1].get(param.id)
+    if found is None or found.lazy_dtype() not in _FLOAT_TYPES:
+        return None
+    try:
+        same = tuple(found.lazy_shape()) == tuple(param.lazy_shape())
+    except ValueError:  # a lazy param declared without a shape
+        same = False
+    return found if same else None
+
+
+def _original_array(param, np_dtype) -> np.ndarray:
+    from .._trace import untraced
+
+    with untraced():
+        array = np.asarray(param.base().to_numpy())
+    return array if array.dtype == np_dtype else array.astype(np_dtype)
+
+
 def to_float(tracer, e, any_dtype: bool = False) -> None:
-    """Write the quantized param ``e`` as its dequantized float initializer (F32 / F16; BF16 /
-    F64 too with ``any_dtype``, else those keep the ``DequantizeLinear`` (+ ``Cast``) form)."""
+    """Write the quantized param ``e`` as a float initializer (F32 / F16; BF16 / F64 too with
+    ``any_dtype``, else those keep the ``DequantizeLinear`` (+ ``Cast``) form): its original
+    values when :func:`original_param` has them, else the dequantized ones (``param.val()``)."""
     dtype = e.quantized.float_dtype
     if dtype not in (DType.F32, DType.F16) and not (any_dtype and dtype in _FLOAT_TYPES):
         return
     np_dtype, onnx_dtype = _FLOAT_TYPES[dtype]
     layout_ref = e.value.meta["onnxparam.qdq.ref"]
+    original = original_param(tracer, e.param)
 
-    def make(_ref=layout_ref, _name=e.path, _np=np_dtype):
+    def make(_ref=layout_ref, _name=e.path, _np=np_dtype, _original=original):
+        if _original is not None:
+            return ir.Tensor(_original_array(_original, _np), name=_name)
         return ir.Tensor(_ref[0].dequantize().astype(_np), name=_name)
 
     e.value.const_value = ir.LazyTensor(make, onnx_dtype, e.value.shape, name=e.path)
     e.value.type = ir.TensorType(onnx_dtype)
     e.value.meta["onnxparam.qdq.float"] = True
+    e.value.meta[ORIGINAL_META] = original is not None
     for node, index in consumers(e.output._symbol.value):
         node.replace_input_with(index, e.value)
     graph = e.node.graph
@@ -136,37 +179,74 @@ def _form(node: ir.Node, e) -> str:
     return "dequantize"
 
 
+def _through_activation_qdq(uses: list) -> list:
+    """``uses`` with each activation ``QuantizeLinear -> DequantizeLinear`` pair (static
+    quantization puts one on a weight feeding e.g. an ``Add``) replaced by the pair's consumers:
+    the ops that take the weight."""
+    found = []
+    for node, index in uses:
+        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx"):
+            found.append((node, index))
+            continue
+        for dq, _ in list(node.outputs[0].uses()):
+            if dq.op_type == "DequantizeLinear":
+                found.extend(_through_activation_qdq(consumers(dq.outputs[0])))
+            else:  # pragma: no cover - the static pass pairs every QuantizeLinear
+                found.append((dq, _))
+    return found
+
+
 def record_report(tracer, emitted: list) -> None:
-    """Note, on the graph, which form each op with a quantized weight got (:data:`REPORT_KEY`)."""
+    """Note, on the graph, which form each op with a quantized weight got (:data:`REPORT_KEY`);
+    rows hold the nodes themselves until :func:`write_report` (an imported graph's nodes get
+    their source names back after the trace)."""
     rows = []
     for e in emitted:
         for user, _ in list(e.value.uses()):
             if user.op_type == "DequantizeLinear":
-                for node, _ in consumers(user.outputs[0]):
-                    rows.append({"node": node.name, "op": node.op_type, "weight": e.path, "form": _form(node, e)})
+                for node, _ in _through_activation_qdq(consumers(user.outputs[0])):
+                    rows.append({"node": node, "op": node.op_type, "weight": e.path, "form": _form(node, e)})
             elif user.op_type == "MatMulInteger":
                 op = "Gemm" if id(user) in e.value.meta.get("onnxparam.qdq.gemm", ()) else "MatMul"
-                rows.append({"node": user.name, "op": op, "weight": e.path, "form": "dynamic int8"})
+                rows.append({"node": user, "op": op, "weight": e.path, "form": "dynamic int8"})
             elif user.op_type == "Transpose" and any(u.op_type == "MatMulInteger" for u, _ in user.outputs[0].uses()):
-                rows.append({"node": user.name, "op": "Gemm", "weight": e.path, "form": "dynamic int8"})
+                rows.append({"node": user, "op": "Gemm", "weight": e.path, "form": "dynamic int8"})
             elif user.op_type == "MatMulNBits":
                 op = "Gemm" if id(user) in e.value.meta.get("onnxparam.qdq.nbits_gemm", ()) else "MatMul"
-                rows.append({"node": user.name, "op": op, "weight": e.path,
+                rows.append({"node": user, "op": op, "weight": e.path,
                              "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
             else:
-                row = {"node": user.name, "op": user.op_type, "weight": e.path,
+                row = {"node": user, "op": user.op_type, "weight": e.path,
                        "form": "float" if is_float(e.value) else "dequantize"}
                 if e.value.meta.get(FLOAT_REASON_KEY):
                     row["reason"] = e.value.meta[FLOAT_REASON_KEY]
                 rows.append(row)
     tracer.graph.meta[_REPORT_META] = rows
+    if any(row.get("reason") for row in rows):  # reasons quote trace-time node names
+        tracer.graph.meta[_REPORT_META + ".nodes"] = {node.name: node for node in tracer.graph if node.name}
+
+
+def _final_names(text: str, nodes: dict) -> str:
+    """``text`` with each quoted trace-time node name (``'/Add'``) replaced by the node's name
+    in the written graph (an imported graph's nodes get their source names back)."""
+    def name(match):
+        node = nodes.get(match.group(1))
+        return repr(node.name) if node is not None and node.name else match.group(0)
+
+    return re.sub(r"'([^']*)'", name, text)
 
 
 def write_report(model: ir.Model) -> list:
     """Move the traced graph's report into ``model.metadata_props[REPORT_KEY]`` and log its
     summary line (logger ``onnxparam.quant``, INFO); returns the rows (``[]`` without
-    quantized weights)."""
-    rows = model.graph.meta.get(_REPORT_META) or []
+    quantized weights). Node names (also those a ``reason`` quotes) are the written graph's."""
+    nodes = model.graph.meta.get(_REPORT_META + ".nodes") or {}
+    rows = []
+    for row in model.graph.meta.get(_REPORT_META) or []:
+        row = {**row, "node": row["node"].name if isinstance(row["node"], ir.Node) else row["node"]}
+        if row.get("reason"):
+            row["reason"] = _final_names(row["reason"], nodes)
+        rows.append(row)
     if rows:
         model.metadata_props[REPORT_KEY] = json.dumps(rows, separators=(",", ":"))
         _LOG.info("quantized export: %s", summary(rows))

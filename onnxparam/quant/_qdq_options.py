@@ -50,21 +50,34 @@ class QdqOptions:
             calibrated activations) is written as a float initializer (exactly ``param.val()``),
             so the export is never slower than float32; ``"size"``: every quantized weight stays
             integer (smallest file; those ops dequantize at every run).
+        float_module: the float module the exported (quantized) one was quantized from, e.g.
+            ``float_model`` of ``float_model.quantize_weights(q)`` (params matched by
+            :class:`~onnxparam.ParamId`). A quantized weight the export writes float (``prefer``,
+            a 4-bit weight below opset 21 without a ``MatMulNBits`` form, a scale grid ONNX
+            cannot express) then gets that module's **original** float values, not the
+            dequantized ones, so only what is written quantized carries quantization error
+            (``onnxparam quantize`` passes its input model). ``None`` (default): such weights are
+            written as ``param.val()``, so the file computes what the quantized module does.
 
     Raises:
-        ValueError: for an unknown ``matmul`` or ``prefer`` mode.
+        ValueError: for an unknown ``matmul`` or ``prefer`` mode, or a ``float_module`` that is
+            no module.
     """
 
     matmul: str = "auto"
     unsigned: bool = False
     reblock: bool = False
     prefer: str = "speed"
+    float_module: object = None
 
     def __post_init__(self):
         if self.matmul not in MATMUL_MODES:
             raise ValueError(f"QdqOptions.matmul must be one of {', '.join(MATMUL_MODES)}; got {self.matmul!r}")
         if self.prefer not in PREFER_MODES:
             raise ValueError(f"QdqOptions.prefer must be one of {', '.join(PREFER_MODES)}; got {self.prefer!r}")
+        if self.float_module is not None and not callable(getattr(self.float_module, "named_params", None)):
+            raise ValueError(f"QdqOptions.float_module must be a Module (the float one); got "
+                             f"{type(self.float_module).__name__}")
 
 
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("onnxparam_qdq_options", default=None)

@@ -202,21 +202,23 @@ def write_with_tensors(path: "str | os.PathLike", structure: bytes, data: dict, 
 # -- inline raw_data -> references into the file ------------------------------------------------
 
 
-def map_inline_tensors(view: memoryview, location: str) -> tuple[list, int]:
+def map_inline_tensors(view: memoryview, location: str, min_bytes: int = 0) -> tuple[list, int]:
     """``(pieces, length)`` of the model in ``view`` with every initializer's inline ``raw_data``
-    (the main graph's and every subgraph's) replaced by an external-data reference to
-    ``location`` at the offset where those bytes lie in ``view``. Tensor attributes (``Constant``
-    values) stay inline: ONNX Runtime does not read a ``Constant`` from external data."""
+    (the main graph's and every subgraph's) of at least ``min_bytes`` bytes replaced by an
+    external-data reference to ``location`` at the offset where those bytes lie in ``view``.
+    Tensor attributes (``Constant`` values) stay inline: ONNX Runtime does not read a
+    ``Constant`` from external data."""
 
     def on_tensor(v, start, end, holder):
-        if holder != "graph" or not any(field == _RAW_DATA and wire == _WIRE_LEN for field, wire, *_ in _walk(v, start, end)):
+        if holder != "graph" or not any(field == _RAW_DATA and wire == _WIRE_LEN and stop - value >= min_bytes
+                                        for field, wire, _, value, stop in _walk(v, start, end)):
             return None
         return [_external_tensor(v, start, end, location)]
 
     return rewrite_tensors(view, on_tensor)
 
 
-def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
+def read_onnx_mapped(path: str | os.PathLike, min_bytes: int = 0) -> onnx.ModelProto:
     """The model of an inline ``.onnx`` file with each ``raw_data`` initializer of its main graph
     and of every subgraph (``If`` / ``Loop`` / ``Scan`` bodies, walked by
     :mod:`onnxparam.formats._onnx_nested`) turned into an *external-data reference into the file
@@ -228,7 +230,9 @@ def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
     and ``data_location = EXTERNAL`` (field 14). ``onnx_ir`` then reads each tensor as a view
     of a map of the file when (and if) it is needed (set the model's base folder to the file's
     folder), so reading a 1 GiB model costs its structure, not 2 GiB of protobuf and copies.
-    Initializer order, names, metadata and every other field are kept as they are.
+    Initializer order, names, metadata and every other field are kept as they are; initializers
+    of fewer than ``min_bytes`` bytes stay inline (ONNX Runtime's shape inference reads small
+    constants such as ``Unsqueeze`` axes only from inline data).
 
     Raises:
         OnnxFormatError: the file is not a protobuf ``ModelProto`` (truncated, bad lengths) or
@@ -245,7 +249,7 @@ def read_onnx_mapped(path: str | os.PathLike) -> onnx.ModelProto:
     view = memoryview(mapped)
     try:
         found_graph = any(field == _MODEL_GRAPH_FIELD and wire == _WIRE_LEN for field, wire, *_ in _walk(view, 0, len(view)))
-        pieces, _ = map_inline_tensors(view, location)
+        pieces, _ = map_inline_tensors(view, location, min_bytes)
         model = onnx.ModelProto.FromString(b"".join(pieces))
     except (IndexError, ValueError, UnicodeDecodeError, DecodeError, OnnxFormatError) as e:
         raise OnnxFormatError(

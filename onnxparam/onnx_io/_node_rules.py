@@ -107,7 +107,9 @@ def _infer_source_types(model: ir.Model) -> dict:
     (``data_prop``: shapes computed by Shape/Gather/Concat are propagated). Empty when ONNX
     cannot infer the model."""
     try:
-        proto = ir.serde.serialize_model(model)
+        from ._source import proto_for_inference
+
+        proto = proto_for_inference(model)
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # onnx raises several types; inference is only a fallback here
         return {}

@@ -30,7 +30,9 @@ def source_types(source) -> dict:
     found = source.cache.get("types")
     if found is not None:
         return found
-    proto = ir.serde.serialize_model(source.loaded.model)
+    from ._source import proto_for_inference
+
+    proto = proto_for_inference(source.loaded.model)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference only completes what the file declares

@@ -38,6 +38,7 @@ def _probe(source, sig: tuple) -> dict:
     """Value name -> ``(DType, rank)`` of every main-graph value ONNX Runtime computes."""
     from ..runtime._sessions import ort
     from ._graph_model import copy_model
+    from ._source import proto_for_inference
 
     model = copy_model(source.loaded.model)
     graph = model.graph
@@ -50,7 +51,7 @@ def _probe(source, sig: tuple) -> dict:
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options,
+    session = ort.InferenceSession(proto_for_inference(model).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     feeds = {name: np.zeros(shape, dtype.to_numpy()) for name, shape, dtype in sig}
     names = [o.name for o in session.get_outputs()]

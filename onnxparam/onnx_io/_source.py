@@ -94,6 +94,26 @@ def _parse(data: bytes, source: str) -> onnx.ModelProto:
     return proto
 
 
+MAPPED_MIN_BYTES = 1024
+"""Inline initializers of at least this many bytes are read as views of the mapped file (the
+threshold ``onnx.external_data_helper`` uses for what goes external); smaller ones stay inline."""
+
+
+def _read_file(path: Path, source: str) -> onnx.ModelProto:
+    """The model of the file ``path`` with its inline weights of :data:`MAPPED_MIN_BYTES` or more
+    as external-data references into the file itself (:func:`onnxparam.formats.read_onnx_mapped`):
+    tensors are then memory-mapped views read when needed, so importing a model costs its
+    structure, not a protobuf copy of its weights plus their numpy copies. A file that reader
+    refuses is parsed whole, for protobuf's own diagnosis (``_parse``)."""
+    from ..formats._onnx_nested import read_onnx_mapped
+
+    try:
+        return read_onnx_mapped(path, min_bytes=MAPPED_MIN_BYTES)
+    except (OnnxFormatError, RecursionError):  # RecursionError: subgraphs nested past Python's stack
+        with open(path, "rb") as f:
+            return _parse(f.read(), source)
+
+
 def _check_proto(proto: onnx.ModelProto, source: str) -> None:
     if proto.ir_version <= 0 or not proto.HasField("graph"):
         raise OnnxFormatError(
@@ -207,8 +227,7 @@ def _load_model(path_or_model) -> LoadedModel:
                                      str(path))
                 if not path.is_file():
                     raise OnnxFormatError(f"{source}: no such ONNX file")
-                with open(path, "rb") as f:
-                    proto = _parse(f.read(), source)
+                proto = _read_file(path, source)
             elif isinstance(path_or_model, onnx.ModelProto):
                 proto = path_or_model
             elif isinstance(path_or_model, (bytes, bytearray, memoryview)):
@@ -274,6 +293,20 @@ def base_dir_of(model: ir.Model) -> str:
             if isinstance(value.const_value, ir.ExternalTensor):
                 return os.fspath(value.const_value.base_dir)
     return ""
+
+
+def proto_for_inference(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a protobuf with the data of its external tensors loaded (the memory-mapped
+    weights of a file included): ONNX shape inference (with data propagation) and an ONNX Runtime
+    session built from bytes read initializer values and cannot follow external references
+    without the file's folder. A transient copy, for inference and probing only."""
+    proto = ir.serde.serialize_model(model)
+    base = base_dir_of(model)
+    if base:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(proto, base)
+    return proto
 
 
 def _external_tensors(model: ir.Model):

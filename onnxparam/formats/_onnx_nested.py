@@ -24,7 +24,6 @@ with inline ``raw_data``; :mod:`onnxparam.formats._ir_stream`) and :func:`map_in
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Callable
 from typing import Any, Optional
@@ -33,7 +32,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
-from ._onnx_stream import _MODEL_GRAPH_FIELD, _WIRE_LEN, _copy_data, _external_tensor, _varint, _walk
+from ._onnx_stream import _MODEL_GRAPH_FIELD, _WIRE_LEN, _copy_data, _external_tensor, _varint, _walk, map_file
 
 __all__ = ["rewrite_tensors", "write_pieces", "write_with_tensors", "map_inline_tensors", "read_onnx_mapped",
            "PLACEHOLDER_PREFIX"]
@@ -240,13 +239,7 @@ def read_onnx_mapped(path: str | os.PathLike, min_bytes: int = 0) -> onnx.ModelP
     """
     path = os.fspath(path)
     location = os.path.basename(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except OSError as e:
-        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    view = memoryview(mapped)
+    view = map_file(path)
     try:
         found_graph = any(field == _MODEL_GRAPH_FIELD and wire == _WIRE_LEN for field, wire, *_ in _walk(view, 0, len(view)))
         pieces, _ = map_inline_tensors(view, location, min_bytes)

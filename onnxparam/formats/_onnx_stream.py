@@ -307,13 +307,7 @@ def read_onnx_streamed(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[S
             holds no graph (an empty file).
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-    except OSError as e:
-        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
-    view = memoryview(mapped)
+    view = map_file(path)
     try:
         model_rest, graph_rest, tensors = bytearray(), bytearray(), []
         for field, wire, start, value_start, end in _walk(view, 0, len(view)):
@@ -338,6 +332,21 @@ def read_onnx_streamed(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[S
         raise OnnxFormatError(f"{path}: holds no ONNX graph (ModelProto field {_MODEL_GRAPH_FIELD}); is it an .onnx file?")
     model.graph.CopyFrom(graph)
     return model, tensors
+
+
+def map_file(path: str) -> memoryview:
+    """A read-only memory map of the file ``path`` (an empty view for an empty file).
+
+    Raises:
+        OnnxFormatError: the file cannot be opened, naming it and the system's reason.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    except OSError as e:
+        raise OnnxFormatError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    return memoryview(mapped)
 
 
 def _walk(view: memoryview, pos: int, end: int):

@@ -82,22 +82,23 @@ class FileStamp:
         )
 
 
-def _graphs(graph: ir.Graph):
-    """``graph`` and its subgraphs (as ``_source.iter_graphs``, which imports this module)."""
+def iter_graphs(graph: ir.Graph):
+    """``graph`` and every subgraph below it (``If``/``Loop``/``Scan`` bodies), depth first.
+    (Defined here, the lower of the two modules, and re-exported by ``_source``.)"""
     yield graph
     for node in graph:
         for attr in node.attributes.values():
             if attr.is_ref():
                 continue
             if attr.type == ir.AttributeType.GRAPH:
-                yield from _graphs(attr.value)
+                yield from iter_graphs(attr.value)
             elif attr.type == ir.AttributeType.GRAPHS:
                 for sub in attr.value:
-                    yield from _graphs(sub)
+                    yield from iter_graphs(sub)
 
 
 def _external(model: ir.Model):
-    for graph in _graphs(model.graph):
+    for graph in iter_graphs(model.graph):
         for name, value in graph.initializers.items():
             if isinstance(value.const_value, ir.ExternalTensor):
                 yield name, value.const_value

@@ -27,7 +27,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from ..errors import OnnxFormatError
-from ._data_watch import stamp_external_data
+from ._data_watch import iter_graphs, stamp_external_data  # noqa: F401  (iter_graphs: re-exported)
 from ._map_type import install as _install_map_type
 from ._value_info import note_declared_value_info
 
@@ -270,20 +270,6 @@ def _check_zero_copy(model: ir.Model, source: str, path: Optional[Path]) -> None
     if problem is not None:
         raise OnnxFormatError(f"{source}: {problem}; its weights would be read from the wrong bytes: "
                               "convert the weights again")
-
-
-def iter_graphs(graph: ir.Graph) -> Iterator[ir.Graph]:
-    """``graph`` and every subgraph below it (``If``/``Loop``/``Scan`` bodies), depth first."""
-    yield graph
-    for node in graph:
-        for attr in node.attributes.values():
-            if attr.is_ref():
-                continue
-            if attr.type == ir.AttributeType.GRAPH:
-                yield from iter_graphs(attr.value)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                for sub in attr.value:
-                    yield from iter_graphs(sub)
 
 
 def base_dir_of(model: ir.Model) -> str:

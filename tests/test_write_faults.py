@@ -620,3 +620,22 @@ def test_out_of_inodes_creating_the_scratch_names_the_target(tmp_path, monkeypat
     assert str(info.value).startswith(f"[Errno {errno.ENOSPC}] No space left on device writing 'd/{name}': the disk "
                                       "(or its inodes, or the quota) is full; nothing was replaced")
     assert list(Path("d").iterdir()) == []
+
+
+def test_an_os_error_naming_a_file_object_instead_of_a_path_still_leaves_as_that_os_error(tmp_path, monkeypatch):
+    # some writers (an interrupted write, a signal mid-save) raise OSError whose filename is the
+    # open file object: the save must re-raise it, not fail building its message (a TypeError)
+    save_onnx(tmp_path / "m.onnx", 1)
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        with open(os.devnull, "wb") as handle:
+            raise OSError(errno.EIO, "Input/output error", handle)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError) as info:
+        save_onnx(tmp_path / "m.onnx", 2)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    assert info.value.errno == errno.EIO and not isinstance(info.value, TypeError)
+    assert same(read_onnx(tmp_path / "m.onnx"), _arrays(1))

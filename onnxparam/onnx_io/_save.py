@@ -233,8 +233,8 @@ def _file_written(error: OSError, tmp_dir: Path, target: Path, location: Optiona
     for numpy's errno-less short write (``tofile``, which onnx_ir writes external data with) the
     data file; else the model."""
     name = getattr(error, "filename", None)
-    if name:
-        path = Path(os.fspath(name))
+    if isinstance(name, (str, bytes, os.PathLike)) and name:  # NOTE: some writers put the file object there
+        path = Path(os.fsdecode(name))
         if path.parent == tmp_dir:
             return target.parent / path.name
         if tmp_dir not in path.parents:

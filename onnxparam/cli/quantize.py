@@ -14,12 +14,27 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex, json_result
+from ._common import (
+    EXIT_OK,
+    PROG,
+    UsageError,
+    _existing,
+    _file_format,
+    _out,
+    _positive_int,
+    _progress,
+    _regex,
+    json_result,
+)
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
 QUANT_SCHEMES = {"q8s": "Q8S", "q8f": "Q8F", "q4s": "Q4S", "q4f": "Q4F"}
 """``--scheme`` -> :class:`onnxparam.quant.QuantValue` name (Burn's: ``S`` symmetric range, ``F`` full)."""
+
+
+CALIBRATE_BATCH = 32
+"""``--calibrate-batch`` when not given."""
 
 
 def _block_size(text: str) -> tuple:
@@ -53,8 +68,8 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         help="representative inputs (one array per graph input, by input name or in order; batch first): "
         "activation ranges for static int8 (QLinearConv / QLinearMatMul); .onnx OUT only",
     )
-    parser.add_argument("--calibrate-batch", type=int, default=32, metavar="N",
-                        help="calibration batch size (default 32)")
+    parser.add_argument("--calibrate-batch", type=_positive_int, metavar="N",
+                        help=f"calibration batch size, with --calibrate (default {CALIBRATE_BATCH})")
     parser.add_argument(
         "--per-channel",
         action="store_true",
@@ -122,17 +137,24 @@ def _calibration_arrays(path: Path, model) -> list:
     source = getattr(model.module, "_source", None)
     names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else []
     if names and all(n in arrays for n in names):
-        return [arrays[n] for n in names]
-    if names and len(arrays) != len(names):
+        chosen = {n: arrays[n] for n in names}
+    elif names and len(arrays) != len(names):
         raise ValueError(f"the --calibrate file '{path}' holds {len(arrays)} arrays ({', '.join(arrays)}); the model "
                          f"takes {len(names)} inputs ({', '.join(names)}): name them so")
-    return list(arrays.values())
+    else:
+        chosen = arrays
+    from ..quant._activations import check_calibration_input
+
+    for key, array in chosen.items():
+        check_calibration_input(array, f"the --calibrate file '{path}': array '{key}'")
+    return list(chosen.values())
 
 
 def _calibrate(args, model):
     from ..quant import quantize_activations
 
     arrays = _calibration_arrays(args.calibrate, model)
+    batch = CALIBRATE_BATCH if args.calibrate_batch is None else args.calibrate_batch
     total = len(arrays[0])
     bar = _progress(total, "calibrating", getattr(args, "quiet", False), unit="sample")
 
@@ -141,13 +163,13 @@ def _calibrate(args, model):
             bar.update(done - bar.n)
 
     try:
-        module = quantize_activations(model.module, arrays, batch_size=args.calibrate_batch, progress=progress)
+        module = quantize_activations(model.module, arrays, batch_size=batch, progress=progress)
     finally:
         if bar is not None:
             bar.close()
     ranges = getattr(module, "_onnxparam_activation_ranges", ())
-    _out(f"calibrated: {total} samples in batches of {args.calibrate_batch}: {len(ranges)} activation ranges")
-    json_result("calibrated", {"samples": total, "batch_size": args.calibrate_batch, "activation_ranges": len(ranges)})
+    _out(f"calibrated: {total} samples in batches of {batch}: {len(ranges)} activation ranges")
+    json_result("calibrated", {"samples": total, "batch_size": batch, "activation_ranges": len(ranges)})
     return module
 
 
@@ -160,6 +182,9 @@ def _run_quantize(args: argparse.Namespace) -> int:
     for flag, given in (("--reblock", args.reblock), ("--calibrate", args.calibrate is not None)):
         if given and dst_fmt != "onnx":
             raise UsageError(f"{PROG} quantize: error: {flag} applies to an .onnx output; the output is '{args.dst}'")
+    if args.calibrate_batch is not None and args.calibrate is None:
+        raise UsageError(f"{PROG} quantize: error: --calibrate-batch sets the batch size of --calibrate; give "
+                         "--calibrate INPUTS.npz too, or leave it out")
     if args.per_channel and args.block_size is not None:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)

@@ -151,6 +151,7 @@ def _calibration_arrays(path: Path, model) -> list:
 
 
 def _calibrate(args, model):
+    from ..errors import QuantizationError
     from ..quant import quantize_activations
 
     arrays = _calibration_arrays(args.calibrate, model)
@@ -164,6 +165,12 @@ def _calibrate(args, model):
 
     try:
         module = quantize_activations(model.module, arrays, batch_size=batch, progress=progress)
+    except QuantizationError as e:
+        if not str(e).startswith("no MatMul / Conv"):
+            raise
+        hint = "; static int8 needs 8-bit weights (--scheme q8s or q8f)" if args.scheme.startswith("q4") else ""
+        raise QuantizationError(f"--calibrate: {e}{hint}; leave out --calibrate to write the model without "
+                                "static int8; nothing was written") from None
     finally:
         if bar is not None:
             bar.close()
@@ -191,6 +198,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     model = _load_model(args, args.src)
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
+    in_bytes = _input_bytes(args.src, model.module)
     before = _count_dtypes(model.module)
     float_module = model.module  # the original values of weights the export leaves float
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
@@ -205,7 +213,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     after = _count_dtypes(model.module)
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)
     if quantized == 0:
-        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size))
+        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
@@ -227,18 +235,52 @@ def _run_quantize(args: argparse.Namespace) -> int:
         rows = quantized_ops(args.dst)
         json_result("ops", rows)
         print_quantized_ops(rows)
-        gain = little_gained(rows, args.dst.stat().st_size, args.src.stat().st_size, args.calibrate is not None,
-                             args.prefer)
+        gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
             from ..errors import QuantizationWarning
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
         model.module.save_file(args.dst)
-    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size, "format": dst_fmt,
-                            "input_bytes": args.src.stat().st_size})
-    _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
+    out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
+    json_result("written", {"path": str(args.dst), "bytes": out_bytes, "format": dst_fmt, "input_bytes": in_bytes})
+    _out(f"wrote:     {args.dst} ({out_bytes:,} bytes; input {in_bytes:,} bytes)")
     return EXIT_OK
+
+
+def _input_bytes(src: Path, module) -> int:
+    """The input's size in bytes: the file, plus the external data files an imported ``.onnx``
+    reads its tensors from (each counted once)."""
+    loaded = getattr(getattr(module, "_source", None), "loaded", None)
+    if loaded is None:
+        return src.stat().st_size
+    import os
+
+    from ..convert._onnx_files import _external_data_files
+
+    files = _external_data_files(loaded.model) - {os.path.realpath(src)}
+    return src.stat().st_size + sum(os.stat(f).st_size for f in files)
+
+
+def _written_bytes(dst: Path) -> int:
+    """The written ``.onnx`` output's size in bytes, with any external data files it references."""
+    import os
+
+    import onnx_ir as ir
+
+    from ..convert._onnx_files import _external_data_files
+
+    size = dst.stat().st_size
+    # NOTE: the export writes external data only above protobuf's 2 GiB, leaving a small .onnx;
+    # parsing a large inline file just to find no external tensor would cost its whole size
+    if size > _STUB_BYTES:
+        return size
+    files = _external_data_files(ir.load(dst)) - {os.path.realpath(dst)}
+    return size + sum(os.stat(f).st_size for f in files)
+
+
+_STUB_BYTES = 64 << 20
+"""An ``.onnx`` output larger than this holds its tensors inline (see :func:`_written_bytes`)."""
 
 
 def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
@@ -260,8 +302,9 @@ def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
         f"--exclude '^({names})$'; nothing was quantized or written")
 
 
-def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
-    """Why :meth:`quantize_weights` quantized no param of ``module`` (one line)."""
+def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered: bool = False) -> str:
+    """Why :meth:`quantize_weights` quantized no param of ``module`` (one line); ``filtered``:
+    whether ``--include`` / ``--exclude`` chose the params."""
     from ..quant._module import is_weight
 
     candidates = []
@@ -271,8 +314,11 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
                 candidates.append(f"{path} {list(param.lazy_shape())}")
         except (TypeError, ValueError):  # pragma: no cover - a param without a known shape
             continue
+    shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
+    if filtered and candidates:
+        return (f"--include / --exclude left no weight to quantize: the model's {len(candidates)} float weights "
+                f"(rank >= 2) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
     if block_size is not None and candidates:
-        shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
         dims = "last dim is" if len(block_size) == 1 else f"last {len(block_size)} dims are"
         return (
             f"no param could be quantized with --block-size {_block_text(block_size)}: no weight's {dims} "

@@ -109,7 +109,10 @@ def _no_sites(graph, emitted: set) -> str:
     if not emitted:
         return ("no MatMul / Conv with a quantized weight to calibrate: the module has no quantized weight; "
                 "quantize the weights first (module.quantize_weights(Quantizer(...)))")
-    found = ", ".join(f"{k} {op}" for op, k in fed.items()) or "no op directly"
+    if not fed:
+        return ("no MatMul / Conv with a quantized weight to calibrate: no op of the traced graph takes a quantized "
+                "weight through a DequantizeLinear (4-bit weights are written in other forms)")
+    found = ", ".join(f"{k} {op}" for op, k in fed.items())
     return (f"no MatMul / Conv with a quantized weight to calibrate: the quantized weights feed {found}; "
             "static int8 calibration covers MatMul and Conv only")
 

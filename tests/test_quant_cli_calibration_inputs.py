@@ -69,8 +69,9 @@ def test_calibration_file_with_a_non_finite_value_or_no_samples_is_refused_namin
     calib = tmp_path / "calib.npz"
     np.savez(calib, x=bad_calibration(kind))
     out = tmp_path / "q.onnx"
-    code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", calib)
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--calibrate", calib)
     assert code == 1 and str(calib) in err and "array 'x'" in err
+    assert "quantized:" not in stdout  # refused before any weight was quantized
     if kind == "empty":
         assert "holds no samples (shape [0, 8])" in err
     else:

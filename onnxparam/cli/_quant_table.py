@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from ..quant._qdq_forms import SPEED_REASON
 from ._common import _out
 
 
@@ -58,8 +59,8 @@ def little_gained(rows: list, out_bytes: int, in_bytes: int, calibrated: bool, p
         head = (f"little got smaller: {len(floats)} of {len(rows)} ops keep float weights ({_op_counts(floats)}; "
                 "original values)")
     parts = [f"{head}; the output is {ratio:.0%} of the input's size"]
-    chosen = [r for r in floats if not r.get("reason")]
-    forced = [r for r in floats if r.get("reason")]
+    chosen = [r for r in floats if not r.get("reason") or r["reason"].startswith(SPEED_REASON)]
+    forced = [r for r in floats if r not in chosen]
     if chosen and prefer == "speed":
         # NOTE: calibration gives static int8 to Conv / MatMul only (onnxparam.quant._qdq_static)
         calibratable = any(r["op"] in ("Conv", "MatMul") for r in chosen)

@@ -35,6 +35,8 @@ import enum
 
 import numpy as np
 
+from .errors import DTypeError
+
 __all__ = [
     "DType",
     "NUMPY_DTYPES",  # noqa: F822  (answered by the module __getattr__)
@@ -153,7 +155,7 @@ class DType(enum.Enum):
             from onnx import TensorProto  # NOTE: only for the message; `import onnx` is slow
 
             name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type
-            raise ValueError(f"ONNX element type {name} has no Burn dtype") from None
+            raise DTypeError(f"ONNX element type {name} has no Burn dtype") from None
 
     @staticmethod
     def from_numpy(dtype) -> "DType":
@@ -284,7 +286,7 @@ def dtype_from_numpy(dtype) -> DType:
     """The ``DType`` of a numpy dtype (``ml_dtypes.bfloat16`` -> ``BF16``).
 
     Raises:
-        ValueError: for numpy dtypes Burn has no dtype for (complex, strings, objects ...).
+        DTypeError: (a ``ValueError``) for numpy dtypes Burn has no dtype for (complex, strings, objects ...).
     """
     np_dtype = np.dtype(dtype)
     try:
@@ -293,4 +295,6 @@ def dtype_from_numpy(dtype) -> DType:
         # a bfloat16 value exists only once ml_dtypes is imported (its dtype is named so)
         if np_dtype.name == "bfloat16" and np_dtype == _numpy_dtype(DType.BF16):
             return DType.BF16
-        raise ValueError(f"numpy dtype {np_dtype} has no Burn dtype") from None
+        hint = ("; strings go to an imported ONNX module as numpy arrays (module(x) accepts them)"
+                if np_dtype.kind in "USO" else "")
+        raise DTypeError(f"numpy dtype {np_dtype} has no Burn dtype{hint}") from None

@@ -14,6 +14,7 @@ keeps working::
     │   └── TraceValueError (ValueError)    ... because of a value of the wrong shape / a bad argument
     ├── ExecutionError (RuntimeError)       ONNX Runtime failed to build or run a session
     ├── CallArgumentError (TypeError)       an imported model was called with inputs its graph does not take
+    ├── DTypeError (ValueError)             a value's element type has no Burn dtype (strings, objects ...)
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
     ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
@@ -37,6 +38,7 @@ from __future__ import annotations
 __all__ = [
     "OnnxParamError",
     "RecordError",
+    "DTypeError",
     "BurnpackFormatError",
     "ShapeMismatchError",
     "DeviceError",
@@ -117,6 +119,11 @@ class CallArgumentError(OnnxParamError, TypeError):
     the graph declares for that input (the message names the input).
 
     Also a ``TypeError``, as Python's own error for a call with wrong arguments."""
+
+
+class DTypeError(OnnxParamError, ValueError):
+    """A numpy array or ONNX element type has no Burn dtype where one is needed
+    (``Tensor.from_numpy`` of strings or objects, ``DType.from_onnx`` of a string type)."""
 
 
 class OnnxFormatError(OnnxParamError, ValueError):

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxparam as op
 from onnxparam import burnpack, convert, nn
 from onnxparam.errors import RecordError
+from onnxparam.quant import quantize_activations
 
 RNG = np.random.default_rng(7)
 
@@ -131,3 +132,30 @@ def test_asymmetric_uint8_codes_burn_cannot_hold_convert_as_codes_scale_and_zero
     expected = x @ ((codes.astype(np.float32) - np.float32(zero_point)) * scale)  # ONNX spec: DequantizeLinear
     got = ort.InferenceSession(str(tmp_path / "back.onnx"), exact_options()).run(None, {"x": x})[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_per_channel_conv_over_255_input_channels_this_library_wrote_imports_and_converts_as_codes_and_scales(
+        tmp_path):
+    # the weight's per-channel block [1, 256, 1, 1] is over Burn's 255: it stays ONNX per-axis
+    w = RNG.normal(size=(64, 256, 1, 1)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 256, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "wide.onnx")
+    model = op.import_onnx(tmp_path / "wide.onnx").quantize_weights(op.Quantizer(per_channel=True))
+    x = RNG.normal(size=(2, 256, 4, 4)).astype(np.float32)
+    op.export_onnx(quantize_activations(model, x), tmp_path / "q.onnx")  # `quantize --calibrate --per-channel`
+    raw = initializers(tmp_path / "q.onnx")
+    codes, scale = raw["w"], raw["w_scale"]
+    assert codes.dtype == np.int8 and scale.shape == (64,)
+
+    imported = op.import_onnx(tmp_path / "q.onnx")
+    expected = ort.InferenceSession(str(tmp_path / "q.onnx"), exact_options()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(imported(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+
+    convert.convert(tmp_path / "q.onnx", tmp_path / "q.bpk")
+    values = dequantized(tmp_path / "q.bpk")
+    np.testing.assert_array_equal(values["w"], codes)  # Burn cannot hold the scale grid: codes and scales
+    np.testing.assert_array_equal(values["w"] * values["w_scale"].reshape(64, 1, 1, 1),
+                                  codes.astype(np.float32) * scale.reshape(64, 1, 1, 1))

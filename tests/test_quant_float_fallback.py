@@ -106,6 +106,50 @@ def test_onnx_runtime_loads_the_quantized_export_for_every_scheme_grid_and_prefe
         check_loads(sources[opset], tmp_path / f"{scheme}-{grid}-{prefer}.onnx", scheme, grid, prefer)
 
 
+def fp16_cast_model(path, opset: int):
+    """Float16 weights each followed by ``Cast(to=float)`` (an fp16-converted model with float32
+    inputs): a Conv ``[8, 4, 3, 3]`` weight and a MatMul ``[64, 16]`` one."""
+    rng = np.random.default_rng(opset)
+    inits = [numpy_helper.from_array(rng.normal(size=(8, 4, 3, 3)).astype(np.float16), "wc16"),
+             numpy_helper.from_array(rng.normal(size=(64, 16)).astype(np.float16), "wm16")]
+    nodes = [helper.make_node("Cast", ["wc16"], ["wc"], to=TensorProto.FLOAT),
+             helper.make_node("Conv", ["x", "wc"], ["h"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Reshape", ["h", "shape"], ["h2"]),
+             helper.make_node("Cast", ["wm16"], ["wm"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["h2", "wm"], ["y"], name="matmul")]
+    inits.append(numpy_helper.from_array(np.array([2, 64], np.int64), "shape"))
+    graph = helper.make_graph(nodes, "fp16", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("opset", OPSETS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("prefer", ["speed", "size"])
+def test_onnx_runtime_loads_every_quantized_export_of_float16_weights_cast_to_float(opset, scheme, prefer, tmp_path):
+    src = fp16_cast_model(tmp_path / "fp16.onnx", opset)
+    out = tmp_path / "q.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QuantizationWarning)
+        export_quantized(src, out, scheme, "per-tensor", prefer, float_module=True)
+    onnx.checker.check_model(onnx.load(str(out)), full_check=True)
+    x = np.random.default_rng(0).normal(size=(2, 4, 2, 4)).astype(np.float32)
+    expected = session(src).run(None, {"x": x})[0]
+    (y,) = session(out).run(None, {"x": x})
+    assert y.shape == expected.shape
+    original, written = source_weights(src), source_weights(out)
+    for name in ("wc16", "wm16"):  # a weight kept float holds the original float16 bytes
+        if written[name].dtype.kind == "f":
+            assert written[name].dtype == np.float16 and written[name].tobytes() == original[name].tobytes(), name
+    if prefer == "speed":  # an uncalibrated Conv's weight stays float: the conv computes as in the source
+        assert written["wc16"].dtype == np.float16
+        rows = {r["weight"]: r for r in quantized_ops(out)}
+        assert rows["wc16"]["op"] == "Conv" and rows["wc16"]["form"] == "float"
+
+
 def test_a_blocked_4bit_add_weight_below_opset_21_is_written_float_with_its_reason(sources, tmp_path):
     with pytest.warns(QuantizationWarning) as caught:
         out = export_quantized(sources[15], tmp_path / "q.onnx", "Q4S", "block 32", "size")
@@ -283,3 +327,38 @@ def test_4bit_weights_without_a_4bit_form_at_the_opset_are_named_with_the_way_ou
     original, written = source_weights(sources[15]), source_weights(out)
     for name in ("wc", "m", "a"):
         assert written[name].tobytes() == original[name].tobytes(), name
+
+
+def lstm_model(path):
+    """One LSTM (input 16, hidden 32) with its W, R and B initializers, then a MatMul [32, 8]."""
+    rng = np.random.default_rng(5)
+    shapes = {"W": (1, 128, 16), "R": (1, 128, 32), "B": (1, 256), "wm": (32, 8)}
+    inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32) * 0.2, k) for k, s in shapes.items()]
+    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["seq"], hidden_size=32, name="lstm"),
+             helper.make_node("Squeeze", ["seq", "one"], ["h"]),
+             helper.make_node("MatMul", ["h", "wm"], ["y"], name="matmul")]
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+    graph = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 2, 8])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_default_quantize_keeps_lstm_weights_float_and_bit_identical_with_the_reason(tmp_path, capsys):
+    src = lstm_model(tmp_path / "lstm.onnx")
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out)
+    assert code == 0, err
+    original, written = source_weights(src), source_weights(out)
+    for name in ("W", "R", "B"):  # ORT has no integer LSTM: a weight-only DequantizeLinear only costs time
+        assert written[name].dtype == np.float32 and written[name].tobytes() == original[name].tobytes(), name
+    assert not any(n.op_type == "DequantizeLinear" and n.input[0] in ("W", "R", "B")
+                   for n in onnx.load(str(out)).graph.node)
+    rows = {r["weight"]: r for r in quantized_ops(out)}
+    for name in ("W", "R", "B"):
+        assert rows[name]["op"] == "LSTM" and rows[name]["form"] == "float"
+        assert "no integer LSTM kernel" in rows[name]["reason"]
+    assert rows["wm"]["form"] != "float"  # the MatMul still gets its integer form
+    x = np.random.default_rng(0).normal(size=(5, 2, 16)).astype(np.float32)
+    expected = session(src).run(None, {"x": x})[0]
+    np.testing.assert_allclose(session(out).run(None, {"x": x})[0], expected, atol=0.05 * np.abs(expected).max())

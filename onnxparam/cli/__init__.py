@@ -25,8 +25,8 @@ Commands:
 Every subcommand takes ``--json``: one JSON object on stdout, ``{"command", "results",
 "output"}`` (``results``: convert's report; quantize's params, scheme, per-op table and written
 file; lora's action, adapted weights, rank, alpha and written file; export's model accuracy and
-one entry per written variant with its path, bytes and per-op report), ``inspect``'s document
-for inspect; a failure prints ``{"command", "error", "type", "exit_code"}`` instead (and its
+one entry per written variant with its path, bytes and per-op report); for inspect, its
+document with ``"command": "inspect"``; a failure prints ``{"command", "error", "type", "exit_code"}`` instead (and its
 line on stderr) and exits with that code.
 * ``onnxparam convert IN OUT [--graph G.onnx] [--zero-copy] [--remap PATTERN=REPL ...]
   [--include RE ...] [--exclude RE ...] [--transpose RE ...] [--cast f16|bf16|f32]

@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from ..quant._qdq_forms import SPEED_REASON
 from ._common import _out
 
 
@@ -58,11 +59,13 @@ def little_gained(rows: list, out_bytes: int, in_bytes: int, calibrated: bool, p
         head = (f"little got smaller: {len(floats)} of {len(rows)} ops keep float weights ({_op_counts(floats)}; "
                 "original values)")
     parts = [f"{head}; the output is {ratio:.0%} of the input's size"]
-    chosen = [r for r in floats if not r.get("reason")]
-    forced = [r for r in floats if r.get("reason")]
+    chosen = [r for r in floats if not r.get("reason") or r["reason"].startswith(SPEED_REASON)]
+    forced = [r for r in floats if r not in chosen]
     if chosen and prefer == "speed":
-        fixes = ([] if calibrated else ["--calibrate INPUTS.npz (representative inputs) for static int8 "
-                                        "(QLinearConv / QLinearMatMul)"])
+        # NOTE: calibration gives static int8 to Conv / MatMul only (onnxparam.quant._qdq_static)
+        calibratable = any(r["op"] in ("Conv", "MatMul") for r in chosen)
+        fixes = ([] if calibrated or not calibratable else
+                 ["--calibrate INPUTS.npz (representative inputs) for static int8 (QLinearConv / QLinearMatMul)"])
         fixes.append("--prefer size for a smaller file (those weights then dequantize at every run)")
         parts.append(f"{_op_counts(chosen)} stay float because ONNX Runtime runs them slower with a weight-only "
                      f"DequantizeLinear than in float; use " + " or ".join(fixes))

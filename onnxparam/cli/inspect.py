@@ -495,7 +495,7 @@ def _print_table(rows: list, right: set = frozenset()) -> None:
 def _run_inspect(args: argparse.Namespace) -> int:
     doc = inspect_file(args.file, count_nonfinite=not args.no_count)
     if args.json:
-        _out(json.dumps(doc, indent=2, ensure_ascii=False))
+        _out(json.dumps({"command": "inspect", **doc}, indent=2, ensure_ascii=False))
     else:
         _print_inspect(doc)
     return EXIT_OK

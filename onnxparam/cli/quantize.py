@@ -14,12 +14,27 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from ._common import EXIT_OK, PROG, UsageError, _existing, _file_format, _out, _progress, _regex, json_result
+from ._common import (
+    EXIT_OK,
+    PROG,
+    UsageError,
+    _existing,
+    _file_format,
+    _out,
+    _positive_int,
+    _progress,
+    _regex,
+    json_result,
+)
 from ._models import _add_model_arguments, _count_dtypes, _load_model
 from .inspect import _scheme_text
 
 QUANT_SCHEMES = {"q8s": "Q8S", "q8f": "Q8F", "q4s": "Q4S", "q4f": "Q4F"}
 """``--scheme`` -> :class:`onnxparam.quant.QuantValue` name (Burn's: ``S`` symmetric range, ``F`` full)."""
+
+
+CALIBRATE_BATCH = 32
+"""``--calibrate-batch`` when not given."""
 
 
 def _block_size(text: str) -> tuple:
@@ -53,8 +68,8 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         help="representative inputs (one array per graph input, by input name or in order; batch first): "
         "activation ranges for static int8 (QLinearConv / QLinearMatMul); .onnx OUT only",
     )
-    parser.add_argument("--calibrate-batch", type=int, default=32, metavar="N",
-                        help="calibration batch size (default 32)")
+    parser.add_argument("--calibrate-batch", type=_positive_int, metavar="N",
+                        help=f"calibration batch size, with --calibrate (default {CALIBRATE_BATCH})")
     parser.add_argument(
         "--per-channel",
         action="store_true",
@@ -122,17 +137,24 @@ def _calibration_arrays(path: Path, model) -> list:
     source = getattr(model.module, "_source", None)
     names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else []
     if names and all(n in arrays for n in names):
-        return [arrays[n] for n in names]
-    if names and len(arrays) != len(names):
+        chosen = {n: arrays[n] for n in names}
+    elif names and len(arrays) != len(names):
         raise ValueError(f"the --calibrate file '{path}' holds {len(arrays)} arrays ({', '.join(arrays)}); the model "
                          f"takes {len(names)} inputs ({', '.join(names)}): name them so")
-    return list(arrays.values())
+    else:
+        chosen = arrays
+    from ..quant._activations import check_calibration_input
+
+    for key, array in chosen.items():
+        check_calibration_input(array, f"the --calibrate file '{path}': array '{key}'")
+    return list(chosen.values())
 
 
-def _calibrate(args, model):
+def _calibrate(args, model, arrays: list):
+    from ..errors import QuantizationError
     from ..quant import quantize_activations
 
-    arrays = _calibration_arrays(args.calibrate, model)
+    batch = CALIBRATE_BATCH if args.calibrate_batch is None else args.calibrate_batch
     total = len(arrays[0])
     bar = _progress(total, "calibrating", getattr(args, "quiet", False), unit="sample")
 
@@ -141,13 +163,19 @@ def _calibrate(args, model):
             bar.update(done - bar.n)
 
     try:
-        module = quantize_activations(model.module, arrays, batch_size=args.calibrate_batch, progress=progress)
+        module = quantize_activations(model.module, arrays, batch_size=batch, progress=progress)
+    except QuantizationError as e:
+        if not str(e).startswith("no MatMul / Conv"):
+            raise
+        hint = "; static int8 needs 8-bit weights (--scheme q8s or q8f)" if args.scheme.startswith("q4") else ""
+        raise QuantizationError(f"--calibrate: {e}{hint}; leave out --calibrate to write the model without "
+                                "static int8; nothing was written") from None
     finally:
         if bar is not None:
             bar.close()
     ranges = getattr(module, "_onnxparam_activation_ranges", ())
-    _out(f"calibrated: {total} samples in batches of {args.calibrate_batch}: {len(ranges)} activation ranges")
-    json_result("calibrated", {"samples": total, "batch_size": args.calibrate_batch, "activation_ranges": len(ranges)})
+    _out(f"calibrated: {total} samples in batches of {batch}: {len(ranges)} activation ranges")
+    json_result("calibrated", {"samples": total, "batch_size": batch, "activation_ranges": len(ranges)})
     return module
 
 
@@ -160,12 +188,18 @@ def _run_quantize(args: argparse.Namespace) -> int:
     for flag, given in (("--reblock", args.reblock), ("--calibrate", args.calibrate is not None)):
         if given and dst_fmt != "onnx":
             raise UsageError(f"{PROG} quantize: error: {flag} applies to an .onnx output; the output is '{args.dst}'")
+    if args.calibrate_batch is not None and args.calibrate is None:
+        raise UsageError(f"{PROG} quantize: error: --calibrate-batch sets the batch size of --calibrate; give "
+                         "--calibrate INPUTS.npz too, or leave it out")
     if args.per_channel and args.block_size is not None:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
+    # NOTE: the calibration file is read and checked before any weight is quantized: a bad file fails fast
+    arrays = _calibration_arrays(args.calibrate, model) if args.calibrate is not None else None
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
+    in_bytes = _input_bytes(args.src, model.module)
     before = _count_dtypes(model.module)
     float_module = model.module  # the original values of weights the export leaves float
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
@@ -180,7 +214,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     after = _count_dtypes(model.module)
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)
     if quantized == 0:
-        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size))
+        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
@@ -193,7 +227,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         from ..quant import qdq_options
 
         if args.calibrate is not None:
-            model.module = _calibrate(args, model)
+            model.module = _calibrate(args, model, arrays)
         with qdq_options(reblock=args.reblock, prefer=args.prefer, float_module=float_module):
             model.export(args.dst)
         from ..quant import quantized_ops
@@ -202,18 +236,52 @@ def _run_quantize(args: argparse.Namespace) -> int:
         rows = quantized_ops(args.dst)
         json_result("ops", rows)
         print_quantized_ops(rows)
-        gain = little_gained(rows, args.dst.stat().st_size, args.src.stat().st_size, args.calibrate is not None,
-                             args.prefer)
+        gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
             from ..errors import QuantizationWarning
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
         model.module.save_file(args.dst)
-    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size, "format": dst_fmt,
-                            "input_bytes": args.src.stat().st_size})
-    _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes; input {args.src.stat().st_size:,} bytes)")
+    out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
+    json_result("written", {"path": str(args.dst), "bytes": out_bytes, "format": dst_fmt, "input_bytes": in_bytes})
+    _out(f"wrote:     {args.dst} ({out_bytes:,} bytes; input {in_bytes:,} bytes)")
     return EXIT_OK
+
+
+def _input_bytes(src: Path, module) -> int:
+    """The input's size in bytes: the file, plus the external data files an imported ``.onnx``
+    reads its tensors from (each counted once)."""
+    loaded = getattr(getattr(module, "_source", None), "loaded", None)
+    if loaded is None:
+        return src.stat().st_size
+    import os
+
+    from ..convert._onnx_files import _external_data_files
+
+    files = _external_data_files(loaded.model) - {os.path.realpath(src)}
+    return src.stat().st_size + sum(os.stat(f).st_size for f in files)
+
+
+def _written_bytes(dst: Path) -> int:
+    """The written ``.onnx`` output's size in bytes, with any external data files it references."""
+    import os
+
+    import onnx_ir as ir
+
+    from ..convert._onnx_files import _external_data_files
+
+    size = dst.stat().st_size
+    # NOTE: the export writes external data only above protobuf's 2 GiB, leaving a small .onnx;
+    # parsing a large inline file just to find no external tensor would cost its whole size
+    if size > _STUB_BYTES:
+        return size
+    files = _external_data_files(ir.load(dst)) - {os.path.realpath(dst)}
+    return size + sum(os.stat(f).st_size for f in files)
+
+
+_STUB_BYTES = 64 << 20
+"""An ``.onnx`` output larger than this holds its tensors inline (see :func:`_written_bytes`)."""
 
 
 def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
@@ -235,8 +303,9 @@ def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
         f"--exclude '^({names})$'; nothing was quantized or written")
 
 
-def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
-    """Why :meth:`quantize_weights` quantized no param of ``module`` (one line)."""
+def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered: bool = False) -> str:
+    """Why :meth:`quantize_weights` quantized no param of ``module`` (one line); ``filtered``:
+    whether ``--include`` / ``--exclude`` chose the params."""
     from ..quant._module import is_weight
 
     candidates = []
@@ -246,8 +315,11 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple]) -> str:
                 candidates.append(f"{path} {list(param.lazy_shape())}")
         except (TypeError, ValueError):  # pragma: no cover - a param without a known shape
             continue
+    shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
+    if filtered and candidates:
+        return (f"--include / --exclude left no weight to quantize: the model's {len(candidates)} float weights "
+                f"(rank >= 2) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
     if block_size is not None and candidates:
-        shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
         dims = "last dim is" if len(block_size) == 1 else f"last {len(block_size)} dims are"
         return (
             f"no param could be quantized with --block-size {_block_text(block_size)}: no weight's {dims} "

@@ -33,7 +33,11 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
         the module copy (ranges in the private attribute :data:`ACTIVATION_RANGES_ATTR`).
 
     Raises:
-        QuantizationError: when the module has no quantized weight feeding a MatMul / Conv.
+        QuantizationError: when the module has no quantized weight feeding a MatMul / Conv (naming
+            the ops its quantized weights feed, e.g. ``Gemm``, which static int8 does not cover),
+            when ``batch_size`` is not a positive integer, when a calibration input holds no
+            samples or a NaN / infinite value (naming the input and the first such index), or when
+            an activation's observed range is not finite (naming the activation).
     """
     import onnx
 
@@ -44,6 +48,9 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     ort = import_onnxruntime()
     args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]
     args = [np.asarray(a) for a in args]
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size <= 0):
+        raise QuantizationError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     plain = rebuild(module, lambda p, param: param,
                     lambda path, m: m.__dict__.pop(ACTIVATION_RANGES_ATTR, None) if path == "" else None)
     source = getattr(plain, "_source", None)
@@ -56,8 +63,9 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
                if _QDQ_META in v.meta}
     sites = _activation_sites(traced.graph, emitted)
     if not sites:
-        raise QuantizationError("no MatMul / Conv with a quantized weight to calibrate: quantize the weights first "
-                                "(module.quantize_weights(Quantizer(...)))")
+        raise QuantizationError(_no_sites(traced.graph, emitted))
+    for name, a in zip(traced.input_names, args):
+        check_calibration_input(a, f"calibration input '{name}'")
     proto = traced.to_proto()
     proto.graph.ClearField("value_info")
     known = {o.name for o in proto.graph.output}
@@ -77,6 +85,7 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
         feed = {name: a[start:start + step] for name, a in zip(traced.input_names, args)}
         for name, result in zip(out_names, session.run(out_names, feed)):
             if name in lo and result.size:
+                _check_observed(result, name, start, start + len(feed[traced.input_names[0]]))
                 lo[name] = min(lo[name], float(np.min(result)))
                 hi[name] = max(hi[name], float(np.max(result)))
         if progress is not None:
@@ -88,3 +97,46 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             object.__setattr__(m, ACTIVATION_RANGES_ATTR, ranges)
 
     return rebuild(module, lambda p, param: param, set_ranges)
+
+
+def _no_sites(graph, emitted: set) -> str:
+    """Why calibration has nothing to measure: no quantized weight at all, or the ops its
+    quantized weights feed (counted by op type), none of which static int8 covers."""
+    fed: dict = {}
+    for n in graph:
+        if any(v is not None and id(v) in emitted for v in n.inputs):
+            fed[n.op_type] = fed.get(n.op_type, 0) + 1
+    if not emitted:
+        return ("no MatMul / Conv with a quantized weight to calibrate: the module has no quantized weight; "
+                "quantize the weights first (module.quantize_weights(Quantizer(...)))")
+    if not fed:
+        return ("no MatMul / Conv with a quantized weight to calibrate: no op of the traced graph takes a quantized "
+                "weight through a DequantizeLinear (4-bit weights are written in other forms)")
+    found = ", ".join(f"{k} {op}" for op, k in fed.items())
+    return (f"no MatMul / Conv with a quantized weight to calibrate: the quantized weights feed {found}; "
+            "static int8 calibration covers MatMul and Conv only")
+
+
+def check_calibration_input(array: np.ndarray, what: str) -> None:
+    """Refuse a calibration array with no samples (batch axis of length 0) or a NaN / infinite value.
+
+    Raises:
+        QuantizationError: naming ``what``, the shape or the first bad index and how many there are.
+    """
+    if array.ndim == 0 or len(array) == 0:
+        raise QuantizationError(f"{what} holds no samples (shape {list(array.shape)}); calibration needs at least "
+                                "one sample along the first (batch) axis")
+    if array.dtype.kind in "fc":
+        bad = ~np.isfinite(array)
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise QuantizationError(
+                f"{what} holds {int(bad.sum())} non-finite value(s) (NaN or infinite), the first at index {first} "
+                f"({array[first]}); calibration ranges need finite inputs")
+
+
+def _check_observed(result: np.ndarray, name: str, start: int, stop: int) -> None:
+    if np.issubdtype(result.dtype, np.floating) and not np.isfinite(result).all():
+        raise QuantizationError(
+            f"activation '{name}' took a non-finite value (NaN or infinite) on calibration samples {start}..{stop - 1}; "
+            "its quantization range would not be finite")

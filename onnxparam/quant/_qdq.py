@@ -64,7 +64,8 @@ the output of every ``MatMul`` / ``Conv`` with a quantized weight, so ORT fuses 
 
 **Which form each op gets** (``QdqOptions.prefer``; ``_qdq_forms``): ``"speed"`` (default) writes
 a weight that feeds only ops ORT runs slower with a weight-only ``DequantizeLinear`` than in float
-(Conv, ConvTranspose, Gemm without calibrated activations) as its float values, so the default
+(Conv, ConvTranspose, Gemm without calibrated activations; LSTM, GRU, RNN, which have no integer
+kernel) as its float values, so the default
 export is never slower than float32; ``"size"`` keeps every weight integer. The choice per op is
 written to the model's ``onnxparam.quant.ops`` metadata (``quantized_ops``) and logged.
 

@@ -13,7 +13,7 @@ form                   what is written / what ORT runs
 ``4-bit MatMulNBits``  ``DequantizeLinear -> MatMul`` fused by ORT, or ``com.microsoft.MatMulNBits``
                        written directly below opset 21 (the size-first form for 4 bits)
 ``dequantize``         weight-only ``DequantizeLinear``: the weight is dequantized at every run
-                       (smallest file; slower than float32 for Conv / ConvTranspose / Gemm)
+                       (smallest file; slower than float32 for Conv / ConvTranspose / Gemm / LSTM)
 ``float``              a float initializer: what ``prefer="speed"`` (the default) writes where
                        only the weight-only form exists (a Conv without calibration data); the
                        original float values when ``QdqOptions.float_module`` gives them (what
@@ -47,6 +47,13 @@ _LOG = logging.getLogger("onnxparam.quant")
 _SLOW_WEIGHT_ONLY = ("Conv", "ConvTranspose", "Gemm")
 """Ops ORT runs slower with a weight-only ``DequantizeLinear`` than with a float weight."""
 
+_NO_INTEGER_KERNEL = ("LSTM", "GRU", "RNN")
+"""Ops ORT has no integer kernel for (and fuses no ``DequantizeLinear`` into): a quantized weight
+of any of their inputs dequantizes at every run, slower than the float model."""
+
+SPEED_REASON = "prefer='speed'"
+"""How a report ``reason`` of a weight :func:`keep_float` chose to keep float starts."""
+
 
 def consumers(value: ir.Value) -> list:
     """``(node, input index)`` of every use of ``value``, looking through a ``Cast`` (an F16
@@ -68,21 +75,28 @@ def _statically_quantized(node: ir.Node) -> bool:
 
 def keep_float(tracer, emitted: list, prefer: str) -> None:
     """``prefer="speed"``: a weight whose every use is a Conv / ConvTranspose / Gemm weight
-    input without activation quantization becomes a float initializer (:func:`to_float`: the
+    input without activation quantization, or any input of an LSTM / GRU / RNN (their report row
+    gets a ``reason`` starting with :data:`SPEED_REASON`), becomes a float initializer (:func:`to_float`: the
     original values, or the dequantized ones); its ``DequantizeLinear`` (and scale constants) go away."""
     if prefer != "speed":
         return
     for e in emitted:
         if slow_weight_only(e):
+            recurrent = sorted({node.op_type for node, _ in consumers(e.output._symbol.value)
+                                if node.op_type in _NO_INTEGER_KERNEL})
             to_float(tracer, e)
+            if recurrent and is_float(e.value):
+                e.value.meta[FLOAT_REASON_KEY] = (
+                    f"{SPEED_REASON}: ONNX Runtime has no integer {' / '.join(recurrent)} kernel, so a weight-only "
+                    "DequantizeLinear would run at every call, slower than the float weight")
 
 
 def slow_weight_only(e) -> bool:
     """Whether every use of ``e``'s dequantized weight is the weight input of an op ORT runs
     slower with a weight-only ``DequantizeLinear`` than in float (:func:`keep_float`)."""
     uses = consumers(e.output._symbol.value)
-    return bool(uses) and all(node.op_type in _SLOW_WEIGHT_ONLY and index == 1 and not _statically_quantized(node)
-                              for node, index in uses)
+    return bool(uses) and all(node.op_type in _NO_INTEGER_KERNEL or node.op_type in _SLOW_WEIGHT_ONLY and index == 1
+                              and not _statically_quantized(node) for node, index in uses)
 
 
 _FLOAT_TYPES = {DType.F32: (np.float32, ir.DataType.FLOAT), DType.F16: (np.float16, ir.DataType.FLOAT16),
@@ -145,10 +159,17 @@ def to_float(tracer, e, any_dtype: bool = False) -> None:
     e.value.type = ir.TensorType(onnx_dtype)
     e.value.meta["onnxparam.qdq.float"] = True
     e.value.meta[ORIGINAL_META] = original is not None
-    for node, index in consumers(e.output._symbol.value):
-        node.replace_input_with(index, e.value)
     graph = e.node.graph
     out = e.output._symbol.value
+    # NOTE: the uses of the value of the param's own dtype take the initializer: the DequantizeLinear
+    # output, or that of the Cast emit_param adds after it; a Cast of the model's own (an F16 weight
+    # cast to float) stays, reading the initializer as the source graph did
+    for node, index in list(out.uses()):
+        if out.dtype == onnx_dtype:
+            node.replace_input_with(index, e.value)
+        elif node.op_type == "Cast" and node.outputs[0].dtype == onnx_dtype:
+            for user, i in list(node.outputs[0].uses()):
+                user.replace_input_with(i, e.value)
     for cast, _ in list(out.uses()):  # the F16 Cast, now unused
         if not cast.outputs[0].uses() and not cast.outputs[0].is_graph_output():
             graph.remove(cast, safe=True)
@@ -216,11 +237,13 @@ def record_report(tracer, emitted: list) -> None:
                 rows.append({"node": user, "op": op, "weight": e.path,
                              "form": f"{e.quantized.scheme.value.name[1]}-bit MatMulNBits"})
             else:
-                row = {"node": user, "op": user.op_type, "weight": e.path,
-                       "form": "float" if is_float(e.value) else "dequantize"}
-                if e.value.meta.get(FLOAT_REASON_KEY):
-                    row["reason"] = e.value.meta[FLOAT_REASON_KEY]
-                rows.append(row)
+                takers = consumers(user.outputs[0]) if user.op_type == "Cast" else [(user, None)]  # a float weight's Cast
+                for taker, _ in takers:
+                    row = {"node": taker, "op": taker.op_type, "weight": e.path,
+                           "form": "float" if is_float(e.value) else "dequantize"}
+                    if e.value.meta.get(FLOAT_REASON_KEY):
+                        row["reason"] = e.value.meta[FLOAT_REASON_KEY]
+                    rows.append(row)
     tracer.graph.meta[_REPORT_META] = rows
     if any(row.get("reason") for row in rows):  # reasons quote trace-time node names
         tracer.graph.meta[_REPORT_META + ".nodes"] = {node.name: node for node in tracer.graph if node.name}

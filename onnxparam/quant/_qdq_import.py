@@ -40,6 +40,15 @@ def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank
     return QuantScheme(value, block_size=tuple(extents))
 
 
+def _grid_fits(shape, scheme: QuantScheme, scale: np.ndarray) -> bool:
+    from ._layout import params_shape
+
+    try:
+        return int(np.prod(params_shape(shape, scheme))) == scale.size
+    except QuantizationError:
+        return False
+
+
 def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTensor | None:
     """The Burn ``QFloat`` tensor of a ``DequantizeLinear`` weight, or ``None`` when Burn cannot
     hold it (values outside int8 after removing the zero point, a per-axis scale on an axis
@@ -65,6 +74,10 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
     if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
         return None
     scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank)
+    if scheme is not None and props is not None and props.get(SCHEME_KEY) and not _grid_fits(values.shape, scheme, scale):
+        # NOTE: an ONNX per-axis tensor (QuantizedTensor.axis, extents over Burn's 255) carries its
+        # per-tensor scheme in SCHEME_KEY but one scale per channel: decided from the layout alone
+        scheme = _scheme_from_props(None, values, scale.shape, axis, block, rank)
     global_scale = None
     if scheme is None:  # per-axis
         extents = [d for d in values.shape]
@@ -82,6 +95,8 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         from ._layout import params_shape
 
         grid = params_shape(values.shape, scheme)
+        if int(np.prod(grid)) != scale.size:
+            return None  # a scale grid the scheme does not describe: left unfolded
         qt = QuantizedTensor(values.shape, scheme, q.astype(np.int8), scale.reshape(grid), global_scale)
         qt.to_bytes()  # scales representable in the scheme's dtype
     except QuantizationError:

@@ -204,3 +204,18 @@ def test_a_model_that_takes_one_sample_at_a_time_fails_calibration_naming_the_sa
     assert code == 0, err
     y = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x[:1]})[0]
     np.testing.assert_allclose(y, x[:1] @ W, atol=0.1 * np.abs(x[:1] @ W).max())
+
+
+def test_json_input_bytes_counts_the_external_data_of_the_input(tmp_path, capsys):
+    import json
+
+    import onnx
+
+    src = matmul_model(tmp_path / "plain.onnx")
+    ext = tmp_path / "ext.onnx"
+    onnx.save(onnx.load(str(src)), str(ext), save_as_external_data=True, location="ext.data", size_threshold=0)
+    code, stdout, err = run_main(capsys, "quantize", ext, tmp_path / "q.onnx", "--json")
+    assert code == 0, err
+    written = json.loads(stdout)["results"]["written"]
+    assert written["input_bytes"] == os.stat(ext).st_size + os.stat(tmp_path / "ext.data").st_size
+    assert written["bytes"] == os.stat(tmp_path / "q.onnx").st_size

@@ -90,6 +90,28 @@ def test_peft_adapter_on_an_imported_gemm_trans_b_weight_keeps_the_pytorch_layou
     np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.0), rtol=1e-5)
 
 
+def test_saving_a_weight_no_graph_names_a_module_for_needs_a_key_map_and_writes_under_it(tmp_path):
+    from safetensors.numpy import load_file
+
+    from onnxparam import save_peft_adapter
+
+    text = """
+    <ir_version: 10, opset_import: ["" : 21]>
+    g (float[N, 3] x) => (float[N, 2] y) <float[2, 3] proj_weight = {%s}>
+    { y = Gemm <transB: int = 1> (x, proj_weight) }
+    """ % ", ".join(map(repr, W_TORCH.ravel().tolist()))
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 2}, factors("base_model.model.proj"))
+    module = load_peft_adapter(import_onnx(onnx.parser.parse_model(text)), folder,
+                               key_map=[(r"^proj$", "proj_weight")])
+    with pytest.raises(RecordError, match=r"'proj_weight' \[2, 3\]: .*give a key_map rule"):
+        save_peft_adapter(module, tmp_path / "no_map")
+    saved = load_file(str(save_peft_adapter(module, tmp_path / "out", key_map=[(r"^proj_weight$", "proj")])
+                          / "adapter_model.safetensors"))
+    assert sorted(saved) == sorted(factors("base_model.model.proj"))
+    np.testing.assert_array_equal(saved["base_model.model.proj.lora_A.weight"], A)
+    np.testing.assert_array_equal(saved["base_model.model.proj.lora_B.weight"], B)
+
+
 def test_loading_replaces_the_factors_of_an_existing_adapter_and_keeps_their_ids(tmp_path):
     adapted = net().apply_lora(LoraConfig(rank=2, alpha=3.0, seed=0))
     ids = (adapted.proj.weight.adapter().a.id, adapted.proj.weight.adapter().b.id)

@@ -530,3 +530,51 @@ def test_every_named_adapter_saves_in_peft_multi_adapter_layout_and_loads_back(t
             given = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path / "given" / name)).eval()
         with torch.no_grad():
             np.testing.assert_allclose(given(x).numpy(), expected, atol=ATOL, err_msg=name)
+
+
+class EmbedNet(torch.nn.Module):
+    """An embedding, a Linear with a bias and a bias-free one on 3-d activations: torch's
+    exporters rename both Linear weights (dynamo ``val_N``, TorchScript with constant folding
+    ``onnx::MatMul_N``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 6)
+        self.q = torch.nn.Linear(6, 8)
+        self.k = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, ids):
+        return self.k(torch.tanh(self.q(self.emb(ids))))
+
+
+@pytest.fixture(scope="module", params=EXPORTERS)
+def embed_net(request, tmp_path_factory):
+    model = randomize(EmbedNet().eval(), seed=21)
+    ids = torch.tensor([[1, 4, 19, 7], [0, 3, 3, 12]])
+    folder = tmp_path_factory.mktemp(f"embed-{request.param}")
+    path = export(model, (ids,), folder / "net.onnx", request.param, input_names=["ids"], output_names=["y"])
+    return model, import_onnx(path), ids
+
+
+@pytest.mark.parametrize("targets, lora_bias", [(["emb", "q", "k"], False), (["q"], True)],
+                         ids=["embedding", "lora_bias"])
+def test_peft_adapters_loaded_on_a_torch_exported_model_save_back_to_peft_with_the_same_outputs(
+        embed_net, targets, lora_bias, tmp_path):
+    from safetensors.numpy import load_file
+
+    from onnxparam import save_peft_adapter
+
+    model, imported, ids = embed_net
+    assert not {"q.weight", "k.weight"} & set(imported.onnx_names.values())  # both renamed by the exporter
+    reference = peft_model(model, tmp_path / "given", 3, 7, False, lora_bias, targets, seed=22)
+    with torch.no_grad():
+        expected = reference(ids).numpy()
+    adapted = load_peft_adapter(imported, tmp_path / "given")
+    folder = save_peft_adapter(adapted, tmp_path / "saved")
+    given = load_file(str(tmp_path / "given" / "adapter_model.safetensors"))
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in given.items()}  # PEFT's keys and layout
+    with quiet():
+        back = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder)).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(ids).numpy(), expected, atol=ATOL)

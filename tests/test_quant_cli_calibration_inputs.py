@@ -49,7 +49,8 @@ def gemm_model(path):
     nodes = [helper.make_node("Gemm", ["x", "w_gemm", "b"], ["y"], transB=1)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-                              [numpy_helper.from_array(np.ascontiguousarray(W.T), "w_gemm"), numpy_helper.from_array(np.zeros(4, np.float32), "b")])
+                              [numpy_helper.from_array(np.ascontiguousarray(W.T), "w_gemm"),
+                               numpy_helper.from_array(np.zeros(4, np.float32), "b")])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
@@ -69,8 +70,9 @@ def test_calibration_file_with_a_non_finite_value_or_no_samples_is_refused_namin
     calib = tmp_path / "calib.npz"
     np.savez(calib, x=bad_calibration(kind))
     out = tmp_path / "q.onnx"
-    code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", calib)
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--calibrate", calib)
     assert code == 1 and str(calib) in err and "array 'x'" in err
+    assert "quantized:" not in stdout  # refused before any weight was quantized
     if kind == "empty":
         assert "holds no samples (shape [0, 8])" in err
     else:
@@ -180,3 +182,25 @@ def test_size_report_counts_the_external_data_of_the_input(tmp_path, capsys):
     assert wrote is not None, stdout
     assert int(wrote.group(2).replace(",", "")) == in_bytes
     assert int(wrote.group(1).replace(",", "")) == os.stat(out).st_size
+
+
+def test_a_model_that_takes_one_sample_at_a_time_fails_calibration_naming_the_samples_and_batch_1_works(
+        tmp_path, capsys):
+    # Reshape to a fixed [1, 8]: ONNX Runtime refuses any batch of more than one sample
+    nodes = [helper.make_node("Reshape", ["x", "one"], ["row"]), helper.make_node("MatMul", ["row", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+                              [numpy_helper.from_array(W, "w"), numpy_helper.from_array(np.array([1, 8]), "one")])
+    src = tmp_path / "single.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=x)
+    out = tmp_path / "q.onnx"
+    code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz")
+    assert code == 1 and "calibration samples 0..3 (batch size 32)" in err and "batch_size=1" in err
+    assert "please report" not in err and not out.exists()
+    code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz",
+                            "--calibrate-batch", "1")
+    assert code == 0, err
+    y = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x[:1]})[0]
+    np.testing.assert_allclose(y, x[:1] @ W, atol=0.1 * np.abs(x[:1] @ W).max())

@@ -150,11 +150,10 @@ def _calibration_arrays(path: Path, model) -> list:
     return list(chosen.values())
 
 
-def _calibrate(args, model):
+def _calibrate(args, model, arrays: list):
     from ..errors import QuantizationError
     from ..quant import quantize_activations
 
-    arrays = _calibration_arrays(args.calibrate, model)
     batch = CALIBRATE_BATCH if args.calibrate_batch is None else args.calibrate_batch
     total = len(arrays[0])
     bar = _progress(total, "calibrating", getattr(args, "quiet", False), unit="sample")
@@ -196,6 +195,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
+    # NOTE: the calibration file is read and checked before any weight is quantized: a bad file fails fast
+    arrays = _calibration_arrays(args.calibrate, model) if args.calibrate is not None else None
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     in_bytes = _input_bytes(args.src, model.module)
@@ -226,7 +227,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         from ..quant import qdq_options
 
         if args.calibrate is not None:
-            model.module = _calibrate(args, model)
+            model.module = _calibrate(args, model, arrays)
         with qdq_options(reblock=args.reblock, prefer=args.prefer, float_module=float_module):
             model.export(args.dst)
         from ..quant import quantized_ops

@@ -38,6 +38,7 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
             when ``batch_size`` is not a positive integer, when a calibration input holds no
             samples or a NaN / infinite value (naming the input and the first such index), or when
             an activation's observed range is not finite (naming the activation).
+        ExecutionError: when ONNX Runtime fails on a calibration batch (naming the samples).
     """
     import onnx
 
@@ -83,7 +84,16 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     step = n if batch_size is None else int(batch_size)
     for start in range(0, n, step):
         feed = {name: a[start:start + step] for name, a in zip(traced.input_names, args)}
-        for name, result in zip(out_names, session.run(out_names, feed)):
+        try:
+            results = session.run(out_names, feed)
+        except Exception as e:  # noqa: BLE001 - ORT's errors have no common public base class
+            from ..runtime._sessions import execution_error
+
+            samples = f"{start}..{min(start + step, n) - 1}"
+            error = execution_error(e, traced, "the module",
+                                    f"run calibration samples {samples} (batch size {step}) through")
+            raise type(error)(f"{error}; a model that takes one sample at a time needs batch_size=1") from None
+        for name, result in zip(out_names, results):
             if name in lo and result.size:
                 _check_observed(result, name, start, start + len(feed[traced.input_names[0]]))
                 lo[name] = min(lo[name], float(np.min(result)))
@@ -138,5 +148,5 @@ def check_calibration_input(array: np.ndarray, what: str) -> None:
 def _check_observed(result: np.ndarray, name: str, start: int, stop: int) -> None:
     if np.issubdtype(result.dtype, np.floating) and not np.isfinite(result).all():
         raise QuantizationError(
-            f"activation '{name}' took a non-finite value (NaN or infinite) on calibration samples {start}..{stop - 1}; "
-            "its quantization range would not be finite")
+            f"activation '{name}' took a non-finite value (NaN or infinite) on calibration samples "
+            f"{start}..{stop - 1}; its quantization range would not be finite")

@@ -329,23 +329,26 @@ def test_4bit_weights_without_a_4bit_form_at_the_opset_are_named_with_the_way_ou
         assert written[name].tobytes() == original[name].tobytes(), name
 
 
-def lstm_model(path):
-    """One LSTM (input 16, hidden 32) with its W, R and B initializers, then a MatMul [32, 8]."""
+def recurrent_model(path, op_type: str):
+    """One LSTM / GRU / RNN (input 16, hidden 32) with its W, R and B initializers (ONNX operator
+    spec: ``[1, gates * 32, 16]``, ``[1, gates * 32, 32]``, ``[1, 2 * gates * 32]``), then a MatMul [32, 8]."""
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op_type]
     rng = np.random.default_rng(5)
-    shapes = {"W": (1, 128, 16), "R": (1, 128, 32), "B": (1, 256), "wm": (32, 8)}
+    shapes = {"W": (1, gates * 32, 16), "R": (1, gates * 32, 32), "B": (1, 2 * gates * 32), "wm": (32, 8)}
     inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32) * 0.2, k) for k, s in shapes.items()]
-    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["seq"], hidden_size=32, name="lstm"),
+    nodes = [helper.make_node(op_type, ["x", "W", "R", "B"], ["seq"], hidden_size=32, name="rnn"),
              helper.make_node("Squeeze", ["seq", "one"], ["h"]),
              helper.make_node("MatMul", ["h", "wm"], ["y"], name="matmul")]
     inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
-    graph = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 16])],
+    graph = helper.make_graph(nodes, "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 16])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 2, 8])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 
 
-def test_default_quantize_keeps_lstm_weights_float_and_bit_identical_with_the_reason(tmp_path, capsys):
-    src = lstm_model(tmp_path / "lstm.onnx")
+@pytest.mark.parametrize("op_type", ["LSTM", "GRU", "RNN"])
+def test_default_quantize_keeps_recurrent_weights_float_and_bit_identical_with_the_reason(op_type, tmp_path, capsys):
+    src = recurrent_model(tmp_path / "rnn.onnx", op_type)
     out = tmp_path / "q.onnx"
     code, stdout, err = run_main(capsys, "quantize", src, out)
     assert code == 0, err
@@ -356,8 +359,8 @@ def test_default_quantize_keeps_lstm_weights_float_and_bit_identical_with_the_re
                    for n in onnx.load(str(out)).graph.node)
     rows = {r["weight"]: r for r in quantized_ops(out)}
     for name in ("W", "R", "B"):
-        assert rows[name]["op"] == "LSTM" and rows[name]["form"] == "float"
-        assert "no integer LSTM kernel" in rows[name]["reason"]
+        assert rows[name]["op"] == op_type and rows[name]["form"] == "float"
+        assert f"no integer {op_type} kernel" in rows[name]["reason"]
     assert rows["wm"]["form"] != "float"  # the MatMul still gets its integer form
     x = np.random.default_rng(0).normal(size=(5, 2, 16)).astype(np.float32)
     expected = session(src).run(None, {"x": x})[0]

@@ -224,13 +224,16 @@ def _onnx_problems(tensors: list) -> list:
     for t in tensors:
         if t.dtype is DType.QFloat:
             problems.append(f"tensor '{t.name}' is quantized (QFloat): ONNX holds quantized weights as "
-                            "DequantizeLinear (QDQ) initializers, written by the ONNX exporter; dequantize or export it")
+                            "DequantizeLinear (QDQ) initializers, written by the ONNX exporter; dequantize or export it, or give the quantized ONNX file it came from "
+                            "as the template (--graph)")
     return problems
 
 
 def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, allow_partial: bool,
                 external_data) -> None:
-    problems = _onnx_problems(tensors)
+    # NOTE: into a template (graph), a QFloat tensor fills the template's quantized initializers
+    # (onnx_io/_quant_write.py), which weights_into_graph checks
+    problems = _onnx_problems(tensors) if graph is None else []
     if problems:
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))

@@ -172,11 +172,15 @@ def weights_into_graph(
     else:
         loaded = load_model(graph)
     model = loaded.model
-    sites = find_weights(model, source or loaded.source)
+    sites, origins = _template_sites(model, source or loaded.source)
     by_path = {site.path: site for site in sites}
     problems: list[str] = []
+    writes = {}
     for site in sites:
         entry = tensors.get(site.path)
+        if entry is not None and site.name in origins:
+            _check_quantized(entry, site, origins[site.name], model, problems, writes)
+            continue
         if entry is None:
             if not allow_partial:
                 problems.append(f"missing tensor '{site.path}' (ONNX {site.name!r}): the graph expects "
@@ -186,7 +190,8 @@ def weights_into_graph(
             problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
                             f"{list(site.shape)}, the record has {list(entry.shape)}")
         if not _fits(site.dtype, entry.dtype):
-            hint = ("; quantized tensors are written as QDQ initializers by the quantization exporter"
+            hint = ("; the template holds it as a float, not as a DequantizeLinear / MatMulInteger weight "
+                    "(quantized tensors are written as QDQ initializers by the quantization exporter)"
                     if entry.dtype is DType.QFloat else "; cast the record first")
             problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
                             f"{site.dtype.name}, the record has {entry.dtype.name}{hint}")
@@ -209,6 +214,9 @@ def weights_into_graph(
         metas[site.name] = meta
         props = {k: v for k, v in site.tensor.metadata_props.items() if not k.startswith(md.PREFIX)}
         props.update(md.tensor_props(meta))
+        if site.name in writes:
+            _write_quantized(model.graph, writes[site.name], site, md.tensor_props(meta))
+            continue
         tensor = make_tensor(entry, site, props)
         if site.kind == INITIALIZER:
             site.value.const_value = tensor
@@ -225,6 +233,75 @@ def weights_into_graph(
     model.metadata_props.clear()
     model.metadata_props.update(props)
     return model
+
+
+def _template_sites(model: ir.Model, source: str):
+    """The weight sites of a template and, by name, the ``QuantOrigin`` of each quantized one.
+
+    A quantized weight (:func:`~onnxparam.quant._qdq_import.fold_dequantize_weights`, on a copy)
+    is one site, named and shaped as its codes, as :func:`read_onnx_record` reads it; the
+    template's own codes, scale and zero point initializers are then not sites of their own."""
+    from ..quant import _qdq_import
+
+    sites = find_weights(model, source)
+    if not _qdq_import.has_foldable_nodes(model):
+        return sites, {}
+    from ._graph_model import copy_model
+
+    folded = copy_model(model)
+    _qdq_import.fold_dequantize_weights(folded)
+    quantized = [(site, _qdq_import.quant_origin(site)) for site in find_weights(folded, source)]
+    origins = {site.name: origin for site, origin in quantized if origin is not None}
+    if not origins:
+        return sites, {}
+    taken = {name for o in origins.values() for name in (o.codes, o.scale, o.zero_point) if name}
+    return [site for site, origin in quantized if origin is not None] + [s for s in sites if s.name not in taken], origins
+
+
+def _check_quantized(entry, site: WeightSite, origin, model: ir.Model, problems: list, writes: dict) -> None:
+    """Check a record entry for a quantized template weight; a fitting one's arrays go to ``writes``."""
+    from ..errors import QuantizationError
+    from ..quant._tensor import QuantizedTensor
+    from ._quant_write import plan_quant_write
+
+    if tuple(entry.shape) != tuple(site.shape):
+        problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
+                        f"{list(site.shape)}, the record has {list(entry.shape)}")
+        return
+    if entry.dtype is not DType.QFloat:
+        problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph holds it quantized "
+                        f"({origin.form}), the record has {entry.dtype.name}; quantize it first")
+        return
+    try:
+        qt = QuantizedTensor.from_data(entry.to_data())
+    except QuantizationError as err:
+        problems.append(f"'{site.path}' (ONNX {site.name!r}): {err}")
+        return
+    plan = plan_quant_write(qt, origin, model.graph, site.path)
+    if isinstance(plan, str):
+        problems.append(plan)
+    else:
+        writes[site.name] = (plan, qt)
+
+
+def _write_quantized(graph: ir.Graph, planned, site: WeightSite, own_props: dict) -> None:
+    """Put a planned write's codes and scales into the template's initializers (their dtypes);
+    the codes initializer keeps its properties, the recorded scheme only when it is unchanged."""
+    from ..quant import _qdq_import
+    from ..quant._qdq_options import GLOBAL_SCALE_KEY, SCHEME_KEY
+
+    plan, qt = planned
+    codes_value, scale_value = graph.initializers[plan.codes_name], graph.initializers[plan.scale_name]
+    props = {k: v for k, v in codes_value.const_value.metadata_props.items() if not k.startswith(md.PREFIX)}
+    template_qt = _qdq_import.imported_quantized(site)
+    if template_qt is None or template_qt.scheme != qt.scheme:
+        props.pop(SCHEME_KEY, None)
+        props.pop(GLOBAL_SCALE_KEY, None)
+    props.update(own_props)
+    codes_value.const_value = ir.Tensor(plan.codes, dtype=codes_value.const_value.dtype, name=plan.codes_name,
+                                        metadata_props=props)
+    scale_value.const_value = ir.Tensor(plan.scales, dtype=scale_value.const_value.dtype, name=plan.scale_name,
+                                        metadata_props=dict(scale_value.const_value.metadata_props))
 
 
 def _lazy_tensor(snap: TensorSnapshot, site: WeightSite, props: dict) -> ir.LazyTensor:

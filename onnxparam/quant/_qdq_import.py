@@ -4,6 +4,7 @@ folded into one weight that becomes a ``QFloat`` param (see :mod:`onnxparam.quan
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -151,7 +152,9 @@ def fold_dequantize_weights(model: ir.Model) -> int:
                           data.metadata_props)
         if qt is None:
             continue
-        _replace_with_weight(graph, node.outputs[0], source, qt, data.metadata_props)
+        origin = QuantOrigin("DequantizeLinear", source.name, inputs[1].name,
+                             None if inputs[2] is None else inputs[2].name, axis_used, block)
+        _replace_with_weight(graph, node.outputs[0], source, qt, data.metadata_props, origin)
         graph.remove(node, safe=True)
         for value in inputs[1:3]:
             if value is not None:
@@ -166,9 +169,41 @@ def fold_dequantize_weights(model: ir.Model) -> int:
 
 _FOLDED_INPUT = "onnxparam.qdq.folded_input"
 _IMPORTED = "onnxparam.qdq.imported"
+_ORIGIN = "onnxparam.qdq.origin"
 
 
-def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: QuantizedTensor, props) -> None:
+class QuantOrigin(NamedTuple):
+    """Where a folded weight came from in the unfolded graph: the names of its integer codes, scale
+    and zero point (``None`` when absent) values, and the scale's layout (``axis`` ``None``:
+    per-tensor; ``block`` ``None``: per-axis, else blocks of ``block`` along ``axis``)."""
+
+    form: str
+    codes: str
+    scale: str
+    zero_point: "str | None"
+    axis: "int | None"
+    block: "int | None"
+
+    def describe(self, scale_shape) -> str:
+        """The layout in words, e.g. ``DequantizeLinear per-axis (axis 0), scale [16]``."""
+        if self.axis is None:
+            kind = "per-tensor"
+        elif self.block is None:
+            kind = f"per-axis (axis {self.axis})"
+        else:
+            kind = f"blocked (axis {self.axis}, block {self.block})"
+        zp = f", zero point {self.zero_point!r}" if self.zero_point else ""
+        return f"{self.form} {kind}, scale {list(scale_shape)}{zp}"
+
+
+def quant_origin(site) -> "QuantOrigin | None":
+    """The :class:`QuantOrigin` :func:`fold_dequantize_weights` recorded for the weight ``site``
+    (``DequantizeLinear`` and ``MatMulInteger`` forms; ``None`` for others)."""
+    return site.value.meta.get(_ORIGIN) if site.value is not None else None
+
+
+def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: QuantizedTensor, props,
+                         origin: "QuantOrigin | None" = None) -> None:
     name = source.name
     lazy = ir.LazyTensor(lambda _qt=qt: ir.tensor(_qt.dequantize()), ir.DataType.FLOAT, ir.Shape(list(qt.shape)),
                          name=name)
@@ -177,6 +212,8 @@ def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: Qua
     new = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(qt.shape)),
                    const_value=lazy)
     new.meta[_IMPORTED] = qt
+    if origin is not None:
+        new.meta[_ORIGIN] = origin
     graph.register_initializer(new)
     outputs = list(graph.outputs)
     if float_value in outputs:
@@ -246,7 +283,9 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
         graph.remove(dql, safe=True)
     float_value = ir.Value(name=None)
     matmul.replace_input_with(1, float_value)
-    _replace_with_weight(graph, float_value, w_source, qt, w.metadata_props)
+    origin = QuantOrigin("MatMulInteger", w_source.name, s_in[0].name, None if wz is None else inputs[3].name, axis,
+                         None)
+    _replace_with_weight(graph, float_value, w_source, qt, w.metadata_props, origin)
     for value in (s_in[0],) + ((inputs[3],) if wz is not None else ()):
         if not value.uses() and value.is_initializer() and value.name in graph.initializers:
             value.meta[_FOLDED_INPUT] = True

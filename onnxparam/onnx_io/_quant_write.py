@@ -52,8 +52,12 @@ def _template_form(per_element: np.ndarray, axis, block) -> np.ndarray:
     """The scales ``per_element`` would have in the template's layout (one sample per block)."""
     if axis is None:
         return per_element.reshape(-1)[:1]
-    index = [slice(0, 1)] * per_element.ndim
-    index[axis] = slice(None) if block is None else slice(0, None, block)
+    if block is None:  # per-axis: one scale per index along axis
+        index = [slice(0, 1)] * per_element.ndim
+        index[axis] = slice(None)
+    else:  # blocked: the scale has the codes' shape, axis divided into blocks
+        index = [slice(None)] * per_element.ndim
+        index[axis] = slice(0, None, block)
     return per_element[tuple(index)]
 
 

@@ -190,8 +190,8 @@ def weights_into_graph(
             problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
                             f"{list(site.shape)}, the record has {list(entry.shape)}")
         if not _fits(site.dtype, entry.dtype):
-            hint = ("; the template holds it as a float, not as a DequantizeLinear / MatMulInteger weight "
-                    "(quantized tensors are written as QDQ initializers by the quantization exporter)"
+            hint = ("; a QFloat tensor goes into a template holding that weight as DequantizeLinear or "
+                    "MatMulInteger codes and scale (not MatMulNBits), or is written by the quantization exporter"
                     if entry.dtype is DType.QFloat else "; cast the record first")
             problems.append(f"dtype mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
                             f"{site.dtype.name}, the record has {entry.dtype.name}{hint}")

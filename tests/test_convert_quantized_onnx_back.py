@@ -169,3 +169,22 @@ def test_a_weight_re_quantized_with_blocks_the_per_axis_template_cannot_hold_is_
     assert "'w_q'" in message and "per-block (3, 3)" in message
     assert "DequantizeLinear per-axis (axis 0), scale [8]" in message
     assert not (tmp_path / "back.onnx").exists()
+
+
+def test_a_matmul_nbits_template_weight_is_refused_by_name_not_written_as_floats(tmp_path):
+    w = RNG.normal(size=(64, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "f.onnx")
+    q4 = op.import_onnx(tmp_path / "f.onnx").quantize_weights(op.Quantizer(op.QuantScheme(op.QuantValue.Q4S)))
+    op.export_onnx(q4, tmp_path / "q4.onnx")
+    assert [n.op_type for n in onnx.load(str(tmp_path / "q4.onnx")).graph.node] == ["MatMulNBits"]
+    convert.convert(tmp_path / "q4.onnx", tmp_path / "q4.bpk")
+
+    with pytest.raises(RecordError) as info:
+        convert.convert(tmp_path / "q4.bpk", tmp_path / "back.onnx", graph=tmp_path / "q4.onnx")
+
+    assert "'w'" in str(info.value) and "MatMulNBits" in str(info.value)
+    assert not (tmp_path / "back.onnx").exists()

@@ -224,8 +224,8 @@ def _onnx_problems(tensors: list) -> list:
     for t in tensors:
         if t.dtype is DType.QFloat:
             problems.append(f"tensor '{t.name}' is quantized (QFloat): ONNX holds quantized weights as "
-                            "DequantizeLinear (QDQ) initializers, written by the ONNX exporter; dequantize or export it, or give the quantized ONNX file it came from "
-                            "as the template (--graph)")
+                            "DequantizeLinear (QDQ) initializers, written by the ONNX exporter; dequantize or export it, "
+                            "or give the quantized ONNX file it came from as the template (--graph)")
     return problems
 
 

@@ -255,7 +255,8 @@ def _template_sites(model: ir.Model, source: str):
     if not origins:
         return sites, {}
     taken = {name for o in origins.values() for name in (o.codes, o.scale, o.zero_point) if name}
-    return [site for site, origin in quantized if origin is not None] + [s for s in sites if s.name not in taken], origins
+    kept = [site for site in sites if site.name not in taken]
+    return [site for site, origin in quantized if origin is not None] + kept, origins
 
 
 def _check_quantized(entry, site: WeightSite, origin, model: ir.Model, problems: list, writes: dict) -> None:

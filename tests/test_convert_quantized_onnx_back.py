@@ -188,3 +188,29 @@ def test_a_matmul_nbits_template_weight_is_refused_by_name_not_written_as_floats
 
     assert "'w'" in str(info.value) and "MatMulNBits" in str(info.value)
     assert not (tmp_path / "back.onnx").exists()
+
+
+def test_two_weights_sharing_one_scale_initializer_go_back_unless_the_record_gives_them_different_scales(tmp_path):
+    codes = [RNG.integers(-127, 128, size=(4, 4)).astype(np.int8) for _ in range(2)]
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["a_q", "s"], ["a"]),
+         helper.make_node("DequantizeLinear", ["b_q", "s"], ["b"]),
+         helper.make_node("MatMul", ["x", "a"], ["h"]), helper.make_node("MatMul", ["h", "b"], ["y"])],
+        "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(codes[0], "a_q"), numpy_helper.from_array(codes[1], "b_q"),
+         numpy_helper.from_array(np.float32(0.02), "s")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "shared.onnx")
+
+    back, _ = round_trip(tmp_path, "shared")
+    assert_same_initializers(back, tmp_path / "shared.onnx")
+
+    scheme = op.QuantScheme(op.QuantValue.Q8S)
+    doubled = quantize(codes[1].astype(np.float32) * np.float32(0.04), scheme)  # scale 0.04 for b_q alone
+    with burnpack.read(tmp_path / "shared.bpk") as stored:
+        a = stored.tensors["a_q"].to_data()
+    burnpack.write(tmp_path / "changed.bpk", [TensorEntry("a_q", op.DType.QFloat, (4, 4), a, scheme=scheme),
+                                              TensorEntry("b_q", op.DType.QFloat, (4, 4), doubled, scheme=scheme)])
+    with pytest.raises(RecordError) as info:
+        convert.convert(tmp_path / "changed.bpk", tmp_path / "changed.onnx", graph=tmp_path / "shared.onnx")
+    assert "'b_q'" in str(info.value) and "share the template's scale initializer 's'" in str(info.value)

@@ -179,7 +179,7 @@ def weights_into_graph(
     for site in sites:
         entry = tensors.get(site.path)
         if entry is not None and site.name in origins:
-            _check_quantized(entry, site, origins[site.name], model, problems, writes)
+            _check_quantized(entry, site, origins, model, problems, writes)
             continue
         if entry is None:
             if not allow_partial:
@@ -259,12 +259,18 @@ def _template_sites(model: ir.Model, source: str):
     return [site for site, origin in quantized if origin is not None] + kept, origins
 
 
-def _check_quantized(entry, site: WeightSite, origin, model: ir.Model, problems: list, writes: dict) -> None:
-    """Check a record entry for a quantized template weight; a fitting one's arrays go to ``writes``."""
+def _check_quantized(entry, site: WeightSite, origins: dict, model: ir.Model, problems: list, writes: dict) -> None:
+    """Check a record entry for a quantized template weight; a fitting one's arrays go to ``writes``.
+
+    A scale initializer the template shares (between weights, or with other nodes) takes new
+    values only when every weight reading it gives the same ones."""
+    import numpy as np
+
     from ..errors import QuantizationError
     from ..quant._tensor import QuantizedTensor
     from ._quant_write import plan_quant_write
 
+    origin = origins[site.name]
     if tuple(entry.shape) != tuple(site.shape):
         problems.append(f"shape mismatch for '{site.path}' (ONNX {site.name!r}): the graph expects "
                         f"{list(site.shape)}, the record has {list(entry.shape)}")
@@ -281,8 +287,21 @@ def _check_quantized(entry, site: WeightSite, origin, model: ir.Model, problems:
     plan = plan_quant_write(qt, origin, model.graph, site.path)
     if isinstance(plan, str):
         problems.append(plan)
-    else:
-        writes[site.name] = (plan, qt)
+        return
+    where = f"'{site.path}' (ONNX {site.name!r})"
+    for other_name, (other, _) in writes.items():
+        if other.scale_name == plan.scale_name and other.scales.tobytes() != plan.scales.tobytes():
+            problems.append(f"{where} and {other_name!r} share the template's scale initializer "
+                            f"{plan.scale_name!r}, but the record gives them different scales")
+            return
+    scale_value = model.graph.initializers[plan.scale_name]
+    readers = sum(1 for o in origins.values() if o.scale == plan.scale_name)
+    if len(scale_value.uses()) > readers and np.asarray(scale_value.const_value.numpy()).tobytes() \
+            != plan.scales.tobytes():
+        problems.append(f"{where}: the template's scale initializer {plan.scale_name!r} is also read by other "
+                        "nodes, and the record changes its value")
+        return
+    writes[site.name] = (plan, qt)
 
 
 def _write_quantized(graph: ir.Graph, planned, site: WeightSite, own_props: dict) -> None:

@@ -78,6 +78,11 @@ def plan_quant_write(qt, origin, graph: ir.Graph, path: str) -> "QuantWrite | st
         origin: the template's :class:`~onnxparam.quant._qdq_import.QuantOrigin` for that weight.
         graph: the unfolded template's main graph.
         path: the record path, for messages.
+
+    Returns:
+        a :class:`QuantWrite` (codes: the codes initializer's dtype and shape, ``q + zero_point``;
+        scales: the scale initializer's dtype and shape), or the problem as text naming ``path``,
+        the ONNX codes name and both layouts.
     """
     codes_t = _const_array(graph, origin.codes)
     scale_t = _const_array(graph, origin.scale)

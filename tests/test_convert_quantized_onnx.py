@@ -11,33 +11,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import Mlp, exact_options, initializers
 
 import onnxparam as op
-from onnxparam import burnpack, convert, nn
+from onnxparam import burnpack, convert
 from onnxparam.errors import RecordError
 from onnxparam.quant import quantize_activations
 
 RNG = np.random.default_rng(7)
-
-
-class Mlp(op.Module):
-    def __init__(self):
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.fc2(op.ops.relu(self.fc1(x)))
-
-
-def initializers(path) -> dict:
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-
-
-def exact_options():
-    """ONNX Runtime computing the graph as written (its QDQ fusion would also quantize x)."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return options
 
 
 def dequantized(path) -> dict:

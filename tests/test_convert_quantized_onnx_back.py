@@ -10,27 +10,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import Mlp, exact_options, initializers
 
 import onnxparam as op
-from onnxparam import burnpack, convert, nn
+from onnxparam import burnpack, convert
 from onnxparam.burnpack import TensorEntry
 from onnxparam.errors import RecordError
 from onnxparam.quant import quantize
 
 RNG = np.random.default_rng(11)
-
-
-class Mlp(op.Module):
-    def __init__(self):
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.fc2(op.ops.relu(self.fc1(x)))
-
-
-def initializers(path) -> dict:
-    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
 
 
 def assert_same_initializers(got_path, expected_path):
@@ -42,9 +30,7 @@ def assert_same_initializers(got_path, expected_path):
 
 
 def run(path, feeds):
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(str(path), options).run(None, feeds)[0]
+    return ort.InferenceSession(str(path), exact_options()).run(None, feeds)[0]
 
 
 def round_trip(tmp_path, name) -> "tuple":

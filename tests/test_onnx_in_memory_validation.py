@@ -13,24 +13,16 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 import pytest
+from test_fuzz_structured import fs
 
 from onnxparam import OnnxFormatError
 from onnxparam.onnx_io import import_onnx
 
-TEXT = """
-<ir_version: 8, opset_import: ["" : 17]>
-g (float[2, 4] x, bool c) => (float[2, 4] y) <float[4] w = {1, 2, 3, 4}, float[4] b = {0, 0, 0, 1}> {
-    t = Mul(x, w)
-    k = Constant<value_float = 2.0>()
-    u = Mul(t, k)
-    v = Add(u, b)
-    y = If(c) <then_branch = g1 () => (float[2, 4] z) { z = Identity(v) },
-               else_branch = g2 () => (float[2, 4] z2) { z2 = Neg(v) }>
-}"""
-
 
 def base() -> onnx.ModelProto:
-    return onnx.parser.parse_model(TEXT)
+    """The structure-aware fuzzer's ONNX seed model (``tools/fuzz_structured.py``): an If with two
+    branches, initializers and a Constant."""
+    return fs._onnx_base()
 
 
 def file_message(tmp_path, proto: onnx.ModelProto) -> str:

@@ -117,28 +117,24 @@ def _copy_file_range(src: int, dst: int, offset: int, count: int) -> int:
     copy = getattr(os, "copy_file_range", None)
     if copy is None:
         raise OSError(errno.ENOSYS, "copy_file_range is not available")
-    done = 0
-    while done < count:
-        try:
-            n = copy(src, dst, min(count - done, _CHUNK_BYTES), offset_src=offset + done)
-        except OSError:
-            if done == 0:
-                raise
-            break  # NOTE: what was copied stays; the caller finishes the rest another way
-        if n == 0:
-            break
-        done += n
-    return done
+    return _in_chunks(lambda done, n: copy(src, dst, n, offset_src=offset + done), count)
 
 
 def _sendfile(src: int, dst: int, offset: int, count: int) -> int:
     send = getattr(os, "sendfile", None)
     if send is None:
         raise OSError(errno.ENOSYS, "sendfile is not available")
+    return _in_chunks(lambda done, n: send(dst, src, offset + done, n), count)
+
+
+def _in_chunks(step, count: int) -> int:
+    """Bytes moved by calling the kernel copy ``step(done, n)`` (``n`` at most
+    :data:`_CHUNK_BYTES`) until ``count`` are copied, the source ends (a call copies 0) or a later
+    call fails; a failing first call raises its ``OSError`` (the caller then tries the next way)."""
     done = 0
     while done < count:
         try:
-            n = send(dst, src, offset + done, min(count - done, _CHUNK_BYTES))
+            n = step(done, min(count - done, _CHUNK_BYTES))
         except OSError:
             if done == 0:
                 raise

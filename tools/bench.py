@@ -304,22 +304,9 @@ def _run_case_process(case: str, folder: Path) -> dict:
 def _run_cli_case(src: Path, dst: Path, graph: "Path | None" = None) -> dict:
     """``onnxparam convert SRC DST -q`` as a command: wall seconds (imports included) and the
     child's peak RSS (sampled from /proc every 2 ms; start = 0, the whole process)."""
-    t0 = time.perf_counter()
     extra = ["--graph", str(graph)] if graph is not None else []
-    child = subprocess.Popen([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q", *extra],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env())
-    peak = dict.fromkeys(RSS_KEYS, 0)
-    while child.poll() is None:
-        try:
-            for k, v in _rss_kib(child.pid).items():
-                peak[k] = max(peak[k], v)
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass
-        time.sleep(RSS_SAMPLE_S)
-    seconds = time.perf_counter() - t0
-    if child.returncode:
-        raise RuntimeError(f"onnxparam convert {src.name} {dst.name} failed: {child.stderr.read().decode()}")
-    return {"seconds": seconds, "start": dict.fromkeys(RSS_KEYS, 0), "peak": peak}
+    run = _child_peak([sys.executable, "-m", "onnxparam", "convert", str(src), str(dst), "-q", *extra], env=_child_env())
+    return {**run, "start": dict.fromkeys(RSS_KEYS, 0)}
 
 
 def _median_run(runs: list) -> dict:
@@ -738,10 +725,10 @@ INSPECT_TIME_TARGET = 1.0
 INSPECT_MEMORY_TARGET = 0.25
 
 
-def _child_peak(argv: list) -> dict:
+def _child_peak(argv: list, env: "dict | None" = None) -> dict:
     """Run ``argv``; wall seconds and the child's peak RSS (kB, sampled every 2 ms)."""
     t0 = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = dict.fromkeys(RSS_KEYS, 0)
     while child.poll() is None:
         try:

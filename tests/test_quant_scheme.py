@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import cbor2
 import pytest
 
@@ -82,9 +84,13 @@ def test_block_size_is_rank_relative_like_burns():
     assert BlockSize(32).num_blocks((8, 70)) == (8, 3)
 
 
-@pytest.mark.parametrize("bad", [0, 256, (2, 2, 2, 2, 2, 2), (3, -1)])
-def test_block_size_rejects_extents_burn_cannot_store(bad):
-    with pytest.raises(QuantizationError):
+@pytest.mark.parametrize("bad, says", [(0, "block extent 0 is not an integer in 1..255"),
+                                       (256, "block extent 256 is not an integer in 1..255"),
+                                       ((2, 2, 2, 2, 2, 2), "has more than 5 dims"),
+                                       ((3, -1), "block extent -1 is not an integer in 1..255")])
+def test_block_size_rejects_extents_burn_cannot_store(bad, says):
+    # docs/burnpack.md: Burn's BlockSize holds up to 5 extents of u8, each at least 1
+    with pytest.raises(QuantizationError, match=re.escape(says)):
         BlockSize(bad)
 
 

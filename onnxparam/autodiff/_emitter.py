@@ -39,8 +39,9 @@ def static_dims(value: ir.Value, why: str) -> tuple:
     """
     out = dims(value)
     if not all(isinstance(d, int) for d in out):
-        raise TraceError(f"{why} needs static dims; {value.name!r} has shape {list(out)} "
-                         "(grad() traces with the concrete input shapes; pass tensors, not InputSpecs)")
+        raise TraceError(f"{why} needs static dims; {value.name!r} has shape {list(out)} (dims the graph "
+                         "computes at run time, or symbolic input dims); this form of the rule has no "
+                         "dynamic-shape version")
     return out
 
 
@@ -52,6 +53,7 @@ def np_dtype(value: ir.Value) -> np.dtype:
 
 
 _BOOL_OPS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Not"})
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 
 
 def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Optional[ir.DataType]:
@@ -62,7 +64,7 @@ def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Option
         return ir.DataType(int(attrs["to"]))
     if op_type in _BOOL_OPS:
         return ir.DataType.BOOL
-    if op_type == "Shape" or (op_type == "MaxPool" and index == 1):
+    if op_type in _INT64_OPS or (op_type == "MaxPool" and index == 1) or (op_type == "TopK" and index == 1):
         return ir.DataType.INT64
     start = 1 if op_type == "Where" else 0
     for v in inputs[start:]:
@@ -172,6 +174,37 @@ class Emitter:
         d = dims(like)
         return self.op("Expand", x, self.ints(d) if all(isinstance(k, int) for k in d) else self.op("Shape", like))
 
+    # -- shape arithmetic (static dims as constants, dynamic ones through Shape) ---------------
+
+    def shape_of(self, value: ir.Value) -> ir.Value:
+        """``value``'s shape as a 1-D int64 tensor: a constant when every dim is static, else
+        ``Shape(value)`` (so one backward graph serves every size)."""
+        d = dims(value)
+        if all(isinstance(k, int) for k in d):
+            return self.ints(d)
+        return self.op("Shape", value)
+
+    def dims_of(self, value: ir.Value, start: int, end: Optional[int] = None) -> ir.Value:
+        """``shape(value)[start:end]`` as a 1-D int64 tensor (constant when those dims are static)."""
+        d = dims(value)
+        stop = len(d) if end is None else (end + len(d) if end < 0 else end)
+        part = d[start:stop]
+        if all(isinstance(k, int) for k in part):
+            return self.ints(part)
+        return self.op("Slice", self.op("Shape", value), self.ints([start]), self.ints([stop]), self.ints([0]))
+
+    def concat_ints(self, *parts) -> ir.Value:
+        """1-D int64 tensors and int lists concatenated (a constant when all are constants)."""
+        values = [self.ints(p) if isinstance(p, (list, tuple)) else p for p in parts]
+        values = [v for v in values if not (v.shape is not None and list(dims(v)) == [0])]
+        if len(values) == 1:
+            return values[0]
+        return self.op("Concat", *values, axis=0)
+
+    def zeros_like(self, value: ir.Value) -> ir.Value:
+        """Zeros of ``value``'s shape and dtype (``Expand`` of a scalar)."""
+        return self.op("Expand", self.scalar_like(0.0, value), self.shape_of(value))
+
     def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
         return self.op("Reshape", x, self.ints(shape))
 
@@ -196,17 +229,30 @@ class Emitter:
         out = tuple(out_shape)
         lead = len(out) - len(want)
         axes = list(range(lead))
+        unsure = []
         for i, d in enumerate(want):
             o = out[lead + i]
             if d == 1 and o != 1:
                 axes.append(lead + i)
-            elif d != o and isinstance(d, int):
+            elif not isinstance(d, int) and o != 1 and (d is None or d != o):
+                unsure.append(lead + i)  # a run-time size: 1 (broadcast) or the result's
+            elif d != o and isinstance(d, int) and isinstance(o, int):
                 raise TraceError(f"cannot reduce a gradient of shape {list(out)} to {list(want)} "
                                  f"({target.name!r}): dim {i} is not statically broadcast")
-        # NOTE: a dynamic dim of ``target`` against a size-n dim of the result is taken as n, not
-        # as a broadcast 1 (ONNX's shape-inference merge rule); a wrong guess fails in ONNX Runtime
+        if unsure and self.opset >= 13:
+            # which of the run-time dims are 1 in ``target``: summed too (Compress of the candidates)
+            sizes = self.op("Gather", self.op("Shape", target), self.ints([a - lead for a in unsure]))
+            picked = self.op("Compress", self.ints(unsure), self.op("Equal", sizes, self.const(1, np.int64)), axis=0)
+            all_axes = self.concat_ints(axes, picked) if axes else picked
+            summed = self.op("ReduceSum", grad, all_axes, keepdims=1, noop_with_empty_axes=1)
+            return self.op("Reshape", summed, self.op("Shape", target))
+        # NOTE: below opset 13 (axes an attribute) a dynamic dim of ``target`` against a size-n
+        # dim of the result is taken as n, not as a broadcast 1 (ONNX's shape-inference merge
+        # rule); a wrong guess fails in ONNX Runtime
         if not axes:
             return grad
+        if lead and all(a < lead for a in axes):
+            return self.reduce_sum(grad, axes, keepdims=False)
         summed = self.reduce_sum(grad, axes, keepdims=True)
         if lead:
             summed = self.reshape_like(summed, target)

@@ -426,11 +426,23 @@ def _gemm(e, node, gout, need):
 # -- reductions ---------------------------------------------------------------------------------
 
 
+def _dynamic_axes(node: ir.Node) -> Optional[ir.Value]:
+    """The ``axes`` input of a reduction when it is computed (not a constant), else ``None``."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
+        return node.inputs[1]
+    return None
+
+
 def _reduce_layout(node: ir.Node) -> tuple:
     """``(axes, keep_shape)``: the reduced axes of ``node``'s input and the output's shape with
-    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op form."""
+    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op
+    form. ``axes`` is the ``axes`` value itself when it is computed at run time (``keep_shape``
+    then ``None``)."""
     x = node.inputs[0]
     xd = dims(x)
+    computed = _dynamic_axes(node)
+    if computed is not None:
+        return computed, None
     axes = _axes(node, 1, len(xd))
     if not axes:
         if int(attr(node, "noop_with_empty_axes", 0)):
@@ -440,11 +452,13 @@ def _reduce_layout(node: ir.Node) -> tuple:
     return axes, keep
 
 
-def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir.Value:
+def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes, keep: Optional[tuple]) -> ir.Value:
     """``v`` (shaped like ``node``'s output) with the reduced dims as 1: as it is for
-    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic ones)."""
+    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic dims, computed axes)."""
     if int(attr(node, "keepdims", 1)):
         return v
+    if isinstance(axes, ir.Value):
+        return e.op("Unsqueeze", v, axes)
     if all(isinstance(d, int) for d in keep):
         return e.reshape(v, keep)
     return e.unsqueeze(v, axes)
@@ -454,7 +468,7 @@ def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir
 def _reduce_sum_mean(e, node, gout, need):
     """``y = sum(x, axes)``: ``dx = expand(g, x.shape)`` (``g`` reshaped with the reduced dims
     kept as 1); ``ReduceMean`` divides by the count of reduced elements (``Size(x) / Size(y)``
-    when a reduced dim is dynamic)."""
+    when a reduced dim is dynamic). Axes may be computed at run time (an input from opset 13)."""
     x, g = node.inputs[0], gout[0]
     axes, keep = _reduce_layout(node)
     if axes is None:
@@ -462,14 +476,22 @@ def _reduce_sum_mean(e, node, gout, need):
     xd = dims(x)
     dx = e.expand_like(_kept(e, node, g, axes, keep), x)
     if node.op_type == "ReduceMean":
-        reduced = [xd[a] for a in axes]
-        if all(isinstance(d, int) for d in reduced):
+        reduced = None if isinstance(axes, ir.Value) else [xd[a] for a in axes]
+        if reduced is not None and all(isinstance(d, int) for d in reduced):
             dx = _scale(e, dx, 1.0 / math.prod(reduced))
         else:
             to = int(x.dtype)
             count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", node.outputs[0]), to=to))
             dx = e.op("Div", dx, count)
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+def reduce_sum_axes(e: Emitter, node: ir.Node, t: ir.Value, axes) -> ir.Value:
+    """``ReduceSum(t, axes, keepdims=1)`` for static axes (a list) or computed ones (a value,
+    with the node's ``noop_with_empty_axes``)."""
+    if isinstance(axes, ir.Value):
+        return e.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=int(attr(node, "noop_with_empty_axes", 0)))
+    return e.reduce_sum(t, axes, keepdims=True)
 
 
 @rule("ReduceMax", "ReduceMin")
@@ -482,6 +504,6 @@ def _reduce_max_min(e, node, gout, need):
         return [g] + [None] * (len(node.inputs) - 1)
     y_keep = _kept(e, node, node.outputs[0], axes, keep)
     mask = e.op("Cast", e.op("Equal", x, y_keep), to=int(x.dtype))
-    count = e.reduce_sum(mask, axes, keepdims=True)
+    count = reduce_sum_axes(e, node, mask, axes)
     dx = e.op("Mul", mask, e.op("Div", _kept(e, node, g, axes, keep), count))
     return [dx] + [None] * (len(node.inputs) - 1)

@@ -263,24 +263,22 @@ def _layer_norm(e, node, gout, need):
       the normalized axes);
     * ``dgamma = unb(g * xh, gamma)``, ``dbeta = unb(g, beta)``.
 
-    Raises:
-        TraceError: when the node also outputs its mean / inverse std (training form).
+    The optional ``Mean`` / ``InvStdDev`` outputs carry no gradient (only the first output
+    may). No static dim is needed (the means are ``ReduceMean``).
     """
-    if len(node.outputs) > 1:
-        raise TraceError(f"node {node.name!r}: LayerNormalization with Mean / InvStdDev outputs has no gradient rule")
     x, gamma = node.inputs[0], node.inputs[1]
     beta = node.inputs[2] if len(node.inputs) > 2 else None
     g = gout[0]
-    xd = static_dims(x, "LayerNormalization's gradient")
-    rank = len(xd)
+    rank = len(dims(x))
     axis = int(attr(node, "axis", -1))
     axis = axis + rank if axis < 0 else axis
     axes = list(range(axis, rank))
-    n = float(math.prod(xd[axis:]))
     eps = float(attr(node, "epsilon", 1e-5))
 
     def mean(t):
-        return _scale_op(e, e.reduce_sum(t, axes, keepdims=True), 1.0 / n)
+        if e.opset >= 18:
+            return e.op("ReduceMean", t, e.ints(axes), keepdims=1)
+        return e.op("ReduceMean", t, axes=axes, keepdims=1)
 
     xc = e.op("Sub", x, mean(x))
     r = e.op("Reciprocal", e.op("Sqrt", e.op("Add", mean(e.op("Mul", xc, xc)), e.scalar_like(eps, x))))

@@ -362,7 +362,7 @@ def _matmul(e, node, gout, need):
     the last two dims); a 1-D ``a`` is ``[1, k]``, a 1-D ``b`` is ``[k, 1]``."""
     a, b = node.inputs
     g = gout[0]
-    dyn = matmul_dynamic(e, a, b, g, need)
+    dyn = matmul_dynamic(e, a, b, g, need, node.outputs[0])
     if dyn is not None:
         return dyn
     ad, bd = static_dims(a, "MatMul's gradient"), static_dims(b, "MatMul's gradient")

@@ -10,7 +10,7 @@ from ._emitter import Emitter, dims
 __all__ = ["matmul_dynamic"]
 
 
-def matmul_dynamic(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list):
+def matmul_dynamic(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list, out: ir.Value):
     """The common forms with dynamic dims in ``a``: ``[..., k] @ [k, n]`` with ``b`` static
     (a weight): ``da = g @ b^T``, ``db = reshape(a, [-1, k])^T @ reshape(g, [-1, n])`` (the
     batch dims summed by the product). ``None`` for the other forms (static dims or not this)."""
@@ -18,7 +18,7 @@ def matmul_dynamic(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list
     if all(isinstance(d, int) for d in ad + bd):
         return None
     if len(ad) < 2 or len(bd) != 2 or (len(ad) > 2 and not all(isinstance(d, int) for d in bd)):
-        return _general(e, a, b, g, need)
+        return _general(e, a, b, g, need, dims(out))
     bt = e.op("Transpose", b, perm=[1, 0])
     da = e.op("MatMul", g, bt) if need[0] else None
     db = None
@@ -34,7 +34,7 @@ def _swap(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
     return e.op("Transpose", x, perm=perm)
 
 
-def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list) -> list:
+def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list, gd: tuple) -> list:
     """Any ``matmul`` with dynamic dims (batched attention products ``[B, H, S, D] @ [B, H, D, S]``,
     1-D operands): 1-D operands promoted (``a`` to ``[1, k]``, ``b`` to ``[k, 1]``, ``g``
     unsqueezed to match), ``da = unb(g @ b^T, a)``, ``db = unb(a^T @ g, b)`` over the batch
@@ -51,7 +51,6 @@ def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list) -> l
         g2 = e.op("Unsqueeze", g2, e.ints([-2])) if e.opset >= 13 else e.op("Unsqueeze", g2, axes=[-2])
     a2d = (1,) + ad if a1 else ad
     b2d = bd + (1,) if b1 else bd
-    gd = dims(g)
     batch = gd[:len(gd) - (0 if a1 else 1) - (0 if b1 else 1)]
     da = db = None
     if need[0]:

@@ -36,6 +36,7 @@ from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
 from ..tensor import Tensor
+from . import _dynamic
 from ._backward import build_training_model
 
 __all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
@@ -58,6 +59,7 @@ def clear_cache() -> None:
     with _calls._LOCK:
         _graphs.clear()
         _sessions.clear()
+        _dynamic.clear()
 
 
 class Gradients(Mapping):
@@ -108,9 +110,15 @@ def trainable_paths(module) -> tuple:
     return tuple(path for path, p in named_params(module) if p.require_grad and p.lazy_dtype().is_float)
 
 
-def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel:
+def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tuple] = None,
+                least: int = 0) -> _trace.TracedModel:
+    """``loss_fn(module, *args, **kwargs)`` traced; ``shapes`` (one per argument, positional then
+    keyword; ``None`` for non-tensors) replaces the tensors' shapes (``str`` dims symbolic, for
+    sizes >= ``least``)."""
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph")
+    tracer.min_dynamic_size = int(least)
+    shape_of = (lambda i, t: t.shape) if shapes is None else (lambda i, t: shapes[i])
     # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
     # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
@@ -121,11 +129,11 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel
         names = []
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
-                args[i] = tracer.input(f"input_{i}", a.shape, a.dtype, unique=True)
+                args[i] = tracer.input(f"input_{i}", shape_of(i, a), a.dtype, unique=True)
                 names.append(args[i]._symbol.value.name)
-        for k, v in kwargs.items():
+        for j, (k, v) in enumerate(kwargs.items()):
             if isinstance(v, Tensor):
-                kwargs[k] = tracer.input(str(k), v.shape, v.dtype, unique=True)
+                kwargs[k] = tracer.input(str(k), shape_of(len(args) + j, v), v.dtype, unique=True)
                 names.append(kwargs[k]._symbol.value.name)
         loss = loss_fn(module, *args, **kwargs)
         if not isinstance(loss, Tensor):
@@ -144,12 +152,40 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     if hit is not None:
         _graphs.move_to_end(key)
         return (key,) + hit
+    if session_config(module).dynamic_shapes == "auto":
+        family_key = (key[0], key[1], tuple(_rank_only(e, i < len(args)) for i, e in enumerate(call_sig)), wrt_all)
+
+        def lookup(gen_key):
+            hit = _graphs.get(gen_key)
+            if hit is not None:
+                _graphs.move_to_end(gen_key)
+            return hit
+
+        def build(gen_key, shapes, least):
+            forward = _trace_loss(loss_fn, module, args, kwargs, shapes, least)
+            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params])
+            _graphs[gen_key] = entry
+            _calls._trim(_graphs, MAX_CACHED_TRAINING)
+            return entry
+
+        found = _dynamic.dynamic_entry(family_key, args, kwargs, lookup, build)
+        if found is not None:
+            return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)
     wrt = [p for p in wrt_all if p in forward.params]
     training, grad_paths = build_training_model(forward, wrt)
     _graphs[key] = (training, grad_paths)
     _calls._trim(_graphs, MAX_CACHED_TRAINING)
     return key, training, grad_paths
+
+
+def _rank_only(entry, positional: bool):
+    """A call-signature entry with a tensor's shape replaced by its rank."""
+    if not positional:
+        return (entry[0], _rank_only(entry[1], True))
+    if isinstance(entry, tuple) and len(entry) == 4 and entry[0] == "T":
+        return ("T", len(entry[1])) + entry[2:]
+    return entry
 
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:

@@ -27,7 +27,8 @@ from .._trace import TracedModel
 from ..errors import TraceError
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from ._emitter import Emitter, dims, np_dtype
-from ._rules import NON_DIFFERENTIABLE, RULES
+from ._check import format_missing, missing_rules, rule_for, rule_key
+from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
 
@@ -135,10 +136,15 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     # 2. which values depend on a differentiated param
     requires: set = set(wrt_values.values())
     for node in graph:
-        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
+        if rule_key(node) in NON_DIFFERENTIABLE:
             continue
         if any(v is not None and v in requires for v in node.inputs):
             requires.update(out for out in node.outputs if _is_float(out))
+
+    # every node without a rule on a param -> loss path, listed at once before anything is built
+    missing = missing_rules(graph, requires, loss, traced.params)
+    if missing:
+        raise TraceError(format_missing(missing))
 
     # 3. reverse sweep
     e = Emitter(graph, opset)
@@ -154,7 +160,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         need = [v is not None and v in requires and _is_float(v) for v in node.inputs]
         if not any(need):
             continue
-        fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        fn = rule_for(node)
         if fn is None:
             params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
             raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"

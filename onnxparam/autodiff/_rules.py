@@ -27,19 +27,36 @@ from ..errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules_matmul import matmul_dynamic
 
-__all__ = ["RULES", "NON_DIFFERENTIABLE", "rule", "attr", "const_array"]
+__all__ = ["RULES", "NON_DIFFERENTIABLE", "NOT_DIFFERENTIABLE", "rule", "attr", "const_array"]
 
 Rule = Callable[[Emitter, ir.Node, list, list], list]
 
 RULES: dict[str, Rule] = {}
 """ONNX ``op_type`` (domain ``ai.onnx``) -> its gradient rule."""
 
-NON_DIFFERENTIABLE = frozenset({
-    "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-    "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "ConstantOfShape",
-    "EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Range",
-})
-"""Operators whose outputs carry no gradient (integer, boolean or piecewise-constant results)."""
+_INTEGER = "its outputs are integers or booleans"
+_PIECEWISE = "piecewise constant: its derivative is 0 wherever it exists"
+_RANDOM = "a random sample: no derivative with respect to its inputs"
+_GENERATED = "generates values from sizes or attributes only"
+
+NOT_DIFFERENTIABLE: dict = {
+    **{op: _INTEGER for op in (
+        "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+        "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
+        "BitwiseNot", "QuantizeLinear", "DynamicQuantizeLinear", "NonMaxSuppression", "StringNormalizer",
+        "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "MatMulInteger", "ConvInteger")},
+    **{op: _PIECEWISE for op in ("Sign", "Floor", "Ceil", "Round", "Hardmax")},
+    **{op: _RANDOM for op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                              "Multinomial", "Bernoulli")},
+    **{op: _GENERATED for op in ("ConstantOfShape", "EyeLike", "Range", "BlackmanWindow", "HannWindow",
+                                 "HammingWindow")},
+}
+"""Operators declared not differentiable, with the reason: their outputs carry no gradient (the
+backward pass stops there, which is exact: integer / boolean results, and piecewise constants
+whose derivative is 0 almost everywhere)."""
+
+NON_DIFFERENTIABLE = frozenset(NOT_DIFFERENTIABLE)
+"""The keys of :data:`NOT_DIFFERENTIABLE` (operators whose outputs carry no gradient)."""
 
 
 def rule(*op_types: str):

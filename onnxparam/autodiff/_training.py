@@ -39,7 +39,7 @@ from ..tensor import Tensor
 from . import _dynamic
 from ._backward import build_training_model
 
-__all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
+__all__ = ["Gradients", "grad", "check_gradients", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
 
 LOSS_OUTPUT = "loss"
 """The training graph's first output (``output`` when a param path is already ``loss``)."""
@@ -252,3 +252,32 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
 def _input_dtype(training, name: str):
     cache = training._cache.setdefault("input_dtypes", {n: d for n, d, _ in training.input_types()})
     return cache[name]
+
+
+def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
+    """Every node without a gradient rule on a path from ``module``'s trainable params to the
+    loss, found by tracing ``loss_fn(module, *inputs, **kwargs)`` (nothing is built or run).
+
+    Args:
+        loss_fn, module, *inputs, **kwargs: as for :func:`grad`.
+
+    Returns:
+        a list of :class:`~onnxparam.autodiff._check.MissingRule` (``node``, ``op`` — the
+        operator key, ``"<domain>:<op>"`` outside ``ai.onnx`` —, ``params`` — the trainable
+        params feeding it directly — and ``reason``), in graph order; empty when :func:`grad`
+        has a rule for every node it needs. :func:`grad` raises a
+        :class:`~onnxparam.errors.TraceError` listing the same nodes.
+
+    Raises:
+        TraceError: when ``loss_fn`` cannot be traced.
+    """
+    from ._check import missing_rules, requiring
+
+    args, kwargs, _, _ = _calls._split_call(inputs, kwargs)
+    with _calls._LOCK:
+        forward = _trace_loss(loss_fn, module, args, kwargs)
+    graph = forward.graph
+    graph.sort()
+    wrt = [p for p in trainable_paths(module) if p in forward.params]
+    start = {graph.initializers[p] for p in wrt if p in graph.initializers}
+    return missing_rules(graph, requiring(graph, start), graph.outputs[0], forward.params)

@@ -40,13 +40,17 @@ def _conv_transpose(e, node, gout, need):
     out = [None] * len(node.inputs)
     if need[0]:
         dx = e.op("Conv", g, w, strides=strides, dilations=dilations, pads=list(begin) + list(end), group=group)
+        if not all(isinstance(d, int) for d in tuple(xd[2:]) + tuple(yd[2:])):
+            dx = e.op("Slice", dx, e.ints([0] * nd), e.dims_of(x, 2), e.ints(range(2, 2 + nd)))
+            out[0] = dx
         read = [(yd[2 + i] + begin[i] + end[i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
-                for i in range(nd)]
+                for i in range(nd)] if out[0] is None else list(xd[2:])
         if read != list(xd[2:]):
             dx = e.op("Slice", dx, e.ints([0] * nd), e.ints(xd[2:]), e.ints(range(2, 2 + nd)))
         out[0] = dx
     if need[1]:
-        out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group)
+        out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group, x,
+                                  node.outputs[0])
     if b is not None and need[2]:
         out[2] = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return out

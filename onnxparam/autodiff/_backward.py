@@ -26,6 +26,7 @@ import onnx_ir as ir
 from .._trace import TracedModel
 from ..errors import TraceError
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
+from . import _rules_more  # noqa: F401  (register the rules imported models need)
 from ._emitter import Emitter, dims, np_dtype
 from ._check import format_missing, missing_rules, rule_for, rule_key
 from ._rules import NON_DIFFERENTIABLE
@@ -168,7 +169,8 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")
                              + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
                                "onnxparam.autodiff._rules.RULES")
-        if len(node.outputs) > 1 and node.op_type != "Split" and any(g is not None for g in gout[1:]):
+        if len(node.outputs) > 1 and node.op_type != "Split" and not getattr(fn, "multi_output", False) \
+                and any(g is not None for g in gout[1:]):
             raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
         try:
             results = fn(e, node, gout, need)

@@ -117,6 +117,20 @@ class Emitter:
         self.graph.append(node)
         return list(node.outputs)
 
+    def copy_node(self, node: ir.Node, inputs: Sequence[Optional[ir.Value]], num_outputs: int = 1,
+                  int64_outputs: bool = False) -> list[ir.Value]:
+        """Append a node of ``node``'s domain, operator and attributes on other ``inputs``
+        (e.g. the forward op applied to an index grid); outputs typed int64 when asked."""
+        attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        name = self.unique(f"/grad/{node.op_type}")
+        new = ir.Node(node.domain, node.op_type, list(inputs), attributes, num_outputs=num_outputs, name=name)
+        for i, out in enumerate(new.outputs):
+            out.name = self.unique(f"{name}_output_{i}")
+            if int64_outputs:
+                out.type = ir.TensorType(ir.DataType.INT64)
+        self.graph.append(new)
+        return list(new.outputs)
+
     def op(self, op_type: str, *inputs: Optional[ir.Value], **attrs) -> ir.Value:
         """Append a one-output node ``op_type(*inputs, **attrs)``; return its output.
         ``LessOrEqual`` / ``GreaterOrEqual`` (opset 12) become ``Not(Greater / Less)`` before."""
@@ -178,7 +192,9 @@ class Emitter:
 
     def shape_of(self, value: ir.Value) -> ir.Value:
         """``value``'s shape as a 1-D int64 tensor: a constant when every dim is static, else
-        ``Shape(value)`` (so one backward graph serves every size)."""
+        ``Shape(value)`` (so one backward graph serves every size; also for an untyped value)."""
+        if value.shape is None:
+            return self.op("Shape", value)
         d = dims(value)
         if all(isinstance(k, int) for k in d):
             return self.ints(d)
@@ -192,6 +208,14 @@ class Emitter:
         if all(isinstance(k, int) for k in part):
             return self.ints(part)
         return self.op("Slice", self.op("Shape", value), self.ints([start]), self.ints([stop]), self.ints([0]))
+
+    def dim_scalar(self, value: ir.Value, axis: int) -> ir.Value:
+        """Dim ``axis`` of ``value`` as an int64 scalar (a constant when static, else ``Gather``
+        of ``Shape`` with a scalar index: rank 0 without needing constant folding)."""
+        d = dims(value)[axis]
+        if isinstance(d, int):
+            return self.const(d, np.int64)
+        return self.op("Gather", self.op("Shape", value), self.const(axis, np.int64), axis=0)
 
     def concat_ints(self, *parts) -> ir.Value:
         """1-D int64 tensors and int lists concatenated (a constant when all are constants)."""

@@ -3,6 +3,8 @@ the static forms are in :mod:`._rules` (conventions and notation there)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import onnx_ir as ir
 
 from ._emitter import Emitter, dims
@@ -34,13 +36,21 @@ def _swap(e: Emitter, x: ir.Value, rank: int) -> ir.Value:
     return e.op("Transpose", x, perm=perm)
 
 
-def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list, gd: tuple) -> list:
+def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list, gd: tuple,
+             ad: Optional[tuple] = None, bd: Optional[tuple] = None, a_out: Optional[ir.Value] = None,
+             b_out: Optional[ir.Value] = None, ta: int = 0, tb: int = 0) -> list:
     """Any ``matmul`` with dynamic dims (batched attention products ``[B, H, S, D] @ [B, H, D, S]``,
     1-D operands): 1-D operands promoted (``a`` to ``[1, k]``, ``b`` to ``[k, 1]``, ``g``
     unsqueezed to match), ``da = unb(g @ b^T, a)``, ``db = unb(a^T @ g, b)`` over the batch
     dims, reshaped back to a 1-D operand's shape. A dynamic batch dim of an operand is taken
-    as the output's (not a broadcast 1), as ONNX shape inference merges them."""
-    ad, bd = dims(a), dims(b)
+    as the output's (not a broadcast 1), as ONNX shape inference merges them.
+
+    For ``FusedMatMul``: ``a`` / ``b`` may be transposed forms (``ta`` / ``tb``) of the typed
+    operands ``a_out`` / ``b_out`` (dims ``ad`` / ``bd`` given); their gradients are swapped back."""
+    ad = dims(a) if ad is None else ad
+    bd = dims(b) if bd is None else bd
+    a_out = a if a_out is None else a_out
+    b_out = b if b_out is None else b_out
     a1, b1 = len(ad) == 1, len(bd) == 1
     a2 = e.unsqueeze(a, [0]) if a1 else a
     b2 = e.unsqueeze(b, [1]) if b1 else b
@@ -55,20 +65,24 @@ def _general(e: Emitter, a: ir.Value, b: ir.Value, g: ir.Value, need: list, gd: 
     da = db = None
     if need[0]:
         da = e.op("MatMul", g2, _swap(e, b2, len(b2d)))
-        da = _sum_batch(e, da, a, a2d, tuple(batch) + tuple(a2d[-2:]), a1)
+        da = _sum_batch(e, da, a_out, a2d, tuple(batch) + tuple(a2d[-2:]), a1, ta)
     if need[1]:
         db = e.op("MatMul", _swap(e, a2, len(a2d)), g2)
-        db = _sum_batch(e, db, b, b2d, tuple(batch) + tuple(b2d[-2:]), b1)
+        db = _sum_batch(e, db, b_out, b2d, tuple(batch) + tuple(b2d[-2:]), b1, tb)
     return [da, db]
 
 
-def _sum_batch(e: Emitter, t: ir.Value, operand: ir.Value, want: tuple, have: tuple, promoted: bool) -> ir.Value:
+def _sum_batch(e: Emitter, t: ir.Value, operand: ir.Value, want: tuple, have: tuple, promoted: bool,
+               transposed: int = 0) -> ir.Value:
     """``t`` (dims ``have``) summed over the batch dims the (promoted) operand of dims ``want``
-    broadcast, and reshaped to ``operand``'s shape when dims were dropped or it was 1-D."""
+    broadcast, swapped back when the operand was used transposed, and reshaped to ``operand``'s
+    shape when dims were dropped or it was 1-D."""
     lead = len(have) - len(want)
     axes = list(range(lead)) + [lead + i for i, d in enumerate(want[:-2]) if d == 1 and have[lead + i] != 1]
     if axes:
         t = e.reduce_sum(t, axes, keepdims=True)
+    if transposed:
+        t = _swap(e, t, len(have))
     if lead or promoted:
         t = e.op("Reshape", t, e.shape_of(operand))
     return t

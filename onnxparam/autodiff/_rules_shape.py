@@ -112,7 +112,7 @@ def one_hot_accumulate(e: Emitter, like: ir.Value, idx: ir.Value, rows: ir.Value
     ``reduction="add"`` (before opset 16); it costs an ``[M, n]`` matrix."""
     if n is None:
         n = e.op("Size", like)
-    n_scalar = e.reshape(n, [])
+    n_scalar = n if n.shape is not None and len(dims(n)) == 0 else e.op("ReduceMax", n, keepdims=0)
     classes = e.op("Range", e.const(0, np.int64), n_scalar, e.const(1, np.int64))
     onehot = e.op("Cast", e.op("Equal", e.unsqueeze(idx, [1]), e.unsqueeze(classes, [0])), to=int(like.dtype))
     return e.op("MatMul", e.op("Transpose", onehot, perm=[1, 0]), rows)
@@ -134,11 +134,11 @@ def _slice(e, node, gout, need):
 
 def _normalized_indices(e: Emitter, idx: ir.Value, size) -> ir.Value:
     """``idx`` as int64 with negative entries counted from the end (``idx + size``; ``size`` an
-    int or an int64 tensor)."""
+    int or an int64 scalar tensor)."""
     if np_dtype(idx) != np.int64:
         idx = e.op("Cast", idx, to=int(ir.DataType.INT64))
     zero = e.const(0, np.int64)
-    size = e.reshape(size, []) if isinstance(size, ir.Value) else e.const(size, np.int64)
+    size = size if isinstance(size, ir.Value) else e.const(size, np.int64)
     return e.op("Where", e.op("Less", idx, zero), e.op("Add", idx, size), idx)
 
 
@@ -160,7 +160,7 @@ def _gather(e, node, gout, need):
     gt = e.transpose(g, perm)
     moved = e.concat_ints(e.dims_of(x, axis, axis + 1), e.dims_of(x, 0, axis), e.dims_of(x, axis + 1))
     size = e.dims_of(x, axis, axis + 1)
-    idx = _normalized_indices(e, idx, size)
+    idx = _normalized_indices(e, idx, e.dim_scalar(x, axis))
     if e.opset >= 16:
         zeros = e.op("Expand", e.scalar_like(0.0, x), moved)
         dxm = e.op("ScatterND", zeros, e.unsqueeze(idx, [q]), gt, reduction="add")
@@ -180,7 +180,7 @@ def _gather_elements(e, node, gout, need):
     x, idx = node.inputs
     axis = int(attr(node, "axis", 0))
     axis = axis + len(dims(x)) if axis < 0 else axis
-    idx = _normalized_indices(e, idx, e.dims_of(x, axis, axis + 1))
+    idx = _normalized_indices(e, idx, e.dim_scalar(x, axis))
     if e.opset >= 16:
         return [e.op("ScatterElements", e.zeros_like(x), idx, gout[0], axis=axis, reduction="add"), None]
     sources = e.op("GatherElements", index_grid(e, x), idx, axis=axis)

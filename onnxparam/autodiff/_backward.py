@@ -28,7 +28,7 @@ from ..errors import TraceError
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from . import _rules_more  # noqa: F401  (register the rules imported models need)
 from ._emitter import Emitter, dims, np_dtype
-from ._check import format_missing, missing_rules, rule_for, rule_key
+from ._check import format_missing, missing_rules, rule_for, rule_key, unserved
 from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
@@ -176,6 +176,10 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
             results = fn(e, node, gout, need)
         except TraceError as err:
             raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
+        dropped = unserved(node, need, results, opset)
+        if dropped:
+            raise TraceError(_rule_failure(node, "its rule gives no gradient for input(s) " + ", ".join(
+                f"{j} ({name!r})" for j, name in dropped) + "; freeze the params that feed them", opset, traced))
         for value, n, g in zip(node.inputs, need, results):
             if not n or g is None:
                 continue

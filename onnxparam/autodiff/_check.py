@@ -114,3 +114,31 @@ def requiring(graph: ir.Graph, start: set) -> set:
         if any(v is not None and v in requires for v in node.inputs):
             requires.update(out for out in node.outputs if _is_float(out))
     return requires
+
+
+def schema_non_differentiable(node: ir.Node, index: int, opset: int) -> bool:
+    """Whether ONNX's schema of ``node`` marks input ``index`` non-differentiable (bounds,
+    scales, ratios, shapes ...), so a rule may leave it without a gradient."""
+    import onnx
+
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    try:
+        schema = onnx.defs.get_schema(node.op_type, int(opset), "")
+    except Exception:  # noqa: BLE001 - an operator ONNX does not know
+        return False
+    formal = schema.inputs
+    if not formal:
+        return False
+    spec = formal[min(index, len(formal) - 1)]
+    return spec.differentiation_category == onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
+
+
+def unserved(node: ir.Node, need: list, results: list, opset: int) -> list:
+    """Inputs that need a gradient, got none from the rule, and are not marked
+    non-differentiable by ONNX: ``[(index, name)]`` (a rule must never drop one silently)."""
+    out = []
+    for j, (n, r) in enumerate(zip(need, list(results) + [None] * (len(need) - len(results)))):
+        if n and r is None and not schema_non_differentiable(node, j, opset):
+            out.append((j, node.inputs[j].name))
+    return out

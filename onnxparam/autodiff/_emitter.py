@@ -148,7 +148,8 @@ class Emitter:
 
     def const(self, value, dtype) -> ir.Value:
         """An initializer holding ``value`` (a scalar or an array) as ``dtype`` (small ones shared)."""
-        arr = np.ascontiguousarray(np.asarray(value, dtype=np.dtype(dtype)))
+        raw = np.asarray(value, dtype=np.dtype(dtype))
+        arr = np.ascontiguousarray(raw).reshape(raw.shape)  # NOTE: ascontiguousarray makes 0-d arrays 1-d
         key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 64 else None
         if key is not None and key in self._consts:
             return self._consts[key]

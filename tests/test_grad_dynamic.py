@@ -64,7 +64,6 @@ def test_reshape_with_zero_and_minus_one_concat_and_slice_with_computed_bounds()
         helper.make_node("Slice", ["table", "zero1", "seq1", "zero1"], ["tab"]),  # table[:S]
         helper.make_node("Unsqueeze", ["tab", "zero1"], ["tab1"]),
         helper.make_node("Expand", ["tab1", "bshape"], ["tabn"]),
-        helper.make_node("Shape", ["x"], ["xs2"]),
         helper.make_node("Concat", ["r", "tabn"], ["c"], axis=-1),
         helper.make_node("Sub", ["seq1", "one1"], ["end"]),
         helper.make_node("Slice", ["c", "zero1", "end", "one1"], ["cs"]),  # drop the last position
@@ -75,8 +74,8 @@ def test_reshape_with_zero_and_minus_one_concat_and_slice_with_computed_bounds()
     ]
     inits = {"w": RNG.normal(size=(4, 6)), "table": RNG.normal(size=(9, 2, 3)),
              "shape4": np.array([0, 0, 2, -1], np.int64), "one1": np.array([1], np.int64), "two1": np.array([2], np.int64),
-             "zero1": np.array([0], np.int64), "one": np.array(1, np.int64), "bshape": np.array([1, 1, 1, 1], np.int64)}
-    # Expand to x's batch: [1, S, 2, 3] * ones -> broadcast at the Concat needs equal batch; use N = 1 rows
+             "zero1": np.array([0], np.int64), "one": np.array(1, np.int64)}
+    # the table rows expanded to x's batch: Expand to [N, 1, 1, 1] built from Shape
     nodes[6] = helper.make_node("Expand", ["tab1", "ebshape"], ["tabn"])
     nodes.insert(6, helper.make_node("Concat", ["n1", "one1", "one1", "one1"], ["ebshape"], axis=0))
     nodes.insert(6, helper.make_node("Slice", ["xs", "zero1", "one1"], ["n1"]))

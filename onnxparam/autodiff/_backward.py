@@ -113,7 +113,9 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     if not graph.outputs:
         raise TraceError("the loss function returned nothing")
     loss = graph.outputs[0]
-    loss_dims = dims(loss)
+    # NOTE: a loss of unknown rank (e.g. summed from an imported output ONNX cannot type under
+    # symbolic dims) is taken as one element; ONNX Runtime computes whatever it is
+    loss_dims = dims(loss) if loss.shape is not None else ()
     if not _is_float(loss) or any(d != 1 for d in loss_dims):
         shape = [d for d in loss_dims]
         raise TraceError(f"the loss must be a float tensor with one element (e.g. ops.mean(...)); got "

@@ -17,7 +17,7 @@ from .._trace import _to_attr
 from ..dtype import DType
 from ..errors import TraceError
 
-__all__ = ["Emitter", "dims", "static_dims", "np_dtype"]
+__all__ = ["Emitter", "dims", "maybe_dims", "static_dims", "np_dtype"]
 
 
 def dims(value: ir.Value) -> tuple:
@@ -29,6 +29,11 @@ def dims(value: ir.Value) -> tuple:
     if value.shape is None:
         raise TraceError(f"value {value.name!r} has no known shape; gradients need typed forward values")
     return tuple(d if isinstance(d, int) else d.value for d in value.shape)
+
+
+def maybe_dims(value: ir.Value) -> Optional[tuple]:
+    """:func:`dims`, or ``None`` for an unknown rank (rules then use rank-free forms)."""
+    return None if value.shape is None else dims(value)
 
 
 def static_dims(value: ir.Value, why: str) -> tuple:
@@ -250,6 +255,8 @@ class Emitter:
         """``grad`` (of a broadcast result of shape ``out_shape``) summed back to ``target``'s
         shape: over the leading dims ``target`` lacks and the dims where it has size 1 (numpy
         broadcasting, reversed)."""
+        if target.shape is None or out_shape is None:
+            return self._unbroadcast_at_run_time(grad, target)
         want = dims(target)
         out = tuple(out_shape)
         lead = len(out) - len(want)
@@ -282,3 +289,18 @@ class Emitter:
         if lead:
             summed = self.reshape_like(summed, target)
         return summed
+
+    def _unbroadcast_at_run_time(self, grad: ir.Value, target: ir.Value) -> ir.Value:
+        """:meth:`unbroadcast` when a rank is unknown: the summed axes are computed from the two
+        shapes (``target``'s left-padded with 1s; every axis where they differ), then reshaped
+        to ``target``'s shape. Needs opset 13 (``ReduceSum`` axes as an input)."""
+        if self.opset < 13:
+            raise TraceError(f"reducing a gradient to {target.name!r}, whose rank is unknown, needs opset 13+")
+        have, want = self.op("Shape", grad), self.op("Shape", target)
+        lead = self.op("Sub", self.op("Size", have), self.op("Size", want))
+        ones = self.op("Expand", self.const(1, np.int64), self.reshape(lead, [1]))
+        padded = self.op("Concat", ones, want, axis=0)
+        differ = self.op("Not", self.op("Equal", padded, have))
+        axes = self.reshape(self.op("NonZero", differ), [-1])
+        summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", summed, want)

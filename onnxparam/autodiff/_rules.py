@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import TraceError
-from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._emitter import Emitter, dims, maybe_dims, np_dtype, static_dims
 from ._rules_matmul import matmul_dynamic
 
 __all__ = ["RULES", "NON_DIFFERENTIABLE", "NOT_DIFFERENTIABLE", "rule", "attr", "const_array"]
@@ -120,14 +120,14 @@ def _scale(e: Emitter, x: ir.Value, factor: float) -> ir.Value:
 @rule("Add")
 def _add(e, node, gout, need):
     """``y = a + b``: ``da = unb(g, a)``, ``db = unb(g, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     return [e.unbroadcast(g, x, shape) if n else None for x, n in zip(node.inputs, need)]
 
 
 @rule("Sub")
 def _sub(e, node, gout, need):
     """``y = a - b``: ``da = unb(g, a)``, ``db = -unb(g, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     a, b = node.inputs
     return [e.unbroadcast(g, a, shape) if need[0] else None,
             e.op("Neg", e.unbroadcast(g, b, shape)) if need[1] else None]
@@ -136,7 +136,7 @@ def _sub(e, node, gout, need):
 @rule("Mul")
 def _mul(e, node, gout, need):
     """``y = a * b``: ``da = unb(g * b, a)``, ``db = unb(g * a, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     a, b = node.inputs
     return [e.unbroadcast(e.op("Mul", g, b), a, shape) if need[0] else None,
             e.unbroadcast(e.op("Mul", g, a), b, shape) if need[1] else None]
@@ -145,7 +145,7 @@ def _mul(e, node, gout, need):
 @rule("Div")
 def _div(e, node, gout, need):
     """``y = a / b``: ``da = unb(g / b, a)``, ``db = unb(-g * y / b, b)``."""
-    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    g, shape, y = gout[0], maybe_dims(node.outputs[0]), node.outputs[0]
     a, b = node.inputs
     da = e.unbroadcast(e.op("Div", g, b), a, shape) if need[0] else None
     db = None
@@ -158,7 +158,7 @@ def _div(e, node, gout, need):
 def _pow(e, node, gout, need):
     """``y = a ** b``: ``da = unb(g * b * a ** (b - 1), a)``, ``db = unb(g * y * log(a), b)``
     (``b`` cast to ``a``'s dtype when it has another one)."""
-    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    g, shape, y = gout[0], maybe_dims(node.outputs[0]), node.outputs[0]
     a, b = node.inputs
     dtype = np_dtype(a)
     bf = b if np_dtype(b) == dtype else e.op("Cast", b, to=int(a.dtype))
@@ -327,7 +327,7 @@ def _clip(e, node, gout, need):
 def _where(e, node, gout, need):
     """``y = where(c, a, b)``: ``da = unb(where(c, g, 0), a)``, ``db = unb(where(c, 0, g), b)``."""
     c, a, b = node.inputs
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     zero = e.scalar_like(0.0, node.outputs[0])
     return [None,
             e.unbroadcast(e.op("Where", c, g, zero), a, shape) if need[1] else None,
@@ -436,7 +436,7 @@ def _gemm(e, node, gout, need):
         db = e.op("Gemm", g, a, alpha=alpha, transA=1, transB=ta) if tb else \
             e.op("Gemm", a, g, alpha=alpha, transA=1 - ta)
     if c is not None and len(need) > 2 and need[2]:
-        dc = _scale(e, e.unbroadcast(g, c, dims(node.outputs[0])), beta)
+        dc = _scale(e, e.unbroadcast(g, c, maybe_dims(node.outputs[0])), beta)
     return [da, db, dc][:len(node.inputs)]
 
 
@@ -456,10 +456,17 @@ def _reduce_layout(node: ir.Node) -> tuple:
     form. ``axes`` is the ``axes`` value itself when it is computed at run time (``keep_shape``
     then ``None``)."""
     x = node.inputs[0]
-    xd = dims(x)
     computed = _dynamic_axes(node)
     if computed is not None:
         return computed, None
+    if x.shape is None:  # unknown rank: the axes input as it is, or every axis
+        if len(node.inputs) > 1 and node.inputs[1] is not None:
+            return node.inputs[1], None
+        if "axes" in node.attributes:
+            raise TraceError(f"node {node.name!r} ({node.op_type}): gradients need the input's rank "
+                             "(axes given as an attribute)")
+        return "all", None
+    xd = dims(x)
     axes = _axes(node, 1, len(xd))
     if not axes:
         if int(attr(node, "noop_with_empty_axes", 0)):
@@ -472,8 +479,8 @@ def _reduce_layout(node: ir.Node) -> tuple:
 def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes, keep: Optional[tuple]) -> ir.Value:
     """``v`` (shaped like ``node``'s output) with the reduced dims as 1: as it is for
     ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic dims, computed axes)."""
-    if int(attr(node, "keepdims", 1)):
-        return v
+    if int(attr(node, "keepdims", 1)) or axes == "all":
+        return v  # (every axis reduced without keepdims: a scalar, which Expand broadcasts)
     if isinstance(axes, ir.Value):
         return e.op("Unsqueeze", v, axes)
     if all(isinstance(d, int) for d in keep):
@@ -490,10 +497,10 @@ def _reduce_sum_mean(e, node, gout, need):
     axes, keep = _reduce_layout(node)
     if axes is None:
         return [g] + [None] * (len(node.inputs) - 1)
-    xd = dims(x)
-    dx = e.expand_like(_kept(e, node, g, axes, keep), x)
+    xd = maybe_dims(x)
+    dx = e.op("Expand", _kept(e, node, g, axes, keep), e.shape_of(x))
     if node.op_type == "ReduceMean":
-        reduced = None if isinstance(axes, ir.Value) else [xd[a] for a in axes]
+        reduced = None if isinstance(axes, (ir.Value, str)) else [xd[a] for a in axes]
         if reduced is not None and all(isinstance(d, int) for d in reduced):
             dx = _scale(e, dx, 1.0 / math.prod(reduced))
         else:
@@ -508,6 +515,8 @@ def reduce_sum_axes(e: Emitter, node: ir.Node, t: ir.Value, axes) -> ir.Value:
     with the node's ``noop_with_empty_axes``)."""
     if isinstance(axes, ir.Value):
         return e.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=int(attr(node, "noop_with_empty_axes", 0)))
+    if axes == "all":
+        return e.op("ReduceSum", t, keepdims=1)
     return e.reduce_sum(t, axes, keepdims=True)
 
 

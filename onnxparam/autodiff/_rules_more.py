@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import TraceError
-from ._emitter import Emitter, dims, np_dtype
+from ._emitter import Emitter, dims, maybe_dims, np_dtype
 from ._rules import _kept, _reduce_layout, attr, const_array, reduce_sum_axes, rule
 from ._rules_shape import index_grid, one_hot_accumulate
 
@@ -145,7 +145,7 @@ def _shrink(e, node, gout, need):
 @rule("Sum", "Mean")
 def _sum_mean(e, node, gout, need):
     """``y = x_1 + ... + x_n`` (numpy broadcasting): ``dx_i = unb(g, x_i)``; ``Mean``: ``g / n``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     if node.op_type == "Mean" and len(node.inputs) > 1:
         g = e.op("Mul", g, e.scalar_like(1.0 / len(node.inputs), node.outputs[0]))
     return [e.unbroadcast(g, x, shape) if n else None for x, n in zip(node.inputs, need)]
@@ -160,7 +160,7 @@ def _reduction_parts(e: Emitter, node: ir.Node, g: ir.Value):
     axes, keep = _reduce_layout(node)
     if axes is None:
         return None
-    return e.expand_like(_kept(e, node, g, axes, keep), x), _kept(e, node, node.outputs[0], axes, keep)
+    return e.op("Expand", _kept(e, node, g, axes, keep), e.shape_of(x)), _kept(e, node, node.outputs[0], axes, keep)
 
 
 @rule("ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceLogSum", "ReduceProd")

@@ -89,15 +89,18 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
     strides, dilations, pads and group, and ``output_padding`` chosen so the result has the
     input's spatial size (the rows the forward's floor division dropped get zeros)."""
     if not all(isinstance(d, int) for d in tuple(xd[2:]) + tuple(yd[2:])):
-        # run-time sizes: the transposed convolution without output_padding, then zeros padded
-        # at the end of each spatial axis up to the input's size
-        dx = e.op("ConvTranspose", g, weight, strides=strides, dilations=dilations, pads=list(begin) + list(end),
-                  group=group)
+        # run-time sizes: the transposed convolution cropping only the leading pads (its extent
+        # then starts at the input's first cell and may run past the end pads), cut to the
+        # input's size, and zeros padded at the end for the cells no window reached
+        nd = len(kernel)
         if x_like is None:
             raise TraceError("a convolution's input gradient with dynamic dims needs the input value")
-        nd = len(kernel)
-        lack = e.op("Sub", e.dims_of(x_like, 2), e.op("Slice", e.op("Shape", dx), e.ints([2]), e.ints([2 + nd]),
-                                                       e.ints([0])))
+        dx = e.op("ConvTranspose", g, weight, strides=strides, dilations=dilations, pads=list(begin) + [0] * nd,
+                  group=group)
+        size = e.dims_of(x_like, 2)
+        axes = e.ints(range(2, 2 + nd))
+        dx = e.op("Slice", dx, e.ints([0] * nd), size, axes)
+        lack = e.op("Sub", size, e.op("Slice", e.op("Shape", dx), e.ints([2]), e.ints([2 + nd]), e.ints([0])))
         return e.op("Pad", dx, e.concat_ints([0] * (nd + 2 + 2), lack))
     output_padding = []
     for i in range(len(kernel)):

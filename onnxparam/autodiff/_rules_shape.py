@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._emitter import Emitter, dims, np_dtype
+from ._emitter import Emitter, dims, maybe_dims, np_dtype
 from ._rules import attr, rule
 
 __all__ = []
@@ -28,7 +28,7 @@ def _reshape(e, node, gout, need):
 @rule("Expand")
 def _expand(e, node, gout, need):
     """``y = expand(x, shape)`` (broadcasting): ``dx = unb(g, x)``."""
-    return [e.unbroadcast(gout[0], node.inputs[0], dims(node.outputs[0])), None]
+    return [e.unbroadcast(gout[0], node.inputs[0], maybe_dims(node.outputs[0])), None]
 
 
 @rule("Transpose")

@@ -1,6 +1,6 @@
 """Whole-model gradients of torch-exported transformers, imported, against torch autograd.
 
-Tiny BERT and GPT-2 (``transformers``, random weights, tiny configs, every weight perturbed so
+Tiny BERT, GPT-2 and LLaMA (GQA, rotary embeddings) (``transformers``, random weights, tiny configs, every weight perturbed so
 no two initializers are equal and the exporter shares none) are exported by torch's
 TorchScript exporter with dynamic batch and sequence dims, imported with ``import_onnx``, and
 ``grad`` of a loss on the imported module is compared with torch autograd of the same loss on
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # exporting the two models takes ~10 s each on th
 
 import onnxparam as op  # noqa: E402
 from onnxparam.autodiff import _training, grad  # noqa: E402
+from onnxparam.autodiff._tables import PERIODIC  # noqa: E402
 
 HIDDEN = 16
 VOCAB = 50
@@ -57,10 +58,17 @@ def _gpt2():
     return transformers.GPT2Model(cfg)
 
 
-@pytest.fixture(scope="module", params=["bert", "gpt2"])
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   attn_implementation="eager")  # GQA; torch's exporter has no GQA SDPA
+    return transformers.LlamaModel(cfg)
+
+
+@pytest.fixture(scope="module", params=["bert", "gpt2", "llama"])
 def exported(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = _LastHidden(_bert() if request.param == "bert" else _gpt2()).eval()
+    model = _LastHidden({"bert": _bert, "gpt2": _gpt2, "llama": _llama}[request.param]()).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -126,6 +134,9 @@ def test_every_param_gradient_matches_torch_autograd_at_three_shapes_with_one_sy
             scale = max(float(np.abs(tg).max()), 1e-4)
             err = float(np.abs(g - tg).max()) / scale
             assert err < 1e-3, f"{name} {batch}x{seq}: {p} ({tname}) relative error {err:.2e}"
+    if name == "llama":  # the rotary inv_freq buffer: found from the graph, frozen at import
+        assert list(module.tables.values()) == [PERIODIC]
+        assert not any(v.require_grad for p, v in module.named_params() if p in module.tables)
     # first call concrete; one symbolic training graph and session served both later shapes
     assert len(_training._graphs) == 2 and len(_training._sessions) == 2
 

@@ -135,8 +135,8 @@ def test_every_param_gradient_matches_torch_autograd_at_three_shapes_with_one_sy
             err = float(np.abs(g - tg).max()) / scale
             assert err < 1e-3, f"{name} {batch}x{seq}: {p} ({tname}) relative error {err:.2e}"
     if name == "llama":  # the rotary inv_freq buffer: found from the graph, frozen at import
-        assert list(module.tables.values()) == [PERIODIC]
-        assert not any(v.require_grad for p, v in module.named_params() if p in module.tables)
+        assert list(module.onnx_tables.values()) == [PERIODIC]
+        assert not any(v.require_grad for p, v in module.named_params() if p in module.onnx_tables)
     # first call concrete; one symbolic training graph and session served both later shapes
     assert len(_training._graphs) == 2 and len(_training._sessions) == 2
 

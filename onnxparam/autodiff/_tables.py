@@ -4,8 +4,8 @@ An exporter writes everything a PyTorch module held (parameters *and* buffers: a
 frequency table, a causal mask, a position table) as initializers or ``Constant`` nodes, and
 the importer makes every float one a param. Training those changes what PyTorch never trained.
 :func:`find_tables` recognizes them from the graph alone (what consumes them), so the importer
-freezes them by default (``OnnxModule.tables`` lists them with the reason; unfreeze with
-``module.unfreeze_group(ParamGroup.from_paths(module.tables))``). The rules:
+freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; unfreeze with
+``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))``). The rules:
 
 1. **periodic encodings**: every path on which the weight's value meets the model's float
    activations (values computed from a float graph input or an embedding lookup of the
@@ -16,8 +16,9 @@ freezes them by default (``OnnxModule.tables`` lists them with the reason; unfre
    trainable;
 2. **masks**: a tensor holding ``-inf``, ``NaN`` or only ``0`` and one fill value ``<= -1e4``
    (attention masks, ``finfo.min`` fills);
-3. **one-element constants**: a ``Constant`` node's value with one element (scales,
-   epsilons, fill values the exporter wrote inline; PyTorch parameters become initializers).
+3. **fill constants**: a ``Constant`` node's value with one element equal to 0 or 1 (the
+   fill values exporters write inline, e.g. ``where(mask, x, 0)``, ``expand(1, shape)``;
+   PyTorch parameters become initializers). Other one-element constants stay trainable.
 
 Layer: graph analysis on ``onnx_ir`` only (the importer in :mod:`onnxparam.onnx_io` calls it).
 """
@@ -33,7 +34,7 @@ __all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
-CONSTANT_SCALAR = "a one-element Constant of the graph (a scale or fill value, not a weight)"
+CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ENCODERS = frozenset({"Sin", "Cos"})
@@ -137,9 +138,11 @@ def find_tables(model: ir.Model, candidates) -> dict:
             continue
         shape = tuple(tensor.shape.numpy()) if tensor is not None else ()
         size = int(np.prod(shape)) if shape else 1
-        if constant_node and size == 1:
-            out[name] = CONSTANT_SCALAR
-            continue
+        if constant_node and size == 1 and tensor is not None:
+            v = float(np.asarray(tensor.numpy()).reshape(-1)[0])
+            if v in (0.0, 1.0):
+                out[name] = CONSTANT_SCALAR
+                continue
         uses = list(value.uses())
         if not uses:
             continue

@@ -226,12 +226,12 @@ class OnnxModule(Module):
         return tuple(v.name for v in self._source.loaded.model.graph.outputs)
 
     @property
-    def tables(self) -> dict:
+    def onnx_tables(self) -> dict:
         """Module path -> why, for the float weights recognized as tables rather than weights
         (rotary / position frequency tables, masks, one-element graph constants: what PyTorch
         held as buffers or constants; :mod:`onnxparam.autodiff._tables`). They are imported
         with ``require_grad=False``, so :func:`~onnxparam.autodiff.grad` leaves them alone;
-        ``module.unfreeze_group(ParamGroup.from_paths(module.tables))`` trains them too."""
+        ``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))`` trains them too."""
         return dict(self._source.tables)
 
     @property

@@ -14,8 +14,8 @@ import pytest
 
 import onnxparam as op
 from onnxparam import nn, ops, runtime
-from onnxparam._trace import InputSpec, trace_module
-from onnxparam.errors import TraceError
+from onnxparam.trace.tracer import InputSpec, trace_module
+from onnxparam.core.errors import TraceError
 
 RNG = np.random.default_rng(7)
 

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from onnxparam import Module, OnnxFormatError, OnnxParamError, RecordError, load_peft_adapter
 from onnxparam.formats import read_safetensors
-from onnxparam.module import named_params
+from onnxparam.core.module import named_params
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import export_onnx, import_onnx
 

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxparam import OnnxParamError
-from onnxparam._scratch import atomic_output
+from onnxparam.formats._scratch import atomic_output
 from onnxparam.cli import inspect_file, main
 
 

@@ -29,8 +29,8 @@ from onnxparam.formats._safetensors import (
     SCALARS_KEY,
     SafetensorsTensor,
 )
-from onnxparam.record import TensorSnapshot
-from onnxparam.tensor import TensorData
+from onnxparam.core.record import TensorSnapshot
+from onnxparam.core.tensor import TensorData
 
 RNG = np.random.default_rng(20240601)
 

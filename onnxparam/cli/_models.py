@@ -103,8 +103,8 @@ def export_mnist_onnx(model, path: Path, lora: str = "merge") -> Path:
 
     ``lora``: the LoRA mode of :func:`onnxparam.export_onnx` (``"merge"``, ``"keep"``, ``"inputs"``).
     """
-    from .._trace import InputSpec
-    from ..dtype import DType
+    from ..trace.tracer import InputSpec
+    from ..core.dtype import DType
     from ..onnx_io import export_onnx
     from ..zoo.mnist import IMAGE_SIZE
 

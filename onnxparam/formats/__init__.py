@@ -19,8 +19,6 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
 
-import importlib
-
 _NAMES = {
     "SafetensorsFile": "._safetensors", "SafetensorsTensor": "._safetensors",
     "read_safetensors": "._safetensors", "write_safetensors": "._safetensors",
@@ -37,11 +35,21 @@ __all__ = sorted(_NAMES)
 
 
 def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'onnxparam.formats' has no attribute {name!r}")
+    owner = _NAMES.get(name)
+    if owner == "._safetensors":
+        from . import _safetensors as module
+    elif owner == "._pytorch":
+        from . import _pytorch as module
+    elif owner == "._onnx_stream":
+        from . import _onnx_stream as module
+    elif owner == "._onnx_nested":
+        from . import _onnx_nested as module
+    elif owner == "._names":
+        from . import _names as module
+    else:
+        raise AttributeError(f"module 'onnxparam.formats' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)
+    return value
 
 
 def __dir__():

@@ -1,7 +1,7 @@
 """ONNX import and export: ONNX models as modules, modules as ONNX models.
 
-A bridge between the model layer (:mod:`onnxparam.module`, :mod:`onnxparam.param`) and ONNX
-files; it uses the tracer (:mod:`onnxparam._trace`) to emit graphs and ``onnx_ir`` to read and
+A bridge between the model layer (:mod:`onnxparam.core.module`, :mod:`onnxparam.core.param`) and ONNX
+files; it uses the tracer (:mod:`onnxparam.trace.tracer`) to emit graphs and ``onnx_ir`` to read and
 write them. Parts, each its own module:
 
 * :mod:`~onnxparam.onnx_io._naming`: ONNX names <-> module paths (a reversible escaping).
@@ -22,8 +22,6 @@ a graph pass reading ``onnx_io.metadata`` does not pull in the importer; each na
 first use.
 """
 
-import importlib
-
 _NAMES = {
     "export_onnx": "._exporter",
     "import_onnx": "._importer", "OnnxModule": "._importer", "OnnxScope": "._importer",
@@ -34,11 +32,21 @@ _NAMES = {
 
 
 def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'onnxparam.onnx_io' has no attribute {name!r}")
+    owner = _NAMES.get(name)
+    if owner == "._exporter":
+        from . import _exporter as module
+    elif owner == "._importer":
+        from . import _importer as module
+    elif owner == "._naming":
+        from . import _naming as module
+    elif owner == "._records":
+        from . import _records as module
+    elif owner == "._save":
+        from . import _save as module
+    else:
+        raise AttributeError(f"module 'onnxparam.onnx_io' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)
+    return value
 
 
 def __dir__():

@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ._calibration import quantize
+from ..core.tensor import quantize
 from ._qdq_options import NBITS_MIN_BLOCK, QdqOptions
-from ._scheme import QuantScheme, QuantValue
-from ._tensor import QuantizedTensor
+from ..core.quant_scheme import QuantScheme, QuantValue
+from ..core.tensor import QuantizedTensor
 
 # -- weight layouts ------------------------------------------------------------------------------
 

@@ -34,9 +34,9 @@ __all__ = ["install", "MODULE_VERBS"]
 
 
 def _tensor_ops():
-    from . import ops
+    from .ops import _tensor_ops
 
-    return ops
+    return _tensor_ops
 
 
 def _executor():

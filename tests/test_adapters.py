@@ -157,7 +157,7 @@ def test_nn_layers_take_pytorch_weights(tmp_path):
 def test_burn_mnist_through_pytorch_layout_and_back_is_byte_identical(tmp_path):
     mnist = pytest.importorskip("onnxparam.zoo.mnist", exc_type=ImportError)
     from onnxparam import burnpack
-    from onnxparam.core.record import record_entries
+    from onnxparam.burnpack._module_file import record_entries
 
     model = mnist.Mnist().load_file(MNIST_BPK)
     pt_path = tmp_path / "mnist_pt.safetensors"

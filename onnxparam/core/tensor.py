@@ -44,7 +44,6 @@ from .quant_layout import (
     unpack_values,
     values_nbytes,
 )
-from .quant_scales import F32_MIN_POSITIVE, decode_scales, encode_scales, validated_scales
 from .quant_scheme import BlockSize, QuantMode, QuantScheme, ScaleDtype
 
 __all__ = ["Tensor", "TensorData", "QuantizedTensor", "quantize", "quantize_per_axis", "round_half_away_from_zero"]
@@ -623,6 +622,8 @@ class QuantizedTensor:
         Raises:
             QuantizationError: for a wrong length or an unsupported store, value or scale dtype.
         """
+        from .quant_scales import decode_scales  # ml_dtypes: imported with the first quantized tensor
+
         shape = tuple(int(d) for d in shape)
         buf = memoryview(raw).cast("B")
         expected = quantized_nbytes(shape, scheme)
@@ -648,6 +649,8 @@ class QuantizedTensor:
                 cannot hold exactly, or an ONNX per-axis tensor (:attr:`axis`; Burn has no
                 such scheme).
         """
+        from .quant_scales import encode_scales  # ml_dtypes: imported with the first quantized tensor
+
         if self.axis is not None:
             raise QuantizationError(
                 f"a per-axis scale along axis {self.axis} of {list(self.shape)} is ONNX-only: Burn's block extents "
@@ -690,6 +693,7 @@ class QuantizedTensor:
 
         See :func:`onnxparam.quant.quantize`.
         """
+
         return quantize(array, scheme)
 
     # -- exchange types -----------------------------------------------------------------------
@@ -825,6 +829,8 @@ def quantize(array, scheme: QuantScheme) -> QuantizedTensor:
         QuantizationError: for non-float input, NaN or infinite values, a scheme Burn cannot
             quantize with, or a block size that does not divide the shape.
     """
+    from .quant_scales import F32_MIN_POSITIVE, validated_scales  # ml_dtypes: imported with the first quantized tensor
+
     x = np.asarray(array)
     if x.dtype not in _float_inputs():
         raise QuantizationError(f"only float arrays can be quantized, found {x.dtype}")

@@ -36,7 +36,6 @@ _install_if_command_line()
 
 from . import _assembly  # noqa: E402
 from .core.device import Device  # noqa: E402
-from .core.version import __version__  # noqa: E402
 from .core.errors import (  # noqa: E402
     BurnpackFormatError,
     CallArgumentError,
@@ -55,6 +54,7 @@ from .core.errors import (  # noqa: E402
     TraceTypeError,
     TraceValueError,
 )
+from .core.version import __version__  # noqa: E402
 
 # The features' verbs on Module, and the core's extension points (imported on first use).
 _assembly.install()

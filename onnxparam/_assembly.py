@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .core import extension
 from .core.errors import RecordError
 from .core.verbs import ModuleVerbs, RecordVerbs
+
+if TYPE_CHECKING:
+    from .core.module import Module
 
 __all__ = ["install", "MODULE_VERBS"]
 

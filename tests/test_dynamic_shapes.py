@@ -14,9 +14,9 @@ import pytest
 
 import onnxparam as op
 from onnxparam import nn, ops, runtime
+from onnxparam.core.errors import TraceError
 from onnxparam.quant._passes import trace_module
 from onnxparam.trace.tracer import InputSpec
-from onnxparam.core.errors import TraceError
 
 RNG = np.random.default_rng(7)
 

@@ -16,8 +16,8 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 from onnxparam import DType, Tensor, ops, runtime
-from onnxparam.trace.tracer import Tracer
 from onnxparam.core.errors import TraceError
+from onnxparam.trace.tracer import Tracer
 
 RNG = np.random.default_rng(20240601)
 

@@ -11,9 +11,9 @@ from onnx.reference import ReferenceEvaluator
 
 import onnxparam as op
 from onnxparam import DType, LoraAdapter, Param, ParamId, Tensor, ops
+from onnxparam.core.errors import TraceError
 from onnxparam.quant._passes import trace_module
 from onnxparam.trace.tracer import InputSpec, TracedModel
-from onnxparam.core.errors import TraceError
 
 RNG = np.random.default_rng(3)
 

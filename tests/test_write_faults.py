@@ -26,10 +26,10 @@ import pytest
 
 import onnxparam.burnpack as bp
 from onnxparam import Module, Tensor
+from onnxparam.core.record import ModuleRecord
 from onnxparam.formats import read_safetensors, write_safetensors
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import save_model
-from onnxparam.core.record import ModuleRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -240,9 +240,9 @@ def _st_bytes(header, data: bytes = b"", header_len: int | None = None) -> bytes
 
 
 def _good_safetensors() -> bytes:
-    from onnxparam.formats import write_safetensors
     from onnxparam.core.record import TensorSnapshot
     from onnxparam.core.tensor import TensorData
+    from onnxparam.formats import write_safetensors
 
     folder = Path(tempfile.mkdtemp())
     try:

@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..trace.tracer import TracedModel
 from ..core.errors import TraceError
+from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from ._emitter import Emitter, dims, np_dtype
 from ._rules import NON_DIFFERENTIABLE, RULES

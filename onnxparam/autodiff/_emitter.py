@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from ..trace.tracer import _to_attr
 from ..core.dtype import DType
 from ..core.errors import TraceError
+from ..trace.tracer import _to_attr
 
 __all__ = ["Emitter", "dims", "static_dims", "np_dtype"]
 

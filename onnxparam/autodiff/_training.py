@@ -26,18 +26,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping, Optional
 
-from ..lora import _graph as lora_graph
-from ..nn._initializer import seed_generation
-from ..trace import tracer as _trace
 from ..core.errors import TraceError
 from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ..lora import _graph as lora_graph
+from ..nn._initializer import seed_generation
 from ..quant import _qdq as qdq
 from ..quant._passes import STANDARD_PASSES
 from ..runtime import _calls
 from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
-from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._backward import build_training_model
 
 __all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]

@@ -16,15 +16,13 @@ Keys appear in exactly this order (Rust struct declaration order).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..core.dtype import DType
-from ..formats._scalars import BOOL_STORES, I64_MAX, I64_MIN, SCALAR_KINDS, U64_MAX, Scalar, scalar_from_cbor  # noqa: F401  (re-exported)
 from ..core.quant_layout import quantized_nbytes
 from ..core.quant_scheme import QuantScheme
+from ..formats._scalars import BOOL_STORES, I64_MAX, I64_MIN, SCALAR_KINDS, U64_MAX, Scalar, scalar_from_cbor  # noqa: F401  (re-exported)
 
 __all__ = [
     "Scalar",

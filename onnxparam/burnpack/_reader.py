@@ -11,9 +11,9 @@ import numpy as np
 
 from ..core.dtype import DType
 from ..core.errors import BurnpackFormatError, QuantizationError, RecordError
+from ..core.quant_scheme import QuantScheme
 from ..formats._limits import MAX_RANK, name_problem
 from ..formats._mapped import MappedFile
-from ..core.quant_scheme import QuantScheme
 from . import _cbor as cbor
 from ._header import (
     ALIGNMENT,

@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from ..formats._scratch import atomic_output
 from ..core.dtype import DType, dtype_from_numpy
 from ..core.errors import QuantizationError, RecordError
+from ..core.quant_scheme import QuantScheme
 from ..formats._file_range import FileRange, copy_range, file_range_of
 from ..formats._limits import name_problem, shape_problem
-from ..core.quant_scheme import QuantScheme
+from ..formats._scratch import atomic_output
 from . import _cbor as cbor
 from ._header import (
     HEADER_SIZE,
@@ -273,8 +273,7 @@ def _data_bytes(label: str, p: _Planned) -> "memoryview | FileRange":
 
 
 def _to_bytes(where: str, d: Descriptor, data: Any) -> memoryview:
-    from ..core.tensor import QuantizedTensor
-    from ..core.tensor import TensorData
+    from ..core.tensor import QuantizedTensor, TensorData
 
     if isinstance(data, QuantizedTensor):
         if d.dtype is not DType.QFloat or data.scheme != d.scheme or data.shape != d.shape:

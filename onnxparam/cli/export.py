@@ -319,9 +319,9 @@ def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list
 
     from ..core.dtype import DType
     from ..core.group import ParamGroup
-    from ..lora._adapters import LoraConfig
     from ..core.record import ModuleRecord, TensorSnapshot
     from ..core.tensor import TensorData
+    from ..lora._adapters import LoraConfig
 
     adapted = model.apply_lora(
         LoraConfig(TOUR_LORA_RANK, TOUR_LORA_ALPHA, seed=0, param_group=ParamGroup.from_regex(TOUR_LORA_TARGETS))

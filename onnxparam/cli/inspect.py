@@ -298,8 +298,8 @@ def _count_nonfinite(inspected: _Inspected) -> None:
 def _read_pytorch_info(path: Path) -> _Inspected:
     """A ``torch.save`` checkpoint, read without torch (restricted unpickler, nothing runs)."""
     from ..core.dtype import dtype_from_numpy
-    from ..formats._pytorch import read_pytorch
     from ..core.tensor import TensorData
+    from ..formats._pytorch import read_pytorch
 
     checkpoint = read_pytorch(path)
     tensors = []
@@ -371,8 +371,8 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 def _refuse_scratch(path: Path) -> None:
     """Refuse ``path`` when it, or a folder above it, is an atomic writer's scratch entry
     (:func:`onnxparam.formats._scratch.scratch_name`): its content is an unfinished save."""
-    from ..formats._scratch import is_scratch_name
     from ..core.errors import FileAccessError
+    from ..formats._scratch import is_scratch_name
 
     for entry in (path, *path.parents):
         if not is_scratch_name(entry.name):

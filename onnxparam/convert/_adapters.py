@@ -30,10 +30,10 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..core.snapshot import TensorSnapshot
 from ..core.dtype import DType
-from ..formats._names import KeyRemapper, map_indices_contiguous
+from ..core.snapshot import TensorSnapshot
 from ..core.tensor import TensorData
+from ..formats._names import KeyRemapper, map_indices_contiguous
 
 __all__ = [
     "KeyRemapper",

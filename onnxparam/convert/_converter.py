@@ -62,11 +62,11 @@ from typing import Any, Callable, Optional
 
 from ..core.dtype import DType, dtype_from_numpy
 from ..core.errors import RecordError, file_error
+from ..core.record import ModuleRecord
+from ..core.tensor import TensorData
 from ..formats._extensions import FORMATS, WRITABLE, format_of
 from ..formats._names import map_indices_contiguous
 from ..formats._safetensors import read_safetensors, write_safetensors
-from ..core.record import ModuleRecord
-from ..core.tensor import TensorData
 from ._adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
 from ._onnx_files import (
     OUTPUT_SUFFIX,

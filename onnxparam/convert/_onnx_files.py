@@ -17,12 +17,12 @@ import json
 import os
 from pathlib import Path
 
-from ..formats._scratch import atomic_output
 from ..core.dtype import DType
 from ..core.errors import RecordError
-from ..formats._safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars
 from ..core.param import ParamId
 from ..core.record import ModuleRecord, TensorSnapshot
+from ..formats._safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars
+from ..formats._scratch import atomic_output
 from ._report import ConvertReport
 from ._tensors import _Source, _Tensor
 

@@ -22,9 +22,9 @@ from typing import Optional
 
 from ..core.dtype import DType
 from ..core.errors import RecordError
-from ..formats._safetensors import read_safetensors, write_safetensors
 from ..core.module import named_modules
 from ..core.record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
+from ..formats._safetensors import read_safetensors, write_safetensors
 from ._adapters import (
     KeyRemapper,
     ModuleAdapter,

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..core.dtype import DType
-from ..formats._file_range import FileRange
 from ..core.param import ParamId
 from ..core.record import TensorSnapshot
 from ..core.tensor import TensorData
+from ..formats._file_range import FileRange
 
 __all__ = ["_Tensor", "_Source"]
 

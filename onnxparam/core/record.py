@@ -8,17 +8,13 @@ model (:mod:`onnxparam.core.module`) and the formats (:mod:`onnxparam.burnpack`,
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Iterator, Optional
 
-from .snapshot import TensorSnapshot
 from .dtype import DType
 from .errors import RecordError
-from .param import ParamId
+from .snapshot import TensorSnapshot
 from .tensor import Tensor, TensorData
 from .verbs import RecordVerbs
 

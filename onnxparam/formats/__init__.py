@@ -1,6 +1,6 @@
 """File formats other than burnpack (:mod:`onnxparam.burnpack`): bytes in, lazy tensors out.
 
-Formats layer: these modules know bytes and tensor snapshots, not modules (the bridges in
+These modules know bytes and tensor snapshots, not modules (the loaders in
 :mod:`onnxparam.convert` load them into modules).
 
 * :mod:`._safetensors`: Hugging Face safetensors files (lazy zero-copy reads, streaming writes).
@@ -13,7 +13,8 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
 * ``._onnx_nested``: the tensors of every graph of a serialized model (subgraphs, ``Constant``
   values) rewritten in place: placeholders given their bytes, inline bytes mapped
   (:func:`read_onnx_mapped`).
-* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`._onnx_nested`.
+* ``._scalars``: Burn's typed metadata scalars and bool stores, shared with the burnpack format.
+* ``._scratch``: atomic writes through a scratch file (read-only targets refused, modes kept).
 * ``._file_range``: tensor bytes copied file to file by the kernel when a conversion leaves them
   unchanged.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.

@@ -65,11 +65,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..core.record import ModuleRecord
-from ..core.snapshot import TensorSnapshot
 from ..core.dtype import DType
 from ..core.errors import RecordError
 from ..core.param import ParamId
+from ..core.record import ModuleRecord
+from ..core.snapshot import TensorSnapshot
 from ..core.tensor import TensorData
 from ._limits import is_utf8_text, name_problem, shape_problem
 from ._mapped import MappedFile

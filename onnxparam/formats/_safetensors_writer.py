@@ -13,10 +13,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from ._scratch import atomic_output
-from ..core.snapshot import TensorSnapshot
 from ..core.dtype import DType
 from ..core.errors import RecordError
+from ..core.snapshot import TensorSnapshot
 from ..core.tensor import TensorData
 from ._file_range import copy_range, file_range_of
 from ._limits import is_utf8_text, tensor_problem
@@ -34,6 +33,7 @@ from ._safetensors_header import (
     _canonical_key,
     _encode_scalars,
 )
+from ._scratch import atomic_output
 
 __all__ = ["write_safetensors"]
 

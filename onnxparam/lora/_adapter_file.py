@@ -33,9 +33,9 @@ def adapter_params(module) -> dict:
     ``a`` ``(d_in, r)`` and ``scale * b`` ``(r, d_out)`` (the scale folded into ``b``, as Olive
     writes adapters: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA), at the base's float
     dtype (float32 for a quantized base)."""
-    from ._graph import fed_factor
-    from ..trace.tracer import untraced
     from ..core.module import named_params
+    from ..trace.tracer import untraced
+    from ._graph import fed_factor
 
     # NOTE: an imported model's export names its weights as its file does (onnx::MatMul_12),
     # and the factor inputs after them (onnx::MatMul_12.lora.a): the same names here
@@ -85,8 +85,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     import os
     from pathlib import Path
 
-    from ..runtime._ort import import_onnxruntime
     from ..formats._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
+    from ..runtime._ort import import_onnxruntime
 
     ort = import_onnxruntime()
     if adapter_name is not None and not isinstance(module_or_params, dict):
@@ -182,8 +182,8 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     """
     from pathlib import Path
 
-    from ..runtime._ort import import_onnxruntime
     from ..core.errors import RecordError
+    from ..runtime._ort import import_onnxruntime
 
     adapter_path, model_path = Path(adapter_path), Path(model_path)
     for path in (adapter_path, model_path):

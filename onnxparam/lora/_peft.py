@@ -46,10 +46,10 @@ import numpy as np
 
 from ..core.dtype import DType
 from ..core.errors import RecordError, ShapeMismatchError
-from ._adapters import LoraAdapter, transposed_paths
 from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
+from ._adapters import LoraAdapter, transposed_paths
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]

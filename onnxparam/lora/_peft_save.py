@@ -42,8 +42,8 @@ def _graph_facts(module) -> tuple:
     PEFT's ``Embedding`` layer), and ``modules`` maps the path of a weight torch's exporter renamed
     (``val_N``, ``onnx::MatMul_N``) to the PyTorch module names the graph gives it (its
     ``<m>.bias``, its node's ``/<m>/MatMul`` name or dynamo ``name_scopes``)."""
-    from ._graph import _attr_int
     from ..core.module import named_modules
+    from ._graph import _attr_int
     from ._peft import _linear_aliases
 
     tables, modules = set(), {}
@@ -97,9 +97,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     """
     from safetensors.numpy import save_file
 
-    from ..trace.tracer import untraced
     from ..core.module import named_modules, named_params
     from ..nn import Embedding
+    from ..trace.tracer import untraced
 
     if adapter_name is not None:
         module = module.set_adapter(adapter_name)

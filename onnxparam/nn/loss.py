@@ -27,8 +27,8 @@ import numpy as np
 from .. import ops
 from ..core.dtype import DType
 from ..core.module import Module
-from ..ops import _losses
 from ..core.tensor import Tensor
+from ..ops import _losses
 from ._config import config
 
 __all__ = [

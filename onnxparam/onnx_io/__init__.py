@@ -1,6 +1,6 @@
 """ONNX import and export: ONNX models as modules, modules as ONNX models.
 
-A bridge between the model layer (:mod:`onnxparam.core.module`, :mod:`onnxparam.core.param`) and ONNX
+The layer between the module tree (:mod:`onnxparam.core.module`, :mod:`onnxparam.core.param`) and ONNX
 files; it uses the tracer (:mod:`onnxparam.trace.tracer`) to emit graphs and ``onnx_ir`` to read and
 write them. Parts, each its own module:
 
@@ -15,11 +15,7 @@ write them. Parts, each its own module:
   (:func:`read_onnx_record`, :func:`write_record_to_onnx`), for the converters.
 * :mod:`~onnxparam.onnx_io._save`: writing a model (external data, sharding, atomic rename).
 
-Layers: ``naming``, ``metadata``, ``source``, ``weights`` and ``save`` know ONNX protobuf bytes
-(the formats layer: the LoRA and QDQ graph passes use them); ``importer``, ``exporter`` and
-``records`` are bridges to modules and records. This facade imports nothing at import time, so
-a graph pass reading ``onnx_io.metadata`` does not pull in the importer; each name is imported on
-first use.
+This facade imports nothing at import time; each name is imported on first use.
 """
 
 _NAMES = {

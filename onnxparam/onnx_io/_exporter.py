@@ -130,8 +130,8 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                       opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
-    from ..quant._passes import trace_module  # the tracer's, with the standard LoRA / QDQ passes
     from ..lora._adapters import with_every_named_target
+    from ..quant._passes import trace_module  # the tracer's, with the standard LoRA / QDQ passes
 
     if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
         module = with_every_named_target(module)
@@ -189,8 +189,8 @@ def _auto_batch(module, example_inputs, kwargs, trace):
     example's shapes with a warning (see ``dynamic_batch``)."""
     import warnings
 
-    from ..trace.tracer import _as_spec, _is_input, baking_node
     from ..core.errors import TraceError
+    from ..trace.tracer import _as_spec, _is_input, baking_node
 
     tensors = [x for x in list(example_inputs) + list((kwargs or {}).values()) if _is_input(x)]
     shapes = [_as_spec(x).shape for x in tensors]
@@ -298,9 +298,9 @@ def _spec_of(x):
     """An ``InputSpec`` for an example input (a spec, a tensor or an array)."""
     import numpy as np
 
-    from ..trace.tracer import InputSpec
     from ..core.dtype import DType
     from ..core.tensor import Tensor
+    from ..trace.tracer import InputSpec
 
     if isinstance(x, InputSpec):
         return x

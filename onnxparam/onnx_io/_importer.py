@@ -49,8 +49,8 @@ from ..core.device import CPU
 from ..core.errors import CallArgumentError, OnnxFormatError, TraceError
 from ..core.module import Module, named_params
 from ..core.param import Param, ParamId
-from ..quant import _qdq_import
 from ..core.tensor import Tensor
+from ..quant import _qdq_import
 from . import _metadata as md
 from ._bodies import wired_subgraph
 from ._graph_model import copy_model
@@ -303,8 +303,8 @@ class OnnxModule(Module):
         Every error raised names the imported file (or the in-memory source) and, for a
         run-time failure, the node (:mod:`~onnxparam.runtime._source_errors`).
         """
-        from ..trace import tracer as tr
         from ..runtime._source_errors import naming_source
+        from ..trace import tracer as tr
 
         with naming_source(self):
             if tr.current_tracer() is None:

@@ -9,8 +9,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
 from ..core.param import Param
+from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
            "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
@@ -266,13 +266,13 @@ def attach_imported(module, found: list):
     attached to their bases: lazy factor params with the ids and flags ONNX metadata records."""
     if not found:
         return module
-    from ..lora._adapters import LoraAdapter
     from ..core.module import rebuild
+    from ..core.param import ParamId
+    from ..core.tensor import Tensor
+    from ..lora._adapters import LoraAdapter
     from . import _metadata as md
     from ._naming import onnx_name_to_path
     from ._weights import burn_dtype, tensor_data
-    from ..core.param import ParamId
-    from ..core.tensor import Tensor
 
     def factor(value: ir.Value, metas: dict) -> Param:
         meta = metas.get(value.name, md.ParamMetadata())

@@ -43,6 +43,7 @@ from typing import Optional, Union
 import onnx
 import onnx_ir as ir
 
+from ..core.errors import OnnxFormatError
 from ..formats._scratch import (
     check_replaceable,
     create_scratch,
@@ -50,7 +51,6 @@ from ..formats._scratch import (
     preserve_mode,
     release,
 )
-from ..core.errors import OnnxFormatError
 from ._source import iter_graphs
 
 __all__ = [

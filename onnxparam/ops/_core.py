@@ -7,12 +7,12 @@ import functools
 
 import numpy as np
 
-from ..trace import tracer as _trace
 from ..core import extension
-from ..trace.symint import SymInt
 from ..core.dtype import DType
 from ..core.errors import TraceError
 from ..core.tensor import Tensor
+from ..trace import tracer as _trace
+from ..trace.symint import SymInt
 
 _INT64_MAX = np.iinfo(np.int64).max
 

@@ -11,10 +11,10 @@ import builtins
 
 import numpy as np
 
-from ..trace import tracer as _trace
-from ..trace.symint import SymInt
 from ..core.dtype import DType
 from ..core.tensor import Tensor
+from ..trace import tracer as _trace
+from ..trace.symint import SymInt
 from ._core import _emit, _int64_input, _require_opset, _tracer
 
 __all__ = ["zeros", "ones", "full", "arange"]

@@ -8,10 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..trace.symint import SymInt
 from ..core.dtype import DType
 from ..core.errors import TraceError
 from ..core.tensor import Tensor
+from ..trace.symint import SymInt
 from ._core import (
     _axes_operand,
     _emit,

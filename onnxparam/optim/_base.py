@@ -167,8 +167,8 @@ class Optimizer:
             the path written.
         """
         from .. import burnpack
-        from ..core.version import __version__
         from ..burnpack import Scalar, TensorEntry
+        from ..core.version import __version__
 
         path = Path(path)
         if path.suffix != ".bpk":

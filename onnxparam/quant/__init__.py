@@ -1,15 +1,17 @@
-"""Quantization values: Burn's schemes, quantized tensors and the MinMax quantizer.
+"""Quantization: Burn's schemes and quantized tensors, quantizing modules, and quantized ONNX graphs.
 
-This is the value layer. It knows Burn's ``QuantScheme`` and the bytes of one ``QFloat``
-tensor (values, scales, optional global scale), but nothing of files: the burnpack format
-(:mod:`onnxparam.burnpack`) stores these bytes, and the model layer attaches them to params.
-Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's format):
+The quantized *values* are part of the core (a ``Tensor`` may hold a ``QuantizedTensor``; the
+burnpack format stores their bytes); this facade re-exports them. Every rule cites
+``docs/burnpack.md`` (the repository's note on Burn's format):
 
-* :mod:`._scheme`       the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
-* :mod:`._layout`       the byte layout of values and scales (§2)
-* :mod:`._scales`       scale dtypes: round-up, encode, decode (§2.3, §4.4)
-* :mod:`._tensor`       :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3)
-* :mod:`._calibration`  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
+* :mod:`onnxparam.core.quant_scheme`  the enums and :class:`QuantScheme`, with their CBOR form (§1.3)
+* :mod:`onnxparam.core.quant_layout`  the byte layout of values and scales (§2)
+* :mod:`onnxparam.core.quant_scales`  scale dtypes: round-up, encode, decode (§2.3, §4.4)
+* :mod:`onnxparam.core.tensor`        :class:`QuantizedTensor`: bytes <-> values, dequantization (§2, §3);
+  :func:`quantize`: Burn's ``Quantizer`` with MinMax calibration (§4)
+
+The verbs and graphs of this package (layer ``quant/``):
+
 * :mod:`._module`       :class:`Quantizer`, :class:`Calibration`: quantizing a module's params
 * :mod:`._qdq`          quantized params in ONNX graphs (QDQ export / import, static activations);
   the tracer and the ONNX importer call into it; ``_qdq_forms`` picks each op's form (float /
@@ -17,6 +19,7 @@ Every rule here cites ``docs/burnpack.md`` (the repository's note on Burn's form
   (:func:`quantized_ops`), ``_nbits`` writes 4-bit MatMul weights as ``com.microsoft.MatMulNBits``
   below opset 21 (4-bit Gemm weights too; other 4-bit weights are written float with a reason),
   ``_nbits_import`` reads ``MatMulNBits`` weights back as ``QFloat`` params
+* :mod:`._passes`       the standard graph passes of a trace (LoRA, then QDQ)
 """
 
 from ..core.errors import QuantizationWarning

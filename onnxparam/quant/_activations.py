@@ -1,5 +1,5 @@
 """Static activation quantization: calibrating activation ranges by running the traced module in
-ONNX Runtime (runtime layer; the graph rewrite is :mod:`onnxparam.quant._qdq`'s)."""
+ONNX Runtime (the graph rewrite is :mod:`onnxparam.quant._qdq`'s)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     """
     import onnx
 
+    from ..core.module import rebuild
     from ..runtime._ort import import_onnxruntime
     from ..trace.tracer import InputSpec
     from ._passes import trace_module
-    from ..core.module import rebuild
 
     ort = import_onnxruntime()
     args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]

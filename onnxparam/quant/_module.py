@@ -33,8 +33,8 @@ import numpy as np
 from ..core.dtype import DType
 from ..core.errors import QuantizationError, QuantizationWarning
 from ..core.param import Param, _Lazy
-from ..core.tensor import quantize, quantize_per_axis
 from ..core.quant_scheme import QuantScheme
+from ..core.tensor import quantize, quantize_per_axis
 
 __all__ = ["Calibration", "Quantizer", "is_weight", "quantize_weights"]
 

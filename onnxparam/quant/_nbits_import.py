@@ -39,9 +39,9 @@ import onnx_ir as ir
 from ..core.dtype import DType
 from ..core.errors import QuantizationError
 from ..core.quant_layout import params_shape
-from ._qdq_options import GLOBAL_SCALE_KEY, NBITS_TRANS_KEY, SCHEME_KEY, _const
 from ..core.quant_scheme import QuantScheme, QuantValue, ScaleDtype
 from ..core.tensor import QuantizedTensor
+from ._qdq_options import GLOBAL_SCALE_KEY, NBITS_TRANS_KEY, SCHEME_KEY, _const
 
 MS_DOMAIN = "com.microsoft"
 

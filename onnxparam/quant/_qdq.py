@@ -97,6 +97,8 @@ import onnx_ir as ir
 
 from ..core.dtype import DType
 from ..core.errors import QuantizationError, QuantizationWarning
+from ..core.quant_scheme import QuantValue
+from ..core.tensor import QuantizedTensor
 from . import _nbits
 from . import _qdq_forms as _forms
 from . import _qdq_static as _static
@@ -119,8 +121,6 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
 )
 from ._qdq_static import dims as _dims
 from ._qdq_static import node as _node
-from ..core.quant_scheme import QuantValue
-from ..core.tensor import QuantizedTensor
 
 __all__ = [
     "ACCURACY_LEVEL_KEY",

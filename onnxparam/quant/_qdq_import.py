@@ -12,10 +12,10 @@ import onnx_ir as ir
 
 from ..core.dtype import DType
 from ..core.errors import QuantizationError
-from ._nbits_import import fold_matmul_nbits
-from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
 from ..core.quant_scheme import QuantScheme, QuantValue
 from ..core.tensor import QuantizedTensor
+from ._nbits_import import fold_matmul_nbits
+from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
 
 # -- import --------------------------------------------------------------------------------------------
 

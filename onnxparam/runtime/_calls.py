@@ -11,12 +11,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..trace import tracer as _trace
 from ..core import extension
 from ..core.errors import ExecutionError
 from ..core.module import _MUTATIONS, _WATCHED
 from ..core.param import Param
 from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
 from ._keys import _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token, call_signature  # noqa: F401

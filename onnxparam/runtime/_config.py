@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from ._ort import import_onnxruntime
 from ..trace.passes import LORA_MODES
+from ._ort import import_onnxruntime
 
 ort = import_onnxruntime()
 

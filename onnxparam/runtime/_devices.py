@@ -9,12 +9,12 @@ from typing import Optional, Sequence
 import ml_dtypes
 import numpy as np
 
-from ._ort import import_onnxruntime
 from ..core.device import CPU, Device
 from ..core.dtype import DType
 from ..core.errors import DeviceError
 from ..core.tensor import Tensor
 from ._config import SessionConfig
+from ._ort import import_onnxruntime
 
 ort = import_onnxruntime()
 

@@ -9,16 +9,16 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from ..trace import tracer as _trace
-from ._ort import import_onnxruntime
 from ..core import extension
 from ..core.device import CPU, Device
 from ..core.dtype import DType, dtype_from_onnx_element
 from ..core.errors import ExecutionError, OnnxParamError
 from ..core.param import Param
 from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._config import SessionConfig
 from ._devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
+from ._ort import import_onnxruntime
 
 ort = import_onnxruntime()
 

@@ -14,9 +14,9 @@ from typing import Mapping, Optional, Sequence
 import onnx
 import onnx_ir as ir
 
-from .values import TracedModel, _axes_items, _dims_of_value
-from ..core.version import __version__
 from ..core.errors import TraceError
+from ..core.version import __version__
+from .values import TracedModel, _axes_items, _dims_of_value
 
 __all__ = ["finish_trace", "baking_node", "baked_message", "check_batch_outputs"]
 

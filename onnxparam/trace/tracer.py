@@ -43,9 +43,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ..core.device import CPU
+from ..core.dtype import DType
+from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
+from ..core.param import Param
+from ..core.tensor import Tensor
+from .model import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
 from .passes import LORA_MODES, NO_PASSES, GraphPasses  # noqa: F401  (GraphPasses re-exported)
 from .symint import SymInt
-from .model import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
 from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is their public home)
     _CURRENT,
     INFERENCE_DATA_MAX_ELEMENTS,
@@ -71,11 +76,6 @@ from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is the
     param_array,
     untraced,
 )
-from ..core.device import CPU
-from ..core.dtype import DType
-from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
-from ..core.param import Param
-from ..core.tensor import Tensor
 
 __all__ = [
     "DEFAULT_OPSET", "MIN_OPSET", "LORA_MODES", "InputSpec", "Symbol", "Tracer", "TracedModel",

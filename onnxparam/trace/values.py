@@ -1,4 +1,4 @@
-"""The values a trace is made of (graph layer): input specs, symbols, ONNX types and attributes,
+"""The values a trace is made of : input specs, symbols, ONNX types and attributes,
 node-level type inference, and the traced model. :mod:`onnxparam.trace.tracer` re-exports the public ones.
 """
 
@@ -8,17 +8,17 @@ import contextlib
 import contextvars
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .symint import SymInt
 from ..core.dtype import DType, dtype_from_onnx_element
 from ..core.errors import TraceError
 from ..core.param import Param
 from ..core.tensor import Tensor
+from .symint import SymInt
 
 INFERENCE_DATA_MAX_ELEMENTS = 4096
 """Constant inputs up to this size are given to ONNX shape inference as data (Reshape shapes)."""

@@ -28,13 +28,13 @@ cache clearing (:mod:`onnxparam.runtime`). Each goes through one typed extension
 :mod:`onnxparam.core.extension`, whose loaders :mod:`onnxparam._assembly` installs.
 """
 
-from .cli._start import install_if_command_line as _install_if_command_line
+from ._assembly import install_if_command_line as _install_if_command_line
 
 # NOTE: the command line's first signal handlers, before any heavy import (a Ctrl-C while the
 # CLI starts is one line and exit 130, not a traceback); nothing happens for library users.
 _install_if_command_line()
 
-from . import _assembly  # noqa: E402
+from . import _assembly  # noqa: E402, F811
 from .core.device import Device  # noqa: E402
 from .core.errors import (  # noqa: E402
     BurnpackFormatError,

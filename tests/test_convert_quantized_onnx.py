@@ -143,6 +143,9 @@ def test_a_per_channel_conv_over_255_input_channels_this_library_wrote_imports_a
     # Burn cannot hold the scale grid: codes, scales and zero points
     np.testing.assert_array_equal(values["w"], codes)
     np.testing.assert_array_equal(values["w_zero_point"], zero_point)
+    def per_channel(v):
+        return v.reshape(64, 1, 1, 1)
+
     np.testing.assert_array_equal(
-        (values["w"].astype(np.float32) - values["w_zero_point"].reshape(64, 1, 1, 1)) * values["w_scale"].reshape(64, 1, 1, 1),
-        (codes.astype(np.float32) - zero_point.reshape(64, 1, 1, 1)) * scale.reshape(64, 1, 1, 1))
+        (values["w"].astype(np.float32) - per_channel(values["w_zero_point"])) * per_channel(values["w_scale"]),
+        (codes.astype(np.float32) - per_channel(zero_point)) * per_channel(scale))

@@ -202,3 +202,17 @@ def test_static_int8_exports_equal_the_onnx_reference_on_extreme_inputs(tmp_path
         step = float(inits[last.input[1]])  # the output's quantization step
         # the fused kernels requantize their int32 sums once, the reference in float: one output step apart
         np.testing.assert_allclose(got, expected, rtol=0, atol=step * 1.01)
+
+
+@pytest.mark.parametrize(("lowest", "value"), [(1, op.QuantValue.Q8S), (0, op.QuantValue.Q8F)])
+def test_uint8_codes_with_zero_point_128_import_as_burn_s_symmetric_scheme_where_it_holds_them(
+        lowest, value, tmp_path):
+    # no scheme metadata (a file another tool wrote): Q8S holds codes -127..127 (Burn's symmetric
+    # int8), so a uint8 code 0 (-128 after the zero point) needs Q8F
+    codes = np.array([[lowest, 128, 255], [200, 100, 30]], np.uint8)
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "s", "z"], ["w"]),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    src = save(tmp_path, "u8", nodes, ["n", 2], {"w_q": codes, "s": np.float32(0.1), "z": np.uint8(128)})
+    param = dict(import_onnx(src).named_params())["w_q"]
+    assert param.lazy_dtype() is op.DType.QFloat and param.base().into_data().scheme.value is value
+    np.testing.assert_array_equal(param.val().to_numpy(), (codes.astype(np.float32) - 128) * np.float32(0.1))

@@ -110,7 +110,7 @@ def check_grad_case(case) -> tuple:
     """``(outcome, detail)`` for one node case (see the module docstring)."""
     import onnxparam as op
     from onnxparam.autodiff import grad
-    from onnxparam.errors import OnnxParamError
+    from onnxparam.core.errors import OnnxParamError
 
     built = _as_params(case)
     if built is None:

@@ -80,7 +80,7 @@ def test_grad_of_an_imported_opset11_model_matches_finite_differences(tmp_path, 
 
 def test_the_cross_entropy_loss_graph_has_no_gather_elements_at_a_static_class_count():
     """GatherElements' gradient needs ScatterElements(reduction="add"), opset 16+."""
-    from onnxparam import _trace as trace
+    from onnxparam.quant import _passes as trace
 
     class Head(op.Module):
         def forward(self, x, t):

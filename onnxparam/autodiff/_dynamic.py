@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 
 __all__ = ["Family", "dynamic_entry", "clear"]
 
@@ -59,7 +59,7 @@ def dynamic_entry(family_key, args, kwargs, lookup: Callable, build: Callable) -
         build: ``build(key, symbolic_shapes, least)`` traces and builds the training graph
             with those shapes (a shape per tensor argument, ``str`` for symbolic dims; ``None``
             for the other arguments), caches it under ``key`` and returns it; raises
-            :class:`~onnxparam.errors.TraceError` when the loss or a rule needs concrete sizes.
+            :class:`~onnxparam.core.errors.TraceError` when the loss or a rule needs concrete sizes.
     """
     shapes = _shapes(args, kwargs)
     family = _families.get(family_key)

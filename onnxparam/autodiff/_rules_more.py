@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, maybe_dims, np_dtype
 from ._rules import _kept, _reduce_layout, attr, const_array, reduce_sum_axes, rule
 from ._rules_shape import index_grid, one_hot_accumulate

@@ -26,16 +26,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping, Optional
 
-from .. import _lora_graph as lora_graph
-from .. import _trace
-from ..errors import TraceError
-from ..param import Param, ParamId
+from ..core.errors import TraceError
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ..lora import _graph as lora_graph
+from ..nn._initializer import seed_generation
 from ..quant import _qdq as qdq
+from ..quant._passes import STANDARD_PASSES
 from ..runtime import _calls
 from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
-from ..tensor import Tensor
+from ..trace import tracer as _trace
 from . import _dynamic
 from ._backward import build_training_model
 
@@ -52,6 +54,20 @@ MAX_CACHED_TRAINING = 16
 
 _graphs: "OrderedDict[Any, tuple]" = OrderedDict()
 _sessions: "OrderedDict[Any, Any]" = OrderedDict()
+
+
+_SEEN_SEED = [seed_generation()]
+"""The :func:`onnxparam.nn.seed` generation the cached graphs were built under."""
+
+
+def _forget_if_reseeded() -> None:
+    """After :func:`onnxparam.nn.seed`, forget the cached graphs and sessions: the next calls
+    trace and build afresh, so seeded dropout masks restart (caller holds the runtime's lock)."""
+    generation = seed_generation()
+    if generation != _SEEN_SEED[0]:
+        _graphs.clear()
+        _sessions.clear()
+        _SEEN_SEED[0] = generation
 
 
 def clear_cache() -> None:
@@ -105,7 +121,7 @@ class Gradients(Mapping):
 
 def trainable_paths(module) -> tuple:
     """Paths of the float params of ``module`` that require grad, in traversal order."""
-    from ..module import named_params
+    from ..core.module import named_params
 
     return tuple(path for path, p in named_params(module) if p.require_grad and p.lazy_dtype().is_float)
 
@@ -116,7 +132,8 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     keyword; ``None`` for non-tensors) replaces the tensors' shapes (``str`` dims symbolic, for
     sizes >= ``least``)."""
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
-    tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph")
+    tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph",
+                           passes=STANDARD_PASSES)
     tracer.min_dynamic_size = int(least)
     shape_of = (lambda i, t: t.shape) if shapes is None else (lambda i, t: shapes[i])
     # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
@@ -146,6 +163,7 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
 def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     """``(key, training TracedModel, grad paths)`` for this call (``call_sig``: its signature
     from the runtime's ``_split_call``), traced and built if needed."""
+    _forget_if_reseeded()
     wrt_all = trainable_paths(module)
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all)
     hit = _graphs.get(key)
@@ -189,7 +207,7 @@ def _rank_only(entry, positional: bool):
 
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
-    """The training :class:`~onnxparam._trace.TracedModel` that :func:`grad` runs (inputs: the
+    """The training :class:`~onnxparam.trace.tracer.TracedModel` that :func:`grad` runs (inputs: the
     tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
     args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
@@ -217,7 +235,7 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
             tensor, or uses an operator without a gradient rule on a trainable path.
         DeviceError / ExecutionError: as for module calls.
     """
-    from ..module import named_params
+    from ..core.module import named_params
 
     owner = f"grad({getattr(loss_fn, '__name__', 'loss_fn')}, {type(module).__name__})"
     args, kwargs, tensors, call_sig = _calls._split_call(inputs, kwargs)
@@ -266,7 +284,7 @@ def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
         operator key, ``"<domain>:<op>"`` outside ``ai.onnx`` —, ``params`` — the trainable
         params feeding it directly — and ``reason``), in graph order; empty when :func:`grad`
         has a rule for every node it needs. :func:`grad` raises a
-        :class:`~onnxparam.errors.TraceError` listing the same nodes.
+        :class:`~onnxparam.core.errors.TraceError` listing the same nodes.
 
     Raises:
         TraceError: when ``loss_fn`` cannot be traced.

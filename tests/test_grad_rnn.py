@@ -1,0 +1,136 @@
+"""Gradients of ONNX's LSTM / GRU / RNN (imported single-node models, every input a param).
+
+Oracles: central finite differences in float64 of a numpy implementation of the ONNX operator
+specification (tests/rnn_reference.py, itself checked against plain ONNX Runtime's forward);
+torch autograd on torch's nn.LSTM / nn.GRU / nn.RNN exported to ONNX (TorchScript exporter).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxparam as op
+from onnxparam.autodiff import grad
+
+import rnn_reference
+
+ort = pytest.importorskip("onnxruntime")
+
+INPUTS = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"]
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _arrays(op_type, *, T, N, I, H, direction, layout, lens, states, peep, bias, seed):
+    rng = np.random.default_rng(seed)
+    D = 2 if direction == "bidirectional" else 1
+    G = GATES[op_type]
+    a = {"X": rng.normal(size=(N, T, I) if layout else (T, N, I)),
+         "W": rng.normal(size=(D, G * H, I)) * 0.5, "R": rng.normal(size=(D, G * H, H)) * 0.5}
+    if bias:
+        a["B"] = rng.normal(size=(D, 2 * G * H)) * 0.3
+    if lens is not None:
+        a["sequence_lens"] = np.asarray(lens, np.int32)
+    if states:
+        shape = (N, D, H) if layout else (D, N, H)
+        a["initial_h"] = rng.normal(size=shape) * 0.5
+        if op_type == "LSTM":
+            a["initial_c"] = rng.normal(size=shape) * 0.5
+    if peep:
+        a["P"] = rng.normal(size=(D, 3 * H)) * 0.5
+    return a
+
+
+def _model(op_type, arrays, attrs, opset=14):
+    names = [n if n in arrays else "" for n in INPUTS[:8 if op_type == "LSTM" else 6]]
+    while names and names[-1] == "":
+        names.pop()
+    outs = ["Y", "Y_h", "Y_c"][:3 if op_type == "LSTM" else 2]
+    # NOTE: ONNX's schema marks the initial states non-differentiable, so the importer keeps
+    # them constants; read through an Identity they are weights (params) like the others
+    nodes = []
+    for k in ("initial_h", "initial_c"):
+        if k in names:
+            nodes.append(helper.make_node("Identity", [k], [k + "_read"]))
+            names[names.index(k)] = k + "_read"
+    node = helper.make_node(op_type, names, outs, **attrs)
+    inits = [numpy_helper.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k) for k, v in arrays.items()]
+    graph = helper.make_graph(nodes + [node], "g", [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _coefs(outputs, seed):
+    rng = np.random.default_rng(seed + 100)
+    return [rng.normal(size=o.shape) for o in outputs]
+
+
+CASES = {
+    "lstm_bidirectional_lens_states_peepholes": ("LSTM", dict(direction="bidirectional", layout=0, lens=[4, 2, 3],
+                                                               states=True, peep=True, bias=True)),
+    "lstm_reverse_lens": ("LSTM", dict(direction="reverse", layout=0, lens=[3, 4, 1], states=True, peep=False,
+                                               bias=True)),
+    "lstm_forward_x_w_r_only": ("LSTM", dict(direction="forward", layout=0, lens=None, states=False, peep=False,
+                                             bias=False)),
+    "gru_bidirectional_lens_linear_before_reset": ("GRU", dict(direction="bidirectional", layout=0, lens=[4, 1, 3],
+                                                               states=True, peep=False, bias=True, lbr=1)),
+    "gru_reverse_reset_after": ("GRU", dict(direction="reverse", layout=0, lens=None, states=True, peep=False,
+                                                    bias=True, lbr=0)),
+    "rnn_bidirectional_lens": ("RNN", dict(direction="bidirectional", layout=0, lens=[2, 4, 3], states=True,
+                                           peep=False, bias=True)),
+    "rnn_forward_sigmoid": ("RNN", dict(direction="forward", layout=0, lens=None, states=False, peep=False,
+                                                bias=True, act="Sigmoid")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_recurrent_gradient_matches_float64_central_differences(case):
+    op_type, kw = CASES[case]
+    kw = dict(kw)
+    lbr, act = kw.pop("lbr", None), kw.pop("act", None)
+    arrays = _arrays(op_type, T=4, N=3, I=3, H=2, seed=len(case), **kw)
+    attrs = {"hidden_size": 2, "direction": kw["direction"]}
+    if kw["layout"]:
+        attrs["layout"] = 1
+    if lbr is not None:
+        attrs["linear_before_reset"] = lbr
+    if act is not None:
+        attrs["activations"] = [act] * (2 if kw["direction"] == "bidirectional" else 1)
+    model = _model(op_type, arrays, attrs)
+    # the oracle computes what plain ONNX Runtime computes
+    f32 = {k: (v.astype(np.float32).astype(np.float64) if v.dtype == np.float64 else v) for k, v in arrays.items()}
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
+    want = rnn_reference.run(op_type, f32, attrs)
+    for got, ref in zip(plain, want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    coefs = _coefs(want, len(case))
+
+    def np_loss(values):
+        return sum(float((o * c).sum()) for o, c in zip(rnn_reference.run(op_type, values, attrs), coefs))
+
+    def loss_fn(m):
+        outs = m()
+        total = None
+        for o, c in zip(outs, coefs):
+            term = (o * op.Tensor.from_numpy(c.astype(np.float32))).sum()
+            total = term if total is None else total + term
+        return total
+
+    module = op.import_onnx(model)
+    loss, grads = grad(loss_fn, module)
+    np.testing.assert_allclose(float(loss.to_numpy()), np_loss(f32), rtol=1e-4, atol=1e-4)
+    by_path = grads.by_path()
+    floats = [k for k, v in arrays.items() if v.dtype == np.float64]
+    assert sorted(by_path) == sorted(floats)
+    eps = 1e-6
+    for name in floats:
+        got = by_path[name].to_numpy().astype(np.float64)
+        want_g = np.zeros_like(f32[name])
+        for idx in np.ndindex(*f32[name].shape):
+            plus, minus = dict(f32), dict(f32)
+            plus[name], minus[name] = f32[name].copy(), f32[name].copy()
+            plus[name][idx] += eps
+            minus[name][idx] -= eps
+            want_g[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
+        np.testing.assert_allclose(got, want_g, rtol=1e-3, atol=1e-4, err_msg=f"{case}: d/d{name}")

@@ -160,7 +160,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
             continue
         fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
         if fn is None:
-            params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
+            params = [v.name for v in inputs if v is not None and v.name in traced.params]
             raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"
                              f"{node.op_type}) on the path from the trainable params to the loss"
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")

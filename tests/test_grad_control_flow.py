@@ -1,0 +1,249 @@
+"""Gradients through control flow: params inside ``If`` branches (a hand-written model with
+params captured by both branches, and the public silero-vad model whose ``If`` branches hold
+conv encoders and ``LSTM`` s, see data/onnx/README.md), and a clear error for ``Loop`` bodies.
+
+Oracles: plain ONNX Runtime on the original files with weights perturbed (central differences,
+a directional derivative for the big model), numpy formulas.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxparam as op
+from onnxparam.autodiff import grad, trainable_paths
+from onnxparam.errors import TraceError
+from onnxparam.optim import SGD
+
+ort = pytest.importorskip("onnxruntime")
+
+DATA = Path(__file__).parent / "data" / "onnx"
+
+
+def _plain(model: onnx.ModelProto, feeds: dict) -> list:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _with_weights(model: onnx.ModelProto, weights: dict) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers / ``Constant`` nodes (at any depth) named in
+    ``weights`` hold the given arrays."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def walk(graph):
+        for init in graph.initializer:
+            if init.name in weights:
+                init.CopyFrom(numpy_helper.from_array(weights[init.name].astype(np.float32), init.name))
+        for node in graph.node:
+            if node.op_type == "Constant" and node.output[0] in weights:
+                for a in node.attribute:
+                    if a.name == "value":
+                        a.t.CopyFrom(numpy_helper.from_array(weights[node.output[0]].astype(np.float32), node.output[0]))
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+    walk(model.graph)
+    return model
+
+
+# -- a small If whose branches capture params ---------------------------------------------------
+
+def _if_model() -> onnx.ModelProto:
+    """``y = If(sum(x) > 0, then: tanh(x @ w) * s, else: x @ v + s)``; ``w``, ``v``, ``s`` are
+    main-graph initializers read only inside the branches; the else branch has an ``If`` of its
+    own (nested) choosing ``relu`` on a shape test that is static."""
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["tw"]), helper.make_node("Tanh", ["tw"], ["tt"]),
+                              helper.make_node("Mul", ["tt", "s"], ["then_y"])], "then", [],
+                             [helper.make_tensor_value_info("then_y", TensorProto.FLOAT, None)])
+    inner_then = helper.make_graph([helper.make_node("Relu", ["xv"], ["inner_y"])], "inner_then", [],
+                                   [helper.make_tensor_value_info("inner_y", TensorProto.FLOAT, None)])
+    inner_else = helper.make_graph([helper.make_node("Neg", ["xv"], ["inner_n"])], "inner_else", [],
+                                   [helper.make_tensor_value_info("inner_n", TensorProto.FLOAT, None)])
+    els = helper.make_graph([
+        helper.make_node("MatMul", ["x", "v"], ["xv"]),
+        helper.make_node("Shape", ["xv"], ["shp"]),
+        helper.make_node("Gather", ["shp", "zero"], ["rows"], axis=0),
+        helper.make_node("Equal", ["rows", "rows"], ["always"]),
+        helper.make_node("If", ["always"], ["act"], then_branch=inner_then, else_branch=inner_else),
+        helper.make_node("Add", ["act", "s"], ["else_y"])], "else", [],
+        [helper.make_tensor_value_info("else_y", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+             helper.make_node("Greater", ["total", "zero_f"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els)]
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array(rng.normal(size=(3, 4)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(size=(3, 4)).astype(np.float32), "v"),
+             numpy_helper.from_array(rng.normal(size=(4,)).astype(np.float32), "s"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array(0, np.float32), "zero_f")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _if_loss(m, x):
+    y = m(x)
+    return (y * y).sum()
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_params_captured_by_if_branches_get_the_gradient_of_the_taken_branch(sign):
+    model = _if_model()
+    weights = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer if i.name in "wvs"}
+    x = np.abs(np.random.default_rng(1).normal(size=(2, 3))).astype(np.float32) * sign
+    module = op.import_onnx(model)
+    assert set(trainable_paths(module)) == {"w", "v", "s"}
+    loss, grads = grad(_if_loss, module, op.Tensor.from_numpy(x))
+    got = grads.by_path()
+
+    def np_loss(ws):
+        y = _plain(_with_weights(model, ws), {"x": x})[0].astype(np.float64)
+        return float((y * y).sum())
+
+    np.testing.assert_allclose(float(loss.to_numpy()), np_loss(weights), rtol=1e-5)
+    assert set(got) == {"w", "v", "s"}  # the untaken branch's param gets zeros, not nothing
+    eps = 1e-3
+    for name, value in weights.items():
+        want = np.zeros_like(value)
+        for idx in np.ndindex(*value.shape):
+            plus, minus = dict(weights), dict(weights)
+            plus[name], minus[name] = value.copy(), value.copy()
+            plus[name][idx] += eps
+            minus[name][idx] -= eps
+            want[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
+        np.testing.assert_allclose(got[name].to_numpy(), want, rtol=2e-3, atol=2e-3, err_msg=name)
+    untaken = "v" if sign > 0 else "w"
+    assert not got[untaken].to_numpy().any()
+
+
+def test_a_param_read_only_inside_a_loop_body_raises_naming_the_loop_instead_of_returning_no_gradient():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Mul", ["acc_in", "w"], ["acc_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x"], ["y"], name="the_loop", body=body)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [numpy_helper.from_array(np.array(2, np.int64), "trips"),
+         numpy_helper.from_array(np.array([0.5, 1.5, -2.0], np.float32), "w")])
+    module = op.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert "w" in trainable_paths(module)
+    with pytest.raises(TraceError, match=r"no gradient rule for node '[^']*Loop[^']*' \(Loop\).*fed by 'w'"):
+        grad(lambda m, x: m(x).sum(), module, op.Tensor.from_numpy(np.ones(3, np.float32)))
+
+
+# -- silero-vad: If branches holding conv encoders and LSTMs ------------------------------------
+
+SILERO = DATA / "silero_vad.onnx"
+# NOTE: 256 samples is an input both branches accept (the 8 kHz branch expects 256, the 16 kHz
+# one 512; each ends in a `squeeze` that needs one frame); one training graph serves both rates
+SAMPLES = 256
+
+
+def _silero_feeds(batch: int, sr: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"input": (rng.normal(size=(batch, SAMPLES)) * 0.3).astype(np.float32),
+            "state": (rng.normal(size=(2, batch, 128)) * 0.3).astype(np.float32),
+            "sr": np.array(sr, np.int64)}
+
+
+def _constants(model: onnx.ModelProto) -> dict:
+    found = {}
+
+    def walk(graph):
+        for node in graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                found[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+    walk(model.graph)
+    return found
+
+
+COEF = np.random.default_rng(11).normal(size=(2, 1, 128))
+
+
+def _silero_loss(m, x, state, sr):
+    out, new_state = m(x, state, sr)
+    return (out * out).sum() * 10.0 + (new_state * op.Tensor.from_numpy(COEF.astype(np.float32))).sum()
+
+
+def _np_silero_loss(model, feeds):
+    out, new_state = (o.astype(np.float64) for o in _plain(model, feeds))
+    return float((out * out).sum() * 10.0 + (new_state * COEF).sum())
+
+
+def _directional_check(model, feeds, got: dict, groups: list, rng) -> None:
+    """For each group of param names: ``sum_p <grad_p, d_p>`` against the central difference of
+    plain ONNX Runtime's loss along the random direction ``d`` (each ``d_p`` scaled to its
+    weight's magnitude)."""
+    consts = _constants(model)
+    for group in groups:
+        base = {p: consts[p].astype(np.float64) for p in group}
+        direction = {p: rng.normal(size=b.shape) * (np.abs(b).mean() + 1e-3) for p, b in base.items()}
+        slope = sum(float((got[p].to_numpy().astype(np.float64) * direction[p]).sum()) for p in group)
+        # the step moves the loss by about 1e-3 (well above float32 noise, small enough for the
+        # ReLU kinks and the LSTM's curvature: its input weights give 46.6 at h=1e-2, 72.9 at 1e-4)
+        h = float(np.clip(1e-3 / max(abs(slope), 1e-9), 1e-5, 1e-2))
+        plus = _with_weights(model, {p: base[p] + h * direction[p] for p in group})
+        minus = _with_weights(model, {p: base[p] - h * direction[p] for p in group})
+        want = (_np_silero_loss(plus, feeds) - _np_silero_loss(minus, feeds)) / (2 * h)
+        np.testing.assert_allclose(slope, want, rtol=1e-2, atol=1e-3, err_msg=", ".join(group))
+
+
+def _silero_grads(sr: int):
+    model = onnx.load(str(SILERO))
+    module = op.import_onnx(SILERO)
+    paths = trainable_paths(module)
+    assert len(paths) == 30  # 15 float weights in each branch, LSTM weights among them
+    feeds = _silero_feeds(1, sr, seed=sr)
+    args = [op.Tensor.from_numpy(feeds[k]) for k in ("input", "state", "sr")]
+    loss, grads = grad(_silero_loss, module, *args)
+    got = grads.by_path()
+    assert sorted(got) == sorted(paths)
+    np.testing.assert_allclose(float(loss.to_numpy()), _np_silero_loss(model, feeds), rtol=1e-5)
+    taken = "then_branch" if sr == 16000 else "else_branch"
+    for path in paths:
+        if taken not in path:
+            assert not got[path].to_numpy().any(), path  # the untaken branch: zero gradient
+    checked = [p for p in paths if taken in p and "forward_basis_buffer" not in p]
+    assert len(checked) == 14  # 4 convs + LSTM (4 tensors) + decoder conv, weights and biases
+    return model, module, feeds, args, loss, grads, got, checked, taken
+
+
+def test_silero_vad_params_inside_if_branches_match_directional_finite_differences_and_train():
+    model, module, feeds, args, loss, grads, got, checked, taken = _silero_grads(16000)
+    groups = [[p for p in checked if "encoder" in p], [p for p in checked if "rnn" in p],
+              [p for p in checked if "decoder.decoder" in p]]
+    assert [len(g) for g in groups] == [8, 4, 2]
+    _directional_check(model, feeds, got, groups, np.random.default_rng(3))
+    # a training step (SGD, the rate set so that the first-order decrease is 1% of the loss)
+    # changes the taken branch's params and lowers the loss
+    squared = sum(float((t.to_numpy().astype(np.float64) ** 2).sum()) for t in got.values())
+    lr = 0.01 * abs(float(loss.to_numpy())) / squared
+    stepped = SGD(lr=lr).step(module, grads)
+    before_params, after_params = dict(module.named_params()), dict(stepped.named_params())
+    changed = [p for p in got if not np.array_equal(before_params[p].val().to_numpy(), after_params[p].val().to_numpy())]
+    assert changed and all(taken in p for p in changed)
+    assert any("rnn.weight_ih" in p for p in changed)
+    after, _ = grad(_silero_loss, stepped, *args)
+    assert float(loss.to_numpy()) - float(after.to_numpy()) > 0.005 * abs(float(loss.to_numpy()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sr", [16000, 8000])
+def test_silero_vad_each_in_branch_param_matches_directional_finite_differences(sr):
+    model, module, feeds, args, loss, grads, got, checked, taken = _silero_grads(sr)
+    _directional_check(model, feeds, got, [[p] for p in checked], np.random.default_rng(sr))

@@ -134,3 +134,87 @@ def test_recurrent_gradient_matches_float64_central_differences(case):
             minus[name][idx] -= eps
             want_g[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
         np.testing.assert_allclose(got, want_g, rtol=1e-3, atol=1e-4, err_msg=f"{case}: d/d{name}")
+
+
+# -- torch's nn.LSTM / nn.GRU / nn.RNN exported by the TorchScript exporter ---------------------
+
+# ONNX gate order per torch gate block (torch LSTM: i f g o -> ONNX i o f c; GRU: r z n -> z r h)
+TORCH_BLOCKS = {"LSTM": [0, 3, 1, 2], "GRU": [1, 0, 2], "RNN": [0]}
+
+
+def _torch_to_onnx_layout(op_type, weight, hidden):
+    blocks = [weight[k * hidden:(k + 1) * hidden] for k in range(len(TORCH_BLOCKS[op_type]))]
+    return np.concatenate([blocks[k] for k in TORCH_BLOCKS[op_type]], axis=0)
+
+
+@pytest.mark.parametrize("op_type", ["LSTM", "GRU", "RNN"])
+def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torch_autograd(op_type):
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    import onnx
+
+    from onnxparam.onnx_io._naming import onnx_name_to_path
+
+    hidden, layers = 4, 2 if op_type == "LSTM" else 1
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 3)
+            self.rnn = getattr(torch.nn, op_type)(3, hidden, num_layers=layers, batch_first=True, bidirectional=True)
+
+        def forward(self, x):
+            out = self.rnn(self.proj(x))
+            return (out[0],) + (tuple(out[1]) if op_type == "LSTM" else (out[1],))
+
+    torch.manual_seed(len(op_type))
+    net = Net().eval()
+    names = ["y", "h", "c"][:3 if op_type == "LSTM" else 2]
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(2, 5, 3),), buffer, dynamo=False, input_names=["x"], output_names=names,
+                          dynamic_axes={"x": {0: "N", 1: "T"}}, opset_version=17)
+    model = onnx.load_from_string(buffer.getvalue())
+    module = op.import_onnx(model)
+    rec_nodes = [n for n in model.graph.node if n.op_type == op_type]
+    assert len(rec_nodes) == layers
+    for length in (5, 3):  # two sequence lengths
+        rng = np.random.default_rng(length)
+        x = rng.normal(size=(2, length, 3)).astype(np.float32)
+        outs = net(torch.from_numpy(x))
+        coefs = [rng.normal(size=tuple(o.shape)).astype(np.float32) for o in outs]
+        net.zero_grad()
+        sum((o * torch.from_numpy(c)).sum() for o, c in zip(outs, coefs)).backward()
+
+        def loss_fn(m, x, coefs=coefs):
+            total = None
+            for o, c in zip(m(x), coefs):
+                term = (o * op.Tensor.from_numpy(c)).sum()
+                total = term if total is None else total + term
+            return total
+
+        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
+        got = grads.by_path()
+        params = dict(net.named_parameters())
+        # the exporter stores proj.weight transposed, as the MatMul's second input
+        matmul = next(n for n in model.graph.node if n.op_type == "MatMul")
+        np.testing.assert_allclose(got[onnx_name_to_path(matmul.input[1])].to_numpy(), params["proj.weight"].grad.numpy().T,
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["proj.bias"].to_numpy(), params["proj.bias"].grad.numpy(), rtol=1e-4, atol=1e-5)
+        for layer, node in enumerate(rec_nodes):
+            w, r, b = (got[onnx_name_to_path(n)].to_numpy() for n in node.input[1:4])
+            for d, suffix in enumerate(["", "_reverse"]):
+                def torch_grad(kind, layer=layer, suffix=suffix):
+                    return params[f"rnn.{kind}_l{layer}{suffix}"].grad.numpy()
+
+                want_w = _torch_to_onnx_layout(op_type, torch_grad("weight_ih"), hidden)
+                want_r = _torch_to_onnx_layout(op_type, torch_grad("weight_hh"), hidden)
+                want_b = np.concatenate([_torch_to_onnx_layout(op_type, torch_grad("bias_ih"), hidden),
+                                         _torch_to_onnx_layout(op_type, torch_grad("bias_hh"), hidden)])
+                where = f"{op_type} layer {layer} direction {d} length {length}"
+                np.testing.assert_allclose(w[d], want_w, rtol=1e-4, atol=1e-5, err_msg=where + " W")
+                np.testing.assert_allclose(r[d], want_r, rtol=1e-4, atol=1e-5, err_msg=where + " R")
+                np.testing.assert_allclose(b[d], want_b, rtol=1e-4, atol=1e-5, err_msg=where + " B")

@@ -218,3 +218,66 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
                 np.testing.assert_allclose(w[d], want_w, rtol=1e-4, atol=1e-5, err_msg=where + " W")
                 np.testing.assert_allclose(r[d], want_r, rtol=1e-4, atol=1e-5, err_msg=where + " R")
                 np.testing.assert_allclose(b[d], want_b, rtol=1e-4, atol=1e-5, err_msg=where + " B")
+
+
+@pytest.mark.parametrize("op_type", ["LSTM", "GRU"])
+def test_one_backward_graph_and_session_serve_two_sequence_lengths(op_type):
+    """The rule alone on a graph whose sequence length and batch are symbolic: forward node, then
+    its backward for output gradients fed as inputs; one ONNX Runtime session, two lengths."""
+    import onnx_ir as ir
+
+    from onnxparam.autodiff._emitter import Emitter
+    from onnxparam.autodiff._rules import RULES
+
+    H, I, D = 2, 3, 2
+    G = GATES[op_type]
+    names = INPUTS[:8 if op_type == "LSTM" else 6]
+    float_t = ir.TensorType(ir.DataType.FLOAT)
+    shapes = {"X": ["T", "N", I], "W": [D, G * H, I], "R": [D, G * H, H], "B": [D, 2 * G * H],
+              "sequence_lens": ["N"], "initial_h": [D, "N", H], "initial_c": [D, "N", H], "P": [D, 3 * H]}
+    inputs = {n: ir.Value(name=n, type=ir.TensorType(ir.DataType.INT32) if n == "sequence_lens" else float_t,
+                          shape=ir.Shape(shapes[n])) for n in names}
+    outs = ["Y", "Y_h", "Y_c"][:3 if op_type == "LSTM" else 2]
+    node = ir.Node("", op_type, [inputs[n] for n in names],
+                   [ir.AttrInt64("hidden_size", H), ir.AttrString("direction", "bidirectional")]
+                   + ([ir.AttrInt64("linear_before_reset", 0)] if op_type == "GRU" else []), num_outputs=len(outs),
+                   name="rec")
+    grads_in = []
+    for out, name, shape in zip(node.outputs, outs, [["T", D, "N", H], [D, "N", H], [D, "N", H]]):
+        out.name, out.type, out.shape = name, float_t, ir.Shape(shape)
+        grads_in.append(ir.Value(name="g_" + name, type=float_t, shape=ir.Shape(shape)))
+    graph = ir.Graph(list(inputs.values()) + grads_in, [], nodes=[node], name="g", opset_imports={"": 17})
+    e = Emitter(graph, 17)
+    need = [n != "sequence_lens" for n in names]
+    results = RULES[op_type](e, node, grads_in, need)
+    wanted = [n for n, k in zip(names, need) if k]
+    for n, g in zip(names, results):
+        if g is not None:
+            out = e.op("Identity", g)
+            out.name = "d_" + n
+            graph.outputs.append(out)
+    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=9))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for length, lens in ((5, [5, 2, 4]), (3, [1, 3, 2])):
+        arrays = _arrays(op_type, T=length, N=3, I=I, H=H, direction="bidirectional", layout=0, lens=lens,
+                         states=True, peep=op_type == "LSTM", bias=True, seed=length)
+        attrs = {"hidden_size": H, "direction": "bidirectional", "linear_before_reset": 0}
+        f32 = {k: (v.astype(np.float32).astype(np.float64) if v.dtype == np.float64 else v) for k, v in arrays.items()}
+        coefs = _coefs(rnn_reference.run(op_type, f32, attrs), length)
+        feeds = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in arrays.items()}
+        feeds.update({"g_" + n: c.astype(np.float32) for n, c in zip(outs, coefs)})
+        got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+        def np_loss(values):
+            return sum(float((o * c).sum()) for o, c in zip(rnn_reference.run(op_type, values, attrs), coefs))
+
+        eps = 1e-6
+        for name in wanted:
+            want = np.zeros_like(f32[name])
+            for idx in np.ndindex(*f32[name].shape):
+                plus, minus = dict(f32), dict(f32)
+                plus[name], minus[name] = f32[name].copy(), f32[name].copy()
+                plus[name][idx] += eps
+                minus[name][idx] -= eps
+                want[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
+            np.testing.assert_allclose(got["d_" + name], want, rtol=1e-3, atol=1e-4, err_msg=f"length {length}: {name}")

@@ -332,6 +332,9 @@ def specialize_control_flow(model: ir.Model, params=()) -> None:
     if not any(subgraphs(n) for n in graph.all_nodes()):
         return
     params = frozenset(params)
+    # the branches as imported, for those found invalid at these shapes (below)
+    originals = {id(n): {k: n.attributes[k].value.clone(allow_outer_scope_values=True) for k in _BRANCHES}
+                 for n in graph.all_nodes() if n.op_type == "If" and n.domain in ("", "ai.onnx")}
     for node in list(graph.all_nodes()):
         if _is_boundary(node):
             node.outputs[0].replace_all_uses_with(node.inputs[2], replace_graph_outputs=False)
@@ -362,6 +365,124 @@ def specialize_control_flow(model: ir.Model, params=()) -> None:
         if not folded:
             break
     _apply_types(graph, types)
+    _restore_invalid_branches(model, originals, names)
+
+
+_BRANCHES = ("then_branch", "else_branch")
+INVALID_AT_SHAPES = "onnxparam.autodiff.invalid_at_shapes"
+"""``graph.meta`` key of a branch that cannot run at the training graph's static shapes (the
+ONNX shape inference error)."""
+
+
+def _captured_by(graph: ir.Graph) -> list:
+    """The outer values read inside ``graph`` (at any depth)."""
+    owned = {id(g) for g in _all_graphs(graph)}
+    seen, out = set(), []
+    for g in _all_graphs(graph):
+        for n in g:
+            for v in n.inputs:
+                if v is not None and id(v) not in seen and (v.graph is None or id(v.graph) not in owned):
+                    seen.add(id(v))
+                    out.append(v)
+    return out
+
+
+def _invalid_at_shapes(branch: ir.Graph, model: ir.Model) -> Optional[str]:
+    """ONNX's strict shape inference error of ``branch`` with the static types of the values
+    it captures, or ``None`` (valid, or not decidable)."""
+    inputs = []
+    for v in _captured_by(branch):
+        if v.dtype is None:
+            return None
+        dims = None if v.shape is None else [d if isinstance(d, int) else None for d in v.shape]
+        inputs.append(onnx.helper.make_tensor_value_info(v.name, int(v.dtype), dims))
+    try:
+        body = ir.serde.serialize_graph(branch)
+        standalone = onnx.helper.make_graph(list(body.node), "branch", inputs, list(body.output), list(body.initializer))
+        proto = onnx.helper.make_model(
+            standalone, ir_version=model.ir_version,
+            opset_imports=[onnx.helper.make_opsetid(d, int(v)) for d, v in model.opset_imports.items()])
+    except Exception:  # noqa: BLE001 - not decidable here
+        return None
+    try:
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True, data_prop=True)
+    except onnx.shape_inference.InferenceError as err:
+        return str(err)
+    except Exception:  # noqa: BLE001 - not decidable here
+        return None
+    return None
+
+
+def _restore_invalid_branches(model: ir.Model, originals: dict, names: set) -> None:
+    """A branch of a data-dependent ``If`` that ONNX's inference rejects at the static shapes
+    (silero-vad's 8 kHz branch fed the 512 samples of the 16 kHz one: it can only fail when
+    taken) is put back as imported, behind boundaries that hide the static dims of the values
+    it reads (as the importer does), and marked :data:`INVALID_AT_SHAPES`: ONNX Runtime then
+    accepts the training graph, and that branch's backward is NaN (never run: its forward
+    raises first when it is taken)."""
+    dropped: set = set()
+    for node in list(model.graph.all_nodes()):
+        if node.op_type != "If" or id(node) not in originals or node.graph is None or id(node.graph) in dropped:
+            continue
+        for key in _BRANCHES:
+            branch = node.attributes[key].value
+            error = _invalid_at_shapes(branch, model)
+            if error is None:
+                continue
+            dropped.update(id(g) for g in _all_graphs(branch))
+            original = originals[id(node)][key]
+            _hide_dims(original, names)
+            original.meta[INVALID_AT_SHAPES] = error
+            node.attributes[key] = ir.AttrGraph(key, original)
+
+
+def _unique(names: set, base: str) -> str:
+    k, name = 0, base
+    while name in names:
+        k += 1
+        name = f"{base}_{k}"
+    names.add(name)
+    return name
+
+
+def _hide_dims(branch: ir.Graph, names: set) -> None:
+    """Read each outer value of ``branch`` through a one-iteration identity ``Loop`` whose
+    output has the value's rank and unknown dims (:mod:`onnxparam.onnx_io._boundary`)."""
+    subtree = list(_all_graphs(branch))
+    first = branch[0] if len(branch) else None
+    for v in _captured_by(branch):
+        if v.type is None:
+            continue
+        i_in = ir.Value(name=_unique(names, "hide_i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+        c_in = ir.Value(name=_unique(names, "hide_cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        x_in = ir.Value(name=_unique(names, "hide_x"), type=v.type)
+        c_id = ir.Node("", "Identity", [c_in], name=_unique(names, "hide_cond_id"))
+        x_id = ir.Node("", "Identity", [x_in], name=_unique(names, "hide_x_id"))
+        c_id.outputs[0].name, x_id.outputs[0].name = _unique(names, "hide_cond_out"), _unique(names, "hide_x_out")
+        c_id.outputs[0].type, x_id.outputs[0].type = c_in.type, v.type
+        body = ir.Graph([i_in, c_in, x_in], [c_id.outputs[0], x_id.outputs[0]], nodes=[c_id, x_id],
+                        name=_unique(names, "hide_body"))
+        consts = []
+        for value, dtype in ((np.array(1, np.int64), ir.DataType.INT64), (np.array(True), ir.DataType.BOOL)):
+            const = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(value))], name=_unique(names, "hide_const"))
+            const.outputs[0].name = const.name
+            const.outputs[0].type, const.outputs[0].shape = ir.TensorType(dtype), ir.Shape([])
+            consts.append(const)
+        loop = ir.Node("", "Loop", [consts[0].outputs[0], consts[1].outputs[0], v], [ir.AttrGraph("body", body)],
+                       name=_unique(names, "hide_dims"))
+        out = loop.outputs[0]
+        out.name, out.type = _unique(names, f"{v.name}_hidden"), v.type
+        out.shape = None if v.shape is None else ir.Shape([None] * len(v.shape))
+        for g in subtree:
+            for n in list(g):
+                for k, inp in enumerate(n.inputs):
+                    if inp is v:
+                        n.replace_input_with(k, out)
+        for n in consts + [loop]:
+            if first is not None:
+                branch.insert_before(first, n)
+            else:
+                branch.append(n)
 
 
 def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: dict, names: set) -> bool:
@@ -517,7 +638,17 @@ def _if(e, node, gout, need):
     if not wanted:
         return [None] * len(need)
     branches = {}
-    for name in ("then_branch", "else_branch"):
+    for name in _BRANCHES:
+        if INVALID_AT_SHAPES in node.attributes[name].value.meta:
+            # cannot run at these shapes (its forward raises when taken): a NaN backward, never run
+            empty = ir.Graph([], [], nodes=[], name=e.unique(f"{node.name or 'If'}_{name}_bwd"))
+            ce = child_emitter(e, empty)
+            for v in wanted:
+                out = ce.op("Identity", ce.op("Expand", ce.scalar_like(float("nan"), v), ce.op("Shape", v)))
+                out.type, out.shape = v.type, v.shape
+                empty.outputs.append(out)
+            branches[name] = empty
+            continue
         clone = _fresh_clone(e, node.attributes[name].value, "bwd")
         ce = child_emitter(e, clone)
         grads: dict = {}

@@ -264,3 +264,92 @@ def test_silero_vad_8khz_branch_fed_16khz_samples_raises_as_the_file_does():
     module = op.import_onnx(SILERO)
     with pytest.raises(ExecutionError):
         grad(_silero_loss, module, *(op.Tensor.from_numpy(feeds[k]) for k in ("input", "state", "sr")))
+
+
+# -- Scan ---------------------------------------------------------------------------------------
+
+def _scan_model() -> onnx.ModelProto:
+    """A float64 recurrence written as ``Scan``: state ``h`` ``[2, 3]``, two scan inputs (``x``
+    forward, ``z`` read in reverse), body ``h' = tanh(h @ w + x * v) + z * h``, scan outputs
+    ``y = h' * s`` (written in reverse) and ``h'``; ``w``, ``v``, ``s`` are read from the main
+    graph; ``h0`` is computed from the param ``a``."""
+    d = TensorProto.DOUBLE
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "w"], ["hw"]), helper.make_node("Mul", ["x_t", "v"], ["xv"]),
+         helper.make_node("Add", ["hw", "xv"], ["pre"]), helper.make_node("Tanh", ["pre"], ["th"]),
+         helper.make_node("Mul", ["z_t", "h"], ["zh"]), helper.make_node("Add", ["th", "zh"], ["h_new"]),
+         helper.make_node("Mul", ["h_new", "s"], ["y_t"]), helper.make_node("Identity", ["h_new"], ["h_copy"])],
+        "body",
+        [helper.make_tensor_value_info("h", d, [2, 3]), helper.make_tensor_value_info("x_t", d, [2, 3]),
+         helper.make_tensor_value_info("z_t", d, [2, 3])],
+        [helper.make_tensor_value_info("h_new", d, [2, 3]), helper.make_tensor_value_info("y_t", d, [2, 3]),
+         helper.make_tensor_value_info("h_copy", d, [2, 3])])
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array(rng.normal(size=(3, 3)) * 0.6, "w"),
+             numpy_helper.from_array(rng.normal(size=(3,)), "v"),
+             numpy_helper.from_array(rng.normal(size=(3,)), "s"),
+             numpy_helper.from_array(rng.normal(size=(2, 3)), "a")]
+    graph = helper.make_graph(
+        [helper.make_node("Tanh", ["a"], ["h0"]),
+         helper.make_node("Scan", ["h0", "x", "z"], ["h_last", "y", "hs"], body=body, num_scan_inputs=2,
+                          scan_input_directions=[0, 1], scan_output_directions=[1, 0])],
+        "g", [helper.make_tensor_value_info("x", d, ["T", 2, 3]), helper.make_tensor_value_info("z", d, ["T", 2, 3])],
+        [helper.make_tensor_value_info(n, d, None) for n in ("h_last", "y", "hs")], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_scan_gradients_for_params_states_and_scan_inputs_match_float64_central_differences():
+    model = _scan_model()
+    rng = np.random.default_rng(2)
+    x, z = rng.normal(size=(4, 2, 3)), rng.normal(size=(4, 2, 3)) * 0.5
+    coefs = [rng.normal(size=(2, 3)), rng.normal(size=(4, 2, 3)), rng.normal(size=(4, 2, 3))]
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+    def np_loss(ws, x=x, z=z):
+        return sum(float((o * c).sum()) for o, c in zip(_plain(_with_weights64(model, ws), {"x": x, "z": z}), coefs))
+
+    class WithInputs(op.Module):
+        onnx_opset_imports = {"": 17}  # the imported graph's opset
+
+        def __init__(self, inner, x, z):
+            self.inner = inner
+            self.x = op.Param.from_tensor(op.Tensor.from_numpy(x))  # the scan inputs as params too
+            self.z = op.Param.from_tensor(op.Tensor.from_numpy(z))
+
+        def forward(self):
+            return self.inner(self.x.val(), self.z.val())
+
+    def loss_fn(m):
+        total = None
+        for o, c in zip(m(), coefs):
+            term = (o * op.Tensor.from_numpy(c)).sum()
+            total = term if total is None else total + term
+        return total
+
+    module = WithInputs(op.import_onnx(model), x, z)
+    loss, grads = grad(loss_fn, module)
+    got = grads.by_path()
+    np.testing.assert_allclose(float(loss.to_numpy()), np_loss(weights), rtol=1e-12)
+    eps = 1e-6
+    for name in ("w", "v", "s", "a", "x", "z"):
+        value = weights[name] if name in weights else {"x": x, "z": z}[name]
+        want = np.zeros_like(value)
+        for idx in np.ndindex(*value.shape):
+            plus, minus = value.copy(), value.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            if name in weights:
+                hi, lo = np_loss({**weights, name: plus}), np_loss({**weights, name: minus})
+            else:
+                hi, lo = np_loss(weights, **{name: plus}), np_loss(weights, **{name: minus})
+            want[idx] = (hi - lo) / (2 * eps)
+        key = next(k for k in got if k == name or k.endswith("." + name))
+        np.testing.assert_allclose(got[key].to_numpy(), want, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def _with_weights64(model, weights):
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for init in model.graph.initializer:
+        if init.name in weights:
+            init.CopyFrom(numpy_helper.from_array(np.asarray(weights[init.name], np.float64), init.name))
+    return model

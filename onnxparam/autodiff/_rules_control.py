@@ -44,7 +44,7 @@ from ._rules import NON_DIFFERENTIABLE, RULES, const_array, rule
 
 __all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop"]
 
-MULTI_OUTPUT = frozenset({"Split", "If", "LSTM", "GRU", "RNN"})
+MULTI_OUTPUT = frozenset({"Split", "If", "Scan", "LSTM", "GRU", "RNN"})
 """Operators whose rules take gradients of several outputs (the others: the first one only)."""
 
 
@@ -677,3 +677,130 @@ def _if(e, node, gout, need):
         out.shape = v.shape
     it = iter(outs)
     return [None] + [next(it) if n else None for n in need[1:]]
+
+
+# -- Scan ---------------------------------------------------------------------------------------
+
+
+def _ints_attr(node: ir.Node, name: str, count: int, default: int = 0) -> list:
+    a = node.attributes.get(name)
+    values = [default] * count if a is None else [int(v) for v in a.value]
+    return values
+
+
+def _zeros_like(e: Emitter, v: ir.Value) -> ir.Value:
+    return e.op("Expand", e.scalar_like(0.0, v), e.op("Shape", v))
+
+
+@rule("Scan")
+def _scan(e, node, gout, need):
+    """``Scan`` (opset 9+ form, scan and output axes 0, any directions): reverse iteration over
+    the carried states of every iteration.
+
+    1. a replay of the forward ``Scan`` (its body cloned) also outputs the carried state each
+       iteration starts from, ``C_k``;
+    2. a backward ``Scan`` runs the iterations in reverse order: its body recomputes the forward
+       body from ``(C_k, x_k)`` and sweeps it in reverse (the same rules), given the gradient
+       of the new state (carried from iteration ``k + 1``; the final one is the gradient of the
+       final-state outputs) and of the iteration's scan outputs; it carries the gradient of
+       ``C_k`` to iteration ``k - 1`` and sums the gradients of the outer values the body reads
+       in extra carried states; the gradients of the scan inputs are its scan outputs;
+    3. the gradients of the initial states are its final carried states.
+    """
+    if e.opset < 9:
+        raise TraceError("Scan's gradient needs the opset 9+ form (no batch axis)")
+    body = node.attributes["body"].value
+    m = int(node.attributes["num_scan_inputs"].value)
+    n_state = len(node.inputs) - m
+    k_out = len(node.outputs) - n_state
+    if any(_ints_attr(node, "scan_input_axes", m)) or any(_ints_attr(node, "scan_output_axes", k_out)):
+        raise TraceError("Scan's gradient supports scan_input_axes / scan_output_axes 0 only")
+    in_dirs = _ints_attr(node, "scan_input_directions", m)
+    out_dirs = _ints_attr(node, "scan_output_directions", k_out)
+    inputs = list(node.inputs)
+    caps = captured(node)
+    wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
+    float_states = [i for i in range(n_state) if _is_float(inputs[i])]
+    float_scans = [j for j in range(m) if _is_float(inputs[n_state + j])]
+    attrs = {k: a for k, a in node.attributes.items() if k != "body"}
+
+    # 1. replay: the state each iteration starts from
+    saved = []
+    if n_state:
+        replay = _fresh_clone(e, body, "replay")
+        re_ = child_emitter(e, replay)
+        extra = []
+        for v in list(replay.inputs[:n_state]):
+            out = re_.op("Identity", v)
+            out.type = v.type
+            extra.append(out)
+        replay.outputs.extend(extra)
+        rattrs = dict(attrs)
+        rattrs["body"] = replay
+        rattrs["scan_output_directions"] = out_dirs + [0] * n_state
+        if "scan_output_axes" in node.attributes:
+            rattrs["scan_output_axes"] = [0] * (k_out + n_state)
+        outs = e.nodes("Scan", inputs, rattrs, num_outputs=n_state + k_out + n_state)
+        saved = outs[n_state + k_out:]
+        for s_, v in zip(saved, inputs[:n_state]):
+            s_.type = v.type
+
+    # 2. the backward body: the forward body, recomputed, then swept in reverse
+    back = _fresh_clone(e, body, "bwd")
+    be = child_emitter(e, back)
+    fwd_inputs = list(back.inputs)
+    fwd_outputs = list(back.outputs)
+    d_state_in = []
+    for i in float_states:
+        v = ir.Value(name=e.unique(f"{node.name or 'Scan'}_dstate"), type=inputs[i].type)
+        d_state_in.append(v)
+    acc_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dacc"), type=v.type) for v in wanted_caps]
+    g_idx = [j for j in range(k_out) if gout[n_state + j] is not None]
+    g_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dy"), type=fwd_outputs[n_state + j].type) for j in g_idx]
+    back.inputs.clear()
+    back.inputs.extend(d_state_in + acc_in + fwd_inputs + g_in)
+    grads: dict = {}
+    for i, d in zip(float_states, d_state_in):
+        grads[fwd_outputs[i]] = d
+    for j, g in zip(g_idx, g_in):
+        out = fwd_outputs[n_state + j]
+        grads[out] = g if out not in grads else be.op("Add", grads[out], g)
+    start = {fwd_inputs[i] for i in float_states} | {fwd_inputs[n_state + j] for j in float_scans} | set(wanted_caps)
+    req = requires_in(list(back), start)
+    grads = backprop(be, list(back), grads, req, f"in the body of {node.name!r} (Scan)")
+
+    def out_of(g, like):
+        value = be.op("Identity", g if g is not None else _zeros_like(be, like))
+        value.type = like.type
+        return value
+
+    results = [out_of(grads.get(fwd_inputs[i]), fwd_inputs[i]) for i in float_states]
+    results += [out_of(be.op("Add", a, grads[v]) if v in grads else a, a) for a, v in zip(acc_in, wanted_caps)]
+    results += [out_of(grads.get(fwd_inputs[n_state + j]), fwd_inputs[n_state + j]) for j in float_scans]
+    back.outputs.clear()
+    back.outputs.extend(results)
+    _dead_code(back)
+
+    init = [gout[i] if gout[i] is not None else _zeros_like(e, inputs[i]) for i in float_states]
+    init += [_zeros_like(e, v) for v in wanted_caps]
+    seqs = list(saved) + inputs[n_state:] + [gout[n_state + j] for j in g_idx]
+    dirs = [1] * len(saved) + [1 - d for d in in_dirs] + [1 - out_dirs[j] for j in g_idx]
+    n_carry = len(init)
+    outs = e.nodes("Scan", init + seqs,
+                   {"body": back, "num_scan_inputs": len(seqs), "scan_input_directions": dirs,
+                    "scan_output_directions": [1 - in_dirs[j] for j in float_scans]},
+                   num_outputs=n_carry + len(float_scans))
+    for v, like in zip(outs, [inputs[i] for i in float_states] + wanted_caps + [inputs[n_state + j] for j in float_scans]):
+        v.type = like.type
+    result: list = [None] * len(need)
+    for k, i in enumerate(float_states):
+        if need[i]:
+            result[i] = outs[k]
+    it = iter(outs[len(float_states):len(float_states) + len(wanted_caps)])
+    for k, (v, n) in enumerate(zip(caps, need[len(inputs):])):
+        if n:
+            result[len(inputs) + k] = next(it)
+    for k, j in enumerate(float_scans):
+        if need[n_state + j]:
+            result[n_state + j] = outs[n_carry + k]
+    return result

@@ -138,8 +138,8 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     # 2. which values depend on a differentiated param
     requires: set = set(wrt_values.values())
     for node in graph:
-        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
-            continue
+        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
+            continue  # (other domains' operators propagate: without a rule, the sweep names them)
         if any(v is not None and v in requires for v in node_inputs(node)):  # (with values captured by subgraphs)
             requires.update(out for out in node.outputs if _is_float(out))
 

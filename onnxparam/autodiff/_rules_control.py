@@ -44,7 +44,7 @@ from ._rules import NON_DIFFERENTIABLE, RULES, const_array, rule
 
 __all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop"]
 
-MULTI_OUTPUT = frozenset({"Split", "If", "Scan", "LSTM", "GRU", "RNN"})
+MULTI_OUTPUT = frozenset({"Split", "If", "Scan", "Loop", "LSTM", "GRU", "RNN"})
 """Operators whose rules take gradients of several outputs (the others: the first one only)."""
 
 
@@ -569,8 +569,8 @@ def requires_in(nodes, start: set) -> set:
     """The float values of ``nodes`` (in topological order) that depend on a value of ``start``."""
     req = set(start)
     for node in nodes:
-        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
-            continue
+        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
+            continue  # (other domains' operators propagate: without a rule, the sweep names them)
         if any(v is not None and v in req for v in node_inputs(node)):
             req.update(out for out in node.outputs if _is_float(out))
     return req
@@ -741,6 +741,8 @@ def _scan(e, node, gout, need):
         if "scan_output_axes" in node.attributes:
             rattrs["scan_output_axes"] = [0] * (k_out + n_state)
         outs = e.nodes("Scan", inputs, rattrs, num_outputs=n_state + k_out + n_state)
+        for o, forward_out in zip(outs, node.outputs):
+            o.type = forward_out.type
         saved = outs[n_state + k_out:]
         for s_, v in zip(saved, inputs[:n_state]):
             s_.type = v.type
@@ -804,3 +806,127 @@ def _scan(e, node, gout, need):
         if need[n_state + j]:
             result[n_state + j] = outs[n_carry + k]
     return result
+
+
+# -- Loop ---------------------------------------------------------------------------------------
+
+
+@rule("Loop")
+def _loop(e, node, gout, need):
+    """``Loop`` (any trip count and condition): like ``Scan``'s rule, reverse iteration over
+    the states of every iteration.
+
+    1. a replay of the forward ``Loop`` outputs, as extra scan outputs, the carried state each
+       iteration starts from (and the iteration number): their length is the number of
+       iterations ``T`` that ran;
+    2. a backward ``Loop`` of ``T`` iterations ``i`` recomputes the forward body at iteration
+       ``k = T - 1 - i`` from the saved state (condition input true) and sweeps it in reverse,
+       carrying the gradient of the state and summing those of the outer values the body reads;
+    3. the gradients of the initial states are its final carried states.
+    """
+    body = node.attributes["body"].value
+    inputs = list(node.inputs)
+    n_state = len(inputs) - 2
+    k_out = len(node.outputs) - n_state
+    caps = captured(node)
+    wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
+    float_states = [i for i in range(n_state) if _is_float(inputs[2 + i])]
+    tag = node.name or "Loop"
+
+    # 1. replay
+    replay = _fresh_clone(e, body, "replay")
+    re_ = child_emitter(e, replay)
+    extra = []
+    for v in [replay.inputs[0]] + list(replay.inputs[2:2 + n_state]):
+        out = re_.op("Identity", v)
+        out.type = v.type
+        extra.append(out)
+    replay.outputs.extend(extra)
+    outs = e.nodes("Loop", inputs, {"body": replay}, num_outputs=n_state + k_out + 1 + n_state)
+    for o, forward_out in zip(outs, node.outputs):
+        o.type = forward_out.type
+    iters, saved = outs[n_state + k_out], outs[n_state + k_out + 1:]
+    iters.type = ir.TensorType(ir.DataType.INT64)
+    for s_, v in zip(saved, inputs[2:]):
+        s_.type = v.type
+    count = e.op("Gather", e.op("Shape", iters), _scalar0(e), axis=0)  # T (an int64 scalar)
+
+    # 2. backward body
+    back = _fresh_clone(e, body, "bwd")
+    be = child_emitter(e, back)
+    fwd_inputs, fwd_outputs = list(back.inputs), list(back.outputs)
+    i_in = ir.Value(name=e.unique(f"{tag}_bwd_i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    c_in = ir.Value(name=e.unique(f"{tag}_bwd_cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    d_in = [ir.Value(name=e.unique(f"{tag}_dstate"), type=inputs[2 + i].type) for i in float_states]
+    acc_in = [ir.Value(name=e.unique(f"{tag}_dacc"), type=v.type) for v in wanted_caps]
+    back.inputs.clear()
+    back.inputs.extend([i_in, c_in] + d_in + acc_in)
+    k = be.op("Sub", be.op("Sub", count, i_in), _one64(e))  # T - 1 - i
+    if fwd_inputs[0].dtype is not None and fwd_inputs[0].dtype != ir.DataType.INT64:
+        fwd_inputs[0].replace_all_uses_with(be.op("Cast", k, to=int(fwd_inputs[0].dtype)))
+    else:
+        fwd_inputs[0].replace_all_uses_with(k)
+    fwd_inputs[1].replace_all_uses_with(c_in)
+    gathered = {}
+    for j in range(n_state):
+        gathered[j] = be.op("Gather", saved[j], k, axis=0)
+        gathered[j].type, gathered[j].shape = fwd_inputs[2 + j].type, fwd_inputs[2 + j].shape
+        fwd_inputs[2 + j].replace_all_uses_with(gathered[j])
+    back.sort()  # (the index and the gathers were appended after their readers)
+    grads: dict = {}
+    for i, d in zip(float_states, d_in):
+        grads[fwd_outputs[1 + i]] = d
+    for j in range(k_out):
+        g = gout[n_state + j]
+        if g is None:
+            continue
+        g_k = be.op("Gather", g, k, axis=0)
+        out = fwd_outputs[1 + n_state + j]
+        grads[out] = g_k if out not in grads else be.op("Add", grads[out], g_k)
+    start = {gathered[i] for i in float_states if i in gathered} | set(wanted_caps)
+    req = requires_in(list(back), start)
+    grads = backprop(be, list(back), grads, req, f"in the body of {node.name!r} (Loop)")
+
+    def out_of(g, like):
+        value = be.op("Identity", g if g is not None else _zeros_like(be, like))
+        value.type = like.type
+        return value
+
+    results = [out_of(be.op("Identity", c_in), c_in)]
+    results += [out_of(grads.get(gathered.get(i)), d) for i, d in zip(float_states, d_in)]
+    results += [out_of(be.op("Add", a, grads[v]) if v in grads else a, a) for a, v in zip(acc_in, wanted_caps)]
+    results[0].type = c_in.type
+    back.outputs.clear()
+    back.outputs.extend(results)
+    _dead_code(back)
+
+    init = [gout[i] if gout[i] is not None else _zeros_like(e, inputs[2 + i]) for i in float_states]
+    init += [_zeros_like(e, v) for v in wanted_caps]
+    outs = e.nodes("Loop", [count, None] + init, {"body": back}, num_outputs=len(init))
+    for v, like in zip(outs, [inputs[2 + i] for i in float_states] + wanted_caps):
+        v.type = like.type
+    result: list = [None] * len(need)
+    for k_, i in enumerate(float_states):
+        if need[2 + i]:
+            result[2 + i] = outs[k_]
+    it = iter(outs[len(float_states):])
+    for k_, n in enumerate(need[len(inputs):]):
+        if n:
+            result[len(inputs) + k_] = next(it)
+    return result
+
+
+def _scalar0(e: Emitter) -> ir.Value:
+    return _int_scalar(e, 0)
+
+
+def _one64(e: Emitter) -> ir.Value:
+    return _int_scalar(e, 1)
+
+
+def _int_scalar(e: Emitter, k: int) -> ir.Value:
+    root = getattr(e, "_root", e)
+    v = ir.Value(name=e.unique("/grad/scalar"), const_value=ir.tensor(np.array(k, np.int64)))
+    root.typed(v, np.int64, ())
+    root.graph.register_initializer(v)
+    return v

@@ -44,7 +44,8 @@ def _with_weights(model: onnx.ModelProto, weights: dict) -> onnx.ModelProto:
             if node.op_type == "Constant" and node.output[0] in weights:
                 for a in node.attribute:
                     if a.name == "value":
-                        a.t.CopyFrom(numpy_helper.from_array(weights[node.output[0]].astype(np.float32), node.output[0]))
+                        new = weights[node.output[0]].astype(np.float32)
+                        a.t.CopyFrom(numpy_helper.from_array(new, node.output[0]))
             for a in node.attribute:
                 if a.type == onnx.AttributeProto.GRAPH:
                     walk(a.g)
@@ -142,8 +143,8 @@ def test_a_param_read_inside_a_loop_body_by_an_op_without_rule_raises_naming_it_
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
     module = op.import_onnx(model)
     assert "w" in trainable_paths(module)
-    with pytest.raises(TraceError, match=r"no gradient rule for node '[^']*the_twist[^']*' \(com.example:Twist\) in the "
-                                         r"body of '[^']*Loop[^']*' \(Loop\)"):
+    with pytest.raises(TraceError, match=r"no gradient rule for node '[^']*the_twist[^']*' "
+                                         r"\(com.example:Twist\) in the body of '[^']*Loop[^']*' \(Loop\)"):
         grad(lambda m, x: m(x).sum(), module, op.Tensor.from_numpy(np.ones(3, np.float32)))
 
 
@@ -245,7 +246,8 @@ def test_silero_vad_params_inside_if_branches_match_directional_finite_differenc
     lr = 0.01 * abs(float(loss.to_numpy())) / squared
     stepped = SGD(lr=lr).step(module, grads)
     before_params, after_params = dict(module.named_params()), dict(stepped.named_params())
-    changed = [p for p in got if not np.array_equal(before_params[p].val().to_numpy(), after_params[p].val().to_numpy())]
+    changed = [p for p in got
+               if not np.array_equal(before_params[p].val().to_numpy(), after_params[p].val().to_numpy())]
     assert changed and all(taken in p for p in changed)
     assert any("rnn.weight_ih" in p for p in changed)
     after, _ = grad(_silero_loss, stepped, *args)
@@ -371,21 +373,27 @@ def _loop_model(trips: int, stop_after: int) -> onnx.ModelProto:
          helper.make_node("Mul", ["h_new", "s"], ["y_t"]), helper.make_node("Add", ["count", "one_i"], ["count_new"]),
          helper.make_node("Less", ["i", "stop"], ["cond_new"])],
         "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
          helper.make_tensor_value_info("h", d, [2, 3]), helper.make_tensor_value_info("count", TensorProto.INT64, [])],
-        [helper.make_tensor_value_info("cond_new", TensorProto.BOOL, []), helper.make_tensor_value_info("h_new", d, [2, 3]),
-         helper.make_tensor_value_info("count_new", TensorProto.INT64, []), helper.make_tensor_value_info("y_t", d, [2, 3])])
+        [helper.make_tensor_value_info("cond_new", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_new", d, [2, 3]),
+         helper.make_tensor_value_info("count_new", TensorProto.INT64, []),
+         helper.make_tensor_value_info("y_t", d, [2, 3])])
     rng = np.random.default_rng(9)
-    inits = [numpy_helper.from_array(rng.normal(size=(3, 3)) * 0.6, "w"), numpy_helper.from_array(rng.normal(size=(3,)), "v"),
+    inits = [numpy_helper.from_array(rng.normal(size=(3, 3)) * 0.6, "w"),
+             numpy_helper.from_array(rng.normal(size=(3,)), "v"),
              numpy_helper.from_array(rng.normal(size=(3,)), "s"), numpy_helper.from_array(rng.normal(size=(2, 3)), "a"),
              numpy_helper.from_array(np.array(1.0), "one_f"), numpy_helper.from_array(np.array(1, np.int64), "one_i"),
              numpy_helper.from_array(np.array(stop_after, np.int64), "stop"),
-             numpy_helper.from_array(np.array(trips, np.int64), "trips"), numpy_helper.from_array(np.array(0, np.int64), "zero_i"),
+             numpy_helper.from_array(np.array(trips, np.int64), "trips"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero_i"),
              numpy_helper.from_array(np.array(True), "go")]
     graph = helper.make_graph(
         [helper.make_node("Tanh", ["a"], ["h0"]),
          helper.make_node("Loop", ["trips", "go", "h0", "zero_i"], ["h_last", "n", "y"], body=body)],
-        "g", [], [helper.make_tensor_value_info(n, t, None) for n, t in (("h_last", d), ("n", TensorProto.INT64), ("y", d))],
+        "g", [],
+        [helper.make_tensor_value_info(n, t, None) for n, t in (("h_last", d), ("n", TensorProto.INT64), ("y", d))],
         inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 

@@ -55,8 +55,10 @@ def _model(op_type, arrays, attrs, opset=14):
             nodes.append(helper.make_node("Identity", [k], [k + "_read"]))
             names[names.index(k)] = k + "_read"
     node = helper.make_node(op_type, names, outs, **attrs)
-    inits = [numpy_helper.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k) for k, v in arrays.items()]
-    graph = helper.make_graph(nodes + [node], "g", [], [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+    inits = [numpy_helper.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k)
+             for k, v in arrays.items()]
+    graph = helper.make_graph(nodes + [node], "g", [],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
                               inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
@@ -201,8 +203,8 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
         params = dict(net.named_parameters())
         # the exporter stores proj.weight transposed, as the MatMul's second input
         matmul = next(n for n in model.graph.node if n.op_type == "MatMul")
-        np.testing.assert_allclose(got[onnx_name_to_path(matmul.input[1])].to_numpy(), params["proj.weight"].grad.numpy().T,
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got[onnx_name_to_path(matmul.input[1])].to_numpy(),
+                                   params["proj.weight"].grad.numpy().T, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(got["proj.bias"].to_numpy(), params["proj.bias"].grad.numpy(), rtol=1e-4, atol=1e-5)
         for layer, node in enumerate(rec_nodes):
             w, r, b = (got[onnx_name_to_path(n)].to_numpy() for n in node.input[1:4])

@@ -491,7 +491,8 @@ def test_gru_and_bigru_as_onnxs_gru_operator_match_the_numpy_recurrence(reset_af
 @pytest.mark.parametrize("layer", ["lstm", "bigru_reset_after", "gru"])
 def test_onnx_op_layers_train_with_the_gradients_of_the_unrolled_recurrence(layer):
     # oracle: the unrolled layers (elementwise rules, checked against finite differences above)
-    make = {"lstm": lambda **k: nn.Lstm(3, 4, **k), "bigru_reset_after": lambda **k: nn.BiGru(3, 4, reset_after=True, **k),
+    make = {"lstm": lambda **k: nn.Lstm(3, 4, **k),
+            "bigru_reset_after": lambda **k: nn.BiGru(3, 4, reset_after=True, **k),
             "gru": lambda **k: nn.Gru(3, 4, reset_after=False, **k)}[layer]
     unrolled = with_random_weights(make())
     fused = make(onnx_op=True).load_record(record(unrolled))

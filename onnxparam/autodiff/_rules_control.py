@@ -398,7 +398,8 @@ def _invalid_at_shapes(branch: ir.Graph, model: ir.Model) -> Optional[str]:
         inputs.append(onnx.helper.make_tensor_value_info(v.name, int(v.dtype), dims))
     try:
         body = ir.serde.serialize_graph(branch)
-        standalone = onnx.helper.make_graph(list(body.node), "branch", inputs, list(body.output), list(body.initializer))
+        standalone = onnx.helper.make_graph(list(body.node), "branch", inputs, list(body.output),
+                                            list(body.initializer))
         proto = onnx.helper.make_model(
             standalone, ir_version=model.ir_version,
             opset_imports=[onnx.helper.make_opsetid(d, int(v)) for d, v in model.opset_imports.items()])
@@ -464,7 +465,8 @@ def _hide_dims(branch: ir.Graph, names: set) -> None:
                         name=_unique(names, "hide_body"))
         consts = []
         for value, dtype in ((np.array(1, np.int64), ir.DataType.INT64), (np.array(True), ir.DataType.BOOL)):
-            const = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(value))], name=_unique(names, "hide_const"))
+            const = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(value))],
+                            name=_unique(names, "hide_const"))
             const.outputs[0].name = const.name
             const.outputs[0].type, const.outputs[0].shape = ir.TensorType(dtype), ir.Shape([])
             consts.append(const)
@@ -792,7 +794,8 @@ def _scan(e, node, gout, need):
                    {"body": back, "num_scan_inputs": len(seqs), "scan_input_directions": dirs,
                     "scan_output_directions": [1 - in_dirs[j] for j in float_scans]},
                    num_outputs=n_carry + len(float_scans))
-    for v, like in zip(outs, [inputs[i] for i in float_states] + wanted_caps + [inputs[n_state + j] for j in float_scans]):
+    likes = [inputs[i] for i in float_states] + wanted_caps + [inputs[n_state + j] for j in float_scans]
+    for v, like in zip(outs, likes):
         v.type = like.type
     result: list = [None] * len(need)
     for k, i in enumerate(float_states):

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
 from onnxparam.autodiff import grad, trainable_paths
-from onnxparam.errors import ExecutionError, TraceError
+from onnxparam.core.errors import ExecutionError, TraceError
 from onnxparam.optim import SGD
 
 ort = pytest.importorskip("onnxruntime")

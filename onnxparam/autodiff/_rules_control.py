@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import TraceError
+from ..core.dtype import DType
+from ..core.errors import TraceError
 from ._emitter import Emitter, np_dtype
 from ._rules import NON_DIFFERENTIABLE, RULES, const_array, rule
 
@@ -241,7 +241,7 @@ def _evaluate(node, v, types, params, memo):
     if op == "Not":
         return np.logical_not(args[0])
     if op == "Cast":
-        from ..dtype import DType
+        from ..core.dtype import DType
 
         return args[0].astype(DType.from_onnx(int(a["to"])).to_numpy())
     if op in ("Squeeze", "Unsqueeze"):

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, np_dtype
 from ._rules import attr, rule
 from ._rules_control import child_emitter

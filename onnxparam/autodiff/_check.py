@@ -76,10 +76,12 @@ def _subgraphs(attr) -> list:
     return []
 
 
-def missing_rules(graph: ir.Graph, requires: set, loss: ir.Value, params: dict) -> list:
+def missing_rules(graph: ir.Graph, requires: set, loss: ir.Value, params: dict, inputs_of=None) -> list:
     """Every node of ``graph`` between a differentiated value (``requires``: the values that
     depend on a differentiated param) and ``loss`` that has no gradient rule, in graph order.
-    ``params``: the trace's param paths (named in the result)."""
+    ``params``: the trace's param paths (named in the result); ``inputs_of(node)``: its inputs
+    with the outer values its subgraphs read (default ``node.inputs``)."""
+    inputs_of = inputs_of or (lambda node: list(node.inputs))
     needed = reaching(graph, loss)
     out = []
     for node in graph:
@@ -88,11 +90,12 @@ def missing_rules(graph: ir.Graph, requires: set, loss: ir.Value, params: dict) 
         key = rule_key(node)
         if key in NOT_DIFFERENTIABLE or key in RULES:
             continue
-        if not any(_is_float(v) and v in requires for v in node.inputs):
+        ins = inputs_of(node)
+        if not any(_is_float(v) and v in requires for v in ins):
             continue
         if not any(_is_float(o) for o in node.outputs):
             continue
-        fed = tuple(v.name for v in node.inputs if v is not None and v.name in params)
+        fed = tuple(v.name for v in ins if v is not None and v.name in params)
         out.append(MissingRule(node.name, key, fed, "no gradient rule"))
     return out
 
@@ -104,14 +107,15 @@ def format_missing(missing: list) -> str:
             "onnxparam.autodiff.RULES (onnxparam.autodiff.GRADIENT_OPS lists the operators that have one)")
 
 
-def requiring(graph: ir.Graph, start: set) -> set:
+def requiring(graph: ir.Graph, start: set, inputs_of=None) -> set:
     """The values that depend on ``start`` (float outputs of nodes fed by them, through every
     operator but those of :data:`NOT_DIFFERENTIABLE`), in one pass over the sorted nodes."""
+    inputs_of = inputs_of or (lambda node: list(node.inputs))
     requires = set(start)
     for node in graph:
         if rule_key(node) in NOT_DIFFERENTIABLE:
             continue
-        if any(v is not None and v in requires for v in node.inputs):
+        if any(v is not None and v in requires for v in inputs_of(node)):
             requires.update(out for out in node.outputs if _is_float(out))
     return requires
 
@@ -134,11 +138,12 @@ def schema_non_differentiable(node: ir.Node, index: int, opset: int) -> bool:
     return spec.differentiation_category == onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
 
 
-def unserved(node: ir.Node, need: list, results: list, opset: int) -> list:
-    """Inputs that need a gradient, got none from the rule, and are not marked
-    non-differentiable by ONNX: ``[(index, name)]`` (a rule must never drop one silently)."""
+def unserved(node: ir.Node, inputs: list, need: list, results: list, opset: int) -> list:
+    """Inputs (``inputs``: the node's, then the outer values its subgraphs read) that need a
+    gradient, got none from the rule, and are not marked non-differentiable by ONNX:
+    ``[(index, name)]`` (a rule must never drop one silently)."""
     out = []
     for j, (n, r) in enumerate(zip(need, list(results) + [None] * (len(need) - len(results)))):
-        if n and r is None and not schema_non_differentiable(node, j, opset):
-            out.append((j, node.inputs[j].name))
+        if n and r is None and not (j < len(node.inputs) and schema_non_differentiable(node, j, opset)):
+            out.append((j, inputs[j].name))
     return out

@@ -290,6 +290,7 @@ def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
         TraceError: when ``loss_fn`` cannot be traced.
     """
     from ._check import missing_rules, requiring
+    from ._rules_control import node_inputs
 
     args, kwargs, _, _ = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
@@ -298,4 +299,4 @@ def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
     graph.sort()
     wrt = [p for p in trainable_paths(module) if p in forward.params]
     start = {graph.initializers[p] for p in wrt if p in graph.initializers}
-    return missing_rules(graph, requiring(graph, start), graph.outputs[0], forward.params)
+    return missing_rules(graph, requiring(graph, start, node_inputs), graph.outputs[0], forward.params, node_inputs)

@@ -231,7 +231,8 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
         # NOTE: --include names the params to quantize, whatever their role; without it only the
         # weights of ops with an integer kernel are (onnxparam.quant._roles)
-        model.module = quantize_weights(model.module, quantizer, group, weights_only=not args.include)
+        model.module = quantize_weights(model.module, quantizer, group, weights_only=not args.include,
+                                        form_overhead=dst_fmt == "onnx")
     kept = kept_float(model.module)
     after = _count_dtypes(model.module)
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)

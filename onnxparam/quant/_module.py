@@ -180,7 +180,8 @@ def _shape_or_none(param: Param):
         return None
 
 
-def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: bool | None = None):
+def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: bool | None = None,
+                     form_overhead: bool = False):
     """A copy of ``module`` whose weights are quantized by ``quantizer`` (module docstring).
 
     Args:
@@ -194,10 +195,14 @@ def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: boo
             tokens keep their exact values. Default: ``True`` without a ``group`` (the group
             names the params to quantize, whatever their role), else ``False``.
 
-    Never bigger: a param whose quantized form (codes + scales + zero points, plus, for an
-    imported graph, the nodes its export form adds: :func:`quantized_form_bytes`) is not smaller
-    than its float bytes stays float. Why each param stayed float is in
-    :func:`kept_float` of the result (``{path: reason}``).
+        form_overhead: count, for a param of an imported graph, the bytes its QDQ export form
+            adds (nodes, value infos, metadata: :data:`DYNAMIC_FORM_BYTES`,
+            :data:`DEQUANTIZE_FORM_BYTES`) in the size rule below (``onnxparam quantize`` to an
+            ``.onnx`` does, so tiny weights stay float and the file does not grow).
+
+    Never bigger: a param whose quantized form (codes + scales: :func:`quantized_form_bytes`,
+    plus the form's nodes with ``form_overhead``) is not smaller than its float bytes stays
+    float. Why each param stayed float is in :func:`kept_float` of the result (``{path: reason}``).
 
     Raises:
         QuantizationError: when a weight cannot be quantized with the scheme (e.g. a block
@@ -222,6 +227,8 @@ def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: boo
     if weights_only is None:
         weights_only = group is None
     roles, overheads = graph_facts(module, quantizer)
+    if not form_overhead:
+        overheads = {}
     kept = {}
 
     def fn(path: str, param: Param) -> Param:

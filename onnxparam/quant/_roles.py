@@ -104,6 +104,8 @@ def _reason(node: ir.Node, index: int) -> str:
     op = node.op_type
     if op in ("Gemm", "Conv", "ConvTranspose") and index == 2:
         return f"a bias (input C/B of {where})"
+    if op in ("LSTM", "GRU", "RNN") and index == 3:
+        return f"a bias (input B of {where})"
     if op in _NORMS and index >= 1:
         return f"a norm scale or shift (input {index} of {where})"
     if op == "Gather" and index == 0:

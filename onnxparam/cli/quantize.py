@@ -7,7 +7,16 @@ default; :mod:`onnxparam.quant._qdq_forms`), static int8 where ``--calibrate`` g
 ranges, and a table says what each op became. A weight some op gets in float (no faster form
 without calibration, no 4-bit form at the model's opset) keeps its original float values, and a
 warning says when nothing (or little) got smaller or faster, and what would
-(:func:`onnxparam.cli._quant_table.little_gained`)."""
+(:func:`onnxparam.cli._quant_table.little_gained`).
+
+Issue 27: only weights are quantized unless ``--include`` names more (``quantize_weights(...,
+weights_only=True)``: :mod:`onnxparam.quant._roles`); a weight whose quantized form (with its
+nodes, for an ``.onnx`` OUT) is not smaller stays float; every param left float gets a row with
+its reason (``kept_float``); an output not smaller than its input is a warning. An accuracy
+report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
+max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
+model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
+or ``--strict`` refuses and removes the output."""
 
 import argparse
 import warnings
@@ -77,7 +86,9 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "stored as Burn blocks when extents fit in 255, else ONNX per-axis (.onnx OUT only)",
     )
     parser.add_argument("--include", type=_regex, action="append", metavar="RE",
-                        help="quantize only params whose path matches RE (repeatable)")
+                        help="quantize only params whose path matches RE, weights or not (repeatable); without it "
+                        "only the weights of ops with an integer kernel are (MatMul / Gemm B, Conv W, embeddings), "
+                        "never constants feeding arithmetic, biases, norm scales, position embeddings")
     parser.add_argument("--exclude", type=_regex, action="append", metavar="RE",
                         help="leave params whose path matches RE float (repeatable)")
     parser.add_argument(

@@ -286,12 +286,15 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
-        model.module.save_file(args.dst)
         kept_rows = [{"weight": path, "reason": reason} for path, reason in kept.items()]
         json_result("kept_float", kept_rows)
         from ._quant_table import print_kept_float
 
         print_kept_float(kept_rows)
+        # NOTE: measured before writing (a temporary .onnx computing exactly param.val()), so
+        # --strict below the threshold writes nothing
+        _accuracy_report(args, model, float_module, arrays, scheme)
+        model.module.save_file(args.dst)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes:
         from ..errors import QuantizationWarning
@@ -410,14 +413,22 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
 
             float_path = _Model(float_module, zoo=model.zoo).export(Path(tmp) / "float.onnx")
             names = {path: path for path in names}
+        quant_path = args.dst
         try:
+            if _file_format(args.dst, "output file") != "onnx":
+                from ..quant import qdq_options
+                from ._models import _Model
+
+                with qdq_options(matmul="dequantize", prefer="size"):
+                    quant_path = _Model(model.module, zoo=model.zoo).export(Path(tmp) / "quantized.onnx")
             feeds, described = acc.sample_inputs(float_path, arrays)
-            outputs = acc.compare(float_path, args.dst, feeds)
+            outputs = acc.compare(float_path, quant_path, feeds)
         except Exception as e:  # noqa: BLE001 - ORT's own errors: the report is skipped, not the output
             if args.strict:
-                _remove_output(args.dst)
-                raise QuantizationError(f"--strict: the accuracy could not be measured ({e}); the output "
-                                        f"'{args.dst}' was removed") from None
+                if quant_path == args.dst:
+                    _remove_output(args.dst)
+                raise QuantizationError(f"--strict: the accuracy could not be measured ({e}); nothing was "
+                                        "written") from None
             warnings.warn(f"accuracy not measured: running the float and quantized models on sample inputs "
                           f"failed: {e}", QuantizationWarning, stacklevel=2)
             return None
@@ -438,7 +449,8 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
                 f"--min-cosine {threshold}; the quantized weights that move the outputs most: {shown or 'none found'}"
                 + (f"; --exclude '^({excl})$' leaves them float" if worst else ""))
         if args.strict:
-            _remove_output(args.dst)
+            if quant_path == args.dst:
+                _remove_output(args.dst)
             raise QuantizationError(f"--strict: {text}; nothing was written")
         warnings.warn(text, QuantizationWarning, stacklevel=2)
         return report

@@ -344,3 +344,31 @@ def test_below_min_cosine_warns_naming_the_weights_that_move_outputs_most_and_st
     os.remove(out)
     code, stdout, err = run_main(capsys, "quantize", src, out, "--min-cosine", "0.9999999", "--strict")
     assert code == 1 and "--strict" in err and "nothing was written" in err and not out.exists()
+
+
+def test_an_embedding_table_is_gathered_as_int8_and_only_the_rows_are_dequantized(tmp_path, capsys):
+    """``quantize_dynamic``'s Gather form: ``DequantizeLinear(Gather(int8 table, ids))``; the
+    values are numpy's ``codes[ids] * scale`` exactly."""
+    table = RNG.normal(size=(1000, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gather", ["tok_embed", "ids"], ["y"], name="embed")], "e",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", "s"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "s", 64])],
+                              [numpy_helper.from_array(table, "tok_embed")])
+    src = tmp_path / "embed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out)
+    assert code == 0, err
+    assert "Gather  tok_embed  int8 gather" in stdout
+    written = onnx.load(str(out))
+    codes = numpy_helper.to_array({t.name: t for t in written.graph.initializer}["tok_embed"])
+    assert codes.dtype == np.int8
+    producers = {o: n for n in written.graph.node for o in n.output}
+    (dq,) = [n for n in written.graph.node if n.op_type == "DequantizeLinear"]
+    assert producers[dq.input[0]].op_type == "Gather" and producers[dq.input[0]].input[0] == "tok_embed"
+    ids = RNG.integers(0, 1000, size=(2, 5))
+    scale = np.abs(table).max() / np.float32(127)
+    expected = codes[ids].astype(np.float32) * np.float32(scale)
+    got = session(out).run(None, {"ids": ids})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(got, table[ids], atol=float(scale) / 2 * 1.0001)

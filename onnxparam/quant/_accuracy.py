@@ -164,12 +164,34 @@ def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> lis
     return found[:top]
 
 
-def write_metadata(path, props: dict) -> None:
-    """Add ``props`` (``{key: JSON-able}``) to the ``metadata_props`` of the ``.onnx`` at
-    ``path`` (rewritten in place; external data files stay as they are)."""
+def settle_shapes(model):
+    """``model`` (an ``onnx.ModelProto``) with value infos whose dims are all known or named:
+    entries with an unknown dim are dropped and ONNX shape inference fills them with shared
+    symbols (``unk__N``), as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
+    fusions that need two inputs of provably equal shape (``SkipLayerNormalization`` after an
+    int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
+    known = [v for v in model.graph.value_info
+             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+             and all(d.HasField("dim_value") or d.HasField("dim_param") for d in v.type.tensor_type.shape.dim)]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(known)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return model  # NOTE: a > 2 GiB model: inference would need its data in memory
+    try:
+        return onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - shape inference is an optimisation here
+        return model
+
+
+def write_metadata(path, props: dict) -> None:
+    """Add ``props`` (``{key: JSON-able}``) to the ``metadata_props`` of the ``.onnx`` at
+    ``path`` (rewritten in place; external data files stay as they are), its value infos settled
+    (:func:`settle_shapes`)."""
+    import onnx
+
+    model = settle_shapes(onnx.load(str(path), load_external_data=False))
     existing = {p.key: p for p in model.metadata_props}
     for key, value in props.items():
         text = json.dumps(value, separators=(",", ":"))

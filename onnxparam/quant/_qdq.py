@@ -342,6 +342,7 @@ def finish_graph(tracer) -> None:
         for e in emitted:
             _dynamic_matmuls(tracer, e)
             _forms.dynamic_gemms(tracer, e)
+            _forms.gather_then_dequantize(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
     _forms.record_report(tracer, emitted)
     for e in emitted:

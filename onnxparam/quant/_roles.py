@@ -110,9 +110,10 @@ def _reason(node: ir.Node, index: int) -> str:
         return f"a norm scale or shift (input {index} of {where})"
     if op == "Gather" and index == 0:
         return f"a table read by position ({where}: its indices do not come from the model inputs)"
-    if op in ("Add", "Sub") and any(i is not None and i.producer() is not None
-                                    and i.producer().op_type in ("MatMul", "Gemm", "Conv") for i in node.inputs):
-        return f"a bias or offset ({where} adds it to a {'/'.join(sorted({i.producer().op_type for i in node.inputs if i is not None and i.producer() is not None}))} output)"
+    fed = sorted({i.producer().op_type for i in node.inputs if i is not None and i.producer() is not None
+                  and i.producer().op_type in ("MatMul", "Gemm", "Conv")})
+    if op in ("Add", "Sub") and fed:
+        return f"a bias or offset ({where} adds it to a {'/'.join(fed)} output)"
     if op in _ARITHMETIC:
         return f"a constant feeding arithmetic ({where}, input {index})"
     return f"not a weight input ({where}, input {index})"

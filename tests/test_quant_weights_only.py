@@ -372,3 +372,24 @@ def test_an_embedding_table_is_gathered_as_int8_and_only_the_rows_are_dequantize
     got = session(out).run(None, {"ids": ids})[0]
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
     np.testing.assert_allclose(got, table[ids], atol=float(scale) / 2 * 1.0001)
+
+
+def test_an_output_not_smaller_than_its_input_is_a_warning_naming_why(tmp_path, capsys):
+    """One MatMul weight worth quantizing among many small constants: the codes save less than
+    the written form costs, and the command says so (the file is still written)."""
+    inits = [numpy_helper.from_array(RNG.normal(size=(64, 24)).astype(np.float32), "w")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h0"])]
+    for i in range(60):  # small per-position offsets: no weights, kept float
+        inits.append(numpy_helper.from_array(RNG.normal(size=(1, 24)).astype(np.float32), f"offset_{i}"))
+        nodes.append(helper.make_node("Add", [f"h{i}", f"offset_{i}"], [f"h{i + 1}"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                              [helper.make_tensor_value_info("h60", TensorProto.FLOAT, ["n", 24])], inits)
+    src = tmp_path / "offsets.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out)
+    assert code == 0, err
+    out_bytes, in_bytes = os.stat(out).st_size, os.stat(src).st_size
+    assert out_bytes >= in_bytes  # the premise: the written form costs more than the codes save
+    assert f"the output ({out_bytes:,} bytes) is not smaller than the input ({in_bytes:,} bytes)" in err
+    assert "only 1 param(s) were quantized (60 not weights stayed float)" in err

@@ -231,6 +231,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     in_bytes = _input_bytes(args.src, model.module)
+    gain = None
     before = _count_dtypes(model.module)
     float_module = model.module  # the original values of weights the export leaves float
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
@@ -296,7 +297,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         _accuracy_report(args, model, float_module, arrays, scheme)
         model.module.save_file(args.dst)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
-    if out_bytes >= in_bytes:
+    if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
         from ..errors import QuantizationWarning
         from ._quant_table import not_smaller
 

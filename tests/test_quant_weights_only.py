@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -45,8 +46,8 @@ def initializers(path) -> dict:
 
 
 def metadata(path) -> dict:
-    return {p.key: json.loads(p.value) for p in onnx.load(str(path)).metadata_props if p.key.startswith("onnxparam.quant.")
-            and p.key != "onnxparam.quant.ops"}
+    props = onnx.load(str(path)).metadata_props
+    return {p.key: json.loads(p.value) for p in props if p.key.startswith("onnxparam.quant.") and p.key != "onnxparam.quant.ops"}
 
 
 # -- a detector exported from torch ---------------------------------------------------------------
@@ -203,7 +204,8 @@ def test_module_quantize_weights_on_an_imported_graph_decides_with_the_graph(tmp
              numpy_helper.from_array(RNG.normal(size=(t, d)).astype(np.float32), "pos_table"),
              numpy_helper.from_array(mask, "mask"),
              numpy_helper.from_array(RNG.normal(size=(d, d)).astype(np.float32), "w_q"),
-             numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array(1, np.int64), "one"),
              numpy_helper.from_array(np.array(1, np.int64), "axis1")]
     nodes = [helper.make_node("Gather", ["tok_embed", "ids"], ["tok"]),
              helper.make_node("Shape", ["ids"], ["shape"]),
@@ -322,7 +324,8 @@ def test_the_accuracy_report_equals_numpy_on_the_two_files_run_in_plain_ort(tmp_
     (cosine, max_err), = numpy_report(src, out, {"x": x[:8]})
     (row,) = report["outputs"]
     assert row["output"] == "probabilities"
-    assert row["cosine"] == pytest.approx(cosine, abs=1e-12) and row["max_abs_error"] == pytest.approx(max_err, abs=1e-12)
+    assert row["cosine"] == pytest.approx(cosine, abs=1e-12)
+    assert row["max_abs_error"] == pytest.approx(max_err, abs=1e-12)
     assert metadata(out)["onnxparam.quant.accuracy"] == report
 
     # drawn inputs when no calibration data: the numbers are still those of the two files
@@ -393,3 +396,25 @@ def test_an_output_not_smaller_than_its_input_is_a_warning_naming_why(tmp_path, 
     assert out_bytes >= in_bytes  # the premise: the written form costs more than the codes save
     assert f"the output ({out_bytes:,} bytes) is not smaller than the input ({in_bytes:,} bytes)" in err
     assert "only 1 param(s) were quantized (60 not weights stayed float)" in err
+
+
+def test_a_low_cosine_the_weights_alone_do_not_explain_is_put_on_the_integer_kernels(tmp_path, capsys, monkeypatch):
+    """The one-at-a-time weights each keep the outputs near 1.0 while the file does not: the
+    warning says the integer kernels (not the rounding of any weight) moved them. The file's
+    outputs are made far off by replacing the comparison (the oracle of the trigger is the
+    numbers the warning quotes)."""
+    from onnxparam.quant import _accuracy
+
+    src = mlp(tmp_path / "mlp.onnx", (64, 256, 10))
+    real = _accuracy.compare
+
+    def skewed(float_path, quant_path, feeds):
+        return [{**row, "cosine": 0.9} for row in real(float_path, quant_path, feeds)]
+
+    monkeypatch.setattr(_accuracy, "compare", skewed)
+    code, _, err = run_main(capsys, "quantize", src, tmp_path / "q.onnx")
+    assert code == 0, err
+    assert "cosine 0.900000 below --min-cosine 0.999" in err
+    alone = [float(c) for c in re.findall(r"alone: cosine ([0-9.]+)", err)]
+    assert alone and min(alone) > 0.975  # each weight alone: far above 0.9
+    assert "the weights' rounding alone does not explain it: the integer kernels do" in err

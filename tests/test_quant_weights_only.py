@@ -47,7 +47,8 @@ def initializers(path) -> dict:
 
 def metadata(path) -> dict:
     props = onnx.load(str(path)).metadata_props
-    return {p.key: json.loads(p.value) for p in props if p.key.startswith("onnxparam.quant.") and p.key != "onnxparam.quant.ops"}
+    return {p.key: json.loads(p.value) for p in props
+            if p.key.startswith("onnxparam.quant.") and p.key != "onnxparam.quant.ops"}
 
 
 # -- a detector exported from torch ---------------------------------------------------------------

@@ -146,7 +146,7 @@ def _group(include: Optional[list], exclude: Optional[list]):
     """The ``ParamGroup`` of ``--include`` / ``--exclude``, or ``None`` for every weight."""
     if not include and not exclude:
         return None
-    from ..group import ParamGroup
+    from ..core.group import ParamGroup
 
     group = ParamGroup.from_regexes(include) if include else ParamGroup.all()
     return group.excluding(ParamGroup.from_regexes(exclude)) if exclude else group
@@ -182,7 +182,7 @@ def _calibration_arrays(path: Path, model) -> list:
 
 
 def _calibrate(args, model, arrays: list):
-    from ..errors import QuantizationError
+    from ..core.errors import QuantizationError
     from ..quant import quantize_activations
 
     batch = CALIBRATE_BATCH if args.calibrate_batch is None else args.calibrate_batch
@@ -283,7 +283,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         write_metadata(args.dst, props)
         gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
-            from ..errors import QuantizationWarning
+            from ..core.errors import QuantizationWarning
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
@@ -298,7 +298,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         model.module.save_file(args.dst)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
-        from ..errors import QuantizationWarning
+        from ..core.errors import QuantizationWarning
         from ._quant_table import not_smaller
 
         warnings.warn(not_smaller(out_bytes, in_bytes, kept, quantized, dst_fmt), QuantizationWarning, stacklevel=1)
@@ -401,7 +401,7 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
     Returns the report (``None`` when it could not be measured: a warning says why)."""
     import tempfile
 
-    from ..errors import QuantizationError, QuantizationWarning
+    from ..core.errors import QuantizationError, QuantizationWarning
     from ..quant import _accuracy as acc
 
     bits = 4 if scheme.value.name.startswith("Q4") else 8
@@ -488,7 +488,7 @@ def _initializer_names(module) -> dict:
 def _worst_weights(module, float_path, names: dict, feeds: dict) -> list:
     """The quantized params that, dequantized alone in the float model, lower its outputs' cosine
     most (``[(param path, cosine)]``; :func:`onnxparam.quant._accuracy.sensitivity`)."""
-    from ..dtype import DType
+    from ..core.dtype import DType
     from ..quant._accuracy import sensitivity
 
     dequantized, by_name = {}, {}

@@ -94,10 +94,12 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--pytorch",
         action="store_true",
         help="PyTorch <-> Burn layouts (from a .pt/.safetensors to .bpk/.onnx, or to a .safetensors): "
-        "without a module only what names and shapes settle: a rank-2 'P.weight' with a 'P.bias' is a "
-        "Linear (transposed); norm 'weight'/'bias' <-> 'gamma'/'beta'; 'num_batches_tracked' left out. "
-        "A rank-2 weight without a bias (a bias-free Linear or an Embedding) is NOT transposed and is "
-        "listed as untouched: decide with --transpose RE / --no-transpose RE, or load into a module "
+        "without a module, from the file's own evidence: a rank-2 'P.weight' whose 'P.bias' follows dim 0 "
+        "(nn.Linear's (out, in)) is transposed, one whose bias follows dim 1 (GPT-2's Conv1D, already "
+        "(in, out)) is kept; a square one follows its family (h.*.attn.c_proj) or the whole file; norm "
+        "'weight'/'bias' <-> 'gamma'/'beta'; 'num_batches_tracked' left out. A weight the file does not "
+        "settle (no bias: a bias-free Linear or an Embedding; a square one without evidence) is NOT "
+        "transposed and is listed as untouched with the reason: decide with --transpose RE / --no-transpose RE, or load into a module "
         "(onnxparam.convert.load_pytorch / load_safetensors(adapter='pytorch'), which decide by layer type)",
     )
     parser.add_argument(

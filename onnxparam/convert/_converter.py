@@ -220,10 +220,13 @@ def convert(
         transpose: regexes (searched in the *target* names) of rank-2 tensors to transpose,
             e.g. ``r"^fc\\d\\.weight$"`` for Linear weights between PyTorch and Burn layouts.
         no_transpose: regexes (target names) of tensors ``pytorch=True`` must not transpose.
-        pytorch: PyTorch <-> Burn layouts without a module: only what names and shapes settle
-            (a Linear weight is known by its bias; norm ``weight``/``bias`` <-> ``gamma``/``beta``;
-            ``num_batches_tracked`` left out); every rank-2 ``weight`` left alone is listed in
-            ``report.untouched`` (see :mod:`onnxparam.convert._pytorch_layout`). The direction
+        pytorch: PyTorch <-> Burn layouts without a module, from the file's own evidence: a
+            rank-2 ``weight``'s layout is the dim its bias follows (its own when not square, else
+            its family's or the whole file's): ``nn.Linear``'s ``(out, in)`` is transposed,
+            GPT-2 ``Conv1D``'s ``(in, out)`` kept (``report.kept``); norm ``weight``/``bias``
+            <-> ``gamma``/``beta``; ``num_batches_tracked`` left out. Every weight the file does
+            not settle is left alone and listed in ``report.untouched`` with the reason (see
+            :mod:`onnxparam.convert._pytorch_layout`). The direction
             follows the formats: to Burn from a ``.pt`` / ``.safetensors`` source, to PyTorch
             into a ``.safetensors`` target.
         top_level_key: for a ``.pt`` source: the checkpoint dict's entry holding the state dict.
@@ -341,6 +344,9 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
             target = remapper.apply(name)
             if not any(p.search(target) for p in transposes + keep_as_is):
                 report.untouched.append((name, why))
+        for name, why in plan.kept:
+            if not any(p.search(remapper.apply(name)) for p in transposes):
+                report.kept.append((name, why))
     out: list[_Tensor] = []
     origin: dict[str, str] = {}
     problems: list[str] = []

@@ -62,7 +62,8 @@ from typing import Any, Callable, Optional
 
 from ..dtype import DType, dtype_from_numpy
 from ..errors import RecordError, file_error
-from ..formats._extensions import FORMATS, WRITABLE, format_of
+from ..formats._extensions import FORMATS, WRITABLE, detect_format, format_of
+from .._scratch import check_replaceable
 from ..formats._names import map_indices_contiguous
 from ..formats._safetensors import read_safetensors, write_safetensors
 from ..record import ModuleRecord
@@ -143,15 +144,16 @@ def read_record(path: "str | os.PathLike", *, top_level_key: Optional[str] = Non
     lazy :class:`~onnxparam.ModuleRecord` (names as :func:`convert` reads them; the data stays in
     the mapped file until read). ``top_level_key`` selects a checkpoint dict's entry (``.pt``).
 
+    The format is told by the file's content (:func:`~onnxparam.formats._extensions.detect_format`),
+    not its name.
+
     Raises:
-        ValueError: for an unknown extension.
-        FileNotFoundError: for a missing file.
-        RecordError / OnnxFormatError: for a malformed file.
+        FileMissingError: a missing file. IsAFolderError: a folder.
+        RecordError / OnnxFormatError: a file of no known format (naming what was found), or a
+            malformed one.
     """
     path = Path(path)
-    fmt = format_of(path)
-    if not path.exists():
-        raise file_error(errno.ENOENT, f"no such file: '{path}'", os.fspath(path))
+    fmt = detect_format(path)
     source = _read_pytorch(path, top_level_key) if fmt == "pytorch" else _READERS[fmt](path)
     return ModuleRecord({t.name: t.snapshot() for t in source.tensors}, source.metadata)
 
@@ -162,21 +164,21 @@ def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> N
     the ``.onnx`` pointing at other bytes).
 
     Raises:
-        ValueError: naming the file and the model that reads it.
+        RecordError: naming the file and the model that reads it.
     """
     target = os.path.realpath(dst)
     if target == os.path.realpath(src):
-        raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
+        raise RecordError(f"the source and the target are the same file '{src}'; write to another file")
     readers = [(src, source.external_files)]
     if isinstance(graph, (str, os.PathLike)):
         from ._onnx_files import _load_template
 
         if target == os.path.realpath(graph):
-            raise ValueError(f"the target and the graph template are the same file '{graph}'; write to another file")
+            raise RecordError(f"the target and the graph template are the same file '{graph}'; write to another file")
         readers.append((Path(graph), _external_data_files(_load_template(graph))))
     for model, files in readers:
         if target in files:
-            raise ValueError(
+            raise RecordError(
                 f"the target '{dst}' holds the external data (weights) of '{model}': replacing it would "
                 "destroy those weights; write to another file"
             )
@@ -203,7 +205,9 @@ def convert(
     external_data: "bool | str | None" = None,
     progress: Optional[Callable[[str, int], None]] = None,
 ) -> ConvertReport:
-    """Convert the weights of ``src`` into ``dst``; formats from the extensions.
+    """Convert the weights of ``src`` into ``dst``: the source's format is told by its content
+    (magic bytes / header: burnpack, safetensors, ONNX, PyTorch zip, legacy stream or legacy tar),
+    the target's by its extension.
 
     Args:
         src: a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` (``torch.save``,
@@ -250,27 +254,31 @@ def convert(
         a :class:`~onnxparam.convert.ConvertReport`.
 
     Raises:
-        ValueError: for an unknown extension, options that do not fit the formats, or a target
-            that is the source or a file the source (or ``graph``) reads external data from.
+        RecordError: (a ``ValueError``) for a target extension no writer has, a source of no
+            known format, options that do not fit the formats, or a target that is the source
+            or a file the source (or ``graph``) reads external data from.
+        FileAccessError: a missing source (``FileMissingError``), a source or target that is a
+            folder (``IsAFolderError``), a read-only target or folder (``FilePermissionError``):
+            all checked before any work.
         RecordError: for tensors that do not fit (name clash after remapping, a graph mismatch,
             a dtype the target cannot hold), each named; nothing is written then.
         OnnxFormatError: for a malformed ONNX source or graph.
         FileNotFoundError: for a missing source.
     """
     src, dst = Path(src), Path(dst)
-    src_fmt, dst_fmt = format_of(src), format_of(dst)
+    dst_fmt = format_of(dst)
     if dst_fmt not in WRITABLE:
-        raise ValueError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
-                         ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+        raise RecordError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
+                          ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+    if graph is not None and dst_fmt != "onnx":
+        raise RecordError(f"graph= applies to .onnx targets only; the target is '{dst}'")
+    src_fmt = detect_format(src)
     to_pytorch = _pytorch_direction(src, dst, src_fmt, dst_fmt) if pytorch else None
     if top_level_key is not None and src_fmt != "pytorch":
-        raise ValueError(f"top_level_key applies to .pt / .pth sources; the source is '{src}'")
-    if graph is not None and dst_fmt != "onnx":
-        raise ValueError(f"graph= applies to .onnx targets only; the target is '{dst}'")
+        raise RecordError(f"top_level_key applies to PyTorch checkpoints; the source '{src}' is a {src_fmt} file")
     if zero_copy:
         _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
-    if not src.exists():
-        raise file_error(errno.ENOENT, f"no such file: '{src}'", os.fspath(src))
+    check_replaceable(dst)  # a folder, a read-only file or folder: refused before any work
     source = _read_pytorch(src, top_level_key) if src_fmt == "pytorch" else _READERS[src_fmt](src)
     try:
         _check_target_is_not_read(src, dst, source, graph)
@@ -285,7 +293,7 @@ def convert(
             plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)
             user = KeyRemapper.of(remap)
             if not isinstance(user, KeyRemapper):
-                raise ValueError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
+                raise RecordError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
                                  "replacement) pairs or a KeyRemapper")
             remap = KeyRemapper(plan.rules + list(user.rules))
         tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose, no_transpose, plan)
@@ -309,22 +317,22 @@ def _pytorch_direction(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> bool
         return True
     if src_fmt in ("pytorch", "safetensors") and dst_fmt in ("burnpack", "onnx"):
         return False
-    raise ValueError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
+    raise RecordError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
                      f"(.bpk / .onnx); '{src}' -> '{dst}' has PyTorch's layout on "
                      f"{'both sides' if dst_fmt == 'safetensors' else 'neither side'}")
 
 
 def _check_zero_copy_options(src: Path, dst: Path, src_fmt: str, dst_fmt: str, cast, transpose) -> None:
     if dst_fmt != "onnx" or src_fmt not in ("burnpack", "safetensors"):
-        raise ValueError(
+        raise RecordError(
             f"zero_copy makes an .onnx model that reads its weights from a .bpk or .safetensors file; "
             f"got '{src}' -> '{dst}'"
         )
     if cast is not None or transpose is not None:
-        raise ValueError("zero_copy references the source's bytes as they are: no cast or transpose")
+        raise RecordError("zero_copy references the source's bytes as they are: no cast or transpose")
     rel = os.path.relpath(os.path.abspath(src), os.path.abspath(dst.parent))
     if rel.startswith(os.pardir) or os.path.isabs(rel):
-        raise ValueError(
+        raise RecordError(
             f"zero_copy needs '{src}' inside the ONNX model's folder '{dst.parent or '.'}': ONNX Runtime refuses "
             "external data outside it; write the .onnx beside the source file"
         )

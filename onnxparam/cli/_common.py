@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import math
+import os
 import re
 import signal
 import sys
@@ -234,6 +235,21 @@ def _file_format(path: Path, role: str, allowed: Sequence[str] = ("burnpack", "o
             f"{role} '{path}': cannot tell the format from the extension '{path.suffix}'; use one of {known}"
         )
     return fmt
+
+
+def _check_output(dst: Path, *sources: Path) -> None:
+    """Refuse an output before any work: a folder (``IsAFolderError``), one of the ``sources``
+    (``UsageError``), a read-only file, a folder that is missing or not writable
+    (``FileAccessError``)."""
+    from .._scratch import check_replaceable
+    from ..errors import IsAFolderError
+
+    if dst.is_dir():
+        raise IsAFolderError(f"output file '{dst}' is a folder, not a file")
+    for src in sources:
+        if src is not None and os.path.exists(src) and os.path.realpath(src) == os.path.realpath(dst):
+            raise UsageError(f"{PROG}: error: the input and output are the same file '{src}'; write to another file")
+    check_replaceable(dst)
 
 
 def _existing(path: Path, role: str) -> Path:

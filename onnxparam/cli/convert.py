@@ -10,6 +10,7 @@ from ._common import (
     PROG,
     UsageError,
     _existing,
+    _check_output,
     _file_format,
     _out,
     _progress,
@@ -144,8 +145,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{PROG} convert: error: the input and output are the same file '{args.src}'; write to another file"
         )
-    if args.dst.is_dir():
-        raise IsADirectoryError(f"output file '{args.dst}' is a folder, not a file")
+    _check_output(args.dst, args.src, args.graph)
 
     if args.top_level_key is not None and src_fmt != "pytorch":
         raise UsageError(f"{PROG} convert: error: --top-level-key applies to a .pt/.pth input; the input is '{args.src}'")

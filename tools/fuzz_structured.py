@@ -140,7 +140,7 @@ def _mutate_onnx(rng: random.Random, folder: Path):
     g = model.graph
     init = g.initializer[rng.randrange(len(g.initializer))]
     nodes = _nodes(model)
-    kind = rng.randrange(22)
+    kind = rng.randrange(26)
     if kind == 0:  # attribute type UNDEFINED or another kind than its value
         attrs = [a for n in nodes for a in n.attribute]
         attr = rng.choice(attrs)
@@ -262,9 +262,77 @@ def _mutate_onnx(rng: random.Random, folder: Path):
         vi.name = rng.choice(["t", "", "nowhere", "x"])
         vi.type.tensor_type.elem_type = rng.choice([0, 1, 99])
         vi.type.tensor_type.shape.dim.add().dim_value = rng.choice([-1, 2**62, 3])
+    elif kind == 22:  # a sparse initializer, consistent or not (issue 28)
+        _sparse_initializer(rng, g, init)
+    elif kind == 23:  # raw_data and a typed data field both set
+        init.raw_data = np.arange(len(init.dims) and init.dims[0] or 1, dtype=np.float32).tobytes()
+        init.float_data.extend([1.0] * rng.choice([1, 4]))
+    elif kind == 24:  # external data reached through a symbolic link or a hard link (issue 28)
+        return _linked_external_data(rng, model, init, folder)
+    elif kind == 25:  # If nested deep, with a sparse initializer in the main graph
+        from onnx import GraphProto
+
+        sparse = GraphProto()
+        _sparse_initializer(rng, sparse, init)
+        return _nested_if(rng.choice([20, 150, 1000])) + _ld(7, sparse.SerializeToString())
     else:  # attribute values of the right type and absurd content
         attr = rng.choice([a for n in nodes for a in n.attribute])
         attr.name = rng.choice(["", "then_branch", "value", "\x00"])
+    return model
+
+
+def _sparse_initializer(rng: random.Random, graph, init) -> None:
+    """Replace ``init`` by a sparse initializer of the same name: indices linear or coordinates,
+    in range or not, of the right count or not, values with raw and typed data or not."""
+    from onnx import helper, numpy_helper
+
+    name = init.name
+    keep = [i for i in graph.initializer if i.name != name]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    dims = rng.choice([[4], [4], [2, 2], [2**40], [-1], [0], [4, 1]])
+    nnz = rng.choice([0, 1, 2, 3])
+    values = numpy_helper.from_array(np.arange(1, nnz + 1, dtype=np.float32), name)
+    if rng.random() < 0.15:
+        values.float_data.extend([9.0] * rng.choice([1, nnz or 1]))
+    if rng.random() < 0.5:
+        indices = [rng.choice([0, 1, 2, 3, -1, 4, 99, 2**40]) for _ in range(rng.choice([nnz, nnz, nnz + 1]))]
+    else:
+        rank = rng.choice([len(dims), len(dims), len(dims) + 1])
+        indices = [[rng.choice([0, 1, -1, 2, 5]) for _ in range(rank)] for _ in range(nnz)]
+    dtype = rng.choice([np.int64, np.int64, np.int32, np.float32])
+    index_tensor = numpy_helper.from_array(np.array(indices, dtype=np.int64).astype(dtype), "")
+    graph.sparse_initializer.append(helper.make_sparse_tensor(values, index_tensor, dims))
+
+
+def _linked_external_data(rng: random.Random, model, init, folder: Path):
+    import os
+
+    from onnx import TensorProto
+
+    data = np.arange(4, dtype=np.float32).tobytes()
+    outside = folder.parent / f"{folder.name}-outside.data"
+    outside.write_bytes(data)
+    (folder / "real.data").write_bytes(data)
+    link = folder / "w.data"
+    choice = rng.randrange(6)
+    if choice == 0:
+        os.symlink("real.data", link)  # inside the folder: fine
+    elif choice == 1:
+        os.symlink(outside, link)  # leaves the folder
+    elif choice == 2:
+        os.symlink("nowhere.data", link)  # dangling
+    elif choice == 3:
+        os.symlink(".", link)  # a folder
+    elif choice == 4:
+        os.symlink("w.data", link)  # a loop
+    else:
+        os.link(folder / "real.data", link)  # a hard link
+    del init.float_data[:]
+    init.ClearField("raw_data")
+    init.data_location = TensorProto.EXTERNAL
+    entry = init.external_data.add()
+    entry.key, entry.value = "location", rng.choice(["w.data", "w.data", "./w.data"])
     return model
 
 
@@ -284,6 +352,12 @@ def _read_onnx(rng: random.Random, path: Path) -> None:
         param.val().to_numpy()
     for snap in read_onnx_record(path).values():
         snap.to_data()
+    if rng.random() < 0.15:  # an accepted model exports (issue 28: a symlinked data file failed here)
+        from onnxparam.onnx_io import export_onnx
+
+        out = export_onnx(module, path.with_name("exported.onnx"), external_data=rng.random() < 0.5)
+        for snap in read_onnx_record(out).values():
+            snap.to_data()
     if rng.random() < 0.1:  # a session per call is slow: call a tenth of the accepted models
         from onnxparam.errors import OnnxParamError
 

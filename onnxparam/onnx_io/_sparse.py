@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import OnnxFormatError
-from ._source import LoadedModel, load_model
+from ._source import LoadedModel, describe_source, load_model
 
 __all__ = ["densify_sparse_initializers", "load_densified"]
 
@@ -121,8 +121,7 @@ def load_densified(path_or_model) -> Optional[LoadedModel]:
             return None
     except Exception:  # noqa: BLE001 - unreadable: the original error says why
         return None
-    where = (str(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray))
-             else f"<{type(path_or_model).__name__}>")
+    where = describe_source(path_or_model)
     try:
         if not densify_sparse_initializers(proto, where):
             return None

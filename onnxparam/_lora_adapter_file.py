@@ -192,7 +192,7 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
             scale-folding change (fixed-rank factor inputs) is refused naming the model file.
         OnnxFormatError: ``model_path`` is not a readable ONNX file.
         ExecutionError: ONNX Runtime cannot read ``adapter_path`` as an adapter file.
-        FileNotFoundError: a file is missing.
+        FileMissingError / IsAFolderError: a file is missing, or a folder.
     """
     from pathlib import Path
 
@@ -202,7 +202,12 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     adapter_path, model_path = Path(adapter_path), Path(model_path)
     for path in (adapter_path, model_path):
         if not path.is_file():
-            raise FileNotFoundError(2, "no such file", str(path))
+            import errno
+
+            from .errors import file_error
+
+            code = errno.EISDIR if path.is_dir() else errno.ENOENT
+            raise file_error(code, f"'{path}' is {'a folder' if code == errno.EISDIR else 'missing'}", str(path))
     inputs = _model_factor_inputs(model_path)
     if not inputs:
         raise RecordError(f"'{model_path}' has no LoRA factor inputs (<param>.lora.a / .lora.b): it is not an "

@@ -137,7 +137,8 @@ class PeftConfig:
 
 def _rank(value) -> int:
     """A LoRA rank: an integer >= 1 (``2.0`` is taken, ``2.7``, ``true`` and ``0`` are not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value) or value < 1):
         raise ValueError(f"a rank is an integer >= 1, found {value!r}")
     return int(value)
 
@@ -505,6 +506,10 @@ def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: flo
     adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way)."""
     bias_path = targets.bias_of(mapped, target)
     bias = _factor_array(snap).reshape(-1)
+    if bias.shape[0] != d_out:
+        problems.append(f"PEFT module {name!r} has lora_B.bias of size {bias.shape[0]}, but its layer {target!r} "
+                        f"has {d_out} outputs")
+        return
     if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
         problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
                         f"{target!r} has no bias param of size {d_out} to attach it to")

@@ -109,6 +109,13 @@ def export_onnx(
                                  dynamic_batch=dynamic_batch)
         for key, value in (metadata or {}).items():
             model.metadata_props[str(key)] = str(value)
+        if isinstance(module, OnnxModule):
+            # NOTE (issue 28): written over its own source file, an imported module keeps the old
+            # bytes mapped (the save renames a new file into place) and stays callable
+            from ._data_watch import pin_before_overwrite
+
+            source = module._source
+            pin_before_overwrite((model, source.loaded.model, source.pristine), path, (source,))
         return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
 
 

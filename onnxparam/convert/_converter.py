@@ -57,6 +57,8 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass, replace
+
+import numpy as np
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -111,6 +113,31 @@ def _read_safetensors(path: Path) -> _Source:
     return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
 
 
+def _checkpoint_dtype(np_dtype) -> DType:
+    """The ``DType`` of a checkpoint tensor's numpy dtype: Burn's, or an ONNX-only one (float8,
+    complex) that ``.safetensors`` / ``.onnx`` targets hold and a ``.bpk`` target refuses, naming
+    the tensor.
+
+    Raises:
+        DTypeError: for a dtype neither Burn nor ONNX has.
+    """
+    from ..dtype import ONNX_ONLY_ELEMENT_TYPES, _numpy_dtype
+
+    try:
+        return dtype_from_numpy(np_dtype)
+    except ValueError:
+        wanted = np.dtype(np_dtype)
+        for dtype in ONNX_ONLY_ELEMENT_TYPES:
+            if dtype is DType.String:
+                continue
+            try:
+                if _numpy_dtype(dtype) == wanted:
+                    return dtype
+            except (ValueError, AttributeError):
+                continue
+        raise
+
+
 def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
     from ..formats._pytorch import read_pytorch
 
@@ -120,7 +147,7 @@ def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
     lazy = checkpoint.tensors
     for name in lazy:
         try:
-            dtype = dtype_from_numpy(lazy.dtype(name))
+            dtype = _checkpoint_dtype(lazy.dtype(name))
         except ValueError as exc:
             problems.append(f"'{name}': {exc}")
             continue
@@ -133,7 +160,7 @@ def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
         tensors.append(_Tensor(name, dtype, shape, None, load, source_name=name, file_slice=in_file,
                                source_path=where if in_file is not None else None))
     if problems:
-        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype Burn has no dtype for", problems)
+        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype neither Burn nor ONNX has", problems)
     notes = [f"not a tensor, left out: '{name}'" for name in checkpoint.skipped]
     notes += [f"one tensor in the file, written once per name: {', '.join(group)}" for group in checkpoint.tied]
     return _Source(tensors, {}, {}, notes=notes)

@@ -382,7 +382,7 @@ def load_safetensors(
 
 def load_pytorch(
     module,
-    path: "str | os.PathLike",
+    path: "str | os.PathLike | Mapping",
     *,
     top_level_key: Optional[str] = None,
     adapter: "ModuleAdapter | str | None" = "pytorch",
@@ -408,6 +408,8 @@ def load_pytorch(
         model = load_pytorch(Net(), "net.pt", top_level_key="state_dict", remap=[(r"^module\\.", "")])
 
     Args:
+        path: the checkpoint file, or an in-memory state dict (``{name: torch tensor / numpy
+            array}``, e.g. ``model.state_dict()``; torch is not imported for it).
         top_level_key: the entry of a checkpoint dict holding the state dict (``"state_dict"``,
             ``"model"``); ``None`` for a plain ``torch.save(model.state_dict())`` file.
         adapter: ``"pytorch"`` (default) or ``None`` for a checkpoint already in Burn's layout.
@@ -423,6 +425,19 @@ def load_pytorch(
     """
     from ..formats._pytorch import read_pytorch
 
+    if isinstance(path, Mapping):  # an in-memory state dict: {name: torch tensor / array}
+        state = path
+        if top_level_key is not None:
+            if top_level_key not in state or not isinstance(state[top_level_key], Mapping):
+                raise RecordError(f"top_level_key {top_level_key!r} is not a dict entry of the state dict; it holds "
+                                  f"{sorted(map(str, state))[:8]}")
+            state = state[top_level_key]
+        return apply_record(module, dict(state), adapter=adapter, remap=remap, include=include, exclude=exclude,
+                            cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
+                            source="the state dict", report=report)
+    if not isinstance(path, (str, os.PathLike)):
+        raise RecordError(f"load_pytorch takes a checkpoint path or a state dict (a mapping of names to tensors), "
+                          f"not {type(path).__name__}")
     checkpoint = read_pytorch(path, top_level_key=top_level_key)
     record = _lazy_record(checkpoint.tensors)
     report = LoadReport() if report is None else report

@@ -28,6 +28,7 @@ added to the layer's bias times the scale, as PEFT merges it) are loaded.
 
 Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
 (``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
+``trainable_token_indices`` (trained token rows, refused under that name),
 non-LoRA ``peft_type``.
 """
 
@@ -98,6 +99,10 @@ class PeftConfig:
         for key in ("use_qalora",):
             if raw.get(key):
                 problems.append(f"{key}=true is not supported")
+        if raw.get("trainable_token_indices"):
+            problems.append(f"trainable_token_indices={raw.get('trainable_token_indices')!r:.80}: PEFT's trainable "
+                            "tokens (embedding rows replaced by trained ones) are not a LoRA adapter and are not "
+                            "supported; merge them with PEFT (merge_and_unload) and load the merged weights")
         if problems:
             raise RecordError(f"unsupported PEFT adapter in {source}", problems)
         try:
@@ -404,7 +409,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     for key, snap in tensors.items():
         match = _KEY.match(key) or _EMBEDDING_KEY.match(key) or _BIAS_KEY.match(key)
         if match is None:
-            what = ("a bias (bias training)" if key.endswith(".bias") else
+            what = ("trained token rows (trainable_token_indices)" if ".trainable_tokens_" in key
+                    or ".token_adapter." in key else
+                    "a bias (bias training)" if key.endswith(".bias") else
                     "a full weight (modules_to_save)" if ".modules_to_save." in key or ".lora_" not in key
                     else "not a LoRA factor")
             problems.append(f"{key!r}: {what} is not supported")

@@ -787,7 +787,7 @@ def _make_peft(rng: random.Random, folder: Path) -> Path:
         if kind == 0:
             config[rng.choice(["r", "lora_alpha"])] = rng.choice([0, -1, 2.5, True, None, "2", float("inf"), 2**70, 8])
         elif kind == 1:
-            config.pop(rng.choice(["r", "lora_alpha", "peft_type", "bias", "target_modules"]))
+            config.pop(rng.choice(["r", "lora_alpha", "peft_type", "bias", "target_modules"]), None)
         elif kind == 2:
             config[rng.choice(["use_dora", "use_rslora", "lora_bias", "fan_in_fan_out", "use_qalora"])] = \
                 rng.choice([True, False, 1, "yes", None])

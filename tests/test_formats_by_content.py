@@ -138,3 +138,31 @@ def test_the_cli_says_a_folder_is_a_folder_and_reads_a_tar_checkpoint(tmp_path, 
     assert safetensors_numpy.load_file(str(tmp_path / "old.safetensors"))["w"].tolist() == [0, 1, 2, 3]
     assert main(["inspect", str(tmp_path / "old.tar")]) == 0
     assert "pytorch" in capsys.readouterr().out
+
+
+# The cases of Burn's burn-store legacy-tar reader fixtures (tar_float32 ... tar_2d_tensor): the same
+# names, dtypes and values, laid out by tests/torch_legacy_files.py and checked by torch.load.
+BURN_TAR_CASES = {
+    "float32": {"tensor": ("float32", [1.0, 2.5, -3.7, 0.0], [4])},
+    "float64": {"tensor": ("float64", [1.1, 2.2, 3.3], [3])},
+    "int64": {"tensor": ("int64", [100, -200, 300, 0], [4])},
+    "weight_bias": {"weight": ("float32", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [2, 3]), "bias": ("float32", [0.01, 0.02], [2])},
+    "multi_dtype": {"float_tensor": ("float32", [1.5, 2.5, 3.5], [3]), "double_tensor": ("float64", [1.111, 2.222], [2]),
+                    "int_tensor": ("int64", [10, 20, 30, 40], [4])},
+    "2d_tensor": {"matrix": ("float32", [float(v) for v in range(1, 13)], [3, 4])},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BURN_TAR_CASES) + ["storage_view"])
+def test_burns_legacy_tar_reader_cases_read_bit_exact(case, tmp_path):
+    if case == "storage_view":
+        root = torch.arange(8, dtype=torch.float32)
+        state = {"window": root[2:6].view(2, 2)}
+        save_legacy_tar(torch, state, tmp_path / f"tar_{case}.tar", views=("window",))
+    else:
+        state = {name: torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+                 for name, (dtype, values, shape) in BURN_TAR_CASES[case].items()}
+        save_legacy_tar(torch, state, tmp_path / f"tar_{case}.tar")
+    loaded = torch.load(tmp_path / f"tar_{case}.tar", weights_only=False)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    _check_bit_exact(tmp_path / f"tar_{case}.tar", state, tmp_path)

@@ -268,7 +268,7 @@ def resolve_adapter(adapter: "ModuleAdapter | str | None") -> ModuleAdapter:
     """``None`` -> identity, ``"pytorch"`` -> :class:`PyTorchAdapter`, an adapter -> itself.
 
     Raises:
-        ValueError: for an unknown name.
+        RecordError: (a ``ValueError``) for an unknown name.
     """
     if adapter is None:
         return ModuleAdapter()
@@ -278,7 +278,9 @@ def resolve_adapter(adapter: "ModuleAdapter | str | None") -> ModuleAdapter:
         return PyTorchAdapter()
     if isinstance(adapter, str) and adapter.lower() in ("identity", "none", "burn"):
         return ModuleAdapter()
-    raise ValueError(f"unknown adapter {adapter!r}; use 'pytorch', None, or a ModuleAdapter")
+    from ..errors import RecordError
+
+    raise RecordError(f"unknown adapter {adapter!r}; use 'pytorch', None, or a ModuleAdapter")
 
 
 # -- snapshot transforms (lazy) -----------------------------------------------------------------

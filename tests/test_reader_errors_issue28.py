@@ -176,3 +176,15 @@ def test_convert_of_a_folder_named_like_a_weights_file_is_a_folder_error(tmp_pat
         convert(tmp_path / "d.bpk", tmp_path / "x.safetensors")
     with pytest.raises(OnnxParamError, match=r"extension '\.txt'"):
         convert(tmp_path / "d.bpk", tmp_path / "x.txt")
+
+
+def test_a_data_file_turned_into_an_outside_symlink_after_import_is_an_export_format_error(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "w.data").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    path = _external(tmp_path / "m", "w.data")
+    module = import_onnx(path)
+    (tmp_path / "outside.data").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    (tmp_path / "m" / "w.data").unlink()
+    os.symlink(tmp_path / "outside.data", tmp_path / "m" / "w.data")
+    with pytest.raises(OnnxParamError):  # the data watch (file replaced) or the symlink refusal: a library error
+        export_onnx(module, tmp_path / "out.onnx")

@@ -14,7 +14,7 @@ import pytest
 
 import onnxparam as op
 from onnxparam.convert import convert, read_record
-from onnxparam.errors import FileMissingError, IsAFolderError, OnnxParamError, RecordError
+from onnxparam.core.errors import FileMissingError, IsAFolderError, OnnxParamError, RecordError
 
 torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

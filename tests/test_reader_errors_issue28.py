@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
-from onnxparam.errors import FileAccessError, IsAFolderError, OnnxFormatError, OnnxParamError
+from onnxparam.core.errors import FileAccessError, IsAFolderError, OnnxFormatError, OnnxParamError
 from onnxparam.onnx_io import export_onnx, import_onnx
 
 TEXT = """

@@ -349,7 +349,7 @@ def _make_onnx(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_onnx(rng: random.Random, path: Path) -> None:
-    from onnxparam.module import named_params
+    from onnxparam.core.module import named_params
     from onnxparam.onnx_io import import_onnx, read_onnx_record
 
     module = import_onnx(path)
@@ -364,7 +364,7 @@ def _read_onnx(rng: random.Random, path: Path) -> None:
         for snap in read_onnx_record(out).values():
             snap.to_data()
     if rng.random() < 0.1:  # a session per call is slow: call a tenth of the accepted models
-        from onnxparam.errors import OnnxParamError
+        from onnxparam.core.errors import OnnxParamError
 
         try:
             module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
@@ -384,7 +384,7 @@ def _read_onnx_in_memory(rng: random.Random, path: Path) -> None:
     import onnx
     import onnx_ir as ir
 
-    from onnxparam.module import named_params
+    from onnxparam.core.module import named_params
     from onnxparam.onnx_io import import_onnx, read_onnx_record
 
     data = path.read_bytes()
@@ -413,7 +413,7 @@ def _read_onnx_in_memory(rng: random.Random, path: Path) -> None:
     for snap in read_onnx_record(model).values():
         snap.to_data()
     if rng.random() < 0.1:
-        from onnxparam.errors import OnnxParamError
+        from onnxparam.core.errors import OnnxParamError
 
         try:
             module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
@@ -912,7 +912,7 @@ def _make_onnx_adapter(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_onnx_adapter(rng: random.Random, path: Path) -> None:
-    from onnxparam._lora_adapter_file import check_onnx_adapter
+    from onnxparam.lora._adapter_file import check_onnx_adapter
 
     shapes = check_onnx_adapter(path, _ADAPTER_MODEL["path"])
     assert all(len(s) == 2 for s in shapes.values())
@@ -924,7 +924,7 @@ def _read_onnx_adapter(rng: random.Random, path: Path) -> None:
 @dataclass
 class Format:
     name: str
-    error: str  # the name of the error class in onnxparam.errors the format's readers raise
+    error: str  # the name of the error class in onnxparam.core.errors the format's readers raise
     make: Callable[[random.Random, Path], Path]
     read: Callable[[random.Random, Path], None]
 
@@ -959,7 +959,7 @@ def run_format(name: str, cases: int, seed: int, folder: Path) -> Outcome:
     """Run ``cases`` seeded cases of format ``name`` in ``folder``; never raises for a case."""
     import traceback
 
-    import onnxparam.errors as errors
+    import onnxparam.core.errors as errors
 
     fmt = FORMATS[name]
     error_type = getattr(errors, fmt.error)

@@ -54,7 +54,7 @@ _SIGNAL_WORDS = {getattr(signal, "SIGINT", -1): "interrupted (SIGINT)", getattr(
 def _interrupted(signum: int) -> int:
     """After a SIGINT / SIGTERM: remove this process's scratch entries, print one line, return
     the exit code (``128 + signum``). Further signals are ignored meanwhile."""
-    from .._scratch import remove_live_scratch
+    from ..formats._scratch import remove_live_scratch
 
     for s in _SIGNALS:
         with contextlib.suppress(ValueError, OSError):
@@ -155,7 +155,7 @@ def _remap_rule(text: str) -> tuple:
 
 
 def _device(text: str):
-    from ..device import Device
+    from ..core.device import Device
 
     try:
         return Device(text)
@@ -218,7 +218,7 @@ def _file_format(path: Path, role: str, allowed: Sequence[str] = ("burnpack", "o
     by its content (:func:`~onnxparam.formats._extensions.detect_format`; a folder is an
     ``IsAFolderError``), an output (``role`` starting with "output") or a missing input by its
     extension."""
-    from ..errors import IsAFolderError, RecordError
+    from ..core.errors import IsAFolderError, RecordError
     from ..formats._extensions import FORMATS, detect_format
 
     if not role.startswith("output") and path.is_dir():
@@ -241,8 +241,8 @@ def _check_output(dst: Path, *sources: Path) -> None:
     """Refuse an output before any work: a folder (``IsAFolderError``), one of the ``sources``
     (``UsageError``), a read-only file, a folder that is missing or not writable
     (``FileAccessError``)."""
-    from .._scratch import check_replaceable
-    from ..errors import IsAFolderError
+    from ..core.errors import IsAFolderError
+    from ..formats._scratch import check_replaceable
 
     if dst.is_dir():
         raise IsAFolderError(f"output file '{dst}' is a folder, not a file")

@@ -22,7 +22,7 @@ import errno
 import os
 from pathlib import Path
 
-from ..errors import FileAccessError, RecordError, file_error
+from ..core.errors import FileAccessError, RecordError, file_error
 
 __all__ = ["FORMATS", "WRITABLE", "format_of", "detect_format", "pytorch_container"]
 

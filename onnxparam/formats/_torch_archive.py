@@ -49,7 +49,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 from ._torch_pickle import STORAGE_DTYPES, PickleRefused, RestrictedUnpickler, StorageRef, TensorRef, _StorageClass
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "open_checkpoint", "StorageBytes"]

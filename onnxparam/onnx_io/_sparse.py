@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 from ._source import LoadedModel, describe_source, load_model
 
 __all__ = ["densify_sparse_initializers", "load_densified"]

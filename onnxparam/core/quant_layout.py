@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from ..errors import QuantizationError
-from ._scheme import QuantScheme
+from .errors import QuantizationError
+from .quant_scheme import QuantScheme
 
 __all__ = [
     "params_shape",

@@ -22,20 +22,15 @@ from typing import Optional
 
 import numpy as np
 
-from .dtype import DType
-from .group import ParamGroup
-from .param import Param, ParamId
-from .tensor import Tensor
+from ..core.dtype import DType
+from ..core.group import ParamGroup
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ..trace.passes import LORA_MODES  # noqa: F401  (re-exported: the modes of a trace)
 
 __all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "untargetable_paths",
            "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD", "adapter_set", "active_adapter", "add_adapter", "set_adapter",
            "disable_adapter", "delete_adapter", "DEFAULT_ADAPTER_NAME", "with_every_named_target"]
-
-LORA_MODES = ("merge", "keep", "inputs")
-"""How an adapted weight appears in a traced graph: ``"merge"``: one initializer
-``base + scale * (a @ b)`` per adapted weight (no overhead); ``"keep"``: the base and the factors
-as initializers, the adapter as graph nodes; ``"inputs"``: as ``"keep"``, with the factors also
-overridable graph inputs."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +167,7 @@ no matrix of a linear map: :func:`apply_lora` leaves it without an adapter under
 def untargetable_paths(module) -> dict:
     """``{path: reason}`` of rank-2 params that the modules of the tree declare (through
     :data:`LORA_TARGETS_METHOD`) are not used as the matrix of a linear map."""
-    from .module import named_modules
+    from ..core.module import named_modules
 
     found = {}
     for prefix, sub in named_modules(module):
@@ -189,7 +184,7 @@ def untargetable_paths(module) -> dict:
 def transposed_paths(module) -> set:
     """Paths (from ``module``) of params stored ``(d_out, d_in)``, as the modules of the tree
     declare them through :data:`LORA_LAYOUT_METHOD`."""
-    from .module import named_modules
+    from ..core.module import named_modules
 
     found = set()
     for prefix, sub in named_modules(module):
@@ -224,8 +219,8 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
             param that is no linear map's matrix; or no param gets an adapter (unless
             ``allow_empty``), the message listing the candidate params and why each was skipped.
     """
-    from .errors import LoraError
-    from .module import rebuild
+    from ..core.errors import LoraError
+    from ..core.module import rebuild
 
     transposed = transposed_paths(module)
     not_linear = untargetable_paths(module)
@@ -387,7 +382,7 @@ class LoraAdapterSet:
             KeyError: an unknown name.
             ValueError: ``module`` lacks a param the adapters are for, or has it in another shape.
         """
-        from .module import named_params, rebuild
+        from ..core.module import named_params, rebuild
 
         chosen = {} if name is None else self.adapters(name)
         params = dict(named_params(module))
@@ -411,7 +406,7 @@ class LoraAdapterSet:
 
 def _current_adapters(module) -> dict:
     """``{param path: LoraAdapter}`` of the adapters ``module``'s params carry now."""
-    from .module import named_params
+    from ..core.module import named_params
 
     return {path: p.adapter() for path, p in named_params(module) if p.adapter() is not None}
 
@@ -451,7 +446,7 @@ def _owning(module, sets: LoraAdapterSet, active: Optional[str]):
 
 
 def _copy(module):
-    from .module import rebuild
+    from ..core.module import rebuild
 
     return rebuild(module, lambda path, p: p)
 
@@ -513,7 +508,7 @@ def with_every_named_target(module):
     ``lora="inputs"`` exports, whose factor inputs then cover every named adapter (their
     defaults are zero-rank: the values of a stand-in adapter never reach the graph), so each
     name's ``.onnx_adapter`` file fits the one export."""
-    from .module import rebuild
+    from ..core.module import rebuild
 
     sets = getattr(module, _SET_ATTR, None)
     if sets is None:

@@ -45,12 +45,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import RecordError, ShapeMismatchError
-from ..lora import LoraAdapter, transposed_paths
-from ..module import named_params, rebuild
-from ..param import Param, ParamId
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.errors import RecordError, ShapeMismatchError
+from ..core.module import named_params, rebuild
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ._adapters import LoraAdapter, transposed_paths
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -252,7 +252,7 @@ class _Targets:
     shapes."""
 
     def __init__(self, module):
-        from ..module import named_modules
+        from ..core.module import named_modules
 
         self.params = dict(named_params(module))
         self.modules = {path: sub for path, sub in named_modules(module) if not callable(

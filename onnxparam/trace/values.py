@@ -1,5 +1,5 @@
-"""The values a trace is made of (graph layer): input specs, symbols, ONNX types and attributes,
-node-level type inference, and the traced model. :mod:`onnxparam._trace` re-exports the public ones.
+"""The values a trace is made of : input specs, symbols, ONNX types and attributes,
+node-level type inference, and the traced model. :mod:`onnxparam.trace.tracer` re-exports the public ones.
 """
 
 from __future__ import annotations
@@ -8,18 +8,17 @@ import contextlib
 import contextvars
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ._services import service
-from ._symint import SymInt
-from .dtype import DType, dtype_from_onnx_element
-from .errors import TraceError
-from .param import Param, value_hook
-from .tensor import Tensor
+from ..core.dtype import DType, dtype_from_onnx_element
+from ..core.errors import TraceError
+from ..core.param import Param
+from ..core.tensor import Tensor
+from .symint import SymInt
 
 INFERENCE_DATA_MAX_ELEMENTS = 4096
 """Constant inputs up to this size are given to ONNX shape inference as data (Reshape shapes)."""
@@ -37,11 +36,9 @@ def current_tracer():
 def untraced():
     """Run code outside any trace: ops compute eagerly and ``Param.val()`` returns values."""
     tracer_token = _CURRENT.set(None)
-    hook_token = value_hook.set(None)
     try:
         yield
     finally:
-        value_hook.reset(hook_token)
         _CURRENT.reset(tracer_token)
 
 
@@ -301,34 +298,6 @@ def infer_node_types(node: ir.Node, values: list, opset_imports: Mapping[str, in
                          else None for d in tt.shape.dim)
         types.append((dtype, None if dims is None else tuple(dims)))  # None: an unknown rank
     return types
-
-
-def _raw_param(param: Param, mode: str) -> Param:
-    return param
-
-
-@dataclass(frozen=True)
-class GraphPasses:
-    """The graph passes a trace runs, given by its caller (the tracer imports none of them).
-
-    Attributes:
-        held_param: ``(param, lora_mode) -> Param`` whose value becomes ``param``'s initializer
-            (the LoRA pass keeps the raw base unless ``"merge"``).
-        quantized_param: ``(tracer, param, path, shape) -> Tensor | DType`` for a ``QFloat``
-            param: its dequantized value emitted into the graph, or the float dtype to hold it
-            as (the QDQ pass); ``None``: a quantized param is held as its dequantized F32.
-        finish: ``(tracer) -> None`` rewrites run in order when the graph is finished, before
-            the initializers are registered (LoRA adapters as nodes, then QDQ fusion).
-    """
-
-    held_param: Callable = _raw_param
-    quantized_param: Optional[Callable] = None
-    finish: tuple = ()
-
-
-def default_passes() -> GraphPasses:
-    """The passes ``onnxparam`` registers (LoRA, then QDQ: service ``"trace.passes"``)."""
-    return service("trace.passes")
 
 
 def _forward_arg_names(module, count: int) -> list[str]:

@@ -1,5 +1,5 @@
 """Writing a module's LoRA adapters as a Hugging Face PEFT adapter folder:
-:func:`save_peft_adapter` (the inverse of :func:`onnxparam.convert._peft.load_peft_adapter`).
+:func:`save_peft_adapter` (the inverse of :func:`onnxparam.lora._peft.load_peft_adapter`).
 
 PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target module
 ``<m>``, ``base_model.model.<m>.lora_A.weight`` ``(r, in)`` and ``.lora_B.weight`` ``(out, r)``,
@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 
 __all__ = ["save_peft_adapter", "save_peft_adapters"]
 
@@ -42,8 +42,8 @@ def _graph_facts(module) -> tuple:
     PEFT's ``Embedding`` layer), and ``modules`` maps the path of a weight torch's exporter renamed
     (``val_N``, ``onnx::MatMul_N``) to the PyTorch module names the graph gives it (its
     ``<m>.bias``, its node's ``/<m>/MatMul`` name or dynamo ``name_scopes``)."""
-    from .._lora_graph import _attr_int
-    from ..module import named_modules
+    from ..core.module import named_modules
+    from ._graph import _attr_int
     from ._peft import _linear_aliases
 
     tables, modules = set(), {}
@@ -97,9 +97,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     """
     from safetensors.numpy import save_file
 
-    from .._trace import untraced
-    from ..module import named_modules, named_params
+    from ..core.module import named_modules, named_params
     from ..nn import Embedding
+    from ..trace.tracer import untraced
 
     if adapter_name is not None:
         module = module.set_adapter(adapter_name)

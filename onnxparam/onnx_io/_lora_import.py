@@ -1,4 +1,4 @@
-"""Recognizing LoRA adapters in an imported ONNX graph (the shapes :mod:`onnxparam._lora_graph`
+"""Recognizing LoRA adapters in an imported ONNX graph (the shapes :mod:`onnxparam.lora._graph`
 exports), removing them from the graph and attaching them to the imported module."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ._lora_graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
-from .param import Param
+from ..core.param import Param
+from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
            "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
@@ -206,7 +206,7 @@ def _factor_names(graph: ir.Graph) -> dict:
     """Factor initializer name -> (base initializer name, "a" | "b"). The base is the
     initializer named by the factor's prefix, or (an imported model re-exported) whose module
     path is that prefix."""
-    from .onnx_io._naming import onnx_name_to_path
+    from ._naming import onnx_name_to_path
 
     names = list(graph.initializers)
     by_path = None
@@ -243,8 +243,8 @@ def strip_imported(loaded):
     ``(loaded, [])``. Used by :func:`onnxparam.import_onnx`."""
     if not has_lora_factors(loaded.model):
         return loaded, []
-    from .onnx_io import _metadata as md
-    from .onnx_io._source import LoadedModel, base_dir_of
+    from . import _metadata as md
+    from ._source import LoadedModel, base_dir_of
 
     base = base_dir_of(loaded.model)
     model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded.model))
@@ -266,13 +266,13 @@ def attach_imported(module, found: list):
     attached to their bases: lazy factor params with the ids and flags ONNX metadata records."""
     if not found:
         return module
-    from .lora import LoraAdapter
-    from .module import rebuild
-    from .onnx_io import _metadata as md
-    from .onnx_io._naming import onnx_name_to_path
-    from .onnx_io._weights import burn_dtype, tensor_data
-    from .param import ParamId
-    from .tensor import Tensor
+    from ..core.module import rebuild
+    from ..core.param import ParamId
+    from ..core.tensor import Tensor
+    from ..lora._adapters import LoraAdapter
+    from . import _metadata as md
+    from ._naming import onnx_name_to_path
+    from ._weights import burn_dtype, tensor_data
 
     def factor(value: ir.Value, metas: dict) -> Param:
         meta = metas.get(value.name, md.ParamMetadata())

@@ -21,7 +21,6 @@ mappers, ``set_require_grad``) return or change *this* param only and never reac
 
 from __future__ import annotations
 
-import contextvars
 import secrets
 import threading
 from dataclasses import dataclass
@@ -29,12 +28,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import extension
 from .device import CPU, Device
 from .dtype import DType
 from .errors import ShapeMismatchError
 from .tensor import Tensor, TensorData
 
-__all__ = ["ParamId", "Param", "ParamMapper", "value_hook"]
+__all__ = ["ParamId", "Param", "ParamMapper"]
 
 
 class ParamId:
@@ -94,11 +94,6 @@ class ParamMapper:
 
     def on_save(self, tensor: Tensor) -> Tensor:
         return tensor if self.save is None else self.save(tensor)
-
-
-value_hook: contextvars.ContextVar = contextvars.ContextVar("onnxparam_param_value_hook", default=None)
-"""When set (by the tracer in :mod:`onnxparam._trace`), ``Param.val()`` returns ``hook(param)``
-instead of a concrete value: inside a traced forward a param is a graph initializer."""
 
 
 class _Lazy:
@@ -224,9 +219,9 @@ class Param:
     def val(self) -> Tensor:
         """The effective value: ``base + scale * (a @ b)`` with a LoRA adapter, dequantized when
         the base is quantized. Inside a traced forward, the graph initializer of this param."""
-        hook = value_hook.get()
-        if hook is not None:
-            return hook(self)
+        traced = extension.tensor_ops().param_value(self)
+        if traced is not None:
+            return traced
         base = self.base()
         if base.is_quantized:
             array = base.to_numpy()  # float32 (Burn's dequantize), at the quantized param's float dtype
@@ -376,7 +371,7 @@ class Param:
 
         Args:
             tensor: a :class:`Tensor`, or a lazy snapshot (anything with ``shape``, ``dtype`` and
-                ``to_tensor()``, e.g. :class:`~onnxparam.record.TensorSnapshot`); a snapshot is
+                ``to_tensor()``, e.g. :class:`~onnxparam.core.record.TensorSnapshot`); a snapshot is
                 loaded only when the new param's value is first needed.
             param_id: the id to take (the record's); this param's id when ``None``.
 

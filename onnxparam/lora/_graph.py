@@ -1,6 +1,6 @@
 """LoRA in ONNX graphs: the ``"keep"`` and ``"inputs"`` export modes, and recognizing them on import.
 
-The tracer (:mod:`onnxparam._trace`) calls into this module at two points only:
+The tracer (:mod:`onnxparam.trace.tracer`) calls into this module at two points only:
 
 * :func:`initializer_param` — in every mode but ``"merge"``, an adapted param's initializer
   holds its **raw base** (the adapter is applied by graph nodes instead);
@@ -44,8 +44,8 @@ NOTE (ONNX Runtime, checked on 1.32): ``run_with_iobinding`` ignores the active 
 exactly that in ``"inputs"`` mode, for every call.
 
 Parts: this module is the export pass; ``.onnx_adapter`` files are written by
-:func:`onnxparam.write_onnx_adapter` (``onnxparam/_lora_adapter_file.py``), and the import-time
-recognition lives in ``onnxparam/_lora_import.py``.
+:func:`onnxparam.write_onnx_adapter` (``onnxparam/lora/_adapter_file.py``), and the import-time
+recognition lives in ``onnxparam/onnx_io/_lora_import.py``.
 
 Import (``strip_lora_subexpressions``) recognizes the shapes the export writes — the kept
 branch after a ``MatMul`` / ``Gemm`` and the merged-weight expression — by their factor
@@ -62,8 +62,8 @@ import weakref
 import numpy as np
 import onnx_ir as ir
 
-from .dtype import DType
-from .param import Param
+from ..core.dtype import DType
+from ..core.param import Param
 
 __all__ = [
     "LORA_MODES",
@@ -77,7 +77,7 @@ __all__ = [
     "FACTOR_RANK_DIM",
 ]
 
-from .lora import LORA_MODES  # noqa: E402  (re-exported: the modes this pass implements)
+from ._adapters import LORA_MODES  # noqa: E402  (re-exported: the modes this pass implements)
 
 LORA_NODE_KEY = "onnxparam.lora"
 """Node ``metadata_props`` key set on every node this module emits; the value is the adapted
@@ -385,7 +385,7 @@ def fed_factors(model: ir.Model, params: dict) -> list:
     trace) for its factor inputs, from ``params`` (the module's ``path -> Param``): the adapters'
     ``a`` and ``scale * b`` (:func:`fed_factor`), or the zero-rank defaults for a base that has
     no adapter now."""
-    from ._trace import untraced
+    from ..trace.tracer import untraced
 
     fed = []
     with untraced():

@@ -37,7 +37,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .errors import file_error
+from ..core.errors import file_error
 
 __all__ = [
     "scratch_name",

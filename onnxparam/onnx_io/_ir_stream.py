@@ -35,7 +35,7 @@ def _data(tensor):
     """The raw_data source of ``tensor``: a file range for an external tensor, else a callable
     giving its bytes (a little-endian array when numpy holds them as ONNX does: no copy)."""
     if isinstance(tensor, ir.ExternalTensor):
-        from ._file_range import FileRange
+        from ..formats._file_range import FileRange
 
         length = tensor.length if tensor.length is not None else tensor.nbytes
         return FileRange(os.fspath(tensor.path), int(tensor.offset or 0), int(length))
@@ -61,8 +61,8 @@ def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
         RecordError: an external tensor's file is missing or shorter than the tensor.
         Exception: whatever a lazy tensor's function raises, as it raised it.
     """
-    from ._onnx_nested import PLACEHOLDER_PREFIX, write_with_tensors
-    from ._onnx_stream import MAX_PROTOBUF_BYTES, StreamedTensor
+    from ..formats._onnx_nested import PLACEHOLDER_PREFIX, write_with_tensors
+    from ..formats._onnx_stream import MAX_PROTOBUF_BYTES, StreamedTensor
 
     data: dict[str, StreamedTensor] = {}
     restore = []

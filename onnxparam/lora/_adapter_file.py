@@ -1,5 +1,5 @@
 """``.onnx_adapter`` files: a module's LoRA factors in ONNX Runtime's adapter format, for graphs
-exported with ``lora="inputs"`` (see :mod:`onnxparam._lora_graph`). Runtime layer: it writes
+exported with ``lora="inputs"`` (see :mod:`onnxparam.lora._graph`). Runtime layer: it writes
 and reads through ONNX Runtime's adapter API.
 
 Format change (scale folding). Files written now hold ``a`` and ``scale * b``, and
@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from .errors import ExecutionError, LoraError, OnnxParamError
+from ..core.errors import ExecutionError, LoraError, OnnxParamError
 
 __all__ = ["adapter_params", "write_onnx_adapter", "check_onnx_adapter"]
 
@@ -33,9 +33,9 @@ def adapter_params(module) -> dict:
     ``a`` ``(d_in, r)`` and ``scale * b`` ``(r, d_out)`` (the scale folded into ``b``, as Olive
     writes adapters: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA), at the base's float
     dtype (float32 for a quantized base)."""
-    from ._lora_graph import fed_factor
-    from ._trace import untraced
-    from .module import named_params
+    from ..core.module import named_params
+    from ..trace.tracer import untraced
+    from ._graph import fed_factor
 
     # NOTE: an imported model's export names its weights as its file does (onnx::MatMul_12),
     # and the factor inputs after them (onnx::MatMul_12.lora.a): the same names here
@@ -85,8 +85,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
     import os
     from pathlib import Path
 
-    from ._ort import import_onnxruntime
-    from ._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
+    from ..formats._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
+    from ..runtime._ort import import_onnxruntime
 
     ort = import_onnxruntime()
     if adapter_name is not None and not isinstance(module_or_params, dict):
@@ -143,13 +143,13 @@ def _free_bytes(folder) -> "int | None":
 
 def _adapter_write_error(error: Exception, path, needed: int = 0) -> Exception:
     """ONNX Runtime's failure to write ``path`` as the library's error: the library's
-    ``ENOSPC`` :class:`~onnxparam.errors.FileAccessError` when the disk is full — ONNX Runtime
+    ``ENOSPC`` :class:`~onnxparam.core.errors.FileAccessError` when the disk is full — ONNX Runtime
     says so ("No space left"), or its message is generic but the folder has less free space than
-    the ``needed`` bytes of tensor data — else an :class:`~onnxparam.errors.ExecutionError`
+    the ``needed`` bytes of tensor data — else an :class:`~onnxparam.core.errors.ExecutionError`
     naming the file (the C++ source location left out)."""
     import errno
 
-    from ._scratch import disk_full_error
+    from ..formats._scratch import disk_full_error
 
     text = " ".join(_CXX_SOURCE.sub("", str(error)).split()) or type(error).__name__
     free = _free_bytes(os.path.dirname(os.path.abspath(os.fspath(path))))
@@ -163,7 +163,7 @@ def _model_factor_inputs(model_path) -> dict:
     the ONNX file ``model_path``; a dim is an int or a symbolic name (``None`` when unnamed)."""
     import onnx
 
-    from .errors import OnnxFormatError
+    from ..core.errors import OnnxFormatError
 
     try:
         proto = onnx.load(os.fspath(model_path), load_external_data=False)
@@ -196,15 +196,15 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     """
     from pathlib import Path
 
-    from ._ort import import_onnxruntime
-    from .errors import RecordError
+    from ..core.errors import RecordError
+    from ..runtime._ort import import_onnxruntime
 
     adapter_path, model_path = Path(adapter_path), Path(model_path)
     for path in (adapter_path, model_path):
         if not path.is_file():
             import errno
 
-            from .errors import file_error
+            from ..core.errors import file_error
 
             code = errno.EISDIR if path.is_dir() else errno.ENOENT
             raise file_error(code, f"'{path}' is {'a folder' if code == errno.EISDIR else 'missing'}", str(path))

@@ -20,14 +20,12 @@ receiver as it was. Structure is copied; tensor storage is shared and never muta
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Mapping
 from typing import Callable, Iterator, Optional
 
-from ._services import service
+from . import extension
 from .device import Device
-from .errors import RecordError
 from .param import Param
+from .verbs import ModuleVerbs
 
 __all__ = ["Module", "ModuleVisitor", "ModuleMapper", "named_params", "named_modules", "rebuild"]
 
@@ -169,11 +167,10 @@ _CALL_MODULE = None
 
 
 def _call_module():
-    """``runtime.call_module``: a service of the runtime layer (registered by ``onnxparam/__init__.py``),
-    looked up once."""
+    """The executor's ``call_module`` (:class:`onnxparam.core.extension.Executor`), looked up once."""
     global _CALL_MODULE
     if _CALL_MODULE is None:
-        _CALL_MODULE = service("runtime.call_module")
+        _CALL_MODULE = extension.executor().call_module
     return _CALL_MODULE
 
 
@@ -185,7 +182,7 @@ _WATCHED: set = set()
 An id reused by another object only bumps :data:`_MUTATIONS` needlessly (never the reverse)."""
 
 
-class Module:
+class Module(ModuleVerbs):
     """Base class of every module; see the module docstring for traversal and value semantics.
 
     Subclasses set their params and sub-modules as attributes in ``__init__`` and define
@@ -292,16 +289,6 @@ class Module:
         """
         return rebuild(self, lambda path, p: p, lambda path, m: object.__setattr__(m, "_training", True))
 
-    def valid(self) -> "Module":
-        """The inference module (Burn's ``AutodiffModule::valid``): training mode off, and LoRA
-        adapters merged into plain weights as Burn's ``valid`` folds them (named adapters
-        dropped: they were for the unmerged base)."""
-        lora = service("lora")
-
-        return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p),
-                                    lambda path, m: object.__setattr__(m, "_training", False)),
-                            lora.LoraAdapterSet(), None)
-
     @staticmethod
     def from_inner(module: "Module") -> "Module":
         """The training module of an inference module (Burn's ``AutodiffModule::from_inner``)."""
@@ -311,171 +298,10 @@ class Module:
     def training(self) -> bool:
         return self._training
 
-    # -- records ------------------------------------------------------------------------------
-
-    def into_record(self):
-        """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized)."""
-        ModuleRecord = service("record").ModuleRecord
-
-        return ModuleRecord.from_module(self)
-
-    def try_load_record(self, record, allow_partial: bool = False, *, report=None, source: str = "") -> "Module":
-        """A copy holding ``record``'s tensors, through the one record application
-        (:func:`onnxparam.convert.apply_record`, no layout adapter).
-
-        Args:
-            record: path -> ``TensorSnapshot`` / numpy array / ``Tensor`` / torch tensor.
-            report: a :class:`onnxparam.convert.LoadReport` to fill in, or ``None``.
-            source: the file named in messages and the report.
-
-        Raises:
-            RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor; or
-                ``record`` is not a mapping (the message names the type it got).
-        """
-        if not isinstance(record, Mapping):
-            what = "None" if record is None else f"a {type(record).__name__}"
-            raise RecordError(
-                f"a record maps param paths to tensors (a dict, a ModuleRecord); got {what}"
-                + (" (load a file with try_load_file / load_file)" if isinstance(record, (str, os.PathLike)) else "")
-            )
-        apply_record = service("record.apply")
-
-        return apply_record(self, record, allow_partial=allow_partial, report=report, source=source)
-
-    def load_record(self, record, *, report=None) -> "Module":
-        """As :meth:`try_load_record` with every tensor required (Python has no panic)."""
-        return self.try_load_record(record, report=report)
-
-    def save_file(self, path, metadata: Optional[dict] = None):
-        """Write the module's record as a burnpack file (``.bpk`` appended when missing), atomically.
-
-        For ONNX use :func:`onnxparam.export_onnx`, for safetensors
-        :func:`onnxparam.convert.save_safetensors`. A replaced file keeps its permission bits.
-
-        Returns:
-            the ``pathlib.Path`` written.
-
-        Raises:
-            RecordError: ``path`` ends in ``.onnx`` or ``.safetensors``.
-            PermissionError: the file is read-only (even for root), or its folder is not
-                writable; nothing is written.
-            FileNotFoundError: the folder does not exist (it is not created).
-        """
-        save_module_file = service("record").save_module_file
-
-        return save_module_file(self, path, metadata)
-
-    def try_load_file(self, path, allow_partial: bool = False, *, report=None) -> "Module":
-        """A copy holding the tensors of a burnpack file (lazy, zero-copy reads), through the
-        one record application (:func:`onnxparam.convert.apply_record`); ``report`` as there.
-
-        For safetensors use :func:`onnxparam.convert.load_safetensors`, for ``.pt``
-        :func:`onnxparam.convert.load_pytorch`, for ONNX weights
-        :func:`onnxparam.convert.load_onnx` (:func:`onnxparam.import_onnx` builds a new module
-        from a graph).
-
-        Raises:
-            RecordError: for a missing or malformed file (a ``.onnx`` / ``.safetensors`` file
-                names the function that reads it), or tensors that do not fit (all listed).
-        """
-        ModuleRecord = service("record").ModuleRecord
-
-        return self.try_load_record(ModuleRecord.load_file(path), allow_partial=allow_partial, report=report,
-                                    source=str(path))
-
-    def load_file(self, path, *, report=None) -> "Module":
-        """Same as :meth:`try_load_file` with ``allow_partial=False``."""
-        return self.try_load_file(path, report=report)
-
-    # -- LoRA and quantization (see onnxparam.lora / onnxparam.quant) -----------------------------
-
-    def apply_lora(self, config, *, allow_empty: bool = False) -> "Module":
-        """A copy with LoRA adapters; see :func:`onnxparam.lora.apply_lora` (``LoraError`` when
-        no param gets one, unless ``allow_empty``)."""
-        apply_lora = service("lora").apply_lora
-
-        return apply_lora(self, config, allow_empty=allow_empty)
-
-    def merge_lora(self) -> "Module":
-        """A copy whose adapted weights are ``base + scale * (a @ b)`` with no adapters (and no
-        named adapters: they were for the unmerged base)."""
-        lora = service("lora")
-
-        return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p)), lora.LoraAdapterSet(), None)
-
-    # -- named adapters (PEFT's add / set / disable / delete; see onnxparam.lora.add_adapter) --
-
-    def add_adapter(self, name: str, source) -> "Module":
-        """A copy owning one more named adapter; see :func:`onnxparam.lora.add_adapter`."""
-        return service("lora").add_adapter(self, name, source)
-
-    def set_adapter(self, name: Optional[str]) -> "Module":
-        """A copy with named adapter ``name`` active; see :func:`onnxparam.lora.set_adapter`."""
-        return service("lora").set_adapter(self, name)
-
-    def disable_adapter(self) -> "Module":
-        """A copy with no adapter active, the named ones kept (the base model)."""
-        return service("lora").disable_adapter(self)
-
-    def delete_adapter(self, name: str) -> "Module":
-        """A copy without named adapter ``name``; see :func:`onnxparam.lora.delete_adapter`."""
-        return service("lora").delete_adapter(self, name)
-
-    @property
-    def lora_adapters(self):
-        """The named adapters this module owns (:class:`onnxparam.LoraAdapterSet`)."""
-        return service("lora").adapter_set(self)
-
-    @property
-    def active_adapter(self) -> Optional[str]:
-        """The active named adapter's name, or ``None``."""
-        return service("lora").active_adapter(self)
-
-    def quantize_weights(self, quantizer) -> "Module":
-        """A copy whose float weights are quantized by ``quantizer``; see :mod:`onnxparam.quant`."""
-        quantize_weights = service("quant.module").quantize_weights
-
-        return quantize_weights(self, quantizer)
-
-    def quantize_weights_group(self, quantizer, group) -> "Module":
-        quantize_weights = service("quant.module").quantize_weights
-
-        return quantize_weights(self, quantizer, group)
-
-    def apply_qlora(self, config, quantizer) -> "Module":
-        """A QLoRA copy: the weights ``config.param_group`` matches are quantized with
-        ``quantizer`` (:func:`onnxparam.quant._module.quantize_weights` with that group), then float LoRA
-        adapters are attached to them (:func:`onnxparam.lora.apply_lora`).
-
-        Every base param ends frozen (``require_grad=False``): the quantized weights hold integer
-        values and scales, the other float params are frozen by ``apply_lora``; only the adapter
-        factors (``<path>.lora.a`` / ``.lora.b``, float: ``config.dtype``, else F32 for a quantized
-        base) are trainable. ``module(x)`` and ``autodiff.grad`` compute with the dequantized base
-        plus ``scale * (x @ a) @ b``.
-
-        Args:
-            config: the :class:`~onnxparam.LoraConfig` (rank, alpha, which params).
-            quantizer: the :class:`~onnxparam.quant.Quantizer` (scheme, min rank).
-
-        Returns:
-            The new module (this one is unchanged).
-
-        Raises:
-            TypeError: when ``config`` is not a ``LoraConfig`` or ``quantizer`` not a
-                ``Quantizer`` (e.g. the two swapped).
-            QuantizationError: when a matched weight cannot be quantized with the scheme, or is
-                already quantized.
-            ValueError: when a matched weight already has a LoRA adapter.
-        """
-        LoraConfig = service("lora").LoraConfig
-        Quantizer = service("quant.module").Quantizer
-
-        if not isinstance(config, LoraConfig) or not isinstance(quantizer, Quantizer):
-            swapped = isinstance(config, Quantizer) and isinstance(quantizer, LoraConfig)
-            raise TypeError(
-                f"apply_qlora(config, quantizer) takes a LoraConfig then a Quantizer; got "
-                f"{type(config).__name__} and {type(quantizer).__name__}" + (" (swapped?)" if swapped else ""))
-        return self.quantize_weights_group(quantizer, config.param_group).apply_lora(config)
+    # NOTE: the verbs of the features (records and files: load_file, save_file, load_record ...;
+    # LoRA: apply_lora, merge_lora, valid, the named adapters; quantization: quantize_weights,
+    # apply_qlora) are methods of this class too, installed by the top layer
+    # (onnxparam/_assembly.py), each a plain import of its feature: this file imports none.
 
     # -- display ------------------------------------------------------------------------------
 

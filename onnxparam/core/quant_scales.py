@@ -10,8 +10,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..errors import QuantizationError
-from ._scheme import ScaleDtype
+from .errors import QuantizationError
+from .quant_scheme import ScaleDtype
 
 __all__ = ["round_up", "validated_scales", "encode_scales", "decode_scales", "F32_MIN_POSITIVE"]
 

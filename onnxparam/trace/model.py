@@ -1,9 +1,9 @@
 """Closing a trace: outputs, declared dynamic dims, the graph passes, initializers, the model.
 
-:func:`finish_trace` is :meth:`onnxparam._trace.Tracer.finish`'s body; :func:`baking_node` and
+:func:`finish_trace` is :meth:`onnxparam.trace.tracer.Tracer.finish`'s body; :func:`baking_node` and
 :func:`baked_message` explain a dim declared dynamic that the traced forward made a constant,
 and :func:`check_batch_outputs` checks ``trace_module``'s ``dynamic_batch`` shorthand. The
-tracer's own state (names, params, constants) stays in :class:`onnxparam._trace.Tracer`; this
+tracer's own state (names, params, constants) stays in :class:`onnxparam.trace.tracer.Tracer`; this
 module only reads and closes it.
 """
 
@@ -14,16 +14,16 @@ from typing import Mapping, Optional, Sequence
 import onnx
 import onnx_ir as ir
 
-from ._trace_types import TracedModel, _axes_items, _dims_of_value
-from ._version import __version__
-from .errors import TraceError
+from ..core.errors import TraceError
+from ..core.version import __version__
+from .values import TracedModel, _axes_items, _dims_of_value
 
 __all__ = ["finish_trace", "baking_node", "baked_message", "check_batch_outputs"]
 
 
 def finish_trace(tracer, outputs, output_names: Optional[Sequence[str]] = None,
                  dynamic_axes: Optional[Mapping] = None, input_names: Sequence[str] = ()) -> TracedModel:
-    """Close ``tracer``'s graph; see :meth:`onnxparam._trace.Tracer.finish`.
+    """Close ``tracer``'s graph; see :meth:`onnxparam.trace.tracer.Tracer.finish`.
 
     Raises:
         TraceError: for a finished trace, outputs that are not tensors, clashing output names,

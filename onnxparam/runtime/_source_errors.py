@@ -19,7 +19,7 @@ import contextlib
 import weakref
 from typing import Iterator, Optional
 
-from ..errors import OnnxParamError
+from ..core.errors import OnnxParamError
 
 __all__ = ["source_label", "naming_source", "record_scope", "imported_source"]
 

@@ -7,7 +7,7 @@ A :class:`QuantScheme` says how a float tensor became integers: the value type
 mirror Burn's ``cubecl_common::quant::scheme`` types field for field, so
 :meth:`QuantScheme.to_cbor` gives the value that cbor2 encodes to Burn's bytes.
 
-Nothing here knows of files or tensors: byte layouts live in :mod:`onnxparam.quant._layout`.
+Nothing here knows of files or tensors: byte layouts live in :mod:`onnxparam.core.quant_layout`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..errors import QuantizationError
+from .errors import QuantizationError
 
 __all__ = [
     "QuantValue",

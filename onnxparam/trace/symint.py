@@ -15,7 +15,7 @@ Comparisons (``==``, ``<`` ...) and ``bool()`` are answered when they are *decid
 equal expressions are equal, and every ``SymInt`` carries an interval (a dynamic dim is
 ``>= 0``; intervals follow the arithmetic), so ``n >= 0`` or ``n + 1 > 0`` are ``True``. An
 undecidable comparison, ``int(n)``, ``range(n)`` or ``len(x)`` of a dynamic first dim needs a
-value the graph does not have: it raises :class:`~onnxparam.errors.TraceError` naming the dim
+value the graph does not have: it raises :class:`~onnxparam.core.errors.TraceError` naming the dim
 (``dim 0 of input 'x'``) and the line of user code that asked.
 """
 
@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import TraceError
+from ..core.errors import TraceError
 
 __all__ = ["SymInt", "is_sym", "user_line"]
 
@@ -255,7 +255,7 @@ class SymInt:
         hit = self._lowered.get(sink)
         if hit is not None:
             return hit
-        from .dtype import DType
+        from ..core.dtype import DType
 
         one = (DType.I64, (1,))
         if self._source is not None:
@@ -285,7 +285,7 @@ class SymInt:
 
     def scalar(self):
         """This size as a 0-d ``int64`` tensor (for ``Range`` and elementwise use)."""
-        from .dtype import DType
+        from ..core.dtype import DType
 
         tracer = self.tracer
         shape = tracer.constant(np.asarray([], dtype=np.int64))

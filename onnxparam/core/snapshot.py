@@ -1,7 +1,7 @@
 """A tensor's description and a lazy way to get its data: the entry of a record.
 
 Model layer: a file format (:mod:`onnxparam.formats`) hands these out, a record
-(:mod:`onnxparam.record`) maps paths to them. Re-exported as ``onnxparam.TensorSnapshot``.
+(:mod:`onnxparam.core.record`) maps paths to them. Re-exported as ``onnxparam.TensorSnapshot``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ A :class:`Tracer` owns one ``onnx_ir.Graph`` under construction. While it is *ac
 * every op of :mod:`onnxparam.ops` appends ONNX nodes to the graph instead of computing, and
   returns *symbolic* :class:`~onnxparam.Tensor` s (shape + dtype, no data; ``tensor._symbol``
   is a :class:`Symbol`: the ``onnx_ir.Value``, its tracer, and the param it stands for);
-* ``Param.val()`` returns the param's graph *initializer* (through
-  :data:`onnxparam.param.value_hook`), named by the param's path in the root module's one
+* ``Param.val()`` returns the param's graph *initializer* (through the tensor operator table,
+  :meth:`onnxparam.core.extension.TensorOps.param_value`), named by the param's path in the root module's one
   traversal (``fc1.weight``). The initializer's value is an ``onnx_ir.LazyTensor``: tracing never
   runs a lazy param's init; the runtime materializes values once, when it builds a session;
 * calling a sub-module (``self.fc1(x)``) inlines its ``forward`` under the node-name scope
@@ -28,9 +28,9 @@ LoRA modes (``lora=``): ``"merge"`` (the initializer holds ``base + scale * (a @
 ``MatMul`` / ``Gemm`` using an adapted weight, the merged weight as nodes for any other use) and
 ``"inputs"`` (as ``"keep"``, the factors also overridable graph inputs for ONNX Runtime's
 multi-LoRA API). Each param's symbolic tensor carries its :class:`~onnxparam.Param`
-(``tensor._symbol.param``); :func:`onnxparam._lora_graph.expand_adapters` rewrites the finished
+(``tensor._symbol.param``); :func:`onnxparam.lora._graph.expand_adapters` rewrites the finished
 graph, so ops and callers need no change. Quantized params go through the QDQ pass
-(``GraphPasses.quantized_param``). Closing a trace lives in :mod:`onnxparam._trace_finish`.
+(``GraphPasses.quantized_param``). Closing a trace lives in :mod:`onnxparam.trace.model`.
 """
 
 from __future__ import annotations
@@ -43,12 +43,17 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ._symint import SymInt
-from ._trace_finish import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
-from ._trace_types import (  # noqa: F401  (re-exported: onnxparam._trace is their public home)
+from ..core.device import CPU
+from ..core.dtype import DType
+from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
+from ..core.param import Param
+from ..core.tensor import Tensor
+from .model import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
+from .passes import LORA_MODES, NO_PASSES, GraphPasses  # noqa: F401  (GraphPasses re-exported)
+from .symint import SymInt
+from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is their public home)
     _CURRENT,
     INFERENCE_DATA_MAX_ELEMENTS,
-    GraphPasses,
     InputSpec,
     Symbol,
     TracedModel,
@@ -67,17 +72,10 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam._trace is the
     _to_attr,
     _type_proto,
     current_tracer,
-    default_passes,
     infer_node_types,
     param_array,
     untraced,
 )
-from .device import CPU
-from .dtype import DType
-from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
-from .lora import LORA_MODES  # "merge", "keep", "inputs"
-from .param import Param, value_hook
-from .tensor import Tensor
 
 __all__ = [
     "DEFAULT_OPSET", "MIN_OPSET", "LORA_MODES", "InputSpec", "Symbol", "Tracer", "TracedModel",
@@ -110,7 +108,8 @@ class Tracer:
         mode: the LoRA mode, one of :data:`LORA_MODES`.
         root: the module whose traversal names the initializers (``None`` for eager op graphs).
         name: the graph name.
-        passes: the :class:`GraphPasses` to run (default: :func:`default_passes`).
+        passes: the :class:`~onnxparam.trace.passes.GraphPasses` to run (default: none, params held raw;
+            the standard LoRA / QDQ passes: :data:`onnxparam.quant._passes.STANDARD_PASSES`).
 
     Raises:
         ValueError: for an opset below :data:`MIN_OPSET` or an unknown LoRA mode.
@@ -130,7 +129,7 @@ class Tracer:
         self.opset = opset
         self.opset_imports: dict[str, int] = imports
         self.mode = mode
-        self.passes = default_passes() if passes is None else passes
+        self.passes = NO_PASSES if passes is None else passes
         self.device = CPU
         self.graph = ir.Graph([], [], nodes=[], name=name)
         self._sinks: list[ir.Graph] = [self.graph]
@@ -158,11 +157,9 @@ class Tracer:
     def active(self):
         """Make this tracer current: ops emit nodes into it, params become its initializers."""
         tracer_token = _CURRENT.set(self)
-        hook_token = value_hook.set(self.param_value)
         try:
             yield self
         finally:
-            value_hook.reset(hook_token)
             _CURRENT.reset(tracer_token)
 
     # -- names and scopes ---------------------------------------------------------------------
@@ -178,7 +175,7 @@ class Tracer:
         return name
 
     def _register_tree(self, module, prefix: str, root: bool = False) -> None:
-        from .module import named_modules, named_params
+        from ..core.module import named_modules, named_params
 
         offset = len(self._param_order)
         for i, (path, param) in enumerate(named_params(module, prefix)):
@@ -230,7 +227,7 @@ class Tracer:
         return Tensor(symbol=Symbol(value, self, param), shape=dims, dtype=dtype, device=self.device)
 
     def dim_symbol(self, name: Optional[str], value: ir.Value, axis: int) -> SymInt:
-        """The :class:`~onnxparam._symint.SymInt` of the dynamic dim ``name`` (one per name in a
+        """The :class:`~onnxparam.trace.symint.SymInt` of the dynamic dim ``name`` (one per name in a
         trace; first seen as dim ``axis`` of ``value``, which lowers it), or a new unnamed one
         for dim ``axis`` of ``value`` when ``name`` is ``None``."""
         if name is not None:
@@ -496,7 +493,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
         output_names: names of the graph outputs (default ``output``, or ``output_0`` ...).
         dynamic_axes: ``{input_or_output_name_or_input_index: {axis: dim_name} | [axis, ...]}``
             (as in ``torch.onnx.export``): those dims become symbolic
-            (:class:`~onnxparam._symint.SymInt` s inside ``forward``). A declared output dim that
+            (:class:`~onnxparam.trace.symint.SymInt` s inside ``forward``). A declared output dim that
             the forward makes a constant raises ``TraceError`` naming the node.
         dynamic_batch: the shorthand "dim 0 of every tensor input and output is the batch":
             ``True`` (named ``"batch"``) or the dim's name. Each output's dim 0 must be that
@@ -506,9 +503,10 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
         opset_imports: versions of other domains (default: the module's
             ``onnx_opset_imports``).
         lora: the LoRA mode, one of :data:`LORA_MODES`.
-        passes: the :class:`GraphPasses` to run (default: :func:`default_passes`).
+        passes: the :class:`~onnxparam.trace.passes.GraphPasses` to run (default: none, params held raw;
+            the standard LoRA / QDQ passes: :data:`onnxparam.quant._passes.STANDARD_PASSES`).
         min_dynamic_size: the size every dynamic input dim is known to be at least (its
-            :class:`~onnxparam._symint.SymInt`'s lower bound: with 2, ``x.shape[0] == 1`` is
+            :class:`~onnxparam.trace.symint.SymInt`'s lower bound: with 2, ``x.shape[0] == 1`` is
             decided ``False``; the runtime's automatic dynamic uses 2 and runs sizes 0 and 1 on
             concrete traces).
 

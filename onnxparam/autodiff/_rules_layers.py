@@ -1,4 +1,4 @@
-"""Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops._nn_layers`):
+"""Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops._activation`):
 ``ConvTranspose``, ``PRelu`` and the elementwise activations ``Elu``, ``Selu``, ``Celu``,
 ``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, ``Resize``, and the variadic
 elementwise ``Max`` / ``Min`` of imported models (conventions and

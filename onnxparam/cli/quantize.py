@@ -28,6 +28,7 @@ from ._common import (
     PROG,
     UsageError,
     _existing,
+    _check_output,
     _file_format,
     _out,
     _positive_int,
@@ -216,6 +217,7 @@ def _block_text(block_size: tuple) -> str:
 
 def _run_quantize(args: argparse.Namespace) -> int:
     dst_fmt = _file_format(args.dst, "output file", ("onnx", "burnpack"))
+    _check_output(args.dst, args.src)  # a folder, the source, a read-only place: before any work
     for flag, given in (("--reblock", args.reblock), ("--calibrate", args.calibrate is not None)):
         if given and dst_fmt != "onnx":
             raise UsageError(f"{PROG} quantize: error: {flag} applies to an .onnx output; the output is '{args.dst}'")

@@ -933,3 +933,7 @@ def _int_scalar(e: Emitter, k: int) -> ir.Value:
     root.typed(v, np.int64, ())
     root.graph.register_initializer(v)
     return v
+
+
+for _fn in (_if, _scan, _loop):
+    _fn.multi_output = True  # (their rules take the gradients of every output)

@@ -64,6 +64,7 @@ _provide("lora", "onnxparam.lora")  # Module.apply_lora / merge_lora / valid
 _provide("quant.module", "onnxparam.quant._module")  # Module.quantize_weights / apply_qlora
 _provide("record", "onnxparam.record")  # Module.into_record / load_record / save_file (model -> bridges)
 _provide("record.apply", "onnxparam.convert._store:apply_record")  # Module.load_record / load_file: the one loading path
+_provide("lora.call_batched", "onnxparam._lora_batched_run:call_batched")  # module(x, adapter_index=...)
 _provide("runtime.call_module", "onnxparam.runtime._calls:call_module")  # Module.__call__
 _provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
 _provide("runtime.ortvalue_from_numpy", "onnxparam.runtime._devices:ortvalue_from_numpy")  # Tensor.to_device

@@ -340,7 +340,13 @@ def _redirect(old: ir.Value, new: ir.Value, uses: list) -> None:
 def expand_adapters(tracer) -> None:
     """Emit every adapted param's adapter into ``tracer``'s graph (module docstring); in
     ``"inputs"`` mode the factors become graph inputs too. Called by ``Tracer.finish`` after the
-    outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode."""
+    outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode.
+    ``"batched"`` mode: :func:`onnxparam._lora_batched.expand_batched`."""
+    if tracer.mode == "batched":
+        from ._lora_batched import expand_batched
+
+        expand_batched(tracer)
+        return
     if tracer.mode == "merge":
         # NOTE: a base emitted as nodes (a quantized weight's DequantizeLinear, QLoRA) cannot
         # hold base + delta in one initializer: its adapter is merged in the graph instead.

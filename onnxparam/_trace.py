@@ -75,7 +75,7 @@ from ._trace_types import (  # noqa: F401  (re-exported: onnxparam._trace is the
 from .device import CPU
 from .dtype import DType
 from .errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
-from .lora import LORA_MODES  # "merge", "keep", "inputs"
+from .lora import LORA_MODES, TRACE_LORA_MODES  # "merge", "keep", "inputs" (+ "batched": exports)
 from .param import Param, value_hook
 from .tensor import Tensor
 
@@ -124,8 +124,8 @@ class Tracer:
         opset = int(opset)
         if opset < MIN_OPSET:
             raise ValueError(f"opset {opset} is not supported: onnxparam emits opset {MIN_OPSET} or newer")
-        if mode not in LORA_MODES:
-            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, LORA_MODES))}")
+        if mode not in TRACE_LORA_MODES:
+            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))}")
         imports[""] = opset
         self.opset = opset
         self.opset_imports: dict[str, int] = imports

@@ -37,6 +37,10 @@ LORA_MODES = ("merge", "keep", "inputs")
 as initializers, the adapter as graph nodes; ``"inputs"``: as ``"keep"``, with the factors also
 overridable graph inputs."""
 
+TRACE_LORA_MODES = LORA_MODES + ("batched",)
+"""The modes a trace takes: :data:`LORA_MODES` and ``"batched"`` (every named adapter stacked,
+one chosen per batch row by an ``adapter_index`` input; see :mod:`onnxparam._lora_batched`)."""
+
 
 @dataclass(frozen=True)
 class LoraConfig:

@@ -37,12 +37,12 @@ LAYERS = {
     "onnx_io/_source_errors.py": "graph",  # the imported file named in run-time errors (runtime uses it)
     "onnx_io/__init__.py": "formats",  # a lazy facade: it imports no module at import time
     # graph: the tracer, ops, the layers built from ops, graph passes (LoRA, QDQ), backward graphs
-    "_trace.py": "graph", "_trace_types.py": "graph", "_trace_finish.py": "graph", "nn/_conv_common.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "_lora_graph": "graph",
+    "_trace.py": "graph", "_trace_types.py": "graph", "_trace_finish.py": "graph", "nn/_conv_common.py": "graph", "_symint.py": "graph", "_lora_import.py": "graph", "_lora_batched.py": "graph", "_passes.py": "graph", "ops": "graph", "nn": "graph", "_lora_graph": "graph",
     "quant/_qdq.py": "graph", "quant/_qdq_options.py": "graph", "quant/_qdq_layout.py": "graph",
     "quant/_qdq_import.py": "graph", "quant/_qdq_forms.py": "graph", "quant/_nbits.py": "graph", "quant/_nbits_import.py": "graph", "quant/_qdq_static.py": "graph",
     "autodiff": "graph", "autodiff/_rules_shape.py": "graph",
     # runtime: ONNX Runtime sessions and calls; training steps run on it
-    "runtime": "runtime", "quant/_activations.py": "runtime", "_lora_adapter_file.py": "runtime", "autodiff/__init__.py": "runtime", "autodiff/_training.py": "runtime", "optim": "runtime",
+    "runtime": "runtime", "quant/_activations.py": "runtime", "_lora_adapter_file.py": "runtime", "_lora_batched_run.py": "runtime", "autodiff/__init__.py": "runtime", "autodiff/_training.py": "runtime", "optim": "runtime",
     # bridges: module <-> records <-> files, ONNX import/export, converters, PEFT
     "record.py": "bridges", "onnx_io": "bridges", "convert": "bridges",
     # top: the CLI, the model zoo, the package facade

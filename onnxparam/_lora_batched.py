@@ -522,7 +522,10 @@ class _Target:
 
 def expand_batched(tracer) -> None:
     """The ``"batched"`` pass (module docstring): called by
-    :func:`onnxparam._lora_graph.expand_adapters` when a trace in that mode finishes."""
+    the tracer when a trace finishes (one of the standard passes, after
+    :func:`onnxparam._lora_graph.expand_adapters`); a no-op in the other modes."""
+    if tracer.mode != BATCHED_MODE:
+        return
     options, fed = _OPTIONS.get() or (BatchedLora(), False)
     root = tracer._root
     stacks = stack_adapters(root, options, values=not fed)

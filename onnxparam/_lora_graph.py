@@ -341,11 +341,8 @@ def expand_adapters(tracer) -> None:
     """Emit every adapted param's adapter into ``tracer``'s graph (module docstring); in
     ``"inputs"`` mode the factors become graph inputs too. Called by ``Tracer.finish`` after the
     outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode.
-    ``"batched"`` mode: :func:`onnxparam._lora_batched.expand_batched`."""
+    ``"batched"`` mode is its own pass (:func:`onnxparam._lora_batched.expand_batched`)."""
     if tracer.mode == "batched":
-        from ._lora_batched import expand_batched
-
-        expand_batched(tracer)
         return
     if tracer.mode == "merge":
         # NOTE: a base emitted as nodes (a quantized weight's DequantizeLinear, QLoRA) cannot

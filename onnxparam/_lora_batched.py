@@ -347,6 +347,12 @@ class _Graph:
                 return dims[0]
         return "batch"
 
+    def index_dim(self):
+        """The index's dim: the model's batch dim when symbolic; ``"adapter_rows"`` when the batch
+        is a constant (an index of length 1 still applies to every row)."""
+        batch = self.batch_dim()
+        return batch if isinstance(batch, str) else "adapter_rows"
+
     def index(self) -> ir.Value:
         if self._index is None:
             name = self.options.index_name
@@ -354,7 +360,7 @@ class _Graph:
                 raise LoraError(f"lora='batched': the index input name {name!r} is already used in the graph "
                                 "(pass BatchedLora(index_name=...))")
             self.tracer._names.add(name)
-            value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([self.batch_dim()]))
+            value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([self.index_dim()]))
             self.tracer.graph.inputs.append(value)
             self._index = value
         return self._index
@@ -424,7 +430,7 @@ class _Target:
                 tracer._constants.append(value)
                 tracer.graph.inputs.append(value)
                 stacks.append(value)
-            batch = self.shared.batch_dim()
+            batch = self.shared.index_dim()
             index = self.shared.index()
             a = _new_node(tracer, "Gather", [stacks[0], index], self.dtype, [batch, t.d_in, rank.value],
                           f"/{t.path}.lora/Gather_a", t.path, {"axis": 0})
@@ -468,9 +474,10 @@ class _Target:
         graph = node.graph
         y = node.outputs[0]
         y_dims, x_dims = _dims(y), _dims(x)
-        batch = self.shared.batch_dim()
+        batch, rows = self.shared.batch_dim(), self.shared.index_dim()
         rank = RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"
+        uses = list(y.uses())  # before the branch's own Shape(y) uses it
         nodes = []
         direct = x_dims is not None and len(x_dims) == 3 and x_dims[0] == batch and batch is not None
         if direct:
@@ -479,11 +486,11 @@ class _Target:
             nodes += [xa, xab]
             delta = xab.outputs[0]
         else:
-            view = _new_node(tracer, "Reshape", [x, self.shape_in()], self.dtype, [batch, None, t.d_in],
+            view = _new_node(tracer, "Reshape", [x, self.shape_in()], self.dtype, [rows, None, t.d_in],
                              f"{label}/Reshape_x", t.path)
-            xa = _new_node(tracer, "MatMul", [view.outputs[0], a], self.dtype, [batch, None, rank],
+            xa = _new_node(tracer, "MatMul", [view.outputs[0], a], self.dtype, [rows, None, rank],
                            f"{label}/MatMul_a", t.path)
-            xab = _new_node(tracer, "MatMul", [xa.outputs[0], b], self.dtype, [batch, None, t.d_out],
+            xab = _new_node(tracer, "MatMul", [xa.outputs[0], b], self.dtype, [rows, None, t.d_out],
                             f"{label}/MatMul_b", t.path)
             shape = _new_node(tracer, "Shape", [y], ir.DataType.INT64, [len(y_dims)] if y_dims is not None else None,
                               f"{label}/Shape_y", t.path)
@@ -491,7 +498,6 @@ class _Target:
                              f"{label}/Reshape_y", t.path)
             nodes += [view, xa, xab, shape, back]
             delta = back.outputs[0]
-        uses = list(y.uses())
         total = _new_node(tracer, "Add", [y, delta], self.dtype, y_dims, f"{label}/Add", t.path)
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)

@@ -307,6 +307,11 @@ class OnnxModule(Module):
         from ._source_errors import naming_source
 
         with naming_source(self):
+            if named and "adapter_index" in named and tr.current_tracer() is None and \
+                    all(v.name != "adapter_index" for v in self._source.inputs):
+                from .._services import service  # many LoRA adapters, one per row (lora, issue 29)
+
+                return service("lora.call_batched")(self, inputs, named)
             if tr.current_tracer() is None:
                 from ._graph_run import _NO_SESSION, run_graph
 

@@ -102,20 +102,25 @@ def batched_adapter_params(module, *, model=None, names: Optional[Sequence[str]]
     ``<W>.lora.a_stack`` ``(capacity + 1, d_in, r)`` and ``<W>.lora.b_stack``
     ``(capacity + 1, r, d_out)`` (slot 0 zeros, ``b`` scaled), at each base's float dtype.
 
-    ``model`` (a batched export's path or model): stack in its adapter order and capacity and at
-    its ranks (zero-padded up to them); ``names`` / ``capacity`` otherwise (default: every named
-    adapter, capacity = their number).
+    ``model`` (a batched export's path or model): the export's adapters first, in its index
+    order, then the module's other named adapters (indices past them: adapters added to the
+    export's spare capacity), its capacity, each stack zero-padded up to the export's rank (a
+    larger rank fits too: the rank dims are symbolic); otherwise ``names`` / ``capacity``
+    (default: every named adapter, capacity = their number).
 
     Raises:
-        LoraError: an adapter that cannot be stacked, more adapters than the capacity, a rank
-            above the model's, or a ``model`` that is not a batched export.
+        LoraError: an adapter that cannot be stacked, more adapters than the capacity, an export
+            adapter name the module lacks, a weight the export has no stacks for, or a ``model``
+            that is not a batched export.
     """
     ranks = None
     if model is not None:
         meta = batched_metadata(model)
         if meta is None:
             raise LoraError(f"{_model_label(model)} is not a batched LoRA export (no {METADATA_KEY!r} metadata)")
-        names = meta["adapters"] if names is None else names
+        if names is None:
+            held = [n for n, _ in named_adapters(module)]
+            names = list(meta["adapters"]) + [n for n in held if n not in meta["adapters"]]
         capacity = meta["capacity"] if capacity is None else capacity
         ranks = {t["path"]: int(t["rank"]) for t in meta["targets"]}
     stacks = stack_adapters(module, BatchedLora(tuple(names) if names is not None else None, capacity))
@@ -126,10 +131,7 @@ def batched_adapter_params(module, *, model=None, names: Optional[Sequence[str]]
             if path not in ranks:
                 raise LoraError(f"adapter weight {path!r} is not a target of {_model_label(model)} "
                                 f"(its targets: {sorted(ranks)[:6]} ...)")
-            if target.rank > ranks[path]:
-                raise LoraError(f"{path!r}: rank {target.rank} is above the rank {ranks[path]} of "
-                                f"{_model_label(model)}'s stacks")
-            pad = ranks[path] - target.rank
+            pad = max(ranks[path] - target.rank, 0)
             a = np.pad(a, ((0, 0), (0, 0), (0, pad)))
             b = np.pad(b, ((0, 0), (0, pad), (0, 0)))
         a_name, b_name = stack_names(module, path)

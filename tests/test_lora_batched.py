@@ -260,3 +260,22 @@ def test_embedding_conv_and_bias_adapters_are_refused_by_name(tmp_path):
     conv = conv.add_adapter("c", {"conv.weight": LoraAdapter(a, b, 1.0, transposed=True)})
     with pytest.raises(LoraError, match=r"'conv.weight' \[3, 2, 1, 1\].*not to a bias .*, a convolution"):
         export_onnx(conv, tmp_path / "c.onnx", np.ones((1, 2, 4, 4), np.float32), lora="batched")
+
+
+def test_the_readme_serving_example_runs(tmp_path, monkeypatch):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    script = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if 'lora=op.BatchedLora' in block)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    exec(compile(script, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    x, y, y3 = namespace["x"], namespace["y"], namespace["y3"]
+    sources = {"sql": namespace["fresh"](1, 4), "chat": namespace["fresh"](2, 8), "code": namespace["fresh"](3, 2)}
+    for row, name in enumerate(["sql", None, "chat", "sql"]):
+        expected = (sources[name] if name else namespace["base"])(Tensor.from_numpy(x[row:row + 1])).to_numpy()
+        np.testing.assert_allclose(y[row:row + 1], expected, atol=1e-5, rtol=0)
+    for row, name in enumerate(["code", "code", None, "sql"]):
+        expected = (sources[name] if name else namespace["base"])(Tensor.from_numpy(x[row:row + 1])).to_numpy()
+        np.testing.assert_allclose(y3[row:row + 1], expected, atol=1e-5, rtol=0)

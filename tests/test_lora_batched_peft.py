@@ -187,3 +187,49 @@ def test_module_call_with_adapter_index_gives_each_row_pefts_output(built, name,
                                expected[3:4], atol=ATOL, rtol=0)
     np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy()), adapter_index="sql").to_numpy(),
                                peft_rows(reference, ids, ["sql"] * len(ROWS)), atol=ATOL, rtol=0)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_gemm_targets_of_a_torchscript_mlp_give_each_row_pefts_output(tmp_path):
+    """TorchScript writes ``nn.Linear`` on 2-d inputs as ``Gemm transB=1``: the rows of its
+    ``[batch, d]`` input are the batch rows."""
+    import onnx
+
+    model = randomize(Mlp().eval(), seed=3)
+    x = torch.randn(2, 6)
+    path = tmp_path / "mlp.onnx"
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch"}})
+    assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"Gemm"}
+    for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
+        save_adapter(model, tmp_path / adapter, r, alpha, rslora, ["fc1", "fc2"], seed=60 + k)
+    names = list(ADAPTERS)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / names[0]),
+                                                   adapter_name=names[0]).eval()
+        for adapter in names[1:]:
+            reference.load_adapter(str(tmp_path / adapter), adapter_name=adapter)
+    imported = import_onnx(path)
+    module = imported
+    for adapter in names:
+        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    batch = torch.randn(len(ROWS), 6)
+    with torch.no_grad():
+        expected = reference(batch, adapter_names=ROWS).numpy()
+    index = np.asarray([0 if r == "__base__" else names.index(r) + 1 for r in ROWS], dtype=np.int64)
+    exported = export_onnx(module, tmp_path / "batched.onnx", lora="batched")
+    got = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"]).run(
+        None, {"x": batch.numpy(), "adapter_index": index})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    got = module(Tensor.from_numpy(batch.numpy()), adapter_index=index).to_numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)

@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 
 from onnxparam import LoraConfig, LoraError, Module, Param, RecordError, Tensor, export_onnx
-from onnxparam._lora_batched import BatchedLora, batched_metadata
-from onnxparam._lora_batched_run import batched_adapter_params, check_batched_adapters, write_batched_adapter
+from onnxparam.lora._batched import BatchedLora, batched_metadata
+from onnxparam.lora._batched_run import batched_adapter_params, check_batched_adapters, write_batched_adapter
 from onnxparam.cli import main
 from onnxparam.nn import Conv2dConfig, EmbeddingConfig, LinearConfig
 

@@ -17,7 +17,7 @@ from test_autodiff import check_grad
 
 import onnxparam as op
 from onnxparam import nn, ops
-from onnxparam.errors import TraceValueError
+from onnxparam.core.errors import TraceValueError
 
 RNG = np.random.default_rng(22)
 X = (RNG.normal(size=(2, 3, 4)) * 3).astype(np.float32)

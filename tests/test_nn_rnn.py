@@ -18,7 +18,7 @@ import onnxparam as op
 from onnxparam import DType, Tensor, nn, ops
 from onnxparam.autodiff import cross_entropy, grad
 from onnxparam.convert._torch_layers import gru_from_torch, gru_to_torch, lstm_from_torch, lstm_to_torch
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.optim import Adam
 
 RNG = np.random.default_rng(20)

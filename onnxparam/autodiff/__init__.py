@@ -1,6 +1,6 @@
 """Gradients through ONNX Runtime: reverse-mode autodiff built as an ONNX graph.
 
-Layer: *runtime* (beside :mod:`onnxparam._trace` and :mod:`onnxparam.runtime`, which it uses);
+Layer: *runtime* (beside :mod:`onnxparam.trace.tracer` and :mod:`onnxparam.runtime`, which it uses);
 the model layer knows nothing of it.
 
 * :func:`grad` — ``loss, grads = grad(loss_fn, module, *inputs)``: traces

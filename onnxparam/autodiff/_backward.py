@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._trace import TracedModel
-from ..errors import TraceError
+from ..core.errors import TraceError
+from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from ._emitter import Emitter, dims, np_dtype
 from ._rules import NON_DIFFERENTIABLE, RULES
@@ -98,7 +98,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         wrt: param paths (initializer names) to differentiate; each becomes a graph input.
 
     Returns:
-        ``(model, grad_paths)``: the training :class:`~onnxparam._trace.TracedModel` (inputs:
+        ``(model, grad_paths)``: the training :class:`~onnxparam.trace.tracer.TracedModel` (inputs:
         the forward's inputs then the ``wrt`` params; outputs: the loss then the gradients;
         ``param_paths``: the frozen params, still initializers) and the paths that have a
         gradient output, in output order.

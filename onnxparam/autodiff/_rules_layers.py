@@ -11,7 +11,7 @@ import numpy as np
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, const_array, rule
 from ._rules_nn import conv_operands, conv_weight_grad

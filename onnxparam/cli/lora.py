@@ -90,9 +90,9 @@ def _factor_shapes(path: Path, fmt: str) -> dict:
 
 
 def _run_lora(args: argparse.Namespace) -> int:
-    from ..errors import LoraError
-    from ..group import ParamGroup
-    from ..lora import LoraConfig
+    from ..core.errors import LoraError
+    from ..core.group import ParamGroup
+    from ..lora._adapters import LoraConfig
 
     if args.action == "check":
         return _run_check(args)
@@ -201,11 +201,11 @@ def _run_lora(args: argparse.Namespace) -> int:
 
 def _run_check(args: argparse.Namespace) -> int:
     """``lora check MODEL ADAPTER``: the ``.onnx_adapter`` file fits the export (a batched one:
-    :func:`onnxparam._lora_batched_run.check_batched_adapters`; an ``"inputs"`` one:
+    :func:`onnxparam.lora._batched_run.check_batched_adapters`; an ``"inputs"`` one:
     :func:`onnxparam.check_onnx_adapter`). A misfit is a ``RecordError`` listing every problem."""
-    from .._lora_adapter_file import check_onnx_adapter
-    from .._lora_batched import batched_metadata
-    from .._lora_batched_run import check_batched_adapters
+    from ..lora._adapter_file import check_onnx_adapter
+    from ..lora._batched import batched_metadata
+    from ..lora._batched_run import check_batched_adapters
 
     for flag in ("alpha", "rank", "adapter", "targets"):
         if getattr(args, flag, None):
@@ -314,7 +314,7 @@ def _save_module(module, path: Path) -> None:
 
 def _write_lora_adapter(module, path: Path) -> None:
     if path.suffix.lower() == ".onnx_adapter":
-        from .._lora_adapter_file import write_onnx_adapter
+        from ..lora._adapter_file import write_onnx_adapter
 
         write_onnx_adapter(module, path)
         return

@@ -4,8 +4,8 @@ the input's shape and float dtype."""
 from __future__ import annotations
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 
 __all__ = ["Relu", "Gelu", "Sigmoid", "Tanh", "Softmax"]
 

@@ -201,7 +201,7 @@ def tree_order(paths) -> list:
     The tree has one scope per path prefix, children in first-seen order (as
     ``OnnxModule`` builds it); a path that is also the prefix of another path is a param, and
     the longer path stays whole at that level (a dotted attribute), after the prefix's siblings
-    seen before it. Depth first, like :func:`onnxparam.module.named_params`.
+    seen before it. Depth first, like :func:`onnxparam.core.module.named_params`.
     """
     paths = list(paths)
     is_param = set(paths)

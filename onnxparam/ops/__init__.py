@@ -6,7 +6,7 @@ operand is numeric. Layouts are Burn's / ONNX's: NCHW / NCL, conv weight
 operator(s) emitted; the semantics (and formulas) are the ONNX operator specification's,
 https://onnx.ai/onnx/operators/ (cited as "ONNX spec: <Op>").
 
-Inside a trace (a module's ``forward``, see :mod:`onnxparam._trace`) an op appends nodes to the
+Inside a trace (a module's ``forward``, see :mod:`onnxparam.trace.tracer`) an op appends nodes to the
 graph and returns symbolic tensors. Outside a trace, an op on concrete tensors runs *eagerly*:
 the op is traced into a small graph whose inputs are its tensor arguments, run through ONNX
 Runtime, and the session cached by signature (shapes, dtypes, devices, other arguments) in

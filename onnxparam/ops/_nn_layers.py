@@ -15,7 +15,7 @@ rules. Gradient rules of the new operators: :mod:`onnxparam.autodiff._rules_laye
 
 from __future__ import annotations
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 from ._core import _emit, _norm_dim, _ntuple, _op, _static_dims, _t
 from ._elementwise import (
     abs,

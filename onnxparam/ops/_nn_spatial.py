@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 from ._core import _emit, _ntuple, _op, _t, _tracer
 from ._elementwise import add, div, mul, pow
 from ._linalg import matmul

@@ -95,8 +95,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import QuantizationError, QuantizationWarning
+from ..core.dtype import DType
+from ..core.errors import QuantizationError, QuantizationWarning
+from ..core.quant_scheme import QuantValue
+from ..core.tensor import QuantizedTensor
 from . import _nbits
 from . import _qdq_forms as _forms
 from . import _qdq_static as _static
@@ -119,8 +121,6 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
 )
 from ._qdq_static import dims as _dims
 from ._qdq_static import node as _node
-from ._scheme import QuantValue
-from ._tensor import QuantizedTensor
 
 __all__ = [
     "ACCURACY_LEVEL_KEY",
@@ -165,7 +165,7 @@ class _Emitted:
 
 
 def _quantized_of(param) -> QuantizedTensor:
-    from .._trace import untraced
+    from ..trace.tracer import untraced
 
     with untraced():
         base = param.base()
@@ -304,7 +304,7 @@ def _emitted(tracer) -> list:
 
 
 def quantized_param_value(tracer, param, path: str, shape: tuple):
-    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam._trace.GraphPasses.quantized_param`):
+    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam.trace.tracer.GraphPasses.quantized_param`):
     :func:`emit_param`'s dequantized tensor; when ONNX cannot express the scheme, the original
     float param's tensor (:attr:`QdqOptions.float_module`), else the float dtype the tracer holds
     the dequantized values as."""
@@ -352,7 +352,7 @@ def finish_graph(tracer) -> None:
 def _expand_qlora(tracer, emitted: list) -> None:
     """Merge mode with a quantized base: the base stays quantized and the float adapter is added
     by graph nodes (``x @ DQ(W) + scale * ((x @ a) @ b)``), as ``"keep"`` mode does."""
-    from .. import _lora_graph as lora_graph
+    from ..lora import _graph as lora_graph
 
     for e in emitted:
         if e.param.adapter() is None:

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
+from ..core.dtype import DType
 
 REPORT_KEY = "onnxparam.quant.ops"
 """Model ``metadata_props`` key: JSON list of ``{"node", "op", "weight", "form"}``, one per op
@@ -132,7 +132,7 @@ def original_param(tracer, param):
 
 
 def _original_array(param, np_dtype) -> np.ndarray:
-    from .._trace import untraced
+    from ..trace.tracer import untraced
 
     with untraced():
         array = np.asarray(param.base().to_numpy())

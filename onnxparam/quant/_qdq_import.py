@@ -10,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import QuantizationError
+from ..core.dtype import DType
+from ..core.errors import QuantizationError
+from ..core.quant_scheme import QuantScheme, QuantValue
+from ..core.tensor import QuantizedTensor
 from ._nbits_import import fold_matmul_nbits
 from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
-from ._scheme import QuantScheme, QuantValue
-from ._tensor import QuantizedTensor
 
 # -- import --------------------------------------------------------------------------------------------
 
@@ -42,7 +42,7 @@ def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank
 
 
 def _grid_fits(shape, scheme: QuantScheme, scale: np.ndarray) -> bool:
-    from ._layout import params_shape
+    from ..core.quant_layout import params_shape
 
     try:
         return int(np.prod(params_shape(shape, scheme))) == scale.size
@@ -93,7 +93,7 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         global_scale = np.float32(float.fromhex(props[GLOBAL_SCALE_KEY]))
         scale = (scale / global_scale).astype(np.float32)
     try:
-        from ._layout import params_shape
+        from ..core.quant_layout import params_shape
 
         grid = params_shape(values.shape, scheme)
         if int(np.prod(grid)) != scale.size:
@@ -298,7 +298,7 @@ def imported_param(site, meta):
     qt = imported_quantized(site)
     if qt is None:
         return None
-    from ..param import Param, ParamId
+    from ..core.param import Param, ParamId
 
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = bool(meta.require_grad) if meta.require_grad is not None else False

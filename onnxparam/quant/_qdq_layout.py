@@ -9,10 +9,9 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ._calibration import quantize
+from ..core.quant_scheme import QuantScheme, QuantValue
+from ..core.tensor import QuantizedTensor, quantize
 from ._qdq_options import NBITS_MIN_BLOCK, QdqOptions
-from ._scheme import QuantScheme, QuantValue
-from ._tensor import QuantizedTensor
 
 # -- weight layouts ------------------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ from typing import Optional, Sequence
 import ml_dtypes
 import numpy as np
 
-from .._ort import import_onnxruntime
-from ..device import CPU, Device
-from ..dtype import DType
-from ..errors import DeviceError
-from ..tensor import Tensor
+from ..core.device import CPU, Device
+from ..core.dtype import DType
+from ..core.errors import DeviceError
+from ..core.tensor import Tensor
 from ._config import SessionConfig
+from ._ort import import_onnxruntime
 
 ort = import_onnxruntime()
 
@@ -70,7 +70,7 @@ def _c_contiguous(array: np.ndarray) -> np.ndarray:
 
 _FLOAT8_ONNX_TYPES = {d.to_numpy().name: d.to_onnx() for d in (DType.F8E4M3FN, DType.F8E4M3FNUZ, DType.F8E5M2,
                                                                  DType.F8E5M2FNUZ, DType.F8E8M0FNU)}
-"""``ml_dtypes`` float8 type name -> ONNX element type (see :mod:`onnxparam.dtype`)."""
+"""``ml_dtypes`` float8 type name -> ONNX element type (see :mod:`onnxparam.core.dtype`)."""
 
 
 def ortvalue_host(array: np.ndarray):

@@ -27,7 +27,9 @@ transformers = pytest.importorskip("transformers")
 
 import onnxruntime as ort  # noqa: E402
 
-from onnxparam import Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import Tensor, check_batched_adapters, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import write_batched_adapter  # noqa: E402
+from onnxparam._lora_batched import batched_metadata  # noqa: E402
 
 ATOL = 1e-5
 
@@ -169,6 +171,17 @@ def test_batched_export_gives_each_row_pefts_output_for_its_adapter(built, name,
             plain = model(ids).numpy()
         base_rows = [i for i, r in enumerate(ROWS) if r == "__base__"]
         np.testing.assert_allclose(got[base_rows], plain[base_rows], atol=ATOL, rtol=0)
+    # the stacked set as one .onnx_adapter (stack inputs named after the file's own weight names)
+    # fits the export and, activated, gives the same rows
+    file = write_batched_adapter(module, tmp_path / "set.onnx_adapter", model=path)
+    shapes = check_batched_adapters(path, file)
+    assert len(shapes) == 2 * len(batched_metadata(path)["targets"])
+    options, adapter = ort.RunOptions(), ort.LoraAdapter()
+    adapter.Load(str(file))
+    options.add_active_adapter(adapter)
+    ids = ids_for(len(ROWS), 4)
+    np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy(), "adapter_index": index}, options)[0],
+                               peft_rows(reference, ids, ROWS), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name,exporter", CASES[:2])

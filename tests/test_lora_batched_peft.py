@@ -29,7 +29,7 @@ import onnxruntime as ort  # noqa: E402
 
 from onnxparam import Tensor, check_batched_adapters, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 from onnxparam import write_batched_adapter  # noqa: E402
-from onnxparam._lora_batched import batched_metadata  # noqa: E402
+from onnxparam.lora._batched import batched_metadata  # noqa: E402
 
 ATOL = 1e-5
 

@@ -245,11 +245,50 @@ class ConvNet(Module):
         return self.conv(x)
 
 
-def test_embedding_conv_and_bias_adapters_are_refused_by_name(tmp_path):
-    ids = np.array([[1, 2, 3]], dtype=np.int64)
-    embed = Embed().apply_lora(LoraConfig(rank=2, alpha=2.0, seed=0))
-    with pytest.raises(LoraError, match=r"'embed.weight' is used by node .*\(Gather"):
-        export_onnx(embed, tmp_path / "e.onnx", ids, lora="batched")
+def test_embedding_tables_take_each_rows_adapter_at_its_ids(tmp_path):
+    base = Embed()
+    sources = {}
+    for k, (name, (r, alpha, rs)) in enumerate(ADAPTERS.items()):
+        rng = np.random.default_rng(50 + k)
+        sources[name] = base.apply_lora(LoraConfig(rank=r, alpha=alpha, use_rslora=rs, seed=k)).map(
+            lambda path, p: Param(p.id, value=Tensor.from_numpy((rng.normal(size=p.lazy_shape()) * 0.5).astype(
+                np.float32))) if path.endswith("lora.b") else p)
+    module = base
+    for name, source in sources.items():
+        module = module.add_adapter(name, source)
+
+    def oracle_rows(ids, name):
+        def adapt(h, x, param, source_param, lookup):
+            if name is None:
+                return h
+            adapter = source_param.adapter()
+            r, alpha, rs = ADAPTERS[name]
+            scale = alpha / (math.sqrt(r) if rs else r)
+            a = np.asarray(adapter.a.val().to_numpy(), np.float64)
+            b = np.asarray(adapter.b.val().to_numpy(), np.float64)
+            return h + scale * ((a[x] if lookup else x @ a) @ b)
+
+        table = np.asarray(base.embed.weight.val().to_numpy(), np.float64)
+        h = adapt(table[ids], ids, base.embed.weight, name and sources[name].embed.weight, True)
+        w = np.asarray(base.fc.weight.val().to_numpy(), np.float64)
+        out = h @ w + np.asarray(base.fc.bias.val().to_numpy(), np.float64)
+        return adapt(out, h, base.fc.weight, name and sources[name].fc.weight, False)
+
+    ids = np.random.default_rng(1).integers(0, 10, size=(5, 4))
+    path = export_onnx(module, tmp_path / "e.onnx", ids[:2], lora="batched",
+                       dynamic_axes={"ids": {0: "batch", 1: "seq"}, "output": {0: "batch", 1: "seq"}})
+    index = np.array([3, 0, 1, 2, 1], dtype=np.int64)
+    for seq in (4, 1):
+        got = session(path).run(None, {"ids": ids[:, :seq], "adapter_index": index})[0]
+        for row, k in enumerate(index):
+            name = [None, *ADAPTERS][k]
+            np.testing.assert_allclose(got[row], oracle_rows(ids[row:row + 1, :seq], name)[0], atol=1e-5, rtol=0)
+    got = module(Tensor.from_numpy(ids), adapter_index=[None, "three", "two", None, "one"]).to_numpy()
+    for row, name in enumerate([None, "three", "two", None, "one"]):
+        np.testing.assert_allclose(got[row], oracle_rows(ids[row:row + 1], name)[0], atol=1e-5, rtol=0)
+
+
+def test_conv_and_bias_adapters_are_refused_by_name(tmp_path):
     conv = ConvNet()
     weight = conv.conv.weight
     from onnxparam import LoraAdapter

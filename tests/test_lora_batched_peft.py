@@ -4,7 +4,8 @@ PEFT's mixed-batch forward.
 Oracle: ``peft.PeftModel`` in torch with three adapters loaded (ranks 2 / 4 / 8, alpha != rank,
 one rsLoRA) and ``model(ids, adapter_names=[...])``: PEFT runs each row with its own adapter
 (``"__base__"``: none). The models are a tiny BERT and a tiny LLaMA-style decoder
-(``transformers``, random weights) written by torch's TorchScript exporter (dynamo: ``slow``);
+(``transformers``, random weights; BERT's word-embedding table adapted too: an embedding
+``Gather``) written by torch's TorchScript exporter (dynamo: ``slow``);
 the adapters are PEFT's saved folders, loaded here with ``load_peft_adapter`` and named with
 ``add_adapter``. One batched ONNX file, run by plain ONNX Runtime, and the runtime's
 ``module(ids, adapter_index=names)`` must give each row PEFT's output for its adapter within
@@ -98,7 +99,7 @@ def bert():
     config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=24, max_position_embeddings=16)
     torch.manual_seed(0)
-    return randomize(Hidden(transformers.BertModel(config)).eval(), seed=1), ["query", "value", "dense"]
+    return randomize(Hidden(transformers.BertModel(config)).eval(), seed=1), ["query", "value", "dense", "word_embeddings"]
 
 
 def llama():

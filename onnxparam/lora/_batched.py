@@ -36,9 +36,11 @@ Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of t
 
 Targets: a weight used as ``MatMul``'s B, as ``Gemm``'s B (``transA=0``, ``transB`` matching the
 adapter's layout; a ``Gemm``'s ``alpha`` multiplies ``B``), or through a 2-d ``Transpose`` into a
-``MatMul`` (torch's exporters' ``nn.Linear``); traced and imported graphs alike. Any other use (a
-``Conv``, an embedding ``Gather``, a bias ``Add``: PEFT's conv / embedding LoRA, ``lora_bias``)
-is refused with a :class:`~onnxparam.errors.LoraError` naming the weight and the node.
+``MatMul`` (torch's exporters' ``nn.Linear``), and an embedding table read by ``Gather`` (axis 0;
+row ``n`` adds ``a_stack[i_n, ids[n]] @ b_stack[i_n]``, ``a`` read at the looked-up ids only,
+through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike. Any other use (a
+``Conv``, a bias ``Add``: PEFT's conv LoRA, ``lora_bias``) is refused with a
+:class:`~onnxparam.errors.LoraError` naming the weight and the node.
 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
@@ -365,6 +367,16 @@ class _Graph:
             self._index = value
         return self._index
 
+    def rows_by_items(self) -> ir.Value:
+        """``[rows, -1]``: an id tensor viewed as one row of ids per batch row."""
+        if getattr(self, "_rows_by_items", None) is None:
+            tail = self.tracer.constant(np.asarray([-1], dtype=np.int64), name="lora.batched.items")._symbol.value
+            node = _new_node(self.tracer, "Concat", [self.rows(), tail], ir.DataType.INT64, [2],
+                             "/lora.batched/Concat_ids", "", {"axis": 0})
+            _prepend(self.tracer.graph, [node])
+            self._rows_by_items = node.outputs[0]
+        return self._rows_by_items
+
     def rows(self) -> ir.Value:
         if self._rows is None:
             node = _new_node(self.tracer, "Shape", [self.index()], ir.DataType.INT64, [1], "/lora.batched/Shape", "")
@@ -409,6 +421,7 @@ class _Target:
         self.names = names
         self.defaults = defaults
         self._selected = None
+        self._stacks = None
         self._scaled: dict = {}
         self._shape_in = None
 
@@ -437,6 +450,7 @@ class _Target:
             b = _new_node(tracer, "Gather", [stacks[1], index], self.dtype, [batch, rank.value, t.d_out],
                           f"/{t.path}.lora/Gather_b", t.path, {"axis": 0})
             _prepend(tracer.graph, [a, b])
+            self._stacks = stacks
             self._selected = (a.outputs[0], b.outputs[0])
         return self._selected
 
@@ -502,12 +516,65 @@ class _Target:
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)
 
+    def lookup(self, node: ir.Node, ids: ir.Value) -> None:
+        """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
+        ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
+        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
+        from ._lora_graph import _redirect
+
+        t, tracer, shared = self.target, self.tracer, self.shared
+        _, b = self.selected()
+        a_stack = self._stacks[0]
+        graph = node.graph
+        y = node.outputs[0]
+        uses = list(y.uses())
+        y_dims = _dims(y)
+        rank = RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        i64 = ir.DataType.INT64
+        axes_tail = tracer.constant(np.asarray([-1], dtype=np.int64), name="lora.batched.last")._symbol.value
+        nodes = []
+        if ids.dtype is not None and ids.dtype != i64:
+            nodes.append(_new_node(tracer, "Cast", [ids], i64, _dims(ids), f"{label}/Cast_ids", t.path,
+                                   {"to": int(i64)}))
+            ids = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [ids, shared.rows_by_items()], i64, [shared.index_dim(), None],
+                               f"{label}/Reshape_ids", t.path))
+        flat = nodes[-1].outputs[0]  # [rows, items]
+        nodes.append(_new_node(tracer, "Shape", [flat], i64, [2], f"{label}/Shape_ids", t.path))
+        nodes.append(_new_node(tracer, "Unsqueeze", [shared.index(), tracer.constant(
+            np.asarray([1], dtype=np.int64), name="lora.batched.axis1")._symbol.value], i64,
+            [shared.index_dim(), 1], f"{label}/Unsqueeze_index", t.path))
+        nodes.append(_new_node(tracer, "Expand", [nodes[-1].outputs[0], nodes[-2].outputs[0]], i64,
+                               [shared.index_dim(), None], f"{label}/Expand_index", t.path))
+        pair = []
+        for value, tag in ((nodes[-1].outputs[0], "index"), (flat, "ids")):
+            nodes.append(_new_node(tracer, "Unsqueeze", [value, axes_tail], i64, [shared.index_dim(), None, 1],
+                                   f"{label}/Unsqueeze_{tag}", t.path))
+            pair.append(nodes[-1].outputs[0])
+        nodes.append(_new_node(tracer, "Concat", pair, i64, [shared.index_dim(), None, 2], f"{label}/Concat",
+                               t.path, {"axis": -1}))
+        nodes.append(_new_node(tracer, "GatherND", [a_stack, nodes[-1].outputs[0]], self.dtype,
+                               [shared.index_dim(), None, rank], f"{label}/GatherND_a", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype,
+                               [shared.index_dim(), None, t.d_out], f"{label}/MatMul_b", t.path))
+        nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
+                               f"{label}/Shape_y", t.path))
+        nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype, y_dims,
+                               f"{label}/Reshape_y", t.path))
+        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
+        graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
     def expand(self) -> None:
         from ._graph import _attr_float, _attr_int, _transpose_to_matmul
 
         transposed = self.target.transposed
         for node, index in list(self.base.uses()):
             if node.domain in ("", "ai.onnx") and node.outputs:
+                if index == 0 and node.op_type == "Gather" and not transposed and _attr_int(node, "axis", 0) == 0:
+                    self.lookup(node, node.inputs[1])  # an embedding table
+                    continue
                 if index == 1 and node.op_type == "MatMul" and not transposed:
                     self.branch(node, node.inputs[0], 1.0)
                     continue
@@ -521,8 +588,8 @@ class _Target:
                     continue
             raise LoraError(
                 f"lora='batched': {self.target.path!r} is used by node {node.name!r} ({node.op_type}, input {index}), "
-                "which is not a linear map's MatMul / Gemm: batched adapters apply per row to MatMul / Gemm uses "
-                "only (an embedding Gather, a Conv or another use is not supported); leave this weight out of the "
+                "which is not a linear map's MatMul / Gemm nor an embedding Gather: batched adapters apply per row "
+                "to those uses only (a Conv or another use is not supported); leave this weight out of the "
                 "adapters (narrow target_modules / the param_group) or export with lora='inputs'")
 
 

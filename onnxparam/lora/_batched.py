@@ -520,7 +520,7 @@ class _Target:
         """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
         ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
         (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
-        from ._lora_graph import _redirect
+        from ._graph import _redirect
 
         t, tracer, shared = self.target, self.tracer, self.shared
         _, b = self.selected()

@@ -44,8 +44,8 @@ NOTE (ONNX Runtime, checked on 1.32): ``run_with_iobinding`` ignores the active 
 exactly that in ``"inputs"`` mode, for every call.
 
 Parts: this module is the export pass; ``.onnx_adapter`` files are written by
-:func:`onnxparam.write_onnx_adapter` (``onnxparam/_lora_adapter_file.py``), and the import-time
-recognition lives in ``onnxparam/_lora_import.py``.
+:func:`onnxparam.write_onnx_adapter` (``onnxparam/lora/_adapter_file.py``), and the import-time
+recognition lives in ``onnxparam/onnx_io/_lora_import.py``.
 
 Import (``strip_lora_subexpressions``) recognizes the shapes the export writes — the kept
 branch after a ``MatMul`` / ``Gemm`` and the merged-weight expression — by their factor

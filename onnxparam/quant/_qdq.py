@@ -9,7 +9,11 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 ==============================  ==============================================================
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
-Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
+Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128);
+                                a weight an integer kernel reads (``MatMulInteger``, the QDQ
+                                ``QLinearMatMul`` / ``QLinearConv`` fuse) is always ``UINT8`` with
+                                zero point 128: ORT's u8 x s8 kernels saturate on x86 without VNNI
+                                (``_qdq_forms.unsigned_for_integer_kernels``)
 Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul /
                                 Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``); any
                                 other 4-bit weight is written float, with a warning and the reason
@@ -343,6 +347,7 @@ def finish_graph(tracer) -> None:
             _dynamic_matmuls(tracer, e)
             _forms.dynamic_gemms(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
+    _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
     _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():

@@ -21,7 +21,10 @@ from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
 
 
 
-def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank) -> QuantScheme:
+def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank, q: np.ndarray) -> QuantScheme:
+    """The Burn scheme of codes ``values`` (``q``: the codes minus their zero point): the one the
+    exporter wrote in ``props``, else symmetric (Q8S / Q4S) when no ``q`` is the negative extreme
+    (a uint8 code 0 with zero point 128 is -128: Q8F), full range otherwise."""
     text = props.get(SCHEME_KEY) if props is not None else None
     if text:
         return QuantScheme.from_cbor(json.loads(text))
@@ -29,9 +32,9 @@ def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank
     if values.dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
         four = True
     if four:
-        value = QuantValue.Q4S if values.min(initial=0) >= -7 else QuantValue.Q4F
+        value = QuantValue.Q4S if q.min(initial=0) >= -7 else QuantValue.Q4F
     else:
-        value = QuantValue.Q8S if values.min(initial=0) >= -127 else QuantValue.Q8F
+        value = QuantValue.Q8S if q.min(initial=0) >= -127 else QuantValue.Q8F
     if axis is None or int(np.prod(scale_shape)) == 1:
         return QuantScheme(value)
     if block is None:  # per-axis: a block covering every other axis
@@ -74,11 +77,11 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         return None
     if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
         return None
-    scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank)
+    scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank, q)
     if scheme is not None and props is not None and props.get(SCHEME_KEY) and not _grid_fits(values.shape, scheme, scale):
         # NOTE: an ONNX per-axis tensor (QuantizedTensor.axis, extents over Burn's 255) carries its
         # per-tensor scheme in SCHEME_KEY but one scale per channel: decided from the layout alone
-        scheme = _scheme_from_props(None, values, scale.shape, axis, block, rank)
+        scheme = _scheme_from_props(None, values, scale.shape, axis, block, rank, q)
     global_scale = None
     if scheme is None:  # per-axis
         extents = [d for d in values.shape]

@@ -40,7 +40,7 @@ adapter's layout; a ``Gemm``'s ``alpha`` multiplies ``B``), or through a 2-d ``T
 row ``n`` adds ``a_stack[i_n, ids[n]] @ b_stack[i_n]``, ``a`` read at the looked-up ids only,
 through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike. Any other use (a
 ``Conv``, a bias ``Add``: PEFT's conv LoRA, ``lora_bias``) is refused with a
-:class:`~onnxparam.errors.LoraError` naming the weight and the node.
+:class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed

@@ -216,3 +216,28 @@ def test_uint8_codes_with_zero_point_128_import_as_burn_s_symmetric_scheme_where
     param = dict(import_onnx(src).named_params())["w_q"]
     assert param.lazy_dtype() is op.DType.QFloat and param.base().into_data().scheme.value is value
     np.testing.assert_array_equal(param.val().to_numpy(), (codes.astype(np.float32) - 128) * np.float32(0.1))
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_a_gemm_trans_b_dynamic_export_imports_as_qfloat_and_converts_back_byte_for_byte(per_channel, tmp_path):
+    from onnxparam import convert
+
+    w = extreme_weight((8, 32), 0, per_channel)  # [N, K], transB=1
+    c = np.linspace(-1, 1, 8, dtype=np.float32)
+    src = save(tmp_path, "gemm", [helper.make_node("Gemm", ["x", "w", "c"], ["y"], transB=1)], ["n", 32],
+               {"w": w, "c": c})
+    quantized = import_onnx(src).quantize_weights(Quantizer(per_channel=per_channel))
+    out = op.export_onnx(quantized, tmp_path / "q.onnx")  # Transpose(uint8 codes) -> MatMulInteger
+
+    back = import_onnx(out)
+    params = dict(back.named_params())
+    assert params["w"].lazy_dtype() is op.DType.QFloat and sorted(params) == ["c", "w"]
+    np.testing.assert_array_equal(params["w"].val().to_numpy(), dict(quantized.named_params())["w"].val().to_numpy())
+    x = extreme_inputs((4, 32))
+    np.testing.assert_allclose(back(op.Tensor.from_numpy(x)).to_numpy(), session(str(out)).run(None, {"x": x})[0],
+                               rtol=1e-6, atol=1e-6)
+    convert.convert(out, tmp_path / "q.bpk")
+    convert.convert(tmp_path / "q.bpk", tmp_path / "back.onnx", graph=out)
+    expected = initializers(out)
+    assert {k: v.tobytes() for k, v in initializers(tmp_path / "back.onnx").items()} == {
+        k: v.tobytes() for k, v in expected.items()}

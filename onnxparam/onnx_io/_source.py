@@ -320,6 +320,28 @@ def _check_external_data(model: ir.Model, source: str) -> None:
                 f"{source}: the external data location {str(tensor.location)!r} of initializer {name!r} points "
                 f"outside the model's folder {base}; external data files must sit beside the .onnx file"
             )
+        if tensor.base_dir:
+            # NOTE (structure-aware fuzzing): onnx_ir also refuses, when the data is first read (an
+            # export, a call) and with a plain ValueError, a file reached through a symbolic link
+            # that leaves the folder, and a file with several hard links; refuse both here, at load.
+            base_real = os.path.realpath(os.fspath(tensor.base_dir))
+            file_real = os.path.realpath(file)
+            if os.path.commonpath([base_real, file_real]) != base_real:
+                raise OnnxFormatError(
+                    f"{source}: the external data file {str(tensor.location)!r} of initializer {name!r} is a "
+                    f"symbolic link to {file_real}, outside the model's folder {base_real}; ONNX readers refuse "
+                    "it (a path traversal guard): copy the data file beside the .onnx file"
+                )
+            try:
+                links = os.stat(file_real).st_nlink
+            except (OSError, ValueError):
+                links = 1
+            if links > 1:
+                raise OnnxFormatError(
+                    f"{source}: the external data file {str(tensor.location)!r} of initializer {name!r} has "
+                    f"{links} hard links; ONNX readers refuse it (a hard-link attack guard): copy the data file "
+                    "beside the .onnx file"
+                )
         if file not in sizes:
             try:
                 sizes[file] = os.stat(file).st_size if os.path.isfile(file) else None

@@ -85,6 +85,7 @@ calibration (``_activations``: :func:`onnxparam.quant.quantize_activations`) and
 
 **Import** (``fold_dequantize_weights``): ``DequantizeLinear(integer initializer, constant
 scale[, constant zero point])`` and the ``DynamicQuantizeLinear -> MatMulInteger`` form above
+(a ``Gemm(transB=1)`` weight's ``Transpose`` of the codes too: back to that ``Gemm``)
 become one float weight that ``imported_param`` turns into a ``QFloat`` param; so does a
 ``com.microsoft.MatMulNBits`` weight (``_nbits_import``: Burn's 4-bit block scheme along K, Q8S
 for zero points other than 8), which becomes ``MatMul`` (or the ``Gemm`` it was exported from).
@@ -346,6 +347,7 @@ def finish_graph(tracer) -> None:
         for e in emitted:
             _dynamic_matmuls(tracer, e)
             _forms.dynamic_gemms(tracer, e)
+            _forms.gather_then_dequantize(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
     _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
     _forms.record_report(tracer, emitted)

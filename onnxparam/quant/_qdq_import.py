@@ -236,16 +236,34 @@ def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: Qua
     float_value.replace_all_uses_with(new, replace_graph_outputs=True)
 
 
+def _gemm_transpose(b: ir.Value, x: ir.Value):
+    """The ``Transpose`` (perm ``[1, 0]``) that gives ``MatMulInteger`` input ``b`` from ``[N, K]``
+    codes, as the exporter writes a ``Gemm(transB=1)`` weight, when ``x`` is 2-D (a Gemm's ``A``);
+    else ``None``."""
+    node = b.producer() if b is not None else None
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(b.uses()) != 1:
+        return None
+    perm = node.attributes.get("perm")
+    if (perm is not None and list(perm.value) != [1, 0]) or x is None or x.shape is None or len(x.shape) != 2:
+        return None
+    return node
+
+
 def _fold_dynamic(graph, mmi: ir.Node) -> int:
     """``DynamicQuantizeLinear(x) -> MatMulInteger(xq, W, xz[, wz]) -> Cast -> Mul(·, Mul(xs, s))``
-    -> ``MatMul(x, W_float)``."""
+    -> ``MatMul(x, W_float)``; with ``W = Transpose(codes [N, K])`` and a 2-D ``x`` (the exporter's
+    ``Gemm(transB=1)`` form) -> ``Gemm(x, W_float [N, K], transB=1)``, the scales per row of ``W``."""
     inputs = list(mmi.inputs)
     dql = inputs[0].producer() if inputs[0] is not None else None
     if dql is None or dql.op_type != "DynamicQuantizeLinear" or len(inputs) < 3 or inputs[2] is not dql.outputs[2]:
         return 0
-    w = _const(inputs[1])
+    transpose = _gemm_transpose(inputs[1], dql.inputs[0])
+    w_source = inputs[1] if transpose is None else transpose.inputs[0]
+    w = _const(w_source)
     wz = _const(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
-    if w is None or w.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or len(inputs[1].uses()) != 1:
+    if w is None or w.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or len(w_source.uses()) != 1:
+        return 0
+    if transpose is not None and len(w.shape) != 2:
         return 0
     if len(inputs) > 3 and inputs[3] is not None and wz is None:
         return 0
@@ -265,13 +283,17 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
     if len(s_in) != 1 or _const(s_in[0]) is None:
         return 0
     scale = np.asarray(_const(s_in[0]).numpy(), np.float32)
-    axis = None if scale.size == 1 and scale.ndim <= 1 else 1
+    axis = None if scale.size == 1 and scale.ndim <= 1 else 1 if transpose is None else 0
     qt = _burn_tensor(w.numpy(), scale.reshape(()) if axis is None else scale, None if wz is None else wz.numpy(),
                       axis, None, w.metadata_props)
     if qt is None:
         return 0
     x = dql.inputs[0]
-    matmul = ir.Node("", "MatMul", [x, inputs[1]], name=mmi.name.replace("/dynamic/MatMulInteger", "") or None)
+    name = mmi.name.replace("/dynamic/MatMulInteger", "") or None
+    if transpose is None:
+        matmul = ir.Node("", "MatMul", [x, inputs[1]], name=name)
+    else:
+        matmul = ir.Node("", "Gemm", [x, w_source], [ir.AttrInt64("transB", 1)], name=name)
     y = mul.outputs[0]
     out = matmul.outputs[0]
     out.name = y.name
@@ -279,8 +301,7 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
     graph.insert_before(dql, [matmul])
     y.name = None
     y.replace_all_uses_with(out, replace_graph_outputs=True)
-    w_source = inputs[1]
-    for node in (mul, smul, cast, mmi):
+    for node in (mul, smul, cast, mmi) + (() if transpose is None else (transpose,)):
         graph.remove(node, safe=True)
     if not any(o.uses() for o in dql.outputs):
         graph.remove(dql, safe=True)

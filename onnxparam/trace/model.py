@@ -1,4 +1,5 @@
-"""Closing a trace: outputs, declared dynamic dims, the graph passes, initializers, the model.
+"""The traced model (:class:`TracedModel`) and closing a trace into it: outputs, declared
+dynamic dims, the graph passes, initializers.
 
 :func:`finish_trace` is :meth:`onnxparam.trace.tracer.Tracer.finish`'s body; :func:`baking_node` and
 :func:`baked_message` explain a dim declared dynamic that the traced forward made a constant,
@@ -9,16 +10,67 @@ module only reads and closes it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import onnx
 import onnx_ir as ir
 
+from ..core.dtype import dtype_from_onnx_element
 from ..core.errors import TraceError
+from ..core.param import Param
 from ..core.version import __version__
-from .values import TracedModel, _axes_items, _dims_of_value
+from .values import _axes_items, _dims_of_value
 
-__all__ = ["finish_trace", "baking_node", "baked_message", "check_batch_outputs"]
+__all__ = ["TracedModel", "finish_trace", "baking_node", "baked_message", "check_batch_outputs"]
+
+
+@dataclass(frozen=True, eq=False)
+class TracedModel:
+    """A traced forward: an ``onnx_ir.Model`` and what a runtime or exporter needs to know.
+
+    Attributes:
+        model: the ``onnx_ir.Model``. Param initializers are named by their module path and
+            hold ``onnx_ir.LazyTensor`` s (materialized only when serialized); constants hold
+            their data.
+        input_names: the graph inputs, in ``forward``'s argument order.
+        output_names: the graph outputs.
+        param_paths: the initializer names that are params, in traversal order; params the
+            forward does not use are absent.
+        params: path -> the :class:`~onnxparam.Param` traced.
+        mode: the LoRA mode (``"merge"``).
+        single_output: ``forward`` returned one tensor (else a tuple / list).
+    """
+
+    model: ir.Model
+    input_names: tuple
+    output_names: tuple
+    param_paths: tuple
+    params: Mapping[str, Param] = field(repr=False)
+    mode: str = "merge"
+    single_output: bool = True
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def graph(self) -> ir.Graph:
+        return self.model.graph
+
+    @property
+    def opset_imports(self) -> dict:
+        return dict(self.model.graph.opset_imports)
+
+    def input_types(self) -> list[tuple]:
+        """``[(name, DType, shape), ...]`` of the graph inputs (dynamic dims as str / None)."""
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
+
+    def output_types(self) -> list[tuple]:
+        """``[(name, DType, shape), ...]`` of the graph outputs (shape ``None``: an unknown rank)."""
+        return [(v.name, dtype_from_onnx_element(int(v.dtype)), None if v.shape is None else tuple(_dims_of_value(v)))
+                for v in self.graph.outputs]
+
+    def to_proto(self) -> onnx.ModelProto:
+        """The ``onnx.ModelProto`` with every initializer's data (runs lazy inits once each)."""
+        return ir.to_proto(self.model)
 
 
 def finish_trace(tracer, outputs, output_names: Optional[Sequence[str]] = None,

@@ -48,7 +48,7 @@ from ..core.dtype import DType
 from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
 from ..core.param import Param
 from ..core.tensor import Tensor
-from .model import baking_node, check_batch_outputs, finish_trace  # noqa: F401  (baking_node re-exported)
+from .model import TracedModel, baking_node, check_batch_outputs, finish_trace  # noqa: F401  (re-exported)
 from .passes import LORA_MODES, NO_PASSES, TRACE_LORA_MODES, GraphPasses  # noqa: F401  (GraphPasses re-exported)
 from .symint import SymInt
 from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is their public home)
@@ -56,7 +56,6 @@ from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is the
     INFERENCE_DATA_MAX_ELEMENTS,
     InputSpec,
     Symbol,
-    TracedModel,
     _as_spec,
     _axes_items,
     _describe,

@@ -1,5 +1,5 @@
-"""The values a trace is made of : input specs, symbols, ONNX types and attributes,
-node-level type inference, and the traced model. :mod:`onnxparam.trace.tracer` re-exports the public ones.
+"""The values a trace is made of: the active tracer, input specs, symbols, ONNX types and
+attributes, node-level type inference. :mod:`onnxparam.trace.tracer` re-exports the public ones.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -193,54 +193,6 @@ def _axes_items(axes, name) -> Iterable[tuple[int, str]]:
     if isinstance(axes, Mapping):
         return [(int(a), None if d is None else str(d)) for a, d in axes.items()]
     return [(int(a), f"{name}_dim_{int(a)}") for a in axes]
-
-
-@dataclass(frozen=True, eq=False)
-class TracedModel:
-    """A traced forward: an ``onnx_ir.Model`` and what a runtime or exporter needs to know.
-
-    Attributes:
-        model: the ``onnx_ir.Model``. Param initializers are named by their module path and
-            hold ``onnx_ir.LazyTensor`` s (materialized only when serialized); constants hold
-            their data.
-        input_names: the graph inputs, in ``forward``'s argument order.
-        output_names: the graph outputs.
-        param_paths: the initializer names that are params, in traversal order; params the
-            forward does not use are absent.
-        params: path -> the :class:`~onnxparam.Param` traced.
-        mode: the LoRA mode (``"merge"``).
-        single_output: ``forward`` returned one tensor (else a tuple / list).
-    """
-
-    model: ir.Model
-    input_names: tuple
-    output_names: tuple
-    param_paths: tuple
-    params: Mapping[str, Param] = field(repr=False)
-    mode: str = "merge"
-    single_output: bool = True
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def graph(self) -> ir.Graph:
-        return self.model.graph
-
-    @property
-    def opset_imports(self) -> dict:
-        return dict(self.model.graph.opset_imports)
-
-    def input_types(self) -> list[tuple]:
-        """``[(name, DType, shape), ...]`` of the graph inputs (dynamic dims as str / None)."""
-        return [(v.name, dtype_from_onnx_element(int(v.dtype)), tuple(_dims_of_value(v))) for v in self.graph.inputs]
-
-    def output_types(self) -> list[tuple]:
-        """``[(name, DType, shape), ...]`` of the graph outputs (shape ``None``: an unknown rank)."""
-        return [(v.name, dtype_from_onnx_element(int(v.dtype)), None if v.shape is None else tuple(_dims_of_value(v)))
-                for v in self.graph.outputs]
-
-    def to_proto(self) -> onnx.ModelProto:
-        """The ``onnx.ModelProto`` with every initializer's data (runs lazy inits once each)."""
-        return ir.to_proto(self.model)
 
 
 # -- module tracing ----------------------------------------------------------------------------

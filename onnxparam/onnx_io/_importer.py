@@ -63,6 +63,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._op_registry import model_opsets
 from ._opaque import emit_opaque, opaque_node
 from ._probe import probed_types
 from ._records import site_metadata
@@ -158,7 +159,7 @@ class _SourceGraph:
         # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
         # constants (not overridable), and so does this module.
         self.overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
-        self.opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+        self.opsets = model_opsets(model)  # as ONNX Runtime runs it (see _op_registry)
         self.names = {site.path: site.name for site in self.sites}
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
         self.cells: dict = {}  # path -> the lazy cell each param was imported with

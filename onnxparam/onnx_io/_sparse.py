@@ -10,7 +10,22 @@ import numpy as np
 
 from ._source import LoadedModel, load_model
 
-__all__ = ["densify_sparse_initializers", "load_densified"]
+__all__ = ["densify_sparse_initializers", "has_sparse_initializers", "load_densified"]
+
+
+def has_sparse_initializers(graph) -> bool:
+    """True when the ``onnx.GraphProto`` ``graph`` or a subgraph of it holds a sparse initializer."""
+    import onnx
+
+    if len(graph.sparse_initializer):
+        return True
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH and has_sparse_initializers(attr.g):
+                return True
+            if any(has_sparse_initializers(sub) for sub in attr.graphs):
+                return True
+    return False
 
 
 def _dense(sparse) -> np.ndarray:
@@ -21,10 +36,24 @@ def _dense(sparse) -> np.ndarray:
     dims = tuple(int(d) for d in sparse.dims)
     values = numpy_helper.to_array(sparse.values)
     indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-    dense = np.zeros(int(np.prod(dims)) if dims else 1, dtype=values.dtype)
-    if indices.ndim == 2:
-        indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
-    dense[indices.reshape(-1)] = values.reshape(-1)
+    from ..errors import OnnxFormatError
+
+    name = sparse.values.name
+    numel = int(np.prod(dims)) if dims else 1
+    if any(d < 0 for d in dims) or numel * values.dtype.itemsize > 2**34:
+        raise OnnxFormatError(f"sparse initializer {name!r} has dims {list(dims)}; refused (negative, or over 16 GiB "
+                              "dense)")
+    dense = np.zeros(numel, dtype=values.dtype)
+    try:
+        if indices.ndim == 2:
+            indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
+        flat = indices.reshape(-1)
+        if flat.size != values.size or (flat.size and (flat.min() < 0 or flat.max() >= numel)):
+            raise ValueError(f"{flat.size} indices for {values.size} values, dense size {numel}")
+        dense[flat] = values.reshape(-1)
+    except ValueError as e:
+        raise OnnxFormatError(f"sparse initializer {name!r}: its indices do not fit its dims {list(dims)}: {e}") \
+            from None
     return dense.reshape(dims)
 
 

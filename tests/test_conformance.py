@@ -53,11 +53,10 @@ def _close(got, want, case) -> bool:
 
 
 def _ort(path, inputs):
+    """Plain ONNX Runtime, every element type through OrtValues (``onnx_cases.run_plain_ort``)."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
-    session = ort.InferenceSession(path if isinstance(path, bytes) else str(path), options,
-                                   providers=["CPUExecutionProvider"])
-    return session.run(None, dict(zip([i.name for i in session.get_inputs()], inputs)))
+    return onnx_cases.run_plain_ort(path, inputs, options)
 
 
 def check_case(case, tmp_path, to_file: bool = True) -> tuple:
@@ -78,7 +77,7 @@ def check_case(case, tmp_path, to_file: bool = True) -> tuple:
             module = op.import_onnx(case.model_path)
             stage = "call"
             for ins, outs in data:
-                got = module(*ins)
+                got = module(*[onnx_cases.library_value(x) for x in ins])
                 got = list(got) if isinstance(got, tuple) else [got]
                 if len(got) != len(outs) or not all(_close(g, w, case) for g, w in zip(got, outs)):
                     return stage, "module(*inputs) differs from the expected outputs"

@@ -49,10 +49,17 @@ def reshape(x, shape) -> Tensor:
             # NOTE: a size that is or may be 0: the target is written out in full (no "0 copies",
             # no -1 where it can be computed) and read with allowzero=1 (Reshape-14), so a 0
             # stays 0 and no -1 sits next to a 0 ("Product cannot be 0 in combination with -1")
-            explicit = _reshape_dims(x.shape, dims, resolve_hole=True)
-            return _emit("Reshape", [x, _int64_input(explicit)], {"allowzero": 1},
-                         types=[(x.dtype, explicit)] if symbolic else None)
+            return _reshape_to(x, _reshape_dims(x.shape, dims, resolve_hole=True))
     return _emit("Reshape", [x, _int64_input(shape)], types=types)
+
+
+def _reshape_to(x: Tensor, dims) -> Tensor:
+    """``Reshape`` of ``x`` to ``dims`` as written (ints and SymInts; a 0 is a size 0, not "copy
+    the input dim"), read with ``allowzero=1`` (Reshape-14; the caller checks the opset)."""
+    dims = tuple(dims)
+    symbolic = builtins.any(isinstance(d, SymInt) for d in list(x.shape) + list(dims))
+    return _emit("Reshape", [x, _int64_input(dims)], {"allowzero": 1},
+                 types=[(x.dtype, dims)] if symbolic and -1 not in [d for d in dims if isinstance(d, int)] else None)
 
 
 def _reshape_dims(in_shape, dims, resolve_hole: bool = False) -> tuple:
@@ -105,8 +112,8 @@ def flatten(x, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     if start == 1 and end == rank - 1:
         return _emit("Flatten", [x], {"axis": 1}, types=types)
     tail = x.shape[end + 1:]
-    if (_opset() >= 14 and not _static_dims(x.shape[:end + 1])) or builtins.any(d == 0 for d in x.shape[:end + 1]):
-        return reshape(x, list(out_shape))  # sizes that are or may be 0: written out (see reshape)
+    if _opset() >= 14 and (not _static_dims(x.shape[:end + 1]) or builtins.any(d == 0 for d in x.shape[:end + 1])):
+        return _reshape_to(x, out_shape)  # sizes that are or may be 0: written out (see reshape)
     if _static_dims(tail):
         return _emit("Reshape", [x, _int64s([0] * start + [-1] + list(tail))], types=types)
     if _opset() >= 15:

@@ -3,7 +3,11 @@
 that ship with the case (the oracle: ONNX's reference outputs).
 
 A case counts only when plain ONNX Runtime passes it on the original file; the cases ORT itself
-fails are listed in the report, not counted. The default suite runs a sample (every control
+fails are listed in the report, not counted. Plain ORT is run with every element type
+(``onnx_cases.run_plain_ort``: bfloat16, float8, int4 ... as OrtValues of ONNX's own bytes), so
+a case is not set aside because numpy's binding cannot carry its inputs; ``module(x)`` gets the
+case's inputs as a user holds them (``onnx_cases.library_value``: Tensors where onnxparam has a
+dtype, numpy arrays otherwise). The default suite runs a sample (every control
 flow, sequence, optional, string, float8 and Reduce case, plus an even spread of the rest); the
 full sweep is ``-m slow``. The cases are built from the installed ``onnx`` package into a cache
 outside the repository (``tests/onnx_cases.py``).

@@ -287,8 +287,31 @@ def test_a_bfloat16_input_crosses_a_traced_module_through_io_binding_and_grad():
     loss, grads = op.autodiff.grad(loss_fn, net, op.Tensor.from_numpy(x))
     np.testing.assert_allclose(float(loss.to_numpy()), want.sum(), rtol=1e-5)
     # d sum(x @ w + b) / d w = x^T 1 (numpy formula)
-    np.testing.assert_allclose(grads[net.fc.weight].to_numpy() if hasattr(grads, "__getitem__") else None,
-                               x.astype(np.float32).T @ np.ones((1, 2), np.float32), rtol=1e-6)
+    np.testing.assert_allclose(grads[net.fc.weight].to_numpy(), x.astype(np.float32).T @ np.ones((1, 2), np.float32),
+                               rtol=1e-6)
+
+
+def test_a_bfloat16_input_of_an_imported_model_runs_and_differentiates():
+    w = RNG.normal(size=(3, 2)).astype(np.float32)
+    m = model([h.make_node("Cast", ["x"], ["f"], to=T.FLOAT), h.make_node("MatMul", ["f", "w"], ["y"])], [("", 19)],
+              [vi("x", T.BFLOAT16, [1, 3])], [vi("y", T.FLOAT, [1, 2])],
+              [h.make_tensor("w", T.FLOAT, [3, 2], w.ravel().tolist())])
+    module = op.import_onnx(m)
+    x = np.array([[1.5, -2.0, 0.25]], dtype=ml_dtypes.bfloat16)
+    np.testing.assert_allclose(module(op.Tensor.from_numpy(x)).to_numpy(), plain(m, [x])[0], rtol=1e-6)
+    loss, grads = op.autodiff.grad(lambda mm, x: mm(x).sum(), module, op.Tensor.from_numpy(x))
+    np.testing.assert_allclose(float(loss.to_numpy()), float(plain(m, [x])[0].sum()), rtol=1e-5)
+    np.testing.assert_allclose(grads.by_path()["w"].to_numpy(), x.astype(np.float32).T @ np.ones((1, 2), np.float32),
+                               rtol=1e-6)  # d sum(x @ w) / d w = x^T 1
+
+
+def test_eager_ops_take_and_give_bfloat16_through_the_runtime():
+    x = np.array([1.5, -2.0, 3.0], dtype=ml_dtypes.bfloat16)
+    up = ops.cast(op.Tensor.from_numpy(x), op.DType.F32)
+    np.testing.assert_array_equal(up.to_numpy(), x.astype(np.float32))
+    down = ops.cast(op.Tensor.from_numpy(np.array([1.5, 2.0, 3.0], np.float32)), op.DType.BF16)
+    assert down.dtype is op.DType.BF16 and down.to_numpy().dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(down.to_numpy().astype(np.float32), [1.5, 2.0, 3.0])
 
 
 # -- 4. sizes 0 and 1 -------------------------------------------------------------------------------

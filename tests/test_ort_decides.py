@@ -387,3 +387,32 @@ def test_dynamic_batch_exports_slices_counted_from_the_end_with_static_output_di
         x = rand(batch, 8)
         np.testing.assert_allclose(session.run(None, {session.get_inputs()[0].name: x})[0], formula(x @ w + b),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_layer_normalization_below_opset_17_differentiates_equal_to_the_numpy_formula():
+    module = op.import_onnx(_layer_norm(11))
+    x = rand(2, 3)
+    loss, grads = op.autodiff.grad(lambda m, x: m(x).sum(), module, x)
+    s = 2.0 * x.astype(np.float64)  # the graph normalizes x + x
+    xhat = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + 1e-5)
+    got = grads.by_path()
+    np.testing.assert_allclose(got["gamma"].to_numpy(), xhat.sum(0), rtol=1e-4, atol=1e-5)  # d sum(y) / d gamma
+    np.testing.assert_allclose(got["beta"].to_numpy(), [2.0, 2.0, 2.0])                      # rows per beta_j
+    np.testing.assert_allclose(float(loss.to_numpy()), (xhat * [1.0, 2.0, 0.5] + [0, 1, 0]).sum(), rtol=1e-4)
+
+
+def test_a_com_microsoft_node_without_an_import_runs_inside_another_modules_trace():
+    inner = op.import_onnx(_gelu_add_bias_no_import())
+
+    class Outer(op.Module):
+        onnx_opset_imports = {"": 13}  # the imported graph's opset (Add differs at newer ones)
+
+        def __init__(self):
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2.0
+
+    x = rand(2, 3)
+    np.testing.assert_allclose(Outer()(x).to_numpy(), 2 * plain(_gelu_add_bias_no_import(), [x])[0], rtol=1e-5,
+                               atol=1e-6)

@@ -466,12 +466,15 @@ class OnnxModule(Module):
         if opaque_node(self._source, node, count):  # sequences, strings ... (see _opaque)
             result = emit_opaque(self._source, tracer, node, inputs, attributes, count)
         elif not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
-            types = self._declared_types(node, count)
+            # NOTE: an operator only ONNX Runtime registers (contrib ops, LayerNormalization below
+            # opset 17): the file's declared types, else the types ONNX Runtime computes
+            types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                     or probed_types(self._source, node, count, env))
             if types is None:
                 raise TraceError(
                     f"{where} ({domain + '.' if domain else ''}{node.op_type}) of the imported ONNX graph: ONNX has no "
-                    "schema for this operator and the file does not declare the types and shapes of its outputs; "
-                    "add value_info for them to the model"
+                    "schema for this operator, the file does not declare the types and shapes of its outputs and "
+                    "ONNX Runtime could not be asked (symbolic input sizes); add value_info for them to the model"
                 )
             result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
         else:

@@ -416,3 +416,20 @@ def test_a_com_microsoft_node_without_an_import_runs_inside_another_modules_trac
     x = rand(2, 3)
     np.testing.assert_allclose(Outer()(x).to_numpy(), 2 * plain(_gelu_add_bias_no_import(), [x])[0], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_shape_data_kept_in_an_external_data_file_stays_a_constant_of_the_session(tmp_path):
+    inits = [h.make_tensor("scales", T.FLOAT, [4], [1.0, 1.0, 2.0, 2.0]),
+             h.make_tensor("shape", T.INT64, [2], [2, -1]),
+             h.make_tensor("w", T.FLOAT, [16, 3], rand(16, 3).ravel().tolist())]
+    nodes = [h.make_node("Upsample", ["x", "scales"], ["u"], mode="nearest"),
+             h.make_node("Reshape", ["u", "shape"], ["r"]), h.make_node("MatMul", ["r", "w"], ["y"])]
+    m = model(nodes, [("", 9)], [vi("x", T.FLOAT, [1, 2, 2, 2])], [Y], inits)
+    path = tmp_path / "external.onnx"
+    onnx.save(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location="external.data",
+              size_threshold=0)
+    x = rand(1, 2, 2, 2)
+    want = plain(str(path), [x])[0]
+    module = op.import_onnx(path)
+    assert [p for p, _ in op.module.named_params(module)] == ["w"]
+    np.testing.assert_allclose(module(x).to_numpy(), want, rtol=1e-5, atol=1e-6)

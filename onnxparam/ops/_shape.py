@@ -44,7 +44,8 @@ def reshape(x, shape) -> Tensor:
         dims = list(shape)
         symbolic = builtins.any(isinstance(d, SymInt) for d in list(x.shape) + dims)
         if symbolic:
-            types = [(x.dtype, _reshape_dims(x.shape, dims))]
+            out = _reshape_dims(x.shape, dims)
+            types = None if -1 in [d for d in out if isinstance(d, int)] else [(x.dtype, out)]
         if _opset() >= 14 and (symbolic or builtins.any(d == 0 for d in x.shape if isinstance(d, int))):
             # NOTE: a size that is or may be 0: the target is written out in full (no "0 copies",
             # no -1 where it can be computed) and read with allowzero=1 (Reshape-14), so a 0
@@ -284,10 +285,12 @@ def _slice_len(d, start, end, step):
 def _slice_types(x, starts, ends, axes, steps):
     """The output type of a ``Slice`` of ``x`` whose dims are symbolic, where every sliced
     length is decidable (:func:`_slice_len`); ``None`` leaves it to ONNX's inference."""
-    if _static_dims(x.shape) or any(isinstance(v, Tensor) for v in (starts, ends, axes, steps)):
+    if _static_dims(x.shape) or builtins.any(isinstance(v, Tensor) for v in (starts, ends, axes, steps)):
         return None
     axes = list(range(len(starts))) if axes is None else [_norm_dim(a, x.rank) for a in axes]
     steps = [1] * len(starts) if steps is None else list(steps)
+    if not builtins.all(isinstance(s, (int, np.integer)) for s in steps):
+        return None
     dims = list(x.shape)
     for a, start, end, step in zip(axes, starts, ends, steps):
         d = dims[a]

@@ -149,7 +149,14 @@ def _sparse_initializer_shadowing_an_input():
                  sparse=[sparse])
 
 
+def _no_default_domain_import():
+    """A model importing only com.microsoft while using ai.onnx nodes: ORT runs ai.onnx at its newest opset."""
+    nodes = [h.make_node("Relu", ["x"], ["r"]), h.make_node("Gelu", ["r"], ["y"], domain="com.microsoft")]
+    return model(nodes, [("com.microsoft", 1)], [X23], [Y])
+
+
 ORT_TESTDATA_EQUIVALENTS = {
+    "no ai.onnx import, ai.onnx and com.microsoft nodes": (_no_default_domain_import, [rand(2, 3)]),
     "transform/fusion/layer_norm (opset 11)": (lambda: _layer_norm(11), [rand(2, 3)]),
     "transform/fusion/layer_norm (opset 12)": (lambda: _layer_norm(12), [rand(2, 3)]),
     "transform/fusion/embed_layer_norm_format (opset 13)": (lambda: _layer_norm(13), [rand(2, 3)]),

@@ -49,14 +49,17 @@ def _ort_registry() -> Mapping:
 
 @functools.lru_cache(maxsize=1)
 def _latest() -> Mapping:
-    """Domain -> the newest opset version either registry knows."""
+    """Domain -> the newest opset version ONNX Runtime knows (``onnx.defs`` for the domains ONNX
+    Runtime does not know, or without ONNX Runtime)."""
     latest: dict = {}
-    for (domain, _), versions in _ort_registry().items():
-        latest[domain] = max(latest.get(domain, 0), versions[-1])
     for schema in onnx.defs.get_all_schemas_with_history():
         domain = _norm(schema.domain)
         latest[domain] = max(latest.get(domain, 0), int(schema.since_version))
     latest[""] = max(latest.get("", 0), int(onnx.defs.onnx_opset_version()))
+    ort_latest: dict = {}
+    for (domain, _), versions in _ort_registry().items():
+        ort_latest[domain] = max(ort_latest.get(domain, 0), versions[-1])
+    latest.update(ort_latest)
     return latest
 
 
@@ -116,5 +119,4 @@ def model_opsets(model) -> dict:
     from ._data_watch import iter_graphs
 
     used = {node.domain for graph in iter_graphs(model.graph) for node in graph}
-    used.discard("")
     return effective_opsets(opsets_of_entries(model.opset_imports.items()), sorted(used))

@@ -186,11 +186,10 @@ def library_value(x):
     import numpy as np
 
     import onnxparam as op
-    from onnxparam.dtype import DType
 
     if isinstance(x, np.ndarray) and x.dtype.kind not in "OUS":
         try:
-            DType.from_numpy(x.dtype)
+            op.DType.from_numpy(x.dtype)
         except Exception:  # noqa: BLE001 - no Burn dtype: numpy it stays
             return x
         return op.Tensor.from_numpy(x)

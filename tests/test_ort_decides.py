@@ -27,7 +27,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import onnxparam as op  # noqa: E402
 from onnxparam import nn, ops  # noqa: E402
-from onnxparam.errors import OnnxFormatError  # noqa: E402
+OnnxFormatError = op.OnnxFormatError
 
 RNG = np.random.default_rng(26)
 
@@ -224,7 +224,7 @@ def test_a_model_with_duplicate_opsets_quantizes_and_takes_lora(tmp_path):
 
 def test_shape_data_initializers_are_no_params_and_stay_constants():
     module = op.import_onnx(_upsample_scales())
-    assert [path for path, _ in op.module.named_params(module)] == []
+    assert [path for path, _ in module.named_params()] == []
     x = rand(1, 2, 2, 2)
     np.testing.assert_array_equal(module(x).to_numpy(), x.repeat(2, axis=2).repeat(3, axis=3))
 
@@ -438,5 +438,5 @@ def test_shape_data_kept_in_an_external_data_file_stays_a_constant_of_the_sessio
     x = rand(1, 2, 2, 2)
     want = plain(str(path), [x])[0]
     module = op.import_onnx(path)
-    assert [p for p, _ in op.module.named_params(module)] == ["w"]
+    assert [p for p, _ in module.named_params()] == ["w"]
     np.testing.assert_allclose(module(x).to_numpy(), want, rtol=1e-5, atol=1e-6)

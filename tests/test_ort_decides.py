@@ -440,3 +440,18 @@ def test_shape_data_kept_in_an_external_data_file_stays_a_constant_of_the_sessio
     module = op.import_onnx(path)
     assert [p for p, _ in module.named_params()] == ["w"]
     np.testing.assert_allclose(module(x).to_numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_at_batch_and_sequence_0_and_1_equal_the_numpy_formula():
+    m = Heads()
+    for shape in ((2, 5, 8), (0, 5, 8), (2, 0, 8), (1, 1, 8), (1, 0, 8)):
+        x = rand(*shape)
+        loss, grads = op.autodiff.grad(lambda mm, x: mm(x).sum(), m, x)
+        rows = x.reshape(-1, 8).astype(np.float64)
+        got = grads.by_path()
+        # loss = sum(x @ w + b): d/dw[i, j] = sum_n x[n, i], d/db[j] = number of rows
+        np.testing.assert_allclose(got["fc.weight"].to_numpy(), np.repeat(rows.sum(0)[:, None], 8, 1), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(got["fc.bias"].to_numpy(), np.full(8, len(rows)))
+        np.testing.assert_allclose(float(loss.to_numpy()), heads_numpy(m, x).astype(np.float64).sum(), rtol=1e-4,
+                                   atol=1e-4)

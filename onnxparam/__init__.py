@@ -1,42 +1,42 @@
 """onnxparam: Burn's Param/Module model for ONNX models, executed through ONNX Runtime.
 
-Layers, bottom to top; a file imports only its own layer and those below it
-(``tests/test_layers.py`` checks every import, inside functions too, and that no two files
+Layers, bottom to top. A folder is one layer: its files import only their own folder and the
+folders of lower layers (``tests/test_layers.py`` reads this list, and checks every import, inside
+functions too, the ``importlib`` calls and the two extension points; and that no two files
 import each other in a cycle):
 
-1. **values**: :mod:`~onnxparam.dtype`, :mod:`~onnxparam.device`, :mod:`~onnxparam.errors`,
-   :mod:`~onnxparam.tensor` (``Tensor``, ``TensorData``), the quantized values of
-   :mod:`~onnxparam.quant` (schemes, layout, scales, ``QuantizedTensor``, MinMax calibration).
-2. **model**: :mod:`~onnxparam.param` (``ParamId``, ``Param``), :mod:`~onnxparam.group`,
-   :mod:`~onnxparam.module` (the one traversal), :mod:`~onnxparam.lora`,
-   ``onnxparam.quant._module`` (quantizing a module's weights). No files, no ONNX.
-3. **formats**: bytes of files, no modules: :mod:`~onnxparam.burnpack`,
-   :mod:`~onnxparam.formats` (safetensors, the shared memory map), the ONNX protobuf parts of
-   :mod:`~onnxparam.onnx_io` (``source``, ``save``, ``weights``, ``metadata``, ``naming``).
-4. **graph**: :mod:`~onnxparam._trace`, :mod:`~onnxparam.ops`, :mod:`~onnxparam.nn` (layers
-   built from ops), the graph passes (``lora_graph``, ``quant.qdq``) and the backward graphs of
-   :mod:`~onnxparam.autodiff`.
-5. **runtime**: :mod:`~onnxparam.runtime` (ONNX Runtime sessions, calls), training steps
-   (``autodiff.training``, :mod:`~onnxparam.optim`).
-6. **bridges**: :mod:`~onnxparam.record` (module <-> records <-> files), ONNX import / export,
-   :mod:`~onnxparam.convert` (converters, PEFT).
-7. **cli / zoo**: :mod:`~onnxparam.cli`, :mod:`~onnxparam.zoo`, and this package facade.
+1. ``core/``: values and the module tree, verb-free: dtypes, devices, errors, tensors and quantized tensors, params, groups, ``Module``, records, the two extension points
+2. ``trace/``: tracing a forward into an ONNX graph: the tracer, symbolic dims, the traced model, the graph-pass interface
+3. ``ops/``: the functional ops (eager or traced); the tensor operator table of the core
+4. ``nn/``: Burn's layers, built from ops; initializers and ``nn.seed``
+5. ``formats/``: weight files other than ONNX and burnpack: safetensors, PyTorch checkpoints, ONNX protobuf streaming, memory maps, atomic writes
+6. ``burnpack/``: Burn's ``.bpk`` bytes, and modules <-> burnpack files
+7. ``runtime/``: ONNX Runtime sessions, devices, module calls, eager ops; the core's executor
+8. ``lora/``: LoRA: config, adapters, the graph pass, ``.onnx_adapter`` files, PEFT
+9. ``quant/``: quantization verbs and graphs: module quantization, QDQ passes and import, calibration, the standard graph passes
+10. ``autodiff/``: gradients: backward graphs, training steps
+11. ``optim/``: optimizers
+12. ``onnx_io/``: ONNX models as modules and back: validation, naming, import (``OnnxModule``), export, records
+13. ``convert/``: converters and loaders (safetensors, PyTorch, ONNX weights), layout adapters, reports
+14. ``zoo/``: small ready models (MNIST)
+14. ``cli/``: the ``onnxparam`` command line
+15. ``onnxparam/``: this package facade (lazy), ``__main__``, and ``_assembly`` (the features' verbs on ``Module``, the extension points' loaders)
 
-Where a lower layer needs an upper one at run time (``Tensor.__add__`` -> ops, ``Module.__call__``
--> runtime, the tracer's LoRA / QDQ passes), the upper layer is registered below as a service
-(:mod:`onnxparam._services`), imported on first use.
+The core needs code of two higher layers at run time: ``Tensor``'s operators and a param's value
+inside a trace (:mod:`onnxparam.ops`), and ``Module.__call__``, eager ops, device values and
+cache clearing (:mod:`onnxparam.runtime`). Each goes through one typed extension point,
+:mod:`onnxparam.core.extension`, whose loaders :mod:`onnxparam._assembly` installs.
 """
 
-from ._cli_start import install_if_command_line as _install_if_command_line
+from ._assembly import install_if_command_line as _install_if_command_line
 
 # NOTE: the command line's first signal handlers, before any heavy import (a Ctrl-C while the
 # CLI starts is one line and exit 130, not a traceback); nothing happens for library users.
 _install_if_command_line()
 
-from ._services import provide as _provide  # noqa: E402
-from ._version import __version__  # noqa: E402
-from .device import Device
-from .errors import (
+from . import _assembly  # noqa: E402, F811
+from .core.device import Device  # noqa: E402
+from .core.errors import (  # noqa: E402
     BurnpackFormatError,
     CallArgumentError,
     DeviceError,
@@ -54,21 +54,10 @@ from .errors import (
     TraceTypeError,
     TraceValueError,
 )
+from .core.version import __version__  # noqa: E402
 
-# Services the upper layers give the lower ones (onnxparam/_services.py), imported on first use.
-_provide("ops", "onnxparam.ops")  # Tensor's operators (values -> graph)
-_provide("trace.passes", "onnxparam._passes:STANDARD_PASSES")  # the tracer's default passes
-_provide("quant.tensor", "onnxparam.quant._tensor")  # Tensor.from_data of QFloat bytes
-_provide("quant.quantize", "onnxparam.quant._calibration:quantize")  # QuantizedTensor.quantize
-_provide("lora", "onnxparam.lora")  # Module.apply_lora / merge_lora / valid
-_provide("quant.module", "onnxparam.quant._module")  # Module.quantize_weights / apply_qlora
-_provide("record", "onnxparam.record")  # Module.into_record / load_record / save_file (model -> bridges)
-_provide("record.apply", "onnxparam.convert._store:apply_record")  # Module.load_record / load_file: the one loading path
-_provide("runtime.call_module", "onnxparam.runtime._calls:call_module")  # Module.__call__
-_provide("runtime.run_eager", "onnxparam.runtime._eager:run_eager")  # an op outside a trace
-_provide("runtime.ortvalue_from_numpy", "onnxparam.runtime._devices:ortvalue_from_numpy")  # Tensor.to_device
-_provide("runtime.clear_caches", "onnxparam.runtime._calls:clear_caches")  # nn.seed: seeded dropout restarts
-_provide("autodiff.clear_cache", "onnxparam.autodiff._training:clear_cache")  # nn.seed: the training graphs too
+# The features' verbs on Module, and the core's extension points (imported on first use).
+_assembly.install()
 
 __all__ = [
     "__version__",
@@ -128,22 +117,22 @@ __all__ = [
 
 _LAZY = {
     "burnpack": None, "nn": None, "autodiff": None, "optim": None, "runtime": None, "ops": None,
-    "DType": "dtype",
-    "ParamGroup": "group",
+    "DType": "core.dtype",
+    "ParamGroup": "core.group",
     "LoraAdapter": "lora", "LoraConfig": "lora", "LoraAdapterSet": "lora",
-    "write_onnx_adapter": "_lora_adapter_file",
-    "check_onnx_adapter": "_lora_adapter_file",
-    "Module": "module", "ModuleMapper": "module", "ModuleVisitor": "module",
+    "write_onnx_adapter": "lora._adapter_file",
+    "check_onnx_adapter": "lora._adapter_file",
+    "Module": "core.module", "ModuleMapper": "core.module", "ModuleVisitor": "core.module",
     "OnnxModule": "onnx_io", "export_onnx": "onnx_io", "import_onnx": "onnx_io",
-    "Param": "param", "ParamId": "param",
+    "Param": "core.param", "ParamId": "core.param",
     "BlockSize": "quant", "Calibration": "quant", "QuantizedTensor": "quant", "Quantizer": "quant",
     "QuantMode": "quant", "QuantScheme": "quant", "QuantStore": "quant", "QuantValue": "quant",
     "ScaleDtype": "quant",
-    "ModuleRecord": "record", "TensorSnapshot": "record",
-    "Tensor": "tensor", "TensorData": "tensor",
-    "load_peft_adapter": "convert._peft", "PeftLoadReport": "convert._peft",
-    "save_peft_adapter": "convert._peft_save", "save_peft_adapters": "convert._peft_save",
-    "load_peft_adapters": "convert._peft",
+    "ModuleRecord": "core.record", "TensorSnapshot": "core.record",
+    "Tensor": "core.tensor", "TensorData": "core.tensor",
+    "load_peft_adapter": "lora._peft", "PeftLoadReport": "lora._peft",
+    "save_peft_adapter": "lora._peft_save", "save_peft_adapters": "lora._peft_save",
+    "load_peft_adapters": "lora._peft",
     "grad": "autodiff", "Gradients": "autodiff",
 }
 """Every public name and the module that defines it (``None``: the name is a subpackage),

@@ -1,7 +1,7 @@
 """``python -m onnxparam``: the ``onnxparam`` command line (:mod:`onnxparam.cli`).
 
 The start-up signal handlers were installed by the package's ``__init__`` already
-(:mod:`onnxparam._cli_start`), before anything heavy was imported.
+(:func:`onnxparam._assembly.install_if_command_line`), before anything heavy was imported.
 """
 
 import sys

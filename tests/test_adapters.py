@@ -157,7 +157,7 @@ def test_nn_layers_take_pytorch_weights(tmp_path):
 def test_burn_mnist_through_pytorch_layout_and_back_is_byte_identical(tmp_path):
     mnist = pytest.importorskip("onnxparam.zoo.mnist", exc_type=ImportError)
     from onnxparam import burnpack
-    from onnxparam.record import record_entries
+    from onnxparam.burnpack._module_file import record_entries
 
     model = mnist.Mnist().load_file(MNIST_BPK)
     pt_path = tmp_path / "mnist_pt.safetensors"
@@ -352,8 +352,8 @@ def test_cast_spec_accepts_names_and_mappings_and_refuses_ints():
 
 
 def test_ids_come_from_the_file_when_it_has_them(tmp_path):
-    from onnxparam.record import ModuleRecord, TensorSnapshot
-    from onnxparam.tensor import TensorData
+    from onnxparam.core.record import ModuleRecord, TensorSnapshot
+    from onnxparam.core.tensor import TensorData
 
     record, _ = collect_record(Net())  # names and shapes only: nothing is read
     items = {}

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import onnxparam.burnpack as bp
-from onnxparam.dtype import NUMPY_DTYPES, DType
-from onnxparam.errors import RecordError
+from onnxparam.core.dtype import NUMPY_DTYPES, DType
+from onnxparam.core.errors import RecordError
+from onnxparam.core.tensor import Tensor
 from onnxparam.quant import QuantScheme, QuantStore, QuantValue, ScaleDtype, quantize
-from onnxparam.tensor import Tensor
 
 MNIST = Path(__file__).resolve().parent.parent / "models" / "mnist" / "model.bpk"
 X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import onnxparam.burnpack as bp
-from onnxparam.dtype import DType
-from onnxparam.errors import BurnpackFormatError, RecordError
+from onnxparam.core.dtype import DType
+from onnxparam.core.errors import BurnpackFormatError, RecordError
 from onnxparam.quant import QuantScheme, QuantStore, QuantValue, ScaleDtype, quantize
 
 MNIST = Path(__file__).resolve().parent.parent / "models" / "mnist" / "model.bpk"

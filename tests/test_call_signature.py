@@ -14,7 +14,7 @@ import pytest
 
 import onnxparam as op
 from onnxparam import Param, Tensor, ops, runtime
-from onnxparam.errors import TraceError
+from onnxparam.core.errors import TraceError
 
 RNG = np.random.default_rng(23)
 

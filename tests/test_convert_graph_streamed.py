@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import save_file
 
 from onnxparam.convert import convert
-from onnxparam.formats import _file_range, _ir_stream, _onnx_nested
+from onnxparam.formats import _file_range, _onnx_nested
+from onnxparam.onnx_io import _ir_stream
 
 K, N = 512, 256  # fc.weight 1 MiB, each branch weight 512 KiB: above the kernel-copy threshold
 

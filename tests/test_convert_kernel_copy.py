@@ -117,7 +117,7 @@ def test_without_kernel_copies_the_bytes_are_copied_through_user_space(tmp_path,
 
 
 def test_a_source_that_shrank_since_it_was_read_is_a_library_error_naming_it(tmp_path):
-    from onnxparam.errors import RecordError
+    from onnxparam.core.errors import RecordError
 
     path = tmp_path / "m.bin"
     path.write_bytes(bytes(1000))

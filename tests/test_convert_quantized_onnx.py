@@ -15,7 +15,7 @@ from quantized_files import Mlp, exact_options, initializers
 
 import onnxparam as op
 from onnxparam import burnpack, convert
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.quant import quantize_activations
 
 RNG = np.random.default_rng(7)
@@ -31,7 +31,7 @@ def test_the_library_s_own_int8_export_converts_to_burnpack_with_every_weight_an
     q8 = Mlp().quantize_weights(op.Quantizer(op.QuantScheme(value=op.QuantValue.Q8S)))
     op.export_onnx(q8, tmp_path / "mlp-int8.onnx", x)
     raw = initializers(tmp_path / "mlp-int8.onnx")
-    assert raw["fc1.weight"].dtype == np.int8  # the file holds codes, not floats
+    assert raw["fc1.weight"].dtype == np.uint8  # the file holds codes (+ 128, zero point 128), not floats
 
     report = convert.convert(tmp_path / "mlp-int8.onnx", tmp_path / "mlp.bpk")
 
@@ -42,7 +42,7 @@ def test_the_library_s_own_int8_export_converts_to_burnpack_with_every_weight_an
         "fc1.weight": op.DType.QFloat, "fc1.bias": op.DType.F32, "fc2.weight": op.DType.QFloat, "fc2.bias": op.DType.F32}
     values = dequantized(tmp_path / "mlp.bpk")
     for name in ("fc1.weight", "fc2.weight"):
-        expected = raw[name].astype(np.float32) * raw[name + "_scale"]
+        expected = (raw[name].astype(np.float32) - raw[name + "_zero_point"]) * raw[name + "_scale"]
         np.testing.assert_array_equal(values[name], expected)
     np.testing.assert_array_equal(values["fc1.bias"], raw["fc1.bias"])
 
@@ -128,18 +128,24 @@ def test_a_per_channel_conv_over_255_input_channels_this_library_wrote_imports_a
     x = RNG.normal(size=(2, 256, 4, 4)).astype(np.float32)
     op.export_onnx(quantize_activations(model, x), tmp_path / "q.onnx")  # `quantize --calibrate --per-channel`
     raw = initializers(tmp_path / "q.onnx")
-    codes, scale = raw["w"], raw["w_scale"]
-    assert codes.dtype == np.int8 and scale.shape == (64,)
+    codes, scale, zero_point = raw["w"], raw["w_scale"], raw["w_zero_point"]
+    # a QLinearConv weight: uint8 codes + 128 with zero point 128 (ORT's u8 x s8 kernels saturate without VNNI)
+    assert codes.dtype == np.uint8 and scale.shape == (64,) and np.all(zero_point == 128)
 
     imported = op.import_onnx(tmp_path / "q.onnx")
-    # the oracle is plain ONNX Runtime with its default options, as module(x) runs the file: ORT fuses
-    # this QDQ Conv into an int8 kernel, which on CPUs without VNNI saturates u8 x s8 pair sums over
-    # 256 input channels, so the fused result differs from the unfused graph by up to several steps
+    # the oracle is plain ONNX Runtime with its default options, as module(x) runs the file (ORT fuses
+    # this QDQ Conv into QLinearConv)
     expected = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, {"x": x})[0]
     np.testing.assert_allclose(imported(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
 
     convert.convert(tmp_path / "q.onnx", tmp_path / "q.bpk")
     values = dequantized(tmp_path / "q.bpk")
-    np.testing.assert_array_equal(values["w"], codes)  # Burn cannot hold the scale grid: codes and scales
-    np.testing.assert_array_equal(values["w"] * values["w_scale"].reshape(64, 1, 1, 1),
-                                  codes.astype(np.float32) * scale.reshape(64, 1, 1, 1))
+    # Burn cannot hold the scale grid: codes, scales and zero points
+    np.testing.assert_array_equal(values["w"], codes)
+    np.testing.assert_array_equal(values["w_zero_point"], zero_point)
+    def per_channel(v):
+        return v.reshape(64, 1, 1, 1)
+
+    np.testing.assert_array_equal(
+        (values["w"].astype(np.float32) - per_channel(values["w_zero_point"])) * per_channel(values["w_scale"]),
+        (codes.astype(np.float32) - per_channel(zero_point)) * per_channel(scale))

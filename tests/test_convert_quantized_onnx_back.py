@@ -15,7 +15,7 @@ from quantized_files import Mlp, exact_options, initializers
 import onnxparam as op
 from onnxparam import burnpack, convert
 from onnxparam.burnpack import TensorEntry
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.quant import quantize
 
 RNG = np.random.default_rng(11)

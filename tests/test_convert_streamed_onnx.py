@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 from onnxparam import burnpack
 from onnxparam.convert import convert, read_record
-from onnxparam.dtype import DType
+from onnxparam.core.dtype import DType
 from onnxparam.formats import StreamedTensor, read_onnx_mapped, write_onnx_streamed
 
 RNG = np.random.default_rng(11)
@@ -88,7 +88,7 @@ def test_bpk_to_inline_onnx_holds_every_tensor_onnx_reads_back_and_bpk_comes_bac
 def test_save_inline_streams_computed_and_lazy_tensors_byte_identical_to_onnx_save(tmp_path):
     import onnx_ir as ir
 
-    from onnxparam.formats._ir_stream import save_inline
+    from onnxparam.onnx_io._ir_stream import save_inline
 
     w = RNG.standard_normal((3, 4)).astype(np.float32)
     b = np.arange(4, dtype=np.int64)

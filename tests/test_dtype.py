@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxparam import DType, Tensor
-from onnxparam.dtype import DTYPE_FROM_ONNX, NUMPY_DTYPES, ONNX_ELEMENT_TYPES, dtype_from_onnx_element
+from onnxparam.core.dtype import DTYPE_FROM_ONNX, NUMPY_DTYPES, ONNX_ELEMENT_TYPES, dtype_from_onnx_element
 
 # Burn's DType variants (burn-std/src/tensor/dtype.rs), in declaration order.
 BURN_DTYPES = ["F64", "F32", "Flex32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "Bool", "QFloat"]

@@ -10,8 +10,8 @@ import pytest
 
 import onnxparam as op
 from onnxparam import nn
-from onnxparam.dtype import DType
-from onnxparam.errors import OnnxParamError
+from onnxparam.core.dtype import DType
+from onnxparam.core.errors import OnnxParamError
 
 
 @pytest.mark.parametrize("np_dtype", [np.int64, np.float64])

@@ -14,8 +14,9 @@ import pytest
 
 import onnxparam as op
 from onnxparam import nn, ops, runtime
-from onnxparam._trace import InputSpec, trace_module
-from onnxparam.errors import TraceError
+from onnxparam.core.errors import TraceError
+from onnxparam.quant._passes import trace_module
+from onnxparam.trace.tracer import InputSpec
 
 RNG = np.random.default_rng(7)
 

@@ -38,7 +38,7 @@ def test_converting_a_missing_file_names_it(tmp_path):
 
 
 def test_file_error_builds_the_leaf_of_each_errno():
-    from onnxparam.errors import file_error
+    from onnxparam.core.errors import file_error
 
     cases = {errno.ENOENT: FileNotFoundError, errno.EACCES: PermissionError, errno.EISDIR: IsADirectoryError,
              errno.ENOTDIR: NotADirectoryError, errno.ENOSPC: OSError}

@@ -31,8 +31,8 @@ from safetensors.numpy import save_file
 
 from onnxparam import Module, Param, ParamId, RecordError, Tensor, import_onnx, load_peft_adapter
 from onnxparam.convert import load_safetensors, save_safetensors
+from onnxparam.core.module import named_params
 from onnxparam.formats import read_safetensors
-from onnxparam.module import named_params
 from onnxparam.nn import Linear
 
 X = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], np.float32)

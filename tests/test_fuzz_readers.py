@@ -22,8 +22,8 @@ from onnx import TensorProto, numpy_helper
 from safetensors.numpy import save_file
 
 from onnxparam import Module, OnnxFormatError, OnnxParamError, RecordError, load_peft_adapter
+from onnxparam.core.module import named_params
 from onnxparam.formats import read_safetensors
-from onnxparam.module import named_params
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import export_onnx, import_onnx
 

@@ -80,7 +80,7 @@ def test_grad_of_an_imported_opset11_model_matches_finite_differences(tmp_path, 
 
 def test_the_cross_entropy_loss_graph_has_no_gather_elements_at_a_static_class_count():
     """GatherElements' gradient needs ScatterElements(reduction="add"), opset 16+."""
-    from onnxparam import _trace as trace
+    from onnxparam.quant import _passes as trace
 
     class Head(op.Module):
         def forward(self, x, t):
@@ -144,7 +144,7 @@ def test_grad_of_the_real_opset11_ppocr_classifier_matches_finite_differences():
 
 def test_a_loss_op_without_a_gradient_at_the_model_opset_is_named_with_the_opset_it_needs(tmp_path):
     from onnxparam import ops
-    from onnxparam.errors import TraceError
+    from onnxparam.core.errors import TraceError
 
     path = tmp_path / "m.onnx"
     path.write_bytes(_model(W))

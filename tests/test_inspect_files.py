@@ -17,8 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxparam import OnnxParamError
-from onnxparam._scratch import atomic_output
 from onnxparam.cli import inspect_file, main
+from onnxparam.formats._scratch import atomic_output
 
 
 def _inline_model(path, weights: int = 4, side: int = 256) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import onnxparam as op
 from onnxparam import LoraConfig, LoraError, Module, Param, Tensor, export_onnx, import_onnx, write_onnx_adapter
-from onnxparam._lora_adapter_file import adapter_params
+from onnxparam.lora._adapter_file import adapter_params
 from onnxparam.nn import Linear
 from onnxparam.runtime import SessionConfig, sessions_built, set_session_config
 

@@ -91,7 +91,7 @@ import pytest  # noqa: E402
 
 from onnxparam import nn  # noqa: E402
 from onnxparam.autodiff import mse  # noqa: E402
-from onnxparam.module import rebuild  # noqa: E402
+from onnxparam.core.module import rebuild  # noqa: E402
 
 
 class _SmallMlp(op.Module):

@@ -17,7 +17,7 @@ from test_autodiff import check_grad
 
 import onnxparam as op
 from onnxparam import nn, ops
-from onnxparam.errors import TraceValueError
+from onnxparam.core.errors import TraceValueError
 
 RNG = np.random.default_rng(22)
 X = (RNG.normal(size=(2, 3, 4)) * 3).astype(np.float32)
@@ -221,5 +221,5 @@ def test_selu_constants_are_klambauer_et_al():
     scale = (1 - math.erfc(1 / math.sqrt(2)) * math.sqrt(math.e)) * math.sqrt(2 * math.pi) * (
         2 * math.erfc(math.sqrt(2)) * math.e ** 2 + math.pi * math.erfc(1 / math.sqrt(2)) ** 2 * math.e
         - 2 * (2 + math.pi) * math.erfc(1 / math.sqrt(2)) * math.sqrt(math.e) + math.pi + 2) ** -0.5
-    assert ops._nn_layers.SELU_ALPHA == pytest.approx(alpha, rel=1e-12)
-    assert ops._nn_layers.SELU_GAMMA == pytest.approx(scale, rel=1e-12)
+    assert ops._activation.SELU_ALPHA == pytest.approx(alpha, rel=1e-12)
+    assert ops._activation.SELU_GAMMA == pytest.approx(scale, rel=1e-12)

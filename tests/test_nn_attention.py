@@ -23,7 +23,7 @@ from onnxparam.convert._torch_layers import (
     transformer_encoder_layer_from_torch,
     transformer_encoder_layer_to_torch,
 )
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.optim import Adam
 
 RNG = np.random.default_rng(2017)

@@ -22,7 +22,7 @@ from test_autodiff import check_grad, f32, f64
 import onnxparam as op
 from onnxparam import nn, ops
 from onnxparam.autodiff import grad, mse
-from onnxparam.errors import ExecutionError
+from onnxparam.core.errors import ExecutionError
 from onnxparam.optim import SGD
 
 RNG = np.random.default_rng(19)

@@ -15,7 +15,7 @@ from test_autodiff import check_grad, f32
 
 from onnxparam import nn, ops
 from onnxparam.autodiff import grad
-from onnxparam.errors import TraceValueError
+from onnxparam.core.errors import TraceValueError
 
 RNG = np.random.default_rng(26)
 X2 = RNG.normal(size=(2, 3, 5, 7)).astype(np.float32)

@@ -16,7 +16,7 @@ from nn_layer_checks import tensor
 
 import onnxparam as op
 from onnxparam.autodiff import cross_entropy, grad
-from onnxparam.errors import TraceValueError
+from onnxparam.core.errors import TraceValueError
 from onnxparam.nn.loss import (
     BinaryCrossEntropyLoss,
     BinaryCrossEntropyLossConfig,

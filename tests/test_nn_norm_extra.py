@@ -16,7 +16,7 @@ from test_autodiff import check_grad, f64
 
 import onnxparam as op
 from onnxparam import nn, ops
-from onnxparam.errors import TraceValueError
+from onnxparam.core.errors import TraceValueError
 
 RNG = np.random.default_rng(21)
 

@@ -18,7 +18,7 @@ import onnxparam as op
 from onnxparam import DType, Tensor, nn, ops
 from onnxparam.autodiff import cross_entropy, grad
 from onnxparam.convert._torch_layers import gru_from_torch, gru_to_torch, lstm_from_torch, lstm_to_torch
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.optim import Adam
 
 RNG = np.random.default_rng(20)
@@ -488,14 +488,31 @@ def test_gru_and_bigru_as_onnxs_gru_operator_match_the_numpy_recurrence(reset_af
         np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_onnx_op_layers_have_no_gradient_and_no_state_clip():
-    module = nn.Lstm(2, 2, onnx_op=True)
+@pytest.mark.parametrize("layer", ["lstm", "bigru_reset_after", "gru"])
+def test_onnx_op_layers_train_with_the_gradients_of_the_unrolled_recurrence(layer):
+    # oracle: the unrolled layers (elementwise rules, checked against finite differences above)
+    make = {"lstm": lambda **k: nn.Lstm(3, 4, **k),
+            "bigru_reset_after": lambda **k: nn.BiGru(3, 4, reset_after=True, **k),
+            "gru": lambda **k: nn.Gru(3, 4, reset_after=False, **k)}[layer]
+    unrolled = with_random_weights(make())
+    fused = make(onnx_op=True).load_record(record(unrolled))
+    x = RNG.normal(size=(2, 5, 3)).astype(np.float32)
+    weights = RNG.normal(size=(2, 5, 8 if layer.startswith("bi") else 4)).astype(np.float32)
 
     def loss_fn(m, x):
-        return ops.sum(m(x)[0])
+        out = m(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return ops.sum(out * Tensor.from_numpy(weights))
 
-    with pytest.raises(op.TraceError, match="LSTM"):
-        grad(loss_fn, module, np.ones((1, 2, 2), np.float32))
+    _, want = grad(loss_fn, unrolled, Tensor.from_numpy(x))
+    _, got = grad(loss_fn, fused, Tensor.from_numpy(x))
+    want, got = want.by_path(), got.by_path()
+    assert sorted(got) == sorted(want)
+    for path in want:
+        np.testing.assert_allclose(got[path].to_numpy(), want[path].to_numpy(), rtol=1e-4, atol=1e-5, err_msg=path)
+
+
+def test_onnx_op_layers_have_no_state_clip():
     with pytest.raises(ValueError, match=r"Lstm\(onnx_op=True\) cannot clip"):
         nn.Lstm(2, 2, clip=1.0, onnx_op=True)
     with pytest.raises(ValueError, match=r"Gru\(onnx_op=True\) cannot clip"):

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 import onnxparam as op
 from onnxparam import DType, Module, ModuleRecord, ParamGroup, ParamId, Tensor, TraceError
-from onnxparam.module import Module as ModuleClass
+from onnxparam.core.module import Module as ModuleClass
 from onnxparam.onnx_io import OnnxModule, OnnxScope, import_onnx, onnx_name_to_path, path_to_onnx_name
 from onnxparam.onnx_io._naming import RESERVED_SEGMENTS, is_valid_path
 

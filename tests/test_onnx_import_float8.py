@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
 from onnxparam.convert import load_safetensors, save_safetensors
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
-from onnxparam.errors import OnnxFormatError
+from onnxparam.core.errors import OnnxFormatError
 
 RNG = np.random.default_rng(11)
 

@@ -14,7 +14,7 @@ import onnx.parser
 import pytest
 
 import onnxparam as op
-from onnxparam.errors import TraceError
+from onnxparam.core.errors import TraceError
 
 ort = pytest.importorskip("onnxruntime")
 

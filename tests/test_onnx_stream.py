@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from onnxparam.errors import OnnxFormatError
+from onnxparam.core.errors import OnnxFormatError
 from onnxparam.formats import StreamedTensor, read_onnx_streamed, write_onnx_streamed
 
 AFFINE = """

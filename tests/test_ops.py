@@ -16,8 +16,8 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 from onnxparam import DType, Tensor, ops, runtime
-from onnxparam._trace import Tracer
-from onnxparam.errors import TraceError
+from onnxparam.core.errors import TraceError
+from onnxparam.trace.tracer import Tracer
 
 RNG = np.random.default_rng(20240601)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.formats import read_pytorch
 
 DATA = Path(__file__).parent / "data" / "pytorch"

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from onnxparam.errors import RecordError
+from onnxparam.core.errors import RecordError
 from onnxparam.formats import PytorchCheckpoint, pytorch_record, read_pytorch
 
 DATA = Path(__file__).parent / "data" / "pytorch"

@@ -203,7 +203,8 @@ def test_mnist_default_export_keeps_uncalibrated_convs_float_and_reports_each_op
     graph = onnx.load(str(mnist_files["int8"])).graph
     weights = {i.name: i.data_type for i in graph.initializer}
     assert weights["conv1.conv.weight"] == weights["conv2.conv.weight"] == onnx.TensorProto.FLOAT
-    assert weights["fc1.weight"] == onnx.TensorProto.INT8
+    # an integer kernel's weight: uint8 codes with zero point 128 (u8 x s8 kernels saturate without VNNI)
+    assert weights["fc1.weight"] == onnx.TensorProto.UINT8
     assert not [n for n in graph.node if n.op_type == "DequantizeLinear"]
     forms = {(row["weight"], row["op"], row["form"]) for row in quantized_ops(mnist_files["int8"])}
     assert forms == {("conv1.conv.weight", "Conv", "float"), ("conv2.conv.weight", "Conv", "float"),

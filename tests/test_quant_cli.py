@@ -74,7 +74,7 @@ def test_include_and_exclude_choose_the_quantized_weights(mnist_onnx, tmp_path, 
     assert code == 0
     assert "ops:       2 with quantized weights: 2 MatMul dynamic int8" in out
     types = {i.name: i.data_type for i in onnx.load(str(out_path)).graph.initializer}
-    assert types["fc1.weight"] == types["fc2.weight"] == onnx.TensorProto.INT8
+    assert types["fc1.weight"] == types["fc2.weight"] == onnx.TensorProto.UINT8  # codes + 128, zero point 128
     assert types["fc3.weight"] == types["conv2.conv.weight"] == onnx.TensorProto.FLOAT
 
 

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper, save
 
 from onnxparam.cli import main
-from onnxparam.errors import QuantizationError
+from onnxparam.core.errors import QuantizationError
 from onnxparam.onnx_io import import_onnx
 from onnxparam.quant import Quantizer, QuantScheme, QuantValue, quantize_activations
 

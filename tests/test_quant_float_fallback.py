@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
 from onnxparam.cli import main
-from onnxparam.errors import OnnxParamError
+from onnxparam.core.errors import OnnxParamError
 from onnxparam.quant import QuantizationWarning, Quantizer, QuantScheme, QuantValue, qdq_options, quantized_ops
 
 OPSETS = (13, 15, 17, 19, 21)

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
 from onnxparam import nn
-from onnxparam.errors import OnnxParamError
+from onnxparam.core.errors import OnnxParamError
 from onnxparam.onnx_io import import_onnx
 from onnxparam.quant import (
     Quantizer,

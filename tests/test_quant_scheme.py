@@ -8,7 +8,7 @@ import cbor2
 import pytest
 
 from onnxparam.burnpack import _cbor as cbor
-from onnxparam.errors import QuantizationError
+from onnxparam.core.errors import QuantizationError
 from onnxparam.quant import BlockScale, BlockSize, QuantMode, QuantScheme, QuantStore, QuantValue, ScaleDtype
 
 

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from onnxparam.dtype import DType
-from onnxparam.errors import QuantizationError
+from onnxparam.core.dtype import DType
+from onnxparam.core.errors import QuantizationError
+from onnxparam.core.quant_scales import decode_scales, round_up
+from onnxparam.core.tensor import Tensor
 from onnxparam.quant import (
     QuantizedTensor,
     QuantScheme,
@@ -23,8 +25,6 @@ from onnxparam.quant import (
     quantized_nbytes,
     round_half_away_from_zero,
 )
-from onnxparam.quant._scales import decode_scales, round_up
-from onnxparam.tensor import Tensor
 
 X = np.array([[-1.0, -0.5, 0.3, 0.5], [1.0, 1.5, -2.0, 2.54]], np.float32)  # docs/burnpack.md §2.4
 

@@ -8,7 +8,7 @@ import pytest
 
 import onnxparam as op
 from onnxparam import DType, LoraAdapter, Param, ParamId, Tensor, ops, runtime
-from onnxparam.errors import DeviceError, ExecutionError, TraceError
+from onnxparam.core.errors import DeviceError, ExecutionError, TraceError
 
 RNG = np.random.default_rng(7)
 HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

@@ -21,6 +21,8 @@ from safetensors.numpy import save_file
 
 import onnxparam as op
 from onnxparam.convert import read_safetensors, write_safetensors
+from onnxparam.core.record import TensorSnapshot
+from onnxparam.core.tensor import TensorData
 from onnxparam.formats._safetensors import (
     DTYPES_KEY,
     MAX_HEADER_BYTES,
@@ -29,8 +31,6 @@ from onnxparam.formats._safetensors import (
     SCALARS_KEY,
     SafetensorsTensor,
 )
-from onnxparam.record import TensorSnapshot
-from onnxparam.tensor import TensorData
 
 RNG = np.random.default_rng(20240601)
 

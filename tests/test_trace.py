@@ -11,8 +11,9 @@ from onnx.reference import ReferenceEvaluator
 
 import onnxparam as op
 from onnxparam import DType, LoraAdapter, Param, ParamId, Tensor, ops
-from onnxparam._trace import InputSpec, TracedModel, trace_module
-from onnxparam.errors import TraceError
+from onnxparam.core.errors import TraceError
+from onnxparam.quant._passes import trace_module
+from onnxparam.trace.tracer import InputSpec, TracedModel
 
 RNG = np.random.default_rng(3)
 

@@ -26,10 +26,10 @@ import pytest
 
 import onnxparam.burnpack as bp
 from onnxparam import Module, Tensor
+from onnxparam.core.record import ModuleRecord
 from onnxparam.formats import read_safetensors, write_safetensors
 from onnxparam.nn import Linear
 from onnxparam.onnx_io import save_model
-from onnxparam.record import ModuleRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -332,9 +332,9 @@ _KILL_SCRIPT = textwrap.dedent("""
                           bp.TensorEntry("last", __import__("onnxparam").DType.F32, (1,), lambda: stall(np.ones(1, np.float32)))])
     elif kind == "safetensors":
         from onnxparam.formats._safetensors import write_safetensors
-        from onnxparam.record import TensorSnapshot
-        from onnxparam.tensor import TensorData
-        from onnxparam.dtype import DType
+        from onnxparam.core.record import TensorSnapshot
+        from onnxparam.core.tensor import TensorData
+        from onnxparam.core.dtype import DType
         write_safetensors(target, {
             "a_big": TensorSnapshot(DType.F32, big.shape, None, lambda: TensorData.from_numpy(big)),
             "b_last": TensorSnapshot(DType.F32, (1,), None, lambda: stall(TensorData.from_numpy(np.ones(1, np.float32)))),

@@ -34,7 +34,7 @@ def write_file(path: str, size_bytes: int, n_tensors: int) -> None:
     import numpy as np
 
     import onnxparam.burnpack as bp
-    from onnxparam.dtype import DType
+    from onnxparam.core.dtype import DType
 
     cols = 1024
     rows = max(1, size_bytes // (n_tensors * cols * 4))

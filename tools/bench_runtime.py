@@ -24,7 +24,7 @@ import numpy as np
 
 import onnxparam as op
 from onnxparam import ops, runtime
-from onnxparam.tensor import Tensor
+from onnxparam.core.tensor import Tensor
 
 
 class MLP(op.Module):

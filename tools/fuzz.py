@@ -220,7 +220,7 @@ def _make_onnx(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_onnx(path: Path) -> None:
-    from onnxparam.module import named_params
+    from onnxparam.core.module import named_params
     from onnxparam.onnx_io import import_onnx, read_onnx_record
 
     module = import_onnx(path)
@@ -240,9 +240,9 @@ def _st_bytes(header, data: bytes = b"", header_len: int | None = None) -> bytes
 
 
 def _good_safetensors() -> bytes:
+    from onnxparam.core.record import TensorSnapshot
+    from onnxparam.core.tensor import TensorData
     from onnxparam.formats import write_safetensors
-    from onnxparam.record import TensorSnapshot
-    from onnxparam.tensor import TensorData
 
     folder = Path(tempfile.mkdtemp())
     try:
@@ -250,7 +250,7 @@ def _good_safetensors() -> bytes:
                   "emb": np.arange(6, dtype=np.int64).reshape(2, 3), "mask": np.array([True, False])}
 
         def snap(a):
-            from onnxparam.dtype import dtype_from_numpy
+            from onnxparam.core.dtype import dtype_from_numpy
 
             return TensorSnapshot(dtype_from_numpy(a.dtype), a.shape, None, lambda _a=a: TensorData.from_numpy(_a))
 
@@ -404,7 +404,7 @@ class Outcome:
 def run_target(name: str, cases: int, seed: int, folder: Path, case_seconds: float = 5.0,
                save: Path | None = None) -> Outcome:
     """Run ``cases`` seeded cases of target ``name`` in ``folder``; never raises for a case."""
-    from onnxparam.errors import OnnxParamError
+    from onnxparam.core.errors import OnnxParamError
 
     target = TARGETS[name]
     rng = random.Random(f"{name}:{seed}")

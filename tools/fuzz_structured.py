@@ -276,7 +276,7 @@ def _make_onnx(rng: random.Random, folder: Path) -> Path:
 
 
 def _read_onnx(rng: random.Random, path: Path) -> None:
-    from onnxparam.module import named_params
+    from onnxparam.core.module import named_params
     from onnxparam.onnx_io import import_onnx, read_onnx_record
 
     module = import_onnx(path)
@@ -285,7 +285,7 @@ def _read_onnx(rng: random.Random, path: Path) -> None:
     for snap in read_onnx_record(path).values():
         snap.to_data()
     if rng.random() < 0.1:  # a session per call is slow: call a tenth of the accepted models
-        from onnxparam.errors import OnnxParamError
+        from onnxparam.core.errors import OnnxParamError
 
         try:
             module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
@@ -305,7 +305,7 @@ def _read_onnx_in_memory(rng: random.Random, path: Path) -> None:
     import onnx
     import onnx_ir as ir
 
-    from onnxparam.module import named_params
+    from onnxparam.core.module import named_params
     from onnxparam.onnx_io import import_onnx, read_onnx_record
 
     data = path.read_bytes()
@@ -334,7 +334,7 @@ def _read_onnx_in_memory(rng: random.Random, path: Path) -> None:
     for snap in read_onnx_record(model).values():
         snap.to_data()
     if rng.random() < 0.1:
-        from onnxparam.errors import OnnxParamError
+        from onnxparam.core.errors import OnnxParamError
 
         try:
             module(np.ones((2, 4), np.float32), np.array(rng.random() < 0.5))
@@ -600,7 +600,7 @@ def _convert_onward(rng: random.Random, path: Path) -> None:
 @dataclass
 class Format:
     name: str
-    error: str  # the name of the error class in onnxparam.errors the format's readers raise
+    error: str  # the name of the error class in onnxparam.core.errors the format's readers raise
     make: Callable[[random.Random, Path], Path]
     read: Callable[[random.Random, Path], None]
 
@@ -633,7 +633,7 @@ def run_format(name: str, cases: int, seed: int, folder: Path) -> Outcome:
     """Run ``cases`` seeded cases of format ``name`` in ``folder``; never raises for a case."""
     import traceback
 
-    import onnxparam.errors as errors
+    import onnxparam.core.errors as errors
 
     fmt = FORMATS[name]
     error_type = getattr(errors, fmt.error)

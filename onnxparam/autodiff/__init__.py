@@ -1,6 +1,6 @@
 """Gradients through ONNX Runtime: reverse-mode autodiff built as an ONNX graph.
 
-Layer: *runtime* (beside :mod:`onnxparam._trace` and :mod:`onnxparam.runtime`, which it uses);
+Layer: *runtime* (beside :mod:`onnxparam.trace.tracer` and :mod:`onnxparam.runtime`, which it uses);
 the model layer knows nothing of it.
 
 * :func:`grad` — ``loss, grads = grad(loss_fn, module, *inputs)``: traces
@@ -11,8 +11,10 @@ the model layer knows nothing of it.
   of :mod:`onnxparam.optim` take;
 * :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops._losses`);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
-  (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`); :func:`build_training_model` — the
-  graph transformation (:mod:`._backward`).
+  (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`; control flow ``If`` / ``Loop`` /
+  ``Scan`` and the params their subgraphs read: :mod:`._rules_control`; ``LSTM`` / ``GRU`` /
+  ``RNN``: :mod:`._rules_rnn`); :func:`build_training_model` — the graph transformation
+  (:mod:`._backward`).
 
 The API is functional (JAX's ``value_and_grad`` shape, Burn's ``GradientsParams`` result);
 there is no tape and no ``loss.backward()``.

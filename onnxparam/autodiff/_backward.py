@@ -23,9 +23,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._trace import TracedModel
-from ..errors import TraceError
+from ..core.errors import TraceError
+from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
+from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
+from ._rules_control import MULTI_OUTPUT, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
 from ._rules import NON_DIFFERENTIABLE, RULES
 
@@ -98,7 +100,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         wrt: param paths (initializer names) to differentiate; each becomes a graph input.
 
     Returns:
-        ``(model, grad_paths)``: the training :class:`~onnxparam._trace.TracedModel` (inputs:
+        ``(model, grad_paths)``: the training :class:`~onnxparam.trace.tracer.TracedModel` (inputs:
         the forward's inputs then the ``wrt`` params; outputs: the loss then the gradients;
         ``param_paths``: the frozen params, still initializers) and the paths that have a
         gradient output, in output order.
@@ -122,6 +124,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         raise TraceError(f"not params of this trace: {', '.join(map(repr, unknown))}")
     opset = graph.opset_imports.get("", 1)
     graph.sort()
+    specialize_control_flow(traced.model, traced.params)  # (only for graphs holding subgraphs)
     _fill_dynamic_dims(traced.model)
 
     # 1. differentiated params -> graph inputs
@@ -135,9 +138,9 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     # 2. which values depend on a differentiated param
     requires: set = set(wrt_values.values())
     for node in graph:
-        if node.domain not in ("", "ai.onnx") or node.op_type in NON_DIFFERENTIABLE:
-            continue
-        if any(v is not None and v in requires for v in node.inputs):
+        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
+            continue  # (other domains' operators propagate: without a rule, the sweep names them)
+        if any(v is not None and v in requires for v in node_inputs(node)):  # (with values captured by subgraphs)
             requires.update(out for out in node.outputs if _is_float(out))
 
     # 3. reverse sweep
@@ -151,24 +154,25 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         gout = [grads.get(out) for out in node.outputs]
         if all(g is None for g in gout):
             continue
-        need = [v is not None and v in requires and _is_float(v) for v in node.inputs]
+        inputs = node_inputs(node)  # node.inputs, then the outer values its subgraphs read
+        need = [v is not None and v in requires and _is_float(v) for v in inputs]
         if not any(need):
             continue
         fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
         if fn is None:
-            params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
+            params = [v.name for v in inputs if v is not None and v.name in traced.params]
             raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"
                              f"{node.op_type}) on the path from the trainable params to the loss"
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")
                              + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
                                "onnxparam.autodiff._rules.RULES")
-        if len(node.outputs) > 1 and node.op_type != "Split" and any(g is not None for g in gout[1:]):
+        if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and any(g is not None for g in gout[1:]):
             raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
         try:
             results = fn(e, node, gout, need)
         except TraceError as err:
             raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
-        for value, n, g in zip(node.inputs, need, results):
+        for value, n, g in zip(inputs, need, results):
             if not n or g is None:
                 continue
             have = grads.get(value)

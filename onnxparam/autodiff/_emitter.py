@@ -1,6 +1,6 @@
 """A small node emitter that appends backward nodes to an existing ``onnx_ir.Graph``.
 
-The forward graph comes from :mod:`onnxparam._trace` with every value typed (dtype + shape).
+The forward graph comes from :mod:`onnxparam.trace.tracer` with every value typed (dtype + shape).
 Gradient rules (:mod:`._rules`) read those types and emit nodes through an :class:`Emitter`;
 the values they create are left untyped (ONNX Runtime infers them), except where a rule says
 otherwise. Constants become initializers holding their data.
@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from .._trace import _to_attr
-from ..dtype import DType
-from ..errors import TraceError
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..trace.tracer import _to_attr
 
 __all__ = ["Emitter", "dims", "static_dims", "np_dtype"]
 

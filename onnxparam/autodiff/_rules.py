@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules_matmul import matmul_dynamic
 

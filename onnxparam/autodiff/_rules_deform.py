@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import np_dtype, static_dims
 from ._rules import attr, const_array, rule
 

@@ -1,4 +1,4 @@
-"""Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops._nn_layers`):
+"""Gradient rules of the operators the wider layer set emits (:mod:`onnxparam.ops._activation`):
 ``ConvTranspose``, ``PRelu`` and the elementwise activations ``Elu``, ``Selu``, ``Celu``,
 ``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Softsign``, ``Resize``, and the variadic
 elementwise ``Max`` / ``Min`` of imported models (conventions and
@@ -11,7 +11,7 @@ import numpy as np
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, const_array, rule
 from ._rules_nn import conv_operands, conv_weight_grad

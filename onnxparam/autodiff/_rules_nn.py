@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, rule
 

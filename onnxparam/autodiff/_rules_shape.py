@@ -15,7 +15,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, const_array, rule
 

@@ -26,16 +26,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping, Optional
 
-from .. import _lora_graph as lora_graph
-from .. import _trace
-from ..errors import TraceError
-from ..param import Param, ParamId
+from ..core.errors import TraceError
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ..lora import _graph as lora_graph
+from ..nn._initializer import seed_generation
 from ..quant import _qdq as qdq
+from ..quant._passes import STANDARD_PASSES
 from ..runtime import _calls
 from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
-from ..tensor import Tensor
+from ..trace import tracer as _trace
 from ._backward import build_training_model
 
 __all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
@@ -51,6 +53,20 @@ MAX_CACHED_TRAINING = 16
 
 _graphs: "OrderedDict[Any, tuple]" = OrderedDict()
 _sessions: "OrderedDict[Any, Any]" = OrderedDict()
+
+
+_SEEN_SEED = [seed_generation()]
+"""The :func:`onnxparam.nn.seed` generation the cached graphs were built under."""
+
+
+def _forget_if_reseeded() -> None:
+    """After :func:`onnxparam.nn.seed`, forget the cached graphs and sessions: the next calls
+    trace and build afresh, so seeded dropout masks restart (caller holds the runtime's lock)."""
+    generation = seed_generation()
+    if generation != _SEEN_SEED[0]:
+        _graphs.clear()
+        _sessions.clear()
+        _SEEN_SEED[0] = generation
 
 
 def clear_cache() -> None:
@@ -103,14 +119,15 @@ class Gradients(Mapping):
 
 def trainable_paths(module) -> tuple:
     """Paths of the float params of ``module`` that require grad, in traversal order."""
-    from ..module import named_params
+    from ..core.module import named_params
 
     return tuple(path for path, p in named_params(module) if p.require_grad and p.lazy_dtype().is_float)
 
 
 def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel:
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
-    tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph")
+    tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph",
+                           passes=STANDARD_PASSES)
     # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
     # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
@@ -138,6 +155,7 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel
 def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     """``(key, training TracedModel, grad paths)`` for this call (``call_sig``: its signature
     from the runtime's ``_split_call``), traced and built if needed."""
+    _forget_if_reseeded()
     wrt_all = trainable_paths(module)
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all)
     hit = _graphs.get(key)
@@ -153,7 +171,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
 
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
-    """The training :class:`~onnxparam._trace.TracedModel` that :func:`grad` runs (inputs: the
+    """The training :class:`~onnxparam.trace.tracer.TracedModel` that :func:`grad` runs (inputs: the
     tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
     args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
@@ -181,7 +199,7 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
             tensor, or uses an operator without a gradient rule on a trainable path.
         DeviceError / ExecutionError: as for module calls.
     """
-    from ..module import named_params
+    from ..core.module import named_params
 
     owner = f"grad({getattr(loss_fn, '__name__', 'loss_fn')}, {type(module).__name__})"
     args, kwargs, tensors, call_sig = _calls._split_call(inputs, kwargs)

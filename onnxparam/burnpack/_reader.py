@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import BurnpackFormatError, QuantizationError, RecordError
+from ..core.dtype import DType
+from ..core.errors import BurnpackFormatError, QuantizationError, RecordError
+from ..core.quant_scheme import QuantScheme
 from ..formats._limits import MAX_RANK, name_problem
 from ..formats._mapped import MappedFile
-from ..quant._scheme import QuantScheme
 from . import _cbor as cbor
 from ._header import (
     ALIGNMENT,
@@ -376,7 +376,7 @@ class BurnpackEntry:
             RecordError: for other dtypes, or a scheme this library cannot decode (minifloat
                 values, packed-native stores; the cause is chained).
         """
-        from ..quant._tensor import QuantizedTensor
+        from ..core.tensor import QuantizedTensor
 
         if self.dtype is not DType.QFloat:
             raise RecordError(f"{self._file.path}: tensor {self.name!r} is {self.dtype.name}, not quantized")
@@ -386,9 +386,9 @@ class BurnpackEntry:
             raise RecordError(f"{self._file.path}: tensor {self.name!r}: {e}") from e
 
     def to_data(self):
-        """A :class:`~onnxparam.tensor.TensorData`: the zero-copy array for plain dtypes, the
+        """A :class:`~onnxparam.core.tensor.TensorData`: the zero-copy array for plain dtypes, the
         raw bytes (1-D uint8) plus the scheme for ``QFloat``."""
-        from ..tensor import TensorData
+        from ..core.tensor import TensorData
 
         if self.dtype is DType.QFloat:
             raw = np.frombuffer(self.raw_bytes(), dtype=np.uint8)

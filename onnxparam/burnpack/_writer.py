@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from .._scratch import atomic_output
-from ..dtype import DType, dtype_from_numpy
-from ..errors import QuantizationError, RecordError
+from ..core.dtype import DType, dtype_from_numpy
+from ..core.errors import QuantizationError, RecordError
+from ..core.quant_scheme import QuantScheme
 from ..formats._file_range import FileRange, copy_range, file_range_of
 from ..formats._limits import name_problem, shape_problem
-from ..quant._scheme import QuantScheme
+from ..formats._scratch import atomic_output
 from . import _cbor as cbor
 from ._header import (
     HEADER_SIZE,
@@ -273,8 +273,7 @@ def _data_bytes(label: str, p: _Planned) -> "memoryview | FileRange":
 
 
 def _to_bytes(where: str, d: Descriptor, data: Any) -> memoryview:
-    from ..quant._tensor import QuantizedTensor
-    from ..tensor import TensorData
+    from ..core.tensor import QuantizedTensor, TensorData
 
     if isinstance(data, QuantizedTensor):
         if d.dtype is not DType.QFloat or data.scheme != d.scheme or data.shape != d.shape:
@@ -323,6 +322,6 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 
 def _write_atomic(path, produce: Callable[[Any], None]) -> None:
     """Run ``produce(file)`` on a scratch file beside ``path``, sync it, rename it over ``path``
-    (:func:`onnxparam._scratch.atomic_output`: read-only targets refused, modes kept)."""
+    (:func:`onnxparam.formats._scratch.atomic_output`: read-only targets refused, modes kept)."""
     with atomic_output(path) as out:
         produce(out)

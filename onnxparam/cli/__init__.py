@@ -120,7 +120,7 @@ COMMANDS: tuple = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``onnxparam`` argument parser, one subparser per :data:`COMMANDS` entry."""
-    from .._version import __version__
+    from ..core.version import __version__
 
     parser = _Parser(prog=PROG, description="Burn's Param/Module model for ONNX models.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -199,7 +199,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return EXIT_USAGE
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
-    from ..errors import OnnxParamError
+    from ..core.errors import OnnxParamError
 
     wants_json = bool(getattr(args, "json", False))
     capture = wants_json and bool(getattr(args, "_json_capture", False))

@@ -53,7 +53,7 @@ _SIGNAL_WORDS = {getattr(signal, "SIGINT", -1): "interrupted (SIGINT)", getattr(
 def _interrupted(signum: int) -> int:
     """After a SIGINT / SIGTERM: remove this process's scratch entries, print one line, return
     the exit code (``128 + signum``). Further signals are ignored meanwhile."""
-    from .._scratch import remove_live_scratch
+    from ..formats._scratch import remove_live_scratch
 
     for s in _SIGNALS:
         with contextlib.suppress(ValueError, OSError):
@@ -154,7 +154,7 @@ def _remap_rule(text: str) -> tuple:
 
 
 def _device(text: str):
-    from ..device import Device
+    from ..core.device import Device
 
     try:
         return Device(text)

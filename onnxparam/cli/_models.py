@@ -103,9 +103,9 @@ def export_mnist_onnx(model, path: Path, lora: str = "merge") -> Path:
 
     ``lora``: the LoRA mode of :func:`onnxparam.export_onnx` (``"merge"``, ``"keep"``, ``"inputs"``).
     """
-    from .._trace import InputSpec
-    from ..dtype import DType
+    from ..core.dtype import DType
     from ..onnx_io import export_onnx
+    from ..trace.tracer import InputSpec
     from ..zoo.mnist import IMAGE_SIZE
 
     spec = InputSpec(("batch", IMAGE_SIZE, IMAGE_SIZE), DType.F32)

@@ -127,7 +127,7 @@ def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
     :func:`_latency` of its calls (ms per batch, images per second)."""
     import numpy as np
 
-    from .._ort import import_onnxruntime
+    from ..runtime._ort import import_onnxruntime
 
     ort = import_onnxruntime()
     session = ort.InferenceSession(str(path), providers=providers)
@@ -146,7 +146,8 @@ def _session_pass(path: Path, pixels: np.ndarray, batch: int, providers: list):
 def _run_export_mnist(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .. import Device, Tensor
+    from ..core.device import Device
+    from ..core.tensor import Tensor
     from ..zoo import mnist
 
     parts = set(args.only or TOUR_PARTS)
@@ -265,7 +266,7 @@ def _tour_burnpack(model, path: Path, weights: Path, pixels, labels, batch, devi
     import numpy as np
 
     from .. import burnpack
-    from ..tensor import Tensor
+    from ..core.tensor import Tensor
     from ..zoo.mnist import Mnist
 
     model.save_file(path)
@@ -316,11 +317,11 @@ def _tour_int8(model, path: Path, pixels, batch, providers, accuracy) -> _TourRo
 def _tour_lora(model, out_dir: Path, pixels, batch, providers, accuracy) -> list:
     import numpy as np
 
-    from ..dtype import DType
-    from ..group import ParamGroup
-    from ..lora import LoraConfig
-    from ..record import ModuleRecord, TensorSnapshot
-    from ..tensor import TensorData
+    from ..core.dtype import DType
+    from ..core.group import ParamGroup
+    from ..core.record import ModuleRecord, TensorSnapshot
+    from ..core.tensor import TensorData
+    from ..lora._adapters import LoraConfig
 
     adapted = model.apply_lora(
         LoraConfig(TOUR_LORA_RANK, TOUR_LORA_ALPHA, seed=0, param_group=ParamGroup.from_regex(TOUR_LORA_TARGETS))

@@ -96,7 +96,7 @@ def _scheme_text(scheme) -> Optional[str]:
 
 
 def _nbytes(dtype, shape, scheme) -> int:
-    from ..dtype import DType
+    from ..core.dtype import DType
 
     if dtype is DType.QFloat:
         from ..quant import quantized_nbytes
@@ -297,9 +297,9 @@ def _count_nonfinite(inspected: _Inspected) -> None:
 
 def _read_pytorch_info(path: Path) -> _Inspected:
     """A ``torch.save`` checkpoint, read without torch (restricted unpickler, nothing runs)."""
-    from ..dtype import dtype_from_numpy
+    from ..core.dtype import dtype_from_numpy
+    from ..core.tensor import TensorData
     from ..formats._pytorch import read_pytorch
-    from ..tensor import TensorData
 
     checkpoint = read_pytorch(path)
     tensors = []
@@ -328,7 +328,7 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
     ``metadata_props``, ``inputs``, ``outputs``, ``initializers`` and
     ``non_weight_initializers``: those left out of ``tensors``...), ``metadata`` (the record's text metadata:
     burnpack ``metadata``, safetensors ``__metadata__`` without ``onnxparam.*`` keys, ONNX
-    ``onnxparam.record.*``), ``scalars`` (``{name: {"kind", "value"}}``), ``tensors`` (data
+    ``onnxparam.core.record.*``), ``scalars`` (``{name: {"kind", "value"}}``), ``tensors`` (data
     order; each ``name``, ``dtype`` (Burn's name), ``shape``, ``bytes``, ``param_id``,
     ``scheme`` (QFloat only), ``nan`` / ``inf`` (plain float tensors when counted, else
     ``null``)) and ``totals``.
@@ -370,9 +370,9 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 
 def _refuse_scratch(path: Path) -> None:
     """Refuse ``path`` when it, or a folder above it, is an atomic writer's scratch entry
-    (:func:`onnxparam._scratch.scratch_name`): its content is an unfinished save."""
-    from .._scratch import is_scratch_name
-    from ..errors import FileAccessError
+    (:func:`onnxparam.formats._scratch.scratch_name`): its content is an unfinished save."""
+    from ..core.errors import FileAccessError
+    from ..formats._scratch import is_scratch_name
 
     for entry in (path, *path.parents):
         if not is_scratch_name(entry.name):

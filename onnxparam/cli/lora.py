@@ -87,9 +87,9 @@ def _factor_shapes(path: Path, fmt: str) -> dict:
 
 
 def _run_lora(args: argparse.Namespace) -> int:
-    from ..errors import LoraError
-    from ..group import ParamGroup
-    from ..lora import LoraConfig
+    from ..core.errors import LoraError
+    from ..core.group import ParamGroup
+    from ..lora._adapters import LoraConfig
 
     src_fmt = _file_format(args.src, "model file")
     _existing(args.src, "model file")
@@ -273,7 +273,7 @@ def _save_module(module, path: Path) -> None:
 
 def _write_lora_adapter(module, path: Path) -> None:
     if path.suffix.lower() == ".onnx_adapter":
-        from .._lora_adapter_file import write_onnx_adapter
+        from ..lora._adapter_file import write_onnx_adapter
 
         write_onnx_adapter(module, path)
         return

@@ -115,7 +115,7 @@ def _group(include: Optional[list], exclude: Optional[list]):
     """The ``ParamGroup`` of ``--include`` / ``--exclude``, or ``None`` for every weight."""
     if not include and not exclude:
         return None
-    from ..group import ParamGroup
+    from ..core.group import ParamGroup
 
     group = ParamGroup.from_regexes(include) if include else ParamGroup.all()
     return group.excluding(ParamGroup.from_regexes(exclude)) if exclude else group
@@ -151,7 +151,7 @@ def _calibration_arrays(path: Path, model) -> list:
 
 
 def _calibrate(args, model, arrays: list):
-    from ..errors import QuantizationError
+    from ..core.errors import QuantizationError
     from ..quant import quantize_activations
 
     batch = CALIBRATE_BATCH if args.calibrate_batch is None else args.calibrate_batch
@@ -238,7 +238,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         print_quantized_ops(rows)
         gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
-            from ..errors import QuantizationWarning
+            from ..core.errors import QuantizationWarning
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:

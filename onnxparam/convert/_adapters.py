@@ -18,7 +18,7 @@ The pieces (each usable alone; :mod:`onnxparam.convert._store` and
 * :func:`cast_spec` / :func:`cast_snapshot` — float precision changes (``F32 <-> F16 / BF16``),
   round to nearest even (numpy / ``ml_dtypes``), applied lazily.
 
-Everything here transforms :class:`~onnxparam.record.TensorSnapshot`\\ s lazily: a transpose or a
+Everything here transforms :class:`~onnxparam.core.record.TensorSnapshot`\\ s lazily: a transpose or a
 cast runs when that tensor's data is read, one tensor at a time.
 """
 
@@ -30,10 +30,10 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .._snapshot import TensorSnapshot
-from ..dtype import DType
+from ..core.dtype import DType
+from ..core.snapshot import TensorSnapshot
+from ..core.tensor import TensorData
 from ..formats._names import KeyRemapper, map_indices_contiguous
-from ..tensor import TensorData
 
 __all__ = [
     "KeyRemapper",
@@ -210,8 +210,8 @@ class PyTorchAdapter(ModuleAdapter):
         Raises:
             RecordError: a layer's tensors are missing or mis-shaped (named by torch_layers).
         """
-        from ..module import named_modules
-        from ..record import as_snapshot
+        from ..core.module import named_modules
+        from ..core.record import as_snapshot
 
         mapped: dict = {}
         consumed: dict = {}
@@ -376,7 +376,7 @@ def cast_snapshot(snapshot: TensorSnapshot, target: DType, name: Optional[str] =
 
 
 def _warn_overflow(name: Optional[str], source_dtype: DType, target: DType, source: np.ndarray, cast: np.ndarray) -> None:
-    """Warn (:class:`~onnxparam.errors.PrecisionWarning`) when ``cast`` has infinities where
+    """Warn (:class:`~onnxparam.core.errors.PrecisionWarning`) when ``cast`` has infinities where
     ``source`` had finite values."""
     if cast.size == 0 or source.dtype.itemsize < cast.dtype.itemsize:
         return  # a widening cast cannot overflow
@@ -386,7 +386,7 @@ def _warn_overflow(name: Optional[str], source_dtype: DType, target: DType, sour
         return
     import warnings
 
-    from ..errors import PrecisionWarning
+    from ..core.errors import PrecisionWarning
 
     largest = float(np.abs(source[overflow].astype(np.float64)).max())
     import ml_dtypes  # NOTE: its finfo knows bfloat16 too

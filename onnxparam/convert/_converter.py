@@ -26,7 +26,7 @@ dtypes                   bit-exact; ``Flex32``, burnpack ``Bool`` stores and ``Q
 param ids                burnpack ``param_id`` = safetensors ``onnxparam.param_ids`` = ONNX
                          initializer / model metadata (:mod:`onnxparam.onnx_io._metadata`)
 metadata, scalars        burnpack ``metadata`` = safetensors ``__metadata__`` = ONNX
-                         ``onnxparam.record.<key>``; scalars ride in ``onnxparam.scalars``
+                         ``onnxparam.core.record.<key>``; scalars ride in ``onnxparam.scalars``
 LoRA factors             plain tensors (``<param>.lora.a`` / ``.lora.b``), kept like any other
 =======================  ==================================================================
 
@@ -60,13 +60,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..dtype import DType, dtype_from_numpy
-from ..errors import RecordError, file_error
+from ..core.dtype import DType, dtype_from_numpy
+from ..core.errors import RecordError, file_error
+from ..core.record import ModuleRecord
+from ..core.tensor import TensorData
 from ..formats._extensions import FORMATS, WRITABLE, format_of
 from ..formats._names import map_indices_contiguous
 from ..formats._safetensors import read_safetensors, write_safetensors
-from ..record import ModuleRecord
-from ..tensor import TensorData
 from ._adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
 from ._onnx_files import (
     OUTPUT_SUFFIX,

@@ -17,12 +17,12 @@ import json
 import os
 from pathlib import Path
 
-from .._scratch import atomic_output
-from ..dtype import DType
-from ..errors import RecordError
+from ..core.dtype import DType
+from ..core.errors import RecordError
+from ..core.param import ParamId
+from ..core.record import ModuleRecord, TensorSnapshot
 from ..formats._safetensors import SCALARS_KEY, _decode_scalars, _encode_scalars
-from ..param import ParamId
-from ..record import ModuleRecord, TensorSnapshot
+from ..formats._scratch import atomic_output
 from ._report import ConvertReport
 from ._tensors import _Source, _Tensor
 
@@ -51,14 +51,14 @@ def _load_mapped(path: Path):
     :func:`onnxparam.onnx_io._source.load_model` validates any model."""
     import onnx_ir as ir
 
-    from ..errors import OnnxFormatError
+    from ..core.errors import OnnxFormatError
     from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
     if path.is_dir():
         import errno
 
-        from ..errors import file_error
+        from ..core.errors import file_error
 
         raise file_error(errno.EISDIR, f"cannot read '{path}': it is a folder, not a file; give the path of the .onnx file",
                          str(path))
@@ -340,7 +340,7 @@ def _weights_only_model(tensors: list, record_meta: dict, make_tensor):
     """A model whose graph holds ``tensors`` as initializers, each returned by an ``Identity``."""
     import onnx_ir as ir
 
-    from .._version import __version__
+    from ..core.version import __version__
     from ..onnx_io import _metadata as md
     from ..onnx_io._naming import onnx_name_to_path, path_to_onnx_name
 

@@ -20,11 +20,11 @@ import re
 from collections.abc import Mapping
 from typing import Optional
 
-from ..dtype import DType
-from ..errors import RecordError
+from ..core.dtype import DType
+from ..core.errors import RecordError
+from ..core.module import named_modules
+from ..core.record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
 from ..formats._safetensors import read_safetensors, write_safetensors
-from ..module import named_modules
-from ..record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
 from ._adapters import (
     KeyRemapper,
     ModuleAdapter,
@@ -75,7 +75,7 @@ def apply_record(
 
     Every loader goes through here: :meth:`Module.load_record <onnxparam.Module.load_record>`,
     :meth:`Module.load_file <onnxparam.Module.load_file>` (burnpack), :func:`load_safetensors`,
-    :func:`load_pytorch`, :func:`load_onnx` and :func:`onnxparam.record.load_record`. Each
+    :func:`load_pytorch`, :func:`load_onnx` and :func:`onnxparam.core.record.load_record`. Each
     returns the loaded module; the :class:`LoadReport` is filled into the ``report`` you pass
     (and attached to a raised ``RecordError`` as ``error.report``).
 
@@ -232,7 +232,7 @@ def apply_record(
 def _rebuild(module, matched: Mapping):
     """A copy of ``module`` whose params at ``matched``'s paths take those (checked) snapshots,
     each through ``Param.transform_for_load``; no data is read here."""
-    from ..module import rebuild
+    from ..core.module import rebuild
 
     def load(path: str, param):
         snap = matched.get(path)
@@ -418,8 +418,8 @@ def load_pytorch(
 def _lazy_record(tensors) -> ModuleRecord:
     """A record of a checkpoint's :class:`~onnxparam.formats.CheckpointTensors` whose
     snapshots look each tensor up only when its data is read (a strided one is copied then)."""
-    from ..dtype import dtype_from_numpy
-    from ..tensor import TensorData
+    from ..core.dtype import dtype_from_numpy
+    from ..core.tensor import TensorData
 
     snapshots = {}
     for name in tensors:

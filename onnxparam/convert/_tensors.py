@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from ..dtype import DType
+from ..core.dtype import DType
+from ..core.param import ParamId
+from ..core.record import TensorSnapshot
+from ..core.tensor import TensorData
 from ..formats._file_range import FileRange
-from ..param import ParamId
-from ..record import TensorSnapshot
-from ..tensor import TensorData
 
 __all__ = ["_Tensor", "_Source"]
 

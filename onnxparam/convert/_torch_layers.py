@@ -32,7 +32,7 @@ Layouts (PyTorch's ``torch.nn`` docs; Burn's ``burn-nn/src/modules``):
 Only single-layer ``nn.LSTM`` / ``nn.GRU`` (``num_layers=1``; pass ``layer`` for one layer of a
 stack) without ``proj_size`` map: Burn has no projection.
 
-Raises (every function): :class:`~onnxparam.errors.RecordError` naming the missing or
+Raises (every function): :class:`~onnxparam.core.errors.RecordError` naming the missing or
 mis-shaped entry.
 """
 
@@ -42,7 +42,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 
 __all__ = [
     "LSTM_GATES", "GRU_GATES",
@@ -323,8 +323,8 @@ def torch_state_dict_to_record(module, state: Mapping) -> dict:
         RecordError: listing every PyTorch tensor that no param of ``module`` takes (missing
             params are reported by ``load_record``).
     """
-    from ..module import named_modules
-    from ..record import as_record
+    from ..core.module import named_modules
+    from ..core.record import as_record
     from ._adapters import PyTorchAdapter
 
     adapter = PyTorchAdapter()

@@ -1,6 +1,6 @@
 """File formats other than burnpack (:mod:`onnxparam.burnpack`): bytes in, lazy tensors out.
 
-Formats layer: these modules know bytes and tensor snapshots, not modules (the bridges in
+These modules know bytes and tensor snapshots, not modules (the loaders in
 :mod:`onnxparam.convert` load them into modules).
 
 * :mod:`._safetensors`: Hugging Face safetensors files (lazy zero-copy reads, streaming writes).
@@ -13,13 +13,12 @@ Formats layer: these modules know bytes and tensor snapshots, not modules (the b
 * ``._onnx_nested``: the tensors of every graph of a serialized model (subgraphs, ``Constant``
   values) rewritten in place: placeholders given their bytes, inline bytes mapped
   (:func:`read_onnx_mapped`).
-* ``._ir_stream``: ``onnx_io.save_model``'s inline writes, streamed through :mod:`._onnx_nested`.
+* ``._scalars``: Burn's typed metadata scalars and bool stores, shared with the burnpack format.
+* ``._scratch``: atomic writes through a scratch file (read-only targets refused, modes kept).
 * ``._file_range``: tensor bytes copied file to file by the kernel when a conversion leaves them
   unchanged.
 * ``._mapped``: the memory map + in-place-change watch shared with the burnpack reader.
 """
-
-import importlib
 
 _NAMES = {
     "SafetensorsFile": "._safetensors", "SafetensorsTensor": "._safetensors",
@@ -37,11 +36,21 @@ __all__ = sorted(_NAMES)
 
 
 def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'onnxparam.formats' has no attribute {name!r}")
+    owner = _NAMES.get(name)
+    if owner == "._safetensors":
+        from . import _safetensors as module
+    elif owner == "._pytorch":
+        from . import _pytorch as module
+    elif owner == "._onnx_stream":
+        from . import _onnx_stream as module
+    elif owner == "._onnx_nested":
+        from . import _onnx_nested as module
+    elif owner == "._names":
+        from . import _names as module
+    else:
+        raise AttributeError(f"module 'onnxparam.formats' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)
+    return value
 
 
 def __dir__():

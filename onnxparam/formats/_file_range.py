@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 
 __all__ = ["FileRange", "copy_range", "file_range_of", "COPY_MIN_BYTES"]
 

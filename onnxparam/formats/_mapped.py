@@ -109,7 +109,7 @@ class MappedFile:
             error: the file changed on disk since it was opened.
         """
         if self.buffer is None:
-            from ..errors import RecordError
+            from ..core.errors import RecordError
 
             raise RecordError(self.closed_message)
         # NOTE: checked on every read, not once: mmap + an in-place write = stale bytes or SIGBUS

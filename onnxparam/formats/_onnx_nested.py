@@ -17,7 +17,7 @@ model as *pieces*: byte strings and the data objects a tensor callback put in, w
 enclosing length recomputed. :func:`write_pieces` writes them, data objects one at a time.
 
 Two uses: :func:`write_with_tensors` (a structure whose tensors are placeholders becomes a file
-with inline ``raw_data``; :mod:`onnxparam.formats._ir_stream`) and :func:`map_inline_tensors`
+with inline ``raw_data``; :mod:`onnxparam.onnx_io._ir_stream`) and :func:`map_inline_tensors`
 (every inline ``raw_data`` becomes an external reference into the file itself;
 :func:`onnxparam.formats.read_onnx_mapped`).
 """
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import onnx
 from google.protobuf.message import DecodeError
 
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 from ._onnx_stream import _MODEL_GRAPH_FIELD, _WIRE_LEN, _copy_data, _external_tensor, _varint, _walk, map_file
 
 __all__ = ["rewrite_tensors", "write_pieces", "write_with_tensors", "map_inline_tensors", "read_onnx_mapped",
@@ -158,7 +158,7 @@ def write_with_tensors(path: "str | os.PathLike", structure: bytes, data: dict, 
         OnnxFormatError: a placeholder has no data, a data object's length differs from its
             announced one, or the file would reach ``max_bytes`` (protobuf's 2 GiB limit).
     """
-    from .._scratch import atomic_output
+    from ._scratch import atomic_output
 
     used = set()
 

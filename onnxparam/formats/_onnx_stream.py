@@ -42,9 +42,9 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from .._scratch import atomic_output
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 from ._file_range import FileRange, copy_range
+from ._scratch import atomic_output
 
 __all__ = ["StreamedTensor", "write_onnx_streamed", "read_onnx_streamed", "MAX_PROTOBUF_BYTES"]
 

@@ -5,7 +5,7 @@ torch 1.6) and the legacy stream (``_use_new_zipfile_serialization=False``) — 
 tensors as read-only numpy arrays keyed by dotted names. Nothing in the file is executed: the
 pickle goes through a restricted unpickler that knows only the tensor / parameter rebuild
 functions, ``OrderedDict``, the storage classes, ``torch.device`` / ``torch.Size`` / dtypes and
-plain containers; any other global is refused with a :class:`~onnxparam.errors.RecordError`
+plain containers; any other global is refused with a :class:`~onnxparam.core.errors.RecordError`
 naming it, before anything is called. The byte layouts are described in
 ``docs/pytorch_checkpoint.md``; the options mirror Burn's ``burn-store`` PyTorch reader
 (``PytorchStore``: top-level key, chained regex key remapping, contiguous index re-numbering,
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 from ._limits import name_problem, shape_problem
 from ._names import KeyRemapper, map_indices_contiguous
 from ._torch_archive import StorageBytes, open_checkpoint

@@ -65,12 +65,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._services import service
-from .._snapshot import TensorSnapshot
-from ..dtype import DType
-from ..errors import RecordError
-from ..param import ParamId
-from ..tensor import TensorData
+from ..core.dtype import DType
+from ..core.errors import RecordError
+from ..core.param import ParamId
+from ..core.record import ModuleRecord
+from ..core.snapshot import TensorSnapshot
+from ..core.tensor import TensorData
 from ._limits import is_utf8_text, name_problem, shape_problem
 from ._mapped import MappedFile
 from ._safetensors_header import (  # noqa: F401  (re-exported: the converters read the scalars' form)
@@ -114,7 +114,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SafetensorsTensor(TensorSnapshot):
-    """A tensor of a :class:`SafetensorsFile`: a :class:`~onnxparam.record.TensorSnapshot`
+    """A tensor of a :class:`SafetensorsFile`: a :class:`~onnxparam.core.record.TensorSnapshot`
     plus where it lies and the Burn facts safetensors has no field for.
 
     Attributes:
@@ -155,8 +155,7 @@ class SafetensorsFile:
 
     def to_record(self):
         """The tensors as a :class:`~onnxparam.ModuleRecord` (data still lazy), with ``metadata``."""
-        # records are a bridge above this format: a service that layer registers
-        return service("record").ModuleRecord(self.tensors, self.metadata)
+        return ModuleRecord(self.tensors, self.metadata)
 
     def close(self) -> None:
         """Release the mapping. Arrays already handed out stay valid (the mapping then lives on
@@ -352,12 +351,12 @@ def _burn_dtype(path, name: str, st_dtype: str, shape: tuple, note) -> tuple:
     if note == "Flex32" and st_dtype == "F32":
         return DType.Flex32, shape, None, None
     if isinstance(note, dict) and note.get("dtype") == "Bool" and st_dtype == "BOOL":
-        from ..burnpack import BOOL_STORES
+        from ._scalars import BOOL_STORES
 
         if note.get("store") in BOOL_STORES:
             return DType.Bool, shape, None, note["store"]
     if isinstance(note, dict) and note.get("dtype") == "QFloat" and st_dtype == "U8" and len(shape) == 1:
-        from ..quant._scheme import QuantScheme
+        from ..core.quant_scheme import QuantScheme
 
         try:
             scheme = QuantScheme.from_cbor(note["scheme"])

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import RecordError
+from ..core.dtype import DType
+from ..core.errors import RecordError
 
 SAFETENSORS_EXTENSION = ".safetensors"
 
@@ -59,7 +59,7 @@ DTYPE_FROM_SAFETENSORS: dict[str, DType] = {
     name: dtype for dtype, name in SAFETENSORS_DTYPES.items() if dtype is not DType.Flex32
 }
 """safetensors dtype name -> ``DType``. The float8 names read as ONNX-only dtypes (see
-:mod:`onnxparam.dtype`); names onnxparam has no dtype for (``C64``, ``F4`` ...) are absent and
+:mod:`onnxparam.core.dtype`); names onnxparam has no dtype for (``C64``, ``F4`` ...) are absent and
 refused when read."""
 
 _WRITE_RANK: dict[str, int] = {
@@ -85,7 +85,7 @@ def _format_error(path, message: str) -> RecordError:
 
 
 def _decode_scalars(path, raw: dict) -> dict:
-    from ..burnpack._metadata import scalar_from_cbor
+    from ._scalars import scalar_from_cbor
 
     out = {}
     for name, obj in raw.items():
@@ -103,7 +103,7 @@ _NON_FINITE = ("nan", "inf", "-inf")
 
 
 def _encode_scalars(scalars: Mapping) -> dict:
-    from ..burnpack import Scalar
+    from ._scalars import Scalar
 
     out = {}
     for name, value in scalars.items():

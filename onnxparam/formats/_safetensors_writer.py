@@ -13,11 +13,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from .._scratch import atomic_output
-from .._snapshot import TensorSnapshot
-from ..dtype import DType
-from ..errors import RecordError
-from ..tensor import TensorData
+from ..core.dtype import DType
+from ..core.errors import RecordError
+from ..core.snapshot import TensorSnapshot
+from ..core.tensor import TensorData
 from ._file_range import copy_range, file_range_of
 from ._limits import is_utf8_text, tensor_problem
 from ._safetensors_header import (
@@ -34,6 +33,7 @@ from ._safetensors_header import (
     _canonical_key,
     _encode_scalars,
 )
+from ._scratch import atomic_output
 
 __all__ = ["write_safetensors"]
 
@@ -196,7 +196,7 @@ def _qfloat_nbytes(name: str, snap, shape: tuple, scheme) -> int:
     if scheme is None:
         raise RecordError(f"quantized tensor '{name}' has no quantization scheme")
     try:
-        from ..quant._layout import quantized_nbytes
+        from ..core.quant_layout import quantized_nbytes
 
         return int(quantized_nbytes(shape, scheme))
     except Exception:  # noqa: BLE001 - fall back to the data itself (read once more later)

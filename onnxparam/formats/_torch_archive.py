@@ -38,7 +38,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import RecordError
+from ..core.errors import RecordError
 from ._torch_pickle import PickleRefused, RestrictedUnpickler, StorageRef
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "open_checkpoint", "StorageBytes"]

@@ -23,12 +23,12 @@ a separate call). ``valid()`` switches back. :func:`seed` makes the random masks
 reproducible. Losses with Burn's names and reductions: :mod:`onnxparam.nn.loss`.
 """
 
-from ._activation import Gelu, Relu, Sigmoid, Softmax, Tanh
-from ._activation_ext import (
+from ._activation import (
     Celu,
     CeluConfig,
     Elu,
     EluConfig,
+    Gelu,
     Glu,
     HardShrink,
     HardShrinkConfig,
@@ -43,9 +43,12 @@ from ._activation_ext import (
     Mish,
     PRelu,
     PReluConfig,
+    Relu,
     Relu6,
     Selu,
+    Sigmoid,
     Silu,
+    Softmax,
     Softplus,
     SoftplusConfig,
     SoftShrink,
@@ -53,6 +56,7 @@ from ._activation_ext import (
     Softsign,
     SwiGlu,
     SwiGluConfig,
+    Tanh,
     Tanhshrink,
     Threshold,
     ThresholdConfig,
@@ -79,7 +83,7 @@ from ._initializer import Initializer, seed
 from ._interpolate import Interpolate1d, Interpolate1dConfig, Interpolate2d, Interpolate2dConfig, InterpolateMode
 from ._linear import Linear, LinearConfig
 from ._norm import BatchNorm, BatchNormConfig, LayerNorm, LayerNormConfig
-from ._norm_extra import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
+from ._norm_group import GroupNorm, GroupNormConfig, InstanceNorm, InstanceNormConfig, RmsNorm, RmsNormConfig
 from ._pool import (
     AdaptiveAvgPool2d,
     AdaptiveAvgPool2dConfig,

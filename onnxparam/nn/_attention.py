@@ -17,10 +17,10 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import check_float_dtype, config, layer_from_config, positive
 from ._dropout import Dropout
 from ._initializer import DEFAULT_INITIALIZER, Initializer

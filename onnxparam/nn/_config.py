@@ -137,7 +137,7 @@ def padding_2d(padding: PaddingSpec, kernel_size: tuple, dilation: tuple, stride
 
 def check_float_dtype(dtype, layer: str):
     """``dtype`` as a float :class:`~onnxparam.DType`, or ``ValueError``."""
-    from ..dtype import DType
+    from ..core.dtype import DType
 
     dtype = dtype if isinstance(dtype, DType) else DType(dtype)
     if not dtype.is_float or dtype is DType.QFloat:

@@ -16,10 +16,10 @@ weight's axis 1 is ``channels_out / groups``.
 from __future__ import annotations
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config, layer_from_config, pair, spatial
 from ._conv_common import init_conv
 from ._initializer import DEFAULT_INITIALIZER, Initializer

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import derived_config, layer_from_config, padding_2d, pair, positive
 from ._conv import Conv2dConfig, Padding2d
 from ._conv_common import init_conv

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config
 from ._initializer import next_dropout_seed
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..param import Param
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.param import Param
+from ..core.tensor import Tensor
 from ._config import check_float_dtype, config, positive
 from ._initializer import Initializer
 

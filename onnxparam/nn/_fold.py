@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config, pair, spatial
 
 __all__ = ["Fold4d", "Fold4dConfig", "AdaptiveAvgPool3d", "AdaptiveAvgPool3dConfig"]

@@ -28,10 +28,11 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from ..device import Device
-from ..dtype import DType
-from ..param import Param, ParamId
-from ..tensor import Tensor
+from ..core import extension
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
 
 __all__ = ["Initializer", "seed", "DEFAULT_KAIMING_GAIN", "DEFAULT_INITIALIZER"]
 
@@ -57,21 +58,29 @@ def seed(value: int) -> None:
     generator for that node starts at its seed when the session is built and advances at every
     run, so the masks differ from step to step, and the same seed, the same program and the same
     calls give the same masks. To make that hold within one process too, ``seed`` forgets the
-    cached traces and sessions (:func:`onnxparam.runtime.clear_caches`,
-    :func:`onnxparam.autodiff._training.clear_cache`): the next calls trace and build afresh.
+    cached traces and sessions (:func:`onnxparam.runtime.clear_caches`, and the training graphs
+    of :mod:`onnxparam.autodiff`, which key on :func:`seed_generation`): the next calls trace and
+    build afresh.
     Without any ``seed`` call, dropout masks are drawn from ONNX Runtime's own random seed.
     """
     global _rng, _dropout_rng
     with _RNG_LOCK:
         _rng = np.random.default_rng(int(value))
         _dropout_rng = np.random.default_rng([int(value) & 0xFFFFFFFFFFFFFFFF, _DROPOUT_STREAM])
-    from .._services import service
+        _SEED_GENERATION[0] += 1
+    # NOTE: the runtime's caches are cleared through the executor (nothing is cached before it
+    # is loaded); the training graphs of autodiff key on seed_generation()
+    executor = extension.loaded_executor()
+    if executor is not None:
+        executor.clear_caches()
 
-    for name in ("runtime.clear_caches", "autodiff.clear_cache"):  # upper layers: services, not imports
-        try:
-            service(name)()
-        except LookupError:  # onnxparam not imported as a package: nothing is cached
-            pass
+
+def seed_generation() -> int:
+    """How many times :func:`seed` has run: caches of seeded graphs compare it with theirs."""
+    return _SEED_GENERATION[0]
+
+
+_SEED_GENERATION = [0]
 
 
 _DROPOUT_STREAM = 0x64726F70  # "drop": the dropout seeds' stream, apart from the param draws

@@ -13,8 +13,8 @@ import enum
 from typing import Optional
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config
 
 __all__ = ["InterpolateMode", "Interpolate1d", "Interpolate1dConfig", "Interpolate2d", "Interpolate2dConfig"]

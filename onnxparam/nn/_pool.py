@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config, pair
 
 __all__ = ["MaxPool2d", "MaxPool2dConfig", "AvgPool2d", "AvgPool2dConfig",

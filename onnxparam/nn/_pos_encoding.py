@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from .. import ops
-from ..module import Module
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config, positive
 
 __all__ = [

@@ -13,17 +13,17 @@ NOTE (forward: an unrolled composition, not ONNX's ``LSTM`` / ``GRU``): the forw
 recurrences unrolled over the (static) sequence length with ``MatMul`` / ``Add`` / ``Sigmoid`` /
 ``Tanh`` / ``Mul`` / ``Split`` / ``Concat``, which is how Burn computes them (a loop over time
 steps). Each of these operators already has a gradient rule in :mod:`onnxparam.autodiff`, so
-the layers train; ONNX's ``LSTM`` / ``GRU`` have no rule, and packing Burn's per-gate weights
-into their ``W`` / ``R`` / ``B`` inputs would add a concatenation per call in the graph without
-saving work at the small sizes this targets. The input projections of all time steps are one
+the layers train; packing Burn's per-gate weights into the ``W`` / ``R`` / ``B`` inputs of
+ONNX's ``LSTM`` / ``GRU`` would add a concatenation per call in the graph without saving work
+at the small sizes this targets. The input projections of all time steps are one
 ``MatMul`` per gate; only the hidden projections run per step. The batch size is never baked
 into the graph (the zero initial state is folded away: at step 0 the hidden product is just the
 hidden bias); the sequence length is (static shapes).
 
 ``onnx_op=True`` (an onnxparam option, not a Burn field; it changes no record) emits ONNX's own
 ``LSTM`` / ``GRU`` node instead (ONNX spec: LSTM-14 / GRU-14, gates packed in ONNX's order i, o,
-f, c / z, r, h inside the graph), which ONNX Runtime runs as one fused kernel: for inference and
-export only, since autodiff has no rule for these operators (``grad`` raises ``TraceError``).
+f, c / z, r, h inside the graph), which ONNX Runtime runs as one fused kernel; these train too
+(:mod:`onnxparam.autodiff._rules_rnn`: backpropagation through time as ONNX ``Scan`` s).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import check_float_dtype, config, layer_from_config, positive
 from ._initializer import Initializer
 from ._linear import Linear
@@ -163,8 +163,8 @@ class LstmConfig:
             kept as a param, as in Burn).
         gate_activation, cell_activation, hidden_activation: ``"sigmoid"``, ``"tanh"`` (the
             defaults, as Burn's) or ``"relu"``.
-        onnx_op: emit ONNX's ``LSTM`` operator (inference / export only; see the module
-            docstring) instead of the unrolled composition. Not a Burn field.
+        onnx_op: emit ONNX's ``LSTM`` operator (see the module docstring) instead of the
+            unrolled composition. Not a Burn field.
     """
 
     d_input: int
@@ -304,7 +304,7 @@ class GruConfig:
         initializer: Burn's default ``XavierNormal(gain=1.0)``.
         gate_activation, hidden_activation: ``"sigmoid"`` / ``"tanh"`` (defaults) or ``"relu"``.
         clip: clamp the hidden state to ``[-clip, clip]`` after each step.
-        onnx_op: emit ONNX's ``GRU`` operator (inference / export only). Not a Burn field.
+        onnx_op: emit ONNX's ``GRU`` operator (see the module docstring). Not a Burn field.
     """
 
     d_input: int

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import derived_config, layer_from_config
 from ._initializer import Initializer
 from ._rnn import RNN_INITIALIZER, Gru, GruConfig, Lstm, LstmConfig, LstmState

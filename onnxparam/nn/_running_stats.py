@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..module import Module
-from ..param import Param
-from ..tensor import Tensor
+from ..core.module import Module
+from ..core.param import Param
+from ..core.tensor import Tensor
 from ._norm import _COLLECTOR, BatchNorm
 
 __all__ = ["update_running_stats"]

@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._config import config, layer_from_config, pair, positive, spatial
 from ._conv_common import init_conv
 from ._conv_transpose import _init_transposed

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from .. import ops
-from ..device import Device
-from ..dtype import DType
-from ..module import Module
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ._attention import MhaInput, MultiHeadAttention
 from ._config import config, layer_from_config, positive
 from ._dropout import Dropout

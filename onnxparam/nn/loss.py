@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .. import ops
-from ..dtype import DType
-from ..module import Module
+from ..core.dtype import DType
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ..ops import _losses
-from ..tensor import Tensor
 from ._config import config
 
 __all__ = [

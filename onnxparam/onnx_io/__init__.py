@@ -1,7 +1,7 @@
 """ONNX import and export: ONNX models as modules, modules as ONNX models.
 
-A bridge between the model layer (:mod:`onnxparam.module`, :mod:`onnxparam.param`) and ONNX
-files; it uses the tracer (:mod:`onnxparam._trace`) to emit graphs and ``onnx_ir`` to read and
+The layer between the module tree (:mod:`onnxparam.core.module`, :mod:`onnxparam.core.param`) and ONNX
+files; it uses the tracer (:mod:`onnxparam.trace.tracer`) to emit graphs and ``onnx_ir`` to read and
 write them. Parts, each its own module:
 
 * :mod:`~onnxparam.onnx_io._naming`: ONNX names <-> module paths (a reversible escaping).
@@ -15,14 +15,8 @@ write them. Parts, each its own module:
   (:func:`read_onnx_record`, :func:`write_record_to_onnx`), for the converters.
 * :mod:`~onnxparam.onnx_io._save`: writing a model (external data, sharding, atomic rename).
 
-Layers: ``naming``, ``metadata``, ``source``, ``weights`` and ``save`` know ONNX protobuf bytes
-(the formats layer: the LoRA and QDQ graph passes use them); ``importer``, ``exporter`` and
-``records`` are bridges to modules and records. This facade imports nothing at import time, so
-a graph pass reading ``onnx_io.metadata`` does not pull in the importer; each name is imported on
-first use.
+This facade imports nothing at import time; each name is imported on first use.
 """
-
-import importlib
 
 _NAMES = {
     "export_onnx": "._exporter",
@@ -34,11 +28,21 @@ _NAMES = {
 
 
 def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'onnxparam.onnx_io' has no attribute {name!r}")
+    owner = _NAMES.get(name)
+    if owner == "._exporter":
+        from . import _exporter as module
+    elif owner == "._importer":
+        from . import _importer as module
+    elif owner == "._naming":
+        from . import _naming as module
+    elif owner == "._records":
+        from . import _records as module
+    elif owner == "._save":
+        from . import _save as module
+    else:
+        raise AttributeError(f"module 'onnxparam.onnx_io' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)
+    return value
 
 
 def __dir__():

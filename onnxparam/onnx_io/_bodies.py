@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..errors import TraceError
-from ..tensor import Tensor
+from ..core.errors import TraceError
+from ..core.tensor import Tensor
 from ._source import iter_graphs
 from ._weights import CONSTANT, INITIALIZER, WeightSite
 

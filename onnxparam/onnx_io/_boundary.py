@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.tensor import Tensor
 from ._source import iter_graphs
 
 __all__ = ["declared_inputs", "declared_view", "has_control_flow"]
@@ -70,7 +70,7 @@ def declared_view(tracer, x, value: ir.Value):
     if not isinstance(x, Tensor) or not x.is_symbolic or not x.rank_known \
             or not _more_specific(tuple(x.shape), _declared(value)):
         return x  # (a value of unknown rank says nothing the file does not)
-    from .._trace import InputSpec
+    from ..trace.tracer import InputSpec
 
     body = tracer.subgraph(lambda i, cond, v: (cond, v),
                            [InputSpec((), DType.I64), InputSpec((), DType.Bool), InputSpec(tuple(x.shape), x.dtype)],
@@ -89,7 +89,7 @@ def declared_view(tracer, x, value: ir.Value):
 def declared_inputs(source, bound: dict) -> dict:
     """``bound`` (graph input name -> value) with each input of a graph that holds control flow
     behind :func:`declared_view`; unchanged for other graphs or outside a trace."""
-    from .. import _trace as tr
+    from ..trace import tracer as tr
 
     tracer = tr.current_tracer()
     graph = source.loaded.model.graph

@@ -24,7 +24,7 @@ from typing import Optional
 
 import onnx_ir as ir
 
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 
 __all__ = ["FileStamp", "stamp_external_data", "carry_stamps", "check_tensor", "data_stamps", "check_stamps", "check_source"]
 

@@ -1,6 +1,6 @@
 """Exporting a module to an ONNX file: :func:`export_onnx`.
 
-Any module is traced with :func:`onnxparam._trace.trace_module` (initializer names = module
+Any module is traced with :func:`onnxparam.trace.tracer.trace_module` (initializer names = module
 paths, lazy params as ``onnx_ir.LazyTensor`` s evaluated one at a time while writing), its
 params' ids and trainable flags are written into ONNX metadata
 (:mod:`~onnxparam.onnx_io._metadata`), and the model is saved by
@@ -26,9 +26,9 @@ from typing import Mapping, Optional, Sequence, Union
 
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import TraceError
-from ..module import named_params
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..core.module import named_params
 from . import _metadata as md
 from ._importer import OnnxModule
 from ._save import DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -79,7 +79,7 @@ def export_onnx(
             dims instead (``dynamic_axes`` still apply).
         opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
             an imported model cannot be re-targeted to another opset).
-        lora: the LoRA mode of :func:`onnxparam._trace.trace_module` (``"merge"``: an adapted
+        lora: the LoRA mode of :func:`onnxparam.trace.tracer.trace_module` (``"merge"``: an adapted
             weight's initializer holds ``base + scale * (a @ b)``).
         external_data: ``None`` (automatic above protobuf's 2 GiB), ``True`` (``<file>.data``),
             ``False``, or a data file name.
@@ -91,7 +91,7 @@ def export_onnx(
         the ``pathlib.Path`` of the ``.onnx`` file.
 
     Raises:
-        TraceError: when the forward cannot be traced (see :mod:`onnxparam._trace`).
+        TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
         ValueError: for an unsupported opset or LoRA mode, or an opset other than an imported
             model's own.
         OnnxFormatError: when the model cannot be saved (see
@@ -101,7 +101,7 @@ def export_onnx(
     """
     import contextlib
 
-    from ._source_errors import naming_source
+    from ..runtime._source_errors import naming_source
 
     with naming_source(module) if isinstance(module, OnnxModule) else contextlib.nullcontext():
         model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
@@ -117,7 +117,7 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
     """The ``onnx_ir.Model`` :func:`export_onnx` writes (initializers still lazy); errors raised
     for an imported module name its file."""
     if isinstance(module, OnnxModule):
-        from ._source_errors import naming_source
+        from ..runtime._source_errors import naming_source
 
         with naming_source(module):
             return _trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
@@ -130,8 +130,8 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                       opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
-    from .._trace import trace_module
-    from ..lora import with_every_named_target
+    from ..lora._adapters import with_every_named_target
+    from ..quant._passes import trace_module  # the tracer's, with the standard LoRA / QDQ passes
 
     if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
         module = with_every_named_target(module)
@@ -189,8 +189,8 @@ def _auto_batch(module, example_inputs, kwargs, trace):
     example's shapes with a warning (see ``dynamic_batch``)."""
     import warnings
 
-    from .._trace import _as_spec, _is_input, baking_node
-    from ..errors import TraceError
+    from ..core.errors import TraceError
+    from ..trace.tracer import _as_spec, _is_input, baking_node
 
     tensors = [x for x in list(example_inputs) + list((kwargs or {}).values()) if _is_input(x)]
     shapes = [_as_spec(x).shape for x in tensors]
@@ -233,7 +233,7 @@ def _adapter_scales(module) -> dict:
 
 def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple]) -> None:
     """Initializer and model metadata for each param initializer (``name -> (path, param)``)."""
-    from .._version import __version__
+    from ..core.version import __version__
 
     scales = _adapter_scales(module)
     graph = model.graph
@@ -258,9 +258,10 @@ def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple])
 
 
 def _new_tracer(module: OnnxModule, lora: str):
-    from .. import _trace as tr
+    from ..quant._passes import STANDARD_PASSES
+    from ..trace import tracer as tr
 
-    return tr.Tracer(opset_imports=module.onnx_opset_imports, mode=lora, root=module,
+    return tr.Tracer(opset_imports=module.onnx_opset_imports, mode=lora, root=module, passes=STANDARD_PASSES,
                      name=module.ir_model.graph.name or "main_graph")
 
 
@@ -277,7 +278,7 @@ def _apply_axes(dims: list, axes, name: str) -> list:
 def _keep_source_dims(specs: list, module: OnnxModule) -> list:
     """Example-input specs with the source graph's dynamic dims kept (a re-export of an
     imported model stays as general as the original unless ``dynamic_axes`` says otherwise)."""
-    from .._trace import InputSpec
+    from ..trace.tracer import InputSpec
 
     try:
         source = module.input_specs()
@@ -297,9 +298,9 @@ def _spec_of(x):
     """An ``InputSpec`` for an example input (a spec, a tensor or an array)."""
     import numpy as np
 
-    from .._trace import InputSpec
-    from ..dtype import DType
-    from ..tensor import Tensor
+    from ..core.dtype import DType
+    from ..core.tensor import Tensor
+    from ..trace.tracer import InputSpec
 
     if isinstance(x, InputSpec):
         return x
@@ -339,7 +340,7 @@ def _export_imported(module: OnnxModule, example_inputs, input_names, output_nam
         meta = md.ParamMetadata(param.id, param.require_grad, scale)
         tensor.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
-    from .._version import __version__
+    from ..core.version import __version__
 
     props = md.strip_own_keys(model.metadata_props)
     props[md.PARAMS_KEY] = md.model_params_prop(metas)
@@ -424,7 +425,7 @@ def factor_onnx_names(originals: dict, paths) -> dict:
     LoRA factor path ``<path>.lora.a`` / ``.lora.b`` among ``paths`` whose base has a source
     name, ``<source name>.lora.a`` / ``.b``: factors are named after the weight as the file
     spells it (``onnx::MatMul_12.lora.a``), not after its escaped module path."""
-    from .._lora_graph import FACTOR_SUFFIXES
+    from ..lora._graph import FACTOR_SUFFIXES
 
     names = dict(originals)
     for path in paths:

@@ -30,8 +30,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..module import named_params
+from ..core.dtype import DType
+from ..core.module import named_params
 from ._source import iter_graphs
 from ._value_info import drop_undeclared_initializer_types
 from ._weights import INITIALIZER, find_weights, reads_as_shape, tensor_data
@@ -127,7 +127,7 @@ def _plan(module, lora: str) -> Optional[list]:
 
 
 def _array(site, param, how: str) -> np.ndarray:
-    from .._trace import param_array
+    from ..trace.tracer import param_array
 
     if how == "source":
         return tensor_data(site.tensor, site.dtype).array
@@ -142,7 +142,7 @@ class _Symbol:
 
 
 class _Emitted:
-    """What :class:`onnxparam._lora_graph._Expander` reads of a traced tensor."""
+    """What :class:`onnxparam.lora._graph._Expander` reads of a traced tensor."""
 
     def __init__(self, value: ir.Value, dtype: DType):
         self._symbol = _Symbol(value)
@@ -150,9 +150,9 @@ class _Emitted:
 
 
 class _LoraEmitter:
-    """The part of a tracer :class:`onnxparam._lora_graph._Expander` uses, over an export clone:
+    """The part of a tracer :class:`onnxparam.lora._graph._Expander` uses, over an export clone:
     nodes go into the weight's own graph, factors and scales become main-graph initializers
-    named ``<weight>.lora.a`` / ``.lora.b`` (what :mod:`onnxparam._lora_import` recognizes)."""
+    named ``<weight>.lora.a`` / ``.lora.b`` (what :mod:`onnxparam.onnx_io._lora_import` recognizes)."""
 
     def __init__(self, main: ir.Graph, graph: ir.Graph, site, param, taken: set, lora: str, written: dict):
         self.graph = graph
@@ -175,7 +175,7 @@ class _LoraEmitter:
         return value
 
     def param_value(self, factor) -> _Emitted:
-        from .._trace import param_array
+        from ..trace.tracer import param_array
 
         which = "a" if self._adapter().a is factor else "b"
         name = self.unique_name(f"{self.site.name}.lora.{which}")
@@ -200,8 +200,8 @@ class _LoraEmitter:
 
 def _expand_lora(clone: ir.Model, clone_map: dict, site, param, taken: set, lora: str, written: dict) -> None:
     """Emit ``param``'s adapter at every use of its weight (``"keep"`` / ``"inputs"``: the nodes
-    :mod:`onnxparam._lora_graph` writes for a traced module)."""
-    from .._lora_graph import _Expander
+    :mod:`onnxparam.lora._graph` writes for a traced module)."""
+    from ..lora._graph import _Expander
 
     graph = clone_map[id(site.graph)]
     base = clone_map[id(site.value)] if site.kind == INITIALIZER else clone_map[id(site.node)].outputs[0]

@@ -20,10 +20,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import ExecutionError
-from ..module import named_params
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.errors import ExecutionError
+from ..core.module import named_params
+from ..core.tensor import Tensor
 
 __all__ = ["run_graph", "MAX_GRAPH_SESSIONS"]
 
@@ -93,7 +93,7 @@ def _error(module, error: Exception, action: str) -> ExecutionError:
     """An :class:`ExecutionError` naming the imported file and the failing node (when ONNX
     Runtime's message names one of the source graph's nodes)."""
     from ..runtime._sessions import failing_node
-    from ._source_errors import source_label
+    from ..runtime._source_errors import source_label
 
     source = module._source
     message = str(error).strip()

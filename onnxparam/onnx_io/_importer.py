@@ -45,12 +45,12 @@ from typing import Any, Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..device import CPU
-from ..errors import CallArgumentError, OnnxFormatError, TraceError
-from ..module import Module, named_params
-from ..param import Param, ParamId
+from ..core.device import CPU
+from ..core.errors import CallArgumentError, OnnxFormatError, TraceError
+from ..core.module import Module, named_params
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
 from ..quant import _qdq_import
-from ..tensor import Tensor
 from . import _metadata as md
 from ._bodies import wired_subgraph
 from ._graph_model import copy_model
@@ -248,8 +248,8 @@ class OnnxModule(Module):
 
     def lora_weight_layouts(self) -> dict:
         """``path -> "in_out" | "out_in"`` (or why the graph does not decide) for each 2-d
-        weight, from the nodes that consume it (``onnxparam._lora_import.weight_layouts``)."""
-        from .._lora_import import weight_layouts
+        weight, from the nodes that consume it (``onnxparam.onnx_io._lora_import.weight_layouts``)."""
+        from ._lora_import import weight_layouts
 
         layouts = weight_layouts(self._source.loaded.model)
         return {path: layouts[name] for path, name in self._source.names.items() if name in layouts}
@@ -257,19 +257,19 @@ class OnnxModule(Module):
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""
-        from .._lora_import import transposed_weight_names
+        from ._lora_import import transposed_weight_names
 
         names = transposed_weight_names(self._source.loaded.model)
         return [path for path, name in self._source.names.items() if name in names]
 
     def input_specs(self) -> list:
-        """:class:`~onnxparam._trace.InputSpec` s of the graph inputs (symbolic dims as in the file,
+        """:class:`~onnxparam.trace.tracer.InputSpec` s of the graph inputs (symbolic dims as in the file,
         unnamed dynamic dims as ``None``), for tracing without example inputs.
 
         Raises:
             TraceError: for an input of unknown rank, or of a type onnxparam tensors cannot hold.
         """
-        from .._trace import InputSpec
+        from ..trace.tracer import InputSpec
 
         specs = []
         for v in self._source.inputs:
@@ -302,10 +302,10 @@ class OnnxModule(Module):
             ExecutionError: when ONNX Runtime cannot build or run the graph.
 
         Every error raised names the imported file (or the in-memory source) and, for a
-        run-time failure, the node (:mod:`~onnxparam.onnx_io._source_errors`).
+        run-time failure, the node (:mod:`~onnxparam.runtime._source_errors`).
         """
-        from .. import _trace as tr
-        from ._source_errors import naming_source
+        from ..runtime._source_errors import naming_source
+        from ..trace import tracer as tr
 
         with naming_source(self):
             if tr.current_tracer() is None:
@@ -373,13 +373,13 @@ class OnnxModule(Module):
         ``id(original value)`` to ``(original value, traced Tensor)``. Main-graph weights no node
         uses become initializers only with ``keep_unused`` (export keeps every weight; a run
         needs only what it computes with)."""
-        from .. import _trace as tr
+        from ..trace import tracer as tr
 
         tracer = tr.current_tracer()
         if tracer is None:
             raise TraceError("OnnxModule.forward emits graph nodes: call the module (module(x)) to run it")
         self._check_opsets(tracer)
-        from ._source_errors import record_scope
+        from ..runtime._source_errors import record_scope
 
         record_scope(tracer, self)
         params = dict(named_params(self))
@@ -562,7 +562,7 @@ def import_onnx(path_or_model) -> OnnxModule:
             share a name. Each message names the file and the problem.
         IsAFolderError (a FileAccessError and IsADirectoryError): the path is a folder.
     """
-    from .. import _lora_import
+    from . import _lora_import
 
     try:
         loaded = load_model(path_or_model)

@@ -26,8 +26,8 @@ key                            value
                                same facts as above, for tools that rewrite initializers and
                                drop their metadata (external-data writers, optimizers)
 ``onnxparam.version``          the onnxparam version that wrote the file
-``onnxparam.module``           the exported module's class (``package.module.QualName``)
-``onnxparam.record.<key>``     a ``ModuleRecord.metadata`` entry (e.g. burnpack metadata that
+``onnxparam.core.module``           the exported module's class (``package.module.QualName``)
+``onnxparam.core.record.<key>``     a ``ModuleRecord.metadata`` entry (e.g. burnpack metadata that
                                went through a converter)
 =============================  ==============================================================
 
@@ -45,8 +45,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..errors import OnnxFormatError
-from ..param import ParamId
+from ..core.errors import OnnxFormatError
+from ..core.param import ParamId
 
 __all__ = [
     "PREFIX",

@@ -80,13 +80,13 @@ GUARD_PREFIX = "x_"
 """Prefixed to a segment that is empty, starts with ``_`` / ``x_`` or is reserved."""
 
 RESERVED_SEGMENTS = frozenset({
-    # Module (onnxparam/module.py)
+    # Module (onnxparam/core/module.py, the verbs installed by onnxparam/_assembly.py)
     "forward", "named_params", "named_modules", "visit", "map", "num_params", "to_device", "fork",
     "collect_devices", "devices", "no_grad", "freeze_group", "unfreeze_group", "train", "valid",
     "from_inner", "training", "into_record", "try_load_record", "load_record", "save_file",
     "try_load_file", "load_file", "apply_lora", "merge_lora", "quantize_weights",
     "quantize_weights_group", "apply_qlora", "extra_repr",
-    # named LoRA adapters on Module (onnxparam/lora.py)
+    # named LoRA adapters on Module (onnxparam/lora/_adapters.py)
     "add_adapter", "set_adapter", "disable_adapter", "delete_adapter", "lora_adapters", "active_adapter",
     # OnnxModule / OnnxScope (onnxparam/onnx_io/_importer.py)
     "onnx_opset_imports", "onnx_names", "path_of", "param_of", "input_names", "output_names",
@@ -201,7 +201,7 @@ def tree_order(paths) -> list:
     The tree has one scope per path prefix, children in first-seen order (as
     ``OnnxModule`` builds it); a path that is also the prefix of another path is a param, and
     the longer path stays whole at that level (a dotted attribute), after the prefix's siblings
-    seen before it. Depth first, like :func:`onnxparam.module.named_params`.
+    seen before it. Depth first, like :func:`onnxparam.core.module.named_params`.
     """
     paths = list(paths)
     is_param = set(paths)

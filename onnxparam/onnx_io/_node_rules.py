@@ -9,7 +9,7 @@ from typing import Optional
 import onnx
 import onnx_ir as ir
 
-from ..dtype import DType
+from ..core.dtype import DType
 from ._weights import burn_dtype
 
 _OUTPUT_COUNT_MATTERS = frozenset({"BatchNormalization"})

@@ -19,7 +19,7 @@ from typing import Optional
 import onnx
 import onnx_ir as ir
 
-from ..errors import TraceError
+from ..core.errors import TraceError
 
 __all__ = ["source_types", "is_opaque", "opaque_node", "emit_opaque", "check_outputs"]
 

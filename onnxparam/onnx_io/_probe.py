@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
+from ..core.dtype import DType
 
 __all__ = ["probed_types"]
 

@@ -38,7 +38,7 @@ def _const_array(graph: ir.Graph, name: "str | None"):
 
 def _element_scales(qt) -> np.ndarray:
     """The scale of every element of ``qt`` (float32, ``qt.shape``)."""
-    from ..quant._layout import expand_scales
+    from ..core.quant_layout import expand_scales
 
     if qt.axis is not None:
         shape = [1] * len(qt.shape)
@@ -74,7 +74,7 @@ def plan_quant_write(qt, origin, graph: ir.Graph, path: str) -> "QuantWrite | st
     (initializers of ``graph``), or a message saying why that form cannot hold it exactly.
 
     Args:
-        qt: the record entry as a :class:`~onnxparam.quant._tensor.QuantizedTensor`.
+        qt: the record entry as a :class:`~onnxparam.core.tensor.QuantizedTensor`.
         origin: the template's :class:`~onnxparam.quant._qdq_import.QuantOrigin` for that weight.
         graph: the unfolded template's main graph.
         path: the record path, for messages.

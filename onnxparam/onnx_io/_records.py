@@ -18,10 +18,10 @@ from typing import Any, Callable, Mapping, Optional, Union
 import onnx
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import RecordError
-from ..param import ParamId
-from ..record import ModuleRecord, TensorSnapshot
+from ..core.dtype import DType
+from ..core.errors import RecordError
+from ..core.param import ParamId
+from ..core.record import ModuleRecord, TensorSnapshot
 from . import _metadata as md
 from ._naming import tree_order
 from ._save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -45,7 +45,7 @@ def read_onnx_record(path_or_model) -> ModuleRecord:
     each snapshot has the Burn dtype, the shape, the param id recorded in the file's metadata
     (``None`` when there is none) and a loader that reads the data only when asked (a zero-copy
     view of the memory-mapped external data file, or of the protobuf bytes). The record's
-    ``metadata`` holds the file's ``onnxparam.record.*`` entries, without that prefix.
+    ``metadata`` holds the file's ``onnxparam.core.record.*`` entries, without that prefix.
 
     Quantized weights (an integer initializer read by ``DequantizeLinear``, the exporter's
     ``MatMulInteger -> Cast -> Mul(scale)`` form, ``com.microsoft.MatMulNBits``) are ``QFloat``
@@ -111,7 +111,7 @@ def write_record_to_onnx(
     ``onnx_ir.LazyTensor``; a large record goes to external data as in
     :func:`~onnxparam.onnx_io._save.save_model`), a ``Constant``-held weight gets a new ``value``.
     Param ids go into the initializer and model metadata (:mod:`~onnxparam.onnx_io._metadata`);
-    record ``metadata`` entries become ``onnxparam.record.<key>`` model metadata. Everything else
+    record ``metadata`` entries become ``onnxparam.core.record.<key>`` model metadata. Everything else
     of the graph (nodes, opsets, other metadata) is kept. ``graph`` is never modified.
 
     Args:
@@ -157,7 +157,7 @@ def weights_into_graph(
         allow_partial: see :func:`write_record_to_onnx`.
         make_tensor: ``(tensor, site, metadata_props) -> onnx_ir tensor`` for each weight placed;
             the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
-        metadata: ``onnxparam.record.<key>`` model metadata entries.
+        metadata: ``onnxparam.core.record.<key>`` model metadata entries.
         source: how messages name ``graph`` (default: its path, or the kind of object).
 
     Raises:
@@ -225,7 +225,7 @@ def weights_into_graph(
             site.node.attributes["value"] = ir.AttrTensor("value", tensor)
     props = md.strip_own_keys(model.metadata_props)
     props[md.PARAMS_KEY] = md.model_params_prop(metas)
-    from .._version import __version__
+    from ..core.version import __version__
 
     props[md.VERSION_KEY] = __version__
     for key, value in (metadata or {}).items():
@@ -266,8 +266,8 @@ def _check_quantized(entry, site: WeightSite, origins: dict, model: ir.Model, pr
     values only when every weight reading it gives the same ones."""
     import numpy as np
 
-    from ..errors import QuantizationError
-    from ..quant._tensor import QuantizedTensor
+    from ..core.errors import QuantizationError
+    from ..core.tensor import QuantizedTensor
     from ._quant_write import plan_quant_write
 
     origin = origins[site.name]

@@ -43,14 +43,14 @@ from typing import Optional, Union
 import onnx
 import onnx_ir as ir
 
-from .._scratch import (
+from ..core.errors import OnnxFormatError
+from ..formats._scratch import (
     check_replaceable,
     create_scratch,
     disk_full_error,
     preserve_mode,
     release,
 )
-from ..errors import OnnxFormatError
 from ._source import iter_graphs
 
 __all__ = [
@@ -184,7 +184,7 @@ def save_model(
         tmp_model = tmp_dir / target.name
         try:
             if location is None:
-                from ..formats._ir_stream import save_inline  # NOTE: field by field, one tensor in memory
+                from ._ir_stream import save_inline  # NOTE: field by field, one tensor in memory
 
                 save_inline(model, tmp_model)
             else:

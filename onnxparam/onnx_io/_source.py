@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 from ._data_watch import iter_graphs, stamp_external_data  # noqa: F401  (iter_graphs: re-exported)
 from ._map_type import install as _install_map_type
 from ._value_info import note_declared_value_info
@@ -221,7 +221,7 @@ def _load_model(path_or_model) -> LoadedModel:
                 if path.is_dir():
                     import errno
 
-                    from ..errors import file_error
+                    from ..core.errors import file_error
 
                     raise file_error(errno.EISDIR, f"cannot read '{source}': it is a folder, not a file; give the path of the .onnx file",
                                      str(path))

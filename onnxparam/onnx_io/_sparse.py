@@ -36,7 +36,7 @@ def _dense(sparse) -> np.ndarray:
     dims = tuple(int(d) for d in sparse.dims)
     values = numpy_helper.to_array(sparse.values)
     indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-    from ..errors import OnnxFormatError
+    from ..core.errors import OnnxFormatError
 
     name = sparse.values.name
     numel = int(np.prod(dims)) if dims else 1

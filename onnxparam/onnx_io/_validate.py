@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 from onnx import AttributeProto, TensorProto
 
-from ..errors import OnnxFormatError
+from ..core.errors import OnnxFormatError
 
 __all__ = ["MAX_GRAPH_DEPTH", "MAX_OPSET_VERSION", "check_structure", "structure_proto"]
 

@@ -51,9 +51,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ..dtype import DTYPE_FROM_ONNX, DType, dtype_from_onnx_element
-from ..errors import OnnxFormatError
-from ..tensor import TensorData
+from ..core.dtype import DTYPE_FROM_ONNX, DType, dtype_from_onnx_element
+from ..core.errors import OnnxFormatError
+from ..core.tensor import TensorData
 from ._naming import onnx_name_to_path
 from ._source import iter_graphs
 
@@ -90,7 +90,7 @@ ONNX-only tensors (strings, packed int4 ...) stay in the graph as it came in."""
 
 def weight_dtype(dtype: ir.DataType) -> Optional[DType]:
     """The param dtype of a tensor of ONNX element type ``dtype``: Burn's, or an ONNX-only float8
-    type (see :mod:`onnxparam.dtype`), else ``None`` (not a weight)."""
+    type (see :mod:`onnxparam.core.dtype`), else ``None`` (not a weight)."""
     hit = burn_dtype(dtype)
     if hit is not None:
         return hit
@@ -323,7 +323,7 @@ def tensor_data(tensor: ir.TensorProtocol, dtype: DType) -> TensorData:
     except (ValueError, TypeError, AssertionError, OSError) as e:
         # NOTE (reliability fuzzing): onnx_ir reports data that does not fit the declared dims
         # or type (typed fields, external data) with numpy's or its own builtin errors.
-        from ..errors import OnnxFormatError
+        from ..core.errors import OnnxFormatError
 
         where = f" from the external data file '{tensor.path}'" if isinstance(tensor, ir.ExternalTensor) else ""
         raise OnnxFormatError(

@@ -6,7 +6,7 @@ operand is numeric. Layouts are Burn's / ONNX's: NCHW / NCL, conv weight
 operator(s) emitted; the semantics (and formulas) are the ONNX operator specification's,
 https://onnx.ai/onnx/operators/ (cited as "ONNX spec: <Op>").
 
-Inside a trace (a module's ``forward``, see :mod:`onnxparam._trace`) an op appends nodes to the
+Inside a trace (a module's ``forward``, see :mod:`onnxparam.trace.tracer`) an op appends nodes to the
 graph and returns symbolic tensors. Outside a trace, an op on concrete tensors runs *eagerly*:
 the op is traced into a small graph whose inputs are its tensor arguments, run through ONNX
 Runtime, and the session cached by signature (shapes, dtypes, devices, other arguments) in
@@ -23,12 +23,38 @@ attribute forms where a graph is traced at an older opset (an imported model kee
 an op ONNX lacks at that opset raises :class:`~onnxparam.TraceError`.
 
 Modules: :mod:`._elementwise`, :mod:`._linalg` (matmul, linear, activations), :mod:`._shape`,
-:mod:`._reduce`, :mod:`._nn` (convolution, pooling, normalization), :mod:`._nn_layers` (transposed
+:mod:`._reduce`, :mod:`._nn` (convolution, pooling, normalization), :mod:`._conv_transpose`, :mod:`._norm_train`, :mod:`._activation` (transposed
 convolution, group / RMS normalization, Burn's wider activations, training-mode batch norm and
 dropout), :mod:`._nn_spatial` (3-D convolution, 1-D pooling, pixel shuffle, unfold, LRN,
 interpolation), :mod:`._nn_deform` (deformable convolution, fold, 3-D adaptive pooling), :mod:`._custom`; import the ops from ``onnxparam.ops``.
 """
 
+from ._activation import (
+    celu,
+    elu,
+    glu,
+    hard_shrink,
+    hard_sigmoid,
+    hard_swish,
+    hardtanh,
+    leaky_relu,
+    log_sigmoid,
+    mish,
+    prelu,
+    relu6,
+    selu,
+    silu,
+    soft_shrink,
+    softplus,
+    softsign,
+    tanhshrink,
+    threshold,
+    thresholded_relu,
+)
+from ._conv_transpose import (
+    conv_transpose1d,
+    conv_transpose2d,
+)
 from ._creation import arange, full, ones, zeros
 from ._custom import custom, subgraph
 from ._elementwise import (
@@ -61,34 +87,6 @@ from ._elementwise import (
 from ._linalg import gelu, linear, log_softmax, matmul, softmax
 from ._nn import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv1d, conv2d, dropout, layer_norm, max_pool2d
 from ._nn_deform import adaptive_avg_pool3d, deform_conv2d, fold4d, rrelu_train
-from ._nn_layers import (
-    batch_norm_train,
-    celu,
-    conv_transpose1d,
-    conv_transpose2d,
-    dropout_train,
-    elu,
-    glu,
-    group_norm,
-    hard_shrink,
-    hard_sigmoid,
-    hard_swish,
-    hardtanh,
-    leaky_relu,
-    log_sigmoid,
-    mish,
-    prelu,
-    relu6,
-    rms_norm,
-    selu,
-    silu,
-    soft_shrink,
-    softplus,
-    softsign,
-    tanhshrink,
-    threshold,
-    thresholded_relu,
-)
 from ._nn_spatial import (
     adaptive_avg_pool1d,
     avg_pool1d,
@@ -99,6 +97,12 @@ from ._nn_spatial import (
     max_pool1d,
     pixel_shuffle,
     unfold4d,
+)
+from ._norm_train import (
+    batch_norm_train,
+    dropout_train,
+    group_norm,
+    rms_norm,
 )
 from ._reduce import argmax, max, mean, min, sum
 from ._sequence_layers import gru, lstm, mask_fill, quiet_softmax

@@ -7,12 +7,12 @@ import functools
 
 import numpy as np
 
-from .. import _trace
-from .._services import service
-from .._symint import SymInt
-from ..dtype import DType
-from ..errors import TraceError
-from ..tensor import Tensor
+from ..core import extension
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
+from ..trace.symint import SymInt
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -23,7 +23,7 @@ def _op(fn):
     @functools.wraps(fn)
     def op(*args, **kwargs):
         if _trace._CURRENT.get() is None:
-            return service("runtime.run_eager")(fn, args, kwargs)
+            return extension.executor().run_eager(fn, args, kwargs)
         return fn(*args, **kwargs)
 
     op.__wrapped_op__ = fn
@@ -58,7 +58,7 @@ def _int64s(values) -> Tensor:
 
 def _int64_input(values) -> Tensor:
     """A 1-D int64 input: a tensor as is (cast when needed), else a constant; a sequence holding
-    :class:`~onnxparam._symint.SymInt` s becomes a ``Concat`` of their values and the ints."""
+    :class:`~onnxparam.trace.symint.SymInt` s becomes a ``Concat`` of their values and the ints."""
     if isinstance(values, Tensor):
         t = _t(values)
         return t if t.dtype is DType.I64 else _emit("Cast", [t], {"to": DType.I64}, types=[(DType.I64, t._shape)])

@@ -1,7 +1,7 @@
 """Creation ops whose sizes may be symbolic: zeros, ones, full, arange.
 
 Outside a trace they return host tensors (numpy); inside one they emit ``ConstantOfShape`` /
-``Range`` (sizes given as :class:`~onnxparam._symint.SymInt` s follow the input's size at run
+``Range`` (sizes given as :class:`~onnxparam.trace.symint.SymInt` s follow the input's size at run
 time) or a constant when every size is an int.
 """
 
@@ -11,10 +11,10 @@ import builtins
 
 import numpy as np
 
-from .. import _trace
-from .._symint import SymInt
-from ..dtype import DType
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
+from ..trace.symint import SymInt
 from ._core import _emit, _int64_input, _require_opset, _tracer
 
 __all__ = ["zeros", "ones", "full", "arange"]
@@ -59,7 +59,7 @@ def ones(shape, dtype: DType = DType.F32) -> Tensor:
 
 def arange(start, end=None, step=1, dtype: DType = DType.I64) -> Tensor:
     """``start, start + step, ...`` below ``end`` (``arange(n)``: ``0 .. n-1``), as numpy's
-    ``arange``; bounds may be :class:`~onnxparam._symint.SymInt` s.
+    ``arange``; bounds may be :class:`~onnxparam.trace.symint.SymInt` s.
 
     ONNX: ``Range`` (ONNX spec: Range-11) when a bound is symbolic, else a constant.
     """

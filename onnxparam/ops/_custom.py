@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _trace
-from ..dtype import DType
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._core import _is_scalar, _op, _tracer
 
 __all__ = ["custom", "subgraph"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._symint import SymInt
-from ..dtype import DType
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.tensor import Tensor
+from ..trace.symint import SymInt
 from ._core import _const, _emit, _is_scalar, _op, _opset, _t
 
 __all__ = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..errors import TraceError
-from ..tensor import Tensor
+from ..core.errors import TraceError
+from ..core.tensor import Tensor
 from ._core import _emit, _norm_dim, _op, _opset, _t
 from ._elementwise import _operands, add, div, erf, mul, pow, tanh
 

@@ -7,8 +7,8 @@ ops they are made of (``LogSoftmax``, ``Equal``, ``ReduceSum``, ``ReduceMean`` .
 from __future__ import annotations
 
 from .. import ops
-from .._symint import SymInt
-from ..tensor import Tensor
+from ..core.tensor import Tensor
+from ..trace.symint import SymInt
 from ._core import _op, _t
 
 __all__ = ["cross_entropy", "mse"]

@@ -6,9 +6,9 @@ import builtins
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import TraceError
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..core.tensor import Tensor
 from ._core import _emit, _ntuple, _op, _opset, _static_dims, _t, _tracer
 from ._elementwise import add, div, mul, sqrt, sub
 from ._linalg import matmul

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 from ._core import _emit, _int64s, _ntuple, _op, _require_opset, _t, _tracer
 from ._elementwise import less, mul, where
 from ._linalg import matmul

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
+from ._conv_transpose import _conv_transpose
 from ._core import _emit, _ntuple, _op, _t, _tracer
 from ._elementwise import add, div, mul, pow
 from ._linalg import matmul
 from ._nn import _adaptive_matrix, _check_rank, _conv, _pool
-from ._nn_layers import _conv_transpose
 from ._reduce import mean
 from ._shape import permute, reshape, squeeze, unsqueeze
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 from ._core import _axes_operand, _emit, _norm_dim, _norm_dims, _op, _t
 
 __all__ = ["sum", "mean", "max", "min", "argmax"]

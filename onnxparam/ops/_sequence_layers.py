@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..tensor import Tensor
+from ..core.tensor import Tensor
 from ._core import _emit, _norm_dim, _op, _t
 from ._elementwise import add, div, exp, neg, sub, where
 from ._reduce import max, sum

@@ -8,10 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .._symint import SymInt
-from ..dtype import DType
-from ..errors import TraceError
-from ..tensor import Tensor
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..core.tensor import Tensor
+from ..trace.symint import SymInt
 from ._core import (
     _axes_operand,
     _emit,
@@ -344,7 +344,7 @@ def embedding(weight, indices) -> Tensor:
 
 @_op
 def expand(x, shape) -> Tensor:
-    """``x`` broadcast to ``shape`` (ints and :class:`~onnxparam._symint.SymInt` s; ``-1`` or
+    """``x`` broadcast to ``shape`` (ints and :class:`~onnxparam.trace.symint.SymInt` s; ``-1`` or
     ``1`` keeps the input dim, as PyTorch's ``expand``; leading new dims allowed).
     ONNX: ``Expand`` (ONNX spec: Expand-13, numpy broadcasting)."""
     x = _t(x)
@@ -367,7 +367,7 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 @_op
 def getitem(x, key) -> Tensor:
     """``x[key]`` with basic indexing: ints (the dim is removed; ONNX ``Gather``), slices with
-    int or :class:`~onnxparam._symint.SymInt` bounds and int steps (ONNX ``Slice``), ``None``
+    int or :class:`~onnxparam.trace.symint.SymInt` bounds and int steps (ONNX ``Slice``), ``None``
     (a new dim; ``Unsqueeze``), ``...``; one 1-D int tensor picks along its dim (``Gather``)."""
     x = _t(x)
     key = key if isinstance(key, tuple) else (key,)

@@ -22,9 +22,9 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..errors import RecordError
-from ..param import Param, ParamId
-from ..tensor import Tensor
+from ..core.errors import RecordError
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
 
 __all__ = ["Optimizer", "OptimizerRecord", "STEP_SCALAR", "OPTIMIZER_METADATA_KEY"]
 
@@ -91,7 +91,7 @@ class Optimizer:
         Raises:
             ValueError: when a gradient's shape differs from its param's.
         """
-        from ..module import rebuild
+        from ..core.module import rebuild
 
         lr = self.lr if lr is None else float(lr)
 
@@ -167,8 +167,8 @@ class Optimizer:
             the path written.
         """
         from .. import burnpack
-        from .._version import __version__
         from ..burnpack import Scalar, TensorEntry
+        from ..core.version import __version__
 
         path = Path(path)
         if path.suffix != ".bpk":

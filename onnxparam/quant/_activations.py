@@ -1,5 +1,5 @@
 """Static activation quantization: calibrating activation ranges by running the traced module in
-ONNX Runtime (runtime layer; the graph rewrite is :mod:`onnxparam.quant._qdq`'s)."""
+ONNX Runtime (the graph rewrite is :mod:`onnxparam.quant._qdq`'s)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import QuantizationError
+from ..core.dtype import DType
+from ..core.errors import QuantizationError
 from ._qdq_options import _QDQ_META, ACTIVATION_RANGES_ATTR, qdq_options
 from ._qdq_static import activation_sites as _activation_sites
 
@@ -42,9 +42,10 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
     """
     import onnx
 
-    from .._ort import import_onnxruntime
-    from .._trace import InputSpec, trace_module
-    from ..module import rebuild
+    from ..core.module import rebuild
+    from ..runtime._ort import import_onnxruntime
+    from ..trace.tracer import InputSpec
+    from ._passes import trace_module
 
     ort = import_onnxruntime()
     args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]

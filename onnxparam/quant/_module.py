@@ -5,7 +5,7 @@ visits (``crates/burn-core/src/module/quantize.rs``; ``docs/burnpack.md`` §4). 
 params is explicit (:func:`is_weight`):
 
 * float params (F64/F32/F16/BF16; an already quantized one that would be touched again is a
-  :class:`~onnxparam.errors.QuantizationError`) of **rank >= 2**
+  :class:`~onnxparam.core.errors.QuantizationError`) of **rank >= 2**
   by default: Linear / Conv / Embedding weights. Biases, norms' ``gamma`` / ``beta`` and running
   statistics are rank 1: quantizing them saves next to nothing and costs accuracy, and ONNX
   Runtime's integer kernels take their bias in float. ``Quantizer(min_rank=1)`` quantizes them too
@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..dtype import DType
-from ..errors import QuantizationError, QuantizationWarning
-from ..param import Param, _Lazy
-from ._calibration import quantize, quantize_per_axis
-from ._scheme import QuantScheme
+from ..core.dtype import DType
+from ..core.errors import QuantizationError, QuantizationWarning
+from ..core.param import Param, _Lazy
+from ..core.quant_scheme import QuantScheme
+from ..core.tensor import quantize, quantize_per_axis
 
 __all__ = ["Calibration", "Quantizer", "is_weight", "quantize_weights"]
 
@@ -64,7 +64,7 @@ class Quantizer:
             ``[O, I, kh, kw]``, axis 1 of a ConvTranspose weight ``[I, O/g, kh, kw]`` and of a
             ``[K, N]`` MatMul / Linear weight, axis 0 of a ``Gemm`` B with ``transB=1``
             (:func:`channel_axes`). Stored as Burn's block scheme when its extents fit (at most
-            255), else as an ONNX per-axis tensor (:func:`~onnxparam.quant._calibration.quantize_per_axis`).
+            255), else as an ONNX per-axis tensor (:func:`~onnxparam.core.tensor.quantize_per_axis`).
 
     Raises:
         QuantizationError: for a scheme Burn cannot quantize with (checked on the first tensor)
@@ -151,7 +151,7 @@ def _scheme_of(param: Param):
 def _already_quantized(module, quantizer: Quantizer, group) -> list:
     """``path (scheme)`` of every ``QFloat`` param :func:`quantize_weights` would otherwise
     quantize (same rank / LoRA / group rules as a float param)."""
-    from ..module import named_params
+    from ..core.module import named_params
 
     found = []
     for path, param in named_params(module):
@@ -189,7 +189,7 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
             initialized params, at the first use of the value for lazy ones; or, at once, when
             a param it would quantize is already quantized (its path and scheme are named).
     """
-    from ..module import rebuild
+    from ..core.module import rebuild
 
     if not isinstance(quantizer, Quantizer):
         raise QuantizationError(f"quantize_weights takes a Quantizer, found {type(quantizer).__name__}")
@@ -230,12 +230,12 @@ def onnx_only_weights(module, quantizer: Quantizer, group=None) -> list:
     With :attr:`Quantizer.per_channel`, a weight's per-channel block is the whole tensor but 1 on
     its channel axis (:func:`channel_axes`); Burn's block extents are at most 255 (``docs/burnpack.md``
     §1.3), so a weight with another axis over 255 is ONNX-only
-    (:func:`~onnxparam.quant._calibration.quantize_per_axis`).
+    (:func:`~onnxparam.core.tensor.quantize_per_axis`).
 
     Returns:
         ``[(path, shape, axis, extents)]``, ``[]`` without ``per_channel`` or when every weight fits.
     """
-    from ._calibration import per_axis_block
+    from ..core.tensor import per_axis_block
 
     if not quantizer.per_channel:
         return []
@@ -268,7 +268,7 @@ def channel_axes(module) -> dict:
     ``[C_in, C_out/group, k...]``), ``MatMul`` B / Linear ``[d_in, d_out]`` 1 (the last axis),
     ``Gemm`` B 1, or 0 with ``transB=1``. From the class names of ``onnxparam.nn`` modules and the
     nodes of imported ONNX graphs; other weights get :meth:`Quantizer.quantize`'s default."""
-    from ..module import named_modules
+    from ..core.module import named_modules
 
     axes = {}
     for prefix, sub in named_modules(module):

@@ -37,7 +37,7 @@ import warnings
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import QuantizationWarning
+from ..core.errors import QuantizationWarning
 from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, slow_weight_only, to_float
 from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
 

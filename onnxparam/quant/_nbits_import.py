@@ -36,12 +36,12 @@ import json
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import QuantizationError
-from ._layout import params_shape
+from ..core.dtype import DType
+from ..core.errors import QuantizationError
+from ..core.quant_layout import params_shape
+from ..core.quant_scheme import QuantScheme, QuantValue, ScaleDtype
+from ..core.tensor import QuantizedTensor
 from ._qdq_options import GLOBAL_SCALE_KEY, NBITS_TRANS_KEY, SCHEME_KEY, _const
-from ._scheme import QuantScheme, QuantValue, ScaleDtype
-from ._tensor import QuantizedTensor
 
 MS_DOMAIN = "com.microsoft"
 

@@ -9,7 +9,11 @@ constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/b
 ==============================  ==============================================================
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
-Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128)
+Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128);
+                                a weight an integer kernel reads (``MatMulInteger``, the QDQ
+                                ``QLinearMatMul`` / ``QLinearConv`` fuse) is always ``UINT8`` with
+                                zero point 128: ORT's u8 x s8 kernels saturate on x86 without VNNI
+                                (``_qdq_forms.unsigned_for_integer_kernels``)
 Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul /
                                 Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``); any
                                 other 4-bit weight is written float, with a warning and the reason
@@ -81,6 +85,7 @@ calibration (``_activations``: :func:`onnxparam.quant.quantize_activations`) and
 
 **Import** (``fold_dequantize_weights``): ``DequantizeLinear(integer initializer, constant
 scale[, constant zero point])`` and the ``DynamicQuantizeLinear -> MatMulInteger`` form above
+(a ``Gemm(transB=1)`` weight's ``Transpose`` of the codes too: back to that ``Gemm``)
 become one float weight that ``imported_param`` turns into a ``QFloat`` param; so does a
 ``com.microsoft.MatMulNBits`` weight (``_nbits_import``: Burn's 4-bit block scheme along K, Q8S
 for zero points other than 8), which becomes ``MatMul`` (or the ``Gemm`` it was exported from).
@@ -95,8 +100,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import QuantizationError, QuantizationWarning
+from ..core.dtype import DType
+from ..core.errors import QuantizationError, QuantizationWarning
+from ..core.quant_scheme import QuantValue
+from ..core.tensor import QuantizedTensor
 from . import _nbits
 from . import _qdq_forms as _forms
 from . import _qdq_static as _static
@@ -119,8 +126,6 @@ from ._qdq_options import (  # noqa: F401  (_OPTIONS: read by runtime.calls' fas
 )
 from ._qdq_static import dims as _dims
 from ._qdq_static import node as _node
-from ._scheme import QuantValue
-from ._tensor import QuantizedTensor
 
 __all__ = [
     "ACCURACY_LEVEL_KEY",
@@ -165,7 +170,7 @@ class _Emitted:
 
 
 def _quantized_of(param) -> QuantizedTensor:
-    from .._trace import untraced
+    from ..trace.tracer import untraced
 
     with untraced():
         base = param.base()
@@ -304,7 +309,7 @@ def _emitted(tracer) -> list:
 
 
 def quantized_param_value(tracer, param, path: str, shape: tuple):
-    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam._trace.GraphPasses.quantized_param`):
+    """The QDQ pass's value of a ``QFloat`` param (:attr:`onnxparam.trace.tracer.GraphPasses.quantized_param`):
     :func:`emit_param`'s dequantized tensor; when ONNX cannot express the scheme, the original
     float param's tensor (:attr:`QdqOptions.float_module`), else the float dtype the tracer holds
     the dequantized values as."""
@@ -343,6 +348,7 @@ def finish_graph(tracer) -> None:
             _dynamic_matmuls(tracer, e)
             _forms.dynamic_gemms(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
+    _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
     _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():
@@ -352,7 +358,7 @@ def finish_graph(tracer) -> None:
 def _expand_qlora(tracer, emitted: list) -> None:
     """Merge mode with a quantized base: the base stays quantized and the float adapter is added
     by graph nodes (``x @ DQ(W) + scale * ((x @ a) @ b)``), as ``"keep"`` mode does."""
-    from .. import _lora_graph as lora_graph
+    from ..lora import _graph as lora_graph
 
     for e in emitted:
         if e.param.adapter() is None:

@@ -19,6 +19,23 @@ form                   what is written / what ORT runs
                        original float values when ``QdqOptions.float_module`` gives them (what
                        ``onnxparam quantize`` does), else the dequantized ones (``param.val()``)
 =====================  =========================================================================
+
+**Integer-kernel weights are stored as uint8 codes with zero point 128** (:func:`unsigned_for_integer_kernels`):
+an 8-bit weight that an integer kernel reads (``dynamic int8``: ``MatMulInteger``; ``static int8``:
+the ``DequantizeLinear`` ORT fuses into ``QLinearMatMul`` / ``QLinearConv``) is written as
+``code + 128`` (``UINT8``) with zero point 128, never as ``INT8``. The activations of both forms
+are uint8, and on x86 CPUs with AVX2 but no AVX-VNNI / AVX512-VNNI, ONNX Runtime's MLAS runs a
+uint8 x int8 product with ``VPMADDUBSW``, which adds two ``u8 * s8`` products into a **saturating
+int16**: ``255 * 127 + 255 * 127 = 64770`` becomes 32767, silently (ORT 1.32: ``MatMulInteger`` of
+a = 255 ``[1, 16]`` and b = 127 ``[16, 4]`` gives 262136 instead of 518160; MNIST's int8 accuracy
+fell to 0.76-0.84 from 0.92). Its uint8 x uint8 kernels widen to int16 first and are exact on
+every CPU. ``(code + 128) - 128`` is ``code``, so ``DequantizeLinear`` gives Burn's values bit for
+bit and import reads the weight back as the same ``QFloat`` (Q8S / Q8F from the scheme metadata).
+Rejected: ORT's ``reduce_range`` (7-bit weights, what its docs suggest for non-VNNI x86) changes
+Burn's values; int8 activations are not what ``DynamicQuantizeLinear`` gives (uint8 only).
+Cost (AVX2, 1 thread, interleaved; README's quantization notes): 1.01-1.16x the saturating int8
+layout's time for ``dynamic int8``, 1.13-1.41x for ``static int8``; still 0.63-1.05x of float32.
+Weight-only ``DequantizeLinear`` (float compute: ``dequantize``, ``MatMulNBits``) keeps ``INT8``.
 """
 
 from __future__ import annotations
@@ -31,7 +48,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
+from ..core.dtype import DType
 
 REPORT_KEY = "onnxparam.quant.ops"
 """Model ``metadata_props`` key: JSON list of ``{"node", "op", "weight", "form"}``, one per op
@@ -132,7 +149,7 @@ def original_param(tracer, param):
 
 
 def _original_array(param, np_dtype) -> np.ndarray:
-    from .._trace import untraced
+    from ..trace.tracer import untraced
 
     with untraced():
         array = np.asarray(param.base().to_numpy())
@@ -189,6 +206,97 @@ def drop_unused_constants(tracer, e) -> None:
 def is_float(value: ir.Value) -> bool:
     """Whether :func:`keep_float` turned this quantized param's initializer into a float one."""
     return bool(value.meta.get("onnxparam.qdq.float"))
+
+
+# -- integer kernels: uint8 weight codes ---------------------------------------------------------
+
+
+_INTEGER_STATIC_OPS = ("MatMul", "Conv", "Gemm")
+"""Ops ORT fuses with a ``DequantizeLinear`` activation and weight into an integer kernel whose
+uint8 x uint8 form exists (``QLinearMatMul``, ``QLinearConv``, ``QGemm``)."""
+
+
+def _feeds_integer_kernel(e) -> bool:
+    """Whether an integer kernel with uint8 activations reads ``e``'s 8-bit codes: a
+    ``MatMulInteger`` (directly or through the ``Transpose`` of a ``transB`` Gemm), or a
+    ``DequantizeLinear`` whose output is the weight of a statically quantized MatMul / Conv / Gemm."""
+    for user, _ in list(e.value.uses()):
+        if user.op_type == "MatMulInteger":
+            return True
+        if user.op_type == "Transpose" and any(u.op_type == "MatMulInteger" for u, _ in user.outputs[0].uses()):
+            return True
+        if user.op_type == "DequantizeLinear" and any(
+                node.op_type in _INTEGER_STATIC_OPS and index == 1 and _statically_quantized(node)
+                for node, index in _through_activation_qdq(list(user.outputs[0].uses()))):
+            return True
+    return False
+
+
+def _zero_point_dims(e) -> list:
+    """The shape a zero point of ``e``'s ``DequantizeLinear`` must have: its scale input's (which a
+    folded ``BatchNormalization`` may have made per output channel)."""
+    scale = e.node.inputs[1]
+    if scale is not None and scale.shape is not None and all(isinstance(d, int) for d in scale.shape):
+        return list(scale.shape)
+    axis = e.node.attributes.get("axis")
+    if axis is not None and scale is not None and scale.shape is not None and len(scale.shape) == 1:
+        return [e.layout.values.shape[axis.value]]
+    return list(e.layout.scale.shape)
+
+
+def unsigned_for_integer_kernels(tracer, emitted: list) -> None:
+    """Store every signed 8-bit weight an integer kernel with uint8 activations reads
+    (:func:`_feeds_integer_kernel`: ``dynamic int8`` and ``static int8``, per tensor or per
+    channel) as ``UINT8`` codes ``code + 128`` with zero point 128.
+
+    Why (module docstring): ORT's uint8 x int8 kernels on x86 CPUs without VNNI
+    (``VPMADDUBSW``) saturate pairs of products in int16, a wrong number with no error; its uint8 x
+    uint8 kernels are exact everywhere. ``DequantizeLinear`` / ``MatMulInteger`` subtract the zero
+    point exactly, so every consumer computes with the same values (Burn's ``q * scale``); the
+    initializer keeps the Burn scheme metadata, so import restores the same ``QFloat``.
+
+    The initializer, its layout (:class:`~onnxparam.quant._qdq_layout.WeightLayout`, ``UINT8``
+    values ``[weight shape]``, zero point ``[scale shape]``) and ``e.zero_point`` change; the
+    zero point (shaped as the ``DequantizeLinear`` scale: per tensor ``[]``, per channel ``[C]``)
+    becomes the third input of the weight's ``DequantizeLinear`` and the fourth of each
+    ``MatMulInteger`` reading it. Weights already unsigned, 4-bit, blocked, written float, or read
+    by float compute only are left as they are."""
+    from ._qdq_layout import with_zero_point_128
+
+    for e in emitted:
+        layout = e.layout
+        if (layout.onnx_dtype != ir.DataType.INT8 or layout.zero_point is not None or layout.block_size is not None
+                or is_float(e.value) or not _feeds_integer_kernel(e)):
+            continue
+        new = with_zero_point_128(layout)
+        ref = e.value.meta["onnxparam.qdq.ref"]
+        ref[0] = e.layout = new
+        props = dict(e.value.const_value.metadata_props)
+
+        def make(_ref=ref, _name=e.path):
+            return ir.Tensor(_ref[0].values, dtype=_ref[0].onnx_dtype, name=_name)
+
+        e.value.const_value = ir.LazyTensor(make, new.onnx_dtype, e.value.shape, name=e.path)
+        e.value.const_value.metadata_props.update(props)
+        e.value.type = ir.TensorType(new.onnx_dtype)
+        dims = _zero_point_dims(e)
+        zero_point = ir.Value(name=tracer.unique_name(f"{e.path}_zero_point"),
+                              const_value=ir.Tensor(np.full(dims, 128, np.uint8), dtype=new.onnx_dtype))
+        zero_point.type = ir.TensorType(new.onnx_dtype)
+        zero_point.shape = ir.Shape(dims)
+        tracer._constants.append(zero_point)
+        e.zero_point = zero_point
+        readers = [(user, 2) for user, _ in e.value.uses() if user.op_type == "DequantizeLinear"]
+        for user, _ in list(e.value.uses()):
+            if user.op_type == "MatMulInteger":
+                readers.append((user, 3))
+            elif user.op_type == "Transpose":  # a transB Gemm's weight: the transposed codes are uint8 too
+                user.outputs[0].type = ir.TensorType(new.onnx_dtype)
+                readers += [(mmi, 3) for mmi, _ in user.outputs[0].uses() if mmi.op_type == "MatMulInteger"]
+        for node, index in readers:
+            if len(node.inputs) <= index:
+                node.resize_inputs(index + 1)
+            node.replace_input_with(index, zero_point)
 
 
 def _form(node: ir.Node, e) -> str:

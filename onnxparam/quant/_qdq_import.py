@@ -10,18 +10,21 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ..dtype import DType
-from ..errors import QuantizationError
+from ..core.dtype import DType
+from ..core.errors import QuantizationError
+from ..core.quant_scheme import QuantScheme, QuantValue
+from ..core.tensor import QuantizedTensor
 from ._nbits_import import fold_matmul_nbits
 from ._qdq_options import _INT_TYPES, GLOBAL_SCALE_KEY, SCHEME_KEY, _const
-from ._scheme import QuantScheme, QuantValue
-from ._tensor import QuantizedTensor
 
 # -- import --------------------------------------------------------------------------------------------
 
 
 
-def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank) -> QuantScheme:
+def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank, q: np.ndarray) -> QuantScheme:
+    """The Burn scheme of codes ``values`` (``q``: the codes minus their zero point): the one the
+    exporter wrote in ``props``, else symmetric (Q8S / Q4S) when no ``q`` is the negative extreme
+    (a uint8 code 0 with zero point 128 is -128: Q8F), full range otherwise."""
     text = props.get(SCHEME_KEY) if props is not None else None
     if text:
         return QuantScheme.from_cbor(json.loads(text))
@@ -29,9 +32,9 @@ def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank
     if values.dtype in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
         four = True
     if four:
-        value = QuantValue.Q4S if values.min(initial=0) >= -7 else QuantValue.Q4F
+        value = QuantValue.Q4S if q.min(initial=0) >= -7 else QuantValue.Q4F
     else:
-        value = QuantValue.Q8S if values.min(initial=0) >= -127 else QuantValue.Q8F
+        value = QuantValue.Q8S if q.min(initial=0) >= -127 else QuantValue.Q8F
     if axis is None or int(np.prod(scale_shape)) == 1:
         return QuantScheme(value)
     if block is None:  # per-axis: a block covering every other axis
@@ -42,7 +45,7 @@ def _scheme_from_props(props, values: np.ndarray, scale_shape, axis, block, rank
 
 
 def _grid_fits(shape, scheme: QuantScheme, scale: np.ndarray) -> bool:
-    from ._layout import params_shape
+    from ..core.quant_layout import params_shape
 
     try:
         return int(np.prod(params_shape(shape, scheme))) == scale.size
@@ -74,11 +77,11 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         return None
     if not np.all(np.isfinite(scale)) or np.any(scale <= 0):
         return None
-    scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank)
+    scheme = _scheme_from_props(props, values, scale.shape, axis, block, rank, q)
     if scheme is not None and props is not None and props.get(SCHEME_KEY) and not _grid_fits(values.shape, scheme, scale):
         # NOTE: an ONNX per-axis tensor (QuantizedTensor.axis, extents over Burn's 255) carries its
         # per-tensor scheme in SCHEME_KEY but one scale per channel: decided from the layout alone
-        scheme = _scheme_from_props(None, values, scale.shape, axis, block, rank)
+        scheme = _scheme_from_props(None, values, scale.shape, axis, block, rank, q)
     global_scale = None
     if scheme is None:  # per-axis
         extents = [d for d in values.shape]
@@ -93,7 +96,7 @@ def _burn_tensor(values, scale, zero_point, axis, block, props) -> QuantizedTens
         global_scale = np.float32(float.fromhex(props[GLOBAL_SCALE_KEY]))
         scale = (scale / global_scale).astype(np.float32)
     try:
-        from ._layout import params_shape
+        from ..core.quant_layout import params_shape
 
         grid = params_shape(values.shape, scheme)
         if int(np.prod(grid)) != scale.size:
@@ -233,16 +236,34 @@ def _replace_with_weight(graph, float_value: ir.Value, source: ir.Value, qt: Qua
     float_value.replace_all_uses_with(new, replace_graph_outputs=True)
 
 
+def _gemm_transpose(b: ir.Value, x: ir.Value):
+    """The ``Transpose`` (perm ``[1, 0]``) that gives ``MatMulInteger`` input ``b`` from ``[N, K]``
+    codes, as the exporter writes a ``Gemm(transB=1)`` weight, when ``x`` is 2-D (a Gemm's ``A``);
+    else ``None``."""
+    node = b.producer() if b is not None else None
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(b.uses()) != 1:
+        return None
+    perm = node.attributes.get("perm")
+    if (perm is not None and list(perm.value) != [1, 0]) or x is None or x.shape is None or len(x.shape) != 2:
+        return None
+    return node
+
+
 def _fold_dynamic(graph, mmi: ir.Node) -> int:
     """``DynamicQuantizeLinear(x) -> MatMulInteger(xq, W, xz[, wz]) -> Cast -> Mul(·, Mul(xs, s))``
-    -> ``MatMul(x, W_float)``."""
+    -> ``MatMul(x, W_float)``; with ``W = Transpose(codes [N, K])`` and a 2-D ``x`` (the exporter's
+    ``Gemm(transB=1)`` form) -> ``Gemm(x, W_float [N, K], transB=1)``, the scales per row of ``W``."""
     inputs = list(mmi.inputs)
     dql = inputs[0].producer() if inputs[0] is not None else None
     if dql is None or dql.op_type != "DynamicQuantizeLinear" or len(inputs) < 3 or inputs[2] is not dql.outputs[2]:
         return 0
-    w = _const(inputs[1])
+    transpose = _gemm_transpose(inputs[1], dql.inputs[0])
+    w_source = inputs[1] if transpose is None else transpose.inputs[0]
+    w = _const(w_source)
     wz = _const(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
-    if w is None or w.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or len(inputs[1].uses()) != 1:
+    if w is None or w.dtype not in (ir.DataType.INT8, ir.DataType.UINT8) or len(w_source.uses()) != 1:
+        return 0
+    if transpose is not None and len(w.shape) != 2:
         return 0
     if len(inputs) > 3 and inputs[3] is not None and wz is None:
         return 0
@@ -262,13 +283,17 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
     if len(s_in) != 1 or _const(s_in[0]) is None:
         return 0
     scale = np.asarray(_const(s_in[0]).numpy(), np.float32)
-    axis = None if scale.size == 1 and scale.ndim <= 1 else 1
+    axis = None if scale.size == 1 and scale.ndim <= 1 else 1 if transpose is None else 0
     qt = _burn_tensor(w.numpy(), scale.reshape(()) if axis is None else scale, None if wz is None else wz.numpy(),
                       axis, None, w.metadata_props)
     if qt is None:
         return 0
     x = dql.inputs[0]
-    matmul = ir.Node("", "MatMul", [x, inputs[1]], name=mmi.name.replace("/dynamic/MatMulInteger", "") or None)
+    name = mmi.name.replace("/dynamic/MatMulInteger", "") or None
+    if transpose is None:
+        matmul = ir.Node("", "MatMul", [x, inputs[1]], name=name)
+    else:
+        matmul = ir.Node("", "Gemm", [x, w_source], [ir.AttrInt64("transB", 1)], name=name)
     y = mul.outputs[0]
     out = matmul.outputs[0]
     out.name = y.name
@@ -276,8 +301,7 @@ def _fold_dynamic(graph, mmi: ir.Node) -> int:
     graph.insert_before(dql, [matmul])
     y.name = None
     y.replace_all_uses_with(out, replace_graph_outputs=True)
-    w_source = inputs[1]
-    for node in (mul, smul, cast, mmi):
+    for node in (mul, smul, cast, mmi) + (() if transpose is None else (transpose,)):
         graph.remove(node, safe=True)
     if not any(o.uses() for o in dql.outputs):
         graph.remove(dql, safe=True)
@@ -298,7 +322,7 @@ def imported_param(site, meta):
     qt = imported_quantized(site)
     if qt is None:
         return None
-    from ..param import Param, ParamId
+    from ..core.param import Param, ParamId
 
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = bool(meta.require_grad) if meta.require_grad is not None else False

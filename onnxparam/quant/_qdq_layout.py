@@ -9,10 +9,9 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ._calibration import quantize
+from ..core.quant_scheme import QuantScheme, QuantValue
+from ..core.tensor import QuantizedTensor, quantize
 from ._qdq_options import NBITS_MIN_BLOCK, QdqOptions
-from ._scheme import QuantScheme, QuantValue
-from ._tensor import QuantizedTensor
 
 # -- weight layouts ------------------------------------------------------------------------------
 
@@ -115,6 +114,16 @@ def weight_layout(qt: QuantizedTensor, opset: int = 21, options: QdqOptions | No
     else:
         onnx_dtype = ir.DataType.INT8
     return WeightLayout(onnx_dtype, values, scale, zero_point, axis, block)
+
+
+def with_zero_point_128(layout: WeightLayout) -> WeightLayout:
+    """A signed 8-bit ``layout`` (``INT8`` codes ``q``, no zero point) as ``UINT8`` codes
+    ``q + 128`` with zero point 128 (shaped as ``scale``): the same dequantized values, the form
+    integer kernels read exactly on every CPU
+    (:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels` says why)."""
+    values = (np.asarray(layout.values, np.int16) + 128).astype(np.uint8)
+    return replace(layout, onnx_dtype=ir.DataType.UINT8, values=values,
+                   zero_point=np.full(layout.scale.shape, 128, np.uint8))
 
 
 def _nbits_block(k: int, preferred: int | None) -> int | None:

@@ -25,7 +25,10 @@ optimizer needs to fuse; the per-value choices checked in ``tests/test_qdq_stati
   two integer convs, with a ``DQ -> BN -> Q`` and two NHWC/NCHW ``Transpose`` s around it. The
   conv's output takes the ``BatchNormalization`` output's name, whose range calibration measures.
 
-Activations are uint8, asymmetric, MinMax ranges widened to include 0 (ORT's defaults).
+Activations are uint8, asymmetric, MinMax ranges widened to include 0 (ORT's defaults). The
+weights of those ops are written as uint8 codes with zero point 128 once the pairs are in
+(:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels`: ORT's uint8 x int8 kernels
+saturate on x86 CPUs without VNNI).
 """
 
 from __future__ import annotations

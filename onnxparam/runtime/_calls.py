@@ -11,13 +11,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _lora_graph as lora_graph
-from .. import _trace
-from ..errors import ExecutionError
-from ..module import _MUTATIONS, _WATCHED
-from ..param import Param
-from ..quant import _qdq as qdq
-from ..tensor import Tensor
+from ..core import extension
+from ..core.errors import ExecutionError
+from ..core.module import _MUTATIONS, _WATCHED
+from ..core.param import Param
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
 from ._keys import _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token, call_signature  # noqa: F401
@@ -256,7 +255,10 @@ _current_tracer = _trace._CURRENT.get
 _fast_get = _fast.get
 
 
-_qdq_options_get = qdq._OPTIONS.get
+def _passes():
+    """The graph passes module calls trace with (LoRA, QDQ): the executor's, which the top layer
+    builds (:mod:`onnxparam.core.extension`); the runtime imports no pass."""
+    return extension.executor().passes
 
 
 def call_module(module, args: tuple, kwargs: dict):
@@ -272,7 +274,7 @@ def call_module(module, args: tuple, kwargs: dict):
     if tracer is not None:
         return tracer.call_module(module, args, kwargs)
     # NOTE: inside quant.qdq_options the graph differs: no fast path, nothing remembered
-    entry = _fast_get(id(module)) if _qdq_options_get() is None else None
+    entry = _fast_get(id(module)) if _passes().options() is None else None
     if entry is not None:
         if len(args) == 1 and not kwargs:
             runner = entry.last1
@@ -319,11 +321,12 @@ def _split_call(args, kwargs):
 
 
 def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: str = "static"):
-    """The trace key and :class:`~onnxparam._trace.TracedModel` of a call (traced if needed),
+    """The trace key and :class:`~onnxparam.trace.tracer.TracedModel` of a call (traced if needed),
     in LoRA ``mode``, under the shape ``policy`` (:attr:`SessionConfig.dynamic_shapes`);
     ``call_sig`` is the call's signature from :func:`_split_call`."""
+    passes = _passes()
     with _LOCK:
-        options = qdq.runtime_options()
+        options = passes.call_options()
         structure = _structure_key(module)
         trace_key = (structure, call_sig, mode, options)
         traced = _traces.get(trace_key)
@@ -334,8 +337,8 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
             hit = _dynamic_trace(module, args, kwargs, call_sig, (structure, mode, options))
             if hit is not None:
                 return hit
-        with qdq.qdq_options(options):
-            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode)
+        with passes.with_options(options):
+            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode, passes=passes)
         _STATS.traces += 1
         _traces[trace_key] = traced
         _trim(_traces, _limits["traces"])
@@ -443,10 +446,11 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
             dim_name[member] = f"{names[i]}_dim{axis}"
     specs = [_trace.InputSpec(tuple(dim_name.get((i, a), d) for a, d in enumerate(v.shape)), v.dtype)
              if isinstance(v, Tensor) else v for i, v in enumerate(values)]
+    passes = _passes()
     try:
-        with qdq.qdq_options(where[2]):
+        with passes.with_options(where[2]):
             return _trace.trace_module(module, tuple(specs[:len(args)]), kwargs=dict(zip(kwargs, specs[len(args):])),
-                                       lora=where[1], min_dynamic_size=least)
+                                       lora=where[1], min_dynamic_size=least, passes=passes)
     except Exception:  # noqa: BLE001 - the forward needs concrete sizes (a TraceError, or its own error)
         return None
 
@@ -454,11 +458,12 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
 def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None):
     """The runner for this call (tracing and building as needed) and the input tensors
     (``policy`` overrides the config's ``dynamic_shapes``)."""
-    from ..module import named_params
+    from ..core.module import named_params
 
     owner = type(module).__name__
     args, kwargs, tensors, call_sig = _split_call(args, kwargs)
     config = session_config(module)
+    passes = _passes()
     with _LOCK:
         trace_key, traced = _traced(module, args, kwargs, call_sig, config.lora_mode, policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
@@ -466,8 +471,8 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
         device = pick_device(owner, used, tensors)
         # NOTE: in "inputs" mode the factors are fed on every call, so their values are not part
         # of the key: one session serves every adapter (switching builds nothing).
-        fed = set(traced._cache.setdefault("fed_factors", tuple(lora_graph.factor_input_names(traced.model))))
-        session_key = (trace_key, device, config, tuple(_value_token(lora_graph.initializer_param(p, traced.mode))
+        fed = set(traced._cache.setdefault("fed_factors", tuple(passes.fed_input_names(traced.model))))
+        session_key = (trace_key, device, config, tuple(_value_token(passes.held_param(p, traced.mode))
                                                          for name, p in used if name not in fed))
         runner = _sessions.get(session_key)
         if runner is None:
@@ -478,8 +483,8 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
         else:
             _sessions.move_to_end(session_key)
         if fed:
-            runner = runner.with_fed_params(lora_graph.fed_factors(traced.model, by_path))
-        if remember and _qdq_options_get() is None:
+            runner = runner.with_fed_params(passes.fed_inputs(traced.model, by_path))
+        if remember and passes.options() is None:
             _remember(module, args, kwargs, runner, traced, by_path)
     return runner, tensors
 
@@ -535,16 +540,18 @@ def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> No
 
 def session_for(module, *args, **kwargs):
     """The ``onnxruntime.InferenceSession`` that ``module(*args, **kwargs)`` runs (built now if
-    needed). Arguments may be tensors, arrays or :class:`~onnxparam._trace.InputSpec` -free
+    needed). Arguments may be tensors, arrays or :class:`~onnxparam.trace.tracer.InputSpec` -free
     concrete values, exactly as in a call."""
     runner, _ = _resolve(module, args, kwargs)
     return runner.session
 
 
 def traced_for(module, *args, **kwargs):
-    """The :class:`~onnxparam._trace.TracedModel` of ``module(*args, **kwargs)``: traced now, so
+    """The :class:`~onnxparam.trace.tracer.TracedModel` of ``module(*args, **kwargs)``: traced now, so
     its lazy initializers are this module's params (a cached trace may come from another module
     object of the same structure). No session is built, no param initialized."""
     args, kwargs, _, _ = _split_call(args, kwargs)
-    with qdq.qdq_options(qdq.runtime_options()):
-        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode)
+    passes = _passes()
+    with passes.with_options(passes.call_options()):
+        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode,
+                                   passes=passes)

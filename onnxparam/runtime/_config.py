@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from .._ort import import_onnxruntime
-from ..lora import LORA_MODES
+from ..trace.passes import LORA_MODES
+from ._ort import import_onnxruntime
 
 ort = import_onnxruntime()
 
@@ -62,14 +62,14 @@ class SessionConfig:
             ``session.qdq_matmulnbits_accuracy_level``): 1 = float32 activations, so ``module(x)``
             computes with exactly the dequantized weights (the default here); 4 = int8
             activations, faster and approximate (ONNX Runtime's own default); 0 = ORT's default.
-        lora_mode: how ``module(x)`` runs LoRA adapters (:data:`onnxparam._lora_graph.LORA_MODES`):
+        lora_mode: how ``module(x)`` runs LoRA adapters (:data:`onnxparam.trace.passes.LORA_MODES`):
             ``"merge"`` (the effective weights, no overhead), ``"keep"`` (the adapter as graph
             nodes) or ``"inputs"`` (as ``"keep"``, the factors fed as inputs on every call: one
             session serves every adapter of the same rank, and switching adapters builds none).
         dynamic_shapes: how ``module(x)`` treats input shapes (:data:`DYNAMIC_SHAPE_POLICIES`).
             ``"auto"`` (default; PyTorch ``torch.compile``'s "automatic dynamic"): the first call
             traces with concrete shapes; when a later call differs in some dims, the forward is
-            traced once more with those dims symbolic (:mod:`onnxparam._symint`; sizes >= 1, a
+            traced once more with those dims symbolic (:mod:`onnxparam.trace.symint`; sizes >= 1, a
             size 0 gets a concrete trace), and that trace and its one session serve every later
             size. A forward that needs ``x.shape[0] == 1`` decided (or ``squeeze()``) is retraced
             with sizes 0 and 1 specialized as in PyTorch (those dims concrete, the others

@@ -7,12 +7,12 @@ from typing import Optional, Sequence
 import ml_dtypes
 import numpy as np
 
-from .._ort import import_onnxruntime
-from ..device import CPU, Device
-from ..dtype import DType
-from ..errors import DeviceError
-from ..tensor import Tensor
+from ..core.device import CPU, Device
+from ..core.dtype import DType
+from ..core.errors import DeviceError
+from ..core.tensor import Tensor
 from ._config import SessionConfig
+from ._ort import import_onnxruntime
 from ._values import host_ortvalue, onnx_of_numpy, ortvalue_array
 
 ort = import_onnxruntime()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _trace
-from ..tensor import Tensor
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._calls import _LOCK, _STATS, _eager, _limits, _trim
 from ._config import DEFAULTS
 from ._devices import pick_device

@@ -11,11 +11,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..device import Device
-from ..dtype import DType
-from ..errors import TraceError
-from ..param import Param
-from ..tensor import Tensor
+from ..core.device import Device
+from ..core.dtype import DType
+from ..core.errors import TraceError
+from ..core.param import Param
+from ..core.tensor import Tensor
 from ._config import CONFIG_ATTR
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
@@ -146,7 +146,7 @@ def _param_signature(param: Param):
 def _structure_key(module) -> tuple:
     """Everything about ``module`` that can change its traced graph: module types,
     configuration attributes, param paths / shapes / dtypes / adapters. Values are not part of it."""
-    from ..module import Module
+    from ..core.module import Module
 
     seen: dict = {}
 
@@ -178,7 +178,7 @@ def _mutable_state(module) -> tuple:
     writes bump ``module._MUTATIONS``) and ``(object, snapshot, is_array)`` for every mutable
     value in its configuration (lists, dicts, sets, numpy arrays) that can change in place
     without an attribute write. ``_unchanged(watched)`` tells whether they still match."""
-    from ..module import Module
+    from ..core.module import Module
 
     ids: set = set()
     watched: list = []

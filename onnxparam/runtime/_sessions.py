@@ -9,17 +9,16 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from .. import _lora_graph as lora_graph
-from .. import _trace
-from .._ort import import_onnxruntime
-from ..device import CPU, Device
-from ..dtype import DType, dtype_from_onnx_element
-from ..errors import ExecutionError, OnnxParamError
-from ..param import Param
-from ..quant import _qdq as qdq
-from ..tensor import Tensor
+from ..core import extension
+from ..core.device import CPU, Device
+from ..core.dtype import DType, dtype_from_onnx_element
+from ..core.errors import ExecutionError, OnnxParamError
+from ..core.param import Param
+from ..core.tensor import Tensor
+from ..trace import tracer as _trace
 from ._config import SessionConfig
 from ._devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
+from ._ort import import_onnxruntime
 from ._values import onnx_of_numpy
 
 ort = import_onnxruntime()
@@ -75,7 +74,7 @@ def execution_error(error: Exception, traced, owner: str, action: str) -> Execut
     node = None if traced is None else failing_node(message, traced.graph)
     text = f"ONNX Runtime failed to {action} {owner}"
     if node is not None:
-        from ..onnx_io._source_errors import imported_source
+        from ._source_errors import imported_source
 
         params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
         text += f" at node '{node.name}' ({node.op_type})"
@@ -101,7 +100,7 @@ def _session_model_bytes(traced) -> bytes:
     try:
         for path in traced.param_paths:
             value = graph.initializers[path]
-            if qdq.is_qdq_initializer(value):
+            if extension.executor().passes.is_pass_initializer(value):
                 continue  # NOTE: quantized values travel with the graph (the trace is keyed by their storage)
             saved.append((value, value.const_value))
             nbytes = math.prod(value.shape.numpy()) * value.dtype.itemsize
@@ -289,10 +288,10 @@ def build_runner(traced, params: Sequence[Param], device: Device, config: Sessio
     names, values, arrays = [], [], []
     for path, param in zip(traced.param_paths, params):
         value = traced.graph.initializers[path]
-        if qdq.is_qdq_initializer(value):
+        if extension.executor().passes.is_pass_initializer(value):
             continue
         # NOTE: in the "keep" / "inputs" LoRA modes an adapted weight's initializer is its raw base
-        array = _trace.param_array(lora_graph.initializer_param(param, traced.mode), dtype_from_onnx_element(int(value.dtype)))
+        array = _trace.param_array(extension.executor().passes.held_param(param, traced.mode), dtype_from_onnx_element(int(value.dtype)))
         if tuple(array.shape) != tuple(value.shape.numpy()):
             raise ExecutionError(f"param {path!r} of {owner} has shape {list(array.shape)} but was traced with "
                                  f"{list(value.shape.numpy())}")

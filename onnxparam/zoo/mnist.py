@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..device import Device
-from ..errors import file_error
-from ..module import Module
+from ..core.device import Device
+from ..core.errors import file_error
+from ..core.module import Module
+from ..core.tensor import Tensor
 from ..nn import (
     BatchNormConfig,
     Conv2dConfig,
@@ -40,7 +41,6 @@ from ..nn import (
     MaxPool2dConfig,
     Relu,
 )
-from ..tensor import Tensor
 
 __all__ = [
     "Mnist",

@@ -1,0 +1,567 @@
+"""Loading Hugging Face PEFT LoRA adapters onto a module: :func:`load_peft_adapter`.
+
+A PEFT LoRA checkpoint is a folder with ``adapter_config.json`` and
+``adapter_model.safetensors`` (PEFT ``save_pretrained``; ``peft/utils/save_and_load.py``,
+``peft/tuners/lora/layer.py``). For a target module ``<name>`` (a PyTorch ``Linear``) it holds::
+
+    <name>.lora_A.weight   (r, in_features)     PyTorch Linear(in, r).weight
+    <name>.lora_B.weight   (out_features, r)    PyTorch Linear(r, out).weight
+    delta (PyTorch layout, (out, in)) = scale * B @ A
+    scale = lora_alpha / r,   or lora_alpha / sqrt(r) with use_rslora (Kalajdzievski 2023)
+
+and ``r`` / ``lora_alpha`` may be overridden per module by ``rank_pattern`` / ``alpha_pattern``
+(regex keys matched against the end of the module name, as PEFT does).
+
+In this library's adapter (:class:`~onnxparam.LoraAdapter`), ``a`` is ``(d_in, r)`` and ``b`` is
+``(r, d_out)`` whatever the base's layout, so ``a = A.T`` and ``b = B.T`` always: for a base
+stored ``(d_in, d_out)`` (Burn's Linear, ONNX ``MatMul`` B) the delta is ``scale * a @ b``
+``= (scale * B @ A).T``; for a base stored ``(d_out, d_in)`` (PyTorch's layout, ONNX ``Gemm``
+``transB=1``; a *transposed* adapter) it is ``(scale * a @ b).T = scale * B @ A``. PEFT's
+``fan_in_fan_out`` (GPT-2 ``Conv1D`` bases stored ``(in, out)``) describes the PyTorch base and
+changes neither factor; the layout that matters is the target param's here, and it comes from the graph that
+consumes it (``MatMul`` B, ``Transpose -> MatMul``, ``Gemm transB``, ``Conv``), else the module's
+declared layout (``lora_transposed_paths``), else Burn's ``(in, out)``: never from the shape.
+
+Embedding LoRA (``lora_embedding_A`` / ``_B``), convolution LoRA (``lora_A`` a conv,
+``lora_B`` a 1x1 conv; the delta reshaped to the weight) and ``lora_bias`` (``lora_B.bias``,
+added to the layer's bias times the scale, as PEFT merges it) are loaded.
+
+Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
+(``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
+non-LoRA ``peft_type``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..core.dtype import DType
+from ..core.errors import RecordError, ShapeMismatchError
+from ..core.module import named_params, rebuild
+from ..core.param import Param, ParamId
+from ..core.tensor import Tensor
+from ._adapters import LoraAdapter, transposed_paths
+
+__all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
+           "CONFIG_FILE", "WEIGHTS_FILE"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+DEFAULT_PEFT_KEY_MAP = ((r"^base_model\.model\.", ""),)
+"""Applied before the user's rules: PEFT prefixes every key with ``base_model.model.``."""
+
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
+"""``<module>.lora_A.weight`` (and the older ``<module>.lora_A.<adapter name>.weight``)."""
+_EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B)(?:\.[^.]+)?$")
+"""``<module>.lora_embedding_A`` ``(r, num_embeddings)`` / ``_B`` ``(dim, r)`` (embedding LoRA)."""
+_BIAS_KEY = re.compile(r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.(?P<which>bias)$")
+"""``<module>.lora_B.bias`` ``(out,)`` (``lora_bias=True``)."""
+
+
+PEFT_DEFAULT_LORA_ALPHA = 8
+"""``lora_alpha`` when ``adapter_config.json`` leaves it out: PEFT's ``LoraConfig`` default."""
+
+
+class PeftConfig:
+    """The fields of ``adapter_config.json`` this loader uses.
+
+    Attributes:
+        r: the default rank; ``lora_alpha``: the default alpha (PEFT's default, 8, when the
+        file leaves it out); ``use_rslora``: scale
+        ``alpha / sqrt(r)`` instead of ``alpha / r``; ``rank_pattern`` / ``alpha_pattern``:
+        per-module overrides (regex key -> value); ``fan_in_fan_out``: the PyTorch base stores
+        ``(in, out)`` (informational, see the module docstring); ``raw``: the whole JSON.
+    """
+
+    def __init__(self, raw: dict, source: str):
+        self.raw = raw
+        self.source = source
+        problems = []
+        peft_type = raw.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            problems.append(f"peft_type {peft_type!r}: only LoRA adapters are supported")
+        if raw.get("use_dora"):
+            problems.append("use_dora=true (DoRA): the magnitude vector has no equivalent in a LoRA adapter")
+        if raw.get("bias", "none") not in ("none", None):
+            problems.append(f"bias={raw.get('bias')!r}: trained biases are not part of a LoRA adapter; "
+                            "only bias='none' is supported")
+        for key in ("use_qalora",):
+            if raw.get(key):
+                problems.append(f"{key}=true is not supported")
+        if problems:
+            raise RecordError(f"unsupported PEFT adapter in {source}", problems)
+        try:
+            self.r = _rank(raw["r"])
+            # NOTE: PEFT's LoraConfig declares ``lora_alpha: int = 8`` (peft/tuners/lora/config.py),
+            # so a config that leaves the key out was trained with alpha 8, not alpha = r.
+            self.lora_alpha = _alpha(raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
+        except (KeyError, TypeError, ValueError) as e:
+            raise RecordError(f"{source}: adapter_config.json needs an integer 'r' >= 1 and a finite number "
+                              f"'lora_alpha' ({type(e).__name__}: {e})") from None
+        self.use_rslora = bool(raw.get("use_rslora", False))
+        self.lora_bias = bool(raw.get("lora_bias", False))
+        self.fan_in_fan_out = bool(raw.get("fan_in_fan_out", False))
+        # NOTE (reliability fuzzing): patterns are checked here, so a bad key or value is a
+        # RecordError naming it, not a re.error / ValueError while the weights are matched.
+        self.rank_pattern = _patterns(raw, "rank_pattern", _rank, source)
+        self.alpha_pattern = _patterns(raw, "alpha_pattern", _alpha, source)
+
+    @staticmethod
+    def _pattern(patterns: dict, name: str):
+        # PEFT (tuners/lora/model.py): the first key k with re.match(rf"(.*\.)?({k})$", name)
+        for key, value in patterns.items():
+            if re.match(rf"(.*\.)?({key})$", name):
+                return value
+        return None
+
+    def scale_for(self, name: str, rank: int) -> float:
+        """The adapter scale of PEFT module ``name`` whose factors have rank ``rank``."""
+        alpha = self._pattern(self.alpha_pattern, name)
+        alpha = self.lora_alpha if alpha is None else alpha
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def rank_for(self, name: str) -> int:
+        rank = self._pattern(self.rank_pattern, name)
+        return self.r if rank is None else rank
+
+
+def _rank(value) -> int:
+    """A LoRA rank: an integer >= 1 (``2.0`` is taken, ``2.7``, ``true`` and ``0`` are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"a rank is an integer >= 1, found {value!r}")
+    return int(value)
+
+
+def _alpha(value) -> float:
+    """A LoRA alpha: a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"lora_alpha is a finite number, found {value!r}")
+    return float(value)
+
+
+def _patterns(raw: dict, key: str, check, source: str) -> dict:
+    patterns = raw.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise RecordError(f"{source}: {key} maps module-name regexes to values; found {patterns!r}")
+    out = {}
+    for regex, value in patterns.items():
+        try:
+            re.compile(regex)
+            out[regex] = check(value)
+        except (re.error, TypeError, ValueError) as e:
+            raise RecordError(f"{source}: {key} entry {regex!r}: {value!r} is not usable ({e})") from None
+    return out
+
+
+def read_peft_config(path: "str | os.PathLike") -> PeftConfig:
+    """Parse an ``adapter_config.json``.
+
+    Raises:
+        RecordError: for unreadable JSON or an unsupported variant (every option named).
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 decoding errors
+        raise RecordError(f"cannot read the PEFT config {path}: {e}") from None
+    except RecursionError:  # NOTE (reliability fuzzing): "[[[[..." deeper than Python's stack
+        raise RecordError(f"cannot read the PEFT config {path}: JSON nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise RecordError(f"{path}: a PEFT adapter_config.json holds a JSON object")
+    return PeftConfig(raw, str(path))
+
+
+def _files(folder_or_files) -> tuple:
+    if isinstance(folder_or_files, (str, os.PathLike)) and Path(folder_or_files).is_dir():
+        folder = Path(folder_or_files)
+        weights = folder / WEIGHTS_FILE
+        if not weights.exists() and (folder / "adapter_model.bin").exists():
+            raise RecordError(f"{folder} holds adapter_model.bin (a pickle); save the adapter with "
+                              "safe_serialization=True to get adapter_model.safetensors")
+        return folder / CONFIG_FILE, weights
+    files = [Path(p) for p in (folder_or_files if isinstance(folder_or_files, (list, tuple)) else [folder_or_files])]
+    config = next((p for p in files if p.suffix == ".json"), None)
+    weights = next((p for p in files if p.suffix == ".safetensors"), None)
+    if config is None or weights is None:
+        raise RecordError(f"expected a PEFT adapter folder or (adapter_config.json, adapter_model.safetensors); "
+                          f"got {[str(p) for p in files]}")
+    return config, weights
+
+
+def _map_key(name: str, rules: Sequence) -> str:
+    for pattern, repl in rules:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+IN_OUT, OUT_IN, CONV = "in_out", "out_in", "conv"
+"""A 2-d weight's layout: ``(d_in, d_out)`` (Burn's ``Linear``, ONNX ``MatMul`` B, an embedding
+table ``(num_embeddings, dim)``) or ``(d_out, d_in)`` (PyTorch's ``Linear``, ``Gemm`` ``transB=1``,
+``Transpose -> MatMul``)."""
+
+
+@dataclass
+class PeftLoadReport:
+    """What :func:`load_peft_adapter` did with each PEFT module of a checkpoint.
+
+    Attributes:
+        matched: PEFT module name -> the param path its adapter was attached to.
+        unmatched: PEFT module names that map to no param (ignored with ``allow_partial``).
+        problems: one line per problem that stopped the load (empty on success).
+    """
+
+    matched: dict = field(default_factory=dict)
+    unmatched: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.matched)} PEFT module(s) matched, {len(self.unmatched)} unmatched"]
+        lines += [f"  {name} -> {path}" for name, path in self.matched.items()]
+        lines += [f"  {name}: no param" for name in self.unmatched]
+        return "\n".join(lines)
+
+
+class _Targets:
+    """Resolves a mapped PEFT module name to a param path and says each param's layout.
+
+    Names resolve, in order, as a module path (``fc1.weight``, or ``fc1`` + ``.weight``), as an
+    ONNX weight name of an imported module (``onnx::MatMul_352`` as the file spells it), or,
+    in an imported graph, as the ``<module>.weight`` whose ``MatMul`` / ``Gemm`` output gets
+    ``<module>.bias`` added (how torch's TorchScript exporter leaves ``nn.Linear`` weights it
+    renamed), or as the module path that torch's dynamo exporter records on the ``aten.linear``
+    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`). Layouts come from
+    modules that declare them from their graph (``lora_weight_layouts``: an imported
+    ``OnnxModule``), else from ``lora_transposed_paths``
+    declarations, else Burn's ``(d_in, d_out)`` (this library's ``nn`` modules); never from
+    shapes."""
+
+    def __init__(self, module):
+        from ..core.module import named_modules
+
+        self.params = dict(named_params(module))
+        self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
+        self.graph_prefixes: list = []
+        self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
+        for prefix, sub in named_modules(module):
+            method = getattr(sub, "lora_weight_layouts", None)
+            if not callable(method):
+                continue
+            join = (lambda p, _pre=prefix: f"{_pre}.{p}" if _pre else p)
+            self.graph_prefixes.append(f"{prefix}." if prefix else "")
+            self.layouts.update({join(p): layout for p, layout in method().items()})
+            onnx_names = sub.onnx_names  # a property: path -> ONNX name
+            for path, name in onnx_names.items():
+                self.names.setdefault(name, join(path))
+            by_name = {name: join(path) for path, name in onnx_names.items()}
+            for alias, name in _linear_aliases(sub.ir_model).items():
+                if name in by_name:
+                    self.names.setdefault(alias, by_name[name])
+
+    def resolve(self, mapped: str) -> Optional[str]:
+        for candidate in (mapped, f"{mapped}.weight"):
+            if candidate in self.params:
+                return candidate
+        for candidate in (mapped, f"{mapped}.weight"):
+            if candidate in self.names:
+                return self.names[candidate]
+        return None
+
+    def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:
+        """The bias param of the module whose weight is ``weight_path`` (``fc.weight`` ->
+        ``fc.bias``; ``<mapped>.bias`` as a path or an ONNX name)."""
+        candidates = [f"{mapped}.bias"]
+        if weight_path.endswith(".weight"):
+            candidates.insert(0, weight_path[: -len(".weight")] + ".bias")
+        for candidate in candidates:
+            if candidate in self.params:
+                return candidate
+            if candidate in self.names and self.names[candidate] in self.params:
+                return self.names[candidate]
+        return None
+
+    def layout(self, path: str) -> str:
+        """``IN_OUT`` / ``OUT_IN``, or why the layout is not known."""
+        if path in self.layouts:
+            return self.layouts[path]
+        if any(path.startswith(prefix) for prefix in self.graph_prefixes):
+            return "the graph does not use it as a 2-d weight"
+        # this library's modules: Linear / Embedding (d_in, d_out), Conv (out, in / groups, *kernel)
+        return CONV if len(self.params[path].lazy_shape()) >= 3 else IN_OUT
+
+
+def _linear_aliases(model) -> dict:
+    """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is an initializer
+    (directly or through a 2-d ``Transpose``) and whose output gets an initializer named
+    ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
+    aliases = {}
+    for node in model.graph.all_nodes():
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        weight = node.inputs[1]
+        producer = weight.producer() if weight is not None else None
+        if producer is not None and producer.op_type == "Transpose":
+            weight = producer.inputs[0]
+        if weight is None or not weight.is_initializer():
+            continue
+        biases = [node.inputs[2]] if node.op_type == "Gemm" and len(node.inputs) > 2 else []
+        for user, _ in node.outputs[0].uses():
+            if user.op_type == "Add":
+                biases += [v for v in user.inputs if v is not None and v is not node.outputs[0]]
+        for bias in biases:  # NOTE: torch dedupes equal initializers: the bias may be an Identity's output
+            if bias is not None and bias.name and bias.name.endswith(".bias"):
+                aliases.setdefault(bias.name[: -len(".bias")] + ".weight", weight.name)
+        scope = node.name or ""
+        if scope.startswith("/") and scope.count("/") >= 2:  # torch's node names: /<module path>/MatMul
+            aliases.setdefault(scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name)
+        module_path = _dynamo_linear_scope(node)
+        if module_path:
+            aliases.setdefault(module_path + ".weight", weight.name)
+    return aliases
+
+
+def _dynamo_linear_scope(node) -> Optional[str]:
+    """The module path of an ``aten.linear`` node written by torch's dynamo exporter, from the
+    node's ``pkg.torch.onnx.name_scopes`` metadata (``['', 'fc1', 'linear']`` -> ``"fc1"``);
+    ``None`` for any other node. (The exporter folds ``nn.Linear``'s weight transpose into an
+    unnamed ``val_N`` initializer: this names it whether or not the layer has a bias.)"""
+    props = node.metadata_props
+    if "aten.linear" not in props.get("pkg.torch.onnx.fx_node", ""):
+        return None
+    try:
+        scopes = ast.literal_eval(props.get("pkg.torch.onnx.name_scopes", ""))
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2 or not isinstance(scopes[-2], str):
+        return None
+    return scopes[-2] or None
+
+
+def _factor_array(snap) -> np.ndarray:
+    return np.asarray(snap.to_data().to_numpy())
+
+
+def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = None, *,
+                      allow_partial: bool = False, return_report: bool = False):
+    """A copy of ``module`` with the LoRA adapters of a PEFT checkpoint attached.
+
+    Args:
+        module: any :class:`~onnxparam.Module` (an imported :class:`~onnxparam.OnnxModule` too).
+        folder_or_files: a folder with ``adapter_config.json`` and ``adapter_model.safetensors``,
+            or those two paths.
+        key_map: ``[(regex, replacement), ...]`` applied in order (``re.sub``) to each PEFT
+            module name, after :data:`DEFAULT_PEFT_KEY_MAP` strips ``base_model.model.``. The
+            result names the adapted param as a module path (``"fc1.weight"``, or ``"fc1"``,
+            ``.weight`` appended), or, on an imported model, as the ONNX weight name users see
+            (``"onnx::MatMul_352"``, ``"bert.encoder.layer.0.attention.self.query.weight"``).
+            Without a rule, an imported ``nn.Linear`` weight that torch's exporter renamed is
+            found through its ``<module>.bias`` (see :class:`_Targets`).
+        allow_partial: ignore PEFT modules that map to no param (they are listed in the
+            report); zero matched modules is an error all the same.
+        return_report: return ``(module, PeftLoadReport)`` instead of the module.
+
+    Returns:
+        the new module: each target param (frozen) carries a :class:`~onnxparam.LoraAdapter`
+        with ``a = lora_A.T`` ``(d_in, r)``, ``b = lora_B.T`` ``(r, d_out)`` at the param's
+        float dtype, the PEFT scale (``alpha / r``, rsLoRA ``alpha / sqrt(r)``) and the layout
+        its graph (or module) declares. Embedding LoRA (``lora_embedding_A`` ``(r, num)``,
+        ``lora_embedding_B`` ``(dim, r)``) attaches the same way to the ``(num, dim)`` table;
+        convolution LoRA to a ``Conv`` weight (:func:`_conv_entry`).
+        With ``lora_bias`` the bias param gets a rank-1 adapter whose delta is
+        ``scale * lora_B.bias`` (PEFT's merge). A target that already has an adapter keeps its
+        factors' ids.
+
+    Raises:
+        RecordError: for an unsupported variant (the option named: DoRA, trained biases ...),
+            keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
+            matched module at all, or a target whose layout the graph does not decide; every
+            problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
+        ShapeMismatchError: (a ``RecordError``) when the only problems are factors that do
+            not fit their target (the param and both shapes named).
+    """
+    from ..formats._safetensors import read_safetensors
+
+    config_path, weights_path = _files(folder_or_files)
+    config = read_peft_config(config_path)
+    rules = list(DEFAULT_PEFT_KEY_MAP) + [tuple(r) for r in (key_map or ())]
+    if not weights_path.is_file():  # NOTE: else read_safetensors' FileNotFoundError escapes
+        raise RecordError(f"the PEFT adapter weights {weights_path} are missing; a PEFT adapter folder holds "
+                          f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+    tensors = read_safetensors(weights_path).tensors
+    pairs: dict = {}
+    report = PeftLoadReport()
+    problems = report.problems
+    for key, snap in tensors.items():
+        match = _KEY.match(key) or _EMBEDDING_KEY.match(key) or _BIAS_KEY.match(key)
+        if match is None:
+            what = ("a bias (bias training)" if key.endswith(".bias") else
+                    "a full weight (modules_to_save)" if ".modules_to_save." in key or ".lora_" not in key
+                    else "not a LoRA factor")
+            problems.append(f"{key!r}: {what} is not supported")
+            continue
+        pairs.setdefault(match["module"], {})[match["which"]] = snap
+    targets = _Targets(module)
+    plan: dict = {}
+    for name, factors in pairs.items():
+        if not {"A", "B"} <= set(factors):
+            have = sorted(factors)
+            problems.append(f"PEFT module {name!r} has lora_{have[0]} but not its pair")
+            continue
+        mapped = _map_key(name, rules)
+        target = targets.resolve(mapped)
+        if target is None:
+            report.unmatched.append(name)
+            if not allow_partial:
+                problems.append(f"PEFT module {name!r} maps to {mapped!r}, which is not a param (nor is "
+                                f"{mapped + '.weight'!r}, nor an ONNX weight of that name); add a key_map rule "
+                                "(regex, replacement)")
+            continue
+        A, B = factors["A"], factors["B"]
+        if len(A.shape) != 2 or len(B.shape) != 2:
+            entry = _conv_entry(name, target, A, B, targets, config, problems)
+            if entry is not None:
+                plan[target] = entry
+                report.matched[name] = target
+                if "bias" in factors:  # a conv's lora_B (a 1x1 conv) has the bias
+                    _plan_bias(name, mapped, target, factors["bias"], B.shape[0], entry[3], targets, plan, problems)
+            continue
+        rank, d_in = A.shape
+        d_out, rank_b = B.shape
+        if rank_b != rank:
+            problems.append(f"PEFT module {name!r}: lora_A is {list(A.shape)} but lora_B is {list(B.shape)}")
+            continue
+        expected_rank = config.rank_for(name)
+        if expected_rank != rank:
+            problems.append(f"PEFT module {name!r}: the config's rank is {expected_rank} (r / rank_pattern), "
+                            f"the factors have rank {rank}")
+            continue
+        param = targets.params[target]
+        shape = tuple(param.lazy_shape())
+        layout = targets.layout(target)
+        if layout not in (IN_OUT, OUT_IN):
+            problems.append(f"PEFT module {name!r} -> {target!r}: the layout of {target!r} {list(shape)} is not "
+                            f"known: {layout}; an adapter cannot be attached without knowing its input axis")
+            continue
+        transposed = layout == OUT_IN
+        want = (d_out, d_in) if transposed else (d_in, d_out)
+        if shape != want:
+            problems.append(
+                f"PEFT module {name!r} -> {target!r}: the factors make a ({d_out}, {d_in}) PyTorch weight "
+                f"(in {d_in} -> out {d_out}), the param is {list(shape)}, stored "
+                f"{'(d_out, d_in)' if transposed else '(d_in, d_out)'} as its graph / module says, so it needs "
+                f"{list(want)}; check the key_map points at the right weight")
+            continue
+        if target in plan:
+            problems.append(f"PEFT modules {plan[target][0]!r} and {name!r} both map to {target!r}")
+            continue
+        scale = config.scale_for(name, rank)
+        plan[target] = (name, _factor_array(A).T, _factor_array(B).T, scale, transposed)
+        report.matched[name] = target
+        if "bias" in factors:
+            _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems)
+    if not report.matched and not problems:
+        problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
+                        f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
+    if problems:
+        kind = ShapeMismatchError if all("the param is" in p for p in problems) else RecordError
+        error = kind(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}", problems)
+        error.report = report
+        raise error
+
+    def attach(path: str, param: Param) -> Param:
+        entry = plan.get(path)
+        if entry is None:
+            return param
+        name, a, b, scale, transposed = entry
+        dtype = param.lazy_dtype()
+        # NOTE: factors follow the base's float dtype (F32 for a quantized base), as apply_lora's
+        np_dtype = np.float32 if dtype is DType.QFloat or not dtype.is_float else dtype.to_numpy()
+        device = param.lazy_device()
+        old = param.adapter()
+        a_id = old.a.id if old is not None else ParamId()
+        b_id = old.b.id if old is not None else ParamId()
+        # NOTE: PEFT's A is (r, in), B is (out, r); ours are their transposes (module docstring)
+        pa = Param.initialized(a_id, Tensor.from_numpy(np.ascontiguousarray(a.astype(np_dtype)), device), True)
+        pb = Param.initialized(b_id, Tensor.from_numpy(np.ascontiguousarray(b.astype(np_dtype)), device), True)
+        return param.set_require_grad(False).with_adapter(LoraAdapter(pa, pb, float(scale), transposed=transposed))
+
+    result = rebuild(module, attach)
+    return (result, report) if return_report else result
+
+
+def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: float, targets, plan: dict,
+               problems: list) -> None:
+    """Plans PEFT's ``lora_B.bias`` (``lora_bias=True``; ``(out,)``) as a rank-1 adapter on the
+    layer's bias param: ``a = [[1]]``, ``b = lora_B.bias`` ``(1, out)``, the weight's scale (PEFT
+    adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way)."""
+    bias_path = targets.bias_of(mapped, target)
+    bias = _factor_array(snap).reshape(-1)
+    if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
+        problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
+                        f"{target!r} has no bias param of size {d_out} to attach it to")
+        return
+    plan[bias_path] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
+
+
+def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
+    """The plan entry of a convolution LoRA (PEFT ``Conv1d/2d/3d``): ``lora_A`` is a conv
+    ``(r, in / groups, *kernel)``, ``lora_B`` a 1x1 conv ``(out, r, 1, ...)``; the delta
+    ``scale * B.flatten(1) @ A.flatten(1)`` reshaped to the weight ``(out, in / groups,
+    *kernel)``: a transposed adapter ``a = A.flatten(1).T``, ``b = B.flatten(1).T``."""
+    param = targets.params[target]
+    shape = tuple(param.lazy_shape())
+    layout = targets.layout(target)
+    rank = A.shape[0]
+    if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or B.shape[1] != rank \
+            or any(k != 1 for k in B.shape[2:]):
+        problems.append(f"PEFT module {name!r} -> {target!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
+                        f"do not make a convolution LoRA for {target!r} {list(shape)} ({layout})")
+        return None
+    want = (B.shape[0],) + tuple(A.shape[1:])
+    if shape != want:
+        problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight, "
+                        f"the param is {list(shape)}")
+        return None
+    if config.rank_for(name) != rank:
+        problems.append(f"PEFT module {name!r}: the config's rank is {config.rank_for(name)} (r / rank_pattern), "
+                        f"the factors have rank {rank}")
+        return None
+    a = _factor_array(A).reshape(rank, -1).T
+    b = _factor_array(B).reshape(B.shape[0], rank).T
+    return name, a, b, config.scale_for(name, rank), True
+
+
+
+def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Sequence] = None):
+    """A copy of ``module`` owning every adapter of a PEFT multi-adapter folder as a named
+    adapter (``Module.add_adapter``), none active: ``folder`` itself holds ``"default"`` (when
+    it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
+    (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
+
+    Raises:
+        RecordError: ``folder`` holds no adapter, or one does not load
+            (:func:`load_peft_adapter`, every module required).
+        ValueError: a name is taken already (``module`` owns it, or carries unnamed adapters
+            and a folder is named ``"default"``).
+    """
+    folder = Path(folder)
+    found = []
+    if folder.is_dir():
+        if (folder / CONFIG_FILE).is_file():
+            found.append(("default", folder))
+        found += sorted((sub.name, sub) for sub in folder.iterdir() if (sub / CONFIG_FILE).is_file())
+    if not found:
+        raise RecordError(f"{folder} holds no PEFT adapter ({CONFIG_FILE} in it or in a sub-folder)")
+    result = module
+    for name, path in found:
+        result = result.add_adapter(name, load_peft_adapter(module, path, key_map))
+    return result

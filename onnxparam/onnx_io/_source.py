@@ -266,7 +266,7 @@ def _densified(proto: onnx.ModelProto, shared: bool) -> onnx.ModelProto:
     of the same name, as ONNX Runtime reads them (``onnx_ir`` drops them: a sparse initializer
     shadowing a graph input would otherwise leave that input required, where ONNX Runtime gives
     it the initializer's value). A copy when ``shared`` (the caller's proto is not changed)."""
-    from ._sparse import densify_sparse_initializers, has_sparse_initializers
+    from ._densify import densify_sparse_initializers, has_sparse_initializers
 
     if not has_sparse_initializers(proto.graph):
         return proto

@@ -355,8 +355,11 @@ def test_failed_conversion_leaves_the_target_as_it_was(mnist_bpk, tmp_path):
 
 
 def test_unknown_formats_and_missing_files(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot tell the format of '.*model.tflite' from its extension '.tflite'; use one of .bpk, .safetensors, .onnx, .pt, .pth"):
+    (tmp_path / "model.tflite").write_bytes(b"\x1c\x00\x00\x00TFL3" + bytes(24))
+    with pytest.raises(ValueError, match=r"'.*model.tflite' is not a weights file this library reads: found 32 bytes starting with 1c 00"):
         convert(tmp_path / "model.tflite", tmp_path / "model.bpk")
+    with pytest.raises(ValueError, match=r"cannot tell the format of '.*model.tflite' from its extension '.tflite'; use one of .bpk, .safetensors, .onnx, .pt, .pth"):
+        convert(tmp_path / "model.bpk", tmp_path / "model.tflite")
     with pytest.raises(ValueError, match=r"cannot write '.*model.pt': pytorch files are read, not written"):
         convert(tmp_path / "model.bpk", tmp_path / "model.pt")
     with pytest.raises(FileNotFoundError, match="no such file"):

@@ -3,7 +3,8 @@
 The mutations live in ``tools/fuzz_structured.py`` (``tools/fuzz.py`` runs ten times more): each
 case keeps a file's framing valid and changes one structural thing (an attribute's type, a
 dangling or duplicate name, a cycle, a dim, a tensor name, an offset, an element type, an opset,
-a subgraph's depth ...). 1,000 seeded cases per format (ONNX twice: from a file, and handed over in
+a subgraph's depth, sparse initializers, symlinked external data, torch's legacy stream and tar
+containers, PEFT configs and factors, ``.onnx_adapter`` parameters ...). 1,000 seeded cases per format (ONNX twice: from a file, and handed over in
 memory as an ``onnx_ir.Model`` / ``onnx.ModelProto`` / bytes); an accepted weights file is converted
 into another weight format and read back, so a writer never writes what a reader refuses.
 """
@@ -29,7 +30,7 @@ sys.modules[_spec.name] = fs
 _spec.loader.exec_module(fs)
 
 
-@pytest.mark.parametrize("fmt", ["onnx", "onnx-in-memory", "burnpack", "safetensors", "pt"])
+@pytest.mark.parametrize("fmt", ["onnx", "onnx-in-memory", "burnpack", "safetensors", "pt", "peft", "onnx_adapter"])
 def test_a_thousand_structural_mutations_raise_only_library_errors_naming_the_file(tmp_path, fmt):
     out = fs.run_format(fmt, 1000, seed=20261201, folder=tmp_path)
     assert [(f.case, f.problem) for f in out.findings] == []

@@ -42,7 +42,7 @@ def _arrays(op_type, *, T, N, I, H, direction, layout, lens, states, peep, bias,
     return a
 
 
-def _model(op_type, arrays, attrs, opset=14):
+def _model(op_type, arrays, attrs, opset=14, drop_y=False):
     names = [n if n in arrays else "" for n in INPUTS[:8 if op_type == "LSTM" else 6]]
     while names and names[-1] == "":
         names.pop()
@@ -54,7 +54,8 @@ def _model(op_type, arrays, attrs, opset=14):
         if k in names:
             nodes.append(helper.make_node("Identity", [k], [k + "_read"]))
             names[names.index(k)] = k + "_read"
-    node = helper.make_node(op_type, names, outs, **attrs)
+    node = helper.make_node(op_type, names, [""] + outs[1:] if drop_y else outs, **attrs)
+    outs = outs[1:] if drop_y else outs
     inits = [numpy_helper.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k)
              for k, v in arrays.items()]
     graph = helper.make_graph(nodes + [node], "g", [],
@@ -75,6 +76,8 @@ CASES = {
                                                bias=True)),
     "lstm_forward_x_w_r_only": ("LSTM", dict(direction="forward", layout=0, lens=None, states=False, peep=False,
                                              bias=False)),
+    "lstm_without_y_output": ("LSTM", dict(direction="bidirectional", layout=0, lens=[3, 4, 2], states=True,
+                                           peep=False, bias=True, drop_y=True)),
     "gru_bidirectional_lens_linear_before_reset": ("GRU", dict(direction="bidirectional", layout=0, lens=[4, 1, 3],
                                                                states=True, peep=False, bias=True, lbr=1)),
     "gru_reverse_reset_after": ("GRU", dict(direction="reverse", layout=0, lens=None, states=True, peep=False,
@@ -90,7 +93,7 @@ CASES = {
 def test_recurrent_gradient_matches_float64_central_differences(case):
     op_type, kw = CASES[case]
     kw = dict(kw)
-    lbr, act = kw.pop("lbr", None), kw.pop("act", None)
+    lbr, act, drop_y = kw.pop("lbr", None), kw.pop("act", None), kw.pop("drop_y", False)
     arrays = _arrays(op_type, T=4, N=3, I=3, H=2, seed=len(case), **kw)
     attrs = {"hidden_size": 2, "direction": kw["direction"]}
     if kw["layout"]:
@@ -99,17 +102,18 @@ def test_recurrent_gradient_matches_float64_central_differences(case):
         attrs["linear_before_reset"] = lbr
     if act is not None:
         attrs["activations"] = [act] * (2 if kw["direction"] == "bidirectional" else 1)
-    model = _model(op_type, arrays, attrs)
+    model = _model(op_type, arrays, attrs, drop_y=drop_y)  # drop_y: the node does not output Y
     # the oracle computes what plain ONNX Runtime computes
     f32 = {k: (v.astype(np.float32).astype(np.float64) if v.dtype == np.float64 else v) for k, v in arrays.items()}
     plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
-    want = rnn_reference.run(op_type, f32, attrs)
-    for got, ref in zip(plain, want):
+    want = rnn_reference.run(op_type, f32, attrs)[1 if drop_y else 0:]
+    for got, ref in zip(plain, want, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     coefs = _coefs(want, len(case))
 
     def np_loss(values):
-        return sum(float((o * c).sum()) for o, c in zip(rnn_reference.run(op_type, values, attrs), coefs))
+        outs = rnn_reference.run(op_type, values, attrs)[1 if drop_y else 0:]
+        return sum(float((o * c).sum()) for o, c in zip(outs, coefs))
 
     def loss_fn(m):
         outs = m()

@@ -220,7 +220,7 @@ def test_the_cli_lists_what_it_did_not_transpose_and_takes_transpose_and_no_tran
     net, path = trained
     result = _cli("convert", path, "plain.bpk", "--pytorch", "-q", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "1 untouched" in result.stdout and "emb.weight: rank-2 weight without a matching bias" in result.stdout
+    assert "1 untouched" in result.stdout and "emb.weight: rank-2 weight [8, 8] without a bias" in result.stdout
     Net().load_file(tmp_path / "plain.bpk")  # the Embedding kept its layout, so it loads
 
     result = _cli("convert", path, "decided.bpk", "--pytorch", "--no-transpose", r"^emb\.", "--no-transpose",

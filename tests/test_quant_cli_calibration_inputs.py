@@ -24,7 +24,7 @@ from onnxparam.onnx_io import import_onnx
 from onnxparam.quant import Quantizer, QuantScheme, QuantValue, quantize_activations
 
 RNG = np.random.default_rng(7)
-W = RNG.normal(size=(8, 4)).astype(np.float32)
+W = RNG.normal(size=(64, 32)).astype(np.float32)
 
 
 def run_main(capsys, *args):
@@ -34,29 +34,29 @@ def run_main(capsys, *args):
 
 
 def matmul_model(path, scale: float = 1.0):
-    """``y = (x * scale) @ w``: x ``[batch, 8]`` float32, w ``[8, 4]``."""
+    """``y = (x * scale) @ w``: x ``[batch, 64]`` float32, w ``[64, 32]``."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["scaled"]), helper.make_node("MatMul", ["scaled", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
                               [numpy_helper.from_array(W, "w"), numpy_helper.from_array(np.float32(scale), "s")])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
 
 def gemm_model(path):
-    """``y = Gemm(x, w_gemm, b, transB=1)``: x ``[batch, 8]``, w_gemm ``[4, 8]`` (as torch's Linear
+    """``y = Gemm(x, w_gemm, b, transB=1)``: x ``[batch, 64]``, w_gemm ``[32, 64]`` (as torch's Linear
     exports it; a weight the default export keeps float, ONNX Runtime having no faster form)."""
     nodes = [helper.make_node("Gemm", ["x", "w_gemm", "b"], ["y"], transB=1)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
                               [numpy_helper.from_array(np.ascontiguousarray(W.T), "w_gemm"),
-                               numpy_helper.from_array(np.zeros(4, np.float32), "b")])
+                               numpy_helper.from_array(np.zeros(32, np.float32), "b")])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
 
 def bad_calibration(kind: str) -> np.ndarray:
-    x = RNG.normal(size=(6, 8)).astype(np.float32)
+    x = RNG.normal(size=(6, 64)).astype(np.float32)
     if kind == "empty":
         return x[:0]
     x[2, 5] = np.inf if kind == "inf" else np.nan
@@ -74,7 +74,7 @@ def test_calibration_file_with_a_non_finite_value_or_no_samples_is_refused_namin
     assert code == 1 and str(calib) in err and "array 'x'" in err
     assert "quantized:" not in stdout  # refused before any weight was quantized
     if kind == "empty":
-        assert "holds no samples (shape [0, 8])" in err
+        assert "holds no samples (shape [0, 64])" in err
     else:
         assert "1 non-finite value(s)" in err and "index (2, 5)" in err
     assert not out.exists()
@@ -82,7 +82,7 @@ def test_calibration_file_with_a_non_finite_value_or_no_samples_is_refused_namin
 
 def test_finite_calibration_still_writes_a_static_model_that_matches_float_closely(tmp_path, capsys):
     src = matmul_model(tmp_path / "m.onnx")
-    x = RNG.normal(size=(32, 8)).astype(np.float32)
+    x = RNG.normal(size=(32, 64)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", x=x)
     out = tmp_path / "q.onnx"
     code, stdout, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz",
@@ -108,7 +108,7 @@ def test_quantize_activations_refuses_non_finite_or_empty_inputs_naming_the_inpu
 def test_quantize_activations_refuses_an_activation_that_overflows_naming_it(tmp_path):
     # finite inputs, but x * 1e30 overflows float32 (max ~3.4e38) for |x| >= 1e9: the MatMul's input is inf
     module = quantized(matmul_model(tmp_path / "m.onnx", scale=1e30))
-    x = np.full((4, 8), 1e10, np.float32)
+    x = np.full((4, 64), 1e10, np.float32)
     with np.errstate(over="ignore"):
         assert not np.isfinite(x * np.float32(1e30)).all()
     with pytest.raises(QuantizationError, match=r"activation '[^']+' took a non-finite value .* samples 0\.\.3"):
@@ -119,13 +119,13 @@ def test_quantize_activations_refuses_an_activation_that_overflows_naming_it(tmp
 def test_quantize_activations_refuses_a_non_positive_batch_size(value, tmp_path):
     module = quantized(matmul_model(tmp_path / "m.onnx"))
     with pytest.raises(QuantizationError, match="batch_size must be a positive integer"):
-        quantize_activations(module, np.ones((2, 8), np.float32), batch_size=value)
+        quantize_activations(module, np.ones((2, 64), np.float32), batch_size=value)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "two"])
 def test_non_positive_calibrate_batch_is_a_usage_error(value, tmp_path, capsys):
     src = matmul_model(tmp_path / "m.onnx")
-    np.savez(tmp_path / "calib.npz", x=np.ones((4, 8), np.float32))
+    np.savez(tmp_path / "calib.npz", x=np.ones((4, 64), np.float32))
     out = tmp_path / "q.onnx"
     code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz",
                             "--calibrate-batch", value)
@@ -143,7 +143,7 @@ def test_calibrate_batch_without_calibrate_is_a_usage_error(tmp_path, capsys):
 
 def test_calibrating_a_gemm_only_model_says_gemm_is_not_calibratable_not_to_quantize_first(tmp_path, capsys):
     src = gemm_model(tmp_path / "g.onnx")
-    np.savez(tmp_path / "calib.npz", x=np.ones((4, 8), np.float32))
+    np.savez(tmp_path / "calib.npz", x=np.ones((4, 64), np.float32))
     out = tmp_path / "q.onnx"
     code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz")
     assert code == 1 and "the quantized weights feed 1 Gemm" in err and "leave out --calibrate" in err
@@ -165,7 +165,7 @@ def test_include_matching_nothing_says_the_filter_matched_nothing_and_lists_weig
     out = tmp_path / "q.onnx"
     code, _, err = run_main(capsys, "quantize", src, out, "--include", "nomatch")
     assert code == 1 and "--include / --exclude left no weight to quantize" in err
-    assert "w [8, 4]" in err and "no float weight" not in err and not out.exists()
+    assert "w [64, 32]" in err and "no float weight" not in err and not out.exists()
 
 
 def test_size_report_counts_the_external_data_of_the_input(tmp_path, capsys):
@@ -186,14 +186,14 @@ def test_size_report_counts_the_external_data_of_the_input(tmp_path, capsys):
 
 def test_a_model_that_takes_one_sample_at_a_time_fails_calibration_naming_the_samples_and_batch_1_works(
         tmp_path, capsys):
-    # Reshape to a fixed [1, 8]: ONNX Runtime refuses any batch of more than one sample
+    # Reshape to a fixed [1, 64]: ONNX Runtime refuses any batch of more than one sample
     nodes = [helper.make_node("Reshape", ["x", "one"], ["row"]), helper.make_node("MatMul", ["row", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
-                              [numpy_helper.from_array(W, "w"), numpy_helper.from_array(np.array([1, 8]), "one")])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+                              [numpy_helper.from_array(W, "w"), numpy_helper.from_array(np.array([1, 64]), "one")])
     src = tmp_path / "single.onnx"
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
-    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    x = RNG.normal(size=(4, 64)).astype(np.float32)
     np.savez(tmp_path / "calib.npz", x=x)
     out = tmp_path / "q.onnx"
     code, _, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz")

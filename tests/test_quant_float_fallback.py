@@ -11,6 +11,7 @@ with shape inference, numpy's symmetric quantization formulas (``s = max|w| / 12
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import warnings
 
@@ -69,8 +70,10 @@ def sources(tmp_path_factory):
 def export_quantized(src, out, scheme: str, grid: str, prefer: str, float_module: bool = False):
     block, per_channel = GRIDS[grid]
     model = op.import_onnx(src)
-    quantized = model.quantize_weights(Quantizer(QuantScheme(QuantValue[scheme], block_size=block),
-                                                 per_channel=per_channel))
+    # NOTE: the Add / Mul constants are no weights (issue 27: left float by default); a group that
+    # names every param quantizes them too, which these export checks need
+    quantized = model.quantize_weights_group(Quantizer(QuantScheme(QuantValue[scheme], block_size=block),
+                                                       per_channel=per_channel), op.ParamGroup.all())
     with qdq_options(prefer=prefer, float_module=model if float_module else None):
         return op.export_onnx(quantized, out)
 
@@ -271,17 +274,20 @@ def test_prefer_size_makes_the_conv_only_model_smaller_with_int8_weights(tmp_pat
 
 def test_the_static_table_names_the_add_that_takes_a_quantized_weight(tmp_path, capsys):
     rng = np.random.default_rng(4)
-    inits = [numpy_helper.from_array(rng.normal(size=(16, 32)).astype(np.float32), "w"),
-             numpy_helper.from_array(rng.normal(size=(1, 32)).astype(np.float32), "shift")]
+    # NOTE: 256 columns: smaller ones stay float, their quantized form (with its nodes) not smaller (issue 27)
+    inits = [numpy_helper.from_array(rng.normal(size=(16, 256)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(size=(1, 256)).astype(np.float32), "shift")]
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="project"),
              helper.make_node("Add", ["h", "shift"], ["y"], name="shift_add")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 256])], inits)
     src = tmp_path / "add.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
     np.savez(tmp_path / "calib.npz", x=rng.normal(size=(16, 16)).astype(np.float32))
     out = tmp_path / "q.onnx"
-    code, stdout, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz")
+    # NOTE: 'shift' feeds an Add, no weight: quantized only when --include names it (issue 27)
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--calibrate", tmp_path / "calib.npz",
+                                 "--include", "^(w|shift)$")
     assert code == 0, err
     rows = {r["weight"]: r for r in quantized_ops(out)}
     written = onnx.load(str(out))
@@ -317,11 +323,14 @@ def test_a_file_barely_smaller_gets_a_warning_naming_the_float_ops_and_the_ways_
 
 def test_4bit_weights_without_a_4bit_form_at_the_opset_are_named_with_the_way_out(sources, tmp_path, capsys):
     out = tmp_path / "q.onnx"
+    # NOTE: --include names the Mul / Add constants, which are no weights (issue 27)
     code, stdout, err = run_main(capsys, "quantize", sources[15], out, "--scheme", "q4s", "--block-size", "32",
-                                 "--prefer", "size")
+                                 "--prefer", "size", "--include", ".")
     assert code == 0, err
     rows = quantized_ops(out)
-    assert {r["weight"] for r in rows if r["form"] == "float"} >= {"wc", "m", "a"}
+    # NOTE: 'a' ([1, 1, 64]) is no longer in the table: 4-bit codes + scales + its nodes are not smaller
+    # than its 256 float bytes, so it stays float before export (issue 27); it is still written as it was
+    assert {r["weight"] for r in rows if r["form"] == "float"} >= {"wc", "m"}
     assert "have no quantized form here (reasons above)" in err and "--scheme q8s" in err
     session(out)  # ORT loads it
     original, written = source_weights(sources[15]), source_weights(out)
@@ -331,17 +340,18 @@ def test_4bit_weights_without_a_4bit_form_at_the_opset_are_named_with_the_way_ou
 
 def recurrent_model(path, op_type: str):
     """One LSTM / GRU / RNN (input 16, hidden 32) with its W, R and B initializers (ONNX operator
-    spec: ``[1, gates * 32, 16]``, ``[1, gates * 32, 32]``, ``[1, 2 * gates * 32]``), then a MatMul [32, 8]."""
+    spec: ``[1, gates * 32, 16]``, ``[1, gates * 32, 32]``, ``[1, 2 * gates * 32]``), then a MatMul [32, 16]
+    (large enough that its int8 form is smaller)."""
     gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op_type]
     rng = np.random.default_rng(5)
-    shapes = {"W": (1, gates * 32, 16), "R": (1, gates * 32, 32), "B": (1, 2 * gates * 32), "wm": (32, 8)}
+    shapes = {"W": (1, gates * 32, 16), "R": (1, gates * 32, 32), "B": (1, 2 * gates * 32), "wm": (32, 16)}
     inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32) * 0.2, k) for k, s in shapes.items()]
     nodes = [helper.make_node(op_type, ["x", "W", "R", "B"], ["seq"], hidden_size=32, name="rnn"),
              helper.make_node("Squeeze", ["seq", "one"], ["h"]),
              helper.make_node("MatMul", ["h", "wm"], ["y"], name="matmul")]
     inits.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
     graph = helper.make_graph(nodes, "rnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 2, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 2, 8])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 2, 16])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 
@@ -358,10 +368,15 @@ def test_default_quantize_keeps_recurrent_weights_float_and_bit_identical_with_t
     assert not any(n.op_type == "DequantizeLinear" and n.input[0] in ("W", "R", "B")
                    for n in onnx.load(str(out)).graph.node)
     rows = {r["weight"]: r for r in quantized_ops(out)}
-    for name in ("W", "R", "B"):
+    for name in ("W", "R"):
         assert rows[name]["op"] == op_type and rows[name]["form"] == "float"
         assert f"no integer {op_type} kernel" in rows[name]["reason"]
+    # the bias B is no weight: never quantized by default (issue 27), its reason in the metadata
+    kept = {r["weight"]: r["reason"] for r in json.loads(
+        {p.key: p.value for p in onnx.load(str(out)).metadata_props}["onnxparam.quant.kept_float"])}
+    assert "B" not in rows and "a bias" in kept["B"] and "B is float: a bias" in stdout
     assert rows["wm"]["form"] != "float"  # the MatMul still gets its integer form
     x = np.random.default_rng(0).normal(size=(5, 2, 16)).astype(np.float32)
     expected = session(src).run(None, {"x": x})[0]
-    np.testing.assert_allclose(session(out).run(None, {"x": x})[0], expected, atol=0.05 * np.abs(expected).max())
+    # NOTE: 0.15: on AVX2-only CPUs ORT's u8s8 int8 GEMM saturates some pair sums (several steps off)
+    np.testing.assert_allclose(session(out).run(None, {"x": x})[0], expected, atol=0.15 * np.abs(expected).max())

@@ -13,6 +13,11 @@ trained weights. Each is exported as
   chains the integer convs in NHWC: ``onnxparam.quant._qdq_static``);
 * ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (MatMulNBits; conv weights whose
   shape is not whole blocks stay float);
+* ``per-channel``: ``Quantizer(per_channel=True)`` exported with the default options (dynamic int8
+  MatMul with one scale per column, applied after ``MatMulInteger``);
+* ``cli``: ``onnxparam quantize`` of the float32 file (the imported graph: only weights
+  quantized, value infos settled, accuracy report) and ``cli-pc``: the same with ``--per-channel``;
+* ``ort-dynamic-pc``: ``quantize_dynamic(per_channel=True)`` of the float32 file;
 * ``ort-dynamic``: ``onnxruntime.quantization.quantize_dynamic`` of the float32 file (QInt8);
 * ``ort-static``: ``onnxruntime.quantization.quantize_static`` of it (QDQ, same calibration inputs);
 * ``ort-4bit``: ``MatMulNBitsQuantizer`` of it (block 32, symmetric), where available.
@@ -104,10 +109,26 @@ def _variants(name, model, example, calib, tmp: Path, axes) -> dict:
                                      tmp / f"{name}-static.onnx", example, dynamic_axes=axes)
     four = model.quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1))))
     files["4-bit"] = op.export_onnx(four, tmp / f"{name}-4bit.onnx", example, dynamic_axes=axes)
+    files["per-channel"] = op.export_onnx(per_channel, tmp / f"{name}-pc.onnx", example, dynamic_axes=axes)
     f32 = str(files["float32"])
     input_name = onnx.load(f32, load_external_data=False).graph.input[0].name
     quantize_dynamic(f32, str(tmp / f"{name}-ort-dyn.onnx"), weight_type=QuantType.QInt8)
     files["ort-dynamic"] = tmp / f"{name}-ort-dyn.onnx"
+    quantize_dynamic(f32, str(tmp / f"{name}-ort-dyn-pc.onnx"), weight_type=QuantType.QInt8, per_channel=True)
+    files["ort-dynamic-pc"] = tmp / f"{name}-ort-dyn-pc.onnx"
+    import contextlib
+    import io
+
+    from onnxparam.cli import main
+
+    for variant, extra in (("cli", []), ("cli-pc", ["--per-channel"])):
+        path = tmp / f"{name}-{variant}.onnx"
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            code = main(["quantize", f32, str(path), "-q", *extra])
+        if code != 0:
+            print(f"quant: {name}: onnxparam quantize {' '.join(extra)} failed: {err.getvalue().strip()}")
+        else:
+            files[variant] = path
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -204,10 +225,14 @@ def bench_quant(args, result_cls) -> list:
                       + ", ".join(f"{v} {med[v] / med['float32']:.3f}" for v in files if v != "float32"))
                 case = f"{name}[{batch}]"
                 results.append(result_cls("quant", f"{case} default", med["default"], med["float32"], DEFAULT_TARGET))
+                if "cli" in med:
+                    results.append(result_cls("quant", f"{case} cli", med["cli"], med["float32"], DEFAULT_TARGET))
                 static_target = STATIC_CONV_TARGET if name == "convnet" else DEFAULT_TARGET
                 results.append(result_cls("quant", f"{case} static", med["static"], med["float32"], static_target))
-                for ours, theirs in (("default", "ort-dynamic"), ("static", "ort-static"), ("4-bit", "ort-4bit")):
-                    if theirs in med:
+                for ours, theirs in (("default", "ort-dynamic"), ("static", "ort-static"), ("4-bit", "ort-4bit"),
+                                     ("per-channel", "ort-dynamic-pc"), ("cli", "ort-dynamic"),
+                                     ("cli-pc", "ort-dynamic-pc")):
+                    if theirs in med and ours in med:
                         results.append(result_cls("quant", f"{case} {ours}/{theirs}", med[ours], med[theirs],
                                                   VS_ORT_TARGET))
     return results

@@ -24,7 +24,7 @@ this library (ONNX Runtime reads them), so they have no target.
 
 Usage: ``python tools/fuzz.py [--cases 2000] [--seed 1] [--targets onnx,safetensors,...]
 [--structured-cases 10000]``. After the byte-level targets it runs the structure-aware campaign of
-``tools/fuzz_structured.py`` (ONNX from files and in memory, burnpack, safetensors, ``.pt``), 10,000 cases
+``tools/fuzz_structured.py`` (ONNX from files and in memory, burnpack, safetensors, ``.pt``, PEFT folders, ``.onnx_adapter``), 10,000 cases
 per format.
 Prints cases tried / refused / accepted / failures per target and exits 1 on any failure; each
 failure is printed with its seed and case number, and ``--save DIR`` keeps the failing inputs.

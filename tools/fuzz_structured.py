@@ -15,8 +15,13 @@ mutations here keep the framing valid and change one *structural* thing the read
                    past the end, unknown dtypes, bad metadata and scalar values.
 * ``safetensors``  the JSON header: the same shape / name / offset / dtype changes, lone
                    surrogates (``"\\ud800"``), bad ``__metadata__``.
-* ``pt``           ``torch.save`` zip archives assembled opcode by opcode: sizes, strides,
-                   offsets, storage classes and keys, names.
+* ``peft``         PEFT adapter folders: ``adapter_config.json`` values and options (DoRA,
+                   lora_bias, trainable tokens ...), factor names, shapes and dtypes.
+* ``onnx_adapter`` ONNX Runtime adapter files that fit a ``lora="inputs"`` export or not, and
+                   valid ones cut short or with changed header bytes.
+* ``pt``           ``torch.save`` checkpoints assembled opcode by opcode, in each of torch's
+                   three containers (zip archive, legacy stream, legacy tar): sizes, strides,
+                   offsets, storage classes and keys, names, element counts, storage views.
 
 A *case* passes when the reader either accepts the file (every value is then read, and an
 accepted weights file is converted into the other weight formats, which must read back) or
@@ -140,7 +145,7 @@ def _mutate_onnx(rng: random.Random, folder: Path):
     g = model.graph
     init = g.initializer[rng.randrange(len(g.initializer))]
     nodes = _nodes(model)
-    kind = rng.randrange(22)
+    kind = rng.randrange(26)
     if kind == 0:  # attribute type UNDEFINED or another kind than its value
         attrs = [a for n in nodes for a in n.attribute]
         attr = rng.choice(attrs)
@@ -262,9 +267,77 @@ def _mutate_onnx(rng: random.Random, folder: Path):
         vi.name = rng.choice(["t", "", "nowhere", "x"])
         vi.type.tensor_type.elem_type = rng.choice([0, 1, 99])
         vi.type.tensor_type.shape.dim.add().dim_value = rng.choice([-1, 2**62, 3])
+    elif kind == 22:  # a sparse initializer, consistent or not (issue 28)
+        _sparse_initializer(rng, g, init)
+    elif kind == 23:  # raw_data and a typed data field both set
+        init.raw_data = np.arange(len(init.dims) and init.dims[0] or 1, dtype=np.float32).tobytes()
+        init.float_data.extend([1.0] * rng.choice([1, 4]))
+    elif kind == 24:  # external data reached through a symbolic link or a hard link (issue 28)
+        return _linked_external_data(rng, model, init, folder)
+    elif kind == 25:  # If nested deep, with a sparse initializer in the main graph
+        from onnx import GraphProto
+
+        sparse = GraphProto()
+        _sparse_initializer(rng, sparse, init)
+        return _nested_if(rng.choice([20, 150, 1000])) + _ld(7, sparse.SerializeToString())
     else:  # attribute values of the right type and absurd content
         attr = rng.choice([a for n in nodes for a in n.attribute])
         attr.name = rng.choice(["", "then_branch", "value", "\x00"])
+    return model
+
+
+def _sparse_initializer(rng: random.Random, graph, init) -> None:
+    """Replace ``init`` by a sparse initializer of the same name: indices linear or coordinates,
+    in range or not, of the right count or not, values with raw and typed data or not."""
+    from onnx import helper, numpy_helper
+
+    name = init.name
+    keep = [i for i in graph.initializer if i.name != name]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    dims = rng.choice([[4], [4], [2, 2], [2**40], [-1], [0], [4, 1]])
+    nnz = rng.choice([0, 1, 2, 3])
+    values = numpy_helper.from_array(np.arange(1, nnz + 1, dtype=np.float32), name)
+    if rng.random() < 0.15:
+        values.float_data.extend([9.0] * rng.choice([1, nnz or 1]))
+    if rng.random() < 0.5:
+        indices = [rng.choice([0, 1, 2, 3, -1, 4, 99, 2**40]) for _ in range(rng.choice([nnz, nnz, nnz + 1]))]
+    else:
+        rank = rng.choice([len(dims), len(dims), len(dims) + 1])
+        indices = [[rng.choice([0, 1, -1, 2, 5]) for _ in range(rank)] for _ in range(nnz)]
+    dtype = rng.choice([np.int64, np.int64, np.int32, np.float32])
+    index_tensor = numpy_helper.from_array(np.array(indices, dtype=np.int64).astype(dtype), "")
+    graph.sparse_initializer.append(helper.make_sparse_tensor(values, index_tensor, dims))
+
+
+def _linked_external_data(rng: random.Random, model, init, folder: Path):
+    import os
+
+    from onnx import TensorProto
+
+    data = np.arange(4, dtype=np.float32).tobytes()
+    outside = folder.parent / f"{folder.name}-outside.data"
+    outside.write_bytes(data)
+    (folder / "real.data").write_bytes(data)
+    link = folder / "w.data"
+    choice = rng.randrange(6)
+    if choice == 0:
+        os.symlink("real.data", link)  # inside the folder: fine
+    elif choice == 1:
+        os.symlink(outside, link)  # leaves the folder
+    elif choice == 2:
+        os.symlink("nowhere.data", link)  # dangling
+    elif choice == 3:
+        os.symlink(".", link)  # a folder
+    elif choice == 4:
+        os.symlink("w.data", link)  # a loop
+    else:
+        os.link(folder / "real.data", link)  # a hard link
+    del init.float_data[:]
+    init.ClearField("raw_data")
+    init.data_location = TensorProto.EXTERNAL
+    entry = init.external_data.add()
+    entry.key, entry.value = "location", rng.choice(["w.data", "w.data", "./w.data"])
     return model
 
 
@@ -284,6 +357,12 @@ def _read_onnx(rng: random.Random, path: Path) -> None:
         param.val().to_numpy()
     for snap in read_onnx_record(path).values():
         snap.to_data()
+    if rng.random() < 0.15:  # an accepted model exports (issue 28: a symlinked data file failed here)
+        from onnxparam.onnx_io import export_onnx
+
+        out = export_onnx(module, path.with_name("exported.onnx"), external_data=rng.random() < 0.5)
+        for snap in read_onnx_record(out).values():
+            snap.to_data()
     if rng.random() < 0.1:  # a session per call is slow: call a tenth of the accepted models
         from onnxparam.core.errors import OnnxParamError
 
@@ -502,9 +581,9 @@ def _op_value(obj) -> bytes:
     return pickle.dumps(obj, protocol=2)[2:-1]
 
 
-def _op_tensor(numel, size, stride, offset=0, key="0", storage="FloatStorage") -> bytes:
+def _op_tensor(numel, size, stride, offset=0, key="0", storage="FloatStorage", legacy=False) -> bytes:
     pid = b"(" + _op_value("storage") + _op_global("torch", storage) + _op_value(key) + _op_value("cpu") \
-        + _op_value(numel) + b"tQ"
+        + _op_value(numel) + (b"N" if legacy else b"") + b"tQ"
     hooks = _op_global("collections", "OrderedDict") + b")R"
     args = b"(" + pid + _op_value(offset) + _op_value(size) + _op_value(stride) + _op_value(False) + hooks + b"t"
     return _op_global("torch._utils", "_rebuild_tensor_v2") + args + b"R"
@@ -535,15 +614,86 @@ def _mutate_pt(rng: random.Random) -> tuple:
         tensors[rng.choice(_BAD_NAMES[:7])] = tensors.pop(name)
     else:
         storages[t["key"]] = storages[t["key"]][: rng.choice([0, 3, 8])]
-    body = b"".join(_op_value(k) + _op_tensor(**v) for k, v in tensors.items())
-    return b"\x80\x02}(" + body + b"u.", storages
+    return tensors, storages
+
+
+_ITEMSIZE = {"FloatStorage": 4, "HalfStorage": 2, "ByteStorage": 1, "BFloat16Storage": 2, "ComplexFloatStorage": 8}
+
+
+def _pt_stream(tensors: dict, storages: dict) -> bytes:
+    """The legacy stream (``_use_new_zipfile_serialization=False``): five pickles, then each
+    storage's element count and bytes."""
+    from onnxparam.formats._torch_archive import MAGIC_NUMBER, PROTOCOL_VERSION
+
+    body = b"".join(_op_value(k) + _op_tensor(**v, legacy=True) for k, v in tensors.items())
+    out = pickle.dumps(MAGIC_NUMBER, protocol=2) + pickle.dumps(PROTOCOL_VERSION, protocol=2)
+    out += pickle.dumps({"protocol_version": PROTOCOL_VERSION, "little_endian": True,
+                         "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2)
+    out += b"\x80\x02}(" + body + b"u."
+    out += pickle.dumps(list(storages), protocol=2)
+    for key, data in storages.items():
+        declared = next((t for t in tensors.values() if t["key"] == key), None)
+        count = declared["numel"] if declared and isinstance(declared["numel"], int) else len(data)
+        out += struct.pack("<q", count if -2**63 <= count < 2**63 else -1) + data
+    return out
+
+
+def _pt_tar(rng: random.Random, tensors: dict, storages: dict) -> "bytes | None":
+    """The legacy tar of torch < 0.4 (members sys_info, storages, tensors, pickle); ``None`` when
+    a mutation cannot be laid out in it (a float size)."""
+    import io
+    import tarfile
+
+    skeys = {key: i + 1 for i, key in enumerate(storages)}
+    sto = pickle.dumps(len(storages), protocol=2)
+    for key, data in storages.items():
+        declared = next((t for t in tensors.values() if t["key"] == key), {"storage": "FloatStorage"})
+        item = _ITEMSIZE.get(declared["storage"], 4)
+        sto += b"\x80\x02(" + _op_value(skeys[key]) + _op_value("cpu") + _op_global("torch", declared["storage"])
+        sto += b"t." + struct.pack("<q", len(data) // item if rng.random() < 0.8 else rng.choice([-1, 2**40])) + data
+    sto += pickle.dumps(rng.choice([[], [], [(99, 1, 0, 1)], [(98, 1, 2**40, 1)], "x"]), protocol=2)
+    ten = pickle.dumps(len(tensors), protocol=2)
+    main = b""
+    for i, (name, t) in enumerate(tensors.items()):
+        if not all(isinstance(v, int) for v in (*t["size"], *t["stride"], t["offset"])):
+            return None
+        if len(t["size"]) != len(t["stride"]) or not all(-2**63 <= v < 2**63 for v in (*t["size"], *t["stride"])):
+            return None
+        skey = skeys.get(t["key"], 77)
+        ten += b"\x80\x02(" + _op_value(1000 + i) + _op_value(skey) + _op_global("torch", "FloatTensor") + b"t."
+        ten += struct.pack("<i", len(t["size"])) + b"\0\0\0\0" + struct.pack(f"<{len(t['size'])}q", *t["size"])
+        ten += struct.pack(f"<{len(t['stride'])}q", *t["stride"]) + struct.pack("<q", t["offset"])
+        main += _op_value(name) + _op_value(str(1000 + i)) + b"Q"
+    info = pickle.dumps({"protocol_version": 1001, "little_endian": True, "type_sizes": {}}, protocol=2)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:", format=tarfile.PAX_FORMAT) as tar:
+        for member, data in (("sys_info", info), ("storages", sto), ("tensors", ten),
+                             ("pickle", b"\x80\x02}(" + main + b"u.")):
+            if rng.random() < 0.03:
+                continue  # a member missing
+            entry = tarfile.TarInfo(member)
+            entry.size = len(data)
+            tar.addfile(entry, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _make_pt(rng: random.Random, folder: Path) -> Path:
-    pkl, storages = _mutate_pt(rng)
+    """A checkpoint in one of torch's three containers: zip (torch >= 1.6), legacy stream and
+    legacy tar (torch < 0.4), with one structural change."""
+    tensors, storages = _mutate_pt(rng)
     path = folder / "case.pt"
+    container = rng.choice(["zip", "zip", "stream", "tar"])
+    if container == "stream":
+        path.write_bytes(_pt_stream(tensors, storages))
+        return path
+    if container == "tar":
+        data = _pt_tar(rng, tensors, storages)
+        if data is not None:
+            path.write_bytes(data)
+            return path
+    body = b"".join(_op_value(k) + _op_tensor(**v) for k, v in tensors.items())
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
-        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/data.pkl", b"\x80\x02}(" + body + b"u.")
         z.writestr("archive/byteorder", "little")
         for key, data in storages.items():
             z.writestr(f"archive/data/{key}", data)
@@ -594,6 +744,180 @@ def _convert_onward(rng: random.Random, path: Path) -> None:
             snap.to_data()
 
 
+# -- PEFT adapter folders ------------------------------------------------------------------------
+
+
+def _peft_net():
+    from onnxparam import Module
+    from onnxparam.nn import Embedding, Linear
+
+    class Net(Module):
+        def __init__(self):
+            self.emb = Embedding(5, 3)
+            self.proj = Linear(3, 2)
+            self.head = Linear(2, 2, bias=False)
+
+        def forward(self, idx):
+            return self.head(self.proj(self.emb(idx)))
+
+    return Net()
+
+
+def _make_peft(rng: random.Random, folder: Path) -> Path:
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) for a small
+    net (Embedding, Linear with and without bias) with one or two structural changes: config
+    values of the wrong type or range, unknown / unsupported options (DoRA, lora_bias, trained
+    biases, modules_to_save, trainable_token_indices), factor names, shapes and dtypes."""
+    from safetensors.numpy import save_file
+
+    path = folder / "case_adapter"
+    path.mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none",
+              "target_modules": ["proj", "head", "emb"]}
+    f32 = np.float32
+    tensors = {"base_model.model.proj.lora_A.weight": np.ones((2, 3), f32),
+               "base_model.model.proj.lora_B.weight": np.ones((2, 2), f32),
+               "base_model.model.head.lora_A.weight": np.ones((2, 2), f32),
+               "base_model.model.head.lora_B.weight": np.ones((2, 2), f32),
+               "base_model.model.emb.lora_embedding_A": np.ones((2, 5), f32),
+               "base_model.model.emb.lora_embedding_B": np.ones((3, 2), f32)}
+    raw_config = None
+    for _ in range(rng.choice([1, 1, 2])):
+        kind = rng.randrange(12)
+        if kind == 0:
+            config[rng.choice(["r", "lora_alpha"])] = rng.choice([0, -1, 2.5, True, None, "2", float("inf"), 2**70, 8])
+        elif kind == 1:
+            config.pop(rng.choice(["r", "lora_alpha", "peft_type", "bias", "target_modules"]), None)
+        elif kind == 2:
+            config[rng.choice(["use_dora", "use_rslora", "lora_bias", "fan_in_fan_out", "use_qalora"])] = \
+                rng.choice([True, False, 1, "yes", None])
+        elif kind == 3:
+            config[rng.choice(["rank_pattern", "alpha_pattern"])] = rng.choice(
+                [{"proj": 4}, {"(": 2}, {"proj": "x"}, [1], "proj", {"": 1}, {"head": 0}, {"emb": 2**62}])
+        elif kind == 4:
+            config[rng.choice(["modules_to_save", "trainable_token_indices", "layers_to_transform"])] = rng.choice(
+                [["proj"], {"emb": [0, 1]}, [0, 1], "emb", {"emb": [99]}, None])
+        elif kind == 5:
+            config["bias"] = rng.choice(["all", "lora_only", 3, None])
+            if rng.random() < 0.5:
+                tensors["base_model.model.proj.bias"] = np.zeros(2, f32)
+        elif kind == 6:  # factor shapes
+            key = rng.choice(sorted(tensors))
+            tensors[key] = np.ones(rng.choice([(2, 5), (3, 3), (0, 3), (2,), (1, 1, 1), (2, 2)]), f32)
+        elif kind == 7:  # factor dtypes
+            key = rng.choice(sorted(tensors))
+            tensors[key] = tensors[key].astype(rng.choice([np.float16, np.float64, np.int32, np.uint8, np.bool_]))
+        elif kind == 8:  # names: missing pair, unknown module, extra kinds of keys
+            key = rng.choice(sorted(tensors))
+            value = tensors.pop(key)
+            if rng.random() < 0.6:
+                tensors[rng.choice(["base_model.model.nowhere.lora_A.weight", "base_model.model.proj.lora_C.weight",
+                                    "base_model.model.proj.lora_magnitude_vector", "base_model.model.proj.lora_B.bias",
+                                    "base_model.model.head.lora_B.bias", "proj.lora_A.weight",
+                                    "base_model.model.emb.token_adapter.trainable_tokens_delta",
+                                    "base_model.model.proj.modules_to_save.default.weight",
+                                    "base_model.model.proj.lora_A.default.weight", ".lora_A.weight"])] = value
+        elif kind == 9:  # lora_bias on a layer with and without a bias
+            config["lora_bias"] = True
+            tensors[rng.choice(["base_model.model.proj.lora_B.bias", "base_model.model.head.lora_B.bias"])] = \
+                np.ones(rng.choice([2, 3]), f32)
+        elif kind == 10:
+            raw_config = rng.choice([b"{", b"[]", b"\xff", b"null", b"{\"r\": 1e999}", b"[" * 5000])
+        else:
+            config["target_modules"] = rng.choice(["proj", ".*", "(", 7, ["nowhere"]])
+    (path / "adapter_config.json").write_bytes(raw_config if raw_config is not None else json.dumps(config).encode())
+    if rng.random() < 0.03:
+        return path  # no weights file
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def _read_peft(rng: random.Random, path: Path) -> None:
+    from onnxparam import load_peft_adapter
+
+    module = load_peft_adapter(_peft_net(), path, allow_partial=rng.random() < 0.3)
+    for _, param in module.named_params():
+        param.val().to_numpy()
+    if rng.random() < 0.02:  # a session per call is slow: call a fiftieth of the accepted adapters
+        np.asarray(module(np.array([0, 4, 2], dtype=np.int64)).to_numpy()).sum()
+
+
+# -- .onnx_adapter files (ONNX Runtime's adapter format) ------------------------------------------
+
+_ADAPTER_MODEL: dict = {}
+
+
+def _adapter_model(folder: Path) -> Path:
+    """A ``lora="inputs"`` export of a small net (made once per process, in ``folder``'s parent)."""
+    found = _ADAPTER_MODEL.get("path")
+    if found is not None and found.exists():
+        return found
+    from onnxparam import LoraConfig, Module
+    from onnxparam.nn import Linear
+    from onnxparam.onnx_io import export_onnx
+
+    class Net(Module):
+        def __init__(self):
+            self.fc = Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    net = Net().apply_lora(LoraConfig(rank=2, alpha=4.0, seed=0))
+    path = folder.parent / "adapter-model" / "m.onnx"
+    path.parent.mkdir(exist_ok=True)
+    export_onnx(net, path, np.ones((2, 4), np.float32), lora="inputs")
+    _ADAPTER_MODEL["path"] = path
+    return path
+
+
+def _make_onnx_adapter(rng: random.Random, folder: Path) -> Path:
+    """An ``.onnx_adapter`` file written by ONNX Runtime's own writer with parameters that fit
+    the model or not (names, ranks, dims, dtypes, a missing factor), or a valid file whose
+    bytes were cut or changed in its header / tables."""
+    import onnxruntime as ort
+
+    _adapter_model(folder)
+    f32 = np.float32
+    params = {"fc.weight.lora.a": np.ones((4, 2), f32), "fc.weight.lora.b": np.ones((2, 3), f32)}
+    if rng.random() < 0.3:  # another rank: still fits
+        params = {"fc.weight.lora.a": np.ones((4, 5), f32), "fc.weight.lora.b": np.ones((5, 3), f32)}
+    kind = rng.randrange(7)  # 6: unchanged
+    if kind == 0:
+        key = rng.choice(sorted(params))
+        params[key] = np.ones(rng.choice([(4, 3), (3, 2), (2, 2), (4,), (1, 4, 2), (0, 2), (4, 0)]), f32)
+    elif kind == 1:
+        key = rng.choice(sorted(params))
+        params[key] = params[key].astype(rng.choice([np.float16, np.float64, np.int32, np.int8]))
+    elif kind == 2:
+        params.pop(rng.choice(sorted(params)))
+    elif kind == 3:
+        params[rng.choice(["fc.bias.lora.a", "nowhere", "", "fc.weight.lora.c", "fc.weight"])] = np.ones((4, 2), f32)
+    values = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+    fmt = ort.AdapterFormat()
+    fmt.set_adapter_version(rng.choice([1, 1, 0, 2**31 - 1]))
+    fmt.set_model_version(1)
+    fmt.set_parameters(values)
+    path = folder / "case.onnx_adapter"
+    fmt.export_adapter(str(path))
+    if kind in (4, 5):
+        data = bytearray(path.read_bytes())
+        if kind == 4:
+            data = data[: rng.randrange(len(data))]
+        else:
+            for _ in range(rng.choice([1, 2, 4])):
+                data[rng.randrange(min(len(data), 96))] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+    return path
+
+
+def _read_onnx_adapter(rng: random.Random, path: Path) -> None:
+    from onnxparam.lora._adapter_file import check_onnx_adapter
+
+    shapes = check_onnx_adapter(path, _ADAPTER_MODEL["path"])
+    assert all(len(s) == 2 for s in shapes.values())
+
+
 # -- the runner ----------------------------------------------------------------------------------
 
 
@@ -611,6 +935,8 @@ FORMATS = {
     "burnpack": Format("burnpack", "OnnxParamError", _make_bpk, _read_bpk),
     "safetensors": Format("safetensors", "OnnxParamError", _make_st, _read_st),
     "pt": Format("pt", "OnnxParamError", _make_pt, _read_pt),
+    "peft": Format("peft", "OnnxParamError", _make_peft, _read_peft),
+    "onnx_adapter": Format("onnx_adapter", "OnnxParamError", _make_onnx_adapter, _read_onnx_adapter),
 }
 
 

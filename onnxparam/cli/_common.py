@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import math
+import os
 import re
 import signal
 import sys
@@ -213,16 +214,42 @@ def _progress(total: Optional[int], desc: str, quiet: bool, unit: str = "B"):
 
 
 def _file_format(path: Path, role: str, allowed: Sequence[str] = ("burnpack", "onnx", "safetensors")) -> str:
-    """The format of ``path`` from its extension, or a one-line ``ValueError`` naming ``role``."""
-    from ..formats._extensions import FORMATS
+    """The format of ``path``, or a one-line error naming ``role``: an input that exists is told
+    by its content (:func:`~onnxparam.formats._extensions.detect_format`; a folder is an
+    ``IsAFolderError``), an output (``role`` starting with "output") or a missing input by its
+    extension."""
+    from ..core.errors import IsAFolderError, RecordError
+    from ..formats._extensions import FORMATS, detect_format
 
+    if not role.startswith("output") and path.is_dir():
+        raise IsAFolderError(f"{role} '{path}' is a folder, not a file")
+    if not role.startswith("output") and (path.exists() or path.is_symlink()):
+        fmt = detect_format(path)
+        if fmt not in allowed:
+            raise RecordError(f"{role} '{path}' is a {fmt} file; expected {' or '.join(allowed)}")
+        return fmt
     fmt = FORMATS.get(path.suffix.lower())
     if fmt not in allowed:
         known = ", ".join(ext for ext, f in FORMATS.items() if f in allowed)
-        raise ValueError(
+        raise RecordError(
             f"{role} '{path}': cannot tell the format from the extension '{path.suffix}'; use one of {known}"
         )
     return fmt
+
+
+def _check_output(dst: Path, *sources: Path) -> None:
+    """Refuse an output before any work: a folder (``IsAFolderError``), one of the ``sources``
+    (``UsageError``), a read-only file, a folder that is missing or not writable
+    (``FileAccessError``)."""
+    from ..core.errors import IsAFolderError
+    from ..formats._scratch import check_replaceable
+
+    if dst.is_dir():
+        raise IsAFolderError(f"output file '{dst}' is a folder, not a file")
+    for src in sources:
+        if src is not None and os.path.exists(src) and os.path.realpath(src) == os.path.realpath(dst):
+            raise UsageError(f"{PROG}: error: the input and output are the same file '{src}'; write to another file")
+    check_replaceable(dst)
 
 
 def _existing(path: Path, role: str) -> Path:

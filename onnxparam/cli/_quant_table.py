@@ -73,3 +73,23 @@ def little_gained(rows: list, out_bytes: int, in_bytes: int, calibrated: bool, p
         parts.append(f"{_op_counts(forced)} have no quantized form here (reasons above); a 4-bit weight needs "
                      "opset 21 or a MatMul / Gemm use: --scheme q8s quantizes them")
     return "; ".join(parts)
+
+
+def print_kept_float(rows: list) -> None:
+    """One line per param left float by role or size (``{"weight", "reason"}`` rows of
+    :func:`onnxparam.quant._module.kept_float`): ``  <path> is float: <reason>``."""
+    for row in rows:
+        _out(f"  {row['weight']} is float: {row['reason']}")
+
+
+def not_smaller(out_bytes: int, in_bytes: int, kept: dict, quantized: int, fmt: str) -> str:
+    """The warning for an output not smaller than its input, naming why: how many params stayed
+    float and why (by reason kind), and the export's own overhead for the few that were quantized."""
+    kinds: dict = {}
+    for reason in kept.values():
+        key = "not smaller quantized" if reason.startswith("not smaller") else "not weights"
+        kinds[key] = kinds.get(key, 0) + 1
+    why = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    return (f"the output ({out_bytes:,} bytes) is not smaller than the input ({in_bytes:,} bytes): only {quantized} "
+            f"param(s) were quantized{f' ({why} stayed float)' if why else ''}, and the {fmt} "
+            "form's nodes, scales and metadata cost more than their codes save; keep the float model")

@@ -10,6 +10,7 @@ from ._common import (
     PROG,
     UsageError,
     _existing,
+    _check_output,
     _file_format,
     _out,
     _progress,
@@ -94,10 +95,12 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--pytorch",
         action="store_true",
         help="PyTorch <-> Burn layouts (from a .pt/.safetensors to .bpk/.onnx, or to a .safetensors): "
-        "without a module only what names and shapes settle: a rank-2 'P.weight' with a 'P.bias' is a "
-        "Linear (transposed); norm 'weight'/'bias' <-> 'gamma'/'beta'; 'num_batches_tracked' left out. "
-        "A rank-2 weight without a bias (a bias-free Linear or an Embedding) is NOT transposed and is "
-        "listed as untouched: decide with --transpose RE / --no-transpose RE, or load into a module "
+        "without a module, from the file's own evidence: a rank-2 'P.weight' whose 'P.bias' follows dim 0 "
+        "(nn.Linear's (out, in)) is transposed, one whose bias follows dim 1 (GPT-2's Conv1D, already "
+        "(in, out)) is kept; a square one follows its family (h.*.attn.c_proj) or the whole file; norm "
+        "'weight'/'bias' <-> 'gamma'/'beta'; 'num_batches_tracked' left out. A weight the file does not "
+        "settle (no bias: a bias-free Linear or an Embedding; a square one without evidence) is NOT "
+        "transposed and is listed as untouched with the reason: decide with --transpose RE / --no-transpose RE, or load into a module "
         "(onnxparam.convert.load_pytorch / load_safetensors(adapter='pytorch'), which decide by layer type)",
     )
     parser.add_argument(
@@ -142,8 +145,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{PROG} convert: error: the input and output are the same file '{args.src}'; write to another file"
         )
-    if args.dst.is_dir():
-        raise IsADirectoryError(f"output file '{args.dst}' is a folder, not a file")
+    _check_output(args.dst, args.src, args.graph)
 
     if args.top_level_key is not None and src_fmt != "pytorch":
         raise UsageError(f"{PROG} convert: error: --top-level-key applies to a .pt/.pth input; the input is '{args.src}'")

@@ -9,6 +9,7 @@ from ._common import (
     PROG,
     UsageError,
     _existing,
+    _check_output,
     _file_format,
     _finite_float,
     _out,
@@ -99,6 +100,7 @@ def _run_lora(args: argparse.Namespace) -> int:
             _file_format(args.dst, "output file", ("burnpack", "safetensors"))
     else:
         _file_format(args.dst, "output file")
+    _check_output(args.dst, args.src, args.adapter)  # a folder, an input, a read-only place: before any work
     factors_file, factors_fmt = None, None
     if args.adapter is not None:
         factors_fmt = _file_format(args.adapter, "the --adapter file", ("burnpack", "safetensors"))

@@ -7,7 +7,16 @@ default; :mod:`onnxparam.quant._qdq_forms`), static int8 where ``--calibrate`` g
 ranges, and a table says what each op became. A weight some op gets in float (no faster form
 without calibration, no 4-bit form at the model's opset) keeps its original float values, and a
 warning says when nothing (or little) got smaller or faster, and what would
-(:func:`onnxparam.cli._quant_table.little_gained`)."""
+(:func:`onnxparam.cli._quant_table.little_gained`).
+
+Issue 27: only weights are quantized unless ``--include`` names more (``quantize_weights(...,
+weights_only=True)``: :mod:`onnxparam.quant._roles`); a weight whose quantized form (with its
+nodes, for an ``.onnx`` OUT) is not smaller stays float; every param left float gets a row with
+its reason (``kept_float``); an output not smaller than its input is a warning. An accuracy
+report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
+max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
+model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
+or ``--strict`` refuses and removes the output."""
 
 import argparse
 import warnings
@@ -19,6 +28,7 @@ from ._common import (
     PROG,
     UsageError,
     _existing,
+    _check_output,
     _file_format,
     _out,
     _positive_int,
@@ -77,7 +87,9 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "stored as Burn blocks when extents fit in 255, else ONNX per-axis (.onnx OUT only)",
     )
     parser.add_argument("--include", type=_regex, action="append", metavar="RE",
-                        help="quantize only params whose path matches RE (repeatable)")
+                        help="quantize only params whose path matches RE, weights or not (repeatable); without it "
+                        "only the weights of ops with an integer kernel are (MatMul / Gemm B, Conv W, embeddings), "
+                        "never constants feeding arithmetic, biases, norm scales, position embeddings")
     parser.add_argument("--exclude", type=_regex, action="append", metavar="RE",
                         help="leave params whose path matches RE float (repeatable)")
     parser.add_argument(
@@ -101,7 +113,27 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         help="for an .onnx OUT: re-quantize MatMul weights blocked along N with blocks along K so "
         "ONNX Runtime fuses MatMulNBits (lossy; the largest error is reported)",
     )
+    parser.add_argument(
+        "--min-cosine",
+        type=_cosine,
+        metavar="C",
+        help="accuracy threshold: each output's cosine similarity to the float model's on the sample "
+        "inputs (the --calibrate data, else inputs drawn from the declared shapes); below it a warning names "
+        "the weights that move the outputs most (default 0.999 for 8 bits, 0.99 for 4)",
+    )
+    parser.add_argument("--strict", action="store_true",
+                        help="refuse (exit 1, nothing written) when an output's cosine is below --min-cosine")
     _add_model_arguments(parser)
+
+
+def _cosine(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def _quantizer(scheme_name: str, block_size: Optional[tuple], per_channel: bool = False):
@@ -185,6 +217,7 @@ def _block_text(block_size: tuple) -> str:
 
 def _run_quantize(args: argparse.Namespace) -> int:
     dst_fmt = _file_format(args.dst, "output file", ("onnx", "burnpack"))
+    _check_output(args.dst, args.src)  # a folder, the source, a read-only place: before any work
     for flag, given in (("--reblock", args.reblock), ("--calibrate", args.calibrate is not None)):
         if given and dst_fmt != "onnx":
             raise UsageError(f"{PROG} quantize: error: {flag} applies to an .onnx output; the output is '{args.dst}'")
@@ -200,6 +233,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
     if dst_fmt == "burnpack":
         _refuse_onnx_only(model.module, quantizer, _group(args.include, args.exclude), args.dst)
     in_bytes = _input_bytes(args.src, model.module)
+    gain = None
     before = _count_dtypes(model.module)
     float_module = model.module  # the original values of weights the export leaves float
     # NOTE: the "left float" warning is held back until we know some param was quantized: when
@@ -207,14 +241,17 @@ def _run_quantize(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as held:
         warnings.simplefilter("always")
         group = _group(args.include, args.exclude)
-        if group is None:
-            model.module = model.module.quantize_weights(quantizer)
-        else:
-            model.module = model.module.quantize_weights_group(quantizer, group)
+        from ..quant._module import kept_float, quantize_weights
+
+        # NOTE: --include names the params to quantize, whatever their role; without it only the
+        # weights of ops with an integer kernel are (onnxparam.quant._roles)
+        model.module = quantize_weights(model.module, quantizer, group, weights_only=not args.include,
+                                        form_overhead=dst_fmt == "onnx")
+    kept = kept_float(model.module)
     after = _count_dtypes(model.module)
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)
     if quantized == 0:
-        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None))
+        raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None, kept))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
@@ -231,19 +268,42 @@ def _run_quantize(args: argparse.Namespace) -> int:
         with qdq_options(reblock=args.reblock, prefer=args.prefer, float_module=float_module):
             model.export(args.dst)
         from ..quant import quantized_ops
-        from ._quant_table import little_gained, print_quantized_ops
+        from ._quant_table import little_gained, print_kept_float, print_quantized_ops
 
         rows = quantized_ops(args.dst)
         json_result("ops", rows)
         print_quantized_ops(rows)
+        kept_rows = [{"weight": path, "reason": reason} for path, reason in kept.items()]
+        json_result("kept_float", kept_rows)
+        print_kept_float(kept_rows)
+        accuracy = _accuracy_report(args, model, float_module, arrays, scheme)
+        from ..quant._accuracy import ACCURACY_KEY, KEPT_FLOAT_KEY, write_metadata
+
+        props = {KEPT_FLOAT_KEY: kept_rows}
+        if accuracy is not None:
+            props[ACCURACY_KEY] = accuracy
+        write_metadata(args.dst, props)
         gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
             from ..core.errors import QuantizationWarning
 
             warnings.warn(gain, QuantizationWarning, stacklevel=1)
     else:
+        kept_rows = [{"weight": path, "reason": reason} for path, reason in kept.items()]
+        json_result("kept_float", kept_rows)
+        from ._quant_table import print_kept_float
+
+        print_kept_float(kept_rows)
+        # NOTE: measured before writing (a temporary .onnx computing exactly param.val()), so
+        # --strict below the threshold writes nothing
+        _accuracy_report(args, model, float_module, arrays, scheme)
         model.module.save_file(args.dst)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
+    if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
+        from ..core.errors import QuantizationWarning
+        from ._quant_table import not_smaller
+
+        warnings.warn(not_smaller(out_bytes, in_bytes, kept, quantized, dst_fmt), QuantizationWarning, stacklevel=1)
     json_result("written", {"path": str(args.dst), "bytes": out_bytes, "format": dst_fmt, "input_bytes": in_bytes})
     _out(f"wrote:     {args.dst} ({out_bytes:,} bytes; input {in_bytes:,} bytes)")
     return EXIT_OK
@@ -303,9 +363,11 @@ def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
         f"--exclude '^({names})$'; nothing was quantized or written")
 
 
-def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered: bool = False) -> str:
+def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered: bool = False,
+                       kept: Optional[dict] = None) -> str:
     """Why :meth:`quantize_weights` quantized no param of ``module`` (one line); ``filtered``:
-    whether ``--include`` / ``--exclude`` chose the params."""
+    whether ``--include`` / ``--exclude`` chose the params; ``kept``: ``{path: reason}`` of the
+    params left float by role or size (:func:`onnxparam.quant._module.kept_float`)."""
     from ..quant._module import is_weight
 
     candidates = []
@@ -316,6 +378,11 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
         except (TypeError, ValueError):  # pragma: no cover - a param without a known shape
             continue
     shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
+    if kept:
+        reasons = "; ".join(f"{path}: {reason}" for path, reason in list(kept.items())[:4])
+        more = f"; and {len(kept) - 4} more" if len(kept) > 4 else ""
+        return (f"every candidate stayed float ({reasons}{more}); the output would be the float model, no smaller "
+                "and no faster; nothing was written")
     if filtered and candidates:
         return (f"--include / --exclude left no weight to quantize: the model's {len(candidates)} float weights "
                 f"(rank >= 2) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
@@ -327,3 +394,129 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
             "leave out --block-size; nothing was written"
         )
     return "the model has no float weight (rank >= 2) to quantize; nothing was written"
+
+
+def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) -> Optional[dict]:
+    """Run the float model and the written quantized one in plain ONNX Runtime on sample inputs
+    (:mod:`onnxparam.quant._accuracy`), print per-output cosine / max abs error, warn (naming the
+    weights that move the outputs most) or, with ``--strict``, refuse below ``--min-cosine``.
+    Returns the report (``None`` when it could not be measured: a warning says why)."""
+    import tempfile
+
+    from ..core.errors import QuantizationError, QuantizationWarning
+    from ..quant import _accuracy as acc
+
+    bits = 4 if scheme.value.name.startswith("Q4") else 8
+    threshold = args.min_cosine if args.min_cosine is not None else acc.MIN_COSINE[bits]
+    with tempfile.TemporaryDirectory(prefix="onnxparam-accuracy-") as tmp:
+        float_path = args.src
+        names = _initializer_names(model.module)
+        if _file_format(args.src, "model file") != "onnx":
+            from ._models import _Model
+
+            float_path = _Model(float_module, zoo=model.zoo).export(Path(tmp) / "float.onnx")
+            names = {path: path for path in names}
+        quant_path = args.dst
+        try:
+            if _file_format(args.dst, "output file") != "onnx":
+                from ..quant import qdq_options
+                from ._models import _Model
+
+                with qdq_options(matmul="dequantize", prefer="size"):
+                    quant_path = _Model(model.module, zoo=model.zoo).export(Path(tmp) / "quantized.onnx")
+            feeds, described = acc.sample_inputs(float_path, arrays)
+            try:
+                outputs = acc.compare(float_path, quant_path, feeds)
+            except Exception:  # noqa: BLE001 - a model that takes one sample at a time: retry with one
+                if not all(getattr(v, "ndim", 0) and len(v) > 1 for v in feeds.values()):
+                    raise
+                feeds = {k: v[:1] for k, v in feeds.items()}
+                described = f"{described}, of which the first only (the model takes one sample at a time)"
+                outputs = acc.compare(float_path, quant_path, feeds)
+        except Exception as e:  # noqa: BLE001 - ORT's own errors: the report is skipped, not the output
+            if args.strict:
+                if quant_path == args.dst:
+                    _remove_output(args.dst)
+                raise QuantizationError(f"--strict: the accuracy could not be measured ({e}); nothing was "
+                                        "written") from None
+            warnings.warn(f"accuracy not measured: running the float and quantized models on sample inputs "
+                          f"failed: {e}", QuantizationWarning, stacklevel=2)
+            return None
+        report = {"inputs": described, "min_cosine": threshold, "outputs": outputs}
+        json_result("accuracy", report)
+        width = max(len(r["output"]) for r in outputs)
+        _out(f"accuracy:  vs the float model on {described}")
+        for r in outputs:
+            _out(f"  {r['output'].ljust(width)}  cosine {r['cosine']:.6f}  max abs error {r['max_abs_error']:.6g}")
+        low = [r for r in outputs if not r["cosine"] >= threshold]
+        if not low:
+            return report
+        worst = _worst_weights(model.module, float_path, names, feeds)
+        report["sensitivity"] = [{"weight": w, "cosine": c} for w, c in worst]
+        shown = ", ".join(f"{w} (alone: cosine {c:.6f})" for w, c in worst)
+        excl = "|".join(_escape(w) for w, _ in worst[:3])
+        text = (f"{', '.join(r['output'] for r in low)}: cosine {min(r['cosine'] for r in low):.6f} below "
+                f"--min-cosine {threshold}; the quantized weights that move the outputs most: {shown or 'none found'}"
+                + (f"; --exclude '^({excl})$' leaves them float" if worst else ""))
+        observed = min(r["cosine"] for r in low)
+        if not worst or 1.0 - worst[0][1] < (1.0 - observed) / 4:
+            # NOTE: each weight's rounding alone moves the outputs far less than the file does: the
+            # error comes from the integer kernels (activations quantized at run time; ORT's u8 x s8
+            # kernels saturate pair sums on x86 CPUs without VNNI)
+            text += ("; the weights' rounding alone does not explain it: the integer kernels do (activations "
+                     "quantized at run time, or ONNX Runtime's u8 x s8 kernels saturating pair sums on x86 CPUs "
+                     "without VNNI)")
+        if args.strict:
+            if quant_path == args.dst:
+                _remove_output(args.dst)
+            raise QuantizationError(f"--strict: {text}; nothing was written")
+        warnings.warn(text, QuantizationWarning, stacklevel=2)
+        return report
+
+
+def _escape(path: str) -> str:
+    import re
+
+    return re.escape(path)
+
+
+def _initializer_names(module) -> dict:
+    """``{param path: initializer name in the source file}`` of an imported module's params."""
+    source = getattr(module, "_source", None)
+    names = dict(getattr(source, "names", None) or {}) if source is not None else {}
+    return names or {path: path for path, _ in module.named_params()}
+
+
+def _worst_weights(module, float_path, names: dict, feeds: dict) -> list:
+    """The quantized params that, dequantized alone in the float model, lower its outputs' cosine
+    most (``[(param path, cosine)]``; :func:`onnxparam.quant._accuracy.sensitivity`)."""
+    from ..core.dtype import DType
+    from ..quant._accuracy import sensitivity
+
+    dequantized, by_name = {}, {}
+    for path, param in module.named_params():
+        if param.lazy_dtype() is DType.QFloat and path in names:
+            quant = param.base()._quant
+            if quant is not None:
+                dequantized[names[path]] = quant.dequantize()
+                by_name[names[path]] = path
+    return [(by_name[name], cos) for name, cos in sensitivity(float_path, dequantized, feeds)]
+
+
+def _remove_output(dst: Path) -> None:
+    """Delete a written ``.onnx`` output and the external data files it references (``--strict``)."""
+    import os
+
+    try:
+        import onnx_ir as ir
+
+        from ..convert._onnx_files import _external_data_files
+
+        files = _external_data_files(ir.load(dst)) - {os.path.realpath(dst)}
+    except Exception:  # noqa: BLE001 - an unreadable output: remove the file itself
+        files = set()
+    for f in [dst, *files]:
+        try:
+            os.remove(f)
+        except OSError:
+            pass

@@ -151,20 +151,29 @@ class PyTorchAdapter(ModuleAdapter):
     * A ``PRelu``'s ``alpha`` is PyTorch's ``nn.PReLU.weight``.
     * Conv weights need nothing: both store ``(out, in/groups, k...)``; nor do transposed
       convolutions: both store ``(in, out/groups, k...)``.
+    * Hugging Face's ``Conv1D`` (GPT-2, GPT-J ...) is *not* ``nn.Linear``: it stores
+      ``(in, out)``, Burn's ``Linear`` layout already. Loading (:func:`~onnxparam.convert.apply_record`)
+      checks each ``Linear`` weight against the file's evidence (the dim its bias follows, see
+      :func:`onnxparam.convert._pytorch_layout.linear_layouts`) and refuses one the file shows in
+      ``(in, out)``, naming the ``no_transpose`` that loads it: for GPT-2,
+      ``PyTorchAdapter(no_transpose=r"\\.(c_attn|c_proj|c_fc)\\.weight$")``.
 
     Args:
         linear_types: class names treated as ``Linear``.
         norm_types: class names treated as normalization layers.
         transpose: extra regexes (searched in the module path) of rank-2 tensors to transpose.
+        no_transpose: regexes (searched in the module path) of ``Linear`` weights stored
+            ``(in, out)`` in the file (``Conv1D``): never transposed.
     """
 
     name = "pytorch"
 
     def __init__(self, linear_types: Sequence[str] = LINEAR_TYPES, norm_types: Sequence[str] = NORM_TYPES,
-                 transpose: Patterns = None):
+                 transpose: Patterns = None, no_transpose: Patterns = None):
         self.linear_types = frozenset(linear_types)
         self.norm_types = frozenset(norm_types)
         self.transpose = _compile_all(transpose) or ()
+        self.no_transpose = _compile_all(no_transpose) or ()
 
     def _is(self, module_types: tuple, names: frozenset) -> bool:
         return any(t in names for t in module_types)
@@ -179,10 +188,15 @@ class PyTorchAdapter(ModuleAdapter):
         return path
 
     def transposes(self, path: str, module_types: tuple, shape: tuple) -> bool:
-        if len(shape) != 2:
+        if len(shape) != 2 or any(p.search(path) for p in self.no_transpose):
             return False
         if path.rpartition(".")[2] == "weight" and self._is(module_types, self.linear_types):
             return True
+        return any(p.search(path) for p in self.transpose)
+
+    def forced(self, path: str) -> bool:
+        """Whether an explicit ``transpose`` regex names ``path`` (the caller's decision, which
+        no file evidence overrides)."""
         return any(p.search(path) for p in self.transpose)
 
     def restructure(self, module, tensors: Mapping, mapper_of) -> tuple[dict, dict]:
@@ -239,6 +253,8 @@ class PyTorchAdapter(ModuleAdapter):
 
     def __repr__(self) -> str:
         extra = f", transpose={[p.pattern for p in self.transpose]!r}" if self.transpose else ""
+        if self.no_transpose:
+            extra += f", no_transpose={[p.pattern for p in self.no_transpose]!r}"
         return f"PyTorchAdapter(linear_types={sorted(self.linear_types)!r}, norm_types={sorted(self.norm_types)!r}{extra})"
 
 
@@ -252,7 +268,7 @@ def resolve_adapter(adapter: "ModuleAdapter | str | None") -> ModuleAdapter:
     """``None`` -> identity, ``"pytorch"`` -> :class:`PyTorchAdapter`, an adapter -> itself.
 
     Raises:
-        ValueError: for an unknown name.
+        RecordError: (a ``ValueError``) for an unknown name.
     """
     if adapter is None:
         return ModuleAdapter()
@@ -262,7 +278,9 @@ def resolve_adapter(adapter: "ModuleAdapter | str | None") -> ModuleAdapter:
         return PyTorchAdapter()
     if isinstance(adapter, str) and adapter.lower() in ("identity", "none", "burn"):
         return ModuleAdapter()
-    raise ValueError(f"unknown adapter {adapter!r}; use 'pytorch', None, or a ModuleAdapter")
+    from ..core.errors import RecordError
+
+    raise RecordError(f"unknown adapter {adapter!r}; use 'pytorch', None, or a ModuleAdapter")
 
 
 # -- snapshot transforms (lazy) -----------------------------------------------------------------

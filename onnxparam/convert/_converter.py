@@ -57,6 +57,8 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass, replace
+
+import numpy as np
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -64,7 +66,8 @@ from ..core.dtype import DType, dtype_from_numpy
 from ..core.errors import RecordError, file_error
 from ..core.record import ModuleRecord
 from ..core.tensor import TensorData
-from ..formats._extensions import FORMATS, WRITABLE, format_of
+from ..formats._extensions import FORMATS, WRITABLE, detect_format, format_of
+from ..formats._scratch import check_replaceable
 from ..formats._names import map_indices_contiguous
 from ..formats._safetensors import read_safetensors, write_safetensors
 from ._adapters import KeyRemapper, PathFilter, _compile_all, cast_snapshot, cast_spec, transpose_snapshot
@@ -110,6 +113,31 @@ def _read_safetensors(path: Path) -> _Source:
     return _Source(tensors, dict(st.metadata), dict(st.scalars), st)
 
 
+def _checkpoint_dtype(np_dtype) -> DType:
+    """The ``DType`` of a checkpoint tensor's numpy dtype: Burn's, or an ONNX-only one (float8,
+    complex) that ``.safetensors`` / ``.onnx`` targets hold and a ``.bpk`` target refuses, naming
+    the tensor.
+
+    Raises:
+        DTypeError: for a dtype neither Burn nor ONNX has.
+    """
+    from ..core.dtype import ONNX_ONLY_ELEMENT_TYPES, _numpy_dtype
+
+    try:
+        return dtype_from_numpy(np_dtype)
+    except ValueError:
+        wanted = np.dtype(np_dtype)
+        for dtype in ONNX_ONLY_ELEMENT_TYPES:
+            if dtype is DType.String:
+                continue
+            try:
+                if _numpy_dtype(dtype) == wanted:
+                    return dtype
+            except (ValueError, AttributeError):
+                continue
+        raise
+
+
 def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
     from ..formats._pytorch import read_pytorch
 
@@ -119,7 +147,7 @@ def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
     lazy = checkpoint.tensors
     for name in lazy:
         try:
-            dtype = dtype_from_numpy(lazy.dtype(name))
+            dtype = _checkpoint_dtype(lazy.dtype(name))
         except ValueError as exc:
             problems.append(f"'{name}': {exc}")
             continue
@@ -132,7 +160,7 @@ def _read_pytorch(path: Path, top_level_key: Optional[str] = None) -> _Source:
         tensors.append(_Tensor(name, dtype, shape, None, load, source_name=name, file_slice=in_file,
                                source_path=where if in_file is not None else None))
     if problems:
-        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype Burn has no dtype for", problems)
+        raise RecordError(f"'{path}': {len(problems)} tensor(s) of a dtype neither Burn nor ONNX has", problems)
     notes = [f"not a tensor, left out: '{name}'" for name in checkpoint.skipped]
     notes += [f"one tensor in the file, written once per name: {', '.join(group)}" for group in checkpoint.tied]
     return _Source(tensors, {}, {}, notes=notes)
@@ -143,15 +171,16 @@ def read_record(path: "str | os.PathLike", *, top_level_key: Optional[str] = Non
     lazy :class:`~onnxparam.ModuleRecord` (names as :func:`convert` reads them; the data stays in
     the mapped file until read). ``top_level_key`` selects a checkpoint dict's entry (``.pt``).
 
+    The format is told by the file's content (:func:`~onnxparam.formats._extensions.detect_format`),
+    not its name.
+
     Raises:
-        ValueError: for an unknown extension.
-        FileNotFoundError: for a missing file.
-        RecordError / OnnxFormatError: for a malformed file.
+        FileMissingError: a missing file. IsAFolderError: a folder.
+        RecordError / OnnxFormatError: a file of no known format (naming what was found), or a
+            malformed one.
     """
     path = Path(path)
-    fmt = format_of(path)
-    if not path.exists():
-        raise file_error(errno.ENOENT, f"no such file: '{path}'", os.fspath(path))
+    fmt = detect_format(path)
     source = _read_pytorch(path, top_level_key) if fmt == "pytorch" else _READERS[fmt](path)
     return ModuleRecord({t.name: t.snapshot() for t in source.tensors}, source.metadata)
 
@@ -162,21 +191,21 @@ def _check_target_is_not_read(src: Path, dst: Path, source: _Source, graph) -> N
     the ``.onnx`` pointing at other bytes).
 
     Raises:
-        ValueError: naming the file and the model that reads it.
+        RecordError: naming the file and the model that reads it.
     """
     target = os.path.realpath(dst)
     if target == os.path.realpath(src):
-        raise ValueError(f"the source and the target are the same file '{src}'; write to another file")
+        raise RecordError(f"the source and the target are the same file '{src}'; write to another file")
     readers = [(src, source.external_files)]
     if isinstance(graph, (str, os.PathLike)):
         from ._onnx_files import _load_template
 
         if target == os.path.realpath(graph):
-            raise ValueError(f"the target and the graph template are the same file '{graph}'; write to another file")
+            raise RecordError(f"the target and the graph template are the same file '{graph}'; write to another file")
         readers.append((Path(graph), _external_data_files(_load_template(graph))))
     for model, files in readers:
         if target in files:
-            raise ValueError(
+            raise RecordError(
                 f"the target '{dst}' holds the external data (weights) of '{model}': replacing it would "
                 "destroy those weights; write to another file"
             )
@@ -203,7 +232,9 @@ def convert(
     external_data: "bool | str | None" = None,
     progress: Optional[Callable[[str, int], None]] = None,
 ) -> ConvertReport:
-    """Convert the weights of ``src`` into ``dst``; formats from the extensions.
+    """Convert the weights of ``src`` into ``dst``: the source's format is told by its content
+    (magic bytes / header: burnpack, safetensors, ONNX, PyTorch zip, legacy stream or legacy tar),
+    the target's by its extension.
 
     Args:
         src: a ``.bpk``, ``.safetensors``, ``.onnx`` or ``.pt`` / ``.pth`` (``torch.save``,
@@ -220,10 +251,13 @@ def convert(
         transpose: regexes (searched in the *target* names) of rank-2 tensors to transpose,
             e.g. ``r"^fc\\d\\.weight$"`` for Linear weights between PyTorch and Burn layouts.
         no_transpose: regexes (target names) of tensors ``pytorch=True`` must not transpose.
-        pytorch: PyTorch <-> Burn layouts without a module: only what names and shapes settle
-            (a Linear weight is known by its bias; norm ``weight``/``bias`` <-> ``gamma``/``beta``;
-            ``num_batches_tracked`` left out); every rank-2 ``weight`` left alone is listed in
-            ``report.untouched`` (see :mod:`onnxparam.convert._pytorch_layout`). The direction
+        pytorch: PyTorch <-> Burn layouts without a module, from the file's own evidence: a
+            rank-2 ``weight``'s layout is the dim its bias follows (its own when not square, else
+            its family's or the whole file's): ``nn.Linear``'s ``(out, in)`` is transposed,
+            GPT-2 ``Conv1D``'s ``(in, out)`` kept (``report.kept``); norm ``weight``/``bias``
+            <-> ``gamma``/``beta``; ``num_batches_tracked`` left out. Every weight the file does
+            not settle is left alone and listed in ``report.untouched`` with the reason (see
+            :mod:`onnxparam.convert._pytorch_layout`). The direction
             follows the formats: to Burn from a ``.pt`` / ``.safetensors`` source, to PyTorch
             into a ``.safetensors`` target.
         top_level_key: for a ``.pt`` source: the checkpoint dict's entry holding the state dict.
@@ -247,27 +281,31 @@ def convert(
         a :class:`~onnxparam.convert.ConvertReport`.
 
     Raises:
-        ValueError: for an unknown extension, options that do not fit the formats, or a target
-            that is the source or a file the source (or ``graph``) reads external data from.
+        RecordError: (a ``ValueError``) for a target extension no writer has, a source of no
+            known format, options that do not fit the formats, or a target that is the source
+            or a file the source (or ``graph``) reads external data from.
+        FileAccessError: a missing source (``FileMissingError``), a source or target that is a
+            folder (``IsAFolderError``), a read-only target or folder (``FilePermissionError``):
+            all checked before any work.
         RecordError: for tensors that do not fit (name clash after remapping, a graph mismatch,
             a dtype the target cannot hold), each named; nothing is written then.
         OnnxFormatError: for a malformed ONNX source or graph.
         FileNotFoundError: for a missing source.
     """
     src, dst = Path(src), Path(dst)
-    src_fmt, dst_fmt = format_of(src), format_of(dst)
+    dst_fmt = format_of(dst)
     if dst_fmt not in WRITABLE:
-        raise ValueError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
-                         ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+        raise RecordError(f"cannot write '{dst}': {dst_fmt} files are read, not written; write a "
+                          ".safetensors file for PyTorch (torch loads it with safetensors.torch.load_file)")
+    if graph is not None and dst_fmt != "onnx":
+        raise RecordError(f"graph= applies to .onnx targets only; the target is '{dst}'")
+    src_fmt = detect_format(src)
     to_pytorch = _pytorch_direction(src, dst, src_fmt, dst_fmt) if pytorch else None
     if top_level_key is not None and src_fmt != "pytorch":
-        raise ValueError(f"top_level_key applies to .pt / .pth sources; the source is '{src}'")
-    if graph is not None and dst_fmt != "onnx":
-        raise ValueError(f"graph= applies to .onnx targets only; the target is '{dst}'")
+        raise RecordError(f"top_level_key applies to PyTorch checkpoints; the source '{src}' is a {src_fmt} file")
     if zero_copy:
         _check_zero_copy_options(src, dst, src_fmt, dst_fmt, cast, transpose)
-    if not src.exists():
-        raise file_error(errno.ENOENT, f"no such file: '{src}'", os.fspath(src))
+    check_replaceable(dst)  # a folder, a read-only file or folder: refused before any work
     source = _read_pytorch(src, top_level_key) if src_fmt == "pytorch" else _READERS[src_fmt](src)
     try:
         _check_target_is_not_read(src, dst, source, graph)
@@ -282,7 +320,7 @@ def convert(
             plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)
             user = KeyRemapper.of(remap)
             if not isinstance(user, KeyRemapper):
-                raise ValueError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
+                raise RecordError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
                                  "replacement) pairs or a KeyRemapper")
             remap = KeyRemapper(plan.rules + list(user.rules))
         tensors = _transform(source.tensors, report, remap, include, exclude, cast, transpose, no_transpose, plan)
@@ -306,22 +344,22 @@ def _pytorch_direction(src: Path, dst: Path, src_fmt: str, dst_fmt: str) -> bool
         return True
     if src_fmt in ("pytorch", "safetensors") and dst_fmt in ("burnpack", "onnx"):
         return False
-    raise ValueError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
+    raise RecordError(f"pytorch=True converts between PyTorch's layout (a .pt / .safetensors file) and Burn's "
                      f"(.bpk / .onnx); '{src}' -> '{dst}' has PyTorch's layout on "
                      f"{'both sides' if dst_fmt == 'safetensors' else 'neither side'}")
 
 
 def _check_zero_copy_options(src: Path, dst: Path, src_fmt: str, dst_fmt: str, cast, transpose) -> None:
     if dst_fmt != "onnx" or src_fmt not in ("burnpack", "safetensors"):
-        raise ValueError(
+        raise RecordError(
             f"zero_copy makes an .onnx model that reads its weights from a .bpk or .safetensors file; "
             f"got '{src}' -> '{dst}'"
         )
     if cast is not None or transpose is not None:
-        raise ValueError("zero_copy references the source's bytes as they are: no cast or transpose")
+        raise RecordError("zero_copy references the source's bytes as they are: no cast or transpose")
     rel = os.path.relpath(os.path.abspath(src), os.path.abspath(dst.parent))
     if rel.startswith(os.pardir) or os.path.isabs(rel):
-        raise ValueError(
+        raise RecordError(
             f"zero_copy needs '{src}' inside the ONNX model's folder '{dst.parent or '.'}': ONNX Runtime refuses "
             "external data outside it; write the .onnx beside the source file"
         )
@@ -341,6 +379,9 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
             target = remapper.apply(name)
             if not any(p.search(target) for p in transposes + keep_as_is):
                 report.untouched.append((name, why))
+        for name, why in plan.kept:
+            if not any(p.search(remapper.apply(name)) for p in transposes):
+                report.kept.append((name, why))
     out: list[_Tensor] = []
     origin: dict[str, str] = {}
     problems: list[str] = []

@@ -3,13 +3,25 @@ tensor belongs to (``convert(..., pytorch=True)``, ``onnxparam convert --pytorch
 
 With a module, :class:`~onnxparam.convert._adapters.PyTorchAdapter` decides by the type of the
 module holding each param (Burn's ``PyTorchToBurnAdapter``). A file has names and shapes only,
-so this module acts only where they leave no doubt, and lists every tensor it left alone:
+so this module decides a layout from *the file's own evidence*, never from one tensor's shape,
+and lists every tensor it could not decide (``report.untouched``, with the reason):
+
+* A rank-2 ``P.weight`` with a rank-1 ``P.bias`` whose two dims differ says itself which dim
+  its bias follows: dim 0 is PyTorch's ``nn.Linear`` layout ``(out, in)``; dim 1 is
+  ``(in, out)``, Burn's ``Linear`` layout and the one Hugging Face's GPT-2 / GPT-J ``Conv1D``
+  stores. A bias matching neither dim leaves the weight untouched.
+* A *square* weight's bias fits both dims. It follows its **family**: the weights whose module
+  path is the same once the integer segments are wildcarded (``h.0.attn.c_proj`` and
+  ``h.11.attn.c_proj`` are one family ``h.*.attn.c_proj``), when the family's non-square members
+  agree. A family with no non-square member follows **the whole file** when every non-square
+  weight with a bias in it agrees (a GPT-2 file is all ``Conv1D``, a BERT file all
+  ``nn.Linear``). Otherwise (no evidence, or both layouts present) it is untouched.
+* To Burn, a weight in ``(out, in)`` is transposed and one in ``(in, out)`` is kept; to
+  PyTorch (``nn.Linear``), the reverse.
+
+Other rules (names only):
 
 ===========================================  ==============================================
-PyTorch -> Burn (source in PyTorch's layout)
-===========================================  ==============================================
-rank-2 ``P.weight`` + rank-1 ``P.bias`` of    ``nn.Linear`` (``(out, in)``; an Embedding has no
-length ``shape[0]``                           bias): transposed to ``(in, out)``
 rank-2 ``P.weight`` without ``P.bias``        ``nn.Linear(bias=False)`` *or* ``nn.Embedding``
                                               (never transposed): **untouched**, listed
 rank-1 ``P.weight`` + rank-1 ``P.bias`` (or   a norm layer: ``gamma`` / ``beta``
@@ -19,10 +31,8 @@ rank-1 ``P.weight`` alone                     a norm without bias *or* ``nn.PReL
                                               (as the PyTorch adapter ignores it when loading)
 ===========================================  ==============================================
 
-Burn -> PyTorch is the inverse (a rank-2 ``P.weight`` with a ``P.bias`` of length ``shape[1]``
-is transposed; ``gamma`` / ``beta`` become ``weight`` / ``bias``). ``transpose`` regexes add
-tensors, ``no_transpose`` regexes (both searched in the *target* names) take them out; either
-settles an untouched name.
+``transpose`` regexes add tensors, ``no_transpose`` regexes (both searched in the *target*
+names) take them out; either settles an untouched name.
 """
 
 from __future__ import annotations
@@ -30,10 +40,103 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["PytorchPlan", "plan_pytorch_layout", "DROPPED_BUFFERS"]
+__all__ = ["PytorchPlan", "plan_pytorch_layout", "DROPPED_BUFFERS", "LayoutEvidence", "linear_layouts", "family_of",
+           "OUT_IN", "IN_OUT"]
 
 DROPPED_BUFFERS = ("num_batches_tracked",)
 """PyTorch buffers without a Burn param (BatchNorm's step counter)."""
+
+OUT_IN = "(out, in)"
+"""A rank-2 weight whose bias follows dim 0: PyTorch ``nn.Linear``."""
+IN_OUT = "(in, out)"
+"""A rank-2 weight whose bias follows dim 1: Burn's ``Linear``, Hugging Face's ``Conv1D``."""
+
+_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
+
+
+def family_of(prefix: str) -> str:
+    """A module path with its integer segments wildcarded: ``h.3.attn.c_attn`` -> ``h.*.attn.c_attn``."""
+    return _INDEX.sub("*", prefix)
+
+
+@dataclass(frozen=True)
+class LayoutEvidence:
+    """What a file says about one rank-2 ``weight`` that has a rank-1 bias.
+
+    Attributes:
+        layout: :data:`OUT_IN`, :data:`IN_OUT`, or ``None`` when the file does not settle it.
+        why: how it was decided, or why not (names the tensors that gave the evidence).
+    """
+
+    layout: "str | None"
+    why: str
+
+
+def _examples(names: list) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:2])
+    return shown + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+
+
+def linear_layouts(names_shapes) -> dict:
+    """``weight name -> LayoutEvidence`` for every rank-2 ``P.weight`` with a rank-1 ``P.bias``
+    among ``[(name, shape)]`` (the module docstring's rules: its own shape, then its family's
+    non-square members, then the whole file's)."""
+    shapes = {n: tuple(s) for n, s in names_shapes}
+    own: dict = {}
+    for name, shape in shapes.items():
+        prefix, _, leaf = name.rpartition(".")
+        bias = shapes.get(_join(prefix, "bias"))
+        if leaf != "weight" or len(shape) != 2 or bias is None or len(bias) != 1:
+            continue
+        rows, cols = shape
+        if bias[0] == rows and rows != cols:
+            own[name] = OUT_IN
+        elif bias[0] == cols and rows != cols:
+            own[name] = IN_OUT
+        elif bias[0] == rows == cols:
+            own[name] = "square"
+        else:
+            own[name] = f"its bias '{_join(prefix, 'bias')}' has length {bias[0]}, which is neither dim of {list(shape)}"
+    families: dict = {}
+    whole: dict = {OUT_IN: [], IN_OUT: []}
+    for name, layout in own.items():
+        if layout in (OUT_IN, IN_OUT):
+            families.setdefault(family_of(name.rpartition(".")[0]), {OUT_IN: [], IN_OUT: []})[layout].append(name)
+            whole[layout].append(name)
+    out: dict = {}
+    for name, layout in own.items():
+        shape = list(shapes[name])
+        if layout in (OUT_IN, IN_OUT):
+            dim = 0 if layout == OUT_IN else 1
+            out[name] = LayoutEvidence(layout, f"{shape}: its bias follows dim {dim}")
+            continue
+        if layout != "square":
+            out[name] = LayoutEvidence(None, layout)
+            continue
+        family = family_of(name.rpartition(".")[0])
+        seen = families.get(family)
+        if seen and seen[OUT_IN] and seen[IN_OUT]:
+            out[name] = LayoutEvidence(None, (
+                f"square weight {shape}: its bias fits both dims, and its family '{family}' holds both layouts "
+                f"({_examples(seen[OUT_IN])} {OUT_IN}; {_examples(seen[IN_OUT])} {IN_OUT})"))
+        elif seen:
+            layout = OUT_IN if seen[OUT_IN] else IN_OUT
+            out[name] = LayoutEvidence(layout, f"square weight {shape}: follows its family '{family}' "
+                                               f"({_examples(seen[layout])} {layout})")
+        elif whole[OUT_IN] and whole[IN_OUT]:
+            out[name] = LayoutEvidence(None, (
+                f"square weight {shape}: its bias fits both dims, its family '{family}' has no non-square member, "
+                f"and the file holds both layouts ({_examples(whole[OUT_IN])} {OUT_IN}; "
+                f"{_examples(whole[IN_OUT])} {IN_OUT})"))
+        elif whole[OUT_IN] or whole[IN_OUT]:
+            layout = OUT_IN if whole[OUT_IN] else IN_OUT
+            out[name] = LayoutEvidence(layout, f"square weight {shape}: follows the whole file (every non-square "
+                                               f"weight with a bias is {layout}: {_examples(whole[layout])})")
+        else:
+            out[name] = LayoutEvidence(None, (
+                f"square weight {shape}: its bias fits both dims, and no non-square weight with a bias in its "
+                f"family or in the file says whether it is {OUT_IN} (nn.Linear) or {IN_OUT} (Conv1D / Burn)"))
+    return out
 
 
 @dataclass
@@ -43,13 +146,16 @@ class PytorchPlan:
     Attributes:
         rules: ``(pattern, replacement)`` renames (norm ``weight``/``bias`` <-> ``gamma``/``beta``).
         transpose: source names to transpose.
+        kept: ``(source name, why)``: rank-2 weights the file's evidence shows already in the
+            target's layout (GPT-2's ``Conv1D`` going to Burn), left as they are.
         dropped: source names left out (``num_batches_tracked``).
-        untouched: ``(source name, why)`` for rank-2 / rank-1 ``weight`` tensors the names and
-            shapes do not settle.
+        untouched: ``(source name, why)`` for rank-2 / rank-1 ``weight`` tensors the file does
+            not settle, each with the true reason.
     """
 
     rules: list = field(default_factory=list)
     transpose: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     untouched: list = field(default_factory=list)
 
@@ -66,6 +172,8 @@ def plan_pytorch_layout(names_shapes, to_pytorch: bool) -> PytorchPlan:
         to_pytorch: ``True`` when the target takes PyTorch's layout (source in Burn's).
     """
     shapes = {n: tuple(s) for n, s in names_shapes}
+    evidence = linear_layouts(shapes.items())
+    moves = IN_OUT if to_pytorch else OUT_IN
     plan = PytorchPlan()
     for name, shape in shapes.items():
         prefix, _, leaf = name.rpartition(".")
@@ -79,12 +187,16 @@ def plan_pytorch_layout(names_shapes, to_pytorch: bool) -> PytorchPlan:
             continue
         bias = shapes.get(_join(prefix, "bias"))
         if len(shape) == 2:
-            out_dim = shape[1] if to_pytorch else shape[0]
-            if bias is not None and len(bias) == 1 and bias[0] == out_dim:
+            found = evidence.get(name)
+            if found is None:
+                plan.untouched.append((name, f"rank-2 weight {list(shape)} without a bias: a bias-free Linear "
+                                             "(transpose) or an Embedding (do not); nothing in the file says which"))
+            elif found.layout is None:
+                plan.untouched.append((name, found.why))
+            elif found.layout == moves:
                 plan.transpose.append(name)
             else:
-                plan.untouched.append((name, "rank-2 weight without a matching bias: a bias-free Linear "
-                                             "(transpose) or an Embedding (do not)"))
+                plan.kept.append((name, f"already {found.layout} ({found.why})"))
         elif len(shape) == 1 and not to_pytorch:
             running = shapes.get(_join(prefix, "running_mean"))
             if (bias is not None and bias == shape) or running == shape:

@@ -136,6 +136,9 @@ class ConvertReport:
         untouched: ``(source name, why)`` for tensors ``pytorch=True`` could not decide from
             names and shapes (a rank-2 ``weight`` without a bias: Linear or Embedding); settle
             them with ``transpose`` / ``no_transpose`` (``--transpose RE`` / ``--no-transpose RE``).
+        kept: ``(source name, why)`` for rank-2 weights ``pytorch=True`` left as they are because
+            the file's evidence shows them already in the target's layout (Hugging Face's GPT-2
+            ``Conv1D`` stores ``(in, out)``, Burn's layout).
         bytes_written: size of the target file (for zero-copy ONNX: the model file only).
         notes: anything else worth telling (e.g. "weights stay in model.bpk (zero-copy)").
     """
@@ -149,6 +152,7 @@ class ConvertReport:
     cast: list = field(default_factory=list)
     ignored: list = field(default_factory=list)
     untouched: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
     bytes_written: int = 0
     notes: list = field(default_factory=list)
 
@@ -161,6 +165,8 @@ class ConvertReport:
         lines += [f"  note: {n}" for n in self.notes]
         lines += _section("untouched (decide with --transpose RE / --no-transpose RE, or load into a module)",
                           [f"{n}: {why}" for n, why in self.untouched])
+        lines += _section("kept in place (the file shows them already in the target's layout)",
+                          [f"{n}: {why}" for n, why in self.kept])
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))
         lines += _change_sections(self)

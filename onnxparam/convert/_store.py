@@ -29,12 +29,14 @@ from ._adapters import (
     KeyRemapper,
     ModuleAdapter,
     PathFilter,
+    PyTorchAdapter,
     cast_snapshot,
     cast_spec,
     map_indices_contiguous,
     resolve_adapter,
     transpose_snapshot,
 )
+from ._pytorch_layout import IN_OUT, family_of, linear_layouts
 from ._report import LoadReport, SaveReport
 
 __all__ = ["apply_record", "collect_record", "load_safetensors", "load_pytorch", "load_onnx", "save_safetensors",
@@ -150,6 +152,9 @@ def apply_record(
         restructured = set(mapped)
     used: set = set()
     matched: dict[str, TensorSnapshot] = {}
+    evidence = (linear_layouts((n, tuple(snap.shape)) for n, snap in snaps.items())
+                if isinstance(adapter, PyTorchAdapter) else {})
+    conv1d: list = []
     for path, param in params.items():
         owner = _owner(path, types)
         key = path if path in by_name else adapter.file_name(path, owner)
@@ -168,6 +173,15 @@ def apply_record(
         where = f"'{path}'" + (f" (from '{original}')" if original != path else "")
         expected_shape = tuple(int(d) for d in param.lazy_shape())
         if key not in restructured and adapter.transposes(path, owner, tuple(snap.shape)):
+            found = evidence.get(key)
+            if found is not None and found.layout == IN_OUT and not adapter.forced(path):
+                problems.append(
+                    f"{where} is a Linear weight, but the file stores it (in, out) ({found.why}): the layout of "
+                    "Hugging Face's Conv1D (GPT-2, GPT-J), which is Burn's own, not nn.Linear's (out, in); "
+                    "the pytorch adapter would transpose it into the wrong layout")
+                report.errors.append(problems[-1])
+                conv1d.append(path)
+                continue
             try:
                 snap = transpose_snapshot(snap)
             except ValueError as exc:
@@ -221,6 +235,11 @@ def apply_record(
             renamed = remapper.apply(renumbered[original]) if original in renumbered else original
             shown = f"'{original}'" + (f" (renamed to '{renamed}')" if renamed != original else "")
             problems.append(f"unexpected tensor {shown}: " + _unexpected_hint(renamed, params))
+    if conv1d:
+        families = sorted({family_of(p.rpartition(".")[0]) for p in conv1d})
+        pattern = "|".join(re.escape(f).replace(r"\*", r"\d+") for f in families)
+        problems.append(f"load Conv1D weights without transposing them: adapter=PyTorchAdapter("
+                        f"no_transpose=r\"^({pattern})\\.weight$\") (onnxparam.convert.PyTorchAdapter)")
     if problems:
         what = f"'{source}'" if source else "the record"
         error = RecordError(f"cannot load {what} into {type(module).__name__}: {len(problems)} problem(s)", problems)
@@ -363,7 +382,7 @@ def load_safetensors(
 
 def load_pytorch(
     module,
-    path: "str | os.PathLike",
+    path: "str | os.PathLike | Mapping",
     *,
     top_level_key: Optional[str] = None,
     adapter: "ModuleAdapter | str | None" = "pytorch",
@@ -389,6 +408,8 @@ def load_pytorch(
         model = load_pytorch(Net(), "net.pt", top_level_key="state_dict", remap=[(r"^module\\.", "")])
 
     Args:
+        path: the checkpoint file, or an in-memory state dict (``{name: torch tensor / numpy
+            array}``, e.g. ``model.state_dict()``; torch is not imported for it).
         top_level_key: the entry of a checkpoint dict holding the state dict (``"state_dict"``,
             ``"model"``); ``None`` for a plain ``torch.save(model.state_dict())`` file.
         adapter: ``"pytorch"`` (default) or ``None`` for a checkpoint already in Burn's layout.
@@ -404,6 +425,19 @@ def load_pytorch(
     """
     from ..formats._pytorch import read_pytorch
 
+    if isinstance(path, Mapping):  # an in-memory state dict: {name: torch tensor / array}
+        state = path
+        if top_level_key is not None:
+            if top_level_key not in state or not isinstance(state[top_level_key], Mapping):
+                raise RecordError(f"top_level_key {top_level_key!r} is not a dict entry of the state dict; it holds "
+                                  f"{sorted(map(str, state))[:8]}")
+            state = state[top_level_key]
+        return apply_record(module, dict(state), adapter=adapter, remap=remap, include=include, exclude=exclude,
+                            cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
+                            source="the state dict", report=report)
+    if not isinstance(path, (str, os.PathLike)):
+        raise RecordError(f"load_pytorch takes a checkpoint path or a state dict (a mapping of names to tensors), "
+                          f"not {type(path).__name__}")
     checkpoint = read_pytorch(path, top_level_key=top_level_key)
     record = _lazy_record(checkpoint.tensors)
     report = LoadReport() if report is None else report

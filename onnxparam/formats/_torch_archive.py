@@ -26,6 +26,17 @@ pickles and raw data back to back::
     pickle  the object tree          storages are ('storage', Class, key, location, numel, view)
     pickle  storage keys             a list of str, in the order the storages follow
     then per key: int64 little-endian element count, then count * itemsize raw bytes
+
+Legacy tar (torch < 0.4; ``tarfile`` PAX/ustar; torch/serialization.py ``_load``, tar branch): four
+members::
+
+    sys_info    one pickle: {'protocol_version', 'little_endian', 'type_sizes'}
+    storages    pickle count; per storage: pickle (key, location, StorageClass), then int64
+                little-endian element count and count * itemsize raw bytes; then pickle a list
+                of views (view key, root key, offset, numel), in elements of the root
+    tensors     pickle count; per tensor: pickle (key, storage key, TensorClass), then int32 ndim,
+                4 padding bytes, ndim int64 sizes, ndim int64 strides, int64 storage offset
+    pickle      the object tree; a tensor (or storage) is the persistent id str(key)
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.errors import RecordError
-from ._torch_pickle import PickleRefused, RestrictedUnpickler, StorageRef
+from ._torch_pickle import STORAGE_DTYPES, PickleRefused, RestrictedUnpickler, StorageRef, TensorRef, _StorageClass
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "open_checkpoint", "StorageBytes"]
 
@@ -109,6 +120,8 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Any, StorageBytes, str]:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             if head == _ZIP_MAGIC:
                 return _open_zip(path, f, mapped)
+            if mapped[257:262] == b"ustar":
+                return _open_tar(path, f, mapped)
             f.seek(0)
             return _open_legacy(path, f, mapped)
     except OSError as e:
@@ -201,7 +214,7 @@ def _open_legacy(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, st
     if magic != MAGIC_NUMBER:
         raise RecordError(
             f"{path}: neither a zip archive nor a legacy torch stream (first pickle {magic!r:.40}, "
-            f"expected the magic number {MAGIC_NUMBER:#x}); tar checkpoints of torch < 0.4 are not supported"
+            f"expected the magic number {MAGIC_NUMBER:#x}) nor a legacy tar"
         )
     protocol, _ = _unpickle(path, f, legacy=True, what="the protocol version")
     if protocol != PROTOCOL_VERSION:
@@ -242,6 +255,165 @@ def _open_legacy(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, st
 
     def storage_bytes(ref: StorageRef) -> tuple[memoryview, int]:
         start = offsets[ref.key]
+        return memoryview(mapped)[start : start + ref.nbytes], start
+
+    return tree, StorageBytes(storage_bytes), "little"
+
+
+# -- legacy tar ------------------------------------------------------------------------------
+
+
+class _TarUnpickler(RestrictedUnpickler):
+    """The legacy tar's pickles: its metadata pickles also name ``torch.<Type>Tensor`` classes
+    (the tensor's original type, unused), and its object tree names tensors by the persistent
+    id ``str(key)``."""
+
+    def __init__(self, file, tensors: "dict | None" = None):
+        super().__init__(file, legacy=True)
+        self.tensors = tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name.endswith("Tensor") and name[: -len("Tensor")] + "Storage" in STORAGE_DTYPES:
+            return _StorageClass(module, name)  # a sealed marker; never called
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self.tensors is None or not isinstance(pid, str):
+            raise PickleRefused(f"persistent id {pid!r:.60} is not a tensor key of a legacy tar")
+        try:
+            return self.tensors[int(pid)]
+        except (ValueError, KeyError):
+            raise PickleRefused(f"persistent id {pid!r:.60} names no tensor of the 'tensors' member") from None
+
+
+def _tar_load(path: str, file, what: str, tensors=None) -> Any:
+    unpickler = _TarUnpickler(file, tensors)
+    try:
+        return unpickler.load()
+    except PickleRefused as e:
+        raise RecordError(f"{path}: refused {what}: {e}; nothing in it was run") from None
+    except _PICKLE_ERRORS as e:
+        raise RecordError(f"{path}: {what} is not a valid pickle ({type(e).__name__}: {e})") from None
+
+
+class _Section:
+    """One tar member as a read-only file over the map (``read`` / ``readline`` / ``tell``)."""
+
+    def __init__(self, mapped: mmap.mmap, start: int, size: int):
+        self.view = memoryview(mapped)[start : start + size]
+        self.start, self.pos = start, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out = bytes(self.view[self.pos : end])
+        self.pos = end
+        return out
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        end = bytes(self.view[self.pos :]).find(b"\n")
+        return self.read(-1 if end < 0 else end + 1)
+
+    def exact(self, n: int, what: str, path: str) -> bytes:
+        data = self.read(n)
+        if len(data) != n:
+            raise RecordError(f"{path}: {what} ends past its tar member; the file is truncated")
+        return data
+
+
+def _int_key(value: Any, what: str, path: str) -> int:
+    if type(value) is not int:
+        raise RecordError(f"{path}: {what} is {value!r:.40}, expected an int key")
+    return value
+
+
+def _open_tar(path: str, f, mapped: mmap.mmap) -> tuple[Any, StorageBytes, str]:
+    import tarfile
+
+    try:
+        f.seek(0)
+        with tarfile.open(fileobj=f, mode="r:") as tar:
+            members = {m.name: m for m in tar.getmembers()}
+    except (tarfile.TarError, EOFError, OSError, ValueError, UnicodeError) as e:
+        raise RecordError(f"{path}: not a readable legacy torch tar ({e}); the file may be truncated") from None
+    sections = {}
+    for name in ("sys_info", "storages", "tensors", "pickle"):
+        member = members.get(name)
+        if member is None or not member.isfile():
+            raise RecordError(f"{path}: a legacy torch tar needs a '{name}' file member; the tar holds "
+                              f"{sorted(members)[:8]}")
+        if member.offset_data + member.size > len(mapped):
+            raise RecordError(f"{path}: tar member '{name}' ends past the end of the file; the file is truncated")
+        sections[name] = _Section(mapped, member.offset_data, member.size)
+    sys_info = _tar_load(path, sections["sys_info"], "sys_info")
+    if not isinstance(sys_info, dict) or sys_info.get("little_endian") is not True:
+        raise RecordError(f"{path}: the legacy tar was written big-endian (sys_info {sys_info!r:.80}); re-save it "
+                          "with torch.save on a little-endian machine")
+
+    storages: dict[int, tuple[StorageRef, int]] = {}  # key -> (ref, first byte in the file)
+    sec = sections["storages"]
+    count = _tar_load(path, sec, "the storage count")
+    if type(count) is not int or count < 0 or count > len(mapped):
+        raise RecordError(f"{path}: the storage count is {count!r:.40}, expected a small int")
+    for _ in range(count):
+        entry = _tar_load(path, sec, "a storage header")
+        if not isinstance(entry, tuple) or len(entry) != 3 or not isinstance(entry[2], _StorageClass) \
+                or entry[2].dtype is None or entry[2].name == "UntypedStorage":
+            raise RecordError(f"{path}: storage header {entry!r:.80} is not (key, location, torch.<Type>Storage)")
+        key = _int_key(entry[0], "a storage key", path)
+        dtype = entry[2].dtype
+        (numel,) = struct.unpack("<q", sec.exact(8, f"storage {key}'s length", path))
+        nbytes = numel * dtype.itemsize
+        if numel < 0 or sec.pos + nbytes > len(sec.view):
+            raise RecordError(f"{path}: storage {key} declares {numel} elements, past the end of the 'storages' "
+                              "member; the file is truncated")
+        storages[key] = (StorageRef(str(key), dtype, numel), sec.start + sec.pos)
+        sec.pos += nbytes
+    views = _tar_load(path, sec, "the storage view list")
+    if not isinstance(views, list):
+        raise RecordError(f"{path}: the storage view list is {views!r:.60}, expected a list")
+    for view in views:
+        if not isinstance(view, tuple) or len(view) != 4 or not all(type(v) is int for v in view):
+            raise RecordError(f"{path}: storage view {view!r:.60} is not (key, root key, offset, numel)")
+        target, root_key, offset, numel = view
+        root = storages.get(root_key)
+        if root is None or offset < 0 or numel < 0 or offset + numel > root[0].numel:
+            raise RecordError(f"{path}: storage view {view!r:.60} reaches outside its root storage")
+        storages[target] = (StorageRef(str(target), root[0].dtype, numel), root[1] + offset * root[0].dtype.itemsize)
+
+    tensors: dict[int, TensorRef] = {}
+    sec = sections["tensors"]
+    count = _tar_load(path, sec, "the tensor count")
+    if type(count) is not int or count < 0 or count > len(mapped):
+        raise RecordError(f"{path}: the tensor count is {count!r:.40}, expected a small int")
+    for _ in range(count):
+        entry = _tar_load(path, sec, "a tensor header")
+        if not isinstance(entry, tuple) or len(entry) != 3:
+            raise RecordError(f"{path}: tensor header {entry!r:.80} is not (key, storage key, tensor type)")
+        key = _int_key(entry[0], "a tensor key", path)
+        found = storages.get(_int_key(entry[1], "a tensor's storage key", path))
+        if found is None:
+            raise RecordError(f"{path}: tensor {key} refers to storage {entry[1]!r:.40}, which the tar does not hold")
+        (ndim,) = struct.unpack("<i", sec.exact(4, f"tensor {key}'s rank", path))
+        if not 0 <= ndim <= 64:
+            raise RecordError(f"{path}: tensor {key} has rank {ndim}")
+        sec.exact(4, f"tensor {key}'s padding", path)
+        size = struct.unpack(f"<{ndim}q", sec.exact(8 * ndim, f"tensor {key}'s sizes", path))
+        stride = struct.unpack(f"<{ndim}q", sec.exact(8 * ndim, f"tensor {key}'s strides", path))
+        (offset,) = struct.unpack("<q", sec.exact(8, f"tensor {key}'s offset", path))
+        if any(v < 0 for v in size + stride) or offset < 0:
+            raise RecordError(f"{path}: tensor {key} has a negative size, stride or offset")
+        ref = found[0]
+        tensors[key] = TensorRef(ref, offset, tuple(size), tuple(stride), ref.dtype)
+    tree = _tar_load(path, sections["pickle"], "the object tree", tensors)
+    starts = {ref.key: start for ref, start in storages.values()}
+
+    def storage_bytes(ref: StorageRef) -> tuple[memoryview, int]:
+        start = starts[ref.key]
         return memoryview(mapped)[start : start + ref.nbytes], start
 
     return tree, StorageBytes(storage_bytes), "little"

@@ -114,7 +114,8 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
         except Exception as e:
             if isinstance(e, (OSError, OnnxParamError)):
                 raise
-            raise _adapter_write_error(e, path) from e
+            needed = sum(int(np.asarray(v).nbytes) for v in params.values())
+            raise _adapter_write_error(e, path, needed) from e
         preserve_mode(mode, scratch)
         os.replace(scratch, path)
     except BaseException as e:
@@ -132,15 +133,28 @@ _CXX_SOURCE = re.compile(r"\S*onnxruntime\S*\.(?:cc|cpp|h):\d+\s+(?:(?:[\w:<>~*&
 """ONNX Runtime's C++ source location (``/onnxruntime_src/...cc:123 void f(...)``) in its messages."""
 
 
-def _adapter_write_error(error: Exception, path) -> Exception:
-    """ONNX Runtime's failure to write ``path`` as the library's error: ``OSError(ENOSPC)`` when
-    the disk is full, else an :class:`~onnxparam.core.errors.ExecutionError` naming the file (the C++
-    source location left out)."""
+def _free_bytes(folder) -> "int | None":
+    try:
+        st = os.statvfs(os.fspath(folder) or ".")
+    except (OSError, AttributeError):  # no statvfs (Windows) or the folder is gone
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _adapter_write_error(error: Exception, path, needed: int = 0) -> Exception:
+    """ONNX Runtime's failure to write ``path`` as the library's error: the library's
+    ``ENOSPC`` :class:`~onnxparam.core.errors.FileAccessError` when the disk is full — ONNX Runtime
+    says so ("No space left"), or its message is generic but the folder has less free space than
+    the ``needed`` bytes of tensor data — else an :class:`~onnxparam.core.errors.ExecutionError`
+    naming the file (the C++ source location left out)."""
     import errno
 
+    from ..formats._scratch import disk_full_error
+
     text = " ".join(_CXX_SOURCE.sub("", str(error)).split()) or type(error).__name__
-    if "no space left" in text.lower():
-        return OSError(errno.ENOSPC, text, os.fspath(path))
+    free = _free_bytes(os.path.dirname(os.path.abspath(os.fspath(path))))
+    if "no space left" in text.lower() or (free is not None and free < needed + (64 << 10)):
+        return disk_full_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), path)
     return ExecutionError(f"ONNX Runtime could not write the adapter file '{path}': {text}")
 
 
@@ -178,7 +192,7 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
             scale-folding change (fixed-rank factor inputs) is refused naming the model file.
         OnnxFormatError: ``model_path`` is not a readable ONNX file.
         ExecutionError: ONNX Runtime cannot read ``adapter_path`` as an adapter file.
-        FileNotFoundError: a file is missing.
+        FileMissingError / IsAFolderError: a file is missing, or a folder.
     """
     from pathlib import Path
 
@@ -188,7 +202,12 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     adapter_path, model_path = Path(adapter_path), Path(model_path)
     for path in (adapter_path, model_path):
         if not path.is_file():
-            raise FileNotFoundError(2, "no such file", str(path))
+            import errno
+
+            from ..core.errors import file_error
+
+            code = errno.EISDIR if path.is_dir() else errno.ENOENT
+            raise file_error(code, f"'{path}' is {'a folder' if code == errno.EISDIR else 'missing'}", str(path))
     inputs = _model_factor_inputs(model_path)
     if not inputs:
         raise RecordError(f"'{model_path}' has no LoRA factor inputs (<param>.lora.a / .lora.b): it is not an "

@@ -38,8 +38,9 @@ class LoraConfig:
     """Configuration of :func:`apply_lora` (Burn's ``LoraConfig``).
 
     Args:
-        rank: the adapter rank ``r`` (> 0).
-        alpha: the scaling numerator; ``scale = alpha / rank``.
+        rank: the adapter rank ``r`` (> 0); 8 when left out, as PEFT's ``LoraConfig(r=8)``.
+        alpha: the scaling numerator; ``scale = alpha / rank``; 8 when left out, as PEFT's
+            ``lora_alpha=8`` (so ``LoraConfig(rank=4)`` scales by 2, as PEFT's ``LoraConfig(r=4)``).
         init_std: standard deviation of ``A``'s normal init; ``1 / rank`` when ``None``.
         dtype: the factors' dtype; the base's float dtype when ``None`` (F32 for a quantized base).
         param_group: which rank-2 float params get adapters (every one by default).
@@ -54,8 +55,8 @@ class LoraConfig:
             > 0, or a dtype that is not a float dtype (``QFloat`` included: factors stay float).
     """
 
-    rank: int
-    alpha: float
+    rank: int = 8
+    alpha: float = 8.0
     init_std: Optional[float] = None
     dtype: Optional[DType] = None
     param_group: ParamGroup = field(default_factory=ParamGroup.all)

@@ -28,6 +28,7 @@ added to the layer's bias times the scale, as PEFT merges it) are loaded.
 
 Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
 (``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
+``trainable_token_indices`` (trained token rows, refused under that name),
 non-LoRA ``peft_type``.
 """
 
@@ -98,6 +99,10 @@ class PeftConfig:
         for key in ("use_qalora",):
             if raw.get(key):
                 problems.append(f"{key}=true is not supported")
+        if raw.get("trainable_token_indices"):
+            problems.append(f"trainable_token_indices={raw.get('trainable_token_indices')!r:.80}: PEFT's trainable "
+                            "tokens (embedding rows replaced by trained ones) are not a LoRA adapter and are not "
+                            "supported; merge them with PEFT (merge_and_unload) and load the merged weights")
         if problems:
             raise RecordError(f"unsupported PEFT adapter in {source}", problems)
         try:
@@ -137,7 +142,8 @@ class PeftConfig:
 
 def _rank(value) -> int:
     """A LoRA rank: an integer >= 1 (``2.0`` is taken, ``2.7``, ``true`` and ``0`` are not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value != int(value) or value < 1):
         raise ValueError(f"a rank is an integer >= 1, found {value!r}")
     return int(value)
 
@@ -249,6 +255,8 @@ class _Targets:
         from ..core.module import named_modules
 
         self.params = dict(named_params(module))
+        self.modules = {path: sub for path, sub in named_modules(module) if not callable(
+            getattr(sub, "lora_weight_layouts", None))}  # this library's modules (not imported graphs)
         self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
         self.graph_prefixes: list = []
         self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
@@ -377,7 +385,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         ``lora_embedding_B`` ``(dim, r)``) attaches the same way to the ``(num, dim)`` table;
         convolution LoRA to a ``Conv`` weight (:func:`_conv_entry`).
         With ``lora_bias`` the bias param gets a rank-1 adapter whose delta is
-        ``scale * lora_B.bias`` (PEFT's merge). A target that already has an adapter keeps its
+        ``scale * lora_B.bias`` (PEFT's merge); a bias-free ``nn.Linear(bias=False)`` gets an
+        adapter-owned bias (a frozen zero ``bias`` param carrying that adapter: PEFT's unmerged
+        forward; merging it makes a new bias, where PEFT refuses to merge). A target that already has an adapter keeps its
         factors' ids.
 
     Raises:
@@ -403,7 +413,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     for key, snap in tensors.items():
         match = _KEY.match(key) or _EMBEDDING_KEY.match(key) or _BIAS_KEY.match(key)
         if match is None:
-            what = ("a bias (bias training)" if key.endswith(".bias") else
+            what = ("trained token rows (trainable_token_indices)" if ".trainable_tokens_" in key
+                    or ".token_adapter." in key else
+                    "a bias (bias training)" if key.endswith(".bias") else
                     "a full weight (modules_to_save)" if ".modules_to_save." in key or ".lora_" not in key
                     else "not a LoRA factor")
             problems.append(f"{key!r}: {what} is not supported")
@@ -411,6 +423,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         pairs.setdefault(match["module"], {})[match["which"]] = snap
     targets = _Targets(module)
     plan: dict = {}
+    new_biases: dict = {}  # module path -> (d_out, weight path): adapter-owned biases (lora_bias, no bias)
     for name, factors in pairs.items():
         if not {"A", "B"} <= set(factors):
             have = sorted(factors)
@@ -432,7 +445,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
                 plan[target] = entry
                 report.matched[name] = target
                 if "bias" in factors:  # a conv's lora_B (a 1x1 conv) has the bias
-                    _plan_bias(name, mapped, target, factors["bias"], B.shape[0], entry[3], targets, plan, problems)
+                    _plan_bias(name, mapped, target, factors["bias"], B.shape[0], entry[3], targets, plan, problems,
+                               new_biases)
             continue
         rank, d_in = A.shape
         d_out, rank_b = B.shape
@@ -467,7 +481,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         plan[target] = (name, _factor_array(A).T, _factor_array(B).T, scale, transposed)
         report.matched[name] = target
         if "bias" in factors:
-            _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems)
+            _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems, new_biases)
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
@@ -494,17 +508,44 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         pb = Param.initialized(b_id, Tensor.from_numpy(np.ascontiguousarray(b.astype(np_dtype)), device), True)
         return param.set_require_grad(False).with_adapter(LoraAdapter(pa, pb, float(scale), transposed=transposed))
 
-    result = rebuild(module, attach)
+    def add_bias(path: str, copy) -> None:
+        found = new_biases.get(path)
+        if found is None:
+            return
+        d_out, weight_path = found
+        weight = targets.params[weight_path]
+        dtype = weight.lazy_dtype()
+        np_dtype = np.float32 if dtype is DType.QFloat or not dtype.is_float else dtype.to_numpy()
+        zero = Param.initialized(ParamId(), Tensor.from_numpy(np.zeros(d_out, np_dtype), weight.lazy_device()), False)
+        copy.bias = attach(f"{path}.bias" if path else "bias", zero)
+
+    result = rebuild(module, attach, add_bias if new_biases else None)
     return (result, report) if return_report else result
 
 
 def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: float, targets, plan: dict,
-               problems: list) -> None:
+               problems: list, new_biases: Optional[dict] = None) -> None:
     """Plans PEFT's ``lora_B.bias`` (``lora_bias=True``; ``(out,)``) as a rank-1 adapter on the
     layer's bias param: ``a = [[1]]``, ``b = lora_B.bias`` ``(1, out)``, the weight's scale (PEFT
-    adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way)."""
+    adds ``scale * lora_B.bias`` to the output; it merges it into the bias the same way).
+
+    A layer without a bias (PEFT 0.21 runs it unmerged: the bias lives in ``lora_B``) whose
+    module has an empty ``bias`` slot (this library's ``nn.Linear(bias=False)``) gets an
+    adapter-owned bias: a frozen zero ``bias`` param carrying that adapter, listed in
+    ``new_biases`` (module path -> ``(d_out, weight path)``); merging it gives the layer a bias
+    ``scale * lora_B.bias``, where PEFT refuses to merge."""
     bias_path = targets.bias_of(mapped, target)
     bias = _factor_array(snap).reshape(-1)
+    if bias.shape[0] != d_out:
+        problems.append(f"PEFT module {name!r} has lora_B.bias of size {bias.shape[0]}, but its layer {target!r} "
+                        f"has {d_out} outputs")
+        return
+    owner = target[: -len(".weight")] if target.endswith(".weight") else None
+    if (bias_path is None and new_biases is not None and owner is not None and owner in targets.modules
+            and hasattr(targets.modules[owner], "bias") and targets.modules[owner].bias is None):
+        new_biases[owner] = (d_out, target)
+        plan[f"{owner}.bias"] = (name, np.ones((1, 1), np.float32), bias.reshape(1, -1), scale, False)
+        return
     if bias_path is None or tuple(targets.params[bias_path].lazy_shape()) != (d_out,):
         problems.append(f"PEFT module {name!r} has lora_B.bias ({bias.shape[0]}) (lora_bias=true) but "
                         f"{target!r} has no bias param of size {d_out} to attach it to")

@@ -26,7 +26,8 @@ import onnx_ir as ir
 
 from ..core.errors import OnnxFormatError
 
-__all__ = ["FileStamp", "stamp_external_data", "carry_stamps", "check_tensor", "data_stamps", "check_stamps", "check_source"]
+__all__ = ["FileStamp", "stamp_external_data", "carry_stamps", "check_tensor", "data_stamps", "check_stamps", "check_source",
+           "pin_before_overwrite"]
 
 STAMP_KEY = "onnxparam.data_file_stamp"
 """``tensor.meta`` key of an external tensor's :class:`FileStamp` (never serialized)."""
@@ -182,3 +183,36 @@ def check_source(source) -> None:
     if stamps is None:
         stamps = source.cache["data_stamps"] = data_stamps(source.pristine)
     check_stamps(stamps)
+
+
+def pin_before_overwrite(models, target, sources=()) -> int:
+    """Before a save writes ``target`` (an ``.onnx`` file; its data files go beside it): map the
+    bytes of every stamped external tensor of ``models`` whose data file sits in ``target``'s
+    folder, and drop its stamp.
+
+    A save replaces files by a rename (:mod:`onnxparam.onnx_io._save`); a read-only map of the
+    old file keeps the old bytes (the old inode) alive, so a model imported from the file being
+    written over keeps its weights — its old mapping — and stays callable. Its stamp is dropped:
+    the tensor no longer reads through the path. ``sources`` (``_SourceGraph`` s) get their cached
+    stamps cleared. Nothing is read (mapping is lazy). Returns how many tensors were pinned.
+    """
+    folder = os.path.dirname(os.path.realpath(os.fspath(target)))
+    pinned = 0
+    for model in models:
+        if model is None:
+            continue
+        for _, tensor in _external(model):
+            stamp = tensor.meta.get(STAMP_KEY)
+            if stamp is None or os.path.dirname(os.path.realpath(stamp.path)) != folder:
+                continue
+            if stamp.change() is not None:
+                continue  # already changed: the next read reports it
+            try:
+                tensor.numpy()  # maps the file (zero-copy); the map outlives a rename over it
+            except Exception:  # noqa: BLE001 - an unreadable tensor is reported when it is read
+                continue
+            del tensor.meta[STAMP_KEY]
+            pinned += 1
+    for source in sources:
+        source.cache.pop("data_stamps", None)
+    return pinned

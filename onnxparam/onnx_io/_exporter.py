@@ -27,7 +27,7 @@ from typing import Mapping, Optional, Sequence, Union
 import onnx_ir as ir
 
 from ..core.dtype import DType
-from ..core.errors import TraceError
+from ..core.errors import OnnxFormatError, OnnxParamError, TraceError
 from ..core.module import named_params
 from . import _metadata as md
 from ._importer import OnnxModule
@@ -109,7 +109,23 @@ def export_onnx(
                                  dynamic_batch=dynamic_batch)
         for key, value in (metadata or {}).items():
             model.metadata_props[str(key)] = str(value)
-        return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
+        if isinstance(module, OnnxModule):
+            # NOTE (issue 28): written over its own source file, an imported module keeps the old
+            # bytes mapped (the save renames a new file into place) and stays callable
+            from ._data_watch import pin_before_overwrite
+
+            source = module._source
+            pin_before_overwrite((model, source.loaded.model, source.pristine), path, (source,))
+        try:
+            return save_model(model, path, external_data=external_data, max_shard_size_bytes=max_shard_size_bytes)
+        except ValueError as e:
+            # NOTE: onnx_ir refuses, when it reads an external tensor, a data file reached through a
+            # symbolic link that leaves the model's folder or one with several hard links (a plain
+            # ValueError); import refuses both, but the link can appear after the import
+            if isinstance(e, OnnxParamError) or not ("outside the base directory" in str(e) or "hard link" in str(e)):
+                raise
+            raise OnnxFormatError(f"cannot export to '{path}': a weight's external data file is refused: {e}; "
+                                  "copy the data file beside the .onnx file") from e
 
 
 def trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,

@@ -87,13 +87,13 @@ class OnnxScope(Module):
         raise TraceError("an OnnxScope only groups params of an imported ONNX model; call the OnnxModule itself")
 
 
-def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
+def _lazy_param(site: WeightSite, meta: md.ParamMetadata, table: bool = False) -> Param:
     quantized = _qdq_import.imported_param(site, meta)
     if quantized is not None:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = (meta.require_grad if meta.require_grad is not None
-                    else site.dtype.is_float and not site.dtype.is_onnx_only
+                    else site.dtype.is_float and not site.dtype.is_onnx_only and not table
                     and not feeds_quantized_weight(site.value))  # a quantized weight's scale is not trained
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
@@ -143,6 +143,16 @@ def _check_array_dtype(value: ir.Value, array) -> None:
                                 f"got a numpy array of {got.name}; cast it first: x.astype(np.{want.name})")
 
 
+def _find_tables(model: ir.Model, sites) -> dict:
+    """``path -> reason`` for the float weights that are tables (frozen at import; see
+    :mod:`onnxparam.autodiff._tables`)."""
+    from ..autodiff._tables import find_tables
+
+    floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph]
+    found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
+    return {s.path: found[s.name] for s in floats if s.name in found}
+
+
 class _SourceGraph:
     """What an :class:`OnnxModule` knows about its source model (immutable once built, shared
     by every copy of the module; compared by identity)."""
@@ -161,6 +171,7 @@ class _SourceGraph:
         self.overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
         self.opsets = model_opsets(model)  # as ONNX Runtime runs it (see _op_registry)
         self.names = {site.path: site.name for site in self.sites}
+        self.tables = _find_tables(model, self.sites)
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
@@ -183,7 +194,8 @@ class OnnxModule(Module):
         _qdq_import.fold_dequantize_weights(loaded.model)
         source = _SourceGraph(loaded, pristine)
         metas = site_metadata(loaded.model, list(source.sites), loaded.source)
-        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]
+        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()), site.path in source.tables))
+                   for site in source.sites]
         _build_tree(self, entries)
         source.cells = {path: param._cell for path, param in entries}
         # NOTE: one private attribute holding everything derived from the source: copies made
@@ -213,6 +225,15 @@ class OnnxModule(Module):
     def output_names(self) -> tuple:
         """The graph outputs (original ONNX names)."""
         return tuple(v.name for v in self._source.loaded.model.graph.outputs)
+
+    @property
+    def onnx_tables(self) -> dict:
+        """Module path -> why, for the float weights recognized as tables rather than weights
+        (rotary / position frequency tables, masks, one-element graph constants: what PyTorch
+        held as buffers or constants; :mod:`onnxparam.autodiff._tables`). They are imported
+        with ``require_grad=False``, so :func:`~onnxparam.autodiff.grad` leaves them alone;
+        ``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))`` trains them too."""
+        return dict(self._source.tables)
 
     @property
     def onnx_names(self) -> dict:

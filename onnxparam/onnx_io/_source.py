@@ -237,10 +237,7 @@ def _load_model(path_or_model) -> LoadedModel:
                     f"import_onnx takes a path, an onnx.ModelProto, an onnx_ir.Model or bytes; got {type(path_or_model).__name__}"
                 )
             _check_proto(proto, source)
-            try:
-                proto = _densified(proto, proto is path_or_model)
-            except OnnxFormatError as e:
-                raise OnnxFormatError(f"{source}: {e}") from None
+            proto = _densified(proto, proto is path_or_model, source)
             try:
                 model = ir.serde.deserialize_model(proto)
                 note_declared_value_info(proto.graph, model.graph)  # an export writes the same value_info
@@ -261,7 +258,7 @@ def _load_model(path_or_model) -> LoadedModel:
     return LoadedModel(model, source, path)
 
 
-def _densified(proto: onnx.ModelProto, shared: bool) -> onnx.ModelProto:
+def _densified(proto: onnx.ModelProto, shared: bool, source: str) -> onnx.ModelProto:
     """``proto`` with its sparse initializers (main graph and subgraphs) as dense initializers
     of the same name, as ONNX Runtime reads them (``onnx_ir`` drops them: a sparse initializer
     shadowing a graph input would otherwise leave that input required, where ONNX Runtime gives
@@ -274,7 +271,7 @@ def _densified(proto: onnx.ModelProto, shared: bool) -> onnx.ModelProto:
         copy = onnx.ModelProto()
         copy.CopyFrom(proto)
         proto = copy
-    densify_sparse_initializers(proto)
+    densify_sparse_initializers(proto, source)  # OnnxFormatError naming source and tensor when inconsistent
     return proto
 
 
@@ -341,6 +338,28 @@ def _check_external_data(model: ir.Model, source: str) -> None:
                 f"{source}: the external data location {str(tensor.location)!r} of initializer {name!r} points "
                 f"outside the model's folder {base}; external data files must sit beside the .onnx file"
             )
+        if tensor.base_dir:
+            # NOTE (structure-aware fuzzing): onnx_ir also refuses, when the data is first read (an
+            # export, a call) and with a plain ValueError, a file reached through a symbolic link
+            # that leaves the folder, and a file with several hard links; refuse both here, at load.
+            base_real = os.path.realpath(os.fspath(tensor.base_dir))
+            file_real = os.path.realpath(file)
+            if os.path.commonpath([base_real, file_real]) != base_real:
+                raise OnnxFormatError(
+                    f"{source}: the external data file {str(tensor.location)!r} of initializer {name!r} is a "
+                    f"symbolic link to {file_real}, outside the model's folder {base_real}; ONNX readers refuse "
+                    "it (a path traversal guard): copy the data file beside the .onnx file"
+                )
+            try:
+                links = os.stat(file_real).st_nlink
+            except (OSError, ValueError):
+                links = 1
+            if links > 1:
+                raise OnnxFormatError(
+                    f"{source}: the external data file {str(tensor.location)!r} of initializer {name!r} has "
+                    f"{links} hard links; ONNX readers refuse it (a hard-link attack guard): copy the data file "
+                    "beside the .onnx file"
+                )
         if file not in sizes:
             try:
                 sizes[file] = os.stat(file).st_size if os.path.isfile(file) else None

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ._densify import densify_sparse_initializers, has_sparse_initializers
-from ._source import LoadedModel, load_model
+from ..core.errors import OnnxFormatError
+from ._densify import MAX_DENSE_BYTES, densify_sparse_initializers, has_sparse_initializers
+from ._source import LoadedModel, describe_source, load_model
 
-__all__ = ["densify_sparse_initializers", "has_sparse_initializers", "load_densified"]
+__all__ = ["MAX_DENSE_BYTES", "densify_sparse_initializers", "has_sparse_initializers", "load_densified"]
 
 
 def load_densified(path_or_model) -> Optional[LoadedModel]:
@@ -30,8 +31,12 @@ def load_densified(path_or_model) -> Optional[LoadedModel]:
             return None
     except Exception:  # noqa: BLE001 - unreadable: the original error says why
         return None
-    if not densify_sparse_initializers(proto):
-        return None
+    where = describe_source(path_or_model)
+    try:
+        if not densify_sparse_initializers(proto, where):
+            return None
+    except RecursionError:
+        raise OnnxFormatError(f"{where}: its subgraphs nest deeper than the reader allows; refused") from None
     loaded = load_model(proto)
     path = Path(path_or_model) if not isinstance(path_or_model, (onnx.ModelProto, bytes, bytearray)) else None
     return LoadedModel(loaded.model, str(path) if path is not None else loaded.source, path)

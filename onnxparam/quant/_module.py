@@ -25,6 +25,7 @@ its value is first needed (loading a record into the quantized module never quan
 from __future__ import annotations
 
 import enum
+import re
 import warnings
 from dataclasses import dataclass, replace
 
@@ -128,7 +129,11 @@ def quantize_param(param: Param, quantizer: Quantizer, path: str = "param", axis
         try:
             qt = _quantizer.quantize(array, _axis)
         except QuantizationError as e:
-            raise QuantizationError(f"cannot quantize {_path!r} {list(array.shape)}: {e}") from e
+            hint = ""
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                hint = (f"; it is no weight to quantize: leave it float with --exclude '^{re.escape(_path)}$' "
+                        "(onnxparam quantize) or a ParamGroup without it")
+            raise QuantizationError(f"cannot quantize {_path!r} {list(array.shape)}: {e}{hint}") from e
         qt.float_dtype = base.dtype  # dequantized back to the param's own float dtype (F16 stays F16)
         return qt.to_tensor()
 
@@ -175,13 +180,29 @@ def _shape_or_none(param: Param):
         return None
 
 
-def quantize_weights(module, quantizer: Quantizer, group=None):
+def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: bool | None = None,
+                     form_overhead: bool = False):
     """A copy of ``module`` whose weights are quantized by ``quantizer`` (module docstring).
 
     Args:
         module: any :class:`~onnxparam.Module`.
         quantizer: the :class:`Quantizer`.
         group: a :class:`~onnxparam.ParamGroup`; only matching params are quantized.
+        weights_only: leave float every param of an imported ONNX graph that is not the weight
+            of an op with an integer or weight-only kernel (:mod:`onnxparam.quant._roles`:
+            MatMul / Gemm ``B``, Conv / ConvTranspose ``W``, embedding ``Gather`` tables), so
+            constants feeding arithmetic, biases, norm scales, position embeddings and class
+            tokens keep their exact values. Default: ``True`` without a ``group`` (the group
+            names the params to quantize, whatever their role), else ``False``.
+
+        form_overhead: count, for a param of an imported graph, the bytes its QDQ export form
+            adds (nodes, value infos, metadata: :data:`DYNAMIC_FORM_BYTES`,
+            :data:`DEQUANTIZE_FORM_BYTES`) in the size rule below (``onnxparam quantize`` to an
+            ``.onnx`` does, so tiny weights stay float and the file does not grow).
+
+    Never bigger: a param whose quantized form (codes + scales: :func:`quantized_form_bytes`,
+    plus the form's nodes with ``form_overhead``) is not smaller than its float bytes stays
+    float. Why each param stayed float is in :func:`kept_float` of the result (``{path: reason}``).
 
     Raises:
         QuantizationError: when a weight cannot be quantized with the scheme (e.g. a block
@@ -203,24 +224,118 @@ def quantize_weights(module, quantizer: Quantizer, group=None):
 
     skipped = []
     axes = channel_axes(module) if quantizer.per_channel else {}
+    if weights_only is None:
+        weights_only = group is None
+    roles, overheads = graph_facts(module, quantizer)
+    if not form_overhead:
+        overheads = {}
+    kept = {}
 
     def fn(path: str, param: Param) -> Param:
         if not is_weight(path, param, quantizer):
             return param
         if group is not None and not group.matches(param.id, path):
             return param
+        if weights_only and path in roles:
+            kept[path] = f"{roles[path]}; not a weight of an op with an integer kernel ({_include_hint(path)})"
+            return param
         shape = _shape_or_none(param)
         if shape is not None and not _blocks_divide(shape, quantizer.scheme):
             skipped.append(f"{path} {list(shape)}")
             return param
+        if shape is not None:
+            axis = axes.get(path)
+            if quantizer.per_channel and axis is None:
+                axis = 1 if len(shape) == 2 else 0
+            q_bytes = quantized_form_bytes(shape, quantizer, axis) + overheads.get(path, 0)
+            f_bytes = int(np.prod(shape, dtype=np.int64)) * param.lazy_dtype().itemsize
+            if q_bytes >= f_bytes:
+                extra = " and the nodes its form adds" if overheads.get(path) else ""
+                kept[path] = (f"not smaller quantized: {q_bytes:,} bytes (codes + scales{extra}) vs {f_bytes:,} "
+                              "float bytes")
+                return param
         return quantize_param(param, quantizer, path, axes.get(path))
 
     result = rebuild(module, fn)
+    object.__setattr__(result, KEPT_FLOAT_ATTR, dict(kept))
     if skipped:
         block = list(quantizer.scheme.block.size.dims)
         warnings.warn(f"left float: {', '.join(skipped)}: not a whole number of {block} blocks (Burn's MinMax needs "
                       "every axis to divide evenly; Burn would panic)", QuantizationWarning, stacklevel=3)
     return result
+
+
+KEPT_FLOAT_ATTR = "_onnxparam_kept_float"
+"""Private module attribute: ``{path: reason}`` of the params :func:`quantize_weights` left float."""
+
+DYNAMIC_FORM_BYTES = 1152
+"""Bytes an exported 8-bit ``MatMul`` / ``Gemm`` weight adds besides its codes and scales: the
+``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul`` nodes, their value infos and the scheme
+metadata (measured on a torch-exported graph: 800 + 150 + 150 bytes)."""
+
+DEQUANTIZE_FORM_BYTES = 320
+"""Bytes an exported weight-only ``DequantizeLinear`` adds besides codes and scales (node, value
+info, scale initializer header, scheme metadata)."""
+
+
+def kept_float(module) -> dict:
+    """``{param path: reason}`` of the params :func:`quantize_weights` (the call that made
+    ``module``) left float: not a weight of an op with an integer kernel, or not smaller
+    quantized. ``{}`` for a module not made by ``quantize_weights``."""
+    return dict(getattr(module, KEPT_FLOAT_ATTR, None) or {})
+
+
+def _include_hint(path: str) -> str:
+    import re
+
+    return f"--include '^{re.escape(path)}$' quantizes it"
+
+
+def quantized_form_bytes(shape: tuple, quantizer: Quantizer, axis: int | None = None) -> int:
+    """Bytes of a ``shape`` weight quantized by ``quantizer`` as ONNX stores it: codes (8 bits
+    for Q8 / Q2, 4 for Q4), one float32 scale per tensor / output channel (``axis``, with
+    ``per_channel``) / block."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    bits = 4 if quantizer.scheme.value.name.startswith("Q4") else 8
+    codes = (numel * bits + 7) // 8
+    if quantizer.per_channel and axis is not None and len(shape):
+        scales = int(shape[axis % len(shape)])
+    elif quantizer.scheme.block is not None and len(shape):
+        extents = quantizer.scheme.block.size.to_dim_vec(len(shape))
+        scales = max(1, numel // max(1, int(np.prod(extents, dtype=np.int64))))
+    else:
+        scales = 1
+    return codes + 4 * scales
+
+
+def graph_facts(module, quantizer: Quantizer) -> tuple:
+    """``(roles, overheads)`` over the imported ONNX graphs in ``module``: ``roles`` ``{path:
+    reason}`` of params that are not weights (:func:`onnxparam.quant._roles.graph_roles`),
+    ``overheads`` ``{path: bytes}`` the export form of each weight adds (:data:`DYNAMIC_FORM_BYTES`
+    for an 8-bit MatMul / Gemm ``B``, else :data:`DEQUANTIZE_FORM_BYTES`). Empty for modules
+    without an imported graph."""
+    from ..core.module import named_modules
+    from ._roles import graph_roles
+
+    roles, overheads = {}, {}
+    eight = not quantizer.scheme.value.name.startswith("Q4")
+    for prefix, sub in named_modules(module):
+        source = getattr(sub, "_source", None)
+        if source is None or not hasattr(source, "names") or not hasattr(source, "loaded"):
+            continue
+        base = f"{prefix}." if prefix else ""
+        graph = source.loaded.model.graph
+        cached = source.cache.get("quant.roles") if isinstance(getattr(source, "cache", None), dict) else None
+        if cached is None:
+            cached = graph_roles(graph, source.names)
+            if isinstance(getattr(source, "cache", None), dict):
+                source.cache["quant.roles"] = cached
+        roles.update({base + path: reason for path, reason in cached.items()})
+        matmul_b = {node.inputs[1].name for node in graph.all_nodes()
+                    if node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 and node.inputs[1] is not None}
+        for path, name in source.names.items():
+            overheads[base + path] = DYNAMIC_FORM_BYTES if eight and name in matmul_b else DEQUANTIZE_FORM_BYTES
+    return roles, overheads
 
 
 def onnx_only_weights(module, quantizer: Quantizer, group=None) -> list:

@@ -347,6 +347,7 @@ def finish_graph(tracer) -> None:
         for e in emitted:
             _dynamic_matmuls(tracer, e)
             _forms.dynamic_gemms(tracer, e)
+            _forms.gather_then_dequantize(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
     _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
     _forms.record_report(tracer, emitted)

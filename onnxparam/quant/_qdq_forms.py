@@ -14,6 +14,8 @@ form                   what is written / what ORT runs
                        written directly below opset 21 (the size-first form for 4 bits)
 ``dequantize``         weight-only ``DequantizeLinear``: the weight is dequantized at every run
                        (smallest file; slower than float32 for Conv / ConvTranspose / Gemm / LSTM)
+``int8 gather``        an embedding table read as ``Gather(int8 table) -> DequantizeLinear``:
+                       only the gathered rows are dequantized (what ``quantize_dynamic`` writes)
 ``float``              a float initializer: what ``prefer="speed"`` (the default) writes where
                        only the weight-only form exists (a Conv without calibration data); the
                        original float values when ``QdqOptions.float_module`` gives them (what
@@ -293,6 +295,10 @@ def unsigned_for_integer_kernels(tracer, emitted: list) -> None:
             elif user.op_type == "Transpose":  # a transB Gemm's weight: the transposed codes are uint8 too
                 user.outputs[0].type = ir.TensorType(new.onnx_dtype)
                 readers += [(mmi, 3) for mmi, _ in user.outputs[0].uses() if mmi.op_type == "MatMulInteger"]
+            elif user.op_type == "Gather" and id(user) in e.value.meta.get(_GATHER_META, ()):
+                # a tied embedding's int8 gather (gather_then_dequantize): the gathered codes are uint8 too
+                user.outputs[0].type = ir.TensorType(new.onnx_dtype)
+                readers += [(dq, 2) for dq, _ in user.outputs[0].uses() if dq.op_type == "DequantizeLinear"]
         for node, index in readers:
             if len(node.inputs) <= index:
                 node.resize_inputs(index + 1)
@@ -340,6 +346,8 @@ def record_report(tracer, emitted: list) -> None:
                 rows.append({"node": user, "op": op, "weight": e.path, "form": "dynamic int8"})
             elif user.op_type == "Transpose" and any(u.op_type == "MatMulInteger" for u, _ in user.outputs[0].uses()):
                 rows.append({"node": user, "op": "Gemm", "weight": e.path, "form": "dynamic int8"})
+            elif user.op_type == "Gather" and id(user) in e.value.meta.get(_GATHER_META, ()):
+                rows.append({"node": user, "op": "Gather", "weight": e.path, "form": "int8 gather"})
             elif user.op_type == "MatMulNBits":
                 op = "Gemm" if id(user) in e.value.meta.get("onnxparam.qdq.nbits_gemm", ()) else "MatMul"
                 rows.append({"node": user, "op": op, "weight": e.path,
@@ -485,3 +493,45 @@ def dynamic_gemms(tracer, e) -> None:
         name = y.name
         graph.remove(node, safe=True)
         out.name = name
+
+
+_GATHER_META = "onnxparam.qdq.gather"
+
+
+def gather_then_dequantize(tracer, e) -> None:
+    """``Gather(DQ(table), indices)`` (``axis=0``) of an 8-bit table with one scale per tensor or
+    per column -> ``DequantizeLinear(Gather(table, indices))``: only the gathered rows are
+    dequantized at each run, not the whole table (ONNX Runtime does not fold a
+    ``DequantizeLinear`` of an initializer; ``quantize_dynamic`` writes this form). The values
+    are the same elementwise products."""
+    layout = e.layout
+    if layout.bits != 8 or layout.block_size is not None or layout.values.ndim < 1:
+        return
+    if layout.axis is not None and layout.axis % layout.values.ndim == 0:
+        return  # one scale per row: the gathered rows would need gathered scales
+    out = e.output._symbol.value
+    for node, index in list(out.uses()):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or index != 0:
+            continue
+        if _attr(node, "axis", 0) != 0 or out.dtype != ir.DataType.FLOAT:
+            continue
+        indices, y = node.inputs[1], node.outputs[0]
+        if layout.axis is not None and (indices.shape is None):
+            continue
+        graph, label = node.graph, f"{node.name}/int8"
+        gathered_dims = None if indices.shape is None else _dims(indices) + list(layout.values.shape[1:])
+        gather = _new_node(tracer, "Gather", [e.value, indices], [(e.value.dtype, gathered_dims)], f"{label}/Gather",
+                           [ir.AttrInt64("axis", 0)])
+        attrs = []
+        if layout.axis is not None:
+            attrs.append(ir.AttrInt64("axis", len(indices.shape) + layout.axis % layout.values.ndim - 1))
+        inputs = [gather.outputs[0], e.scale] + ([e.zero_point] if e.zero_point is not None else [])
+        dq = _new_node(tracer, "DequantizeLinear", inputs, [(ir.DataType.FLOAT, _dims(y))],
+                       f"{label}/DequantizeLinear", attrs)
+        graph.insert_after(node, [gather, dq])
+        e.value.meta.setdefault(_GATHER_META, set()).add(id(gather))
+        new = dq.outputs[0]
+        y.replace_all_uses_with(new, replace_graph_outputs=True)
+        name = y.name
+        graph.remove(node, safe=True)
+        new.name = name

@@ -1,0 +1,202 @@
+"""How much quantization moved a model's outputs: float and quantized ``.onnx`` files run in
+plain ONNX Runtime on the same sample inputs (``onnxparam quantize``'s accuracy report).
+
+* :func:`sample_inputs`: the calibration arrays when given (their first :data:`SAMPLES` rows),
+  else inputs drawn from the graph's declared types and shapes (seeded): float ``N(0, 1)``,
+  integer indices of an embedding ``Gather`` uniform in ``[0, rows)``, other integers ``1``
+  (masks), booleans ``True``; a symbolic leading dim is :data:`SAMPLES`, other symbolic dims
+  :data:`SYMBOLIC_DIM`.
+* :func:`compare`: per output, ``cosine`` (of the flattened outputs in float64; 1.0 when both
+  are all zeros) and ``max_abs_error`` (``max |float - quantized|``).
+* :func:`sensitivity`: one-at-a-time, the float model with **one** weight replaced by its
+  dequantized values; the weights whose replacement lowers the smallest output cosine most.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+__all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "sample_inputs", "sensitivity"]
+
+ACCURACY_KEY = "onnxparam.quant.accuracy"
+"""Model ``metadata_props`` key: JSON ``{"inputs", "min_cosine", "outputs": [{"output", "cosine",
+"max_abs_error"}]}`` of the accuracy report."""
+
+KEPT_FLOAT_KEY = "onnxparam.quant.kept_float"
+"""Model ``metadata_props`` key: JSON list of ``{"weight", "reason"}``: params left float."""
+
+MIN_COSINE = {8: 0.999, 4: 0.99}
+"""Default ``--min-cosine`` by bits of the scheme (int8: 0.999)."""
+
+SAMPLES = 8
+SYMBOLIC_DIM = 8
+SENSITIVITY_LIMIT = 48
+"""At most this many weights (the largest) are tried one at a time by :func:`sensitivity`."""
+
+
+def _session(model):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    source = model if isinstance(model, (bytes, str)) else str(model)
+    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+
+
+_NP = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+       "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+       "tensor(int16)": np.int16, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+       "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_}
+
+
+def _gather_rows(path) -> dict:
+    """``{graph input name: rows}`` of inputs used as indices of a ``Gather`` on an initializer."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    rows = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in dims and dims[node.input[0]]:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            n = dims[node.input[0]][axis]
+            rows[node.input[1]] = min(rows.get(node.input[1], n), n)
+    return rows
+
+
+def sample_inputs(path, arrays: list | None = None, seed: int = 0) -> tuple:
+    """``(feeds, description)``: the inputs the report runs on (module docstring).
+
+    Args:
+        path: the float ``.onnx`` file (its declared inputs).
+        arrays: the calibration arrays, in graph input order, or ``None``.
+        seed: the generator's seed for drawn inputs.
+    """
+    session = _session(path)
+    inputs = session.get_inputs()
+    if arrays is not None:
+        n = min(SAMPLES, min(len(a) for a in arrays))
+        feeds = {i.name: np.ascontiguousarray(a[:n]) for i, a in zip(inputs, arrays)}
+        return feeds, f"the first {n} calibration samples"
+    rng = np.random.default_rng(seed)
+    rows = _gather_rows(path)
+    feeds = {}
+    for i in inputs:
+        shape = [d if isinstance(d, int) and d >= 0 else (SAMPLES if k == 0 else SYMBOLIC_DIM)
+                 for k, d in enumerate(i.shape or [])]
+        dtype = _NP.get(i.type)
+        if dtype is None:
+            raise ValueError(f"graph input {i.name!r} has type {i.type}: no sample inputs can be drawn for it")
+        if np.issubdtype(dtype, np.floating):
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype is np.bool_:
+            feeds[i.name] = np.ones(shape, np.bool_)
+        elif i.name in rows:
+            feeds[i.name] = rng.integers(0, max(1, rows[i.name]), size=shape).astype(dtype)
+        else:
+            feeds[i.name] = np.ones(shape, dtype)
+    return feeds, f"{SAMPLES} inputs drawn from the declared types and shapes (seed {seed})"
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0 or not (np.isfinite(na) and np.isfinite(nb)):
+        return 0.0 if na == 0.0 or nb == 0.0 else float("nan")
+    return float(np.dot(a, b) / (na * nb))
+
+
+def _metrics(names: list, ref: list, got: list) -> list:
+    rows = []
+    for name, a, b in zip(names, ref, got):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
+        rows.append({"output": name, "cosine": _cosine(a64, b64), "max_abs_error": err})
+    return rows
+
+
+def run(model, feeds: dict) -> tuple:
+    """``(output names, outputs)`` of ``model`` (a path or serialized bytes) on ``feeds``."""
+    session = _session(model)
+    names = [o.name for o in session.get_outputs()]
+    wanted = {i.name for i in session.get_inputs()}
+    return names, session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+
+
+def compare(float_path, quant_path, feeds: dict) -> list:
+    """Per output of the float model: ``{"output", "cosine", "max_abs_error"}`` of the
+    quantized model's output against the float one's, both run in plain ONNX Runtime."""
+    names, ref = run(float_path, feeds)
+    _, got = run(quant_path, feeds)
+    return _metrics(names, ref, got)
+
+
+def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> list:
+    """One quantized weight at a time: the float model with initializer ``name`` replaced by
+    ``dequantized[name]`` (the weight's dequantized values), run on ``feeds``. Returns up to
+    ``top`` ``(name, smallest output cosine)``, the lowest first (at most
+    :data:`SENSITIVITY_LIMIT` weights are tried, the largest)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(float_path))
+    names, ref = run(float_path, feeds)
+    inits = {t.name: t for t in model.graph.initializer}
+    tried = sorted((n for n in dequantized if n in inits), key=lambda n: -np.asarray(dequantized[n]).size)
+    found = []
+    for name in tried[:SENSITIVITY_LIMIT]:
+        tensor = inits[name]
+        original = onnx.TensorProto()
+        original.CopyFrom(tensor)
+        values = np.asarray(dequantized[name]).astype(numpy_helper.to_array(tensor).dtype)
+        tensor.CopyFrom(numpy_helper.from_array(values, name))
+        try:
+            _, got = run(model.SerializeToString(), feeds)
+        finally:
+            tensor.CopyFrom(original)
+        found.append((name, min(r["cosine"] for r in _metrics(names, ref, got))))
+    found.sort(key=lambda item: item[1])
+    return found[:top]
+
+
+def settle_shapes(model):
+    """``model`` (an ``onnx.ModelProto``) with value infos whose dims are all known or named:
+    entries with an unknown dim are dropped and ONNX shape inference fills them with shared
+    symbols (``unk__N``), as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
+    fusions that need two inputs of provably equal shape (``SkipLayerNormalization`` after an
+    int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop."""
+    import onnx
+
+    known = [v for v in model.graph.value_info
+             if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+             and all(d.HasField("dim_value") or d.HasField("dim_param") for d in v.type.tensor_type.shape.dim)]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(known)
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return model  # NOTE: a > 2 GiB model: inference would need its data in memory
+    try:
+        return onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - shape inference is an optimisation here
+        return model
+
+
+def write_metadata(path, props: dict) -> None:
+    """Add ``props`` (``{key: JSON-able}``) to the ``metadata_props`` of the ``.onnx`` at
+    ``path`` (rewritten in place; external data files stay as they are), its value infos settled
+    (:func:`settle_shapes`)."""
+    import onnx
+
+    model = settle_shapes(onnx.load(str(path), load_external_data=False))
+    existing = {p.key: p for p in model.metadata_props}
+    for key, value in props.items():
+        text = json.dumps(value, separators=(",", ":"))
+        if key in existing:
+            existing[key].value = text
+        else:
+            model.metadata_props.add(key=key, value=text)
+    onnx.save(model, str(path))

@@ -329,6 +329,11 @@ class OnnxModule(Module):
         from ..trace import tracer as tr
 
         with naming_source(self):
+            if named and "adapter_index" in named and tr.current_tracer() is None and \
+                    all(v.name != "adapter_index" for v in self._source.inputs):
+                from ..lora._batched_run import call_batched  # many LoRA adapters, one per row (issue 29)
+
+                return call_batched(self, inputs, named)
             if tr.current_tracer() is None:
                 from ._graph_run import _NO_SESSION, run_graph
 

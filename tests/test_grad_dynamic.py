@@ -163,3 +163,27 @@ def test_rotary_embedding_input_gradient_is_the_inverse_rotation(interleaved):
               "sin": np.sin(angles).astype(np.float32), "pos": RNG.integers(0, 6, (n, 3)).astype(np.int64)}
              for n in (2, 3)]
     check_model_grads(model, feeds, eps=1e-2, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+def test_trilu_on_a_run_time_sized_matrix(upper):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Trilu", ["h", "k"], ["y"], upper=upper)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", D, ["N", "S", 4])],
+                   {"w": RNG.normal(size=(4, 5)), "k": np.array(1, np.int64)})
+    feeds = [{"x": RNG.normal(size=s)} for s in [(2, 3, 4), (3, 6, 4)]]
+    check_model_grads(model, feeds)
+
+
+def test_array_feature_extractor_gradient_reaches_the_selected_features():
+    """``ai.onnx.ml`` ``ArrayFeatureExtractor`` (its gradient was silently 0 before): repeated
+    indices accumulate. float32 (the ML kernels have no double)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("ArrayFeatureExtractor", ["xs", "idx"], ["y"], domain="ai.onnx.ml")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["N", 5])],
+                              [helper.make_tensor_value_info("y", f, None)],
+                              [numpy_helper.from_array(RNG.normal(size=(5,)).astype(np.float32), "s"),
+                               numpy_helper.from_array(np.array([3, 0, 3], np.int64), "idx")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    feeds = [{"x": RNG.normal(size=(n, 5)).astype(np.float32)} for n in (2, 4)]
+    check_model_grads(model, feeds, eps=1e-2, rtol=1e-3, atol=1e-4)

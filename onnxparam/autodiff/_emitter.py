@@ -71,10 +71,15 @@ def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Option
         return ir.DataType.BOOL
     if op_type in _INT64_OPS or (op_type == "MaxPool" and index == 1) or (op_type == "TopK" and index == 1):
         return ir.DataType.INT64
+    # NOTE: only the data input decides (a Reshape of an untyped value is not its int64 shape's type)
     start = 1 if op_type == "Where" else 0
-    for v in inputs[start:]:
-        if v is not None and v.dtype is not None:
-            return v.dtype
+    v = inputs[start] if len(inputs) > start else None
+    if v is not None and v.dtype is not None:
+        return v.dtype
+    if op_type in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "Concat", "MatMul"):
+        for other in inputs[start + 1:]:  # same-typed operands
+            if other is not None and other.dtype is not None:
+                return other.dtype
     return None
 
 
@@ -133,6 +138,8 @@ class Emitter:
             out.name = self.unique(f"{name}_output_{i}")
             if int64_outputs:
                 out.type = ir.TensorType(ir.DataType.INT64)
+            elif i < len(node.outputs) and node.outputs[i].dtype is not None:
+                out.type = ir.TensorType(node.outputs[i].dtype)  # the forward's: same op, same types
         self.graph.append(new)
         return list(new.outputs)
 

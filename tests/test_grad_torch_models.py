@@ -186,3 +186,42 @@ def test_a_lora_step_on_the_imported_model_lowers_the_loss(exported):
         module = optim.step(module, grads)
         loss, grads = grad(_loss, module, ids)
     assert float(loss.to_numpy()) < float(loss0.to_numpy())
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_dynamo_exports_match_torch_autograd_too(name, tmp_path):
+    """The same models exported by torch's dynamo exporter (``torch.export`` dims for batch and
+    sequence, opset 18): every param's gradient within 1e-3 of torch autograd at three shapes."""
+    torch.manual_seed(0)
+    model = _LastHidden({"bert": _bert, "gpt2": _gpt2, "llama": _llama}[name]()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path / f"{name}.onnx"
+    ids = torch.from_numpy(_inputs(name, np.random.default_rng(0), 2, 5))
+    dims = {"ids": {0: torch.export.Dim("batch", min=1, max=64), 1: torch.export.Dim("seq", min=2, max=30)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["h"], dynamic_shapes=dims,
+                          dynamo=True, opset_version=18)
+    module = op.import_onnx(str(path))
+    tparams = dict(model.named_parameters())
+    rng = np.random.default_rng(1)
+    for batch, seq in SHAPES:
+        x = _inputs(name, rng, batch, seq)
+        loss, grads = grad(_loss, module, op.Tensor.from_numpy(x))
+        t_loss, t_grads = _torch_grads(model, x)
+        assert float(loss.to_numpy()) == pytest.approx(t_loss, rel=1e-5)
+        by_path = grads.by_path()
+        seen = set()
+        for p, v in module.named_params():
+            tname, transposed = _torch_param_for(v.val().to_numpy(), p, tparams)
+            if tname is None or t_grads[tname] is None:
+                continue
+            seen.add(tname)
+            tg = t_grads[tname].numpy()
+            tg = tg.T if transposed else tg
+            assert p in by_path, f"{name}: no gradient for {p}"
+            err = float(np.abs(by_path[p].to_numpy() - tg).max()) / max(float(np.abs(tg).max()), 1e-4)
+            assert err < 1e-3, f"{name} {batch}x{seq}: {p} ({tname}) relative error {err:.2e}"
+        assert seen == {n for n, g in t_grads.items() if g is not None}

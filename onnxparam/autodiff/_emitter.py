@@ -236,6 +236,10 @@ class Emitter:
         return self.op("Expand", self.scalar_like(0.0, value), self.shape_of(value))
 
     def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
+        """``x`` reshaped to ``shape`` as written: a 0 is a size 0 (``allowzero=1`` from opset 14;
+        below it a 0 copies the input's dim, which the callers' static shapes only hold at size 0)."""
+        if self.opset >= 14 and 0 in [int(d) for d in shape]:
+            return self.op("Reshape", x, self.ints(shape), allowzero=1)
         return self.op("Reshape", x, self.ints(shape))
 
     def reshape_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
@@ -243,6 +247,8 @@ class Emitter:
         d = dims(like)
         if all(isinstance(k, int) for k in d):
             return self.reshape(x, d)
+        if self.opset >= 14:  # a size that is 0 at run time stays 0
+            return self.op("Reshape", x, self.op("Shape", like), allowzero=1)
         return self.op("Reshape", x, self.op("Shape", like))
 
     def transpose(self, x: ir.Value, perm: Sequence[int]) -> ir.Value:

@@ -63,6 +63,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._op_registry import model_opsets
 from ._opaque import emit_opaque, opaque_node
 from ._probe import probed_types
 from ._records import site_metadata
@@ -168,7 +169,7 @@ class _SourceGraph:
         # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
         # constants (not overridable), and so does this module.
         self.overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
-        self.opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+        self.opsets = model_opsets(model)  # as ONNX Runtime runs it (see _op_registry)
         self.names = {site.path: site.name for site in self.sites}
         self.tables = _find_tables(model, self.sites)
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
@@ -491,12 +492,15 @@ class OnnxModule(Module):
         if opaque_node(self._source, node, count):  # sequences, strings ... (see _opaque)
             result = emit_opaque(self._source, tracer, node, inputs, attributes, count)
         elif not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
-            types = self._declared_types(node, count)
+            # NOTE: an operator only ONNX Runtime registers (contrib ops, LayerNormalization below
+            # opset 17): the file's declared types, else the types ONNX Runtime computes
+            types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                     or probed_types(self._source, node, count, env))
             if types is None:
                 raise TraceError(
                     f"{where} ({domain + '.' if domain else ''}{node.op_type}) of the imported ONNX graph: ONNX has no "
-                    "schema for this operator and the file does not declare the types and shapes of its outputs; "
-                    "add value_info for them to the model"
+                    "schema for this operator, the file does not declare the types and shapes of its outputs and "
+                    "ONNX Runtime could not be asked (symbolic input sizes); add value_info for them to the model"
                 )
             result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
         else:

@@ -101,3 +101,96 @@ def model_cases(dirs=MODEL_DIRS) -> list[Case]:
             if (folder / "model.onnx").exists():
                 out.append(Case(f"{d}/{folder.name}", folder))
     return out
+
+
+# -- plain ONNX Runtime, every element type ---------------------------------------------------------
+#
+# The oracle runner of the conformance tests: ONNX Runtime's numpy binding cannot carry bfloat16,
+# float8, float4, int4/uint4, int2/uint2 ("Numpy_type 256 can't be converted to MLDataType"), so
+# those inputs go in as OrtValues holding the bytes ONNX itself writes for them
+# (``onnx.numpy_helper.from_array(...).raw_data``, ONNX's packing) and such outputs are read back
+# through ``onnx.numpy_helper.to_array`` of a TensorProto holding their bytes. Written apart from
+# onnxparam's own boundary (onnxparam.runtime._values), which it checks.
+
+_NUMPY_NATIVE = {"float", "float16", "double", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "bool", "string"}
+
+
+def _onnx_elem(type_string: str):
+    if not type_string.startswith("tensor("):
+        return None
+    name = type_string[7:-1]
+    if name in _NUMPY_NATIVE:
+        return None
+    return {"float8e4m3fn": "FLOAT8E4M3FN", "float8e4m3fnuz": "FLOAT8E4M3FNUZ", "float8e5m2": "FLOAT8E5M2",
+            "float8e5m2fnuz": "FLOAT8E5M2FNUZ", "float8e8m0": "FLOAT8E8M0", "float4e2m1": "FLOAT4E2M1"}.get(
+        name, name.upper())
+
+
+def _to_ortvalue(array, ort):
+    import ctypes
+
+    import numpy as np
+
+    proto = numpy_helper.from_array(np.asarray(array))
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(np.shape(array)), int(proto.data_type))
+    data = proto.raw_data
+    if data:
+        ctypes.memmove(value.data_ptr(), data, len(data))
+    return value
+
+
+def _from_ortvalue(value):
+    import ctypes
+
+    type_name = _onnx_elem(value.data_type())
+    if type_name is None:
+        return value.numpy()
+    proto = onnx.TensorProto()
+    proto.data_type = getattr(onnx.TensorProto, type_name)
+    proto.dims.extend(value.shape())
+    n = value.tensor_size_in_bytes()
+    proto.raw_data = ctypes.string_at(value.data_ptr(), n) if n else b""
+    return numpy_helper.to_array(proto)
+
+
+def _raw_numpy(x) -> bool:
+    import numpy as np
+
+    return isinstance(x, np.ndarray) and x.dtype.kind not in "OUS" and str(x.dtype) not in (
+        "float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "bool")
+
+
+def run_plain_ort(model, inputs, session_options=None):
+    """Plain ONNX Runtime (CPU) on ``model`` (a path or bytes) with ``inputs`` in graph input
+    order; outputs of every element type (see above)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model if isinstance(model, bytes) else str(model), session_options,
+                                   providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    raw_out = any(_onnx_elem(o.type) is not None for o in session.get_outputs())
+    if not raw_out and not any(_raw_numpy(x) for x in inputs):
+        return session.run(None, dict(zip(names, inputs)))
+    feed = {n: _to_ortvalue(x, ort) if _raw_numpy(x) else x for n, x in zip(names, inputs)}
+    if not raw_out:
+        return session.run(None, feed)
+    feed = {n: x if isinstance(x, ort.OrtValue) else ort.OrtValue.ortvalue_from_numpy(x) for n, x in feed.items()}
+    return [_from_ortvalue(v) for v in session.run_with_ort_values([o.name for o in session.get_outputs()], feed)]
+
+
+def library_value(x):
+    """A case input as a user hands it over: a :class:`onnxparam.Tensor` where onnxparam has a
+    dtype for it (bfloat16 included), the numpy array otherwise (strings, float8, int4 ...)."""
+    import numpy as np
+
+    import onnxparam as op
+
+    if isinstance(x, np.ndarray) and x.dtype.kind not in "OUS":
+        try:
+            op.DType.from_numpy(x.dtype)
+        except Exception:  # noqa: BLE001 - no Burn dtype: numpy it stays
+            return x
+        return op.Tensor.from_numpy(x)
+    return x

@@ -368,7 +368,20 @@ def test_loss_must_be_a_one_element_float():
         grad(lambda m, x: m(x), m, f64(2, 4))
 
 
-def test_unknown_operator_on_a_trainable_path_names_the_node():
+def test_every_operator_without_a_rule_on_a_trainable_path_is_named_at_once():
+    from onnxparam.autodiff import GRADIENT_OPS, check_gradients
+
     m = Operands([f64(3)])
-    with pytest.raises(op.TraceError, match=r"no gradient rule for node .*\(Sin\).*fed by 'params.0'"):
-        grad(lambda m: ops.sum(ops.custom("Sin", m.params[0].val())), m)
+
+    def loss(m):
+        v = m.params[0].val()
+        a = ops.custom("MyOp", v, domain="my.domain", output_dtypes=[v.dtype], output_shapes=[v.shape])
+        b = ops.custom("OtherOp", a * 2.0, domain="my.domain", output_dtypes=[v.dtype], output_shapes=[v.shape])
+        return ops.sum(b)
+
+    listed = check_gradients(loss, m)
+    assert [x.op for x in listed] == ["my.domain:MyOp", "my.domain:OtherOp"]
+    assert listed[0].params == ("params.0",)
+    assert "my.domain:MyOp" not in GRADIENT_OPS and "Mul" in GRADIENT_OPS
+    with pytest.raises(op.TraceError, match=r"(?s)2 node\(s\).*my.domain:MyOp\) fed by 'params.0'.*my.domain:OtherOp"):
+        grad(loss, m)

@@ -42,7 +42,7 @@ def _arrays(op_type, *, T, N, I, H, direction, layout, lens, states, peep, bias,
     return a
 
 
-def _model(op_type, arrays, attrs, opset=14):
+def _model(op_type, arrays, attrs, opset=14, drop_y=False):
     names = [n if n in arrays else "" for n in INPUTS[:8 if op_type == "LSTM" else 6]]
     while names and names[-1] == "":
         names.pop()
@@ -54,7 +54,8 @@ def _model(op_type, arrays, attrs, opset=14):
         if k in names:
             nodes.append(helper.make_node("Identity", [k], [k + "_read"]))
             names[names.index(k)] = k + "_read"
-    node = helper.make_node(op_type, names, outs, **attrs)
+    node = helper.make_node(op_type, names, [""] + outs[1:] if drop_y else outs, **attrs)
+    outs = outs[1:] if drop_y else outs
     inits = [numpy_helper.from_array(v.astype(np.float32) if v.dtype == np.float64 else v, k)
              for k, v in arrays.items()]
     graph = helper.make_graph(nodes + [node], "g", [],
@@ -75,6 +76,8 @@ CASES = {
                                                bias=True)),
     "lstm_forward_x_w_r_only": ("LSTM", dict(direction="forward", layout=0, lens=None, states=False, peep=False,
                                              bias=False)),
+    "lstm_without_y_output": ("LSTM", dict(direction="bidirectional", layout=0, lens=[3, 4, 2], states=True,
+                                           peep=False, bias=True, drop_y=True)),
     "gru_bidirectional_lens_linear_before_reset": ("GRU", dict(direction="bidirectional", layout=0, lens=[4, 1, 3],
                                                                states=True, peep=False, bias=True, lbr=1)),
     "gru_reverse_reset_after": ("GRU", dict(direction="reverse", layout=0, lens=None, states=True, peep=False,
@@ -90,7 +93,7 @@ CASES = {
 def test_recurrent_gradient_matches_float64_central_differences(case):
     op_type, kw = CASES[case]
     kw = dict(kw)
-    lbr, act = kw.pop("lbr", None), kw.pop("act", None)
+    lbr, act, drop_y = kw.pop("lbr", None), kw.pop("act", None), kw.pop("drop_y", False)
     arrays = _arrays(op_type, T=4, N=3, I=3, H=2, seed=len(case), **kw)
     attrs = {"hidden_size": 2, "direction": kw["direction"]}
     if kw["layout"]:
@@ -99,17 +102,18 @@ def test_recurrent_gradient_matches_float64_central_differences(case):
         attrs["linear_before_reset"] = lbr
     if act is not None:
         attrs["activations"] = [act] * (2 if kw["direction"] == "bidirectional" else 1)
-    model = _model(op_type, arrays, attrs)
+    model = _model(op_type, arrays, attrs, drop_y=drop_y)  # drop_y: the node does not output Y
     # the oracle computes what plain ONNX Runtime computes
     f32 = {k: (v.astype(np.float32).astype(np.float64) if v.dtype == np.float64 else v) for k, v in arrays.items()}
     plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})
-    want = rnn_reference.run(op_type, f32, attrs)
-    for got, ref in zip(plain, want):
+    want = rnn_reference.run(op_type, f32, attrs)[1 if drop_y else 0:]
+    for got, ref in zip(plain, want, strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     coefs = _coefs(want, len(case))
 
     def np_loss(values):
-        return sum(float((o * c).sum()) for o, c in zip(rnn_reference.run(op_type, values, attrs), coefs))
+        outs = rnn_reference.run(op_type, values, attrs)[1 if drop_y else 0:]
+        return sum(float((o * c).sum()) for o, c in zip(outs, coefs))
 
     def loss_fn(m):
         outs = m()
@@ -183,7 +187,18 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
     module = op.import_onnx(model)
     rec_nodes = [n for n in model.graph.node if n.op_type == op_type]
     assert len(rec_nodes) == layers
-    for length in (5, 3):  # two sequence lengths
+    from onnxparam.autodiff import _training
+
+    def loss_fn(m, x, *coefs):  # one function object: the training graph is cached by it
+        total = None
+        for o, c in zip(m(x), coefs):
+            term = (o * c).sum()
+            total = term if total is None else total + term
+        return total
+
+    _training.clear_cache()
+    sessions = []
+    for length in (5, 3, 7):  # a changed length retraces with symbolic dims once; that session serves 7
         rng = np.random.default_rng(length)
         x = rng.normal(size=(2, length, 3)).astype(np.float32)
         outs = net(torch.from_numpy(x))
@@ -191,14 +206,8 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
         net.zero_grad()
         sum((o * torch.from_numpy(c)).sum() for o, c in zip(outs, coefs)).backward()
 
-        def loss_fn(m, x, coefs=coefs):
-            total = None
-            for o, c in zip(m(x), coefs):
-                term = (o * op.Tensor.from_numpy(c)).sum()
-                total = term if total is None else total + term
-            return total
-
-        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
+        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x), *(op.Tensor.from_numpy(c) for c in coefs))
+        sessions.append(len(_training._sessions))
         got = grads.by_path()
         params = dict(net.named_parameters())
         # the exporter stores proj.weight transposed, as the MatMul's second input
@@ -220,6 +229,7 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
                 np.testing.assert_allclose(w[d], want_w, rtol=1e-4, atol=1e-5, err_msg=where + " W")
                 np.testing.assert_allclose(r[d], want_r, rtol=1e-4, atol=1e-5, err_msg=where + " R")
                 np.testing.assert_allclose(b[d], want_b, rtol=1e-4, atol=1e-5, err_msg=where + " B")
+    assert sessions == [1, 2, 2]  # one backward graph and session for the lengths after the first
 
 
 @pytest.mark.parametrize("op_type", ["LSTM", "GRU"])

@@ -36,7 +36,11 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   :data:`LORA_OVERHEAD_TARGET`. Switching adapters: a run with the other ``.onnx_adapter``
   active vs building a session for the other adapter merged (and one run), and the runtime's
   ``module(x)`` after loading other factors in ``"inputs"`` mode (no new session) vs in
-  ``"merge"`` mode (a new session); target :data:`LORA_SWITCH_TARGET`.
+  ``"merge"`` mode (a new session); target :data:`LORA_SWITCH_TARGET`. Many adapters in one
+  batch (also alone as ``lora-batched``): four named adapters (:data:`LORA_BATCHED_RANKS`) over
+  :data:`LORA_BATCHED_ROWS` rows in one ``lora="batched"`` run vs the four per-adapter runs of
+  the ``"inputs"`` export (target :data:`LORA_BATCHED_SPLIT_TARGET`) and vs one ``"inputs"`` run
+  of the same batch with one adapter (target :data:`LORA_BATCHED_SINGLE_TARGET`).
 * ``train``: one MNIST training step at batch :data:`TRAIN_BATCH` (``autodiff.grad`` +
   ``optim.Adam.step``; all params, and LoRA rank 4 on the linear layers) vs the same step in
   PyTorch (same weights, eval-mode BatchNorm, ``torch.optim.Adam``), target
@@ -524,6 +528,93 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             runtime.set_cache_size(sessions=runtime.MAX_CACHED_SESSIONS)
             results.append(Result("lora", f"r{rank} switch (module)", t_ours, t_base, LORA_SWITCH_TARGET))
             del merged
+    return results + bench_lora_batched(args)
+
+
+LORA_BATCHED_ROWS = 8
+LORA_BATCHED_RANKS = (8, 16, 8, 16)
+"""The ``lora`` section's batched case: four named adapters (these ranks, so the stacks are
+zero-padded to 16) over a batch of :data:`LORA_BATCHED_ROWS` rows, two rows each."""
+LORA_BATCHED_SEQS = (LORA_SEQ, 1)
+"""Rows of :data:`LORA_SEQ` tokens (a prompt: compute-bound, each split run does its share of
+the same multiply-adds) and of one token (a decoding step: each split run reads every weight
+again, and the run's fixed cost repeats)."""
+LORA_BATCHED_SPLIT_TARGET = 0.5
+"""One ``lora="batched"`` run of the whole mixed batch / the four runs a server makes with the
+``"inputs"`` export and ONNX Runtime's adapters (one run per adapter, its rows only)."""
+LORA_BATCHED_SINGLE_TARGET = 1.15
+"""One batched run of the mixed batch / one ``"inputs"`` run of the same batch with one adapter
+(the rank-16 one: the batched graph multiplies at the padded rank 16 for every row)."""
+
+
+def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
+    """Many adapters in one batch (the ``lora`` section runs it; ``lora-batched`` alone), at
+    each sequence length of :data:`LORA_BATCHED_SEQS`."""
+    from onnxparam import LoraConfig, Param, ParamGroup, Tensor, runtime
+    from onnxparam.nn import TransformerEncoder
+
+    config = runtime.SessionConfig(intra_op_num_threads=args.threads)
+    base = TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
+    weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
+    module, names = base, []
+    for i, rank in enumerate(LORA_BATCHED_RANKS):
+        rng = np.random.default_rng(100 + i)
+        adapted = base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=i, param_group=weights)).map(
+            lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.05, size=p.lazy_shape()).astype(
+                np.float32))) if path.endswith((".lora.a", ".lora.b")) else p)
+        names.append(f"a{i}-r{rank}")
+        module = module.add_adapter(names[-1], adapted)
+    rows = np.repeat(np.arange(1, len(names) + 1), LORA_BATCHED_ROWS // len(names)).astype(np.int64)
+    results = []
+    for seq in LORA_BATCHED_SEQS:
+        x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, seq, LORA_WIDTH)).astype(np.float32)
+        repeats = max(args.repeats // 5, 20) if seq > 1 else args.repeats
+        results += _bench_lora_batched_at(module, names, rows, x, config, repeats)
+    return results
+
+
+def _bench_lora_batched_at(module, names, rows, x, config, repeats) -> list[Result]:
+    import onnxruntime as ort
+
+    from onnxparam import export_onnx, write_onnx_adapter
+
+    results, seq = [], x.shape[1]
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-batched-") as tmp:
+        folder = Path(tmp)
+
+        def session(path):
+            return ort.InferenceSession(str(path), sess_options=config.session_options(),
+                                        providers=["CPUExecutionProvider"])
+
+        batched = session(export_onnx(module, folder / "batched.onnx", x, lora="batched"))
+        inputs = session(export_onnx(module, folder / "inputs.onnx", x, lora="inputs"))
+        options, keep = [], []
+        for name in names:
+            adapter = ort.LoraAdapter()
+            adapter.Load(str(write_onnx_adapter(module, folder / f"{name}.onnx_adapter", adapter_name=name)))
+            keep.append(adapter)  # NOTE: RunOptions does not keep its adapters alive
+            options.append(ort.RunOptions())
+            options[-1].add_active_adapter(adapter)
+        parts = [np.flatnonzero(rows == k + 1) for k in range(len(names))]
+
+        def one_batched():
+            return batched.run(None, {"x": x, "adapter_index": rows})[0]
+
+        def split():
+            return [inputs.run(None, {"x": x[part]}, options[k])[0] for k, part in enumerate(parts)]
+
+        def single():
+            return inputs.run(None, {"x": x}, options[1])[0]
+
+        got, expected = one_batched(), split()
+        for k, part in enumerate(parts):  # each row equals its adapter's own run
+            np.testing.assert_allclose(got[part], expected[k], rtol=1e-3, atol=1e-3)
+        t_ours, t_base = interleaved_medians(one_batched, split, repeats)
+        results.append(Result("lora", f"batched {LORA_BATCHED_ROWS} rows / {len(names)} adapters vs "
+                                      f"{len(names)} split inputs runs, seq {seq}", t_ours, t_base, LORA_BATCHED_SPLIT_TARGET))
+        t_ours, t_base = interleaved_medians(one_batched, single, repeats)
+        results.append(Result("lora", f"batched vs one r16 inputs run, {LORA_BATCHED_ROWS} rows, seq {seq}", t_ours, t_base,
+                              LORA_BATCHED_SINGLE_TARGET))
     return results
 
 
@@ -785,6 +876,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], list[Result]]] = {
     "mnist": bench_mnist,
     "convert": bench_convert,
     "lora": bench_lora,
+    "lora-batched": bench_lora_batched,
     "train": bench_train,
     "quant": bench_quant,
     "import": bench_import,

@@ -46,11 +46,8 @@ def close(got, want, case) -> bool:
 
 
 def run_ort(path, inputs):
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-    return sess.run(None, dict(zip(names, inputs)))
+    """Plain ONNX Runtime, every element type through OrtValues (``onnx_cases.run_plain_ort``)."""
+    return onnx_cases.run_plain_ort(path, inputs)
 
 
 def to_numpy(value):
@@ -80,7 +77,7 @@ def check(case, tmp: Path) -> tuple[str, str]:
         module = op.import_onnx(case.model_path)
         stage = "call"
         for ins, outs in data:
-            got = module(*ins)
+            got = module(*[onnx_cases.library_value(x) for x in ins])
             got = list(got) if isinstance(got, tuple) else [got]
             got = [to_numpy(g) for g in got]
             if not all(close(g, w, case) for g, w in zip(got, outs)):

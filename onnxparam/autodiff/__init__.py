@@ -10,6 +10,10 @@ the model layer knows nothing of it.
 * :class:`Gradients` — ``ParamId -> Tensor`` (Burn's ``GradientsParams``), what the optimizers
   of :mod:`onnxparam.optim` take;
 * :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops._losses`);
+* :func:`check_gradients` — every node on a param -> loss path without a gradient rule, listed
+  before anything runs (:func:`grad` raises with the same list); :data:`GRADIENT_OPS` (the
+  operators with a rule) and :data:`NOT_DIFFERENTIABLE` (operators declared without a gradient,
+  with the reason);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
   (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`; control flow ``If`` / ``Loop`` /
   ``Scan`` and the params their subgraphs read: :mod:`._rules_control`; ``LSTM`` / ``GRU`` /
@@ -22,10 +26,12 @@ there is no tape and no ``loss.backward()``.
 
 from ..ops._losses import cross_entropy, mse
 from ._backward import GRAD_SUFFIX, build_training_model
-from ._rules import NON_DIFFERENTIABLE, RULES
+from ._check import GRADIENT_OPS, MissingRule
+from ._rules import NON_DIFFERENTIABLE, NOT_DIFFERENTIABLE, RULES
 from ._training import (
     MAX_CACHED_TRAINING,
     Gradients,
+    check_gradients,
     clear_cache,
     grad,
     trainable_paths,
@@ -34,7 +40,11 @@ from ._training import (
 
 __all__ = [
     "grad",
+    "check_gradients",
     "Gradients",
+    "GRADIENT_OPS",
+    "NOT_DIFFERENTIABLE",
+    "MissingRule",
     "cross_entropy",
     "mse",
     "training_model",

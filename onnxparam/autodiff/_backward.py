@@ -26,10 +26,12 @@ import onnx_ir as ir
 from ..core.errors import TraceError
 from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
+from . import _rules_more  # noqa: F401  (register the rules imported models need)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_control import MULTI_OUTPUT, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
-from ._rules import NON_DIFFERENTIABLE, RULES
+from ._check import format_missing, missing_rules, rule_for, rule_key, unserved
+from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
 
@@ -113,7 +115,9 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     if not graph.outputs:
         raise TraceError("the loss function returned nothing")
     loss = graph.outputs[0]
-    loss_dims = dims(loss)
+    # NOTE: a loss of unknown rank (e.g. summed from an imported output ONNX cannot type under
+    # symbolic dims) is taken as one element; ONNX Runtime computes whatever it is
+    loss_dims = dims(loss) if loss.shape is not None else ()
     if not _is_float(loss) or any(d != 1 for d in loss_dims):
         shape = [d for d in loss_dims]
         raise TraceError(f"the loss must be a float tensor with one element (e.g. ops.mean(...)); got "
@@ -138,10 +142,15 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     # 2. which values depend on a differentiated param
     requires: set = set(wrt_values.values())
     for node in graph:
-        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
-            continue  # (other domains' operators propagate: without a rule, the sweep names them)
+        if rule_key(node) in NON_DIFFERENTIABLE:
+            continue  # (other domains' operators propagate: without a rule, the check names them)
         if any(v is not None and v in requires for v in node_inputs(node)):  # (with values captured by subgraphs)
             requires.update(out for out in node.outputs if _is_float(out))
+
+    # every node without a rule on a param -> loss path, listed at once before anything is built
+    missing = missing_rules(graph, requires, loss, traced.params, node_inputs)
+    if missing:
+        raise TraceError(format_missing(missing))
 
     # 3. reverse sweep
     e = Emitter(graph, opset)
@@ -158,7 +167,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         need = [v is not None and v in requires and _is_float(v) for v in inputs]
         if not any(need):
             continue
-        fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        fn = rule_for(node)
         if fn is None:
             params = [v.name for v in inputs if v is not None and v.name in traced.params]
             raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"
@@ -166,12 +175,17 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
                              + (f" (fed by {', '.join(map(repr, params))})" if params else "")
                              + "; freeze the params before it (freeze_group / no_grad) or add a rule to "
                                "onnxparam.autodiff._rules.RULES")
-        if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and any(g is not None for g in gout[1:]):
+        if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and not getattr(fn, "multi_output", False) \
+                and any(g is not None for g in gout[1:]):
             raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
         try:
             results = fn(e, node, gout, need)
         except TraceError as err:
             raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
+        dropped = unserved(node, inputs, need, results, opset)
+        if dropped:
+            raise TraceError(_rule_failure(node, "its rule gives no gradient for input(s) " + ", ".join(
+                f"{j} ({name!r})" for j, name in dropped) + "; freeze the params that feed them", opset, traced))
         for value, n, g in zip(inputs, need, results):
             if not n or g is None:
                 continue

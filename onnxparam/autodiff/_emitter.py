@@ -17,7 +17,7 @@ from ..core.dtype import DType
 from ..core.errors import TraceError
 from ..trace.tracer import _to_attr
 
-__all__ = ["Emitter", "dims", "static_dims", "np_dtype"]
+__all__ = ["Emitter", "dims", "maybe_dims", "static_dims", "np_dtype"]
 
 
 def dims(value: ir.Value) -> tuple:
@@ -31,6 +31,11 @@ def dims(value: ir.Value) -> tuple:
     return tuple(d if isinstance(d, int) else d.value for d in value.shape)
 
 
+def maybe_dims(value: ir.Value) -> Optional[tuple]:
+    """:func:`dims`, or ``None`` for an unknown rank (rules then use rank-free forms)."""
+    return None if value.shape is None else dims(value)
+
+
 def static_dims(value: ir.Value, why: str) -> tuple:
     """The dims of ``value`` as ints.
 
@@ -39,8 +44,9 @@ def static_dims(value: ir.Value, why: str) -> tuple:
     """
     out = dims(value)
     if not all(isinstance(d, int) for d in out):
-        raise TraceError(f"{why} needs static dims; {value.name!r} has shape {list(out)} "
-                         "(grad() traces with the concrete input shapes; pass tensors, not InputSpecs)")
+        raise TraceError(f"{why} needs static dims; {value.name!r} has shape {list(out)} (dims the graph "
+                         "computes at run time, or symbolic input dims); this form of the rule has no "
+                         "dynamic-shape version")
     return out
 
 
@@ -52,6 +58,7 @@ def np_dtype(value: ir.Value) -> np.dtype:
 
 
 _BOOL_OPS = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Not"})
+_INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 
 
 def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Optional[ir.DataType]:
@@ -62,7 +69,7 @@ def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Option
         return ir.DataType(int(attrs["to"]))
     if op_type in _BOOL_OPS:
         return ir.DataType.BOOL
-    if op_type == "Shape" or (op_type == "MaxPool" and index == 1):
+    if op_type in _INT64_OPS or (op_type == "MaxPool" and index == 1) or (op_type == "TopK" and index == 1):
         return ir.DataType.INT64
     start = 1 if op_type == "Where" else 0
     for v in inputs[start:]:
@@ -115,6 +122,20 @@ class Emitter:
         self.graph.append(node)
         return list(node.outputs)
 
+    def copy_node(self, node: ir.Node, inputs: Sequence[Optional[ir.Value]], num_outputs: int = 1,
+                  int64_outputs: bool = False) -> list[ir.Value]:
+        """Append a node of ``node``'s domain, operator and attributes on other ``inputs``
+        (e.g. the forward op applied to an index grid); outputs typed int64 when asked."""
+        attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+        name = self.unique(f"/grad/{node.op_type}")
+        new = ir.Node(node.domain, node.op_type, list(inputs), attributes, num_outputs=num_outputs, name=name)
+        for i, out in enumerate(new.outputs):
+            out.name = self.unique(f"{name}_output_{i}")
+            if int64_outputs:
+                out.type = ir.TensorType(ir.DataType.INT64)
+        self.graph.append(new)
+        return list(new.outputs)
+
     def op(self, op_type: str, *inputs: Optional[ir.Value], **attrs) -> ir.Value:
         """Append a one-output node ``op_type(*inputs, **attrs)``; return its output.
         ``LessOrEqual`` / ``GreaterOrEqual`` (opset 12) become ``Not(Greater / Less)`` before."""
@@ -132,7 +153,8 @@ class Emitter:
 
     def const(self, value, dtype) -> ir.Value:
         """An initializer holding ``value`` (a scalar or an array) as ``dtype`` (small ones shared)."""
-        arr = np.ascontiguousarray(np.asarray(value, dtype=np.dtype(dtype)))
+        raw = np.asarray(value, dtype=np.dtype(dtype))
+        arr = np.ascontiguousarray(raw).reshape(raw.shape)  # NOTE: ascontiguousarray makes 0-d arrays 1-d
         key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= 64 else None
         if key is not None and key in self._consts:
             return self._consts[key]
@@ -172,7 +194,52 @@ class Emitter:
         d = dims(like)
         return self.op("Expand", x, self.ints(d) if all(isinstance(k, int) for k in d) else self.op("Shape", like))
 
+    # -- shape arithmetic (static dims as constants, dynamic ones through Shape) ---------------
+
+    def shape_of(self, value: ir.Value) -> ir.Value:
+        """``value``'s shape as a 1-D int64 tensor: a constant when every dim is static, else
+        ``Shape(value)`` (so one backward graph serves every size; also for an untyped value)."""
+        if value.shape is None:
+            return self.op("Shape", value)
+        d = dims(value)
+        if all(isinstance(k, int) for k in d):
+            return self.ints(d)
+        return self.op("Shape", value)
+
+    def dims_of(self, value: ir.Value, start: int, end: Optional[int] = None) -> ir.Value:
+        """``shape(value)[start:end]`` as a 1-D int64 tensor (constant when those dims are static)."""
+        d = dims(value)
+        stop = len(d) if end is None else (end + len(d) if end < 0 else end)
+        part = d[start:stop]
+        if all(isinstance(k, int) for k in part):
+            return self.ints(part)
+        return self.op("Slice", self.op("Shape", value), self.ints([start]), self.ints([stop]), self.ints([0]))
+
+    def dim_scalar(self, value: ir.Value, axis: int) -> ir.Value:
+        """Dim ``axis`` of ``value`` as an int64 scalar (a constant when static, else ``Gather``
+        of ``Shape`` with a scalar index: rank 0 without needing constant folding)."""
+        d = dims(value)[axis]
+        if isinstance(d, int):
+            return self.const(d, np.int64)
+        return self.op("Gather", self.op("Shape", value), self.const(axis, np.int64), axis=0)
+
+    def concat_ints(self, *parts) -> ir.Value:
+        """1-D int64 tensors and int lists concatenated (a constant when all are constants)."""
+        values = [self.ints(p) if isinstance(p, (list, tuple)) else p for p in parts]
+        values = [v for v in values if not (v.shape is not None and list(dims(v)) == [0])]
+        if len(values) == 1:
+            return values[0]
+        return self.op("Concat", *values, axis=0)
+
+    def zeros_like(self, value: ir.Value) -> ir.Value:
+        """Zeros of ``value``'s shape and dtype (``Expand`` of a scalar)."""
+        return self.op("Expand", self.scalar_like(0.0, value), self.shape_of(value))
+
     def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
+        """``x`` reshaped to ``shape`` as written: a 0 is a size 0 (``allowzero=1`` from opset 14;
+        below it a 0 copies the input's dim, which the callers' static shapes only hold at size 0)."""
+        if self.opset >= 14 and 0 in [int(d) for d in shape]:
+            return self.op("Reshape", x, self.ints(shape), allowzero=1)
         return self.op("Reshape", x, self.ints(shape))
 
     def reshape_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
@@ -180,6 +247,8 @@ class Emitter:
         d = dims(like)
         if all(isinstance(k, int) for k in d):
             return self.reshape(x, d)
+        if self.opset >= 14:  # a size that is 0 at run time stays 0
+            return self.op("Reshape", x, self.op("Shape", like), allowzero=1)
         return self.op("Reshape", x, self.op("Shape", like))
 
     def transpose(self, x: ir.Value, perm: Sequence[int]) -> ir.Value:
@@ -192,22 +261,52 @@ class Emitter:
         """``grad`` (of a broadcast result of shape ``out_shape``) summed back to ``target``'s
         shape: over the leading dims ``target`` lacks and the dims where it has size 1 (numpy
         broadcasting, reversed)."""
+        if target.shape is None or out_shape is None:
+            return self._unbroadcast_at_run_time(grad, target)
         want = dims(target)
         out = tuple(out_shape)
         lead = len(out) - len(want)
         axes = list(range(lead))
+        unsure = []
         for i, d in enumerate(want):
             o = out[lead + i]
             if d == 1 and o != 1:
                 axes.append(lead + i)
-            elif d != o and isinstance(d, int):
+            elif not isinstance(d, int) and o != 1 and (d is None or d != o):
+                unsure.append(lead + i)  # a run-time size: 1 (broadcast) or the result's
+            elif d != o and isinstance(d, int) and isinstance(o, int):
                 raise TraceError(f"cannot reduce a gradient of shape {list(out)} to {list(want)} "
                                  f"({target.name!r}): dim {i} is not statically broadcast")
-        # NOTE: a dynamic dim of ``target`` against a size-n dim of the result is taken as n, not
-        # as a broadcast 1 (ONNX's shape-inference merge rule); a wrong guess fails in ONNX Runtime
+        if unsure and self.opset >= 13:
+            # which of the run-time dims are 1 in ``target``: summed too (Compress of the candidates)
+            sizes = self.op("Gather", self.op("Shape", target), self.ints([a - lead for a in unsure]))
+            picked = self.op("Compress", self.ints(unsure), self.op("Equal", sizes, self.const(1, np.int64)), axis=0)
+            all_axes = self.concat_ints(axes, picked) if axes else picked
+            summed = self.op("ReduceSum", grad, all_axes, keepdims=1, noop_with_empty_axes=1)
+            return self.op("Reshape", summed, self.op("Shape", target))
+        # NOTE: below opset 13 (axes an attribute) a dynamic dim of ``target`` against a size-n
+        # dim of the result is taken as n, not as a broadcast 1 (ONNX's shape-inference merge
+        # rule); a wrong guess fails in ONNX Runtime
         if not axes:
             return grad
+        if lead and all(a < lead for a in axes):
+            return self.reduce_sum(grad, axes, keepdims=False)
         summed = self.reduce_sum(grad, axes, keepdims=True)
         if lead:
             summed = self.reshape_like(summed, target)
         return summed
+
+    def _unbroadcast_at_run_time(self, grad: ir.Value, target: ir.Value) -> ir.Value:
+        """:meth:`unbroadcast` when a rank is unknown: the summed axes are computed from the two
+        shapes (``target``'s left-padded with 1s; every axis where they differ), then reshaped
+        to ``target``'s shape. Needs opset 13 (``ReduceSum`` axes as an input)."""
+        if self.opset < 13:
+            raise TraceError(f"reducing a gradient to {target.name!r}, whose rank is unknown, needs opset 13+")
+        have, want = self.op("Shape", grad), self.op("Shape", target)
+        lead = self.op("Sub", self.op("Size", have), self.op("Size", want))
+        ones = self.op("Expand", self.const(1, np.int64), self.reshape(lead, [1]))
+        padded = self.op("Concat", ones, want, axis=0)
+        differ = self.op("Not", self.op("Equal", padded, have))
+        axes = self.reshape(self.op("NonZero", differ), [-1])
+        summed = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", summed, want)

@@ -24,22 +24,39 @@ import numpy as np
 import onnx_ir as ir
 
 from ..core.errors import TraceError
-from ._emitter import Emitter, dims, np_dtype, static_dims
+from ._emitter import Emitter, dims, maybe_dims, np_dtype, static_dims
 from ._rules_matmul import matmul_dynamic
 
-__all__ = ["RULES", "NON_DIFFERENTIABLE", "rule", "attr", "const_array"]
+__all__ = ["RULES", "NON_DIFFERENTIABLE", "NOT_DIFFERENTIABLE", "rule", "attr", "const_array"]
 
 Rule = Callable[[Emitter, ir.Node, list, list], list]
 
 RULES: dict[str, Rule] = {}
 """ONNX ``op_type`` (domain ``ai.onnx``) -> its gradient rule."""
 
-NON_DIFFERENTIABLE = frozenset({
-    "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-    "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round", "ConstantOfShape",
-    "EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Range",
-})
-"""Operators whose outputs carry no gradient (integer, boolean or piecewise-constant results)."""
+_INTEGER = "its outputs are integers or booleans"
+_PIECEWISE = "piecewise constant: its derivative is 0 wherever it exists"
+_RANDOM = "a random sample: no derivative with respect to its inputs"
+_GENERATED = "generates values from sizes or attributes only"
+
+NOT_DIFFERENTIABLE: dict = {
+    **{op: _INTEGER for op in (
+        "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+        "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
+        "BitwiseNot", "QuantizeLinear", "DynamicQuantizeLinear", "NonMaxSuppression", "StringNormalizer",
+        "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "MatMulInteger", "ConvInteger")},
+    **{op: _PIECEWISE for op in ("Sign", "Floor", "Ceil", "Round", "Hardmax")},
+    **{op: _RANDOM for op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                              "Multinomial", "Bernoulli")},
+    **{op: _GENERATED for op in ("ConstantOfShape", "EyeLike", "Range", "BlackmanWindow", "HannWindow",
+                                 "HammingWindow")},
+}
+"""Operators declared not differentiable, with the reason: their outputs carry no gradient (the
+backward pass stops there, which is exact: integer / boolean results, and piecewise constants
+whose derivative is 0 almost everywhere)."""
+
+NON_DIFFERENTIABLE = frozenset(NOT_DIFFERENTIABLE)
+"""The keys of :data:`NOT_DIFFERENTIABLE` (operators whose outputs carry no gradient)."""
 
 
 def rule(*op_types: str):
@@ -103,14 +120,14 @@ def _scale(e: Emitter, x: ir.Value, factor: float) -> ir.Value:
 @rule("Add")
 def _add(e, node, gout, need):
     """``y = a + b``: ``da = unb(g, a)``, ``db = unb(g, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     return [e.unbroadcast(g, x, shape) if n else None for x, n in zip(node.inputs, need)]
 
 
 @rule("Sub")
 def _sub(e, node, gout, need):
     """``y = a - b``: ``da = unb(g, a)``, ``db = -unb(g, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     a, b = node.inputs
     return [e.unbroadcast(g, a, shape) if need[0] else None,
             e.op("Neg", e.unbroadcast(g, b, shape)) if need[1] else None]
@@ -119,7 +136,7 @@ def _sub(e, node, gout, need):
 @rule("Mul")
 def _mul(e, node, gout, need):
     """``y = a * b``: ``da = unb(g * b, a)``, ``db = unb(g * a, b)``."""
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     a, b = node.inputs
     return [e.unbroadcast(e.op("Mul", g, b), a, shape) if need[0] else None,
             e.unbroadcast(e.op("Mul", g, a), b, shape) if need[1] else None]
@@ -128,7 +145,7 @@ def _mul(e, node, gout, need):
 @rule("Div")
 def _div(e, node, gout, need):
     """``y = a / b``: ``da = unb(g / b, a)``, ``db = unb(-g * y / b, b)``."""
-    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    g, shape, y = gout[0], maybe_dims(node.outputs[0]), node.outputs[0]
     a, b = node.inputs
     da = e.unbroadcast(e.op("Div", g, b), a, shape) if need[0] else None
     db = None
@@ -141,7 +158,7 @@ def _div(e, node, gout, need):
 def _pow(e, node, gout, need):
     """``y = a ** b``: ``da = unb(g * b * a ** (b - 1), a)``, ``db = unb(g * y * log(a), b)``
     (``b`` cast to ``a``'s dtype when it has another one)."""
-    g, shape, y = gout[0], dims(node.outputs[0]), node.outputs[0]
+    g, shape, y = gout[0], maybe_dims(node.outputs[0]), node.outputs[0]
     a, b = node.inputs
     dtype = np_dtype(a)
     bf = b if np_dtype(b) == dtype else e.op("Cast", b, to=int(a.dtype))
@@ -310,7 +327,7 @@ def _clip(e, node, gout, need):
 def _where(e, node, gout, need):
     """``y = where(c, a, b)``: ``da = unb(where(c, g, 0), a)``, ``db = unb(where(c, 0, g), b)``."""
     c, a, b = node.inputs
-    g, shape = gout[0], dims(node.outputs[0])
+    g, shape = gout[0], maybe_dims(node.outputs[0])
     zero = e.scalar_like(0.0, node.outputs[0])
     return [None,
             e.unbroadcast(e.op("Where", c, g, zero), a, shape) if need[1] else None,
@@ -362,7 +379,7 @@ def _matmul(e, node, gout, need):
     the last two dims); a 1-D ``a`` is ``[1, k]``, a 1-D ``b`` is ``[k, 1]``."""
     a, b = node.inputs
     g = gout[0]
-    dyn = matmul_dynamic(e, a, b, g, need)
+    dyn = matmul_dynamic(e, a, b, g, need, node.outputs[0])
     if dyn is not None:
         return dyn
     ad, bd = static_dims(a, "MatMul's gradient"), static_dims(b, "MatMul's gradient")
@@ -419,17 +436,36 @@ def _gemm(e, node, gout, need):
         db = e.op("Gemm", g, a, alpha=alpha, transA=1, transB=ta) if tb else \
             e.op("Gemm", a, g, alpha=alpha, transA=1 - ta)
     if c is not None and len(need) > 2 and need[2]:
-        dc = _scale(e, e.unbroadcast(g, c, dims(node.outputs[0])), beta)
+        dc = _scale(e, e.unbroadcast(g, c, maybe_dims(node.outputs[0])), beta)
     return [da, db, dc][:len(node.inputs)]
 
 
 # -- reductions ---------------------------------------------------------------------------------
 
 
+def _dynamic_axes(node: ir.Node) -> Optional[ir.Value]:
+    """The ``axes`` input of a reduction when it is computed (not a constant), else ``None``."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
+        return node.inputs[1]
+    return None
+
+
 def _reduce_layout(node: ir.Node) -> tuple:
     """``(axes, keep_shape)``: the reduced axes of ``node``'s input and the output's shape with
-    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op form."""
+    those dims kept as 1 (dynamic dims as ``None`` / names), or ``(None, None)`` for the no-op
+    form. ``axes`` is the ``axes`` value itself when it is computed at run time (``keep_shape``
+    then ``None``)."""
     x = node.inputs[0]
+    computed = _dynamic_axes(node)
+    if computed is not None:
+        return computed, None
+    if x.shape is None:  # unknown rank: the axes input as it is, or every axis
+        if len(node.inputs) > 1 and node.inputs[1] is not None:
+            return node.inputs[1], None
+        if "axes" in node.attributes:
+            raise TraceError(f"node {node.name!r} ({node.op_type}): gradients need the input's rank "
+                             "(axes given as an attribute)")
+        return "all", None
     xd = dims(x)
     axes = _axes(node, 1, len(xd))
     if not axes:
@@ -440,11 +476,13 @@ def _reduce_layout(node: ir.Node) -> tuple:
     return axes, keep
 
 
-def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir.Value:
+def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes, keep: Optional[tuple]) -> ir.Value:
     """``v`` (shaped like ``node``'s output) with the reduced dims as 1: as it is for
-    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic ones)."""
-    if int(attr(node, "keepdims", 1)):
-        return v
+    ``keepdims=1``, else reshaped (static dims) or unsqueezed (dynamic dims, computed axes)."""
+    if int(attr(node, "keepdims", 1)) or axes == "all":
+        return v  # (every axis reduced without keepdims: a scalar, which Expand broadcasts)
+    if isinstance(axes, ir.Value):
+        return e.op("Unsqueeze", v, axes)
     if all(isinstance(d, int) for d in keep):
         return e.reshape(v, keep)
     return e.unsqueeze(v, axes)
@@ -454,22 +492,32 @@ def _kept(e: Emitter, node: ir.Node, v: ir.Value, axes: list, keep: tuple) -> ir
 def _reduce_sum_mean(e, node, gout, need):
     """``y = sum(x, axes)``: ``dx = expand(g, x.shape)`` (``g`` reshaped with the reduced dims
     kept as 1); ``ReduceMean`` divides by the count of reduced elements (``Size(x) / Size(y)``
-    when a reduced dim is dynamic)."""
+    when a reduced dim is dynamic). Axes may be computed at run time (an input from opset 13)."""
     x, g = node.inputs[0], gout[0]
     axes, keep = _reduce_layout(node)
     if axes is None:
         return [g] + [None] * (len(node.inputs) - 1)
-    xd = dims(x)
-    dx = e.expand_like(_kept(e, node, g, axes, keep), x)
+    xd = maybe_dims(x)
+    dx = e.op("Expand", _kept(e, node, g, axes, keep), e.shape_of(x))
     if node.op_type == "ReduceMean":
-        reduced = [xd[a] for a in axes]
-        if all(isinstance(d, int) for d in reduced):
+        reduced = None if isinstance(axes, (ir.Value, str)) else [xd[a] for a in axes]
+        if reduced is not None and all(isinstance(d, int) for d in reduced):
             dx = _scale(e, dx, 1.0 / math.prod(reduced))
         else:
             to = int(x.dtype)
             count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", node.outputs[0]), to=to))
             dx = e.op("Div", dx, count)
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+def reduce_sum_axes(e: Emitter, node: ir.Node, t: ir.Value, axes) -> ir.Value:
+    """``ReduceSum(t, axes, keepdims=1)`` for static axes (a list) or computed ones (a value,
+    with the node's ``noop_with_empty_axes``)."""
+    if isinstance(axes, ir.Value):
+        return e.op("ReduceSum", t, axes, keepdims=1, noop_with_empty_axes=int(attr(node, "noop_with_empty_axes", 0)))
+    if axes == "all":
+        return e.op("ReduceSum", t, keepdims=1)
+    return e.reduce_sum(t, axes, keepdims=True)
 
 
 @rule("ReduceMax", "ReduceMin")
@@ -482,6 +530,6 @@ def _reduce_max_min(e, node, gout, need):
         return [g] + [None] * (len(node.inputs) - 1)
     y_keep = _kept(e, node, node.outputs[0], axes, keep)
     mask = e.op("Cast", e.op("Equal", x, y_keep), to=int(x.dtype))
-    count = e.reduce_sum(mask, axes, keepdims=True)
+    count = reduce_sum_axes(e, node, mask, axes)
     dx = e.op("Mul", mask, e.op("Div", _kept(e, node, g, axes, keep), count))
     return [dx] + [None] * (len(node.inputs) - 1)

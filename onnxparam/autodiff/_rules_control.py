@@ -40,7 +40,8 @@ import onnx_ir as ir
 from ..core.dtype import DType
 from ..core.errors import TraceError
 from ._emitter import Emitter, np_dtype
-from ._rules import NON_DIFFERENTIABLE, RULES, const_array, rule
+from ._check import MissingRule, format_missing, rule_for, rule_key, unserved
+from ._rules import NON_DIFFERENTIABLE, const_array, rule
 
 __all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop"]
 
@@ -571,8 +572,8 @@ def requires_in(nodes, start: set) -> set:
     """The float values of ``nodes`` (in topological order) that depend on a value of ``start``."""
     req = set(start)
     for node in nodes:
-        if node.domain in ("", "ai.onnx") and node.op_type in NON_DIFFERENTIABLE:
-            continue  # (other domains' operators propagate: without a rule, the sweep names them)
+        if rule_key(node) in NON_DIFFERENTIABLE:
+            continue  # (operators without a rule propagate: the sweep names them)
         if any(v is not None and v in req for v in node_inputs(node)):
             req.update(out for out in node.outputs if _is_float(out))
     return req
@@ -581,8 +582,24 @@ def requires_in(nodes, start: set) -> set:
 def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
     """Reverse sweep over ``nodes`` (topological order): ``grads`` (value -> gradient) is
     extended with the gradients of every value of ``req`` a node reaches. ``where`` names the
-    subgraph in errors."""
-    for node in reversed(list(nodes)):
+    subgraph in errors.
+
+    Raises:
+        TraceError: listing every node of ``nodes`` between ``req`` and a value with a gradient
+            that has no rule (all at once), or for a rule that fails or drops a gradient.
+    """
+    nodes = list(nodes)
+    needed = set(grads)
+    for node in reversed(nodes):  # the values the gradients depend on
+        if any(out in needed for out in node.outputs):
+            needed.update(v for v in node_inputs(node) if v is not None)
+    missing = [MissingRule(node.name, rule_key(node), (), f"no gradient rule ({where})") for node in nodes
+               if rule_for(node) is None and rule_key(node) not in NON_DIFFERENTIABLE
+               and any(o in needed and _is_float(o) for o in node.outputs)
+               and any(v is not None and v in req and _is_float(v) for v in node_inputs(node))]
+    if missing:
+        raise TraceError(format_missing(missing))
+    for node in reversed(nodes):
         gout = [grads.get(out) for out in node.outputs]
         if all(g is None for g in gout):
             continue
@@ -590,17 +607,20 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
         need = [v is not None and v in req and _is_float(v) for v in inputs]
         if not any(need):
             continue
-        fn = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if fn is None:
-            raise TraceError(f"no gradient rule for node {node.name!r} ({node.domain + ':' if node.domain else ''}"
-                             f"{node.op_type}) {where}, on the path from the trainable params to the loss; "
-                             "freeze the params before it (freeze_group / no_grad)")
-        if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and any(g is not None for g in gout[1:]):
+        fn = rule_for(node)
+        if fn is None:  # (listed above)
+            raise TraceError(f"no gradient rule for node {node.name!r} ({rule_key(node)}) {where}")
+        if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and not getattr(fn, "multi_output", False) \
+                and any(g is not None for g in gout[1:]):
             raise TraceError(f"node {node.name!r} ({node.op_type}) {where}: only its first output can carry a gradient")
         try:
             results = fn(e, node, gout, need)
         except TraceError as err:
             raise TraceError(f"gradient of node {node.name!r} ({node.op_type}) {where}: {err}") from err
+        dropped = unserved(node, inputs, need, results, e.opset)
+        if dropped:
+            raise TraceError(f"gradient of node {node.name!r} ({node.op_type}) {where}: its rule gives no gradient "
+                             "for input(s) " + ", ".join(f"{j} ({name!r})" for j, name in dropped))
         for value, n, g in zip(inputs, need, results):
             if not n or g is None:
                 continue
@@ -933,3 +953,7 @@ def _int_scalar(e: Emitter, k: int) -> ir.Value:
     root.typed(v, np.int64, ())
     root.graph.register_initializer(v)
     return v
+
+
+for _fn in (_if, _scan, _loop):
+    _fn.multi_output = True  # (their rules take the gradients of every output)

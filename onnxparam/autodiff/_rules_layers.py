@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
@@ -40,13 +39,17 @@ def _conv_transpose(e, node, gout, need):
     out = [None] * len(node.inputs)
     if need[0]:
         dx = e.op("Conv", g, w, strides=strides, dilations=dilations, pads=list(begin) + list(end), group=group)
+        if not all(isinstance(d, int) for d in tuple(xd[2:]) + tuple(yd[2:])):
+            dx = e.op("Slice", dx, e.ints([0] * nd), e.dims_of(x, 2), e.ints(range(2, 2 + nd)))
+            out[0] = dx
         read = [(yd[2 + i] + begin[i] + end[i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
-                for i in range(nd)]
+                for i in range(nd)] if out[0] is None else list(xd[2:])
         if read != list(xd[2:]):
             dx = e.op("Slice", dx, e.ints([0] * nd), e.ints(xd[2:]), e.ints(range(2, 2 + nd)))
         out[0] = dx
     if need[1]:
-        out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group)
+        out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group, x,
+                                  node.outputs[0])
     if b is not None and need[2]:
         out[2] = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return out
@@ -139,31 +142,44 @@ def _softsign(e, node, gout, need):
 
 
 _RESIZE_ATTRS = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
-                 "extrapolation_value")
+                 "extrapolation_value", "antialias")
 
 
-def _resize_matrix(node, n_in: int, n_out: int, scale) -> np.ndarray:
+def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray:
     """The ``(n_out, n_in)`` matrix ``A`` of ``node``'s 1-D resampling along one axis
-    (``y = A @ x``): ONNX's reference ``Resize`` applied to the identity. Resize resamples each
-    axis independently (ONNX spec: Resize), so the full operator is these matrices per axis."""
+    (``y = A @ x``): ONNX Runtime's own ``Resize`` (the engine that runs the forward, at the
+    graph's opset, with every attribute of the node, ``antialias`` included) applied to the
+    identity. Resize resamples each axis independently (ONNX spec: Resize), so the full
+    operator is these matrices per axis."""
+    import onnxruntime as ort
+
     attrs = {}
     for name in _RESIZE_ATTRS:
         value = attr(node, name, None)
         if value is not None:
             attrs[name] = value.decode() if isinstance(value, bytes) else value
+    opset = max(int(opset), 11)
     inputs = ["X", "", "S", ""] if scale is not None else ["X", "", "", "S"]
-    resize = helper.make_node("Resize", inputs, ["Y"], axes=[2], **attrs)
+    resize = helper.make_node("Resize", inputs, ["Y"], **attrs)
     s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
     graph = helper.make_graph([resize], "resize_matrix",
-                              [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [n_in, 1, n_in]),
-                               helper.make_tensor_value_info("S", s_type, [1])],
-                              [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
-    feed = np.array([scale], np.float32) if scale is not None else np.array([n_out], np.int64)
-    y = ReferenceEvaluator(model).run(None, {"X": np.eye(n_in).reshape(n_in, 1, n_in), "S": feed})[0]
-    if y.shape != (n_in, 1, n_out):
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, [n_in, 1, 1, n_in]),
+                               helper.make_tensor_value_info("S", s_type, [4])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("roi", TensorProto.FLOAT, [0], [])])
+    resize.input[1] = "roi" if opset < 13 else ""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    feed = np.array([1, 1, 1, scale], np.float32) if scale is not None else np.array([n_in, 1, 1, n_out], np.int64)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        y = session.run(None, {"X": np.eye(n_in, dtype=np.float32).reshape(n_in, 1, 1, n_in), "S": feed})[0]
+    except Exception as err:  # noqa: BLE001 - ORT refuses this Resize form
+        raise TraceError(f"node {node.name!r}: cannot rebuild its resampling matrix with ONNX Runtime: {err}") from None
+    if y.shape != (n_in, 1, 1, n_out):
         raise TraceError(f"node {node.name!r}: cannot rebuild its resampling ({n_in} -> {n_out}, got {y.shape})")
-    return y[:, 0, :].T
+    return y[:, 0, 0, :].T.astype(np.float64)
 
 
 @rule("Resize")
@@ -184,6 +200,9 @@ def _resize(e, node, gout, need):
     rank = len(xd)
     if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
         raise TraceError(f"node {node.name!r}: Resize with a computed roi has no gradient rule")
+    mode = attr(node, "coordinate_transformation_mode", "half_pixel")
+    if (mode.decode() if isinstance(mode, bytes) else mode) == "tf_crop_and_resize":
+        raise TraceError(f"node {node.name!r}: Resize in tf_crop_and_resize mode has no gradient rule")
     axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
     scales = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
     if scales is not None and scales.size == 0:
@@ -192,7 +211,7 @@ def _resize(e, node, gout, need):
     dx = g
     for i, a in enumerate(axes):
         scale = None if scales is None else float(scales[i if scales.size == len(axes) else a])
-        matrix = _resize_matrix(node, xd[a], yd[a], scale)
+        matrix = _resize_matrix(node, xd[a], yd[a], scale, e.opset)
         if matrix.shape[0] == matrix.shape[1] and np.allclose(matrix, np.eye(matrix.shape[0])):
             continue
         if a == rank - 1:

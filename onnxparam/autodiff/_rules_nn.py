@@ -70,18 +70,38 @@ def conv_operands(node: ir.Node, gout: list) -> ConvOperands:
     what = f"{node.op_type}'s gradient"
     x, w = node.inputs[0], node.inputs[1]
     b = node.inputs[2] if len(node.inputs) > 2 else None
-    xd, wd = static_dims(x, what), static_dims(w, what)
-    yd = static_dims(node.outputs[0], what)
+    wd = static_dims(w, what)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        xd, yd = static_dims(x, what + " with auto_pad=" + auto_pad), static_dims(node.outputs[0], what)
+    else:  # dynamic batch / spatial dims: the rules use shape arithmetic
+        xd, yd = dims(x), dims(node.outputs[0])
     kernel = tuple(wd[2:])
     geometry = _conv_geometry(node, xd, kernel)
     return ConvOperands(x, w, b, gout[0], xd, wd, yd, len(xd) - 2, kernel, int(attr(node, "group", 1)), *geometry)
 
 
 def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd: tuple, yd: tuple,
-                                  kernel: tuple, strides, dilations, begin, end, group: int) -> ir.Value:
+                                  kernel: tuple, strides, dilations, begin, end, group: int,
+                                  x_like: Optional[ir.Value] = None) -> ir.Value:
     """The gradient of a convolution's input: ``ConvTranspose(g, weight)`` with the forward's
     strides, dilations, pads and group, and ``output_padding`` chosen so the result has the
     input's spatial size (the rows the forward's floor division dropped get zeros)."""
+    if not all(isinstance(d, int) for d in tuple(xd[2:]) + tuple(yd[2:])):
+        # run-time sizes: the transposed convolution cropping only the leading pads (its extent
+        # then starts at the input's first cell and may run past the end pads), cut to the
+        # input's size, and zeros padded at the end for the cells no window reached
+        nd = len(kernel)
+        if x_like is None:
+            raise TraceError("a convolution's input gradient with dynamic dims needs the input value")
+        dx = e.op("ConvTranspose", g, weight, strides=strides, dilations=dilations, pads=list(begin) + [0] * nd,
+                  group=group)
+        size = e.dims_of(x_like, 2)
+        axes = e.ints(range(2, 2 + nd))
+        dx = e.op("Slice", dx, e.ints([0] * nd), size, axes)
+        lack = e.op("Sub", size, e.op("Slice", e.op("Shape", dx), e.ints([2]), e.ints([2 + nd]), e.ints([0])))
+        return e.op("Pad", dx, e.concat_ints([0] * (nd + 2 + 2), lack))
     output_padding = []
     for i in range(len(kernel)):
         size = strides[i] * (yd[2 + i] - 1) + (kernel[i] - 1) * dilations[i] + 1 - begin[i] - end[i]
@@ -93,7 +113,8 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
 
 
 def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple, o: int, kernel: tuple,
-                     strides, dilations, begin, end, group: int) -> ir.Value:
+                     strides, dilations, begin, end, group: int, g_like: Optional[ir.Value] = None,
+                     x_like: Optional[ir.Value] = None) -> ir.Value:
     """The gradient of a convolution's weight ``[O, C / group, k...]`` for input ``x`` (dims
     ``xd``) and output gradient ``g`` (dims ``yd``):
     ``dw[o, c, k] = sum_{n, p} g[n, o, p] * x_pad[n, c, p * s + k * d]``, a convolution of ``x``
@@ -101,6 +122,9 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     exchanged, cut to the kernel size. (Also the weight gradient of ``ConvTranspose``, with the
     roles of ``x`` and ``g`` exchanged: :mod:`._rules_layers`.)"""
     nd = len(xd) - 2
+    if not all(isinstance(d, int) for d in tuple(xd) + tuple(yd)):
+        return _conv_weight_grad_dynamic(e, x, g, xd, o, kernel, strides, dilations, begin, end, group, g_like,
+                                         x if x_like is None else x_like)
     n, c = xd[0], xd[1]
     cg, og = c // group, o // group
     # x: [N, C, S] -> [N, G, Cg, S] -> [Cg, G, N, S] -> [Cg, G*N, S]  (batch Cg, channels group-major)
@@ -121,6 +145,28 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     return full
 
 
+def _conv_weight_grad_dynamic(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, o: int, kernel: tuple,
+                              strides, dilations, begin, end, group: int, g_like: Optional[ir.Value],
+                              x_like: ir.Value) -> ir.Value:
+    """:func:`conv_weight_grad` with run-time batch / spatial sizes: the same reshapes with
+    shapes computed from ``Shape`` (``x`` must be typed; ``g_like`` a typed value of ``g``'s
+    shape), and the result always cut to the kernel size."""
+    if g_like is None or not isinstance(xd[1], int):
+        raise TraceError("a convolution's weight gradient with dynamic dims needs static channels")
+    nd = len(xd) - 2
+    c = xd[1]
+    cg, og = c // group, o // group
+    xs = e.op("Reshape", x, e.concat_ints([0, group, cg], e.dims_of(x_like, 2)))
+    xs = e.transpose(xs, [2, 1, 0] + list(range(3, 3 + nd)))
+    xs = e.op("Reshape", xs, e.concat_ints([cg, -1], e.dims_of(x_like, 2)))
+    gs = e.op("Reshape", g, e.concat_ints([0, group, og], e.dims_of(g_like, 2)))
+    gs = e.transpose(gs, [1, 2, 0] + list(range(3, 3 + nd)))
+    gs = e.op("Reshape", gs, e.concat_ints([o, -1], e.dims_of(g_like, 2)))
+    full = e.op("Conv", xs, gs, strides=dilations, dilations=strides, pads=list(begin) + list(end), group=group)
+    full = e.transpose(full, [1, 0] + list(range(2, 2 + nd)))
+    return e.op("Slice", full, e.ints([0] * nd), e.ints(kernel), e.ints(range(2, 2 + nd)))
+
+
 @rule("Conv")
 def _conv(e, node, gout, need):
     """``y = conv(x, w) + b`` (cross-correlation, ONNX spec: Conv):
@@ -134,9 +180,10 @@ def _conv(e, node, gout, need):
     x, w, b, g, xd, wd, yd, nd, kernel, group, strides, dilations, begin, end = conv_operands(node, gout)
     dx = dw = db = None
     if need[0]:
-        dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group)
+        dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group, x)
     if need[1]:
-        dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group)
+        dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group,
+                              node.outputs[0])
     if b is not None and len(need) > 2 and need[2]:
         db = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return [dx, dw, db][:len(node.inputs)]
@@ -209,8 +256,12 @@ def _scale_op(e: Emitter, x: ir.Value, factor: float) -> ir.Value:
 def _global_average_pool(e, node, gout, need):
     """``y = mean(x, spatial axes, keepdims)``: ``dx = expand(g, x.shape) / (H * W ...)``."""
     x = node.inputs[0]
-    xd = static_dims(x, "GlobalAveragePool's gradient")
-    return [_scale_op(e, e.op("Expand", gout[0], e.ints(xd)), 1.0 / math.prod(xd[2:]))]
+    xd = dims(x)
+    if all(isinstance(d, int) for d in xd[2:]):
+        return [_scale_op(e, e.op("Expand", gout[0], e.shape_of(x)), 1.0 / math.prod(xd[2:]))]
+    to = int(x.dtype)
+    count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", node.outputs[0]), to=to))
+    return [e.op("Div", e.op("Expand", gout[0], e.op("Shape", x)), count)]
 
 
 @rule("BatchNormalization")
@@ -263,24 +314,22 @@ def _layer_norm(e, node, gout, need):
       the normalized axes);
     * ``dgamma = unb(g * xh, gamma)``, ``dbeta = unb(g, beta)``.
 
-    Raises:
-        TraceError: when the node also outputs its mean / inverse std (training form).
+    The optional ``Mean`` / ``InvStdDev`` outputs carry no gradient (only the first output
+    may). No static dim is needed (the means are ``ReduceMean``).
     """
-    if len(node.outputs) > 1:
-        raise TraceError(f"node {node.name!r}: LayerNormalization with Mean / InvStdDev outputs has no gradient rule")
     x, gamma = node.inputs[0], node.inputs[1]
     beta = node.inputs[2] if len(node.inputs) > 2 else None
     g = gout[0]
-    xd = static_dims(x, "LayerNormalization's gradient")
-    rank = len(xd)
+    rank = len(dims(x))
     axis = int(attr(node, "axis", -1))
     axis = axis + rank if axis < 0 else axis
     axes = list(range(axis, rank))
-    n = float(math.prod(xd[axis:]))
     eps = float(attr(node, "epsilon", 1e-5))
 
     def mean(t):
-        return _scale_op(e, e.reduce_sum(t, axes, keepdims=True), 1.0 / n)
+        if e.opset >= 18:
+            return e.op("ReduceMean", t, e.ints(axes), keepdims=1)
+        return e.op("ReduceMean", t, axes=axes, keepdims=1)
 
     xc = e.op("Sub", x, mean(x))
     r = e.op("Reciprocal", e.op("Sqrt", e.op("Add", mean(e.op("Mul", xc, xc)), e.scalar_like(eps, x))))

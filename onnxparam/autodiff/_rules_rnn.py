@@ -510,3 +510,7 @@ def _rnn(e, node, gout, need):
         g["b"] = e.op("Concat", db, db, axis=0)
         per_dir.append(g)
     return _assemble(e, node, need, common, dirs_, per_dir, has_c=False)
+
+
+for _fn in (_lstm, _gru, _rnn):
+    _fn.multi_output = True  # (Y, Y_h and Y_c all carry gradients)

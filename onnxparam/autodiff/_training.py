@@ -38,9 +38,10 @@ from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
 from ..trace import tracer as _trace
+from . import _dynamic
 from ._backward import build_training_model
 
-__all__ = ["Gradients", "grad", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
+__all__ = ["Gradients", "grad", "check_gradients", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
 
 LOSS_OUTPUT = "loss"
 """The training graph's first output (``output`` when a param path is already ``loss``)."""
@@ -74,6 +75,7 @@ def clear_cache() -> None:
     with _calls._LOCK:
         _graphs.clear()
         _sessions.clear()
+        _dynamic.clear()
 
 
 class Gradients(Mapping):
@@ -124,10 +126,16 @@ def trainable_paths(module) -> tuple:
     return tuple(path for path, p in named_params(module) if p.require_grad and p.lazy_dtype().is_float)
 
 
-def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel:
+def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tuple] = None,
+                least: int = 0) -> _trace.TracedModel:
+    """``loss_fn(module, *args, **kwargs)`` traced; ``shapes`` (one per argument, positional then
+    keyword; ``None`` for non-tensors) replaces the tensors' shapes (``str`` dims symbolic, for
+    sizes >= ``least``)."""
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph",
                            passes=STANDARD_PASSES)
+    tracer.min_dynamic_size = int(least)
+    shape_of = (lambda i, t: t.shape) if shapes is None else (lambda i, t: shapes[i])
     # NOTE: a quantized (QLoRA) base is traced in the weight-only DequantizeLinear form, as
     # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
@@ -138,11 +146,11 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict) -> _trace.TracedModel
         names = []
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
-                args[i] = tracer.input(f"input_{i}", a.shape, a.dtype, unique=True)
+                args[i] = tracer.input(f"input_{i}", shape_of(i, a), a.dtype, unique=True)
                 names.append(args[i]._symbol.value.name)
-        for k, v in kwargs.items():
+        for j, (k, v) in enumerate(kwargs.items()):
             if isinstance(v, Tensor):
-                kwargs[k] = tracer.input(str(k), v.shape, v.dtype, unique=True)
+                kwargs[k] = tracer.input(str(k), shape_of(len(args) + j, v), v.dtype, unique=True)
                 names.append(kwargs[k]._symbol.value.name)
         loss = loss_fn(module, *args, **kwargs)
         if not isinstance(loss, Tensor):
@@ -162,12 +170,40 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     if hit is not None:
         _graphs.move_to_end(key)
         return (key,) + hit
+    if session_config(module).dynamic_shapes == "auto":
+        family_key = (key[0], key[1], tuple(_rank_only(e, i < len(args)) for i, e in enumerate(call_sig)), wrt_all)
+
+        def lookup(gen_key):
+            hit = _graphs.get(gen_key)
+            if hit is not None:
+                _graphs.move_to_end(gen_key)
+            return hit
+
+        def build(gen_key, shapes, least):
+            forward = _trace_loss(loss_fn, module, args, kwargs, shapes, least)
+            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params])
+            _graphs[gen_key] = entry
+            _calls._trim(_graphs, MAX_CACHED_TRAINING)
+            return entry
+
+        found = _dynamic.dynamic_entry(family_key, args, kwargs, lookup, build)
+        if found is not None:
+            return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)
     wrt = [p for p in wrt_all if p in forward.params]
     training, grad_paths = build_training_model(forward, wrt)
     _graphs[key] = (training, grad_paths)
     _calls._trim(_graphs, MAX_CACHED_TRAINING)
     return key, training, grad_paths
+
+
+def _rank_only(entry, positional: bool):
+    """A call-signature entry with a tensor's shape replaced by its rank."""
+    if not positional:
+        return (entry[0], _rank_only(entry[1], True))
+    if isinstance(entry, tuple) and len(entry) == 4 and entry[0] == "T":
+        return ("T", len(entry[1])) + entry[2:]
+    return entry
 
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
@@ -234,3 +270,33 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
 def _input_dtype(training, name: str):
     cache = training._cache.setdefault("input_dtypes", {n: d for n, d, _ in training.input_types()})
     return cache[name]
+
+
+def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
+    """Every node without a gradient rule on a path from ``module``'s trainable params to the
+    loss, found by tracing ``loss_fn(module, *inputs, **kwargs)`` (nothing is built or run).
+
+    Args:
+        loss_fn, module, *inputs, **kwargs: as for :func:`grad`.
+
+    Returns:
+        a list of :class:`~onnxparam.autodiff._check.MissingRule` (``node``, ``op`` — the
+        operator key, ``"<domain>:<op>"`` outside ``ai.onnx`` —, ``params`` — the trainable
+        params feeding it directly — and ``reason``), in graph order; empty when :func:`grad`
+        has a rule for every node it needs. :func:`grad` raises a
+        :class:`~onnxparam.core.errors.TraceError` listing the same nodes.
+
+    Raises:
+        TraceError: when ``loss_fn`` cannot be traced.
+    """
+    from ._check import missing_rules, requiring
+    from ._rules_control import node_inputs
+
+    args, kwargs, _, _ = _calls._split_call(inputs, kwargs)
+    with _calls._LOCK:
+        forward = _trace_loss(loss_fn, module, args, kwargs)
+    graph = forward.graph
+    graph.sort()
+    wrt = [p for p in trainable_paths(module) if p in forward.params]
+    start = {graph.initializers[p] for p in wrt if p in graph.initializers}
+    return missing_rules(graph, requiring(graph, start, node_inputs), graph.outputs[0], forward.params, node_inputs)

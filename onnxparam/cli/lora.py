@@ -1,4 +1,6 @@
-"""``onnxparam lora merge|keep|adapter``: LoRA adapters on a model's rank-2 weights."""
+"""``onnxparam lora merge|keep|adapter``: LoRA adapters on a model's rank-2 weights;
+``onnxparam lora check MODEL ADAPTER``: an adapter file fits an export (``lora="batched"`` or
+``lora="inputs"``)."""
 
 import argparse
 import warnings
@@ -20,7 +22,7 @@ from ._common import (
 from ._models import LORA_FACTOR_RE, _add_model_arguments, _architecture, _load_weights
 from .convert import _source_tensors
 
-LORA_ACTIONS = ("merge", "keep", "adapter")
+LORA_ACTIONS = ("merge", "keep", "adapter", "check")
 
 
 def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +31,8 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LORA_ACTIONS,
         help="merge: fold the adapters into the weights; keep: keep the factors (ONNX nodes "
         "x@W + scale*((x@a)@b), or <param>.lora.a/.b tensors in a .bpk); adapter: write the "
-        "factors alone",
+        "factors alone; check: does the .onnx_adapter file OUT fit the ONNX export MODEL "
+        "(lora='batched' stacks: names, ranks, shapes, dtypes, capacity; or lora='inputs' factors)",
     )
     parser.add_argument(
         "src",
@@ -42,14 +45,14 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         "dst",
         type=Path,
         metavar="OUT",
-        help="merge/keep: .onnx, .bpk or .safetensors; adapter: .onnx_adapter (ONNX Runtime), .bpk or .safetensors",
+        help="merge/keep: .onnx, .bpk or .safetensors; adapter: .onnx_adapter (ONNX Runtime), .bpk or "
+        ".safetensors; check: the .onnx_adapter file to check",
     )
     parser.add_argument(
         "--alpha",
         type=_finite_float,
-        required=True,
         metavar="A",
-        help="LoRA alpha: scale = alpha / rank (files do not record it, as in Burn)",
+        help="LoRA alpha: scale = alpha / rank (files do not record it, as in Burn); required but for check",
     )
     parser.add_argument(
         "--rank",
@@ -92,6 +95,10 @@ def _run_lora(args: argparse.Namespace) -> int:
     from ..core.group import ParamGroup
     from ..lora._adapters import LoraConfig
 
+    if args.action == "check":
+        return _run_check(args)
+    if args.alpha is None:
+        raise UsageError(f"{PROG} lora: error: the following arguments are required: --alpha")
     src_fmt = _file_format(args.src, "model file")
     _existing(args.src, "model file")
     if args.action == "adapter":
@@ -191,6 +198,40 @@ def _run_lora(args: argparse.Namespace) -> int:
         _save_module(adapted, args.dst)
     json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
     _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
+    return EXIT_OK
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    """``lora check MODEL ADAPTER``: the ``.onnx_adapter`` file fits the export (a batched one:
+    :func:`onnxparam.lora._batched_run.check_batched_adapters`; an ``"inputs"`` one:
+    :func:`onnxparam.check_onnx_adapter`). A misfit is a ``RecordError`` listing every problem."""
+    from ..lora._adapter_file import check_onnx_adapter
+    from ..lora._batched import batched_metadata
+    from ..lora._batched_run import check_batched_adapters
+
+    for flag in ("alpha", "rank", "adapter", "targets"):
+        if getattr(args, flag, None):
+            raise UsageError(f"{PROG} lora: error: check takes MODEL and an .onnx_adapter file only; "
+                             f"--{flag} does not apply")
+    if _file_format(args.src, "model file") != "onnx":
+        raise UsageError(f"{PROG} lora: error: check needs an .onnx model; got '{args.src}'")
+    if args.dst.suffix.lower() != ".onnx_adapter":
+        raise UsageError(f"{PROG} lora: error: check needs an .onnx_adapter file; got '{args.dst}'")
+    _existing(args.src, "model file")
+    _existing(args.dst, "adapter file")
+    meta = batched_metadata(args.src)
+    if meta is not None:
+        shapes = check_batched_adapters(args.src, args.dst)
+        slots = next(iter(shapes.values()))[0] if shapes else 0
+        json_result("check", {"kind": "batched", "fits": True, "adapters": meta["adapters"],
+                              "capacity": meta["capacity"], "slots": slots,
+                              "inputs": {k: list(v) for k, v in sorted(shapes.items())}})
+        _out(f"check:     '{args.dst}' fits '{args.src}': {len(shapes)} stacks of {slots} slots "
+             f"(index 0: base; capacity {meta['capacity']}; adapters {', '.join(meta['adapters'])})")
+        return EXIT_OK
+    shapes = check_onnx_adapter(args.dst, args.src)
+    json_result("check", {"kind": "inputs", "fits": True, "inputs": {k: list(v) for k, v in sorted(shapes.items())}})
+    _out(f"check:     '{args.dst}' fits '{args.src}': {len(shapes)} factors")
     return EXIT_OK
 
 

@@ -26,7 +26,7 @@ from ..core.dtype import DType
 from ..core.group import ParamGroup
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
-from ..trace.passes import LORA_MODES  # noqa: F401  (re-exported: the modes of a trace)
+from ..trace.passes import LORA_MODES, TRACE_LORA_MODES  # noqa: F401  (re-exported: the modes of a trace)
 
 __all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "untargetable_paths",
            "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD", "adapter_set", "active_adapter", "add_adapter", "set_adapter",

@@ -340,7 +340,10 @@ def _redirect(old: ir.Value, new: ir.Value, uses: list) -> None:
 def expand_adapters(tracer) -> None:
     """Emit every adapted param's adapter into ``tracer``'s graph (module docstring); in
     ``"inputs"`` mode the factors become graph inputs too. Called by ``Tracer.finish`` after the
-    outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode."""
+    outputs are set, before the initializers are registered; a no-op in ``"merge"`` mode.
+    ``"batched"`` mode is its own pass (:func:`onnxparam.lora._batched.expand_batched`)."""
+    if tracer.mode == "batched":
+        return
     if tracer.mode == "merge":
         # NOTE: a base emitted as nodes (a quantized weight's DequantizeLinear, QLoRA) cannot
         # hold base + delta in one initializer: its adapter is merged in the graph instead.

@@ -80,7 +80,9 @@ def export_onnx(
         opset: the ``ai.onnx`` opset (default: the tracer's, or an imported model's own;
             an imported model cannot be re-targeted to another opset).
         lora: the LoRA mode of :func:`onnxparam.trace.tracer.trace_module` (``"merge"``: an adapted
-            weight's initializer holds ``base + scale * (a @ b)``).
+            weight's initializer holds ``base + scale * (a @ b)``; ``"keep"``, ``"inputs"``), or
+            ``"batched"`` / a :class:`onnxparam.lora._batched.BatchedLora`: every named adapter
+            stacked, an int64 ``adapter_index`` input ``[batch]`` choosing each row's (0: none).
         external_data: ``None`` (automatic above protobuf's 2 GiB), ``True`` (``<file>.data``),
             ``False``, or a data file name.
         max_shard_size_bytes: largest external data shard (``None``: one data file).
@@ -146,9 +148,19 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
 
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                       opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
+    from ..lora._batched import METADATA_KEY, BatchedLora, as_options, batched_options, batched_tracing
     from ..lora._adapters import with_every_named_target
     from ..quant._passes import trace_module  # the tracer's, with the standard LoRA / QDQ passes
 
+    if isinstance(lora, BatchedLora) or (lora == "batched" and not batched_tracing()):
+        # every named adapter stacked, one per row (lora, issue 29); the graph alone cannot hold
+        # the stacks, so an imported module is always traced
+        with batched_options(as_options(lora)):
+            model = _trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
+                                      dynamic_axes=dynamic_axes, opset=opset, lora="batched", kwargs=kwargs,
+                                      dynamic_batch=dynamic_batch)
+        model.metadata_props[METADATA_KEY] = model.graph.meta[METADATA_KEY]
+        return model
     if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
         module = with_every_named_target(module)
     if isinstance(module, OnnxModule) and not kwargs:
@@ -163,7 +175,8 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
             except TraceError:
                 model = None
         if model is None:
-            direct = _export_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset, lora)
+            direct = None if lora == "batched" else _export_imported(module, example_inputs, input_names,
+                                                                      output_names, dynamic_axes, opset, lora)
             if direct is not None:
                 return direct
             model, by_name = _trace_imported(module, example_inputs, input_names, output_names, dynamic_axes, opset,
@@ -423,7 +436,8 @@ def _trace_imported(module: OnnxModule, example_inputs, input_names, output_name
                 order.append(hit[1])
             elif v.name in graph.initializers:
                 order.append(graph.initializers[v.name])
-    order += [v for v in graph.inputs if v.is_initializer() and v not in order]  # lora="inputs" factors
+    # lora="inputs" factors, lora="batched" stacks and its adapter_index
+    order += [v for v in graph.inputs if v not in order and v not in given.values()]
     graph.inputs.clear()
     graph.inputs.extend(order)
     # the source's model-level facts (other producers' metadata, doc strings)

@@ -34,7 +34,7 @@ from ..core.dtype import DType
 from ..core.module import named_params
 from ._source import iter_graphs
 from ._value_info import drop_undeclared_initializer_types
-from ._weights import INITIALIZER, find_weights, tensor_data
+from ._weights import INITIALIZER, find_weights, reads_as_shape, tensor_data
 
 __all__ = ["source_sites", "session_parts", "export_model", "is_source_valued"]
 
@@ -273,7 +273,8 @@ def session_parts(module) -> Optional[tuple]:
             if not isinstance(const, ir.ExternalTensor) or name in injected and graph is main:
                 continue
             array = np.ascontiguousarray(const.numpy())  # file data ORT would look for beside no file
-            if graph is main and array.dtype.kind in "biuf" and array.dtype.names is None and _used(value):
+            if (graph is main and array.dtype.kind in "biuf" and array.dtype.names is None and _used(value)
+                    and not reads_as_shape(value)):  # shape data: ORT's shape inference reads it
                 names.append(name)
                 arrays.append(array)
                 value.const_value = ir.ExternalTensor(_INJECTED_LOCATION, 0, int(array.nbytes), const.dtype,

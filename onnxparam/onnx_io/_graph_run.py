@@ -53,6 +53,27 @@ def _to_feed(x, declared):
     return array
 
 
+def _run_session(session, names: list, feed: dict) -> list:
+    """``session.run`` with every element type (see :mod:`onnxparam.runtime._values`): inputs of
+    types numpy's binding cannot carry go as ``OrtValue`` s of their raw bits; when an output is
+    of such a type the run returns ``OrtValue`` s, read back as ``ml_dtypes`` arrays."""
+    from ..runtime._sessions import ort
+    from ..runtime._values import host_ortvalue, needs_raw, onnx_type_of_ort_string, ortvalue_array
+
+    raw_out = session.__dict__.get("_onnxparam_raw_outputs")
+    if raw_out is None:
+        raw_out = any(onnx_type_of_ort_string(o.type) is not None for o in session.get_outputs())
+        session.__dict__["_onnxparam_raw_outputs"] = raw_out
+    if not raw_out and not any(needs_raw(v) for v in feed.values()):
+        return session.run(names, feed)
+    tensors_only = all(isinstance(v, np.ndarray) and v.dtype.kind not in "OUS" for v in feed.values())
+    values = {k: host_ortvalue(v, ort) if (raw_out and tensors_only) or needs_raw(v) else v for k, v in feed.items()}
+    if not (raw_out and tensors_only):
+        return session.run(names, values)  # NOTE: the arrays in feed stay alive until the run ends
+    outs = session.run_with_ort_values(names, values)
+    return [ortvalue_array(o) if o.is_tensor() else o.numpy() for o in outs]
+
+
 def _from_ort(value):
     if isinstance(value, np.ndarray):
         try:
@@ -145,7 +166,7 @@ def run_graph(module, bound: dict) -> Optional[object]:
     feed = {name: _to_feed(x, declared.get(name)) for name, x in bound.items()}
     names = [v.name for v in source.pristine.graph.outputs]
     try:
-        outs = session.run(names, feed)
+        outs = _run_session(session, names, feed)
     except Exception as e:
         raise _error(module, e, "run") from e
     outs = [_from_ort(o) for o in outs]

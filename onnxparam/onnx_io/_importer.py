@@ -63,6 +63,7 @@ from ._node_rules import (
     _since,
     _used_outputs,
 )
+from ._op_registry import model_opsets
 from ._opaque import emit_opaque, opaque_node
 from ._probe import probed_types
 from ._records import site_metadata
@@ -86,13 +87,13 @@ class OnnxScope(Module):
         raise TraceError("an OnnxScope only groups params of an imported ONNX model; call the OnnxModule itself")
 
 
-def _lazy_param(site: WeightSite, meta: md.ParamMetadata) -> Param:
+def _lazy_param(site: WeightSite, meta: md.ParamMetadata, table: bool = False) -> Param:
     quantized = _qdq_import.imported_param(site, meta)
     if quantized is not None:
         return quantized
     pid = meta.param_id if meta.param_id is not None else ParamId()
     require_grad = (meta.require_grad if meta.require_grad is not None
-                    else site.dtype.is_float and not site.dtype.is_onnx_only
+                    else site.dtype.is_float and not site.dtype.is_onnx_only and not table
                     and not feeds_quantized_weight(site.value))  # a quantized weight's scale is not trained
 
     def init(device, require_grad, _tensor=site.tensor, _dtype=site.dtype):
@@ -142,6 +143,16 @@ def _check_array_dtype(value: ir.Value, array) -> None:
                                 f"got a numpy array of {got.name}; cast it first: x.astype(np.{want.name})")
 
 
+def _find_tables(model: ir.Model, sites) -> dict:
+    """``path -> reason`` for the float weights that are tables (frozen at import; see
+    :mod:`onnxparam.autodiff._tables`)."""
+    from ..autodiff._tables import find_tables
+
+    floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph]
+    found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
+    return {s.path: found[s.name] for s in floats if s.name in found}
+
+
 class _SourceGraph:
     """What an :class:`OnnxModule` knows about its source model (immutable once built, shared
     by every copy of the module; compared by identity)."""
@@ -158,8 +169,9 @@ class _SourceGraph:
         # NOTE: IR < 4 made every initializer a graph input; ONNX Runtime treats those as
         # constants (not overridable), and so does this module.
         self.overrides = tuple(v for v in graph.inputs if v.is_initializer()) if model.ir_version >= 4 else ()
-        self.opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+        self.opsets = model_opsets(model)  # as ONNX Runtime runs it (see _op_registry)
         self.names = {site.path: site.name for site in self.sites}
+        self.tables = _find_tables(model, self.sites)
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
@@ -182,7 +194,8 @@ class OnnxModule(Module):
         _qdq_import.fold_dequantize_weights(loaded.model)
         source = _SourceGraph(loaded, pristine)
         metas = site_metadata(loaded.model, list(source.sites), loaded.source)
-        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()))) for site in source.sites]
+        entries = [(site.path, _lazy_param(site, metas.get(site.name, md.ParamMetadata()), site.path in source.tables))
+                   for site in source.sites]
         _build_tree(self, entries)
         source.cells = {path: param._cell for path, param in entries}
         # NOTE: one private attribute holding everything derived from the source: copies made
@@ -212,6 +225,15 @@ class OnnxModule(Module):
     def output_names(self) -> tuple:
         """The graph outputs (original ONNX names)."""
         return tuple(v.name for v in self._source.loaded.model.graph.outputs)
+
+    @property
+    def onnx_tables(self) -> dict:
+        """Module path -> why, for the float weights recognized as tables rather than weights
+        (rotary / position frequency tables, masks, one-element graph constants: what PyTorch
+        held as buffers or constants; :mod:`onnxparam.autodiff._tables`). They are imported
+        with ``require_grad=False``, so :func:`~onnxparam.autodiff.grad` leaves them alone;
+        ``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))`` trains them too."""
+        return dict(self._source.tables)
 
     @property
     def onnx_names(self) -> dict:
@@ -307,6 +329,11 @@ class OnnxModule(Module):
         from ..trace import tracer as tr
 
         with naming_source(self):
+            if named and "adapter_index" in named and tr.current_tracer() is None and \
+                    all(v.name != "adapter_index" for v in self._source.inputs):
+                from ..lora._batched_run import call_batched  # many LoRA adapters, one per row (issue 29)
+
+                return call_batched(self, inputs, named)
             if tr.current_tracer() is None:
                 from ._graph_run import _NO_SESSION, run_graph
 
@@ -465,12 +492,15 @@ class OnnxModule(Module):
         if opaque_node(self._source, node, count):  # sequences, strings ... (see _opaque)
             result = emit_opaque(self._source, tracer, node, inputs, attributes, count)
         elif not _has_schema(node.op_type, domain, tracer.opset_imports.get(domain, 1)):
-            types = self._declared_types(node, count)
+            # NOTE: an operator only ONNX Runtime registers (contrib ops, LayerNormalization below
+            # opset 17): the file's declared types, else the types ONNX Runtime computes
+            types = (self._declared_types(node, count) or _rank_rule(node, domain, inputs, count)
+                     or probed_types(self._source, node, count, env))
             if types is None:
                 raise TraceError(
                     f"{where} ({domain + '.' if domain else ''}{node.op_type}) of the imported ONNX graph: ONNX has no "
-                    "schema for this operator and the file does not declare the types and shapes of its outputs; "
-                    "add value_info for them to the model"
+                    "schema for this operator, the file does not declare the types and shapes of its outputs and "
+                    "ONNX Runtime could not be asked (symbolic input sizes); add value_info for them to the model"
                 )
             result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
         else:

@@ -67,6 +67,10 @@ def _rank_rule(node: ir.Node, domain: str, inputs: list, count: int) -> Optional
     elif op == "Unsqueeze" and len(inputs) > 1:
         n = _static_length(inputs[1])
         rank = None if n is None else len(x.shape) + n
+    elif op == "LayerNormalization":
+        # NOTE: Y has X's shape (ONNX spec LayerNormalization-17; ONNX Runtime registers the same
+        # operator from version 1, which ONNX's schemas below 17 do not know)
+        return [(x.dtype, tuple(x.shape))]
     elif op == "ConstantOfShape":
         rank = _static_length(x)
         attr = node.attributes.get("value")

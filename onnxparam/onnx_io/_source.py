@@ -237,6 +237,7 @@ def _load_model(path_or_model) -> LoadedModel:
                     f"import_onnx takes a path, an onnx.ModelProto, an onnx_ir.Model or bytes; got {type(path_or_model).__name__}"
                 )
             _check_proto(proto, source)
+            proto = _densified(proto, proto is path_or_model, source)
             try:
                 model = ir.serde.deserialize_model(proto)
                 note_declared_value_info(proto.graph, model.graph)  # an export writes the same value_info
@@ -255,6 +256,23 @@ def _load_model(path_or_model) -> LoadedModel:
         except OnnxFormatError as e:
             raise OnnxFormatError(f"{source}: {e}") from None
     return LoadedModel(model, source, path)
+
+
+def _densified(proto: onnx.ModelProto, shared: bool, source: str) -> onnx.ModelProto:
+    """``proto`` with its sparse initializers (main graph and subgraphs) as dense initializers
+    of the same name, as ONNX Runtime reads them (``onnx_ir`` drops them: a sparse initializer
+    shadowing a graph input would otherwise leave that input required, where ONNX Runtime gives
+    it the initializer's value). A copy when ``shared`` (the caller's proto is not changed)."""
+    from ._densify import densify_sparse_initializers, has_sparse_initializers
+
+    if not has_sparse_initializers(proto.graph):
+        return proto
+    if shared:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)
+        proto = copy
+    densify_sparse_initializers(proto, source)  # OnnxFormatError naming source and tensor when inconsistent
+    return proto
 
 
 def _check_zero_copy(model: ir.Model, source: str, path: Optional[Path]) -> None:

@@ -5,7 +5,10 @@ value infos) and refuses what would otherwise escape later as another library's 
 wrong result: attributes whose declared type is UNDEFINED or disagrees with the value they hold
 or with the operator's schema, required attributes that are missing, ``ref_attr_name`` outside a
 function, subgraphs nested deeper than :data:`MAX_GRAPH_DEPTH`, opset versions outside
-``[1, 2**31)``, node domains no opset import declares, element types ONNX does not define,
+``[1, 2**31)``, node domains neither imported nor known to ONNX Runtime, operators of the default
+domain neither ONNX nor ONNX Runtime registers at the model's opset (see
+:mod:`~onnxparam.onnx_io._op_registry`: what ONNX Runtime runs is never refused here), element
+types ONNX does not define,
 negative tensor dims, typed tensor data of the wrong length, two producers of one name, and external
 data locations that hold NUL or bad offsets.
 
@@ -70,18 +73,17 @@ def _type_name(code: int) -> str:
 
 class _Checker:
     def __init__(self, model: onnx.ModelProto, source: str):
+        from ._op_registry import opsets_of_entries
+
         self.source = source
-        self.opsets: dict = {}
         self.function_domains = {f.domain for f in model.functions}
         for entry in model.opset_import:
-            domain = "" if entry.domain == "ai.onnx" else entry.domain
             if not 1 <= entry.version <= MAX_OPSET_VERSION:
                 self.fail(f"imports opset {entry.version} of domain {entry.domain or 'ai.onnx'!r}; opset versions "
                           f"are 1 to {MAX_OPSET_VERSION}")
-            if domain in self.opsets:
-                self.fail(f"imports domain {entry.domain or 'ai.onnx'!r} twice (opsets {self.opsets[domain]} and "
-                          f"{entry.version}); each domain has one opset")
-            self.opsets[domain] = entry.version
+        # NOTE: a domain imported twice is not refused: ONNX Runtime runs it at the last entry's
+        # version (skl2onnx writes ("", 17) twice; ORT's own test models import ai.onnx twice)
+        self.opsets: dict = opsets_of_entries(model.opset_import)
 
     def fail(self, message: str):
         raise OnnxFormatError(f"{self.source}: {message}")
@@ -142,12 +144,21 @@ class _Checker:
             self.fail(f"{label} has no op_type")
         domain = "" if node.domain == "ai.onnx" else node.domain
         if domain not in self.opsets and domain not in self.function_domains:
-            self.fail(f"{label} is in domain {node.domain!r}, which the model imports no opset of "
-                      f"(it imports {', '.join(repr(d or 'ai.onnx') for d in self.opsets) or 'none'})")
+            from ._op_registry import latest_opset
+
+            latest = latest_opset(domain)
+            if latest is None:
+                self.fail(f"{label} is in domain {node.domain!r}, which the model imports no opset of "
+                          f"(it imports {', '.join(repr(d or 'ai.onnx') for d in self.opsets) or 'none'}) and "
+                          "ONNX Runtime does not know")
+            self.opsets[domain] = latest  # ONNX Runtime's default: the newest version it knows
         schema = self.schema(node.op_type, domain)
         if schema is None and domain == "" and domain in self.opsets:
-            self.fail(f"{label}: ONNX defines no operator {node.op_type!r} up to opset {self.opsets[domain]} "
-                      "(op types are case-sensitive)")
+            from ._op_registry import is_registered
+
+            if not is_registered(node.op_type, domain, self.opsets[domain]):
+                self.fail(f"{label}: neither ONNX nor ONNX Runtime registers an operator {node.op_type!r} up to "
+                          f"opset {self.opsets[domain]} (op types are case-sensitive)")
         names: set = set()
         for attr in node.attribute:
             attr_label = f"attribute {attr.name!r} of {label}"
@@ -176,6 +187,10 @@ class _Checker:
 
     def schema(self, op_type: str, domain: str):
         if domain not in self.opsets:
+            return None
+        if domain == "" and self.opsets[domain] > onnx.defs.onnx_opset_version():
+            # NOTE: an opset newer than the installed onnx knows: its operator versions may take
+            # attributes these schemas lack; ONNX Runtime checks them (registrations: see node())
             return None
         try:
             return onnx.defs.get_schema(op_type, self.opsets[domain], domain)

@@ -181,6 +181,30 @@ contrib-op docs for ``MatMulNBits``. Their schemas mark them non-differentiable 
 yet they are the model's weights (rule 5 of the module docstring)."""
 
 
+_REDUCE_OPS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+               "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+SHAPE_DATA_INPUTS = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1, 2), "ConstantOfShape": (0,), "TopK": (1,), "Unsqueeze": (1,),
+    "Squeeze": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 3), "Resize": (1, 2, 3), "Upsample": (1,), "Split": (1,),
+    "OneHot": (1,), "Range": (0, 1, 2), "CenterCropPad": (1,), "Col2Im": (1, 2), "NonMaxSuppression": (2,),
+    "MaxUnpool": (2,), "DFT": (1, 2), "STFT": (1, 3), "Compress": (1,), **{op: (1,) for op in _REDUCE_OPS},
+}
+"""Inputs of ``ai.onnx`` operators whose values decide an output's shape (ONNX operator spec:
+``Reshape``'s shape, ``Resize``'s roi / scales / sizes, ``Upsample``'s scales, ``Slice``'s
+starts / ends / axes / steps ...). An initializer read there is never a param: ONNX Runtime's
+shape inference reads its value when the session is built, which it cannot do for an injected
+or fed value ("Cannot parse data from external tensors")."""
+
+
+def reads_as_shape(value: ir.Value) -> bool:
+    """True when some ``ai.onnx`` node reads ``value`` at a shape input (:data:`SHAPE_DATA_INPUTS`)."""
+    for node, index in value.uses():
+        if node.domain in ("", "ai.onnx") and index in SHAPE_DATA_INPUTS.get(node.op_type, ()):
+            return True
+    return False
+
+
 def _is_constant(value: Optional[ir.Value]) -> bool:
     if value is None:
         return False
@@ -219,7 +243,7 @@ def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
         return False
     if feeds_quantized_weight(value):
         return True  # rule 5: codes, scales and zero points of a quantized weight, any size or rank
-    if len(shape) == 0:
+    if len(shape) == 0 or reads_as_shape(value):
         return False
     if not dtype.is_float and size <= MAX_INLINE_CONSTANT_ELEMENTS:
         return False
@@ -239,7 +263,9 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
     """
     sites: list[WeightSite] = []
     main = model.graph
-    opsets = {("" if d == "ai.onnx" else d): int(v) for d, v in model.opset_imports.items()}
+    from ._op_registry import model_opsets
+
+    opsets = model_opsets(model)
     main_inputs = {id(v) for v in main.inputs}
     for graph in iter_graphs(main):
         for name, value in graph.initializers.items():

@@ -42,12 +42,28 @@ def reshape(x, shape) -> Tensor:
     types = None
     if not isinstance(shape, Tensor) and not isinstance(shape, (int, np.integer, SymInt)):
         dims = list(shape)
-        if builtins.any(isinstance(d, SymInt) for d in list(x.shape) + dims):
-            types = [(x.dtype, _reshape_dims(x.shape, dims))]
+        symbolic = builtins.any(isinstance(d, SymInt) for d in list(x.shape) + dims)
+        if symbolic:
+            out = _reshape_dims(x.shape, dims)
+            types = None if -1 in [d for d in out if isinstance(d, int)] else [(x.dtype, out)]
+        if _opset() >= 14 and (symbolic or builtins.any(d == 0 for d in x.shape if isinstance(d, int))):
+            # NOTE: a size that is or may be 0: the target is written out in full (no "0 copies",
+            # no -1 where it can be computed) and read with allowzero=1 (Reshape-14), so a 0
+            # stays 0 and no -1 sits next to a 0 ("Product cannot be 0 in combination with -1")
+            return _reshape_to(x, _reshape_dims(x.shape, dims, resolve_hole=True))
     return _emit("Reshape", [x, _int64_input(shape)], types=types)
 
 
-def _reshape_dims(in_shape, dims) -> tuple:
+def _reshape_to(x: Tensor, dims) -> Tensor:
+    """``Reshape`` of ``x`` to ``dims`` as written (ints and SymInts; a 0 is a size 0, not "copy
+    the input dim"), read with ``allowzero=1`` (Reshape-14; the caller checks the opset)."""
+    dims = tuple(dims)
+    symbolic = builtins.any(isinstance(d, SymInt) for d in list(x.shape) + list(dims))
+    return _emit("Reshape", [x, _int64_input(dims)], {"allowzero": 1},
+                 types=[(x.dtype, dims)] if symbolic and -1 not in [d for d in dims if isinstance(d, int)] else None)
+
+
+def _reshape_dims(in_shape, dims, resolve_hole: bool = False) -> tuple:
     """The output dims of ``Reshape`` (``allowzero=0``) with sizes that may be symbolic."""
     out = [in_shape[i] if isinstance(d, (int, np.integer)) and d == 0 else d for i, d in enumerate(dims)]
     holes = [i for i, d in enumerate(out) if isinstance(d, (int, np.integer)) and d == -1]
@@ -66,7 +82,11 @@ def _reshape_dims(in_shape, dims) -> tuple:
                 known.append(d)
             else:
                 rest.pop(same)
-        out[holes[0]] = math.prod(rest) // math.prod(known)
+        divisor = math.prod(known)
+        if (resolve_hole and isinstance(divisor, SymInt)) or (not isinstance(divisor, SymInt) and divisor == 0):
+            pass  # NOTE: a division by a size that may be 0 at run time: the -1 is left to ONNX Runtime
+        else:
+            out[holes[0]] = math.prod(rest) // divisor
     return tuple(int(d) if isinstance(d, np.integer) else d for d in out)
 
 
@@ -93,6 +113,8 @@ def flatten(x, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     if start == 1 and end == rank - 1:
         return _emit("Flatten", [x], {"axis": 1}, types=types)
     tail = x.shape[end + 1:]
+    if _opset() >= 14 and (not _static_dims(x.shape[:end + 1]) or builtins.any(d == 0 for d in x.shape[:end + 1])):
+        return _reshape_to(x, out_shape)  # sizes that are or may be 0: written out (see reshape)
     if _static_dims(tail):
         return _emit("Reshape", [x, _int64s([0] * start + [-1] + list(tail))], types=types)
     if _opset() >= 15:
@@ -222,7 +244,63 @@ def slice(x, starts, ends, axes=None, steps=None) -> Tensor:
         inputs.append(_int64_input([_norm_dim(a, x.rank) for a in axes] if not isinstance(axes, Tensor) else axes))
     if steps is not None:
         inputs.append(_int64_input(steps))
-    return _emit("Slice", inputs)
+    return _emit("Slice", inputs, types=_slice_types(x, starts, ends, axes, steps))
+
+
+def _decided(comparison):
+    """``bool(comparison())`` of sizes, or ``None`` when a symbolic comparison is undecidable."""
+    try:
+        return bool(comparison())
+    except TraceError:
+        return None
+
+
+def _slice_len(d, start, end, step):
+    """The length of ``range(d)[start:end:step]`` (ONNX Slice bounds: ``_INT64_MAX`` /
+    ``_INT64_MIN`` for open ends) when it is decidable for a symbolic ``d``, else ``None``."""
+    def is_int(v, value=None):
+        return isinstance(v, (int, np.integer)) and (value is None or int(v) == value)
+
+    if (step == 1 and is_int(start, 0) and is_int(end, _INT64_MAX)) or (
+            step == -1 and is_int(start, -1) and is_int(end, _INT64_MIN)):
+        return d  # the whole dim, forward or reversed (y[::-1])
+    if step == 1 and is_int(end, _INT64_MAX):
+        if isinstance(start, SymInt) and start._op == "-" and is_int(start._args[0], 0) and \
+                isinstance(start._args[1], SymInt) and start._args[1].expr == d.expr:
+            return d  # y[-n:] with n the dim itself (n = 0 too: y[0:])
+        if isinstance(start, (int, np.integer)) and start >= 0 and _decided(lambda: start <= d):
+            return d - int(start)
+        if isinstance(start, (int, np.integer)) and start < 0 and _decided(lambda: -int(start) <= d):
+            return -int(start)
+    if step == 1 and is_int(start, 0):
+        if isinstance(end, SymInt) and _decided(lambda: end == d):
+            return d
+        if isinstance(end, (int, np.integer)) and 0 <= end < _INT64_MAX and _decided(lambda: end <= d):
+            return int(end)
+        if isinstance(end, (int, np.integer)) and end < 0 and _decided(lambda: -int(end) <= d):
+            return d + int(end)
+    return None
+
+
+def _slice_types(x, starts, ends, axes, steps):
+    """The output type of a ``Slice`` of ``x`` whose dims are symbolic, where every sliced
+    length is decidable (:func:`_slice_len`); ``None`` leaves it to ONNX's inference."""
+    if _static_dims(x.shape) or builtins.any(isinstance(v, Tensor) for v in (starts, ends, axes, steps)):
+        return None
+    axes = list(range(len(starts))) if axes is None else [_norm_dim(a, x.rank) for a in axes]
+    steps = [1] * len(starts) if steps is None else list(steps)
+    if not builtins.all(isinstance(s, (int, np.integer)) for s in steps):
+        return None
+    dims = list(x.shape)
+    for a, start, end, step in zip(axes, starts, ends, steps):
+        d = dims[a]
+        if not isinstance(d, SymInt):
+            return None  # static dims: ONNX's inference computes them exactly
+        n = _slice_len(d, start, end, int(step))
+        if n is None:
+            return None
+        dims[a] = n
+    return [(x.dtype, tuple(dims))]
 
 
 def _indices(indices) -> Tensor:

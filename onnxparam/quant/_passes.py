@@ -7,6 +7,8 @@ exporter, the training graphs, and the runtime (through the executor the top lay
 
 from __future__ import annotations
 
+from ..lora import _batched as lora_batched
+from ..lora import _batched_run as lora_batched_run
 from ..lora import _graph as lora_graph
 from ..trace import tracer as _tracer
 from ..trace.passes import GraphPasses
@@ -19,13 +21,14 @@ STANDARD_PASSES = GraphPasses(
     held_param=lora_graph.initializer_param,
     quantized_param=qdq.quantized_param_value,
     # NOTE: LoRA's adapters are emitted first: the QDQ fusion rewrites the uses of weights
-    finish=(lora_graph.expand_adapters, qdq.finish_graph),
+    finish=(lora_graph.expand_adapters, lora_batched.expand_batched, qdq.finish_graph),
     fed_input_names=lora_graph.factor_input_names,
     fed_inputs=lora_graph.fed_factors,
     options=options._OPTIONS.get,
     call_options=options.runtime_options,
     with_options=options.qdq_options,
     is_pass_initializer=qdq.is_qdq_initializer,
+    keyword_calls=((lora_batched.INDEX_INPUT, lora_batched_run.call_batched),),
 )
 
 

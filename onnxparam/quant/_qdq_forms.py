@@ -36,7 +36,8 @@ bit and import reads the weight back as the same ``QFloat`` (Q8S / Q8F from the 
 Rejected: ORT's ``reduce_range`` (7-bit weights, what its docs suggest for non-VNNI x86) changes
 Burn's values; int8 activations are not what ``DynamicQuantizeLinear`` gives (uint8 only).
 Cost (AVX2, 1 thread, interleaved; README's quantization notes): 1.01-1.16x the saturating int8
-layout's time for ``dynamic int8``, 1.13-1.41x for ``static int8``; still 0.63-1.05x of float32.
+layout's time for ``dynamic int8``, 1.13-1.41x for ``static int8``; 0.63-1.10x of float32 (above
+0.95x only on MNIST, a 0.2 ms model). ``tools/bench_quant_layout.py`` measures it.
 Weight-only ``DequantizeLinear`` (float compute: ``dequantize``, ``MatMulNBits``) keeps ``INT8``.
 """
 

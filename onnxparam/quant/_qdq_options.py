@@ -42,7 +42,10 @@ class QdqOptions:
             activation quantization, ORT ``DynamicQuantizeMatMul``; the rest ``DequantizeLinear``),
             ``"dynamic"`` (as auto), or ``"dequantize"`` (``DequantizeLinear`` everywhere).
         unsigned: write ``UINT8`` / ``UINT4`` values with zero point 128 / 8 instead of signed
-            ones without zero point (lossless either way).
+            ones without zero point (lossless either way). An 8-bit weight an integer kernel reads
+            (``MatMulInteger``, static ``QLinearMatMul`` / ``QLinearConv``) is ``UINT8`` with zero
+            point 128 either way: ORT's uint8 x int8 kernels saturate on x86 CPUs without VNNI
+            (:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels`).
         reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
             fuses ``MatMulNBits`` (lossy; the largest error is reported), instead of warning.
         prefer: ``"speed"`` (default): a weight feeding only ops that ORT runs slower with a

@@ -273,6 +273,10 @@ def call_module(module, args: tuple, kwargs: dict):
     tracer = _current_tracer()
     if tracer is not None:
         return tracer.call_module(module, args, kwargs)
+    if kwargs:  # a keyword a pass answers (LoRA's adapter_index: many adapters, one per row)
+        for keyword, handler in _passes().keyword_calls:
+            if keyword in kwargs and not _takes_keyword(module, keyword):
+                return handler(module, args, kwargs)
     # NOTE: inside quant.qdq_options the graph differs: no fast path, nothing remembered
     entry = _fast_get(id(module)) if _passes().options() is None else None
     if entry is not None:
@@ -308,6 +312,26 @@ def call_module(module, args: tuple, kwargs: dict):
     # error, or runs (and is remembered for this shape instead)
     runner, tensors = _resolve(module, args, kwargs, remember=True, policy="static")
     return runner.run(tensors)
+
+
+_TAKES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _takes_keyword(module, name: str) -> bool:
+    """Whether ``module.forward`` accepts keyword ``name`` (by its signature; cached per class)."""
+    cls = type(module)
+    hit = _TAKES.get(cls)
+    if hit is None:
+        import inspect
+
+        try:
+            params = inspect.signature(module.forward).parameters
+            hit = _TAKES[cls] = frozenset(p.name for p in params.values()
+                                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) | (
+                frozenset(["**"]) if any(p.kind is p.VAR_KEYWORD for p in params.values()) else frozenset())
+        except (TypeError, ValueError):
+            hit = _TAKES[cls] = frozenset(["**"])
+    return name in hit or "**" in hit
 
 
 def _split_call(args, kwargs):
@@ -455,9 +479,9 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
         return None
 
 
-def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None):
+def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None, mode: Optional[str] = None):
     """The runner for this call (tracing and building as needed) and the input tensors
-    (``policy`` overrides the config's ``dynamic_shapes``)."""
+    (``policy`` overrides the config's ``dynamic_shapes``, ``mode`` its ``lora_mode``)."""
     from ..core.module import named_params
 
     owner = type(module).__name__
@@ -465,7 +489,8 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
     config = session_config(module)
     passes = _passes()
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, call_sig, config.lora_mode, policy or config.dynamic_shapes)
+        trace_key, traced = _traced(module, args, kwargs, call_sig, mode or config.lora_mode,
+                                    policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)

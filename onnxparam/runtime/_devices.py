@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import math
 from typing import Optional, Sequence
 
 import ml_dtypes
@@ -15,6 +13,7 @@ from ..core.errors import DeviceError
 from ..core.tensor import Tensor
 from ._config import SessionConfig
 from ._ort import import_onnxruntime
+from ._values import host_ortvalue, onnx_of_numpy, ortvalue_array
 
 ort = import_onnxruntime()
 
@@ -68,22 +67,11 @@ def _c_contiguous(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
 
 
-_FLOAT8_ONNX_TYPES = {d.to_numpy().name: d.to_onnx() for d in (DType.F8E4M3FN, DType.F8E4M3FNUZ, DType.F8E5M2,
-                                                                 DType.F8E5M2FNUZ, DType.F8E8M0FNU)}
-"""``ml_dtypes`` float8 type name -> ONNX element type (see :mod:`onnxparam.core.dtype`)."""
-
-
 def ortvalue_host(array: np.ndarray):
-    """A CPU ``OrtValue`` sharing ``array``'s memory (bfloat16 through its raw uint16 bits, the
-    one-byte float8 types of ``ml_dtypes`` through their raw bytes)."""
-    array = _c_contiguous(array)
-    if array.dtype == ml_dtypes.bfloat16:
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), DType.BF16.to_onnx())
-    if array.dtype.itemsize == 1 and array.dtype.kind in "Vf":
-        onnx_type = _FLOAT8_ONNX_TYPES.get(array.dtype.name)  # NOTE: ml_dtypes gives some kind "f", some "V"
-        if onnx_type is not None:
-            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8), onnx_type)
-    return ort.OrtValue.ortvalue_from_numpy(array)
+    """A CPU ``OrtValue`` of ``array`` (sharing its memory, except packed sub-byte types), every
+    ONNX element type included: bfloat16, float8, int4 ... through their raw bits (see
+    :mod:`onnxparam.runtime._values`)."""
+    return host_ortvalue(_c_contiguous(array), ort)
 
 
 def ortvalue_from_numpy(array, device: "Device | str"):
@@ -101,20 +89,21 @@ def ortvalue_from_numpy(array, device: "Device | str"):
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), np.uint16, "cuda", device.index)
         value.update_inplace(array.view(np.uint16))
         return value
+    onnx_type = onnx_of_numpy(array.dtype)
+    if onnx_type is not None:
+        # NOTE: float8 / int4 ...: built on the host from the raw bits, then copied by ORT's
+        # IO binding; a CUDA OrtValue cannot be filled from numpy bits of these types
+        raise DeviceError(f"a {array.dtype.name} tensor cannot be placed on {device} directly; keep it on the cpu "
+                          "(ONNX Runtime copies it to the device when a session runs)")
     return ort.OrtValue.ortvalue_from_numpy(array, "cuda", device.index)
 
 
-def ortvalue_to_numpy(value, dtype: DType) -> np.ndarray:
-    """A host array of a (CPU) ``OrtValue``; bfloat16 is copied through its raw bits, which
-    ONNX Runtime's ``numpy()`` cannot return."""
-    if dtype is not DType.BF16:
-        return value.numpy()
-    shape = tuple(value.shape())
-    n = math.prod(shape)
-    if n == 0:
-        return np.zeros(shape, dtype=ml_dtypes.bfloat16)
-    raw = (ctypes.c_uint16 * n).from_address(value.data_ptr())
-    return np.frombuffer(raw, dtype=np.uint16).copy().view(ml_dtypes.bfloat16).reshape(shape)
+def ortvalue_to_numpy(value, dtype: Optional[DType] = None) -> np.ndarray:
+    """A host array of a (CPU) ``OrtValue`` of its real element type: bfloat16, float8, int4 ...
+    as ``ml_dtypes`` arrays read from the raw bits (ONNX Runtime's ``numpy()`` cannot return
+    them, or returns float8 as ``uint8``). ``dtype`` is accepted for the callers that know it;
+    the value's own element type decides."""
+    return ortvalue_array(value)
 
 
 def pick_device(owner: str, params: Sequence[tuple], tensors: Sequence[Tensor]) -> Device:

@@ -19,6 +19,7 @@ from ..trace import tracer as _trace
 from ._config import SessionConfig
 from ._devices import ortvalue_from_numpy, ortvalue_host, ortvalue_to_numpy, providers_for
 from ._ort import import_onnxruntime
+from ._values import onnx_of_numpy
 
 ort = import_onnxruntime()
 
@@ -137,6 +138,14 @@ def _host_tensor(array: np.ndarray, dtype: DType) -> Tensor:
     return t
 
 
+def _raw(dtype) -> bool:
+    """True for a dtype numpy's ONNX Runtime binding cannot carry (bfloat16, float8, int4 ...)."""
+    try:
+        return dtype is not None and onnx_of_numpy(dtype.to_numpy()) is not None
+    except Exception:  # noqa: BLE001 - a dtype without one numpy type (QFloat)
+        return False
+
+
 class Runner:
     """A built session and everything needed to run it with little Python around it."""
 
@@ -156,7 +165,7 @@ class Runner:
         self.shape1 = self.dtype1 = None  # set by the fast path for a one-host-tensor signature
         self._keepalive = keepalive
         self._run = session._sess.run  # NOTE: InferenceSession.run re-validates names per call
-        self._needs_ortvalues = device.is_cuda or DType.BF16 in self.input_dtypes or DType.BF16 in self.output_dtypes
+        self._needs_ortvalues = device.is_cuda or any(_raw(d) for d in self.input_dtypes + self.output_dtypes)
         self.fast_keys: list = []
         self.fed: dict = {}  # graph input -> value fed on every run ("inputs" LoRA factors)
 

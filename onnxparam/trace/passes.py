@@ -13,13 +13,18 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["GraphPasses", "LORA_MODES", "NO_PASSES"]
+__all__ = ["GraphPasses", "LORA_MODES", "TRACE_LORA_MODES", "NO_PASSES"]
 
 LORA_MODES = ("merge", "keep", "inputs")
 """How an adapted weight appears in a traced graph: ``"merge"``: one initializer
 ``base + scale * (a @ b)`` per adapted weight (no overhead); ``"keep"``: the base and the factors
 as initializers, the adapter as graph nodes; ``"inputs"``: as ``"keep"``, with the factors also
 overridable graph inputs."""
+
+TRACE_LORA_MODES = LORA_MODES + ("batched",)
+"""The modes a trace takes: :data:`LORA_MODES` and ``"batched"`` (every named adapter stacked,
+one chosen per batch row by an ``adapter_index`` input; :mod:`onnxparam.lora._batched`). Module
+calls run in ``"batched"`` mode only through ``module(x, adapter_index=...)``."""
 
 
 def _raw_param(param, mode: str):
@@ -68,6 +73,9 @@ class GraphPasses:
         with_options: ``(options) -> context manager`` that sets them for the calls inside.
         is_pass_initializer: ``(onnx_ir.Value) -> bool``: an initializer a pass wrote (QDQ
             values and scales), not a param's value.
+        keyword_calls: ``((keyword, handler), ...)``: a module call given ``keyword`` (that its
+            ``forward`` does not take) is ``handler(module, args, kwargs)`` instead (LoRA's
+            ``adapter_index``: many adapters, one per batch row).
     """
 
     held_param: Callable = _raw_param
@@ -79,6 +87,7 @@ class GraphPasses:
     call_options: Callable = _no_options
     with_options: Callable = _no_context
     is_pass_initializer: Callable[[Any], bool] = _never
+    keyword_calls: tuple = ()
 
 
 NO_PASSES = GraphPasses()

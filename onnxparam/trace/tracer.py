@@ -49,7 +49,7 @@ from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValue
 from ..core.param import Param
 from ..core.tensor import Tensor
 from .model import TracedModel, baking_node, check_batch_outputs, finish_trace  # noqa: F401  (re-exported)
-from .passes import LORA_MODES, NO_PASSES, GraphPasses  # noqa: F401  (GraphPasses re-exported)
+from .passes import LORA_MODES, NO_PASSES, TRACE_LORA_MODES, GraphPasses  # noqa: F401  (GraphPasses re-exported)
 from .symint import SymInt
 from .values import (  # noqa: F401  (re-exported: onnxparam.trace.tracer is their public home)
     _CURRENT,
@@ -122,8 +122,8 @@ class Tracer:
         opset = int(opset)
         if opset < MIN_OPSET:
             raise ValueError(f"opset {opset} is not supported: onnxparam emits opset {MIN_OPSET} or newer")
-        if mode not in LORA_MODES:
-            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, LORA_MODES))}")
+        if mode not in TRACE_LORA_MODES:
+            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))}")
         imports[""] = opset
         self.opset = opset
         self.opset_imports: dict[str, int] = imports

@@ -1,0 +1,107 @@
+"""Automatic dynamic shapes for training graphs: one training graph (and one session) for every
+batch size and sequence length, as :attr:`onnxparam.runtime.SessionConfig.dynamic_shapes`
+``"auto"`` does for ``module(x)``.
+
+The first call of a ``(loss_fn, module structure, argument layout, trainable paths)`` family
+traces with concrete shapes. When a later call differs in some input dims, ``loss_fn`` is traced
+once more with those dims symbolic (dims of equal sizes share a symbol) and its backward graph is
+built with shape arithmetic (the rules of :mod:`._rules` need no static dim); that training graph
+serves every later size. Symbolic dims stand for sizes >= 1, else (a loss that needs
+``x.shape[0] == 1`` decided) sizes >= 2 with sizes 0 and 1 traced concretely; a loss or a rule
+that needs concrete sizes falls back to one training graph per shape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+from ..core.tensor import Tensor
+
+__all__ = ["Family", "dynamic_entry", "clear"]
+
+MAX_FAMILIES = 64
+
+_families: "OrderedDict[Any, Family]" = OrderedDict()
+
+
+class Family:
+    """What is remembered about one family of training calls: the first call's shapes, the
+    dims seen to change, the least size a symbolic dim stands for, whether only concrete
+    traces work, and the symbol groups of each generalized signature."""
+
+    __slots__ = ("first", "dynamic", "least", "static_only", "groups")
+
+    def __init__(self, shapes):
+        self.first = shapes
+        self.dynamic: frozenset = frozenset()
+        self.least = 1
+        self.static_only = False
+        self.groups: dict = {}
+
+
+def clear() -> None:
+    _families.clear()
+
+
+def _shapes(args, kwargs) -> tuple:
+    values = list(args) + list(kwargs.values())
+    return tuple(tuple(v.shape) if isinstance(v, Tensor) else None for v in values)
+
+
+def dynamic_entry(family_key, args, kwargs, lookup: Callable, build: Callable) -> Optional[tuple]:
+    """The generalized ``(key, entry)`` for this call, or ``None`` for a concrete one.
+
+    Args:
+        family_key: the call's family (everything of its cache key but the input shapes).
+        args, kwargs: the call's arguments (tensors and plain values).
+        lookup: ``lookup(key)`` the cached entry of a generalized key, or ``None``.
+        build: ``build(key, symbolic_shapes, least)`` traces and builds the training graph
+            with those shapes (a shape per tensor argument, ``str`` for symbolic dims; ``None``
+            for the other arguments), caches it under ``key`` and returns it; raises
+            :class:`~onnxparam.core.errors.TraceError` when the loss or a rule needs concrete sizes.
+    """
+    shapes = _shapes(args, kwargs)
+    family = _families.get(family_key)
+    if family is None or len(family.first) != len(shapes) or any(
+            (a is None) != (b is None) or (a is not None and len(a) != len(b)) for a, b in zip(family.first, shapes)):
+        _families[family_key] = Family(shapes)
+        while len(_families) > MAX_FAMILIES:
+            _families.popitem(last=False)
+        return None
+    _families.move_to_end(family_key)
+    if family.static_only:
+        return None
+    changed = {(i, a) for i, s in enumerate(shapes) if s is not None
+               for a, (d, f) in enumerate(zip(s, family.first[i])) if d != f}
+    dynamic = family.dynamic | changed
+    while True:
+        least = family.least
+        symbolic = frozenset((i, a) for i, a in dynamic if shapes[i][a] >= least)
+        if not symbolic:
+            return None
+        groups = family.groups.get((least, symbolic))
+        if groups is not None and not all(len({shapes[i][a] for i, a in g}) == 1 for g in groups):
+            groups = tuple(((m,) for g in groups for m in g))  # sizes once equal now differ
+        if groups is None:
+            by_size: dict = {}
+            for i, a in sorted(symbolic):
+                by_size.setdefault((shapes[i][a], family.first[i][a]), []).append((i, a))
+            groups = tuple(tuple(g) for g in by_size.values())
+        name = {m: f"dyn{k}" for k, g in enumerate(groups) for m in g}
+        sym_shapes = tuple(None if s is None else tuple(name.get((i, a), d) for a, d in enumerate(s))
+                           for i, s in enumerate(shapes))
+        key = ("dynamic", family_key, least, sym_shapes)
+        entry = lookup(key)
+        if entry is None:
+            try:
+                entry = build(key, sym_shapes, least)
+            except Exception:  # noqa: BLE001 - the loss (its own error) or a rule needs concrete sizes
+                if least == 1:
+                    family.least = 2
+                    continue
+                family.static_only = True
+                return None
+        family.dynamic = dynamic
+        family.groups[(least, symbolic)] = groups
+        return key, entry

@@ -1,0 +1,155 @@
+"""Which float weights of an imported model are tables rather than trainable weights.
+
+An exporter writes everything a PyTorch module held (parameters *and* buffers: a rotary
+frequency table, a causal mask, a position table) as initializers or ``Constant`` nodes, and
+the importer makes every float one a param. Training those changes what PyTorch never trained.
+:func:`find_tables` recognizes them from the graph alone (what consumes them), so the importer
+freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; unfreeze with
+``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))``). The rules:
+
+1. **periodic encodings**: every path on which the weight's value meets the model's float
+   activations (values computed from a float graph input or an embedding lookup of the
+   inputs) passes through ``Sin`` / ``Cos``
+   first, and such a meeting exists: a frequency table applied to positions (rotary
+   embeddings' ``inv_freq``, sinusoidal position tables built in the graph). A learned
+   frequency multiplied with the *data* before ``Sin`` meets the activations raw, so it stays
+   trainable;
+2. **masks**: a tensor holding ``-inf``, ``NaN`` or only ``0`` and one fill value ``<= -1e4``
+   (attention masks, ``finfo.min`` fills);
+3. **fill constants**: a ``Constant`` node's value with one element equal to 0 or 1 (the
+   fill values exporters write inline, e.g. ``where(mask, x, 0)``, ``expand(1, shape)``;
+   PyTorch parameters become initializers). Other one-element constants stay trainable.
+
+Layer: graph analysis on ``onnx_ir`` only (the importer in :mod:`onnxparam.onnx_io` calls it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR"]
+
+PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
+MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
+CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
+
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+_ENCODERS = frozenset({"Sin", "Cos"})
+_STOPS = frozenset({"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And",
+                    "Or", "Xor", "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round",
+                    "ConstantOfShape", "EyeLike", "Range", "RandomNormalLike", "RandomUniformLike"})
+_MASK_CHECK_MAX = 1 << 24
+_WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1,), "Gather": (0,)}
+
+
+def _is_float(v: Optional[ir.Value]) -> bool:
+    return v is not None and v.dtype in _FLOATS
+
+
+def _maybe_float(v: Optional[ir.Value]) -> bool:
+    """Float, or untyped (an imported file need not type its intermediate values)."""
+    return v is not None and (v.dtype is None or v.dtype in _FLOATS)
+
+
+def _float_outputs(node: ir.Node) -> list:
+    if node.op_type in _STOPS:
+        return []
+    if node.op_type == "Cast":
+        to = node.attributes.get("to")
+        to_float = to is not None and ir.DataType(int(to.value)) in _FLOATS
+        return list(node.outputs) if _maybe_float(node.inputs[0]) and to_float else []
+    return [o for o in node.outputs if _maybe_float(o)]
+
+
+def _activations(graph: ir.Graph, nodes: list) -> set:
+    """The model's float activations: values computed from a float graph input, or from an
+    embedding lookup (a ``Gather`` / ``GatherElements`` whose indices come from the graph
+    inputs' *values*; sizes read by ``Shape`` / ``Size`` do not count, so positions built by
+    ``Range`` over a sequence length are not activations), through differentiable flow."""
+    inputs = [v for v in graph.inputs if not v.is_initializer()]
+    act = {v for v in inputs if _maybe_float(v)}
+    data = set(inputs)  # values that depend on graph-input values
+    for node in nodes:
+        if node.op_type in ("Shape", "Size"):
+            continue
+        if any(v is not None and v in data for v in node.inputs):
+            data.update(node.outputs)
+            if node.op_type in ("Gather", "GatherElements", "GatherND") and len(node.inputs) > 1 \
+                    and node.inputs[1] in data:
+                act.update(_float_outputs(node))
+        if any(v is not None and v in act for v in node.inputs):
+            act.update(_float_outputs(node))
+    return act
+
+
+def _periodic(start: ir.Value, nodes: list, act: set) -> bool:
+    """Rule 1 for the weight ``start``."""
+    label = {start: "raw"}
+    met = False
+    for node in nodes:
+        tainted = [label[v] for v in node.inputs if v is not None and v in label]
+        if not tainted:
+            continue
+        if any(v is not None and v in act and v not in label for v in node.inputs):
+            if "raw" in tainted:
+                return False
+            met = True
+            continue  # an encoded table met the activations: its influence is accounted for
+        out = "enc" if node.op_type in _ENCODERS else ("raw" if "raw" in tainted else "enc")
+        for o in _float_outputs(node):
+            label[o] = out
+    return met
+
+
+def _is_mask(tensor) -> bool:
+    try:
+        arr = np.asarray(tensor.numpy())
+    except Exception:  # noqa: BLE001 - unreadable (external, lazy): not a table by this rule
+        return False
+    if arr.size == 0 or not np.issubdtype(arr.dtype, np.floating):
+        return False
+    if not np.all(np.isfinite(arr)):
+        return True
+    values = np.unique(arr)
+    return len(values) <= 2 and values.min() <= -1e4 and (len(values) == 1 or values.max() == 0)
+
+
+def find_tables(model: ir.Model, candidates) -> dict:
+    """``{name: reason}`` for the float weights among ``candidates`` that are tables.
+
+    Args:
+        model: the model (its main graph is analysed; weights of subgraphs are left alone).
+        candidates: ``(name, value, tensor, is_constant_node)`` per float weight: the
+            initializer (or ``Constant`` output) value, its tensor, and whether a ``Constant``
+            node holds it.
+    """
+    graph = model.graph
+    nodes = list(graph)
+    try:
+        act = _activations(graph, nodes)
+    except Exception:  # noqa: BLE001 - a graph the analysis cannot walk: nothing is a table
+        return {}
+    out = {}
+    for name, value, tensor, constant_node in candidates:
+        if value is None or value.graph is not graph and value.producer() is None:
+            continue
+        shape = tuple(tensor.shape.numpy()) if tensor is not None else ()
+        size = int(np.prod(shape)) if shape else 1
+        if constant_node and size == 1 and tensor is not None:
+            v = float(np.asarray(tensor.numpy()).reshape(-1)[0])
+            if v in (0.0, 1.0):
+                out[name] = CONSTANT_SCALAR
+                continue
+        uses = list(value.uses())
+        if not uses:
+            continue
+        weightish = any(index in _WEIGHT_INPUTS.get(node.op_type, ()) for node, index in uses)
+        if not weightish and size <= _MASK_CHECK_MAX and tensor is not None and _is_mask(tensor):
+            out[name] = MASK
+            continue
+        if _periodic(value, nodes, act):
+            out[name] = PERIODIC
+    return out

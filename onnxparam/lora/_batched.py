@@ -1,0 +1,670 @@
+"""Many LoRA adapters in one batch: the ``lora="batched"`` export mode and ``module(x, adapter_index=...)``.
+
+A module's named adapters (``module.add_adapter(name, ...)``, :func:`onnxparam.lora.add_adapter`;
+a module with unnamed adapters only counts as one adapter named ``"default"``) are **stacked** per
+adapted weight ``W`` (``d_in -> d_out``)::
+
+    <W>.lora.a_stack   (slots, d_in, r_max)    slot 0: zeros; slot i: adapter i's a, zero-padded
+    <W>.lora.b_stack   (slots, r_max, d_out)   slot 0: zeros; slot i: scale_i * b_i, zero-padded
+
+(``scale_i`` = ``alpha / r`` or ``alpha / sqrt(r)`` for rsLoRA, folded into ``b`` as in
+``"inputs"`` exports and ``.onnx_adapter`` files; a smaller rank's padding columns / rows are zero,
+so they add exactly nothing), and the graph takes an int64 input ``adapter_index`` of shape
+``[batch]``: row ``n`` of the batch runs with slot ``adapter_index[n]``::
+
+    y[n] = x[n] @ W + (x[n] @ a_stack[adapter_index[n]]) @ b_stack[adapter_index[n]]
+
+**Index 0 (:data:`BASE_INDEX`) is "no adapter"**: its slot is zeros, so the branch adds exactly
+``0.0`` and the row is the base model's. Adapter ``k`` (0-based, in the order of
+``module.lora_adapters.names``, or of ``BatchedLora.names``) is index ``k + 1``; the model's
+metadata (:data:`METADATA_KEY`, JSON) lists the names in index order, the capacity and each
+target's input names, dims and rank. Slots ``N + 1 .. capacity`` (``BatchedLora(capacity=...)``)
+are zeros: room for adapters added later without a new export. An index of length 1 applies to
+every row (broadcast); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``.
+
+The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
+``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
+viewed as ``[batch, -1, d_in]``); a sequence-first layout (``[seq, batch, d]``) does not.
+
+Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of the graph)::
+
+    A = Gather(a_stack, adapter_index)            [batch, d_in, r]
+    B = Gather(b_stack, adapter_index)            [batch, r, d_out]
+    y = MatMul(x, W)                              (or Gemm; or MatMul(x, Transpose(W)))
+    y + MatMul(MatMul(x, A), B)                   x: [batch, seq, d_in] (its dim 0 is the batch dim)
+    y + Reshape(MatMul(MatMul(Reshape(x, [rows, -1, d_in]), A), B), Shape(y))    any other x
+
+Targets: a weight used as ``MatMul``'s B, as ``Gemm``'s B (``transA=0``, ``transB`` matching the
+adapter's layout; a ``Gemm``'s ``alpha`` multiplies ``B``), or through a 2-d ``Transpose`` into a
+``MatMul`` (torch's exporters' ``nn.Linear``), and an embedding table read by ``Gather`` (axis 0;
+row ``n`` adds ``a_stack[i_n, ids[n]] @ b_stack[i_n]``, ``a`` read at the looked-up ids only,
+through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike. Any other use (a
+``Conv``, a bias ``Add``: PEFT's conv LoRA, ``lora_bias``) is refused with a
+:class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
+
+Replacing adapters without a new session: the stacks are **graph inputs with initializer
+defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
+new stacks by name (``session.run(None, {"x": x, "adapter_index": idx, "fc.weight.lora.a_stack":
+a, ...})``), bind them as ``OrtValue`` s (``IOBinding.bind_ortvalue_input``: device-resident stacks too;
+ONNX Runtime 1.32's ``bind_cpu_input`` refuses initializer inputs), or activate
+a stacked ``.onnx_adapter`` file (:func:`write_batched_adapter`) with
+``RunOptions.add_active_adapter`` (not under IO binding: ONNX Runtime ignores active adapters
+there). A fed stack must cover every target (a target left out keeps its exported default).
+:func:`check_batched_adapters` checks a set (a module, a file, or arrays) against an export.
+
+In the runtime, ``module(x, adapter_index=idx)`` traces the same graph (index entries: ints,
+adapter names, or ``None`` / ``"__base__"`` for the base model, as PEFT's ``adapter_names``) and
+feeds the stacks on every call: one session serves any adapter values; the module's *active*
+adapter does not apply in such a call (rows choose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from ..core.dtype import DType
+from ..core.errors import LoraError
+
+__all__ = [
+    "BATCHED_MODE", "INDEX_INPUT", "BASE_INDEX", "BASE_NAMES", "STACK_SUFFIXES", "METADATA_KEY", "SLOTS_DIM",
+    "BatchedLora", "AdapterStacks", "named_adapters", "stack_adapters", "stack_names", "expand_batched",
+    "batched_metadata", "index_array", "batched_options", "batched_tracing", "as_options",
+]
+
+BATCHED_MODE = "batched"
+"""The LoRA mode of a batched export (``export_onnx(..., lora="batched")``)."""
+
+INDEX_INPUT = "adapter_index"
+"""The graph input choosing each row's adapter: int64, shape ``[batch]``."""
+
+BASE_INDEX = 0
+"""The index of "no adapter": its slot is zeros, the row is exactly the base model's."""
+
+BASE_NAMES = (None, "__base__")
+"""Entries of ``module(x, adapter_index=[...])`` that mean the base model (``"__base__"``: PEFT)."""
+
+STACK_SUFFIXES = (".lora.a_stack", ".lora.b_stack")
+"""Graph-input name suffixes of a target's stacks (after the weight's path, or an imported
+model's own weight name)."""
+
+METADATA_KEY = "onnxparam.lora.batched"
+"""Model metadata of a batched export (JSON): ``index_input``, ``base_index``, ``adapters`` (names
+in index order from 1), ``capacity``, ``slots`` and ``targets`` (``[{path, a, b, d_in, d_out, rank,
+dtype}]``)."""
+
+SLOTS_DIM = "lora.slots"
+"""The symbolic leading dim of every stack: ``capacity + 1``."""
+
+RANK_DIM = "{path}.lora.rank"
+
+
+@dataclass(frozen=True)
+class BatchedLora:
+    """Options of a batched export: ``export_onnx(m, path, x, lora=BatchedLora(capacity=8))``
+    (``lora="batched"`` is ``BatchedLora()``).
+
+    Args:
+        names: the named adapters to stack, in index order (index ``k + 1`` for ``names[k]``);
+            default: every named adapter of the module in its order.
+        capacity: adapter slots (indices ``1 .. capacity``; default: the number of adapters):
+            slots past the adapters are zeros, room for adapters fed later.
+        index_name: the name of the index graph input.
+
+    Raises:
+        ValueError: a capacity below 1 or a duplicated name.
+    """
+
+    names: Optional[tuple] = None
+    capacity: Optional[int] = None
+    index_name: str = INDEX_INPUT
+
+    def __post_init__(self):
+        if self.names is not None:
+            names = tuple(str(n) for n in self.names)
+            if len(set(names)) != len(names):
+                raise ValueError(f"BatchedLora.names has a duplicate: {list(names)}")
+            object.__setattr__(self, "names", names)
+        if self.capacity is not None and (isinstance(self.capacity, bool) or int(self.capacity) < 1):
+            raise ValueError(f"BatchedLora.capacity must be an int >= 1; got {self.capacity!r}")
+
+
+# contextvar: (BatchedLora, fed) for the trace being built; fed=True (runtime): the stacks are fed
+# on every call, so their defaults are minimal zeros and no adapter value is read at trace time
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("onnxparam_lora_batched", default=None)
+
+
+@contextlib.contextmanager
+def batched_options(options: BatchedLora, fed: bool = False):
+    """Trace with ``options`` (the pass reads them)."""
+    token = _OPTIONS.set((options, fed))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def batched_tracing() -> bool:
+    """Whether :func:`batched_options` are set (a batched trace is being built)."""
+    return _OPTIONS.get() is not None
+
+
+def as_options(lora) -> Optional[BatchedLora]:
+    """``lora`` as :class:`BatchedLora` when it asks for a batched export, else ``None``."""
+    if isinstance(lora, BatchedLora):
+        return lora
+    if isinstance(lora, str) and lora == BATCHED_MODE:
+        return BatchedLora()
+    return None
+
+
+# -- the adapter set --------------------------------------------------------------------------
+
+
+def named_adapters(module, names: Optional[Sequence[str]] = None) -> list:
+    """``[(name, {param path: LoraAdapter}), ...]``: ``module``'s named adapters (the active one
+    with its current values), in set order or in ``names``' order; a module with unnamed adapters
+    only gives ``[("default", its adapters)]``.
+
+    Raises:
+        LoraError: no adapter at all, or a name the module does not hold.
+    """
+    from ._adapters import DEFAULT_ADAPTER_NAME, _current_adapters, adapter_set
+
+    sets = adapter_set(module)
+    if sets.names:
+        found = [(n, sets.adapters(n)) for n in sets.names]
+    else:
+        current = _current_adapters(module)
+        found = [(DEFAULT_ADAPTER_NAME, current)] if current else []
+    if not found:
+        raise LoraError(f"lora='batched': {type(module).__name__} has no LoRA adapters to stack "
+                        "(module.add_adapter(name, load_peft_adapter(module, folder)) first)")
+    if names is None:
+        return found
+    by_name = dict(found)
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise LoraError(f"lora='batched': no adapter named {', '.join(map(repr, missing))}; "
+                        f"{type(module).__name__} holds {[n for n, _ in found]}")
+    return [(n, by_name[n]) for n in names]
+
+
+@dataclass
+class StackTarget:
+    """One adapted weight of an :class:`AdapterStacks`: ``a`` ``(slots, d_in, rank)``, ``b``
+    ``(slots, rank, d_out)`` (``None`` until values are asked for), each adapter's rank."""
+
+    path: str
+    d_in: int
+    d_out: int
+    rank: int
+    transposed: bool
+    dtype: DType
+    ranks: dict
+    a: Optional[np.ndarray] = None
+    b: Optional[np.ndarray] = None
+
+
+@dataclass
+class AdapterStacks:
+    """Named adapters stacked per weight (module docstring): ``names[k]`` is index ``k + 1``."""
+
+    names: tuple
+    capacity: int
+    targets: dict  # path -> StackTarget
+
+    @property
+    def slots(self) -> int:
+        return self.capacity + 1
+
+    def index_of(self, entry) -> int:
+        """The index of an adapter name (``None`` / ``"__base__"``: :data:`BASE_INDEX`) or an int."""
+        if entry is None or (isinstance(entry, str) and entry == "__base__"):
+            return BASE_INDEX
+        if isinstance(entry, str):
+            try:
+                return self.names.index(entry) + 1
+            except ValueError:
+                raise LoraError(f"adapter_index: no adapter named {entry!r}; the batch has {list(self.names)} "
+                                f"(and None / '__base__' for the base model)") from None
+        if isinstance(entry, (bool, np.bool_)) or not isinstance(entry, (int, np.integer)):
+            raise LoraError(f"adapter_index entries are ints, adapter names or None; got "
+                            f"{type(entry).__name__} {entry!r}")
+        if not 0 <= int(entry) < self.slots:
+            raise LoraError(f"adapter_index {int(entry)} is outside [0, {self.slots}): 0 is the base model, "
+                            f"1..{len(self.names)} the adapters {list(self.names)}")
+        return int(entry)
+
+
+def _factor_dtype(dtype: DType) -> DType:
+    return DType.F32 if dtype is DType.QFloat else dtype
+
+
+def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: bool = True) -> AdapterStacks:
+    """``module``'s named adapters stacked per weight (module docstring), at each base's float
+    dtype (float32 for a quantized base); ``values=False``: dims only (no factor is read).
+
+    Raises:
+        LoraError: an adapter on a weight that is not rank 2 (``lora_bias``, conv adapters), adapters
+            of one weight that disagree on ``(d_in, d_out)`` or layout, more adapters than
+            ``capacity``, or an unknown name.
+    """
+    from ..trace.tracer import untraced
+    from ..core.module import named_params
+
+    options = options or BatchedLora()
+    found = named_adapters(module, options.names)
+    capacity = len(found) if options.capacity is None else int(options.capacity)
+    if len(found) > capacity:
+        raise LoraError(f"lora='batched': {len(found)} adapters ({[n for n, _ in found]}) do not fit capacity "
+                        f"{capacity}")
+    params = dict(named_params(module))
+    targets: dict = {}
+    problems = []
+    for name, adapters in found:
+        for path, adapter in adapters.items():
+            base = params.get(path)
+            if base is None:
+                problems.append(f"adapter {name!r}: {path!r} is not a param of {type(module).__name__}")
+                continue
+            shape = tuple(base.lazy_shape())
+            d_in, rank = (int(d) for d in adapter.a.lazy_shape())
+            d_out = int(adapter.b.lazy_shape()[1])
+            transposed = bool(adapter.transposed)
+            if len(shape) != 2 or shape != ((d_out, d_in) if transposed else (d_in, d_out)):
+                problems.append(f"adapter {name!r} on {path!r} {list(shape)}: batched LoRA applies to the matrices "
+                                f"of linear maps (MatMul / Gemm weights) only, not to a bias (lora_bias), a "
+                                f"convolution or another weight")
+                continue
+            hit = targets.get(path)
+            if hit is None:
+                targets[path] = StackTarget(path, d_in, d_out, rank, transposed, _factor_dtype(base.lazy_dtype()),
+                                            {name: rank})
+            elif (hit.d_in, hit.d_out, hit.transposed) != (d_in, d_out, transposed):
+                problems.append(f"adapter {name!r} on {path!r} is ({d_in}, {d_out}) transposed={transposed}, "
+                                f"another is ({hit.d_in}, {hit.d_out}) transposed={hit.transposed}")
+            else:
+                hit.rank = max(hit.rank, rank)
+                hit.ranks[name] = rank
+    if problems:
+        raise LoraError("lora='batched': the adapters cannot be stacked: " + "; ".join(problems))
+    stacks = AdapterStacks(tuple(n for n, _ in found), capacity, targets)
+    if values:
+        with untraced():
+            for target in targets.values():
+                np_dtype = target.dtype.to_numpy()
+                compute = np.float64 if target.dtype is DType.F64 else np.float32
+                a = np.zeros((stacks.slots, target.d_in, target.rank), dtype=np_dtype)
+                b = np.zeros((stacks.slots, target.rank, target.d_out), dtype=np_dtype)
+                for k, (name, adapters) in enumerate(found):
+                    adapter = adapters.get(target.path)
+                    if adapter is None:
+                        continue
+                    r = adapter.rank
+                    a[k + 1, :, :r] = np.asarray(adapter.a.val().to_numpy()).astype(compute).astype(np_dtype)
+                    b[k + 1, :r, :] = (np.asarray(adapter.b.val().to_numpy()).astype(compute)
+                                       * compute(adapter.scale)).astype(np_dtype)
+                target.a, target.b = a, b
+    return stacks
+
+
+def stack_names(module, path: str) -> tuple:
+    """The graph-input names of ``path``'s stacks: after an imported model's own weight name
+    (``onnx::MatMul_7.lora.a_stack``), else after the path."""
+    onnx_names = getattr(module, "onnx_names", None) or {}
+    name = onnx_names.get(path, path)
+    return tuple(f"{name}{suffix}" for suffix in STACK_SUFFIXES)
+
+
+# -- the graph pass ---------------------------------------------------------------------------
+
+
+def _dims(value: ir.Value):
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+class _Graph:
+    """What the pass shares across the targets of one trace: the index input and its row count."""
+
+    def __init__(self, tracer, options: BatchedLora):
+        self.tracer = tracer
+        self.options = options
+        self._index = None
+        self._rows = None
+
+    def batch_dim(self):
+        for value in self.tracer.graph.inputs:
+            if value.is_initializer() or value.const_value is not None:
+                continue
+            dims = _dims(value)
+            if dims:
+                return dims[0]
+        return "batch"
+
+    def index_dim(self):
+        """The index's dim: the model's batch dim when symbolic; ``"adapter_rows"`` when the batch
+        is a constant (an index of length 1 still applies to every row)."""
+        batch = self.batch_dim()
+        return batch if isinstance(batch, str) else "adapter_rows"
+
+    def index(self) -> ir.Value:
+        if self._index is None:
+            name = self.options.index_name
+            if name in self.tracer._names:
+                raise LoraError(f"lora='batched': the index input name {name!r} is already used in the graph "
+                                "(pass BatchedLora(index_name=...))")
+            self.tracer._names.add(name)
+            value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([self.index_dim()]))
+            self.tracer.graph.inputs.append(value)
+            self._index = value
+        return self._index
+
+    def rows_by_items(self) -> ir.Value:
+        """``[rows, -1]``: an id tensor viewed as one row of ids per batch row."""
+        if getattr(self, "_rows_by_items", None) is None:
+            tail = self.tracer.constant(np.asarray([-1], dtype=np.int64), name="lora.batched.items")._symbol.value
+            node = _new_node(self.tracer, "Concat", [self.rows(), tail], ir.DataType.INT64, [2],
+                             "/lora.batched/Concat_ids", "", {"axis": 0})
+            _prepend(self.tracer.graph, [node])
+            self._rows_by_items = node.outputs[0]
+        return self._rows_by_items
+
+    def rows(self) -> ir.Value:
+        if self._rows is None:
+            node = _new_node(self.tracer, "Shape", [self.index()], ir.DataType.INT64, [1], "/lora.batched/Shape", "")
+            _prepend(self.tracer.graph, [node])
+            self._rows = node.outputs[0]
+        return self._rows
+
+
+def _new_node(tracer, op: str, inputs: list, dtype, dims, label: str, path: str, attrs=None) -> ir.Node:
+    from ._graph import LORA_NODE_KEY
+
+    name = tracer.unique_name(label)
+    attributes = []
+    for k, v in (attrs or {}).items():
+        attributes.append(ir.AttrInt64s(k, v) if isinstance(v, list) else ir.AttrInt64(k, v))
+    node = ir.Node("", op, inputs, attributes, name=name)
+    out = node.outputs[0]
+    out.name = tracer.unique_name(f"{name}_output_0")
+    out.type = ir.TensorType(dtype)
+    out.shape = ir.Shape(dims) if dims is not None else None
+    node.metadata_props[LORA_NODE_KEY] = path
+    return node
+
+
+def _prepend(graph, nodes):
+    from ._graph import _prepend as prepend
+
+    prepend(graph, nodes)
+
+
+class _Target:
+    """The batched branch of one adapted weight at each of its uses."""
+
+    def __init__(self, shared: _Graph, target: StackTarget, base: ir.Value, dtype: DType, names: tuple,
+                 defaults: tuple):
+        self.shared = shared
+        self.tracer = shared.tracer
+        self.target = target
+        self.base = base
+        self.dtype = ir.DataType(dtype.to_onnx())
+        self.np_dtype = dtype.to_numpy()
+        self.names = names
+        self.defaults = defaults
+        self._selected = None
+        self._stacks = None
+        self._scaled: dict = {}
+        self._shape_in = None
+
+    def selected(self) -> tuple:
+        """``(A, B)``: the stacks gathered at the index, ``[batch, d_in, r]`` / ``[batch, r, d_out]``."""
+        if self._selected is None:
+            t, tracer = self.target, self.tracer
+            rank = ir.SymbolicDim(RANK_DIM.format(path=t.path))
+            slots = ir.SymbolicDim(SLOTS_DIM)
+            stacks = []
+            for name, dims, default in zip(self.names, ([slots, t.d_in, rank], [slots, rank, t.d_out]), self.defaults):
+                if name in tracer._names:
+                    raise LoraError(f"lora='batched': the stack input name {name!r} of {t.path!r} is already used "
+                                    "in the graph")
+                tracer._names.add(name)
+                value = ir.Value(name=name, type=ir.TensorType(self.dtype), shape=ir.Shape(dims),
+                                 const_value=ir.tensor(np.ascontiguousarray(default.astype(self.np_dtype, copy=False)),
+                                                       name=name))
+                tracer._constants.append(value)
+                tracer.graph.inputs.append(value)
+                stacks.append(value)
+            batch = self.shared.index_dim()
+            index = self.shared.index()
+            a = _new_node(tracer, "Gather", [stacks[0], index], self.dtype, [batch, t.d_in, rank.value],
+                          f"/{t.path}.lora/Gather_a", t.path, {"axis": 0})
+            b = _new_node(tracer, "Gather", [stacks[1], index], self.dtype, [batch, rank.value, t.d_out],
+                          f"/{t.path}.lora/Gather_b", t.path, {"axis": 0})
+            _prepend(tracer.graph, [a, b])
+            self._stacks = stacks
+            self._selected = (a.outputs[0], b.outputs[0])
+        return self._selected
+
+    def scaled_b(self, coefficient: float) -> ir.Value:
+        a, b = self.selected()
+        if coefficient == 1.0:
+            return b
+        hit = self._scaled.get(coefficient)
+        if hit is None:
+            scale = self.tracer.constant(np.asarray(coefficient, dtype=self.np_dtype),
+                                         name=f"{self.target.path}.lora.alpha")._symbol.value
+            node = _new_node(self.tracer, "Mul", [b, scale], self.dtype, _dims(b), f"/{self.target.path}.lora/Mul",
+                             self.target.path)
+            _prepend(self.tracer.graph, [node])
+            hit = self._scaled[coefficient] = node.outputs[0]
+        return hit
+
+    def shape_in(self) -> ir.Value:
+        """``[rows, -1, d_in]``: the view of an input whose dim 0 is not (known to be) the batch."""
+        if self._shape_in is None:
+            tail = self.tracer.constant(np.asarray([-1, self.target.d_in], dtype=np.int64),
+                                        name="lora.batched.view")._symbol.value
+            node = _new_node(self.tracer, "Concat", [self.shared.rows(), tail], ir.DataType.INT64, [3],
+                             f"/{self.target.path}.lora/Concat", self.target.path, {"axis": 0})
+            _prepend(self.tracer.graph, [node])
+            self._shape_in = node.outputs[0]
+        return self._shape_in
+
+    def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
+        from ._graph import _redirect
+
+        a, _ = self.selected()
+        b = self.scaled_b(coefficient)
+        t, tracer = self.target, self.tracer
+        graph = node.graph
+        y = node.outputs[0]
+        y_dims, x_dims = _dims(y), _dims(x)
+        batch, rows = self.shared.batch_dim(), self.shared.index_dim()
+        rank = RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        uses = list(y.uses())  # before the branch's own Shape(y) uses it
+        nodes = []
+        direct = x_dims is not None and len(x_dims) == 3 and x_dims[0] == batch and batch is not None
+        if direct:
+            xa = _new_node(tracer, "MatMul", [x, a], self.dtype, x_dims[:-1] + [rank], f"{label}/MatMul_a", t.path)
+            xab = _new_node(tracer, "MatMul", [xa.outputs[0], b], self.dtype, y_dims, f"{label}/MatMul_b", t.path)
+            nodes += [xa, xab]
+            delta = xab.outputs[0]
+        else:
+            view = _new_node(tracer, "Reshape", [x, self.shape_in()], self.dtype, [rows, None, t.d_in],
+                             f"{label}/Reshape_x", t.path)
+            xa = _new_node(tracer, "MatMul", [view.outputs[0], a], self.dtype, [rows, None, rank],
+                           f"{label}/MatMul_a", t.path)
+            xab = _new_node(tracer, "MatMul", [xa.outputs[0], b], self.dtype, [rows, None, t.d_out],
+                            f"{label}/MatMul_b", t.path)
+            shape = _new_node(tracer, "Shape", [y], ir.DataType.INT64, [len(y_dims)] if y_dims is not None else None,
+                              f"{label}/Shape_y", t.path)
+            back = _new_node(tracer, "Reshape", [xab.outputs[0], shape.outputs[0]], self.dtype, y_dims,
+                             f"{label}/Reshape_y", t.path)
+            nodes += [view, xa, xab, shape, back]
+            delta = back.outputs[0]
+        total = _new_node(tracer, "Add", [y, delta], self.dtype, y_dims, f"{label}/Add", t.path)
+        graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
+    def lookup(self, node: ir.Node, ids: ir.Value) -> None:
+        """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
+        ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
+        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
+        from ._graph import _redirect
+
+        t, tracer, shared = self.target, self.tracer, self.shared
+        _, b = self.selected()
+        a_stack = self._stacks[0]
+        graph = node.graph
+        y = node.outputs[0]
+        uses = list(y.uses())
+        y_dims = _dims(y)
+        rank = RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        i64 = ir.DataType.INT64
+        axes_tail = tracer.constant(np.asarray([-1], dtype=np.int64), name="lora.batched.last")._symbol.value
+        nodes = []
+        if ids.dtype is not None and ids.dtype != i64:
+            nodes.append(_new_node(tracer, "Cast", [ids], i64, _dims(ids), f"{label}/Cast_ids", t.path,
+                                   {"to": int(i64)}))
+            ids = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [ids, shared.rows_by_items()], i64, [shared.index_dim(), None],
+                               f"{label}/Reshape_ids", t.path))
+        flat = nodes[-1].outputs[0]  # [rows, items]
+        nodes.append(_new_node(tracer, "Shape", [flat], i64, [2], f"{label}/Shape_ids", t.path))
+        nodes.append(_new_node(tracer, "Unsqueeze", [shared.index(), tracer.constant(
+            np.asarray([1], dtype=np.int64), name="lora.batched.axis1")._symbol.value], i64,
+            [shared.index_dim(), 1], f"{label}/Unsqueeze_index", t.path))
+        nodes.append(_new_node(tracer, "Expand", [nodes[-1].outputs[0], nodes[-2].outputs[0]], i64,
+                               [shared.index_dim(), None], f"{label}/Expand_index", t.path))
+        pair = []
+        for value, tag in ((nodes[-1].outputs[0], "index"), (flat, "ids")):
+            nodes.append(_new_node(tracer, "Unsqueeze", [value, axes_tail], i64, [shared.index_dim(), None, 1],
+                                   f"{label}/Unsqueeze_{tag}", t.path))
+            pair.append(nodes[-1].outputs[0])
+        nodes.append(_new_node(tracer, "Concat", pair, i64, [shared.index_dim(), None, 2], f"{label}/Concat",
+                               t.path, {"axis": -1}))
+        nodes.append(_new_node(tracer, "GatherND", [a_stack, nodes[-1].outputs[0]], self.dtype,
+                               [shared.index_dim(), None, rank], f"{label}/GatherND_a", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype,
+                               [shared.index_dim(), None, t.d_out], f"{label}/MatMul_b", t.path))
+        nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
+                               f"{label}/Shape_y", t.path))
+        nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype, y_dims,
+                               f"{label}/Reshape_y", t.path))
+        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
+        graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
+    def expand(self) -> None:
+        from ._graph import _attr_float, _attr_int, _transpose_to_matmul
+
+        transposed = self.target.transposed
+        for node, index in list(self.base.uses()):
+            if node.domain in ("", "ai.onnx") and node.outputs:
+                if index == 0 and node.op_type == "Gather" and not transposed and _attr_int(node, "axis", 0) == 0:
+                    self.lookup(node, node.inputs[1])  # an embedding table
+                    continue
+                if index == 1 and node.op_type == "MatMul" and not transposed:
+                    self.branch(node, node.inputs[0], 1.0)
+                    continue
+                if index == 1 and node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \
+                        and _attr_int(node, "transB", 0) == int(transposed):
+                    self.branch(node, node.inputs[0], _attr_float(node, "alpha", 1.0))
+                    continue
+                matmul = _transpose_to_matmul(node) if transposed else None
+                if matmul is not None:
+                    self.branch(matmul, matmul.inputs[0], 1.0)
+                    continue
+            raise LoraError(
+                f"lora='batched': {self.target.path!r} is used by node {node.name!r} ({node.op_type}, input {index}), "
+                "which is not a linear map's MatMul / Gemm nor an embedding Gather: batched adapters apply per row "
+                "to those uses only (a Conv or another use is not supported); leave this weight out of the "
+                "adapters (narrow target_modules / the param_group) or export with lora='inputs'")
+
+
+def expand_batched(tracer) -> None:
+    """The ``"batched"`` pass (module docstring): called by
+    the tracer when a trace finishes (one of the standard passes, after
+    :func:`onnxparam.lora._graph.expand_adapters`); a no-op in the other modes."""
+    if tracer.mode != BATCHED_MODE:
+        return
+    options, fed = _OPTIONS.get() or (BatchedLora(), False)
+    root = tracer._root
+    stacks = stack_adapters(root, options, values=not fed)
+    shared = _Graph(tracer, options)
+    shared.index()  # the input exists even when no target is used by the graph
+    used = []
+    for tensor in list(tracer._param_tensors.values()):
+        symbol = tensor._symbol
+        param = symbol.param
+        path = tracer._param_paths.get(id(param)) if param is not None else None
+        target = stacks.targets.get(path)
+        if target is None:
+            continue
+        names = stack_names(root, path)
+        if fed:
+            defaults = (np.zeros((1, target.d_in, 0)), np.zeros((1, 0, target.d_out)))
+        else:
+            defaults = (target.a, target.b)
+        dtype = tensor.dtype if tensor.dtype is not DType.QFloat else DType.F32
+        _Target(shared, target, symbol.value, dtype, names, defaults).expand()
+        used.append({"path": path, "a": names[0], "b": names[1], "d_in": target.d_in, "d_out": target.d_out,
+                     "rank": target.rank, "ranks": target.ranks, "dtype": np.dtype(dtype.to_numpy()).name})
+    if not used:
+        raise LoraError(f"lora='batched': no weight the adapters {list(stacks.names)} target "
+                        f"({', '.join(sorted(stacks.targets)[:4])} ...) is used by the traced graph")
+    tracer.graph.meta[METADATA_KEY] = json.dumps({
+        "index_input": options.index_name, "base_index": BASE_INDEX, "adapters": list(stacks.names),
+        "capacity": stacks.capacity, "slots": stacks.slots, "targets": used}, separators=(",", ":"))
+
+
+def batched_metadata(model) -> Optional[dict]:
+    """The :data:`METADATA_KEY` record of a batched export (an ``onnx_ir.Model``, an ``onnx``
+    ``ModelProto`` or a file path), or ``None`` for another model."""
+    import os
+
+    if isinstance(model, (str, os.PathLike)):
+        import onnx
+
+        model = onnx.load(os.fspath(model), load_external_data=False)
+    if isinstance(model, ir.Model):
+        text = model.metadata_props.get(METADATA_KEY) or model.graph.meta.get(METADATA_KEY)
+    else:
+        text = next((p.value for p in model.metadata_props if p.key == METADATA_KEY), None)
+    return None if text is None else json.loads(text)
+
+
+def index_array(index, stacks: AdapterStacks) -> np.ndarray:
+    """``adapter_index`` as the int64 ``[batch]`` array the graph takes: a sequence of ints,
+    names and ``None`` / ``"__base__"``, an int array / Tensor, or one int / name (a length-1
+    index: every row).
+
+    Raises:
+        LoraError: an unknown name, an index outside ``[0, slots)``, or not 1-d.
+    """
+    from ..core.tensor import Tensor
+
+    if isinstance(index, Tensor):
+        index = index.to_numpy()
+    if isinstance(index, np.ndarray):
+        if index.ndim != 1 or not np.issubdtype(index.dtype, np.integer):
+            raise LoraError(f"adapter_index must be a 1-d integer array (one entry per row); got "
+                            f"{index.dtype} {list(index.shape)}")
+        entries = index.tolist()
+    elif isinstance(index, (list, tuple)):
+        entries = list(index)
+    else:
+        entries = [index]
+    return np.asarray([stacks.index_of(e) for e in entries], dtype=np.int64)

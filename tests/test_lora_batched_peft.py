@@ -1,0 +1,249 @@
+"""Many adapters in one batch (``lora="batched"``, ``module(x, adapter_index=...)``) against
+PEFT's mixed-batch forward.
+
+Oracle: ``peft.PeftModel`` in torch with three adapters loaded (ranks 2 / 4 / 8, alpha != rank,
+one rsLoRA) and ``model(ids, adapter_names=[...])``: PEFT runs each row with its own adapter
+(``"__base__"``: none). The models are a tiny BERT and a tiny LLaMA-style decoder
+(``transformers``, random weights; BERT's word-embedding table adapted too: an embedding
+``Gather``) written by torch's TorchScript exporter (dynamo: ``slow``);
+the adapters are PEFT's saved folders, loaded here with ``load_peft_adapter`` and named with
+``add_adapter``. One batched ONNX file, run by plain ONNX Runtime, and the runtime's
+``module(ids, adapter_index=names)`` must give each row PEFT's output for its adapter within
+1e-5; the base rows also equal the plain torch model's rows. The batch and sequence sizes differ
+from the export's example (dynamic dims).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+import onnxruntime as ort  # noqa: E402
+
+from onnxparam import Tensor, check_batched_adapters, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import write_batched_adapter  # noqa: E402
+from onnxparam.lora._batched import batched_metadata  # noqa: E402
+
+ATOL = 1e-5
+
+# name: (r, alpha, use_rslora)
+ADAPTERS = {"sql": (2, 5, False), "chat": (4, 3, True), "code": (8, 12, False)}
+ROWS = ["chat", "__base__", "sql", "code", "__base__", "sql"]  # PEFT's adapter_names, one per row
+
+
+@contextlib.contextmanager
+def quiet():
+    """torch's TorchScript exporter warns that it is deprecated (expected)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def randomize(model, seed: int, std: float = 0.3):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+def save_adapter(base, folder, r, alpha, rslora, targets, seed):
+    """A PEFT LoRA adapter on ``base`` with non-zero random factors, saved to ``folder``."""
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
+                             init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    with quiet():
+        model.save_pretrained(str(folder))
+
+
+def export(model, ids, path, exporter):
+    dynamo = exporter == "dynamo"
+    kwargs = {"input_names": ["input_ids"], "output_names": ["hidden"]}
+    if dynamo:
+        pytest.importorskip("onnxscript")
+        kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},)
+        kwargs["verbose"] = False
+    else:
+        kwargs["dynamic_axes"] = {"input_ids": {0: "batch", 1: "seq"}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (ids,), str(path), dynamo=dynamo, **kwargs)
+    return path
+
+
+class Hidden(torch.nn.Module):
+    """The last hidden state of a ``transformers`` model (input ids only; an all-ones attention
+    mask, so the LLaMA mask code exports with TorchScript)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
+
+
+def bert():
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=24, max_position_embeddings=16)
+    torch.manual_seed(0)
+    return randomize(Hidden(transformers.BertModel(config)).eval(), seed=1), ["query", "value", "dense", "word_embeddings"]
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      use_cache=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = randomize(Hidden(transformers.LlamaModel(config)).eval(), seed=2, std=0.2)
+    return model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+MODELS = {"bert": bert, "llama": llama}
+CASES = [("bert", "torchscript"), ("llama", "torchscript"),
+         pytest.param("bert", "dynamo", marks=pytest.mark.slow), pytest.param("llama", "dynamo", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def built(request, tmp_path_factory):
+    """``{(model, exporter): (torch model, PEFT reference, our module with the three named
+    adapters, folder)}``, built on first use."""
+    cache = {}
+
+    def get(name, exporter):
+        if (name, exporter) not in cache:
+            model, targets = MODELS[name]()
+            folder = tmp_path_factory.mktemp(f"{name}-{exporter}")
+            ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
+            path = export(model, ids, folder / "model.onnx", exporter)
+            for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
+                save_adapter(model, folder / adapter, r, alpha, rslora, targets, seed=30 + k)
+            with quiet():
+                names = list(ADAPTERS)
+                reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder / names[0]),
+                                                           adapter_name=names[0]).eval()
+                for adapter in names[1:]:
+                    reference.load_adapter(str(folder / adapter), adapter_name=adapter)
+            imported = import_onnx(path)
+            module = imported
+            for adapter in ADAPTERS:
+                module = module.add_adapter(adapter, load_peft_adapter(imported, folder / adapter, allow_partial=True))
+            cache[(name, exporter)] = (model, reference, module, folder)
+        return cache[(name, exporter)]
+
+    return get
+
+
+def ids_for(rows: int, seq: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(rows * 100 + seq).integers(0, 40, size=(rows, seq)))
+
+
+def peft_rows(reference, ids, rows):
+    with torch.no_grad():
+        return reference(ids, adapter_names=list(rows)).numpy()
+
+
+@pytest.mark.parametrize("name,exporter", CASES)
+def test_batched_export_gives_each_row_pefts_output_for_its_adapter(built, name, exporter, tmp_path):
+    model, reference, module, _ = built(name, exporter)
+    path = export_onnx(module, tmp_path / "batched.onnx", lora="batched")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = list(ADAPTERS)
+    for seq in (7, 3):  # neither the example's batch (2) nor its sequence (5)
+        ids = ids_for(len(ROWS), seq)
+        expected = peft_rows(reference, ids, ROWS)
+        index = np.asarray([0 if r == "__base__" else names.index(r) + 1 for r in ROWS], dtype=np.int64)
+        got = session.run(None, {"input_ids": ids.numpy(), "adapter_index": index})[0]
+        for row, adapter in enumerate(ROWS):
+            np.testing.assert_allclose(got[row], expected[row], atol=ATOL, rtol=0, err_msg=f"row {row} ({adapter})")
+        with torch.no_grad():  # a base row is exactly the base model's
+            plain = model(ids).numpy()
+        base_rows = [i for i, r in enumerate(ROWS) if r == "__base__"]
+        np.testing.assert_allclose(got[base_rows], plain[base_rows], atol=ATOL, rtol=0)
+    # the stacked set as one .onnx_adapter (stack inputs named after the file's own weight names)
+    # fits the export and, activated, gives the same rows
+    file = write_batched_adapter(module, tmp_path / "set.onnx_adapter", model=path)
+    shapes = check_batched_adapters(path, file)
+    assert len(shapes) == 2 * len(batched_metadata(path)["targets"])
+    options, adapter = ort.RunOptions(), ort.LoraAdapter()
+    adapter.Load(str(file))
+    options.add_active_adapter(adapter)
+    ids = ids_for(len(ROWS), 4)
+    np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy(), "adapter_index": index}, options)[0],
+                               peft_rows(reference, ids, ROWS), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name,exporter", CASES[:2])
+def test_module_call_with_adapter_index_gives_each_row_pefts_output(built, name, exporter):
+    _, reference, module, _ = built(name, exporter)
+    ids = ids_for(len(ROWS), 6)
+    expected = peft_rows(reference, ids, ROWS)
+    got = module(Tensor.from_numpy(ids.numpy()), adapter_index=[None if r == "__base__" else r for r in ROWS])
+    np.testing.assert_allclose(got.to_numpy(), expected, atol=ATOL, rtol=0)
+    # the same rows through integer indices, one row, and every row on one adapter (a length-1 index)
+    names = list(ADAPTERS)
+    index = np.asarray([0 if r == "__base__" else names.index(r) + 1 for r in ROWS], dtype=np.int64)
+    np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy()), adapter_index=index).to_numpy(), expected,
+                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy()[3:4]), adapter_index=["code"]).to_numpy(),
+                               expected[3:4], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy()), adapter_index="sql").to_numpy(),
+                               peft_rows(reference, ids, ["sql"] * len(ROWS)), atol=ATOL, rtol=0)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_gemm_targets_of_a_torchscript_mlp_give_each_row_pefts_output(tmp_path):
+    """TorchScript writes ``nn.Linear`` on 2-d inputs as ``Gemm transB=1``: the rows of its
+    ``[batch, d]`` input are the batch rows."""
+    import onnx
+
+    model = randomize(Mlp().eval(), seed=3)
+    x = torch.randn(2, 6)
+    path = tmp_path / "mlp.onnx"
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch"}})
+    assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"Gemm"}
+    for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
+        save_adapter(model, tmp_path / adapter, r, alpha, rslora, ["fc1", "fc2"], seed=60 + k)
+    names = list(ADAPTERS)
+    with quiet():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / names[0]),
+                                                   adapter_name=names[0]).eval()
+        for adapter in names[1:]:
+            reference.load_adapter(str(tmp_path / adapter), adapter_name=adapter)
+    imported = import_onnx(path)
+    module = imported
+    for adapter in names:
+        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    batch = torch.randn(len(ROWS), 6)
+    with torch.no_grad():
+        expected = reference(batch, adapter_names=ROWS).numpy()
+    index = np.asarray([0 if r == "__base__" else names.index(r) + 1 for r in ROWS], dtype=np.int64)
+    exported = export_onnx(module, tmp_path / "batched.onnx", lora="batched")
+    got = ort.InferenceSession(str(exported), providers=["CPUExecutionProvider"]).run(
+        None, {"x": batch.numpy(), "adapter_index": index})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    got = module(Tensor.from_numpy(batch.numpy()), adapter_index=index).to_numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)

@@ -142,3 +142,24 @@ def test_elementwise_rules_match_torch_autograd_and_finite_differences(op_type):
     _, grads = grad(lambda m, xx: (m(x=xx) * op.Tensor.from_numpy(w)).sum(), module, op.Tensor.from_numpy(x))
     np.testing.assert_allclose(grads.by_path()["s"].to_numpy(), ts.grad.numpy(), rtol=1e-9 if f64 else 1e-5,
                                atol=1e-12 if f64 else 1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_embedding_input_gradient_is_the_inverse_rotation(interleaved):
+    """``RotaryEmbedding`` (opset 23), caches fed as inputs (tables, not params): the gradient
+    of the rotated input against finite differences on plain ORT, float32."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xx"]),
+             helper.make_node("RotaryEmbedding", ["xx", "cos", "sin", "pos"], ["y"], interleaved=interleaved, num_heads=2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["N", 3, 8]),
+                                           helper.make_tensor_value_info("cos", f, [6, 2]),
+                                           helper.make_tensor_value_info("sin", f, [6, 2]),
+                                           helper.make_tensor_value_info("pos", TensorProto.INT64, ["N", 3])],
+                              [helper.make_tensor_value_info("y", f, None)],
+                              [numpy_helper.from_array(RNG.normal(size=(8,)).astype(np.float32), "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    angles = RNG.normal(size=(6, 2))
+    feeds = [{"x": RNG.normal(size=(n, 3, 8)).astype(np.float32), "cos": np.cos(angles).astype(np.float32),
+              "sin": np.sin(angles).astype(np.float32), "pos": RNG.integers(0, 6, (n, 3)).astype(np.int64)}
+             for n in (2, 3)]
+    check_model_grads(model, feeds, eps=1e-2, rtol=1e-3, atol=1e-4)

@@ -187,7 +187,18 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
     module = op.import_onnx(model)
     rec_nodes = [n for n in model.graph.node if n.op_type == op_type]
     assert len(rec_nodes) == layers
-    for length in (5, 3):  # two sequence lengths
+    from onnxparam.autodiff import _training
+
+    def loss_fn(m, x, *coefs):  # one function object: the training graph is cached by it
+        total = None
+        for o, c in zip(m(x), coefs):
+            term = (o * c).sum()
+            total = term if total is None else total + term
+        return total
+
+    _training.clear_cache()
+    sessions = []
+    for length in (5, 3, 7):  # a changed length retraces with symbolic dims once; that session serves 7
         rng = np.random.default_rng(length)
         x = rng.normal(size=(2, length, 3)).astype(np.float32)
         outs = net(torch.from_numpy(x))
@@ -195,14 +206,8 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
         net.zero_grad()
         sum((o * torch.from_numpy(c)).sum() for o, c in zip(outs, coefs)).backward()
 
-        def loss_fn(m, x, coefs=coefs):
-            total = None
-            for o, c in zip(m(x), coefs):
-                term = (o * op.Tensor.from_numpy(c)).sum()
-                total = term if total is None else total + term
-            return total
-
-        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
+        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x), *(op.Tensor.from_numpy(c) for c in coefs))
+        sessions.append(len(_training._sessions))
         got = grads.by_path()
         params = dict(net.named_parameters())
         # the exporter stores proj.weight transposed, as the MatMul's second input
@@ -224,6 +229,7 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
                 np.testing.assert_allclose(w[d], want_w, rtol=1e-4, atol=1e-5, err_msg=where + " W")
                 np.testing.assert_allclose(r[d], want_r, rtol=1e-4, atol=1e-5, err_msg=where + " R")
                 np.testing.assert_allclose(b[d], want_b, rtol=1e-4, atol=1e-5, err_msg=where + " B")
+    assert sessions == [1, 2, 2]  # one backward graph and session for the lengths after the first
 
 
 @pytest.mark.parametrize("op_type", ["LSTM", "GRU"])

@@ -1,6 +1,7 @@
 """Whole-model gradients of torch-exported transformers, imported, against torch autograd.
 
-Tiny BERT, GPT-2 and LLaMA (GQA, rotary embeddings) (``transformers``, random weights, tiny configs, every weight perturbed so
+Tiny BERT, GPT-2, LLaMA (GQA, rotary embeddings), a T5 encoder (relative-position buckets) and
+ViT (CLS token expanded to the batch) (``transformers``, random weights, tiny configs, every weight perturbed so
 no two initializers are equal and the exporter shares none) are exported by torch's
 TorchScript exporter with dynamic batch and sequence dims, imported with ``import_onnx``, and
 ``grad`` of a loss on the imported module is compared with torch autograd of the same loss on
@@ -65,19 +66,50 @@ def _llama():
     return transformers.LlamaModel(cfg)
 
 
-@pytest.fixture(scope="module", params=["bert", "gpt2", "llama"])
+def _t5():
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    return transformers.T5EncoderModel(cfg)  # relative-position buckets computed at run time
+
+
+def _vit():
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    return transformers.ViTModel(cfg, add_pooling_layer=False)  # the CLS token expanded to the batch
+
+
+class _Pixels(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids):
+        return self.m(pixel_values=ids).last_hidden_state
+
+
+def _inputs(name: str, rng, batch: int, seq: int) -> np.ndarray:
+    """Token ids ``[batch, seq]`` (from 1), or for ViT images ``[batch, 3, 16, 16]`` (``seq`` unused)."""
+    if name == "vit":
+        return rng.normal(size=(batch, 3, 16, 16)).astype(np.float32)
+    return rng.integers(1, VOCAB, (batch, seq)).astype(np.int64)
+
+
+@pytest.fixture(scope="module", params=["bert", "gpt2", "llama", "t5", "vit"])
 def exported(request, tmp_path_factory):
     torch.manual_seed(0)
-    model = _LastHidden({"bert": _bert, "gpt2": _gpt2, "llama": _llama}[request.param]()).eval()
+    build = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5, "vit": _vit}[request.param]
+    model = (_Pixels if request.param == "vit" else _LastHidden)(build()).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param) / f"{request.param}.onnx"
-    ids = torch.randint(1, VOCAB, (2, 5))
+    ids = torch.from_numpy(_inputs(request.param, np.random.default_rng(0), 2, 5))
+    axes = {"ids": {0: "batch"}, "h": {0: "batch"}} if request.param == "vit" else \
+        {"ids": {0: "batch", 1: "seq"}, "h": {0: "batch", 1: "seq"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["h"],
-                          dynamic_axes={"ids": {0: "batch", 1: "seq"}, "h": {0: "batch", 1: "seq"}},
+        torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["h"], dynamic_axes=axes,
                           opset_version=17, dynamo=False)
     return request.param, model, path
 
@@ -119,7 +151,7 @@ def test_every_param_gradient_matches_torch_autograd_at_three_shapes_with_one_sy
     _training.clear_cache()
     rng = np.random.default_rng(1)
     for batch, seq in SHAPES:
-        ids = rng.integers(1, VOCAB, (batch, seq)).astype(np.int64)
+        ids = _inputs(name, rng, batch, seq)
         loss, grads = grad(_loss, module, op.Tensor.from_numpy(ids))
         t_loss, t_grads = _torch_grads(model, ids)
         used = {n for n, g in t_grads.items() if g is not None}  # BERT's pooler is not exported
@@ -146,7 +178,7 @@ def test_a_lora_step_on_the_imported_model_lowers_the_loss(exported):
 
     name, _, path = exported
     module = op.import_onnx(str(path)).apply_lora(op.LoraConfig(rank=2, alpha=4, seed=0))
-    ids = op.Tensor.from_numpy(np.random.default_rng(2).integers(1, VOCAB, (2, 6)).astype(np.int64))
+    ids = op.Tensor.from_numpy(_inputs(name, np.random.default_rng(2), 2, 6))
     loss0, grads = grad(_loss, module, ids)
     assert grads and all(".lora." in p for p in grads.by_path()), sorted(grads.by_path())
     optim = Adam(lr=1e-2)

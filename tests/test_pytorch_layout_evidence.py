@@ -177,7 +177,10 @@ def test_with_a_module_a_conv1d_file_is_refused_with_the_no_transpose_that_loads
     text = "\n".join(info.value.problems)
     assert "'attn.c_proj.weight' is a Linear weight, but the file stores it (in, out)" in text  # square: caught
     assert "Conv1D" in text and "no_transpose" in text
-    adapter = PyTorchAdapter(no_transpose=r"^(attn\.c_attn|attn\.c_proj)\.weight$")
+    import re
+
+    suggested = re.search(r'no_transpose=r"([^"]+)"', text).group(1)  # the adapter the message names
+    adapter = PyTorchAdapter(no_transpose=suggested)
     loaded = load_pytorch(_Gpt2Layers(), tmp_path / "block.pt", adapter=adapter)
     x = np.random.default_rng(4).standard_normal((2, 8)).astype(np.float32)
     for name in ("c_attn", "c_proj"):
@@ -191,3 +194,20 @@ def test_with_a_module_a_conv1d_file_is_refused_with_the_no_transpose_that_loads
     with torch.no_grad():
         np.testing.assert_allclose(layer(op.Tensor.from_numpy(x)).to_numpy(), lin(torch.from_numpy(x)).numpy(),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_load_safetensors_with_the_pytorch_adapter_refuses_a_conv1d_file_the_same_way(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from onnxparam.convert import load_safetensors
+
+    model = _gpt2()
+    state = {k[len("h.0."):]: v.contiguous() for k, v in model.state_dict().items() if k.startswith("h.0.attn.c_")}
+    safetensors_torch.save_file(state, str(tmp_path / "block.safetensors"))
+    with pytest.raises(op.RecordError, match="Conv1D"):
+        load_safetensors(_Gpt2Layers(), tmp_path / "block.safetensors", adapter="pytorch")
+    adapter = PyTorchAdapter(no_transpose=r"^attn\.(c_attn|c_proj)\.weight$")
+    loaded = load_safetensors(_Gpt2Layers(), tmp_path / "block.safetensors", adapter=adapter)
+    x = np.random.default_rng(5).standard_normal((2, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = model.h[0].attn.c_attn(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(loaded.attn.c_attn(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-5)

@@ -708,3 +708,31 @@ def _ms_layer_norm(e, node, gout, need):
     from . import _rules_nn
 
     return _rules_nn._layer_norm(e, node, gout, need)
+
+
+@rule("RotaryEmbedding", "com.microsoft:RotaryEmbedding")
+def _rotary(e, node, gout, need):
+    """``y = R(theta) x`` per rotated pair (``RotaryEmbedding``, opset 23 / ONNX Runtime's
+    contrib op; interleaved or halves, partial ``rotary_embedding_dim``): a rotation, so
+    ``dx = R(-theta) g``: the same op on ``g`` with ``-sin``. The cos / sin caches get no
+    gradient here (tables; the backward pass refuses by name if they are trained)."""
+    x, cos, sin = node.inputs[0], node.inputs[1], node.inputs[2]
+    if node.domain not in ("", "ai.onnx"):  # contrib order: input, position_ids, cos_cache, sin_cache
+        pos, cos, sin = node.inputs[1], node.inputs[2], node.inputs[3]
+        inputs = [gout[0], pos, cos, e.op("Neg", sin)]
+    else:
+        inputs = [gout[0], cos, e.op("Neg", sin)] + list(node.inputs[3:])
+    dx = e.copy_node(node, inputs)[0]
+    return [dx] + _rest(node)
+
+
+@rule("CenterCropPad")
+def _center_crop_pad(e, node, gout, need):
+    """``y`` = ``x`` centre-cropped / zero-padded to ``shape``: the same op on
+    :func:`~._rules_shape.index_grid` ``+ 1`` gives each output cell's source plus one (0 for a
+    padded cell); ``dx`` adds ``g`` at the sources, padded cells dropped."""
+    x = node.inputs[0]
+    grid = e.op("Add", index_grid(e, x), e.const(1, np.int64))
+    sources = e.op("Sub", e.copy_node(node, [grid] + list(node.inputs[1:]), int64_outputs=True)[0],
+                   e.const(1, np.int64))
+    return [_scatter_add_flat(e, x, sources, gout[0], extra_slot=True)] + _rest(node)

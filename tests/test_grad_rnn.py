@@ -293,3 +293,14 @@ def test_one_backward_graph_and_session_serve_two_sequence_lengths(op_type):
                 minus[name][idx] -= eps
                 want[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
             np.testing.assert_allclose(got["d_" + name], want, rtol=1e-3, atol=1e-4, err_msg=f"length {length}: {name}")
+
+
+@pytest.mark.parametrize("attrs, message", [({"clip": 1.0}, "clip"), ({"input_forget": 1}, "input_forget"),
+                                            ({"activations": ["Relu", "Tanh", "Tanh"]}, "default activations")])
+def test_lstm_forms_without_a_rule_are_refused_naming_the_node(attrs, message):
+    arrays = _arrays("LSTM", T=3, N=2, I=3, H=2, direction="forward", layout=0, lens=None, states=False,
+                     peep=False, bias=True, seed=0)
+    model = _model("LSTM", arrays, {"hidden_size": 2, **attrs})
+    module = op.import_onnx(model)
+    with pytest.raises(op.TraceError, match=rf"LSTM.*{message}"):
+        grad(lambda m: m()[0].sum(), module)

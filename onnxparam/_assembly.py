@@ -283,7 +283,14 @@ def active_adapter(self) -> Optional[str]:
 
 
 def quantize_weights(self, quantizer) -> "Module":
-    """A copy whose float weights are quantized by ``quantizer``; see :mod:`onnxparam.quant`."""
+    """A copy whose float weights are quantized by ``quantizer``; see :mod:`onnxparam.quant`.
+
+    In an imported ONNX graph only the weights of ops with an integer or weight-only kernel
+    (MatMul / Gemm ``B``, Conv / ConvTranspose ``W``, embedding ``Gather`` tables) are quantized;
+    constants feeding arithmetic, biases, norm scales, position embeddings and class tokens keep
+    their values (:mod:`onnxparam.quant._roles`; why each stayed float:
+    ``onnxparam.quant._module.kept_float(result)``). :meth:`quantize_weights_group` quantizes
+    exactly the params its group names."""
     from .quant._module import quantize_weights
 
     return quantize_weights(self, quantizer)
@@ -291,6 +298,8 @@ def quantize_weights(self, quantizer) -> "Module":
 
 
 def quantize_weights_group(self, quantizer, group) -> "Module":
+    """A copy whose float params (rank >= ``quantizer.min_rank``) that ``group`` matches are
+    quantized, weights or not (the group names them)."""
     from .quant._module import quantize_weights
 
     return quantize_weights(self, quantizer, group)

@@ -385,10 +385,15 @@ def test_quantize_q8s_onnx_stores_int8_weights_and_classifies(cli):
     session = ort.InferenceSession(str(work / "q8.onnx"), providers=["CPUExecutionProvider"])
     logits = session.run(None, {session.get_inputs()[0].name: images[:500].astype(np.float32)})[0]
     assert (logits.argmax(axis=1) == labels[:500]).mean() > 0.85
-    # the default (--prefer speed) writes the fc weights int8 (dynamic int8 MatMul) and keeps the
+    # the default (--prefer speed) writes the fc weights as 8-bit codes for the dynamic integer MatMul
+    # (uint8 with zero point 128, the layout ORT's u8 x u8 kernels compute exactly) and keeps the
     # uncalibrated conv weights float (issue 17: never slower than float32)
-    int8 = {i.name for i in onnx.load(str(work / "q8.onnx")).graph.initializer if i.data_type == onnx.TensorProto.INT8}
-    assert {"fc1.weight", "fc2.weight", "fc3.weight"} <= int8, "the Linear weights are stored int8"
+    model = onnx.load(str(work / "q8.onnx"))
+    uint8 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.UINT8}
+    assert {"fc1.weight", "fc2.weight", "fc3.weight"} <= uint8, "the Linear weights are stored as 8-bit codes"
+    zero_points = {n.input[3] for n in model.graph.node if n.op_type == "MatMulInteger" and n.input[1] in uint8}
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert zero_points and all(np.all(values[z] == 128) for z in zero_points)
 
 
 def test_quantize_q4s_bpk_holds_qfloat_tensors(cli):

@@ -187,7 +187,18 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
     module = op.import_onnx(model)
     rec_nodes = [n for n in model.graph.node if n.op_type == op_type]
     assert len(rec_nodes) == layers
-    for length in (5, 3):  # two sequence lengths
+    from onnxparam.autodiff import _training
+
+    def loss_fn(m, x, *coefs):  # one function object: the training graph is cached by it
+        total = None
+        for o, c in zip(m(x), coefs):
+            term = (o * c).sum()
+            total = term if total is None else total + term
+        return total
+
+    _training.clear_cache()
+    sessions = []
+    for length in (5, 3, 7):  # a changed length retraces with symbolic dims once; that session serves 7
         rng = np.random.default_rng(length)
         x = rng.normal(size=(2, length, 3)).astype(np.float32)
         outs = net(torch.from_numpy(x))
@@ -195,14 +206,8 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
         net.zero_grad()
         sum((o * torch.from_numpy(c)).sum() for o, c in zip(outs, coefs)).backward()
 
-        def loss_fn(m, x, coefs=coefs):
-            total = None
-            for o, c in zip(m(x), coefs):
-                term = (o * op.Tensor.from_numpy(c)).sum()
-                total = term if total is None else total + term
-            return total
-
-        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
+        _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x), *(op.Tensor.from_numpy(c) for c in coefs))
+        sessions.append(len(_training._sessions))
         got = grads.by_path()
         params = dict(net.named_parameters())
         # the exporter stores proj.weight transposed, as the MatMul's second input
@@ -224,6 +229,7 @@ def test_torch_exported_bidirectional_batch_first_recurrent_gradients_match_torc
                 np.testing.assert_allclose(w[d], want_w, rtol=1e-4, atol=1e-5, err_msg=where + " W")
                 np.testing.assert_allclose(r[d], want_r, rtol=1e-4, atol=1e-5, err_msg=where + " R")
                 np.testing.assert_allclose(b[d], want_b, rtol=1e-4, atol=1e-5, err_msg=where + " B")
+    assert sessions == [1, 2, 2]  # one backward graph and session for the lengths after the first
 
 
 @pytest.mark.parametrize("op_type", ["LSTM", "GRU"])
@@ -287,3 +293,14 @@ def test_one_backward_graph_and_session_serve_two_sequence_lengths(op_type):
                 minus[name][idx] -= eps
                 want[idx] = (np_loss(plus) - np_loss(minus)) / (2 * eps)
             np.testing.assert_allclose(got["d_" + name], want, rtol=1e-3, atol=1e-4, err_msg=f"length {length}: {name}")
+
+
+@pytest.mark.parametrize("attrs, message", [({"clip": 1.0}, "clip"), ({"input_forget": 1}, "input_forget"),
+                                            ({"activations": ["Relu", "Tanh", "Tanh"]}, "default activations")])
+def test_lstm_forms_without_a_rule_are_refused_naming_the_node(attrs, message):
+    arrays = _arrays("LSTM", T=3, N=2, I=3, H=2, direction="forward", layout=0, lens=None, states=False,
+                     peep=False, bias=True, seed=0)
+    model = _model("LSTM", arrays, {"hidden_size": 2, **attrs})
+    module = op.import_onnx(model)
+    with pytest.raises(op.TraceError, match=rf"LSTM.*{message}"):
+        grad(lambda m: m()[0].sum(), module)

@@ -154,6 +154,15 @@ def test_capacity_leaves_zero_slots_that_new_stacks_fill_in_the_same_session(tmp
     adapter.Load(str(file))
     options.add_active_adapter(adapter)
     np.testing.assert_array_equal(sess.run(None, {"x": X, "adapter_index": index}, options)[0], got)
+    # or bound through IO binding (where ONNX Runtime ignores active adapters)
+    binding = sess.io_binding()
+    values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+              for name, value in {"x": X, "adapter_index": index, **feeds}.items()}
+    for name, value in values.items():
+        binding.bind_ortvalue_input(name, value)
+    binding.bind_output("output")
+    sess.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], got)
 
 
 def test_check_lists_every_misfit(tmp_path):
@@ -226,6 +235,17 @@ def test_index_entries_are_checked():
         module(Tensor.from_numpy(X), adapter_index=[3, 0, 0, 0, 0])
     with pytest.raises(LoraError, match="has no LoRA adapters to stack"):
         BASE(Tensor.from_numpy(X), adapter_index=[0] * 5)
+
+
+class TakesIndex(Net):
+    def forward(self, x, adapter_index=None):
+        return self.fc1(x) * 0 if adapter_index is not None else self.fc1(x)
+
+
+def test_a_forward_with_its_own_adapter_index_keyword_gets_it():
+    module = TakesIndex().add_adapter("one", TakesIndex().apply_lora(LoraConfig(rank=2, alpha=1.0, seed=0)))
+    x = Tensor.from_numpy(X)
+    np.testing.assert_array_equal(module(x, adapter_index=1).to_numpy(), np.zeros((5, 3, 8), np.float32))
 
 
 class Embed(Module):

@@ -380,14 +380,23 @@ class LastB(op.Module):
         return y[-y.shape[0]:]
 
 
-@pytest.mark.parametrize("cls,formula", [(Reverse, lambda y: y[::-1]), (LastB, lambda y: y[-len(y):] if len(y) else y)])
+class SplitLast(op.Module):
+    def __init__(self):
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).reshape(-1, 2, 2)[:, 0, :]  # the -1 is the batch again
+
+
+@pytest.mark.parametrize("cls,formula", [(Reverse, lambda y: y[::-1]), (LastB, lambda y: y[-len(y):] if len(y) else y),
+                                         (SplitLast, lambda y: y.reshape(-1, 2, 2)[:, 0, :])])
 def test_dynamic_batch_exports_slices_counted_from_the_end_with_static_output_dims(cls, formula, tmp_path):
     m = cls()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = op.export_onnx(m, tmp_path / "m.onnx", rand(3, 8), dynamic_batch=True)
     out = onnx.load(path).graph.output[0].type.tensor_type.shape.dim
-    assert [d.dim_param or d.dim_value for d in out] == ["batch", 4]
+    assert [d.dim_param or d.dim_value for d in out] == ["batch", 2 if cls is SplitLast else 4]
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     w, b = m.fc.weight.val().to_numpy(), m.fc.bias.val().to_numpy()
     for batch in (0, 1, 5):

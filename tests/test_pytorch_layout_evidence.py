@@ -211,3 +211,33 @@ def test_load_safetensors_with_the_pytorch_adapter_refuses_a_conv1d_file_the_sam
     with torch.no_grad():
         expected = model.h[0].attn.c_attn(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(loaded.attn.c_attn(op.Tensor.from_numpy(x)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gptj_style_bias_free_projections_are_untouched_and_said_so_the_rest_follows_its_bias(tmp_path):
+    torch.manual_seed(3)
+    config = transformers.GPTJConfig(n_embd=8, n_layer=2, n_head=2, rotary_dim=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPTJForCausalLM(config).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("masked_bias", ".bias_mask"))}
+    state = {k: v for k, v in state.items() if v.dtype.is_floating_point}
+    torch.save(state, tmp_path / "gptj.pt")
+    report = convert(tmp_path / "gptj.pt", tmp_path / "gptj.bpk", pytorch=True)
+    moved = {n for n, _, _ in report.transposed}
+    assert {"transformer.h.0.mlp.fc_in.weight", "transformer.h.1.mlp.fc_out.weight", "lm_head.weight"} <= moved
+    untouched = dict(report.untouched)
+    assert "without a bias" in untouched["transformer.h.0.attn.q_proj.weight"]  # nn.Linear(bias=False): no evidence
+    tensors = _bpk_tensors(tmp_path / "gptj.bpk")
+    np.testing.assert_array_equal(tensors["transformer.h.0.attn.q_proj.weight"],
+                                  state["transformer.h.0.attn.q_proj.weight"].numpy())  # left as it was
+    assert _linear_layers_match_torch(model, tensors) == 2 * 2 + 1  # fc_in, fc_out per layer, lm_head
+    # back into torch: what was transposed is transposed back, the rest is as written
+    back = {}
+    for name, value in _as_torch_names(tensors).items():
+        back[name] = value.T.contiguous() if name in moved else value
+    restored = transformers.GPTJForCausalLM(config).eval()
+    missing, unexpected = restored.load_state_dict(back, strict=False)
+    assert not unexpected
+    ids = torch.tensor([[1, 5, 7, 3]])
+    with torch.no_grad():
+        np.testing.assert_allclose(restored(input_ids=ids).logits.numpy(), model(input_ids=ids).logits.numpy(),
+                                   rtol=1e-5, atol=1e-5)

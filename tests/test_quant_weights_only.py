@@ -447,3 +447,27 @@ def test_a_low_cosine_the_weights_alone_do_not_explain_is_put_on_the_integer_ker
     alone = [float(c) for c in re.findall(r"alone: cosine ([0-9.]+)", err)]
     assert alone and min(alone) > 0.975  # each weight alone: far above 0.9
     assert "the weights' rounding alone does not explain it: the integer kernels do" in err
+
+
+def test_a_constant_inside_an_if_branch_is_no_weight_either(tmp_path):
+    from onnxparam.quant._module import kept_float
+
+    then_graph = helper.make_graph(
+        [helper.make_node("Add", ["h", "offset"], ["o1"])], "then", [],
+        [helper.make_tensor_value_info("o1", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(RNG.normal(size=(64, 64)).astype(np.float32), "offset")])
+    else_graph = helper.make_graph([helper.make_node("Identity", ["h"], ["o2"])], "else", [],
+                                   [helper.make_tensor_value_info("o2", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=then_graph, else_branch=else_graph)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(RNG.normal(size=(64, 64)).astype(np.float32), "w")])
+    src = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    quantized = import_onnx(src).quantize_weights(Quantizer())
+    dtypes = {path: param.lazy_dtype().name for path, param in quantized.named_params()}
+    assert dtypes == {"w": "QFloat", "offset": "F32"}
+    assert "Add" in kept_float(quantized)["offset"]

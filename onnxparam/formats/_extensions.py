@@ -71,7 +71,7 @@ def _varint(data: bytes, pos: int):
 
 def _looks_like_onnx(head: bytes, size: int) -> bool:
     """The first top-level fields (up to 4, within ``head``) are ModelProto fields with their wire
-    types, each inside the file; ``ir_version`` or ``graph`` among them."""
+    types, each inside the file; ``ir_version`` or ``graph`` among them, or at least two."""
     pos = fields = 0
     seen = set()
     while pos < len(head) and fields < 4:
@@ -92,7 +92,7 @@ def _looks_like_onnx(head: bytes, size: int) -> bool:
             if length is None or pos + length > size:
                 return False
             pos += length
-    return fields > 0 and bool(seen & {1, 7})
+    return bool(seen & {1, 7}) or fields >= 2
 
 
 def pytorch_container(head: bytes) -> "str | None":

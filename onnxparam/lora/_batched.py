@@ -45,7 +45,8 @@ through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike. 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
 new stacks by name (``session.run(None, {"x": x, "adapter_index": idx, "fc.weight.lora.a_stack":
-a, ...})``), bind them (``IOBinding.bind_ortvalue_input``: device-resident stacks), or activate
+a, ...})``), bind them as ``OrtValue`` s (``IOBinding.bind_ortvalue_input``: device-resident stacks too;
+ONNX Runtime 1.32's ``bind_cpu_input`` refuses initializer inputs), or activate
 a stacked ``.onnx_adapter`` file (:func:`write_batched_adapter`) with
 ``RunOptions.add_active_adapter`` (not under IO binding: ONNX Runtime ignores active adapters
 there). A fed stack must cover every target (a target left out keeps its exported default).

@@ -85,6 +85,10 @@ def _reshape_dims(in_shape, dims, resolve_hole: bool = False) -> tuple:
         divisor = math.prod(known)
         if (resolve_hole and isinstance(divisor, SymInt)) or (not isinstance(divisor, SymInt) and divisor == 0):
             pass  # NOTE: a division by a size that may be 0 at run time: the -1 is left to ONNX Runtime
+        elif not isinstance(divisor, SymInt) and math.prod(d for d in rest if not isinstance(d, SymInt)) % divisor == 0:
+            # NOTE: the ints cancel first ([-1, 2, 2] of [b, 4]: b, not (b*4)//4)
+            whole = math.prod(d for d in rest if not isinstance(d, SymInt)) // divisor
+            out[holes[0]] = math.prod([d for d in rest if isinstance(d, SymInt)] + [whole])
         else:
             out[holes[0]] = math.prod(rest) // divisor
     return tuple(int(d) if isinstance(d, np.integer) else d for d in out)

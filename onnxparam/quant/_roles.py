@@ -128,11 +128,15 @@ def graph_roles(graph: ir.Graph, names: dict) -> dict:
         names: ``{param path: initializer name}`` (``_SourceGraph.names``).
     """
     values = {}
-    for v in graph.initializers.values():
-        values[v.name] = v
+    nodes = list(graph.all_nodes())  # NOTE: with the nodes of subgraphs (If / Loop / Scan bodies)
+    graphs = [graph] + list({id(n.graph): n.graph for n in nodes if n.graph is not None and n.graph is not graph}
+                            .values())
+    for g in graphs:
+        for v in g.initializers.values():
+            values.setdefault(v.name, v)
     for v in graph.inputs:
         values.setdefault(v.name, v)
-    for node in graph:  # Constant nodes the importer made params of
+    for node in nodes:  # Constant nodes the importer made params of
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.outputs:
             values.setdefault(node.outputs[0].name, node.outputs[0])
     depends = _DataDependence(graph)

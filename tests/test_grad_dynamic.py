@@ -187,3 +187,21 @@ def test_array_feature_extractor_gradient_reaches_the_selected_features():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
     feeds = [{"x": RNG.normal(size=(n, 5)).astype(np.float32)} for n in (2, 4)]
     check_model_grads(model, feeds, eps=1e-2, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("opset", [11, 13, 19])
+def test_resize_gradient_at_old_and_new_opsets(opset):
+    """``Resize`` (linear, downsampling with align_corners) of a param-scaled input: its
+    resampling matrix is rebuilt by ONNX Runtime at the graph's opset (roi is a required input
+    at opset 11)."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "scales"], ["y"], mode="linear",
+                              coordinate_transformation_mode="align_corners")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 2, 6, 8])],
+                              [helper.make_tensor_value_info("y", f, None)],
+                              [numpy_helper.from_array(RNG.normal(size=(1, 2, 1, 8)).astype(np.float32), "s"),
+                               numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+                               numpy_helper.from_array(np.array([1, 1, 0.5, 0.75], np.float32), "scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    check_model_grads(model, [{"x": RNG.normal(size=(1, 2, 6, 8)).astype(np.float32)}], eps=1e-2, rtol=1e-3, atol=1e-4)

@@ -159,7 +159,7 @@ def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray
         if value is not None:
             attrs[name] = value.decode() if isinstance(value, bytes) else value
     opset = max(int(opset), 11)
-    inputs = ["X", "", "S", ""] if scale is not None else ["X", "", "", "S"]
+    inputs = ["X", "roi", "S"] if scale is not None else ["X", "roi", "", "S"]  # (roi required before opset 13)
     resize = helper.make_node("Resize", inputs, ["Y"], **attrs)
     s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
     graph = helper.make_graph([resize], "resize_matrix",
@@ -167,7 +167,6 @@ def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray
                                helper.make_tensor_value_info("S", s_type, [4])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
                               [helper.make_tensor("roi", TensorProto.FLOAT, [0], [])])
-    resize.input[1] = "roi" if opset < 13 else ""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     feed = np.array([1, 1, 1, scale], np.float32) if scale is not None else np.array([n_in, 1, 1, n_out], np.int64)
     options = ort.SessionOptions()

@@ -158,9 +158,14 @@ def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray
         value = attr(node, name, None)
         if value is not None:
             attrs[name] = value.decode() if isinstance(value, bytes) else value
-    opset = max(int(opset), 11)
-    inputs = ["X", "roi", "S"] if scale is not None else ["X", "roi", "", "S"]  # (roi required before opset 13)
-    resize = helper.make_node("Resize", inputs, ["Y"], **attrs)
+    if node.op_type == "Upsample":  # (deprecated since opset 10): ORT's Upsample-9 itself
+        opset = 9
+        mode = attr(node, "mode", "nearest")
+        resize = helper.make_node("Upsample", ["X", "S"], ["Y"], mode=mode.decode() if isinstance(mode, bytes) else mode)
+    else:
+        opset = max(int(opset), 11)
+        inputs = ["X", "roi", "S"] if scale is not None else ["X", "roi", "", "S"]  # (roi required before opset 13)
+        resize = helper.make_node("Resize", inputs, ["Y"], **attrs)
     s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
     graph = helper.make_graph([resize], "resize_matrix",
                               [helper.make_tensor_value_info("X", TensorProto.FLOAT, [n_in, 1, 1, n_in]),
@@ -181,11 +186,11 @@ def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray
     return y[:, 0, 0, :].T.astype(np.float64)
 
 
-@rule("Resize")
+@rule("Resize", "Upsample")
 def _resize(e, node, gout, need):
-    """``y = Resize(x)`` over the last one or two axes is linear and separable:
-    ``y = A_h @ x @ A_w^T`` with constant interpolation matrices (one per resized axis, rebuilt
-    with ONNX's reference implementation from the node's mode and coordinate attributes), so
+    """``y = Resize(x)`` (or the older ``Upsample``) over the last one or two axes is linear and
+    separable: ``y = A_h @ x @ A_w^T`` with constant interpolation matrices (one per resized
+    axis, rebuilt by ONNX Runtime itself from the node's mode and coordinate attributes), so
     ``dx = A_h^T @ g @ A_w`` (``MatMul`` s; an axis whose size does not change and whose matrix
     is the identity is skipped).
 
@@ -204,6 +209,10 @@ def _resize(e, node, gout, need):
         raise TraceError(f"node {node.name!r}: Resize in tf_crop_and_resize mode has no gradient rule")
     axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
     scales = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    if node.op_type == "Upsample":
+        scales = const_array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(attr(node, "scales"), np.float32)
+        if scales is None:
+            raise TraceError(f"node {node.name!r}: Upsample with computed scales has no gradient rule")
     if scales is not None and scales.size == 0:
         scales = None
     dtype = np_dtype(x)

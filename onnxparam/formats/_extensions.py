@@ -41,6 +41,10 @@ _HEAD = 512
 _MODEL_FIELDS = {1: 0, 2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2, 26: 2}
 
 
+def _folder_message(path) -> str:
+    return f"cannot read '{path}': it is a folder, not a file; give the path of the weights file"
+
+
 def format_of(path) -> str:
     """``"burnpack"``, ``"safetensors"``, ``"onnx"`` or ``"pytorch"`` from the extension (the
     writer a target gets).
@@ -118,7 +122,7 @@ def detect_format(path) -> str:
     path = Path(path)
     try:
         if path.is_dir():
-            raise file_error(errno.EISDIR, f"'{path}' is a folder, not a weights file", os.fspath(path))
+            raise file_error(errno.EISDIR, _folder_message(path), os.fspath(path))
         with open(path, "rb") as f:
             head = f.read(_HEAD)
             size = os.fstat(f.fileno()).st_size
@@ -127,7 +131,7 @@ def detect_format(path) -> str:
     except FileNotFoundError:
         raise file_error(errno.ENOENT, f"no such file: '{path}'", os.fspath(path)) from None
     except IsADirectoryError:
-        raise file_error(errno.EISDIR, f"'{path}' is a folder, not a weights file", os.fspath(path)) from None
+        raise file_error(errno.EISDIR, _folder_message(path), os.fspath(path)) from None
     except OSError as e:
         raise file_error(e.errno or errno.EIO, f"cannot read '{path}': {e.strerror or e}", os.fspath(path)) from None
     if head.startswith(_BURNPACK_MAGIC):

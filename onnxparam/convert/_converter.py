@@ -332,7 +332,8 @@ def convert(
         _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
     finally:
         source.close()
-    report.tensors = [t.name for t in tensors]
+    not_written = set(report.unused)
+    report.tensors = [t.name for t in tensors if t.name not in not_written]
     report.bytes_written = dst.stat().st_size
     return report
 
@@ -465,7 +466,7 @@ def _to_onnx(src, dst, tensors, meta, scalars, options: _TargetOptions, report) 
     if options.zero_copy:
         _write_onnx_zero_copy(src, dst, tensors, meta, scalars, options.graph, options.allow_partial, report)
     else:
-        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data)
+        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data, report)
 
 
 _READERS = {"burnpack": _read_burnpack, "safetensors": _read_safetensors, "onnx": _read_onnx}

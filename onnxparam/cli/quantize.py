@@ -452,13 +452,13 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
                     quant_path = _Model(model.module, zoo=model.zoo).export(Path(tmp) / "quantized.onnx")
             feeds, described = acc.sample_inputs(float_path, arrays)
             try:
-                out_names, ref = acc.run(float_path, feeds)
+                acc.run(float_path, feeds)
             except Exception:  # noqa: BLE001 - a model that takes one sample at a time: retry with one
                 if not all(getattr(v, "ndim", 0) and len(v) > 1 for v in feeds.values()):
                     raise
                 feeds = {k: v[:1] for k, v in feeds.items()}
                 described = f"{described}, of which the first only (the model takes one sample at a time)"
-                out_names, ref = acc.run(float_path, feeds)
+                acc.run(float_path, feeds)
         except Exception as e:  # noqa: BLE001 - ORT's own errors: the report is skipped, not the output
             # NOTE: the float model could not run on these inputs; the written file must still load
             if quant_path == args.dst:
@@ -471,7 +471,8 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
             warnings.warn(f"accuracy not measured: the float model could not be run on sample inputs: {e}", QuantizationWarning, stacklevel=2)
             return None
         try:
-            _, got = acc.run(quant_path, feeds)
+            # NOTE: the float model ran on these feeds above: a failure here is the quantized model's
+            outputs = acc.compare(float_path, quant_path, feeds)
         except Exception as e:  # noqa: BLE001 - the float model ran on these inputs, the quantized one did not
             if quant_path == args.dst:
                 _quantized_failed(args.dst, e)
@@ -479,7 +480,6 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
             warnings.warn(f"accuracy not measured: the quantized model's ONNX rendering failed in ONNX Runtime: {e}",
                           QuantizationWarning, stacklevel=2)
             return None
-        outputs = acc._metrics(out_names, ref, got)
         report = {"inputs": described, "min_cosine": threshold, "outputs": outputs}
         json_result("accuracy", report)
         width = max(len(r["output"]) for r in outputs)

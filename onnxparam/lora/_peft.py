@@ -210,8 +210,7 @@ def _files(folder_or_files) -> tuple:
     from ..formats._extensions import check_readable
 
     for p in files:
-        if p.suffix in (".json", ".safetensors"):
-            check_readable(p, f"the PEFT {'config' if p.suffix == '.json' else 'weights'} file")
+        check_readable(p, "the PEFT config / weights file")
     config = next((p for p in files if p.suffix == ".json"), None)
     weights = next((p for p in files if p.suffix == ".safetensors"), None)
     if config is None or weights is None:

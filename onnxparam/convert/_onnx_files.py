@@ -55,15 +55,9 @@ def _load_mapped(path: Path):
     from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
-    if path.is_dir():
-        import errno
+    from ..onnx_io._source import _check_onnx_path
 
-        from ..core.errors import file_error
-
-        raise file_error(errno.EISDIR, f"cannot read '{path}': it is a folder, not a file; give the path of the .onnx file",
-                         str(path))
-    if not path.is_file():
-        raise OnnxFormatError(f"'{path}': no such ONNX file")
+    _check_onnx_path(path)
     proto = read_onnx_mapped(path)
     from ..onnx_io._validate import check_structure
 

@@ -188,12 +188,18 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
                                "onnxparam.autodiff._rules.RULES")
         if len(node.outputs) > 1 and node.op_type not in MULTI_OUTPUT and not getattr(fn, "multi_output", False) \
                 and any(g is not None for g in gout[1:]):
-            raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
-        try:
-            results = fn(e, node, gout, need)
-        except TraceError as err:  # every failing rule is listed at once, after the sweep
-            fail(node, str(err))
+            fail(node, "only its first output can carry a gradient")
             results = None
+        else:
+            try:
+                results = fn(e, node, gout, need)
+            except TraceError as err:  # every failing rule is listed at once, after the sweep
+                fail(node, str(err))
+                results = None
+            except Exception:  # noqa: BLE001 - after a failure, rules are fed stand-ins: report what was found
+                if not failed:
+                    raise
+                break
         if results is not None:
             dropped = unserved(node, inputs, need, results, opset)
             if dropped:

@@ -11,6 +11,7 @@ import onnx_ir as ir
 
 from ..core.param import Param
 from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
+from ._weights import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
            "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
@@ -324,7 +325,8 @@ CONV = "conv"
 
 
 def weight_layouts(model: ir.Model) -> dict:
-    """The layout of each 2-d weight initializer of ``model``, decided by its consumers: ``name
+    """The layout of each 2-d weight of ``model`` (an initializer, or a ``Constant`` node's
+    output: :func:`~onnxparam.onnx_io._weights.stored_tensor`), decided by its consumers: ``name
     -> IN_OUT | OUT_IN``, or a sentence saying why the graph does not decide it (its uses
     disagree, or no use tells which axis is the input). Never from shapes.
 
@@ -344,12 +346,14 @@ def weight_layouts(model: ir.Model) -> dict:
         if node.domain not in ("", "ai.onnx"):
             continue
         for index, value in enumerate(node.inputs):
-            if value is None or not value.is_initializer() or value.shape is None:
+            tensor = stored_tensor(value)  # an initializer or a Constant node's output (Paddle's weights)
+            if tensor is None:
                 continue
-            if node.op_type == "Conv" and index == 1 and len(value.shape) >= 3:
+            rank = len(tensor.shape)
+            if node.op_type == "Conv" and index == 1 and rank >= 3:
                 claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
                 continue
-            if len(value.shape) != 2:
+            if rank != 2:
                 continue
             layout = None
             if node.op_type == "MatMul" and index == 1:

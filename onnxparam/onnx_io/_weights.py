@@ -68,6 +68,7 @@ __all__ = [
     "weight_dtype",
     "tensor_data",
     "feeds_quantized_weight",
+    "stored_tensor",
 ]
 
 MAX_INLINE_CONSTANT_ELEMENTS = 64
@@ -212,6 +213,30 @@ def _is_constant(value: Optional[ir.Value]) -> bool:
     return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
 
 
+def stored_tensor(value: Optional[ir.Value]) -> Optional[ir.TensorProtocol]:
+    """The tensor ``value`` holds when it is a weight candidate of the module docstring: an
+    initializer's data, or the ``value`` tensor attribute of the ``Constant`` node producing it
+    (Paddle's exports: every weight is a ``Constant`` output, no initializer at all); ``None``
+    for anything else (an activation, a graph input without data, a ``Constant`` with
+    ``value_float`` / ``value_ints`` / ... or an attribute reference).
+
+    Every pass that asks the graph how a weight is used (LoRA layouts, PEFT's names, the
+    quantization roles) must find both kinds through this one test: ``value.is_initializer()``
+    alone misses ``Constant`` weights."""
+    if value is None:
+        return None
+    if value.is_initializer() and value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if (producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx")
+            or len(producer.outputs) != 1):
+        return None
+    attr = producer.attributes.get("value")
+    if attr is None or attr.is_ref() or attr.type != ir.AttributeType.TENSOR:
+        return None
+    return attr.value
+
+
 def feeds_quantized_weight(value: ir.Value) -> bool:
     """True when ``value`` is used at a quantized-weight input (:data:`_QUANTIZED_WEIGHT_INPUTS`);
     for ``DequantizeLinear``, only when its data input is a constant (a weight's codes, not an
@@ -279,13 +304,12 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
                                     tuple(int(d) for d in tensor.shape.numpy()),
                                     graph is main and id(value) in main_inputs))
         for node in graph:
-            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            if node.op_type != "Constant" or len(node.outputs) != 1:
                 continue
-            attr = node.attributes.get("value")
-            if attr is None or attr.is_ref() or attr.type != ir.AttributeType.TENSOR:
-                continue
-            tensor = attr.value
             value = node.outputs[0]
+            tensor = stored_tensor(value)
+            if tensor is None:
+                continue
             if not is_weight(tensor, value, opsets):
                 continue
             sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,

@@ -14,7 +14,7 @@ from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to
 from ._weights import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -377,6 +377,44 @@ def weight_layouts(model: ir.Model) -> dict:
             out[name] = f"its uses disagree on its layout ({', '.join(sorted(claims[name]))})"
         else:
             out[name] = f"no use says which axis is the input (used by {', '.join(sorted(others[name]))})"
+    return out
+
+
+def position_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
+    (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
+    values (:class:`~onnxparam.onnx_io._data_dependence.DataDependence`): position tables
+    (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
+    embeddings of the tokens fed. :func:`~onnxparam.apply_lora`'s default group leaves them
+    without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
+    a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
+    A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
+    not listed."""
+    from ._data_dependence import DataDependence
+
+    graph = model.graph
+    depends = DataDependence(graph)
+    tables: dict = {}
+    others: set = set()
+    for node in graph.all_nodes():
+        for index, value in enumerate(node.inputs):
+            tensor = stored_tensor(value)
+            if tensor is None or len(tensor.shape) != 2:
+                continue
+            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
+                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1
+                    and not depends(node.inputs[1])):
+                tables.setdefault(value.name, node)
+            else:
+                others.add(value.name)
+    out = {}
+    for name, node in tables.items():
+        if name in others:
+            continue
+        where = f"Gather {node.name!r}" if node.name else "a Gather"
+        out[name] = (f"a table read by position ({where}: its indices are computed in the graph, not taken "
+                     "from the model inputs), not an embedding of the inputs; name it in the param_group to "
+                     "adapt it")
     return out
 
 

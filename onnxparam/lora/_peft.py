@@ -311,7 +311,7 @@ def _linear_aliases(model) -> dict:
     """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is a weight (an
     initializer or a ``Constant`` node's output, directly or through a 2-d ``Transpose``) and
     whose output gets a tensor named ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
-    from ..onnx_io._weights import stored_tensor
+    from ..trace.evidence import stored_tensor
 
     aliases = {}
     for node in model.graph.all_nodes():

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from ..core.param import Param
 from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
-from ._weights import stored_tensor
+from ..trace.evidence import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
            "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "IN_OUT", "OUT_IN", "CONV"]
@@ -326,7 +326,7 @@ CONV = "conv"
 
 def weight_layouts(model: ir.Model) -> dict:
     """The layout of each 2-d weight of ``model`` (an initializer, or a ``Constant`` node's
-    output: :func:`~onnxparam.onnx_io._weights.stored_tensor`), decided by its consumers: ``name
+    output: :func:`~onnxparam.trace.evidence.stored_tensor`), decided by its consumers: ``name
     -> IN_OUT | OUT_IN``, or a sentence saying why the graph does not decide it (its uses
     disagree, or no use tells which axis is the input). Never from shapes.
 
@@ -383,14 +383,14 @@ def weight_layouts(model: ir.Model) -> dict:
 def position_tables(model: ir.Model) -> dict:
     """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
     (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
-    values (:class:`~onnxparam.onnx_io._data_dependence.DataDependence`): position tables
+    values (:class:`~onnxparam.trace.evidence.DataDependence`): position tables
     (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
     embeddings of the tokens fed. :func:`~onnxparam.apply_lora`'s default group leaves them
     without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
     a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
     A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
     not listed."""
-    from ._data_dependence import DataDependence
+    from ..trace.evidence import DataDependence
 
     graph = model.graph
     depends = DataDependence(graph)

@@ -54,6 +54,7 @@ import onnx_ir as ir
 from ..core.dtype import DTYPE_FROM_ONNX, DType, dtype_from_onnx_element
 from ..core.errors import OnnxFormatError
 from ..core.tensor import TensorData
+from ..trace.evidence import stored_tensor
 from ._naming import onnx_name_to_path
 from ._source import iter_graphs
 
@@ -211,30 +212,6 @@ def _is_constant(value: Optional[ir.Value]) -> bool:
         return False
     producer = value.producer()
     return value.const_value is not None or (producer is not None and producer.op_type == "Constant")
-
-
-def stored_tensor(value: Optional[ir.Value]) -> Optional[ir.TensorProtocol]:
-    """The tensor ``value`` holds when it is a weight candidate of the module docstring: an
-    initializer's data, or the ``value`` tensor attribute of the ``Constant`` node producing it
-    (Paddle's exports: every weight is a ``Constant`` output, no initializer at all); ``None``
-    for anything else (an activation, a graph input without data, a ``Constant`` with
-    ``value_float`` / ``value_ints`` / ... or an attribute reference).
-
-    Every pass that asks the graph how a weight is used (LoRA layouts, PEFT's names, the
-    quantization roles) must find both kinds through this one test: ``value.is_initializer()``
-    alone misses ``Constant`` weights."""
-    if value is None:
-        return None
-    if value.is_initializer() and value.const_value is not None:
-        return value.const_value
-    producer = value.producer()
-    if (producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx")
-            or len(producer.outputs) != 1):
-        return None
-    attr = producer.attributes.get("value")
-    if attr is None or attr.is_ref() or attr.type != ir.AttributeType.TENSOR:
-        return None
-    return attr.value
 
 
 def feeds_quantized_weight(value: ir.Value) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..onnx_io._data_dependence import DataDependence as _DataDependence
+from ..trace.evidence import DataDependence as _DataDependence
 
 __all__ = ["graph_roles", "WEIGHT_INPUTS"]
 

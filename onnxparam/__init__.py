@@ -44,6 +44,7 @@ from .core.errors import (  # noqa: E402
     ExecutionError,
     FileAccessError,
     LoraError,
+    LoraTypeError,
     OnnxFormatError,
     OnnxParamError,
     PrecisionWarning,
@@ -114,6 +115,7 @@ __all__ = [
     "OnnxFormatError",
     "QuantizationError",
     "LoraError",
+    "LoraTypeError",
     "FileAccessError",
     "PrecisionWarning",
 ]

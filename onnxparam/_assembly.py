@@ -146,9 +146,15 @@ def try_load_record(self, record, allow_partial: bool = False, *, report=None, s
 
     Raises:
         RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor; or
-            ``record`` is not a mapping (the message names the type it got).
+            ``record`` is not a mapping (the message names the type it got; a path names
+            ``load_file``).
+        FileMissingError / IsAFolderError: ``record`` is the path of a missing file / a folder.
     """
     if not isinstance(record, Mapping):
+        if isinstance(record, (str, os.PathLike)):
+            from .formats._extensions import check_readable
+
+            check_readable(record)  # a missing path / a folder says so, as every reader does
         what = "None" if record is None else f"a {type(record).__name__}"
         raise RecordError(
             f"a record maps param paths to tensors (a dict, a ModuleRecord); got {what}"
@@ -197,8 +203,10 @@ def try_load_file(self, path, allow_partial: bool = False, *, report=None) -> "M
     from a graph).
 
     Raises:
-        RecordError: for a missing or malformed file (a ``.onnx`` / ``.safetensors`` file
-            names the function that reads it), or tensors that do not fit (all listed).
+        FileMissingError: no such file (also a ``FileNotFoundError``). IsAFolderError: a folder
+            (also an ``IsADirectoryError``).
+        RecordError: for a malformed file (a safetensors / ONNX / PyTorch file names the
+            function that reads it), or tensors that do not fit (all listed).
     """
     from .burnpack._module_file import load_module_record
 

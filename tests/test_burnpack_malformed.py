@@ -260,10 +260,11 @@ def test_burnpack_rejects_empty_shapes_no_array_can_have(write):
     )
 
 
-def test_burnpack_reports_unreadable_paths_as_record_errors(tmp_path):
-    with pytest.raises(RecordError, match="cannot read .*missing.bpk: No such file"):
+def test_burnpack_reports_unreadable_paths_as_file_errors(tmp_path):
+    # README: a missing file is a FileMissingError, a folder an IsAFolderError (builtin leaves too)
+    with pytest.raises(FileNotFoundError, match="no such file: '.*missing.bpk'"):
         bp.read(tmp_path / "missing.bpk")
-    with pytest.raises(RecordError, match="cannot read"):
+    with pytest.raises(IsADirectoryError, match="it is a folder, not a file"):
         bp.read(tmp_path)
 
 

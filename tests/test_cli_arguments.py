@@ -66,3 +66,20 @@ def test_a_missing_input_or_a_folder_in_its_place_exits_1_naming_the_role_and_th
     assert code == 1
     assert err.strip().splitlines() == [message]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.bpk"]  # nothing written
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+    # the errno (ENOTDIR: a parent is a file) is the spec's; no "[Errno 20]" or traceback, nothing else done
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "tour"
+    code, stdout, stderr = run("export", "mnist", "--out", str(out))
+    assert code != 0 and stdout == ""
+    assert stderr.strip() == (f"onnxparam: error: cannot create the --out folder '{out}': Not a directory; "
+                              "give a folder that can be created or written")
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_an_out_folder_under_proc_is_one_line_naming_it():
+    code, stdout, stderr = run("export", "mnist", "--out", "/proc/nope")
+    assert code != 0 and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith("onnxparam: error: cannot create the --out folder '/proc/nope': ") and "Errno" not in stderr

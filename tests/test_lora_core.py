@@ -131,6 +131,23 @@ def test_lora_config_accepts_ints_numpy_scalars_and_float_dtypes():
         config.with_rank(3.0)
 
 
+def test_bad_lora_arguments_are_library_errors_that_are_also_the_builtin():
+    # README "Errors": only the library's errors leave public functions; the builtin stays catchable
+    from onnxparam import LoraError, LoraTypeError, OnnxParamError
+
+    for bad, builtin, leaf in ((dict(rank=0), ValueError, LoraError), (dict(rank=2, alpha=float("inf")), ValueError, LoraError),
+                               (dict(rank=2.5), TypeError, LoraTypeError), (dict(rank=2, dtype="f32"), TypeError, LoraTypeError)):
+        with pytest.raises(builtin) as info:
+            LoraConfig(**bad)
+        assert isinstance(info.value, leaf) and isinstance(info.value, OnnxParamError), (bad, repr(info.value))
+    with pytest.raises(LoraError, match=r"^LoraConfig\.rank must be positive; got 0$"):
+        LoraConfig(rank=0)
+    from onnxparam import BatchedLora
+
+    with pytest.raises(LoraError, match="capacity must be an int >= 1"):
+        BatchedLora(capacity=0)
+
+
 def test_rslora_scale_is_alpha_over_sqrt_rank():
     # Kalajdzievski 2023 / PEFT use_rslora: alpha / sqrt(r)
     assert LoraConfig(rank=4, alpha=6.0, use_rslora=True).scale == 3.0
@@ -147,10 +164,12 @@ def test_an_adapter_set_refuses_empty_modules_duplicate_names_and_misfit_params(
         def forward(self, x):
             return self.fc(x)
 
-    with pytest.raises(ValueError, match=r"One has no LoRA adapters to add as 'x'"):
+    from onnxparam import LoraError
+
+    with pytest.raises(LoraError, match=r"One has no LoRA adapters to add as 'x'"):
         LoraAdapterSet().add("x", One(3, 2))
     adapters = LoraAdapterSet().add("x", One(3, 2).apply_lora(LoraConfig(rank=1, alpha=1.0, seed=0)))
-    with pytest.raises(ValueError, match=r"an adapter named 'x' is already in the set"):
+    with pytest.raises(LoraError, match=r"an adapter named 'x' is already in the set"):
         adapters.add("x", One(3, 2).apply_lora(LoraConfig(rank=1, alpha=1.0, seed=0)))
-    with pytest.raises(ValueError, match=r"'fc.weight': the adapter makes a \(3, 2\) delta, the param is \[4, 2\]"):
+    with pytest.raises(LoraError, match=r"'fc.weight': the adapter makes a \(3, 2\) delta, the param is \[4, 2\]"):
         adapters.activate(One(4, 2), "x")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from onnxparam.core.errors import RecordError
+from onnxparam.core.errors import OnnxParamError, RecordError
 from onnxparam.formats import read_pytorch
 
 DATA = Path(__file__).parent / "data" / "pytorch"
@@ -185,9 +185,11 @@ def test_a_big_endian_legacy_stream_is_refused_clearly(tmp_path):
         read_pytorch(tmp_path / "be.pt")
 
 
-def test_a_missing_file_is_a_record_error(tmp_path):
-    with pytest.raises(RecordError, match=r"nothere\.pt: cannot read the file"):
+def test_a_missing_file_is_a_file_missing_error(tmp_path):
+    # README: a missing file is a FileMissingError (also a FileNotFoundError), naming it
+    with pytest.raises(FileNotFoundError, match=r"no such file: '.*nothere\.pt'") as info:
         read_pytorch(tmp_path / "nothere.pt")
+    assert isinstance(info.value, OnnxParamError)
 
 
 @pytest.mark.parametrize(

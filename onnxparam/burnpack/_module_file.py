@@ -26,17 +26,26 @@ def load_module_record(path) -> ModuleRecord:
     """The record of a burnpack file; tensor data stays in the memory-mapped file.
 
     Raises:
-        RecordError: for a missing or malformed file (``BurnpackFormatError``); for a
-            ``.onnx`` or ``.safetensors`` file that is not a burnpack, the message names the
-            function that reads that format.
+        FileMissingError / IsAFolderError: no such file / a folder (the path named).
+        RecordError: for a malformed file (``BurnpackFormatError``); for a file of another
+            format (told by its content, else its extension), the message names the function
+            that reads that format.
     """
+    from ..formats._extensions import check_readable, content_format, other_format_message
+
+    if Path(path).is_dir():
+        check_readable(path, "the .bpk file")  # the folder itself, not '<folder>.bpk'
     target = _with_extension(path)
     try:
         bp = read(target)
     except BurnpackFormatError as e:
         # NOTE: by the bytes, not the name alone: a burnpack an older version saved under
         # an '.onnx' name still loads.
-        other = _OTHER_FORMATS.get(target.suffix.lower())
+        fmt = content_format(target)
+        if fmt == "onnx_adapter":
+            raise RecordError(other_format_message(target, "burnpack")) from e
+        other = _OTHER_FORMATS.get({"safetensors": ".safetensors", "onnx": ".onnx", "pytorch": ".pt"}.get(fmt)
+                                   or target.suffix.lower())
         if other is None:
             raise
         raise RecordError(

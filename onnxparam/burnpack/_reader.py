@@ -62,7 +62,10 @@ def read(path: "str | os.PathLike") -> "BurnpackFile":
     Raises:
         BurnpackFormatError: the bytes are not a valid burnpack file; the message names the file,
             the tensor and what was expected and found.
-        RecordError: the file cannot be read (missing, a directory, permission denied).
+        FileMissingError: no such file (also a ``FileNotFoundError``). IsAFolderError: a folder
+            (also an ``IsADirectoryError``). FileAccessError: the file cannot be opened otherwise
+            (permission denied ...); each names the path.
+        RecordError: the file cannot be read once open (an I/O error).
 
     The file must not be changed in place while it is open: its size and modification time are
     recorded here and checked before every tensor read, which raises ``BurnpackFormatError``
@@ -74,7 +77,9 @@ def read(path: "str | os.PathLike") -> "BurnpackFile":
     try:
         handle = open(path, "rb")
     except OSError as e:
-        raise RecordError(f"cannot read {label}: {e.strerror or e}") from e
+        from ..formats._extensions import read_error
+
+        raise read_error(path, e, "the .bpk file") from None
     with handle:
         try:
             st = os.fstat(handle.fileno())

@@ -262,7 +262,13 @@ def _existing(path: Path, role: str) -> Path:
 
 def one_line(error: BaseException) -> str:
     # RecordError lists its problems as "  - ..." lines; keep them, on one line.
-    lines = [re.sub(r"^-\s+", "", line.strip()) for line in str(error).splitlines() if line.strip()]
+    from ..core.errors import FileAccessError
+
+    text = str(error)
+    if isinstance(error, FileAccessError) and isinstance(error.strerror, str) and error.strerror:
+        # NOTE: the library's message names the file already: no "[Errno 2] ...: 'path'" around it
+        text = error.strerror
+    lines = [re.sub(r"^-\s+", "", line.strip()) for line in text.splitlines() if line.strip()]
     problems = getattr(error, "problems", None)
     text = "; ".join(lines) or type(error).__name__
     if problems and not any(str(p) in text for p in problems):

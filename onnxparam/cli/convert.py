@@ -106,7 +106,9 @@ def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-partial",
         action="store_true",
-        help="with --graph: keep the graph's data for weights IN lacks, ignore the tensors it has no weight for",
+        help="with --graph: keep the graph's data for weights IN lacks, ignore the tensors it has no weight for; "
+        "the report lists both (NOT replaced / NOT written; --json: 'missing' / 'unused') and never counts them as "
+        "written. Without it either is an error naming them",
     )
     parser.add_argument(
         "--external-data",

@@ -64,6 +64,24 @@ LORA_NOTE = (
 )
 
 
+def _make_out_dir(out_dir: Path) -> None:
+    """Create ``--out`` (parents too) or raise the library's :class:`FileAccessError` leaf of
+    the ``errno`` (``FileMissingError``, ``FilePermissionError``, ``NotAFolderError`` ...) on
+    one line naming the folder and why."""
+    import errno
+
+    from ..core.errors import file_error
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise file_error(errno.ENOTDIR, f"--out {out_dir} exists and is not a folder", str(out_dir))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        code = e.errno or errno.EIO
+        raise file_error(code, f"cannot create the --out folder '{out_dir}': {e.strerror or e}; "
+                               "give a folder that can be created or written", str(out_dir)) from None
+
+
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=EXPORT_MODELS, help="the packaged model to export")
     parser.add_argument(
@@ -153,8 +171,7 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     parts = set(args.only or TOUR_PARTS)
     device = Device(args.device)
     out_dir: Path = args.out
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} exists and is not a folder")
+    _make_out_dir(out_dir)  # before any work: a folder that cannot be made is one line naming it
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.is_cuda else ["CPUExecutionProvider"]
 
     weights = mnist.weights_path()
@@ -165,7 +182,6 @@ def _run_export_mnist(args: argparse.Namespace) -> int:
     starts = range(0, n, batch)
     _out(f"model:    Burn MNIST example, {model.num_params():,} params, weights {weights}")
     _out(f"digits:   {n} images {list(images.shape[1:])}, batch size {batch} ({len(starts)} calls)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[_TourRow] = []
 
     def accuracy(logits: np.ndarray) -> float:

@@ -75,7 +75,8 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrate",
         type=Path,
         metavar="INPUTS.npz",
-        help="representative inputs (one array per graph input, by input name or in order; batch first): "
+        help="representative inputs (one array per graph input, by input name, or unnamed arr_0, arr_1, ... "
+        "in input order; batch first): "
         "activation ranges for static int8 (QLinearConv / QLinearMatMul); .onnx OUT only",
     )
     parser.add_argument("--calibrate-batch", type=_positive_int, metavar="N",
@@ -154,8 +155,10 @@ def _group(include: Optional[list], exclude: Optional[list]):
 
 
 def _calibration_arrays(path: Path, model) -> list:
-    """The arrays of ``--calibrate``: by graph input name when the file names them all, else in
-    the file's order."""
+    """The arrays of ``--calibrate``, in graph input order: by graph input name when the file
+    names them all, in the file's order when it holds them unnamed (``arr_0``, ``arr_1``, ...:
+    ``np.savez(f, *arrays)``). Raises ``ValueError`` naming the file's arrays and the model's
+    inputs otherwise (a count that differs, or names that do not match)."""
     import numpy as np
 
     _existing(path, "the --calibrate file")
@@ -168,11 +171,21 @@ def _calibration_arrays(path: Path, model) -> list:
         raise ValueError(f"the --calibrate file '{path}' holds no arrays")
     source = getattr(model.module, "_source", None)
     names = [v.name for v in source.inputs] if source is not None and hasattr(source, "inputs") else []
+    unnamed = [f"arr_{i}" for i in range(len(arrays))]
     if names and all(n in arrays for n in names):
         chosen = {n: arrays[n] for n in names}
     elif names and len(arrays) != len(names):
         raise ValueError(f"the --calibrate file '{path}' holds {len(arrays)} arrays ({', '.join(arrays)}); the model "
                          f"takes {len(names)} inputs ({', '.join(names)}): name them so")
+    elif names and sorted(arrays) != sorted(unnamed):
+        # NOTE: order is used only for arrays saved unnamed (np.savez(f, a, b): arr_0, arr_1, ...);
+        # named arrays that do not match the inputs are most likely another model's data
+        missing = [n for n in names if n not in arrays]
+        raise ValueError(f"the --calibrate file '{path}' holds arrays named {', '.join(arrays)}; the model's inputs are "
+                         f"{', '.join(names)} (no array named {', '.join(missing)}): save one array per input under "
+                         "its name (np.savez(f, **{name: array})), or unnamed in input order (np.savez(f, *arrays))")
+    elif names:
+        chosen = {k: arrays[k] for k in unnamed}
     else:
         chosen = arrays
     from ..quant._activations import check_calibration_input
@@ -211,6 +224,12 @@ def _calibrate(args, model, arrays: list):
     return module
 
 
+def _per_channel_text(scheme) -> str:
+    """``Q8S per output channel``: ``--per-channel``'s scheme in words (one scale per output
+    channel, not per tensor)."""
+    return f"{scheme.value.name} per output channel"
+
+
 def _block_text(block_size: tuple) -> str:
     return ",".join(map(str, block_size))
 
@@ -228,6 +247,12 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
     model = _load_model(args, args.src)
+    opset = (getattr(model.module, "onnx_opset_imports", None) or {}).get("")
+    if args.per_channel and dst_fmt == "onnx" and opset is not None and opset < 13:
+        raise ValueError(f"--per-channel: the model '{args.src}' has opset {opset}; DequantizeLinear takes one scale "
+                         "per output channel (its axis attribute) from opset 13, and ONNX Runtime refuses it below; "
+                         "leave out --per-channel (one scale per tensor), or convert the model to opset 13 or later; "
+                         "nothing was written")
     # NOTE: the calibration file is read and checked before any weight is quantized: a bad file fails fast
     arrays = _calibration_arrays(args.calibrate, model) if args.calibrate is not None else None
     if dst_fmt == "burnpack":
@@ -254,11 +279,12 @@ def _run_quantize(args: argparse.Namespace) -> int:
         raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None, kept))
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": _scheme_text(scheme),
+    scheme_text = _per_channel_text(scheme) if args.per_channel else _scheme_text(scheme)
+    json_result("quantized", {"params": quantized, "of": sum(before.values()), "scheme": scheme_text,
                               "per_channel": bool(args.per_channel), "dtypes_before": before, "dtypes_after": after})
     _out(
         f"quantized: {quantized} of {sum(before.values())} params to "
-        f"{_scheme_text(scheme)}{', per output channel' if args.per_channel else ''}; dtypes {before} -> {after}"
+        f"{scheme_text}; dtypes {before} -> {after}"
     )
     if dst_fmt == "onnx":
         from ..quant import qdq_options
@@ -426,21 +452,33 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
                     quant_path = _Model(model.module, zoo=model.zoo).export(Path(tmp) / "quantized.onnx")
             feeds, described = acc.sample_inputs(float_path, arrays)
             try:
-                outputs = acc.compare(float_path, quant_path, feeds)
+                acc.run(float_path, feeds)
             except Exception:  # noqa: BLE001 - a model that takes one sample at a time: retry with one
                 if not all(getattr(v, "ndim", 0) and len(v) > 1 for v in feeds.values()):
                     raise
                 feeds = {k: v[:1] for k, v in feeds.items()}
                 described = f"{described}, of which the first only (the model takes one sample at a time)"
-                outputs = acc.compare(float_path, quant_path, feeds)
+                acc.run(float_path, feeds)
         except Exception as e:  # noqa: BLE001 - ORT's own errors: the report is skipped, not the output
+            # NOTE: the float model could not run on these inputs; the written file must still load
+            if quant_path == args.dst:
+                _check_loads(args.dst)
             if args.strict:
                 if quant_path == args.dst:
                     _remove_output(args.dst)
                 raise QuantizationError(f"--strict: the accuracy could not be measured ({e}); nothing was "
                                         "written") from None
-            warnings.warn(f"accuracy not measured: running the float and quantized models on sample inputs "
-                          f"failed: {e}", QuantizationWarning, stacklevel=2)
+            warnings.warn(f"accuracy not measured: the float model could not be run on sample inputs: {e}", QuantizationWarning, stacklevel=2)
+            return None
+        try:
+            # NOTE: the float model ran on these feeds above: a failure here is the quantized model's
+            outputs = acc.compare(float_path, quant_path, feeds)
+        except Exception as e:  # noqa: BLE001 - the float model ran on these inputs, the quantized one did not
+            if quant_path == args.dst:
+                _quantized_failed(args.dst, e)
+            # NOTE: a burnpack output: only its temporary .onnx rendering failed; Burn reads the file
+            warnings.warn(f"accuracy not measured: the quantized model's ONNX rendering failed in ONNX Runtime: {e}",
+                          QuantizationWarning, stacklevel=2)
             return None
         report = {"inputs": described, "min_cosine": threshold, "outputs": outputs}
         json_result("accuracy", report)
@@ -472,6 +510,29 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
             raise QuantizationError(f"--strict: {text}; nothing was written")
         warnings.warn(text, QuantizationWarning, stacklevel=2)
         return report
+
+
+def _check_loads(dst: Path) -> None:
+    """Refuse (removing it) a written quantized ``.onnx`` that plain ONNX Runtime cannot load
+    (:func:`_quantized_failed`)."""
+    from ..quant._accuracy import _session
+
+    try:
+        _session(dst)
+    except Exception as e:  # noqa: BLE001 - ORT's own errors
+        _quantized_failed(dst, e)
+
+
+def _quantized_failed(dst: Path, error: Exception) -> None:
+    """Raise ``QuantizationError``: ONNX Runtime cannot load or run the written quantized model
+    ``dst`` (while the float model ran on the same inputs, or could not be run itself); ``dst``
+    and its external data are removed, so no file ORT refuses is left behind."""
+    from ..core.errors import QuantizationError
+
+    _remove_output(dst)
+    raise QuantizationError(f"the quantized model '{dst}' does not load or run in ONNX Runtime: {error}; this is a "
+                            "defect of onnxparam's export (please report it with the model); --exclude the weights "
+                            "of the node it names to leave them float; nothing was written") from None
 
 
 def _escape(path: str) -> str:

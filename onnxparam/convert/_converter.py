@@ -55,6 +55,7 @@ ONNX targets:
 from __future__ import annotations
 
 import errno
+import json
 import os
 from dataclasses import dataclass, replace
 
@@ -81,7 +82,7 @@ from ._onnx_files import (
     _write_onnx,
     _write_onnx_zero_copy,
 )
-from ._pytorch_layout import plan_pytorch_layout
+from ._pytorch_layout import LAYOUT_KEY, plan_pytorch_layout, read_layout_record
 from ._report import ConvertReport
 from ._tensors import _Source, _Tensor
 
@@ -317,7 +318,8 @@ def convert(
             source.tensors = [replace(t, name=renumbered[t.name]) for t in source.tensors]
         plan = None
         if to_pytorch is not None:
-            plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch)
+            plan = plan_pytorch_layout([(t.name, t.shape) for t in source.tensors], to_pytorch,
+                                       read_layout_record(source.metadata, str(src)))
             user = KeyRemapper.of(remap)
             if not isinstance(user, KeyRemapper):
                 raise RecordError("pytorch=True adds renaming rules before remap's: give remap as (pattern, "
@@ -327,12 +329,23 @@ def convert(
         if progress is not None:
             tensors = [_with_progress(t, progress) for t in tensors]
         meta = dict(source.metadata)
+        if plan is not None:
+            _record_layouts(plan, report, meta, dst_fmt == "safetensors" and not lossless)
+        elif LAYOUT_KEY in meta:  # carried through: follow the renames, drop what was not written
+            recorded = read_layout_record(meta, str(src))
+            renamed, written = dict(report.renamed), {t.name for t in tensors}
+            carried = {renamed.get(k, k): v for k, v in recorded.items() if renamed.get(k, k) in written}
+            if carried and not (dst_fmt == "safetensors" and not lossless):
+                meta[LAYOUT_KEY] = json.dumps(carried, separators=(",", ":"), ensure_ascii=False)
+            else:
+                del meta[LAYOUT_KEY]
         meta.update(metadata or {})
         options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data)
         _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
     finally:
         source.close()
-    report.tensors = [t.name for t in tensors]
+    not_written = set(report.unused)
+    report.tensors = [t.name for t in tensors if t.name not in not_written]
     report.bytes_written = dst.stat().st_size
     return report
 
@@ -373,6 +386,7 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
     transposes = _compile_all(transpose) or ()
     keep_as_is = _compile_all(no_transpose) or ()
     auto = set(plan.transpose) if plan is not None else set()
+    decided = (auto | {name for name, _ in plan.kept}) if plan is not None else set()
     dropped = set(plan.dropped) if plan is not None else set()
     if plan is not None:
         for name, why in plan.untouched:
@@ -400,8 +414,14 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
         if name != t.name:
             report.renamed.append((t.name, name))
             t = replace(t, name=name)
-        wanted = (t.name in auto or any(p.search(name) for p in transposes)) and not any(
+        source_name = origin[name]
+        by_user = any(p.search(name) for p in transposes + keep_as_is)
+        wanted = (source_name in auto or any(p.search(name) for p in transposes)) and not any(
             p.search(name) for p in keep_as_is)
+        if plan is not None and len(t.shape) == 2 and (source_name in decided or by_user):
+            plan.layouts[name] = bool(wanted)
+            if wanted and source_name in plan.guessed and not by_user:
+                plan.guessed_written.append(name)
         if wanted:
             if len(t.shape) != 2 or t.dtype is DType.QFloat:
                 problems.append(f"cannot transpose '{name}': only plain rank-2 tensors are transposed, it is "
@@ -418,6 +438,22 @@ def _transform(tensors: list, report: ConvertReport, remap, include, exclude, ca
     if problems:
         raise RecordError(f"cannot convert: {len(problems)} problem(s)", problems)
     return out
+
+
+def _record_layouts(plan, report: ConvertReport, meta: dict, plain: bool) -> None:
+    """Record in the target's metadata (``meta``) which written rank-2 tensors PyTorch holds
+    transposed (:data:`~onnxparam.convert._pytorch_layout.LAYOUT_KEY`), so converting the file
+    back knows GPT-2's ``Conv1D`` from ``nn.Linear``; note the transposes that were guesses."""
+    meta.pop(LAYOUT_KEY, None)
+    if plan.layouts and not plain:
+        meta[LAYOUT_KEY] = json.dumps(plan.layouts, separators=(",", ":"), ensure_ascii=False)
+    guessed = plan.guessed_written
+    if guessed:
+        shown = ", ".join(f"'{n}'" for n in guessed[:3]) + (f" and {len(guessed) - 3} more" if len(guessed) > 3 else "")
+        report.notes.append(
+            f"{len(guessed)} weight(s) transposed to nn.Linear's (out, in) from their shapes alone ({shown}): the file "
+            f"does not record their PyTorch layout ({LAYOUT_KEY!r}). A module that holds (in, out) (GPT-2's Conv1D) "
+            "needs them untransposed: add --no-transpose RE (no_transpose=[RE]) for those, or load into the module")
 
 
 def _with_progress(t: _Tensor, progress: Callable[[str, int], None]) -> _Tensor:
@@ -465,7 +501,7 @@ def _to_onnx(src, dst, tensors, meta, scalars, options: _TargetOptions, report) 
     if options.zero_copy:
         _write_onnx_zero_copy(src, dst, tensors, meta, scalars, options.graph, options.allow_partial, report)
     else:
-        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data)
+        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data, report)
 
 
 _READERS = {"burnpack": _read_burnpack, "safetensors": _read_safetensors, "onnx": _read_onnx}

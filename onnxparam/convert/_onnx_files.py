@@ -55,15 +55,9 @@ def _load_mapped(path: Path):
     from ..formats._onnx_nested import read_onnx_mapped
     from ..onnx_io._source import load_model
 
-    if path.is_dir():
-        import errno
+    from ..onnx_io._source import _check_onnx_path
 
-        from ..core.errors import file_error
-
-        raise file_error(errno.EISDIR, f"cannot read '{path}': it is a folder, not a file; give the path of the .onnx file",
-                         str(path))
-    if not path.is_file():
-        raise OnnxFormatError(f"'{path}': no such ONNX file")
+    _check_onnx_path(path)
     proto = read_onnx_mapped(path)
     from ..onnx_io._validate import check_structure
 
@@ -230,7 +224,7 @@ def _onnx_problems(tensors: list) -> list:
 
 
 def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, allow_partial: bool,
-                external_data) -> None:
+                external_data, report: "ConvertReport | None" = None) -> None:
     # NOTE: into a template (graph), a QFloat tensor fills the template's quantized initializers
     # (onnx_io/_quant_write.py), which weights_into_graph checks
     problems = _onnx_problems(tensors) if graph is None else []
@@ -238,7 +232,7 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
     if graph is not None:
-        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data)
+        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data, report)
         return
     if not external_data and (external_data is not None or _total_bytes(tensors) < _STREAM_LIMIT):
         _write_weights_only_streamed(dst, tensors, record.metadata)
@@ -249,6 +243,15 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
     save_model(model, dst, external_data=external_data)
 
 
+def _note_unmatched(report: "ConvertReport | None", unmatched: dict) -> None:
+    """Put what an ``allow_partial`` write into a template did not match into ``report``:
+    ``unused`` (tensors the graph has no weight for: not written) and ``missing`` (the graph's
+    weights no tensor replaced: they keep the graph's own values)."""
+    if report is not None:
+        report.unused += unmatched.get("unused", [])
+        report.missing += unmatched.get("missing", [])
+
+
 def _load_template(graph):
     """A ``graph=`` template: a path is read through a map (:func:`_load_mapped`: its inline
     weights, subgraphs' too, stay in the file until read); a model is taken as it is."""
@@ -256,7 +259,7 @@ def _load_template(graph):
 
 
 def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_partial: bool,
-                      external_data) -> None:
+                      external_data, report: "ConvertReport | None" = None) -> None:
     """``graph`` (a template path or model) with its weights replaced by ``tensors``, written as
     :func:`onnxparam.onnx_io.save_model` writes (inline: streamed, subgraphs included). A tensor
     whose bytes lie unchanged in its source file becomes an external reference to them for the
@@ -276,8 +279,10 @@ def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_
         return _lazy_tensor(t.snapshot(), site, props)
 
     source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    unmatched: dict = {}
     model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta, source=source)
+                               make_tensor=make_tensor, metadata=record_meta, source=source, unmatched=unmatched)
+    _note_unmatched(report, unmatched)
     save_model(model, dst, external_data=external_data, alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
 
 
@@ -447,8 +452,10 @@ def _graph_with_external_weights(tensors: list, record_meta: dict, graph, allow_
         return ir.Tensor(t.to_data().to_numpy(), dtype=site.tensor.dtype, name=site.name)
 
     source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
+    unmatched: dict = {}
     model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta, source=source)
+                               make_tensor=make_tensor, metadata=record_meta, source=source, unmatched=unmatched)
+    _note_unmatched(report, unmatched)
     # Other external tensors of the graph point at files beside the *old* model: bring them in.
     for g in iter_graphs(model.graph):
         for value in g.initializers.values():

@@ -33,6 +33,15 @@ rank-1 ``P.weight`` alone                     a norm without bias *or* ``nn.PReL
 
 ``transpose`` regexes add tensors, ``no_transpose`` regexes (both searched in the *target*
 names) take them out; either settles an untouched name.
+
+**The layout a conversion decided is recorded in the file it writes** (metadata key
+:data:`LAYOUT_KEY`: a JSON object ``written name -> true`` when PyTorch holds that rank-2 tensor
+transposed with respect to Burn (``nn.Linear``), ``false`` when both hold it alike (GPT-2's
+``Conv1D``, or a tensor the user kept with ``no_transpose``)). A Burn-layout file has no
+evidence of the PyTorch module type (every linear weight is ``(in, out)`` there), so a later
+``pytorch=True`` conversion of that file honours the record before any shape rule: ``.pt ->
+.bpk -> .safetensors`` gives back GPT-2's ``Conv1D`` weights untransposed. Without a record,
+Burn -> PyTorch transposes by the shape rules as ``nn.Linear`` and says so in a report note.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["PytorchPlan", "plan_pytorch_layout", "DROPPED_BUFFERS", "LayoutEvidence", "linear_layouts", "family_of",
+__all__ = ["LAYOUT_KEY", "read_layout_record", "PytorchPlan", "plan_pytorch_layout", "DROPPED_BUFFERS", "LayoutEvidence", "linear_layouts", "family_of",
            "OUT_IN", "IN_OUT"]
 
 DROPPED_BUFFERS = ("num_batches_tracked",)
@@ -50,6 +59,34 @@ OUT_IN = "(out, in)"
 """A rank-2 weight whose bias follows dim 0: PyTorch ``nn.Linear``."""
 IN_OUT = "(in, out)"
 """A rank-2 weight whose bias follows dim 1: Burn's ``Linear``, Hugging Face's ``Conv1D``."""
+
+LAYOUT_KEY = "onnxparam_pytorch_transposed"
+"""File metadata key: JSON ``{tensor name: bool}``, true when PyTorch holds that rank-2 tensor
+transposed with respect to Burn (written by ``pytorch=True`` conversions; module docstring)."""
+
+
+def read_layout_record(metadata: dict, source: str) -> dict:
+    """The :data:`LAYOUT_KEY` record of a file's ``metadata`` (``{}`` when absent).
+
+    Raises:
+        RecordError: when the entry is not a JSON object of booleans (names the file).
+    """
+    import json
+
+    from ..core.errors import RecordError
+
+    raw = metadata.get(LAYOUT_KEY)
+    if raw is None:
+        return {}
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise RecordError(f"'{source}': metadata entry {LAYOUT_KEY!r} is not valid JSON ({exc})") from None
+    if not isinstance(record, dict) or not all(isinstance(v, bool) for v in record.values()):
+        raise RecordError(f"'{source}': metadata entry {LAYOUT_KEY!r} must be a JSON object of tensor name -> "
+                          "true/false (PyTorch holds it transposed)")
+    return record
+
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
 
@@ -151,6 +188,11 @@ class PytorchPlan:
         dropped: source names left out (``num_batches_tracked``).
         untouched: ``(source name, why)`` for rank-2 / rank-1 ``weight`` tensors the file does
             not settle, each with the true reason.
+        guessed: source names transposed Burn -> PyTorch from the shape rules alone (no
+            :data:`LAYOUT_KEY` record): assumed ``nn.Linear``.
+        layouts: filled by the conversion: written name -> transposed, for every rank-2 tensor
+            whose layout was decided (the target's :data:`LAYOUT_KEY` record).
+        guessed_written: filled by the conversion: the written names of ``guessed`` tensors.
     """
 
     rules: list = field(default_factory=list)
@@ -158,19 +200,25 @@ class PytorchPlan:
     kept: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     untouched: list = field(default_factory=list)
+    guessed: list = field(default_factory=list)
+    layouts: dict = field(default_factory=dict)
+    guessed_written: list = field(default_factory=list)
 
 
 def _join(prefix: str, leaf: str) -> str:
     return f"{prefix}.{leaf}" if prefix else leaf
 
 
-def plan_pytorch_layout(names_shapes, to_pytorch: bool) -> PytorchPlan:
+def plan_pytorch_layout(names_shapes, to_pytorch: bool, recorded: "dict | None" = None) -> PytorchPlan:
     """The renames, transposes and drops for tensors ``[(name, shape)]`` (module docstring).
 
     Args:
         names_shapes: the source's tensor names and shapes, in order.
         to_pytorch: ``True`` when the target takes PyTorch's layout (source in Burn's).
+        recorded: the source's :data:`LAYOUT_KEY` record (``name -> transposed``), which
+            decides a rank-2 tensor it names before any shape rule.
     """
+    recorded = recorded or {}
     shapes = {n: tuple(s) for n, s in names_shapes}
     evidence = linear_layouts(shapes.items())
     moves = IN_OUT if to_pytorch else OUT_IN
@@ -182,6 +230,13 @@ def plan_pytorch_layout(names_shapes, to_pytorch: bool) -> PytorchPlan:
             continue
         if to_pytorch and leaf in ("gamma", "beta") and len(shape) == 1:
             plan.rules.append((f"^{re.escape(name)}$", _join(prefix, "weight" if leaf == "gamma" else "bias")))
+            continue
+        if len(shape) == 2 and name in recorded:
+            if recorded[name]:
+                plan.transpose.append(name)
+            else:
+                plan.kept.append((name, f"the file records that PyTorch holds it as Burn does ({LAYOUT_KEY!r}, "
+                                        "written by the conversion that made the file; e.g. GPT-2's Conv1D)"))
             continue
         if leaf != "weight":
             continue
@@ -195,6 +250,8 @@ def plan_pytorch_layout(names_shapes, to_pytorch: bool) -> PytorchPlan:
                 plan.untouched.append((name, found.why))
             elif found.layout == moves:
                 plan.transpose.append(name)
+                if to_pytorch:
+                    plan.guessed.append(name)
             else:
                 plan.kept.append((name, f"already {found.layout} ({found.why})"))
         elif len(shape) == 1 and not to_pytorch:

@@ -79,7 +79,7 @@ class LoadReport:
                 f"{len(self.cast)} cast, {len(self.errors)} errors")
         lines = [head]
         lines += _section("errors", list(self.errors))
-        lines += _section("missing", list(self.missing))
+        lines += _section("missing", [p if p == n else f"{p} (ONNX {n!r})" for p, n in self.missing])
         lines += _section("unused", list(self.unused))
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))
@@ -139,6 +139,13 @@ class ConvertReport:
         kept: ``(source name, why)`` for rank-2 weights ``pytorch=True`` left as they are because
             the file's evidence shows them already in the target's layout (Hugging Face's GPT-2
             ``Conv1D`` stores ``(in, out)``, Burn's layout).
+        unused: names (after renaming) of source tensors NOT written because the ``graph``
+            template has no weight at that path (``allow_partial=True``; otherwise an error).
+            Never counted in ``tensors``. (An ONNX exporter that folds a BatchNorm into the
+            preceding Conv leaves the source's ``conv``/``bn`` tensors here.)
+        missing: ``(module path, ONNX name)`` of the ``graph`` template's weights that no
+            source tensor replaced: they keep the template's own values (``allow_partial=True``; otherwise
+            an error).
         bytes_written: size of the target file (for zero-copy ONNX: the model file only).
         notes: anything else worth telling (e.g. "weights stay in model.bpk (zero-copy)").
     """
@@ -153,15 +160,22 @@ class ConvertReport:
     ignored: list = field(default_factory=list)
     untouched: list = field(default_factory=list)
     kept: list = field(default_factory=list)
+    unused: list = field(default_factory=list)
+    missing: list = field(default_factory=list)
     bytes_written: int = 0
     notes: list = field(default_factory=list)
 
     def __str__(self) -> str:
-        head = (f"ConvertReport: {self.source!r} -> {self.target!r}: {len(self.tensors)} tensors, "
+        head = (f"ConvertReport: {self.source!r} -> {self.target!r}: {len(self.tensors)} tensors written, "
                 f"{self.bytes_written} bytes written, {len(self.skipped)} skipped, {len(self.renamed)} renamed, "
                 f"{len(self.transposed)} transposed, {len(self.cast)} cast, {len(self.ignored)} ignored, "
                 f"{len(self.untouched)} untouched")
+        if self.unused or self.missing:
+            head += (f", {len(self.unused)} NOT written (the graph has no weight for them), {len(self.missing)} "
+                     "graph weights NOT replaced (they keep the graph's old values)")
         lines = [head]
+        lines += _section("NOT written: the graph has no weight at these paths", list(self.unused))
+        lines += _section("NOT replaced: these graph weights keep the graph's old values", [p if p == n else f"{p} (ONNX {n!r})" for p, n in self.missing])
         lines += [f"  note: {n}" for n in self.notes]
         lines += _section("untouched (decide with --transpose RE / --no-transpose RE, or load into a module)",
                           [f"{n}: {why}" for n, why in self.untouched])

@@ -373,6 +373,7 @@ def load_safetensors(
 
     Raises:
         RecordError: for a malformed file, or tensors that do not fit (all listed).
+        FileMissingError / IsAFolderError: no such file / a folder (the path named).
     """
     st_file = read_safetensors(path)
     return apply_record(module, st_file.to_record(), adapter=adapter, remap=remap, include=include,

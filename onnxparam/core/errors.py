@@ -18,6 +18,7 @@ keeps working::
     ├── OnnxFormatError (ValueError)        an ONNX file could not be read or is inconsistent
     ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
     ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
+    │   └── LoraTypeError (TypeError)       ... because an argument is of the wrong kind
     └── FileAccessError (OSError)           a file or folder cannot be read or written as asked
         ├── FileMissingError (FileNotFoundError)
         ├── FilePermissionError (PermissionError)
@@ -50,6 +51,7 @@ __all__ = [
     "OnnxFormatError",
     "QuantizationError",
     "LoraError",
+    "LoraTypeError",
     "FileAccessError",
     "FileMissingError",
     "FilePermissionError",
@@ -168,7 +170,13 @@ class QuantizationError(OnnxParamError, ValueError):
 class LoraError(OnnxParamError, ValueError):
     """LoRA adapters cannot be attached or written as asked: no param of a module can take one
     (none matched, or none is the matrix of a linear map), a param already has one, or there
-    is no adapter to write."""
+    is no adapter to write; or an argument has a bad value (``LoraConfig(rank=0)``, a duplicate
+    adapter name ...)."""
+
+
+class LoraTypeError(LoraError, TypeError):
+    """A LoRA argument of the wrong kind (``LoraConfig(rank=2.5)``, a dtype that is not a
+    ``DType`` ...). Also a ``TypeError``, so code catching the builtin keeps working."""
 
 
 class PrecisionWarning(UserWarning):

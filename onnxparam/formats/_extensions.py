@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ..core.errors import FileAccessError, RecordError, file_error
 
-__all__ = ["FORMATS", "WRITABLE", "format_of", "detect_format", "pytorch_container"]
+__all__ = ["FORMATS", "WRITABLE", "format_of", "detect_format", "pytorch_container", "check_readable",
+           "read_error", "content_format", "other_format_message"]
 
 FORMATS = {".bpk": "burnpack", ".safetensors": "safetensors", ".onnx": "onnx", ".pt": "pytorch", ".pth": "pytorch"}
 """File extension -> format name. ``pytorch`` (``torch.save`` checkpoints) is read, never written."""
@@ -35,7 +36,16 @@ WRITABLE = ("burnpack", "safetensors", "onnx")
 _BURNPACK_MAGIC = b"NRUB"
 _ZIP_MAGIC = b"PK\x03\x04"
 _TORCH_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_ORT_ADAPTER_ID = b"TORT"  # ONNX Runtime's adapter flatbuffer file identifier (bytes 4..8)
 _HEAD = 512
+
+_HOW_TO_READ = {
+    "burnpack": "use Module.load_file / onnxparam.convert.convert",
+    "safetensors": "use onnxparam.convert.load_safetensors / convert",
+    "pytorch": "use onnxparam.convert.load_pytorch / convert",
+    "onnx": "use onnxparam.import_onnx / onnxparam.convert.load_onnx",
+}
+"""Format -> how this library reads it (for messages that refuse a file of another format)."""
 
 # ModelProto fields (onnx.proto): number -> wire type (0 varint, 2 length-delimited).
 _MODEL_FIELDS = {1: 0, 2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2, 26: 2}
@@ -43,6 +53,68 @@ _MODEL_FIELDS = {1: 0, 2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 2
 
 def _folder_message(path) -> str:
     return f"cannot read '{path}': it is a folder, not a file; give the path of the weights file"
+
+
+def _adapter_message(path) -> str:
+    return (f"'{path}' is an ONNX Runtime LoRA adapter file (.onnx_adapter, as write_onnx_adapter writes), not "
+            "a weights file: it holds LoRA factors fed to a model exported with lora='inputs'; check it against "
+            "its model with onnxparam.check_onnx_adapter(adapter, model), read it with "
+            "onnxruntime.AdapterFormat.read_adapter")
+
+
+def content_format(path) -> "str | None":
+    """:func:`detect_format`'s answer, ``"onnx_adapter"`` for an ONNX Runtime adapter file, or
+    None (unreadable, or of no known format). Never raises."""
+    try:
+        return detect_format(path)
+    except RecordError as e:
+        return "onnx_adapter" if "ONNX Runtime LoRA adapter" in str(e) else None
+    except OSError:
+        return None
+
+
+def other_format_message(path, expected: str) -> "str | None":
+    """When the file at ``path`` is, by its content, a known format other than ``expected``
+    (or an ONNX Runtime adapter file), a message saying so and naming the reader to use
+    ("'x.bpk' is a burnpack file, not ONNX; use Module.load_file / ..."); otherwise None
+    (unreadable, or of no known format). Never raises."""
+    fmt = content_format(path)
+    if fmt == "onnx_adapter":
+        return _adapter_message(path)
+    if fmt is None or fmt == expected:
+        return None
+    names = {"onnx": "ONNX", "pytorch": "PyTorch (torch.save)"}
+    return (f"'{path}' is a {names.get(fmt, fmt)} file, not {names.get(expected, expected)}; "
+            f"{_HOW_TO_READ[fmt]}")
+
+
+def read_error(path, error: OSError, what: str = "the weights file") -> FileAccessError:
+    """The library's :class:`FileAccessError` leaf for an ``OSError`` met reading ``path``: a
+    missing file is a ``FileMissingError`` (also a ``FileNotFoundError``), a folder an
+    ``IsAFolderError`` (also an ``IsADirectoryError``); the message names the path."""
+    label = os.fspath(path)
+    if isinstance(error, FileAccessError):
+        return error
+    code = error.errno or errno.EIO
+    if code == errno.ENOENT:
+        return file_error(code, f"no such file: '{label}'", label)
+    if code == errno.EISDIR:
+        return file_error(code, f"cannot read '{label}': it is a folder, not a file; give the path of {what}", label)
+    return file_error(code, f"cannot read '{label}': {error.strerror or error}", label)
+
+
+def check_readable(path, what: str = "the weights file") -> None:
+    """Raise before reading when ``path`` is missing or is a folder (``what`` names the file
+    expected, for the folder message).
+
+    Raises:
+        FileMissingError: no such file or folder. IsAFolderError: ``path`` is a folder.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise read_error(p, IsADirectoryError(errno.EISDIR, "Is a directory"), what)
+    if not p.exists():
+        raise read_error(p, FileNotFoundError(errno.ENOENT, "No such file or directory"), what)
 
 
 def format_of(path) -> str:
@@ -144,6 +216,8 @@ def detect_format(path) -> str:
             return "safetensors"
     if _looks_like_onnx(head, size):
         return "onnx"
+    if head[4:8] == _ORT_ADAPTER_ID:
+        raise RecordError(_adapter_message(path))
     if size == 0:
         found = "an empty file"
     else:

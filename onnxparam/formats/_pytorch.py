@@ -112,6 +112,8 @@ def read_pytorch(
         A :class:`PytorchCheckpoint` (tensors, skipped, excluded, tied and shared names).
 
     Raises:
+        FileMissingError: no such file (also a ``FileNotFoundError``). IsAFolderError: a folder
+            (also an ``IsADirectoryError``).
         RecordError: the file is not a torch checkpoint or is truncated; its pickle names a
             global outside the allow-list (message: the global's ``module.name`` and the file;
             nothing is called); a tensor's view reaches past its storage (message: tensor name,

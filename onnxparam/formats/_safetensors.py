@@ -197,6 +197,8 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
+        FileMissingError: no such file (also a ``FileNotFoundError``). IsAFolderError: a folder
+            (also an ``IsADirectoryError``).
         RecordError: for a malformed file (header too long or not JSON, an unknown dtype,
             offsets that do not match the shape, overlap or leave gaps, a bad ``onnxparam.*``
             key), naming the tensor concerned. Also, when a tensor is read later, if the file
@@ -212,6 +214,9 @@ def read_safetensors(path: "str | os.PathLike") -> SafetensorsFile:
     on, returning what was loaded. Arrays already handed out cannot be checked.
     """
     path = Path(path)
+    from ._extensions import check_readable
+
+    check_readable(path, "the .safetensors file")
     with open(path, "rb") as handle:
         st = os.fstat(handle.fileno())
         size = st.st_size

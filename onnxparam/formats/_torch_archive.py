@@ -109,8 +109,12 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Any, StorageBytes, str]:
     Raises:
         RecordError: the file is neither container, is truncated, or its pickle names a global
             outside the allow-list (the message names the file and the global).
+        FileMissingError / IsAFolderError: no such file / a folder.
     """
     path = os.fspath(path)
+    from ._extensions import check_readable
+
+    check_readable(path, "the PyTorch checkpoint")
     try:
         with open(path, "rb") as f:
             head = f.read(4)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..core.errors import LoraError, LoraTypeError
 from ..core.dtype import DType
 from ..core.group import ParamGroup
 from ..core.param import Param, ParamId
@@ -54,10 +55,11 @@ class LoraConfig:
             ``scale = alpha / sqrt(rank)`` instead of ``alpha / rank``.
 
     Raises:
-        TypeError: for a rank that is not an int (a bool or a float is refused), an alpha or
-            init_std that is not a real number, or a dtype that is not a :class:`DType`.
-        ValueError: for a rank <= 0, a non-finite alpha, an init_std that is not finite and
-            > 0, or a dtype that is not a float dtype (``QFloat`` included: factors stay float).
+        LoraTypeError: (a ``LoraError`` and a ``TypeError``) for a rank that is not an int (a
+            bool or a float is refused), an alpha or init_std that is not a real number, or a
+            dtype that is not a :class:`DType`.
+        LoraError: (a ``ValueError``) for a rank <= 0, a non-finite alpha, an init_std that is
+            not finite and > 0, or a dtype that is not a float dtype (``QFloat`` included: factors stay float).
     """
 
     rank: int = 8
@@ -70,25 +72,25 @@ class LoraConfig:
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral):
-            raise TypeError(f"LoraConfig.rank must be an int; got {type(self.rank).__name__} {self.rank!r}")
+            raise LoraTypeError(f"LoraConfig.rank must be an int; got {type(self.rank).__name__} {self.rank!r}")
         if self.rank <= 0:
-            raise ValueError(f"LoraConfig.rank must be positive; got {self.rank}")
+            raise LoraError(f"LoraConfig.rank must be positive; got {self.rank}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
-            raise TypeError(f"LoraConfig.alpha must be a real number; got {type(self.alpha).__name__} {self.alpha!r}")
+            raise LoraTypeError(f"LoraConfig.alpha must be a real number; got {type(self.alpha).__name__} {self.alpha!r}")
         if not math.isfinite(self.alpha):
-            raise ValueError(f"LoraConfig.alpha must be finite; got {self.alpha}")
+            raise LoraError(f"LoraConfig.alpha must be finite; got {self.alpha}")
         if self.init_std is not None:
             if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real):
-                raise TypeError(f"LoraConfig.init_std must be a real number or None; got "
+                raise LoraTypeError(f"LoraConfig.init_std must be a real number or None; got "
                                 f"{type(self.init_std).__name__} {self.init_std!r}")
             if not (math.isfinite(self.init_std) and self.init_std > 0):
-                raise ValueError(f"LoraConfig.init_std must be finite and > 0; got {self.init_std}")
+                raise LoraError(f"LoraConfig.init_std must be finite and > 0; got {self.init_std}")
         if self.dtype is not None:
             if not isinstance(self.dtype, DType):
-                raise TypeError(f"LoraConfig.dtype must be a DType or None; got {type(self.dtype).__name__} "
+                raise LoraTypeError(f"LoraConfig.dtype must be a DType or None; got {type(self.dtype).__name__} "
                                 f"{self.dtype!r}")
             if not self.dtype.is_float or self.dtype is DType.QFloat:
-                raise ValueError(f"LoraConfig.dtype must be a float dtype (F64, F32, F16, BF16); got {self.dtype.name}")
+                raise LoraError(f"LoraConfig.dtype must be a float dtype (F64, F32, F16, BF16); got {self.dtype.name}")
 
     @property
     def scale(self) -> float:
@@ -392,13 +394,13 @@ class LoraAdapterSet:
         ``{param path: LoraAdapter}`` mapping.
 
         Raises:
-            ValueError: ``name`` is already in the set, or ``module`` has no adapters.
+            LoraError: (a ``ValueError``) ``name`` is already in the set, or ``module`` has no adapters.
         """
         if name in self._sets:
-            raise ValueError(f"an adapter named {name!r} is already in the set; delete it first")
+            raise LoraError(f"an adapter named {name!r} is already in the set; delete it first")
         found = dict(module) if isinstance(module, dict) else _current_adapters(module)
         if not found:
-            raise ValueError(f"{type(module).__name__} has no LoRA adapters to add as {name!r}")
+            raise LoraError(f"{type(module).__name__} has no LoRA adapters to add as {name!r}")
         return LoraAdapterSet({**self._sets, name: found})
 
     def _with(self, name: str, adapters: dict) -> "LoraAdapterSet":
@@ -416,7 +418,8 @@ class LoraAdapterSet:
 
         Raises:
             KeyError: an unknown name.
-            ValueError: ``module`` lacks a param the adapters are for, or has it in another shape.
+            LoraError: (a ``ValueError``) ``module`` lacks a param the adapters are for, or has it
+                in another shape.
         """
         from ..core.module import named_params, rebuild
 
@@ -431,7 +434,7 @@ class LoraAdapterSet:
                 if d_in * d_out != size:
                     problems.append(f"{path!r}: the adapter makes a ({d_in}, {d_out}) delta, the param is {list(shape)}")
         if problems:
-            raise ValueError(f"cannot activate adapter {name!r}: " + "; ".join(problems))
+            raise LoraError(f"cannot activate adapter {name!r}: " + "; ".join(problems))
         return rebuild(module, lambda path, p: p.with_adapter(chosen.get(path)) if (
             p.adapter() is not None or path in chosen) else p)
 
@@ -495,7 +498,7 @@ def add_adapter(module, name: str, source):
     :data:`DEFAULT_ADAPTER_NAME` and stay active.
 
     Raises:
-        ValueError: ``name`` is taken, or ``source`` has no adapters.
+        LoraError: (a ``ValueError``) ``name`` is taken, or ``source`` has no adapters.
     """
     sets, active = adapter_set(module), active_adapter(module)
     if active is None:
@@ -511,7 +514,8 @@ def set_adapter(module, name: Optional[str]):
 
     Raises:
         KeyError: an unknown name (the known ones listed).
-        ValueError: the adapter does not fit ``module``'s params (:meth:`LoraAdapterSet.activate`).
+        LoraError: (a ``ValueError``) the adapter does not fit ``module``'s params
+            (:meth:`LoraAdapterSet.activate`).
     """
     sets = adapter_set(module)
     return _owning(sets.activate(module, name), sets, name)

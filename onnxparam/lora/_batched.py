@@ -118,7 +118,7 @@ class BatchedLora:
         index_name: the name of the index graph input.
 
     Raises:
-        ValueError: a capacity below 1 or a duplicated name.
+        LoraError: (a ``ValueError``) a capacity below 1 or a duplicated name.
     """
 
     names: Optional[tuple] = None
@@ -129,10 +129,10 @@ class BatchedLora:
         if self.names is not None:
             names = tuple(str(n) for n in self.names)
             if len(set(names)) != len(names):
-                raise ValueError(f"BatchedLora.names has a duplicate: {list(names)}")
+                raise LoraError(f"BatchedLora.names has a duplicate: {list(names)}")
             object.__setattr__(self, "names", names)
         if self.capacity is not None and (isinstance(self.capacity, bool) or int(self.capacity) < 1):
-            raise ValueError(f"BatchedLora.capacity must be an int >= 1; got {self.capacity!r}")
+            raise LoraError(f"BatchedLora.capacity must be an int >= 1; got {self.capacity!r}")
 
 
 # contextvar: (BatchedLora, fed) for the trace being built; fed=True (runtime): the stacks are fed

@@ -187,6 +187,15 @@ def read_peft_config(path: "str | os.PathLike") -> PeftConfig:
     return PeftConfig(raw, str(path))
 
 
+def _missing(path, what: str):
+    """``FileMissingError`` (also a ``FileNotFoundError``) naming a missing ``what`` at ``path``."""
+    import errno
+
+    from ..core.errors import file_error
+
+    return file_error(errno.ENOENT, f"no such {what}: '{os.fspath(path)}'", os.fspath(path))
+
+
 def _files(folder_or_files) -> tuple:
     if isinstance(folder_or_files, (str, os.PathLike)) and Path(folder_or_files).is_dir():
         folder = Path(folder_or_files)
@@ -195,7 +204,13 @@ def _files(folder_or_files) -> tuple:
             raise RecordError(f"{folder} holds adapter_model.bin (a pickle); save the adapter with "
                               "safe_serialization=True to get adapter_model.safetensors")
         return folder / CONFIG_FILE, weights
+    if isinstance(folder_or_files, (str, os.PathLike)) and not Path(folder_or_files).exists():
+        raise _missing(folder_or_files, "PEFT adapter folder")
     files = [Path(p) for p in (folder_or_files if isinstance(folder_or_files, (list, tuple)) else [folder_or_files])]
+    from ..formats._extensions import check_readable
+
+    for p in files:
+        check_readable(p, "the PEFT config / weights file")
     config = next((p for p in files if p.suffix == ".json"), None)
     weights = next((p for p in files if p.suffix == ".safetensors"), None)
     if config is None or weights is None:
@@ -399,6 +414,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
         ShapeMismatchError: (a ``RecordError``) when the only problems are factors that do
             not fit their target (the param and both shapes named).
+        FileMissingError: the folder (or a file given) does not exist (also a
+            ``FileNotFoundError``). IsAFolderError: a folder given as one of the two files.
     """
     from ..formats._safetensors import read_safetensors
 
@@ -593,10 +610,13 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     Raises:
         RecordError: ``folder`` holds no adapter, or one does not load
             (:func:`load_peft_adapter`, every module required).
+        FileMissingError: ``folder`` does not exist (also a ``FileNotFoundError``).
         ValueError: a name is taken already (``module`` owns it, or carries unnamed adapters
             and a folder is named ``"default"``).
     """
     folder = Path(folder)
+    if not folder.exists():
+        raise _missing(folder, "PEFT adapter folder")
     found = []
     if folder.is_dir():
         if (folder / CONFIG_FILE).is_file():

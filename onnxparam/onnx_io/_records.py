@@ -145,6 +145,7 @@ def weights_into_graph(
     make_tensor: Callable[[Any, WeightSite, dict], ir.TensorProtocol],
     metadata: Optional[Mapping[str, str]] = None,
     source: Optional[str] = None,
+    unmatched: Optional[dict] = None,
 ) -> ir.Model:
     """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
     matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
@@ -159,6 +160,10 @@ def weights_into_graph(
             the result becomes the initializer, or the ``value`` of a ``Constant``-held weight.
         metadata: ``onnxparam.core.record.<key>`` model metadata entries.
         source: how messages name ``graph`` (default: its path, or the kind of object).
+        unmatched: when given, receives ``"unused"``: the keys of ``tensors`` the graph has no
+            weight for (not written), and ``"missing"``: ``(path, ONNX name)`` of the graph's
+            weights ``tensors`` has no entry for (they keep the graph's own data); both empty unless
+            ``allow_partial``, which otherwise makes them errors.
 
     Raises:
         RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
@@ -199,6 +204,9 @@ def weights_into_graph(
         for key in tensors:
             if key not in by_path:
                 problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
+    if unmatched is not None:
+        unmatched["unused"] = [key for key in tensors if key not in by_path]
+        unmatched["missing"] = [(site.path, site.name) for site in sites if site.path not in tensors]
     if problems:
         raise RecordError(f"cannot write the record into {source or loaded.source}: {len(problems)} problem(s)",
                           problems)

@@ -176,6 +176,18 @@ def _invalid_text_field(message, where: str) -> Optional[str]:
     return None
 
 
+def _check_onnx_path(path: Path) -> None:
+    """Refuse before parsing: a missing path (``FileMissingError``), a folder
+    (``IsAFolderError``), a file of another known format (``OnnxFormatError`` naming it and the
+    function that reads it, rather than "protobuf is truncated")."""
+    from ..formats._extensions import check_readable, other_format_message
+
+    check_readable(path, "the .onnx file")
+    other = other_format_message(path, "onnx")
+    if other is not None:
+        raise OnnxFormatError(other)
+
+
 def load_model(path_or_model) -> LoadedModel:
     """Parse ``path_or_model`` into an ``onnx_ir.Model`` and validate it (see :func:`_load_model`).
 
@@ -203,10 +215,12 @@ def _load_model(path_or_model) -> LoadedModel:
             or the serialized bytes of a model.
 
     Raises:
-        OnnxFormatError: the file is missing or is not an ONNX model, its protobuf is truncated or
-            corrupt, an external data file is missing or shorter than a tensor needs, or a name is
-            used that nothing produces.
-        IsAFolderError: the path is a folder (``IsADirectoryError``, as the CLI's).
+        OnnxFormatError: the file is not an ONNX model (one of another format this library reads,
+            burnpack / safetensors / PyTorch, is named with the function that reads it), its
+            protobuf is truncated or corrupt, an external data file is missing or shorter than a
+            tensor needs, or a name is used that nothing produces.
+        FileMissingError: no such file (also a ``FileNotFoundError``).
+        IsAFolderError: the path is a folder (also an ``IsADirectoryError``, as the CLI's).
         TypeError: for any other argument type.
     """
     source = describe_source(path_or_model)
@@ -218,15 +232,7 @@ def _load_model(path_or_model) -> LoadedModel:
         else:
             if isinstance(path_or_model, (str, os.PathLike)):
                 path = Path(path_or_model)
-                if path.is_dir():
-                    import errno
-
-                    from ..core.errors import file_error
-
-                    raise file_error(errno.EISDIR, f"cannot read '{source}': it is a folder, not a file; give the path of the .onnx file",
-                                     str(path))
-                if not path.is_file():
-                    raise OnnxFormatError(f"{source}: no such ONNX file")
+                _check_onnx_path(path)
                 proto = _read_file(path, source)
             elif isinstance(path_or_model, onnx.ModelProto):
                 proto = path_or_model

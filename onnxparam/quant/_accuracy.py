@@ -3,8 +3,9 @@ plain ONNX Runtime on the same sample inputs (``onnxparam quantize``'s accuracy 
 
 * :func:`sample_inputs`: the calibration arrays when given (their first :data:`SAMPLES` rows),
   else inputs drawn from the graph's declared types and shapes (seeded): float ``N(0, 1)``,
-  integer indices of an embedding ``Gather`` uniform in ``[0, rows)``, other integers ``1``
-  (masks), booleans ``True``; a symbolic leading dim is :data:`SAMPLES`, other symbolic dims
+  integer indices of an embedding ``Gather`` uniform in ``[0, rows)``, integer inputs named
+  ``*mask*`` ``1``, other integers uniform in ``[0, INTEGER_RANGE)`` (byte values, token ids:
+  the samples differ), booleans ``True``; a symbolic leading dim is :data:`SAMPLES`, other symbolic dims
   :data:`SYMBOLIC_DIM`.
 * :func:`compare`: per output, ``cosine`` (of the flattened outputs in float64; 1.0 when both
   are all zeros) and ``max_abs_error`` (``max |float - quantized|``).
@@ -31,6 +32,8 @@ MIN_COSINE = {8: 0.999, 4: 0.99}
 """Default ``--min-cosine`` by bits of the scheme (int8: 0.999)."""
 
 SAMPLES = 8
+INTEGER_RANGE = 256
+"""Drawn integer inputs that index no embedding table and are no mask: uniform in ``[0, 256)``."""
 SYMBOLIC_DIM = 8
 SENSITIVITY_LIMIT = 48
 """At most this many weights (the largest) are tried one at a time by :func:`sensitivity`."""
@@ -95,8 +98,11 @@ def sample_inputs(path, arrays: list | None = None, seed: int = 0) -> tuple:
             feeds[i.name] = np.ones(shape, np.bool_)
         elif i.name in rows:
             feeds[i.name] = rng.integers(0, max(1, rows[i.name]), size=shape).astype(dtype)
-        else:
+        elif "mask" in i.name.lower():
             feeds[i.name] = np.ones(shape, dtype)
+        else:
+            high = min(INTEGER_RANGE, int(np.iinfo(dtype).max) + 1)
+            feeds[i.name] = rng.integers(0, high, size=shape).astype(dtype)
     return feeds, f"{SAMPLES} inputs drawn from the declared types and shapes (seed {seed})"
 
 

@@ -203,6 +203,18 @@ def emit_param(tracer, param, path: str, shape: tuple):
         # Gemm uses into com.microsoft MatMulNBits, or the weight into a float one with a reported
         # reason (quant/_nbits.py)
         layout, opset21 = weight_layout(qt, 21, options), True
+    if layout is not None and layout.axis is not None and tracer.opset < 13 and not opset21:
+        # NOTE: DequantizeLinear's axis attribute (per-axis scales) is opset 13's; ORT refuses to load
+        # it at opset 10-12 ("Unrecognized attribute: axis"). The codes were rounded against one scale
+        # per channel, so no per-tensor form is exact: the weight stays float, and the warning says why.
+        warnings.warn(
+            f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has one scale per index of axis {layout.axis}: "
+            f"DequantizeLinear takes per-axis scales from opset 13, the model's opset is {tracer.opset}; it is "
+            f"exported as a float32 initializer ("
+            f"{'its original values' if _forms.original_param(tracer, param) is not None else 'dequantized, exact'}"
+            "); quantize per tensor (leave out --per-channel) or convert the model to opset 13 or later",
+            QuantizationWarning, stacklevel=4)
+        return None
     if layout is None:
         warnings.warn(
             f"{path!r} ({qt.describe()}, shape {list(qt.shape)}) has a scale layout ONNX "

@@ -22,7 +22,8 @@ optimizer needs to fuse; the per-value choices checked in ``tests/test_qdq_stati
   scale becomes ``scale * gamma / sqrt(var + eps)`` (per output channel, exact for the stored int8
   values) and the bias ``(b - mean) * gamma / sqrt(var + eps) + beta``, written as nodes on the
   params that ORT constant-folds at load. Otherwise a float ``BatchNormalization`` sits between
-  two integer convs, with a ``DQ -> BN -> Q`` and two NHWC/NCHW ``Transpose`` s around it. The
+  two integer convs, with a ``DQ -> BN -> Q`` and two NHWC/NCHW ``Transpose`` s around it (and
+  always below opset 13, where ``DequantizeLinear`` has no per-axis scales: a warning says so). The
   conv's output takes the ``BatchNormalization`` output's name, whose range calibration measures.
 
 Activations are uint8, asymmetric, MinMax ranges widened to include 0 (ORT's defaults). The
@@ -37,6 +38,10 @@ import numpy as np
 import onnx_ir as ir
 
 QUANTIZED_OPS = ("MatMul", "Conv")
+
+MIN_PER_AXIS_OPSET = 13
+"""``DequantizeLinear`` takes per-axis scales (its ``axis`` attribute) from this ``ai.onnx`` opset
+(ONNX operator spec, DequantizeLinear-13); below it no ``BatchNormalization`` is folded."""
 def node(tracer, graph, op: str, inputs: list, outputs: list, label: str, attrs=None, domain: str = "") -> ir.Node:
     """A new node named uniquely from ``label``, outputs typed ``[(dtype, dims)]`` (not inserted)."""
     name = tracer.unique_name(label)
@@ -206,13 +211,28 @@ def fold_batch_norms(tracer, emitted: list) -> None:
     conv's output channels."""
     by_output = {id(e.output._symbol.value): e for e in emitted}
     graph = tracer.graph
+    unfolded = []
     for conv in list(graph):
         if conv.op_type != "Conv" or not _standard(conv) or len(conv.inputs) < 2:
             continue
         e = by_output.get(id(conv.inputs[1]))
         bn = _foldable_batch_norm(conv)
         if e is not None and bn is not None and e.node is conv.inputs[1].producer():
+            if tracer.opset < MIN_PER_AXIS_OPSET:
+                unfolded.append(bn.name or conv.name)
+                continue
             _fold(tracer, graph, conv, bn, e)
+    if unfolded:
+        import warnings
+
+        from ..core.errors import QuantizationWarning
+
+        shown = ", ".join(unfolded[:4]) + (f" and {len(unfolded) - 4} more" if len(unfolded) > 4 else "")
+        warnings.warn(
+            f"{len(unfolded)} BatchNormalization node(s) ({shown}) stay float after their int8 Conv: folding one "
+            f"into the conv's int8 weight needs a per-channel DequantizeLinear (axis attribute, opset "
+            f"{MIN_PER_AXIS_OPSET}), the model's opset is {tracer.opset}; convert the model to opset "
+            f"{MIN_PER_AXIS_OPSET} or later to fold them", QuantizationWarning, stacklevel=2)
 
 
 def _fold(tracer, graph, conv: ir.Node, bn: ir.Node, e) -> None:

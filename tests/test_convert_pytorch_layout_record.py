@@ -87,3 +87,17 @@ def test_linear_weights_are_recorded_as_transposed_and_go_back_transposed(tmp_pa
     fresh.load_state_dict(loaded, strict=True)
     x = torch.randn(2, 4)
     np.testing.assert_array_equal(fresh(x).detach().numpy(), linear(x).detach().numpy())
+
+
+def test_a_renaming_conversion_between_burn_files_carries_the_record_under_the_new_names(tmp_path):
+    model = _gpt2()
+    ids = torch.tensor([[2, 5, 8]])
+    expected = _logits(model, ids)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "gpt2.pt")
+    convert(tmp_path / "gpt2.pt", tmp_path / "a.bpk", pytorch=True)
+    convert(tmp_path / "a.bpk", tmp_path / "b.bpk", remap=[(r"^transformer\.", "t.")])
+    back = convert(tmp_path / "b.bpk", tmp_path / "back.safetensors", pytorch=True, remap=[(r"^t\.", "transformer.")])
+    assert back.transposed == []
+    fresh = _gpt2()
+    fresh.load_state_dict(safetensors_torch.load_file(str(tmp_path / "back.safetensors")), strict=True)
+    np.testing.assert_array_equal(_logits(fresh, ids), expected)

@@ -30,7 +30,7 @@ from . import _rules_more  # noqa: F401  (register the rules imported models nee
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_control import MULTI_OUTPUT, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
-from ._check import format_missing, missing_rules, rule_for, rule_key, unserved
+from ._check import MissingRule, format_missing, missing_rules, rule_for, rule_key, source_name, unserved
 from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
@@ -81,7 +81,9 @@ def _rule_failure(node: ir.Node, why: str, opset: int, traced: TracedModel) -> s
     """A gradient rule's failure, naming the node, the params that feed it, and where the
     graph's opset comes from when the rule needs a newer one."""
     params = [v.name for v in node.inputs if v is not None and v.name in traced.params]
-    text = f"gradient of node {node.name!r} ({node.op_type}"
+    src = source_name(node)
+    text = f"gradient of node {src!r} (traced as {node.name!r}, {node.op_type}" if src else \
+        f"gradient of node {node.name!r} ({node.op_type}"
     text += f", fed by {', '.join(map(repr, params))})" if params else ")"
     text += f": {why}"
     if "opset" in why:
@@ -150,11 +152,20 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
     # every node without a rule on a param -> loss path, listed at once before anything is built
     missing = missing_rules(graph, requires, loss, traced.params, node_inputs)
     if missing:
-        raise TraceError(format_missing(missing))
+        err = TraceError(format_missing(missing))
+        err.missing = missing  # (check_gradients returns it)
+        raise err
 
     # 3. reverse sweep
     e = Emitter(graph, opset)
     grads: dict = {}
+    failed: list = []  # (MissingRule, message): rules that failed for a reason known from the graph
+
+    def fail(node, why):
+        fed = tuple(v.name for v in node_inputs(node) if v is not None and v.name in traced.params)
+        failed.append((MissingRule(node.name, rule_key(node), fed, why, source_name(node)),
+                       _rule_failure(node, why, opset, traced)))
+
     if loss in requires:
         grads[loss] = e.const(np.ones(loss_dims, dtype=np_dtype(loss)), np_dtype(loss))
     for node in reversed(list(graph)):
@@ -180,17 +191,33 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
             raise TraceError(f"node {node.name!r} ({node.op_type}): only its first output can carry a gradient")
         try:
             results = fn(e, node, gout, need)
-        except TraceError as err:
-            raise TraceError(_rule_failure(node, str(err), opset, traced)) from err
-        dropped = unserved(node, inputs, need, results, opset)
-        if dropped:
-            raise TraceError(_rule_failure(node, "its rule gives no gradient for input(s) " + ", ".join(
-                f"{j} ({name!r})" for j, name in dropped) + "; freeze the params that feed them", opset, traced))
+        except TraceError as err:  # every failing rule is listed at once, after the sweep
+            fail(node, str(err))
+            results = None
+        if results is not None:
+            dropped = unserved(node, inputs, need, results, opset)
+            if dropped:
+                fail(node, "its rule gives no gradient for input(s) " + ", ".join(
+                    f"{j} ({name!r})" for j, name in dropped) + "; freeze the params that feed them")
+                results = None
+        if results is None:
+            # NOTE: the sweep goes on to list the failures further up; each input stands in for
+            # its own gradient (the same type and shape) in a graph that is never built
+            results = list(inputs)
         for value, n, g in zip(inputs, need, results):
             if not n or g is None:
                 continue
             have = grads.get(value)
             grads[value] = g if have is None else e.op("Add", have, g)
+
+    if failed:
+        if len(failed) == 1:
+            err = TraceError(failed[0][1])
+        else:
+            err = TraceError(f"the gradient rules of {len(failed)} node(s) failed:\n"
+                             + "\n".join(f"  - {text}" for _, text in failed))
+        err.missing = [m for m, _ in failed]  # (check_gradients returns it)
+        raise err
 
     # 4. outputs
     del graph.outputs[1:]

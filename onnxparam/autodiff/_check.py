@@ -16,7 +16,25 @@ import onnx_ir as ir
 
 from ._rules import NOT_DIFFERENTIABLE, RULES
 
-__all__ = ["MissingRule", "missing_rules", "rule_for", "GRADIENT_OPS", "format_missing"]
+__all__ = ["MissingRule", "missing_rules", "rule_for", "GRADIENT_OPS", "format_missing", "SOURCE_NODE_KEY",
+           "source_name"]
+
+SOURCE_NODE_KEY = "onnxparam.source_node"
+"""Node ``metadata_props`` key the importer sets on the traced node(s) of an imported node: the
+node's name in the ONNX file (``p2o.Conv.35``), so errors name the node as the file names it."""
+
+
+def source_name(node: ir.Node) -> str:
+    """The name of ``node`` in the imported ONNX file, or ``""`` when it is not an imported node
+    (or has the same name in the trace)."""
+    name = node.metadata_props.get(SOURCE_NODE_KEY, "")
+    return "" if name == node.name else name
+
+
+def node_label(node: ir.Node) -> str:
+    """``'p2o.Conv.35' (traced as '/Conv_35')`` for an imported node, else ``'/Conv_35'``."""
+    src = source_name(node)
+    return f"{src!r} (traced as {node.name!r})" if src else repr(node.name)
 
 GRADIENT_OPS = MappingProxyType(RULES)
 """Read-only view of the gradient rules: operator key -> rule. Keys are the ``op_type`` for the
@@ -30,9 +48,12 @@ class MissingRule(NamedTuple):
     op: str
     params: tuple
     reason: str
+    source: str = ""
+    """the node's name in the imported ONNX file (``""`` for a node that is not imported)"""
 
     def __str__(self) -> str:
-        text = f"{self.node!r} ({self.op})"
+        label = f"{self.source!r} (traced as {self.node!r})" if self.source else repr(self.node)
+        text = f"{label} ({self.op})"
         if self.params:
             text += f" fed by {', '.join(map(repr, self.params))}"
         return f"{text}: {self.reason}"
@@ -96,7 +117,7 @@ def missing_rules(graph: ir.Graph, requires: set, loss: ir.Value, params: dict, 
         if not any(_is_float(o) for o in node.outputs):
             continue
         fed = tuple(v.name for v in ins if v is not None and v.name in params)
-        out.append(MissingRule(node.name, key, fed, "no gradient rule"))
+        out.append(MissingRule(node.name, key, fed, "no gradient rule", source_name(node)))
     return out
 
 

@@ -83,6 +83,10 @@ def _output_dtype(op_type: str, index: int, inputs: list, attrs: dict) -> Option
     return None
 
 
+_SCATTERS = frozenset({"ScatterND", "ScatterElements"})
+_HALF = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
 class Emitter:
     """Appends nodes and constants to ``graph``, with names unique in it.
 
@@ -148,6 +152,16 @@ class Emitter:
         ``LessOrEqual`` / ``GreaterOrEqual`` (opset 12) become ``Not(Greater / Less)`` before."""
         if self.opset < 12 and op_type in ("LessOrEqual", "GreaterOrEqual"):
             return self.op("Not", self.op("Greater" if op_type == "LessOrEqual" else "Less", *inputs))
+        if op_type in _SCATTERS and attrs.get("reduction") not in (None, "none") and inputs[0] is not None \
+                and inputs[0].dtype in _HALF:
+            # NOTE: ONNX Runtime has no ScatterND / ScatterElements kernel with a reduction for
+            # float16 / bfloat16 ("MLFloat16 data type is not supported with ScatterND
+            # reduction"): accumulated in float32 (also more exact), cast back
+            half = inputs[0].dtype
+            data, idx, upd = inputs[:3]
+            wide = self.nodes(op_type, [self.op("Cast", data, to=int(ir.DataType.FLOAT)), idx,
+                                        self.op("Cast", upd, to=int(ir.DataType.FLOAT))], attrs)[0]
+            return self.op("Cast", wide, to=int(half))
         return self.nodes(op_type, inputs, attrs)[0]
 
     def typed(self, value: ir.Value, dtype: np.dtype, shape: Sequence) -> ir.Value:

@@ -49,7 +49,7 @@ def _conv_transpose(e, node, gout, need):
         out[0] = dx
     if need[1]:
         out[1] = conv_weight_grad(e, g, x, yd, xd, wd[0], kernel, strides, dilations, begin, end, group, x,
-                                  node.outputs[0])
+                                  node.outputs[0], channels=wd[1] * group if isinstance(wd[1], int) else None)
     if b is not None and need[2]:
         out[2] = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return out
@@ -164,14 +164,17 @@ def _resize_matrix(node, n_in: int, n_out: int, scale, opset: int) -> np.ndarray
         resize = helper.make_node("Upsample", ["X", "S"], ["Y"], mode=mode.decode() if isinstance(mode, bytes) else mode)
     else:
         opset = max(int(opset), 11)
-        inputs = ["X", "roi", "S"] if scale is not None else ["X", "roi", "", "S"]  # (roi required before opset 13)
+        # NOTE: roi and scales are required inputs at opsets 11-12 ("" is refused there): empty
+        # tensors stand for them, as exporters (paddle2onnx) write them
+        inputs = ["X", "roi", "S"] if scale is not None else ["X", "roi", "" if opset >= 13 else "no_scales", "S"]
         resize = helper.make_node("Resize", inputs, ["Y"], **attrs)
     s_type = TensorProto.FLOAT if scale is not None else TensorProto.INT64
     graph = helper.make_graph([resize], "resize_matrix",
                               [helper.make_tensor_value_info("X", TensorProto.FLOAT, [n_in, 1, 1, n_in]),
                                helper.make_tensor_value_info("S", s_type, [4])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-                              [helper.make_tensor("roi", TensorProto.FLOAT, [0], [])])
+                              [helper.make_tensor("roi", TensorProto.FLOAT, [0], []),
+                               helper.make_tensor("no_scales", TensorProto.FLOAT, [0], [])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     feed = np.array([1, 1, 1, scale], np.float32) if scale is not None else np.array([n_in, 1, 1, n_out], np.int64)
     options = ort.SessionOptions()

@@ -114,7 +114,7 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
 
 def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple, o: int, kernel: tuple,
                      strides, dilations, begin, end, group: int, g_like: Optional[ir.Value] = None,
-                     x_like: Optional[ir.Value] = None) -> ir.Value:
+                     x_like: Optional[ir.Value] = None, channels: Optional[int] = None) -> ir.Value:
     """The gradient of a convolution's weight ``[O, C / group, k...]`` for input ``x`` (dims
     ``xd``) and output gradient ``g`` (dims ``yd``):
     ``dw[o, c, k] = sum_{n, p} g[n, o, p] * x_pad[n, c, p * s + k * d]``, a convolution of ``x``
@@ -123,6 +123,8 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     roles of ``x`` and ``g`` exchanged: :mod:`._rules_layers`.)"""
     nd = len(xd) - 2
     if not all(isinstance(d, int) for d in tuple(xd) + tuple(yd)):
+        if not isinstance(xd[1], int) and isinstance(channels, int):
+            xd = (xd[0], channels) + tuple(xd[2:])  # the weight's static shape gives the channel count
         return _conv_weight_grad_dynamic(e, x, g, xd, o, kernel, strides, dilations, begin, end, group, g_like,
                                          x if x_like is None else x_like)
     n, c = xd[0], xd[1]
@@ -152,7 +154,8 @@ def _conv_weight_grad_dynamic(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, o
     shapes computed from ``Shape`` (``x`` must be typed; ``g_like`` a typed value of ``g``'s
     shape), and the result always cut to the kernel size."""
     if g_like is None or not isinstance(xd[1], int):
-        raise TraceError("a convolution's weight gradient with dynamic dims needs static channels")
+        raise TraceError("a convolution's weight gradient with dynamic dims needs static channels "
+                         "(from the input's or the weight's static shape)")
     nd = len(xd) - 2
     c = xd[1]
     cg, og = c // group, o // group
@@ -183,7 +186,7 @@ def _conv(e, node, gout, need):
         dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group, x)
     if need[1]:
         dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group,
-                              node.outputs[0])
+                              node.outputs[0], channels=wd[1] * group if isinstance(wd[1], int) else None)
     if b is not None and len(need) > 2 and need[2]:
         db = e.reduce_sum(g, [0] + list(range(2, 2 + nd)), keepdims=False)
     return [dx, dw, db][:len(node.inputs)]

@@ -131,6 +131,10 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     """``loss_fn(module, *args, **kwargs)`` traced; ``shapes`` (one per argument, positional then
     keyword; ``None`` for non-tensors) replaces the tensors' shapes (``str`` dims symbolic, for
     sizes >= ``least``)."""
+    _calls._STATS.traces += 1
+    _calls._STATS.training_traces += 1
+    if shapes is not None and any(isinstance(d, str) for s in shapes if s is not None for d in s):
+        _calls._STATS.dynamic_traces += 1
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     tracer = _trace.Tracer(opset_imports=declared, mode=TRAINING_LORA_MODE, root=module, name="training_graph",
                            passes=STANDARD_PASSES)
@@ -252,6 +256,8 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         runner = _sessions.get(session_key)
         if runner is None:
             runner = build_runner(training, [p for _, p in frozen], device, config, owner)
+            _calls._STATS.sessions_built += 1
+            _calls._STATS.training_sessions_built += 1
             _sessions[session_key] = runner
             _calls._trim(_sessions, MAX_CACHED_TRAINING)
         else:
@@ -273,30 +279,33 @@ def _input_dtype(training, name: str):
 
 
 def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
-    """Every node without a gradient rule on a path from ``module``'s trainable params to the
-    loss, found by tracing ``loss_fn(module, *inputs, **kwargs)`` (nothing is built or run).
+    """Every node on a path from ``module``'s trainable params to the loss whose gradient
+    :func:`grad` cannot build: nodes without a gradient rule, and nodes whose rule fails for a
+    reason known from the graph (a ``Dropout`` in training mode, a case a rule does not cover).
+    It traces ``loss_fn(module, *inputs, **kwargs)`` and builds the training graph exactly as
+    :func:`grad` does (the same decisions; the graph is cached for :func:`grad`), but runs nothing.
 
     Args:
         loss_fn, module, *inputs, **kwargs: as for :func:`grad`.
 
     Returns:
-        a list of :class:`~onnxparam.autodiff._check.MissingRule` (``node``, ``op`` — the
-        operator key, ``"<domain>:<op>"`` outside ``ai.onnx`` —, ``params`` — the trainable
-        params feeding it directly — and ``reason``), in graph order; empty when :func:`grad`
-        has a rule for every node it needs. :func:`grad` raises a
+        a list of :class:`~onnxparam.autodiff._check.MissingRule` (``node`` — the traced name —,
+        ``op`` — the operator key, ``"<domain>:<op>"`` outside ``ai.onnx`` —, ``params`` — the
+        trainable params feeding it directly —, ``reason`` and ``source`` — the node's name in
+        the imported ONNX file, ``""`` for other nodes); empty exactly when :func:`grad` builds
+        its training graph for these arguments. :func:`grad` raises a
         :class:`~onnxparam.core.errors.TraceError` listing the same nodes.
 
     Raises:
-        TraceError: when ``loss_fn`` cannot be traced.
+        TraceError: when ``loss_fn`` cannot be traced, or the loss is not a one-element float.
     """
-    from ._check import missing_rules, requiring
-    from ._rules_control import node_inputs
-
-    args, kwargs, _, _ = _calls._split_call(inputs, kwargs)
+    args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
-        forward = _trace_loss(loss_fn, module, args, kwargs)
-    graph = forward.graph
-    graph.sort()
-    wrt = [p for p in trainable_paths(module) if p in forward.params]
-    start = {graph.initializers[p] for p in wrt if p in graph.initializers}
-    return missing_rules(graph, requiring(graph, start, node_inputs), graph.outputs[0], forward.params, node_inputs)
+        try:
+            _training_entry(loss_fn, module, args, kwargs, call_sig)
+        except TraceError as err:
+            missing = getattr(err, "missing", None)
+            if missing is None:
+                raise
+            return list(missing)
+    return []

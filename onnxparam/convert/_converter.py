@@ -55,6 +55,7 @@ ONNX targets:
 from __future__ import annotations
 
 import errno
+import json
 import os
 from dataclasses import dataclass, replace
 
@@ -330,6 +331,14 @@ def convert(
         meta = dict(source.metadata)
         if plan is not None:
             _record_layouts(plan, report, meta, dst_fmt == "safetensors" and not lossless)
+        elif LAYOUT_KEY in meta:  # carried through: follow the renames, drop what was not written
+            recorded = read_layout_record(meta, str(src))
+            renamed, written = dict(report.renamed), {t.name for t in tensors}
+            carried = {renamed.get(k, k): v for k, v in recorded.items() if renamed.get(k, k) in written}
+            if carried and not (dst_fmt == "safetensors" and not lossless):
+                meta[LAYOUT_KEY] = json.dumps(carried, separators=(",", ":"), ensure_ascii=False)
+            else:
+                del meta[LAYOUT_KEY]
         meta.update(metadata or {})
         options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data)
         _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
@@ -435,8 +444,6 @@ def _record_layouts(plan, report: ConvertReport, meta: dict, plain: bool) -> Non
     """Record in the target's metadata (``meta``) which written rank-2 tensors PyTorch holds
     transposed (:data:`~onnxparam.convert._pytorch_layout.LAYOUT_KEY`), so converting the file
     back knows GPT-2's ``Conv1D`` from ``nn.Linear``; note the transposes that were guesses."""
-    import json
-
     meta.pop(LAYOUT_KEY, None)
     if plan.layouts and not plain:
         meta[LAYOUT_KEY] = json.dumps(plan.layouts, separators=(",", ":"), ensure_ascii=False)

@@ -79,7 +79,7 @@ class LoadReport:
                 f"{len(self.cast)} cast, {len(self.errors)} errors")
         lines = [head]
         lines += _section("errors", list(self.errors))
-        lines += _section("missing", list(self.missing))
+        lines += _section("missing", [p if p == n else f"{p} (ONNX {n!r})" for p, n in self.missing])
         lines += _section("unused", list(self.unused))
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))
@@ -143,8 +143,8 @@ class ConvertReport:
             template has no weight at that path (``allow_partial=True``; otherwise an error).
             Never counted in ``tensors``. (An ONNX exporter that folds a BatchNorm into the
             preceding Conv leaves the source's ``conv``/``bn`` tensors here.)
-        missing: module paths of the ``graph`` template's weights that no source tensor
-            replaced: they keep the template's own values (``allow_partial=True``; otherwise
+        missing: ``(module path, ONNX name)`` of the ``graph`` template's weights that no
+            source tensor replaced: they keep the template's own values (``allow_partial=True``; otherwise
             an error).
         bytes_written: size of the target file (for zero-copy ONNX: the model file only).
         notes: anything else worth telling (e.g. "weights stay in model.bpk (zero-copy)").
@@ -175,7 +175,7 @@ class ConvertReport:
                      "graph weights NOT replaced (they keep the graph's old values)")
         lines = [head]
         lines += _section("NOT written: the graph has no weight at these paths", list(self.unused))
-        lines += _section("NOT replaced: these graph weights keep the graph's old values", list(self.missing))
+        lines += _section("NOT replaced: these graph weights keep the graph's old values", [p if p == n else f"{p} (ONNX {n!r})" for p, n in self.missing])
         lines += [f"  note: {n}" for n in self.notes]
         lines += _section("untouched (decide with --transpose RE / --no-transpose RE, or load into a module)",
                           [f"{n}: {why}" for n, why in self.untouched])

@@ -30,7 +30,7 @@ from ..core.dtype import DType
 from ..core.errors import OnnxFormatError, OnnxParamError, TraceError
 from ..core.module import named_params
 from . import _metadata as md
-from ._importer import OnnxModule
+from ._importer import SOURCE_NODE_KEY, OnnxModule
 from ._save import DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
 from ._source import iter_graphs
 
@@ -574,4 +574,9 @@ def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
         producer = symbol.value.producer() if symbol is not None else None
         if producer is not None:
             producer.name = node.name
+        for t in results:  # (the importer's mark for gradient errors: not written to the file)
+            symbol = getattr(t, "_symbol", None)
+            made = symbol.value.producer() if symbol is not None else None
+            if made is not None:
+                made.metadata_props.pop(SOURCE_NODE_KEY, None)
     return traced

@@ -275,6 +275,15 @@ class OnnxModule(Module):
         layouts = weight_layouts(self._source.loaded.model)
         return {path: layouts[name] for path, name in self._source.names.items() if name in layouts}
 
+    def lora_default_skips(self) -> dict:
+        """``path -> reason`` of the 2-d weights the default (every-param) ``LoraConfig`` leaves
+        without an adapter although they have a layout: tables that ``Gather`` reads at
+        computed rows (position tables; ``onnxparam.onnx_io._lora_import.position_tables``)."""
+        from ._lora_import import position_tables
+
+        tables = position_tables(self._source.loaded.model)
+        return {path: tables[name] for path, name in self._source.names.items() if name in tables}
+
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""
@@ -523,6 +532,8 @@ class OnnxModule(Module):
                         made.graph.remove(made, safe=True)
                     result = self._custom(tracer, node, domain, inputs, attributes, count, types, where)
         results = _as_list(result)
+        if node.name:
+            _tag_source(results, node.name)
         for v, t in zip(node.outputs, results):
             if v.name:
                 env[id(v)] = (v, t)
@@ -604,6 +615,21 @@ def import_onnx(path_or_model) -> OnnxModule:
     elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
+
+
+SOURCE_NODE_KEY = "onnxparam.source_node"
+"""Node ``metadata_props`` key naming the imported file's node a traced node comes from (read by
+``onnxparam.autodiff._check.source_name``, so gradient errors name ``p2o.Conv.35``, not ``/Conv_35``)."""
+
+
+def _tag_source(results, name: str) -> None:
+    """Mark the traced node(s) producing ``results`` with the imported node's ``name``."""
+    for t in results:
+        symbol = getattr(t, "_symbol", None)
+        value = getattr(symbol, "value", None)
+        producer = value.producer() if value is not None else None
+        if producer is not None and SOURCE_NODE_KEY not in producer.metadata_props:
+            producer.metadata_props[SOURCE_NODE_KEY] = name
 
 
 def _inline_functions(loaded: LoadedModel) -> LoadedModel:

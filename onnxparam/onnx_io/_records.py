@@ -161,8 +161,8 @@ def weights_into_graph(
         metadata: ``onnxparam.core.record.<key>`` model metadata entries.
         source: how messages name ``graph`` (default: its path, or the kind of object).
         unmatched: when given, receives ``"unused"``: the keys of ``tensors`` the graph has no
-            weight for (not written), and ``"missing"``: the graph's weight paths ``tensors``
-            has no entry for (they keep the graph's own data); both empty unless
+            weight for (not written), and ``"missing"``: ``(path, ONNX name)`` of the graph's
+            weights ``tensors`` has no entry for (they keep the graph's own data); both empty unless
             ``allow_partial``, which otherwise makes them errors.
 
     Raises:
@@ -206,7 +206,7 @@ def weights_into_graph(
                 problems.append(f"unexpected tensor '{key}': the graph has no weight at this path")
     if unmatched is not None:
         unmatched["unused"] = [key for key in tensors if key not in by_path]
-        unmatched["missing"] = [site.path for site in sites if site.path not in tensors]
+        unmatched["missing"] = [(site.path, site.name) for site in sites if site.path not in tensors]
     if problems:
         raise RecordError(f"cannot write the record into {source or loaded.source}: {len(problems)} problem(s)",
                           problems)

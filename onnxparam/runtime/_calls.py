@@ -49,17 +49,24 @@ class RuntimeStats:
     """Counters since the runtime was imported (:func:`clear_caches` does not reset them).
 
     Attributes:
-        sessions_built: module sessions built (each a new ``InferenceSession``).
+        sessions_built: module sessions built (each a new ``InferenceSession``), those of
+            module calls and the training sessions of :func:`onnxparam.autodiff.grad`.
         eager_sessions_built: one-op sessions built for eager ops.
-        traces: forwards traced by module calls.
+        traces: forwards traced by module calls, and losses traced by
+            :func:`~onnxparam.autodiff.grad` / :func:`~onnxparam.autodiff.check_gradients`
+            (a cached training graph is not traced again).
         dynamic_traces: of those, traces with symbolic dims (automatic dynamic, see
             :class:`SessionConfig`).
+        training_traces: of ``traces``, the losses traced for training graphs.
+        training_sessions_built: of ``sessions_built``, the training sessions.
     """
 
     sessions_built: int = 0
     eager_sessions_built: int = 0
     traces: int = 0
     dynamic_traces: int = 0
+    training_traces: int = 0
+    training_sessions_built: int = 0
 
 
 _STATS = RuntimeStats()

@@ -84,7 +84,9 @@ def test_a_quantized_weight_that_is_a_graph_output_keeps_its_output_name_on_reim
     assert again.output_names == ("y", "W")
 
 
-@pytest.mark.parametrize("record, what", [([1, 2], "a list"), (None, "None"), ("m.bpk", "a str")])
+# NOTE: the str is an existing file (this one): a missing path is a FileMissingError, as from
+# every reader (test_reader_file_errors.py)
+@pytest.mark.parametrize("record, what", [([1, 2], "a list"), (None, "None"), (__file__, "a str")])
 def test_load_record_of_a_non_mapping_is_a_record_error_naming_what_it_got(record, what):
     with pytest.raises(RecordError, match=f"a record maps param paths to tensors \\(a dict, a ModuleRecord\\); got {what}"):
         Net().load_record(record)

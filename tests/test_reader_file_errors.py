@@ -126,3 +126,12 @@ def test_an_onnx_runtime_adapter_file_is_named_by_every_reader_and_inspect(tmp_p
     assert main(["inspect", os.fspath(path)]) != 0
     err = capsys.readouterr().err
     assert "ONNX Runtime LoRA adapter file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_safetensors_and_pytorch_readers_name_a_file_of_another_format(tmp_path):
+    bpk = _burnpack_file(tmp_path / "w.safetensors")
+    with pytest.raises(op.RecordError, match=r"is a burnpack file, not safetensors; use Module\.load_file"):
+        load_safetensors(nn.Linear(2, 3), bpk)
+    st = _safetensors_file(tmp_path / "w.pt")
+    with pytest.raises(op.RecordError, match=r"is a safetensors file, not PyTorch \(torch\.save\); use onnxparam\.convert\.load_safetensors"):
+        load_pytorch(nn.Linear(2, 3), st)

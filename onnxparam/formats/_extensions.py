@@ -74,14 +74,16 @@ def content_format(path) -> "str | None":
 
 
 def other_format_message(path, expected: str) -> "str | None":
-    """When the file at ``path`` is, by its content, a known format other than ``expected``
-    (or an ONNX Runtime adapter file), a message saying so and naming the reader to use
+    """When the file at ``path`` is, by its content, a burnpack, safetensors or PyTorch file
+    other than ``expected`` (or an ONNX Runtime adapter file), a message saying so and naming the reader to use
     ("'x.bpk' is a burnpack file, not ONNX; use Module.load_file / ..."); otherwise None
     (unreadable, or of no known format). Never raises."""
     fmt = content_format(path)
     if fmt == "onnx_adapter":
         return _adapter_message(path)
-    if fmt is None or fmt == expected:
+    # NOTE: ONNX is told by a heuristic (protobuf field tags) that some malformed files of the
+    # other formats pass; only the formats with a magic number / checked header are named
+    if fmt is None or fmt == expected or fmt == "onnx":
         return None
     names = {"onnx": "ONNX", "pytorch": "PyTorch (torch.save)"}
     return (f"'{path}' is a {names.get(fmt, fmt)} file, not {names.get(expected, expected)}; "

@@ -122,7 +122,15 @@ def read_pytorch(
             names collide after remapping / re-numbering.
     """
     path = os.fspath(path)
-    tree, storage_bytes, byteorder = open_checkpoint(path)
+    try:
+        tree, storage_bytes, byteorder = open_checkpoint(path)
+    except RecordError as e:
+        from ._extensions import other_format_message
+
+        other = other_format_message(path, "pytorch")  # a burnpack / safetensors / ONNX file says so
+        if other is None:
+            raise
+        raise RecordError(f"{e}; {other}") from e
     if top_level_key is not None:
         if not isinstance(tree, dict) or top_level_key not in tree:
             keys = sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__

@@ -81,7 +81,10 @@ def _canonical_key(name: str, st_dtype: str) -> tuple:
 
 
 def _format_error(path, message: str) -> RecordError:
-    return RecordError(f"not a valid safetensors file '{path}': {message}")
+    from ._extensions import other_format_message
+
+    other = other_format_message(path, "safetensors")  # a burnpack / ONNX / .pt file says so
+    return RecordError(f"not a valid safetensors file '{path}': {message}" + (f"; {other}" if other else ""))
 
 
 def _decode_scalars(path, raw: dict) -> dict:

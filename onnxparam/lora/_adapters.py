@@ -30,7 +30,7 @@ from ..core.tensor import Tensor
 from ..trace.passes import LORA_MODES, TRACE_LORA_MODES  # noqa: F401  (re-exported: the modes of a trace)
 
 __all__ = ["LoraConfig", "LoraAdapter", "LoraAdapterSet", "apply_lora", "merge_param", "transposed_paths", "untargetable_paths",
-           "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD", "adapter_set", "active_adapter", "add_adapter", "set_adapter",
+           "LORA_LAYOUT_METHOD", "LORA_TARGETS_METHOD", "LORA_DEFAULT_SKIPS_METHOD", "default_skipped_paths", "adapter_set", "active_adapter", "add_adapter", "set_adapter",
            "disable_adapter", "delete_adapter", "DEFAULT_ADAPTER_NAME", "with_every_named_target"]
 
 
@@ -44,7 +44,12 @@ class LoraConfig:
             ``lora_alpha=8`` (so ``LoraConfig(rank=4)`` scales by 2, as PEFT's ``LoraConfig(r=4)``).
         init_std: standard deviation of ``A``'s normal init; ``1 / rank`` when ``None``.
         dtype: the factors' dtype; the base's float dtype when ``None`` (F32 for a quantized base).
-        param_group: which rank-2 float params get adapters (every one by default).
+        param_group: which rank-2 float params get adapters. The default (every param)
+            adapts the matrices of linear maps and embedding tables, and leaves out what a
+            module declares is no linear map (:data:`LORA_TARGETS_METHOD`: a ``(1, d)`` scale)
+            or no default target (:data:`LORA_DEFAULT_SKIPS_METHOD`: an imported graph's
+            position tables, which ``Gather`` reads at rows computed from shapes); a narrower
+            group adapts the latter too.
         seed: seed of ``A``'s random init; fresh randomness when ``None``.
         use_rslora: rank-stabilized LoRA (Kalajdzievski 2023, PEFT's ``use_rslora``):
             ``scale = alpha / sqrt(rank)`` instead of ``alpha / rank``.
@@ -166,6 +171,27 @@ no matrix of a linear map: :func:`apply_lora` leaves it without an adapter under
 (every-param) group and refuses it, naming the reason, when a narrower group selects it."""
 
 
+LORA_DEFAULT_SKIPS_METHOD = "lora_default_skips"
+"""The optional method a module defines to name rank-2 params that have a layout but that the
+default (every-param) group should not adapt: ``{path: reason}`` (an imported
+:class:`~onnxparam.OnnxModule` names the tables ``Gather`` reads at computed rows, e.g. GPT-2's
+position table, as PEFT's defaults target linear layers and embeddings only when asked). A
+narrower group that selects one adapts it."""
+
+
+def default_skipped_paths(module) -> dict:
+    """``{path: reason}`` of rank-2 params that the modules of the tree declare (through
+    :data:`LORA_DEFAULT_SKIPS_METHOD`) the default group leaves without an adapter."""
+    from ..core.module import named_modules
+
+    found = {}
+    for prefix, sub in named_modules(module):
+        method = getattr(sub, LORA_DEFAULT_SKIPS_METHOD, None)
+        if callable(method):
+            found.update({f"{prefix}.{p}" if prefix else p: reason for p, reason in method().items()})
+    return found
+
+
 def untargetable_paths(module) -> dict:
     """``{path: reason}`` of rank-2 params that the modules of the tree declare (through
     :data:`LORA_TARGETS_METHOD`) are not used as the matrix of a linear map."""
@@ -203,6 +229,9 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     Rank-2 params that the module's graph does not use as a linear map's matrix (declared through
     :data:`LORA_TARGETS_METHOD`) get no adapter under the default group; a narrower group that
     selects one is an error naming it.
+    Params a module declares no default target (:data:`LORA_DEFAULT_SKIPS_METHOD`: position
+    tables of an imported graph) get no adapter under the default group, one when a narrower
+    group selects them.
 
     A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
     imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
@@ -227,10 +256,11 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     transposed = transposed_paths(module)
     not_linear = untargetable_paths(module)
     every_param = repr(config.param_group) == repr(ParamGroup.all())
+    by_default_not = default_skipped_paths(module) if every_param else {}
     rng = np.random.default_rng(config.seed)
     rank = int(config.rank)
     std = float(config.init_std) if config.init_std is not None else 1.0 / rank
-    skipped: dict = {"linear": [], "rank": [], "group": []}  # why float params got no adapter
+    skipped: dict = {"linear": [], "rank": [], "group": [], "default": []}  # why float params got no adapter
     adapted = []
 
     def adapt(path: str, param: Param) -> Param:
@@ -251,6 +281,9 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
                 return frozen
             raise LoraError(f"{path!r} {tuple(shape)} is not the matrix of a linear map in its graph "
                             f"({not_linear[path]}): LoRA cannot adapt it; narrow the param_group")
+        if path in by_default_not:
+            skipped["default"].append(f"{path!r} {tuple(shape)}: {by_default_not[path]}")
+            return frozen
         if param.adapter() is not None:
             old = param.adapter()
             raise LoraError(f"{path!r} already has a LoRA adapter (rank {old.rank}, scale {old.scale:g}); "
@@ -300,6 +333,9 @@ def _nothing_adapted(module, config: LoraConfig, skipped: dict) -> str:
         reasons.append(f"{len(skipped['linear'])} rank-2 float param(s) are not the matrix of a linear map in "
                        f"the graph (no MatMul / Gemm / Gather uses them as one), so LoRA cannot adapt them: "
                        f"{listed(skipped['linear'])}")
+    if skipped["default"]:
+        reasons.append(f"{len(skipped['default'])} rank-2 float param(s) are left out by the default param_group "
+                       f"(a param_group naming them adapts them): {listed(skipped['default'])}")
     if skipped["group"]:
         reasons.append(f"{len(skipped['group'])} rank-2 float param(s) do not match the param_group "
                        f"{config.param_group!r}: {listed(skipped['group'])}")

@@ -323,9 +323,11 @@ class _Targets:
 
 
 def _linear_aliases(model) -> dict:
-    """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is an initializer
-    (directly or through a 2-d ``Transpose``) and whose output gets an initializer named
-    ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
+    """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is a weight (an
+    initializer or a ``Constant`` node's output, directly or through a 2-d ``Transpose``) and
+    whose output gets a tensor named ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
+    from ..trace.evidence import stored_tensor
+
     aliases = {}
     for node in model.graph.all_nodes():
         if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
@@ -334,7 +336,7 @@ def _linear_aliases(model) -> dict:
         producer = weight.producer() if weight is not None else None
         if producer is not None and producer.op_type == "Transpose":
             weight = producer.inputs[0]
-        if weight is None or not weight.is_initializer():
+        if stored_tensor(weight) is None:  # neither an initializer nor a Constant node's tensor
             continue
         biases = [node.inputs[2]] if node.op_type == "Gemm" and len(node.inputs) > 2 else []
         for user, _ in node.outputs[0].uses():

@@ -275,6 +275,15 @@ class OnnxModule(Module):
         layouts = weight_layouts(self._source.loaded.model)
         return {path: layouts[name] for path, name in self._source.names.items() if name in layouts}
 
+    def lora_default_skips(self) -> dict:
+        """``path -> reason`` of the 2-d weights the default (every-param) ``LoraConfig`` leaves
+        without an adapter although they have a layout: tables that ``Gather`` reads at
+        computed rows (position tables; ``onnxparam.onnx_io._lora_import.position_tables``)."""
+        from ._lora_import import position_tables
+
+        tables = position_tables(self._source.loaded.model)
+        return {path: tables[name] for path, name in self._source.names.items() if name in tables}
+
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""

@@ -11,9 +11,10 @@ import onnx_ir as ir
 
 from ..core.param import Param
 from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
+from ..trace.evidence import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "IN_OUT", "OUT_IN", "CONV"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,8 @@ CONV = "conv"
 
 
 def weight_layouts(model: ir.Model) -> dict:
-    """The layout of each 2-d weight initializer of ``model``, decided by its consumers: ``name
+    """The layout of each 2-d weight of ``model`` (an initializer, or a ``Constant`` node's
+    output: :func:`~onnxparam.trace.evidence.stored_tensor`), decided by its consumers: ``name
     -> IN_OUT | OUT_IN``, or a sentence saying why the graph does not decide it (its uses
     disagree, or no use tells which axis is the input). Never from shapes.
 
@@ -344,12 +346,14 @@ def weight_layouts(model: ir.Model) -> dict:
         if node.domain not in ("", "ai.onnx"):
             continue
         for index, value in enumerate(node.inputs):
-            if value is None or not value.is_initializer() or value.shape is None:
+            tensor = stored_tensor(value)  # an initializer or a Constant node's output (Paddle's weights)
+            if tensor is None:
                 continue
-            if node.op_type == "Conv" and index == 1 and len(value.shape) >= 3:
+            rank = len(tensor.shape)
+            if node.op_type == "Conv" and index == 1 and rank >= 3:
                 claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
                 continue
-            if len(value.shape) != 2:
+            if rank != 2:
                 continue
             layout = None
             if node.op_type == "MatMul" and index == 1:
@@ -373,6 +377,44 @@ def weight_layouts(model: ir.Model) -> dict:
             out[name] = f"its uses disagree on its layout ({', '.join(sorted(claims[name]))})"
         else:
             out[name] = f"no use says which axis is the input (used by {', '.join(sorted(others[name]))})"
+    return out
+
+
+def position_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
+    (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
+    values (:class:`~onnxparam.trace.evidence.DataDependence`): position tables
+    (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
+    embeddings of the tokens fed. :func:`~onnxparam.apply_lora`'s default group leaves them
+    without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
+    a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
+    A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
+    not listed."""
+    from ..trace.evidence import DataDependence
+
+    graph = model.graph
+    depends = DataDependence(graph)
+    tables: dict = {}
+    others: set = set()
+    for node in graph.all_nodes():
+        for index, value in enumerate(node.inputs):
+            tensor = stored_tensor(value)
+            if tensor is None or len(tensor.shape) != 2:
+                continue
+            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
+                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1
+                    and not depends(node.inputs[1])):
+                tables.setdefault(value.name, node)
+            else:
+                others.add(value.name)
+    out = {}
+    for name, node in tables.items():
+        if name in others:
+            continue
+        where = f"Gather {node.name!r}" if node.name else "a Gather"
+        out[name] = (f"a table read by position ({where}: its indices are computed in the graph, not taken "
+                     "from the model inputs), not an embedding of the inputs; name it in the param_group to "
+                     "adapt it")
     return out
 
 

@@ -54,6 +54,7 @@ import onnx_ir as ir
 from ..core.dtype import DTYPE_FROM_ONNX, DType, dtype_from_onnx_element
 from ..core.errors import OnnxFormatError
 from ..core.tensor import TensorData
+from ..trace.evidence import stored_tensor
 from ._naming import onnx_name_to_path
 from ._source import iter_graphs
 
@@ -68,6 +69,7 @@ __all__ = [
     "weight_dtype",
     "tensor_data",
     "feeds_quantized_weight",
+    "stored_tensor",
 ]
 
 MAX_INLINE_CONSTANT_ELEMENTS = 64
@@ -279,13 +281,12 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
                                     tuple(int(d) for d in tensor.shape.numpy()),
                                     graph is main and id(value) in main_inputs))
         for node in graph:
-            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            if node.op_type != "Constant" or len(node.outputs) != 1:
                 continue
-            attr = node.attributes.get("value")
-            if attr is None or attr.is_ref() or attr.type != ir.AttributeType.TENSOR:
-                continue
-            tensor = attr.value
             value = node.outputs[0]
+            tensor = stored_tensor(value)
+            if tensor is None:
+                continue
             if not is_weight(tensor, value, opsets):
                 continue
             sites.append(WeightSite(value.name, onnx_name_to_path(value.name), CONSTANT, value, node, graph, tensor,

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from ..trace.evidence import DataDependence as _DataDependence
+
 __all__ = ["graph_roles", "WEIGHT_INPUTS"]
 
 WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1,),
@@ -37,10 +39,6 @@ WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1
 
 _MOVES = ("Cast", "Identity", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 """Ops that move a weight's values without computing with them (looked through)."""
-
-_SHAPE_ONLY = ("Shape", "Size")
-"""Ops whose output depends on their input's shape only (a graph input reached only through
-them does not make ``Gather`` indices data-dependent)."""
 
 _ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Sum", "Mean", "Where", "Expand",
                "Concat", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or")
@@ -61,34 +59,6 @@ def _consumers(value: ir.Value, seen: set | None = None) -> list:
         else:
             found.append((node, index))
     return found
-
-
-class _DataDependence:
-    """Whether a value depends on a graph input's **values** (memoized over the graph)."""
-
-    def __init__(self, graph: ir.Graph):
-        self.inputs = {id(v) for v in graph.inputs if not v.is_initializer()}
-        self.memo: dict = {}
-
-    def __call__(self, value: ir.Value | None) -> bool:
-        if value is None:
-            return False
-        stack = [(value, False)]
-        while stack:  # NOTE: iterative: graphs thousands of nodes deep
-            v, expanded = stack.pop()
-            if id(v) in self.memo:
-                continue
-            node = v.producer()
-            if id(v) in self.inputs or node is None or node.op_type in _SHAPE_ONLY:
-                self.memo[id(v)] = id(v) in self.inputs
-                continue
-            inputs = [i for i in node.inputs if i is not None]
-            if expanded:
-                self.memo[id(v)] = any(self.memo.get(id(i), False) for i in inputs)
-            else:
-                stack.append((v, True))
-                stack.extend((i, False) for i in inputs if id(i) not in self.memo)
-        return self.memo[id(value)]
 
 
 def _is_weight_use(node: ir.Node, index: int, depends) -> bool:

@@ -385,7 +385,7 @@ def position_tables(model: ir.Model) -> dict:
     (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
     values (:class:`~onnxparam.trace.evidence.DataDependence`): position tables
     (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
-    embeddings of the tokens fed. :func:`~onnxparam.apply_lora`'s default group leaves them
+    embeddings of the tokens fed. :func:`~onnxparam.lora.apply_lora`'s default group leaves them
     without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
     a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
     A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is

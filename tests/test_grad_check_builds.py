@@ -155,3 +155,47 @@ def test_runtime_stats_count_the_traces_and_sessions_of_grad(tmp_path):
     assert after.training_sessions_built == before.training_sessions_built + 1
     assert after.traces >= before.traces + 1
     assert after.sessions_built >= before.sessions_built + 1
+
+
+def _batch_norm(w):
+    """``BatchNormalization(Conv(x, k), scale, bias, mean, var)`` in inference mode, one running
+    variance tiny (1e-4, as in a trained CNN)."""
+    nodes = [helper.make_node("Conv", ["x", "k"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w[n], n) for n in ("k", "scale", "bias", "mean", "var")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+
+
+def test_batch_norm_running_statistics_are_not_trained(tmp_path):
+    """A full fine-tune leaves BatchNormalization's running mean / variance alone (PyTorch
+    buffers; one Adam step of 1e-3 made a 1e-4 variance negative and the model NaN): they are
+    tables (``require_grad=False``); scale and bias get gradients matching finite differences."""
+    weights = {"k": RNG.normal(size=(3, 2, 1, 1)).astype(np.float32), "scale": np.float32([1.0, 0.5, 2.0]),
+               "bias": np.float32([0.1, -0.2, 0.0]), "mean": np.float32([0.0, 0.3, -0.1]),
+               "var": np.float32([1e-4, 1.0, 0.5])}
+    x = RNG.normal(size=(2, 2, 4, 4)).astype(np.float32)
+    path = tmp_path / "m.onnx"
+    path.write_bytes(_batch_norm(weights).SerializeToString())
+    module = op.import_onnx(str(path))
+    assert set(module.onnx_tables) == {"mean", "var"}
+
+    def loss_fn(m, x):
+        y = m(x=x)
+        return (y * y).mean()
+
+    assert check_gradients(loss_fn, module, op.Tensor.from_numpy(x)) == []
+    _, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
+    by_path = grads.by_path()
+    assert set(by_path) == {"k", "scale", "bias"}
+    eps = 1e-3
+    for name in ("scale", "bias"):
+        for i in range(3):
+            plus = {n: v.copy() for n, v in weights.items()}
+            minus = {n: v.copy() for n, v in weights.items()}
+            plus[name][i] += eps
+            minus[name][i] -= eps
+            expected = (_np_loss(_batch_norm, plus, x) - _np_loss(_batch_norm, minus, x)) / (2 * eps)
+            np.testing.assert_allclose(by_path[name].to_numpy()[i], expected, rtol=5e-3, atol=1e-3)

@@ -30,11 +30,13 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR"]
+__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
 CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
+RUNNING_STATS = ("a BatchNormalization running mean / variance (inference statistics, a buffer in PyTorch: "
+                 "an optimizer step could make a variance negative)")
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ENCODERS = frozenset({"Sin", "Cos"})
@@ -43,6 +45,11 @@ _STOPS = frozenset({"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", 
                     "ConstantOfShape", "EyeLike", "Range", "RandomNormalLike", "RandomUniformLike"})
 _MASK_CHECK_MAX = 1 << 24
 _WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1,), "Gather": (0,)}
+
+
+def _training_mode(node: ir.Node) -> bool:
+    a = node.attributes.get("training_mode")
+    return a is not None and bool(a.value)
 
 
 def _is_float(v: Optional[ir.Value]) -> bool:
@@ -145,6 +152,10 @@ def find_tables(model: ir.Model, candidates) -> dict:
                 continue
         uses = list(value.uses())
         if not uses:
+            continue
+        if all(node.op_type == "BatchNormalization" and index in (3, 4) and not _training_mode(node)
+               for node, index in uses):
+            out[name] = RUNNING_STATS
             continue
         weightish = any(index in _WEIGHT_INPUTS.get(node.op_type, ()) for node, index in uses)
         if not weightish and size <= _MASK_CHECK_MAX and tensor is not None and _is_mask(tensor):

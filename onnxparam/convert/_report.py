@@ -79,7 +79,7 @@ class LoadReport:
                 f"{len(self.cast)} cast, {len(self.errors)} errors")
         lines = [head]
         lines += _section("errors", list(self.errors))
-        lines += _section("missing", [p if p == n else f"{p} (ONNX {n!r})" for p, n in self.missing])
+        lines += _section("missing", list(self.missing))
         lines += _section("unused", list(self.unused))
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))

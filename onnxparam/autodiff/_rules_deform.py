@@ -22,8 +22,9 @@ sampling in ``x`` is a scatter-add with the bilinear weights (``ScatterElements`
 On a cell border (an integer sample coordinate) the offset gradient is the one-sided derivative
 from above, as in the reference CUDA kernels (the function has a kink there).
 
-``Col2Im`` is the adjoint of im2col with the same geometry, so ``dx = im2col(g)``: a grouped
-``Conv`` with a one-hot kernel (as :func:`onnxparam.ops.unfold4d`), then ``Reshape``.
+``Col2Im`` is the adjoint of im2col with the same geometry, so ``dx = im2col(g)``: a ``Conv``
+with a one-hot kernel (as :func:`onnxparam.ops.unfold4d`) of every channel plane alone, then
+``Reshape`` to ``x``'s shape (shape arithmetic: batch, channels and image size may be dynamic).
 """
 
 from __future__ import annotations
@@ -175,16 +176,19 @@ def _col2im(e, node, gout, need):
     out = [None] * len(node.inputs)
     if not need[0]:
         return out
-    n, rows, length = static_dims(x, "Col2Im's gradient")
-    _, c, _, _ = static_dims(node.outputs[0], "Col2Im's gradient")
     block = const_array(node.inputs[2])
     if block is None:
         raise TraceError(f"node {node.name!r}: Col2Im's gradient needs a constant block_shape")
+    if block.size != 2:
+        raise TraceError(f"node {node.name!r}: Col2Im's gradient supports 2-D blocks; block_shape is {block.tolist()}")
     kh, kw = (int(v) for v in block)
     dt = np_dtype(x)
     attrs = {name: list(attr(node, name, None)) for name in ("strides", "pads", "dilations")
              if attr(node, name, None) is not None}
-    cols = e.op("Conv", gout[0], e.const(_one_hot_kernel(c, kh, kw, dt), dt), group=c, kernel_shape=[kh, kw],
-                **attrs)
-    out[0] = e.reshape(cols, [n, rows, length])
+    # every channel alone ([N * C, 1, H, W]: no static channel count needed), im2col of each by a
+    # one-hot Conv -> [N * C, kH * kW, L], then x's [N, C * kH * kW, L] (row c * K + k: channel-major)
+    y = node.outputs[0]
+    planes = e.op("Reshape", gout[0], e.concat_ints([-1, 1], e.dims_of(y, 2)))
+    cols = e.op("Conv", planes, e.const(_one_hot_kernel(1, kh, kw, dt), dt), kernel_shape=[kh, kw], **attrs)
+    out[0] = e.reshape_like(cols, x)
     return out

@@ -44,10 +44,11 @@ def _runs_in_double(nodes, x_dims, inits, opset, extra_inputs=()):
 
 
 def check_op(nodes, x_dims, shapes, inits, opset, *, torch_fn=None, x_range=(-1.0, 1.0), extra=None,
-             extra_inputs=(), f32_tol=(1e-2, 2e-3, 2e-4)):
+             extra_inputs=(), f32_tol=(1e-2, 2e-3, 2e-4), feed_map=None):
     """``check_model_grads`` at each shape in ``shapes`` (float64 when ORT can, else float32), and
     torch autograd of ``sum(w * torch_fn(x, **params))`` in float64 on the last shape, against
-    ``grad``'s gradients of every float initializer. ``extra(shape)`` gives further feeds."""
+    ``grad``'s gradients of every float initializer. ``extra(shape)`` gives further feeds;
+    ``feed_map`` edits the drawn ``x``."""
     double = _runs_in_double(nodes, x_dims, inits, opset, extra_inputs)
     dt, npdt = (D, np.float64) if double else (F, np.float32)
     inits = {k: v.astype(npdt) if np.issubdtype(v.dtype, np.floating) else v for k, v in inits.items()}
@@ -55,6 +56,8 @@ def check_op(nodes, x_dims, shapes, inits, opset, *, torch_fn=None, x_range=(-1.
     feeds = []
     for shape in shapes:
         feed = {"x": RNG.uniform(*x_range, size=shape).astype(npdt)}
+        if feed_map is not None:
+            feed["x"] = feed_map(feed["x"])
         if extra is not None:
             feed.update({k: (v.astype(npdt) if np.issubdtype(v.dtype, np.floating) else v)
                          for k, v in extra(shape).items()})
@@ -80,7 +83,10 @@ def check_op(nodes, x_dims, shapes, inits, opset, *, torch_fn=None, x_range=(-1.
                         *[op.Tensor.from_numpy(feed[n]) for n in names])
         by_path = grads.by_path()
         tol = dict(rtol=1e-7, atol=1e-9) if double else dict(rtol=2e-4, atol=2e-5)
+        weights = set(module.onnx_names.values())  # (initializers the importer keeps constant are not params)
         for k, t in params.items():
+            if k not in weights:
+                continue
             np.testing.assert_allclose(by_path[module.path_of(k)].to_numpy(), t.grad.numpy(), err_msg=k, **tol)
 
 
@@ -146,3 +152,133 @@ def _fold(cols):
 
     full = torch.nn.functional.fold(cols, (5, 6), (2, 2))
     return full[:, :, 1:5, 0:5]
+
+
+# -- CumProd, Det, Mod, CastLike, OneHot, DequantizeLinear ----------------------------------------
+
+
+def _torch_cumprod(x, axis, exclusive, reverse):
+    import torch
+
+    if reverse:
+        x = x.flip(axis)
+    c = torch.cumprod(x, axis)
+    if exclusive:
+        c = torch.cat([torch.ones_like(c.narrow(axis, 0, 1)), c.narrow(axis, 0, c.shape[axis] - 1)], axis)
+    return c.flip(axis) if reverse else c
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 1), (0, 1)])
+def test_cumprod_along_a_dynamic_axis_with_zeros(exclusive, reverse):
+    """Along the batch axis (its size changes); a zero in ``x`` (the gradient divides by nothing)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("CumProd", ["xs", "axis"], ["y"], exclusive=exclusive, reverse=reverse)]
+    inits = {"s": RNG.uniform(0.5, 1.5, size=(4,)), "axis": np.array(0, np.int64)}
+
+    check_op(nodes, ["N", 4], [(3, 4), (5, 4)], inits, 26, x_range=(-1.5, 1.5),
+             torch_fn=lambda x, s, axis: _torch_cumprod(x * s, 0, exclusive, reverse), feed_map=_zero_first)
+
+
+def _zero_first(x):
+    x = x.copy()
+    x[1, 2] = 0.0
+    return x
+
+
+def test_det_of_a_batch_of_matrices():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Det", ["xs"], ["y"])]
+    check_op(nodes, ["N", 3, 3], [(2, 3, 3), (4, 3, 3)], {"s": RNG.uniform(0.5, 1.5, size=(3, 3))}, 22,
+             torch_fn=lambda x, s: __import__("torch").linalg.det(x * s))
+
+
+def test_float_mod_gradient_of_both_operands():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mod", ["xs", "b"], ["y"], fmod=1)]
+    inits = {"s": RNG.uniform(0.5, 1.5, size=(3,)), "b": np.array([2.5, -3.0, 3.5])}
+    check_op(nodes, ["N", 3], [(4, 3), (6, 3)], inits, 13, x_range=(-6, 6),
+             torch_fn=lambda x, s, b: __import__("torch").fmod(x * s, b))
+
+
+def test_cast_like_passes_the_gradient_through():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("CastLike", ["xs", "like"], ["c"]),
+             helper.make_node("Tanh", ["c"], ["y"])]
+    check_op(nodes, ["N", 3], [(2, 3), (3, 3)], {"s": RNG.uniform(0.5, 1.5, size=(3,)), "like": np.zeros(1)}, 21)
+
+
+def test_one_hot_values_gradient():
+    nodes = [helper.make_node("OneHot", ["ids", "depth", "values"], ["hot"], axis=-1),
+             helper.make_node("Mul", ["x", "hot"], ["y"])]
+    inits = {"values": np.array([0.3, 1.7]), "depth": np.array(4, np.int64)}
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])
+    check_op(nodes, ["N", 4], [(3, 4), (5, 4)], inits, 13, extra_inputs=[ids],
+             extra=lambda shape: {"ids": RNG.integers(0, 4, size=shape[:1]).astype(np.int64)})
+
+
+@pytest.mark.parametrize("per_axis", [False, True])
+def test_dequantize_linear_scale_gradient(per_axis):
+    """The quantized tensor is fed (an initializer would be imported as a frozen quantized weight),
+    the scale is a param."""
+    inits = {"zp": np.array([3, -2, 0], np.int8) if per_axis else np.array(5, np.int8),
+             "scale": RNG.uniform(0.01, 0.05, size=(3,)) if per_axis else np.array(0.02)}
+    nodes = [helper.make_node("DequantizeLinear", ["q", "scale", "zp"], ["w"], axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    q = helper.make_tensor_value_info("q", TensorProto.INT8, [4, 3])
+    fixed = RNG.integers(-100, 100, size=(4, 3)).astype(np.int8)
+
+    def torch_fn(x, q, scale, zp):
+        return x @ ((q.double() - zp.double()) * scale)
+
+    check_op(nodes, ["N", 4], [(2, 4), (5, 4)], inits, 19, torch_fn=torch_fn, f32_tol=(1e-3, 2e-3, 2e-4),
+             extra_inputs=[q], extra=lambda shape: {"q": fixed})
+
+
+# -- LRN, LpPool, GlobalLpPool, MaxUnpool -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [3, 5])  # (ONNX Runtime runs odd sizes only)
+def test_lrn_across_channels(size):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("LRN", ["xs"], ["y"], size=size, alpha=0.3, beta=0.75, bias=1.5)]
+
+    def torch_fn(x, s):
+        import torch
+
+        return torch.nn.functional.local_response_norm(x * s, size, alpha=0.3, beta=0.75, k=1.5)
+
+    check_op(nodes, ["N", 5, "H", "W"], [(2, 5, 3, 4), (1, 5, 2, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 5, 1, 1))},
+             13, torch_fn=torch_fn, x_range=(-2, 2))
+
+
+@pytest.mark.parametrize("p,pads", [(2, [0, 0, 0, 0]), (3, [1, 0, 0, 1])])
+def test_lp_pool(p, pads):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("LpPool", ["xs"], ["y"], kernel_shape=[2, 3], strides=[1, 2], p=p, pads=pads)]
+
+    def torch_fn(x, s):
+        import torch
+
+        return torch.nn.functional.lp_pool2d(x * s, 2.0, (2, 3), (1, 2))
+
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 5, 7), (1, 3, 4, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))},
+             18, torch_fn=torch_fn if p == 2 and not any(pads) else None)
+
+
+def test_global_lp_pool():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("GlobalLpPool", ["xs"], ["y"], p=3)]
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 4, 5), (1, 3, 3, 2)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 18,
+             torch_fn=lambda x, s: (x * s).abs().pow(3).sum((2, 3), keepdim=True).pow(1 / 3))
+
+
+def test_max_unpool_of_max_pool():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("MaxPool", ["xs"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Tanh", ["p"], ["t"]),
+             helper.make_node("MaxUnpool", ["t", "i"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+
+    def torch_fn(x, s):
+        import torch
+
+        pooled, idx = torch.nn.functional.max_pool2d(x * s, 2, 2, return_indices=True)
+        return torch.nn.functional.max_unpool2d(torch.tanh(pooled), idx, 2, 2)
+
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 4, 6), (1, 3, 6, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 22,
+             torch_fn=torch_fn)

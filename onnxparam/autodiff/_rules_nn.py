@@ -197,11 +197,10 @@ def _conv(e, node, gout, need):
 def _max_pool(e, node, gout, need):
     """``y = max over each window of x``: ``dx`` is zeros with ``g`` added at each window's
     arg-max. The arg-max comes from a second ``MaxPool`` with the ``Indices`` output (flat
-    indices into ``x``, ONNX spec: MaxPool), scattered with ``ScatterElements`` (``add`` for
-    overlapping windows, opset 16+)."""
+    row-major indices into ``x`` whatever the forward's ``storage_order``, ONNX spec: MaxPool),
+    scattered with ``ScatterElements`` (``add`` for overlapping windows, opset 16+). Every dim
+    may be dynamic."""
     x = node.inputs[0]
-    if int(attr(node, "storage_order", 0)):
-        raise TraceError(f"node {node.name!r}: MaxPool with storage_order=1 has no gradient rule")
     kernel = attr(node, "kernel_shape")
     strides = attr(node, "strides", None) or [1] * len(kernel)
     attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")

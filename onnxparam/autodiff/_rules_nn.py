@@ -197,18 +197,17 @@ def _max_pool(e, node, gout, need):
     """``y = max over each window of x``: ``dx`` is zeros with ``g`` added at each window's
     arg-max. The arg-max comes from a second ``MaxPool`` with the ``Indices`` output (flat
     indices into ``x``, ONNX spec: MaxPool), scattered with ``ScatterElements`` (``add`` for
-    overlapping windows, opset 16+)."""
+    overlapping windows, opset 16+). Shapes come from ``Shape`` where dims are dynamic, so one
+    backward graph serves every batch size and image size."""
     x = node.inputs[0]
     if int(attr(node, "storage_order", 0)):
         raise TraceError(f"node {node.name!r}: MaxPool with storage_order=1 has no gradient rule")
-    xd = static_dims(x, "MaxPool's gradient")
     kernel = attr(node, "kernel_shape")
     strides = attr(node, "strides", None) or [1] * len(kernel)
     attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
              if k in node.attributes}
     _, indices = e.nodes("MaxPool", [x], attrs, num_outputs=2)
-    total = math.prod(xd)
-    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints([total]))
+    zeros = e.reshape(e.zeros_like(x), [-1])
     overlap = any(s < k for s, k in zip(strides, kernel)) or bool(attr(node, "dilations", None))
     reduction = None
     if overlap:
@@ -218,7 +217,7 @@ def _max_pool(e, node, gout, need):
         reduction = "add"
     flat = e.op("ScatterElements", zeros, e.reshape(indices, [-1]), e.reshape(gout[0], [-1]), axis=0,
                 reduction=reduction)
-    return [e.reshape(flat, xd)]
+    return [e.reshape_like(flat, x)]
 
 
 @rule("AveragePool")

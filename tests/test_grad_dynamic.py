@@ -98,20 +98,6 @@ def test_conv_with_dynamic_batch_and_spatial_dims(group, stride, pads):
     assert check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=1e-3) == {"graphs": 2, "sessions": 2}
 
 
-@pytest.mark.parametrize("kernel,stride,pads", [(3, 2, [1, 1, 1, 1]), (2, 2, [0, 0, 0, 0])])
-def test_max_pool_with_dynamic_batch_and_spatial_dims(kernel, stride, pads):
-    """ResNet's stem pool (3x3, stride 2, pad 1: overlapping windows) and a 2x2 one on an input
-    whose batch and image size change: one backward graph (the flat scatter sized at run time)."""
-    nodes = [helper.make_node("Mul", ["x", "p"], ["xp"]),
-             helper.make_node("MaxPool", ["xp"], ["m"], kernel_shape=[kernel, kernel], strides=[stride, stride],
-                              pads=pads),
-             helper.make_node("Mul", ["m", "m"], ["y"])]
-    inits = {"p": RNG.normal(size=(1, 3, 1, 1))}
-    model = _model(nodes, [helper.make_tensor_value_info("x", D, ["N", 3, "H", "W"])], inits)
-    feeds = [{"x": RNG.normal(size=s)} for s in [(2, 3, 6, 8), (3, 3, 9, 11), (1, 3, 5, 10)]]
-    assert check_model_grads(model, feeds) == {"graphs": 2, "sessions": 2}
-
-
 OPS = ["Sin", "Cos", "Atan", "Sinh", "Asinh", "Tan", "Mish", "Softplus", "Erf"]
 
 

@@ -10,8 +10,10 @@ form                   what is written / what ORT runs
                        ``DynamicQuantizeMatMul``, an int8 GEMM; faster than float32)
 ``static int8``        activation ``QuantizeLinear -> DequantizeLinear`` pairs from calibration
                        (ORT: ``QLinearConv`` / ``QLinearMatMul``; faster than float32)
-``4-bit MatMulNBits``  ``DequantizeLinear -> MatMul`` fused by ORT, or ``com.microsoft.MatMulNBits``
-                       written directly below opset 21 (the size-first form for 4 bits)
+``4-bit MatMulNBits``  ``com.microsoft.MatMulNBits`` written directly (``accuracy_level`` 0: float32
+                       compute, as ``MatMulNBitsQuantizer`` writes; the size-first form for 4
+                       bits), or ``DequantizeLinear -> MatMul`` fused by ORT (opset >= 21 with
+                       ``matmul="dequantize"``; the session's accuracy level, 4 by default)
 ``dequantize``         weight-only ``DequantizeLinear``: the weight is dequantized at every run
                        (smallest file; slower than float32 for Conv / ConvTranspose / Gemm / LSTM)
 ``int8 gather``        an embedding table read as ``Gather(int8 table) -> DequantizeLinear``:

@@ -282,3 +282,58 @@ def test_max_unpool_of_max_pool():
 
     check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 4, 6), (1, 3, 6, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 22,
              torch_fn=torch_fn)
+
+
+# -- the up-front check lists the nodes inside control-flow bodies too ----------------------------
+
+
+def test_check_lists_every_node_without_a_rule_in_the_graph_and_in_if_and_loop_bodies_at_once():
+    """A main-graph node, one in each ``If`` branch and one in a ``Loop`` body (each fed by a
+    param), all without rules: listed together by ``check_gradients`` and ``grad``'s error, before
+    any rule runs; an ``If`` branch node that only the other branch's params reach is listed as
+    well (the sweep of each branch would meet it), a node off the param -> loss path is not."""
+    from onnxparam.autodiff import check_gradients
+
+    def out(name):
+        return helper.make_tensor_value_info(name, F, [3])
+
+    then = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["tw"]),
+                              helper.make_node("Twist", ["tw"], ["then_y"], domain="com.example", name="then_twist")],
+                             "then", [], [out("then_y")], value_info=[out("tw")])
+    els = helper.make_graph([helper.make_node("Add", ["x", "w"], ["ew"]),
+                             helper.make_node("Turn", ["ew"], ["else_y"], domain="com.example", name="else_turn"),
+                             helper.make_node("Turn", ["x"], ["unused"], domain="com.example", name="off_path")],
+                            "else", [], [out("else_y")], value_info=[out("ew"), out("unused")])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Mul", ["acc_in", "v"], ["scaled"]),
+         helper.make_node("Bend", ["scaled"], ["acc_out"], domain="com.example", name="loop_bend")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", F, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("acc_out", F, [3])],
+        value_info=[helper.make_tensor_value_info("scaled", F, [3])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+             helper.make_node("Greater", ["total", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=els, name="the_if"),
+             helper.make_node("Loop", ["trips", "", "branch"], ["looped"], name="the_loop", body=body),
+             helper.make_node("Mul", ["looped", "u"], ["mu"]),
+             helper.make_node("Spin", ["mu"], ["y"], domain="com.example", name="main_spin")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [3])], [out("y")],
+                              value_info=[out("mu"), out("branch"), out("looped")], initializer=[numpy_helper.from_array(np.array(2, np.int64), "trips"),
+                               numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                               *[numpy_helper.from_array(RNG.normal(size=3).astype(np.float32), k) for k in "wvu"]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    module = op.import_onnx(model)
+    x = op.Tensor.from_numpy(np.ones(3, np.float32))
+
+    def loss(m, x):
+        return m(x).sum()
+
+    listed = check_gradients(loss, module, x)
+    ops = sorted(m.op for m in listed)
+    assert ops == ["com.example:Bend", "com.example:Spin", "com.example:Turn", "com.example:Twist"], listed
+    where = {m.op: m.reason for m in listed}
+    assert "then_branch" in where["com.example:Twist"] and "else_branch" in where["com.example:Turn"]
+    assert "body" in where["com.example:Bend"] and "Loop" in where["com.example:Bend"]
+    with pytest.raises(op.TraceError, match=r"(?s)4 node\(s\).*Spin.*Twist.*Turn.*Bend"):
+        grad(loss, module, x)

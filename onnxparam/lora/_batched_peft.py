@@ -102,6 +102,10 @@ def _module_names(ir_model, meta, key_map) -> dict:
     rules = [tuple(r) for r in (key_map or ())]
     names, problems = {}, []
     for t in meta["targets"]:
+        if t.get("kind", "matrix") != "matrix":
+            problems.append(f"weight {t['path']!r} is a {t['kind']} target (conv LoRA / lora_bias): only linear and "
+                            "embedding adapters are written as PEFT modules")
+            continue
         weight = t["a"][: -len(STACK_SUFFIXES[0])]
         if weight.endswith(".weight"):
             name = weight[: -len(".weight")]

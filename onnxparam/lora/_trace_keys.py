@@ -25,11 +25,12 @@ UNTRACED_ATTRS = frozenset({_SET_ATTR, _ACTIVE_ATTR})
 
 def structure_key(module, mode: Optional[str]):
     """``None`` outside ``"batched"`` mode; in it, the stacked targets of ``module``'s named
-    adapters: ``((path, d_in, d_out, transposed, dtype), ...)``."""
+    adapters: ``((path, kind, shape, d_in, d_out, transposed, dtype), ...)``."""
     if mode != BATCHED_MODE:
         return None
     try:
         stacks = stack_adapters(module, values=False)
     except LoraError:
         return None  # the trace raises it, naming the problem
-    return tuple(sorted((path, t.d_in, t.d_out, t.transposed, t.dtype) for path, t in stacks.targets.items()))
+    return tuple(sorted((path, t.kind, tuple(t.shape), t.d_in, t.d_out, t.transposed, t.dtype)
+                        for path, t in stacks.targets.items()))

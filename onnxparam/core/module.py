@@ -160,7 +160,13 @@ def rebuild(module: "Module", fn: Callable[[str, Param], Param], module_fn: Opti
             return type(node)((k, copy_node(v, _join(path, k)) if _is_node(v) else v) for k, v in node.items())
         return node
 
-    return copy_node(module, "")
+    try:
+        return copy_node(module, "")
+    finally:
+        # NOTE: copy_node and map_param close over each other and memo: a reference cycle that
+        # would keep every new param (and, through them, their values) alive until the next full
+        # garbage collection; an optimizer step per training step piled up a model's worth each
+        memo.clear()
 
 
 _CALL_MODULE = None

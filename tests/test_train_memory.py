@@ -38,8 +38,10 @@ def _array_refs(module) -> list:
 
 
 def test_an_optimizer_step_leaves_no_cycle_holding_the_new_params():
-    """With the collector off, the values made by step k die once step k+1 replaces the module
-    (``rebuild``'s helpers close over its memo: a cycle held every new param until a full GC)."""
+    """With the collector off, the values made by step k die once step k+1 replaces the module,
+    and the gradients a step took die with the caller's reference (``rebuild``'s helpers closed
+    over its memo and the update function: a cycle held every new param and the step's gradients
+    until a full GC)."""
     for optim in (Adam(lr=1e-2), SGD(lr=1e-2, momentum=0.9)):
         m = Mlp()
         g = _grads(m)
@@ -48,8 +50,12 @@ def test_an_optimizer_step_leaves_no_cycle_holding_the_new_params():
         try:
             m = optim.step(m, g)
             made = _array_refs(m)
-            m = optim.step(m, g)
-            assert [r() is None for r in made] == [True] * len(made)
+            g2 = _grads(m, scale=0.25)
+            given = [weakref.ref(t._host.base if t._host.base is not None else t._host) for t in g2.values()]
+            m = optim.step(m, g2)
+            del g2
+            assert [r() is None for r in made] == [True] * len(made)  # the values of step 1
+            assert [r() is None for r in given] == [True] * len(given)  # the gradients step 2 took
         finally:
             gc.enable()
 

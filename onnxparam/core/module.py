@@ -163,10 +163,11 @@ def rebuild(module: "Module", fn: Callable[[str, Param], Param], module_fn: Opti
     try:
         return copy_node(module, "")
     finally:
-        # NOTE: copy_node and map_param close over each other and memo: a reference cycle that
-        # would keep every new param (and, through them, their values) alive until the next full
-        # garbage collection; an optimizer step per training step piled up a model's worth each
+        # NOTE: copy_node and map_param close over themselves, memo and fn: a reference cycle that
+        # kept every new param (through memo) and fn's captures (an optimizer step's gradients)
+        # alive until the next full garbage collection: a model's worth per training step
         memo.clear()
+        del copy_node, map_param
 
 
 _CALL_MODULE = None

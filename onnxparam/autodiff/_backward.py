@@ -27,10 +27,11 @@ from ..core.errors import TraceError
 from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from . import _rules_more  # noqa: F401  (register the rules imported models need)
+from . import _rules_algebra, _rules_spatial  # noqa: F401  (CumProd, Det, ...; LRN, LpPool, MaxUnpool, ...)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
-from ._rules_control import MULTI_OUTPUT, node_inputs, specialize_control_flow
+from ._rules_control import MULTI_OUTPUT, missing_in_bodies, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
-from ._check import MissingRule, format_missing, missing_rules, rule_for, rule_key, source_name, unserved
+from ._check import MissingRule, format_missing, missing_rules, reaching, rule_for, rule_key, source_name, unserved
 from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
@@ -151,6 +152,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
 
     # every node without a rule on a param -> loss path, listed at once before anything is built
     missing = missing_rules(graph, requires, loss, traced.params, node_inputs)
+    missing += missing_in_bodies(graph, requires, reaching(graph, loss), traced.params)  # (If / Loop / Scan bodies)
     if missing:
         err = TraceError(format_missing(missing))
         err.missing = missing  # (check_gradients returns it)

@@ -44,12 +44,15 @@ NOT_DIFFERENTIABLE: dict = {
         "Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
         "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
         "BitwiseNot", "QuantizeLinear", "DynamicQuantizeLinear", "NonMaxSuppression", "StringNormalizer",
-        "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "MatMulInteger", "ConvInteger")},
+        "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "MatMulInteger", "ConvInteger",
+        "QLinearConv", "QLinearMatMul", "ImageDecoder")},
     **{op: _PIECEWISE for op in ("Sign", "Floor", "Ceil", "Round", "Hardmax")},
     **{op: _RANDOM for op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                               "Multinomial", "Bernoulli")},
     **{op: _GENERATED for op in ("ConstantOfShape", "EyeLike", "Range", "BlackmanWindow", "HannWindow",
-                                 "HammingWindow")},
+                                 "HammingWindow", "MelWeightMatrix", "Constant")},
+    "BitCast": "reinterprets the bits of its input as another type: not a function of the value that has a "
+               "derivative",
 }
 """Operators declared not differentiable, with the reason: their outputs carry no gradient (the
 backward pass stops there, which is exact: integer / boolean results, and piecewise constants

@@ -43,7 +43,7 @@ from ._emitter import Emitter, np_dtype
 from ._check import MissingRule, format_missing, rule_for, rule_key, unserved
 from ._rules import NON_DIFFERENTIABLE, const_array, rule
 
-__all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop"]
+__all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop", "missing_in_bodies"]
 
 MULTI_OUTPUT = frozenset({"Split", "If", "Scan", "Loop", "LSTM", "GRU", "RNN"})
 """Operators whose rules take gradients of several outputs (the others: the first one only)."""
@@ -627,6 +627,74 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
             have = grads.get(value)
             grads[value] = g if have is None else e.op("Add", have, g)
     return grads
+
+
+def _reaching_in(nodes, needed: set) -> set:
+    """``needed`` extended with every value of ``nodes`` (topological order) it depends on."""
+    needed = set(needed)
+    for node in reversed(list(nodes)):
+        if any(out in needed for out in node.outputs):
+            needed.update(v for v in node_inputs(node) if v is not None)
+    return needed
+
+
+def _body_frames(node: ir.Node, req: set, needed: set) -> list:
+    """``[(where, body, start, wanted_outputs)]`` for the subgraphs whose reverse sweep
+    ``node``'s rule (``If`` / ``Loop`` / ``Scan``) builds: the body values the sweep starts from
+    (as :func:`_if`, :func:`_scan`, :func:`_loop` choose them) and the body outputs that get a
+    gradient."""
+    caps = {v for v in captured(node) if v in req and _is_float(v)}
+    outs_needed = [o in needed and _is_float(o) for o in node.outputs]
+    label = f"{node.name!r} ({node.op_type})"
+    frames = []
+    if node.op_type == "If":
+        for name in _BRANCHES:
+            branch = node.attributes[name].value
+            wanted = [o for o, n in zip(branch.outputs, outs_needed) if n]
+            frames.append((f"in {name} of {label}", branch, caps, wanted))
+    elif node.op_type == "Scan" and "body" in node.attributes:
+        body = node.attributes["body"].value
+        m = int(node.attributes["num_scan_inputs"].value)
+        n_state = len(body.inputs) - m
+        start = caps | {v for v in body.inputs if _is_float(v)}
+        wanted = [o for i, o in enumerate(body.outputs)
+                  if (i < n_state and _is_float(o)) or (i < len(outs_needed) and outs_needed[i])]
+        frames.append((f"in the body of {label}", body, start, wanted))
+    elif node.op_type == "Loop" and "body" in node.attributes:
+        body = node.attributes["body"].value
+        n_state = len(node.inputs) - 2
+        start = caps | {v for v in body.inputs[2:2 + n_state] if _is_float(v)}
+        wanted = [o for j, o in enumerate(body.outputs[1:])
+                  if (j < n_state and _is_float(o)) or (j < len(outs_needed) and outs_needed[j])]
+        frames.append((f"in the body of {label}", body, start, wanted))
+    return frames
+
+
+def missing_in_bodies(graph: ir.Graph, requires: set, needed: set, params=()) -> list:
+    """Every node inside the subgraphs of ``graph``'s control-flow nodes (``If`` / ``Loop`` /
+    ``Scan`` on a param -> loss path: an input or captured value in ``requires``, an output in
+    ``needed``), at any depth, that the rule's reverse sweep of that subgraph would meet without
+    a gradient rule: listed before any rule runs, with the main graph's (:func:`~._check.missing_rules`)."""
+    out = []
+    for node in graph:
+        if rule_for(node) is None or not subgraphs(node):
+            continue
+        if not any(o in needed for o in node.outputs):
+            continue
+        if not any(v is not None and v in requires and _is_float(v) for v in node_inputs(node)):
+            continue
+        for where, body, start, wanted in _body_frames(node, requires, needed):
+            nodes = list(body)
+            req = requires_in(nodes, start)
+            reach = _reaching_in(nodes, set(wanted))
+            for inner in nodes:
+                if rule_for(inner) is None and rule_key(inner) not in NON_DIFFERENTIABLE \
+                        and any(o in reach and _is_float(o) for o in inner.outputs) \
+                        and any(v is not None and v in req and _is_float(v) for v in node_inputs(inner)):
+                    fed = tuple(v.name for v in node_inputs(inner) if v is not None and v.name in params)
+                    out.append(MissingRule(inner.name, rule_key(inner), fed, f"no gradient rule ({where})"))
+            out.extend(missing_in_bodies(body, req, reach, params))
+    return out
 
 
 def _dead_code(graph: ir.Graph) -> None:

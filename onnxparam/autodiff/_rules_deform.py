@@ -22,29 +22,32 @@ sampling in ``x`` is a scatter-add with the bilinear weights (``ScatterElements`
 On a cell border (an integer sample coordinate) the offset gradient is the one-sided derivative
 from above, as in the reference CUDA kernels (the function has a kink there).
 
-``Col2Im`` is the adjoint of im2col with the same geometry, so ``dx = im2col(g)``: a grouped
-``Conv`` with a one-hot kernel (as :func:`onnxparam.ops.unfold4d`), then ``Reshape``.
+``Col2Im`` is the adjoint of im2col with the same geometry, so ``dx = im2col(g)``: a ``Conv``
+with a one-hot kernel (as :func:`onnxparam.ops.unfold4d`) of every channel plane alone, then
+``Reshape`` to ``x``'s shape (shape arithmetic: batch, channels and image size may be dynamic).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
-from ..core.errors import TraceError
 from ._emitter import np_dtype, static_dims
 from ._rules import attr, const_array, rule
 
 __all__ = []
 
 
-def _one_hot_kernel(channels: int, kh: int, kw: int, dtype) -> np.ndarray:
-    eye = np.eye(kh * kw, dtype=dtype).reshape(kh * kw, 1, kh, kw)
-    return np.ascontiguousarray(np.tile(eye, (channels, 1, 1, 1)))
+def _one_hot_kernel(channels: int, block, dtype) -> np.ndarray:
+    """``[channels * K, 1, *block]``: output channel ``c * K + k`` reads tap ``k`` (``K`` taps)."""
+    size = int(np.prod(block))
+    eye = np.eye(size, dtype=dtype).reshape(size, 1, *block)
+    return np.ascontiguousarray(np.tile(eye, (channels, 1) + (1,) * len(block)))
 
 
 def _deform_samples(e, x, offset, c, og, kh, kw, geometry, dt, shape5):
     """``cols[n, og, C / og, K, Ho * Wo]``: each tap's bilinear sample (one-hot ``DeformConv``)."""
-    cols = e.op("DeformConv", x, e.const(_one_hot_kernel(c, kh, kw, dt), dt), offset, group=c,
+    cols = e.op("DeformConv", x, e.const(_one_hot_kernel(c, (kh, kw), dt), dt), offset, group=c,
                 offset_group=og, kernel_shape=[kh, kw], **geometry)
     return e.reshape(cols, shape5)
 
@@ -175,16 +178,21 @@ def _col2im(e, node, gout, need):
     out = [None] * len(node.inputs)
     if not need[0]:
         return out
-    n, rows, length = static_dims(x, "Col2Im's gradient")
-    _, c, _, _ = static_dims(node.outputs[0], "Col2Im's gradient")
-    block = const_array(node.inputs[2])
-    if block is None:
-        raise TraceError(f"node {node.name!r}: Col2Im's gradient needs a constant block_shape")
-    kh, kw = (int(v) for v in block)
+    y = node.outputs[0]
     dt = np_dtype(x)
     attrs = {name: list(attr(node, name, None)) for name in ("strides", "pads", "dilations")
              if attr(node, name, None) is not None}
-    cols = e.op("Conv", gout[0], e.const(_one_hot_kernel(c, kh, kw, dt), dt), group=c, kernel_shape=[kh, kw],
-                **attrs)
-    out[0] = e.reshape(cols, [n, rows, length])
+    block = const_array(node.inputs[2])
+    if block is not None:
+        kernel = e.const(_one_hot_kernel(1, [int(v) for v in block], dt), dt)
+    else:  # a run-time block: the one-hot kernel [K, 1, block...] built from it (Conv reads its size)
+        k = e.op("ReduceProd", node.inputs[2], keepdims=1)
+        kk = e.op("Concat", k, k, axis=0)
+        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, dt), kk))
+        kernel = e.op("Reshape", eye, e.concat_ints(k, [1], e.op("Cast", node.inputs[2], to=int(ir.DataType.INT64))))
+    # every channel alone ([N * C, 1, spatial...]: no static channel count needed), im2col of each
+    # by a one-hot Conv -> [N * C, K, out...], then x's [N, C * K, L] (row c * K + k: channel-major)
+    planes = e.op("Reshape", gout[0], e.concat_ints([-1, 1], e.dims_of(y, 2)))
+    cols = e.op("Conv", planes, kernel, **attrs)
+    out[0] = e.reshape_like(cols, x)
     return out

@@ -1,7 +1,8 @@
 """Gradient rules of convolution, pooling and normalization (conventions: :mod:`._rules`).
 
 Layouts are ONNX's: ``x`` ``[N, C, spatial...]``, conv weight ``[C_out, C_in / group, k...]``.
-These rules need static shapes (``grad()`` traces with the concrete input shapes).
+Batch, channel and spatial dims may be dynamic (shape arithmetic in the backward graph), except
+where ``auto_pad=SAME_*`` makes the pads depend on the size, and a convolution's weight shape.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..core.errors import TraceError
 from ._emitter import Emitter, dims, np_dtype, static_dims
 from ._rules import attr, rule
 
-__all__ = ["ConvOperands", "conv_operands", "conv_weight_grad"]
+__all__ = ["ConvOperands", "conv_operands", "conv_weight_grad", "window_sum_adjoint"]
 
 
 def _conv_geometry(node: ir.Node, xd: tuple, kernel: tuple) -> tuple:
@@ -196,19 +197,21 @@ def _conv(e, node, gout, need):
 def _max_pool(e, node, gout, need):
     """``y = max over each window of x``: ``dx`` is zeros with ``g`` added at each window's
     arg-max. The arg-max comes from a second ``MaxPool`` with the ``Indices`` output (flat
-    indices into ``x``, ONNX spec: MaxPool), scattered with ``ScatterElements`` (``add`` for
-    overlapping windows, opset 16+)."""
+    row-major indices into ``x`` whatever the forward's ``storage_order``, ONNX spec: MaxPool),
+    scattered with ``ScatterElements`` (``add`` for overlapping windows, opset 16+). Every dim
+    may be dynamic."""
     x = node.inputs[0]
-    if int(attr(node, "storage_order", 0)):
-        raise TraceError(f"node {node.name!r}: MaxPool with storage_order=1 has no gradient rule")
-    xd = static_dims(x, "MaxPool's gradient")
     kernel = attr(node, "kernel_shape")
     strides = attr(node, "strides", None) or [1] * len(kernel)
     attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
              if k in node.attributes}
     _, indices = e.nodes("MaxPool", [x], attrs, num_outputs=2)
-    total = math.prod(xd)
-    zeros = e.op("Expand", e.scalar_like(0.0, x), e.ints([total]))
+    xd = dims(x)
+    if all(isinstance(d, int) for d in xd):
+        total = e.ints([math.prod(xd)])
+    else:  # run-time sizes: as many zeros as x has elements
+        total = e.reshape(e.op("Size", x), [1])
+    zeros = e.op("Expand", e.scalar_like(0.0, x), total)
     overlap = any(s < k for s, k in zip(strides, kernel)) or bool(attr(node, "dilations", None))
     reduction = None
     if overlap:
@@ -218,7 +221,7 @@ def _max_pool(e, node, gout, need):
         reduction = "add"
     flat = e.op("ScatterElements", zeros, e.reshape(indices, [-1]), e.reshape(gout[0], [-1]), axis=0,
                 reduction=reduction)
-    return [e.reshape(flat, xd)]
+    return [e.reshape_like(flat, x)]
 
 
 @rule("AveragePool")
@@ -231,24 +234,46 @@ def _average_pool(e, node, gout, need):
     x, g = node.inputs[0], gout[0]
     if int(attr(node, "ceil_mode", 0)):
         raise TraceError(f"node {node.name!r}: AveragePool with ceil_mode=1 has no gradient rule")
-    xd = static_dims(x, "AveragePool's gradient")
-    yd = static_dims(node.outputs[0], "AveragePool's gradient")
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        xd = static_dims(x, f"AveragePool's gradient with auto_pad={auto_pad}")
+    else:
+        xd = dims(x)
     kernel = tuple(attr(node, "kernel_shape"))
     strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
-    dtype = np_dtype(x)
     size = math.prod(kernel)
     padded = any(begin) or any(end)
     if padded and not int(attr(node, "count_include_pad", 0)):
         attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "auto_pad")
                  if k in node.attributes}
-        ones = e.op("Expand", e.scalar_like(1.0, x), e.ints(xd))
+        ones = e.op("Expand", e.scalar_like(1.0, x), e.shape_of(x))
         count = _scale_op(e, e.nodes("AveragePool", [ones], dict(attrs, count_include_pad=1))[0], float(size))
         g = e.op("Div", g, count)
     else:
         g = _scale_op(e, g, 1.0 / size)
+    return [window_sum_adjoint(e, g, x, node.outputs[0], kernel, strides, dilations, begin, end)]
+
+
+def window_sum_adjoint(e: Emitter, h: ir.Value, x: ir.Value, y: ir.Value, kernel: tuple, strides, dilations,
+                       begin, end) -> ir.Value:
+    """The adjoint of a pooling window sum: ``dx[n, c, i] = sum over the windows w containing
+    cell i of h[n, c, w]`` (``h`` of the pooled output ``y``'s shape, the result of ``x``'s): a
+    depthwise ``ConvTranspose`` with a ones kernel and the pool's geometry (cells no window
+    reaches get 0). With a static channel count the channels are the groups; else every
+    ``[n, c]`` plane is a batch entry of one single-channel ``ConvTranspose`` (shape arithmetic)."""
+    xd, yd = dims(x), dims(y)
+    dtype = np_dtype(x)
     c = xd[1]
-    ones_kernel = e.const(np.ones((c, 1) + kernel, dtype=dtype), dtype)
-    return [_input_grad_by_conv_transpose(e, g, ones_kernel, xd, yd, kernel, strides, dilations, begin, end, c)]
+    if isinstance(c, int):
+        ones_kernel = e.const(np.ones((c, 1) + tuple(kernel), dtype=dtype), dtype)
+        return _input_grad_by_conv_transpose(e, h, ones_kernel, xd, yd, kernel, strides, dilations, begin, end, c, x)
+    planes = e.op("Reshape", h, e.concat_ints([-1, 1], e.dims_of(y, 2)))
+    ones_kernel = e.const(np.ones((1, 1) + tuple(kernel), dtype=dtype), dtype)
+    flat_xd, flat_yd = (None, 1) + tuple(xd[2:]), (None, 1) + tuple(yd[2:])  # (only spatial dims are read)
+    dx = _input_grad_by_conv_transpose(e, planes, ones_kernel, flat_xd, flat_yd, kernel, strides, dilations,
+                                       begin, end, 1, x)
+    return e.reshape_like(dx, x)
 
 
 def _scale_op(e: Emitter, x: ir.Value, factor: float) -> ir.Value:

@@ -15,8 +15,8 @@ Progress bars (``tqdm``) go to stderr, only on a terminal, never with ``--quiet`
 
 Commands:
 
-* ``onnxparam inspect FILE [--json] [--no-count]``: the tensors of a ``.bpk``, ``.onnx`` or
-  ``.safetensors`` file (name, dtype, shape, bytes, param id, quantization scheme, NaN / Inf
+* ``onnxparam inspect FILE [--json] [--no-count]``: the tensors of a ``.bpk``, ``.onnx``,
+  ``.safetensors``, ``.pt`` / ``.pth`` or ``.onnx_adapter`` file (name, dtype, shape, bytes, param id, quantization scheme, NaN / Inf
   counts of float tensors), the file's metadata and totals. Tensor data is read lazily
   (memory-mapped) in :data:`COUNT_CHUNK_BYTES` chunks, so a file larger than memory is fine (an
   ``.onnx`` whose weights sit inside the protobuf is parsed whole: protobuf has no lazy reads).
@@ -97,7 +97,7 @@ __all__ = [
 COMMANDS: tuple = (
     Command(
         "inspect",
-        "list the tensors and metadata of a .bpk, .onnx or .safetensors file",
+        "list the tensors and metadata of a .bpk, .onnx, .safetensors, .pt or .onnx_adapter file",
         _add_inspect_arguments,
         _run_inspect,
     ),

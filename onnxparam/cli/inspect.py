@@ -1,4 +1,5 @@
-"""``onnxparam inspect``: the tensors and metadata of a .bpk, .onnx, .safetensors or .pt / .pth file."""
+"""``onnxparam inspect``: the tensors and metadata of a .bpk, .onnx, .safetensors, .pt / .pth or
+.onnx_adapter file."""
 
 import argparse
 import json
@@ -75,6 +76,9 @@ class _Inspected:
 
 QUANT_OPS_KEY = "onnxparam.quant.ops"
 """The export's per-op report (:data:`onnxparam.quant._qdq_forms.REPORT_KEY`)."""
+QUANT_ACCURACY_KEY = "onnxparam.quant.accuracy"
+"""``onnxparam quantize``'s accuracy report (:data:`onnxparam.quant._accuracy.ACCURACY_KEY`; named
+here so ``inspect`` imports no quant module for it)."""
 
 
 def _scheme_text(scheme) -> Optional[str]:
@@ -314,15 +318,43 @@ def _read_pytorch_info(path: Path) -> _Inspected:
     return _Inspected(path, "pytorch", path.stat().st_size, info, {}, {}, tensors)
 
 
+def _read_onnx_adapter_info(path: Path) -> _Inspected:
+    """An ONNX Runtime ``.onnx_adapter`` file (read by ONNX Runtime): its LoRA factors as tensors,
+    its versions and, for each ``<W>.lora.a`` / ``<W>.lora.b`` pair, the rank."""
+    from ..core.dtype import dtype_from_numpy
+    from ..core.tensor import TensorData
+    from ..lora._adapter_file import read_onnx_adapter
+
+    content = read_onnx_adapter(path)
+    tensors = []
+    for name, array in content["parameters"].items():
+        dtype = dtype_from_numpy(array.dtype)
+        shape = tuple(int(d) for d in array.shape)
+        tensors.append(_TensorInfo(name, dtype, shape, int(array.nbytes), None,
+                                   loader=lambda _a=array, _d=dtype, _s=shape: TensorData(_a, _d, _s)))
+    params = content["parameters"]
+    ranks = {}
+    for name, array in params.items():
+        if name.endswith(".lora.a") and array.ndim == 2:
+            b = params.get(name[:-1] + "b")
+            if b is not None and b.ndim == 2 and b.shape[0] == array.shape[1]:
+                ranks[name[: -len(".lora.a")]] = int(array.shape[1])
+    info = {key: content[key] for key in ("format_version", "adapter_version", "model_version")}
+    info["ranks"] = ranks
+    return _Inspected(path, "onnx_adapter", path.stat().st_size, info, {}, {}, tensors)
+
+
 _READERS = {"burnpack": _read_burnpack_info, "safetensors": _read_safetensors_info, "onnx": _read_onnx_info,
-            "pytorch": _read_pytorch_info}
+            "pytorch": _read_pytorch_info, "onnx_adapter": _read_onnx_adapter_info}
 
 
 def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dict:
     """What ``onnxparam inspect FILE --json`` prints, as a dict.
 
-    Keys: ``path``, ``format`` (``burnpack`` / ``safetensors`` / ``onnx`` / ``pytorch``),
-    ``file_bytes``, ``info`` (format facts: burnpack ``version``; ``.pt`` ``byteorder``,
+    Keys: ``path``, ``format`` (``burnpack`` / ``safetensors`` / ``onnx`` / ``pytorch`` /
+    ``onnx_adapter``), ``file_bytes``, ``info`` (format facts: burnpack ``version``;
+    ``.onnx_adapter`` ``format_version``, ``adapter_version``, ``model_version`` and ``ranks``
+    (``{W: r}`` for each ``W.lora.a`` / ``W.lora.b`` pair); ``.pt`` ``byteorder``,
     ``skipped`` (non-tensor entries), ``tied`` / ``shared`` name groups; safetensors ``header_metadata`` = the raw
     ``__metadata__``; ONNX ``ir_version``, ``opset_imports``, ``producer_*``,
     ``metadata_props``, ``inputs``, ``outputs``, ``initializers`` and
@@ -339,9 +371,14 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
             (``.NAME.<pid>-<hex>.tmp``: an unfinished save, never a finished file).
         BurnpackFormatError / OnnxFormatError / RecordError: for a malformed file.
     """
+    from ..formats._extensions import content_format
+
     path = Path(path)
     _refuse_scratch(path)
-    fmt = _file_format(path, "input file", tuple(_READERS))
+    if path.is_file() and content_format(path) == "onnx_adapter":
+        fmt = "onnx_adapter"  # NOTE: detect_format refuses it (no weights file), inspect lists it
+    else:
+        fmt = _file_format(path, "input file", tuple(_READERS))
     _existing(path, "input file")
     inspected = _READERS[fmt](path)
     if count_nonfinite:
@@ -389,11 +426,29 @@ def _refuse_scratch(path: Path) -> None:
 
 def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE",
-                        help="a .bpk, .onnx, .safetensors or .pt/.pth file (torch.save, read without torch)")
+                        help="a .bpk, .onnx, .safetensors, .pt/.pth (torch.save, read without torch) or "
+                             ".onnx_adapter file")
     parser.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
     parser.add_argument(
         "--no-count", action="store_true", help="do not scan float tensors for NaN / Inf (reads no tensor data)"
     )
+
+
+def _print_quant_accuracy(doc: dict) -> None:
+    """The accuracy report ``onnxparam quantize`` stored in the file (an ``.onnx`` output's
+    ``metadata_props``, a ``.bpk`` output's metadata), as a table; nothing when there is none
+    or it is not a JSON object."""
+    props = doc["info"].get("metadata_props") if doc["format"] == "onnx" else doc["metadata"]
+    text = (props or {}).get(QUANT_ACCURACY_KEY)
+    if text is None:
+        return
+    from ._quant_table import print_accuracy
+    try:
+        report = json.loads(text)
+        if isinstance(report, dict):
+            print_accuracy(report)
+    except (ValueError, TypeError, KeyError):  # NOTE: a foreign or damaged entry: shown above, raw
+        return
 
 
 MAX_LISTED_VALUES = 4
@@ -438,6 +493,12 @@ def _print_inspect(doc: dict) -> None:
         _out(f"pytorch:   {info['byteorder']}-endian, {len(info['skipped'])} non-tensor entries"
              + (f" ({_clip(', '.join(info['skipped']))})" if info["skipped"] else "")
              + "".join(f"; tied: {', '.join(g)}" for g in info["tied"]))
+    if doc["format"] == "onnx_adapter":
+        ranks = sorted(set(info["ranks"].values()))
+        _out(f"adapter:   ONNX Runtime LoRA adapter (format version {info['format_version']}), adapter version "
+             f"{info['adapter_version']}, model version {info['model_version']}; {len(info['ranks'])} adapted "
+             f"weight(s)" + (f", rank {', '.join(map(str, ranks))}" if ranks else "")
+             + "; feed it to a lora='inputs' export (onnxparam.check_onnx_adapter(adapter, model) checks the fit)")
     if doc["format"] == "safetensors":
         own = [k for k in info["header_metadata"] if k.startswith("onnxparam.")]
         if own:
@@ -445,6 +506,7 @@ def _print_inspect(doc: dict) -> None:
     _out(f"metadata:  {len(doc['metadata'])} entries" + (":" if doc["metadata"] else ""))
     for key, value in doc["metadata"].items():
         _out(f"  {key} = {_clip(value)}")
+    _print_quant_accuracy(doc)
     if doc["scalars"]:
         _out(f"scalars:   {len(doc['scalars'])}:")
         for key, s in doc["scalars"].items():

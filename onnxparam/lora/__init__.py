@@ -6,7 +6,8 @@
   ``"inputs"``);
 * :mod:`._adapter_file`: ONNX Runtime ``.onnx_adapter`` files;
 * :mod:`._peft`, :mod:`._peft_save`: PEFT adapters (``adapter_model.safetensors`` +
-  ``adapter_config.json``) in and out.
+  ``adapter_config.json``) in and out;
+* :mod:`._batched_peft`: a batched export's stacked adapter set as PEFT's multi-adapter folder.
 """
 
 from ._adapters import (

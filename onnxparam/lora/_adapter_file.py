@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core.errors import ExecutionError, LoraError, OnnxParamError
 
-__all__ = ["adapter_params", "write_onnx_adapter", "check_onnx_adapter"]
+__all__ = ["adapter_params", "write_onnx_adapter", "check_onnx_adapter", "read_onnx_adapter"]
 
 
 def adapter_params(module) -> dict:
@@ -197,7 +197,6 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     from pathlib import Path
 
     from ..core.errors import RecordError
-    from ..runtime._ort import import_onnxruntime
 
     adapter_path, model_path = Path(adapter_path), Path(model_path)
     for path in (adapter_path, model_path):
@@ -220,13 +219,7 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
             f"adapter files: its factor inputs have fixed ranks ({fixed[0]!r} ...) and the graph multiplies b by "
             "the exporting module's scale, so an adapter written now (b already scaled) would run at the wrong "
             "strength; export the model again (export_onnx(..., lora='inputs'))")
-    ort = import_onnxruntime()
-    try:
-        fmt = ort.AdapterFormat.read_adapter(str(adapter_path))
-        params = {name: value.numpy() for name, value in fmt.get_parameters().items()}
-    except Exception as e:
-        raise ExecutionError(f"ONNX Runtime cannot read '{adapter_path}' as an .onnx_adapter file: "
-                             f"{' '.join(_CXX_SOURCE.sub('', str(e)).split()) or type(e).__name__}") from e
+    params = read_onnx_adapter(adapter_path)["parameters"]
     problems, ranks = [], {}
     for name, value in sorted(params.items()):
         if name not in inputs:
@@ -252,6 +245,32 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     if problems:
         raise RecordError(f"the adapter file '{adapter_path}' does not fit '{model_path}'", problems)
     return {name: tuple(value.shape) for name, value in params.items()}
+
+
+def read_onnx_adapter(path) -> dict:
+    """The content of the ``.onnx_adapter`` file ``path``, read by ONNX Runtime's
+    ``AdapterFormat.read_adapter``: ``{"format_version": int, "adapter_version": int,
+    "model_version": int, "parameters": {name: numpy array}}`` (the parameters in name order;
+    for a file :func:`write_onnx_adapter` wrote, ``<W>.lora.a`` ``(d_in, r)`` and ``<W>.lora.b``
+    ``(r, d_out)`` with the scale folded in, at the base's float dtype).
+
+    Raises:
+        ExecutionError: ONNX Runtime cannot read ``path`` as an adapter file (its message, the
+            C++ source location left out).
+        ImportError: ONNX Runtime is not installed (naming the extras that bring it).
+    """
+    from ..runtime._ort import import_onnxruntime
+
+    ort = import_onnxruntime()
+    try:
+        fmt = ort.AdapterFormat.read_adapter(os.fspath(path))
+        params = {name: value.numpy() for name, value in fmt.get_parameters().items()}
+        versions = {"format_version": int(fmt.get_format_version()), "adapter_version": int(fmt.get_adapter_version()),
+                    "model_version": int(fmt.get_model_version())}
+    except Exception as e:
+        raise ExecutionError(f"ONNX Runtime cannot read '{path}' as an .onnx_adapter file: "
+                             f"{' '.join(_CXX_SOURCE.sub('', str(e)).split()) or type(e).__name__}") from e
+    return {**versions, "parameters": dict(sorted(params.items()))}
 
 
 def _onnx_numpy_dtype(elem: int):

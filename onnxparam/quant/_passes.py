@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..lora import _batched as lora_batched
 from ..lora import _batched_run as lora_batched_run
 from ..lora import _graph as lora_graph
+from ..lora import _trace_keys as lora_keys
 from ..trace import tracer as _tracer
 from ..trace.passes import GraphPasses
 from . import _qdq as qdq
@@ -29,6 +30,8 @@ STANDARD_PASSES = GraphPasses(
     with_options=options.qdq_options,
     is_pass_initializer=qdq.is_qdq_initializer,
     keyword_calls=((lora_batched.INDEX_INPUT, lora_batched_run.call_batched),),
+    untraced_attrs=lora_keys.UNTRACED_ATTRS,
+    structure_key=lora_keys.structure_key,
 )
 
 

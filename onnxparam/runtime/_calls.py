@@ -358,7 +358,10 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
     passes = _passes()
     with _LOCK:
         options = passes.call_options()
-        structure = _structure_key(module)
+        # NOTE: what the passes read of the module besides its params (LoRA's stacked targets in
+        # "batched" mode); the attributes no trace reads (LoRA's named-adapter set, which every
+        # set_adapter copies) are left out, so switching adapters finds the same trace
+        structure = (_structure_key(module, mode, passes.untraced_attrs), passes.structure_key(module, mode))
         trace_key = (structure, call_sig, mode, options)
         traced = _traces.get(trace_key)
         if traced is not None:

@@ -130,22 +130,37 @@ def _entry(value, leaves, nested, cheap, placed):
     return _freeze(value)
 
 
-def _param_signature(param: Param):
+FED_LORA_MODES = ("inputs", "batched")
+"""LoRA modes whose traced graph takes the adapters' factors as inputs fed on every call (a
+symbolic rank, the scale folded into the fed ``b``): an adapter's rank and scale do not change
+the graph, only whether a param has one and its layout."""
+
+
+def _param_signature(param: Param, mode: Optional[str] = None):
     try:
         shape = tuple(param.lazy_shape())
     except ValueError:
         shape = ("cell", id(param))
     adapter = param.adapter()
-    lora = None if adapter is None else (adapter.rank, float(adapter.scale), bool(adapter.transposed))
+    if adapter is None:
+        lora = None
+    elif mode in FED_LORA_MODES:
+        lora = ("fed", bool(adapter.transposed))
+    else:
+        lora = (adapter.rank, float(adapter.scale), bool(adapter.transposed))
     dtype = param.lazy_dtype()
     if dtype is DType.QFloat:  # NOTE: a quantized param's graph holds its values and scales: key by storage
         return ("param", shape, dtype, lora, _value_token(param.with_adapter(None)))
     return ("param", shape, dtype, lora)
 
 
-def _structure_key(module) -> tuple:
+def _structure_key(module, mode: Optional[str] = None, skip: frozenset = frozenset()) -> tuple:
     """Everything about ``module`` that can change its traced graph: module types,
-    configuration attributes, param paths / shapes / dtypes / adapters. Values are not part of it."""
+    configuration attributes, param paths / shapes / dtypes / adapters. Values are not part of it.
+
+    ``mode``: the LoRA mode of the trace (in :data:`FED_LORA_MODES` an adapter's rank and scale
+    are left out); ``skip``: attribute names that no trace reads (the graph passes'
+    ``untraced_attrs``: LoRA's named-adapter set and active name), left out at every module."""
     from ..core.module import Module
 
     seen: dict = {}
@@ -154,14 +169,14 @@ def _structure_key(module) -> tuple:
         # NOTE: a param under a private attribute is outside the traversal (it has no path, so
         # its value cannot be looked up by path): it keys by identity instead.
         if isinstance(value, Param):
-            return _Ref(value) if private else _param_signature(value)
+            return _Ref(value) if private else _param_signature(value, mode)
         if isinstance(value, Module):
             if id(value) in seen:
                 return ("shared", seen[id(value)])
             seen[id(value)] = path
             items = [type(value)]
             for name, child in vars(value).items():
-                if name != CONFIG_ATTR:
+                if name != CONFIG_ATTR and name not in skip:
                     items.append((name, node(child, f"{path}.{name}", private or name.startswith("_"))))
             return tuple(items)
         if isinstance(value, (list, tuple)):

@@ -51,6 +51,10 @@ def _never(value) -> bool:
     return False
 
 
+def _no_structure(module, mode):
+    return None
+
+
 @dataclass(frozen=True)
 class GraphPasses:
     """The graph passes a trace runs, given by its caller (the tracer imports none of them).
@@ -76,6 +80,11 @@ class GraphPasses:
         keyword_calls: ``((keyword, handler), ...)``: a module call given ``keyword`` (that its
             ``forward`` does not take) is ``handler(module, args, kwargs)`` instead (LoRA's
             ``adapter_index``: many adapters, one per batch row).
+        untraced_attrs: names of module attributes that no trace reads (LoRA's named-adapter
+            set and active adapter name): the runtime leaves them out of its trace keys.
+        structure_key: ``(module, lora_mode) -> hashable``: what the passes read of a module
+            besides its params, for the runtime's trace key (LoRA's stacked targets in
+            ``"batched"`` mode); ``None`` when nothing.
     """
 
     held_param: Callable = _raw_param
@@ -88,6 +97,8 @@ class GraphPasses:
     with_options: Callable = _no_context
     is_pass_initializer: Callable[[Any], bool] = _never
     keyword_calls: tuple = ()
+    untraced_attrs: frozenset = frozenset()
+    structure_key: Callable = _no_structure
 
 
 NO_PASSES = GraphPasses()

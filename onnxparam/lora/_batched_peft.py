@@ -1,0 +1,242 @@
+"""A stacked adapter set of a batched export written as PEFT's multi-adapter folder:
+:func:`write_batched_peft`.
+
+A batched export (``export_onnx(..., lora="batched")``, :mod:`onnxparam.lora._batched`) takes
+its adapters as stacks ``<W>.lora.a_stack`` ``(slots, d_in, r)`` and ``<W>.lora.b_stack``
+``(slots, r, d_out)``; slot 0 is the base model, slot ``k`` the ``k``-th adapter, its scale
+folded into ``b``, a smaller rank zero-padded. A server holds such a set (the export's own
+defaults, a stacked ``.onnx_adapter`` file from :func:`onnxparam.write_batched_adapter`, or
+arrays it fed): this writes it back as the folder ``PeftModel.save_pretrained`` writes for
+several adapters, so PyTorch / PEFT (``PeftModel.from_pretrained`` + ``load_adapter``) and
+:func:`onnxparam.load_peft_adapters` read it.
+
+Per adapter slot and target weight (PEFT's ``peft/tuners/lora/layer.py`` layout): ``lora_A.weight``
+``(r, d_in) = a[:, :r].T``, ``lora_B.weight`` ``(d_out, r) = b[:r].T`` (an embedding table:
+``lora_embedding_A`` ``(r, num) = a.T``, ``lora_embedding_B`` ``(dim, r) = b.T``), where ``r``
+is the slot's rank with the zero padding cut off (the last column of ``a`` / row of ``b`` that
+is not all zeros). The scale is already in ``b``, so ``lora_alpha`` is ``r`` for every module
+(PEFT's scale ``alpha / r = 1``; ``rank_pattern`` / ``alpha_pattern`` for the modules whose
+``r`` differs from the most common one): the written adapter gives the same outputs, not the
+original ``alpha``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..core.errors import LoraError, RecordError
+from ._batched import BASE_INDEX, METADATA_KEY, STACK_SUFFIXES, batched_metadata
+
+__all__ = ["write_batched_peft"]
+
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _load_model(model):
+    """``model`` (a path, ``onnx.ModelProto`` or ``onnx_ir.Model``) as an ``onnx_ir.Model``."""
+    import onnx_ir as ir
+
+    if isinstance(model, (str, os.PathLike)):
+        if not Path(model).is_file():
+            raise FileNotFoundError(2, "no such file", os.fspath(model))
+        return ir.load(os.fspath(model))
+    if isinstance(model, ir.Model):
+        return model
+    return ir.serde.deserialize_model(model)
+
+
+def _label(model) -> str:
+    return f"'{os.fspath(model)}'" if isinstance(model, (str, os.PathLike)) else "the model"
+
+
+def _stacks_of(adapters, model, ir_model, meta) -> dict:
+    """``{stack input name: array}`` of ``adapters`` (a file, arrays, a module, or ``None``: the
+    export's own defaults), checked against the export."""
+    from ._batched_run import batched_adapter_params, check_batched_adapters
+
+    if adapters is None:
+        params = {}
+        for t in meta["targets"]:
+            for name in (t["a"], t["b"]):
+                value = ir_model.graph.initializers.get(name)
+                if value is None or value.const_value is None:
+                    raise RecordError(f"{_label(model)} has no default values for its stack input {name!r}: "
+                                      "pass the adapter set (a .onnx_adapter file or arrays)")
+                params[name] = np.asarray(value.const_value.numpy())
+        return params
+    if isinstance(adapters, (str, os.PathLike)):
+        from ._batched_run import _read_adapter_file
+
+        params = _read_adapter_file(adapters)
+    elif isinstance(adapters, dict):
+        params = {str(k): np.asarray(v) for k, v in adapters.items()}
+    else:
+        check_batched_adapters(ir_model, adapters)
+        params = batched_adapter_params(adapters, model=ir_model)
+    check_batched_adapters(ir_model, params)
+    return params
+
+
+def _module_names(ir_model, meta, key_map) -> dict:
+    """``{target path: (PEFT module name, kind)}``: ``kind`` ``"embedding"`` for a table a
+    ``Gather`` (axis 0) reads as its data, else ``"linear"``. A weight named ``<m>.weight`` is
+    module ``<m>``; a weight torch's exporter renamed (``onnx::MatMul_N``, ``val_N``) is the
+    module the graph names (its ``<m>.bias``, its node's ``/<m>/MatMul`` name, dynamo's
+    ``name_scopes``), as :func:`onnxparam.load_peft_adapter` finds it; then ``key_map``."""
+    from ._graph import _attr_int
+    from ._peft import _linear_aliases
+
+    aliases: dict = {}
+    for alias, weight in _linear_aliases(ir_model).items():
+        aliases.setdefault(weight, set()).add(alias[: -len(".weight")])
+    tables = {node.inputs[0].name for node in ir_model.graph.all_nodes()
+              if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and node.inputs
+              and node.inputs[0] is not None and _attr_int(node, "axis", 0) == 0}
+    rules = [tuple(r) for r in (key_map or ())]
+    names, problems = {}, []
+    for t in meta["targets"]:
+        if t.get("kind", "matrix") != "matrix":
+            problems.append(f"weight {t['path']!r} is a {t['kind']} target (conv LoRA / lora_bias): only linear and "
+                            "embedding adapters are written as PEFT modules")
+            continue
+        weight = t["a"][: -len(STACK_SUFFIXES[0])]
+        if weight.endswith(".weight"):
+            name = weight[: -len(".weight")]
+        else:
+            found = sorted(aliases.get(weight, ()))
+            if len(found) > 1:
+                problems.append(f"weight {weight!r}: the graph names it as several modules {found}")
+                continue
+            name = found[0] if found else weight
+        for pattern, repl in rules:
+            name = re.sub(pattern, repl, name)
+        if name == weight and not weight.endswith(".weight"):
+            problems.append(f"weight {weight!r} is not named '<module>.weight' and the graph does not say which "
+                            "module it belongs to; give a key_map rule (regex, module name) for it")
+            continue
+        names[t["path"]] = (name, "embedding" if weight in tables else "linear")
+    taken = Counter(n for n, _ in names.values())
+    problems += [f"several weights are written for PEFT module {n!r}" for n, c in taken.items() if c > 1]
+    if problems:
+        raise RecordError("cannot name the batched export's adapted weights as PEFT modules", problems)
+    return names
+
+
+def _rank(a: np.ndarray, b: np.ndarray) -> int:
+    """The rank of one slot with its zero padding cut off: 1 + the last column of ``a`` (row of
+    ``b``) with a non-zero entry; 0 when both are all zeros."""
+    used = np.flatnonzero(np.any(a != 0, axis=0) | np.any(b != 0, axis=1))
+    return int(used[-1]) + 1 if used.size else 0
+
+
+def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: Optional[Sequence[str]] = None,
+                       key_map: Optional[Sequence] = None, base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write a stacked adapter set of the batched export ``model`` as PEFT's multi-adapter folder
+    (module docstring): the adapter named ``"default"`` in ``folder`` itself, every other one in
+    ``folder/<name>/``, each with ``adapter_config.json`` and ``adapter_model.safetensors``, as
+    ``PeftModel.save_pretrained`` writes several adapters. ``PeftModel.from_pretrained(torch_model,
+    folder / name, adapter_name=name)`` and ``load_adapter`` load them onto the PyTorch model the
+    export came from; :func:`onnxparam.load_peft_adapters` reads the folder back.
+
+    Args:
+        adapters: the stacked set: a stacked ``.onnx_adapter`` file
+            (:func:`onnxparam.write_batched_adapter`), ``{stack input name: array}`` (``a``
+            ``(slots, d_in, r)``, ``b`` ``(slots, r, d_out)``, the export's dtype), a module with
+            named adapters (stacked as :func:`onnxparam.write_batched_adapter` does), or ``None``
+            for the export's own default stacks. It must fit the export
+            (:func:`onnxparam.check_batched_adapters`).
+        folder: the folder to write (created if needed; files of the same names are replaced).
+        model: the batched export (a path, ``onnx.ModelProto`` or ``onnx_ir.Model``): its
+            metadata names the adapters and targets, its graph the PyTorch modules.
+        names: the adapter names of slots ``1, 2, ...`` in order (default: the export's adapter
+            names); slots past the names that are all zeros (spare capacity) are skipped.
+        key_map: ``[(regex, replacement), ...]`` applied (``re.sub``) to each PEFT module name.
+        base_model_name_or_path: recorded in each config (informational).
+
+    Returns:
+        ``folder``'s ``Path``.
+
+    Raises:
+        LoraError: ``model`` is not a batched export (a ``ValueError``).
+        RecordError: the set does not fit the export (every misfit listed), a slot past the
+            names holds an adapter, a named slot is all zeros, a name that is not a plain folder
+            name or is repeated, or a weight no PEFT module name can be given to.
+        FileNotFoundError: a missing ``model`` or adapter file.
+    """
+    from safetensors.numpy import save_file
+
+    ir_model = _load_model(model)
+    meta = batched_metadata(ir_model)
+    if meta is None:
+        raise LoraError(f"{_label(model)} is not a batched LoRA export (no {METADATA_KEY!r} metadata): export it "
+                        "with export_onnx(..., lora='batched')")
+    params = _stacks_of(adapters, model, ir_model, meta)
+    slots = int(next(iter(params.values())).shape[0])
+    names = list(meta["adapters"] if names is None else (str(n) for n in names))
+    problems = []
+    if len(set(names)) != len(names):
+        problems.append(f"the adapter names repeat: {names}")
+    bad = [n for n in names if not _FOLDER_NAME.fullmatch(n)]
+    if bad:
+        problems.append(f"adapter names {bad} cannot be folder names (PEFT stores each adapter in a folder "
+                        "named after it)")
+    if len(names) > slots - 1:
+        problems.append(f"{len(names)} names for {slots - 1} adapter slots")
+    modules = _module_names(ir_model, meta, key_map)
+    written = {}  # adapter name -> {module: (a (d_in, r), b (r, d_out), kind)}
+    for slot in range(BASE_INDEX + 1, slots):  # slot 0: the base model, never written
+        found = {}
+        for t in meta["targets"]:
+            a, b = params[t["a"]][slot], params[t["b"]][slot]
+            r = _rank(a, b)
+            if r:
+                name, kind = modules[t["path"]]
+                found[name] = (a[:, :r], b[:r], kind)
+        if slot > len(names):
+            if found:
+                problems.append(f"slot {slot} holds an adapter but has no name (names: {names}); pass names=")
+            continue
+        if not found:
+            problems.append(f"slot {slot} ({names[slot - 1]!r}) is all zeros: no adapter to write")
+            continue
+        written[names[slot - 1]] = found
+    if problems:
+        raise RecordError(f"cannot write the adapter set of {_label(model)} as PEFT adapters", problems)
+    folder = Path(folder)
+    for name, found in written.items():
+        tensors = {}
+        ranks = Counter(a.shape[1] for a, _, _ in found.values())
+        r = ranks.most_common(1)[0][0]
+        rank_pattern, alpha_pattern = {}, {}
+        for module, (a, b, kind) in sorted(found.items()):
+            key = f"base_model.model.{module}"
+            if kind == "embedding":
+                tensors[f"{key}.lora_embedding_A"] = np.ascontiguousarray(a.T)
+                tensors[f"{key}.lora_embedding_B"] = np.ascontiguousarray(b.T)
+            else:
+                tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
+                tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
+            if a.shape[1] != r:
+                # NOTE: PEFT matches pattern keys as regexes against the end of the module name
+                rank_pattern[re.escape(module)] = int(a.shape[1])
+                alpha_pattern[re.escape(module)] = float(a.shape[1])
+        config = {
+            "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(r),
+            "target_modules": sorted(found), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "use_rslora": False, "use_dora": False, "lora_bias": False, "bias": "none", "lora_dropout": 0.0,
+            "fan_in_fan_out": False, "init_lora_weights": True, "base_model_name_or_path": base_model_name_or_path,
+            "inference_mode": True,
+        }
+        out = folder if name == "default" else folder / name
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+

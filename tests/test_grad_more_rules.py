@@ -1,0 +1,339 @@
+"""Gradient rules of the operators added last (CumProd, Det, LRN, LpPool, MaxUnpool, GridSample,
+RoiAlign, Attention, ...) and the pooling / Col2Im / Resize rules on dynamic dims.
+
+Each case is a small ONNX model ``y = op(x * s, ...)`` (``s`` and the op's float weights are
+initializers, so params of the imported model) whose batch / spatial / sequence dims are
+symbolic, differentiated at two input shapes. Oracles: central finite differences of the same
+loss on plain ONNX Runtime runs of the original file with one initializer entry perturbed
+(``tests/grad_check.py``; float64 where ORT has the op's double kernel, else float32 with a
+larger step), and, where PyTorch has the op, torch autograd of the same loss in float64.
+The two shapes share one symbolic training graph after the first (counted in the cache).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxparam as op
+from grad_check import _weights, check_model_grads
+from onnxparam.autodiff import grad
+
+RNG = np.random.default_rng(7)
+D, F = TensorProto.DOUBLE, TensorProto.FLOAT
+
+
+def _model(nodes, x_dims, inits, opset, dtype, extra_inputs=()):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, x_dims), *extra_inputs],
+                              [helper.make_tensor_value_info("y", dtype, None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _runs_in_double(nodes, x_dims, inits, opset, extra_inputs=()):
+    """Whether ONNX Runtime runs the model with every float retyped to double."""
+    inits64 = {k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v for k, v in inits.items()}
+    model = _model(nodes, x_dims, inits64, opset, D, extra_inputs)
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return True
+    except Exception:  # noqa: BLE001 - no double kernel
+        return False
+
+
+def check_op(nodes, x_dims, shapes, inits, opset, *, torch_fn=None, x_range=(-1.0, 1.0), extra=None,
+             extra_inputs=(), f32_tol=(1e-2, 2e-3, 2e-4), feed_map=None):
+    """``check_model_grads`` at each shape in ``shapes`` (float64 when ORT can, else float32), and
+    torch autograd of ``sum(w * torch_fn(x, **params))`` in float64 on the last shape, against
+    ``grad``'s gradients of every float initializer. ``extra(shape)`` gives further feeds;
+    ``feed_map`` edits the drawn ``x``."""
+    double = _runs_in_double(nodes, x_dims, inits, opset, extra_inputs)
+    dt, npdt = (D, np.float64) if double else (F, np.float32)
+    inits = {k: v.astype(npdt) if np.issubdtype(v.dtype, np.floating) else v for k, v in inits.items()}
+    model = _model(nodes, x_dims, inits, opset, dt, extra_inputs)
+    feeds = []
+    for shape in shapes:
+        feed = {"x": RNG.uniform(*x_range, size=shape).astype(npdt)}
+        if feed_map is not None:
+            feed["x"] = feed_map(feed["x"])
+        if extra is not None:
+            feed.update({k: (v.astype(npdt) if np.issubdtype(v.dtype, np.floating) else v)
+                         for k, v in extra(shape).items()})
+        feeds.append(feed)
+    eps, rtol, atol = (1e-5, 1e-5, 1e-7) if double else f32_tol
+    counts = check_model_grads(model, feeds, eps=eps, rtol=rtol, atol=atol)
+    assert counts == {"graphs": 2, "sessions": 2}
+    if torch_fn is not None:
+        torch = pytest.importorskip("torch")
+        feed = feeds[-1]
+        y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+        w = _weights(y.shape, npdt)
+        params = {k: torch.tensor(v.astype(np.float64), requires_grad=True) for k, v in inits.items()
+                  if np.issubdtype(v.dtype, np.floating)}
+        others = {k: torch.from_numpy(v if not np.issubdtype(v.dtype, np.floating) else v.astype(np.float64))
+                  for k, v in feed.items()}
+        consts = {k: torch.from_numpy(v) for k, v in inits.items() if not np.issubdtype(v.dtype, np.floating)}
+        out = torch_fn(**others, **params, **consts)
+        (out * torch.from_numpy(w.astype(np.float64))).sum().backward()
+        module = op.import_onnx(model)
+        names = list(feed)
+        _, grads = grad(lambda m, ww, *xs: (m(**dict(zip(names, xs))) * ww).sum(), module, op.Tensor.from_numpy(w),
+                        *[op.Tensor.from_numpy(feed[n]) for n in names])
+        by_path = grads.by_path()
+        tol = dict(rtol=1e-7, atol=1e-9) if double else dict(rtol=2e-4, atol=2e-5)
+        weights = set(module.onnx_names.values())  # (initializers the importer keeps constant are not params)
+        for k, t in params.items():
+            if k not in weights:
+                continue
+            np.testing.assert_allclose(by_path[module.path_of(k)].to_numpy(), t.grad.numpy(), err_msg=k, **tol)
+
+
+# -- pooling / Col2Im / Resize on dynamic dims ---------------------------------------------------
+
+
+def _pool_shapes(nodes, torch_fn):
+    """Batch and image size changing (a scale per channel), then the channel count changing too (a
+    scalar scale: the rules then work per ``[n, c]`` plane)."""
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 6, 7), (1, 3, 9, 5)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))},
+             17, torch_fn=torch_fn)
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 6, 7), (1, 4, 9, 5)], {"s": RNG.uniform(0.5, 1.5, (1,))}, 17,
+             torch_fn=torch_fn)
+
+
+@pytest.mark.parametrize("kernel,strides,pads", [([2, 2], [2, 2], [0, 0, 0, 0]), ([3, 3], [2, 1], [1, 1, 1, 0])])
+def test_max_pool_on_dynamic_batch_channels_and_image(kernel, strides, pads):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("MaxPool", ["xs"], ["y"], kernel_shape=kernel, strides=strides, pads=pads)]
+
+    def torch_fn(x, s):
+        import torch
+
+        p = torch.nn.functional.pad(x * s, (pads[1], pads[3], pads[0], pads[2]), value=-float("inf"))
+        return torch.nn.functional.max_pool2d(p, kernel, strides)
+
+    _pool_shapes(nodes, torch_fn)
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+def test_average_pool_on_dynamic_channels_and_image(count_include_pad):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("AveragePool", ["xs"], ["y"], kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1],
+                              count_include_pad=count_include_pad)]
+
+    def torch_fn(x, s):
+        import torch
+
+        xs = torch.nn.functional.pad(x * s, (0, 1, 0, 0))  # the asymmetric end pad of W
+        y = torch.nn.functional.avg_pool2d(xs, (3, 2), (2, 1), padding=(1, 0), count_include_pad=True)
+        if count_include_pad:
+            return y
+        ones = torch.nn.functional.pad(torch.ones_like(x), (0, 1, 0, 0))
+        return y * 6 / (torch.nn.functional.avg_pool2d(torch.nn.functional.pad(ones, (0, 0, 1, 1)), (3, 2), (2, 1)) * 6)
+
+    _pool_shapes(nodes, torch_fn)
+
+
+def test_col2im_on_a_dynamic_batch():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Col2Im", ["xs", "image", "block"], ["y"], strides=[1, 1], pads=[1, 0, 0, 1])]
+    inits = {"s": RNG.uniform(0.5, 1.5, size=(1, 12, 1)), "image": np.array([4, 5], np.int64),
+             "block": np.array([2, 2], np.int64)}
+    # [N, C * 4, L] with C = 3, L = 4 * 5 output positions of a 2x2 block over the padded 4x5 image
+    check_op(nodes, ["N", 12, 20], [(2, 12, 20), (3, 12, 20)], inits, 18,
+             torch_fn=lambda x, s, image, block: _fold(x * s))
+
+
+def _fold(cols):
+    """Col2Im of the test above in torch: fold over the image padded by (top 1, left 0, bottom 0,
+    right 1), cropped back."""
+    import torch
+
+    full = torch.nn.functional.fold(cols, (5, 6), (2, 2))
+    return full[:, :, 1:5, 0:5]
+
+
+# -- CumProd, Det, Mod, CastLike, OneHot, DequantizeLinear ----------------------------------------
+
+
+def _torch_cumprod(x, axis, exclusive, reverse):
+    import torch
+
+    if reverse:
+        x = x.flip(axis)
+    c = torch.cumprod(x, axis)
+    if exclusive:
+        c = torch.cat([torch.ones_like(c.narrow(axis, 0, 1)), c.narrow(axis, 0, c.shape[axis] - 1)], axis)
+    return c.flip(axis) if reverse else c
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 1), (0, 1)])
+def test_cumprod_along_a_dynamic_axis_with_zeros(exclusive, reverse):
+    """Along the batch axis (its size changes); a zero in ``x`` (the gradient divides by nothing)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("CumProd", ["xs", "axis"], ["y"], exclusive=exclusive, reverse=reverse)]
+    inits = {"s": RNG.uniform(0.5, 1.5, size=(4,)), "axis": np.array(0, np.int64)}
+
+    check_op(nodes, ["N", 4], [(3, 4), (5, 4)], inits, 26, x_range=(-1.5, 1.5),
+             torch_fn=lambda x, s, axis: _torch_cumprod(x * s, 0, exclusive, reverse), feed_map=_zero_first)
+
+
+def _zero_first(x):
+    x = x.copy()
+    x[1, 2] = 0.0
+    return x
+
+
+def test_det_of_a_batch_of_matrices():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Det", ["xs"], ["y"])]
+    check_op(nodes, ["N", 3, 3], [(2, 3, 3), (4, 3, 3)], {"s": RNG.uniform(0.5, 1.5, size=(3, 3))}, 22,
+             torch_fn=lambda x, s: __import__("torch").linalg.det(x * s))
+
+
+def test_float_mod_gradient_of_both_operands():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mod", ["xs", "b"], ["y"], fmod=1)]
+    inits = {"s": RNG.uniform(0.5, 1.5, size=(3,)), "b": np.array([2.5, -3.0, 3.5])}
+    check_op(nodes, ["N", 3], [(4, 3), (6, 3)], inits, 13, x_range=(-6, 6),
+             torch_fn=lambda x, s, b: __import__("torch").fmod(x * s, b))
+
+
+def test_cast_like_passes_the_gradient_through():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("CastLike", ["xs", "like"], ["c"]),
+             helper.make_node("Tanh", ["c"], ["y"])]
+    check_op(nodes, ["N", 3], [(2, 3), (3, 3)], {"s": RNG.uniform(0.5, 1.5, size=(3,)), "like": np.zeros(1)}, 21)
+
+
+def test_one_hot_values_gradient():
+    nodes = [helper.make_node("OneHot", ["ids", "depth", "values"], ["hot"], axis=-1),
+             helper.make_node("Mul", ["x", "hot"], ["y"])]
+    inits = {"values": np.array([0.3, 1.7]), "depth": np.array(4, np.int64)}
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])
+    check_op(nodes, ["N", 4], [(3, 4), (5, 4)], inits, 13, extra_inputs=[ids],
+             extra=lambda shape: {"ids": RNG.integers(0, 4, size=shape[:1]).astype(np.int64)})
+
+
+@pytest.mark.parametrize("per_axis", [False, True])
+def test_dequantize_linear_scale_gradient(per_axis):
+    """The quantized tensor is fed (an initializer would be imported as a frozen quantized weight),
+    the scale is a param."""
+    inits = {"zp": np.array([3, -2, 0], np.int8) if per_axis else np.array(5, np.int8),
+             "scale": RNG.uniform(0.01, 0.05, size=(3,)) if per_axis else np.array(0.02)}
+    nodes = [helper.make_node("DequantizeLinear", ["q", "scale", "zp"], ["w"], axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    q = helper.make_tensor_value_info("q", TensorProto.INT8, [4, 3])
+    fixed = RNG.integers(-100, 100, size=(4, 3)).astype(np.int8)
+
+    def torch_fn(x, q, scale, zp):
+        return x @ ((q.double() - zp.double()) * scale)
+
+    check_op(nodes, ["N", 4], [(2, 4), (5, 4)], inits, 19, torch_fn=torch_fn, f32_tol=(1e-3, 2e-3, 2e-4),
+             extra_inputs=[q], extra=lambda shape: {"q": fixed})
+
+
+# -- LRN, LpPool, GlobalLpPool, MaxUnpool -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [3, 5])  # (ONNX Runtime runs odd sizes only)
+def test_lrn_across_channels(size):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("LRN", ["xs"], ["y"], size=size, alpha=0.3, beta=0.75, bias=1.5)]
+
+    def torch_fn(x, s):
+        import torch
+
+        return torch.nn.functional.local_response_norm(x * s, size, alpha=0.3, beta=0.75, k=1.5)
+
+    check_op(nodes, ["N", 5, "H", "W"], [(2, 5, 3, 4), (1, 5, 2, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 5, 1, 1))},
+             13, torch_fn=torch_fn, x_range=(-2, 2))
+
+
+@pytest.mark.parametrize("p,pads", [(2, [0, 0, 0, 0]), (3, [1, 0, 0, 1])])
+def test_lp_pool(p, pads):
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("LpPool", ["xs"], ["y"], kernel_shape=[2, 3], strides=[1, 2], p=p, pads=pads)]
+
+    def torch_fn(x, s):
+        import torch
+
+        return torch.nn.functional.lp_pool2d(x * s, 2.0, (2, 3), (1, 2))
+
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 5, 7), (1, 3, 4, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))},
+             18, torch_fn=torch_fn if p == 2 and not any(pads) else None)
+
+
+def test_global_lp_pool():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("GlobalLpPool", ["xs"], ["y"], p=3)]
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 4, 5), (1, 3, 3, 2)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 18,
+             torch_fn=lambda x, s: (x * s).abs().pow(3).sum((2, 3), keepdim=True).pow(1 / 3))
+
+
+def test_max_unpool_of_max_pool():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("MaxPool", ["xs"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Tanh", ["p"], ["t"]),
+             helper.make_node("MaxUnpool", ["t", "i"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+
+    def torch_fn(x, s):
+        import torch
+
+        pooled, idx = torch.nn.functional.max_pool2d(x * s, 2, 2, return_indices=True)
+        return torch.nn.functional.max_unpool2d(torch.tanh(pooled), idx, 2, 2)
+
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 4, 6), (1, 3, 6, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 22,
+             torch_fn=torch_fn)
+
+
+# -- the up-front check lists the nodes inside control-flow bodies too ----------------------------
+
+
+def test_check_lists_every_node_without_a_rule_in_the_graph_and_in_if_and_loop_bodies_at_once():
+    """A main-graph node, one in each ``If`` branch and one in a ``Loop`` body (each fed by a
+    param), all without rules: listed together by ``check_gradients`` and ``grad``'s error, before
+    any rule runs; an ``If`` branch node that only the other branch's params reach is listed as
+    well (the sweep of each branch would meet it), a node off the param -> loss path is not."""
+    from onnxparam.autodiff import check_gradients
+
+    def out(name):
+        return helper.make_tensor_value_info(name, F, [3])
+
+    then = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["tw"]),
+                              helper.make_node("Twist", ["tw"], ["then_y"], domain="com.example", name="then_twist")],
+                             "then", [], [out("then_y")], value_info=[out("tw")])
+    els = helper.make_graph([helper.make_node("Add", ["x", "w"], ["ew"]),
+                             helper.make_node("Turn", ["ew"], ["else_y"], domain="com.example", name="else_turn"),
+                             helper.make_node("Turn", ["x"], ["unused"], domain="com.example", name="off_path")],
+                            "else", [], [out("else_y")], value_info=[out("ew"), out("unused")])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Mul", ["acc_in", "v"], ["scaled"]),
+         helper.make_node("Bend", ["scaled"], ["acc_out"], domain="com.example", name="loop_bend")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", F, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("acc_out", F, [3])],
+        value_info=[helper.make_tensor_value_info("scaled", F, [3])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+             helper.make_node("Greater", ["total", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=els, name="the_if"),
+             helper.make_node("Loop", ["trips", "", "branch"], ["looped"], name="the_loop", body=body),
+             helper.make_node("Mul", ["looped", "u"], ["mu"]),
+             helper.make_node("Spin", ["mu"], ["y"], domain="com.example", name="main_spin")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [3])], [out("y")],
+                              value_info=[out("mu"), out("branch"), out("looped")], initializer=[numpy_helper.from_array(np.array(2, np.int64), "trips"),
+                               numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                               *[numpy_helper.from_array(RNG.normal(size=3).astype(np.float32), k) for k in "wvu"]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    module = op.import_onnx(model)
+    x = op.Tensor.from_numpy(np.ones(3, np.float32))
+
+    def loss(m, x):
+        return m(x).sum()
+
+    listed = check_gradients(loss, module, x)
+    ops = sorted(m.op for m in listed)
+    assert ops == ["com.example:Bend", "com.example:Spin", "com.example:Turn", "com.example:Twist"], listed
+    where = {m.op: m.reason for m in listed}
+    assert "then_branch" in where["com.example:Twist"] and "else_branch" in where["com.example:Turn"]
+    assert "body" in where["com.example:Bend"] and "Loop" in where["com.example:Bend"]
+    with pytest.raises(op.TraceError, match=r"(?s)4 node\(s\).*Spin.*Twist.*Turn.*Bend"):
+        grad(loss, module, x)

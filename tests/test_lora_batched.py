@@ -22,7 +22,7 @@ from onnxparam import LoraConfig, LoraError, Module, Param, RecordError, Tensor,
 from onnxparam.lora._batched import BatchedLora, batched_metadata
 from onnxparam.lora._batched_run import batched_adapter_params, check_batched_adapters, write_batched_adapter
 from onnxparam.cli import main
-from onnxparam.nn import Conv2dConfig, EmbeddingConfig, LinearConfig
+from onnxparam.nn import Conv1dConfig, Conv2dConfig, EmbeddingConfig, LinearConfig
 
 # name: (r, alpha, use_rslora)
 ADAPTERS = {"one": (2, 5.0, False), "two": (4, 3.0, True), "three": (3, 1.5, False)}
@@ -308,16 +308,134 @@ def test_embedding_tables_take_each_rows_adapter_at_its_ids(tmp_path):
         np.testing.assert_allclose(got[row], oracle_rows(ids[row:row + 1], name)[0], atol=1e-5, rtol=0)
 
 
-def test_conv_and_bias_adapters_are_refused_by_name(tmp_path):
-    conv = ConvNet()
-    weight = conv.conv.weight
+class DilatedConv(Module):
+    def __init__(self):
+        self.conv = Conv2dConfig((2, 3), (3, 2), dilation=(2, 1)).init()
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def _factor(rng, *shape):
+    from onnxparam import Param
+
+    return Param.from_tensor(Tensor.from_numpy((rng.normal(size=shape) * 0.5).astype(np.float32)))
+
+
+def test_conv_weights_and_biases_take_each_rows_adapter(tmp_path):
+    """PEFT's conv LoRA (a transposed adapter ``a`` ``(in * kh * kw, r)``, ``b`` ``(r, out)``,
+    delta ``(a @ b).T`` reshaped to the weight) and ``lora_bias`` (a 1-d bias with ``a``
+    ``(1, 1)``): numpy convolution (dilation 2 x 1) and biases, row by row."""
     from onnxparam import LoraAdapter
 
-    shape = tuple(weight.lazy_shape())  # (out, in, 1, 1): PEFT's conv LoRA layout
-    a = Param.from_tensor(Tensor.from_numpy(np.ones((shape[1], 1), np.float32)))
-    b = Param.from_tensor(Tensor.from_numpy(np.ones((1, shape[0]), np.float32)))
-    conv = conv.add_adapter("c", {"conv.weight": LoraAdapter(a, b, 1.0, transposed=True)})
-    with pytest.raises(LoraError, match=r"'conv.weight' \[3, 2, 1, 1\].*not to a bias .*, a convolution"):
+    rng = np.random.default_rng(3)
+    base = DilatedConv()
+    w = np.asarray(base.conv.weight.val().to_numpy(), np.float64)  # (3, 2, 3, 2)
+    c = np.asarray(base.conv.bias.val().to_numpy(), np.float64)
+    specs = {"p": {"conv.weight": (2, 1.5), "conv.bias": (1, 0.5)}, "q": {"conv.weight": (3, 0.75)},
+             "r": {"conv.bias": (1, 2.0)}}
+    module, deltas = base, {}
+    for name, spec in specs.items():
+        adapters, deltas[name] = {}, {"conv.weight": 0.0, "conv.bias": 0.0}
+        for path, (r, scale) in spec.items():
+            d_in, d_out = (12, 3) if path == "conv.weight" else (1, 3)
+            a, b = _factor(rng, d_in, r), _factor(rng, r, d_out)
+            adapters[path] = LoraAdapter(a, b, scale, transposed=path == "conv.weight")
+            delta = scale * np.asarray(a.val().to_numpy(), np.float64) @ np.asarray(b.val().to_numpy(), np.float64)
+            deltas[name][path] = delta.T.reshape(w.shape) if path == "conv.weight" else delta.reshape(-1)
+        module = module.add_adapter(name, adapters)
+
+    def oracle(x, name):
+        d = deltas.get(name, {"conv.weight": 0.0, "conv.bias": 0.0})
+        weight, bias = w + d["conv.weight"], c + d["conv.bias"]
+        windows = np.lib.stride_tricks.sliding_window_view(x.astype(np.float64), (5, 2), axis=(2, 3))[..., ::2, :]
+        return np.einsum("nchwuv,ocuv->nohw", windows, weight) + bias[None, :, None, None]
+
+    x = rng.normal(size=(6, 2, 8, 5)).astype(np.float32)
+    path = export_onnx(module, tmp_path / "conv.onnx", x[:2], lora="batched")
+    meta = batched_metadata(path)
+    assert {t["path"]: (t["kind"], t["d_in"], t["rank"]) for t in meta["targets"]} == {
+        "conv.weight": ("conv", 12, 3), "conv.bias": ("bias", 1, 1)}
+    index = np.array([1, 0, 3, 2, 1, 3], dtype=np.int64)
+    got = session(path).run(None, {"x": x, "adapter_index": index})[0]
+    names = [None, "p", "q", "r"]
+    for row, k in enumerate(index):
+        np.testing.assert_allclose(got[row], oracle(x[row:row + 1], names[k])[0], atol=1e-5, rtol=0)
+    got = module(Tensor.from_numpy(x), adapter_index=[names[k] for k in index[::-1]]).to_numpy()
+    for row, k in enumerate(index[::-1]):
+        np.testing.assert_allclose(got[row], oracle(x[row:row + 1], names[k])[0], atol=1e-5, rtol=0)
+    got = session(path).run(None, {"x": x, "adapter_index": np.array([2])})[0]  # one index: every row
+    np.testing.assert_allclose(got, oracle(x, "q"), atol=1e-5, rtol=0)
+
+
+class StridedConv1d(Module):
+    def __init__(self):
+        self.conv = Conv1dConfig(2, 3, 3, stride=2, padding=1).init()
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_a_strided_padded_conv1d_takes_each_rows_adapter(tmp_path):
+    """The ``Conv``'s own strides and pads carry over to the adapter's conv: numpy ``conv1d``."""
+    from onnxparam import LoraAdapter
+
+    rng = np.random.default_rng(5)
+    base = StridedConv1d()
+    w = np.asarray(base.conv.weight.val().to_numpy(), np.float64)  # (3, 2, 3)
+    c = np.asarray(base.conv.bias.val().to_numpy(), np.float64)
+    module, deltas = base, [0.0]
+    for k, (r, scale) in enumerate(((1, 2.0), (3, 0.5))):
+        a, b = _factor(rng, 6, r), _factor(rng, r, 3)
+        module = module.add_adapter(f"k{k}", {"conv.weight": LoraAdapter(a, b, scale, transposed=True)})
+        deltas.append(scale * (np.asarray(a.val().to_numpy(), np.float64)
+                               @ np.asarray(b.val().to_numpy(), np.float64)).T.reshape(w.shape))
+
+    def oracle(x, k):
+        padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1)))
+        windows = np.lib.stride_tricks.sliding_window_view(padded, 3, axis=2)[:, :, ::2]  # [n, c, l, 3]
+        return np.einsum("nclu,ocu->nol", windows, w + deltas[k]) + c[None, :, None]
+
+    x = rng.normal(size=(4, 2, 9)).astype(np.float32)
+    path = export_onnx(module, tmp_path / "c1.onnx", x[:1], lora="batched")
+    index = np.array([2, 1, 0, 2], dtype=np.int64)
+    got = session(path).run(None, {"x": x, "adapter_index": index})[0]
+    for row, k in enumerate(index):
+        np.testing.assert_allclose(got[row], oracle(x[row:row + 1], k)[0], atol=1e-5, rtol=0)
+
+
+def test_a_linear_bias_adapter_adds_per_row_after_the_add(tmp_path):
+    from onnxparam import LoraAdapter
+
+    rng = np.random.default_rng(4)
+    module, deltas = BASE, {}
+    for name, scale in (("u", 0.5), ("v", 3.0)):
+        a, b = _factor(rng, 1, 1), _factor(rng, 1, 8)
+        module = module.add_adapter(name, {"fc1.bias": LoraAdapter(a, b, scale)})
+        deltas[name] = scale * np.asarray(a.val().to_numpy(), np.float64) @ np.asarray(b.val().to_numpy(), np.float64)
+
+    def oracle(x, name):
+        w1, c1 = (np.asarray(p.val().to_numpy(), np.float64) for p in (BASE.fc1.weight, BASE.fc1.bias))
+        w2, c2 = (np.asarray(p.val().to_numpy(), np.float64) for p in (BASE.fc2.weight, BASE.fc2.bias))
+        h = x.astype(np.float64) @ w1 + c1 + (deltas[name][0] if name else 0.0)
+        return np.maximum(h, 0) @ w2 + c2
+
+    for x in (X, X[:, 0]):  # [batch, seq, d] and [batch, d] (the [rows, -1, d] view)
+        path = export_onnx(module, tmp_path / f"bias{x.ndim}.onnx", x[:2], lora="batched")
+        index = np.array([2, 0, 1, 1, 2], dtype=np.int64)
+        got = session(path).run(None, {"x": x, "adapter_index": index})[0]
+        for row, k in enumerate(index):
+            np.testing.assert_allclose(got[row], oracle(x[row:row + 1], [None, "u", "v"][k])[0], atol=1e-5, rtol=0)
+
+
+def test_an_adapter_that_fits_no_batched_use_is_refused_by_name(tmp_path):
+    from onnxparam import LoraAdapter
+
+    conv = ConvNet()
+    a = Param.from_tensor(Tensor.from_numpy(np.ones((2, 1), np.float32)))
+    b = Param.from_tensor(Tensor.from_numpy(np.ones((1, 3), np.float32)))
+    conv = conv.add_adapter("c", {"conv.weight": LoraAdapter(a, b, 1.0, transposed=False)})  # not PEFT's layout
+    with pytest.raises(LoraError, match=r"'conv.weight' \[3, 2, 1, 1\] with factors \(2, 1\).*transposed=False"):
         export_onnx(conv, tmp_path / "c.onnx", np.ones((1, 2, 4, 4), np.float32), lora="batched")
 
 

@@ -249,7 +249,8 @@ def test_matmul_heavy_model_fuses_integer_kernels(tmp_path):
 def test_dequantize_mode_fuses_matmulnbits_with_the_accuracy_level_asked(tmp_path):
     model = Stack(64, 2).quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1))))
     # NOTE: rank-3 activations; on 2-D ones ORT 1.32 may fuse MatMul + Add + Relu into FusedGemm first
-    path = op.export_onnx(model, tmp_path / "q.onnx", np.ones((2, 5, 64), np.float32))
+    with qdq_options(matmul="dequantize"):  # the default writes MatMulNBits itself (accuracy_level 0)
+        path = op.export_onnx(model, tmp_path / "q.onnx", np.ones((2, 5, 64), np.float32))
     for level in (1, 4):
         nodes = optimized_ops(path, tmp_path, [matmulnbits_accuracy_level(level)])
         fused = [n for n in nodes if n.op_type == "MatMulNBits"]

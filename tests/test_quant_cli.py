@@ -70,12 +70,18 @@ def test_calibrated_per_channel_quantize_prints_each_op_and_runs_qlinear_kernels
 
 def test_include_and_exclude_choose_the_quantized_weights(mnist_onnx, tmp_path, capsys):
     out_path = tmp_path / "fc.onnx"
-    code, out, _ = run_main(capsys, "quantize", mnist_onnx, out_path, "--include", r"^fc", "--exclude", r"fc3")
+    code, out, _ = run_main(capsys, "quantize", mnist_onnx, out_path, "--include", r"^fc.*weight", "--exclude", r"fc3")
     assert code == 0
     assert "ops:       2 with quantized weights: 2 MatMul dynamic int8" in out
     types = {i.name: i.data_type for i in onnx.load(str(out_path)).graph.initializer}
     assert types["fc1.weight"] == types["fc2.weight"] == onnx.TensorProto.UINT8  # codes + 128, zero point 128
-    assert types["fc3.weight"] == types["conv2.conv.weight"] == onnx.TensorProto.FLOAT
+    assert types["fc3.weight"] == types["conv2.conv.weight"] == types["fc1.bias"] == onnx.TensorProto.FLOAT
+    # --include names params whatever their role or rank: '^fc' names the biases too (issue 27)
+    code, out, _ = run_main(capsys, "quantize", mnist_onnx, out_path, "--include", r"^fc", "--exclude", r"fc3")
+    assert code == 0
+    types = {i.name: i.data_type for i in onnx.load(str(out_path)).graph.initializer}
+    assert types["fc1.bias"] == types["fc2.bias"] == onnx.TensorProto.INT8
+    assert types["fc3.bias"] == onnx.TensorProto.FLOAT
 
 
 def test_size_first_keeps_every_weight_int8_and_inspect_shows_the_table(mnist_onnx, tmp_path, capsys):

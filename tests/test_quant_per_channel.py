@@ -162,13 +162,18 @@ def matmul_graph(tmp_path, w: np.ndarray, opset: int):
                                        Quantizer(QuantScheme(QuantValue.Q4S), per_channel=True),
                                        Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1)))],
                          ids=["per-tensor", "per-channel", "blocks-along-k"])
-def test_four_bit_matmul_below_opset_21_is_written_as_matmul_nbits(quantizer, tmp_path):
+@pytest.mark.parametrize("opset", [17, 21])
+def test_four_bit_matmul_is_written_as_matmul_nbits_with_float32_compute(quantizer, opset, tmp_path):
+    # below opset 21 no INT4 DequantizeLinear exists; from 21 on MatMulNBits is written directly so the
+    # file carries accuracy_level 0 (float32 compute, as MatMulNBitsQuantizer writes), not ORT's
+    # session default 4 for a fused DQ -> MatMul (int8 activations)
     w = RNG.normal(size=(96, 40)).astype(np.float32)
-    src = matmul_graph(tmp_path, w, 17)
+    src = matmul_graph(tmp_path, w, opset)
     model = import_onnx(src).quantize_weights(quantizer)
     out = op.export_onnx(model, tmp_path / "q.onnx")
     graph = onnx.load(str(out)).graph
     assert [n.op_type for n in graph.node] == ["MatMulNBits"]
+    assert {a.name: helper.get_attribute_value(a) for a in graph.node[0].attribute}.get("accuracy_level", 0) == 0
     packed = next(i for i in graph.initializer if i.name == "w")
     assert packed.data_type == TensorProto.UINT8 and packed.dims[0] == 40  # [N, blocks, block / 2]
     assert [(r["op"], r["form"]) for r in quantized_ops(out)] == [("MatMul", "4-bit MatMulNBits")]
@@ -268,7 +273,7 @@ def test_gemm_weights_run_as_ort_integer_matmul_by_default(trans_b, per_channel,
     np.testing.assert_allclose(run(out, x=x), expected, atol=0.03 * np.abs(expected).max())
 
 
-def test_per_column_four_bit_matmul_fuses_matmul_nbits_at_opset_21_and_logs_the_summary(tmp_path, caplog):
+def test_per_column_four_bit_matmul_is_matmul_nbits_at_opset_21_and_logs_the_summary(tmp_path, caplog):
     import logging
 
     w = RNG.normal(size=(96, 40)).astype(np.float32)
@@ -277,7 +282,17 @@ def test_per_column_four_bit_matmul_fuses_matmul_nbits_at_opset_21_and_logs_the_
     with caplog.at_level(logging.INFO, logger="onnxparam.quant"):
         out = op.export_onnx(model, tmp_path / "q.onnx")
     assert "quantized export: 1 MatMul 4-bit MatMulNBits" in caplog.text
+    model_proto = onnx.load(str(out))
+    inits = {i.name: numpy_helper.to_array(i) for i in model_proto.graph.initializer}
+    (node,) = model_proto.graph.node
+    assert node.op_type == "MatMulNBits"
+    scales = inits[node.input[2]].reshape(40, -1)  # [N * blocks], n major: one column's scale per block
+    np.testing.assert_allclose(scales, np.repeat(np.abs(w).max(axis=0)[:, None] / 7, scales.shape[1], 1),
+                               rtol=1e-6)  # Q4S: max|w| / 7 per column
+    assert "MatMulNBits" in optimized_ops(out, tmp_path)
+    with qdq_options(matmul="dequantize"):  # the standard-ONNX form: INT4 DequantizeLinear, ORT fuses it
+        out = op.export_onnx(model, tmp_path / "dq.onnx")
     scale, axis = dequantize_node(out, "w")
     assert axis == 1
-    np.testing.assert_allclose(scale.reshape(-1), np.abs(w).max(axis=0) / 7, rtol=1e-6)  # Q4S: max|w| / 7
+    np.testing.assert_allclose(scale.reshape(-1), np.abs(w).max(axis=0) / 7, rtol=1e-6)
     assert "MatMulNBits" in optimized_ops(out, tmp_path)

@@ -437,8 +437,8 @@ def test_a_low_cosine_the_weights_alone_do_not_explain_is_put_on_the_integer_ker
     src = mlp(tmp_path / "mlp.onnx", (64, 256, 10))
     real = _accuracy.compare
 
-    def skewed(float_path, quant_path, feeds):
-        return [{**row, "cosine": 0.9} for row in real(float_path, quant_path, feeds)]
+    def skewed(float_path, quant_path, feeds, **kwargs):
+        return [{**row, "cosine": 0.9} for row in real(float_path, quant_path, feeds, **kwargs)]
 
     monkeypatch.setattr(_accuracy, "compare", skewed)
     code, _, err = run_main(capsys, "quantize", src, tmp_path / "q.onnx")

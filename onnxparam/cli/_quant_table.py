@@ -93,3 +93,21 @@ def not_smaller(out_bytes: int, in_bytes: int, kept: dict, quantized: int, fmt: 
     return (f"the output ({out_bytes:,} bytes) is not smaller than the input ({in_bytes:,} bytes): only {quantized} "
             f"param(s) were quantized{f' ({why} stayed float)' if why else ''}, and the {fmt} "
             "form's nodes, scales and metadata cost more than their codes save; keep the float model")
+
+
+def print_accuracy(report: dict, indent: str = "") -> None:
+    """The accuracy report of ``onnxparam quantize`` (:data:`onnxparam.quant._accuracy.ACCURACY_KEY`):
+    one line saying on what inputs, then one line per output (cosine, max abs error); a report
+    that was skipped says why."""
+    if report.get("skipped"):
+        _out(f"{indent}accuracy:  not measured: {report['skipped']}")
+        return
+    outputs = report.get("outputs") or []
+    _out(f"{indent}accuracy:  vs the float model on {report.get('inputs', '?')}"
+         + (f" (--min-cosine {report['min_cosine']})" if report.get("min_cosine") is not None else ""))
+    width = max((len(str(r.get("output", ""))) for r in outputs), default=0)
+    for r in outputs:
+        _out(f"{indent}  {str(r.get('output', '')).ljust(width)}  cosine {float(r['cosine']):.6f}  "
+             f"max abs error {float(r['max_abs_error']):.6g}")
+    for r in report.get("sensitivity") or []:
+        _out(f"{indent}  moves the outputs most: {r['weight']} (alone: cosine {float(r['cosine']):.6f})")

@@ -76,6 +76,9 @@ class _Inspected:
 
 QUANT_OPS_KEY = "onnxparam.quant.ops"
 """The export's per-op report (:data:`onnxparam.quant._qdq_forms.REPORT_KEY`)."""
+QUANT_ACCURACY_KEY = "onnxparam.quant.accuracy"
+"""``onnxparam quantize``'s accuracy report (:data:`onnxparam.quant._accuracy.ACCURACY_KEY`; named
+here so ``inspect`` imports no quant module for it)."""
 
 
 def _scheme_text(scheme) -> Optional[str]:
@@ -431,6 +434,23 @@ def _add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _print_quant_accuracy(doc: dict) -> None:
+    """The accuracy report ``onnxparam quantize`` stored in the file (an ``.onnx`` output's
+    ``metadata_props``, a ``.bpk`` output's metadata), as a table; nothing when there is none
+    or it is not a JSON object."""
+    props = doc["info"].get("metadata_props") if doc["format"] == "onnx" else doc["metadata"]
+    text = (props or {}).get(QUANT_ACCURACY_KEY)
+    if text is None:
+        return
+    from ._quant_table import print_accuracy
+    try:
+        report = json.loads(text)
+        if isinstance(report, dict):
+            print_accuracy(report)
+    except (ValueError, TypeError, KeyError):  # NOTE: a foreign or damaged entry: shown above, raw
+        return
+
+
 MAX_LISTED_VALUES = 4
 """Graph inputs / outputs printed by ``inspect`` before "... and N more" (``--json`` lists all)."""
 
@@ -486,6 +506,7 @@ def _print_inspect(doc: dict) -> None:
     _out(f"metadata:  {len(doc['metadata'])} entries" + (":" if doc["metadata"] else ""))
     for key, value in doc["metadata"].items():
         _out(f"  {key} = {_clip(value)}")
+    _print_quant_accuracy(doc)
     if doc["scalars"]:
         _out(f"scalars:   {len(doc['scalars'])}:")
         for key, s in doc["scalars"].items():

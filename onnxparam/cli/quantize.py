@@ -88,7 +88,8 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "stored as Burn blocks when extents fit in 255, else ONNX per-axis (.onnx OUT only)",
     )
     parser.add_argument("--include", type=_regex, action="append", metavar="RE",
-                        help="quantize only params whose path matches RE, weights or not (repeatable); without it "
+                        help="quantize only params whose path matches RE, weights or not, 1-D biases too (one scale "
+                        "per tensor) (repeatable); without it "
                         "only the weights of ops with an integer kernel are (MatMul / Gemm B, Conv W, embeddings), "
                         "never constants feeding arithmetic, biases, norm scales, position embeddings")
     parser.add_argument("--exclude", type=_regex, action="append", metavar="RE",
@@ -246,6 +247,10 @@ def _run_quantize(args: argparse.Namespace) -> int:
     if args.per_channel and args.block_size is not None:
         raise UsageError(f"{PROG} quantize: error: --per-channel sets the scale grid itself; leave out --block-size")
     quantizer, scheme = _quantizer(args.scheme, args.block_size, args.per_channel)
+    if args.include:
+        # NOTE: --include names the params to quantize whatever their rank: a 1-D bias it names is
+        # quantized too (one scale per tensor, also with --per-channel: Quantizer.quantize)
+        quantizer = quantizer.with_min_rank(1)
     model = _load_model(args, args.src)
     opset = (getattr(model.module, "onnx_opset_imports", None) or {}).get("")
     if args.per_channel and dst_fmt == "onnx" and opset is not None and opset < 13:
@@ -322,8 +327,17 @@ def _run_quantize(args: argparse.Namespace) -> int:
         print_kept_float(kept_rows)
         # NOTE: measured before writing (a temporary .onnx computing exactly param.val()), so
         # --strict below the threshold writes nothing
-        _accuracy_report(args, model, float_module, arrays, scheme)
-        model.module.save_file(args.dst)
+        accuracy = _accuracy_report(args, model, float_module, arrays, scheme)
+        import json
+
+        from ..quant._accuracy import ACCURACY_KEY, KEPT_FLOAT_KEY
+
+        # NOTE (issue 27): the report goes into the burnpack metadata (text -> text: JSON, the same
+        # keys and values as an .onnx output's metadata_props); Burn ignores these entries
+        meta = {KEPT_FLOAT_KEY: json.dumps(kept_rows, separators=(",", ":"))}
+        if accuracy is not None:
+            meta[ACCURACY_KEY] = json.dumps(accuracy, separators=(",", ":"))
+        model.module.save_file(args.dst, metadata=meta)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
         from ..core.errors import QuantizationWarning
@@ -411,7 +425,7 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
                 "and no faster; nothing was written")
     if filtered and candidates:
         return (f"--include / --exclude left no weight to quantize: the model's {len(candidates)} float weights "
-                f"(rank >= 2) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
+                f"(rank >= {quantizer.min_rank}) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
     if block_size is not None and candidates:
         dims = "last dim is" if len(block_size) == 1 else f"last {len(block_size)} dims are"
         return (
@@ -419,7 +433,7 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
             f"divisible by {_block_text(block_size)} ({shown}); choose a block size that divides them, or "
             "leave out --block-size; nothing was written"
         )
-    return "the model has no float weight (rank >= 2) to quantize; nothing was written"
+    return f"the model has no float weight (rank >= {quantizer.min_rank}) to quantize; nothing was written"
 
 
 def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) -> Optional[dict]:
@@ -472,7 +486,9 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
             return None
         try:
             # NOTE: the float model ran on these feeds above: a failure here is the quantized model's
-            outputs = acc.compare(float_path, quant_path, feeds)
+            # NOTE: a .bpk output's rendering runs without ORT's QDQ fusions: Burn computes with the
+            # dequantized weights, not ORT's integer kernels
+            outputs = acc.compare(float_path, quant_path, feeds, exact_dequantize=quant_path != args.dst)
         except Exception as e:  # noqa: BLE001 - the float model ran on these inputs, the quantized one did not
             if quant_path == args.dst:
                 _quantized_failed(args.dst, e)

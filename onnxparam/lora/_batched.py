@@ -20,7 +20,8 @@ so they add exactly nothing), and the graph takes an int64 input ``adapter_index
 metadata (:data:`METADATA_KEY`, JSON) lists the names in index order, the capacity and each
 target's input names, dims and rank. Slots ``N + 1 .. capacity`` (``BatchedLora(capacity=...)``)
 are zeros: room for adapters added later without a new export. An index of length 1 applies to
-every row (broadcast); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``.
+every row (broadcast); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``
+(a convolution target's branch gives such a row no adapter: its mask is a ``OneHot``).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
 ``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
@@ -38,9 +39,30 @@ Targets: a weight used as ``MatMul``'s B, as ``Gemm``'s B (``transA=0``, ``trans
 adapter's layout; a ``Gemm``'s ``alpha`` multiplies ``B``), or through a 2-d ``Transpose`` into a
 ``MatMul`` (torch's exporters' ``nn.Linear``), and an embedding table read by ``Gather`` (axis 0;
 row ``n`` adds ``a_stack[i_n, ids[n]] @ b_stack[i_n]``, ``a`` read at the looked-up ids only,
-through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike. Any other use (a
-``Conv``, a bias ``Add``: PEFT's conv LoRA, ``lora_bias``) is refused with a
+through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike.
+
+A **convolution** weight ``(d_out, in, *kernel)`` read by a ``Conv`` (``group=1``) with a
+transposed adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA,
+``lora_A`` a conv with the weight's kernel, ``lora_B`` a 1x1 conv) runs every slot's ``a`` as
+one conv of the node's own attributes (strides, pads, dilations) and masks it to each row's
+slot (``h`` is small: ``slots * r`` channels)::
+
+    h = Conv(x, Reshape(Transpose(a_stack, [0, 2, 1]), [-1, in, *kernel]))   [batch, slots * r, *spatial]
+    h = h * OneHot(adapter_index)                 (row n keeps its slot's r channels)
+    y + Reshape(MatMul(Transpose(Reshape(b_stack, [-1, d_out])), h), Shape(y))
+
+A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (PEFT's
+``lora_bias``: ``a = [[1]]``, ``b = lora_B.bias``), added by an ``Add``, as a ``Gemm``'s C
+(times ``beta``) or a ``Conv``'s B, adds ``a_stack[i_n] @ b_stack[i_n]`` to row ``n`` along the
+channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
+
+Cost (measured on CPU, ``tools/bench.py lora-batched``): the per-row ``Gather`` s copy
+``batch * r * (d_in + d_out)`` values per target per run. At one token per row (decoding) that
+copy is the batched graph's whole overhead over a single-adapter ``"inputs"`` run; masking every
+slot instead (``x @ a`` for all slots, one ``MatMul`` with the flattened ``b`` stack) avoids it
+but was slower in ONNX Runtime (a ``MatMul`` whose B is not a constant packs B on every call
+unless its A has one row), and costs ``slots`` times the factor arithmetic at long sequences.
 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
@@ -97,7 +119,8 @@ model's own weight name)."""
 METADATA_KEY = "onnxparam.lora.batched"
 """Model metadata of a batched export (JSON): ``index_input``, ``base_index``, ``adapters`` (names
 in index order from 1), ``capacity``, ``slots`` and ``targets`` (``[{path, a, b, d_in, d_out, rank,
-dtype}]``)."""
+ranks, dtype, kind, shape}]``; ``kind``: ``"matrix"``, ``"conv"`` or ``"bias"``, ``shape``: the
+adapted weight's)."""
 
 SLOTS_DIM = "lora.slots"
 """The symbolic leading dim of every stack: ``capacity + 1``."""
@@ -199,7 +222,10 @@ def named_adapters(module, names: Optional[Sequence[str]] = None) -> list:
 @dataclass
 class StackTarget:
     """One adapted weight of an :class:`AdapterStacks`: ``a`` ``(slots, d_in, rank)``, ``b``
-    ``(slots, rank, d_out)`` (``None`` until values are asked for), each adapter's rank."""
+    ``(slots, rank, d_out)`` (``None`` until values are asked for), each adapter's rank.
+    ``kind``: ``"matrix"`` (a linear map's or an embedding table's weight), ``"conv"`` (a
+    convolution weight ``(d_out, in, *kernel)``, ``d_in = in * prod(kernel)``) or ``"bias"``
+    (a 1-d bias ``(d_out,)``, ``d_in = 1``: PEFT's ``lora_bias``); ``shape``: the weight's."""
 
     path: str
     d_in: int
@@ -210,6 +236,8 @@ class StackTarget:
     ranks: dict
     a: Optional[np.ndarray] = None
     b: Optional[np.ndarray] = None
+    kind: str = "matrix"
+    shape: tuple = ()
 
 
 @dataclass
@@ -252,7 +280,7 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
     dtype (float32 for a quantized base); ``values=False``: dims only (no factor is read).
 
     Raises:
-        LoraError: an adapter on a weight that is not rank 2 (``lora_bias``, conv adapters), adapters
+        LoraError: an adapter that fits none of :attr:`StackTarget.kind` (module docstring), adapters
             of one weight that disagree on ``(d_in, d_out)`` or layout, more adapters than
             ``capacity``, or an unknown name.
     """
@@ -278,15 +306,18 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
             d_in, rank = (int(d) for d in adapter.a.lazy_shape())
             d_out = int(adapter.b.lazy_shape()[1])
             transposed = bool(adapter.transposed)
-            if len(shape) != 2 or shape != ((d_out, d_in) if transposed else (d_in, d_out)):
-                problems.append(f"adapter {name!r} on {path!r} {list(shape)}: batched LoRA applies to the matrices "
-                                f"of linear maps (MatMul / Gemm weights) only, not to a bias (lora_bias), a "
-                                f"convolution or another weight")
+            kind = _target_kind(shape, d_in, d_out, transposed)
+            if kind is None:
+                problems.append(f"adapter {name!r} on {path!r} {list(shape)} with factors ({d_in}, {rank}) / ({rank}, "
+                                f"{d_out}) transposed={transposed}: batched LoRA applies to a linear map's matrix "
+                                f"({'(d_out, d_in)' if transposed else '(d_in, d_out)'}), a convolution weight "
+                                "(d_out, in, *kernel) with a transposed adapter (d_in = in * prod(kernel)) or a 1-d "
+                                "bias (d_out,) with d_in = 1 (lora_bias)")
                 continue
             hit = targets.get(path)
             if hit is None:
                 targets[path] = StackTarget(path, d_in, d_out, rank, transposed, _factor_dtype(base.lazy_dtype()),
-                                            {name: rank})
+                                            {name: rank}, kind=kind, shape=shape)
             elif (hit.d_in, hit.d_out, hit.transposed) != (d_in, d_out, transposed):
                 problems.append(f"adapter {name!r} on {path!r} is ({d_in}, {d_out}) transposed={transposed}, "
                                 f"another is ({hit.d_in}, {hit.d_out}) transposed={hit.transposed}")
@@ -313,6 +344,18 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
                                        * compute(adapter.scale)).astype(np_dtype)
                 target.a, target.b = a, b
     return stacks
+
+
+def _target_kind(shape: tuple, d_in: int, d_out: int, transposed: bool) -> Optional[str]:
+    """:attr:`StackTarget.kind` of a weight of ``shape`` with an adapter ``(d_in, r)`` /
+    ``(r, d_out)``, or ``None`` when the adapter does not fit it."""
+    if len(shape) == 2 and shape == ((d_out, d_in) if transposed else (d_in, d_out)):
+        return "matrix"
+    if len(shape) >= 3 and transposed and shape[0] == d_out and int(np.prod(shape[1:])) == d_in:
+        return "conv"
+    if len(shape) == 1 and shape[0] == d_out and d_in == 1:
+        return "bias"
+    return None
 
 
 def stack_names(module, path: str) -> tuple:
@@ -368,6 +411,48 @@ class _Graph:
             self._index = value
         return self._index
 
+    def first_stack(self, value: ir.Value) -> None:
+        """Record a stack input: :meth:`mask` reads the slot count from the first one."""
+        if getattr(self, "_first_stack", None) is None:
+            self._first_stack = value
+
+    def mask(self, dtype) -> ir.Value:
+        """``[rows, slots, 1]`` at ``dtype``: ``1`` at each row's slot, else ``0`` (``OneHot`` of
+        the index; an index outside ``[0, slots)`` selects no slot)."""
+        masks = self.__dict__.setdefault("_masks", {})
+        if dtype in masks:
+            return masks[dtype]
+        tracer, i64, f32 = self.tracer, ir.DataType.INT64, ir.DataType.FLOAT
+        rows = self.index_dim()
+        nodes = [_new_node(tracer, "Shape", [self._first_stack], i64, [1], "/lora.batched/Shape_slots", "",
+                           {"end": 1})]
+        onoff = tracer.constant(np.asarray([0.0, 1.0], dtype=np.float32), name="lora.batched.onoff")._symbol.value
+        nodes.append(_new_node(tracer, "OneHot", [self.index(), nodes[-1].outputs[0], onoff], f32, [rows, SLOTS_DIM],
+                               "/lora.batched/OneHot", ""))
+        if dtype != f32:
+            nodes.append(_new_node(tracer, "Cast", [nodes[-1].outputs[0]], dtype, [rows, SLOTS_DIM],
+                                   "/lora.batched/Cast_mask", "", {"to": int(dtype)}))
+        axes = tracer.constant(np.asarray([2], dtype=np.int64), name="lora.batched.axis2")._symbol.value
+        nodes.append(_new_node(tracer, "Unsqueeze", [nodes[-1].outputs[0], axes], dtype, [rows, SLOTS_DIM, 1],
+                               "/lora.batched/Unsqueeze_mask", ""))
+        _prepend(tracer.graph, nodes)
+        masks[dtype] = nodes[-1].outputs[0]
+        return masks[dtype]
+
+    def by_slot(self) -> ir.Value:
+        """``[0, slots, -1]``: a ``[rows, slots * r, L]`` tensor viewed ``[rows, slots, r * L]``."""
+        if getattr(self, "_by_slot", None) is None:
+            tracer, i64 = self.tracer, ir.DataType.INT64
+            slots = _new_node(tracer, "Shape", [self._first_stack], i64, [1], "/lora.batched/Shape_slots", "",
+                              {"end": 1})
+            parts = [tracer.constant(np.asarray([0], dtype=np.int64), name="lora.batched.keep")._symbol.value,
+                     slots.outputs[0],
+                     tracer.constant(np.asarray([-1], dtype=np.int64), name="lora.batched.items")._symbol.value]
+            node = _new_node(tracer, "Concat", parts, i64, [3], "/lora.batched/Concat_slots", "", {"axis": 0})
+            _prepend(tracer.graph, [slots, node])
+            self._by_slot = node.outputs[0]
+        return self._by_slot
+
     def rows_by_items(self) -> ir.Value:
         """``[rows, -1]``: an id tensor viewed as one row of ids per batch row."""
         if getattr(self, "_rows_by_items", None) is None:
@@ -386,11 +471,12 @@ class _Graph:
         return self._rows
 
 
-def _new_node(tracer, op: str, inputs: list, dtype, dims, label: str, path: str, attrs=None) -> ir.Node:
+def _new_node(tracer, op: str, inputs: list, dtype, dims, label: str, path: str, attrs=None,
+              attributes: Sequence = ()) -> ir.Node:
     from ._graph import LORA_NODE_KEY
 
     name = tracer.unique_name(label)
-    attributes = []
+    attributes = list(attributes)
     for k, v in (attrs or {}).items():
         attributes.append(ir.AttrInt64s(k, v) if isinstance(v, list) else ir.AttrInt64(k, v))
     node = ir.Node("", op, inputs, attributes, name=name)
@@ -424,11 +510,13 @@ class _Target:
         self._selected = None
         self._stacks = None
         self._scaled: dict = {}
+        self._bias_rows: dict = {}
+        self._conv_weights = None
         self._shape_in = None
 
-    def selected(self) -> tuple:
-        """``(A, B)``: the stacks gathered at the index, ``[batch, d_in, r]`` / ``[batch, r, d_out]``."""
-        if self._selected is None:
+    def stacks(self) -> list:
+        """The target's two stack graph inputs ``(slots, d_in, r)`` / ``(slots, r, d_out)``."""
+        if self._stacks is None:
             t, tracer = self.target, self.tracer
             rank = ir.SymbolicDim(RANK_DIM.format(path=t.path))
             slots = ir.SymbolicDim(SLOTS_DIM)
@@ -444,14 +532,23 @@ class _Target:
                 tracer._constants.append(value)
                 tracer.graph.inputs.append(value)
                 stacks.append(value)
+            self._stacks = stacks
+            self.shared.first_stack(stacks[0])
+        return self._stacks
+
+    def selected(self) -> tuple:
+        """``(A, B)``: the stacks gathered at the index, ``[batch, d_in, r]`` / ``[batch, r, d_out]``."""
+        if self._selected is None:
+            t, tracer = self.target, self.tracer
+            rank = RANK_DIM.format(path=t.path)
+            stacks = self.stacks()
             batch = self.shared.index_dim()
             index = self.shared.index()
-            a = _new_node(tracer, "Gather", [stacks[0], index], self.dtype, [batch, t.d_in, rank.value],
+            a = _new_node(tracer, "Gather", [stacks[0], index], self.dtype, [batch, t.d_in, rank],
                           f"/{t.path}.lora/Gather_a", t.path, {"axis": 0})
-            b = _new_node(tracer, "Gather", [stacks[1], index], self.dtype, [batch, rank.value, t.d_out],
+            b = _new_node(tracer, "Gather", [stacks[1], index], self.dtype, [batch, rank, t.d_out],
                           f"/{t.path}.lora/Gather_b", t.path, {"axis": 0})
             _prepend(tracer.graph, [a, b])
-            self._stacks = stacks
             self._selected = (a.outputs[0], b.outputs[0])
         return self._selected
 
@@ -517,6 +614,124 @@ class _Target:
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)
 
+    def _const(self, values, name: str) -> ir.Value:
+        return self.tracer.constant(np.asarray(values, dtype=np.int64), name=name)._symbol.value
+
+    def _add_after(self, node: ir.Node, nodes: list, delta: ir.Value) -> None:
+        """``y + delta`` after ``node`` (its output ``y``) and ``nodes``, replacing every use of ``y``
+        (but ``nodes``' own)."""
+        total = _new_node(self.tracer, "Add", [node.outputs[0], delta], self.dtype, _dims(node.outputs[0]),
+                          f"{node.name}/lora/Add", self.target.path)
+        self._replace_after(node, nodes + [total], total.outputs[0])
+
+    def _reshape_like(self, node: ir.Node, value: ir.Value, label: str) -> list:
+        """``[Shape(y), Reshape(value, Shape(y))]``: ``value`` in the shape of ``node``'s output ``y``."""
+        y, t = node.outputs[0], self.target
+        y_dims = _dims(y)
+        shape = _new_node(self.tracer, "Shape", [y], ir.DataType.INT64, [len(y_dims)] if y_dims is not None else None,
+                          f"{label}/Shape_y", t.path)
+        back = _new_node(self.tracer, "Reshape", [value, shape.outputs[0]], self.dtype, y_dims, f"{label}/Reshape_y",
+                         t.path)
+        return [shape, back]
+
+    def conv(self, node: ir.Node, x: ir.Value) -> None:
+        """A ``Conv`` weight ``(d_out, in, *kernel)`` (group 1): PEFT's conv LoRA per row. Every
+        slot's ``a`` is one conv of ``slots * r`` output channels (``a_stack`` transposed to
+        ``(slots * r, in, *kernel)``, the node's own strides / pads / dilations), its output
+        masked to each row's slot, then ``b`` of every slot as one ``(d_out, slots * r)`` matrix::
+
+            h = Conv(x, a_conv)                        [batch, slots * r, *spatial]
+            h = h * mask (row n: its slot's r channels) [batch, slots * r, L]
+            y + Reshape(MatMul(b_all, h), Shape(y))     b_all = Transpose(Reshape(b_stack, [-1, d_out]))
+        """
+        from ._graph import _attr_int
+
+        t, tracer, shared = self.target, self.tracer, self.shared
+        if _attr_int(node, "group", 1) != 1:
+            raise LoraError(f"lora='batched': {t.path!r} is the weight of Conv node {node.name!r} with group="
+                            f"{_attr_int(node, 'group', 1)}: batched conv LoRA supports group=1 only (PEFT's conv "
+                            "LoRA does not merge grouped convolutions either); leave this weight out of the adapters")
+        a_stack, b_stack = self.stacks()
+        rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        if self._conv_weights is None:
+            head = [_new_node(tracer, "Transpose", [a_stack], self.dtype, [SLOTS_DIM, rank, t.d_in],
+                              f"/{t.path}.lora/Transpose_a", t.path, {"perm": [0, 2, 1]})]
+            head.append(_new_node(tracer, "Reshape", [head[-1].outputs[0], self._const(
+                [-1, *t.shape[1:]], f"{t.path}.lora.conv_shape")], self.dtype, [None, *t.shape[1:]],
+                f"/{t.path}.lora/Reshape_a", t.path))
+            a_conv = head[-1].outputs[0]
+            head.append(_new_node(tracer, "Reshape", [b_stack, self._const([-1, t.d_out], "lora.batched.flat")],
+                                  self.dtype, [None, t.d_out], f"/{t.path}.lora/Reshape_b", t.path))
+            head.append(_new_node(tracer, "Transpose", [head[-1].outputs[0]], self.dtype, [t.d_out, None],
+                                  f"/{t.path}.lora/Transpose_b", t.path, {"perm": [1, 0]}))
+            _prepend(tracer.graph, head)
+            self._conv_weights = (a_conv, head[-1].outputs[0])
+        a_conv, b_all = self._conv_weights
+        kept = [attr for name, attr in node.attributes.items() if name != "group"]
+        nodes = [_new_node(tracer, "Conv", [x, a_conv], self.dtype, None, f"{label}/Conv_a", t.path, attributes=kept)]
+        nodes.append(_new_node(tracer, "Reshape", [nodes[-1].outputs[0], self._const([0, 0, -1], "lora.batched.flat3")],
+                               self.dtype, [rows, None, None], f"{label}/Reshape_h", t.path))
+        h = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [h], ir.DataType.INT64, [3], f"{label}/Shape_h", t.path))
+        h_shape = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [h, shared.by_slot()], self.dtype, [rows, SLOTS_DIM, None],
+                               f"{label}/Reshape_slots", t.path))
+        nodes.append(_new_node(tracer, "Mul", [nodes[-1].outputs[0], shared.mask(self.dtype)], self.dtype,
+                               [rows, SLOTS_DIM, None], f"{label}/Mul_mask", t.path))
+        nodes.append(_new_node(tracer, "Reshape", [nodes[-1].outputs[0], h_shape], self.dtype, [rows, None, None],
+                               f"{label}/Reshape_back", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [b_all, nodes[-1].outputs[0]], self.dtype, [rows, t.d_out, None],
+                               f"{label}/MatMul_b", t.path))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        self._add_after(node, nodes, nodes[-1].outputs[0])
+
+    def bias(self, node: ir.Node, coefficient: float, channel_axis: int) -> None:
+        """A 1-d bias ``(d_out,)`` added by ``node`` (``Add``, ``Gemm``'s C, ``Conv``'s B): row ``n``
+        adds ``coefficient * a_stack[i_n] @ b_stack[i_n]`` (PEFT's ``lora_bias``: ``scale *
+        lora_B.bias``) along the channel axis (``-1``, or ``1`` for a ``Conv``)."""
+        t, tracer, shared = self.target, self.tracer, self.shared
+        rows = shared.index_dim()
+        label = f"{node.name}/lora"
+        hit = self._bias_rows.get(coefficient)
+        if hit is None:
+            a, _ = self.selected()
+            b = self.scaled_b(coefficient)
+            row = _new_node(tracer, "MatMul", [a, b], self.dtype, [rows, 1, t.d_out], f"/{t.path}.lora/MatMul",
+                            t.path)
+            _prepend(tracer.graph, [row])
+            hit = self._bias_rows[coefficient] = row.outputs[0]  # [rows, 1, d_out]
+        y = node.outputs[0]
+        y_dims = _dims(y)
+        if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim():
+            self._add_after(node, [], hit)  # [rows, seq, d_out] + [rows, 1, d_out]
+            return
+        if channel_axis == 1:  # [rows, d_out, *spatial] viewed [rows, d_out, -1], the delta as [rows, d_out, 1]
+            nodes = [_new_node(tracer, "Transpose", [hit], self.dtype, [rows, t.d_out, 1], f"{label}/Transpose",
+                               t.path, {"perm": [0, 2, 1]})]
+            delta = nodes[-1].outputs[0]
+            shape = self._const([0, 0, -1], "lora.batched.flat3")
+        else:  # any batch-major layout, viewed [rows, -1, d_out]
+            nodes = [_new_node(tracer, "Concat", [shared.rows(), self._const([-1, t.d_out], "lora.batched.view")],
+                               ir.DataType.INT64, [3], f"{label}/Concat", t.path, {"axis": 0})]
+            delta, shape = hit, nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [y, shape], self.dtype, [rows, None, None], f"{label}/Reshape_view",
+                               t.path))
+        nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows, None, None],
+                               f"{label}/Add_rows", t.path))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        self._replace_after(node, nodes, nodes[-1].outputs[0])
+
+    def _replace_after(self, node: ir.Node, nodes: list, value: ir.Value) -> None:
+        """``nodes`` after ``node``; every use of ``node``'s output ``y`` (but ``nodes``' own) reads ``value``."""
+        from ._graph import _redirect
+
+        y = node.outputs[0]
+        own = {id(n) for n in nodes}
+        uses = [(user, i) for user, i in y.uses() if id(user) not in own]
+        node.graph.insert_after(node, nodes)
+        _redirect(y, value, uses)
+
     def lookup(self, node: ir.Node, ids: ir.Value) -> None:
         """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
         ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
@@ -525,7 +740,7 @@ class _Target:
 
         t, tracer, shared = self.target, self.tracer, self.shared
         _, b = self.selected()
-        a_stack = self._stacks[0]
+        a_stack = self.stacks()[0]
         graph = node.graph
         y = node.outputs[0]
         uses = list(y.uses())
@@ -570,28 +785,44 @@ class _Target:
     def expand(self) -> None:
         from ._graph import _attr_float, _attr_int, _transpose_to_matmul
 
-        transposed = self.target.transposed
+        transposed, kind = self.target.transposed, self.target.kind
         for node, index in list(self.base.uses()):
             if node.domain in ("", "ai.onnx") and node.outputs:
-                if index == 0 and node.op_type == "Gather" and not transposed and _attr_int(node, "axis", 0) == 0:
-                    self.lookup(node, node.inputs[1])  # an embedding table
-                    continue
-                if index == 1 and node.op_type == "MatMul" and not transposed:
-                    self.branch(node, node.inputs[0], 1.0)
-                    continue
-                if index == 1 and node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \
-                        and _attr_int(node, "transB", 0) == int(transposed):
-                    self.branch(node, node.inputs[0], _attr_float(node, "alpha", 1.0))
-                    continue
-                matmul = _transpose_to_matmul(node) if transposed else None
-                if matmul is not None:
-                    self.branch(matmul, matmul.inputs[0], 1.0)
-                    continue
+                if kind == "bias":
+                    if node.op_type == "Add" and index in (0, 1):
+                        self.bias(node, 1.0, -1)
+                        continue
+                    if node.op_type == "Gemm" and index == 2:
+                        self.bias(node, _attr_float(node, "beta", 1.0), -1)
+                        continue
+                    if node.op_type == "Conv" and index == 2:
+                        self.bias(node, 1.0, 1)
+                        continue
+                elif kind == "conv":
+                    if node.op_type == "Conv" and index == 1:
+                        self.conv(node, node.inputs[0])
+                        continue
+                else:
+                    if index == 0 and node.op_type == "Gather" and not transposed and _attr_int(node, "axis", 0) == 0:
+                        self.lookup(node, node.inputs[1])  # an embedding table
+                        continue
+                    if index == 1 and node.op_type == "MatMul" and not transposed:
+                        self.branch(node, node.inputs[0], 1.0)
+                        continue
+                    if index == 1 and node.op_type == "Gemm" and _attr_int(node, "transA", 0) == 0 \
+                            and _attr_int(node, "transB", 0) == int(transposed):
+                        self.branch(node, node.inputs[0], _attr_float(node, "alpha", 1.0))
+                        continue
+                    matmul = _transpose_to_matmul(node) if transposed else None
+                    if matmul is not None:
+                        self.branch(matmul, matmul.inputs[0], 1.0)
+                        continue
+            uses = {"bias": "an Add, a Gemm's C or a Conv's B (a bias)", "conv": "a Conv's weight (group 1)",
+                    "matrix": "a linear map's MatMul / Gemm or an embedding Gather"}[kind]
             raise LoraError(
-                f"lora='batched': {self.target.path!r} is used by node {node.name!r} ({node.op_type}, input {index}), "
-                "which is not a linear map's MatMul / Gemm nor an embedding Gather: batched adapters apply per row "
-                "to those uses only (a Conv or another use is not supported); leave this weight out of the "
-                "adapters (narrow target_modules / the param_group) or export with lora='inputs'")
+                f"lora='batched': {self.target.path!r} ({kind}) is used by node {node.name!r} ({node.op_type}, input "
+                f"{index}), which is not {uses}: batched adapters apply per row to those uses only; leave this weight "
+                "out of the adapters (narrow target_modules / the param_group) or export with lora='inputs'")
 
 
 def expand_batched(tracer) -> None:
@@ -621,7 +852,8 @@ def expand_batched(tracer) -> None:
         dtype = tensor.dtype if tensor.dtype is not DType.QFloat else DType.F32
         _Target(shared, target, symbol.value, dtype, names, defaults).expand()
         used.append({"path": path, "a": names[0], "b": names[1], "d_in": target.d_in, "d_out": target.d_out,
-                     "rank": target.rank, "ranks": target.ranks, "dtype": np.dtype(dtype.to_numpy()).name})
+                     "rank": target.rank, "ranks": target.ranks, "dtype": np.dtype(dtype.to_numpy()).name,
+                     "kind": target.kind, "shape": [int(d) for d in target.shape]})
     if not used:
         raise LoraError(f"lora='batched': no weight the adapters {list(stacks.names)} target "
                         f"({', '.join(sorted(stacks.targets)[:4])} ...) is used by the traced graph")

@@ -111,6 +111,12 @@ def export_onnx(
                                  dynamic_batch=dynamic_batch)
         for key, value in (metadata or {}).items():
             model.metadata_props[str(key)] = str(value)
+        if _quantized_export(module):
+            # NOTE (issue 27): value infos settled by ONNX shape inference (on the structure only),
+            # as onnxruntime.quantization writes them, so ORT's fusions after int8 MatMuls apply
+            from ..quant._shapes import settle_value_infos
+
+            settle_value_infos(model)
         if isinstance(module, OnnxModule):
             # NOTE (issue 28): written over its own source file, an imported module keeps the old
             # bytes mapped (the save renames a new file into place) and stays callable
@@ -198,6 +204,17 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
 
     write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
+
+
+def _quantized_export(module) -> bool:
+    """Whether ``module`` has a param quantized in it or calibrated activation ranges (its export
+    then gets settled value infos: :mod:`onnxparam.quant._shapes`)."""
+    from ..quant._qdq_options import ACTIVATION_RANGES_ATTR
+
+    if isinstance(module, OnnxModule):
+        return _has_quantized_weights(module)
+    return bool(getattr(module, ACTIVATION_RANGES_ATTR, None)) or any(
+        param.lazy_dtype() is DType.QFloat for _, param in named_params(module))
 
 
 def _has_quantized_weights(module) -> bool:

@@ -39,11 +39,16 @@ SENSITIVITY_LIMIT = 48
 """At most this many weights (the largest) are tried one at a time by :func:`sensitivity`."""
 
 
-def _session(model):
+def _session(model, exact_dequantize: bool = False):
+    """A plain CPU session of ``model``; ``exact_dequantize``: ORT's QDQ fusions off, so each
+    ``DequantizeLinear`` gives its float weight and the float op runs on it (a ``.bpk`` output's
+    ONNX rendering: what Burn computes with the dequantized values, not ORT's integer kernels)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if exact_dequantize:
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     source = model if isinstance(model, (bytes, str)) else str(model)
     return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 
@@ -126,19 +131,21 @@ def _metrics(names: list, ref: list, got: list) -> list:
     return rows
 
 
-def run(model, feeds: dict) -> tuple:
-    """``(output names, outputs)`` of ``model`` (a path or serialized bytes) on ``feeds``."""
-    session = _session(model)
+def run(model, feeds: dict, exact_dequantize: bool = False) -> tuple:
+    """``(output names, outputs)`` of ``model`` (a path or serialized bytes) on ``feeds``
+    (``exact_dequantize``: :func:`_session`)."""
+    session = _session(model, exact_dequantize)
     names = [o.name for o in session.get_outputs()]
     wanted = {i.name for i in session.get_inputs()}
     return names, session.run(None, {k: v for k, v in feeds.items() if k in wanted})
 
 
-def compare(float_path, quant_path, feeds: dict) -> list:
+def compare(float_path, quant_path, feeds: dict, exact_dequantize: bool = False) -> list:
     """Per output of the float model: ``{"output", "cosine", "max_abs_error"}`` of the
-    quantized model's output against the float one's, both run in plain ONNX Runtime."""
+    quantized model's output against the float one's, both run in plain ONNX Runtime
+    (``exact_dequantize``: the quantized model without ORT's QDQ fusions, :func:`_session`)."""
     names, ref = run(float_path, feeds)
-    _, got = run(quant_path, feeds)
+    _, got = run(quant_path, feeds, exact_dequantize)
     return _metrics(names, ref, got)
 
 
@@ -170,12 +177,15 @@ def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> lis
     return found[:top]
 
 
-def settle_shapes(model):
+def settle_shapes(model, structure_only: bool = False):
     """``model`` (an ``onnx.ModelProto``) with value infos whose dims are all known or named:
     entries with an unknown dim are dropped and ONNX shape inference fills them with shared
     symbols (``unk__N``), as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
     fusions that need two inputs of provably equal shape (``SkipLayerNormalization`` after an
-    int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop."""
+    int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop.
+    ``structure_only``: the model's large tensors are external placeholders without data
+    (:func:`onnxparam.quant._shapes.settle_value_infos`); inference reads only their types and
+    shapes."""
     import onnx
 
     known = [v for v in model.graph.value_info
@@ -183,7 +193,7 @@ def settle_shapes(model):
              and all(d.HasField("dim_value") or d.HasField("dim_param") for d in v.type.tensor_type.shape.dim)]
     del model.graph.value_info[:]
     model.graph.value_info.extend(known)
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+    if not structure_only and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         return model  # NOTE: a > 2 GiB model: inference would need its data in memory
     try:
         return onnx.shape_inference.infer_shapes(model)

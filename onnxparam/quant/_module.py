@@ -95,8 +95,9 @@ class Quantizer:
     def quantize(self, array, axis: int | None = None):
         """``array`` (float, any shape) as a :class:`~onnxparam.quant.QuantizedTensor` (§4);
         with :attr:`per_channel`, one scale per index of ``axis`` (default: the last axis of a
-        2-D array, else axis 0)."""
-        if self.per_channel and np.ndim(array) >= 1:
+        2-D array, else axis 0); a 1-D array (a bias, with ``min_rank=1``) gets one scale per
+        tensor even then (one per element would be no quantization)."""
+        if self.per_channel and np.ndim(array) >= 2:
             if axis is None:
                 axis = 1 if np.ndim(array) == 2 else 0
             return quantize_per_axis(array, self.scheme, int(axis) % np.ndim(array))
@@ -244,8 +245,8 @@ def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: boo
             skipped.append(f"{path} {list(shape)}")
             return param
         if shape is not None:
-            axis = axes.get(path)
-            if quantizer.per_channel and axis is None:
+            axis = axes.get(path) if len(shape) >= 2 else None  # NOTE: a 1-D param is quantized per tensor
+            if quantizer.per_channel and axis is None and len(shape) >= 2:
                 axis = 1 if len(shape) == 2 else 0
             q_bytes = quantized_form_bytes(shape, quantizer, axis) + overheads.get(path, 0)
             f_bytes = int(np.prod(shape, dtype=np.int64)) * param.lazy_dtype().itemsize
@@ -254,7 +255,7 @@ def quantize_weights(module, quantizer: Quantizer, group=None, weights_only: boo
                 kept[path] = (f"not smaller quantized: {q_bytes:,} bytes (codes + scales{extra}) vs {f_bytes:,} "
                               "float bytes")
                 return param
-        return quantize_param(param, quantizer, path, axes.get(path))
+        return quantize_param(param, quantizer, path, axes.get(path) if shape is None or len(shape) >= 2 else None)
 
     result = rebuild(module, fn)
     object.__setattr__(result, KEPT_FLOAT_ATTR, dict(kept))
@@ -298,7 +299,7 @@ def quantized_form_bytes(shape: tuple, quantizer: Quantizer, axis: int | None = 
     numel = int(np.prod(shape, dtype=np.int64))
     bits = 4 if quantizer.scheme.value.name.startswith("Q4") else 8
     codes = (numel * bits + 7) // 8
-    if quantizer.per_channel and axis is not None and len(shape):
+    if quantizer.per_channel and axis is not None and len(shape) >= 2:
         scales = int(shape[axis % len(shape)])
     elif quantizer.scheme.block is not None and len(shape):
         extents = quantizer.scheme.block.size.to_dim_vec(len(shape))
@@ -360,7 +361,7 @@ def onnx_only_weights(module, quantizer: Quantizer, group=None) -> list:
         if not is_weight(path, param, quantizer) or (group is not None and not group.matches(param.id, path)):
             continue
         shape = _shape_or_none(param)
-        if not shape:
+        if not shape or len(shape) < 2:  # NOTE: a 1-D param is quantized per tensor (Quantizer.quantize)
             continue
         axis = axes.get(path)
         axis = (1 if len(shape) == 2 else 0) if axis is None else axis % len(shape)  # Quantizer.quantize's default

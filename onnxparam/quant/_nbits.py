@@ -1,4 +1,4 @@
-"""4-bit weights below opset 21: ONNX Runtime's ``com.microsoft.MatMulNBits``.
+"""4-bit MatMul / Gemm weights: ONNX Runtime's ``com.microsoft.MatMulNBits``.
 
 ``DequantizeLinear`` takes ``INT4`` values only from opset 21. Below it a 4-bit weight is never
 stored as int8 (a file that claims 4 bits and holds 8): every ``MatMul`` use and every ``Gemm``
@@ -27,7 +27,17 @@ gets the power of 2 in 16..256 that makes ``B`` plus scales smallest (one block 
 a power of 2 up to 256; MLAS' 4-bit kernels take blocks of 16..256).
 
 The param's initializer (named by its path) then holds ``B``; its scales are a constant. A
-``Gemm``'s ``C`` is added after the ``MatMulNBits`` (``Add``).
+``Gemm``'s ``C`` is added after the ``MatMulNBits`` (``Add``). No ``accuracy_level`` attribute is
+written: 0, float32 compute with exactly the dequantized weights (what ``MatMulNBitsQuantizer``
+writes).
+
+**At opset 21 and later** ``DequantizeLinear`` takes ``INT4``, and ORT fuses ``DQ -> MatMul`` into
+``MatMulNBits`` itself, but with the session's ``accuracy_level``, 4 (int8 activations) unless
+the session config says otherwise; on an AVX2 CPU that ran 1.27-1.35x the time of level 0 on a
+transformer block (M = 512; 0.9x at M = 1). So the default export (``QdqOptions.matmul``
+``"auto"`` / ``"dynamic"``) writes ``MatMulNBits`` there too, where every use of the weight can
+take it; a weight that cannot keeps its ``INT4`` ``DequantizeLinear`` (no float fallback), and
+``matmul="dequantize"`` keeps the standard-ONNX form everywhere.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..core.errors import QuantizationWarning
-from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, slow_weight_only, to_float
+from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, is_float, slow_weight_only, to_float
 from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
 
 MS_DOMAIN = "com.microsoft"
@@ -112,13 +122,21 @@ def _use_kind(node: ir.Node, index: int):
     return f" {node.op_type} {node.name!r} has no 4-bit form below opset 21"
 
 
-def matmul_nbits(tracer, e, prefer: str = "size") -> None:
+def matmul_nbits(tracer, e, prefer: str = "size", direct: bool = False) -> None:
     """Below opset 21, a 4-bit weight (module docstring): every ``MatMul(A, DQ(W))`` /
     ``Gemm(A, DQ(W)[, C])`` use becomes ``MatMulNBits``; a weight that cannot (another use,
     blocks along N, mixed ``transB``) is written as the float weight, with a warning naming it
     and the reason recorded for the per-op report (silently with ``prefer="speed"`` when every
-    use is one that preference writes float at any opset: an uncalibrated Conv)."""
-    if e.quantized.scheme.value.name not in ("Q4S", "Q4F") or not e.value.meta.get("onnxparam.qdq.opset21"):
+    use is one that preference writes float at any opset: an uncalibrated Conv).
+
+    ``direct`` (opset >= 21, ``QdqOptions.matmul`` ``"auto"`` / ``"dynamic"``): the same
+    ``MatMulNBits`` where every use can take it (module docstring, "At opset 21 and later");
+    a weight that cannot keeps its ``INT4`` ``DequantizeLinear``, valid at that opset."""
+    if e.quantized.scheme.value.name not in ("Q4S", "Q4F"):
+        return
+    if not direct and not e.value.meta.get("onnxparam.qdq.opset21"):
+        return
+    if direct and is_float(e.value):
         return
     out = e.output._symbol.value
     uses = list(out.uses())
@@ -134,6 +152,8 @@ def matmul_nbits(tracer, e, prefer: str = "size") -> None:
     grid = _grid(e, trans) if reason is None else None
     if reason is None and grid is None:
         reason = "its scales vary along N within a block (MatMulNBits blocks run along K)"
+    if direct and reason is not None:
+        return  # the INT4 DequantizeLinear stays: valid at opset >= 21 (_check_fusable warns about N blocks)
     if reason is not None and prefer == "speed" and slow_weight_only(e):
         to_float(tracer, e)  # what prefer="speed" writes at any opset (_qdq_forms.keep_float)
         return

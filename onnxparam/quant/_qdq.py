@@ -14,10 +14,11 @@ Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``
                                 ``QLinearMatMul`` / ``QLinearConv`` fuse) is always ``UINT8`` with
                                 zero point 128: ORT's u8 x s8 kernels saturate on x86 without VNNI
                                 (``_qdq_forms.unsigned_for_integer_kernels``)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); below 21 a MatMul /
-                                Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``); any
-                                other 4-bit weight is written float, with a warning and the reason
-                                in the per-op report (never as ``INT8``)
+Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); a MatMul / Gemm
+                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``; from
+                                opset 21 not with ``matmul="dequantize"``); below 21 any other
+                                4-bit weight is written float, with a warning and the reason in
+                                the per-op report (never as ``INT8``)
 Q2S / Q2F                       ``INT8`` (ONNX ``INT2`` needs opset 25; ORT 1.32 has no kernel)
 per-tensor                      scalar scale
 blocks, scale grid varying      per-axis (``axis``), 1-D scale
@@ -53,8 +54,12 @@ asserts it on the optimized graph):
   ``onnxruntime.quantization.quantize_dynamic`` writes) is fused to ``DynamicQuantizeMatMul``, an
   int8 GEMM 4-15x faster than float32. So by default (``matmul="auto"``) an exported 8-bit weight with
   per-tensor or per-column scales feeding ``MatMul`` is exported in that form (the activation is
-  quantized to uint8 per tensor at run time); 4-bit and blocked weights keep
-  ``DequantizeLinear -> MatMul`` (``MatMulNBits``). ``matmul="dequantize"`` keeps plain QDQ
+  quantized to uint8 per tensor at run time); blocked 8-bit weights keep
+  ``DequantizeLinear -> MatMul`` (``MatMulNBits``); 4-bit MatMul / Gemm weights are written as
+  ``com.microsoft.MatMulNBits`` at every opset with ``accuracy_level`` 0 (float32 compute; the
+  session default 4 that ORT gives a fused ``DequantizeLinear -> MatMul`` quantizes activations
+  to int8 and ran 1.27-1.35x slower on a transformer block on AVX2, ``tools/bench.py quant``).
+  ``matmul="dequantize"`` keeps plain QDQ
   everywhere; it is what ``module(x)`` uses unless called inside :func:`qdq_options`, so the
   runtime computes with exactly ``param.val()``.
 * ``Conv`` / ``Gemm`` with only a dequantized weight are not fused (ORT needs quantized
@@ -351,6 +356,13 @@ def finish_graph(tracer) -> None:
     if tracer.opset < 21:
         for e in emitted:
             _nbits.matmul_nbits(tracer, e, options.prefer)
+    elif options.matmul in ("auto", "dynamic") and not ranges:
+        # NOTE: ORT fuses DQ(INT4) -> MatMul into MatMulNBits with the session's accuracy_level, 4 (int8
+        # activations) unless set: 1.27-1.35x the time of accuracy_level 0 (float32 compute, what
+        # MatMulNBitsQuantizer writes) on a transformer block at M = 512 on AVX2. Written directly, the
+        # op carries level 0 in the file and computes with exactly the dequantized weights
+        for e in emitted:
+            _nbits.matmul_nbits(tracer, e, options.prefer, direct=True)
     if ranges:
         _static.fold_batch_norms(tracer, emitted)
         _static.insert_activation_qdq(tracer, {name: (lo, hi) for name, lo, hi in ranges},
@@ -361,7 +373,7 @@ def finish_graph(tracer) -> None:
             _forms.dynamic_gemms(tracer, e)
             _forms.gather_then_dequantize(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
-    _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
+    _forms.unsigned_for_integer_kernels(tracer, emitted, options.kernel_weights)  # u8 x s8 saturates w/o VNNI
     _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():

@@ -1,0 +1,160 @@
+"""``lora="batched"`` on convolution weights (PEFT's conv LoRA) and biases (PEFT's
+``lora_bias``), against PEFT's mixed-batch forward.
+
+Oracle: ``peft.PeftModel`` in torch with three adapters on a small conv net (a 3x3
+``Conv2d`` with stride / padding and a ``Linear``; ranks 2 / 3 / 4, alpha != rank, one rsLoRA,
+``lora_bias=True`` on two of them) and ``model(x, adapter_names=[...])``, each row run with its
+own adapter (``"__base__"``: none). The net is written by torch's TorchScript exporter (``Conv``
+with a bias input, ``Gemm`` with ``C``; dynamo: ``slow``) and imported here; the adapters are PEFT's saved folders
+loaded with ``load_peft_adapter``. The batched ONNX file run by plain ONNX Runtime and
+``module(x, adapter_index=...)`` must give each row PEFT's output within 1e-5, at a batch size
+other than the export's. A grouped convolution is refused by name (numpy has nothing to check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+import onnxruntime as ort  # noqa: E402
+
+from onnxparam import (  # noqa: E402
+    LoraError,
+    RecordError,
+    Tensor,
+    check_batched_adapters,
+    export_onnx,
+    import_onnx,
+    load_peft_adapter,
+    write_batched_peft,
+)
+from onnxparam.lora._batched import batched_metadata  # noqa: E402
+
+ATOL = 1e-5
+
+# name: (r, alpha, use_rslora, lora_bias)
+ADAPTERS = {"one": (2, 5, False, True), "two": (3, 2, True, False), "three": (4, 6, False, True)}
+ROWS = ["two", "__base__", "one", "three", "one", "__base__", "three"]
+
+
+@contextlib.contextmanager
+def quiet():
+    """torch's TorchScript exporter warns that it is deprecated; PEFT's save_pretrained that a
+    1-d lora_B.bias looks like an unsharded ZeRO-3 tensor: both expected."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self, groups: int = 1):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=groups)
+        self.fc = torch.nn.Linear(4 * 3 * 3, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def randomize(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def save_adapter(base, folder, r, alpha, rslora, lora_bias, seed):
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_bias=lora_bias,
+                             target_modules=["conv", "fc"], init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    with quiet():
+        model.save_pretrained(str(folder))
+
+
+def export(model, x, path, exporter="torchscript"):
+    kwargs = {"input_names": ["x"], "output_names": ["y"]}
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+        kwargs.update(dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
+    else:
+        kwargs["dynamic_axes"] = {"x": {0: "batch"}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (x,), str(path), dynamo=exporter == "dynamo", **kwargs)
+    return path
+
+
+@pytest.fixture(scope="module", params=["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def built(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"conv-{request.param}")
+    model = randomize(ConvNet().eval(), seed=3)
+    imported = import_onnx(export(model, torch.randn(2, 2, 6, 6), folder / "net.onnx", request.param))
+    for k, (name, spec) in enumerate(ADAPTERS.items()):
+        save_adapter(model, folder / name, *spec, seed=40 + k)
+    with quiet():
+        names = list(ADAPTERS)
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder / names[0]),
+                                                   adapter_name=names[0]).eval()
+        for name in names[1:]:
+            reference.load_adapter(str(folder / name), adapter_name=name)
+    module = imported
+    for name in ADAPTERS:
+        module = module.add_adapter(name, load_peft_adapter(imported, folder / name))
+    x = torch.from_numpy(np.random.default_rng(7).normal(size=(len(ROWS), 2, 6, 6)).astype(np.float32))
+    with torch.no_grad():
+        expected = reference(x, adapter_names=list(ROWS)).numpy()
+        plain = model(x).numpy()
+    return module, x.numpy(), expected, plain, folder
+
+
+def test_conv_and_lora_bias_rows_equal_pefts_mixed_batch_in_onnx_runtime(built, tmp_path):
+    module, x, expected, plain, _ = built
+    adapted = {p for _, ads in [(n, module.lora_adapters.adapters(n)) for n in ADAPTERS] for p in ads}
+    assert {"conv.weight", "conv.bias", "fc.weight", "fc.bias"} <= adapted
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora="batched")
+    kinds = {t["path"]: t["kind"] for t in batched_metadata(path)["targets"]}
+    assert kinds["conv.weight"] == "conv" and kinds["conv.bias"] == "bias" and kinds["fc.bias"] == "bias"
+    index = np.asarray([0 if n == "__base__" else list(ADAPTERS).index(n) + 1 for n in ROWS], dtype=np.int64)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": x, "adapter_index": index})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    base_rows = index == 0
+    np.testing.assert_allclose(got[base_rows], plain[base_rows], atol=ATOL, rtol=0)
+    assert np.abs(expected[~base_rows] - plain[~base_rows]).max(axis=1).min() > 0.1  # every adapter matters
+    assert check_batched_adapters(path, module)  # the module's set fits its own export
+    with pytest.raises(RecordError, match=r"'conv.weight' is a conv target"):
+        write_batched_peft(None, tmp_path / "peft", model=path, names=list(ADAPTERS))
+
+
+def test_conv_and_lora_bias_rows_equal_pefts_mixed_batch_through_module_call(built):
+    module, x, expected, _, _ = built
+    names = [None if n == "__base__" else n for n in ROWS]
+    got = module(Tensor.from_numpy(x), adapter_index=names).to_numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+def test_a_grouped_convolution_is_refused_by_name(tmp_path):
+    from onnxparam import LoraAdapter, Param
+
+    model = randomize(ConvNet(groups=2).eval(), seed=5)
+    imported = import_onnx(export(model, torch.randn(2, 2, 6, 6), tmp_path / "grouped.onnx"))
+    shape = tuple(imported.conv.weight.lazy_shape())  # (4, 1, 3, 3)
+    a = Param.from_tensor(Tensor.from_numpy(np.ones((int(np.prod(shape[1:])), 2), np.float32)))
+    b = Param.from_tensor(Tensor.from_numpy(np.ones((2, shape[0]), np.float32)))
+    module = imported.add_adapter("g", {"conv.weight": LoraAdapter(a, b, 1.0, transposed=True)})
+    with pytest.raises(LoraError, match=r"'conv.weight' is the weight of Conv node .* group=2"):
+        export_onnx(module, tmp_path / "g.onnx", np.ones((2, 2, 6, 6), np.float32), lora="batched")

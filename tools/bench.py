@@ -47,6 +47,11 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   ``optim.Adam.step``; all params, and LoRA rank 4 on the linear layers) vs the same step in
   PyTorch (same weights, eval-mode BatchNorm, ``torch.optim.Adam``), target
   :data:`TRAIN_TARGET`. Without PyTorch it prints ``torch not installed`` and our step times.
+  Then ``tools/bench_train.py``: BERT-tiny and ResNet18 built in torch (random weights), exported,
+  imported, fine-tuned (all params, Adam) vs the same torch models' eager steps: time (ratio of
+  interleaved medians, target 1.0), peak RSS growth of a step in child processes (target 1.3;
+  also with the encoder layers / residual stages marked for recomputation), and the training
+  sessions built at three batch sizes (target 1).
 * ``quant``: ``tools/bench_quant.py``: a ResNet-like conv net, a transformer block and the MNIST
   model, each as float32, the default int8 export, calibrated static int8, 4-bit, and ONNX
   Runtime's ``quantize_dynamic`` / ``quantize_static`` / ``MatMulNBitsQuantizer``, timed
@@ -455,7 +460,7 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
     from onnxparam.nn import TransformerEncoder
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_lora_serve import factor_share, switch_cases
+    from bench_lora_serve import factor_share, kernel_share, switch_cases
 
     def with_factors(module, seed):
         rng = np.random.default_rng(seed)
@@ -504,6 +509,10 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             reference = plain("merge")()
             for mode, options in (("keep", None), ("inputs", adapters[0])):
                 np.testing.assert_allclose(plain(mode, options)(), reference, rtol=1e-3, atol=1e-3)
+                lora_s, all_s = kernel_share(paths[mode], {"x": x}, config.session_options(), repeats, options)
+                print(f"lora: r{rank} {mode}: the LoRA nodes take {100 * lora_s / all_s:.2f}% of ONNX Runtime's "
+                      f"kernel time (profiler, node medians): {lora_s / (all_s - lora_s):+.3f} over the rest "
+                      f"(floor {floor - 1:+.3f})", file=sys.stderr)
                 t_ours, t_base = interleaved_medians(plain(mode, options), plain("merge"), repeats)
                 results.append(Result("lora", f"r{rank} {mode} vs merge [floor {floor:.3f}]", t_ours, t_base,
                                       floor + LORA_OVERHEAD_POINTS))
@@ -784,7 +793,10 @@ def bench_train(args: argparse.Namespace) -> list[Result]:
 
         t_ours, t_base = interleaved_medians(ours[case], baseline, max(args.repeats // 25, 10), warmup=3)
         results.append(Result("train", case, t_ours, t_base, TRAIN_TARGET))
-    return results
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_train import run as imported_models  # imported BERT-tiny and ResNet18 (tools/bench_train.py)
+
+    return results + imported_models(args, Result, interleaved_medians)
 
 
 def bench_quant(args: argparse.Namespace) -> list[Result]:

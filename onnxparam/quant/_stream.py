@@ -68,11 +68,18 @@ def _scratch(shape, dtype) -> np.ndarray:
     folder = _FOLDER.get()
     if folder is None or nbytes < SPILL_BYTES:
         return np.empty(shape, dtype)
-    fd, name = tempfile.mkstemp(prefix=".onnxparam-codes-", suffix=".tmp", dir=os.fspath(folder))
     try:
-        os.ftruncate(fd, nbytes)
+        folder.mkdir(parents=True, exist_ok=True)  # NOTE: the output's folder; the save makes it anyway
+        fd, name = tempfile.mkstemp(prefix=".onnxparam-codes-", suffix=".tmp", dir=os.fspath(folder))
+    except OSError:  # a folder that cannot take a scratch file: the system's temporary folder
+        fd, name = tempfile.mkstemp(prefix=".onnxparam-codes-", suffix=".tmp")
+    try:
+        # NOTE: blocks reserved now: writing into a map of a sparse file on a full disk is a SIGBUS
+        os.posix_fallocate(fd, 0, nbytes)
         with open(fd, "r+b", closefd=False) as f:
             array = np.memmap(f, dtype=dtype, mode="r+", shape=tuple(shape))
+    except OSError:  # a full disk: in memory after all
+        array = np.empty(shape, dtype)
     finally:
         os.close(fd)
         os.unlink(name)  # NOTE: the map keeps the bytes; nothing is left behind, even on a crash

@@ -173,7 +173,7 @@ def test_the_cli_streams_rewrites_metadata_in_place_and_skips_accuracy_with_a_re
 
 
 def test_rewrite_metadata_keeps_every_tensor_of_an_inline_file(tmp_path):
-    from onnxparam.onnx_io._ir_stream import rewrite_metadata
+    from onnxparam.onnx_io._save import rewrite_metadata
 
     src, _ = chain(tmp_path / "inline.onnx", external=False)
     before = onnx.load(str(src))

@@ -323,7 +323,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
             # infos were settled by the export)
             import json
 
-            from ..onnx_io._ir_stream import rewrite_metadata
+            from ..onnx_io._save import rewrite_metadata
 
             rewrite_metadata(args.dst, {k: json.dumps(v, separators=(",", ":")) for k, v in props.items()})
         else:

@@ -212,7 +212,7 @@ float model is parsed, serialized and run once per weight)."""
 
 STREAMED_REWRITE_BYTES = 64 << 20
 """An ``.onnx`` file larger than this gets its metadata by a streamed rewrite
-(``onnxparam quantize``: :func:`onnxparam.onnx_io._ir_stream.rewrite_metadata`)."""
+(``onnxparam quantize``: :func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
 
 
 def available_memory() -> int | None:
@@ -263,7 +263,7 @@ def write_metadata(path, props: dict) -> None:
     """Add ``props`` (``{key: JSON-able}``) to the ``metadata_props`` of the ``.onnx`` at
     ``path`` (rewritten in place; external data files stay as they are), its value infos settled
     (:func:`settle_shapes`). A file with its weights inline is parsed whole: above
-    :data:`STREAMED_REWRITE_BYTES` use :func:`onnxparam.onnx_io._ir_stream.rewrite_metadata`."""
+    :data:`STREAMED_REWRITE_BYTES` use :func:`onnxparam.onnx_io._save.rewrite_metadata`."""
     import onnx
 
     model = settle_shapes(onnx.load(str(path), load_external_data=False))

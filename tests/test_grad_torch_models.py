@@ -225,3 +225,53 @@ def test_dynamo_exports_match_torch_autograd_too(name, tmp_path):
             err = float(np.abs(by_path[p].to_numpy() - tg).max()) / max(float(np.abs(tg).max()), 1e-4)
             assert err < 1e-3, f"{name} {batch}x{seq}: {p} ({tname}) relative error {err:.2e}"
         assert seen == {n for n, g in t_grads.items() if g is not None}
+
+
+def test_lora_fine_tuning_then_the_merged_export_equals_torch_with_merged_weights_in_plain_onnx_runtime(exported,
+                                                                                                       tmp_path):
+    """LoRA on the imported model, five Adam steps (the loss falls), then ``export_onnx(lora="merge")``:
+    plain ONNX Runtime on the written file equals the module's own call and torch's model whose
+    adapted weights are replaced by ``base + (alpha / rank) * a @ b`` (computed here from the factors,
+    in the weight's layout: ``MatMul`` weights are torch's transposed)."""
+    import copy
+
+    import onnxruntime as ort
+
+    from onnxparam.optim import Adam
+
+    name, model, path = exported
+    rank, alpha = 2, 4
+    module = op.import_onnx(str(path)).apply_lora(op.LoraConfig(rank=rank, alpha=alpha, seed=0))
+    ids = op.Tensor.from_numpy(_inputs(name, np.random.default_rng(2), 2, 6))
+    loss0, grads = grad(_loss, module, ids)
+    optim = Adam(lr=1e-2)
+    for _ in range(5):
+        module = optim.step(module, grads)
+        loss, grads = grad(_loss, module, ids)
+    assert float(loss.to_numpy()) < float(loss0.to_numpy())
+
+    params = {p: v for p, v in module.named_params()}
+    tparams = dict(model.named_parameters())
+    merged_torch = copy.deepcopy(model)
+    adapted = [p[:-len(".lora.a")] for p in params if p.endswith(".lora.a")]
+    assert adapted
+    with torch.no_grad():
+        for p in adapted:
+            base = params[p].base().to_numpy()
+            a, b = params[p + ".lora.a"].val().to_numpy(), params[p + ".lora.b"].val().to_numpy()
+            delta = (alpha / rank) * (a @ b)
+            assert delta.shape == base.shape and np.abs(delta).max() > 0, p
+            tname, transposed = _torch_param_for(base, p, tparams)
+            assert tname is not None, f"{name}: no torch twin of the adapted weight {p}"
+            w = base + delta
+            merged_torch.get_parameter(tname).copy_(torch.from_numpy(w.T if transposed else w))
+    out = op.export_onnx(module, tmp_path / "merged.onnx", lora="merge")
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch, seq in [(2, 6), (3, 4)]:
+        x = _inputs(name, np.random.default_rng(batch), batch, seq)
+        got = session.run(None, {"ids": x})[0]
+        with torch.no_grad():
+            want = merged_torch(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{name}: merged file vs torch")
+        np.testing.assert_allclose(module(ids=op.Tensor.from_numpy(x)).to_numpy(), got, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}: module call vs merged file")

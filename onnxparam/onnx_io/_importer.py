@@ -277,11 +277,12 @@ class OnnxModule(Module):
 
     def lora_default_skips(self) -> dict:
         """``path -> reason`` of the 2-d weights the default (every-param) ``LoraConfig`` leaves
-        without an adapter although they have a layout: tables that ``Gather`` reads at
-        computed rows (position tables; ``onnxparam.onnx_io._lora_import.position_tables``)."""
-        from ._lora_import import position_tables
+        without an adapter although they have a layout, as PEFT's defaults target linear layers
+        only: tables ``Gather`` reads (position tables and embeddings of the inputs) and output
+        projections tied to an embedding table (``onnxparam.onnx_io._lora_import.default_lora_skips``)."""
+        from ._lora_import import default_lora_skips
 
-        tables = position_tables(self._source.loaded.model)
+        tables = default_lora_skips(self._source.loaded.model)
         return {path: tables[name] for path, name in self._source.names.items() if name in tables}
 
     def lora_transposed_paths(self) -> list:

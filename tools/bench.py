@@ -462,7 +462,7 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
     from onnxparam.nn import TransformerEncoder
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_lora_serve import factor_share, switch_cases
+    from bench_lora_serve import factor_share, kernel_share, switch_cases
 
     def with_factors(module, seed):
         rng = np.random.default_rng(seed)
@@ -511,6 +511,10 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             reference = plain("merge")()
             for mode, options in (("keep", None), ("inputs", adapters[0])):
                 np.testing.assert_allclose(plain(mode, options)(), reference, rtol=1e-3, atol=1e-3)
+                lora_s, all_s = kernel_share(paths[mode], {"x": x}, config.session_options(), repeats, options)
+                print(f"lora: r{rank} {mode}: the LoRA nodes take {100 * lora_s / all_s:.2f}% of ONNX Runtime's "
+                      f"kernel time (profiler, node medians): {lora_s / (all_s - lora_s):+.3f} over the rest "
+                      f"(floor {floor - 1:+.3f})", file=sys.stderr)
                 t_ours, t_base = interleaved_medians(plain(mode, options), plain("merge"), repeats)
                 results.append(Result("lora", f"r{rank} {mode} vs merge [floor {floor:.3f}]", t_ours, t_base,
                                       floor + LORA_OVERHEAD_POINTS))

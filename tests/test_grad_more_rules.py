@@ -398,3 +398,28 @@ def test_resize_with_scales_fed_at_run_time_and_a_resized_channel_axis():
     scales = helper.make_tensor_value_info("scales", F, [2])
     check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 2, 4), (1, 3, 3, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 18,
              extra_inputs=[scales], extra=lambda shape: {"scales": np.array([2.0, 0.5], np.float32)})
+
+
+# -- GridSample --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,padding,align", [("linear", "zeros", 0), ("linear", "border", 1), ("nearest", "zeros", 0)])
+def test_grid_sample_input_and_grid_gradients(mode, padding, align):
+    """The grid is a fed grid times a param (so the grid's gradient is checked too); batch, image
+    and grid sizes change between the two shapes."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
+             helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "sg": RNG.uniform(0.8, 1.2, (2,))}
+    grid = helper.make_tensor_value_info("grid", D, ["N", "Ho", "Wo", 2])
+
+    def extra(shape):
+        return {"grid": RNG.uniform(-1.1, 1.1, size=(shape[0], shape[2] + 1, shape[3] - 1, 2))}
+
+    def torch_fn(x, grid, s, sg):
+        import torch
+
+        return torch.nn.functional.grid_sample(x * s, grid * sg, mode="bilinear" if mode == "linear" else mode,
+                                               padding_mode=padding, align_corners=bool(align))
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 5, 3)], inits, 20, torch_fn=torch_fn,
+             extra_inputs=[grid], extra=extra)

@@ -19,6 +19,7 @@ model's metadata; below ``--min-cosine`` a warning names the weights that move t
 or ``--strict`` refuses and removes the output."""
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -351,7 +352,13 @@ def _run_quantize(args: argparse.Namespace) -> int:
         meta = {KEPT_FLOAT_KEY: json.dumps(kept_rows, separators=(",", ":"))}
         if accuracy is not None:
             meta[ACCURACY_KEY] = json.dumps(accuracy, separators=(",", ":"))
-        model.module.save_file(args.dst, metadata=meta)
+        from ..quant import _stream
+
+        # NOTE (issue 27): a large model's codes are computed one weight at a time while written,
+        # spilled beside the output (the .onnx export streams by itself: export_onnx)
+        large = in_bytes >= _stream.AUTO_STREAM_BYTES and _stream.streaming_folder() is None
+        with _stream.streaming(args.dst.resolve().parent) if large else contextlib.nullcontext():
+            model.module.save_file(args.dst, metadata=meta)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
         from ..core.errors import QuantizationWarning

@@ -16,7 +16,13 @@ its reason (``kept_float``); an output not smaller than its input is a warning. 
 report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
 max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
 model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
-or ``--strict`` refuses and removes the output."""
+or ``--strict`` refuses and removes the output. ``--no-accuracy`` skips the report, and so does a
+model whose two runs would not fit in the memory available (a warning; the reason is the report).
+
+A model larger than memory is quantized one weight at a time (:mod:`onnxparam.quant._stream`): the
+export streams by itself; a ``.bpk`` output is written inside :func:`onnxparam.quant._stream.streaming`,
+a large inline ``.onnx`` output gets its metadata by a streamed rewrite
+(:func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
 
 import argparse
 import contextlib

@@ -363,3 +363,38 @@ def test_attention_3d_gqa_causal_on_dynamic_batch_and_sequence(softcap):
         return y.transpose(1, 2).reshape(n, s, 8)
 
     check_op(nodes, ["N", "S", 6], [(2, 5, 6), (3, 7, 6)], inits, 23, torch_fn=None if softcap else torch_fn)
+
+
+# -- Resize with run-time sizes / scales -----------------------------------------------------------
+
+
+def test_resize_linear_upsampling_on_dynamic_image_size():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "scales"], ["y"], mode="linear")]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "scales": np.array([1, 1, 2, 2], np.float32)}
+
+    def torch_fn(x, s, scales):
+        import torch
+
+        return torch.nn.functional.interpolate(x * s, scale_factor=2, mode="bilinear", align_corners=False)
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 3, 4), (1, 2, 5, 2)], inits, 18, torch_fn=torch_fn)
+
+
+@pytest.mark.parametrize("mode,antialias", [("cubic", 1), ("linear", 0), ("nearest", 0)])
+def test_resize_to_sizes_computed_from_the_input_shape(mode, antialias):
+    """``sizes = [N, C, H + 3, W - 2]`` from ``Shape`` (upsampling one axis, downsampling the
+    other, antialiased for cubic)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Add", ["shape", "delta"], ["sizes"]),
+             helper.make_node("Resize", ["xs", "", "", "sizes"], ["y"], mode=mode, antialias=antialias)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "delta": np.array([0, 0, 3, -2], np.int64)}
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 7), (1, 2, 6, 5)], inits, 18)
+
+
+def test_resize_with_scales_fed_at_run_time_and_a_resized_channel_axis():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "scales"], ["y"], mode="nearest", axes=[1, 3])]
+    scales = helper.make_tensor_value_info("scales", F, [2])
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 2, 4), (1, 3, 3, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 18,
+             extra_inputs=[scales], extra=lambda shape: {"scales": np.array([2.0, 0.5], np.float32)})

@@ -179,8 +179,9 @@ def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> lis
 
 def settle_shapes(model, structure_only: bool = False):
     """``model`` (an ``onnx.ModelProto``) with value infos whose dims are all known or named:
-    entries with an unknown dim are dropped and ONNX shape inference fills them with shared
-    symbols (``unk__N``), as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
+    entries with an unknown dim are dropped and ONNX shape inference (with data propagation:
+    ``Shape -> Concat -> Reshape`` keeps named dims) fills them with shared symbols (``unk__N``)
+    where no name is known, as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
     fusions that need two inputs of provably equal shape (``SkipLayerNormalization`` after an
     int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop.
     ``structure_only``: the model's large tensors are external placeholders without data
@@ -195,10 +196,15 @@ def settle_shapes(model, structure_only: bool = False):
     model.graph.value_info.extend(known)
     if not structure_only and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         return model  # NOTE: a > 2 GiB model: inference would need its data in memory
-    try:
-        return onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - shape inference is an optimisation here
-        return model
+    # NOTE: data_prop: a Reshape whose shape is Concat(Shape(x)[0], 64, ...) (an exported attention)
+    # keeps x's named batch dim instead of fresh unk__ symbols, so SkipLayerNormalization still sees
+    # the residual Add's two inputs as the same shape (the nn transformer block of tools/bench.py quant)
+    for data_prop in (True, False):
+        try:
+            return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+        except Exception:  # noqa: BLE001 - shape inference is an optimisation here
+            continue
+    return model
 
 
 RUN_MEMORY_FACTOR = 3

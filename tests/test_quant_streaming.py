@@ -184,3 +184,26 @@ def test_rewrite_metadata_keeps_every_tensor_of_an_inline_file(tmp_path):
         t.SerializeToString() for t in before.graph.initializer]
     assert after.graph.node == before.graph.node
     assert sorted(os.listdir(tmp_path)) == ["inline.onnx"]
+
+
+def test_a_streamed_bpk_output_holds_numpy_codes(tmp_path, capsys, small_thresholds):
+    """``onnxparam quantize`` to ``.bpk`` streams too: the stored codes dequantize to numpy's
+    symmetric int8 values of each weight (read back through the burnpack reader)."""
+    from onnxparam.convert import read_record
+    from onnxparam.quant import QuantizedTensor
+
+    src, weights = chain(tmp_path / "chain.onnx")
+    out = tmp_path / "out" / "q.bpk"
+    out.parent.mkdir()
+    code, _, err = run_main(capsys, "quantize", src, out, "--no-accuracy")
+    assert code == 0, err
+    assert sorted(os.listdir(out.parent)) == ["q.bpk"]
+    record = read_record(out)
+    for i, (w, b) in enumerate(weights):
+        codes, scale = symmetric_int8(w)
+        snap = record[f"w{i}"]
+        assert snap.dtype.name == "QFloat"
+        np.testing.assert_array_equal(QuantizedTensor.from_data(snap.to_data()).dequantize(),
+                                      codes.astype(np.float32) * scale)
+        assert record[f"b{i}"].to_data().to_numpy().tobytes() == b.tobytes()
+

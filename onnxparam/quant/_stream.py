@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AUTO_STREAM_BYTES", "CHUNK_ELEMENTS", "SPILL_BYTES", "quantize_chunked", "spilled", "streaming",
-           "offset_codes"]
+__all__ = ["AUTO_STREAM_BYTES", "CHUNK_ELEMENTS", "SPILL_BYTES", "quantize_chunked", "spilled", "spill_codes",
+           "streaming", "offset_codes"]
 
 CHUNK_ELEMENTS = 1 << 21
 """Elements per step of :func:`quantize_chunked` (8 MiB of float32 at a time)."""
@@ -119,6 +119,17 @@ def offset_codes(values: np.ndarray, offset: int, np_dtype) -> np.ndarray:
         flat_out[start:start + CHUNK_ELEMENTS] = (flat_in[start:start + CHUNK_ELEMENTS].astype(np.int16)
                                                   + offset).astype(np_dtype)
     return _read_only(out)
+
+
+def spill_codes(qt):
+    """``qt`` (a ``QuantizedTensor`` quantized whole: a blocked or per-channel scheme) with its
+    codes :func:`spilled` under :func:`streaming` (the same values), else ``qt`` itself."""
+    if _FOLDER.get() is None or np.asarray(qt.values).nbytes < SPILL_BYTES:
+        return qt
+    from ..core.tensor import QuantizedTensor
+
+    return QuantizedTensor(qt.shape, qt.scheme, spilled(qt.values), qt.scales, qt.global_scale,
+                           axis=getattr(qt, "axis", None))
 
 
 def quantize_chunked(array, quantizer, axis):

@@ -423,3 +423,26 @@ def test_grid_sample_input_and_grid_gradients(mode, padding, align):
 
     check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 5, 3)], inits, 20, torch_fn=torch_fn,
              extra_inputs=[grid], extra=extra)
+
+
+@pytest.mark.parametrize("align", [0, 1])
+def test_affine_grid_theta_gradient_through_grid_sample(align):
+    """``theta = x_theta * s`` -> ``AffineGrid`` at a run-time size -> sampled image: the gradient
+    reaches ``s`` through the grid; the image size changes between the two shapes."""
+    nodes = [helper.make_node("Mul", ["theta", "s"], ["ts"]), helper.make_node("Shape", ["x"], ["size"]),
+             helper.make_node("AffineGrid", ["ts", "size"], ["grid"], align_corners=align),
+             helper.make_node("GridSample", ["x", "grid"], ["y"], align_corners=align)]
+    theta = helper.make_tensor_value_info("theta", D, ["N", 2, 3])
+
+    def extra(shape):
+        base = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+        return {"theta": base + RNG.uniform(-0.3, 0.3, size=(shape[0], 2, 3))}
+
+    def torch_fn(x, theta, s):
+        import torch
+
+        grid = torch.nn.functional.affine_grid(theta * s, list(x.shape), align_corners=bool(align))
+        return torch.nn.functional.grid_sample(x, grid, align_corners=bool(align))
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 3)], {"s": RNG.uniform(0.8, 1.2, (2, 3))}, 20,
+             torch_fn=torch_fn, extra_inputs=[theta], extra=extra)

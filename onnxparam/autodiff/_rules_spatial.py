@@ -1,4 +1,4 @@
-"""Gradient rules of ``LRN``, ``LpPool``, ``GlobalLpPool``, ``MaxUnpool`` and ``GridSample``.
+"""Gradient rules of ``LRN``, ``LpPool``, ``GlobalLpPool``, ``MaxUnpool``, ``GridSample`` and ``AffineGrid``.
 
 Conventions (a rule's signature, ``g = dL/dy``) are those of :mod:`onnxparam.autodiff._rules`;
 layouts ONNX's (``x`` ``[N, C, spatial...]``); forward semantics: the ONNX operator specification
@@ -222,3 +222,26 @@ def _grid_sample(e, node, gout, need):
         dgrid = e.op("Concat", e.unsqueeze(dgx, [3]), e.unsqueeze(dgy, [3]), axis=3)
         dgrid = e.op("CastLike", dgrid, grid)
     return [dx, dgrid]
+
+
+@rule("AffineGrid")
+def _affine_grid(e, node, gout, need):
+    """``grid[n, p] = theta[n] @ [base(p), 1]`` (``base(p)`` the normalized coordinates of
+    output point ``p``, ONNX spec: AffineGrid; 2-D ``theta [N, 2, 3]`` or 3-D ``[N, 3, 4]``):
+    ``d theta[n] = g[n]^T @ [base, 1]`` over the points, the base coordinates being
+    ``AffineGrid`` of the identity ``theta`` at batch 1 (same ``align_corners``); ``size`` is an
+    integer input."""
+    theta, size = node.inputs[0], node.inputs[1]
+    k = dims(theta)[1]
+    if not isinstance(k, int):
+        raise TraceError(f"node {node.name!r}: AffineGrid's gradient needs a static theta shape")
+    dt = np_dtype(theta)
+    identity = e.const(np.eye(k, k + 1, dtype=dt)[None], dt)
+    size1 = e.op("Concat", e.ints([1]), e.op("Slice", size, e.ints([1]), e.ints([k + 2]), e.ints([0])), axis=0)
+    base = e.copy_node(node, [identity, size1])[0]  # [1, spatial..., k]
+    base = e.op("Reshape", base, e.ints([1, -1, k]))
+    points = e.op("Slice", e.op("Shape", base), e.ints([1]), e.ints([2]), e.ints([0]))
+    ones = e.op("Expand", e.scalar_like(1.0, theta), e.concat_ints([1], points, [1]))
+    base = e.op("Concat", base, ones, axis=2)  # [1, P, k + 1]
+    g = e.op("Reshape", gout[0], e.ints([0, -1, k]))  # [N, P, k]
+    return [e.op("MatMul", e.op("Transpose", g, perm=[0, 2, 1]), base), None]

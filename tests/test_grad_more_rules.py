@@ -446,3 +446,38 @@ def test_affine_grid_theta_gradient_through_grid_sample(align):
 
     check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 3)], {"s": RNG.uniform(0.8, 1.2, (2, 3))}, 20,
              torch_fn=torch_fn, extra_inputs=[theta], extra=extra)
+
+
+# -- RoiAlign --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling_ratio,mode", [(2, "half_pixel"), (0, "output_half_pixel")])
+def test_roi_align_input_gradient_on_a_dynamic_feature_map(sampling_ratio, mode):
+    """Rois on both images of the batch (one image twice), the feature map's batch and size change;
+    torchvision's ``roi_align`` (aligned=True is ONNX's half_pixel) where installed."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("RoiAlign", ["xs", "rois", "bi"], ["y"], output_height=2, output_width=3,
+                              sampling_ratio=sampling_ratio, spatial_scale=0.5, coordinate_transformation_mode=mode)]
+    rois = helper.make_tensor_value_info("rois", D, ["R", 4])
+    bi = helper.make_tensor_value_info("bi", TensorProto.INT64, ["R"])
+
+    def extra(shape):
+        n, _, h, w = shape
+        boxes = np.array([[0.5, 1.0, 2 * w - 3, 2 * h - 2], [2.0, 0.0, 2 * w - 1, h], [1.0, 1.5, w, 2 * h - 1.5]])
+        return {"rois": boxes, "bi": np.array([0, n - 1, 0], np.int64)}
+
+    torch_fn = None
+    if mode == "half_pixel":
+        try:
+            import torchvision  # noqa: F401
+
+            def torch_fn(x, rois, bi, s):
+                import torch
+                from torchvision.ops import roi_align
+
+                boxes = torch.cat([bi.double()[:, None], rois], 1)
+                return roi_align(x * s, boxes, (2, 3), 0.5, sampling_ratio, aligned=True)
+        except ImportError:
+            pass
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 5, 6), (3, 3, 6, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 16,
+             torch_fn=torch_fn, extra_inputs=[rois, bi], extra=extra)

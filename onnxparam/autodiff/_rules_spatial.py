@@ -1,4 +1,4 @@
-"""Gradient rules of ``LRN``, ``LpPool``, ``GlobalLpPool``, ``MaxUnpool``, ``GridSample`` and ``AffineGrid``.
+"""Gradient rules of ``LRN``, ``LpPool``, ``GlobalLpPool``, ``MaxUnpool``, ``GridSample``, ``AffineGrid`` and ``RoiAlign``.
 
 Conventions (a rule's signature, ``g = dL/dy``) are those of :mod:`onnxparam.autodiff._rules`;
 layouts ONNX's (``x`` ``[N, C, spatial...]``); forward semantics: the ONNX operator specification
@@ -245,3 +245,44 @@ def _affine_grid(e, node, gout, need):
     base = e.op("Concat", base, ones, axis=2)  # [1, P, k + 1]
     g = e.op("Reshape", gout[0], e.ints([0, -1, k]))  # [N, P, k]
     return [e.op("MatMul", e.op("Transpose", g, perm=[0, 2, 1]), base), None]
+
+
+@rule("RoiAlign")
+def _roi_align(e, node, gout, need):
+    """``mode="avg"`` ``RoiAlign`` is linear in ``X`` and the same for every channel: ``Y[r, c, p]
+    = sum_k J[r, k, p] X[b(r), c, k]`` (``k`` a pixel). ``J`` is the operator itself applied to
+    the identity basis ``E [1, H * W, H, W]`` (channel ``k`` one-hot at pixel ``k``) with every
+    roi on batch 0, so every sampling choice (``sampling_ratio``, coordinate mode, scale) is ONNX
+    Runtime's; then ``dX[n, c, k] = sum_{r: b(r) = n} sum_p g[r, c, p] J[r, k, p]`` (a batched
+    ``MatMul`` and a one-hot ``MatMul`` over the rois). Memory ``R * H * W * out_h * out_w``.
+    The boxes get a zero gradient, as torchvision's ``roi_align`` (which detaches them).
+
+    Raises:
+        TraceError: for ``mode="max"`` (not linear).
+    """
+    x, rois, batch = node.inputs[0], node.inputs[1], node.inputs[2]
+    mode = attr(node, "mode", "avg")
+    if (mode.decode() if isinstance(mode, bytes) else mode) != "avg":
+        raise TraceError(f"node {node.name!r}: RoiAlign's gradient supports mode='avg' only")
+    g = gout[0]
+    out = [None, None, None]
+    if need[0]:
+        shape = e.op("Shape", x)
+        hw = e.op("Slice", shape, e.ints([2]), e.ints([4]), e.ints([0]))
+        k = e.op("ReduceProd", hw, keepdims=1)  # [1]
+        eye = e.op("EyeLike", e.op("Expand", e.scalar_like(0.0, x), e.op("Concat", k, k, axis=0)))
+        basis = e.op("Reshape", eye, e.concat_ints([1], k, hw))  # [1, K, H, W]
+        on_zero = e.op("Mul", batch, e.const(0, np_dtype(batch)))
+        j = e.copy_node(node, [basis, rois, on_zero])[0]  # [R, K, oh, ow]
+        j = e.op("Reshape", j, e.concat_ints([0], k, [-1]))  # [R, K, P]
+        gr = e.op("Reshape", g, e.ints([0, 0, -1]))  # [R, C, P]
+        per_roi = e.op("MatMul", gr, e.op("Transpose", j, perm=[0, 2, 1]))  # [R, C, K]
+        n = e.op("Gather", shape, e.const(0, np.int64), axis=0)
+        images = e.op("Range", e.const(0, np.int64), n, e.const(1, np.int64))
+        hot = e.op("Cast", e.op("Equal", e.unsqueeze(images, [1]),
+                                e.unsqueeze(e.op("Cast", batch, to=int(ir.DataType.INT64)), [0])), to=int(x.dtype))
+        flat = e.op("Reshape", per_roi, e.ints([0, -1]))  # [R, C * K]
+        out[0] = e.reshape_like(e.op("MatMul", hot, flat), x)
+    if len(need) > 1 and need[1]:
+        out[1] = e.zeros_like(rois)
+    return out

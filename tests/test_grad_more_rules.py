@@ -363,3 +363,121 @@ def test_attention_3d_gqa_causal_on_dynamic_batch_and_sequence(softcap):
         return y.transpose(1, 2).reshape(n, s, 8)
 
     check_op(nodes, ["N", "S", 6], [(2, 5, 6), (3, 7, 6)], inits, 23, torch_fn=None if softcap else torch_fn)
+
+
+# -- Resize with run-time sizes / scales -----------------------------------------------------------
+
+
+def test_resize_linear_upsampling_on_dynamic_image_size():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "scales"], ["y"], mode="linear")]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "scales": np.array([1, 1, 2, 2], np.float32)}
+
+    def torch_fn(x, s, scales):
+        import torch
+
+        return torch.nn.functional.interpolate(x * s, scale_factor=2, mode="bilinear", align_corners=False)
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 3, 4), (1, 2, 5, 2)], inits, 18, torch_fn=torch_fn)
+
+
+@pytest.mark.parametrize("mode,antialias", [("cubic", 1), ("linear", 0), ("nearest", 0)])
+def test_resize_to_sizes_computed_from_the_input_shape(mode, antialias):
+    """``sizes = [N, C, H + 3, W - 2]`` from ``Shape`` (upsampling one axis, downsampling the
+    other, antialiased for cubic)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Add", ["shape", "delta"], ["sizes"]),
+             helper.make_node("Resize", ["xs", "", "", "sizes"], ["y"], mode=mode, antialias=antialias)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "delta": np.array([0, 0, 3, -2], np.int64)}
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 7), (1, 2, 6, 5)], inits, 18)
+
+
+def test_resize_with_scales_fed_at_run_time_and_a_resized_channel_axis():
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "scales"], ["y"], mode="nearest", axes=[1, 3])]
+    scales = helper.make_tensor_value_info("scales", F, [2])
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 2, 4), (1, 3, 3, 6)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 18,
+             extra_inputs=[scales], extra=lambda shape: {"scales": np.array([2.0, 0.5], np.float32)})
+
+
+# -- GridSample --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,padding,align", [("linear", "zeros", 0), ("linear", "border", 1), ("nearest", "zeros", 0)])
+def test_grid_sample_input_and_grid_gradients(mode, padding, align):
+    """The grid is a fed grid times a param (so the grid's gradient is checked too); batch, image
+    and grid sizes change between the two shapes."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
+             helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "sg": RNG.uniform(0.8, 1.2, (2,))}
+    grid = helper.make_tensor_value_info("grid", D, ["N", "Ho", "Wo", 2])
+
+    def extra(shape):
+        return {"grid": RNG.uniform(-1.1, 1.1, size=(shape[0], shape[2] + 1, shape[3] - 1, 2))}
+
+    def torch_fn(x, grid, s, sg):
+        import torch
+
+        return torch.nn.functional.grid_sample(x * s, grid * sg, mode="bilinear" if mode == "linear" else mode,
+                                               padding_mode=padding, align_corners=bool(align))
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 5, 3)], inits, 20, torch_fn=torch_fn,
+             extra_inputs=[grid], extra=extra)
+
+
+@pytest.mark.parametrize("align", [0, 1])
+def test_affine_grid_theta_gradient_through_grid_sample(align):
+    """``theta = x_theta * s`` -> ``AffineGrid`` at a run-time size -> sampled image: the gradient
+    reaches ``s`` through the grid; the image size changes between the two shapes."""
+    nodes = [helper.make_node("Mul", ["theta", "s"], ["ts"]), helper.make_node("Shape", ["x"], ["size"]),
+             helper.make_node("AffineGrid", ["ts", "size"], ["grid"], align_corners=align),
+             helper.make_node("GridSample", ["x", "grid"], ["y"], align_corners=align)]
+    theta = helper.make_tensor_value_info("theta", D, ["N", 2, 3])
+
+    def extra(shape):
+        base = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+        return {"theta": base + RNG.uniform(-0.3, 0.3, size=(shape[0], 2, 3))}
+
+    def torch_fn(x, theta, s):
+        import torch
+
+        grid = torch.nn.functional.affine_grid(theta * s, list(x.shape), align_corners=bool(align))
+        return torch.nn.functional.grid_sample(x, grid, align_corners=bool(align))
+
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 3)], {"s": RNG.uniform(0.8, 1.2, (2, 3))}, 20,
+             torch_fn=torch_fn, extra_inputs=[theta], extra=extra)
+
+
+# -- RoiAlign --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling_ratio,mode", [(2, "half_pixel"), (0, "output_half_pixel")])
+def test_roi_align_input_gradient_on_a_dynamic_feature_map(sampling_ratio, mode):
+    """Rois on both images of the batch (one image twice), the feature map's batch and size change;
+    torchvision's ``roi_align`` (aligned=True is ONNX's half_pixel) where installed."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("RoiAlign", ["xs", "rois", "bi"], ["y"], output_height=2, output_width=3,
+                              sampling_ratio=sampling_ratio, spatial_scale=0.5, coordinate_transformation_mode=mode)]
+    rois = helper.make_tensor_value_info("rois", D, ["R", 4])
+    bi = helper.make_tensor_value_info("bi", TensorProto.INT64, ["R"])
+
+    def extra(shape):
+        n, _, h, w = shape
+        boxes = np.array([[0.5, 1.0, 2 * w - 3, 2 * h - 2], [2.0, 0.0, 2 * w - 1, h], [1.0, 1.5, w, 2 * h - 1.5]])
+        return {"rois": boxes, "bi": np.array([0, n - 1, 0], np.int64)}
+
+    torch_fn = None
+    if mode == "half_pixel":
+        try:
+            import torchvision  # noqa: F401
+
+            def torch_fn(x, rois, bi, s):
+                import torch
+                from torchvision.ops import roi_align
+
+                boxes = torch.cat([bi.double()[:, None], rois], 1)
+                return roi_align(x * s, boxes, (2, 3), 0.5, sampling_ratio, aligned=True)
+        except ImportError:
+            pass
+    check_op(nodes, ["N", 3, "H", "W"], [(2, 3, 5, 6), (3, 3, 6, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))}, 16,
+             torch_fn=torch_fn, extra_inputs=[rois, bi], extra=extra)

@@ -22,7 +22,7 @@ from onnxparam import LoraConfig, LoraError, Module, Param, RecordError, Tensor,
 from onnxparam.lora._batched import BatchedLora, batched_metadata
 from onnxparam.lora._batched_run import batched_adapter_params, check_batched_adapters, write_batched_adapter
 from onnxparam.cli import main
-from onnxparam.nn import Conv2dConfig, EmbeddingConfig, LinearConfig
+from onnxparam.nn import Conv1dConfig, Conv2dConfig, EmbeddingConfig, LinearConfig
 
 # name: (r, alpha, use_rslora)
 ADAPTERS = {"one": (2, 5.0, False), "two": (4, 3.0, True), "three": (3, 1.5, False)}
@@ -368,6 +368,42 @@ def test_conv_weights_and_biases_take_each_rows_adapter(tmp_path):
     np.testing.assert_allclose(got, oracle(x, "q"), atol=1e-5, rtol=0)
 
 
+class StridedConv1d(Module):
+    def __init__(self):
+        self.conv = Conv1dConfig(2, 3, 3, stride=2, padding=1).init()
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_a_strided_padded_conv1d_takes_each_rows_adapter(tmp_path):
+    """The ``Conv``'s own strides and pads carry over to the adapter's conv: numpy ``conv1d``."""
+    from onnxparam import LoraAdapter
+
+    rng = np.random.default_rng(5)
+    base = StridedConv1d()
+    w = np.asarray(base.conv.weight.val().to_numpy(), np.float64)  # (3, 2, 3)
+    c = np.asarray(base.conv.bias.val().to_numpy(), np.float64)
+    module, deltas = base, [0.0]
+    for k, (r, scale) in enumerate(((1, 2.0), (3, 0.5))):
+        a, b = _factor(rng, 6, r), _factor(rng, r, 3)
+        module = module.add_adapter(f"k{k}", {"conv.weight": LoraAdapter(a, b, scale, transposed=True)})
+        deltas.append(scale * (np.asarray(a.val().to_numpy(), np.float64)
+                               @ np.asarray(b.val().to_numpy(), np.float64)).T.reshape(w.shape))
+
+    def oracle(x, k):
+        padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1)))
+        windows = np.lib.stride_tricks.sliding_window_view(padded, 3, axis=2)[:, :, ::2]  # [n, c, l, 3]
+        return np.einsum("nclu,ocu->nol", windows, w + deltas[k]) + c[None, :, None]
+
+    x = rng.normal(size=(4, 2, 9)).astype(np.float32)
+    path = export_onnx(module, tmp_path / "c1.onnx", x[:1], lora="batched")
+    index = np.array([2, 1, 0, 2], dtype=np.int64)
+    got = session(path).run(None, {"x": x, "adapter_index": index})[0]
+    for row, k in enumerate(index):
+        np.testing.assert_allclose(got[row], oracle(x[row:row + 1], k)[0], atol=1e-5, rtol=0)
+
+
 def test_a_linear_bias_adapter_adds_per_row_after_the_add(tmp_path):
     from onnxparam import LoraAdapter
 
@@ -420,3 +456,27 @@ def test_the_readme_serving_example_runs(tmp_path, monkeypatch):
     for row, name in enumerate(["code", "code", None, "sql"]):
         expected = (sources[name] if name else namespace["base"])(Tensor.from_numpy(x[row:row + 1])).to_numpy()
         np.testing.assert_allclose(y3[row:row + 1], expected, atol=1e-5, rtol=0)
+
+
+def test_an_index_outside_the_slots_fails_in_ort_for_a_conv_only_export(tmp_path):
+    """A conv target's mask gathers the index like every other target: ONNX Runtime refuses an
+    entry outside ``[-slots, slots)`` instead of giving that row no adapter, and ``-1`` is the
+    last slot, as ``Gather`` reads it (oracle: the export's own run at index ``slots - 1``)."""
+    from onnxparam import LoraAdapter
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    rng = np.random.default_rng(5)
+    module = DilatedConv()
+    for name in ("p", "q"):
+        module = module.add_adapter(name, {"conv.weight": LoraAdapter(_factor(rng, 12, 2), _factor(rng, 2, 3), 1.0,
+                                                                      transposed=True)})
+    x = rng.normal(size=(2, 2, 8, 5)).astype(np.float32)
+    path = export_onnx(module, tmp_path / "conv.onnx", x, lora="batched")
+    sess = session(path)
+    with pytest.raises((Fail, InvalidArgument), match="Gather_index.*out of data bounds"):
+        sess.run(None, {"x": x, "adapter_index": np.array([3, 0], dtype=np.int64)})
+    last = sess.run(None, {"x": x, "adapter_index": np.array([2, 2], dtype=np.int64)})[0]
+    base = sess.run(None, {"x": x, "adapter_index": np.array([0, 0], dtype=np.int64)})[0]
+    assert np.abs(last - base).max() > 1e-3
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "adapter_index": np.array([-1, -1], dtype=np.int64)})[0],
+                                  last)

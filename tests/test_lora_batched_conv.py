@@ -5,7 +5,7 @@ Oracle: ``peft.PeftModel`` in torch with three adapters on a small conv net (a 3
 ``Conv2d`` with stride / padding and a ``Linear``; ranks 2 / 3 / 4, alpha != rank, one rsLoRA,
 ``lora_bias=True`` on two of them) and ``model(x, adapter_names=[...])``, each row run with its
 own adapter (``"__base__"``: none). The net is written by torch's TorchScript exporter (``Conv``
-with a bias input, ``Gemm`` with ``C``) and imported here; the adapters are PEFT's saved folders
+with a bias input, ``Gemm`` with ``C``; dynamo: ``slow``) and imported here; the adapters are PEFT's saved folders
 loaded with ``load_peft_adapter``. The batched ONNX file run by plain ONNX Runtime and
 ``module(x, adapter_index=...)`` must give each row PEFT's output within 1e-5, at a batch size
 other than the export's. A grouped convolution is refused by name (numpy has nothing to check).
@@ -84,18 +84,23 @@ def save_adapter(base, folder, r, alpha, rslora, lora_bias, seed):
         model.save_pretrained(str(folder))
 
 
-def export(model, x, path):
+def export(model, x, path, exporter="torchscript"):
+    kwargs = {"input_names": ["x"], "output_names": ["y"]}
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+        kwargs.update(dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
+    else:
+        kwargs["dynamic_axes"] = {"x": {0: "batch"}}
     with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch"}})
+        torch.onnx.export(model, (x,), str(path), dynamo=exporter == "dynamo", **kwargs)
     return path
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("conv")
+@pytest.fixture(scope="module", params=["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def built(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"conv-{request.param}")
     model = randomize(ConvNet().eval(), seed=3)
-    imported = import_onnx(export(model, torch.randn(2, 2, 6, 6), folder / "net.onnx"))
+    imported = import_onnx(export(model, torch.randn(2, 2, 6, 6), folder / "net.onnx", request.param))
     for k, (name, spec) in enumerate(ADAPTERS.items()):
         save_adapter(model, folder / name, *spec, seed=40 + k)
     with quiet():

@@ -120,11 +120,11 @@ def built(tmp_path_factory):
     for name in ADAPTERS:
         module = module.add_adapter(name, load_peft_adapter(imported, folder / "source" / name, allow_partial=True))
     export = export_onnx(module, folder / "batched.onnx", lora=BatchedLora(capacity=4))
-    return model, reference, module, imported, export
+    return model, reference, module, imported, export, folder / "source"
 
 
 def test_the_written_folder_loads_in_peft_and_gives_each_rows_adapter(built, tmp_path):
-    model, reference, module, imported, export = built
+    model, reference, module, imported, export, _ = built
     file = write_batched_adapter(module, tmp_path / "set.onnx_adapter", model=export)
     out = write_batched_peft(file, tmp_path / "peft", model=export, base_model_name_or_path="tiny-bert")
     names = list(ADAPTERS)
@@ -157,7 +157,7 @@ def test_a_spare_slot_and_the_default_name(built, tmp_path):
     """A set with an adapter added in the export's spare slot (arrays fed to the session):
     unnamed, it is refused; named (``"default"``: the folder itself, as PEFT writes it), PEFT's
     rows equal plain ONNX Runtime's with the same stacks fed."""
-    model, _, module, _, export = built
+    model, _, module, _, export, _ = built
     meta = batched_metadata(export)
     params = batched_adapter_params(module, model=export)
     rng = np.random.default_rng(5)
@@ -179,7 +179,7 @@ def test_a_spare_slot_and_the_default_name(built, tmp_path):
 
 
 def test_misfits_are_listed(built, tmp_path):
-    _, _, module, _, export = built
+    _, _, module, _, export, _ = built
     params = batched_adapter_params(module, model=export)
     key = next(iter(params))
     bad = dict(params)
@@ -196,3 +196,16 @@ def test_misfits_are_listed(built, tmp_path):
     with pytest.raises(RecordError, match=r"slot 2 \('chat'\) is all zeros"):
         write_batched_peft(zero, tmp_path / "bad", model=export)
     assert not (tmp_path / "bad").exists()  # nothing written on a refusal
+
+
+def test_a_modules_adapter_past_the_exports_fills_the_next_slot(built, tmp_path):
+    """A module holding one more adapter than the export (its spare slot): written by default
+    under its own name; PEFT's rows for it equal PEFT's rows for the source it was loaded from."""
+    model, reference, module, imported, export, source = built
+    grown = module.add_adapter("sql2", load_peft_adapter(imported, source / "sql", allow_partial=True))
+    out = write_batched_peft(grown, tmp_path / "peft", model=export)
+    assert sorted(p.name for p in out.iterdir()) == sorted(list(ADAPTERS) + ["sql2"])
+    written = peft_model(model, out, ["sql2"])
+    ids = ids_for(4, 5)
+    np.testing.assert_allclose(peft_rows(written, ids, ["sql2", "__base__", "sql2", "sql2"]),
+                               peft_rows(reference, ids, ["sql", "__base__", "sql", "sql"]), atol=ATOL, rtol=0)

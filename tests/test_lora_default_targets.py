@@ -1,7 +1,7 @@
-"""The default ``LoraConfig`` on an imported graph adapts linear maps and the embedding of the
-tokens fed, not tables ``Gather`` reads at rows computed in the graph (GPT-2's / BERT's position
-table, indices ``Range(0, Shape(ids)[1])``): PEFT's defaults target linear layers, embeddings
-only when asked. A param_group that names the position table still adapts it.
+"""The default ``LoraConfig`` on an imported graph adapts linear maps only, not tables ``Gather``
+reads: neither at rows computed in the graph (GPT-2's / BERT's position table, indices
+``Range(0, Shape(ids)[1])``) nor the embedding of the tokens fed: PEFT's defaults target linear
+layers, embeddings only when asked. A param_group that names a table still adapts it.
 
 Oracles: which tensors the graph reads with indices from the model inputs (written by the test),
 and numpy on the matrices the test writes: ``(wte[ids] + (wpe + scale * a @ b)[pos]) @ w``.
@@ -54,12 +54,16 @@ def adapted_paths(module):
     return sorted(p for p, q in module.named_params() if q.adapter() is not None)
 
 
-def test_the_default_config_adapts_the_token_table_and_the_matmul_but_not_the_position_table(case):
+def test_the_default_config_adapts_the_matmul_but_neither_the_token_nor_the_position_table(case):
     wte, wpe, w, _ = case
     imported = import_onnx(gpt2_like_embeddings(wte, wpe, w))
-    assert adapted_paths(imported.apply_lora(LoraConfig(rank=2, alpha=4))) == ["w", "wte"]
-    assert set(imported.lora_default_skips()) == {"wpe"}
-    assert "pos_gather" in imported.lora_default_skips()["wpe"]
+    assert adapted_paths(imported.apply_lora(LoraConfig(rank=2, alpha=4))) == ["w"]
+    skips = imported.lora_default_skips()
+    assert set(skips) == {"wpe", "wte"}
+    assert "pos_gather" in skips["wpe"] and "read by position" in skips["wpe"]
+    assert "tok_gather" in skips["wte"] and "embedding table of the model inputs" in skips["wte"]
+    named = imported.apply_lora(LoraConfig(rank=2, alpha=4, param_group=ParamGroup.from_regex("^(wte|w)$")))
+    assert adapted_paths(named) == ["w", "wte"]
 
 
 def test_quantization_reads_the_same_evidence_for_the_position_table(case):
@@ -99,7 +103,9 @@ def test_position_ids_fed_as_a_model_input_make_the_table_an_embedding(case):
         if node.output[0] in ("shape", "seq1", "seq", "pos"):
             graph.node.remove(node)
     graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [SEQ]))
-    assert adapted_paths(import_onnx(model).apply_lora(LoraConfig(rank=2, alpha=4))) == ["w", "wpe", "wte"]
+    imported = import_onnx(model)
+    assert adapted_paths(imported.apply_lora(LoraConfig(rank=2, alpha=4))) == ["w"]
+    assert "embedding table of the model inputs" in imported.lora_default_skips()["wpe"]
 
 
 def test_nothing_adapted_names_the_position_table_left_out_by_default():
@@ -114,3 +120,85 @@ def test_nothing_adapted_names_the_position_table_left_out_by_default():
     with pytest.raises(op.LoraError, match=r"left out by the default param_group.*'wpe' \(8, 4\): a table read by "
                                            r"position"):
         imported.apply_lora(LoraConfig(rank=2, alpha=4))
+
+
+def tied_head_model(wte, w, head, head_name="onnx::MatMul_9"):
+    """``logits = (wte[ids] @ w) @ head``: ``head`` stored as a separate constant, as torch's
+    TorchScript exporter leaves a tied ``lm_head`` (``wte`` transposed, folded, renamed
+    ``onnx::MatMul_N``)."""
+    init = [numpy_helper.from_array(wte, "wte"), numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(head, head_name)]
+    nodes = [helper.make_node("Gather", ["wte", "ids"], ["tok"], name="/wte/Gather"),
+             helper.make_node("MatMul", ["tok", "w"], ["h"], name="/mlp/MatMul"),
+             helper.make_node("MatMul", ["h", head_name], ["logits"], name="/lm_head/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, SEQ])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, SEQ, VOCAB])], init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_head_equal_to_the_embedding_transposed_is_tied_and_left_out_by_default(case):
+    wte, _, _, ids = case
+    w = np.random.default_rng(3).normal(size=(DIM, DIM)).astype(np.float32)
+    imported = import_onnx(tied_head_model(wte, w, np.ascontiguousarray(wte.T)))
+    head = imported.path_of("onnx::MatMul_9")
+    adapted = imported.apply_lora(LoraConfig(rank=2, alpha=4))
+    assert adapted_paths(adapted) == ["w"]
+    reason = imported.lora_default_skips()[head]
+    assert "tied to the embedding table 'wte'" in reason and "transposed" in reason
+    named = imported.apply_lora(LoraConfig(rank=2, alpha=4, param_group=ParamGroup.from_regex("MatMul_9")))
+    assert adapted_paths(named) == [head]
+    # the module still computes the graph: numpy on the test's matrices
+    np.testing.assert_allclose(adapted(Tensor.from_numpy(ids)).to_numpy(), (wte[ids] @ w) @ wte.T, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_head_whose_values_differ_from_the_table_is_a_linear_map_and_adapted(case):
+    wte, _, _, _ = case
+    w = np.random.default_rng(3).normal(size=(DIM, DIM)).astype(np.float32)
+    untied = np.ascontiguousarray(wte.T).copy()
+    untied[0, 0] += 1.0  # one value off: no tie, whatever the shapes say
+    imported = import_onnx(tied_head_model(wte, w, untied))
+    head = imported.path_of("onnx::MatMul_9")
+    assert adapted_paths(imported.apply_lora(LoraConfig(rank=2, alpha=4))) == sorted([head, "w"])
+
+
+def test_torchs_exporter_folds_a_tied_lm_head_and_the_default_adapts_only_the_untied_linear(tmp_path):
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    class TinyLm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(VOCAB, DIM)
+            self.mlp = torch.nn.Linear(DIM, DIM)
+            self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied, as GPT-2's
+
+        def forward(self, ids):
+            return self.lm_head(torch.relu(self.mlp(self.wte(ids))))
+
+    torch.manual_seed(0)
+    model = TinyLm().eval()
+    assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()  # the oracle: torch's own tie
+    path = tmp_path / "lm.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.zeros(1, SEQ, dtype=torch.int64),), str(path), input_names=["ids"],
+                          output_names=["logits"], opset_version=17, dynamo=False)
+    imported = import_onnx(path)
+    values = {imported.onnx_names[p]: q.val().to_numpy() for p, q in imported.named_params()}
+    torch_t = {k: v.detach().numpy().T for k, v in model.state_dict().items() if v.ndim == 2}
+    # which renamed constant is which torch weight, by torch's values (the exporter folded the
+    # transposes of nn.Linear's (out, in) weights: onnx::MatMul_N == weight.T)
+    head = next(n for n, v in values.items() if n.startswith("onnx::") and v.shape == torch_t["lm_head.weight"].shape
+                and np.array_equal(v, torch_t["lm_head.weight"]))
+    mlp = next(n for n, v in values.items() if n.startswith("onnx::") and v.shape == torch_t["mlp.weight"].shape
+               and np.array_equal(v, torch_t["mlp.weight"]))
+    path_of = imported.path_of
+    assert adapted_paths(imported.apply_lora(LoraConfig(rank=2, alpha=4))) == [path_of(mlp)]  # the untied Linear
+    skips = imported.lora_default_skips()
+    assert set(skips) == {path_of(head), path_of("wte.weight")}
+    assert "tied to the embedding table 'wte.weight'" in skips[path_of(head)]
+    assert "embedding table of the model inputs" in skips[path_of("wte.weight")]

@@ -241,3 +241,46 @@ def test_a_gemm_trans_b_dynamic_export_imports_as_qfloat_and_converts_back_byte_
     expected = initializers(out)
     assert {k: v.tobytes() for k, v in initializers(tmp_path / "back.onnx").items()} == {
         k: v.tobytes() for k, v in expected.items()}
+
+
+def test_int8_kernel_weights_opt_in_keeps_burn_s_codes_and_warns_where_the_cpu_is_not_known_safe(
+        monkeypatch, tmp_path):
+    import warnings
+
+    from onnxparam.core.errors import QuantizationWarning
+    from onnxparam.quant import QdqOptions, _qdq_forms, qdq_options
+
+    this_cpu_exact = _qdq_forms.cpu_runs_int8_kernels_exactly()
+    k, n = 64, 8
+    w = extreme_weight((k, n), 1, per_channel=False)
+    src = save(tmp_path, "mm", [helper.make_node("MatMul", ["x", "w"], ["y"])], ["n", k], {"w": w})
+    model = import_onnx(src).quantize_weights(Quantizer())
+    monkeypatch.setattr(_qdq_forms, "cpu_runs_int8_kernels_exactly", lambda: False)
+    with qdq_options(kernel_weights="int8"), pytest.warns(QuantizationWarning, match=r"'w'.*saturating int16"):
+        out = op.export_onnx(model, tmp_path / "q.onnx")
+    monkeypatch.setattr(_qdq_forms, "cpu_runs_int8_kernels_exactly", lambda: True)
+    with qdq_options(kernel_weights="int8"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op.export_onnx(model, tmp_path / "q2.onnx")
+
+    # ORT's quantize_dynamic layout: INT8 codes (numpy round(w / (max|w| / 127))), no zero point
+    (mmi,) = [node for node in onnx.load(str(out)).graph.node if node.op_type == "MatMulInteger"]
+    assert len(mmi.input) == 3
+    inits = initializers(out)
+    codes, scale = inits["w"], inits[next(name for name in inits if name.startswith("w_scale"))]
+    assert codes.dtype == np.int8
+    np.testing.assert_array_equal(codes, np.round(w / (np.abs(w).max() / 127)).astype(np.int8))
+    # what ORT computes with it: exact where u8 x s8 kernels add into int32 (VNNI), else possibly the
+    # saturated VPMADDUBSW sums: the reason the default stores uint8 codes
+    x = extreme_inputs((4, k))
+    xq, xs, xz = dynamic_quantize_linear(x)
+    exact = (xq.astype(np.int64) @ codes.astype(np.int64) - int(xz) * codes.astype(np.int64).sum(0))
+    saturated = vpmaddubsw_model(xq, codes) - int(xz) * codes.astype(np.int64).sum(0)
+    got = session(str(out)).run(None, {"x": x})[0]
+    close = [np.allclose(got, acc.astype(np.float32) * (xs * scale), rtol=1e-6, atol=1e-6)
+             for acc in (exact, saturated)]
+    assert close[0] or close[1]
+    if this_cpu_exact:  # VNNI in this machine's own flags
+        assert close[0]
+    with pytest.raises(ValueError, match="kernel_weights must be one of uint8, int8"):
+        QdqOptions(kernel_weights="s8")

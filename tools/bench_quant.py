@@ -11,10 +11,15 @@ trained weights. Each is exported as
 * ``static``: ``Quantizer(per_channel=True)`` + ``quantize_activations`` on calibration inputs
   (QLinearConv / QLinearMatMul; BatchNorms after convs folded in, pairs after a Relu, so ORT
   chains the integer convs in NHWC: ``onnxparam.quant._qdq_static``);
-* ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (MatMulNBits; conv weights whose
-  shape is not whole blocks stay float);
+* ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (``MatMulNBits`` written directly,
+  ``accuracy_level`` 0 as ``MatMulNBitsQuantizer`` writes; conv weights whose shape is not whole
+  blocks stay float);
 * ``per-channel``: ``Quantizer(per_channel=True)`` exported with the default options (dynamic int8
   MatMul with one scale per column, applied after ``MatMulInteger``);
+* ``pc-int8`` / ``static-int8``: ``per-channel`` / ``static`` exported with
+  ``qdq_options(kernel_weights="int8")``, the opt-in for CPUs with VNNI (ORT's own int8 weight layout;
+  on an AVX2 CPU without VNNI its cosine shows the saturation): the same graph as ORT's tool, so
+  these lines against ``ort-dynamic-pc`` / ``ort-static`` isolate the uint8 layout's cost;
 * ``cli``: ``onnxparam quantize`` of the float32 file (the imported graph: only weights
   quantized, value infos settled, accuracy report) and ``cli-pc``: the same with ``--per-channel``;
 * ``ort-dynamic-pc``: ``quantize_dynamic(per_channel=True)`` of the float32 file;
@@ -42,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 CONV_BATCHES = (1, 8)
-TRANSFORMER_BATCH = 8
+TRANSFORMER_BATCHES = (1, 8)
 MNIST_BATCHES = (1, 256)
 DEFAULT_TARGET = 1.0
 STATIC_CONV_TARGET = 0.5
@@ -99,17 +104,20 @@ def _variants(name, model, example, calib, tmp: Path, axes) -> dict:
     )
 
     import onnxparam as op
-    from onnxparam.quant import Quantizer, QuantScheme, QuantValue, quantize_activations
+    from onnxparam.quant import Quantizer, QuantScheme, QuantValue, qdq_options, quantize_activations
 
     files = {"float32": op.export_onnx(model, tmp / f"{name}-f32.onnx", example, dynamic_axes=axes)}
     files["default"] = op.export_onnx(model.quantize_weights(Quantizer()), tmp / f"{name}-default.onnx", example,
                                       dynamic_axes=axes)
     per_channel = model.quantize_weights(Quantizer(per_channel=True))
-    files["static"] = op.export_onnx(quantize_activations(per_channel, calib, batch_size=32),
-                                     tmp / f"{name}-static.onnx", example, dynamic_axes=axes)
+    static = quantize_activations(per_channel, calib, batch_size=32)
+    files["static"] = op.export_onnx(static, tmp / f"{name}-static.onnx", example, dynamic_axes=axes)
     four = model.quantize_weights(Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1))))
     files["4-bit"] = op.export_onnx(four, tmp / f"{name}-4bit.onnx", example, dynamic_axes=axes)
     files["per-channel"] = op.export_onnx(per_channel, tmp / f"{name}-pc.onnx", example, dynamic_axes=axes)
+    with qdq_options(kernel_weights="int8"):  # the opt-in for VNNI CPUs (module docstring)
+        files["pc-int8"] = op.export_onnx(per_channel, tmp / f"{name}-pc-int8.onnx", example, dynamic_axes=axes)
+        files["static-int8"] = op.export_onnx(static, tmp / f"{name}-static-int8.onnx", example, dynamic_axes=axes)
     f32 = str(files["float32"])
     input_name = onnx.load(f32, load_external_data=False).graph.input[0].name
     quantize_dynamic(f32, str(tmp / f"{name}-ort-dyn.onnx"), weight_type=QuantType.QInt8)
@@ -191,7 +199,7 @@ def bench_quant(args, result_cls) -> list:
     models = [
         ("convnet", ConvNet(), rng.normal(size=(64, 3, 64, 64)).astype(np.float32), CONV_BATCHES),
         ("transformer", nn.TransformerEncoderConfig(256, 1024, 4, 1, dropout=0.0).init(),
-         rng.normal(size=(64, 64, 256)).astype(np.float32), (TRANSFORMER_BATCH,)),
+         rng.normal(size=(64, 64, 256)).astype(np.float32), TRANSFORMER_BATCHES),
         ("mnist", mnist.load_pretrained(), images, MNIST_BATCHES),
     ]
     so = ort.SessionOptions()
@@ -231,7 +239,8 @@ def bench_quant(args, result_cls) -> list:
                 results.append(result_cls("quant", f"{case} static", med["static"], med["float32"], static_target))
                 for ours, theirs in (("default", "ort-dynamic"), ("static", "ort-static"), ("4-bit", "ort-4bit"),
                                      ("per-channel", "ort-dynamic-pc"), ("cli", "ort-dynamic"),
-                                     ("cli-pc", "ort-dynamic-pc")):
+                                     ("cli-pc", "ort-dynamic-pc"), ("pc-int8", "ort-dynamic-pc"),
+                                     ("static-int8", "ort-static")):
                     if theirs in med and ours in med:
                         results.append(result_cls("quant", f"{case} {ours}/{theirs}", med[ours], med[theirs],
                                                   VS_ORT_TARGET))

@@ -54,6 +54,9 @@ class LoadReport:
         cast: ``(module path, source dtype, module dtype)`` for every cast tensor.
         errors: one line per tensor that could not be loaded (shape / dtype mismatch, name
             clash); non-empty only on the report attached to a raised ``RecordError``.
+        undecided: ``(module path, why)`` for each weight of an imported model that its exporter
+            renamed (``onnx::MatMul_N``) and that :func:`~onnxparam.convert.load_pytorch` could
+            not match to one checkpoint tensor by evidence (it is then also ``missing``).
     """
 
     source: str = ""
@@ -66,6 +69,7 @@ class LoadReport:
     transposed: list = field(default_factory=list)
     cast: list = field(default_factory=list)
     errors: list = field(default_factory=list)
+    undecided: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -80,6 +84,7 @@ class LoadReport:
         lines = [head]
         lines += _section("errors", list(self.errors))
         lines += _section("missing", list(self.missing))
+        lines += _section("undecided", [f"{p}: {why}" for p, why in self.undecided])
         lines += _section("unused", list(self.unused))
         lines += _section("ignored", list(self.ignored))
         lines += _section("skipped", list(self.skipped))

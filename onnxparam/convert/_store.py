@@ -288,6 +288,9 @@ def _shape_hint(expected: tuple, found: tuple, path: str, report: LoadReport) ->
 
 
 def _missing_hint(path: str, report: LoadReport) -> str:
+    why = dict(report.undecided).get(path)
+    if why is not None:
+        return f"; the exporter renamed it and no checkpoint tensor is certainly it: {why}"
     leaf = path.rpartition(".")[2]
     near = [u for u in report.unused if u.rpartition(".")[2] == leaf]
     if near:
@@ -426,6 +429,7 @@ def load_pytorch(
     """
     from ..formats._pytorch import read_pytorch
 
+    report = LoadReport() if report is None else report
     if isinstance(path, Mapping):  # an in-memory state dict: {name: torch tensor / array}
         state = path
         if top_level_key is not None:
@@ -433,7 +437,9 @@ def load_pytorch(
                 raise RecordError(f"top_level_key {top_level_key!r} is not a dict entry of the state dict; it holds "
                                   f"{sorted(map(str, state))[:8]}")
             state = state[top_level_key]
-        return apply_record(module, dict(state), adapter=adapter, remap=remap, include=include, exclude=exclude,
+        record = as_record(dict(state))
+        record, exclude = _renamed_by_exporter(module, record, adapter, exclude, report)
+        return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
                             cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
                             source="the state dict", report=report)
     if not isinstance(path, (str, os.PathLike)):
@@ -441,13 +447,50 @@ def load_pytorch(
                           f"not {type(path).__name__}")
     checkpoint = read_pytorch(path, top_level_key=top_level_key)
     record = _lazy_record(checkpoint.tensors)
-    report = LoadReport() if report is None else report
+    record, exclude = _renamed_by_exporter(module, record, adapter, exclude, report)
     try:
         return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
                             cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
                             source=str(path), report=report)
     finally:
         report.skipped.extend(f"{name} (not a tensor)" for name in checkpoint.skipped)
+
+
+def _renamed_by_exporter(module, record: Mapping, adapter, exclude, report: LoadReport) -> tuple:
+    """``(record, exclude)`` for loading a torch checkpoint into ``module`` when it holds
+    imported graphs: weights torch's exporter renamed (``onnx::MatMul_N``) get the checkpoint
+    tensor the evidence names (:func:`~onnxparam.convert._torch_renamed.match_renamed_weights`),
+    re-keyed to the param's path (transposed where needed; both noted in ``report``), the
+    undecided ones go to ``report.undecided``, and params that are ``Constant`` nodes' tensors
+    of a graph (which no checkpoint holds) are added to ``exclude`` (reported as skipped)."""
+    from ._torch_renamed import graph_constant_paths, match_renamed_weights
+
+    constants = graph_constant_paths(module)
+    if not constants and not any(hasattr(type(sub), "onnx_names") for _, sub in named_modules(module)):
+        return record, exclude
+    adapter_obj = resolve_adapter(adapter)
+    types = module_types(module)
+    by_name: set = set()
+    for path, _ in module.named_params():
+        name = path if path in record else adapter_obj.file_name(path, _owner(path, types))
+        if name in record:
+            by_name.update((path, name))
+    shapes = {name: tuple(int(d) for d in snap.shape) for name, snap in record.items()}
+    matches, undecided = match_renamed_weights(
+        module, shapes, lambda name: record[name].to_data().to_numpy(), by_name | set(constants))
+    snaps = dict(record.items())
+    for m in matches:
+        snap = snaps.pop(m.source)
+        if m.transpose:
+            snap = transpose_snapshot(snap)
+            report.transposed.append((m.path, _shape(snap.shape[::-1]), _shape(snap.shape)))
+        snaps[m.path] = snap
+        report.renamed.append((m.source, m.path))
+    report.undecided.extend(sorted(undecided.items()))
+    if constants:
+        extra = [f"^{re.escape(p)}$" for p in constants if p not in record]
+        exclude = ([exclude] if isinstance(exclude, str) else list(exclude or [])) + extra
+    return (ModuleRecord(snaps, getattr(record, "metadata", None)) if matches else record), exclude
 
 
 def _lazy_record(tensors) -> ModuleRecord:

@@ -160,7 +160,14 @@ def rebuild(module: "Module", fn: Callable[[str, Param], Param], module_fn: Opti
             return type(node)((k, copy_node(v, _join(path, k)) if _is_node(v) else v) for k, v in node.items())
         return node
 
-    return copy_node(module, "")
+    try:
+        return copy_node(module, "")
+    finally:
+        # NOTE: copy_node and map_param close over themselves, memo and fn: a reference cycle that
+        # kept every new param (through memo) and fn's captures (an optimizer step's gradients)
+        # alive until the next full garbage collection: a model's worth per training step
+        memo.clear()
+        del copy_node, map_param
 
 
 _CALL_MODULE = None

@@ -45,11 +45,12 @@ class LoraConfig:
         init_std: standard deviation of ``A``'s normal init; ``1 / rank`` when ``None``.
         dtype: the factors' dtype; the base's float dtype when ``None`` (F32 for a quantized base).
         param_group: which rank-2 float params get adapters. The default (every param)
-            adapts the matrices of linear maps and embedding tables, and leaves out what a
-            module declares is no linear map (:data:`LORA_TARGETS_METHOD`: a ``(1, d)`` scale)
-            or no default target (:data:`LORA_DEFAULT_SKIPS_METHOD`: an imported graph's
-            position tables, which ``Gather`` reads at rows computed from shapes); a narrower
-            group adapts the latter too.
+            adapts the matrices of linear maps (and this library's ``nn.Embedding`` tables),
+            and leaves out what a module declares is no linear map
+            (:data:`LORA_TARGETS_METHOD`: a ``(1, d)`` scale) or no default target
+            (:data:`LORA_DEFAULT_SKIPS_METHOD`: in an imported graph, as PEFT's defaults, the
+            tables ``Gather`` reads (embeddings of the inputs, position tables) and an output
+            projection tied to an embedding table); a narrower group adapts the latter too.
         seed: seed of ``A``'s random init; fresh randomness when ``None``.
         use_rslora: rank-stabilized LoRA (Kalajdzievski 2023, PEFT's ``use_rslora``):
             ``scale = alpha / sqrt(rank)`` instead of ``alpha / rank``.
@@ -174,9 +175,11 @@ no matrix of a linear map: :func:`apply_lora` leaves it without an adapter under
 LORA_DEFAULT_SKIPS_METHOD = "lora_default_skips"
 """The optional method a module defines to name rank-2 params that have a layout but that the
 default (every-param) group should not adapt: ``{path: reason}`` (an imported
-:class:`~onnxparam.OnnxModule` names the tables ``Gather`` reads at computed rows, e.g. GPT-2's
-position table, as PEFT's defaults target linear layers and embeddings only when asked). A
-narrower group that selects one adapts it."""
+:class:`~onnxparam.OnnxModule` names the tables ``Gather`` reads, embeddings of the inputs and
+position tables such as GPT-2's ``wpe``, and an output projection tied to an embedding table,
+such as GPT-2's ``lm_head`` that torch's exporter folds into a constant ``onnx::MatMul_N``, as
+PEFT's defaults target linear layers and embeddings only when asked). A narrower group that
+selects one adapts it."""
 
 
 def default_skipped_paths(module) -> dict:
@@ -229,9 +232,9 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     Rank-2 params that the module's graph does not use as a linear map's matrix (declared through
     :data:`LORA_TARGETS_METHOD`) get no adapter under the default group; a narrower group that
     selects one is an error naming it.
-    Params a module declares no default target (:data:`LORA_DEFAULT_SKIPS_METHOD`: position
-    tables of an imported graph) get no adapter under the default group, one when a narrower
-    group selects them.
+    Params a module declares no default target (:data:`LORA_DEFAULT_SKIPS_METHOD`: an imported
+    graph's embedding and position tables and tied output projection) get no adapter under the
+    default group, one when a narrower group selects them.
 
     A param stored ``(d_out, d_in)`` (declared through :data:`LORA_LAYOUT_METHOD`, e.g. an
     imported ONNX ``Gemm`` weight with ``transB=1``) gets a transposed adapter, so its delta is
@@ -430,7 +433,7 @@ class LoraAdapterSet:
             if path in params:
                 shape = tuple(params[path].lazy_shape())
                 d_in, d_out = int(adapter.a.lazy_shape()[0]), int(adapter.b.lazy_shape()[1])
-                size = int(np.prod(shape)) if shape else 1
+                size = math.prod(int(d) for d in shape)
                 if d_in * d_out != size:
                     problems.append(f"{path!r}: the adapter makes a ({d_in}, {d_out}) delta, the param is {list(shape)}")
         if problems:

@@ -156,7 +156,8 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
         model: the batched export (a path, ``onnx.ModelProto`` or ``onnx_ir.Model``): its
             metadata names the adapters and targets, its graph the PyTorch modules.
         names: the adapter names of slots ``1, 2, ...`` in order (default: the export's adapter
-            names); slots past the names that are all zeros (spare capacity) are skipped.
+            names, then a module's other named adapters); slots past the names that are all
+            zeros (spare capacity) are skipped.
         key_map: ``[(regex, replacement), ...]`` applied (``re.sub``) to each PEFT module name.
         base_model_name_or_path: recorded in each config (informational).
 
@@ -179,7 +180,14 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
                         "with export_onnx(..., lora='batched')")
     params = _stacks_of(adapters, model, ir_model, meta)
     slots = int(next(iter(params.values())).shape[0])
-    names = list(meta["adapters"] if names is None else (str(n) for n in names))
+    if names is None:
+        names = list(meta["adapters"])
+        if not isinstance(adapters, (str, os.PathLike, dict)) and adapters is not None:
+            from ._batched import named_adapters
+
+            # a module: its adapters past the export's fill the next slots (batched_adapter_params)
+            names += [n for n, _ in named_adapters(adapters) if n not in names]
+    names = [str(n) for n in names]
     problems = []
     if len(set(names)) != len(names):
         problems.append(f"the adapter names repeat: {names}")

@@ -57,7 +57,9 @@ zero-rank defaults import as no adapter (the base model).
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import onnx_ir as ir
@@ -368,19 +370,41 @@ def factor_input_names(model: ir.Model) -> list:
     return [v.name for v in model.graph.inputs if v.is_initializer() and v.name.endswith(FACTOR_SUFFIXES)]
 
 
+_FED: "OrderedDict" = OrderedDict()  # (id(factor tensor), which, scale, dtype) -> (tensor, array)
+_FED_SIZE = 256
+_FED_LOCK = threading.Lock()
+
+
 def fed_factor(param: Param, which: str, dtype: DType) -> np.ndarray:
     """The value an ``"inputs"``-mode graph is fed for factor ``which`` (``"a"`` / ``"b"``) of
     ``param``'s adapter: ``a``, or ``scale * b`` (the scale folded in, as in ``.onnx_adapter``
-    files), computed in float32 (float64 for F64) and cast to ``dtype`` (the base's)."""
+    files), computed in float32 (float64 for F64) and cast to ``dtype`` (the base's).
+
+    The arrays of the last :data:`_FED_SIZE` factor tensors are kept (read-only; keyed by the
+    tensor's identity, which the key holds alive): switching between adapters feeds them again
+    without recomputing ``scale * b``."""
     adapter = param.adapter()
     factor = adapter.a if which == "a" else adapter.b
-    value = np.asarray(factor.val().to_numpy())
+    tensor = factor.val()
+    key = (id(tensor), which, float(adapter.scale) if which == "b" else None, dtype)
+    with _FED_LOCK:
+        hit = _FED.get(key)
+        if hit is not None and hit[0] is tensor:
+            _FED.move_to_end(key)
+            return hit[1]
+    value = np.asarray(tensor.to_numpy())
     compute = np.float64 if value.dtype == np.float64 or dtype is DType.F64 else np.float32
     value = value.astype(compute)
     if which == "b":
         value = value * compute(adapter.scale)
     np_dtype = np.float32 if dtype is DType.QFloat else dtype.to_numpy()
-    return np.ascontiguousarray(value.astype(np_dtype))
+    value = np.ascontiguousarray(value.astype(np_dtype))
+    value.flags.writeable = False
+    with _FED_LOCK:
+        _FED[key] = (tensor, value)
+        while len(_FED) > _FED_SIZE:
+            _FED.popitem(last=False)
+    return value
 
 
 def fed_factors(model: ir.Model, params: dict) -> list:

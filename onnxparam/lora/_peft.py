@@ -325,10 +325,25 @@ class _Targets:
 def _linear_aliases(model) -> dict:
     """``{"<m>.weight": weight name}`` for each ``MatMul`` / ``Gemm`` whose B is a weight (an
     initializer or a ``Constant`` node's output, directly or through a 2-d ``Transpose``) and
-    whose output gets a tensor named ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C)."""
+    whose output gets a tensor named ``<m>.bias`` added (an ``Add``, or ``Gemm``'s C); the first
+    claim of an alias wins (:func:`linear_alias_pairs` lists them all)."""
+    aliases = {}
+    for alias, name in linear_alias_pairs(model):
+        aliases.setdefault(alias, name)
+    return aliases
+
+
+def linear_alias_pairs(model) -> list:
+    """Every ``("<m>.weight", weight name)`` claim the graph makes, in node order: for each
+    ``MatMul`` / ``Gemm`` whose B is a weight (an initializer or a ``Constant`` node's output,
+    directly or through a 2-d ``Transpose``), the module ``<m>`` of a tensor named ``<m>.bias``
+    added to its output (an ``Add``, or ``Gemm``'s C), of its node name (torch's TorchScript
+    exporter names nodes ``/<module path>/MatMul``) and of dynamo's ``name_scopes`` metadata
+    (:func:`_dynamo_linear_scope`). One weight may be claimed by several aliases, one alias by
+    several weights: callers that need one answer must check."""
     from ..trace.evidence import stored_tensor
 
-    aliases = {}
+    pairs = []
     for node in model.graph.all_nodes():
         if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
             continue
@@ -344,14 +359,14 @@ def _linear_aliases(model) -> dict:
                 biases += [v for v in user.inputs if v is not None and v is not node.outputs[0]]
         for bias in biases:  # NOTE: torch dedupes equal initializers: the bias may be an Identity's output
             if bias is not None and bias.name and bias.name.endswith(".bias"):
-                aliases.setdefault(bias.name[: -len(".bias")] + ".weight", weight.name)
+                pairs.append((bias.name[: -len(".bias")] + ".weight", weight.name))
         scope = node.name or ""
         if scope.startswith("/") and scope.count("/") >= 2:  # torch's node names: /<module path>/MatMul
-            aliases.setdefault(scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name)
+            pairs.append((scope[1:].rsplit("/", 1)[0].replace("/", ".") + ".weight", weight.name))
         module_path = _dynamo_linear_scope(node)
         if module_path:
-            aliases.setdefault(module_path + ".weight", weight.name)
-    return aliases
+            pairs.append((module_path + ".weight", weight.name))
+    return pairs
 
 
 def _dynamo_linear_scope(node) -> Optional[str]:

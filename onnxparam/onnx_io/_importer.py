@@ -277,11 +277,12 @@ class OnnxModule(Module):
 
     def lora_default_skips(self) -> dict:
         """``path -> reason`` of the 2-d weights the default (every-param) ``LoraConfig`` leaves
-        without an adapter although they have a layout: tables that ``Gather`` reads at
-        computed rows (position tables; ``onnxparam.onnx_io._lora_import.position_tables``)."""
-        from ._lora_import import position_tables
+        without an adapter although they have a layout, as PEFT's defaults target linear layers
+        only: tables ``Gather`` reads (position tables and embeddings of the inputs) and output
+        projections tied to an embedding table (``onnxparam.onnx_io._lora_import.default_lora_skips``)."""
+        from ._lora_import import default_lora_skips
 
-        tables = position_tables(self._source.loaded.model)
+        tables = default_lora_skips(self._source.loaded.model)
         return {path: tables[name] for path, name in self._source.names.items() if name in tables}
 
     def lora_transposed_paths(self) -> list:
@@ -599,7 +600,7 @@ def import_onnx(path_or_model) -> OnnxModule:
             share a name. Each message names the file and the problem.
         IsAFolderError (a FileAccessError and IsADirectoryError): the path is a folder.
     """
-    from . import _lora_import
+    from . import _lora_import, _rnn_layout
 
     try:
         loaded = load_model(path_or_model)
@@ -609,6 +610,8 @@ def import_onnx(path_or_model) -> OnnxModule:
             raise
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
     loaded, adapters = _lora_import.strip_imported(loaded)
+    if _rnn_layout.has_batch_first(loaded.model):  # ONNX Runtime runs layout=0 recurrent nodes only
+        loaded = LoadedModel(_rnn_layout.rewrite_batch_first(copy_model(loaded.model)), loaded.source, loaded.path)
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only

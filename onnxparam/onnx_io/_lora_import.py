@@ -14,7 +14,8 @@ from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to
 from ..trace.evidence import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "IN_OUT", "OUT_IN", "CONV"]
+           "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "embedding_tables",
+           "tied_output_tables", "default_lora_skips", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -380,6 +381,35 @@ def weight_layouts(model: ir.Model) -> dict:
     return out
 
 
+def _gather_tables(model: ir.Model) -> tuple:
+    """``({name: first Gather}, {name: any Gather's indices depend on the inputs})`` of the 2-d
+    weights of ``model`` that only main-graph ``Gather`` s (``axis=0``, as ``data``) read."""
+    from ..trace.evidence import DataDependence
+
+    graph = model.graph
+    depends = DataDependence(graph)
+    tables: dict = {}
+    fed: dict = {}
+    others: set = set()
+    for node in graph.all_nodes():
+        for index, value in enumerate(node.inputs):
+            tensor = stored_tensor(value)
+            if tensor is None or len(tensor.shape) != 2:
+                continue
+            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
+                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1):
+                tables.setdefault(value.name, node)
+                fed[value.name] = fed.get(value.name, False) or bool(depends(node.inputs[1]))
+            else:
+                others.add(value.name)
+    return ({n: g for n, g in tables.items() if n not in others},
+            {n: f for n, f in fed.items() if n not in others})
+
+
+def _where(node) -> str:
+    return f"Gather {node.name!r}" if node.name else "a Gather"
+
+
 def position_tables(model: ir.Model) -> dict:
     """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
     (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
@@ -390,32 +420,73 @@ def position_tables(model: ir.Model) -> dict:
     a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
     A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
     not listed."""
-    from ..trace.evidence import DataDependence
+    tables, fed = _gather_tables(model)
+    return {name: (f"a table read by position ({_where(node)}: its indices are computed in the graph, not taken "
+                   "from the model inputs), not an embedding of the inputs; name it in the param_group to adapt it")
+            for name, node in tables.items() if not fed[name]}
 
-    graph = model.graph
-    depends = DataDependence(graph)
-    tables: dict = {}
-    others: set = set()
-    for node in graph.all_nodes():
-        for index, value in enumerate(node.inputs):
-            tensor = stored_tensor(value)
-            if tensor is None or len(tensor.shape) != 2:
-                continue
-            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
-                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1
-                    and not depends(node.inputs[1])):
-                tables.setdefault(value.name, node)
-            else:
-                others.add(value.name)
+
+def embedding_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
+    (``axis=0``, as ``data``) read, at least one with indices that depend on the model inputs'
+    values (token ids): the embeddings of the inputs. PEFT adapts embeddings only when
+    ``target_modules`` names them, so :func:`~onnxparam.lora.apply_lora`'s default group leaves
+    them out too; a group that names one adapts it (layout ``IN_OUT``)."""
+    tables, fed = _gather_tables(model)
+    return {name: (f"an embedding table of the model inputs ({_where(node)} reads it at the fed ids); PEFT adapts "
+                   "embeddings only when target_modules names them: name it in the param_group to adapt it")
+            for name, node in tables.items() if fed[name]}
+
+
+def tied_output_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that are an embedding table's values
+    tied to an output projection: a ``MatMul`` / ``Gemm`` weight (layout from
+    :func:`weight_layouts`, never read by a ``Gather``) whose values equal, bit for bit, those of
+    a table only ``Gather`` s read (:func:`_gather_tables`), transposed for an ``IN_OUT`` use
+    (torch's exporter folds a tied ``lm_head``'s transpose of ``wte`` into a constant
+    ``onnx::MatMul_N``). PEFT leaves a tied output layer alone unless asked (adapting it
+    would adapt the embedding it is tied to), so the default group does too."""
+    tables, _ = _gather_tables(model)
+    if not tables:
+        return {}
+    values = {}
+    for value in model.graph.initializers.values():
+        values.setdefault(value.name, value)
+    for node in model.graph.all_nodes():
+        for value in node.outputs:
+            if value.name and stored_tensor(value) is not None:
+                values.setdefault(value.name, value)
+    shapes = {}
+    for name in tables:
+        tensor = stored_tensor(values[name]) if name in values else None
+        if tensor is not None:
+            shapes.setdefault(tuple(int(d) for d in tensor.shape), []).append((name, tensor))
     out = {}
-    for name, node in tables.items():
-        if name in others:
+    for name, layout in weight_layouts(model).items():
+        if layout not in (IN_OUT, OUT_IN) or name in tables or name not in values:
             continue
-        where = f"Gather {node.name!r}" if node.name else "a Gather"
-        out[name] = (f"a table read by position ({where}: its indices are computed in the graph, not taken "
-                     "from the model inputs), not an embedding of the inputs; name it in the param_group to "
-                     "adapt it")
+        tensor = stored_tensor(values[name])
+        shape = tuple(int(d) for d in tensor.shape)
+        want = shape[::-1] if layout == IN_OUT else shape
+        for table, table_tensor in shapes.get(want, ()):
+            if table_tensor.dtype != tensor.dtype:
+                continue
+            mine, theirs = tensor.numpy(), table_tensor.numpy()
+            if np.array_equal(mine, theirs.T if layout == IN_OUT else theirs, equal_nan=mine.dtype.kind == "f"):
+                out[name] = (f"the output projection tied to the embedding table {table!r} (its values are the "
+                             f"table's{' transposed' if layout == IN_OUT else ''}); PEFT leaves a tied output layer "
+                             "alone unless asked: name it in the param_group to adapt it")
+                break
     return out
+
+
+def default_lora_skips(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights :func:`~onnxparam.lora.apply_lora`'s default
+    (every-param) group leaves without an adapter although their graph gives them a layout, as
+    PEFT's defaults target linear layers only: position tables (:func:`position_tables`),
+    embeddings of the inputs (:func:`embedding_tables`) and output projections tied to an
+    embedding (:func:`tied_output_tables`)."""
+    return {**position_tables(model), **embedding_tables(model), **tied_output_tables(model)}
 
 
 def transposed_weight_names(model: ir.Model) -> set:

@@ -114,13 +114,13 @@ class Optimizer:
     # -- records ------------------------------------------------------------------------------
 
     def to_record(self) -> OptimizerRecord:
-        """The state as an :class:`OptimizerRecord` (arrays are shared, not copied)."""
+        """The state as an :class:`OptimizerRecord` (arrays copied: the optimizer updates its own in place)."""
         tensors, scalars = {}, {STEP_SCALAR: int(self.step_count)}
         for pid in sorted(self.state):
             fields = self.state[pid]
             for name in self.tensor_fields:
                 if fields.get(name) is not None:
-                    tensors[f"{int(pid)}.{name}"] = fields[name]
+                    tensors[f"{int(pid)}.{name}"] = np.array(fields[name], copy=True)
             for name in self.scalar_fields:
                 if fields.get(name) is not None:
                     scalars[f"{int(pid)}.{name}"] = int(fields[name])

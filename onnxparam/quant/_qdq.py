@@ -373,7 +373,7 @@ def finish_graph(tracer) -> None:
             _forms.dynamic_gemms(tracer, e)
             _forms.gather_then_dequantize(tracer, e)
     _forms.keep_float(tracer, emitted, options.prefer)
-    _forms.unsigned_for_integer_kernels(tracer, emitted)  # ORT's u8 x s8 kernels saturate without VNNI
+    _forms.unsigned_for_integer_kernels(tracer, emitted, options.kernel_weights)  # u8 x s8 saturates w/o VNNI
     _forms.record_report(tracer, emitted)
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():

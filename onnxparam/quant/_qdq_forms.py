@@ -40,14 +40,19 @@ Burn's values; int8 activations are not what ``DynamicQuantizeLinear`` gives (ui
 Cost (AVX2, 1 thread, interleaved; README's quantization notes): 1.01-1.16x the saturating int8
 layout's time for ``dynamic int8``, 1.13-1.41x for ``static int8``; 0.63-1.10x of float32 (above
 0.95x only on MNIST, a 0.2 ms model). ``tools/bench_quant_layout.py`` measures it.
+``QdqOptions(kernel_weights="int8")`` is the opt-in for CPUs with VNNI: the ``INT8`` codes as they
+are (ORT's own layout), with a warning unless this CPU reports VNNI (:func:`cpu_runs_int8_kernels_exactly`).
 Weight-only ``DequantizeLinear`` (float compute: ``dequantize``, ``MatMulNBits``) keeps ``INT8``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import platform
 import re
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -249,7 +254,42 @@ def _zero_point_dims(e) -> list:
     return list(e.layout.scale.shape)
 
 
-def unsigned_for_integer_kernels(tracer, emitted: list) -> None:
+_SAFE_CPU_FLAGS = ("avx512_vnni", "avx_vnni")
+"""``/proc/cpuinfo`` flags of x86 CPUs whose ORT uint8 x int8 kernels add into int32 (VNNI)."""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_runs_int8_kernels_exactly() -> bool:
+    """Whether this machine is known to run ONNX Runtime's uint8 x int8 kernels without int16
+    saturation: an x86 CPU with AVX-VNNI or AVX512-VNNI in ``/proc/cpuinfo`` (Linux). ``False``
+    where that cannot be read (other OSes, other architectures): unknown is not safe."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in _SAFE_CPU_FLAGS)
+    except OSError:
+        return False
+    return False
+
+
+def _warn_int8_kernel_weights(paths: list) -> None:
+    if cpu_runs_int8_kernels_exactly():
+        return
+    from ..core.errors import QuantizationWarning
+
+    shown = ", ".join(repr(p) for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    warnings.warn(
+        f"QdqOptions(kernel_weights='int8'): {shown} are stored as INT8 for ONNX Runtime's uint8 x int8 "
+        "integer kernels, which on x86 CPUs with AVX2 but no AVX-VNNI / AVX512-VNNI add pairs of products "
+        "into a saturating int16 and compute wrong values without an error; this CPU is not known to have "
+        "VNNI. Run the file only on CPUs that do (or keep the default kernel_weights='uint8', exact everywhere)",
+        QuantizationWarning, stacklevel=6)
+
+
+def unsigned_for_integer_kernels(tracer, emitted: list, kernel_weights: str = "uint8") -> None:
     """Store every signed 8-bit weight an integer kernel with uint8 activations reads
     (:func:`_feeds_integer_kernel`: ``dynamic int8`` and ``static int8``, per tensor or per
     channel) as ``UINT8`` codes ``code + 128`` with zero point 128.
@@ -265,13 +305,21 @@ def unsigned_for_integer_kernels(tracer, emitted: list) -> None:
     zero point (shaped as the ``DequantizeLinear`` scale: per tensor ``[]``, per channel ``[C]``)
     becomes the third input of the weight's ``DequantizeLinear`` and the fourth of each
     ``MatMulInteger`` reading it. Weights already unsigned, 4-bit, blocked, written float, or read
-    by float compute only are left as they are."""
+    by float compute only are left as they are.
+
+    ``kernel_weights="int8"`` (``QdqOptions``, an opt-in for CPUs with VNNI): every such weight
+    keeps its ``INT8`` codes, and a :class:`QuantizationWarning` names them unless this CPU is
+    known to run uint8 x int8 kernels exactly (:func:`cpu_runs_int8_kernels_exactly`)."""
     from ._qdq_layout import with_zero_point_128
 
+    kept = []
     for e in emitted:
         layout = e.layout
         if (layout.onnx_dtype != ir.DataType.INT8 or layout.zero_point is not None or layout.block_size is not None
                 or is_float(e.value) or not _feeds_integer_kernel(e)):
+            continue
+        if kernel_weights == "int8":
+            kept.append(e.path)
             continue
         new = with_zero_point_128(layout)
         ref = e.value.meta["onnxparam.qdq.ref"]
@@ -306,6 +354,8 @@ def unsigned_for_integer_kernels(tracer, emitted: list) -> None:
             if len(node.inputs) <= index:
                 node.resize_inputs(index + 1)
             node.replace_input_with(index, zero_point)
+    if kept:
+        _warn_int8_kernel_weights(kept)
 
 
 def _form(node: ir.Node, e) -> str:

@@ -30,6 +30,7 @@ NBITS_MIN_BLOCK = 16
 
 MATMUL_MODES = ("auto", "dynamic", "dequantize")
 PREFER_MODES = ("speed", "size")
+KERNEL_WEIGHTS = ("uint8", "int8")
 _QDQ_META = "onnxparam.qdq"
 
 
@@ -45,8 +46,19 @@ class QdqOptions:
             ones without zero point (lossless either way). An 8-bit weight an integer kernel reads
             (``MatMulInteger``, static ``QLinearMatMul`` / ``QLinearConv``) is ``UINT8`` with zero
             point 128 either way: ORT's uint8 x int8 kernels saturate on x86 CPUs without VNNI
-            (:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels`).
-        reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
+            (:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels`), unless
+            ``kernel_weights="int8"``.
+        kernel_weights: how an 8-bit weight an integer kernel reads is stored: ``"uint8"``
+            (default: codes + 128 with zero point 128, exact on every CPU) or ``"int8"`` (the
+            codes as they are, no zero point: the layout ``quantize_dynamic`` /
+            ``quantize_static`` write, whose uint8 x int8 kernels ran the bench transformer
+            1.1-1.25x faster on AVX2). **Opt-in for CPUs whose uint8 x int8 kernels do not
+            saturate** (x86 with AVX-VNNI / AVX512-VNNI: ``VPDPBUSD`` adds into int32; check others
+            with ``tests/test_quant_integer_kernels.py``): on x86 with AVX2 but no VNNI, ONNX
+            Runtime adds pairs of products into a saturating int16 and the file computes wrong
+            values with no error (MNIST int8 accuracy 0.76-0.84 instead of 0.92). The export
+            warns (:class:`~onnxparam.core.errors.QuantizationWarning`) when the CPU it runs on
+            is not known to be safe; the file runs wrong on any such CPU it is deployed to.        reblock: re-quantize ``MatMul`` weights blocked along N with blocks along K so that ORT
             fuses ``MatMulNBits`` (lossy; the largest error is reported), instead of warning.
         prefer: ``"speed"`` (default): a weight feeding only ops that ORT runs slower with a
             weight-only ``DequantizeLinear`` than in float (Conv, ConvTranspose, Gemm without
@@ -64,7 +76,7 @@ class QdqOptions:
 
     Raises:
         ValueError: for an unknown ``matmul`` or ``prefer`` mode, or a ``float_module`` that is
-            no module.
+            no module, or an unknown ``kernel_weights``.
     """
 
     matmul: str = "auto"
@@ -72,10 +84,14 @@ class QdqOptions:
     reblock: bool = False
     prefer: str = "speed"
     float_module: object = None
+    kernel_weights: str = "uint8"
 
     def __post_init__(self):
         if self.matmul not in MATMUL_MODES:
             raise ValueError(f"QdqOptions.matmul must be one of {', '.join(MATMUL_MODES)}; got {self.matmul!r}")
+        if self.kernel_weights not in KERNEL_WEIGHTS:
+            raise ValueError(f"QdqOptions.kernel_weights must be one of {', '.join(KERNEL_WEIGHTS)}; "
+                             f"got {self.kernel_weights!r}")
         if self.prefer not in PREFER_MODES:
             raise ValueError(f"QdqOptions.prefer must be one of {', '.join(PREFER_MODES)}; got {self.prefer!r}")
         if self.float_module is not None and not callable(getattr(self.float_module, "named_params", None)):

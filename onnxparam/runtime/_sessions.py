@@ -279,12 +279,17 @@ class Runner:
         return result[0] if self.single else tuple(result)
 
 
-def build_runner(traced, params: Sequence[Param], device: Device, config: SessionConfig, owner: str) -> Runner:
+def build_runner(traced, params: Sequence[Param], device: Device, config: SessionConfig, owner: str,
+                 memory_pattern: bool = True) -> Runner:
     """Build the ``InferenceSession`` of ``traced`` with ``params`` (in ``traced.param_paths``
-    order) as injected initializers. Lazy params are initialized here."""
+    order) as injected initializers. Lazy params are initialized here. ``memory_pattern=False``
+    turns ONNX Runtime's memory pattern off (training sessions: the pattern's one block for every
+    planned intermediate came on top of the arena the first run had grown)."""
     providers = providers_for(device, config)
     data = _session_model_bytes(traced)
     options = config.session_options()
+    if not memory_pattern:
+        options.enable_mem_pattern = False
     names, values, arrays = [], [], []
     for path, param in zip(traced.param_paths, params):
         value = traced.graph.initializers[path]

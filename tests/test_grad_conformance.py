@@ -32,6 +32,9 @@ SAMPLE = (
     "test_conv_with_strides_padding", "test_matmul_4d",
     "test_cumprod_2d_axis_0", "test_det_nd", "test_lrn", "test_lppool_2d_pads", "test_maxunpool_export_with_output_shape",
     "test_col2im_pads", "test_mod_mixed_sign_float64", "test_maxpool_with_argmax_2d_precomputed_strides",
+    "test_attention_4d_gqa_with_past_and_present", "test_attention_4d_softcap_neginf_mask",
+    "test_attention_3d_diff_heads_sizes_attn_mask", "test_resize_downsample_sizes_linear_antialias",
+    "test_resize_upsample_scales_cubic_asymmetric", "test_gridsample_border_padding",
 )
 
 

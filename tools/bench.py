@@ -57,7 +57,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   Runtime's ``quantize_dynamic`` / ``quantize_static`` / ``MatMulNBitsQuantizer``, timed
   interleaved (ratio of medians vs float32); file sizes, cosine vs float32, MNIST accuracy.
   Targets: default <= 1.0 everywhere, static conv net <= 0.5, every onnxparam variant no slower
-  than the matching ORT tool.
+  than the matching ORT tool. Then ``tools/bench_quant_memory.py``: ``onnxparam quantize`` of a
+  ``--convert-mib`` (1 GiB) external-data model, peak ``RssAnon`` growth in process (target 1.2 x
+  the largest tensor + 100 MiB) and as a process vs ORT's ``quantize_dynamic``.
 * ``import``: :func:`bench_import`: the imported PP-OCRv4 detector (``tests/data/onnx``) called at
   :data:`IMPORT_SIZES` (32 input sizes, the largest first): sessions built (target 1, the graph's
   dynamic dims serve every size) and peak RSS over the 32 calls vs RSS after the first call
@@ -460,7 +462,7 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
     from onnxparam.nn import TransformerEncoder
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_lora_serve import factor_share, switch_cases
+    from bench_lora_serve import factor_share, kernel_share, switch_cases
 
     def with_factors(module, seed):
         rng = np.random.default_rng(seed)
@@ -509,6 +511,10 @@ def bench_lora(args: argparse.Namespace) -> list[Result]:
             reference = plain("merge")()
             for mode, options in (("keep", None), ("inputs", adapters[0])):
                 np.testing.assert_allclose(plain(mode, options)(), reference, rtol=1e-3, atol=1e-3)
+                lora_s, all_s = kernel_share(paths[mode], {"x": x}, config.session_options(), repeats, options)
+                print(f"lora: r{rank} {mode}: the LoRA nodes take {100 * lora_s / all_s:.2f}% of ONNX Runtime's "
+                      f"kernel time (profiler, node medians): {lora_s / (all_s - lora_s):+.3f} over the rest "
+                      f"(floor {floor - 1:+.3f})", file=sys.stderr)
                 t_ours, t_base = interleaved_medians(plain(mode, options), plain("merge"), repeats)
                 results.append(Result("lora", f"r{rank} {mode} vs merge [floor {floor:.3f}]", t_ours, t_base,
                                       floor + LORA_OVERHEAD_POINTS))
@@ -796,11 +802,14 @@ def bench_train(args: argparse.Namespace) -> list[Result]:
 
 
 def bench_quant(args: argparse.Namespace) -> list[Result]:
-    """Quantized exports vs float32 and vs ONNX Runtime's tools: :mod:`bench_quant` (tools/)."""
+    """Quantized exports vs float32 and vs ONNX Runtime's tools: :mod:`bench_quant` (tools/); then
+    the memory of quantizing a ``--convert-mib`` model (1 GiB) one weight at a time, vs the target
+    and ORT's ``quantize_dynamic``: :mod:`bench_quant_memory` (tools/)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_quant import bench_quant as run
+    from bench_quant_memory import run as run_memory
 
-    return run(args, Result)
+    return run(args, Result) + run_memory(args, Result)
 
 
 IMPORT_SIZES = [(h, w) for h in (384, 352, 320, 288, 256, 224) for w in (384, 352, 320, 288, 256, 224)][:32]

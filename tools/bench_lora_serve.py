@@ -5,6 +5,7 @@ switching cases (imported by :func:`bench.bench_lora`; nothing here runs on its 
   counted from the shapes ONNX Runtime actually gives their inputs on one run, split into the LoRA
   branch's (nodes the LoRA pass wrote: ``onnxparam.lora.node`` metadata) and the rest: the
   ``keep`` / ``inputs`` overhead over ``merge`` cannot be below ``lora / (total - lora)``.
+* :func:`kernel_share`: the LoRA nodes' share of ONNX Runtime's kernel time (its profiler).
 * :func:`switch_cases`: switching adapters in one ONNX Runtime session (``RunOptions`` with the
   other ``.onnx_adapter`` active) and through ``module(x)`` (``set_adapter`` between two named
   adapters in ``lora_mode="inputs"``: no new trace, no new session) vs a new session of the other
@@ -74,6 +75,36 @@ def factor_share(path, feeds: dict, run_options=None) -> tuple:
         if any(p.key == LORA_NODE_KEY for p in n.metadata_props):
             lora += macs
     return lora, total
+
+
+def kernel_share(path, feeds: dict, session_options, runs: int, run_options=None) -> tuple:
+    """``(lora kernel s, all kernel s)`` of one run: ONNX Runtime's profiler on ``runs`` runs, each
+    node's median kernel time, summed over the nodes the LoRA pass wrote (named ``.../lora/...``)
+    and over all: the branch's share of the time, less exposed to other processes' load than
+    two sessions' end-to-end medians."""
+    import json
+    import os
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-profile-") as tmp:
+        session_options.enable_profiling = True
+        session_options.profile_file_prefix = os.path.join(tmp, "lora")
+        try:
+            session = ort.InferenceSession(str(path), sess_options=session_options, providers=["CPUExecutionProvider"])
+        finally:
+            session_options.enable_profiling = False
+        for _ in range(runs):
+            session.run(None, feeds, run_options)
+        with open(session.end_profiling()) as f:
+            events = json.load(f)
+    times: dict = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            times.setdefault(e["name"][: -len("_kernel_time")], []).append(e["dur"] * 1e-6)
+    medians = {name: statistics.median(t[len(t) // 5:]) for name, t in times.items()}
+    return sum(t for name, t in medians.items() if "lora" in name), sum(medians.values())
 
 
 def _median_pair(ours, base, repeats):

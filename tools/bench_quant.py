@@ -11,8 +11,9 @@ trained weights. Each is exported as
 * ``static``: ``Quantizer(per_channel=True)`` + ``quantize_activations`` on calibration inputs
   (QLinearConv / QLinearMatMul; BatchNorms after convs folded in, pairs after a Relu, so ORT
   chains the integer convs in NHWC: ``onnxparam.quant._qdq_static``);
-* ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (MatMulNBits; conv weights whose
-  shape is not whole blocks stay float);
+* ``4-bit``: ``Quantizer(QuantScheme(Q4S, block_size=(32, 1)))`` (``MatMulNBits`` written directly,
+  ``accuracy_level`` 0 as ``MatMulNBitsQuantizer`` writes; conv weights whose shape is not whole
+  blocks stay float);
 * ``per-channel``: ``Quantizer(per_channel=True)`` exported with the default options (dynamic int8
   MatMul with one scale per column, applied after ``MatMulInteger``);
 * ``pc-int8`` / ``static-int8``: ``per-channel`` / ``static`` exported with
@@ -46,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 CONV_BATCHES = (1, 8)
-TRANSFORMER_BATCH = 8
+TRANSFORMER_BATCHES = (1, 8)
 MNIST_BATCHES = (1, 256)
 DEFAULT_TARGET = 1.0
 STATIC_CONV_TARGET = 0.5
@@ -198,7 +199,7 @@ def bench_quant(args, result_cls) -> list:
     models = [
         ("convnet", ConvNet(), rng.normal(size=(64, 3, 64, 64)).astype(np.float32), CONV_BATCHES),
         ("transformer", nn.TransformerEncoderConfig(256, 1024, 4, 1, dropout=0.0).init(),
-         rng.normal(size=(64, 64, 256)).astype(np.float32), (TRANSFORMER_BATCH,)),
+         rng.normal(size=(64, 64, 256)).astype(np.float32), TRANSFORMER_BATCHES),
         ("mnist", mnist.load_pretrained(), images, MNIST_BATCHES),
     ]
     so = ort.SessionOptions()

@@ -8,6 +8,7 @@ notation: :mod:`._rules`; forward semantics: the ONNX operator specification).
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 from onnx import TensorProto, helper
 
 from ..core.errors import TraceError
@@ -195,27 +196,38 @@ def _resize(e, node, gout, need):
     separable: ``y = A_h @ x @ A_w^T`` with constant interpolation matrices (one per resized
     axis, rebuilt by ONNX Runtime itself from the node's mode and coordinate attributes), so
     ``dx = A_h^T @ g @ A_w`` (``MatMul`` s; an axis whose size does not change and whose matrix
-    is the identity is skipped).
+    is the identity is skipped). With run-time dims, computed scales or sizes, or a resized
+    axis before the last two, the matrices are built in the graph instead
+    (:func:`_resize_dynamic`): one backward graph for every size.
 
     Raises:
-        TraceError: for a resized axis other than the last two, a ``roi`` input
-            (``tf_crop_and_resize``) or scales / sizes that are not constants.
+        TraceError: for a computed ``roi``, ``tf_crop_and_resize``, or run-time sizes with a
+            ``keep_aspect_ratio_policy`` other than ``stretch``.
     """
     x, g = node.inputs[0], gout[0]
-    xd = static_dims(x, "Resize's gradient")
-    yd = static_dims(node.outputs[0], "Resize's gradient")
+    xd, yd = dims(x), dims(node.outputs[0])
     rank = len(xd)
-    if len(node.inputs) > 1 and node.inputs[1] is not None and const_array(node.inputs[1]) is None:
+    if node.op_type == "Resize" and len(node.inputs) > 1 and node.inputs[1] is not None \
+            and e.opset >= 11 and const_array(node.inputs[1]) is None:
         raise TraceError(f"node {node.name!r}: Resize with a computed roi has no gradient rule")
     mode = attr(node, "coordinate_transformation_mode", "half_pixel")
     if (mode.decode() if isinstance(mode, bytes) else mode) == "tf_crop_and_resize":
         raise TraceError(f"node {node.name!r}: Resize in tf_crop_and_resize mode has no gradient rule")
     axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
-    scales = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
-    if node.op_type == "Upsample":
-        scales = const_array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(attr(node, "scales"), np.float32)
-        if scales is None:
-            raise TraceError(f"node {node.name!r}: Upsample with computed scales has no gradient rule")
+    scale_input = _resize_scales_input(node, e.opset)
+    sizes_input = node.inputs[3] if node.op_type == "Resize" and len(node.inputs) > 3 else None
+    if node.op_type == "Upsample" and scale_input is None:
+        scales = np.asarray(attr(node, "scales"), np.float32)
+    else:
+        scales = const_array(scale_input) if scale_input is not None else None
+    if scales is not None and scales.size == 0:
+        scales, scale_input = None, None
+    static = all(isinstance(d, int) for d in tuple(xd) + tuple(yd))
+    outer = [a for a in axes if a < rank - 2 and (not static or xd[a] != yd[a])]
+    if not static or outer or (scales is None and scale_input is not None) or \
+            (scales is None and sizes_input is not None and const_array(sizes_input) is None):
+        return [_resize_dynamic(e, node, g, axes, scale_input if scales is None else None, scales)] \
+            + [None] * (len(node.inputs) - 1)
     if scales is not None and scales.size == 0:
         scales = None
     dtype = np_dtype(x)
@@ -229,10 +241,84 @@ def _resize(e, node, gout, need):
             dx = e.op("MatMul", dx, e.const(matrix.astype(dtype), dtype))
         elif a == rank - 2:
             dx = e.op("MatMul", e.const(np.ascontiguousarray(matrix.T).astype(dtype), dtype), dx)
-        else:
-            raise TraceError(f"node {node.name!r}: Resize's gradient supports resized last two axes only; "
-                             f"axis {a} of {list(xd)} changes")
+        else:  # (an outer axis whose size stays, with a non-identity matrix)
+            return [_resize_dynamic(e, node, g, axes, None, scales)] + [None] * (len(node.inputs) - 1)
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+def _resize_scales_input(node, opset: int):
+    """The scales input of a ``Resize`` (input 1 at opset 10, 2 after) / ``Upsample`` (input 1
+    from opset 9), or ``None``."""
+    index = 1 if node.op_type == "Upsample" or opset < 11 else 2
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        return node.inputs[index]
+    return None
+
+
+def _resize_dynamic(e: Emitter, node, g, axes: list, scale_value, scales):
+    """:func:`_resize`'s gradient with run-time sizes or scales: each resized axis's matrix is
+    built in the graph, by the same operator (the node's attributes, at the graph's opset)
+    applied along one axis to an identity ``[n_in, 1, 1, n_in]`` (``EyeLike``) with that axis's
+    scale (``scale_value`` the run-time scales, ``scales`` constant ones) or with the sizes
+    ``[n_in, 1, 1, n_out]`` (read from the shapes); then ``dx = A^T g`` along the axis
+    (``MatMul``, the axis moved last)."""
+    x, y = node.inputs[0], node.outputs[0]
+    rank = len(dims(x))
+    policy = attr(node, "keep_aspect_ratio_policy", "stretch")
+    if (policy.decode() if isinstance(policy, bytes) else policy) != "stretch" and scales is None \
+            and scale_value is None:
+        raise TraceError(f"node {node.name!r}: Resize's gradient with run-time sizes supports "
+                         "keep_aspect_ratio_policy='stretch' only")
+    attrs = {}
+    for name in _RESIZE_ATTRS:
+        value = attr(node, name, None)
+        if value is not None:
+            attrs[name] = value.decode() if isinstance(value, bytes) else value
+    f32 = np.float32
+    dx = g
+    for i, a in enumerate(axes):
+        n_in, n_out = e.reshape(e.dim_scalar(x, a), [1]), e.reshape(e.dim_scalar(y, a), [1])
+        if scales is not None:
+            s = float(scales[i if scales.size == len(axes) else a])
+            if s == 1.0 and isinstance(dims(x)[a], int) and dims(x)[a] == dims(y)[a]:
+                continue
+            scale4 = e.const(np.array([1, 1, 1, s], f32), f32)
+        elif scale_value is not None:
+            one = e.op("Gather", scale_value, e.ints([i]), axis=0)
+            scale4 = e.op("Concat", e.const(np.ones(3, f32), f32), e.op("Cast", one, to=int(TensorProto.FLOAT)),
+                          axis=0)
+        else:
+            scale4 = None
+        square = e.op("Concat", n_in, n_in, axis=0)
+        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, f32), square))
+        eye4 = e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in))
+        if node.op_type == "Upsample":
+            if e.opset >= 9:
+                resized = e.op("Upsample", eye4, scale4, **attrs)
+            else:
+                resized = e.op("Upsample", eye4, scales=[1.0, 1.0, 1.0, float(scales[a])], **attrs)
+        elif e.opset < 11:
+            resized = e.op("Resize", eye4, scale4, **attrs)
+        else:
+            roi = e.const(np.zeros(0, f32), f32)
+            empty = e.const(np.zeros(0, f32), f32)
+            if scale4 is not None:
+                resized = e.op("Resize", eye4, roi if e.opset < 13 else None, scale4, **attrs)
+            else:
+                sizes4 = e.concat_ints(n_in, [1, 1], n_out)
+                resized = e.op("Resize", eye4, roi if e.opset < 13 else None, empty if e.opset < 13 else None,
+                               sizes4, **attrs)
+        matrix = e.op("Reshape", resized, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
+        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+            matrix = e.op("Cast", matrix, to=int(x.dtype))
+        perm = [d for d in range(rank) if d != a] + [a]
+        moved = e.transpose(dx, perm)  # [..., n_out]
+        back = e.op("MatMul", moved, e.op("Transpose", matrix, perm=[1, 0]))  # [..., n_in]
+        inverse = [0] * rank
+        for j, p_ in enumerate(perm):
+            inverse[p_] = j
+        dx = e.transpose(back, inverse)
+    return dx
 
 
 @rule("Max", "Min")

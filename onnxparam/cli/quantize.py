@@ -16,9 +16,16 @@ its reason (``kept_float``); an output not smaller than its input is a warning. 
 report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
 max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
 model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
-or ``--strict`` refuses and removes the output."""
+or ``--strict`` refuses and removes the output. ``--no-accuracy`` skips the report, and so does a
+model whose two runs would not fit in the memory available (a warning; the reason is the report).
+
+A model larger than memory is quantized one weight at a time (:mod:`onnxparam.quant._stream`): the
+export streams by itself; a ``.bpk`` output is written inside :func:`onnxparam.quant._stream.streaming`,
+a large inline ``.onnx`` output gets its metadata by a streamed rewrite
+(:func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -123,6 +130,9 @@ def _add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         "inputs (the --calibrate data, else inputs drawn from the declared shapes); below it a warning names "
         "the weights that move the outputs most (default 0.999 for 8 bits, 0.99 for 4)",
     )
+    parser.add_argument("--no-accuracy", action="store_true",
+                        help="skip the accuracy report (it runs the float and quantized models in ONNX Runtime; a "
+                        "model whose two runs would not fit in the memory available is skipped anyway, with a warning)")
     parser.add_argument("--strict", action="store_true",
                         help="refuse (exit 1, nothing written) when an output's cosine is below --min-cosine")
     _add_model_arguments(parser)
@@ -301,19 +311,30 @@ def _run_quantize(args: argparse.Namespace) -> int:
         from ..quant import quantized_ops
         from ._quant_table import little_gained, print_kept_float, print_quantized_ops
 
-        rows = quantized_ops(args.dst)
+        from ..quant._accuracy import read_structure
+
+        rows = quantized_ops(read_structure(args.dst))  # NOTE: the structure only, not the weights
         json_result("ops", rows)
         print_quantized_ops(rows)
         kept_rows = [{"weight": path, "reason": reason} for path, reason in kept.items()]
         json_result("kept_float", kept_rows)
         print_kept_float(kept_rows)
-        accuracy = _accuracy_report(args, model, float_module, arrays, scheme)
-        from ..quant._accuracy import ACCURACY_KEY, KEPT_FLOAT_KEY, write_metadata
+        accuracy = _accuracy_report(args, model, float_module, arrays, scheme, in_bytes + _written_bytes(args.dst))
+        from ..quant._accuracy import ACCURACY_KEY, KEPT_FLOAT_KEY, STREAMED_REWRITE_BYTES, write_metadata
 
         props = {KEPT_FLOAT_KEY: kept_rows}
         if accuracy is not None:
             props[ACCURACY_KEY] = accuracy
-        write_metadata(args.dst, props)
+        if args.dst.stat().st_size > STREAMED_REWRITE_BYTES:
+            # NOTE (issue 27): a large inline output is rewritten one tensor at a time (its value
+            # infos were settled by the export)
+            import json
+
+            from ..onnx_io._save import rewrite_metadata
+
+            rewrite_metadata(args.dst, {k: json.dumps(v, separators=(",", ":")) for k, v in props.items()})
+        else:
+            write_metadata(args.dst, props)
         gain = little_gained(rows, _written_bytes(args.dst), in_bytes, args.calibrate is not None, args.prefer)
         if gain is not None:
             from ..core.errors import QuantizationWarning
@@ -327,7 +348,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
         print_kept_float(kept_rows)
         # NOTE: measured before writing (a temporary .onnx computing exactly param.val()), so
         # --strict below the threshold writes nothing
-        accuracy = _accuracy_report(args, model, float_module, arrays, scheme)
+        accuracy = _accuracy_report(args, model, float_module, arrays, scheme, in_bytes + in_bytes // 4)
         import json
 
         from ..quant._accuracy import ACCURACY_KEY, KEPT_FLOAT_KEY
@@ -337,7 +358,13 @@ def _run_quantize(args: argparse.Namespace) -> int:
         meta = {KEPT_FLOAT_KEY: json.dumps(kept_rows, separators=(",", ":"))}
         if accuracy is not None:
             meta[ACCURACY_KEY] = json.dumps(accuracy, separators=(",", ":"))
-        model.module.save_file(args.dst, metadata=meta)
+        from ..quant import _stream
+
+        # NOTE (issue 27): a large model's codes are computed one weight at a time while written,
+        # spilled beside the output (the .onnx export streams by itself: export_onnx)
+        large = in_bytes >= _stream.AUTO_STREAM_BYTES and _stream.streaming_folder() is None
+        with _stream.streaming(args.dst.resolve().parent) if large else contextlib.nullcontext():
+            model.module.save_file(args.dst, metadata=meta)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
         from ..core.errors import QuantizationWarning
@@ -436,11 +463,15 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
     return f"the model has no float weight (rank >= {quantizer.min_rank}) to quantize; nothing was written"
 
 
-def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) -> Optional[dict]:
+def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme,
+                     model_bytes: int = 0) -> Optional[dict]:
     """Run the float model and the written quantized one in plain ONNX Runtime on sample inputs
     (:mod:`onnxparam.quant._accuracy`), print per-output cosine / max abs error, warn (naming the
     weights that move the outputs most) or, with ``--strict``, refuse below ``--min-cosine``.
-    Returns the report (``None`` when it could not be measured: a warning says why)."""
+    Returns the report (``None`` when it could not be measured: a warning says why), or
+    ``{"skipped": reason}`` when it was not run: ``--no-accuracy``, or the two models
+    (``model_bytes`` of weights together) would not fit in the memory available (a warning says
+    so; ``--strict`` refuses then, as it does when the accuracy cannot be measured)."""
     import tempfile
 
     from ..core.errors import QuantizationError, QuantizationWarning
@@ -448,6 +479,22 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
 
     bits = 4 if scheme.value.name.startswith("Q4") else 8
     threshold = args.min_cosine if args.min_cosine is not None else acc.MIN_COSINE[bits]
+    skipped = "--no-accuracy" if getattr(args, "no_accuracy", False) else None
+    if skipped is None:
+        fits, why = acc.fits_in_memory(model_bytes)
+        if not fits:
+            skipped = why
+            if args.strict:
+                if _file_format(args.dst, "output file") == "onnx":
+                    _remove_output(args.dst)
+                raise QuantizationError(f"--strict: the accuracy could not be measured ({why}); nothing was written")
+            warnings.warn(f"accuracy not measured: {why}; the quantized file is written without it (pass "
+                          "--no-accuracy to skip it on purpose)", QuantizationWarning, stacklevel=2)
+    if skipped is not None:
+        report = {"skipped": skipped}
+        json_result("accuracy", report)
+        _out(f"accuracy:  not measured: {skipped}")
+        return report
     with tempfile.TemporaryDirectory(prefix="onnxparam-accuracy-") as tmp:
         float_path = args.src
         names = _initializer_names(model.module)
@@ -505,15 +552,20 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme) 
         low = [r for r in outputs if not r["cosine"] >= threshold]
         if not low:
             return report
-        worst = _worst_weights(model.module, float_path, names, feeds)
+        fits, why = acc.fits_in_memory(acc.SENSITIVITY_MEMORY_FACTOR * model_bytes // acc.RUN_MEMORY_FACTOR)
+        # NOTE: one-at-a-time sensitivity holds the float model in memory and runs it once per weight
+        worst = _worst_weights(model.module, float_path, names, feeds) if fits else []
+        if not fits:
+            report["sensitivity_skipped"] = why
         report["sensitivity"] = [{"weight": w, "cosine": c} for w, c in worst]
         shown = ", ".join(f"{w} (alone: cosine {c:.6f})" for w, c in worst)
         excl = "|".join(_escape(w) for w, _ in worst[:3])
+        most = shown or ("not searched: " + why if not fits else "none found")
         text = (f"{', '.join(r['output'] for r in low)}: cosine {min(r['cosine'] for r in low):.6f} below "
-                f"--min-cosine {threshold}; the quantized weights that move the outputs most: {shown or 'none found'}"
+                f"--min-cosine {threshold}; the quantized weights that move the outputs most: {most}"
                 + (f"; --exclude '^({excl})$' leaves them float" if worst else ""))
         observed = min(r["cosine"] for r in low)
-        if not worst or 1.0 - worst[0][1] < (1.0 - observed) / 4:
+        if fits and (not worst or 1.0 - worst[0][1] < (1.0 - observed) / 4):
             # NOTE: each weight's rounding alone moves the outputs far less than the file does: the
             # error comes from the integer kernels (activations quantized at run time; ORT's u8 x s8
             # kernels saturate pair sums on x86 CPUs without VNNI)

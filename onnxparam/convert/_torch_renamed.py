@@ -91,8 +91,8 @@ def match_renamed_weights(module, shapes: Mapping[str, tuple], values: Callable[
         aliases: dict = {}
         for alias, name in linear_alias_pairs(sub.ir_model):
             aliases.setdefault(name, [])
-            module_alias = alias[len(prefix) + 1:] if prefix and alias.startswith(prefix + ".") else alias
-            for candidate in (alias, f"{prefix}.{alias}" if prefix else alias, module_alias):
+            # the checkpoint of the exported model itself, or of a module holding it at ``prefix``
+            for candidate in (alias, join(alias)):
                 if candidate in free and candidate not in aliases[name]:
                     aliases[name].append(candidate)
         for name, path in by_name.items():

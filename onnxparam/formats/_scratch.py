@@ -91,17 +91,20 @@ def remove_live_scratch() -> list:
     with _LIVE_LOCK:
         paths = sorted(_LIVE)
         _LIVE.clear()
-    removed = []
-    for path in paths:
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    return [path for path in paths if _remove_entry(path)]
+
+
+def _remove_entry(path: str) -> bool:
+    """Remove the scratch file or folder ``path`` (a link is unlinked, never followed); False
+    when it could not be removed (gone already, no permission): removal is best effort."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def _pid_alive(pid: int) -> bool:
@@ -133,15 +136,8 @@ def remove_stale_scratch(directory: str, target_name: str = "") -> list:
         match = pattern.fullmatch(name)
         if match is None or _pid_alive(int(match.group(1))):
             continue
-        path = os.path.join(directory, name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+        if _remove_entry(os.path.join(directory, name)):
             removed.append(name)
-        except OSError:
-            pass
     return removed
 
 

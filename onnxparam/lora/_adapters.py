@@ -433,7 +433,7 @@ class LoraAdapterSet:
             if path in params:
                 shape = tuple(params[path].lazy_shape())
                 d_in, d_out = int(adapter.a.lazy_shape()[0]), int(adapter.b.lazy_shape()[1])
-                size = int(np.prod(shape)) if shape else 1
+                size = math.prod(int(d) for d in shape)
                 if d_in * d_out != size:
                     problems.append(f"{path!r}: the adapter makes a ({d_in}, {d_out}) delta, the param is {list(shape)}")
         if problems:

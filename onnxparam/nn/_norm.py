@@ -138,7 +138,32 @@ class LayerNormConfig:
         return LayerNorm(self.d_model, epsilon=self.epsilon, device=device, dtype=dtype)
 
 
-class LayerNorm(Module):
+class LastDimNorm(Module):
+    """What :class:`LayerNorm` and :class:`~onnxparam.nn.RmsNorm` share: a normalization over the
+    last dim, of size ``d_model``, with a ``gamma`` ``(d_model,)`` (init 1), with ``beta``
+    ``(d_model,)`` (init 0) too, and a positive ``epsilon``.
+
+    Raises:
+        ValueError: for a non-positive ``d_model`` or ``epsilon``, or a non-float dtype.
+    """
+
+    def __init__(self, d_model: int, *, epsilon: float, device: "Device | str", dtype: DType, beta: bool):
+        d = positive(d_model, "d_model")
+        dtype = check_float_dtype(dtype, type(self).__name__)
+        self.gamma: Param = Initializer.Ones().init_with((d,), device=device, dtype=dtype)
+        if beta:
+            self.beta: Param = Initializer.Zeros().init_with((d,), device=device, dtype=dtype)
+        self.epsilon = _check_epsilon(epsilon)
+
+    @property
+    def d_model(self) -> int:
+        return self.gamma.lazy_shape()[0]
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, epsilon={self.epsilon:g}"
+
+
+class LayerNorm(LastDimNorm):
     """Layer normalization over the last dim (Ba et al. 2016):
     ``y = (x - mean(x)) / sqrt(var(x) + epsilon) * gamma + beta`` (biased variance).
 
@@ -159,18 +184,7 @@ class LayerNorm(Module):
 
     def __init__(self, d_model: int, *, epsilon: float = DEFAULT_EPSILON,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        d = positive(d_model, "d_model")
-        dtype = check_float_dtype(dtype, "LayerNorm")
-        self.gamma: Param = Initializer.Ones().init_with((d,), device=device, dtype=dtype)
-        self.beta: Param = Initializer.Zeros().init_with((d,), device=device, dtype=dtype)
-        self.epsilon = _check_epsilon(epsilon)
-
-    @property
-    def d_model(self) -> int:
-        return self.gamma.lazy_shape()[0]
+        super().__init__(d_model, epsilon=epsilon, device=device, dtype=dtype, beta=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.layer_norm(x, self.gamma.val(), self.beta.val(), epsilon=self.epsilon)
-
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, epsilon={self.epsilon:g}"

@@ -18,7 +18,7 @@ from ..core.param import Param
 from ..core.tensor import Tensor
 from ._config import check_float_dtype, config, positive
 from ._initializer import Initializer
-from ._norm import DEFAULT_EPSILON, _check_epsilon
+from ._norm import DEFAULT_EPSILON, LastDimNorm, _check_epsilon
 
 __all__ = ["GroupNorm", "GroupNormConfig", "InstanceNorm", "InstanceNormConfig", "RmsNorm", "RmsNormConfig"]
 
@@ -176,7 +176,7 @@ class RmsNormConfig:
         return RmsNorm(self.d_model, epsilon=self.epsilon, device=device, dtype=dtype)
 
 
-class RmsNorm(Module):
+class RmsNorm(LastDimNorm):
     """Root-mean-square normalization over the last dim (Zhang & Sennrich 2019):
     ``y = x / sqrt(mean(x^2) + epsilon) * gamma``.
 
@@ -195,19 +195,9 @@ class RmsNorm(Module):
 
     def __init__(self, d_model: int, *, epsilon: float = DEFAULT_EPSILON,
                  device: "Device | str" = "cpu", dtype: DType = DType.F32):
-        d = positive(d_model, "d_model")
-        dtype = check_float_dtype(dtype, "RmsNorm")
-        self.gamma: Param = Initializer.Ones().init_with((d,), device=device, dtype=dtype)
-        self.epsilon = _check_epsilon(epsilon)
-
-    @property
-    def d_model(self) -> int:
-        return self.gamma.lazy_shape()[0]
+        super().__init__(d_model, epsilon=epsilon, device=device, dtype=dtype, beta=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.rank < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"RmsNorm expects input [..., {self.d_model}]; got shape {list(x.shape)}")
         return ops.rms_norm(x, self.gamma.val(), epsilon=self.epsilon)
-
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, epsilon={self.epsilon:g}"

@@ -105,7 +105,8 @@ def export_onnx(
 
     from ..runtime._source_errors import naming_source
 
-    with naming_source(module) if isinstance(module, OnnxModule) else contextlib.nullcontext():
+    with naming_source(module) if isinstance(module, OnnxModule) else contextlib.nullcontext(), \
+            _streamed_quantization(module, path):
         model = trace_for_export(module, *example_inputs, input_names=input_names, output_names=output_names,
                                  dynamic_axes=dynamic_axes, opset=opset, lora=lora, kwargs=kwargs,
                                  dynamic_batch=dynamic_batch)
@@ -204,6 +205,31 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
 
     write_report(model)  # which form each op with a quantized weight got (onnxparam.quant.ops)
     return model
+
+
+def _streamed_quantization(module, path):
+    """Inside the export of a module whose quantized params (not yet quantized: lazy) hold at
+    least :data:`onnxparam.quant._stream.AUTO_STREAM_BYTES` of float data, their codes are
+    computed in chunks and spilled to scratch files beside ``path`` (issue 27: a model larger
+    than memory is quantized one weight at a time); else nothing changes."""
+    import contextlib
+    import math
+
+    from ..quant import _stream
+
+    if _stream.streaming_folder() is not None:
+        return contextlib.nullcontext()
+    total = 0
+    for _, param in named_params(module):
+        if param.lazy_dtype() is DType.QFloat and not param.is_initialized():
+            try:
+                shape = param.lazy_shape()
+            except ValueError:
+                continue
+            total += math.prod(int(d) for d in shape) * 4
+    if total < _stream.AUTO_STREAM_BYTES:
+        return contextlib.nullcontext()
+    return _stream.streaming(Path(path).resolve().parent)
 
 
 def _quantized_export(module) -> bool:

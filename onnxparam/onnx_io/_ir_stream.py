@@ -90,3 +90,4 @@ def save_inline(model: ir.Model, path: "str | os.PathLike") -> None:
         for undo in reversed(restore):
             undo()
     write_with_tensors(path, structure, data, max_bytes=MAX_PROTOBUF_BYTES)
+

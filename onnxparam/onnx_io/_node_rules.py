@@ -113,7 +113,7 @@ def _infer_source_types(model: ir.Model) -> dict:
     try:
         from ._source import proto_for_inference
 
-        proto = proto_for_inference(model)
+        proto = proto_for_inference(model, shapes_only=True)
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # onnx raises several types; inference is only a fallback here
         return {}

@@ -32,7 +32,7 @@ def source_types(source) -> dict:
         return found
     from ._source import proto_for_inference
 
-    proto = proto_for_inference(source.loaded.model)
+    proto = proto_for_inference(source.loaded.model, shapes_only=True)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference only completes what the file declares

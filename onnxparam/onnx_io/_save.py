@@ -63,6 +63,7 @@ __all__ = [
     "DATA_SUFFIX",
     "tensor_bytes",
     "save_model",
+    "rewrite_metadata",
 ]
 
 PROTOBUF_MAX_BYTES = 2**31 - 1
@@ -329,3 +330,28 @@ def _remove_stale_shards(folder: Path, location: str, written: set) -> None:
     if written and location not in written and (folder / location).is_file():
         with contextlib.suppress(OSError):
             (folder / location).unlink()
+
+
+def rewrite_metadata(path: "str | os.PathLike", props: dict) -> None:
+    """Set the model ``metadata_props`` ``props`` (``{key: text}``) of the inline ``.onnx`` at
+    ``path``, rewriting it atomically one tensor at a time: the file is read as a map of itself
+    (:func:`onnxparam.formats._onnx_nested.read_onnx_mapped`: each initializer of more than 1 KiB
+    a reference to its bytes in the file) and written back by :func:`onnxparam.onnx_io._ir_stream.save_inline` (each tensor's
+    bytes copied from the old file), so its weights are never all in memory.
+
+    Raises:
+        OnnxFormatError: the file is not an ONNX protobuf.
+        OSError: the file cannot be written (the old file stays as it was).
+    """
+    from ..formats._onnx_nested import read_onnx_mapped
+
+    proto = read_onnx_mapped(path, min_bytes=1024)
+    existing = {p.key: p for p in proto.metadata_props}
+    for key, value in props.items():
+        if key in existing:
+            existing[key].value = str(value)
+        else:
+            proto.metadata_props.add(key=key, value=str(value))
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(path)))
+    save_model(model, path, external_data=False)

@@ -305,17 +305,38 @@ def base_dir_of(model: ir.Model) -> str:
     return ""
 
 
-def proto_for_inference(model: ir.Model) -> onnx.ModelProto:
+INFERENCE_DATA_BYTES = 64 << 10
+""":func:`proto_for_inference` with ``shapes_only``: external tensors up to this size are read in
+(shape constants, axes: what data propagation reads); larger ones stay references, unread."""
+
+
+def proto_for_inference(model: ir.Model, shapes_only: bool = False) -> onnx.ModelProto:
     """``model`` as a protobuf with the data of its external tensors loaded (the memory-mapped
     weights of a file included): ONNX shape inference (with data propagation) and an ONNX Runtime
     session built from bytes read initializer values and cannot follow external references
-    without the file's folder. A transient copy, for inference and probing only."""
+    without the file's folder. A transient copy, for inference and probing only.
+
+    ``shapes_only`` (shape inference): only external tensors of at most
+    :data:`INFERENCE_DATA_BYTES` are read; the weights stay references (ONNX shape inference reads
+    their dims, not their data), so inferring a model larger than memory costs its structure."""
     proto = ir.serde.serialize_model(model)
     base = base_dir_of(model)
-    if base:
+    if base and not shapes_only:
         from onnx.external_data_helper import load_external_data_for_model
 
         load_external_data_for_model(proto, base)
+    elif base:
+        from onnx.external_data_helper import _get_all_tensors, load_external_data_for_tensor
+
+        for tensor in _get_all_tensors(proto):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in tensor.external_data}
+            if int(info.get("length") or INFERENCE_DATA_BYTES + 1) > INFERENCE_DATA_BYTES:
+                continue
+            load_external_data_for_tensor(tensor, base)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
     return proto
 
 

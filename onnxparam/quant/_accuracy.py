@@ -179,8 +179,9 @@ def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> lis
 
 def settle_shapes(model, structure_only: bool = False):
     """``model`` (an ``onnx.ModelProto``) with value infos whose dims are all known or named:
-    entries with an unknown dim are dropped and ONNX shape inference fills them with shared
-    symbols (``unk__N``), as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
+    entries with an unknown dim are dropped and ONNX shape inference (with data propagation:
+    ``Shape -> Concat -> Reshape`` keeps named dims) fills them with shared symbols (``unk__N``)
+    where no name is known, as ``onnxruntime.quantization`` does before writing. ONNX Runtime's
     fusions that need two inputs of provably equal shape (``SkipLayerNormalization`` after an
     int8 ``MatMul``) then apply. A model inference fails on is returned with only the drop.
     ``structure_only``: the model's large tensors are external placeholders without data
@@ -195,16 +196,80 @@ def settle_shapes(model, structure_only: bool = False):
     model.graph.value_info.extend(known)
     if not structure_only and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
         return model  # NOTE: a > 2 GiB model: inference would need its data in memory
+    # NOTE: data_prop: a Reshape whose shape is Concat(Shape(x)[0], 64, ...) (an exported attention)
+    # keeps x's named batch dim instead of fresh unk__ symbols, so SkipLayerNormalization still sees
+    # the residual Add's two inputs as the same shape (the nn transformer block of tools/bench.py quant)
+    for data_prop in (True, False):
+        try:
+            return onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+        except Exception:  # noqa: BLE001 - shape inference is an optimisation here
+            continue
+    return model
+
+
+RUN_MEMORY_FACTOR = 3
+"""The accuracy report runs when this many times the float and quantized models' bytes fit in
+the memory available (ONNX Runtime holds both models' weights, prepacked copies and the
+activations); :func:`fits_in_memory`."""
+
+SENSITIVITY_MEMORY_FACTOR = 4
+"""The one-at-a-time sensitivity runs when this many times the models' bytes fit in memory (the
+float model is parsed, serialized and run once per weight)."""
+
+STREAMED_REWRITE_BYTES = 64 << 20
+"""An ``.onnx`` file larger than this gets its metadata by a streamed rewrite
+(``onnxparam quantize``: :func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``; the cgroup limit
+    less its usage when lower), or ``None`` where it cannot be read."""
+    found = None
     try:
-        return onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - shape inference is an optimisation here
-        return model
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max" and found is not None:
+            found = min(found, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def fits_in_memory(model_bytes: int) -> tuple:
+    """``(fits, reason)``: whether running models of ``model_bytes`` weights in total in ONNX
+    Runtime fits the memory available (:data:`RUN_MEMORY_FACTOR`); ``reason`` says why not."""
+    available = available_memory()
+    if available is None or RUN_MEMORY_FACTOR * model_bytes <= available:
+        return True, ""
+    return False, (f"running the float and quantized models ({model_bytes / 2**30:.2f} GiB of weights) in ONNX "
+                   f"Runtime needs about {RUN_MEMORY_FACTOR * model_bytes / 2**30:.1f} GiB, {available / 2**30:.1f} "
+                   "GiB of memory is available")
+
+
+def read_structure(path):
+    """The ``onnx.ModelProto`` of the ``.onnx`` at ``path`` without its tensors' bytes: inline
+    tensors of more than 1 KiB become references into the file, unread
+    (:func:`onnxparam.formats._onnx_nested.read_onnx_mapped`); external ones stay references."""
+    from ..formats._onnx_nested import read_onnx_mapped
+
+    return read_onnx_mapped(path, min_bytes=1024)
 
 
 def write_metadata(path, props: dict) -> None:
     """Add ``props`` (``{key: JSON-able}``) to the ``metadata_props`` of the ``.onnx`` at
     ``path`` (rewritten in place; external data files stay as they are), its value infos settled
-    (:func:`settle_shapes`)."""
+    (:func:`settle_shapes`). A file with its weights inline is parsed whole: above
+    :data:`STREAMED_REWRITE_BYTES` use :func:`onnxparam.onnx_io._save.rewrite_metadata`."""
     import onnx
 
     model = settle_shapes(onnx.load(str(path), load_external_data=False))

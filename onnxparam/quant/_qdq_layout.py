@@ -12,6 +12,7 @@ import onnx_ir as ir
 from ..core.quant_scheme import QuantScheme, QuantValue
 from ..core.tensor import QuantizedTensor, quantize
 from ._qdq_options import NBITS_MIN_BLOCK, QdqOptions
+from ._stream import offset_codes
 
 # -- weight layouts ------------------------------------------------------------------------------
 
@@ -105,7 +106,7 @@ def weight_layout(qt: QuantizedTensor, opset: int = 21, options: QdqOptions | No
     if options.unsigned:
         offset = 8 if four else 128
         np_dtype = ml_dtypes.uint4 if four else np.uint8
-        values = (values.astype(np.int16) + offset).astype(np_dtype)
+        values = offset_codes(values, offset, np_dtype)  # NOTE: in chunks, spilled when streaming
         zero_point = np.full(scale.shape, offset, dtype=np_dtype)
         onnx_dtype = ir.DataType.UINT4 if four else ir.DataType.UINT8
     elif four:
@@ -121,7 +122,7 @@ def with_zero_point_128(layout: WeightLayout) -> WeightLayout:
     ``q + 128`` with zero point 128 (shaped as ``scale``): the same dequantized values, the form
     integer kernels read exactly on every CPU
     (:func:`onnxparam.quant._qdq_forms.unsigned_for_integer_kernels` says why)."""
-    values = (np.asarray(layout.values, np.int16) + 128).astype(np.uint8)
+    values = offset_codes(np.asarray(layout.values), 128, np.uint8)  # NOTE: in chunks, spilled when streaming
     return replace(layout, onnx_dtype=ir.DataType.UINT8, values=values,
                    zero_point=np.full(layout.scale.shape, 128, np.uint8))
 

@@ -140,9 +140,11 @@ def quantize_chunked(array, quantizer, axis):
 
     x = np.asarray(array)
     scheme = quantizer.scheme
-    if (x.size < CHUNK_ELEMENTS or x.dtype.kind != "f" or scheme.block is not None or scheme.is_two_level
+    if (x.size < CHUNK_ELEMENTS or x.dtype.kind != "f" or scheme.is_two_level
             or (quantizer.per_channel and x.ndim >= 2)):
         return None
+    if scheme.block is not None:
+        return _blocked_chunked(x, scheme)
     flat = x.reshape(-1)
     zero = x.dtype.type(0)
     alpha = zero
@@ -164,3 +166,29 @@ def quantize_chunked(array, quantizer, axis):
             q = np.where(np.isnan(q), np.float32(0), np.clip(q, a, b))
             out[start:start + CHUNK_ELEMENTS] = q.astype(np.int8)
     return QuantizedTensor(x.shape, scheme, _read_only(codes), scales, None)
+
+
+def _blocked_chunked(x: np.ndarray, scheme):
+    """A one-level blocked scheme, quantized by :func:`onnxparam.core.tensor.quantize` itself on
+    slabs of whole blocks along axis 0 (no block crosses a slab, so each slab's scales and codes
+    are the whole tensor's), or ``None`` (blocks that do not divide the shape, a value that is not
+    finite: the caller quantizes the whole array and raises the usual error)."""
+    from ..core.tensor import QuantizedTensor, quantize
+
+    if x.ndim == 0 or len(scheme.block.size.dims) > x.ndim:
+        return None
+    extents = scheme.block.size.to_dim_vec(x.ndim)
+    if any(d % b for d, b in zip(x.shape, extents)):
+        return None
+    row = max(1, x.size // max(1, x.shape[0]))
+    step = max(1, CHUNK_ELEMENTS // (row * extents[0])) * extents[0]
+    codes = _scratch(x.shape, np.int8)
+    scales = []
+    for start in range(0, x.shape[0], step):
+        slab = x[start:start + step]
+        if not np.isfinite(slab).all():
+            return None
+        part = quantize(slab, scheme)
+        codes[start:start + step] = part.values
+        scales.append(np.asarray(part.scales, np.float32))
+    return QuantizedTensor(x.shape, scheme, _read_only(codes), spilled(np.concatenate(scales, axis=0)), None)

@@ -65,7 +65,9 @@ def check_op(nodes, x_dims, shapes, inits, opset, *, torch_fn=None, x_range=(-1.
         feeds.append(feed)
     eps, rtol, atol = (1e-5, 1e-5, 1e-7) if double else f32_tol
     counts = check_model_grads(model, feeds, eps=eps, rtol=rtol, atol=atol)
-    assert counts == {"graphs": 2, "sessions": 2}
+    # the declared dynamic dims are symbolic from the first call; a second graph only where the
+    # loss weights' dims (the output's: derived sizes) first matched a declared dim by size
+    assert counts["graphs"] == counts["sessions"] and counts["graphs"] <= 2, counts
     if torch_fn is not None:
         torch = pytest.importorskip("torch")
         feed = feeds[-1]

@@ -569,15 +569,38 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme,
             # NOTE: each weight's rounding alone moves the outputs far less than the file does: the
             # error comes from the integer kernels (activations quantized at run time; ORT's u8 x s8
             # kernels saturate pair sums on x86 CPUs without VNNI)
-            text += ("; the weights' rounding alone does not explain it: the integer kernels do (activations "
-                     "quantized at run time, or ONNX Runtime's u8 x s8 kernels saturating pair sums on x86 CPUs "
-                     "without VNNI)")
+            text += _unexplained_cause(quant_path)
         if args.strict:
             if quant_path == args.dst:
                 _remove_output(args.dst)
             raise QuantizationError(f"--strict: {text}; nothing was written")
         warnings.warn(text, QuantizationWarning, stacklevel=2)
         return report
+
+
+_INTEGER_OPS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeLinear", "QuantizeLinear", "QLinearMatMul",
+                "QLinearConv", "MatMulNBits", "DynamicQuantizeMatMul", "QGemm")
+"""Ops of a written file that compute with integers or quantize activations at run time."""
+
+
+def _unexplained_cause(quant_path: Path) -> str:
+    """The cause text when no weight's rounding alone explains a low cosine: the integer ops
+    the written graph holds, or, when it holds none (weight-only ``DequantizeLinear`` s), that
+    ONNX Runtime's graph optimizations are the suspect."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(quant_path), load_external_data=False).graph
+        found = sorted({n.op_type for n in graph.node if n.op_type in _INTEGER_OPS})
+    except Exception:  # noqa: BLE001 - the file ran in ORT above; an unreadable graph just gets no detail
+        found = None
+    if found == []:
+        return ("; the weights' rounding alone does not explain it, and the file holds no integer kernel (its weights "
+                "are DequantizeLinear only): suspect ONNX Runtime's graph optimizations on this file (compare a "
+                "session with graph_optimization_level=ORT_DISABLE_ALL)")
+    ops = f" ({', '.join(found)})" if found else ""
+    return (f"; the weights' rounding alone does not explain it: the integer kernels{ops} do (activations "
+            "quantized at run time, or ONNX Runtime's u8 x s8 kernels saturating pair sums on x86 CPUs without VNNI)")
 
 
 def _check_loads(dst: Path) -> None:

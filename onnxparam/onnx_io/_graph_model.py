@@ -14,7 +14,8 @@ shallow ``onnx_ir`` clone (nodes and values copied, tensors shared):
   an unmodified import comes back with the same nodes in the same order, names, attributes,
   opset imports, metadata, value infos and functions. A weight quantized in the module becomes
   ``DequantizeLinear(int weight, scale[, zero point])`` in front of its uses (the ONNX operator
-  spec: DequantizeLinear-13/21); a LoRA adapter is merged into its weight.
+  spec: DequantizeLinear-13/21; the zero point is zeros for signed codes, absent only when
+  blocked); a LoRA adapter is merged into its weight.
 
 What this cannot express returns ``None`` (the caller then traces ``forward``, as for any module):
 a param that is not a weight of the source graph and no longer holds the source's value (a
@@ -306,7 +307,8 @@ def _unique(taken: set, name: str) -> str:
 
 def _quantize_site(clone: ir.Model, clone_map: dict, site, param, taken: set, opset: int) -> Optional[ir.Tensor]:
     """Replace the float weight of ``site`` by ``DequantizeLinear(int weight, scale[, zero
-    point])`` (the int initializer keeps the weight's name, so a re-import finds the same param).
+    point])`` (zeros for signed codes unless blocked; the int initializer keeps the weight's
+    name, so a re-import finds the same param).
     Returns the int tensor (for metadata), or ``None`` when ONNX cannot express the scales."""
     from ..quant import _qdq as qdq
     from ..quant._qdq_layout import weight_layout
@@ -329,8 +331,10 @@ def _quantize_site(clone: ir.Model, clone_map: dict, site, param, taken: set, op
                            layout.onnx_dtype, shape, name=name)
     values.metadata_props.update(qdq._scheme_props(qt))
     inputs = []
+    # NOTE: a zero point even for signed codes (zeros) unless blocked: qdq.explicit_zero_points says why
+    zero_point = layout.zero_point if layout.block_size is not None else qdq.zero_point_array(layout)
     for suffix, data, dtype in (("", None, layout.onnx_dtype), ("_scale", layout.scale, ir.DataType.FLOAT),
-                                ("_zero_point", layout.zero_point, layout.onnx_dtype)):
+                                ("_zero_point", zero_point, layout.onnx_dtype)):
         if suffix and data is None:
             continue
         vname = name if not suffix else _unique(taken, name + suffix)

@@ -3,19 +3,22 @@ fuses into integer kernels, static activation quantization, and QDQ import.
 
 **Weights** (:func:`emit_param`, called by the tracer's param hook for a ``QFloat`` param): the
 param's initializer (named by its path, as every param's) holds the **stored integer values**,
-never re-quantized; ``<path>_scale`` (and ``<path>_zero_point`` for unsigned values) are
-constants; a ``DequantizeLinear`` gives the float weight. Burn -> ONNX (``docs/burnpack.md`` §7):
+never re-quantized; ``<path>_scale`` and ``<path>_zero_point`` are constants; a
+``DequantizeLinear`` gives the float weight. Every unblocked ``DequantizeLinear`` of the finished
+graph has a zero point, zeros of the codes' dtype for signed codes (:func:`explicit_zero_points`
+says why: without one, ORT's QDQ propagation inserts a ``uint8`` ``QuantizeLinear`` that clips
+negative codes). Burn -> ONNX (``docs/burnpack.md`` §7):
 
 ==============================  ==============================================================
 Burn                            ONNX ``DequantizeLinear``
 ==============================  ==============================================================
-Q8S / Q8F                       ``INT8``, no zero point (``unsigned``: ``UINT8``, zero point 128);
+Q8S / Q8F                       ``INT8``, zero point 0 (``unsigned``: ``UINT8``, zero point 128);
                                 a weight an integer kernel reads (``MatMulInteger``, the QDQ
                                 ``QLinearMatMul`` / ``QLinearConv`` fuse) is always ``UINT8`` with
                                 zero point 128: ORT's u8 x s8 kernels saturate on x86 without VNNI
                                 (``_qdq_forms.unsigned_for_integer_kernels``)
-Q4S / Q4F                       ``INT4`` (opset >= 21; ``UINT4``, zero point 8); a MatMul / Gemm
-                                weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``; from
+Q4S / Q4F                       ``INT4``, zero point 0 unless blocked (opset >= 21; ``UINT4``, zero point 8);
+                                a MatMul / Gemm weight becomes ``com.microsoft.MatMulNBits`` (``_nbits``; from
                                 opset 21 not with ``matmul="dequantize"``); below 21 any other
                                 4-bit weight is written float, with a warning and the reason in
                                 the per-op report (never as ``INT8``)
@@ -378,6 +381,58 @@ def finish_graph(tracer) -> None:
     for e in emitted:
         if not e.output._symbol.value.uses() and not e.output._symbol.value.is_graph_output():
             e.node.graph.remove(e.node, safe=True)
+    explicit_zero_points(tracer)
+
+
+def zero_point_array(layout: WeightLayout) -> np.ndarray:
+    """``layout``'s zero point as written: its own (unsigned codes), else zeros of the codes'
+    dtype (``int8`` / ``ml_dtypes.int4``) shaped as the scale (:func:`explicit_zero_points`)."""
+    if layout.zero_point is not None:
+        return layout.zero_point
+    return np.zeros(np.shape(layout.scale), dtype=layout.values.dtype)
+
+
+def explicit_zero_points(tracer) -> None:
+    """Give every ``DequantizeLinear`` of the finished graph whose codes are not ``uint8`` and
+    which has no zero point an explicit one: zeros of the codes' dtype shaped as its scale
+    (``<codes>_zero_point``). The values do not change (ONNX spec: an absent zero point is 0).
+    Blocked ones (``block_size``) are left without: their scale is never a scalar, which ORT's
+    propagation requires, and ORT fuses them into ``MatMulNBits`` with no ``zero_points`` input
+    (one with zeros would add that input to the fused op).
+
+    Why: ONNX Runtime's ``QDQPropagationTransformer`` (on by default) moves a per-tensor
+    ``DequantizeLinear`` past a ``Transpose`` / ``Reshape`` / ``Squeeze`` ... and inserts a
+    ``QuantizeLinear`` with the same scale and zero point inputs; without a zero point that
+    ``QuantizeLinear`` outputs ``uint8`` (the spec's default), which clips every negative code to 0:
+    a wrong number with no error (an int8 embedding table's gathered rows feeding an LSTM's
+    ``Transpose``: cosine 0.95 to the module)."""
+    from onnx_ir.traversal import RecursiveGraphIterator
+
+    made: dict = {}
+    for node in list(RecursiveGraphIterator(tracer.graph)):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        if (len(node.inputs) > 2 and node.inputs[2] is not None) or node.attributes.get("block_size") is not None:
+            continue
+        codes, scale = node.inputs[0], node.inputs[1]
+        if codes is None or scale is None or codes.dtype in (None, ir.DataType.UINT8) or not codes.dtype.is_integer():
+            continue
+        dims = scale.shape if scale.shape is not None else (
+            scale.const_value.shape if scale.const_value is not None else None)
+        if dims is None or not all(isinstance(d, int) for d in dims):
+            continue
+        dims = tuple(int(d) for d in dims)
+        source = codes.producer()
+        base = source.inputs[0] if source is not None and source.op_type in ("Gather", "Transpose") else codes
+        key = (id(base), codes.dtype, dims)
+        if key not in made:
+            zero = ir.Value(name=tracer.unique_name(f"{base.name or 'codes'}_zero_point"),
+                            const_value=ir.Tensor(np.zeros(dims, dtype=codes.dtype.numpy()), dtype=codes.dtype))
+            zero.type, zero.shape = ir.TensorType(codes.dtype), ir.Shape(list(dims))
+            tracer._constants.append(zero)
+            made[key] = zero
+        node.resize_inputs(3)
+        node.replace_input_with(2, made[key])
 
 
 def _expand_qlora(tracer, emitted: list) -> None:

@@ -168,18 +168,27 @@ def _constant_input(value) -> bool:
 
 
 def _foldable_weight(conv: ir.Node) -> bool:
-    """``conv``'s weight is an int8 ``DequantizeLinear`` (no zero point, per-tensor or axis-0
+    """``conv``'s weight is an int8 ``DequantizeLinear`` (no zero point or zeros, per-tensor or axis-0
     scale) used by ``conv`` alone: its scale can take a per-output-channel factor."""
     weight = conv.inputs[1]
     dq = weight.producer() if weight is not None else None
     if dq is None or dq.op_type != "DequantizeLinear" or not _standard(dq) or len(list(weight.uses())) != 1:
         return False
-    if dq.inputs[0].dtype != ir.DataType.INT8 or (len(dq.inputs) > 2 and dq.inputs[2] is not None):
+    if dq.inputs[0].dtype != ir.DataType.INT8 or (len(dq.inputs) > 2 and not _zero_or_none(dq.inputs[2])):
         return False
     if not _is_float(weight) or dq.attributes.get("block_size") is not None or dq.inputs[1].shape is None:
         return False
     axis = dq.attributes.get("axis")
     return len(dq.inputs[1].shape) == 0 or (len(dq.inputs[1].shape) == 1 and (axis is None or axis.value == 0))
+
+
+def _zero_or_none(zero_point) -> bool:
+    """No zero point, or constant zeros (what ``_qdq.explicit_zero_points`` writes for int8
+    codes once the graph is finished; calibration reads the finished graph)."""
+    if zero_point is None:
+        return True
+    const = zero_point.const_value
+    return const is not None and not np.any(const.numpy())
 
 
 def _foldable_batch_norm(conv: ir.Node):

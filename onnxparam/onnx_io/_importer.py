@@ -353,7 +353,8 @@ class OnnxModule(Module):
             return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
-        """Graph input name -> given value; checks count, names, dtype and rank."""
+        """Graph input name -> given value; checks count, names, dtype and rank. A numpy array in
+        the other byte order (``x.astype(">f4")``) is bound as a native-order copy."""
         required = self._source.inputs
         if len(inputs) > len(required):
             raise CallArgumentError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
@@ -384,6 +385,10 @@ class OnnxModule(Module):
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
                     raise CallArgumentError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
             elif isinstance(x, np.ndarray) and isinstance(v.type, ir.TensorType):
+                if not x.dtype.isnative:
+                    # NOTE: a big-endian array (x.astype(">f4")) holds the same values; ONNX
+                    # Runtime reads raw bytes in native order, so it gets a native copy
+                    x = bound[v.name] = x.astype(x.dtype.newbyteorder("="))
                 _check_array_dtype(v, x)
         return bound
 

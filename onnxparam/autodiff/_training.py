@@ -190,7 +190,8 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             _calls._trim(_graphs, MAX_CACHED_TRAINING)
             return entry
 
-        found = _dynamic.dynamic_entry(family_key, args, kwargs, lookup, build)
+        found = _dynamic.dynamic_entry(family_key, args, kwargs, lookup, build,
+                                       lambda: _dynamic.declared_dynamic(module, args, kwargs))
         if found is not None:
             return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)

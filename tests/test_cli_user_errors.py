@@ -10,16 +10,14 @@ file system (no output written).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
 import pytest
+from cli_run import run_cli as run
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxparam import Module, export_onnx
-from onnxparam.cli import main
 from onnxparam.nn import Linear
 
 
@@ -29,13 +27,6 @@ class Net(Module):
 
     def forward(self, x):
         return self.fc(x)
-
-
-def run(*args) -> tuple:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture

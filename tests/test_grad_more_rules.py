@@ -536,3 +536,20 @@ def test_batch_first_recurrent_nodes_run_and_train_after_the_import_rewrite(op_t
             minus[name][idx] -= eps
             fd = (np_loss(plus) - np_loss(minus)) / (2 * eps)
             np.testing.assert_allclose(got_g[idx], fd, rtol=1e-3, atol=1e-4, err_msg=f"d/d{name}{idx}")
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter_cache_and_update_gradients_on_a_dynamic_batch(mode):
+    """A KV-cache write (opset 24): ``cache [N, 2, 5, 3] * s`` with ``update [N, 2, 2, 3] * su``
+    written from ``write_indices[n]`` (wrapping around with ``circular``)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["cache"]), helper.make_node("Mul", ["upd", "su"], ["u"]),
+             helper.make_node("TensorScatter", ["cache", "u", "wi"], ["y"], axis=2, mode=mode)]
+    upd = helper.make_tensor_value_info("upd", D, ["N", 2, 2, 3])
+    wi = helper.make_tensor_value_info("wi", TensorProto.INT64, ["N"])
+    last = 4 if mode == "circular" else 3
+
+    def extra(shape):
+        return {"upd": RNG.normal(size=(shape[0], 2, 2, 3)), "wi": RNG.integers(0, last + 1, size=shape[0])}
+
+    check_op(nodes, ["N", 2, 5, 3], [(2, 2, 5, 3), (3, 2, 5, 3)],
+             {"s": RNG.uniform(0.5, 1.5, (3,)), "su": RNG.uniform(0.5, 1.5, (3,))}, 24, extra_inputs=[upd, wi], extra=extra)

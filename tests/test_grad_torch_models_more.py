@@ -344,8 +344,10 @@ def test_every_param_gradient_matches_torch_autograd_and_a_lora_fine_tune_merges
     check_lora_fine_tune(name, exporter, path, tmp_path)
 
 
-def test_lstm_tagger_torchscript_export_gradients_match_torch_autograd(tmp_path):
-    """The quick representative of the slow sweep above (about a second to export)."""
+def test_lstm_tagger_torchscript_export_gradients_match_torch_autograd_and_lora_on_its_embedding_trains(tmp_path):
+    """The quick representative of the slow sweep above (about a second to export): LoRA's
+    default targets here are the embedding before the LSTM and the linear head."""
     path = tmp_path / "tagger.onnx"
     export(build("lstm_tagger"), "lstm_tagger", "torchscript", path)
     assert check_against_torch("lstm_tagger", "torchscript", path) < 1e-3
+    check_lora_fine_tune("lstm_tagger", "torchscript", path, tmp_path)

@@ -10,17 +10,15 @@ formula ``W + alpha / r * a @ b`` in numpy.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
 import onnx
 import pytest
+from cli_run import run_cli as run
 from onnx import numpy_helper
 
 from onnxparam import LoraConfig, Module, Param, Tensor, export_onnx, write_onnx_adapter
-from onnxparam.cli import main
 from onnxparam.nn import Linear
 
 ort = pytest.importorskip("onnxruntime")
@@ -33,13 +31,6 @@ class Net(Module):
 
     def forward(self, x):
         return self.fc(x)
-
-
-def run(*args) -> tuple:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return code, out.getvalue(), err.getvalue()
 
 
 def _random_factors(net, seed=3):

@@ -150,3 +150,34 @@ def test_a_checkpoint_with_nothing_of_the_renamed_weights_shape_leaves_it_missin
     report = LoadReport()
     load_pytorch(imported, {"other.weight": np.zeros((7, 7), np.float32)}, report=report, allow_partial=True)
     assert len(report.missing) == 2 and not report.undecided and report.unused == ["other.weight"]
+
+
+def test_a_checkpoint_storing_a_tied_head_once_fills_it_from_the_table_the_file_ties_it_to(tmp_path):
+    """``safetensors.torch.save_model`` (as Hugging Face's ``model.safetensors``) keeps one tensor
+    of a tied pair: the other side comes from it, transposed, because the ONNX file ties them
+    (its head's values are the table's transposed)."""
+    torch = _torch()
+    from safetensors.torch import save_model
+
+    from onnxparam.convert import load_safetensors
+
+    model = _tiny_lm()
+    imported = _export(model, tmp_path / "lm.onnx")
+    tuned = _perturbed(model)
+    save_model(tuned, str(tmp_path / "model.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        stored = set(f.keys())
+    assert len(stored & {"wte.weight", "lm_head.weight"}) == 1  # precondition: the tied pair stored once
+    report = LoadReport()
+    loaded = load_safetensors(imported, tmp_path / "model.safetensors", report=report)
+    ids = _ids()
+    with torch.no_grad():
+        expected = tuned(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(loaded(op.Tensor.from_numpy(ids)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert not report.undecided and not report.missing
+    (kept,) = stored & {"wte.weight", "lm_head.weight"}
+    filled = {path for source, path in report.renamed if source == kept}
+    assert imported.path_of("wte.weight") in filled or kept == "wte.weight"
+    assert any(imported.onnx_names[p].startswith("onnx::") for p in filled)  # the folded head

@@ -4,7 +4,8 @@ Range position ids, Slice with computed bounds, reductions with computed axes, R
 0 / -1), imported, differentiated at two or three input shapes. Oracle: central finite
 differences of the same loss on plain ONNX Runtime runs of the original file with one
 initializer entry perturbed (``tests/grad_check.py``), float64 where ORT has double kernels.
-One symbolic training graph serves every shape after the first (counted in the cache)."""
+One symbolic training graph, built on the first call (the declared dims), serves every shape (counted in
+the cache)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_embedding_plus_run_time_position_table_at_opset_13_and_17(opset):
         del inits["gamma"], inits["beta"]
     model = _model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "S"])], inits, opset)
     counts = check_model_grads(model, [{"ids": _ids((2, 5))}, {"ids": _ids((3, 7))}, {"ids": _ids((1, 6))}])
-    assert counts == {"graphs": 2, "sessions": 2}
+    assert counts == {"graphs": 1, "sessions": 1}  # the declared dynamic dims: one symbolic graph from the first call
 
 
 def test_reshape_with_zero_and_minus_one_concat_and_slice_with_computed_bounds():
@@ -81,7 +82,7 @@ def test_reshape_with_zero_and_minus_one_concat_and_slice_with_computed_bounds()
     nodes.insert(6, helper.make_node("Slice", ["xs", "zero1", "one1"], ["n1"]))
     model = _model(nodes, [helper.make_tensor_value_info("x", D, ["N", "S", 4])], inits)
     feeds = [{"x": RNG.normal(size=s)} for s in [(2, 5, 4), (3, 4, 4), (2, 8, 4)]]
-    assert check_model_grads(model, feeds) == {"graphs": 2, "sessions": 2}
+    assert check_model_grads(model, feeds) == {"graphs": 1, "sessions": 1}
 
 
 @pytest.mark.parametrize("group,stride,pads", [(1, 1, [1, 1, 1, 1]), (2, 2, [1, 0, 1, 0])])
@@ -95,7 +96,7 @@ def test_conv_with_dynamic_batch_and_spatial_dims(group, stride, pads):
     model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c, "H", "W"])], inits,
                    out_type=TensorProto.FLOAT)
     feeds = [{"x": RNG.normal(size=s).astype(np.float32)} for s in [(2, c, 7, 8), (3, c, 9, 6), (2, c, 6, 10)]]
-    assert check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=1e-3) == {"graphs": 2, "sessions": 2}
+    assert check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=1e-3) == {"graphs": 1, "sessions": 1}
 
 
 OPS = ["Sin", "Cos", "Atan", "Sinh", "Asinh", "Tan", "Mish", "Softplus", "Erf"]

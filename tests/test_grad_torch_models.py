@@ -8,8 +8,8 @@ TorchScript exporter with dynamic batch and sequence dims, imported with ``impor
 the same weights and inputs: every param's gradient within 1e-3 of torch's (relative to the
 largest entry of that gradient, with an absolute floor for gradients that are zero in exact
 arithmetic, such as the attention key bias). Three sequence lengths and batch sizes run; the
-training graph of the first call is concrete and ONE symbolic training graph and session serve
-every later shape (the autodiff cache is counted). Then a LoRA fine-tuning step lowers the loss.
+file's dynamic dims are symbolic from the first call: ONE training graph and session serve every
+shape (the autodiff cache is counted). Then a LoRA fine-tuning step lowers the loss.
 
 Token ids start at 1: torch's ``nn.Embedding(padding_idx=0)`` zeroes row 0's gradient by
 convention, which no ONNX graph encodes (the gradient of the exported function has row 0).
@@ -169,8 +169,8 @@ def test_every_param_gradient_matches_torch_autograd_at_three_shapes_with_one_sy
     if name == "llama":  # the rotary inv_freq buffer: found from the graph, frozen at import
         assert list(module.onnx_tables.values()) == [PERIODIC]
         assert not any(v.require_grad for p, v in module.named_params() if p in module.onnx_tables)
-    # first call concrete; one symbolic training graph and session served both later shapes
-    assert len(_training._graphs) == 2 and len(_training._sessions) == 2
+    # the declared dynamic dims symbolic from the first call: one training graph and session served every shape
+    assert len(_training._graphs) == 1 and len(_training._sessions) == 1
 
 
 def test_a_lora_step_on_the_imported_model_lowers_the_loss(exported):
@@ -188,22 +188,38 @@ def test_a_lora_step_on_the_imported_model_lowers_the_loss(exported):
     assert float(loss.to_numpy()) < float(loss0.to_numpy())
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception ``error`` was raised from."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "t5", "vit"])
 def test_dynamo_exports_match_torch_autograd_too(name, tmp_path):
     """The same models exported by torch's dynamo exporter (``torch.export`` dims for batch and
-    sequence, opset 18): every param's gradient within 1e-3 of torch autograd at three shapes."""
+    sequence, ViT's batch only; opset 18): every param's gradient within 1e-3 of torch autograd at
+    three shapes."""
+    pytest.importorskip("onnxscript")
     torch.manual_seed(0)
-    model = _LastHidden({"bert": _bert, "gpt2": _gpt2, "llama": _llama}[name]()).eval()
+    build = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5, "vit": _vit}[name]
+    model = (_Pixels if name == "vit" else _LastHidden)(build()).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path / f"{name}.onnx"
     ids = torch.from_numpy(_inputs(name, np.random.default_rng(0), 2, 5))
-    dims = {"ids": {0: torch.export.Dim("batch", min=1, max=64), 1: torch.export.Dim("seq", min=2, max=30)}}
+    dims = {"ids": {0: torch.export.Dim("batch", min=1, max=64)}}
+    if name != "vit":
+        dims["ids"][1] = torch.export.Dim("seq", min=2, max=30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["h"], dynamic_shapes=dims,
-                          dynamo=True, opset_version=18)
+        try:
+            torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["h"], dynamic_shapes=dims,
+                              dynamo=True, opset_version=18)
+        except torch.onnx.OnnxExporterError as e:  # torch's own limitation: nothing of this library ran
+            pytest.skip(f"torch {torch.__version__}'s dynamo exporter cannot export {name} with dynamic batch and "
+                        f"sequence: {_root_cause(e)}")
     module = op.import_onnx(str(path))
     tparams = dict(model.named_parameters())
     rng = np.random.default_rng(1)

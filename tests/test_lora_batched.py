@@ -456,3 +456,27 @@ def test_the_readme_serving_example_runs(tmp_path, monkeypatch):
     for row, name in enumerate(["code", "code", None, "sql"]):
         expected = (sources[name] if name else namespace["base"])(Tensor.from_numpy(x[row:row + 1])).to_numpy()
         np.testing.assert_allclose(y3[row:row + 1], expected, atol=1e-5, rtol=0)
+
+
+def test_an_index_outside_the_slots_fails_in_ort_for_a_conv_only_export(tmp_path):
+    """A conv target's mask gathers the index like every other target: ONNX Runtime refuses an
+    entry outside ``[-slots, slots)`` instead of giving that row no adapter, and ``-1`` is the
+    last slot, as ``Gather`` reads it (oracle: the export's own run at index ``slots - 1``)."""
+    from onnxparam import LoraAdapter
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    rng = np.random.default_rng(5)
+    module = DilatedConv()
+    for name in ("p", "q"):
+        module = module.add_adapter(name, {"conv.weight": LoraAdapter(_factor(rng, 12, 2), _factor(rng, 2, 3), 1.0,
+                                                                      transposed=True)})
+    x = rng.normal(size=(2, 2, 8, 5)).astype(np.float32)
+    path = export_onnx(module, tmp_path / "conv.onnx", x, lora="batched")
+    sess = session(path)
+    with pytest.raises((Fail, InvalidArgument), match="Gather_index.*out of data bounds"):
+        sess.run(None, {"x": x, "adapter_index": np.array([3, 0], dtype=np.int64)})
+    last = sess.run(None, {"x": x, "adapter_index": np.array([2, 2], dtype=np.int64)})[0]
+    base = sess.run(None, {"x": x, "adapter_index": np.array([0, 0], dtype=np.int64)})[0]
+    assert np.abs(last - base).max() > 1e-3
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "adapter_index": np.array([-1, -1], dtype=np.int64)})[0],
+                                  last)

@@ -78,7 +78,7 @@ def small_thresholds(monkeypatch):
 
 
 def test_chunked_quantization_gives_numpy_codes_and_spilled_codes_are_file_mapped(tmp_path, small_thresholds):
-    from onnxparam.quant import Quantizer, QuantScheme, QuantValue
+    from onnxparam.quant import Quantizer
 
     w = (RNG.normal(size=(D, D)) * 0.05).astype(np.float32)
     w[17, 3] = -0.9  # the max |w| in a middle chunk
@@ -98,8 +98,7 @@ def test_chunked_quantization_gives_numpy_codes_and_spilled_codes_are_file_mappe
     half_scale = np.float32((np.abs(h).max() * np.float16(2)) / np.float16(254))
     r = h.astype(np.float32) / half_scale
     np.testing.assert_array_equal(np.asarray(qh.values), (np.sign(r) * np.floor(np.abs(r) + 0.5)).astype(np.int8))
-    # Q8F (full range), blocked and per-channel schemes: not chunked here (None: the caller quantizes whole)
-    assert small_thresholds.quantize_chunked(w, Quantizer(QuantScheme(QuantValue.Q8S, block_size=(32,))), None) is None
+    # per-channel schemes: not chunked here (None: the caller quantizes whole; blocked ones: below)
     assert small_thresholds.quantize_chunked(w, Quantizer(per_channel=True), 1) is None
     bad = w.copy()
     bad[200, 0] = np.inf
@@ -184,3 +183,71 @@ def test_rewrite_metadata_keeps_every_tensor_of_an_inline_file(tmp_path):
         t.SerializeToString() for t in before.graph.initializer]
     assert after.graph.node == before.graph.node
     assert sorted(os.listdir(tmp_path)) == ["inline.onnx"]
+
+
+def test_a_streamed_bpk_output_holds_numpy_codes(tmp_path, capsys, small_thresholds):
+    """``onnxparam quantize`` to ``.bpk`` streams too: the stored codes dequantize to numpy's
+    symmetric int8 values of each weight (read back through the burnpack reader)."""
+    from onnxparam.convert import read_record
+    from onnxparam.quant import QuantizedTensor
+
+    src, weights = chain(tmp_path / "chain.onnx")
+    out = tmp_path / "out" / "q.bpk"
+    out.parent.mkdir()
+    code, _, err = run_main(capsys, "quantize", src, out, "--no-accuracy")
+    assert code == 0, err
+    assert sorted(os.listdir(out.parent)) == ["q.bpk"]
+    record = read_record(out)
+    for i, (w, b) in enumerate(weights):
+        codes, scale = symmetric_int8(w)
+        snap = record[f"w{i}"]
+        assert snap.dtype.name == "QFloat"
+        np.testing.assert_array_equal(QuantizedTensor.from_data(snap.to_data()).dequantize(),
+                                      codes.astype(np.float32) * scale)
+        assert record[f"b{i}"].to_data().to_numpy().tobytes() == b.tobytes()
+
+
+
+def test_blocked_4bit_weights_are_quantized_in_slabs_of_whole_blocks_as_numpy_does(tmp_path, small_thresholds):
+    """Q4S with blocks of 32 rows (what MatMulNBits takes): each ``[32, 1]`` block its own scale
+    ``max|block| / 7``, codes rounded half away from zero and clipped to [-7, 7]; read in slabs."""
+    from onnxparam.quant import Quantizer, QuantScheme, QuantValue
+
+    w = (RNG.normal(size=(512, 64)) * 0.05).astype(np.float32)
+    w[100, 5] = 1.5
+    quantizer = Quantizer(QuantScheme(QuantValue.Q4S, block_size=(32, 1)))
+    with small_thresholds.streaming(tmp_path):
+        qt = small_thresholds.quantize_chunked(w, quantizer, None)
+    assert qt is not None and file_mapped(qt.values)
+    blocks = w.reshape(16, 32, 64)
+    scale = (np.abs(blocks).max(axis=1) * np.float32(2) / np.float32(14)).astype(np.float32)  # [16, 64]
+    r = blocks / scale[:, None, :]
+    codes = np.clip(np.sign(r) * np.floor(np.abs(r) + 0.5), -7, 7).astype(np.int8).reshape(512, 64)
+    np.testing.assert_array_equal(np.asarray(qt.values), codes)
+    np.testing.assert_array_equal(np.asarray(qt.scales, np.float32).reshape(16, 64), scale)
+    # blocks that do not divide the shape: not chunked (the caller's whole quantize raises)
+    assert small_thresholds.quantize_chunked(w[:500], quantizer, None) is None
+
+
+def test_below_min_cosine_the_sensitivity_search_is_skipped_with_a_reason_when_it_would_not_fit(
+        tmp_path, capsys, monkeypatch):
+    """The accuracy report fits, the one-at-a-time search (the float model once per weight) does
+    not: the warning and the report say so instead of naming weights."""
+    from onnxparam.quant import _accuracy
+
+    src, _ = chain(tmp_path / "chain.onnx", external=False)
+    calls = []
+
+    def fits(model_bytes):
+        calls.append(model_bytes)
+        return (True, "") if len(calls) == 1 else (False, "too big for this test")
+
+    monkeypatch.setattr(_accuracy, "fits_in_memory", fits)
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--min-cosine", "1", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)["results"]["accuracy"]
+    assert report["sensitivity_skipped"] == "too big for this test" and report["sensitivity"] == []
+    assert "the quantized weights that move the outputs most: not searched: too big for this test" in err
+    assert "integer kernels do" not in err
+    assert len(calls) == 2 and calls[1] > calls[0]  # the search is asked for more memory than the two runs

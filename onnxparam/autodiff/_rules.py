@@ -45,12 +45,12 @@ NOT_DIFFERENTIABLE: dict = {
         "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor",
         "BitwiseNot", "QuantizeLinear", "DynamicQuantizeLinear", "NonMaxSuppression", "StringNormalizer",
         "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "MatMulInteger", "ConvInteger",
-        "QLinearConv", "QLinearMatMul", "ImageDecoder")},
+        "QLinearConv", "QLinearMatMul", "ImageDecoder", "SequenceLength", "OptionalHasElement")},
     **{op: _PIECEWISE for op in ("Sign", "Floor", "Ceil", "Round", "Hardmax")},
     **{op: _RANDOM for op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                               "Multinomial", "Bernoulli")},
     **{op: _GENERATED for op in ("ConstantOfShape", "EyeLike", "Range", "BlackmanWindow", "HannWindow",
-                                 "HammingWindow", "MelWeightMatrix", "Constant")},
+                                 "HammingWindow", "MelWeightMatrix", "Constant", "SequenceEmpty")},
     "BitCast": "reinterprets the bits of its input as another type: not a function of the value that has a "
                "derivative",
 }

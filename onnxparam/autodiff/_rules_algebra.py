@@ -1,5 +1,5 @@
-"""Gradient rules of ``CumProd``, ``Det``, ``CastLike``, float ``Mod``, ``OneHot``'s values and
-``DequantizeLinear``'s scale.
+"""Gradient rules of ``CumProd``, ``Det``, ``CastLike``, float ``Mod``, ``OneHot``'s values,
+``TensorScatter`` and ``DequantizeLinear``'s scale.
 
 Conventions (a rule's signature, ``g = dL/dy``, ``unb``) are those of
 :mod:`onnxparam.autodiff._rules`; forward semantics: the ONNX operator specification
@@ -174,3 +174,37 @@ def _dequantize(e, node, gout, need):
         out[1] = e.reshape_like(e.op("ReduceSum", prod, keepdims=0), scale)
     return out
 
+
+
+@rule("TensorScatter")
+def _tensor_scatter(e, node, gout, need):
+    """``present = past_cache`` with ``update`` written along ``axis`` from
+    ``write_indices[b]`` on (``mode="circular"``: positions modulo the cache length; ONNX spec:
+    TensorScatter): ``d past = g`` with the written cells zeroed (a ``TensorScatter`` of ones
+    into zeros marks them), ``d update[b, .., t, ..] = g[b, .., pos(b, t), ..]`` (``GatherElements``
+    at ``pos = write_indices[b] + t``)."""
+    past, update = node.inputs[0], node.inputs[1]
+    indices = node.inputs[2] if len(node.inputs) > 2 else None
+    g = gout[0]
+    rank = len(dims(past))
+    axis = int(attr(node, "axis", -2))
+    axis = axis + rank if axis < 0 else axis
+    mode = attr(node, "mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    out = [None] * len(node.inputs)
+    if need[0]:
+        ones = e.op("Expand", e.scalar_like(1.0, update), e.op("Shape", update))
+        written = e.copy_node(node, [e.zeros_like(past), ones] + list(node.inputs[2:]))[0]
+        out[0] = e.op("Mul", g, e.op("Sub", e.scalar_like(1.0, past), written))
+    if len(need) > 1 and need[1]:
+        steps = e.op("Range", e.const(0, np.int64), e.dim_scalar(update, axis), e.const(1, np.int64))
+        steps = e.reshape(steps, [-1 if i == axis else 1 for i in range(rank)])
+        pos = steps
+        if indices is not None:
+            start = e.op("Cast", indices, to=int(ir.DataType.INT64))
+            pos = e.op("Add", pos, e.reshape(start, [-1] + [1] * (rank - 1)))
+        if mode == "circular":
+            pos = e.op("Mod", pos, e.dim_scalar(past, axis))
+        pos = e.op("Expand", pos, e.op("Shape", update))
+        out[1] = e.op("GatherElements", g, pos, axis=axis)
+    return out

@@ -72,7 +72,8 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
         type=_regex,
         action="append",
         metavar="RE",
-        help="fresh adapters only on rank-2 weights whose path matches RE (default: all)",
+        help="fresh adapters only on rank-2 weights whose path matches RE (default: every linear map; in an "
+        "imported graph, as PEFT, not the tables Gather reads nor an output projection tied to one: name them)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh factors' init (default: 0)")
     _add_model_arguments(parser)

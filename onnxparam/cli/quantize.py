@@ -16,9 +16,16 @@ its reason (``kept_float``); an output not smaller than its input is a warning. 
 report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
 max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
 model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
-or ``--strict`` refuses and removes the output."""
+or ``--strict`` refuses and removes the output. ``--no-accuracy`` skips the report, and so does a
+model whose two runs would not fit in the memory available (a warning; the reason is the report).
+
+A model larger than memory is quantized one weight at a time (:mod:`onnxparam.quant._stream`): the
+export streams by itself; a ``.bpk`` output is written inside :func:`onnxparam.quant._stream.streaming`,
+a large inline ``.onnx`` output gets its metadata by a streamed rewrite
+(:func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -351,7 +358,13 @@ def _run_quantize(args: argparse.Namespace) -> int:
         meta = {KEPT_FLOAT_KEY: json.dumps(kept_rows, separators=(",", ":"))}
         if accuracy is not None:
             meta[ACCURACY_KEY] = json.dumps(accuracy, separators=(",", ":"))
-        model.module.save_file(args.dst, metadata=meta)
+        from ..quant import _stream
+
+        # NOTE (issue 27): a large model's codes are computed one weight at a time while written,
+        # spilled beside the output (the .onnx export streams by itself: export_onnx)
+        large = in_bytes >= _stream.AUTO_STREAM_BYTES and _stream.streaming_folder() is None
+        with _stream.streaming(args.dst.resolve().parent) if large else contextlib.nullcontext():
+            model.module.save_file(args.dst, metadata=meta)
     out_bytes = _written_bytes(args.dst) if dst_fmt == "onnx" else args.dst.stat().st_size
     if out_bytes >= in_bytes and gain is None:  # NOTE: little_gained's warning already says why
         from ..core.errors import QuantizationWarning

@@ -21,7 +21,7 @@ metadata (:data:`METADATA_KEY`, JSON) lists the names in index order, the capaci
 target's input names, dims and rank. Slots ``N + 1 .. capacity`` (``BatchedLora(capacity=...)``)
 are zeros: room for adapters added later without a new export. An index of length 1 applies to
 every row (broadcast); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``
-(a convolution target's branch gives such a row no adapter: its mask is a ``OneHot``).
+(a convolution target's mask gathers the index from ``Range(0, slots)`` first, so it fails too).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
 ``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
@@ -418,7 +418,8 @@ class _Graph:
 
     def mask(self, dtype) -> ir.Value:
         """``[rows, slots, 1]`` at ``dtype``: ``1`` at each row's slot, else ``0`` (``OneHot`` of
-        the index; an index outside ``[0, slots)`` selects no slot)."""
+        the index gathered from ``Range(0, slots)``: an index outside ``[-slots, slots)`` fails in
+        ONNX Runtime's ``Gather``, as in the other targets)."""
         masks = self.__dict__.setdefault("_masks", {})
         if dtype in masks:
             return masks[dtype]
@@ -426,8 +427,20 @@ class _Graph:
         rows = self.index_dim()
         nodes = [_new_node(tracer, "Shape", [self._first_stack], i64, [1], "/lora.batched/Shape_slots", "",
                            {"end": 1})]
+        slots = nodes[-1].outputs[0]
+        # Gather(Range(0, slots), index): the index itself, but an entry outside [-slots, slots)
+        # fails in ONNX Runtime as it does in every Gather target (OneHot alone would give such a
+        # row no adapter, silently), and a negative entry counts from the end, as in Gather.
+        zero = tracer.constant(np.asarray(0, dtype=np.int64), name="lora.batched.zero")._symbol.value
+        one = tracer.constant(np.asarray(1, dtype=np.int64), name="lora.batched.one")._symbol.value
+        nodes.append(_new_node(tracer, "ReduceMax", [slots], i64, [], "/lora.batched/ReduceMax_slots", "",
+                               {"keepdims": 0}))
+        nodes.append(_new_node(tracer, "Range", [zero, nodes[-1].outputs[0], one], i64, [SLOTS_DIM],
+                               "/lora.batched/Range_slots", ""))
+        nodes.append(_new_node(tracer, "Gather", [nodes[-1].outputs[0], self.index()], i64, [rows],
+                               "/lora.batched/Gather_index", "", {"axis": 0}))
         onoff = tracer.constant(np.asarray([0.0, 1.0], dtype=np.float32), name="lora.batched.onoff")._symbol.value
-        nodes.append(_new_node(tracer, "OneHot", [self.index(), nodes[-1].outputs[0], onoff], f32, [rows, SLOTS_DIM],
+        nodes.append(_new_node(tracer, "OneHot", [nodes[-1].outputs[0], slots, onoff], f32, [rows, SLOTS_DIM],
                                "/lora.batched/OneHot", ""))
         if dtype != f32:
             nodes.append(_new_node(tracer, "Cast", [nodes[-1].outputs[0]], dtype, [rows, SLOTS_DIM],

@@ -600,7 +600,7 @@ def import_onnx(path_or_model) -> OnnxModule:
             share a name. Each message names the file and the problem.
         IsAFolderError (a FileAccessError and IsADirectoryError): the path is a folder.
     """
-    from . import _lora_import
+    from . import _lora_import, _rnn_layout
 
     try:
         loaded = load_model(path_or_model)
@@ -610,6 +610,8 @@ def import_onnx(path_or_model) -> OnnxModule:
             raise
     # LoRA kept by an onnxparam export ("keep" / "inputs"): its nodes out, adapters on the params
     loaded, adapters = _lora_import.strip_imported(loaded)
+    if _rnn_layout.has_batch_first(loaded.model):  # ONNX Runtime runs layout=0 recurrent nodes only
+        loaded = LoadedModel(_rnn_layout.rewrite_batch_first(copy_model(loaded.model)), loaded.source, loaded.path)
     pristine = loaded.model
     if loaded.model.functions:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only

@@ -216,7 +216,7 @@ SENSITIVITY_MEMORY_FACTOR = 4
 """The one-at-a-time sensitivity runs when this many times the models' bytes fit in memory (the
 float model is parsed, serialized and run once per weight)."""
 
-STREAMED_REWRITE_BYTES = 64 << 20
+STREAMED_REWRITE_BYTES = 16 << 20
 """An ``.onnx`` file larger than this gets its metadata by a streamed rewrite
 (``onnxparam quantize``: :func:`onnxparam.onnx_io._save.rewrite_metadata`)."""
 

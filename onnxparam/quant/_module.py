@@ -125,7 +125,7 @@ def quantize_param(param: Param, quantizer: Quantizer, path: str = "param", axis
     source = param.clone()
 
     def init(device, require_grad, _source=source, _quantizer=quantizer, _path=path, _axis=axis):
-        from ._stream import quantize_chunked
+        from ._stream import quantize_chunked, spill_codes
 
         base = _source.base()
         array = base.to_numpy()
@@ -134,7 +134,7 @@ def quantize_param(param: Param, quantizer: Quantizer, path: str = "param", axis
             # codes spilled to disk when streaming (onnxparam.quant._stream)
             qt = quantize_chunked(array, _quantizer, _axis)
             if qt is None:
-                qt = _quantizer.quantize(array, _axis)
+                qt = spill_codes(_quantizer.quantize(array, _axis))
         except QuantizationError as e:
             hint = ""
             if array.dtype.kind == "f" and not np.isfinite(array).all():

@@ -50,6 +50,7 @@ import onnx_ir as ir
 from ..core.errors import QuantizationWarning
 from ._qdq_forms import FLOAT_REASON_KEY, drop_unused_constants, is_float, slow_weight_only, to_float
 from ._qdq_options import NBITS_MIN_BLOCK, NBITS_TRANS_KEY
+from ._stream import spilled
 
 MS_DOMAIN = "com.microsoft"
 
@@ -170,7 +171,7 @@ def matmul_nbits(tracer, e, prefer: str = "size", direct: bool = False) -> None:
     if trans:
         values = values.T
     k, n = values.shape
-    packed = pack(values, block)
+    packed = spilled(pack(values, block))  # NOTE (issue 27): file-mapped when streaming (_stream)
     props = dict(e.value.const_value.metadata_props)  # the Burn scheme: import restores it
     if trans:
         props[NBITS_TRANS_KEY] = "1"
@@ -183,7 +184,7 @@ def matmul_nbits(tracer, e, prefer: str = "size", direct: bool = False) -> None:
     for node, _ in uses:
         a, y = node.inputs[0], node.outputs[0]
         np_dtype = np.float16 if a.dtype == ir.DataType.FLOAT16 else np.float32
-        s = tracer.constant(np.ascontiguousarray(scale.T).reshape(-1).astype(np_dtype),
+        s = tracer.constant(spilled(np.ascontiguousarray(scale.T).reshape(-1).astype(np_dtype)),
                             name=f"{e.path}_nbits_scale")._symbol.value
         new = ir.Node(MS_DOMAIN, "MatMulNBits", [a, e.value, s],
                       [ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", 4),

@@ -110,7 +110,7 @@ def weight_layout(qt: QuantizedTensor, opset: int = 21, options: QdqOptions | No
         zero_point = np.full(scale.shape, offset, dtype=np_dtype)
         onnx_dtype = ir.DataType.UINT4 if four else ir.DataType.UINT8
     elif four:
-        values = values.astype(ml_dtypes.int4)
+        values = offset_codes(values, 0, ml_dtypes.int4)  # NOTE: in chunks, spilled when streaming
         onnx_dtype = ir.DataType.INT4
     else:
         onnx_dtype = ir.DataType.INT8

@@ -9,7 +9,10 @@ int8 codes, twice, in anonymous memory. For a large model (:func:`streaming`, se
 * :func:`quantize_chunked`: a per-tensor scheme (Burn's MinMax) reads the float weight (a
   memory map of the source file) in chunks of :data:`CHUNK_ELEMENTS` twice: ``max |x|``, then the
   codes; bit for bit :func:`onnxparam.core.tensor.quantize` (same scale, same rounding), without
-  its full-size float temporaries;
+  its full-size float temporaries. A blocked scheme (4-bit blocks along K) is quantized by
+  ``quantize`` itself, slab by slab of whole blocks along axis 0. Per-channel weights (one
+  scale per output channel: every row is read for each scale) are quantized whole, their codes
+  spilled after (:func:`spill_codes`);
 * :func:`spilled`: codes of at least :data:`SPILL_BYTES` go to a scratch file in the folder
   (removed at once; the open map keeps its bytes until the array is freed) and are read back
   through a read-only memory map: file-backed pages, which the kernel writes out and drops under
@@ -30,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AUTO_STREAM_BYTES", "CHUNK_ELEMENTS", "SPILL_BYTES", "quantize_chunked", "spilled", "streaming",
-           "offset_codes"]
+__all__ = ["AUTO_STREAM_BYTES", "CHUNK_ELEMENTS", "SPILL_BYTES", "quantize_chunked", "spilled", "spill_codes",
+           "streaming", "offset_codes"]
 
 CHUNK_ELEMENTS = 1 << 21
 """Elements per step of :func:`quantize_chunked` (8 MiB of float32 at a time)."""
@@ -121,17 +124,31 @@ def offset_codes(values: np.ndarray, offset: int, np_dtype) -> np.ndarray:
     return _read_only(out)
 
 
+def spill_codes(qt):
+    """``qt`` (a ``QuantizedTensor`` quantized whole: a blocked or per-channel scheme) with its
+    codes :func:`spilled` under :func:`streaming` (the same values), else ``qt`` itself."""
+    if _FOLDER.get() is None or np.asarray(qt.values).nbytes < SPILL_BYTES:
+        return qt
+    from ..core.tensor import QuantizedTensor
+
+    return QuantizedTensor(qt.shape, qt.scheme, spilled(qt.values), qt.scales, qt.global_scale,
+                           axis=getattr(qt, "axis", None))
+
+
 def quantize_chunked(array, quantizer, axis):
     """``quantizer.quantize(array, axis)`` read in chunks (module docstring), or ``None`` when
-    this does not apply (a small array, a blocked / two-level / per-channel scheme, a value that
-    is not finite: the caller then quantizes the whole array, which raises the usual error)."""
+    this does not apply (a small array, a two-level or per-channel scheme, blocks that do not
+    divide the shape, a value that is not finite: the caller then quantizes the whole array,
+    which raises the usual error)."""
     from ..core.tensor import QuantizedTensor, quantize, round_half_away_from_zero
 
     x = np.asarray(array)
     scheme = quantizer.scheme
-    if (x.size < CHUNK_ELEMENTS or x.dtype.kind != "f" or scheme.block is not None or scheme.is_two_level
+    if (x.size < CHUNK_ELEMENTS or x.dtype.kind != "f" or scheme.is_two_level
             or (quantizer.per_channel and x.ndim >= 2)):
         return None
+    if scheme.block is not None:
+        return _blocked_chunked(x, scheme)
     flat = x.reshape(-1)
     zero = x.dtype.type(0)
     alpha = zero
@@ -153,3 +170,29 @@ def quantize_chunked(array, quantizer, axis):
             q = np.where(np.isnan(q), np.float32(0), np.clip(q, a, b))
             out[start:start + CHUNK_ELEMENTS] = q.astype(np.int8)
     return QuantizedTensor(x.shape, scheme, _read_only(codes), scales, None)
+
+
+def _blocked_chunked(x: np.ndarray, scheme):
+    """A one-level blocked scheme, quantized by :func:`onnxparam.core.tensor.quantize` itself on
+    slabs of whole blocks along axis 0 (no block crosses a slab, so each slab's scales and codes
+    are the whole tensor's), or ``None`` (blocks that do not divide the shape, a value that is not
+    finite: the caller quantizes the whole array and raises the usual error)."""
+    from ..core.tensor import QuantizedTensor, quantize
+
+    if x.ndim == 0 or len(scheme.block.size.dims) > x.ndim:
+        return None
+    extents = scheme.block.size.to_dim_vec(x.ndim)
+    if any(d % b for d, b in zip(x.shape, extents)):
+        return None
+    row = max(1, x.size // max(1, x.shape[0]))
+    step = max(1, CHUNK_ELEMENTS // (row * extents[0])) * extents[0]
+    codes = _scratch(x.shape, np.int8)
+    scales = []
+    for start in range(0, x.shape[0], step):
+        slab = x[start:start + step]
+        if not np.isfinite(slab).all():
+            return None
+        part = quantize(slab, scheme)
+        codes[start:start + step] = part.values
+        scales.append(np.asarray(part.scales, np.float32))
+    return QuantizedTensor(x.shape, scheme, _read_only(codes), spilled(np.concatenate(scales, axis=0)), None)

@@ -8,8 +8,8 @@ image height and width (the CNNs; Whisper's encoder accepts only its fixed frame
 with ``import_onnx``, and ``grad`` of ``(model(x) * c).sum()`` on the imported module is compared
 with torch autograd of the same loss on the same weights and inputs at three shapes: every
 trainable param's gradient within 1e-3 of torch's, relative to the largest entry of torch's
-gradient. The first call traces a concrete training graph; one symbolic graph and session serve
-the two later shapes. Then LoRA (the default targets: the linear layers, the taggers' embedding)
+gradient. The file's dynamic dims are symbolic from the first call: one training graph and session serve
+the three shapes. Then LoRA (the default targets: the linear layers, the taggers' embedding)
 is fine-tuned on the same file for three Adam steps (the loss falls) and the ``lora="merge"``
 export, run by plain ONNX Runtime, equals torch's model with the merged weights.
 

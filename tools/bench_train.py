@@ -48,6 +48,8 @@ BERT = dict(vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attentio
 """``prajjwal1/bert-tiny``'s configuration (random weights), dropout off (eval-mode export)."""
 BERT_BATCH, BERT_SEQ, BERT_CLASSES = 8, 128, 2
 RESNET_BATCH, RESNET_SIZE, RESNET_CLASSES = 8, 64, 10
+RECOMPUTED = {"bert": ("bert.encoder.layer.0", "bert.encoder.layer.1"), "resnet18": ("layer1", "layer2", "layer3", "layer4")}
+"""The sub-modules marked for recomputation in the ``recompute`` memory runs."""
 SESSION_SHAPES = [(4, 32), (8, 64), (2, 48)]
 """``(batch, sequence)`` of the session-count run."""
 
@@ -187,7 +189,7 @@ def ours_step(path: Path, name: str, threads: int = 0, recompute: bool = False):
     if recompute:
         from onnxparam.autodiff import recompute as mark
 
-        module = mark(module)
+        module = mark(module, *RECOMPUTED[name])
     x, y = _inputs(name)
     state = {"model": module, "optim": Adam(lr=1e-4, eps=1e-8)}
 

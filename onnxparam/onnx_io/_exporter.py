@@ -98,6 +98,9 @@ def export_onnx(
         LoraError: an unknown ``lora`` mode (a ``ValueError`` too).
         OnnxFormatError: when the model cannot be saved (see
             :func:`~onnxparam.onnx_io._save.save_model`).
+        FileAccessError: (also the builtin ``OSError`` leaf of its errno) the file cannot be
+            written: a folder that is not writable or refuses new files (``/proc``), a file on
+            the path where a folder should be, a read-only target; nothing is written.
 
         For an imported module, each of these names the file it was imported from.
     """

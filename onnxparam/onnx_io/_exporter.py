@@ -94,8 +94,8 @@ def export_onnx(
 
     Raises:
         TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
-        ValueError: for an unsupported opset or LoRA mode, or an opset other than an imported
-            model's own.
+        ValueError: for an unsupported opset, or an opset other than an imported model's own.
+        LoraError: an unknown ``lora`` mode (a ``ValueError`` too).
         CallArgumentError: (a ``TypeError``) for an imported module, example inputs that
             ``module(x)`` would refuse: another count, element type or rank than the graph
             declares, or a static dim that differs (axes named in ``dynamic_axes`` are free).

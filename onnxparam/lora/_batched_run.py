@@ -89,8 +89,19 @@ def call_batched(module, args: tuple, kwargs: dict):
         a_name, b_name = stack_names(module, path)
         if a_name in runner.traced.graph.initializers:
             fed += [(a_name, target.a), (b_name, target.b)]
+    _check_rows(module, rows, tensors)
     fed.append((INDEX_INPUT, rows))
     return runner.with_fed_params(fed).run(tensors)
+
+
+def _check_rows(module, rows: np.ndarray, tensors) -> None:
+    """An index of length 1 (every row) or one entry per row: the batch is dim 0 of the first
+    input with a dim (as in the graph's own check, :meth:`onnxparam.lora._batched._Graph._checked`)."""
+    batch = next((int(t.shape[0]) for t in tensors if len(t.shape) >= 1), None)
+    if batch is None or len(rows) in (1, batch):
+        return
+    raise LoraError(f"{type(module).__name__}(..., adapter_index=...): adapter_index has {len(rows)} entries, "
+                    f"the batch has {batch} rows: give one entry per row, or one entry for every row")
 
 
 # -- checking and writing adapter sets --------------------------------------------------------

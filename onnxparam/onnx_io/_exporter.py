@@ -94,10 +94,13 @@ def export_onnx(
 
     Raises:
         TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
-        ValueError: for an unsupported opset or LoRA mode, or an opset other than an imported
-            model's own.
+        ValueError: for an unsupported opset, or an opset other than an imported model's own.
+        LoraError: an unknown ``lora`` mode (a ``ValueError`` too).
         OnnxFormatError: when the model cannot be saved (see
             :func:`~onnxparam.onnx_io._save.save_model`).
+        FileAccessError: (also the builtin ``OSError`` leaf of its errno) the file cannot be
+            written: a folder that is not writable or refuses new files (``/proc``), a file on
+            the path where a folder should be, a read-only target; nothing is written.
 
         For an imported module, each of these names the file it was imported from.
     """

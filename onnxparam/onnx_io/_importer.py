@@ -130,6 +130,12 @@ def _dims(value: ir.Value) -> Optional[tuple]:
     return tuple((d if d >= 0 else None) if isinstance(d, int) else (d.value or None) for d in value.shape)
 
 
+def _shape_text(shape) -> list:
+    """A traced tensor's shape for a message: a symbolic dim as its name (``'batch'``), not its
+    repr; ``'?'`` for an unnamed one."""
+    return [d if isinstance(d, int) else (getattr(d, "name", None) or "?") for d in shape]
+
+
 def _check_array_dtype(value: ir.Value, array) -> None:
     """A numpy array given for graph input ``value`` has the element type the graph declares
     (else ONNX Runtime's "Unexpected input data type" would name no input)."""
@@ -353,7 +359,8 @@ class OnnxModule(Module):
             return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
-        """Graph input name -> given value; checks count, names, dtype and rank."""
+        """Graph input name -> given value; checks count, names, dtype and rank. A numpy array in
+        the other byte order (``x.astype(">f4")``) is bound as a native-order copy."""
         required = self._source.inputs
         if len(inputs) > len(required):
             raise CallArgumentError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
@@ -382,8 +389,12 @@ class OnnxModule(Module):
                     raise CallArgumentError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
                 if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
                         isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
-                    raise CallArgumentError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
+                    raise CallArgumentError(f"graph input {v.name!r} takes shape {list(dims)}, got {_shape_text(x.shape)}")
             elif isinstance(x, np.ndarray) and isinstance(v.type, ir.TensorType):
+                if not x.dtype.isnative:
+                    # NOTE: a big-endian array (x.astype(">f4")) holds the same values; ONNX
+                    # Runtime reads raw bytes in native order, so it gets a native copy
+                    x = bound[v.name] = x.astype(x.dtype.newbyteorder("="))
                 _check_array_dtype(v, x)
         return bound
 

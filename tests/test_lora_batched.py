@@ -225,6 +225,11 @@ def test_cli_lora_check(tmp_path):
     assert code != 0 and "'fc1.weight.lora.a_stack' has shape [4, 7, 4], the export needs (slots, 6, r)" in err, err
     code, out, err = run_cli("lora", "check", path, file, "--alpha", "2")
     assert code != 0 and "--alpha does not apply" in err
+    # one adapter's file (an 'inputs' export's) says a batched export takes write_batched_adapter's stacks
+    single = write_onnx_adapter(SOURCES["one"], tmp_path / "single.onnx_adapter")
+    code, out, err = run_cli("lora", "check", path, single)
+    assert code != 0 and "holds one adapter's factors" in err and "write_batched_adapter(module, path" in err, err
+    assert err.count("\n") <= 2, err  # one message, not every tensor listed
 
 
 def test_index_entries_are_checked():

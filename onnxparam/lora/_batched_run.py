@@ -189,7 +189,9 @@ def check_batched_adapters(model, adapters) -> dict:
     export's names first, in index order, each adapter's rank at most the export's.
 
     Raises:
-        RecordError: every problem listed.
+        RecordError: every problem listed; a single adapter's factors (``<W>.lora.a`` /
+            ``.lora.b``, an ``inputs`` export's file) say that a batched export needs the stacks
+            of :func:`write_batched_adapter`.
         LoraError: ``model`` is not a batched export; a module's adapters cannot be stacked.
         ExecutionError: ONNX Runtime cannot read the adapter file.
         FileNotFoundError: a missing file.
@@ -232,6 +234,14 @@ def check_batched_adapters(model, adapters) -> dict:
         source = f"the named adapters of {type(adapters).__name__}"
     targets = {t["a"]: ("a", t) for t in meta["targets"]}
     targets.update({t["b"]: ("b", t) for t in meta["targets"]})
+    single = sorted(n for n in params if n.endswith((".lora.a", ".lora.b")))
+    if single and not any(n in targets for n in params):
+        raise RecordError(
+            f"{source} holds one adapter's factors ({single[0]!r} ...: an 'inputs' export's file, "
+            f"write_onnx_adapter), not the stacked set the batched export {label} takes "
+            f"(its inputs: {meta['targets'][0]['a']!r} ...): write the stacks with "
+            f"onnxparam.write_batched_adapter(module, path, model={label}) from a module holding the named "
+            "adapters (add_adapter)")
     slots_seen = {}
     ranks: dict = {}
     for name, value in sorted(params.items()):

@@ -46,9 +46,9 @@ import onnx_ir as ir
 from ..core.errors import OnnxFormatError
 from ..formats._scratch import (
     check_replaceable,
-    make_parent_folder,
     create_scratch,
     disk_full_error,
+    make_parent_folder,
     preserve_mode,
     release,
 )

@@ -45,6 +45,7 @@ from .core.errors import (  # noqa: E402
     FileAccessError,
     LoraError,
     LoraTypeError,
+    LoraWarning,
     OnnxFormatError,
     OnnxParamError,
     PrecisionWarning,
@@ -119,6 +120,7 @@ __all__ = [
     "LoraTypeError",
     "FileAccessError",
     "PrecisionWarning",
+    "LoraWarning",
 ]
 
 _LAZY = {

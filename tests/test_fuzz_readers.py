@@ -54,7 +54,9 @@ def peak_bytes(fn) -> tuple:
 
 @pytest.mark.parametrize("target, cases", [("onnx", 250), ("safetensors", 400), ("peft", 250)])
 def test_fuzzed_inputs_raise_only_onnxparam_errors(tmp_path, target, cases):
-    out = fuzz.run_target(target, cases, seed=20260901, folder=tmp_path, case_seconds=5.0)
+    # NOTE: the per-case time bound only catches a reader that hangs (no timed assertions: a
+    # 5 s bound failed at 5.3 s on the loaded 2-core machine under coverage)
+    out = fuzz.run_target(target, cases, seed=20260901, folder=tmp_path, case_seconds=120.0)
     assert out.failures == [], out.failures
     assert out.tried == cases and out.refused > cases // 4 and out.accepted > 0
 

@@ -4,7 +4,8 @@ Range position ids, Slice with computed bounds, reductions with computed axes, R
 0 / -1), imported, differentiated at two or three input shapes. Oracle: central finite
 differences of the same loss on plain ONNX Runtime runs of the original file with one
 initializer entry perturbed (``tests/grad_check.py``), float64 where ORT has double kernels.
-One symbolic training graph serves every shape after the first (counted in the cache)."""
+One symbolic training graph, built on the first call (the declared dims), serves every shape (counted in
+the cache)."""
 
 from __future__ import annotations
 

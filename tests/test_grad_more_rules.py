@@ -553,3 +553,26 @@ def test_tensor_scatter_cache_and_update_gradients_on_a_dynamic_batch(mode):
 
     check_op(nodes, ["N", 2, 5, 3], [(2, 2, 5, 3), (3, 2, 5, 3)],
              {"s": RNG.uniform(0.5, 1.5, (3,)), "su": RNG.uniform(0.5, 1.5, (3,))}, 24, extra_inputs=[upd, wi], extra=extra)
+
+
+@pytest.mark.parametrize("op_type", ["AveragePool", "LpPool"])
+def test_pools_with_ceil_mode_on_dynamic_image_sizes(op_type):
+    """``ceil_mode=1``: the last window of each row runs past the end (for some sizes only)."""
+    extra_attrs = {"count_include_pad": 0} if op_type == "AveragePool" else {"p": 2}
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node(op_type, ["xs"], ["y"], kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 0, 0],
+                              ceil_mode=1, **extra_attrs)]
+
+    def torch_fn(x, s):
+        import torch
+
+        xs = torch.nn.functional.pad(x * s, (0, 0, 1, 0))  # (the top pad; counted out below)
+        if op_type == "LpPool":
+            return torch.nn.functional.lp_pool2d(xs, 2.0, (3, 2), (2, 2), ceil_mode=True)
+        total = torch.nn.functional.avg_pool2d(xs, (3, 2), (2, 2), ceil_mode=True, divisor_override=1)
+        cells = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(torch.ones_like(x), (0, 0, 1, 0)), (3, 2),
+                                               (2, 2), ceil_mode=True, divisor_override=1)
+        return total / cells
+
+    check_op(nodes, ["N", "C", "H", "W"], [(2, 3, 6, 7), (1, 3, 5, 4)], {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1))},
+             19, torch_fn=torch_fn if op_type == "AveragePool" else None)

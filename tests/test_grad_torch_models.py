@@ -8,8 +8,8 @@ TorchScript exporter with dynamic batch and sequence dims, imported with ``impor
 the same weights and inputs: every param's gradient within 1e-3 of torch's (relative to the
 largest entry of that gradient, with an absolute floor for gradients that are zero in exact
 arithmetic, such as the attention key bias). Three sequence lengths and batch sizes run; the
-training graph of the first call is concrete and ONE symbolic training graph and session serve
-every later shape (the autodiff cache is counted). Then a LoRA fine-tuning step lowers the loss.
+file's dynamic dims are symbolic from the first call: ONE training graph and session serve every
+shape (the autodiff cache is counted). Then a LoRA fine-tuning step lowers the loss.
 
 Token ids start at 1: torch's ``nn.Embedding(padding_idx=0)`` zeroes row 0's gradient by
 convention, which no ONNX graph encodes (the gradient of the exported function has row 0).

@@ -8,8 +8,8 @@ image height and width (the CNNs; Whisper's encoder accepts only its fixed frame
 with ``import_onnx``, and ``grad`` of ``(model(x) * c).sum()`` on the imported module is compared
 with torch autograd of the same loss on the same weights and inputs at three shapes: every
 trainable param's gradient within 1e-3 of torch's, relative to the largest entry of torch's
-gradient. The first call traces a concrete training graph; one symbolic graph and session serve
-the two later shapes. Then LoRA (the default targets: the linear layers, the taggers' embedding)
+gradient. The file's dynamic dims are symbolic from the first call: one training graph and session serve
+the three shapes. Then LoRA (the default targets: the linear layers, the taggers' embedding)
 is fine-tuned on the same file for three Adam steps (the loss falls) and the ``lora="merge"``
 export, run by plain ONNX Runtime, equals torch's model with the merged weights.
 
@@ -236,8 +236,8 @@ def torch_oracle(name: str, path):
     return model
 
 
-def check_lora_fine_tune(name: str, exporter: str, path, tmp_path, rank=2, alpha=4) -> None:
-    """LoRA on the imported model (its default targets), three Adam steps lower the loss; the
+def check_lora_fine_tune(name: str, exporter: str, path, tmp_path, rank=2, alpha=4, group=None) -> None:
+    """LoRA on the imported model (its default targets, or ``group``), three Adam steps lower the loss; the
     ``lora="merge"`` export in plain ONNX Runtime equals torch's model with each adapted weight
     replaced by ``base + (alpha / rank) * a @ b`` (from the factors, in the weight's layout) and the
     module's own call, at a second shape."""
@@ -247,7 +247,8 @@ def check_lora_fine_tune(name: str, exporter: str, path, tmp_path, rank=2, alpha
 
     model = torch_oracle(name, path)
     _, make, _, _, shapes = MODELS[name]
-    module = op.import_onnx(str(path)).apply_lora(op.LoraConfig(rank=rank, alpha=alpha, seed=0))
+    config = op.LoraConfig(rank=rank, alpha=alpha, seed=0)
+    module = op.import_onnx(str(path)).apply_lora(config if group is None else config.with_param_group(group))
     rng = np.random.default_rng(3)
     x = make(rng, *shapes[0])
     with torch.no_grad():
@@ -345,9 +346,14 @@ def test_every_param_gradient_matches_torch_autograd_and_a_lora_fine_tune_merges
 
 
 def test_lstm_tagger_torchscript_export_gradients_match_torch_autograd_and_lora_on_its_embedding_trains(tmp_path):
-    """The quick representative of the slow sweep above (about a second to export): LoRA's
-    default targets here are the embedding before the LSTM and the linear head."""
+    """The quick representative of the slow sweep above (about a second to export): LoRA on the
+    embedding before the LSTM and on the linear head. The embedding is named in the param_group:
+    the default targets linear maps only, as PEFT's (embeddings only when asked)."""
     path = tmp_path / "tagger.onnx"
     export(build("lstm_tagger"), "lstm_tagger", "torchscript", path)
     assert check_against_torch("lstm_tagger", "torchscript", path) < 1e-3
-    check_lora_fine_tune("lstm_tagger", "torchscript", path, tmp_path)
+    imported = op.import_onnx(str(path))
+    head = next(p for p, n in imported.onnx_names.items() if n.startswith("onnx::MatMul"))
+    assert "emb.weight" in imported.lora_default_skips()  # not a default target
+    group = op.ParamGroup.from_paths(["emb.weight", head])
+    check_lora_fine_tune("lstm_tagger", "torchscript", path, tmp_path, group=group)

@@ -62,8 +62,13 @@ def _perturbed(model):
     return model
 
 
-def _ids():
-    return np.random.default_rng(1).integers(0, VOCAB, size=(1, SEQ)).astype(np.int64)
+def _runs_as_torch(loaded, model) -> None:
+    """``loaded`` (the imported graph with a checkpoint loaded) computes ``model``'s forward."""
+    torch = _torch()
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(1, SEQ)).astype(np.int64)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(loaded(op.Tensor.from_numpy(ids)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_fine_tuned_checkpoint_loads_into_the_renamed_weights_and_runs_as_torch(tmp_path):
@@ -76,10 +81,7 @@ def test_a_fine_tuned_checkpoint_loads_into_the_renamed_weights_and_runs_as_torc
     torch.save(tuned.state_dict(), tmp_path / "tuned.pt")
     report = LoadReport()
     loaded = load_pytorch(imported, tmp_path / "tuned.pt", report=report)
-    ids = _ids()
-    with torch.no_grad():
-        expected = tuned(torch.from_numpy(ids)).numpy()
-    np.testing.assert_allclose(loaded(op.Tensor.from_numpy(ids)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+    _runs_as_torch(loaded, tuned)
     sources = dict(report.renamed)
     assert {"up.weight", "lm_head.weight"} <= set(sources)
     assert {imported.onnx_names[sources[s]] for s in ("up.weight", "lm_head.weight")} <= set(renamed)
@@ -88,16 +90,12 @@ def test_a_fine_tuned_checkpoint_loads_into_the_renamed_weights_and_runs_as_torc
 
 
 def test_the_exported_checkpoint_decides_a_square_weight_by_its_values_a_fine_tuned_one_is_reported(tmp_path):
-    torch = _torch()
     model = _tiny_lm(square=True)
     imported = _export(model, tmp_path / "sq.onnx")
     report = LoadReport()
     loaded = load_pytorch(imported, dict(model.state_dict()), report=report)  # the very weights exported
     assert not report.undecided and not report.missing
-    ids = _ids()
-    with torch.no_grad():
-        expected = model(torch.from_numpy(ids)).numpy()
-    np.testing.assert_allclose(loaded(op.Tensor.from_numpy(ids)).to_numpy(), expected, rtol=1e-5, atol=1e-5)
+    _runs_as_torch(loaded, model)
 
     tuned = dict(_perturbed(model).state_dict())
     report = LoadReport()
@@ -150,3 +148,31 @@ def test_a_checkpoint_with_nothing_of_the_renamed_weights_shape_leaves_it_missin
     report = LoadReport()
     load_pytorch(imported, {"other.weight": np.zeros((7, 7), np.float32)}, report=report, allow_partial=True)
     assert len(report.missing) == 2 and not report.undecided and report.unused == ["other.weight"]
+
+
+def test_a_checkpoint_storing_a_tied_head_once_fills_it_from_the_table_the_file_ties_it_to(tmp_path):
+    """``safetensors.torch.save_model`` (as Hugging Face's ``model.safetensors``) keeps one tensor
+    of a tied pair: the other side comes from it, transposed, because the ONNX file ties them
+    (its head's values are the table's transposed)."""
+    _torch()
+    from safetensors.torch import save_model
+
+    from onnxparam.convert import load_safetensors
+
+    model = _tiny_lm()
+    imported = _export(model, tmp_path / "lm.onnx")
+    tuned = _perturbed(model)
+    save_model(tuned, str(tmp_path / "model.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+        stored = set(f.keys())
+    assert len(stored & {"wte.weight", "lm_head.weight"}) == 1  # precondition: the tied pair stored once
+    report = LoadReport()
+    loaded = load_safetensors(imported, tmp_path / "model.safetensors", report=report)
+    _runs_as_torch(loaded, tuned)
+    assert not report.undecided and not report.missing
+    (kept,) = stored & {"wte.weight", "lm_head.weight"}
+    filled = {path for source, path in report.renamed if source == kept}
+    assert imported.path_of("wte.weight") in filled or kept == "wte.weight"
+    assert any(imported.onnx_names[p].startswith("onnx::") for p in filled)  # the folded head

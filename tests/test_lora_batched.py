@@ -225,6 +225,11 @@ def test_cli_lora_check(tmp_path):
     assert code != 0 and "'fc1.weight.lora.a_stack' has shape [4, 7, 4], the export needs (slots, 6, r)" in err, err
     code, out, err = run_cli("lora", "check", path, file, "--alpha", "2")
     assert code != 0 and "--alpha does not apply" in err
+    # one adapter's file (an 'inputs' export's) says a batched export takes write_batched_adapter's stacks
+    single = write_onnx_adapter(SOURCES["one"], tmp_path / "single.onnx_adapter")
+    code, out, err = run_cli("lora", "check", path, single)
+    assert code != 0 and "holds one adapter's factors" in err and "write_batched_adapter(module, path" in err, err
+    assert err.count("\n") <= 2, err  # one message, not every tensor listed
 
 
 def test_index_entries_are_checked():
@@ -480,3 +485,29 @@ def test_an_index_outside_the_slots_fails_in_ort_for_a_conv_only_export(tmp_path
     assert np.abs(last - base).max() > 1e-3
     np.testing.assert_array_equal(sess.run(None, {"x": x, "adapter_index": np.array([-1, -1], dtype=np.int64)})[0],
                                   last)
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_an_index_neither_one_entry_nor_one_per_row_is_refused(tmp_path, two_d):
+    """The documented rule: ``adapter_index`` has 1 entry (every row) or one per row (dim 0 of
+    the input); any other length is an error in the runtime (``LoraError`` naming both lengths)
+    and in the exported graph under plain ONNX Runtime, never rows read as a ``[batch * seq]``
+    layout. Oracle: the numpy LoRA formula per row for the lengths that are allowed."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    module = with_adapters(["one", "two"])
+    x = X[:4, 0] if two_d else X[:4]
+    sess = session(export_onnx(module, tmp_path / "b.onnx", x[:2], lora="batched"))
+    for batch, index in ((4, [1, 2]), (4, [1, 2, 0]), (4, [1, 2, 0, 1, 2]), (1, [1, 2])):
+        with pytest.raises(LoraError, match=f"adapter_index has {len(index)} entries, the batch has {batch} rows"):
+            module(Tensor.from_numpy(x[:batch]), adapter_index=index)
+        with pytest.raises((Fail, InvalidArgument), match="lora.batched/(Expand|Reshape)_index"):
+            sess.run(None, {"x": x[:batch], "adapter_index": np.array(index, dtype=np.int64)})
+    for batch, index in ((4, [2]), (4, [2, 0, 1, 1]), (1, [1])):
+        names = [None if k == 0 else list(ADAPTERS)[k - 1] for k in index] * (batch // len(index))
+        got = sess.run(None, {"x": x[:batch], "adapter_index": np.array(index, dtype=np.int64)})[0]
+        runtime = module(Tensor.from_numpy(x[:batch]), adapter_index=index).to_numpy()
+        for row, name in enumerate(names):
+            expected = oracle(x[row:row + 1], name)[0]
+            np.testing.assert_allclose(got[row], expected, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(runtime[row], expected, atol=1e-5, rtol=0)

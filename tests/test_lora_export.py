@@ -338,9 +338,14 @@ def test_other_uses_of_an_adapted_weight_get_the_merged_weight_in_the_graph(x, t
                                    atol=ATOL)
 
 
-def test_unknown_lora_mode_is_rejected():
-    with pytest.raises(ValueError, match=r"lora_mode must be one of merge, keep, inputs; got 'fuse'"):
+def test_unknown_lora_mode_is_rejected(tmp_path):
+    with pytest.raises(LoraError, match=r"lora_mode must be one of merge, keep, inputs; got 'fuse'"):
         SessionConfig(lora_mode="fuse")
+    module = Mlp().apply_lora(LoraConfig(rank=2))
+    with pytest.raises(LoraError, match=r"unknown LoRA mode 'bogus': expected one of 'merge'") as info:
+        export_onnx(module, tmp_path / "x.onnx", np.zeros((2, 8), np.float32), lora="bogus")
+    assert isinstance(info.value, op.OnnxParamError) and isinstance(info.value, ValueError)
+    assert not (tmp_path / "x.onnx").exists()
 
 
 def test_writing_an_adapter_of_a_module_without_adapters_says_to_apply_lora(tmp_path):

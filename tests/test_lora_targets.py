@@ -37,3 +37,27 @@ def test_default_lora_adapts_only_the_weights_a_matmul_uses_as_its_matrix(import
 def test_a_group_selecting_a_scale_that_is_no_linear_map_is_refused_naming_it(imported):
     with pytest.raises(ValueError, match=r"'scale' \(1, 3\) is not the matrix of a linear map"):
         imported.apply_lora(op.LoraConfig(rank=1, alpha=2, param_group=op.ParamGroup.from_regex("^scale$")))
+
+
+class ConvHead(op.Module):
+    def __init__(self):
+        from onnxparam.nn import Conv2dConfig, LinearConfig
+
+        self.conv = Conv2dConfig((2, 3), (3, 3)).init()
+        self.fc = LinearConfig(3, 4).init()
+
+    def forward(self, x):
+        return self.fc(self.conv(x).mean(axis=(2, 3)))
+
+
+def test_a_group_matching_convolution_kernels_warns_listing_the_ones_left_without_adapters():
+    """The documented limit: apply_lora creates adapters for 2-d weights only; a narrower group
+    that also matches a convolution kernel adapts the matrices and warns (LoraWarning) naming the
+    kernel and its shape; the default group stays silent (filterwarnings=error would fail it)."""
+    group = op.ParamGroup.from_regex(r"conv|weight")
+    with pytest.warns(op.LoraWarning, match=r"matches 1 param\(s\) of rank >= 3 .*'conv.weight' \(3, 2, 3, 3\)"):
+        adapted = ConvHead().apply_lora(op.LoraConfig(rank=2, param_group=group))
+    assert adapted_paths(adapted) == ["fc.weight"]
+    assert adapted_paths(ConvHead().apply_lora(op.LoraConfig(rank=2))) == ["fc.weight"]
+    with pytest.raises(op.LoraError, match="conv.weight"):  # nothing adaptable: an error, as before
+        ConvHead().apply_lora(op.LoraConfig(rank=2, param_group=op.ParamGroup.from_regex(r"conv")))

@@ -172,3 +172,18 @@ def test_saving_all_named_adapters_needs_some_and_loading_needs_a_peft_folder(tm
     adapted = Net().apply_lora(LoraConfig(rank=2, alpha=2.0, seed=0))
     with pytest.raises(RecordError, match=r"adapter names \['a/b'\] cannot be folder names"):
         save_peft_adapters(Net().add_adapter("a/b", adapted), tmp_path / "out")
+
+
+def test_a_weight_named_as_several_modules_takes_the_biased_one_else_what_key_map_makes_of_them():
+    """The documented rule of save_peft_adapter for a weight the graph names as several modules:
+    the one whose ``<m>.bias`` the graph holds; else the one name the key_map rules make of all
+    of them; else a problem naming the candidates."""
+    from onnxparam.lora._peft_save import _one_module
+
+    found, problems = ["b.0.qkv", "b.b.0.qkv"], []
+    assert _one_module("w", (4, 4), found, {"b.0.qkv"}, [], problems) == "b.0.qkv"
+    assert _one_module("w", (4, 4), found, {"b.0.qkv"}, [(r"^b\.", "m.")], problems) == "m.0.qkv"
+    assert _one_module("w", (4, 4), found, set(), [(r"^b\.b\.", "b.")], problems) == "b.0.qkv"
+    assert not problems
+    assert _one_module("w", (4, 4), found, set(), [], problems) is None
+    assert "several modules ['b.0.qkv', 'b.b.0.qkv']" in problems[0] and "key_map" in problems[0]

@@ -578,3 +578,44 @@ def test_peft_adapters_loaded_on_a_torch_exported_model_save_back_to_peft_with_t
         back = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder)).eval()
     with torch.no_grad():
         np.testing.assert_allclose(back(ids).numpy(), expected, atol=ATOL)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(6, 6)
+        self.ff = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 6))
+
+    def forward(self, x):
+        return x + self.ff(torch.tanh(self.qkv(x)))
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        return self.b(x)
+
+
+def test_a_sequential_of_blocks_export_saves_back_as_the_peft_adapter_it_loaded(tmp_path):
+    """torch's TorchScript exporter renames each 3-d ``nn.Linear`` weight ``onnx::MatMul_N`` and
+    names its node ``/b/b.0/qkv/MatMul``: the graph names the weight both ``b.b.0.qkv`` (the
+    node) and ``b.0.qkv`` (its bias). save_peft_adapter writes it for the module whose bias the
+    graph holds, as load_peft_adapter reads it. Oracle: real PEFT loading the saved folder gives
+    the outputs of torch PEFT with the original adapter."""
+    from onnxparam import save_peft_adapter
+
+    base = randomize(Blocks().eval(), seed=21)
+    x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(22))
+    reference = peft_model(base, tmp_path / "peft", 2, 5, False, False, ["qkv", "ff.0", "ff.2"], seed=23)
+    imported = import_onnx(export(base, (x,), tmp_path / "m.onnx", "torchscript", input_names=["x"]))
+    assert any(n.startswith("onnx::MatMul") for n in imported.onnx_names.values())
+    folder = save_peft_adapter(load_peft_adapter(imported, tmp_path / "peft"), tmp_path / "back")
+    with quiet():
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()
+    with torch.no_grad():
+        expected, got = reference(x).numpy(), loaded(x).numpy()
+    assert np.abs(expected - base(x).detach().numpy()).max() > 1e-2  # the adapter changes the output
+    np.testing.assert_allclose(got, expected, atol=ATOL)

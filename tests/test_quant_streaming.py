@@ -227,3 +227,27 @@ def test_blocked_4bit_weights_are_quantized_in_slabs_of_whole_blocks_as_numpy_do
     np.testing.assert_array_equal(np.asarray(qt.scales, np.float32).reshape(16, 64), scale)
     # blocks that do not divide the shape: not chunked (the caller's whole quantize raises)
     assert small_thresholds.quantize_chunked(w[:500], quantizer, None) is None
+
+
+def test_below_min_cosine_the_sensitivity_search_is_skipped_with_a_reason_when_it_would_not_fit(
+        tmp_path, capsys, monkeypatch):
+    """The accuracy report fits, the one-at-a-time search (the float model once per weight) does
+    not: the warning and the report say so instead of naming weights."""
+    from onnxparam.quant import _accuracy
+
+    src, _ = chain(tmp_path / "chain.onnx", external=False)
+    calls = []
+
+    def fits(model_bytes):
+        calls.append(model_bytes)
+        return (True, "") if len(calls) == 1 else (False, "too big for this test")
+
+    monkeypatch.setattr(_accuracy, "fits_in_memory", fits)
+    out = tmp_path / "q.onnx"
+    code, stdout, err = run_main(capsys, "quantize", src, out, "--min-cosine", "1", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)["results"]["accuracy"]
+    assert report["sensitivity_skipped"] == "too big for this test" and report["sensitivity"] == []
+    assert "the quantized weights that move the outputs most: not searched: too big for this test" in err
+    assert "integer kernels do" not in err
+    assert len(calls) == 2 and calls[1] > calls[0]  # the search is asked for more memory than the two runs

@@ -28,7 +28,9 @@ trained weights. Each is exported as
 * ``ort-4bit``: ``MatMulNBitsQuantizer`` of it (block 32, symmetric), where available.
 
 All run in plain ``InferenceSession`` s with the same options, timed interleaved (the order
-rotates every repetition), ratio of medians vs float32. Printed per variant: latency ratio, file
+rotates every repetition), ratio of medians vs float32; with ``--threads 1`` the clock is the
+calling thread's CPU time (ORT computes on it; wall time on a loaded machine inflates long runs
+more than short ones), else wall time. Printed per variant: latency ratio, file
 size ratio, cosine similarity of the outputs vs float32 and (MNIST) digit accuracy. Targets:
 ``default`` <= 1.0 on every model, ``static`` <= 0.5 on the conv net, and every onnxparam variant
 no slower than the matching ONNX Runtime tool (default vs ort-dynamic, static vs ort-static,
@@ -160,14 +162,13 @@ def _variants(name, model, example, calib, tmp: Path, axes) -> dict:
     return files
 
 
-def _time(runs: dict, repeats: int, warmup: int = 3) -> dict:
-    """Median seconds per variant, interleaved (the order rotates every repetition)."""
+def _time(runs: dict, repeats: int, warmup: int = 3, clock=time.perf_counter) -> dict:
+    """Median seconds per variant by ``clock``, interleaved (the order rotates every repetition)."""
     names = list(runs)
     for _ in range(warmup):
         for n in names:
             runs[n]()
     times = {n: [] for n in names}
-    clock = time.perf_counter
     for i in range(repeats):
         k = i % len(names)
         for n in names[k:] + names[:k]:
@@ -207,6 +208,12 @@ def bench_quant(args, result_cls) -> list:
     so.log_severity_level = 3
     results = []
     repeats = max(args.repeats // 10, 20)
+    # NOTE: with one intra-op thread ORT computes on the calling thread, so its CPU time is the run's
+    # latency on an idle machine; wall time on a loaded one inflates every run longer than a scheduler
+    # slice (float32 transformer at batch 1: 9.7 ms wall vs 2.2 ms CPU at load 10 on 2 cores), which
+    # biases ratios between variants of different lengths. More threads: wall time.
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    print(f"quant: timing by {'thread CPU time (1 intra-op thread)' if args.threads == 1 else 'wall time'}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, model, data, batches in models:
@@ -228,7 +235,7 @@ def bench_quant(args, result_cls) -> list:
             for batch in batches:
                 x = data[:batch]
                 runs = {v: (lambda _s=s, _x=x: _s.run(None, {feed_name: _x})) for v, s in sessions.items()}
-                med = _time(runs, repeats)
+                med = _time(runs, repeats, clock=clock)
                 print(f"quant: {name} batch {batch}: latency / float32: "
                       + ", ".join(f"{v} {med[v] / med['float32']:.3f}" for v in files if v != "float32"))
                 case = f"{name}[{batch}]"

@@ -9,7 +9,8 @@ temporary folder and imported with :func:`onnxparam.import_onnx`. One fine-tunin
 eval mode: no dropout, BatchNorm's inference form, as exported), both sides updating every param.
 
 * time: the two steps interleaved in one process (:func:`bench.interleaved_medians`), ratio of
-  medians; target :data:`TIME_TARGET`;
+  medians, one thread a side unless ``--threads`` is given (ONNX Runtime without spinning);
+  target :data:`TIME_TARGET`;
 * memory: each side in a fresh child process (``python tools/bench_train.py --child MODEL SIDE``):
   the RSS growth from "model loaded (params read), inputs and optimizer made" to the peak of the
   :data:`MEMORY_STEPS` steps after the first (``VmHWM``, reset after the first step, - ``VmRSS``
@@ -48,6 +49,8 @@ BERT = dict(vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attentio
 """``prajjwal1/bert-tiny``'s configuration (random weights), dropout off (eval-mode export)."""
 BERT_BATCH, BERT_SEQ, BERT_CLASSES = 8, 128, 2
 RESNET_BATCH, RESNET_SIZE, RESNET_CLASSES = 8, 64, 10
+RECOMPUTED = {"bert": ("bert.encoder.layer.0", "bert.encoder.layer.1"), "resnet18": ("layer1", "layer2", "layer3", "layer4")}
+"""The sub-modules marked for recomputation in the ``recompute`` memory runs."""
 SESSION_SHAPES = [(4, 32), (8, 64), (2, 48)]
 """``(batch, sequence)`` of the session-count run."""
 
@@ -183,11 +186,14 @@ def ours_step(path: Path, name: str, threads: int = 0, recompute: bool = False):
     module = op.import_onnx(path)
     for _, param in module.named_params():  # NOTE: read now (the import maps the file), as torch's are in memory
         np.asarray(param.val().to_numpy()).sum()
-    runtime.set_session_config(module, runtime.SessionConfig(intra_op_num_threads=threads))
+    # NOTE: ONNX Runtime's pool threads spin after each run by default, taking the cores from the torch
+    # step timed next to it (torch looked 2-4x slower than alone); no spinning keeps the comparison fair
+    runtime.set_session_config(module, runtime.SessionConfig(
+        intra_op_num_threads=threads, config_entries=(("session.intra_op.allow_spinning", "0"),)))
     if recompute:
         from onnxparam.autodiff import recompute as mark
 
-        module = mark(module)
+        module = mark(module, *RECOMPUTED[name])
     x, y = _inputs(name)
     state = {"model": module, "optim": Adam(lr=1e-4, eps=1e-8)}
 
@@ -287,18 +293,22 @@ def run(args, Result, interleaved_medians) -> list:
     from onnxparam import autodiff
 
     repeats = max(args.repeats // 50, 10)
+    # NOTE: one thread a side unless --threads says otherwise: with their default pools both sides
+    # degrade under a shared machine's load very unevenly (torch's 2-thread step 5x its 1-thread
+    # one at load 12 here, while ONNX Runtime's barely moved), which measures the load, not the step
+    threads = args.threads or 1
     sides = ("ours", "torch") + (("recompute",) if hasattr(autodiff, "recompute") else ())
     results = []
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-train-") as tmp:
         folder = Path(tmp)
         for name in MODELS:
             path = export(name, folder)
-            t_ours, t_base = interleaved_medians(ours_step(path, name, args.threads), torch_step(name, args.threads),
+            t_ours, t_base = interleaved_medians(ours_step(path, name, threads), torch_step(name, threads),
                                                  repeats, warmup=2)
             label = "bert-tiny" if name == "bert" else "resnet18"
             shape = f"{BERT_BATCH}x{BERT_SEQ}" if name == "bert" else f"{RESNET_BATCH}x3x{RESNET_SIZE}x{RESNET_SIZE}"
             results.append(Result("train", f"{label} step {shape}", t_ours, t_base, TIME_TARGET))
-            mem = {side: child_memory(name, side, folder, args.threads) for side in sides}
+            mem = {side: child_memory(name, side, folder, threads) for side in sides}
             grow = {side: (m["peak"] - m["before"]) * 1024.0 for side, m in mem.items()}
             shown = ", ".join(f"{SIDE_NAMES[side]} {grow[side] / 2**20:.0f} MiB (process peak {mem[side]['peak'] / 1024:.0f} MiB)"
                               for side in sides)

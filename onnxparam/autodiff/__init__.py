@@ -10,6 +10,8 @@ the model layer knows nothing of it.
 * :class:`Gradients` — ``ParamId -> Tensor`` (Burn's ``GradientsParams``), what the optimizers
   of :mod:`onnxparam.optim` take;
 * :func:`cross_entropy`, :func:`mse` — losses as graph ops (:mod:`onnxparam.ops._losses`);
+* :func:`recompute` — marks sub-modules whose activations the backward recomputes instead of
+  keeping (activation checkpointing, :mod:`._recompute`): less memory, one more forward of them;
 * :func:`check_gradients` — every node on a param -> loss path without a gradient rule, listed
   before anything runs (:func:`grad` raises with the same list); :data:`GRADIENT_OPS` (the
   operators with a rule) and :data:`NOT_DIFFERENTIABLE` (operators declared without a gradient,
@@ -27,6 +29,7 @@ there is no tape and no ``loss.backward()``.
 from ..ops._losses import cross_entropy, mse
 from ._backward import GRAD_SUFFIX, build_training_model
 from ._check import GRADIENT_OPS, MissingRule
+from ._recompute import recompute
 from ._rules import NON_DIFFERENTIABLE, NOT_DIFFERENTIABLE, RULES
 from ._training import (
     MAX_CACHED_TRAINING,
@@ -41,6 +44,7 @@ from ._training import (
 __all__ = [
     "grad",
     "check_gradients",
+    "recompute",
     "Gradients",
     "GRADIENT_OPS",
     "NOT_DIFFERENTIABLE",

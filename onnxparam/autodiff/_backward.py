@@ -32,6 +32,7 @@ from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_control import MULTI_OUTPUT, missing_in_bodies, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
 from ._check import MissingRule, format_missing, missing_rules, reaching, rule_for, rule_key, source_name, unserved
+from ._recompute import apply_recompute
 from ._rules import NON_DIFFERENTIABLE
 
 __all__ = ["build_training_model", "GRAD_SUFFIX"]
@@ -95,7 +96,7 @@ def _rule_failure(node: ir.Node, why: str, opset: int, traced: TracedModel) -> s
     return text
 
 
-def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[TracedModel, tuple]:
+def build_training_model(traced: TracedModel, wrt: Sequence[str], recompute: Sequence[str] = ()) -> tuple[TracedModel, tuple]:
     """Extend ``traced`` (consumed: its graph is changed in place) with the gradients of its
     first output with respect to the params at paths ``wrt``.
 
@@ -103,6 +104,8 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         traced: a forward traced for this purpose, whose first output is the loss: a float
             tensor with one element.
         wrt: param paths (initializer names) to differentiate; each becomes a graph input.
+        recompute: sub-module paths whose activations the backward recomputes instead of
+            keeping (:func:`~onnxparam.autodiff.recompute`; :func:`._recompute.apply_recompute`).
 
     Returns:
         ``(model, grad_paths)``: the training :class:`~onnxparam.trace.tracer.TracedModel` (inputs:
@@ -227,7 +230,10 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str]) -> tuple[Trace
         err.missing = [m for m, _ in failed]  # (check_gradients returns it)
         raise err
 
-    # 4. outputs
+    # 4. the marked sub-modules' values the backward reads: recomputed there, not kept
+    apply_recompute(graph, recompute, e.unique, grads)
+
+    # 5. outputs
     del graph.outputs[1:]
     grad_paths = []
     for path in wrt:

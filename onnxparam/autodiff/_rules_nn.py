@@ -230,10 +230,13 @@ def _average_pool(e, node, gout, need):
     depthwise (``group = C``) transposed convolution with a ones kernel that spreads each
     window's gradient over its cells; ``count`` is the kernel size, or with
     ``count_include_pad=0`` the number of real cells per window (an ``AveragePool`` of ones
-    times the kernel size)."""
+    times the kernel size); with ``ceil_mode=1`` the divisor of each window as ONNX Runtime
+    computes it (cells covered over the node's own mean of ones)."""
     x, g = node.inputs[0], gout[0]
-    if int(attr(node, "ceil_mode", 0)):
-        raise TraceError(f"node {node.name!r}: AveragePool with ceil_mode=1 has no gradient rule")
+    ceil = bool(int(attr(node, "ceil_mode", 0)))
+    if ceil and e.opset < 18:
+        raise TraceError(f"node {node.name!r}: AveragePool's gradient with ceil_mode=1 needs opset 18+ (LpPool with "
+                         f"ceil_mode counts the cells of the windows); this graph is at opset {e.opset}")
     auto_pad = attr(node, "auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
@@ -244,6 +247,16 @@ def _average_pool(e, node, gout, need):
     strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
     size = math.prod(kernel)
     padded = any(begin) or any(end)
+    if ceil:
+        # the divisor ONNX Runtime used for each window (a window past the end counts only the
+        # cells it covers): cells / mean, with cells = LpPool(ones, p=1) and mean = the node on ones
+        attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "auto_pad", "ceil_mode")
+                 if k in node.attributes}
+        ones = e.op("Expand", e.const(1.0, np.float32), e.op("Shape", x))
+        mean = e.nodes("AveragePool", [ones], dict(attrs, count_include_pad=int(attr(node, "count_include_pad", 0))))[0]
+        cells = e.nodes("LpPool", [ones], dict(attrs, p=1))[0]
+        g = e.op("Mul", g, e.op("CastLike", e.op("Div", mean, cells), g))
+        return [window_sum_adjoint(e, g, x, node.outputs[0], kernel, strides, dilations, begin, end, run_time=True)]
     if padded and not int(attr(node, "count_include_pad", 0)):
         attrs = {k: attr(node, k) for k in ("kernel_shape", "strides", "pads", "dilations", "auto_pad")
                  if k in node.attributes}
@@ -256,13 +269,15 @@ def _average_pool(e, node, gout, need):
 
 
 def window_sum_adjoint(e: Emitter, h: ir.Value, x: ir.Value, y: ir.Value, kernel: tuple, strides, dilations,
-                       begin, end) -> ir.Value:
+                       begin, end, run_time: bool = False) -> ir.Value:
     """The adjoint of a pooling window sum: ``dx[n, c, i] = sum over the windows w containing
     cell i of h[n, c, w]`` (``h`` of the pooled output ``y``'s shape, the result of ``x``'s): a
     depthwise ``ConvTranspose`` with a ones kernel and the pool's geometry (cells no window
     reaches get 0). With a static channel count the channels are the groups; else every
     ``[n, c]`` plane is a batch entry of one single-channel ``ConvTranspose`` (shape arithmetic)."""
     xd, yd = dims(x), dims(y)
+    if run_time:  # (windows past the end, ceil_mode: the cut-and-pad form of the adjoint)
+        xd, yd = tuple(xd[:2]) + (None,) * (len(xd) - 2), tuple(yd[:2]) + (None,) * (len(yd) - 2)
     dtype = np_dtype(x)
     c = xd[1]
     if isinstance(c, int):

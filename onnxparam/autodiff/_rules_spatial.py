@@ -61,14 +61,11 @@ def _signed_power(e, x, p: float):
 def _lp_pool(e, node, gout, need):
     """``y = (sum over each window of |x|^p)^(1/p)`` (pads hold zeros): ``dx = sign(x) |x|^(p-1)
     * sum over the windows containing the cell of g * y^(1-p)`` (a depthwise ``ConvTranspose``
-    with a ones kernel). ``y = 0`` (an all-zero window) gives a non-finite gradient, as PyTorch.
-
-    Raises:
-        TraceError: for ``ceil_mode=1``.
+    with a ones kernel; with ``ceil_mode=1`` the windows past the end cover fewer cells). ``y = 0``
+    (an all-zero window) gives a non-finite gradient, as PyTorch.
     """
     x, y, g = node.inputs[0], node.outputs[0], gout[0]
-    if int(attr(node, "ceil_mode", 0)):
-        raise TraceError(f"node {node.name!r}: LpPool with ceil_mode=1 has no gradient rule")
+    ceil = bool(int(attr(node, "ceil_mode", 0)))
     p = float(attr(node, "p", 2))
     auto_pad = attr(node, "auto_pad", "NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
@@ -76,7 +73,7 @@ def _lp_pool(e, node, gout, need):
     kernel = tuple(attr(node, "kernel_shape"))
     strides, dilations, begin, end = _conv_geometry(node, xd, kernel)
     h = g if p == 1.0 else e.op("Mul", g, e.op("Pow", y, e.scalar_like(1.0 - p, y)))
-    spread = window_sum_adjoint(e, h, x, y, kernel, strides, dilations, begin, end)
+    spread = window_sum_adjoint(e, h, x, y, kernel, strides, dilations, begin, end, run_time=ceil)
     return [e.op("Mul", spread, _signed_power(e, x, p))]
 
 

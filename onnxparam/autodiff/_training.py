@@ -40,6 +40,7 @@ from ..runtime._sessions import build_runner
 from ..trace import tracer as _trace
 from . import _dynamic
 from ._backward import build_training_model
+from ._recompute import recomputed_paths
 
 __all__ = ["Gradients", "grad", "check_gradients", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
 
@@ -169,7 +170,8 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     from the runtime's ``_split_call``), traced and built if needed."""
     _forget_if_reseeded()
     wrt_all = trainable_paths(module)
-    key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all)
+    marked = recomputed_paths(module)
+    key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all, marked)
     hit = _graphs.get(key)
     if hit is not None:
         _graphs.move_to_end(key)
@@ -185,7 +187,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
 
         def build(gen_key, shapes, least):
             forward = _trace_loss(loss_fn, module, args, kwargs, shapes, least)
-            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params])
+            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params], marked)
             _graphs[gen_key] = entry
             _calls._trim(_graphs, MAX_CACHED_TRAINING)
             return entry
@@ -196,7 +198,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)
     wrt = [p for p in wrt_all if p in forward.params]
-    training, grad_paths = build_training_model(forward, wrt)
+    training, grad_paths = build_training_model(forward, wrt, marked)
     _graphs[key] = (training, grad_paths)
     _calls._trim(_graphs, MAX_CACHED_TRAINING)
     return key, training, grad_paths

@@ -203,6 +203,9 @@ def _calibration_arrays(path: Path, model) -> list:
 
     for key, array in chosen.items():
         check_calibration_input(array, f"the --calibrate file '{path}': array '{key}'")
+    from ._calibrate_check import check_calibration_arrays  # NOTE: dtype / shape, named (fresh5 7c)
+
+    check_calibration_arrays(path, model, chosen)
     return list(chosen.values())
 
 

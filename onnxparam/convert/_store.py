@@ -371,6 +371,9 @@ def load_safetensors(
                                  remap=[(r"^backbone\\.", "")], allow_partial=True, report=report)
         print(report)
 
+    Into an imported model, the weights torch's exporter renamed are matched by evidence as
+    :func:`load_pytorch` does.
+
     Returns:
         The loaded copy of ``module``; the file's data stays memory-mapped until a value is needed.
 
@@ -379,7 +382,9 @@ def load_safetensors(
         FileMissingError / IsAFolderError: no such file / a folder (the path named).
     """
     st_file = read_safetensors(path)
-    return apply_record(module, st_file.to_record(), adapter=adapter, remap=remap, include=include,
+    report = LoadReport() if report is None else report
+    record, exclude = _renamed_by_exporter(module, st_file.to_record(), adapter, exclude, report)
+    return apply_record(module, record, adapter=adapter, remap=remap, include=include,
                         exclude=exclude, cast=cast, allow_partial=allow_partial,
                         contiguous_indices=contiguous_indices, source=str(path), report=report)
 
@@ -406,6 +411,15 @@ def load_pytorch(
     each param, ``Linear`` weights are transposed, ``Embedding`` tables are not, norm
     ``weight``/``bias`` load into ``gamma``/``beta``, and BatchNorm's ``num_batches_tracked``
     is reported as ``ignored``.
+
+    Into an imported model (an :class:`~onnxparam.OnnxModule`, or a module holding one), the
+    weights torch's exporter renamed (``onnx::MatMul_N``: a bias-free ``nn.Linear``'s folded
+    transpose, a tied ``lm_head``) get their checkpoint tensor by evidence only
+    (:mod:`onnxparam.convert._torch_renamed`: the node naming the module, shapes, equal values,
+    the file's tie), transposed where the shapes or values say so, noted in
+    ``report.renamed`` / ``report.transposed``; what the evidence does not decide is in
+    ``report.undecided`` (and missing) with the reason. The graph's own ``Constant`` tensors,
+    which no checkpoint holds, are reported as skipped.
 
     Example::
 
@@ -470,22 +484,24 @@ def _renamed_by_exporter(module, record: Mapping, adapter, exclude, report: Load
         return record, exclude
     adapter_obj = resolve_adapter(adapter)
     types = module_types(module)
-    by_name: set = set()
+    by_name: dict = {}
     for path, _ in module.named_params():
         name = path if path in record else adapter_obj.file_name(path, _owner(path, types))
         if name in record:
-            by_name.update((path, name))
+            by_name[path] = name
     shapes = {name: tuple(int(d) for d in snap.shape) for name, snap in record.items()}
     matches, undecided = match_renamed_weights(
-        module, shapes, lambda name: record[name].to_data().to_numpy(), by_name | set(constants))
+        module, shapes, lambda name: record[name].to_data().to_numpy(), by_name, set(constants))
     snaps = dict(record.items())
     for m in matches:
-        snap = snaps.pop(m.source)
+        snap = record[m.source]
         if m.transpose:
             snap = transpose_snapshot(snap)
             report.transposed.append((m.path, _shape(snap.shape[::-1]), _shape(snap.shape)))
         snaps[m.path] = snap
         report.renamed.append((m.source, m.path))
+    for source in {m.source for m in matches} - set(by_name.values()):
+        snaps.pop(source, None)  # taken under the param's path (a name no param has would be 'unused')
     report.undecided.extend(sorted(undecided.items()))
     if constants:
         extra = [f"^{re.escape(p)}$" for p in constants if p not in record]

@@ -10,7 +10,11 @@ still calls it ``<module>.weight``, ``(out, in)``. The graph says which module i
   ``name_scopes`` of an ``aten.linear`` node, or its output gets ``<module>.bias`` added
   (:func:`onnxparam.lora._peft.linear_alias_pairs`, the evidence PEFT loading reads too);
 * else the checkpoint tensor whose values equal the weight's, as stored or transposed (the
-  checkpoint the model was exported from).
+  checkpoint the model was exported from);
+* else, for an output projection the file ties to an embedding table (its values are the
+  table's transposed: :func:`onnxparam.onnx_io._lora_import.tied_output_pairs`), the tensor
+  the table loads, transposed (a checkpoint that stores a tied ``lm_head`` once, as
+  ``save_model`` of ``safetensors`` and Hugging Face's ``model.safetensors`` do).
 
 A candidate must fit the weight's shape, as stored or transposed. The orientation comes from the
 shapes when they differ, else from equal values; a square weight whose values match neither way
@@ -21,6 +25,7 @@ is reported with its reason and left to the caller; nothing is guessed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -38,6 +43,8 @@ class RenamedMatch:
     source: str
     transpose: bool
     why: str
+    tie: bool = False
+    """The file ties ``path`` to another weight that takes ``source`` too (it is shared)."""
 
 
 def _imported_parts(module):
@@ -65,15 +72,16 @@ def graph_constant_paths(module) -> dict:
 
 
 def match_renamed_weights(module, shapes: Mapping[str, tuple], values: Callable[[str], np.ndarray],
-                          loaded_by_name: set) -> tuple:
+                          loaded_by_name: Mapping[str, str], constants=()) -> tuple:
     """Match the renamed weights of ``module``'s imported graphs to checkpoint tensors.
 
     Args:
         module: the target module (its imported parts are searched).
         shapes: ``{checkpoint name: shape}`` of every tensor of the checkpoint.
         values: reads a checkpoint tensor's values (called only to compare candidates).
-        loaded_by_name: the module paths the checkpoint already has a tensor for by name (they
-            are not renamed), and the checkpoint names those take.
+        loaded_by_name: ``{module path: checkpoint name}`` of the params the checkpoint has a
+            tensor for by name (they are not renamed).
+        constants: module paths that are graph constants (no checkpoint holds them).
 
     Returns:
         ``(matches, unmatched)``: a list of :class:`RenamedMatch`, and ``{path: why}`` for every
@@ -83,7 +91,8 @@ def match_renamed_weights(module, shapes: Mapping[str, tuple], values: Callable[
     from ..lora._peft import linear_alias_pairs
 
     params = dict(named_params(module))
-    free = {name for name in shapes if name not in loaded_by_name}
+    taken = set(loaded_by_name.values())
+    free = {name for name in shapes if name not in taken}
     matches, unmatched, claimed = [], {}, {}
     for prefix, sub in _imported_parts(module):
         join = (lambda p, _pre=prefix: f"{_pre}.{p}" if _pre else p)
@@ -95,18 +104,29 @@ def match_renamed_weights(module, shapes: Mapping[str, tuple], values: Callable[
             for candidate in (alias, join(alias)):
                 if candidate in free and candidate not in aliases[name]:
                     aliases[name].append(candidate)
+        open_paths = []
         for name, path in by_name.items():
-            if path in loaded_by_name or path not in params:
+            if path in loaded_by_name or path in constants or path not in params:
                 continue
             shape = tuple(int(d) for d in params[path].lazy_shape())
             if len(shape) != 2 or not params[path].lazy_dtype().is_float:
                 continue
+            open_paths.append(path)
+            if not _renamed(name):
+                continue  # a torch name the checkpoint lacks: simply missing (unless tied, below)
             found = _decide(path, shape, params[path], aliases.get(name, []), free, shapes, values)
             if isinstance(found, RenamedMatch):
                 matches.append(found)
-                claimed.setdefault(found.source, []).append(found.path)
             elif found is not None:
                 unmatched[path] = found
+        decided = {m.path: m for m in matches}
+        if any(p not in decided for p in open_paths):
+            for tie in _tie_matches(sub.ir_model, by_name, params, shapes, loaded_by_name, decided):
+                matches.append(tie)
+                unmatched.pop(tie.path, None)
+    for m in matches:
+        if not m.tie:  # a tie shares its tensor with the weight it is tied to, by design
+            claimed.setdefault(m.source, []).append(m.path)
     for source, paths in claimed.items():
         if len(paths) > 1:  # one checkpoint tensor for two weights: no evidence says which
             for m in [m for m in matches if m.source == source]:
@@ -114,6 +134,46 @@ def match_renamed_weights(module, shapes: Mapping[str, tuple], values: Callable[
                 unmatched[m.path] = (f"the checkpoint tensor {source!r} fits {len(paths)} renamed weights "
                                      f"({', '.join(repr(p) for p in paths)}); nothing tells which")
     return matches, unmatched
+
+
+def _renamed(name: str) -> bool:
+    """Whether ``name`` is one torch's exporters make up for a folded weight: ``onnx::<Op>_N``
+    (TorchScript) or ``val_N`` (dynamo)."""
+    return name.startswith("onnx::") or bool(re.fullmatch(r"val_\d+", name))
+
+
+def _tie_matches(model, by_name: Mapping, params: Mapping, shapes: Mapping, loaded_by_name: Mapping,
+                 decided: Mapping) -> list:
+    """:class:`RenamedMatch` es from the ties of ``model``'s file (an output projection whose
+    values are an embedding table's transposed: :func:`~onnxparam.onnx_io._lora_import.tied_output_pairs`):
+    when one side of a tie has no checkpoint tensor and the other has one (by name, or matched),
+    the missing side takes that tensor, transposed relative to it (a checkpoint storing a tied
+    pair once)."""
+    from ..onnx_io._lora_import import tied_output_pairs
+
+    def source_of(path):
+        if path in loaded_by_name:
+            return loaded_by_name[path], False
+        if path in decided:
+            return decided[path].source, decided[path].transpose
+        return None
+
+    found = []
+    for head_name, (table_name, transposed) in tied_output_pairs(model).items():
+        head, table = by_name.get(head_name), by_name.get(table_name)
+        if not transposed or head is None or table is None:
+            continue
+        for missing, other in ((head, table), (table, head)):
+            known = source_of(other)
+            if source_of(missing) is not None or known is None or missing not in params:
+                continue
+            source, other_transposed = known
+            transpose = not other_transposed  # the two sides are each other's transpose in the file
+            shape = tuple(int(d) for d in params[missing].lazy_shape())
+            if (tuple(shapes[source])[::-1] if transpose else tuple(shapes[source])) == shape:
+                found.append(RenamedMatch(missing, source, transpose, f"the file ties it to {other!r} (its values "
+                                                                      f"are {other!r}'s transposed)", tie=True))
+    return found
 
 
 def _fits(shape: tuple, source_shape: tuple) -> bool:

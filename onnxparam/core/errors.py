@@ -32,6 +32,7 @@ Warnings (not errors: the operation completes)::
 
     PrecisionWarning (UserWarning)          a dtype cast lost values (f32 -> f16 overflow to inf)
     QuantizationWarning (UserWarning)       a quantized graph ONNX Runtime runs without integer kernels
+    LoraWarning (UserWarning)               apply_lora left params its param_group matches without adapters
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ __all__ = [
     "file_error",
     "PrecisionWarning",
     "QuantizationWarning",
+    "LoraWarning",
 ]
 
 
@@ -189,3 +191,9 @@ class PrecisionWarning(UserWarning):
 class QuantizationWarning(UserWarning):
     """An exported quantized graph that ONNX Runtime will not run with integer kernels, or a
     lossy change of layout (re-exported as ``onnxparam.quant.QuantizationWarning``)."""
+
+
+class LoraWarning(UserWarning):
+    """:func:`onnxparam.lora.apply_lora` left params that its ``param_group`` matches without an
+    adapter (a convolution kernel: it creates adapters for matrices only), or adapted nothing
+    with ``allow_empty=True``. The message names the params and their shapes."""

@@ -46,6 +46,7 @@ __all__ = [
     "check_replaceable",
     "preserve_mode",
     "cannot_write_error",
+    "make_parent_folder",
     "remove_live_scratch",
     "register",
     "release",
@@ -230,11 +231,18 @@ def cannot_write_error(error: BaseException, target) -> OSError | None:
     """For an ``OSError`` raised creating a scratch entry beside ``target`` (it names the scratch,
     which the user never asked for): an ``OSError`` of the same errno naming ``target`` and the
     reason; ``None`` for other errors. Covers what :func:`check_replaceable` could not foresee
-    (a folder removed since, a read-only file system, a denial only the kernel knows)."""
+    (a folder removed since, a read-only file system, a denial only the kernel knows). An
+    ``ENOENT`` in a folder that exists (``/proc`` refuses new files so) becomes ``EACCES``,
+    "not writable"."""
     if not isinstance(error, OSError) or error.errno is None:
         return None
     label = os.fspath(target)
     folder = _folder_label(label)
+    if error.errno == errno.ENOENT and os.path.isdir(os.path.dirname(os.path.abspath(label))):
+        # NOTE: the folder is there but refuses new entries with ENOENT (/proc, /sys, a folder
+        # removed and recreated ...): "does not exist" would contradict what the user sees.
+        return _error(errno.EACCES, label, f"the folder '{folder}' is not writable (the system refused to "
+                                           f"create a file there: {os.strerror(errno.ENOENT)})")
     reasons = {
         errno.ENOENT: f"the folder '{folder}' does not exist (create it first)",
         errno.ENOTDIR: f"'{folder}' is not a folder",
@@ -244,6 +252,35 @@ def cannot_write_error(error: BaseException, target) -> OSError | None:
     }
     reason = reasons.get(error.errno)
     return None if reason is None else _error(error.errno, label, reason)
+
+
+def make_parent_folder(target) -> None:
+    """Create ``target``'s folder and any missing folders above it (as ``mkdir -p``).
+
+    Raises:
+        NotADirectoryError: (``ENOTDIR``) a path above ``target`` is a file; names it.
+        PermissionError: (``EACCES``) a folder on the way cannot take the new folder (not
+            writable, or a system folder such as ``/proc`` that refuses new entries).
+        OSError: any other failure, of the same errno, naming ``target``.
+    """
+    label = os.fspath(target)
+    folder = Path(os.path.dirname(os.path.abspath(label)))
+    if folder.is_dir():
+        return
+    for above in [folder, *folder.parents]:
+        if os.path.lexists(above) and not above.is_dir():
+            raise _error(errno.ENOTDIR, label, f"'{above}' is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno is None:
+            raise
+        failed = Path(e.filename) if e.filename else folder
+        where = failed.parent
+        if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS) and where.is_dir():
+            raise _error(errno.EACCES, label, f"cannot create the folder '{failed}': '{where}' is not writable "
+                                              f"({os.strerror(e.errno)})") from None
+        raise _error(e.errno, label, f"cannot create the folder '{failed}': {os.strerror(e.errno)}") from None
 
 
 def _error(code: int, label: str, reason: str) -> OSError:

@@ -244,8 +244,14 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     Args:
         module: the module to adapt (unchanged).
         config: the :class:`LoraConfig`.
-        allow_empty: accept a result with no adapter at all (a ``UserWarning`` names why
+        allow_empty: accept a result with no adapter at all (a ``LoraWarning`` names why
             nothing was adapted) instead of raising.
+
+    Warns:
+        LoraWarning: a narrower group (not the default) matches params of rank >= 3
+            (convolution kernels) while other params got adapters: they are listed, as
+            ``apply_lora`` creates adapters for 2-d weights only (PEFT's convolution LoRA loads
+            through :func:`onnxparam.load_peft_adapter`).
 
     Raises:
         LoraError: (a ``ValueError``) a matched param already has an adapter (the new config
@@ -253,7 +259,7 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
             param that is no linear map's matrix; or no param gets an adapter (unless
             ``allow_empty``), the message listing the candidate params and why each was skipped.
     """
-    from ..core.errors import LoraError
+    from ..core.errors import LoraError, LoraWarning
     from ..core.module import rebuild
 
     transposed = transposed_paths(module)
@@ -265,6 +271,7 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     std = float(config.init_std) if config.init_std is not None else 1.0 / rank
     skipped: dict = {"linear": [], "rank": [], "group": [], "default": []}  # why float params got no adapter
     adapted = []
+    kernels = []  # params of rank >= 3 (convolution kernels) that a narrower group matches
 
     def adapt(path: str, param: Param) -> Param:
         dtype = param.lazy_dtype()
@@ -274,6 +281,8 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
         shape = param.lazy_shape()
         if len(shape) != 2:
             skipped["rank"].append(f"{path!r} {tuple(shape)}")
+            if len(shape) >= 3 and not every_param and config.param_group.matches(param.id, path):
+                kernels.append(f"{path!r} {tuple(shape)}")
             return frozen
         if not config.param_group.matches(param.id, path):
             skipped["group"].append(f"{path!r} {tuple(shape)}")
@@ -318,7 +327,15 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
             raise LoraError(message + "; pass allow_empty=True to accept a module without adapters")
         import warnings
 
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warnings.warn(message, LoraWarning, stacklevel=3)
+    elif kernels:
+        import warnings
+
+        shown = ", ".join(kernels[:8]) + (f" ... ({len(kernels) - 8} more)" if len(kernels) > 8 else "")
+        warnings.warn(f"apply_lora: the param_group matches {len(kernels)} param(s) of rank >= 3 that got no "
+                      f"adapter: {shown}; apply_lora creates adapters for 2-d weights only (a convolution "
+                      "LoRA loads from PEFT: load_peft_adapter); narrow the param_group to silence this",
+                      LoraWarning, stacklevel=3)
     return out
 
 

@@ -20,7 +20,9 @@ so they add exactly nothing), and the graph takes an int64 input ``adapter_index
 metadata (:data:`METADATA_KEY`, JSON) lists the names in index order, the capacity and each
 target's input names, dims and rank. Slots ``N + 1 .. capacity`` (``BatchedLora(capacity=...)``)
 are zeros: room for adapters added later without a new export. An index of length 1 applies to
-every row (broadcast); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``
+every row (broadcast); any length but 1 and the batch (dim 0 of the first graph input) fails in
+ONNX Runtime (``_Graph._checked``: ``Expand`` / ``Reshape`` of the index to the batch) and in
+``module(x, adapter_index=...)`` (``LoraError``); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``
 (a convolution target's mask gathers the index from ``Range(0, slots)`` first, so it fails too).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
@@ -399,7 +401,18 @@ class _Graph:
         batch = self.batch_dim()
         return batch if isinstance(batch, str) else "adapter_rows"
 
+    def batch_input(self) -> Optional[ir.Value]:
+        """The graph input whose dim 0 is the batch (:meth:`batch_dim`'s), or ``None``."""
+        for value in self.tracer.graph.inputs:
+            if value.is_initializer() or value.const_value is not None:
+                continue
+            if _dims(value):
+                return value
+        return None
+
     def index(self) -> ir.Value:
+        """The index every target reads: the ``adapter_index`` input, checked against the batch
+        (:meth:`_checked`)."""
         if self._index is None:
             name = self.options.index_name
             if name in self.tracer._names:
@@ -408,8 +421,42 @@ class _Graph:
             self.tracer._names.add(name)
             value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([self.index_dim()]))
             self.tracer.graph.inputs.append(value)
-            self._index = value
+            self._index = self._checked(value)
         return self._index
+
+    def _checked(self, index: ir.Value) -> ir.Value:
+        """``index``, failing in ONNX Runtime unless its length is 1 or the batch (dim 0 of
+        :meth:`batch_input`), never read as a ``[batch * seq]`` layout::
+
+            n = Shape(x)[0:1]                      (a constant for a static batch)
+            Slice(Reshape(Expand(index, n), n), [0], Shape(index))
+
+        ``Expand`` fails for a length that is neither 1 nor the batch (2 for a batch of 4),
+        ``Reshape`` for a longer index than a batch of 1; ``Slice`` gives the index back (a
+        length-1 index stays one entry). Five ops on ``[batch]`` int64 values, once per run."""
+        tracer, i64 = self.tracer, ir.DataType.INT64
+        source = self.batch_input()
+        if source is None:
+            return index
+        rows = self.index_dim()
+        batch = self.batch_dim()
+        nodes = []
+        if isinstance(batch, int):
+            n = tracer.constant(np.asarray([batch], dtype=np.int64), name="lora.batched.batch")._symbol.value
+        else:
+            nodes.append(_new_node(tracer, "Shape", [source], i64, [1], "/lora.batched/Shape_batch", "",
+                                   {"start": 0, "end": 1}))
+            n = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Expand", [index, n], i64, [batch], "/lora.batched/Expand_index", ""))
+        nodes.append(_new_node(tracer, "Reshape", [nodes[-1].outputs[0], n], i64, [batch],
+                               "/lora.batched/Reshape_index", ""))
+        full = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [index], i64, [1], "/lora.batched/Shape_index", ""))
+        start = tracer.constant(np.asarray([0], dtype=np.int64), name="lora.batched.start")._symbol.value
+        nodes.append(_new_node(tracer, "Slice", [full, start, nodes[-1].outputs[0]], i64, [rows],
+                               "/lora.batched/Slice_index", ""))
+        _prepend(tracer.graph, nodes)
+        return nodes[-1].outputs[0]
 
     def first_stack(self, value: ir.Value) -> None:
         """Record a stack input: :meth:`mask` reads the slot count from the first one."""

@@ -89,8 +89,19 @@ def call_batched(module, args: tuple, kwargs: dict):
         a_name, b_name = stack_names(module, path)
         if a_name in runner.traced.graph.initializers:
             fed += [(a_name, target.a), (b_name, target.b)]
+    _check_rows(module, rows, tensors)
     fed.append((INDEX_INPUT, rows))
     return runner.with_fed_params(fed).run(tensors)
+
+
+def _check_rows(module, rows: np.ndarray, tensors) -> None:
+    """An index of length 1 (every row) or one entry per row: the batch is dim 0 of the first
+    input with a dim (as in the graph's own check, :meth:`onnxparam.lora._batched._Graph._checked`)."""
+    batch = next((int(t.shape[0]) for t in tensors if len(t.shape) >= 1), None)
+    if batch is None or len(rows) in (1, batch):
+        return
+    raise LoraError(f"{type(module).__name__}(..., adapter_index=...): adapter_index has {len(rows)} entries, "
+                    f"the batch has {batch} rows: give one entry per row, or one entry for every row")
 
 
 # -- checking and writing adapter sets --------------------------------------------------------
@@ -178,7 +189,9 @@ def check_batched_adapters(model, adapters) -> dict:
     export's names first, in index order, each adapter's rank at most the export's.
 
     Raises:
-        RecordError: every problem listed.
+        RecordError: every problem listed; a single adapter's factors (``<W>.lora.a`` /
+            ``.lora.b``, an ``inputs`` export's file) say that a batched export needs the stacks
+            of :func:`write_batched_adapter`.
         LoraError: ``model`` is not a batched export; a module's adapters cannot be stacked.
         ExecutionError: ONNX Runtime cannot read the adapter file.
         FileNotFoundError: a missing file.
@@ -221,6 +234,14 @@ def check_batched_adapters(model, adapters) -> dict:
         source = f"the named adapters of {type(adapters).__name__}"
     targets = {t["a"]: ("a", t) for t in meta["targets"]}
     targets.update({t["b"]: ("b", t) for t in meta["targets"]})
+    single = sorted(n for n in params if n.endswith((".lora.a", ".lora.b")))
+    if single and not any(n in targets for n in params):
+        raise RecordError(
+            f"{source} holds one adapter's factors ({single[0]!r} ...: an 'inputs' export's file, "
+            f"write_onnx_adapter), not the stacked set the batched export {label} takes "
+            f"(its inputs: {meta['targets'][0]['a']!r} ...): write the stacks with "
+            f"onnxparam.write_batched_adapter(module, path, model={label}) from a module holding the named "
+            "adapters (add_adapter)")
     slots_seen = {}
     ranks: dict = {}
     for name, value in sorted(params.items()):

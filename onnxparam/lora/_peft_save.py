@@ -41,12 +41,14 @@ def _graph_facts(module) -> tuple:
     set of param paths a ``Gather`` (``axis=0``) reads as its data input 0 (an embedding table:
     PEFT's ``Embedding`` layer), and ``modules`` maps the path of a weight torch's exporter renamed
     (``val_N``, ``onnx::MatMul_N``) to the PyTorch module names the graph gives it (its
-    ``<m>.bias``, its node's ``/<m>/MatMul`` name or dynamo ``name_scopes``)."""
+    ``<m>.bias``, its node's ``/<m>/MatMul`` name or dynamo ``name_scopes``); ``biased``: the
+    module names ``<m>`` whose ``<m>.bias`` the graph holds (a value of that name), the evidence
+    :func:`onnxparam.load_peft_adapter` resolves ``<m>`` by."""
     from ..core.module import named_modules
     from ._graph import _attr_int
     from ._peft import _linear_aliases
 
-    tables, modules = set(), {}
+    tables, modules, biased = set(), {}, set()
     for prefix, sub in named_modules(module):
         if not hasattr(type(sub), "ir_model") or not hasattr(type(sub), "onnx_names"):
             continue
@@ -61,7 +63,29 @@ def _graph_facts(module) -> tuple:
         for alias, name in _linear_aliases(model).items():
             if name in by_name:
                 modules.setdefault(by_name[name], set()).add(join(alias[: -len(".weight")]))
-    return tables, modules
+        values = [v for v in model.graph.initializers.values()] + list(model.graph.inputs)
+        values += [out for node in model.graph.all_nodes() for out in node.outputs]
+        biased |= {join(v.name[: -len(".bias")]) for v in values if v is not None and v.name
+                   and v.name.endswith(".bias")}
+    return tables, modules, biased
+
+
+def _one_module(path: str, shape: tuple, found: list, biased: set, rules: list, problems: list) -> Optional[str]:
+    """The PyTorch module name of a weight the graph names as several modules ``found`` (torch's
+    TorchScript exporter names the nodes of an ``nn.Sequential`` of blocks ``/b/b.0/qkv/MatMul``
+    -> ``b.b.0.qkv`` while its bias is ``b.0.qkv.bias``): the one whose ``<m>.bias`` the graph
+    holds (as :func:`onnxparam.load_peft_adapter` resolves it), else the one name ``key_map``
+    makes of them all; ``None`` (a problem recorded) when neither settles it."""
+    backed = [m for m in found if m in biased]
+    if len(backed) == 1:
+        return _module_name(backed[0], "", rules)
+    mapped = sorted({_module_name(m, "", rules) for m in found})
+    if len(mapped) == 1:
+        return mapped[0]
+    why = (f"its bias names {backed}" if backed else "no '<module>.bias' of theirs is in the graph")
+    problems.append(f"{path!r} {list(shape)}: the graph names it as several modules {found} ({why}); give a "
+                    f"key_map rule that maps them to one PyTorch module name (now they give {mapped})")
+    return None
 
 
 def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[Sequence] = None,
@@ -75,7 +99,8 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             ``lora_bias`` adapters on ``<m>.bias``). In an imported model, a weight that torch's
             exporter renamed (``val_N``, ``onnx::MatMul_N``) is written for the module its graph
             names, as :func:`onnxparam.load_peft_adapter` finds it (its ``<m>.bias``, its node's
-            name or ``name_scopes``), and a weight a ``Gather`` reads as its data (input 0,
+            name or ``name_scopes``; of several names, the one whose ``<m>.bias`` the graph
+            holds, else the one name ``key_map`` makes of them), and a weight a ``Gather`` reads as its data (input 0,
             ``axis=0``) is written as PEFT's ``Embedding`` (``lora_embedding_A`` ``(r, num)``,
             ``lora_embedding_B`` ``(dim, r)``), as this library's ``nn.Embedding`` is.
         folder: the folder to write (created if needed; the two files are replaced).
@@ -106,7 +131,7 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     rules = [tuple(r) for r in (key_map or ())]
     embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)
                   if isinstance(sub, Embedding)}
-    tables, graph_modules = _graph_facts(module)
+    tables, graph_modules, biased = _graph_facts(module)
     embeddings |= tables
     weights, biases, kinds, problems = {}, {}, {}, []
     with untraced():
@@ -123,10 +148,11 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
                 # resolves it), else what the user's key_map makes of the path
                 found = sorted(graph_modules.get(path, ()))
                 if len(found) > 1:
-                    problems.append(f"{path!r} {list(shape)}: the graph names it as several modules {found}; "
-                                    "give a key_map rule for this path")
-                    continue
-                name = _module_name(found[0], "", rules) if found else _module_name(path, "", rules)
+                    name = _one_module(path, shape, found, biased, rules, problems)
+                    if name is None:
+                        continue
+                else:
+                    name = _module_name(found[0], "", rules) if found else _module_name(path, "", rules)
                 if not found and name == path:
                     problems.append(f"{path!r} {list(shape)}: PEFT adapters are written for a module's 'weight'; "
                                     "this param is not named '<module>.weight' and the graph does not say which "

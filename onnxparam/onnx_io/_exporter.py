@@ -94,10 +94,16 @@ def export_onnx(
 
     Raises:
         TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
-        ValueError: for an unsupported opset or LoRA mode, or an opset other than an imported
-            model's own.
+        ValueError: for an unsupported opset, or an opset other than an imported model's own.
+        LoraError: an unknown ``lora`` mode (a ``ValueError`` too).
+        CallArgumentError: (a ``TypeError``) for an imported module, example inputs that
+            ``module(x)`` would refuse: another count, element type or rank than the graph
+            declares, or a static dim that differs (axes named in ``dynamic_axes`` are free).
         OnnxFormatError: when the model cannot be saved (see
             :func:`~onnxparam.onnx_io._save.save_model`).
+        FileAccessError: (also the builtin ``OSError`` leaf of its errno) the file cannot be
+            written: a folder that is not writable or refuses new files (``/proc``), a file on
+            the path where a folder should be, a read-only target; nothing is written.
 
         For an imported module, each of these names the file it was imported from.
     """
@@ -171,6 +177,10 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
     if lora == "inputs":  # factor inputs for every named adapter's targets (lora, issue 16)
         module = with_every_named_target(module)
     if isinstance(module, OnnxModule) and not kwargs:
+        from ._importer import check_example_inputs
+
+        # NOTE: an example module(x) would refuse (dtype, rank, a static dim) is refused here too
+        check_example_inputs(module, example_inputs, dynamic_axes, input_names)
         # NOTE (quant, issue 17): a quantized import is traced first, so the QDQ pass picks each op's
         # form (dynamic / static int8, float convs, MatMulNBits); the source graph is the fallback
         traced_first = _has_quantized_weights(module)

@@ -130,6 +130,75 @@ def _dims(value: ir.Value) -> Optional[tuple]:
     return tuple((d if d >= 0 else None) if isinstance(d, int) else (d.value or None) for d in value.shape)
 
 
+def _shape_text(shape) -> list:
+    """A traced tensor's shape for a message: a symbolic dim as its name (``'batch'``), not its
+    repr; ``'?'`` for an unnamed one."""
+    return [int(d) if isinstance(d, (int, np.integer)) else d if isinstance(d, str) else
+            (getattr(d, "name", None) or "?") for d in shape]
+
+
+def check_input_value(value: ir.Value, x, free_axes=()) -> None:
+    """The check ``module(x)`` makes of a value given for graph input ``value``: a
+    :class:`~onnxparam.Tensor`, a numpy array or an ``InputSpec`` (an export's example) has the
+    element type and rank the graph declares, and every static dim (except the axes in
+    ``free_axes``: an export's ``dynamic_axes``); other values are left to the run.
+
+    Raises:
+        CallArgumentError: naming the graph input, what it takes and what was given.
+    """
+    from ..core.dtype import DType
+
+    if isinstance(x, np.ndarray):
+        if not isinstance(value.type, ir.TensorType):
+            return
+        _check_array_dtype(value, x)
+        shape, given = x.shape, None
+    elif isinstance(x, Tensor):
+        shape, given = (x.shape if x.rank_known else None), x.dtype
+    elif isinstance(getattr(x, "dtype", None), DType) and isinstance(getattr(x, "shape", None), tuple):
+        shape, given = x.shape, x.dtype  # an InputSpec
+    else:
+        return
+    if value.dtype is None:
+        return
+    want = burn_dtype(value.dtype)
+    if given is not None and want is not None and given is not want:
+        raise CallArgumentError(f"graph input {value.name!r} takes {want.name} values, got {given.name}")
+    dims = _dims(value)
+    if dims is not None and shape is not None and (len(dims) != len(shape) or any(
+            isinstance(d, int) and isinstance(g, (int, np.integer)) and d != g and axis not in free_axes
+            for axis, (d, g) in enumerate(zip(dims, shape)))):
+        raise CallArgumentError(f"graph input {value.name!r} takes shape {list(dims)}, got {_shape_text(shape)}")
+
+
+def check_example_inputs(module, examples, dynamic_axes=None, input_names=None) -> None:
+    """An export's example inputs of an imported module get the check ``module(x)`` makes of
+    its inputs (:func:`check_input_value`): their count, element types, ranks and static dims
+    (the axes ``dynamic_axes`` names for an input are free).
+
+    Raises:
+        CallArgumentError: naming the example's position, the graph input and the mismatch.
+    """
+    required = list(module._source.inputs)
+    if not examples:
+        return
+    if len(examples) != len(required):
+        raise CallArgumentError(f"the ONNX graph takes {len(required)} input(s) "
+                                f"({', '.join(v.name for v in required)}); {len(examples)} example input(s) were given")
+    names = list(input_names) if input_names is not None else [v.name for v in required]
+    for i, (value, x) in enumerate(zip(required, examples)):
+        axes = {}
+        for key in (i, names[i] if i < len(names) else value.name, value.name):
+            if isinstance(dynamic_axes, dict) and key in dynamic_axes:
+                axes = dynamic_axes[key]
+                break
+        free = {int(a) for a in axes}
+        try:
+            check_input_value(value, x, free)
+        except CallArgumentError as e:
+            raise CallArgumentError(f"example input {i} of the export: {e} (module(x) refuses it too)") from None
+
+
 def _check_array_dtype(value: ir.Value, array) -> None:
     """A numpy array given for graph input ``value`` has the element type the graph declares
     (else ONNX Runtime's "Unexpected input data type" would name no input)."""
@@ -353,7 +422,8 @@ class OnnxModule(Module):
             return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
-        """Graph input name -> given value; checks count, names, dtype and rank."""
+        """Graph input name -> given value; checks count, names, dtype and rank. A numpy array in
+        the other byte order (``x.astype(">f4")``) is bound as a native-order copy."""
         required = self._source.inputs
         if len(inputs) > len(required):
             raise CallArgumentError(f"the ONNX graph takes {len(required)} input(s) ({', '.join(self.input_names)}); "
@@ -375,16 +445,11 @@ class OnnxModule(Module):
                                     f"{', '.join(map(repr, self.input_names))} in this order")
         for v in list(required) + list(self._source.overrides):
             x = bound.get(v.name)
-            if isinstance(x, Tensor) and v.dtype is not None:
-                want = burn_dtype(v.dtype)
-                dims = _dims(v)
-                if want is not None and x.dtype is not want:
-                    raise CallArgumentError(f"graph input {v.name!r} takes {want.name} values, got {x.dtype.name}")
-                if dims is not None and x.rank_known and (len(dims) != len(x.shape) or any(
-                        isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(dims, x.shape))):
-                    raise CallArgumentError(f"graph input {v.name!r} takes shape {list(dims)}, got {list(x.shape)}")
-            elif isinstance(x, np.ndarray) and isinstance(v.type, ir.TensorType):
-                _check_array_dtype(v, x)
+            if isinstance(x, np.ndarray) and isinstance(v.type, ir.TensorType) and not x.dtype.isnative:
+                # NOTE: a big-endian array (x.astype(">f4")) holds the same values; ONNX
+                # Runtime reads raw bytes in native order, so it gets a native copy
+                x = bound[v.name] = x.astype(x.dtype.newbyteorder("="))
+            check_input_value(v, x)
         return bound
 
     def forward(self, *inputs, **named):

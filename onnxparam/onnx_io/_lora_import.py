@@ -15,7 +15,7 @@ from ..trace.evidence import stored_tensor
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
            "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "embedding_tables",
-           "tied_output_tables", "default_lora_skips", "IN_OUT", "OUT_IN", "CONV"]
+           "tied_output_tables", "tied_output_pairs", "default_lora_skips", "IN_OUT", "OUT_IN", "CONV"]
 
 
 @dataclass(frozen=True)
@@ -440,12 +440,21 @@ def embedding_tables(model: ir.Model) -> dict:
 
 def tied_output_tables(model: ir.Model) -> dict:
     """``{name: reason}`` of the 2-d weights of ``model`` that are an embedding table's values
-    tied to an output projection: a ``MatMul`` / ``Gemm`` weight (layout from
-    :func:`weight_layouts`, never read by a ``Gather``) whose values equal, bit for bit, those of
-    a table only ``Gather`` s read (:func:`_gather_tables`), transposed for an ``IN_OUT`` use
-    (torch's exporter folds a tied ``lm_head``'s transpose of ``wte`` into a constant
-    ``onnx::MatMul_N``). PEFT leaves a tied output layer alone unless asked (adapting it
-    would adapt the embedding it is tied to), so the default group does too."""
+    tied to an output projection (:func:`tied_output_pairs`). PEFT leaves a tied output layer
+    alone unless asked (adapting it would adapt the embedding it is tied to), so the default
+    group does too."""
+    return {name: (f"the output projection tied to the embedding table {table!r} (its values are the "
+                   f"table's{' transposed' if transposed else ''}); PEFT leaves a tied output layer "
+                   "alone unless asked: name it in the param_group to adapt it")
+            for name, (table, transposed) in tied_output_pairs(model).items()}
+
+
+def tied_output_pairs(model: ir.Model) -> dict:
+    """``{name: (table name, transposed)}``: each ``MatMul`` / ``Gemm`` weight of ``model``
+    (layout from :func:`weight_layouts`, never read by a ``Gather``) whose values equal, bit for
+    bit, those of a table only ``Gather`` s read (:func:`_gather_tables`), transposed for an
+    ``IN_OUT`` use (torch's exporter folds a tied ``lm_head``'s transpose of ``wte`` into a
+    constant ``onnx::MatMul_N``)."""
     tables, _ = _gather_tables(model)
     if not tables:
         return {}
@@ -473,9 +482,7 @@ def tied_output_tables(model: ir.Model) -> dict:
                 continue
             mine, theirs = tensor.numpy(), table_tensor.numpy()
             if np.array_equal(mine, theirs.T if layout == IN_OUT else theirs, equal_nan=mine.dtype.kind == "f"):
-                out[name] = (f"the output projection tied to the embedding table {table!r} (its values are the "
-                             f"table's{' transposed' if layout == IN_OUT else ''}); PEFT leaves a tied output layer "
-                             "alone unless asked: name it in the param_group to adapt it")
+                out[name] = (table, layout == IN_OUT)
                 break
     return out
 

@@ -48,6 +48,7 @@ from ..formats._scratch import (
     check_replaceable,
     create_scratch,
     disk_full_error,
+    make_parent_folder,
     preserve_mode,
     release,
 )
@@ -149,7 +150,9 @@ def save_model(
             holds, or when ``external_data`` is not a plain relative file name.
         PermissionError: (``EACCES``) the ``.onnx`` or a data file it would replace is read-only
             (whatever the process's privileges), or the folder is not writable; nothing is
-            written. The message names that file.
+            written. The message names that file. Also a folder that refuses new entries
+            (``/proc``), or a missing folder that cannot be created there.
+        NotADirectoryError: (``ENOTDIR``) a path above ``path`` is a file; the message names it.
         OSError: when the files cannot be written; the message names ``path``.
         Exception: whatever a lazy tensor's function raises (a param's init), as it raised it.
     """
@@ -171,7 +174,7 @@ def save_model(
             raise OnnxFormatError(
                 f"{target}: external_data must be a file name in the model's folder, got {location!r}"
             )
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_parent_folder(target)  # NOTE: library errors naming the path (a file on the way, /proc ...)
     # NOTE: a rename replaces a read-only file that open(path, "w") refuses: check the model
     # file and every data file this save may replace or remove, before anything is written.
     modes = {target.name: check_replaceable(target)}

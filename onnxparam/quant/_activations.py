@@ -49,7 +49,8 @@ def quantize_activations(module, calibration_inputs, *, batch_size: int | None =
 
     ort = import_onnxruntime()
     args = list(calibration_inputs) if isinstance(calibration_inputs, (list, tuple)) else [calibration_inputs]
-    args = [np.asarray(a) for a in args]
+    # NOTE: ONNX Runtime reads an array's bytes in native order: a big-endian one becomes a native copy
+    args = [a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("=")) for a in map(np.asarray, args)]
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                    or batch_size <= 0):
         raise QuantizationError(f"batch_size must be a positive integer or None, got {batch_size!r}")

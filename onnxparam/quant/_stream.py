@@ -9,7 +9,10 @@ int8 codes, twice, in anonymous memory. For a large model (:func:`streaming`, se
 * :func:`quantize_chunked`: a per-tensor scheme (Burn's MinMax) reads the float weight (a
   memory map of the source file) in chunks of :data:`CHUNK_ELEMENTS` twice: ``max |x|``, then the
   codes; bit for bit :func:`onnxparam.core.tensor.quantize` (same scale, same rounding), without
-  its full-size float temporaries;
+  its full-size float temporaries. A blocked scheme (4-bit blocks along K) is quantized by
+  ``quantize`` itself, slab by slab of whole blocks along axis 0. Per-channel weights (one
+  scale per output channel: every row is read for each scale) are quantized whole, their codes
+  spilled after (:func:`spill_codes`);
 * :func:`spilled`: codes of at least :data:`SPILL_BYTES` go to a scratch file in the folder
   (removed at once; the open map keeps its bytes until the array is freed) and are read back
   through a read-only memory map: file-backed pages, which the kernel writes out and drops under
@@ -134,8 +137,9 @@ def spill_codes(qt):
 
 def quantize_chunked(array, quantizer, axis):
     """``quantizer.quantize(array, axis)`` read in chunks (module docstring), or ``None`` when
-    this does not apply (a small array, a blocked / two-level / per-channel scheme, a value that
-    is not finite: the caller then quantizes the whole array, which raises the usual error)."""
+    this does not apply (a small array, a two-level or per-channel scheme, blocks that do not
+    divide the shape, a value that is not finite: the caller then quantizes the whole array,
+    which raises the usual error)."""
     from ..core.tensor import QuantizedTensor, quantize, round_half_away_from_zero
 
     x = np.asarray(array)

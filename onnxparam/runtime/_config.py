@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from ..core.errors import LoraError
 from ..trace.passes import LORA_MODES
 from ._ort import import_onnxruntime
 
@@ -78,7 +79,8 @@ class SessionConfig:
             shape. ``"static"``: a trace and a session per distinct input shape.
 
     Raises:
-        ValueError: for an unknown optimization level, execution mode, LoRA mode or shape policy.
+        ValueError: for an unknown optimization level, execution mode or shape policy.
+        LoraError: an unknown LoRA mode (a ``ValueError`` too).
     """
 
     intra_op_num_threads: int = 0
@@ -97,7 +99,7 @@ class SessionConfig:
             raise ValueError(f"dynamic_shapes must be one of {', '.join(DYNAMIC_SHAPE_POLICIES)}; "
                              f"got {self.dynamic_shapes!r}")
         if self.lora_mode not in LORA_MODES:
-            raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}; got {self.lora_mode!r}")
+            raise LoraError(f"lora_mode must be one of {', '.join(LORA_MODES)}; got {self.lora_mode!r}")
         if self.graph_optimization_level not in GRAPH_OPTIMIZATION_LEVELS:
             raise ValueError(f"graph_optimization_level must be one of {', '.join(GRAPH_OPTIMIZATION_LEVELS)}; "
                              f"got {self.graph_optimization_level!r}")

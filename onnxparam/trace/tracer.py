@@ -45,7 +45,7 @@ import onnx_ir as ir
 
 from ..core.device import CPU
 from ..core.dtype import DType
-from ..core.errors import OnnxParamError, TraceError, TraceTypeError, TraceValueError
+from ..core.errors import LoraError, OnnxParamError, TraceError, TraceTypeError, TraceValueError
 from ..core.param import Param
 from ..core.tensor import Tensor
 from .model import TracedModel, baking_node, check_batch_outputs, finish_trace  # noqa: F401  (re-exported)
@@ -111,7 +111,8 @@ class Tracer:
             the standard LoRA / QDQ passes: :data:`onnxparam.quant._passes.STANDARD_PASSES`).
 
     Raises:
-        ValueError: for an opset below :data:`MIN_OPSET` or an unknown LoRA mode.
+        ValueError: for an opset below :data:`MIN_OPSET`.
+        LoraError: an unknown LoRA mode (a ``ValueError`` too).
     """
 
     def __init__(self, *, opset: Optional[int] = None, opset_imports: Optional[Mapping[str, int]] = None,
@@ -123,7 +124,8 @@ class Tracer:
         if opset < MIN_OPSET:
             raise ValueError(f"opset {opset} is not supported: onnxparam emits opset {MIN_OPSET} or newer")
         if mode not in TRACE_LORA_MODES:
-            raise ValueError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))}")
+            raise LoraError(f"unknown LoRA mode {mode!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))} "
+                            "(or lora=BatchedLora(...))")
         imports[""] = opset
         self.opset = opset
         self.opset_imports: dict[str, int] = imports

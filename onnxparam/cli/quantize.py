@@ -295,6 +295,13 @@ def _run_quantize(args: argparse.Namespace) -> int:
     quantized = after.get("QFloat", 0) - before.get("QFloat", 0)
     if quantized == 0:
         raise ValueError(_nothing_quantized(model.module, quantizer, args.block_size, group is not None, kept))
+    if dst_fmt == "onnx" and opset is not None and not args.per_channel:
+        written_float = _blocks_written_float(model.module, float_module, scheme, opset)
+        if written_float and len(written_float) == quantized:
+            raise ValueError(_all_written_float(args, written_float, opset))
+        for path, reason in written_float.items():  # NOTE: the export warns about each one too
+            kept[path] = f"written as a float32 initializer: {reason}"
+        quantized -= len(written_float)
     for w in held:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     scheme_text = _per_channel_text(scheme) if args.per_channel else _scheme_text(scheme)
@@ -433,6 +440,39 @@ def _refuse_onnx_only(module, quantizer, group, dst: Path) -> None:
         f"--exclude '^({names})$'; nothing was quantized or written")
 
 
+def _blocks_written_float(module, float_module, scheme, opset: int) -> dict:
+    """``{path: reason}`` of the params this run quantized whose block layout has no
+    ``DequantizeLinear`` form at ``opset`` (:func:`onnxparam.quant._qdq_layout.unwritable_blocks`):
+    the ``.onnx`` export writes them as float32 initializers, so they are not counted as quantized."""
+    from ..core.dtype import DType
+    from ..quant._qdq_layout import unwritable_blocks
+
+    if scheme.block is None:
+        return {}
+    already = {path for path, p in float_module.named_params() if p.lazy_dtype() is DType.QFloat}
+    found = {}
+    for path, param in module.named_params():
+        if param.lazy_dtype() is not DType.QFloat or path in already:
+            continue
+        reason = unwritable_blocks(tuple(param.lazy_shape()), scheme, opset)
+        if reason is not None:
+            found[path] = reason
+    return found
+
+
+def _all_written_float(args, written_float: dict, opset: int) -> str:
+    """The error when every weight this run quantized would be written float32 (blocks ONNX cannot
+    express at the model's opset): one line naming them, the reason and the ways out."""
+    shown = ", ".join(list(written_float)[:4]) + (f" and {len(written_float) - 4} more" if len(written_float) > 4
+                                                  else "")
+    reasons = "; ".join(sorted(set(written_float.values())))
+    return (f"--block-size {_block_text(args.block_size)}: every weight it quantized ({shown}) would be written as a "
+            f"float32 initializer in '{args.dst}' ({reasons}): nothing would get smaller. "
+            + ("Convert the model to opset 21 or later (onnx.version_converter), " if opset < 21 else "")
+            + "leave out --block-size (one scale per tensor) or use --per-channel, or write a .bpk output (Burn "
+            "reads blocks); nothing was written")
+
+
 def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered: bool = False,
                        kept: Optional[dict] = None) -> str:
     """Why :meth:`quantize_weights` quantized no param of ``module`` (one line); ``filtered``:
@@ -448,6 +488,17 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
         except (TypeError, ValueError):  # pragma: no cover - a param without a known shape
             continue
     shown = ", ".join(candidates[:4]) + (f" and {len(candidates) - 4} more" if len(candidates) > 4 else "")
+    # NOTE: with --block-size, the weights not kept float by role or size were left float by their
+    # blocks (not a whole number of them): that is the cause to name, not the few kept ones
+    undivided = [c for c in candidates if c.rsplit(" [", 1)[0] not in (kept or {})]
+    if block_size is not None and undivided:
+        dims = "last dim is" if len(block_size) == 1 else f"last {len(block_size)} dims are"
+        listed = ", ".join(undivided[:4]) + (f" and {len(undivided) - 4} more" if len(undivided) > 4 else "")
+        others = ("; the others stayed float: " + "; ".join(f"{path}: {reason}" for path, reason in
+                                                            list(kept.items())[:4])) if kept else ""
+        return (f"no param could be quantized with --block-size {_block_text(block_size)}: no weight's {dims} "
+                f"divisible by {_block_text(block_size)} ({listed}){others}; choose a block size that divides "
+                "them, or leave out --block-size; nothing was written")
     if kept:
         reasons = "; ".join(f"{path}: {reason}" for path, reason in list(kept.items())[:4])
         more = f"; and {len(kept) - 4} more" if len(kept) > 4 else ""
@@ -456,13 +507,6 @@ def _nothing_quantized(module, quantizer, block_size: Optional[tuple], filtered:
     if filtered and candidates:
         return (f"--include / --exclude left no weight to quantize: the model's {len(candidates)} float weights "
                 f"(rank >= {quantizer.min_rank}) are {shown}; match their paths (see 'onnxparam inspect MODEL'); nothing was written")
-    if block_size is not None and candidates:
-        dims = "last dim is" if len(block_size) == 1 else f"last {len(block_size)} dims are"
-        return (
-            f"no param could be quantized with --block-size {_block_text(block_size)}: no weight's {dims} "
-            f"divisible by {_block_text(block_size)} ({shown}); choose a block size that divides them, or "
-            "leave out --block-size; nothing was written"
-        )
     return f"the model has no float weight (rank >= {quantizer.min_rank}) to quantize; nothing was written"
 
 

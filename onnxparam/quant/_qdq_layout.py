@@ -86,6 +86,28 @@ def _onnx_grid(qt: QuantizedTensor, opset: int):
     return None
 
 
+def unwritable_blocks(shape, scheme: QuantScheme, opset: int) -> str | None:
+    """Why a weight of ``shape`` quantized with ``scheme`` (no per-axis ``axis``) has no
+    ``DequantizeLinear`` form at ``opset`` and is exported as a float32 initializer, or ``None``
+    when it has one: the structure :func:`weight_layout` (``_onnx_grid``) reads, from shapes only
+    (no codes computed). A 4-bit scheme is judged at opset 21 (below it ``_nbits`` takes over)."""
+    if scheme.block is None:
+        return None
+    if scheme.value in (QuantValue.Q4S, QuantValue.Q4F):
+        opset = max(opset, 21)
+    rank = len(shape)
+    extents = scheme.block.size.to_dim_vec(rank)
+    grid = [-(-int(n) // int(e)) for n, e in zip(shape, extents)]
+    varying = [i for i, n in enumerate(grid) if n > 1]
+    if not varying or (len(varying) == 1 and extents[varying[0]] == 1):
+        return None  # one scale, or one per index of a single axis: per-tensor / per-axis
+    blocked = [i for i, e in enumerate(extents) if e > 1]
+    if len(blocked) == 1:
+        return None if opset >= 21 else (f"DequantizeLinear takes blocked scales from opset 21, the model's opset "
+                                         f"is {opset}")
+    return "blocks over two axes need per-element scales, which no DequantizeLinear takes"
+
+
 def weight_layout(qt: QuantizedTensor, opset: int = 21, options: QdqOptions | None = None) -> WeightLayout | None:
     """The exact ONNX layout of a Burn quantized tensor (module docstring), or ``None`` when ONNX
     ``DequantizeLinear`` cannot express its scales (2-D blocks, blocks below opset 21).

@@ -38,4 +38,5 @@ def test_contrib_op_gradient_matches_finite_differences(name):
     model, shapes = cases[name]
     feeds = [{"x": rng.normal(size=s).astype(np.float32)} for s in shapes]
     counts = check_model_grads(model, feeds, eps=1e-2, rtol=3e-3, atol=3e-4)
-    assert counts["graphs"] == len(shapes)
+    # a symbolic graph from the first call, or one concrete then one symbolic serving the rest
+    assert 1 <= counts["graphs"] <= min(len(shapes), 2)

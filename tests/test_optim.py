@@ -96,6 +96,45 @@ def test_adam_matches_a_reference_implementation_over_several_steps():
         np.testing.assert_allclose(param.base().to_numpy(), ref[param.id][0], rtol=1e-4, atol=1e-5)
 
 
+class _Wide(op.Module):
+    """One param larger than an update block (several blocks and a ragged last one) and a small one."""
+
+    def __init__(self, rng):
+        self.wide = op.Param.from_tensor(Tensor.from_numpy(rng.normal(size=(2 * 131072 + 37,)).astype(np.float32)))
+        self.small = op.Param.from_tensor(Tensor.from_numpy(rng.normal(size=(3, 5)).astype(np.float32)))
+
+
+def test_adam_and_sgd_give_the_float32_formula_bit_for_bit_across_update_blocks():
+    # NOTE: the oracle is the docstring formula as whole-array numpy expressions in float32 (the
+    # optimizers work in place, a cache-sized block at a time: every operation is elementwise and
+    # correctly rounded, so the bits must be the formula's)
+    rng = np.random.default_rng(11)
+    for make in (lambda: Adam(lr=0.05, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+                 lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01, dampening=0.2, nesterov=True)):
+        m = _Wide(rng)
+        optim = make()
+        ref = {p.id: [np.asarray(p.base().to_numpy()).copy(), None, None] for _, p in m.named_params()}
+        for t in range(1, 4):
+            g = {p.id: rng.normal(size=p.shape).astype(np.float32) for _, p in m.named_params()}
+            given = {k: v.copy() for k, v in g.items()}
+            m = optim.step(m, Gradients({k: Tensor.from_numpy(v) for k, v in given.items()}))
+            for pid, (p, a, b) in ref.items():
+                if isinstance(optim, Adam):
+                    d = g[pid] + 0.1 * p
+                    a = (1 - 0.8) * d if a is None else 0.8 * a + (1 - 0.8) * d
+                    b = (d * d) * (1 - 0.99) if b is None else 0.99 * b + (1 - 0.99) * (d * d)
+                    p = p - 0.05 * ((a / (1 - 0.8 ** t)) / (np.sqrt(b / (1 - 0.99 ** t)) + 1e-6))
+                else:
+                    d = g[pid] + 0.01 * p
+                    a = d.copy() if a is None else 0.9 * a + (1 - 0.2) * d
+                    p = p - 0.1 * (d + 0.9 * a)
+                assert p.dtype == np.float32
+                ref[pid] = [p, a, b]
+                np.testing.assert_array_equal(given[pid], g[pid])  # the caller's gradient is not written
+        for _, param in m.named_params():
+            np.testing.assert_array_equal(param.base().to_numpy(), ref[param.id][0])
+
+
 def test_frozen_params_and_params_without_gradients_are_not_updated():
     m = Mlp().freeze_group(op.ParamGroup.from_regex(r"^fc1\."))
     before = _values(m)

@@ -14,6 +14,10 @@ __all__ = ["Adam", "DEFAULT_EPSILON"]
 DEFAULT_EPSILON = 1e-5
 """Burn's ``AdamConfig`` default epsilon (PyTorch uses 1e-8)."""
 
+_BLOCK = 131072
+"""Elements per block of an update (the seven block-sized arrays an update touches stay in the last-level
+cache; measured on ResNet18-sized weights: 0.7x the time of whole-array operations, 8192 slower than those)."""
+
 
 class Adam(Optimizer):
     """``p <- p - lr * m_hat / (sqrt(v_hat) + eps)`` per param, where at the param's step ``t``
@@ -54,41 +58,58 @@ class Adam(Optimizer):
         self.weight_decay = float(weight_decay)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
-        # NOTE: the formula of the class docstring, evaluated in the same order (the same bits) into
-        # the moments (updated in place: this optimizer owns them; to_record copies), the new value
-        # and one scratch array: not one temporary per operation (a 30k x 128 embedding made eight
-        # 15 MiB temporaries per step)
+        # NOTE: the formula of the class docstring, evaluated in the same order (the same bits: every
+        # operation is elementwise and correctly rounded) into the moments (updated in place: this
+        # optimizer owns them; to_record copies) and the new value, one cache-sized block at a time
+        # with two block-sized scratch arrays: the dozen operations then read and write the cache, and
+        # main memory sees each of value, grad, moments and new value once (whole-array operations
+        # made about 14 passes over a model's weights per step, torch's Adam about 7)
         beta1, beta2 = self.betas
-        g = grad
-        if self.weight_decay:
-            g = np.multiply(value, self.weight_decay)
-            np.add(grad, g, out=g)
-        new = np.empty_like(g)
+        shape = value.shape
+        value = np.ascontiguousarray(value).reshape(-1)
+        grad = np.ascontiguousarray(grad).reshape(-1)
+        new = np.empty_like(value)
         if state:
-            m = state["moment_1"]
-            m *= beta1
-            np.multiply(g, 1.0 - beta1, out=new)
-            m += new
-            v = state["moment_2"]
-            v *= beta2
-            np.multiply(g, g, out=new)
-            new *= 1.0 - beta2
-            v += new
-            t = int(state["time"]) + 1
+            m, v = np.ascontiguousarray(state["moment_1"]), np.ascontiguousarray(state["moment_2"])
+            m_flat, v_flat, t = m.reshape(-1), v.reshape(-1), int(state["time"]) + 1  # views: updated in place
         else:
-            m = np.multiply(g, 1.0 - beta1)
-            v = np.multiply(g, g)
-            v *= 1.0 - beta2
-            t = 1
-        denominator = np.divide(v, 1.0 - beta2 ** t)  # v_hat
-        np.sqrt(denominator, out=denominator)
-        denominator += self.eps
-        np.divide(m, 1.0 - beta1 ** t, out=new)  # m_hat
-        new /= denominator
-        del denominator
-        new *= lr
-        np.subtract(value, new, out=new)
-        return new, {"moment_1": m, "moment_2": v, "time": t}
+            m, v, t = np.empty(shape, value.dtype), np.empty(shape, value.dtype), 1
+            m_flat, v_flat = m.reshape(-1), v.reshape(-1)
+        bias1, bias2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+        size = value.size
+        block = max(1, min(size, _BLOCK))
+        scratch = np.empty(block, value.dtype)
+        decayed = np.empty(block, value.dtype) if self.weight_decay else None
+        for start in range(0, size, block):
+            stop = min(start + block, size)
+            k = stop - start
+            p, g, out, den = value[start:stop], grad[start:stop], new[start:stop], scratch[:k]
+            mb, vb = m_flat[start:stop], v_flat[start:stop]
+            if decayed is not None:
+                wd = decayed[:k]
+                np.multiply(p, self.weight_decay, out=wd)
+                np.add(g, wd, out=wd)
+                g = wd
+            if state:
+                mb *= beta1
+                np.multiply(g, 1.0 - beta1, out=out)
+                mb += out
+                vb *= beta2
+                np.multiply(g, g, out=out)
+                out *= 1.0 - beta2
+                vb += out
+            else:
+                np.multiply(g, 1.0 - beta1, out=mb)
+                np.multiply(g, g, out=vb)
+                vb *= 1.0 - beta2
+            np.divide(vb, bias2, out=den)  # v_hat
+            np.sqrt(den, out=den)
+            den += self.eps
+            np.divide(mb, bias1, out=out)  # m_hat
+            out /= den
+            out *= lr
+            np.subtract(p, out, out=out)
+        return new.reshape(shape), {"moment_1": m, "moment_2": v, "time": t}
 
     def __repr__(self) -> str:
         return (f"Adam(lr={self.lr:g}, betas={self.betas}, eps={self.eps:g}, weight_decay={self.weight_decay:g}, "

@@ -47,14 +47,33 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
-        g = grad + self.weight_decay * value if self.weight_decay else grad
+        # NOTE: the formula of the class docstring in the same order (the same bits), with in-place
+        # operations on arrays this update made or owns (the velocity; to_record copies): never on
+        # ``grad``, the caller's gradient
+        g = grad
+        if self.weight_decay:
+            g = np.multiply(value, self.weight_decay)
+            np.add(grad, g, out=g)
         new_state = {}
         if self.momentum:
             v = state.get("velocity") if state else None
-            v = g.copy() if v is None else self.momentum * v + (1.0 - self.dampening) * g
+            if v is None:
+                v = g.copy()
+            else:
+                v *= self.momentum
+                damped = np.multiply(g, 1.0 - self.dampening)
+                v += damped
+                del damped
             new_state["velocity"] = v
-            g = g + self.momentum * v if self.nesterov else v
-        return value - lr * g, new_state
+            if self.nesterov:
+                ahead = np.multiply(v, self.momentum)
+                np.add(g, ahead, out=ahead)
+                g = ahead
+            else:
+                g = v
+        new = np.multiply(g, lr)
+        np.subtract(value, new, out=new)
+        return new, new_state
 
     def __repr__(self) -> str:
         return (f"SGD(lr={self.lr:g}, momentum={self.momentum:g}, weight_decay={self.weight_decay:g}, "

@@ -122,14 +122,16 @@ class Result:
 
 
 def interleaved_medians(ours: Callable[[], object], baseline: Callable[[], object], repeats: int,
-                        warmup: int = 5) -> tuple[float, float]:
+                        warmup: int = 5, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """Median seconds of ``ours()`` and ``baseline()``, timed alternately (the order swaps
-    every repetition so neither always runs on a warmer cache)."""
+    every repetition so neither always runs on a warmer cache). ``clock``: wall time by default;
+    ``time.thread_time`` for this thread's CPU time (with one intra-op thread ONNX Runtime runs
+    every kernel on the calling thread, so on a loaded machine the time others take the CPU is
+    left out: wall-clock medians there mix in preemption, which hits a longer run more often)."""
     for _ in range(warmup):
         ours()
         baseline()
     t_ours, t_base = [], []
-    clock = time.perf_counter
     for i in range(repeats):
         pair = ((ours, t_ours), (baseline, t_base))
         for fn, times in (pair if i % 2 == 0 else pair[::-1]):
@@ -625,31 +627,12 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats) -> list[Resu
         if config.intra_op_num_threads == 1:  # ORT runs on this thread: its CPU time ignores preemption
             for label, baseline, target in (("split inputs runs", split, LORA_BATCHED_SPLIT_TARGET),
                                              ("one r16 inputs run", single, LORA_BATCHED_SINGLE_TARGET)):
-                t_ours, t_base = _interleaved_cpu_medians(one_batched, baseline, repeats)
+                t_ours, t_base = interleaved_medians(one_batched, baseline, repeats, clock=time.thread_time)
                 results.append(Result("lora", f"batched vs {label}, seq {seq}, thread CPU time", t_ours, t_base,
                                       target))
         print(f"lora-batched seq {seq}: 1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
               f"({os.cpu_count()} CPUs)", file=sys.stderr)
     return results
-
-
-def _interleaved_cpu_medians(ours, baseline, repeats: int, warmup: int = 5) -> tuple[float, float]:
-    """:func:`interleaved_medians` in this thread's CPU time (``time.thread_time``): with one
-    intra-op thread ONNX Runtime runs every kernel on the calling thread, so on a loaded machine
-    the time others take the CPU is left out (wall-clock medians there mix in preemption, which
-    hits a longer run more often)."""
-    for _ in range(warmup):
-        ours()
-        baseline()
-    t_ours, t_base = [], []
-    clock = time.thread_time
-    for i in range(repeats):
-        pair = ((ours, t_ours), (baseline, t_base))
-        for fn, times in (pair if i % 2 == 0 else pair[::-1]):
-            t0 = clock()
-            fn()
-            times.append(clock() - t0)
-    return statistics.median(t_ours), statistics.median(t_base)
 
 
 def _dtype(np_dtype):

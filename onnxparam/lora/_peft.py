@@ -594,7 +594,7 @@ def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
     ``groups``. A transposed adapter ``a = A.flatten(1).T`` ``(in * prod(kernel), r)``, ``b``
     ``(r, out)``: ``B.flatten(1).T`` for ``groups == 1`` (the delta ``scale * B.flatten(1) @
     A.flatten(1)`` reshaped to the weight ``(out, in, *kernel)``); for a grouped base (weight
-    ``(out, in / groups, *kernel)``, ``groups = A.shape[1] / weight.shape[1]``) ``b`` is ``B``
+    ``(out, in / groups, *kernel)``, ``groups = r / B.shape[1]``) ``b`` is ``B``
     block-diagonal: output channel ``o`` of group ``g = o // (out / groups)`` reads rows
     ``g * r / groups ...`` (zeros elsewhere), a branch only
     (:func:`~onnxparam.lora._adapters.conv_adapter_groups`)."""
@@ -602,14 +602,14 @@ def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
     shape = tuple(param.lazy_shape())
     layout = targets.layout(target)
     rank = A.shape[0]
-    groups = A.shape[1] // shape[1] if len(shape) >= 3 and shape[1] and A.shape[1] % shape[1] == 0 else 0
+    groups = rank // B.shape[1] if len(B.shape) >= 2 and B.shape[1] and rank % B.shape[1] == 0 else 0
     if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or not groups \
-            or B.shape[1] * groups != rank or any(k != 1 for k in B.shape[2:]):
+            or any(k != 1 for k in B.shape[2:]):
         problems.append(f"PEFT module {name!r} -> {target!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
                         f"do not make a convolution LoRA for {target!r} {list(shape)} ({layout})")
         return None
     want = (B.shape[0], A.shape[1] // groups) + tuple(A.shape[2:])
-    if shape != want or B.shape[0] % groups:
+    if shape != want or B.shape[0] % groups or A.shape[1] % groups:
         problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight"
                         f"{f' (groups={groups})' if groups > 1 else ''}, the param is {list(shape)}")
         return None

@@ -25,8 +25,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-from ..core.errors import TraceError
-from ._emitter import Emitter, dims, np_dtype
+from ..trace.tracer import _to_attr
+from ._emitter import Emitter, dims
 from ._rules import attr, rule
 
 __all__ = ["accumulate", "is_sequence", "REFUSED"]
@@ -78,22 +78,35 @@ def _elem_dtype(seq: ir.Value) -> np.dtype:
     return np.dtype(DType.from_onnx(int(seq.type.elem_type.dtype)).to_numpy())
 
 
-def _map(e: Emitter, seqs: list, like: ir.Value, build) -> ir.Value:
-    """``SequenceMap`` over ``seqs`` (same lengths) whose body is ``build(body_emitter, elems)``
-    -> one tensor per element; the result typed as ``like``. The body holds no outer reference
-    (its constants are attributes)."""
-    from ._rules_control import child_emitter
+class _Body:
+    """Appends nodes to a subgraph with names unique in ``e``'s graph (no constants: a
+    ``SequenceMap`` body here reads nothing from outside)."""
 
+    def __init__(self, e: Emitter, graph: ir.Graph):
+        self.e, self.graph = e, graph
+
+    def nodes(self, op_type: str, inputs: list, attrs: Optional[dict] = None) -> list:
+        name = self.e.unique(f"/grad/{op_type}")
+        node = ir.Node("", op_type, list(inputs), [_to_attr(k, v) for k, v in (attrs or {}).items()], name=name)
+        for i, out in enumerate(node.outputs):
+            out.name = self.e.unique(f"{name}_output_{i}")
+        self.graph.append(node)
+        return list(node.outputs)
+
+
+def _map(e: Emitter, seqs: list, like: ir.Value, build) -> ir.Value:
+    """``SequenceMap`` over ``seqs`` (same lengths) whose body is ``build(body, elems)`` -> one
+    tensor per element; the result typed as ``like``. The body holds no outer reference (its
+    constants are attributes)."""
     elems = [ir.Value(name=e.unique("/grad/seq_elem"), type=_tensor_type(s)) for s in seqs]
     body = ir.Graph(elems, [], nodes=[], name=e.unique("/grad/SequenceMap_body"))
-    be = child_emitter(e, body)
-    result = build(be, elems)
+    result = build(_Body(e, body), elems)
     result.type = _tensor_type(like)
     body.outputs.append(result)
     return _out(e, "SequenceMap", seqs, {"body": body}, like=like)
 
 
-def _zeros_body(be: Emitter, elems: list) -> ir.Value:
+def _zeros_body(be: _Body, elems: list) -> ir.Value:
     x = elems[0]
     fill = np.zeros(1, dtype=np.dtype(ir.DataType(x.dtype).numpy()))
     return be.nodes("ConstantOfShape", [be.nodes("Shape", [x])[0]], {"value": fill})[0]
@@ -184,7 +197,7 @@ def _sequence_erase(e, node, gout, need):
 def _axis_length_body(axis: int):
     """A ``SequenceMap`` body giving each element's length along ``axis`` as a 1-element int64."""
 
-    def build(be: Emitter, elems: list) -> ir.Value:
+    def build(be: _Body, elems: list) -> ir.Value:
         shape = be.nodes("Shape", [elems[0]])[0]
         start = np.array([axis], np.int64)
         end = np.array([axis + 1 if axis != -1 else np.iinfo(np.int64).max], np.int64)

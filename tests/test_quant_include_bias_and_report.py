@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import sklearn_mlp
 
 from onnxparam.cli import main
 
@@ -140,24 +141,7 @@ def test_the_api_export_of_a_quantized_import_settles_value_infos_as_onnx_shape_
 
 def mlp(path, sizes=(64, 256, 10)):
     """``MatMul`` + ``Add`` + ``Relu`` layers, then ``Softmax`` (a scikit-learn MLP's graph)."""
-    nodes, inits, h, weights = [], [], "x", []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-        w = (RNG.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
-        c = (RNG.normal(size=(b,)) * 0.1).astype(np.float32)
-        weights.append((w, c))
-        inits += [numpy_helper.from_array(w, f"coef_{i}"), numpy_helper.from_array(c, f"intercept_{i}")]
-        nodes += [helper.make_node("MatMul", [h, f"coef_{i}"], [f"m{i}"]),
-                  helper.make_node("Add", [f"m{i}", f"intercept_{i}"], [f"a{i}"])]
-        h = f"a{i}"
-        if i < len(sizes) - 2:
-            nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
-            h = f"r{i}"
-    nodes.append(helper.make_node("Softmax", [h], ["probabilities"], axis=1))
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", sizes[0]])],
-                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", sizes[-1]])],
-                              inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path, weights
+    return sklearn_mlp(path, sizes, RNG)
 
 
 def numpy_mlp(x, weights, quantized: bool) -> np.ndarray:

@@ -8,14 +8,17 @@ own adapter (``"__base__"``: none). The net is written by torch's TorchScript ex
 with a bias input, ``Gemm`` with ``C``; dynamo: ``slow``) and imported here; the adapters are PEFT's saved folders
 loaded with ``load_peft_adapter``. The batched ONNX file run by plain ONNX Runtime and
 ``module(x, adapter_index=...)`` must give each row PEFT's output within 1e-5, at a batch size
-other than the export's. A grouped convolution is refused by name (numpy has nothing to check).
+other than the export's.
+
+Grouped convolutions (PEFT: ``lora_A`` a conv of every input channel, ``lora_B`` a 1x1 conv with
+the base's ``groups``; the rank divisible by the groups): the same oracle on a net with a
+grouped (groups=2) and a depthwise (groups=6, stride 2) conv, per-module ranks
+(``rank_pattern``); one active adapter in ``"keep"`` / ``"inputs"`` equals PEFT's forward, and
+merging it is refused. A weight delta on a grouped conv (not PEFT's layout) is refused by name.
+The torch / PEFT setup is ``tests/torch_peft.py``'s.
 """
 
 from __future__ import annotations
-
-import contextlib
-import copy
-import warnings
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-import onnxruntime as ort  # noqa: E402
+from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
 
 from onnxparam import (  # noqa: E402
     LoraError,
@@ -44,15 +47,6 @@ ADAPTERS = {"one": (2, 5, False, True), "two": (3, 2, True, False), "three": (4,
 ROWS = ["two", "__base__", "one", "three", "one", "__base__", "three"]
 
 
-@contextlib.contextmanager
-def quiet():
-    """torch's TorchScript exporter warns that it is deprecated; PEFT's save_pretrained that a
-    1-d lora_B.bias looks like an unsharded ZeRO-3 tensor: both expected."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 class ConvNet(torch.nn.Module):
     def __init__(self, groups: int = 1):
         super().__init__()
@@ -63,38 +57,10 @@ class ConvNet(torch.nn.Module):
         return self.fc(torch.relu(self.conv(x)).flatten(1))
 
 
-def randomize(model, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model
-
-
-def save_adapter(base, folder, r, alpha, rslora, lora_bias, seed, targets=("conv", "fc"), rank_pattern=None):
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_bias=lora_bias,
-                             target_modules=list(targets), rank_pattern=rank_pattern or {}, init_lora_weights=False)
-    with quiet():  # PEFT warns that a grouped conv's adapter cannot be merged
-        model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    with quiet():
-        model.save_pretrained(str(folder))
-
-
-def export(model, x, path, exporter="torchscript"):
-    kwargs = {"input_names": ["x"], "output_names": ["y"]}
-    if exporter == "dynamo":
-        pytest.importorskip("onnxscript")
-        kwargs.update(dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False)
-    else:
-        kwargs["dynamic_axes"] = {"x": {0: "batch"}}
-    with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, (x,), str(path), dynamo=exporter == "dynamo", **kwargs)
-    return path
+def export_net(model, in_shape, path, exporter="torchscript"):
+    """``model`` on ``[batch, *in_shape]`` written by torch's ``exporter`` (input ``x``, a dynamic batch)."""
+    return export(model, (torch.randn(2, *in_shape),), path, exporter, dynamic={0: "batch"}, input_names=["x"],
+                  output_names=["y"])
 
 
 def build(folder, exporter, model, adapters, rows, in_shape, targets=("conv", "fc"), rank_patterns=None):
@@ -102,16 +68,11 @@ def build(folder, exporter, model, adapters, rows, in_shape, targets=("conv", "f
     folder, PEFT's model)``: ``model`` exported by ``exporter`` and imported, each adapter
     ``{name: (r, alpha, rslora, lora_bias)}`` (``rank_patterns[name]``: its PEFT rank_pattern)
     saved by PEFT and loaded into both."""
-    imported = import_onnx(export(model, torch.randn(2, *in_shape), folder / "net.onnx", exporter))
-    for k, (name, spec) in enumerate(adapters.items()):
-        save_adapter(model, folder / name, *spec, seed=40 + k, targets=targets,
-                     rank_pattern=(rank_patterns or {}).get(name))
-    with quiet():
-        names = list(adapters)
-        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder / names[0]),
-                                                   adapter_name=names[0]).eval()
-        for name in names[1:]:
-            reference.load_adapter(str(folder / name), adapter_name=name)
+    imported = import_onnx(export_net(model, in_shape, folder / "net.onnx", exporter))
+    for k, (name, (r, alpha, rslora, lora_bias)) in enumerate(adapters.items()):
+        peft_lora(model, list(targets), r, alpha, rslora=rslora, lora_bias=lora_bias, seed=40 + k, folder=folder / name,
+                  rank_pattern=(rank_patterns or {}).get(name))
+    reference = peft_with_adapters(model, {name: folder / name for name in adapters})
     module = imported
     for name in adapters:
         module = module.add_adapter(name, load_peft_adapter(imported, folder / name))
@@ -125,10 +86,7 @@ def build(folder, exporter, model, adapters, rows, in_shape, targets=("conv", "f
 def run_batched(path, x, rows, names):
     """Plain ONNX Runtime on the batched export ``path``, row ``n`` with adapter ``rows[n]``."""
     index = np.asarray([0 if n == "__base__" else list(names).index(n) + 1 for n in rows], dtype=np.int64)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x, "adapter_index": index})[0], index
+    return session(path).run(None, {"x": x, "adapter_index": index})[0], index
 
 
 @pytest.fixture(scope="module", params=["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
@@ -168,7 +126,7 @@ def test_a_weight_delta_on_a_grouped_convolution_is_refused_by_name(tmp_path):
     from onnxparam import LoraAdapter, Param
 
     model = randomize(ConvNet(groups=2).eval(), seed=5)
-    imported = import_onnx(export(model, torch.randn(2, 2, 6, 6), tmp_path / "grouped.onnx"))
+    imported = import_onnx(export_net(model, (2, 6, 6), tmp_path / "grouped.onnx"))
     shape = tuple(imported.conv.weight.lazy_shape())  # (4, 1, 3, 3)
     a = Param.from_tensor(Tensor.from_numpy(np.ones((int(np.prod(shape[1:])), 2), np.float32)))
     b = Param.from_tensor(Tensor.from_numpy(np.ones((2, shape[0]), np.float32)))
@@ -240,8 +198,7 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
     with torch.no_grad():
         expected = reference(torch.from_numpy(x), adapter_names=["two"] * len(x)).numpy()
     kept = export_onnx(active, tmp_path / "keep.onnx", x[:2], lora="keep")
-    session = ort.InferenceSession(str(kept), providers=["CPUExecutionProvider"])
-    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(session(kept).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
     for mode in ("keep", "inputs"):
         set_session_config(active, SessionConfig(lora_mode=mode))
         np.testing.assert_allclose(active(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0, err_msg=mode)

@@ -139,3 +139,52 @@ def test_rfft_irfft_of_odd_length_at_opset_19():
 
     _dft_case(19, {"inverse": 1, "onesided": 1}, ["N", "K", 2], [(2, 5, 2), (1, 4, 2)], axis=1, length=7,
               torch_fn=torch_fn)
+
+
+# -- STFT -----------------------------------------------------------------------------------------
+
+
+def test_stft_signal_and_window_gradients_on_a_run_time_signal_length():
+    """Real signal, a Hann window times a param (so the window's gradient is checked), step 3,
+    onesided; the batch and the signal length (so the frame count) change."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["win", "ws"], ["w"]),
+             helper.make_node("STFT", ["xs", "step", "w"], ["y"], onesided=1)]
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(8) / 8)
+    inits = {"s": RNG.uniform(0.5, 1.5, (1,)), "ws": RNG.uniform(0.5, 1.5, (8,)), "step": np.array(3, np.int64)}
+    win = helper.make_tensor_value_info("win", D, [8])
+
+    def torch_fn(x, win, s, ws, step):
+        out = torch.stft((x * s)[..., 0], 8, 3, window=win * ws, center=False, onesided=True, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 1], [(2, 20, 1), (1, 15, 1)], inits, 17, torch_fn=torch_fn, extra_inputs=[win],
+             extra=lambda shape: {"win": hann})
+
+
+@pytest.mark.slow
+def test_stft_of_a_complex_signal_two_sided_without_window():
+    """Complex signal, ``frame_length`` 6 and no window (rectangular), both sides, overlapping
+    frames (step 2)."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("STFT", ["xs", "step", "", "flen"], ["y"], onesided=0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (2,)), "step": np.array(2, np.int64), "flen": np.array(6, np.int64)}
+
+    def torch_fn(x, s, step, flen):
+        out = torch.stft(_complex(x * s), 6, 2, window=torch.ones(6, dtype=torch.float64), center=False,
+                         onesided=False, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 2], [(2, 13, 2), (1, 10, 2)], inits, 17, torch_fn=torch_fn)
+
+
+def test_an_stft_window_initializer_imports_frozen_as_a_table():
+    import onnxparam as op
+    from onnxparam.autodiff._tables import WINDOW
+    from test_grad_more_rules import _model
+
+    nodes = [helper.make_node("STFT", ["x", "step", "w"], ["y"])]
+    model = _model(nodes, ["N", "L", 1], {"step": np.array(2, np.int64), "w": np.hanning(6)}, 17, D)
+    module = op.import_onnx(model)
+    assert module.onnx_tables == {module.path_of("w"): WINDOW}

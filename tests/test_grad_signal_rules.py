@@ -188,3 +188,31 @@ def test_an_stft_window_initializer_imports_frozen_as_a_table():
     model = _model(nodes, ["N", "L", 1], {"step": np.array(2, np.int64), "w": np.hanning(6)}, 17, D)
     module = op.import_onnx(model)
     assert module.onnx_tables == {module.path_of("w"): WINDOW}
+
+
+# -- Resize, tf_crop_and_resize ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["linear", pytest.param("cubic", marks=pytest.mark.slow)])
+def test_resize_tf_crop_and_resize_on_a_dynamic_image(mode):
+    """A crop reaching past the image (extrapolated cells: no gradient) resized by constant
+    scales; batch and image size change. Finite differences only (no torch op)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "scales"], ["y"], mode=mode,
+                              coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=7.0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)),
+             "roi": np.array([0, 0, 0.2, -0.1, 1, 1, 0.9, 1.2], np.float32),
+             "scales": np.array([1, 1, 1.5, 0.8], np.float32)}
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19)
+
+
+@pytest.mark.slow
+def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
+    """``axes=[3, 2]`` (roi and sizes in that order), sizes fed at run time."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "", "sizes"], ["y"], axes=[3, 2],
+                              coordinate_transformation_mode="tf_crop_and_resize")]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "roi": np.array([0.1, 0.3, 0.8, 1.0], np.float32)}
+    sizes = helper.make_tensor_value_info("sizes", I64, [2])
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19, extra_inputs=[sizes],
+             extra=lambda shape: {"sizes": np.array([shape[3] + 1, shape[2] - 1], np.int64)})

@@ -28,3 +28,33 @@ def exact_options() -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return options
+
+
+def sklearn_mlp(path, sizes: tuple, rng, intercept_rows: bool = False) -> tuple:
+    """Write what a scikit-learn ``MLPClassifier`` converts to at ``path``: per layer ``MatMul``
+    on a ``coef_i`` weight ``[a, b]`` (N(0, 1/a), float32) + ``Add`` of an ``intercept_i``
+    (N(0, 0.01); ``[b]``, or ``[1, b]`` with ``intercept_rows``), ``Relu`` between layers, then
+    ``Softmax`` (axis 1) as output ``probabilities``; input ``x`` ``["n", sizes[0]]``, opset 17.
+    Values drawn from the numpy generator ``rng`` in layer order. Returns ``(path, [(coef,
+    intercept)])``."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    nodes, inits, h, weights = [], [], "x", []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        w = (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
+        c = (rng.normal(size=(1, b) if intercept_rows else (b,)) * 0.1).astype(np.float32)
+        weights.append((w, c))
+        inits += [numpy_helper.from_array(w, f"coef_{i}"), numpy_helper.from_array(c, f"intercept_{i}")]
+        nodes += [helper.make_node("MatMul", [h, f"coef_{i}"], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", f"intercept_{i}"], [f"a{i}"])]
+        h = f"a{i}"
+        if i < len(sizes) - 2:
+            nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
+            h = f"r{i}"
+    nodes.append(helper.make_node("Softmax", [h], ["probabilities"], axis=1))
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", sizes[0]])],
+                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", sizes[-1]])],
+                              inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path, weights

@@ -36,6 +36,8 @@ SAMPLE = (
     "test_attention_3d_diff_heads_sizes_attn_mask", "test_resize_downsample_sizes_linear_antialias",
     "test_resize_upsample_scales_cubic_asymmetric", "test_gridsample_border_padding",
     "test_tensorscatter_circular", "test_averagepool_2d_ceil_last_window_starts_on_pad",
+    "test_dft_irfft", "test_rotary_embedding_with_interleaved_rotary_dim", "test_stft_with_window",
+    "test_resize_tf_crop_and_resize_axes_3_2",
 )
 
 

@@ -11,9 +11,7 @@ one writes ``Gemm transB=1`` or ``Transpose -> MatMul``: each test runs on both.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
 
 import numpy as np
 import pytest
@@ -21,7 +19,17 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-import onnxruntime as ort  # noqa: E402
+from torch_peft import (  # noqa: E402
+    EXPORTERS,
+    ConvNet,
+    export,
+    peft_lora,
+    quiet,
+    randomize,
+    run_options,
+    session,
+    with_torch_weights,
+)
 
 from onnxparam import (  # noqa: E402
     LoraConfig,
@@ -40,73 +48,11 @@ ATOL = 2e-4
 ADAPTERS = [(2, 5, False, False), (4, 3, True, False), (8, 12, False, True)]
 
 
-@contextlib.contextmanager
-def quiet():
-    """torch's TorchScript exporter warns that it is deprecated, and PEFT's save_pretrained that
-    a 1-d lora_B.bias (lora_bias=True) looks like an unsharded ZeRO-3 tensor: both expected."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def randomize(model, seed: int):
-    """Every param of ``model`` drawn from N(0, 0.3) (no zero biases: torch's exporter would
-    dedupe equal initializers)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model
-
-
 def peft_model(base, folder, r, alpha, rslora, lora_bias, targets, seed):
-    """A PEFT LoRA model on a copy of ``base`` with non-zero random factors, saved to ``folder``."""
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_bias=lora_bias,
-                             target_modules=targets, init_lora_weights=False)
+    """A PEFT LoRA model on a copy of ``base`` with non-zero random factors, saved to ``folder``
+    (torch's global generator seeded with ``seed`` first: the tests draw inputs from it after)."""
     torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    with quiet():
-        model.save_pretrained(str(folder))
-    return model
-
-
-EXPORTERS = ["torchscript", "dynamo"]
-
-
-def export(model, args, path, exporter, *, dynamic_batch=None, **kwargs):
-    """``model`` written to ``path`` by torch's TorchScript or dynamo exporter (input 0's axis 0
-    named ``dynamic_batch`` when given); the dynamo exporter is skipped without ``onnxscript``."""
-    dynamo = exporter == "dynamo"
-    if dynamo:
-        pytest.importorskip("onnxscript")
-        if dynamic_batch:
-            kwargs["dynamic_shapes"] = ({0: torch.export.Dim(dynamic_batch)},)
-    elif dynamic_batch:
-        kwargs["dynamic_axes"] = {kwargs["input_names"][0]: {0: dynamic_batch}}
-    with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, args, str(path), dynamo=dynamo, **({"verbose": False} if dynamo else {}), **kwargs)
-    return path
-
-
-def session(path):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run_options(adapter_file):
-    options = ort.RunOptions()
-    if adapter_file is None:
-        return options, None
-    lora = ort.LoraAdapter()
-    lora.Load(str(adapter_file))
-    options.add_active_adapter(lora)
-    return options, lora  # NOTE: keep the LoraAdapter alive while the options are used
+    return peft_lora(base, targets, r, alpha, rslora=rslora, lora_bias=lora_bias, seed=seed + 100, folder=folder)
 
 
 class Wrapped(torch.nn.Module):
@@ -130,7 +76,7 @@ def bert(request, tmp_path_factory):
     ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
     folder = tmp_path_factory.mktemp(f"bert-{request.param}")
     path = export(model, (ids,), folder / "bert.onnx", request.param, input_names=["input_ids"],
-                  output_names=["hidden"], dynamic_batch="batch")
+                  output_names=["hidden"], dynamic={0: "batch"})
     return model, import_onnx(path), ids, folder
 
 
@@ -160,8 +106,20 @@ def mlp(request, tmp_path_factory):
     return model, import_onnx(path), x, folder
 
 
-def as_input(module, x):
-    return Tensor.from_numpy(x.numpy())
+def assert_equal_in_every_mode(adapted, x, expected, folder=None, label=""):
+    """``adapted`` (a module with a PEFT adapter loaded) called on the torch tensor ``x`` in each
+    ``lora_mode`` (merge / keep / inputs) gives ``expected``; with ``folder``, so does its
+    ``lora="inputs"`` export (input ``x``) run by plain ONNX Runtime with the adapter written as an
+    ``.onnx_adapter`` file active."""
+    for mode in ("merge", "keep", "inputs"):
+        module = adapted.map(lambda p, q: q)
+        set_session_config(module, SessionConfig(lora_mode=mode))
+        np.testing.assert_allclose(module(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL,
+                                   err_msg=f"{label} {mode}".strip())
+    if folder is not None:
+        path = export_onnx(adapted, folder / "inputs.onnx", x.numpy(), lora="inputs")
+        options, keep = run_options(write_onnx_adapter(adapted, folder / "a.onnx_adapter"))
+        np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
 
 
 @pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: f"r{s[0]}-a{s[1]}{'-rs' if s[2] else ''}{'-bias' if s[3] else ''}")
@@ -173,13 +131,7 @@ def test_peft_adapters_on_a_torch_exported_mlp_equal_peft_in_every_mode(mlp, spe
         expected = reference(x).numpy()
     adapted, report = load_peft_adapter(imported, tmp_path / "ad", return_report=True)
     assert sorted(report.matched) == ["base_model.model.fc1", "base_model.model.fc2"] and not report.unmatched
-    for mode in ("merge", "keep", "inputs"):
-        module = adapted.map(lambda p, q: q)
-        set_session_config(module, SessionConfig(lora_mode=mode))
-        np.testing.assert_allclose(module(as_input(module, x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
-    path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
-    options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
-    np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
+    assert_equal_in_every_mode(adapted, x, expected, tmp_path)
 
 
 def test_peft_adapters_on_a_torch_exported_bert_equal_peft_in_every_mode(bert, tmp_path):
@@ -193,11 +145,7 @@ def test_peft_adapters_on_a_torch_exported_bert_equal_peft_in_every_mode(bert, t
         adapted, report = load_peft_adapter(imported, tmp_path / f"r{r}", allow_partial=True, return_report=True)
         assert len(report.matched) == 5  # query, value, 3 dense layers
         assert report.unmatched == ["base_model.model.bert.pooler.dense"]
-        for mode in ("merge", "keep", "inputs"):
-            module = adapted.map(lambda p, q: q)
-            set_session_config(module, SessionConfig(lora_mode=mode))
-            np.testing.assert_allclose(module(Tensor.from_numpy(ids.numpy())).to_numpy(), expected, atol=ATOL,
-                                       err_msg=f"r{r} {mode}")
+        assert_equal_in_every_mode(adapted, ids, expected, label=f"r{r}")
 
 
 def assert_switching_equals_peft(model, imported, x, input_name, targets, folder, seed, **export_kwargs):
@@ -276,18 +224,12 @@ class OurMlp(Module):
 
 
 def test_adapters_trained_here_load_in_peft_and_give_the_same_outputs(tmp_path):
-    from onnxparam import Param, save_peft_adapter
+    from onnxparam import save_peft_adapter
     from onnxparam.autodiff import grad
     from onnxparam.optim import Adam
 
     torch_model = randomize(Mlp().eval(), seed=3)
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-
-    def from_torch(path, param):
-        value = weights[path]
-        return Param(param.id, value=Tensor.from_numpy(np.ascontiguousarray(value.T if value.ndim == 2 else value)))
-
-    ours = OurMlp().map(from_torch).apply_lora(LoraConfig(rank=4, alpha=6.0, seed=0))
+    ours = with_torch_weights(OurMlp(), torch_model).apply_lora(LoraConfig(rank=4, alpha=6.0, seed=0))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype(np.float32)
     target = rng.normal(size=(16, 8)).astype(np.float32)
@@ -308,17 +250,15 @@ def test_adapters_trained_here_load_in_peft_and_give_the_same_outputs(tmp_path):
         expected = loaded(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(ours(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
     # and back: the folder loads here onto the plain module with the same result
-    back = load_peft_adapter(OurMlp().map(from_torch), folder)
+    back = load_peft_adapter(with_torch_weights(OurMlp(), torch_model), folder)
     np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL)
 
 
 def test_named_adapters_switch_disable_and_delete_like_peft(tmp_path):
-    from onnxparam import LoraAdapterSet, Param
+    from onnxparam import LoraAdapterSet
 
     torch_model = randomize(Mlp().eval(), seed=4)
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    ours = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
-        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    ours = with_torch_weights(OurMlp(), torch_model)
     for name, (r, alpha, rslora, lora_bias) in zip(("one", "two"), ADAPTERS[:2]):
         peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=30 + r)
     with quiet():
@@ -372,9 +312,7 @@ def test_embedding_and_linear_adapters_saved_here_load_in_peft_with_the_same_out
     from onnxparam import Param, save_peft_adapter
 
     torch_model = randomize(TorchEmbedLinear().eval(), seed=5)
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    ours = OurEmbedLinear().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
-        weights[path].T if path == "fc.weight" else weights[path]))))
+    ours = with_torch_weights(OurEmbedLinear(), torch_model, transposed=lambda path, _: path == "fc.weight")
     rng = np.random.default_rng(6)
     adapted = ours.apply_lora(LoraConfig(rank=3, alpha=5.0, use_rslora=True, seed=0)).map(
         lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.5, size=p.lazy_shape()).astype(np.float32)),
@@ -392,9 +330,7 @@ def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports
     from onnxparam import Param, save_peft_adapter
 
     torch_model = randomize(Mlp().eval(), seed=9)
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
-        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    base = with_torch_weights(OurMlp(), torch_model)
     names = ("one", "two", "three")
     for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
         peft_model(torch_model, tmp_path / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=50 + r)
@@ -467,16 +403,6 @@ def test_a_module_owns_its_named_adapters_through_copies_loads_saves_and_exports
         module.set_adapter("one")
 
 
-class ConvNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
-        self.fc = torch.nn.Linear(4 * 5 * 5, 3)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).flatten(1))
-
-
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_peft_conv_and_lora_bias_adapters_on_a_torch_exported_conv_net_equal_peft_in_every_mode(exporter, tmp_path):
     model = randomize(ConvNet().eval(), seed=11)
@@ -489,22 +415,14 @@ def test_peft_conv_and_lora_bias_adapters_on_a_torch_exported_conv_net_equal_pef
     assert sorted(report.matched) == ["base_model.model.conv", "base_model.model.fc"]
     assert {path for path, p in adapted.named_params() if p.adapter() is not None} == {
         "conv.weight", "conv.bias", "fc.weight", "fc.bias"}  # lora_bias on both layers
-    for mode in ("merge", "keep", "inputs"):
-        module = adapted.map(lambda p, q: q)
-        set_session_config(module, SessionConfig(lora_mode=mode))
-        np.testing.assert_allclose(module(as_input(module, x)).to_numpy(), expected, atol=ATOL, err_msg=mode)
-    path = export_onnx(adapted, tmp_path / "inputs.onnx", x.numpy(), lora="inputs")
-    options, keep = run_options(write_onnx_adapter(adapted, tmp_path / "a.onnx_adapter"))
-    np.testing.assert_allclose(session(path).run(None, {"x": x.numpy()}, options)[0], expected, atol=ATOL)
+    assert_equal_in_every_mode(adapted, x, expected, tmp_path)
 
 
 def test_every_named_adapter_saves_in_peft_multi_adapter_layout_and_loads_back(tmp_path):
-    from onnxparam import Param, load_peft_adapters, save_peft_adapters
+    from onnxparam import load_peft_adapters, save_peft_adapters
 
     torch_model = randomize(Mlp().eval(), seed=13)
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    base = OurMlp().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
-        weights[path].T if weights[path].ndim == 2 else weights[path]))))
+    base = with_torch_weights(OurMlp(), torch_model)
     names = ("default", "sql", "chat")
     for name, (r, alpha, rslora, lora_bias) in zip(names, ADAPTERS):
         peft_model(torch_model, tmp_path / "given" / name, r, alpha, rslora, lora_bias, ["fc1", "fc2"], seed=60 + r)

@@ -11,7 +11,6 @@ and PEFT's forward on the folder :func:`onnxparam.save_peft_adapter` writes.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import numpy as np
 import pytest
@@ -19,21 +18,14 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from onnxparam import Module, Param, Tensor, load_peft_adapter, nn, save_peft_adapter  # noqa: E402
+from torch_peft import ConvNet as TorchConvNet  # noqa: E402
+from torch_peft import peft_lora, quiet, randomize, with_torch_weights  # noqa: E402
+
+from onnxparam import Module, Tensor, load_peft_adapter, nn, save_peft_adapter  # noqa: E402
 from onnxparam.autodiff import grad, mse  # noqa: E402
 from onnxparam.optim import Adam  # noqa: E402
 
 ATOL = 2e-4
-
-
-class TorchConvNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
-        self.fc = torch.nn.Linear(4 * 5 * 5, 3)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).flatten(1))
 
 
 class ConvNet(Module):
@@ -47,25 +39,12 @@ class ConvNet(Module):
 
 
 def _same_weights(torch_model) -> ConvNet:
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    return ConvNet().map(lambda path, p: Param(p.id, value=Tensor.from_numpy(np.ascontiguousarray(
-        weights[path].T if path == "fc.weight" else weights[path]))))
+    return with_torch_weights(ConvNet(), torch_model, transposed=lambda path, _: path == "fc.weight")
 
 
 def _peft_model(base, folder, seed):
     """PEFT LoRA (rank 3, alpha 5, lora_bias) on the conv and the linear layer, random factors."""
-    config = peft.LoraConfig(r=3, lora_alpha=5, lora_bias=True, target_modules=["conv", "fc"],
-                             init_lora_weights=False)
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT: a 1-d lora_B.bias looks like an unsharded ZeRO-3 tensor
-        model.save_pretrained(str(folder))
-    return model
+    return peft_lora(base, ["conv", "fc"], 3, 5, lora_bias=True, seed=seed, folder=folder)
 
 
 def _loss(model, x, t):
@@ -74,11 +53,7 @@ def _loss(model, x, t):
 
 @pytest.fixture
 def setup(tmp_path):
-    gen = torch.Generator().manual_seed(0)
-    base = TorchConvNet().eval()
-    with torch.no_grad():
-        for p in base.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    base = randomize(TorchConvNet().eval(), seed=0)
     reference = _peft_model(base, tmp_path / "start", seed=1)
     ours = load_peft_adapter(_same_weights(base), tmp_path / "start")
     rng = np.random.default_rng(2)
@@ -124,8 +99,7 @@ def test_conv_and_lora_bias_adapters_trained_here_load_in_peft_with_the_same_out
     trained = ours(Tensor.from_numpy(x)).to_numpy()
     assert np.abs(trained - before).max() > 1e-2  # it trained
     folder = save_peft_adapter(ours, tmp_path / "trained")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).eval()
     with torch.no_grad():
         expected = loaded(torch.from_numpy(x)).numpy()

@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import sklearn_mlp
 
 from onnxparam.cli import main
 
@@ -140,24 +141,7 @@ def test_the_api_export_of_a_quantized_import_settles_value_infos_as_onnx_shape_
 
 def mlp(path, sizes=(64, 256, 10)):
     """``MatMul`` + ``Add`` + ``Relu`` layers, then ``Softmax`` (a scikit-learn MLP's graph)."""
-    nodes, inits, h, weights = [], [], "x", []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-        w = (RNG.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
-        c = (RNG.normal(size=(b,)) * 0.1).astype(np.float32)
-        weights.append((w, c))
-        inits += [numpy_helper.from_array(w, f"coef_{i}"), numpy_helper.from_array(c, f"intercept_{i}")]
-        nodes += [helper.make_node("MatMul", [h, f"coef_{i}"], [f"m{i}"]),
-                  helper.make_node("Add", [f"m{i}", f"intercept_{i}"], [f"a{i}"])]
-        h = f"a{i}"
-        if i < len(sizes) - 2:
-            nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
-            h = f"r{i}"
-    nodes.append(helper.make_node("Softmax", [h], ["probabilities"], axis=1))
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", sizes[0]])],
-                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", sizes[-1]])],
-                              inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path, weights
+    return sklearn_mlp(path, sizes, RNG)
 
 
 def numpy_mlp(x, weights, quantized: bool) -> np.ndarray:
@@ -203,3 +187,48 @@ def test_a_bpk_output_stores_its_accuracy_report_and_inspect_shows_it(tmp_path, 
     assert run_main(capsys, "quantize", src, onnx_out)[0] == 0
     code, stdout, err = run_main(capsys, "inspect", onnx_out)
     assert code == 0 and "accuracy:  vs the float model on" in stdout and "probabilities  cosine" in stdout
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+def test_weights_in_constant_nodes_are_searched_alone_and_all_together(tmp_path, capsys):
+    """Paddle2ONNX stores every weight as a ``Constant`` node (the PP-OCR models): below
+    ``--min-cosine`` the search for the weights that move the outputs most finds them there (it
+    used to find none and put the whole error on the integer kernels), and the report gives the
+    cosine with all of them dequantized at once. Oracle: the MLP in numpy with one weight, or
+    every weight, rounded by numpy's symmetric int8 formula, on the inputs the report names."""
+    from onnxparam.quant._accuracy import sample_inputs
+
+    src, weights = mlp(tmp_path / "mlp.onnx")
+    model = onnx.load(str(src))
+    nodes = [helper.make_node("Constant", [], [t.name], value=t) for t in model.graph.initializer]
+    nodes += list(model.graph.node)
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    src = tmp_path / "constants.onnx"
+    onnx.save(model, str(src))
+    code, stdout, err = run_main(capsys, "quantize", src, tmp_path / "q.onnx", "--min-cosine", "0.9999999", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)["results"]["accuracy"]
+    feeds, described = sample_inputs(src, None)
+    assert described == report["inputs"]
+    ref = numpy_mlp(feeds["x"], weights, False)
+
+    def rounded_only(layer):
+        codes, scale = symmetric_int8(weights[layer][0])
+        changed = [(codes.astype(np.float32) * scale, c) if i == layer else (w, c) for i, (w, c) in enumerate(weights)]
+        return cosine(ref, numpy_mlp(feeds["x"], changed, False))
+
+    alone = {row["weight"]: row["cosine"] for row in report["sensitivity"]}
+    assert alone.keys() == {"coef_0", "coef_1"}
+    for layer in (0, 1):
+        assert alone[f"coef_{layer}"] == pytest.approx(rounded_only(layer), abs=1e-6)
+    together = cosine(ref, numpy_mlp(feeds["x"], weights, True))
+    assert report["weights_together"] == pytest.approx(together, abs=1e-6)
+    assert together < 0.9999999  # the premise: the rounding alone is below the threshold
+    assert f"all the quantized weights' rounding together (activations float): cosine {together:.6f}" in err
+    assert "none found" not in err and "coef_0 (alone: cosine" in err

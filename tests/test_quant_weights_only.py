@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import sklearn_mlp
 
 from onnxparam.cli import main
 from onnxparam.onnx_io import import_onnx
@@ -287,23 +288,7 @@ def test_a_non_finite_tensor_asked_for_explicitly_says_exclude_works(tmp_path, c
 def mlp(path, sizes: tuple):
     """What a scikit-learn MLPClassifier converts to: ``MatMul`` + ``Add`` intercept (``[1, n]``)
     + ``Relu`` per hidden layer, then ``Softmax``."""
-    nodes, inits, h = [], [], "x"
-    rng = np.random.default_rng(len(sizes))
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-        inits += [numpy_helper.from_array((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), f"coef_{i}"),
-                  numpy_helper.from_array(rng.normal(size=(1, b)).astype(np.float32) * 0.1, f"intercept_{i}")]
-        nodes += [helper.make_node("MatMul", [h, f"coef_{i}"], [f"m{i}"]),
-                  helper.make_node("Add", [f"m{i}", f"intercept_{i}"], [f"a{i}"])]
-        h = f"a{i}"
-        if i < len(sizes) - 2:
-            nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
-            h = f"r{i}"
-    nodes.append(helper.make_node("Softmax", [h], ["probabilities"], axis=1))
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", sizes[0]])],
-                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", sizes[-1]])],
-                              inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
+    return sklearn_mlp(path, sizes, np.random.default_rng(len(sizes)), intercept_rows=True)[0]
 
 
 def test_a_tiny_mlp_is_not_made_bigger(tmp_path, capsys):

@@ -28,7 +28,10 @@ from ..trace.tracer import TracedModel
 from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F401  (register the shape, conv / pool / norm, nn_layers and nn_deform rules)
 from . import _rules_more  # noqa: F401  (register the rules imported models need)
 from . import _rules_algebra, _rules_attention, _rules_spatial  # noqa: F401  (CumProd, Det ...; Attention; LRN ...)
+from . import _rules_signal  # noqa: F401  (DFT, STFT, RotaryEmbedding's caches: after _rules_more)
+from . import _rules_sampling  # noqa: F401  (Resize crop, GridSample, MaxRoiPool, RoiAlign max: after _rules_layers, _rules_spatial)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
+from ._rules_sequence import accumulate  # (and register the sequence / optional / Unique rules)
 from ._rules_control import MULTI_OUTPUT, missing_in_bodies, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
 from ._check import MissingRule, format_missing, missing_rules, reaching, rule_for, rule_key, source_name, unserved
@@ -219,7 +222,7 @@ def build_training_model(traced: TracedModel, wrt: Sequence[str], recompute: Seq
             if not n or g is None:
                 continue
             have = grads.get(value)
-            grads[value] = g if have is None else e.op("Add", have, g)
+            grads[value] = g if have is None else accumulate(e, value, have, g)
 
     if failed:
         if len(failed) == 1:

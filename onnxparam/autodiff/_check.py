@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import onnx_ir as ir
 
 from ._rules import NOT_DIFFERENTIABLE, RULES
+from ._rules_sequence import REFUSED
 
 __all__ = ["MissingRule", "missing_rules", "rule_for", "GRADIENT_OPS", "format_missing", "SOURCE_NODE_KEY",
            "source_name"]
@@ -117,7 +118,7 @@ def missing_rules(graph: ir.Graph, requires: set, loss: ir.Value, params: dict, 
         if not any(_is_float(o) for o in node.outputs):
             continue
         fed = tuple(v.name for v in ins if v is not None and v.name in params)
-        out.append(MissingRule(node.name, key, fed, "no gradient rule", source_name(node)))
+        out.append(MissingRule(node.name, key, fed, REFUSED.get(key, "no gradient rule"), source_name(node)))
     return out
 
 

@@ -42,6 +42,7 @@ from ..core.errors import TraceError
 from ._emitter import Emitter, np_dtype
 from ._check import MissingRule, format_missing, rule_for, rule_key, unserved
 from ._rules import NON_DIFFERENTIABLE, const_array, rule
+from ._rules_sequence import accumulate
 
 __all__ = ["captured", "subgraphs", "specialize_control_flow", "MULTI_OUTPUT", "backprop", "missing_in_bodies"]
 
@@ -625,7 +626,7 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
             if not n or g is None:
                 continue
             have = grads.get(value)
-            grads[value] = g if have is None else e.op("Add", have, g)
+            grads[value] = g if have is None else accumulate(e, value, have, g)
     return grads
 
 

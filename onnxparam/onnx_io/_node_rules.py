@@ -118,6 +118,7 @@ def _infer_source_types(model: ir.Model) -> dict:
     except Exception:  # onnx raises several types; inference is only a fallback here
         return {}
     found = {}
+    merged = _merged_symbols(list(inferred.graph.value_info) + list(inferred.graph.output))
     for info in list(inferred.graph.value_info) + list(inferred.graph.output):
         tt = info.type.tensor_type if info.type.HasField("tensor_type") else None
         if tt is None or tt.elem_type == 0:
@@ -126,8 +127,30 @@ def _infer_source_types(model: ir.Model) -> dict:
         if tt.HasField("shape"):
             dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
                          for d in tt.shape.dim)
+        if dims is not None and merged:
+            dims = tuple(None if d in merged else d for d in dims)
         found[info.name] = (burn_dtype(ir.DataType(tt.elem_type)), dims)
     return found
+
+
+def _merged_symbols(infos) -> set:
+    """The dim symbols ONNX's inference made up (``unk__N``) in the element shapes of sequence
+    (and optional-sequence) values: an element shape is the merge of every element's, where one
+    fresh symbol stands for dims that differ between elements, so ``SequenceAt`` outputs that
+    share it need not be equal (a split into widths 1 and 3 types both as ``[N, unk__0]``).
+    Such dims are unknown."""
+    out = set()
+    for info in infos:
+        t = info.type
+        while t.HasField("optional_type"):
+            t = t.optional_type.elem_type
+        if not t.HasField("sequence_type"):
+            continue
+        elem = t.sequence_type.elem_type
+        if elem.HasField("tensor_type") and elem.tensor_type.HasField("shape"):
+            out.update(d.dim_param for d in elem.tensor_type.shape.dim
+                       if d.HasField("dim_param") and d.dim_param.startswith("unk__"))
+    return out
 
 
 def _has_schema(op_type: str, domain: str, version: int) -> bool:

@@ -136,12 +136,20 @@ _NON_DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiab
 _UNKNOWN = onnx.defs.OpSchema.DifferentiationCategory.Unknown
 
 
+_DIFFERENTIABLE_INPUTS = {"DFT": (0,), "STFT": (0, 2)}
+"""``ai.onnx`` inputs that carry gradients though their schemas say ``NonDifferentiable``: the
+signal of ``DFT`` / ``STFT`` and ``STFT``'s window (both transforms are linear in them; gradient
+rules in :mod:`onnxparam.autodiff._rules_signal`)."""
+
+
 def _input_category(node: ir.Node, index: int, opsets: dict):
     """The differentiation category of ``node``'s input ``index`` (``None`` when unknown).
 
     Categories were added to the schemas in ONNX 1.8 and older operator versions often say
     ``Unknown``; then the newest schema's category of the input with the same name is used."""
     domain = "" if node.domain == "ai.onnx" else node.domain
+    if domain == "" and index in _DIFFERENTIABLE_INPUTS.get(node.op_type, ()):
+        return onnx.defs.OpSchema.DifferentiationCategory.Differentiable
     try:
         schema = onnx.defs.get_schema(node.op_type, int(opsets.get(domain, 1)), domain)
     except onnx.defs.SchemaError:

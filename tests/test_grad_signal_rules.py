@@ -1,0 +1,218 @@
+"""Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`)
+and of the sampling forms ``GridSample`` (bicubic, reflection, 3-D), ``Resize``
+(``tf_crop_and_resize``), ``MaxRoiPool`` and ``RoiAlign`` (max) (:mod:`onnxparam.autodiff._rules_sampling`).
+
+Each case is a small ONNX model ``y = op(x * s, ...)`` (``s`` and the op's float weights are
+initializers, so params of the imported model) with symbolic dims that change between two
+input shapes, one training session serving both. Oracles (``check_op`` of
+``tests/test_grad_more_rules.py``): central finite differences of the same loss on plain ONNX
+Runtime runs of the original file with one initializer entry perturbed (float64 where ORT has
+the op's double kernel), and torch autograd in float64 where PyTorch has the op
+(``torch.fft``, ``torch.stft``, ``grid_sample``). Further variants are ``slow``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from test_grad_more_rules import RNG, check_op
+
+D, F, I64 = TensorProto.DOUBLE, TensorProto.FLOAT, TensorProto.INT64
+
+
+# -- RotaryEmbedding's cos / sin caches ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved,four_d", [(0, False), pytest.param(1, True, marks=pytest.mark.slow)])
+def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interleaved, four_d):
+    """The caches are params (``rotary_embedding_dim / 2`` wide: a partial rotation),
+    positions repeat (their gradients add); batch and sequence change between the shapes."""
+    if four_d:  # [B, H, S, D], no position ids: caches [B, S, D / 2] fed times a param (float32: ORT has no
+        # double RotaryEmbedding)
+        nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["c", "sc"], ["cs"]),
+                 helper.make_node("RotaryEmbedding", ["xs", "cs", "sin"], ["y"], interleaved=interleaved)]
+        extra_inputs = [helper.make_tensor_value_info("c", F, ["N", "S", 3]),
+                        helper.make_tensor_value_info("sin", F, ["N", "S", 3])]
+
+        def extra(shape):
+            n, _, s, _ = shape
+            return {"c": RNG.uniform(-1, 1, (n, s, 3)), "sin": RNG.uniform(-1, 1, (n, s, 3))}
+
+        check_op(nodes, ["N", 2, "S", 6], [(2, 2, 3, 6), (1, 2, 5, 6)],
+                 {"s": RNG.uniform(0.5, 1.5, (6,)), "sc": RNG.uniform(0.5, 1.5, (3,))}, 23,
+                 extra_inputs=extra_inputs, extra=extra)
+        return
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("RotaryEmbedding", ["xs", "cos", "sin", "pos"], ["y"], interleaved=interleaved,
+                              num_heads=2, rotary_embedding_dim=4)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (12,)), "cos": RNG.uniform(-1, 1, (7, 2)), "sin": RNG.uniform(-1, 1, (7, 2))}
+    pos = helper.make_tensor_value_info("pos", I64, ["N", "S"])
+    check_op(nodes, ["N", "S", 12], [(2, 3, 12), (3, 5, 12)], inits, 23, extra_inputs=[pos],
+             extra=lambda shape: {"pos": RNG.integers(0, 7, shape[:2]).astype(np.int64)})
+
+
+# -- DFT ------------------------------------------------------------------------------------------
+
+
+def _dft_case(opset, attrs, x_dims, shapes, *, axis=None, length=None, fed_axis=False, torch_fn=None):
+    """``y = DFT(x * s)`` (``s`` scales the real / imaginary parts: shape ``[c]``); ``axis`` an
+    attribute below opset 20, else a constant input or a fed one."""
+    inputs = ["xs", "L" if length is not None else ""]
+    inits = {"s": RNG.uniform(0.5, 1.5, (x_dims[-1],))}
+    extra_inputs, extra = [], None
+    if length is not None:
+        inits["L"] = np.array(length, np.int64)
+    if opset >= 20:
+        inputs.append("axis")
+        if fed_axis:
+            extra_inputs = [helper.make_tensor_value_info("axis", I64, [])]
+            extra = lambda shape: {"axis": np.array(axis, np.int64)}  # noqa: E731
+        else:
+            inits["axis"] = np.array(axis, np.int64)
+    else:
+        attrs = dict(attrs, axis=axis)
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("DFT", inputs, ["y"], **attrs)]
+    check_op(nodes, x_dims, shapes, inits, opset, torch_fn=torch_fn, extra_inputs=extra_inputs, extra=extra)
+
+
+def _complex(t):
+    import torch
+
+    return torch.view_as_complex(t.contiguous())
+
+
+def test_dft_of_a_complex_signal_of_run_time_length():
+    import_torch = pytest.importorskip("torch")
+
+    def torch_fn(x, s, axis):
+        return import_torch.view_as_real(import_torch.fft.fft(_complex(x * s), dim=1))
+
+    _dft_case(20, {}, ["N", "T", 2], [(2, 5, 2), (3, 7, 2)], axis=1, torch_fn=torch_fn)
+
+
+def test_rfft_of_a_real_signal_padded_to_dft_length_at_opset_17():
+    """``onesided`` real-to-complex, the signal (5 then 6 long) zero-padded to ``dft_length=8``."""
+    torch = pytest.importorskip("torch")
+
+    def torch_fn(x, s, L):
+        return torch.view_as_real(torch.fft.rfft((x * s)[..., 0], n=8, dim=1))
+
+    _dft_case(17, {"onesided": 1}, ["N", "T", 1], [(2, 5, 1), (1, 6, 1)], axis=1, length=8, torch_fn=torch_fn)
+
+
+def test_irfft_weights_the_mirrored_bins():
+    """``inverse`` + ``onesided`` (complex half-spectrum to a real signal of length ``2 (K - 1)``):
+    the bins between 0 and ``L / 2`` stand for two each."""
+    torch = pytest.importorskip("torch")
+
+    def torch_fn(x, s, axis):
+        return torch.fft.irfft(_complex(x * s), dim=1)[..., None]
+
+    _dft_case(20, {"inverse": 1, "onesided": 1}, ["N", "K", 2], [(2, 5, 2), (1, 4, 2)], axis=1, torch_fn=torch_fn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [None, 5])
+def test_inverse_dft_along_an_axis_fed_at_run_time(length):
+    """The axis is a graph input (-3: the middle dim of ``[N, T, C, 2]``); ``dft_length`` 5 cuts
+    or pads the 4- then 6-long signal."""
+    torch = pytest.importorskip("torch")
+
+    def torch_fn(x, s, axis, **_):
+        return torch.view_as_real(torch.fft.ifft(_complex(x * s), n=length, dim=1))
+
+    _dft_case(20, {"inverse": 1}, ["N", "T", 3, 2], [(2, 4, 3, 2), (1, 6, 3, 2)], axis=-3, length=length,
+              fed_axis=True, torch_fn=torch_fn)
+
+
+@pytest.mark.slow
+def test_rfft_irfft_of_odd_length_at_opset_19():
+    """An odd ``dft_length`` (no Nyquist bin) of the irfft at opset 19 (axis an attribute); 5 bins
+    first (more than ``7 // 2 + 1``: ONNX Runtime uses the extra one as given, numpy would drop
+    it; finite differences only), then 4 (torch's ``irfft`` too)."""
+    torch = pytest.importorskip("torch")
+
+    def torch_fn(x, s, L):
+        return torch.fft.irfft(_complex(x * s), n=7, dim=1)[..., None]
+
+    _dft_case(19, {"inverse": 1, "onesided": 1}, ["N", "K", 2], [(2, 5, 2), (1, 4, 2)], axis=1, length=7,
+              torch_fn=torch_fn)
+
+
+# -- STFT -----------------------------------------------------------------------------------------
+
+
+def test_stft_signal_and_window_gradients_on_a_run_time_signal_length():
+    """Real signal, a Hann window times a param (so the window's gradient is checked), step 3,
+    onesided; the batch and the signal length (so the frame count) change."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["win", "ws"], ["w"]),
+             helper.make_node("STFT", ["xs", "step", "w"], ["y"], onesided=1)]
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(8) / 8)
+    inits = {"s": RNG.uniform(0.5, 1.5, (1,)), "ws": RNG.uniform(0.5, 1.5, (8,)), "step": np.array(3, np.int64)}
+    win = helper.make_tensor_value_info("win", D, [8])
+
+    def torch_fn(x, win, s, ws, step):
+        out = torch.stft((x * s)[..., 0], 8, 3, window=win * ws, center=False, onesided=True, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 1], [(2, 20, 1), (1, 15, 1)], inits, 17, torch_fn=torch_fn, extra_inputs=[win],
+             extra=lambda shape: {"win": hann})
+
+
+@pytest.mark.slow
+def test_stft_of_a_complex_signal_two_sided_without_window():
+    """Complex signal, ``frame_length`` 6 and no window (rectangular), both sides, overlapping
+    frames (step 2)."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("STFT", ["xs", "step", "", "flen"], ["y"], onesided=0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (2,)), "step": np.array(2, np.int64), "flen": np.array(6, np.int64)}
+
+    def torch_fn(x, s, step, flen):
+        out = torch.stft(_complex(x * s), 6, 2, window=torch.ones(6, dtype=torch.float64), center=False,
+                         onesided=False, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 2], [(2, 13, 2), (1, 10, 2)], inits, 17, torch_fn=torch_fn)
+
+
+def test_an_stft_window_initializer_imports_frozen_as_a_table():
+    import onnxparam as op
+    from onnxparam.autodiff._tables import WINDOW
+    from test_grad_more_rules import _model
+
+    nodes = [helper.make_node("STFT", ["x", "step", "w"], ["y"])]
+    model = _model(nodes, ["N", "L", 1], {"step": np.array(2, np.int64), "w": np.hanning(6)}, 17, D)
+    module = op.import_onnx(model)
+    assert module.onnx_tables == {module.path_of("w"): WINDOW}
+
+
+# -- Resize, tf_crop_and_resize ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["linear", pytest.param("cubic", marks=pytest.mark.slow)])
+def test_resize_tf_crop_and_resize_on_a_dynamic_image(mode):
+    """A crop reaching past the image (extrapolated cells: no gradient) resized by constant
+    scales; batch and image size change. Finite differences only (no torch op)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "scales"], ["y"], mode=mode,
+                              coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=7.0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)),
+             "roi": np.array([0, 0, 0.2, -0.1, 1, 1, 0.9, 1.2], np.float32),
+             "scales": np.array([1, 1, 1.5, 0.8], np.float32)}
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19)
+
+
+@pytest.mark.slow
+def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
+    """``axes=[3, 2]`` (roi and sizes in that order), sizes fed at run time."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "", "sizes"], ["y"], axes=[3, 2],
+                              coordinate_transformation_mode="tf_crop_and_resize")]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "roi": np.array([0.1, 0.3, 0.8, 1.0], np.float32)}
+    sizes = helper.make_tensor_value_info("sizes", I64, [2])
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19, extra_inputs=[sizes],
+             extra=lambda shape: {"sizes": np.array([shape[3] + 1, shape[2] - 1], np.int64)})

@@ -212,6 +212,15 @@ def test_grouped_dilated_conv1d_gradient_matches_finite_differences():
                [f32(2, 4, 7), f32(4, 2, 2)], eps=0.5, rtol=1e-4, atol=1e-4)
 
 
+def test_ungrouped_dilated_strided_conv1d_and_conv3d_gradients_match_finite_differences():
+    # the one-GEMM weight gradient (group 1): taps cut by dilation, stride and the pads, and a
+    # stride that drops the last input cells (11 + 2 * 2 - 2 * 2 - 1 = 10, not a multiple of 3)
+    check_grad(lambda x, w, b: ops.conv1d(x, w, b, stride=3, padding=2, dilation=2),
+               [f32(2, 3, 11), f32(4, 3, 3), f32(4)], eps=0.5, rtol=1e-4, atol=1e-4)
+    check_grad(lambda x, w: ops.conv3d(x, w, stride=(2, 1, 2), padding=(1, 0, 1), dilation=(1, 2, 1)),
+               [f32(2, 2, 4, 5, 5), f32(3, 2, 2, 2, 3)], eps=0.5, rtol=1e-4, atol=1e-4)
+
+
 def test_conv2d_same_padding_gradient_matches_finite_differences():
     check_grad(lambda x, w: ops.conv2d(x, w, padding="same"), [f32(1, 1, 4, 4), f32(2, 1, 3, 3)],
                eps=0.5, rtol=1e-4, atol=1e-4)

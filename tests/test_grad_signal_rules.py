@@ -139,3 +139,137 @@ def test_rfft_irfft_of_odd_length_at_opset_19():
 
     _dft_case(19, {"inverse": 1, "onesided": 1}, ["N", "K", 2], [(2, 5, 2), (1, 4, 2)], axis=1, length=7,
               torch_fn=torch_fn)
+
+
+# -- STFT -----------------------------------------------------------------------------------------
+
+
+def test_stft_signal_and_window_gradients_on_a_run_time_signal_length():
+    """Real signal, a Hann window times a param (so the window's gradient is checked), step 3,
+    onesided; the batch and the signal length (so the frame count) change."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["win", "ws"], ["w"]),
+             helper.make_node("STFT", ["xs", "step", "w"], ["y"], onesided=1)]
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(8) / 8)
+    inits = {"s": RNG.uniform(0.5, 1.5, (1,)), "ws": RNG.uniform(0.5, 1.5, (8,)), "step": np.array(3, np.int64)}
+    win = helper.make_tensor_value_info("win", D, [8])
+
+    def torch_fn(x, win, s, ws, step):
+        out = torch.stft((x * s)[..., 0], 8, 3, window=win * ws, center=False, onesided=True, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 1], [(2, 20, 1), (1, 15, 1)], inits, 17, torch_fn=torch_fn, extra_inputs=[win],
+             extra=lambda shape: {"win": hann})
+
+
+@pytest.mark.slow
+def test_stft_of_a_complex_signal_two_sided_without_window():
+    """Complex signal, ``frame_length`` 6 and no window (rectangular), both sides, overlapping
+    frames (step 2)."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("STFT", ["xs", "step", "", "flen"], ["y"], onesided=0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (2,)), "step": np.array(2, np.int64), "flen": np.array(6, np.int64)}
+
+    def torch_fn(x, s, step, flen):
+        out = torch.stft(_complex(x * s), 6, 2, window=torch.ones(6, dtype=torch.float64), center=False,
+                         onesided=False, return_complex=True)
+        return torch.view_as_real(out.transpose(1, 2))
+
+    check_op(nodes, ["N", "L", 2], [(2, 13, 2), (1, 10, 2)], inits, 17, torch_fn=torch_fn)
+
+
+def test_an_stft_window_initializer_imports_frozen_as_a_table():
+    import onnxparam as op
+    from onnxparam.autodiff._tables import WINDOW
+    from test_grad_more_rules import _model
+
+    nodes = [helper.make_node("STFT", ["x", "step", "w"], ["y"])]
+    model = _model(nodes, ["N", "L", 1], {"step": np.array(2, np.int64), "w": np.hanning(6)}, 17, D)
+    module = op.import_onnx(model)
+    assert module.onnx_tables == {module.path_of("w"): WINDOW}
+
+
+# -- Resize, tf_crop_and_resize ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["linear", pytest.param("cubic", marks=pytest.mark.slow)])
+def test_resize_tf_crop_and_resize_on_a_dynamic_image(mode):
+    """A crop reaching past the image (extrapolated cells: no gradient) resized by constant
+    scales; batch and image size change. Finite differences only (no torch op)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "scales"], ["y"], mode=mode,
+                              coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=7.0)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)),
+             "roi": np.array([0, 0, 0.2, -0.1, 1, 1, 0.9, 1.2], np.float32),
+             "scales": np.array([1, 1, 1.5, 0.8], np.float32)}
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19)
+
+
+@pytest.mark.slow
+def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
+    """``axes=[3, 2]`` (roi and sizes in that order), sizes fed at run time."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "roi", "", "sizes"], ["y"], axes=[3, 2],
+                              coordinate_transformation_mode="tf_crop_and_resize")]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1)), "roi": np.array([0.1, 0.3, 0.8, 1.0], np.float32)}
+    sizes = helper.make_tensor_value_info("sizes", I64, [2])
+    check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19, extra_inputs=[sizes],
+             extra=lambda shape: {"sizes": np.array([shape[3] + 1, shape[2] - 1], np.int64)})
+
+
+# -- GridSample: bicubic, reflection, 3-D -------------------------------------------------------------
+
+
+def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1):
+    """``GridSample(x * s, grid * sg)`` (so the grid's gradient is checked too), the grid reaching
+    ``reach`` past the image's normalized edge; batch, image and grid sizes change."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
+             helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2) + (1,) * k_dims), "sg": RNG.uniform(0.8, 1.2, (k_dims,))}
+    out_dims = ["N"] + [f"O{j}" for j in range(k_dims)] + [k_dims]
+    grid = helper.make_tensor_value_info("grid", D, out_dims)
+    if k_dims == 2:
+        shapes = [(2, 2, 4, 5), (1, 2, 5, 3)]
+    else:
+        shapes = [(2, 2, 3, 4, 3), (1, 2, 4, 3, 2)]
+
+    def extra(shape):
+        out = tuple(d + (1 if j % 2 else -1) for j, d in enumerate(shape[2:]))
+        return {"grid": RNG.uniform(-reach, reach, size=(shape[0],) + out + (k_dims,))}
+
+    def torch_fn(x, grid, s, sg):
+        import torch
+
+        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest"}
+        return torch.nn.functional.grid_sample(x * s, grid * sg, mode=names[mode], padding_mode=padding,
+                                               align_corners=bool(align))
+
+    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, 20,
+             torch_fn=torch_fn if torch_check else None, extra_inputs=[grid], extra=extra)
+
+
+@pytest.mark.parametrize("mode,padding,align", [
+    ("cubic", "zeros", 0), ("linear", "reflection", 0),
+    pytest.param("cubic", "zeros", 1, marks=pytest.mark.slow),
+    pytest.param("nearest", "reflection", 1, marks=pytest.mark.slow),
+    pytest.param("linear", "reflection", 1, marks=pytest.mark.slow)])
+def test_grid_sample_2d_bicubic_and_reflection(mode, padding, align):
+    _grid_sample_case(mode, padding, align, 2, reach=1.6 if padding == "reflection" else 1.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padding,align", [("border", 0), ("border", 1), ("reflection", 1), ("reflection", 0)])
+def test_grid_sample_2d_bicubic_border_and_reflection(padding, align):
+    """Bicubic with border / reflection padding: ONNX Runtime (as PyTorch) pads each tap, not the
+    sample point (ONNX's reference pads both: a different function near the edges)."""
+    _grid_sample_case("cubic", padding, align, 2, reach=1.6)
+
+
+@pytest.mark.parametrize("mode,padding,align", [
+    ("linear", "border", 0),
+    pytest.param("linear", "zeros", 1, marks=pytest.mark.slow),
+    pytest.param("linear", "reflection", 0, marks=pytest.mark.slow),
+    pytest.param("nearest", "zeros", 0, marks=pytest.mark.slow)])
+def test_grid_sample_3d(mode, padding, align):
+    _grid_sample_case(mode, padding, align, 3, reach=1.6 if padding == "reflection" else 1.1)

@@ -187,3 +187,48 @@ def test_a_bpk_output_stores_its_accuracy_report_and_inspect_shows_it(tmp_path, 
     assert run_main(capsys, "quantize", src, onnx_out)[0] == 0
     code, stdout, err = run_main(capsys, "inspect", onnx_out)
     assert code == 0 and "accuracy:  vs the float model on" in stdout and "probabilities  cosine" in stdout
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel().astype(np.float64), b.ravel().astype(np.float64)
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+def test_weights_in_constant_nodes_are_searched_alone_and_all_together(tmp_path, capsys):
+    """Paddle2ONNX stores every weight as a ``Constant`` node (the PP-OCR models): below
+    ``--min-cosine`` the search for the weights that move the outputs most finds them there (it
+    used to find none and put the whole error on the integer kernels), and the report gives the
+    cosine with all of them dequantized at once. Oracle: the MLP in numpy with one weight, or
+    every weight, rounded by numpy's symmetric int8 formula, on the inputs the report names."""
+    from onnxparam.quant._accuracy import sample_inputs
+
+    src, weights = mlp(tmp_path / "mlp.onnx")
+    model = onnx.load(str(src))
+    nodes = [helper.make_node("Constant", [], [t.name], value=t) for t in model.graph.initializer]
+    nodes += list(model.graph.node)
+    del model.graph.initializer[:]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    src = tmp_path / "constants.onnx"
+    onnx.save(model, str(src))
+    code, stdout, err = run_main(capsys, "quantize", src, tmp_path / "q.onnx", "--min-cosine", "0.9999999", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)["results"]["accuracy"]
+    feeds, described = sample_inputs(src, None)
+    assert described == report["inputs"]
+    ref = numpy_mlp(feeds["x"], weights, False)
+
+    def rounded_only(layer):
+        codes, scale = symmetric_int8(weights[layer][0])
+        changed = [(codes.astype(np.float32) * scale, c) if i == layer else (w, c) for i, (w, c) in enumerate(weights)]
+        return cosine(ref, numpy_mlp(feeds["x"], changed, False))
+
+    alone = {row["weight"]: row["cosine"] for row in report["sensitivity"]}
+    assert alone.keys() == {"coef_0", "coef_1"}
+    for layer in (0, 1):
+        assert alone[f"coef_{layer}"] == pytest.approx(rounded_only(layer), abs=1e-6)
+    together = cosine(ref, numpy_mlp(feeds["x"], weights, True))
+    assert report["weights_together"] == pytest.approx(together, abs=1e-6)
+    assert together < 0.9999999  # the premise: the rounding alone is below the threshold
+    assert f"all the quantized weights' rounding together (activations float): cosine {together:.6f}" in err
+    assert "none found" not in err and "coef_0 (alone: cosine" in err

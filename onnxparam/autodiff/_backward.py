@@ -29,6 +29,7 @@ from . import _rules_deform, _rules_layers, _rules_nn, _rules_shape  # noqa: F40
 from . import _rules_more  # noqa: F401  (register the rules imported models need)
 from . import _rules_algebra, _rules_attention, _rules_spatial  # noqa: F401  (CumProd, Det ...; Attention; LRN ...)
 from . import _rules_signal  # noqa: F401  (DFT, STFT, RotaryEmbedding's caches: after _rules_more)
+from . import _rules_sampling  # noqa: F401  (Resize crop, GridSample, MaxRoiPool, RoiAlign max: after _rules_layers, _rules_spatial)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_sequence import accumulate  # (and register the sequence / optional / Unique rules)
 from ._rules_control import MULTI_OUTPUT, missing_in_bodies, node_inputs, specialize_control_flow

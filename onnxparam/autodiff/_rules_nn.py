@@ -88,7 +88,12 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
                                   x_like: Optional[ir.Value] = None) -> ir.Value:
     """The gradient of a convolution's input: ``ConvTranspose(g, weight)`` with the forward's
     strides, dilations, pads and group, and ``output_padding`` chosen so the result has the
-    input's spatial size (the rows the forward's floor division dropped get zeros)."""
+    input's spatial size (the rows the forward's floor division dropped get zeros). With every
+    stride 1 no row is dropped, so the plain transposed convolution has the input's size even
+    when the sizes are only known at run time."""
+    if all(int(s) == 1 for s in strides):
+        return e.op("ConvTranspose", g, weight, strides=strides, dilations=dilations, pads=list(begin) + list(end),
+                    group=group)
     if not all(isinstance(d, int) for d in tuple(xd[2:]) + tuple(yd[2:])):
         # run-time sizes: the transposed convolution cropping only the leading pads (its extent
         # then starts at the input's first cell and may run past the end pads), cut to the
@@ -123,6 +128,10 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     exchanged, cut to the kernel size. (Also the weight gradient of ``ConvTranspose``, with the
     roles of ``x`` and ``g`` exchanged: :mod:`._rules_layers`.)"""
     nd = len(xd) - 2
+    c = xd[1] if isinstance(xd[1], int) else channels
+    if group == 1 and isinstance(c, int) and isinstance(o, int) and e.opset >= 11 \
+            and _gemm_dtype(x, x_like, g_like) is not None:
+        return _conv_weight_grad_gemm(e, x, g, nd, c, o, kernel, strides, dilations, begin, end)
     if not all(isinstance(d, int) for d in tuple(xd) + tuple(yd)):
         if not isinstance(xd[1], int) and isinstance(channels, int):
             xd = (xd[0], channels) + tuple(xd[2:])  # the weight's static shape gives the channel count
@@ -146,6 +155,59 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     if list(size) != list(kernel):
         full = e.op("Slice", full, e.ints([0] * nd), e.ints(kernel), e.ints(range(2, 2 + nd)))
     return full
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _gemm_dtype(*values) -> Optional[np.dtype]:
+    """float32 / float64 when the first typed of ``values`` has that dtype (``Gemm``'s MLAS
+    kernels), else ``None``."""
+    for v in values:
+        if v is not None and v.dtype is not None:
+            dtype = np_dtype(v)
+            return dtype if dtype in (np.dtype(np.float32), np.dtype(np.float64)) else None
+    return None
+
+
+def _conv_weight_grad_gemm(e: Emitter, x: ir.Value, g: ir.Value, nd: int, c: int, o: int, kernel: tuple,
+                           strides, dilations, begin, end) -> ir.Value:
+    """:func:`conv_weight_grad` for ``group == 1`` as ONE matrix product over the batch and the
+    output positions: ``dw[o, (c, k)] = sum_{(n, p)} gT[o, (n, p)] * cols[(c, k), (n, p)]`` with
+    ``gT = g`` channel-first ``[O, N * P]`` and ``cols`` the im2col of ``x`` channel-first
+    ``[C * K, N * P]`` (tap ``k`` of ``x_pad`` is the strided ``Slice`` starting at ``k * d``;
+    ``Gemm`` with ``transB``). Every size in the graph is static (the slices end at negative
+    offsets from the padded end), so one graph serves every batch and spatial size.
+
+    NOTE: ONNX Runtime's ``Conv`` / ``ConvTranspose`` run one GEMM per image (or per input
+    channel, in the Conv-with-``g``-as-kernel form): with a few output positions per image
+    (ResNet's last stages: 2 x 2) those GEMMs are a few columns wide and each re-reads the whole
+    weight; this form runs one wide GEMM and needs no transposes or cuts of the weight-sized
+    result (ResNet18 8 x 3 x 64 x 64: the weight gradients 3x faster). It holds ``cols``:
+    ``K`` times ``x``'s size."""
+    spatial = list(range(2, 2 + nd))
+    xt = e.transpose(x, [1, 0] + spatial)  # [C, N, S...]
+    if any(begin) or any(end):
+        xt = e.op("Pad", xt, e.ints([0, 0] + list(begin) + [0, 0] + list(end)))
+    taps = []
+    for offset in np.ndindex(*kernel):
+        first = [int(t) * int(d) for t, d in zip(offset, dilations)]
+        # the last window starts (k - 1 - t) * d before the padded end (negative ends: no sizes needed)
+        stop = [-(int(k) - 1 - int(t)) * int(d) or _INT64_MAX for k, t, d in zip(kernel, offset, dilations)]
+        if all(f == 0 for f in first) and all(s == _INT64_MAX for s in stop) and all(int(s) == 1 for s in strides):
+            tap = xt
+        else:
+            tap = e.op("Slice", xt, e.ints(first), e.ints(stop), e.ints(spatial), e.ints([int(s) for s in strides]))
+        taps.append(tap)
+    kk = len(taps)
+    if kk == 1:
+        cols = taps[0]
+    else:
+        cols = e.op("Concat", *[e.unsqueeze(t, [1]) for t in taps], axis=1)  # [C, K, N, Q...]
+    cols = e.reshape(cols, [c * kk, -1])
+    gt = e.reshape(e.transpose(g, [1, 0] + spatial), [o, -1])  # [O, N * Q]
+    dw = e.op("Gemm", gt, cols, transB=1)  # [O, C * K]
+    return e.reshape(dw, [o, c] + [int(k) for k in kernel])
 
 
 def _conv_weight_grad_dynamic(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, o: int, kernel: tuple,

@@ -123,11 +123,17 @@ class _Axis:
     ``value``; ``one`` is it as a 1-D ``[1]`` int64 tensor (the ``axes`` input of ``Slice`` /
     ``Pad`` / the index of ``Gather``)."""
 
-    def __init__(self, e: Emitter, node: ir.Node, rank: int):
+    def __init__(self, e: Emitter, node: ir.Node, rank: int, fixed: int = None):
         self.rank = rank
         self.attr = None
         self.input = None
-        if e.opset >= 20:
+        if fixed is not None:  # (an axis of the rule's own choosing)
+            self.static = fixed % rank
+            if e.opset >= 20:
+                self.input = e.const(self.static, np.int64)
+            else:
+                self.attr = self.static
+        elif e.opset >= 20:
             value = node.inputs[2] if len(node.inputs) > 2 else None
             self.input = value
             if value is None:  # NOTE: given explicitly to the backward's DFTs (ONNX Runtime 1.23
@@ -259,3 +265,63 @@ def _dft_rule(e, node, gout, need):
     dx = dft_adjoint(e, g, axis, n, length, inverse=inverse, onesided=onesided, real_input=real_input,
                      to=int(x.dtype))
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+# -- STFT -----------------------------------------------------------------------------------------
+
+
+def _scalar_input(e: Emitter, value: ir.Value) -> ir.Value:
+    """An integer input (scalar or one element) as ``[1]`` int64."""
+    return e.op("Reshape", e.op("Cast", value, to=_I64), e.ints([1]))
+
+
+@rule("STFT")
+def _stft(e, node, gout, need):
+    """``y = STFT(x)`` (ONNX spec: STFT): frames ``z[b, f, t] = w[t] x[b, f s + t]`` (``s`` =
+    ``frame_step``, ``t < T``, ``T`` = ``frame_length`` or the window's length, ``w`` the window
+    or ones; ``x`` ``[B, N, 1]`` real or ``[B, N, 2]`` complex), then ``y[b, f] = DFT(z[b, f])``
+    of length ``T`` (bins ``0 .. T // 2`` when ``onesided``). With ``dz`` the DFT's adjoint of
+    ``g`` (:func:`dft_adjoint`, ``[B, F, T, c]``):
+
+    * ``dx[b, n] = sum_{f, t: f s + t = n} w[t] dz[b, f, t]``: the overlap-add of the weighted
+      frame gradients (``ScatterND``, ``add``);
+    * ``dw[t] = sum_{b, f, c} dz[b, f, t, c] x[b, f s + t, c]`` (the frames ``Gather`` ed).
+
+    ``frame_step`` and ``frame_length`` are integers; the frame count comes from the output's
+    shape.
+    """
+    x, y = node.inputs[0], node.outputs[0]
+    step = node.inputs[1]
+    window = node.inputs[2] if len(node.inputs) > 2 else None
+    frame_length = node.inputs[3] if len(node.inputs) > 3 else None
+    g = gout[0]
+    onesided = bool(int(attr(node, "onesided", 1)))
+    c = dims(x)[-1]
+    if not isinstance(c, int):
+        raise TraceError(f"node {node.name!r}: STFT's gradient needs the signal's last dim (1 real, 2 complex) "
+                         "known")
+    to = int(x.dtype)
+    if window is not None:
+        t_len = e.op("Shape", window)
+    elif frame_length is not None:
+        t_len = _scalar_input(e, frame_length)
+    else:
+        t_len = e.op("Slice", e.op("Shape", x), e.ints([1]), e.ints([2]), e.ints([0]))
+    axis = _Axis(e, node, 4, fixed=2)
+    dz = dft_adjoint(e, g, axis, t_len, t_len, inverse=False, onesided=onesided, real_input=c == 1, to=to)
+    frames = e.op("Gather", e.op("Shape", y), e.const(1, np.int64), axis=0)
+    zero, one = e.const(0, np.int64), e.const(1, np.int64)
+    starts = e.op("Mul", e.op("Range", zero, frames, one), e.op("Reshape", _scalar_input(e, step), e.ints([])))
+    t_range = e.op("Range", zero, e.op("Reshape", t_len, e.ints([])), one)
+    index = e.op("Add", e.unsqueeze(starts, [1]), e.unsqueeze(t_range, [0]))  # [F, T]
+    out = [None] * len(node.inputs)
+    if need[0]:
+        weighted = dz if window is None else e.op("Mul", dz, e.op("Reshape", window, e.ints([-1, 1])))
+        updates = e.op("Transpose", weighted, perm=[1, 2, 0, 3])  # [F, T, B, c]
+        zeros = e.op("Expand", e.scalar_like(0.0, x), e.op("Shape", e.op("Transpose", x, perm=[1, 0, 2])))
+        dx = e.op("ScatterND", zeros, e.unsqueeze(index, [2]), updates, reduction="add")  # [N, B, c]
+        out[0] = e.op("Transpose", dx, perm=[1, 0, 2])
+    if window is not None and len(need) > 2 and need[2]:
+        framed = e.op("Gather", x, index, axis=1)  # [B, F, T, c]
+        out[2] = e.reduce_sum(e.op("Mul", dz, framed), [0, 1, 3], keepdims=False)
+    return out

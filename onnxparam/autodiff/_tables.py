@@ -19,6 +19,8 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
 3. **fill constants**: a ``Constant`` node's value with one element equal to 0 or 1 (the
    fill values exporters write inline, e.g. ``where(mask, x, 0)``, ``expand(1, shape)``;
    PyTorch parameters become initializers). Other one-element constants stay trainable.
+4. **windows**: a tensor used only as ``STFT``'s window (``torch.stft``'s window is a
+   fresh ``hann_window`` or a buffer, never a parameter).
 
 Layer: graph analysis on ``onnx_ir`` only (the importer in :mod:`onnxparam.onnx_io` calls it).
 """
@@ -30,13 +32,15 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS"]
+__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
 CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
 RUNNING_STATS = ("a BatchNormalization running mean / variance (inference statistics, a buffer in PyTorch: "
                  "an optimizer step could make a variance negative)")
+
+WINDOW = "an STFT window (a fresh window or a buffer in PyTorch, not a parameter)"
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ENCODERS = frozenset({"Sin", "Cos"})
@@ -156,6 +160,9 @@ def find_tables(model: ir.Model, candidates) -> dict:
         if all(node.op_type == "BatchNormalization" and index in (3, 4) and not _training_mode(node)
                for node, index in uses):
             out[name] = RUNNING_STATS
+            continue
+        if all(node.op_type == "STFT" and node.domain in ("", "ai.onnx") and index == 2 for node, index in uses):
+            out[name] = WINDOW
             continue
         weightish = any(index in _WEIGHT_INPUTS.get(node.op_type, ()) for node, index in uses)
         if not weightish and size <= _MASK_CHECK_MAX and tensor is not None and _is_mask(tensor):

@@ -111,3 +111,6 @@ def print_accuracy(report: dict, indent: str = "") -> None:
              f"max abs error {float(r['max_abs_error']):.6g}")
     for r in report.get("sensitivity") or []:
         _out(f"{indent}  moves the outputs most: {r['weight']} (alone: cosine {float(r['cosine']):.6f})")
+    if report.get("weights_together") is not None:
+        _out(f"{indent}  all the quantized weights' rounding together (activations float): cosine "
+             f"{float(report['weights_together']):.6f}")

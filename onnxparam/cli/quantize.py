@@ -15,8 +15,9 @@ nodes, for an ``.onnx`` OUT) is not smaller stays float; every param left float 
 its reason (``kept_float``); an output not smaller than its input is a warning. An accuracy
 report follows every ``.onnx`` output (:mod:`onnxparam.quant._accuracy`): per-output cosine and
 max abs error against the float model in plain ONNX Runtime, in the table, ``--json`` and the
-model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most,
-or ``--strict`` refuses and removes the output. ``--no-accuracy`` skips the report, and so does a
+model's metadata; below ``--min-cosine`` a warning names the weights that move the outputs most
+and the cosine with all the weights dequantized at once (activations float), or ``--strict``
+refuses and removes the output. ``--no-accuracy`` skips the report, and so does a
 model whose two runs would not fit in the memory available (a warning; the reason is the report).
 
 A model larger than memory is quantized one weight at a time (:mod:`onnxparam.quant._stream`): the
@@ -601,21 +602,31 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme,
             return report
         fits, why = acc.fits_in_memory(acc.SENSITIVITY_MEMORY_FACTOR * model_bytes // acc.RUN_MEMORY_FACTOR)
         # NOTE: one-at-a-time sensitivity holds the float model in memory and runs it once per weight
-        worst = _worst_weights(model.module, float_path, names, feeds) if fits else []
+        worst, together = _worst_weights(model.module, float_path, names, feeds) if fits else ([], None)
         if not fits:
             report["sensitivity_skipped"] = why
         report["sensitivity"] = [{"weight": w, "cosine": c} for w, c in worst]
+        if together is not None:
+            report["weights_together"] = together
         shown = ", ".join(f"{w} (alone: cosine {c:.6f})" for w, c in worst)
         excl = "|".join(_escape(w) for w, _ in worst[:3])
-        most = shown or ("not searched: " + why if not fits else "none found")
+        if not fits:
+            most = "not searched: " + why
+        elif together is None:
+            most = ("not searched: the float model's file holds none of the quantized weights by name (as an "
+                    "initializer or a Constant node)")
+        else:
+            most = shown or "none found"
         text = (f"{', '.join(r['output'] for r in low)}: cosine {min(r['cosine'] for r in low):.6f} below "
                 f"--min-cosine {threshold}; the quantized weights that move the outputs most: {most}"
                 + (f"; --exclude '^({excl})$' leaves them float" if worst else ""))
+        if together is not None:
+            text += f"; all the quantized weights' rounding together (activations float): cosine {together:.6f}"
         observed = min(r["cosine"] for r in low)
-        if fits and (not worst or 1.0 - worst[0][1] < (1.0 - observed) / 4):
-            # NOTE: each weight's rounding alone moves the outputs far less than the file does: the
-            # error comes from the integer kernels (activations quantized at run time; ORT's u8 x s8
-            # kernels saturate pair sums on x86 CPUs without VNNI)
+        if together is not None and 1.0 - together < (1.0 - observed) / 4:
+            # NOTE: the weights' rounding, all of it at once, moves the outputs far less than the file
+            # does: the error comes from the integer kernels (activations quantized at run time; ORT's
+            # u8 x s8 kernels saturate pair sums on x86 CPUs without VNNI)
             text += _unexplained_cause(quant_path)
         if args.strict:
             if quant_path == args.dst:
@@ -686,11 +697,14 @@ def _initializer_names(module) -> dict:
     return names or {path: path for path, _ in module.named_params()}
 
 
-def _worst_weights(module, float_path, names: dict, feeds: dict) -> list:
-    """The quantized params that, dequantized alone in the float model, lower its outputs' cosine
-    most (``[(param path, cosine)]``; :func:`onnxparam.quant._accuracy.sensitivity`)."""
+def _worst_weights(module, float_path, names: dict, feeds: dict) -> tuple:
+    """``(worst, together)``: the quantized params that, dequantized alone in the float model,
+    lower its outputs' cosine most (``[(param path, cosine)]``;
+    :func:`onnxparam.quant._accuracy.sensitivity`), and the smallest output cosine with all of
+    them dequantized at once (:func:`onnxparam.quant._accuracy.weights_together`; ``None`` when
+    the float file holds none of them)."""
     from ..core.dtype import DType
-    from ..quant._accuracy import sensitivity
+    from ..quant._accuracy import sensitivity, weights_together
 
     dequantized, by_name = {}, {}
     for path, param in module.named_params():
@@ -699,7 +713,8 @@ def _worst_weights(module, float_path, names: dict, feeds: dict) -> list:
             if quant is not None:
                 dequantized[names[path]] = quant.dequantize()
                 by_name[names[path]] = path
-    return [(by_name[name], cos) for name, cos in sensitivity(float_path, dequantized, feeds)]
+    worst = [(by_name[name], cos) for name, cos in sensitivity(float_path, dequantized, feeds)]
+    return worst, weights_together(float_path, dequantized, feeds)
 
 
 def _remove_output(dst: Path) -> None:

@@ -11,15 +11,23 @@ plain ONNX Runtime on the same sample inputs (``onnxparam quantize``'s accuracy 
   are all zeros) and ``max_abs_error`` (``max |float - quantized|``).
 * :func:`sensitivity`: one-at-a-time, the float model with **one** weight replaced by its
   dequantized values; the weights whose replacement lowers the smallest output cosine most.
+* :func:`weights_together`: the float model with **every** quantized weight replaced by its
+  dequantized values at once (activations stay float): how much of the quantized file's error
+  the weights' rounding explains, the rest being the integer kernels'.
+
+A weight is found in the float file as an initializer of its main graph or as the ``value`` of a
+``Constant`` node there (exporters such as Paddle2ONNX store every weight that way), by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
 
-__all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "sample_inputs", "sensitivity"]
+__all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "sample_inputs", "sensitivity",
+           "weights_together"]
 
 ACCURACY_KEY = "onnxparam.quant.accuracy"
 """Model ``metadata_props`` key: JSON ``{"inputs", "min_cosine", "outputs": [{"output", "cosine",
@@ -149,32 +157,77 @@ def compare(float_path, quant_path, feeds: dict, exact_dequantize: bool = False)
     return _metrics(names, ref, got)
 
 
-def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> list:
-    """One quantized weight at a time: the float model with initializer ``name`` replaced by
-    ``dequantized[name]`` (the weight's dequantized values), run on ``feeds``. Returns up to
-    ``top`` ``(name, smallest output cosine)``, the lowest first (at most
-    :data:`SENSITIVITY_LIMIT` weights are tried, the largest)."""
-    import onnx
+def _weight_tensors(model) -> dict:
+    """``{name: onnx.TensorProto}`` of the main graph of ``model`` (an ``onnx.ModelProto``): its
+    initializers, and the ``value`` tensor of each ``Constant`` node under the node's output name
+    (the protos themselves: replacing one in place changes ``model``)."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
+            for a in n.attribute:
+                if a.name == "value" and a.HasField("t"):
+                    tensors.setdefault(n.output[0], a.t)
+    return tensors
+
+
+@contextlib.contextmanager
+def _replaced(tensors: dict, values: dict):
+    """``tensors`` (:func:`_weight_tensors`) holding ``values`` (``{name: array}``, cast to each
+    tensor's dtype) inside the block, their original contents after it."""
     from onnx import numpy_helper
+
+    originals = {}
+    try:
+        for name, value in values.items():
+            tensor = tensors[name]
+            originals[name] = type(tensor)()
+            originals[name].CopyFrom(tensor)
+            tensor.CopyFrom(numpy_helper.from_array(np.asarray(value).astype(numpy_helper.to_array(tensor).dtype),
+                                                    tensor.name))
+        yield
+    finally:
+        for name, original in originals.items():
+            tensors[name].CopyFrom(original)
+
+
+def sensitivity(float_path, dequantized: dict, feeds: dict, top: int = 5) -> list:
+    """One quantized weight at a time: the float model with the weight ``name`` (an initializer
+    or a ``Constant`` node's output of its main graph) replaced by ``dequantized[name]`` (the
+    weight's dequantized values), run on ``feeds``. Returns up to ``top`` ``(name, smallest
+    output cosine)``, the lowest first (at most :data:`SENSITIVITY_LIMIT` weights are tried, the
+    largest; names the file does not hold are not tried)."""
+    import onnx
 
     model = onnx.load(str(float_path))
     names, ref = run(float_path, feeds)
-    inits = {t.name: t for t in model.graph.initializer}
-    tried = sorted((n for n in dequantized if n in inits), key=lambda n: -np.asarray(dequantized[n]).size)
+    tensors = _weight_tensors(model)
+    tried = sorted((n for n in dequantized if n in tensors), key=lambda n: -np.asarray(dequantized[n]).size)
     found = []
     for name in tried[:SENSITIVITY_LIMIT]:
-        tensor = inits[name]
-        original = onnx.TensorProto()
-        original.CopyFrom(tensor)
-        values = np.asarray(dequantized[name]).astype(numpy_helper.to_array(tensor).dtype)
-        tensor.CopyFrom(numpy_helper.from_array(values, name))
-        try:
+        with _replaced(tensors, {name: dequantized[name]}):
             _, got = run(model.SerializeToString(), feeds)
-        finally:
-            tensor.CopyFrom(original)
         found.append((name, min(r["cosine"] for r in _metrics(names, ref, got))))
     found.sort(key=lambda item: item[1])
     return found[:top]
+
+
+def weights_together(float_path, dequantized: dict, feeds: dict) -> "float | None":
+    """The smallest output cosine of the float model with every weight of ``dequantized``
+    (``{name: dequantized values}``, found as :func:`sensitivity` finds them) replaced at once, run
+    on ``feeds`` against the float model: the part of the quantized file's error that the
+    weights' rounding explains (activations stay float). ``None`` when the file holds none of
+    the names."""
+    import onnx
+
+    model = onnx.load(str(float_path))
+    tensors = _weight_tensors(model)
+    present = {n: v for n, v in dequantized.items() if n in tensors}
+    if not present:
+        return None
+    names, ref = run(float_path, feeds)
+    with _replaced(tensors, present):
+        _, got = run(model.SerializeToString(), feeds)
+    return min(r["cosine"] for r in _metrics(names, ref, got))
 
 
 def settle_shapes(model, structure_only: bool = False):

@@ -216,3 +216,60 @@ def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
     sizes = helper.make_tensor_value_info("sizes", I64, [2])
     check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 6, 7)], inits, 19, extra_inputs=[sizes],
              extra=lambda shape: {"sizes": np.array([shape[3] + 1, shape[2] - 1], np.int64)})
+
+
+# -- GridSample: bicubic, reflection, 3-D -------------------------------------------------------------
+
+
+def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1):
+    """``GridSample(x * s, grid * sg)`` (so the grid's gradient is checked too), the grid reaching
+    ``reach`` past the image's normalized edge; batch, image and grid sizes change."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
+             helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2) + (1,) * k_dims), "sg": RNG.uniform(0.8, 1.2, (k_dims,))}
+    out_dims = ["N"] + [f"O{j}" for j in range(k_dims)] + [k_dims]
+    grid = helper.make_tensor_value_info("grid", D, out_dims)
+    if k_dims == 2:
+        shapes = [(2, 2, 4, 5), (1, 2, 5, 3)]
+    else:
+        shapes = [(2, 2, 3, 4, 3), (1, 2, 4, 3, 2)]
+
+    def extra(shape):
+        out = tuple(d + (1 if j % 2 else -1) for j, d in enumerate(shape[2:]))
+        return {"grid": RNG.uniform(-reach, reach, size=(shape[0],) + out + (k_dims,))}
+
+    def torch_fn(x, grid, s, sg):
+        import torch
+
+        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest"}
+        return torch.nn.functional.grid_sample(x * s, grid * sg, mode=names[mode], padding_mode=padding,
+                                               align_corners=bool(align))
+
+    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, 20,
+             torch_fn=torch_fn if torch_check else None, extra_inputs=[grid], extra=extra)
+
+
+@pytest.mark.parametrize("mode,padding,align", [
+    ("cubic", "zeros", 0), ("linear", "reflection", 0),
+    pytest.param("cubic", "zeros", 1, marks=pytest.mark.slow),
+    pytest.param("nearest", "reflection", 1, marks=pytest.mark.slow),
+    pytest.param("linear", "reflection", 1, marks=pytest.mark.slow)])
+def test_grid_sample_2d_bicubic_and_reflection(mode, padding, align):
+    _grid_sample_case(mode, padding, align, 2, reach=1.6 if padding == "reflection" else 1.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("padding,align", [("border", 0), ("border", 1), ("reflection", 1), ("reflection", 0)])
+def test_grid_sample_2d_bicubic_border_and_reflection(padding, align):
+    """Bicubic with border / reflection padding: ONNX Runtime (as PyTorch) pads each tap, not the
+    sample point (ONNX's reference pads both: a different function near the edges)."""
+    _grid_sample_case("cubic", padding, align, 2, reach=1.6)
+
+
+@pytest.mark.parametrize("mode,padding,align", [
+    ("linear", "border", 0),
+    pytest.param("linear", "zeros", 1, marks=pytest.mark.slow),
+    pytest.param("linear", "reflection", 0, marks=pytest.mark.slow),
+    pytest.param("nearest", "zeros", 0, marks=pytest.mark.slow)])
+def test_grid_sample_3d(mode, padding, align):
+    _grid_sample_case(mode, padding, align, 3, reach=1.6 if padding == "reflection" else 1.1)

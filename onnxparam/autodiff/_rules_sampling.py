@@ -19,6 +19,7 @@ from ..core.errors import TraceError
 from ._emitter import Emitter, dims
 from ._rules import attr, rule
 from ._rules_layers import _RESIZE_ATTRS, _resize, _resize_scales_input
+from ._rules_spatial import _grid_sample
 
 __all__ = []
 
@@ -94,3 +95,201 @@ def _resize_rule(e, node, gout, need):
             inverse[p_] = j
         dx = e.transpose(back, inverse)
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+# -- GridSample: bicubic, reflection, 3-D ---------------------------------------------------------
+
+_CUBIC_A = -0.75
+"""The cubic convolution coefficient GridSample uses (ONNX spec; ONNX Runtime; PyTorch)."""
+
+
+def _cubic_taps(e: Emitter, t, like):
+    """Keys' cubic weights of the taps at ``floor - 1 .. floor + 2`` for the fraction ``t`` and
+    their derivatives in ``t`` (``A = -0.75``; ONNX reference ``_gs_get_cubic_coeffs``)."""
+    a = _CUBIC_A
+
+    def f(v):
+        return e.scalar_like(float(v), like)
+
+    def poly(u, c3, c2, c1, c0):  # c3 u^3 + c2 u^2 + c1 u + c0 and its derivative in u
+        value = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(c3)), f(c2)), u), f(c1)), u),
+                     f(c0))
+        slope = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(3 * c3)), f(2 * c2)), u), f(c1))
+        return value, slope
+
+    one, two = f(1.0), f(2.0)
+    outer = (a, -5 * a, 8 * a, -4 * a)
+    inner = (a + 2, -(a + 3), 0.0, 1.0)
+    w0, d0 = poly(e.op("Add", t, one), *outer)
+    w1, d1 = poly(t, *inner)
+    w2, d2 = poly(e.op("Sub", one, t), *inner)
+    w3, d3 = poly(e.op("Sub", two, t), *outer)
+    return [(w0, d0), (w1, d1), (w2, e.op("Neg", d2)), (w3, e.op("Neg", d3))]
+
+
+def _reflect(e: Emitter, c, lo, hi):
+    """``c`` reflected at ``lo`` and ``hi`` until inside (ONNX reference ``_gs_reflect``: a
+    triangle wave of period ``2 (hi - lo)``) and the derivative's sign (+-1)."""
+    span = e.op("Sub", hi, lo)
+    period = e.op("Add", span, span)
+    u = e.op("Sub", c, lo)
+    t = e.op("Sub", u, e.op("Mul", e.op("Floor", e.op("Div", u, period)), period))
+    up = e.op("LessOrEqual", t, span)
+    value = e.op("Add", lo, e.op("Where", up, t, e.op("Sub", period, t)))
+    one = e.scalar_like(1.0, c)
+    return value, e.op("Where", up, one, e.op("Neg", one))
+
+
+def _grid_sample_nd(e, node, g, need, mode: str, padding: str, align: bool):
+    """See :func:`_grid_sample_rule`."""
+    x, grid = node.inputs[0], node.inputs[1]
+    rank = len(dims(x))
+    k_dims = rank - 2
+    to = int(x.dtype)
+    i64 = int(ir.DataType.INT64)
+
+    def f(v):
+        return e.scalar_like(float(v), x)
+
+    shape = e.op("Shape", x)
+    sizes = e.op("Cast", shape, to=to)
+    xflat = e.op("Reshape", x, e.ints([0, 0, -1]))  # [N, C, P]
+    gflat = e.op("Reshape", g, e.ints([0, 0, -1]))  # [N, C, L]
+    index_shape = e.op("Shape", gflat)
+    points = e.op("Reshape", e.op("Cast", grid, to=to), e.concat_ints([0, -1], [k_dims]))  # [N, L, K]
+    zero, one = f(0.0), f(1.0)
+    axes = []  # per spatial axis j: taps [(index float, weight, d weight / d c)], d c / d grid
+    for j in range(k_dims):
+        size = e.op("Gather", sizes, e.const(2 + j, np.int64), axis=0)
+        top = e.op("Sub", size, one)
+        gk = e.op("Unsqueeze", e.op("Gather", points, e.const(k_dims - 1 - j, np.int64), axis=2), e.ints([1]))
+        if align:
+            c = e.op("Mul", e.op("Add", gk, one), e.op("Div", top, f(2.0)))
+            slope = e.op("Div", top, f(2.0))
+            lo, hi = zero, top
+        else:
+            c = e.op("Div", e.op("Sub", e.op("Mul", e.op("Add", gk, one), size), one), f(2.0))
+            slope = e.op("Div", size, f(2.0))
+            lo, hi = f(-0.5), e.op("Sub", size, f(0.5))
+        if mode == "nearest":
+            c = e.op("Round", c)
+        outside = e.op("Or", e.op("Less", c, lo), e.op("Greater", c, hi))
+        if mode == "cubic":
+            pass  # NOTE: ONNX Runtime (as PyTorch) pads each cubic tap only, not the sample point
+        elif padding == "border":
+            c = e.op("Where", outside, e.op("Min", e.op("Max", c, zero), top), c)
+            slope = e.op("Mul", slope, e.op("Where", outside, zero, one))
+        elif padding == "reflection":
+            reflected, sign = _reflect(e, c, lo, hi)
+            c = e.op("Where", outside, reflected, c)
+            slope = e.op("Mul", slope, e.op("Where", outside, sign, one))
+        if mode == "nearest":
+            taps = [(c, one, zero)]
+        else:
+            base = e.op("Floor", c)
+            t = e.op("Sub", c, base)
+            if mode == "linear":
+                taps = [(base, e.op("Sub", one, t), e.op("Neg", one)), (e.op("Add", base, one), t, one)]
+            else:
+                starts = [e.op("Sub", base, one), base, e.op("Add", base, one), e.op("Add", base, f(2.0))]
+                taps = [(i, w, d) for i, (w, d) in zip(starts, _cubic_taps(e, t, x))]
+        fetched = []
+        for index, w, d in taps:  # the pixel each tap reads (padding), its validity
+            if padding == "zeros":
+                valid = e.op("Cast", e.op("And", e.op("GreaterOrEqual", index, zero), e.op("LessOrEqual", index, top)),
+                             to=to)
+                w, d = e.op("Mul", w, valid), e.op("Mul", d, valid)
+                index = e.op("Min", e.op("Max", index, zero), top)
+            elif padding == "border":
+                index = e.op("Min", e.op("Max", index, zero), top)
+            else:
+                index = e.op("Min", e.op("Max", _reflect(e, index, lo, hi)[0], zero), top)
+            fetched.append((e.op("Cast", index, to=i64), w, d))
+        axes.append((fetched, slope))
+    strides = []
+    for j in range(k_dims):
+        rest = e.op("Slice", shape, e.ints([2 + j + 1]), e.ints([rank]), e.ints([0]))
+        strides.append(e.op("ReduceProd", rest, keepdims=0) if j < k_dims - 1 else e.const(1, np.int64))
+
+    combos = [[]]
+    for fetched, _ in axes:
+        combos = [c + [tap] for c in combos for tap in range(len(fetched))]
+    want_x = need[0]
+    want_grid = len(need) > 1 and need[1] and mode != "nearest"
+    indices, updates = [], []
+    d_c = [None] * k_dims
+    for combo in combos:
+        taps = [axes[j][0][combo[j]] for j in range(k_dims)]
+        flat = None
+        for j, (index, _, _) in enumerate(taps):
+            term = index if j == k_dims - 1 else e.op("Mul", index, strides[j])
+            flat = term if flat is None else e.op("Add", flat, term)
+        flat = e.op("Expand", flat, index_shape)  # [N, C, L]
+        weights = [w for _, w, _ in taps]
+        if want_x:
+            weight = weights[0]
+            for w in weights[1:]:
+                weight = e.op("Mul", weight, w)
+            indices.append(flat)
+            updates.append(e.op("Mul", gflat, weight))
+        if want_grid:
+            value = e.op("GatherElements", xflat, flat, axis=2)
+            gv = e.reduce_sum(e.op("Mul", gflat, value), [1], keepdims=True)  # [N, 1, L]
+            for j in range(k_dims):
+                part = taps[j][2]
+                for k in range(k_dims):
+                    if k != j:
+                        part = e.op("Mul", part, weights[k])
+                term = e.op("Mul", gv, part)
+                d_c[j] = term if d_c[j] is None else e.op("Add", d_c[j], term)
+    dx = dgrid = None
+    if want_x:
+        zeros = e.op("Expand", zero, e.op("Shape", xflat))
+        dx = e.op("ScatterElements", zeros, e.op("Concat", *indices, axis=2), e.op("Concat", *updates, axis=2),
+                  axis=2, reduction="add")
+        dx = e.reshape_like(dx, x)
+    if len(need) > 1 and need[1]:
+        if want_grid:
+            parts = [e.op("Reshape", e.op("Mul", d_c[j], axes[j][1]), e.ints([0, -1, 1]))
+                     for j in reversed(range(k_dims))]  # the grid holds the axes last first
+            dgrid = e.op("Cast", e.reshape_like(e.op("Concat", *parts, axis=2), grid), to=int(grid.dtype))
+        else:
+            dgrid = e.zeros_like(grid)
+    return [dx, dgrid]
+
+
+@rule("GridSample")
+def _grid_sample_rule(e, node, gout, need):
+    """``GridSample`` of any spatial rank (``x [N, C, D1 .. Dk]``, ``grid [N, O1 .. Ok, k]``
+    holding the coordinates last axis first, in ``[-1, 1]``), ``nearest`` / ``linear`` /
+    ``cubic`` (``bilinear`` / ``bicubic`` at opset 16), ``zeros`` / ``border`` / ``reflection``
+    padding (ONNX spec: GridSample; its reference implementation): per axis the sample point
+    ``c = ((g + 1) D - 1) / 2`` (``(g + 1) (D - 1) / 2`` with ``align_corners``; rounded half to
+    even for ``nearest``); outside ``[lo, hi]`` (``[-0.5, D - 0.5]``, ``[0, D - 1]`` with
+    ``align_corners``) ``border`` clamps it to ``[0, D - 1]`` and ``reflection`` reflects it at
+    ``lo`` / ``hi`` (not in ``cubic`` mode: ONNX Runtime, as PyTorch, pads the taps only, where
+    ONNX's reference pads both); the value is ``sum over the taps of prod_axes w_j(t_j) x[tap]`` with the
+    taps ``floor(c) + {0, 1}`` (weights ``1 - t``, ``t``; ``t = c - floor(c)``) or ``floor(c) +
+    {-1, 0, 1, 2}`` (Keys' cubic weights, ``A = -0.75``), a tap outside the image reading 0
+    (``zeros``), the clamped pixel (``border``) or the reflected one (``reflection``).
+
+    * ``dx``: ``g`` times each tap's weight product scatter-added to its pixel
+      (``ScatterElements``, ``add``);
+    * ``dgrid_j = sum_c g * sum over the taps of w_j'(t_j) prod_{k != j} w_k x[tap]``, times
+      ``d c / d g`` (``D / 2`` or ``(D - 1) / 2``; 0 where ``border`` clamps the point, ``-+1``
+      where ``reflection`` mirrors it); ``nearest`` is piecewise constant in the grid (0).
+
+    The 2-D linear / nearest forms with ``zeros`` / ``border`` padding are
+    :func:`~._rules_spatial._grid_sample`'s.
+    """
+    x = node.inputs[0]
+    mode = _text(attr(node, "mode", "linear"))  # (opset 16's default "bilinear" is the same)
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    padding = _text(attr(node, "padding_mode", "zeros"))
+    align = bool(int(attr(node, "align_corners", 0)))
+    if mode in ("linear", "nearest") and padding in ("zeros", "border") and len(dims(x)) == 4:
+        return _grid_sample(e, node, gout, need)
+    if mode not in ("linear", "nearest", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise TraceError(f"node {node.name!r}: GridSample's gradient: unknown mode={mode!r} / "
+                         f"padding_mode={padding!r}")
+    return _grid_sample_nd(e, node, gout[0], need, mode, padding, align)

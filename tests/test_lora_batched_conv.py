@@ -20,6 +20,8 @@ The torch / PEFT setup is ``tests/torch_peft.py``'s.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,10 @@ peft = pytest.importorskip("peft")
 
 from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
 
+from safetensors.numpy import load_file  # noqa: E402
+
 from onnxparam import (  # noqa: E402
+    BatchedLora,
     LoraError,
     RecordError,
     Tensor,
@@ -36,9 +41,11 @@ from onnxparam import (  # noqa: E402
     export_onnx,
     import_onnx,
     load_peft_adapter,
+    load_peft_adapters,
     write_batched_peft,
 )
 from onnxparam.lora._batched import batched_metadata  # noqa: E402
+from onnxparam.lora._batched_run import batched_adapter_params  # noqa: E402
 
 ATOL = 1e-5
 
@@ -65,7 +72,7 @@ def export_net(model, in_shape, path, exporter="torchscript"):
 
 def build(folder, exporter, model, adapters, rows, in_shape, targets=("conv", "fc"), rank_patterns=None):
     """``(module with the named adapters, x, PEFT's mixed-batch rows, the base model's rows,
-    folder, PEFT's model)``: ``model`` exported by ``exporter`` and imported, each adapter
+    folder, PEFT's model, the torch model)``: ``model`` exported by ``exporter`` and imported, each adapter
     ``{name: (r, alpha, rslora, lora_bias)}`` (``rank_patterns[name]``: its PEFT rank_pattern)
     saved by PEFT and loaded into both."""
     imported = import_onnx(export_net(model, in_shape, folder / "net.onnx", exporter))
@@ -80,7 +87,7 @@ def build(folder, exporter, model, adapters, rows, in_shape, targets=("conv", "f
     with torch.no_grad():
         expected = reference(x, adapter_names=list(rows)).numpy()
         plain = model(x).numpy()
-    return module, x.numpy(), expected, plain, folder, reference
+    return module, x.numpy(), expected, plain, folder, reference, model
 
 
 def run_batched(path, x, rows, names):
@@ -93,11 +100,11 @@ def run_batched(path, x, rows, names):
 def built(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"conv-{request.param}")
     model = randomize(ConvNet().eval(), seed=3)
-    return build(folder, request.param, model, ADAPTERS, ROWS, (2, 6, 6))[:5]
+    return build(folder, request.param, model, ADAPTERS, ROWS, (2, 6, 6))
 
 
 def test_conv_and_lora_bias_rows_equal_pefts_mixed_batch_in_onnx_runtime(built, tmp_path):
-    module, x, expected, plain, _ = built
+    module, x, expected, plain, *_ = built
     adapted = {p for _, ads in [(n, module.lora_adapters.adapters(n)) for n in ADAPTERS] for p in ads}
     assert {"conv.weight", "conv.bias", "fc.weight", "fc.bias"} <= adapted
     path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora="batched")
@@ -109,12 +116,10 @@ def test_conv_and_lora_bias_rows_equal_pefts_mixed_batch_in_onnx_runtime(built, 
     np.testing.assert_allclose(got[base_rows], plain[base_rows], atol=ATOL, rtol=0)
     assert np.abs(expected[~base_rows] - plain[~base_rows]).max(axis=1).min() > 0.1  # every adapter matters
     assert check_batched_adapters(path, module)  # the module's set fits its own export
-    with pytest.raises(RecordError, match=r"'conv.weight' is a conv target"):
-        write_batched_peft(None, tmp_path / "peft", model=path, names=list(ADAPTERS))
 
 
 def test_conv_and_lora_bias_rows_equal_pefts_mixed_batch_through_module_call(built):
-    module, x, expected, _, _ = built
+    module, x, expected, *_ = built
     names = [None if n == "__base__" else n for n in ROWS]
     got = module(Tensor.from_numpy(x), adapter_index=names).to_numpy()
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
@@ -168,7 +173,7 @@ def grouped(request, tmp_path_factory):
 
 
 def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_in_onnx_runtime(grouped, tmp_path):
-    module, x, expected, plain, _, _ = grouped
+    module, x, expected, plain, *_ = grouped
     path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora="batched")
     targets = {t["path"]: t for t in batched_metadata(path)["targets"]}
     assert targets["grouped.weight"]["kind"] == targets["depthwise.weight"]["kind"] == "conv"
@@ -182,7 +187,7 @@ def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_in_onnx_runtime(grou
 
 
 def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_through_module_call(grouped):
-    module, x, expected, _, _, _ = grouped
+    module, x, expected, *_ = grouped
     got = module(Tensor.from_numpy(x), adapter_index=[None if n == "__base__" else n for n in GROUPED_ROWS])
     np.testing.assert_allclose(got.to_numpy(), expected, atol=ATOL, rtol=0)
 
@@ -193,7 +198,7 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
     ``"merge"``, a ``"merge"`` export) is refused: it is no weight delta, PEFT refuses too."""
     from onnxparam.runtime import SessionConfig, set_session_config
 
-    module, x, _, _, _, reference = grouped
+    module, x, _, _, _, reference, _ = grouped
     active = module.set_adapter("two")
     with torch.no_grad():
         expected = reference(torch.from_numpy(x), adapter_names=["two"] * len(x)).numpy()
@@ -208,3 +213,71 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
         active(Tensor.from_numpy(x))
     with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be merged"):
         export_onnx(active, tmp_path / "merged.onnx", x[:2], lora="merge")
+
+
+# -- the stacked set written back as PEFT's multi-adapter folder ------------------------------------
+
+
+def check_written_peft_folders(fixture, names, rows, tmp_path):
+    """The batched export's default stacks written by ``write_batched_peft``: PEFT loads the
+    folders (``lora_A`` a conv of every input channel, ``lora_B`` a 1x1 conv with the base's
+    groups, ``lora_bias``) and its mixed batch equals PEFT's on the source adapters; the
+    folders read back by ``load_peft_adapters`` give the same stacks."""
+    module, x, expected, _, folder, _, model = fixture
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora="batched")
+    out = write_batched_peft(None, tmp_path / "peft", model=path)
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    written = peft_with_adapters(model, {name: out / name for name in names})
+    with torch.no_grad():
+        got = written(torch.from_numpy(x), adapter_names=list(rows)).numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    back = load_peft_adapters(import_onnx(folder / "net.onnx"), out)
+    stacks, original = batched_adapter_params(back, model=path, names=names), batched_adapter_params(module, model=path)
+    assert stacks.keys() == original.keys()
+    for key in stacks:
+        np.testing.assert_allclose(stacks[key], original[key], atol=1e-6, rtol=1e-6, err_msg=key)
+    return out
+
+
+def test_conv_and_lora_bias_stacks_written_as_peft_folders_give_each_rows_adapter_in_peft(built, tmp_path):
+    out = check_written_peft_folders(built, list(ADAPTERS), ROWS, tmp_path)
+    config = json.loads((out / "one" / "adapter_config.json").read_text())
+    assert config["lora_bias"] and not json.loads((out / "two" / "adapter_config.json").read_text())["lora_bias"]
+
+
+def test_grouped_and_depthwise_stacks_written_as_peft_folders_give_each_rows_adapter_in_peft(grouped, tmp_path):
+    out = check_written_peft_folders(grouped, list(GROUPED), GROUPED_ROWS, tmp_path)
+    config = json.loads((out / "one" / "adapter_config.json").read_text())
+    assert config["r"] == 6 and config["rank_pattern"] == {"grouped": 2}  # PEFT's own ranks, alpha = r
+
+
+def test_a_bias_only_spare_slot_is_written_with_zero_factors_and_a_grouped_b_off_its_blocks_is_refused(
+        grouped, tmp_path):
+    """A spare slot whose only adapter is a bias delta (arrays fed to the export): PEFT's
+    lora_bias needs its module's factors, written as zeros; PEFT's rows for it equal plain ONNX
+    Runtime's with the same stacks fed. A grouped conv's ``b`` with an entry outside its
+    groups' blocks is not PEFT's layout: refused, naming the weight."""
+    module, x, _, _, _, _, model = grouped
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora=BatchedLora(capacity=4))
+    targets = {t["path"]: t for t in batched_metadata(path)["targets"]}
+    params = batched_adapter_params(module, model=path)
+    bias = targets["fc.bias"]
+    params[bias["a"]][4, 0, 0] = 1.0
+    params[bias["b"]][4, 0, :] = np.random.default_rng(3).normal(size=bias["d_out"])
+    names = [*GROUPED, "extra"]
+    out = write_batched_peft(params, tmp_path / "peft", model=path, names=names)
+    tensors = load_file(str(out / "extra" / "adapter_model.safetensors"))
+    assert sorted(tensors) == [f"base_model.model.fc.{k}" for k in ("lora_A.weight", "lora_B.bias", "lora_B.weight")]
+    assert not tensors["base_model.model.fc.lora_A.weight"].any()
+    written = peft_with_adapters(model, {name: out / name for name in names})
+    rows = ["extra", "__base__", "two", "extra"]
+    index = np.asarray([0 if r == "__base__" else names.index(r) + 1 for r in rows], dtype=np.int64)
+    expected = session(path).run(None, {"x": x[:4], "adapter_index": index, **params})[0]
+    with torch.no_grad():
+        got = written(torch.from_numpy(x[:4]), adapter_names=rows).numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    depthwise = targets["depthwise.weight"]
+    params[depthwise["b"]][2, 0, 5] = 0.5  # row 0 is group 0's, column 5 group 5's
+    with pytest.raises(RecordError, match=r"slot 2 \('two'\): the b stack of 'depthwise.weight' \(a conv with "
+                                          r"groups=6\) is not zero outside each group's 2 rows"):
+        write_batched_peft(params, tmp_path / "refused", model=path, names=names)

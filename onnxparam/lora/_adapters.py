@@ -180,7 +180,8 @@ def conv_adapter_groups(shape: tuple, d_in: int) -> int:
 def grouped_conv_message(shape: tuple, groups: int, what: str) -> str:
     return (f"a LoRA adapter on a grouped convolution's weight {list(shape)} (groups={groups}: PEFT's lora_A reads "
             f"all {groups * int(shape[1])} input channels) is no weight delta and cannot be {what}; it runs as a "
-            "branch after the Conv: export with lora='keep', 'inputs' or 'batched', call module(x, adapter_index=...), or "
+            "branch after the Conv: export with lora='keep', 'inputs' or 'batched', call "
+            "module(x, adapter_index=...), or "
             "run module(x) with set_session_config(module, SessionConfig(lora_mode='keep')); PEFT cannot merge it "
             "either")
 

@@ -719,8 +719,8 @@ class _Target:
             raise LoraError(
                 f"lora='batched': {t.path!r} {list(t.shape)} is the weight of Conv node {node.name!r} with "
                 f"group={group}, but its adapters' a has {t.d_in} rows, a conv of "
-                f"{t.d_in // int(np.prod(t.shape[2:]))} input channels (groups={groups}): batched conv LoRA takes PEFT's layout, lora_A a conv of all "
-                f"{int(t.shape[1]) * group} input channels (a weight delta of a grouped conv is not supported)")
+                f"{t.d_in // int(np.prod(t.shape[2:]))} input channels (groups={groups}): batched conv LoRA takes "
+                f"PEFT's layout, lora_A a conv of all {int(t.shape[1]) * group} input channels (a weight delta of a grouped conv is not supported)")
         a_stack, b_stack = self.stacks()
         rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"

@@ -273,3 +273,28 @@ def test_grid_sample_2d_bicubic_border_and_reflection(padding, align):
     pytest.param("nearest", "zeros", 0, marks=pytest.mark.slow)])
 def test_grid_sample_3d(mode, padding, align):
     _grid_sample_case(mode, padding, align, 3, reach=1.6 if padding == "reflection" else 1.1)
+
+
+# -- MaxRoiPool -----------------------------------------------------------------------------------------
+
+
+def test_max_roi_pool_input_gradient_on_a_dynamic_feature_map():
+    """Rois on both images (one twice, one reaching past the image, one tiny: empty and
+    overlapping bins); the batch and the height change. ``x * s + b`` with ``b`` per column, so
+    per-pixel routes are checked, not only channel sums. Finite differences, float32 (ORT's only
+    kernel; torchvision is not a dependency), on values far from ties."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xm"]), helper.make_node("Add", ["xm", "b"], ["xs"]),
+             helper.make_node("MaxRoiPool", ["xs", "rois"], ["y"], pooled_shape=[2, 3], spatial_scale=0.5)]
+    rois = helper.make_tensor_value_info("rois", F, ["R", 5])
+
+    def extra(shape):
+        n, _, h, w = shape
+        return {"rois": np.array([[0, 1.0, 2.0, 2 * w - 3, 2 * h - 2], [n - 1, 2.4, 0.0, 2 * w + 4, h],
+                                  [0, 3.0, 3.0, 3.4, 3.6], [n - 1, 0.0, 1.0, w, 2 * h - 1]])}
+
+    def distinct(x):  # values 0.1 apart (shuffled): no two within a finite-difference step of a tie
+        return RNG.permutation(np.arange(x.size) * 0.1).reshape(x.shape).astype(x.dtype)
+
+    inits = {"s": RNG.uniform(0.9, 1.1, (1, 3, 1, 1)), "b": np.arange(6).reshape(1, 1, 1, 6) * 0.013}
+    check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 21, extra_inputs=[rois], extra=extra,
+             feed_map=distinct)

@@ -293,3 +293,90 @@ def _grid_sample_rule(e, node, gout, need):
         raise TraceError(f"node {node.name!r}: GridSample's gradient: unknown mode={mode!r} / "
                          f"padding_mode={padding!r}")
     return _grid_sample_nd(e, node, gout[0], need, mode, padding, align)
+
+
+# -- MaxRoiPool -------------------------------------------------------------------------------------
+
+
+def _round_half_away(e: Emitter, v):
+    """C's ``round``: halves away from zero (ONNX's ``Round`` rounds them to even)."""
+    return e.op("Mul", e.op("Sign", v), e.op("Floor", e.op("Add", e.op("Abs", v), e.scalar_like(0.5, v))))
+
+
+@rule("MaxRoiPool")
+def _max_roi_pool(e, node, gout, need):
+    """``MaxRoiPool`` (ONNX spec: MaxRoiPool; the bins as ONNX Runtime computes them, Caffe's
+    ``ROIPooling``): roi ``r = (b, x1, y1, x2, y2)`` starts at ``round(x1 * scale)`` (halves away
+    from 0) and spans ``max(round(x2 s) - round(x1 s) + 1, 1)`` pixels ``W_r``; bin ``pw``
+    covers ``[floor(pw W_r / PW), ceil((pw + 1) W_r / PW))`` after the start, clamped to the
+    image (likewise ``h``); ``y`` is the bin's maximum (0 for an empty bin). ``dx`` gets ``g``
+    at each bin's first maximum in row-major order (its argmax), added where bins overlap or
+    rois repeat. The bins are enumerated up to the largest bin's extent (``Range`` over a
+    run-time size): memory ``R C PH PW`` times the largest bin's area. ``rois`` gets no gradient
+    (not differentiable; the bins move in integer steps).
+    """
+    x, rois = node.inputs[0], node.inputs[1]
+    g = gout[0]
+    ph_n, pw_n = (int(v) for v in attr(node, "pooled_shape"))
+    scale = float(attr(node, "spatial_scale", 1.0))
+    i64, f32 = int(ir.DataType.INT64), int(ir.DataType.FLOAT)
+    shape = e.op("Shape", x)
+    r = e.op("Cast", rois, to=f32)
+
+    def column(k):
+        return e.op("Gather", r, e.const(k, np.int64), axis=1)  # [R]
+
+    zero = e.const(0, np.int64)
+    one = e.const(1, np.int64)
+    batch = e.op("Cast", column(0), to=i64)
+    channels = e.op("Gather", shape, e.const(1, np.int64), axis=0)
+
+    def bins(start_k, end_k, pooled, size_axis):
+        """(first pixel [R, P, 1], valid [R, P, K] bool, offsets) of each bin along one axis."""
+        size = e.op("Gather", shape, e.const(size_axis, np.int64), axis=0)
+        s = e.const(scale, np.float32)
+        start = _round_half_away(e, e.op("Mul", column(start_k), s))
+        end = _round_half_away(e, e.op("Mul", column(end_k), s))
+        extent = e.op("Max", e.op("Add", e.op("Sub", end, start), e.const(1.0, np.float32)), e.const(1.0, np.float32))
+        bin_size = e.op("Div", extent, e.const(float(pooled), np.float32))  # [R]
+        p = e.const(np.arange(pooled, dtype=np.float32), np.float32)
+        lo = e.op("Floor", e.op("Mul", e.unsqueeze(bin_size, [1]), p))  # [R, P]
+        hi = e.op("Ceil", e.op("Mul", e.unsqueeze(bin_size, [1]), e.op("Add", p, e.const(1.0, np.float32))))
+        start_i = e.unsqueeze(e.op("Cast", start, to=i64), [1])
+
+        def clamp(v):
+            return e.op("Min", e.op("Max", e.op("Add", e.op("Cast", v, to=i64), start_i), zero), size)
+
+        lo, hi = clamp(lo), clamp(hi)
+        length = e.op("Max", e.op("Sub", hi, lo), zero)
+        k = e.op("Max", e.op("ReduceMax", length, keepdims=0), one)
+        offsets = e.op("Range", zero, k, one)  # [K]
+        valid = e.op("Less", offsets, e.unsqueeze(length, [2]))  # [R, P, K]
+        pixel = e.op("Min", e.op("Add", e.unsqueeze(lo, [2]), offsets), e.op("Sub", size, one))
+        return pixel, valid
+
+    rows, rows_ok = bins(2, 4, ph_n, 2)  # [R, PH, Kh]
+    cols, cols_ok = bins(1, 3, pw_n, 3)  # [R, PW, Kw]
+    width = e.op("Gather", shape, e.const(3, np.int64), axis=0)
+    height = e.op("Gather", shape, e.const(2, np.int64), axis=0)
+    c_range = e.op("Range", zero, channels, one)
+    plane = e.op("Mul", e.op("Add", e.op("Mul", e.op("Reshape", batch, e.ints([-1, 1])), channels),
+                             e.op("Reshape", c_range, e.ints([1, -1]))), e.op("Mul", height, width))  # [R, C]
+    at = e.op("Add", e.op("Mul", e.unsqueeze(rows, [2, 4]), width), e.unsqueeze(cols, [1, 3]))  # [R, PH, PW, Kh, Kw]
+    index = e.op("Add", e.unsqueeze(plane, [2, 3, 4, 5]), e.unsqueeze(at, [1]))
+    valid = e.op("And", e.unsqueeze(rows_ok, [2, 4]), e.unsqueeze(cols_ok, [1, 3]))  # [R, PH, PW, Kh, Kw]
+    valid = e.unsqueeze(valid, [1])
+    values = e.op("Gather", e.reshape(x, [-1]), index, axis=0)  # [R, C, PH, PW, Kh, Kw]
+    masked = e.op("Where", valid, values, e.scalar_like(-np.inf, x))
+    flat_shape = e.ints([0, 0, 0, 0, -1])
+    first = e.op("ArgMax", e.op("Reshape", masked, flat_shape), axis=4, keepdims=1)
+    full = e.op("Expand", index, e.op("Shape", values))
+    picked = e.op("GatherElements", e.op("Reshape", full, flat_shape), first, axis=4)  # [R, C, PH, PW, 1]
+    hits = e.op("Cast", e.op("Reshape", valid, flat_shape), to=i64)
+    any_hit = e.op("ReduceMax", hits, e.ints([4]), keepdims=0) if e.opset >= 18 else \
+        e.op("ReduceMax", hits, axes=[4], keepdims=0)
+    nonempty = e.op("Cast", any_hit, to=int(x.dtype))  # [R, 1, PH, PW]
+    updates = e.op("Mul", g, nonempty)
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.op("ReduceProd", shape, keepdims=1))
+    dx = e.op("ScatterElements", zeros, e.reshape(picked, [-1]), e.reshape(updates, [-1]), axis=0, reduction="add")
+    return [e.reshape_like(dx, x), None]

@@ -298,3 +298,28 @@ def test_max_roi_pool_input_gradient_on_a_dynamic_feature_map():
     inits = {"s": RNG.uniform(0.9, 1.1, (1, 3, 1, 1)), "b": np.arange(6).reshape(1, 1, 1, 6) * 0.013}
     check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 21, extra_inputs=[rois], extra=extra,
              feed_map=distinct)
+
+
+# -- RoiAlign, max mode ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling_ratio,mode", [(2, "half_pixel"),
+                                                  pytest.param(0, "output_half_pixel", marks=pytest.mark.slow)])
+def test_roi_align_max_input_gradient_on_a_dynamic_feature_map(sampling_ratio, mode):
+    """Rois on both images, one partly outside (samples reading 0 compete for the maximum); the
+    batch and the height change; ``x * s + b`` with ``b`` per column. Finite differences on ORT
+    (ONNX Runtime's max mode is its own: the largest weighted corner, not torchvision's)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xm"]), helper.make_node("Add", ["xm", "b"], ["xs"]),
+             helper.make_node("RoiAlign", ["xs", "rois", "bi"], ["y"], output_height=2, output_width=3, mode="max",
+                              sampling_ratio=sampling_ratio, spatial_scale=0.5, coordinate_transformation_mode=mode)]
+    rois = helper.make_tensor_value_info("rois", D, ["R", 4])
+    bi = helper.make_tensor_value_info("bi", I64, ["R"])
+
+    def extra(shape):
+        n, _, h, w = shape
+        boxes = np.array([[0.5, 1.0, 2 * w - 3, 2 * h - 2], [2.0, 0.0, 2 * w - 1, h], [1.0, 1.5, w, 2 * h - 1.5],
+                          [-3.0, -4.0, 2.0, 3.0]])
+        return {"rois": boxes, "bi": np.array([0, n - 1, 0, n - 1], np.int64)}
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1)), "b": RNG.uniform(-0.5, 0.5, (1, 1, 1, 6))}
+    check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 16, extra_inputs=[rois, bi], extra=extra)

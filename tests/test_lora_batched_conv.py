@@ -28,6 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
+import onnxruntime as ort  # noqa: E402
 from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
 
 from safetensors.numpy import load_file  # noqa: E402
@@ -42,7 +43,9 @@ from onnxparam import (  # noqa: E402
     import_onnx,
     load_peft_adapter,
     load_peft_adapters,
+    write_batched_adapter,
     write_batched_peft,
+    write_onnx_adapter,
 )
 from onnxparam.lora._batched import batched_metadata  # noqa: E402
 from onnxparam.lora._batched_run import batched_adapter_params  # noqa: E402
@@ -281,3 +284,41 @@ def test_a_bias_only_spare_slot_is_written_with_zero_factors_and_a_grouped_b_off
     with pytest.raises(RecordError, match=r"slot 2 \('two'\): the b stack of 'depthwise.weight' \(a conv with "
                                           r"groups=6\) is not zero outside each group's 2 rows"):
         write_batched_peft(params, tmp_path / "refused", model=path, names=names)
+
+
+# -- onnxparam lora check on conv stacks ---------------------------------------------------------
+
+
+def test_cli_lora_check_of_grouped_conv_stacks(grouped, tmp_path):
+    """``onnxparam lora check`` on a batched export with grouped / depthwise conv and bias
+    stacks: the module's own stacked file fits (every stack listed with ONNX Runtime's shapes);
+    a per-group ``a`` (a weight delta's rows), a float64 stack, more slots than the capacity and
+    a missing stack are each named."""
+    from cli_run import run_cli
+
+    module, x, *_ = grouped
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora=BatchedLora(capacity=4))
+    file = write_batched_adapter(module, tmp_path / "set.onnx_adapter", model=path)
+    code, out, err = run_cli("lora", "check", path, file, "--json")
+    assert code == 0, err
+    result = json.loads(out)["results"]["check"]
+    truth = {k: list(v.numpy().shape) for k, v in ort.AdapterFormat.read_adapter(str(file)).get_parameters().items()}
+    assert result["inputs"] == truth and result["slots"] == 5 and result["adapters"] == list(GROUPED)
+    assert truth["depthwise.weight.lora.a_stack"] == [5, 6 * 3 * 3, 12]  # all 6 channels, rank 12 ("two")
+    targets = {t["path"]: t for t in batched_metadata(path)["targets"]}
+    params = batched_adapter_params(module, model=path)
+    bad = dict(params)
+    grouped_a = targets["grouped.weight"]["a"]
+    bad[grouped_a] = params[grouped_a][:, : 2 * 3 * 3]  # a per-group a: 2 of the 4 input channels
+    bad[targets["fc.weight"]["b"]] = params[targets["fc.weight"]["b"]].astype(np.float64)
+    del bad[targets["depthwise.bias"]["b"]]
+    code, _, err = run_cli("lora", "check", path, write_onnx_adapter(bad, tmp_path / "bad.onnx_adapter"))
+    assert code == 1, err
+    for words in (f"'{grouped_a}' has shape [5, 18, 6], the export needs (slots, 36, r) (a convolution "
+                  "[6, 2, 3, 3] with groups=2: a's rows are all 4 input channels times the kernel's 9 taps",
+                  f"'{targets['fc.weight']['b']}' is float64, the export's input is float32",
+                  f"'{targets['depthwise.bias']['b']}' is missing"):
+        assert words in err, err
+    over = {k: np.concatenate([v, v[1:2]]) for k, v in params.items()}  # 6 slots, capacity 4
+    code, _, err = run_cli("lora", "check", path, write_onnx_adapter(over, tmp_path / "over.onnx_adapter"))
+    assert code == 1 and "the stacks hold 6 slots; the export's capacity is 4 adapters" in err, err

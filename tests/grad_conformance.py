@@ -43,12 +43,15 @@ def _as_params(case):
     data = case.data_sets()
     if not data:
         return None
-    inputs, _ = data[0]
+    inputs, outputs = data[0]
     graph = model.graph
-    if len(graph.output) == 0 or graph.output[0].type.tensor_type.elem_type not in _FLOATS:
+    if len(graph.node) != 1 or graph.node[0].domain not in ("", "ai.onnx") or len(graph.output) == 0:
         return None
-    if len(graph.node) != 1 or graph.node[0].domain not in ("", "ai.onnx"):
+    if not _tensor_output(graph, outputs[0] if outputs else None):
         return None
+    if graph.output[0].type.tensor_type.elem_type not in _FLOATS:
+        return None
+    inputs = _tensor_inputs(graph, inputs)
     float_inputs = [(vi, x) for vi, x in zip(graph.input, inputs)
                     if isinstance(x, np.ndarray) and vi.type.tensor_type.elem_type in _FLOATS and x.size > 0]
     if not float_inputs:
@@ -74,6 +77,82 @@ def _as_params(case):
     except Exception:  # noqa: BLE001 - ORT itself cannot run the case
         return None
     return model, feeds, False
+
+
+def _float_elements(tp: onnx.TypeProto, x) -> bool:
+    """Whether ``x`` is a non-empty sequence of non-empty float tensors of type ``tp``."""
+    return (tp.HasField("sequence_type") and tp.sequence_type.elem_type.HasField("tensor_type")
+            and tp.sequence_type.elem_type.tensor_type.elem_type in _FLOATS and isinstance(x, list) and len(x) > 0
+            and all(isinstance(a, np.ndarray) and a.size > 0 for a in x))
+
+
+def _tensor_inputs(graph, inputs: list) -> list:
+    """Sequence and optional inputs holding float tensors become tensor inputs (each element
+    one, named ``<input>_<k>``) put together by ``SequenceConstruct`` / ``Optional`` nodes in
+    front of the case's node, so their elements can be made params; the new inputs' values
+    in graph order."""
+    new_inputs, values, front = [], [], []
+    for vi, x in zip(list(graph.input), inputs):
+        tp, name, wrap = vi.type, vi.name, False
+        if tp.HasField("optional_type") and x is not None:
+            tp, wrap = tp.optional_type.elem_type, True
+            name = f"{vi.name}_value"
+        if _float_elements(tp, x):
+            elems = [f"{vi.name}_{k}" for k in range(len(x))]
+            elem_type = tp.sequence_type.elem_type.tensor_type.elem_type
+            new_inputs += [onnx.helper.make_tensor_value_info(n, elem_type, None) for n in elems]
+            values += list(x)
+            front.append(onnx.helper.make_node("SequenceConstruct", elems, [name]))
+        elif wrap and tp.HasField("tensor_type") and isinstance(x, np.ndarray):
+            new_inputs.append(onnx.helper.make_tensor_value_info(name, tp.tensor_type.elem_type, None))
+            values.append(x)
+        else:
+            new_inputs.append(vi)
+            values.append(x)
+            continue
+        if wrap:
+            front.append(onnx.helper.make_node("Optional", [name], [vi.name]))
+    if front:
+        nodes = front + list(graph.node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        del graph.input[:]
+        graph.input.extend(new_inputs)
+    return values
+
+
+def _tensor_output(graph, expected) -> bool:
+    """A first output that is a sequence (or an optional) of float tensors becomes one tensor:
+    its ``expected`` number of elements, each flattened, concatenated (``SequenceAt`` /
+    ``OptionalGetElement`` nodes after the case's node); ``False`` when it holds nothing to
+    check. A tensor output is left as it is."""
+    out = graph.output[0]
+    tp, name, nodes = out.type, out.name, []
+    if tp.HasField("optional_type"):
+        if expected is None:
+            return False
+        tp = tp.optional_type.elem_type
+        nodes.append(onnx.helper.make_node("OptionalGetElement", [name], [f"{name}_value"]))
+        name = f"{name}_value"
+    if tp.HasField("sequence_type"):
+        if not _float_elements(tp, expected):
+            return False
+        flat = []
+        for k in range(len(expected)):
+            pos, shape = f"{out.name}_at_{k}", f"{out.name}_flat_shape"
+            graph.initializer.append(numpy_helper.from_array(np.array(k, np.int64), pos))
+            nodes.append(onnx.helper.make_node("SequenceAt", [name, pos], [f"{pos}_elem"]))
+            nodes.append(onnx.helper.make_node("Reshape", [f"{pos}_elem", shape], [f"{pos}_flat"]))
+            flat.append(f"{pos}_flat")
+        graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), shape))
+        nodes.append(onnx.helper.make_node("Concat", flat, [f"{out.name}_flat"], axis=0))
+        name, tp = f"{out.name}_flat", tp.sequence_type.elem_type
+    if not nodes:
+        return True
+    graph.node.extend(nodes)
+    del graph.output[:]
+    graph.output.append(onnx.helper.make_tensor_value_info(name, tp.tensor_type.elem_type, None))
+    return True
 
 
 def _retyped(model: onnx.ModelProto) -> onnx.ModelProto:

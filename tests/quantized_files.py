@@ -58,3 +58,21 @@ def sklearn_mlp(path, sizes: tuple, rng, intercept_rows: bool = False) -> tuple:
                               inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path, weights
+
+
+def optimized_nodes(path, folder, entries=()) -> list:
+    """The nodes of the graph ONNX Runtime's CPU session optimizes the file ``path`` into (all
+    optimizations on, ``entries``: ``(key, value)`` session config entries), as ORT writes it to
+    ``folder/optimized.onnx`` (``SessionOptions.optimized_model_filepath``): which fusions ran."""
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(folder / "optimized.onnx")
+    so.log_severity_level = 3
+    for key, value in entries:
+        so.add_session_config_entry(key, value)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return list(onnx.load(str(folder / "optimized.onnx")).graph.node)
+
+
+def optimized_ops(path, folder) -> list:
+    """The op types of :func:`optimized_nodes`, in graph order."""
+    return [n.op_type for n in optimized_nodes(path, folder)]

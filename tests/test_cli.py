@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import onnxruntime as ort
 import pytest
+from cli_run import run_main
 
 from onnxparam.cli import main
 from onnxparam.zoo import mnist
@@ -16,24 +17,6 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
     """``python -m onnxparam <args>`` in a subprocess: the entry point as a user runs it."""
     return subprocess.run([sys.executable, "-m", "onnxparam", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)
-
-
-class CliResult:
-    """What a run of the command line gave: exit code, stdout, stderr (as ``CompletedProcess``)."""
-
-    def __init__(self, args, returncode, stdout, stderr):
-        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
-
-
-def run_main(*args, cwd=None) -> CliResult:
-    """Run ``onnxparam <args>`` in this process (so coverage sees the CLI), in folder ``cwd``."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd or "."), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return CliResult(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import CliResult, run_main
 from safetensors.numpy import load_file as st_load
 from safetensors.numpy import save_file as st_save
 
 import onnxparam.quant
-from onnxparam.cli import export_mnist_onnx, main
+from onnxparam.cli import export_mnist_onnx
 from onnxparam.zoo import mnist
 
 BURN_BPK = mnist.weights_path()
@@ -44,24 +45,6 @@ def burn_file() -> dict:
         array = np.frombuffer(raw, np.float32, (end - begin) // 4, data_start + begin).reshape(d["shape"])
         out[name] = (tuple(d["shape"]), d["param_id"], array)
     return out
-
-
-class CliResult:
-    """What a run of the command line gave: exit code, stdout, stderr (as ``CompletedProcess``)."""
-
-    def __init__(self, args, returncode, stdout, stderr):
-        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
-
-
-def run_main(*args, cwd=None) -> CliResult:
-    """Run ``onnxparam <args>`` in this process (so coverage sees the CLI), in folder ``cwd``."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd or "."), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return CliResult(args, code, out.getvalue(), err.getvalue())
 
 
 def start(*args, cwd) -> CliResult:

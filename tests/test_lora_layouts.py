@@ -151,6 +151,16 @@ def test_convolution_factors_that_do_not_fit_are_refused_naming_both_shapes(tmp_
         load_peft_adapter(import_onnx(conv_model(np.ones((3, 2, 3, 3), np.float32))), folder)
 
 
+def test_grouped_convolution_factors_that_do_not_fit_are_refused_naming_the_groups(tmp_path):
+    """PEFT's grouped-conv layout (lora_B a 1x1 conv of r / groups input channels: groups = 2
+    here) on a group-1 weight: the factors describe another weight."""
+    folder = write_peft(tmp_path / "ad", {"base_model.model.conv.lora_A.weight": np.ones((R, 2, 3, 3), np.float32),
+                                          "base_model.model.conv.lora_B.weight": np.ones((3, 1, 1, 1), np.float32)})
+    with pytest.raises(RecordError, match=r"'conv.weight': the factors make a \[3, 1, 3, 3\] convolution weight "
+                                          r"\(groups=2\), the param is \[3, 2, 3, 3\]"):
+        load_peft_adapter(import_onnx(conv_model(np.ones((3, 2, 3, 3), np.float32))), folder)
+
+
 def test_key_map_takes_onnx_names_and_zero_matches_is_an_error_even_with_allow_partial(tmp_path):
     rng = np.random.default_rng(9)
     w_torch = rng.normal(size=(3, 5)).astype(np.float32)

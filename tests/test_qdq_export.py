@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx.reference import ReferenceEvaluator
+from quantized_files import optimized_nodes
 
 import onnxparam as op
 from onnxparam import nn
@@ -60,16 +61,6 @@ class Stack(op.Module):
 
 def qparam(array, scheme) -> op.Param:
     return op.Param.from_tensor(quantize(np.asarray(array, np.float32), scheme).to_tensor())
-
-
-def optimized_ops(path, tmp_path, entries=()) -> list:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    so.log_severity_level = 3
-    for key, value in entries:
-        so.add_session_config_entry(key, value)
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return onnx.load(str(tmp_path / "optimized.onnx")).graph.node
 
 
 SCHEMES = [
@@ -218,12 +209,12 @@ def test_mnist_default_export_keeps_uncalibrated_convs_float_and_reports_each_op
 
 def test_mnist_static_activation_quantization_runs_qlinear_kernels(mnist_files, digits, tmp_path):
     assert accuracy(mnist_files["static"], digits) >= accuracy(mnist_files["float"], digits) - 0.01
-    ops = [n.op_type for n in optimized_ops(mnist_files["static"], tmp_path)]
+    ops = [n.op_type for n in optimized_nodes(mnist_files["static"], tmp_path)]
     assert ops.count("QLinearConv") == 2 and ops.count("QLinearMatMul") == 3
 
 
 def test_mnist_int8_weights_run_dynamic_quantize_matmul(mnist_files, tmp_path):
-    ops = [n.op_type for n in optimized_ops(mnist_files["int8"], tmp_path)]
+    ops = [n.op_type for n in optimized_nodes(mnist_files["int8"], tmp_path)]
     assert ops.count("DynamicQuantizeMatMul") == 3 and "MatMul" not in ops
 
 
@@ -234,7 +225,7 @@ def test_matmul_heavy_model_fuses_integer_kernels(tmp_path):
     model = Stack(64, 4).quantize_weights(Quantizer())
     x = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32)
     path = op.export_onnx(model, tmp_path / "q.onnx", x)
-    ops = [n.op_type for n in optimized_ops(path, tmp_path)]
+    ops = [n.op_type for n in optimized_nodes(path, tmp_path)]
     assert ops.count("DynamicQuantizeMatMul") == 4
     reference = ReferenceEvaluator(onnx.load(str(path))).run(None, {"x": x})[0]
     with qdq_options():  # module(x) with the export's options runs the same graph
@@ -252,7 +243,7 @@ def test_dequantize_mode_fuses_matmulnbits_with_the_accuracy_level_asked(tmp_pat
     with qdq_options(matmul="dequantize"):  # the default writes MatMulNBits itself (accuracy_level 0)
         path = op.export_onnx(model, tmp_path / "q.onnx", np.ones((2, 5, 64), np.float32))
     for level in (1, 4):
-        nodes = optimized_ops(path, tmp_path, [matmulnbits_accuracy_level(level)])
+        nodes = optimized_nodes(path, tmp_path, [matmulnbits_accuracy_level(level)])
         fused = [n for n in nodes if n.op_type == "MatMulNBits"]
         assert len(fused) == 2
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in fused[0].attribute}
@@ -269,7 +260,7 @@ def test_blocks_along_n_warn_and_reblock_reports_its_error(tmp_path):
     with pytest.warns(QuantizationWarning, match=r"re-quantized with blocks of 32 along K .* largest error (\S+)") as w:
         with qdq_options(reblock=True):
             path = op.export_onnx(model, tmp_path / "k.onnx", x)
-    assert "MatMulNBits" in [n.op_type for n in optimized_ops(path, tmp_path)]
+    assert "MatMulNBits" in [n.op_type for n in optimized_nodes(path, tmp_path)]
     error = float(re.search(r"largest error (\S+) vs", str(w[0].message)).group(1))
     got = ReferenceEvaluator(onnx.load(str(path))).run(None, {"x": np.eye(64, dtype=np.float32)[None, :2]})[0][0]
     weight = model.layers[0].weight.val().to_numpy()[:2]

@@ -8,9 +8,9 @@ plain ONNX Runtime on the float export of the same module.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
+from quantized_files import optimized_nodes
 
 import onnxparam as op
 from onnxparam import nn, ops
@@ -31,14 +31,6 @@ class ConvRelu(op.Module):
         return self.c(h)
 
 
-def optimized(path, tmp_path) -> list:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return list(onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
-
-
 def run(path, x):
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -53,7 +45,7 @@ def test_activation_pairs_follow_a_relu_so_integer_ops_chain_without_requantizin
     f32 = op.export_onnx(model, tmp_path / "f32.onnx", x[:1], dynamic_axes=axes)
     static = quantize_activations(model.quantize_weights(Quantizer(per_channel=True)), x)
     out = op.export_onnx(static, tmp_path / "static.onnx", x[:1], dynamic_axes=axes)
-    nodes = optimized(out, tmp_path)
+    nodes = optimized_nodes(out, tmp_path)
     kinds = [n.op_type for n in nodes]
     assert kinds.count("QLinearConv") == 3 and "QLinearAdd" in kinds and "Relu" not in kinds
     producers = {o: n.op_type for n in nodes for o in n.output}
@@ -97,7 +89,7 @@ def test_batch_norm_after_an_int8_conv_is_folded_so_ort_runs_integer_convs_end_t
     f32 = op.export_onnx(model, tmp_path / "f32.onnx", x[:1], dynamic_axes=axes)
     static = quantize_activations(model.quantize_weights(Quantizer(per_channel=per_channel)), x)
     out = op.export_onnx(static, tmp_path / "static.onnx", x[:1], dynamic_axes=axes)
-    kinds = [n.op_type for n in optimized(out, tmp_path)]
+    kinds = [n.op_type for n in optimized_nodes(out, tmp_path)]
     assert "BatchNormalization" not in kinds and kinds.count("QLinearConv") == 2
     assert kinds.count("DequantizeLinear") == 1  # only the graph output leaves uint8
     expected = run(f32, x)

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from quantized_files import optimized_ops
 
 import onnxparam as op
 from onnxparam.cli import export_mnist_onnx, main
@@ -41,14 +42,6 @@ def accuracy(path, digits) -> float:
     so.log_severity_level = 3
     session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     return float((session.run(None, {"x": images})[0].argmax(axis=1) == labels).mean())
-
-
-def optimized_ops(path, tmp_path) -> list:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
 
 
 def test_calibrated_per_channel_quantize_prints_each_op_and_runs_qlinear_kernels(mnist_onnx, digits, tmp_path, capsys):

@@ -13,20 +13,11 @@ import io
 import logging
 
 import numpy as np
-import onnx
-import onnxruntime as ort
+from quantized_files import optimized_ops
 
 import onnxparam as op
 from onnxparam import nn
 from onnxparam.cli import main
-
-
-def optimized_ops(path, tmp_path) -> collections.Counter:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
 
 
 def test_cli_int8_transformer_keeps_the_skip_layer_norm_fusions_of_ort_s_own_quantize_dynamic(tmp_path):
@@ -41,7 +32,7 @@ def test_cli_int8_transformer_keeps_the_skip_layer_norm_fusions_of_ort_s_own_qua
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["quantize", str(f32), str(tmp_path / "cli.onnx"), "-q"]) == 0
 
-    theirs, ours = optimized_ops(tmp_path / "ort.onnx", tmp_path), optimized_ops(tmp_path / "cli.onnx", tmp_path)
+    theirs, ours = (collections.Counter(optimized_ops(tmp_path / name, tmp_path)) for name in ("ort.onnx", "cli.onnx"))
     assert theirs["SkipLayerNormalization"] == 2  # both residual Adds + LayerNorms fused
     for fused in ("SkipLayerNormalization", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "LayerNormalization"):
         assert ours[fused] == theirs[fused], fused

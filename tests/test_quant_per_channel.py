@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from quantized_files import optimized_ops
 
 import onnxparam as op
 from onnxparam import nn
@@ -30,14 +31,6 @@ from onnxparam.quant import (
 from onnxparam.zoo import mnist
 
 RNG = np.random.default_rng(7)
-
-
-def optimized_ops(path, tmp_path) -> list:
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
 
 
 def run(path, **feeds):

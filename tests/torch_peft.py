@@ -46,14 +46,16 @@ def randomize(model, seed: int, std: float = 0.3):
 
 
 def peft_lora(base, targets, r: int, alpha, *, rslora: bool = False, lora_bias: bool = False, seed: int,
-              folder=None):
-    """A ``peft`` LoRA model (eval mode) on a deep copy of the torch module ``base``: rank ``r``,
-    ``lora_alpha=alpha``, on ``target_modules=targets``; every ``lora_`` param (A, B and the
-    ``lora_bias`` of B) drawn from N(0, 0.3) by a generator seeded with ``seed``, so the adapter
-    changes the output. Saved with ``save_pretrained`` to ``folder`` when given."""
+              folder=None, rank_pattern: dict | None = None):
+    """A ``peft`` LoRA model (eval mode) on a deep copy of the torch module ``base``: rank ``r``
+    (``rank_pattern``: PEFT's per-module ranks), ``lora_alpha=alpha``, on
+    ``target_modules=targets``; every ``lora_`` param (A, B and the ``lora_bias`` of B) drawn
+    from N(0, 0.3) by a generator seeded with ``seed``, so the adapter changes the output. Saved
+    with ``save_pretrained`` to ``folder`` when given."""
     config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_bias=lora_bias, target_modules=targets,
-                             init_lora_weights=False)
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+                             rank_pattern=rank_pattern or {}, init_lora_weights=False)
+    with quiet():  # PEFT warns that a grouped conv's adapter cannot be merged
+        model = peft.get_peft_model(copy.deepcopy(base), config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -42,7 +42,12 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   batch (also alone as ``lora-batched``): four named adapters (:data:`LORA_BATCHED_RANKS`) over
   :data:`LORA_BATCHED_ROWS` rows in one ``lora="batched"`` run vs the four per-adapter runs of
   the ``"inputs"`` export (target :data:`LORA_BATCHED_SPLIT_TARGET`) and vs one ``"inputs"`` run
-  of the same batch with one adapter (target :data:`LORA_BATCHED_SINGLE_TARGET`).
+  of the same batch with one adapter (target :data:`LORA_BATCHED_SINGLE_TARGET`); then switching
+  the whole adapter set of the batched export without a new session
+  (``tools/bench_lora_bind.py``): other stacks bound with IO binding in ONNX Runtime, and
+  ``module(x, adapter_index=...)`` of a module with other factors, vs a new session (target
+  :data:`LORA_SWITCH_TARGET`), and the bound switch vs binding the same set
+  (:data:`LORA_SWITCH_RUN_TARGET`).
 * ``train``: one MNIST training step at batch :data:`TRAIN_BATCH` (``autodiff.grad`` +
   ``optim.Adam.step``; all params, and LoRA rank 4 on the linear layers) vs the same step in
   PyTorch (same weights, eval-mode BatchNorm, ``torch.optim.Adam``), target
@@ -561,23 +566,36 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
     from onnxparam import LoraConfig, Param, ParamGroup, Tensor, runtime
     from onnxparam.nn import TransformerEncoder
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_lora_bind import bind_switch_cases
+
     config = runtime.SessionConfig(intra_op_num_threads=args.threads)
     base = TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
     weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
-    module, names = base, []
-    for i, rank in enumerate(LORA_BATCHED_RANKS):
-        rng = np.random.default_rng(100 + i)
-        adapted = base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=i, param_group=weights)).map(
-            lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.05, size=p.lazy_shape()).astype(
-                np.float32))) if path.endswith((".lora.a", ".lora.b")) else p)
-        names.append(f"a{i}-r{rank}")
-        module = module.add_adapter(names[-1], adapted)
+
+    def adapter_set(seed):  # the named adapters of LORA_BATCHED_RANKS over base, factors drawn from seed
+        module, names = base, []
+        for i, rank in enumerate(LORA_BATCHED_RANKS):
+            rng = np.random.default_rng(seed + i)
+            adapted = base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=i, param_group=weights)).map(
+                lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.05, size=p.lazy_shape()).astype(
+                    np.float32))) if path.endswith((".lora.a", ".lora.b")) else p)
+            names.append(f"a{i}-r{rank}")
+            module = module.add_adapter(names[-1], adapted)
+        return module, names
+
+    module, names = adapter_set(100)
     rows = np.repeat(np.arange(1, len(names) + 1), LORA_BATCHED_ROWS // len(names)).astype(np.int64)
     results = []
     for seq in LORA_BATCHED_SEQS:
         x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, seq, LORA_WIDTH)).astype(np.float32)
         repeats = max(args.repeats // 5, 20) if seq > 1 else args.repeats
         results += _bench_lora_batched_at(module, names, rows, x, config, repeats)
+    x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, 1, LORA_WIDTH)).astype(np.float32)
+    with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-bind-") as tmp:
+        results += bind_switch_cases(Result, (module, adapter_set(200)[0]), rows, x, config, Path(tmp),
+                                     max(args.repeats // 20, 5), LORA_SWITCH_TARGET, args.repeats,
+                                     LORA_SWITCH_RUN_TARGET)
     return results
 
 

@@ -12,7 +12,8 @@ symbolic graph, with those dims (and the other arguments' dims of the same sizes
 one training graph and one session serve every batch size from the start (if that build fails,
 the family goes on as above). Symbolic dims stand for sizes >= 1, else (a loss that needs
 ``x.shape[0] == 1`` decided) sizes >= 2 with sizes 0 and 1 traced concretely; a loss or a rule
-that needs concrete sizes falls back to one training graph per shape.
+that needs concrete sizes falls back to one training graph per shape. Which dims are symbolic
+and how they share symbols is the module calls' rule, :class:`onnxparam.runtime._shape_family.ShapeFamily`.
 """
 
 from __future__ import annotations
@@ -21,27 +22,13 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 from ..core.tensor import Tensor
+from ..runtime._shape_family import ShapeFamily
 
-__all__ = ["Family", "dynamic_entry", "declared_dynamic", "clear"]
+__all__ = ["dynamic_entry", "declared_dynamic", "clear"]
 
 MAX_FAMILIES = 64
 
-_families: "OrderedDict[Any, Family]" = OrderedDict()
-
-
-class Family:
-    """What is remembered about one family of training calls: the first call's shapes, the
-    dims seen to change, the least size a symbolic dim stands for, whether only concrete
-    traces work, and the symbol groups of each generalized signature."""
-
-    __slots__ = ("first", "dynamic", "least", "static_only", "groups")
-
-    def __init__(self, shapes):
-        self.first = shapes
-        self.dynamic: frozenset = frozenset()
-        self.least = 1
-        self.static_only = False
-        self.groups: dict = {}
+_families: "OrderedDict[Any, ShapeFamily]" = OrderedDict()
 
 
 def clear() -> None:
@@ -102,45 +89,8 @@ def dynamic_entry(family_key, args, kwargs, lookup: Callable, build: Callable,
     """
     shapes = _shapes(args, kwargs)
     family = _families.get(family_key)
-    if family is None or len(family.first) != len(shapes) or any(
-            (a is None) != (b is None) or (a is not None and len(a) != len(b)) for a, b in zip(family.first, shapes)):
-        family = _families[family_key] = Family(shapes)
-        while len(_families) > MAX_FAMILIES:
-            _families.popitem(last=False)
-        eager = declared()
-        if not eager:
-            return None
-        family.dynamic = eager
-        found = _generalized(family, family_key, shapes, lookup, build)
-        if found is None:  # the loss or a rule needs concrete sizes: a concrete first call, as without
-            _families[family_key] = Family(shapes)
-        return found
-    _families.move_to_end(family_key)
-    if family.static_only:
-        return None
-    changed = {(i, a) for i, s in enumerate(shapes) if s is not None
-               for a, (d, f) in enumerate(zip(s, family.first[i])) if d != f}
-    return _generalized(family, family_key, shapes, lookup, build, changed)
 
-
-def _generalized(family: Family, family_key, shapes: tuple, lookup: Callable, build: Callable,
-                 changed: frozenset = frozenset()) -> Optional[tuple]:
-    """:func:`dynamic_entry` once the family is known: the entry with the family's dynamic dims
-    and ``changed`` symbolic, or ``None`` (a concrete call)."""
-    dynamic = family.dynamic | changed
-    while True:
-        least = family.least
-        symbolic = frozenset((i, a) for i, a in dynamic if shapes[i][a] >= least)
-        if not symbolic:
-            return None
-        groups = family.groups.get((least, symbolic))
-        if groups is not None and not all(len({shapes[i][a] for i, a in g}) == 1 for g in groups):
-            groups = tuple(((m,) for g in groups for m in g))  # sizes once equal now differ
-        if groups is None:
-            by_size: dict = {}
-            for i, a in sorted(symbolic):
-                by_size.setdefault((shapes[i][a], family.first[i][a]), []).append((i, a))
-            groups = tuple(tuple(g) for g in by_size.values())
+    def entry_for(least, symbolic, groups):
         name = {m: f"dyn{k}" for k, g in enumerate(groups) for m in g}
         sym_shapes = tuple(None if s is None else tuple(name.get((i, a), d) for a, d in enumerate(s))
                            for i, s in enumerate(shapes))
@@ -150,11 +100,19 @@ def _generalized(family: Family, family_key, shapes: tuple, lookup: Callable, bu
             try:
                 entry = build(key, sym_shapes, least)
             except Exception:  # noqa: BLE001 - the loss (its own error) or a rule needs concrete sizes
-                if least == 1:
-                    family.least = 2
-                    continue
-                family.static_only = True
                 return None
-        family.dynamic = dynamic
-        family.groups[(least, symbolic)] = groups
         return key, entry
+
+    if family is None or not family.same_layout(shapes):
+        family = _families[family_key] = ShapeFamily(shapes)
+        while len(_families) > MAX_FAMILIES:
+            _families.popitem(last=False)
+        eager = declared()
+        if not eager:
+            return None
+        found = family.generalized(shapes, eager, entry_for)
+        if found is None:  # the loss or a rule needs concrete sizes: a concrete first call, as without
+            _families[family_key] = ShapeFamily(shapes)
+        return found
+    _families.move_to_end(family_key)
+    return family.generalized(shapes, family.changed(shapes), entry_for)

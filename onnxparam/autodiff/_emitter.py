@@ -264,9 +264,10 @@ class Emitter:
         return self.op("Reshape", x, self.ints(shape))
 
     def reshape_like(self, x: ir.Value, like: ir.Value) -> ir.Value:
-        """``x`` reshaped to ``like``'s shape (static when known, else through ``Shape``)."""
-        d = dims(like)
-        if all(isinstance(k, int) for k in d):
+        """``x`` reshaped to ``like``'s shape (static when known, else through ``Shape``; also
+        when ``like``'s rank is unknown)."""
+        d = maybe_dims(like)
+        if d is not None and all(isinstance(k, int) for k in d):
             return self.reshape(x, d)
         if self.opset >= 14:  # a size that is 0 at run time stays 0
             return self.op("Reshape", x, self.op("Shape", like), allowzero=1)

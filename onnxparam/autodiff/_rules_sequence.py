@@ -5,7 +5,7 @@ element ``i`` is the gradient of element ``i`` (same shape and dtype); it is bui
 sequence operators (``SequenceAt`` / ``SequenceInsert`` / ``SequenceErase`` /
 ``SplitToSequence`` / ``ConcatFromSequence``), so one backward graph serves every sequence
 length and element shape. A sequence used twice sums its gradients element by element
-(:func:`accumulate`: a ``SequenceMap`` of ``Add``). Positions may be negative (counted from the
+(:func:`accumulate`: a ``Loop`` over the positions adding the two elements). Positions may be negative (counted from the
 back, ``p + n`` for a sequence of ``n``); the rules turn them into ``0 <= p <= n`` before
 using them, since the meaning of a negative position changes when the length does.
 
@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
+from ..core.errors import TraceError
 from ..trace.tracer import _to_attr
 from ._emitter import Emitter, dims
 from ._rules import attr, rule
@@ -38,6 +39,9 @@ REFUSED: dict = {
                    "and the backward has no reverse iteration over sequence-carrying loops; build the "
                    "per-element computation with tensor ops (e.g. ConcatFromSequence, then the body on the "
                    "stacked tensor) or freeze the params before it",
+    **{op: "no gradient rule of its own: the importer replaces it by its ONNX function body (as ONNX Runtime runs "
+           "it), differentiated through that body's rules, in the main graph only; here it is inside a subgraph "
+           "or was not imported" for op in ("CausalConvWithState", "LinearAttention")},
     "SwiGLU": "ONNX Runtime does not implement SwiGLU (opset 28; its function body's Swish-24 has no kernel in "
               "ONNX Runtime 1.32), so no model holding it runs; nothing to differentiate",
 }
@@ -79,8 +83,8 @@ def _elem_dtype(seq: ir.Value) -> np.dtype:
 
 
 class _Body:
-    """Appends nodes to a subgraph with names unique in ``e``'s graph (no constants: a
-    ``SequenceMap`` body here reads nothing from outside)."""
+    """Appends nodes to a subgraph with names unique in ``e``'s graph (no constants: the
+    bodies here take theirs as attributes)."""
 
     def __init__(self, e: Emitter, graph: ir.Graph):
         self.e, self.graph = e, graph
@@ -95,15 +99,31 @@ class _Body:
 
 
 def _map(e: Emitter, seqs: list, like: ir.Value, build) -> ir.Value:
-    """``SequenceMap`` over ``seqs`` (same lengths) whose body is ``build(body, elems)`` -> one
-    tensor per element; the result typed as ``like``. The body holds no outer reference (its
-    constants are attributes)."""
-    elems = [ir.Value(name=e.unique("/grad/seq_elem"), type=_tensor_type(s)) for s in seqs]
-    body = ir.Graph(elems, [], nodes=[], name=e.unique("/grad/SequenceMap_body"))
-    result = build(_Body(e, body), elems)
-    result.type = _tensor_type(like)
-    body.outputs.append(result)
-    return _out(e, "SequenceMap", seqs, {"body": body}, like=like)
+    """The sequence of ``build(body, [s[k] for s in seqs])`` for each ``k`` (``seqs`` of one
+    length), typed as ``like``: a ``Loop`` over the positions appending to a sequence
+    (``SequenceMap``'s own expansion; ``Loop`` carries sequences from opset 13, ``SequenceMap``
+    exists from 17 only)."""
+    if e.opset < 13:
+        raise TraceError(f"the gradient of a sequence ({seqs[0].name!r}) needs opset 13+ (a Loop carrying a "
+                         "sequence)")
+    elem_type = _tensor_type(like)
+    i = ir.Value(name=e.unique("/grad/seq_i"), type=_INT64, shape=ir.Shape([]))
+    cond = ir.Value(name=e.unique("/grad/seq_cond"), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    acc = ir.Value(name=e.unique("/grad/seq_acc"), type=ir.SequenceType(elem_type))
+    body = ir.Graph([i, cond, acc], [], nodes=[], name=e.unique("/grad/seq_map_body"))
+    be = _Body(e, body)
+    elems = [be.nodes("SequenceAt", [s, i])[0] for s in seqs]
+    for v, s in zip(elems, seqs):
+        v.type = _tensor_type(s)
+    result = build(be, elems)
+    result.type = elem_type
+    cond_out = be.nodes("Identity", [cond])[0]
+    cond_out.type = cond.type
+    acc_out = be.nodes("SequenceInsert", [acc, result])[0]
+    acc_out.type = acc.type
+    body.outputs.extend([cond_out, acc_out])
+    empty = _out(e, "SequenceEmpty", [], {"dtype": int(elem_type.dtype)}, type_=acc.type)
+    return _out(e, "Loop", [_length(e, seqs[0]), None, empty], {"body": body}, like=like)
 
 
 def _zeros_body(be: _Body, elems: list) -> ir.Value:
@@ -114,7 +134,7 @@ def _zeros_body(be: _Body, elems: list) -> ir.Value:
 
 def accumulate(e: Emitter, value: ir.Value, have: ir.Value, g: ir.Value) -> ir.Value:
     """``have + g``, two gradients of ``value``: elementwise for tensors, element by element for
-    a sequence (``SequenceMap`` of ``Add``), inside the optional for an optional."""
+    a sequence, inside the optional for an optional."""
     if is_sequence(value):
         return _map(e, [have, g], value, lambda be, xs: be.nodes("Add", xs)[0])
     if _is_optional(value):
@@ -195,7 +215,8 @@ def _sequence_erase(e, node, gout, need):
 
 
 def _axis_length_body(axis: int):
-    """A ``SequenceMap`` body giving each element's length along ``axis`` as a 1-element int64."""
+    """A per-element body (:func:`_map`) giving each element's length along ``axis`` as a
+    1-element int64."""
 
     def build(be: _Body, elems: list) -> ir.Value:
         shape = be.nodes("Shape", [elems[0]])[0]
@@ -213,7 +234,7 @@ def _axis_length_body(axis: int):
 def _concat_from_sequence(e, node, gout, need):
     """``y = concat(s, axis)`` (``new_axis=1``: stacked along a new ``axis``): ``ds`` =
     ``SplitToSequence(g, axis)`` into the elements' lengths along ``axis`` (each element's
-    ``Shape`` sliced, in a ``SequenceMap``), or into slices of 1 with ``keepdims=0`` when
+    ``Shape`` sliced, per element), or into slices of 1 with ``keepdims=0`` when
     stacked."""
     seq = node.inputs[0]
     if not need[0]:

@@ -141,9 +141,16 @@ class LoraAdapter:
     def delta_for(self, shape: tuple) -> np.ndarray:
         """:meth:`delta` in a param's ``shape``: a 1-d param (a bias with PEFT's ``lora_bias``,
         ``a`` ``(1, 1)``, ``b`` ``(1, d)``) gets the ``(1, d)`` delta flattened; a convolution
-        weight ``(out, in / groups, *kernel)`` (PEFT's conv LoRA: a transposed adapter with
-        ``a`` ``(in / groups * prod(kernel), r)``, ``b`` ``(r, out)``) gets the ``(out, ...)``
-        delta reshaped."""
+        weight ``(out, in, *kernel)`` (PEFT's conv LoRA: a transposed adapter with ``a``
+        ``(in * prod(kernel), r)``, ``b`` ``(r, out)``) gets the ``(out, ...)`` delta reshaped.
+
+        Raises:
+            LoraError: a grouped convolution's adapter (:func:`conv_adapter_groups` > 1): it is
+                no weight delta.
+        """
+        groups = conv_adapter_groups(shape, int(self.a.lazy_shape()[0])) if len(shape) >= 3 else 1
+        if groups > 1:
+            raise LoraError(grouped_conv_message(shape, groups, "merged into the weight"))
         delta = self.delta()
         return delta.reshape(shape) if len(shape) != 2 else delta
 
@@ -153,6 +160,30 @@ class LoraAdapter:
         compute = np.float64 if w.dtype == np.float64 else np.float32
         merged = (w.astype(compute) + self.delta_for(w.shape).astype(compute)).astype(w.dtype)
         return Tensor.from_numpy(merged, base.device)
+
+
+def conv_adapter_groups(shape: tuple, d_in: int) -> int:
+    """The ``groups`` of PEFT's LoRA on a convolution weight ``shape`` ``(out, in / groups,
+    *kernel)`` whose adapter ``a`` is ``(d_in, r)``: PEFT's ``lora_A`` is a conv of **every**
+    input channel (``(r, in, *kernel)``, never grouped), so ``d_in = in * prod(kernel)`` and
+    ``groups = d_in / prod(shape[1:])``; ``0`` when ``d_in`` is no multiple of it.
+
+    ``groups == 1`` is a weight delta (``(a @ b).T`` reshaped to the weight). ``groups > 1``
+    (PEFT's ``lora_B``: a 1x1 conv with the base's ``groups``, here ``b`` ``(r, out)`` with
+    zeros outside each group's ``r / groups`` rows) is **not**: ``lora_A`` mixes the groups'
+    channels, so the adapter runs only as a branch (``Conv(x, a)`` then ``b``) in ``"keep"`` /
+    ``"inputs"`` / ``"batched"`` graphs, and cannot be merged (PEFT refuses that too)."""
+    size = math.prod(int(d) for d in shape[1:])
+    return d_in // size if size and d_in % size == 0 else 0
+
+
+def grouped_conv_message(shape: tuple, groups: int, what: str) -> str:
+    return (f"a LoRA adapter on a grouped convolution's weight {list(shape)} (groups={groups}: PEFT's lora_A reads "
+            f"all {groups * int(shape[1])} input channels) is no weight delta and cannot be {what}; it runs as a "
+            "branch after the Conv: export with lora='keep', 'inputs' or 'batched', call "
+            "module(x, adapter_index=...), or "
+            "run module(x) with set_session_config(module, SessionConfig(lora_mode='keep')); PEFT cannot merge it "
+            "either")
 
 
 LORA_LAYOUT_METHOD = "lora_transposed_paths"
@@ -451,7 +482,8 @@ class LoraAdapterSet:
                 shape = tuple(params[path].lazy_shape())
                 d_in, d_out = int(adapter.a.lazy_shape()[0]), int(adapter.b.lazy_shape()[1])
                 size = math.prod(int(d) for d in shape)
-                if d_in * d_out != size:
+                grouped = len(shape) >= 3 and d_out == shape[0] and conv_adapter_groups(shape, d_in) > 1
+                if d_in * d_out != size and not grouped:
                     problems.append(f"{path!r}: the adapter makes a ({d_in}, {d_out}) delta, the param is {list(shape)}")
         if problems:
             raise LoraError(f"cannot activate adapter {name!r}: " + "; ".join(problems))

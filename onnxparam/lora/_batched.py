@@ -43,11 +43,13 @@ adapter's layout; a ``Gemm``'s ``alpha`` multiplies ``B``), or through a 2-d ``T
 row ``n`` adds ``a_stack[i_n, ids[n]] @ b_stack[i_n]``, ``a`` read at the looked-up ids only,
 through ``GatherND``; PEFT's embedding LoRA); traced and imported graphs alike.
 
-A **convolution** weight ``(d_out, in, *kernel)`` read by a ``Conv`` (``group=1``) with a
-transposed adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA,
-``lora_A`` a conv with the weight's kernel, ``lora_B`` a 1x1 conv) runs every slot's ``a`` as
-one conv of the node's own attributes (strides, pads, dilations) and masks it to each row's
-slot (``h`` is small: ``slots * r`` channels)::
+A **convolution** weight ``(d_out, in / group, *kernel)`` read by a ``Conv`` with a transposed
+adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA, ``lora_A`` a
+conv of every input channel with the weight's kernel, ``lora_B`` a 1x1 conv; for ``group > 1``
+(grouped and depthwise convolutions) PEFT's ``lora_B`` has the base's ``groups``, here ``b``
+zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`)
+runs every slot's ``a`` as one conv of the node's own attributes but ``group`` (strides, pads,
+dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels)::
 
     h = Conv(x, Reshape(Transpose(a_stack, [0, 2, 1]), [-1, in, *kernel]))   [batch, slots * r, *spatial]
     h = h * OneHot(adapter_index)                 (row n keeps its slot's r channels)
@@ -226,7 +228,7 @@ class StackTarget:
     """One adapted weight of an :class:`AdapterStacks`: ``a`` ``(slots, d_in, rank)``, ``b``
     ``(slots, rank, d_out)`` (``None`` until values are asked for), each adapter's rank.
     ``kind``: ``"matrix"`` (a linear map's or an embedding table's weight), ``"conv"`` (a
-    convolution weight ``(d_out, in, *kernel)``, ``d_in = in * prod(kernel)``) or ``"bias"``
+    convolution weight ``(d_out, in / groups, *kernel)``, ``d_in = in * prod(kernel)``) or ``"bias"``
     (a 1-d bias ``(d_out,)``, ``d_in = 1``: PEFT's ``lora_bias``); ``shape``: the weight's."""
 
     path: str
@@ -351,10 +353,12 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
 def _target_kind(shape: tuple, d_in: int, d_out: int, transposed: bool) -> Optional[str]:
     """:attr:`StackTarget.kind` of a weight of ``shape`` with an adapter ``(d_in, r)`` /
     ``(r, d_out)``, or ``None`` when the adapter does not fit it."""
+    from ._adapters import conv_adapter_groups
+
     if len(shape) == 2 and shape == ((d_out, d_in) if transposed else (d_in, d_out)):
         return "matrix"
-    if len(shape) >= 3 and transposed and shape[0] == d_out and int(np.prod(shape[1:])) == d_in:
-        return "conv"
+    if len(shape) >= 3 and transposed and shape[0] == d_out and conv_adapter_groups(shape, d_in):
+        return "conv"  # d_in = in * prod(kernel): groups = d_in / prod(shape[1:]) (PEFT's grouped conv LoRA)
     if len(shape) == 1 and shape[0] == d_out and d_in == 1:
         return "bias"
     return None
@@ -695,9 +699,10 @@ class _Target:
         return [shape, back]
 
     def conv(self, node: ir.Node, x: ir.Value) -> None:
-        """A ``Conv`` weight ``(d_out, in, *kernel)`` (group 1): PEFT's conv LoRA per row. Every
+        """A ``Conv`` weight ``(d_out, in / group, *kernel)``: PEFT's conv LoRA per row (``a``
+        reads all ``in`` channels: the adapters' ``groups`` must be the node's ``group``). Every
         slot's ``a`` is one conv of ``slots * r`` output channels (``a_stack`` transposed to
-        ``(slots * r, in, *kernel)``, the node's own strides / pads / dilations), its output
+        ``(slots * r, in, *kernel)``, the node's own strides / pads / dilations, no group), its output
         masked to each row's slot, then ``b`` of every slot as one ``(d_out, slots * r)`` matrix::
 
             h = Conv(x, a_conv)                        [batch, slots * r, *spatial]
@@ -707,18 +712,24 @@ class _Target:
         from ._graph import _attr_int
 
         t, tracer, shared = self.target, self.tracer, self.shared
-        if _attr_int(node, "group", 1) != 1:
-            raise LoraError(f"lora='batched': {t.path!r} is the weight of Conv node {node.name!r} with group="
-                            f"{_attr_int(node, 'group', 1)}: batched conv LoRA supports group=1 only (PEFT's conv "
-                            "LoRA does not merge grouped convolutions either); leave this weight out of the adapters")
+        from ._adapters import conv_adapter_groups
+
+        group, groups = _attr_int(node, "group", 1), conv_adapter_groups(t.shape, t.d_in)
+        if group != groups:
+            raise LoraError(
+                f"lora='batched': {t.path!r} {list(t.shape)} is the weight of Conv node {node.name!r} with "
+                f"group={group}, but its adapters' a has {t.d_in} rows, a conv of "
+                f"{t.d_in // int(np.prod(t.shape[2:]))} input channels (groups={groups}): batched conv LoRA takes "
+                f"PEFT's layout, lora_A a conv of all {int(t.shape[1]) * group} input channels (a weight delta of a grouped conv is not supported)")
         a_stack, b_stack = self.stacks()
         rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"
         if self._conv_weights is None:
             head = [_new_node(tracer, "Transpose", [a_stack], self.dtype, [SLOTS_DIM, rank, t.d_in],
                               f"/{t.path}.lora/Transpose_a", t.path, {"perm": [0, 2, 1]})]
+            a_dims = [int(t.shape[1]) * group, *t.shape[2:]]  # every input channel (PEFT's lora_A)
             head.append(_new_node(tracer, "Reshape", [head[-1].outputs[0], self._const(
-                [-1, *t.shape[1:]], f"{t.path}.lora.conv_shape")], self.dtype, [None, *t.shape[1:]],
+                [-1, *a_dims], f"{t.path}.lora.conv_shape")], self.dtype, [None, *a_dims],
                 f"/{t.path}.lora/Reshape_a", t.path))
             a_conv = head[-1].outputs[0]
             head.append(_new_node(tracer, "Reshape", [b_stack, self._const([-1, t.d_out], "lora.batched.flat")],
@@ -877,7 +888,7 @@ class _Target:
                     if matmul is not None:
                         self.branch(matmul, matmul.inputs[0], 1.0)
                         continue
-            uses = {"bias": "an Add, a Gemm's C or a Conv's B (a bias)", "conv": "a Conv's weight (group 1)",
+            uses = {"bias": "an Add, a Gemm's C or a Conv's B (a bias)", "conv": "a Conv's weight",
                     "matrix": "a linear map's MatMul / Gemm or an embedding Gather"}[kind]
             raise LoraError(
                 f"lora='batched': {self.target.path!r} ({kind}) is used by node {node.name!r} ({node.op_type}, input "

@@ -18,6 +18,17 @@ is not all zeros). The scale is already in ``b``, so ``lora_alpha`` is ``r`` for
 (PEFT's scale ``alpha / r = 1``; ``rank_pattern`` / ``alpha_pattern`` for the modules whose
 ``r`` differs from the most common one): the written adapter gives the same outputs, not the
 original ``alpha``.
+
+A convolution weight ``(out, in / groups, *kernel)`` (PEFT's ``Conv1d/2d/3d``): ``lora_A.weight``
+``(r, in, *kernel)`` is ``a[:, :r].T`` reshaped (a conv of every input channel), ``lora_B.weight``
+``(out, r / groups, 1, ...)`` a 1x1 conv with the base's ``groups``: ``b[:r].T`` for
+``groups == 1``, else ``b``'s diagonal blocks (``b`` must be zero outside them; ``r`` rounded up
+to a multiple of ``groups``, as PEFT needs). A bias target (PEFT's ``lora_bias``) with a non-zero
+delta ``a @ b`` in a slot becomes ``lora_B.bias`` of its module (``<m>.bias``: module ``<m>``)
+and sets ``lora_bias`` in that adapter's config, which gives every module of the adapter a
+``lora_B.bias`` (zeros where the module's bias has no delta; zero factors of rank ``groups``
+for a module whose bias has a delta but whose weight has none in that slot). PEFT refuses
+``lora_bias`` on ``Embedding`` layers, so an adapter with both is refused.
 """
 
 from __future__ import annotations
@@ -86,10 +97,12 @@ def _stacks_of(adapters, model, ir_model, meta) -> dict:
 
 def _module_names(ir_model, meta, key_map) -> dict:
     """``{target path: (PEFT module name, kind)}``: ``kind`` ``"embedding"`` for a table a
-    ``Gather`` (axis 0) reads as its data, else ``"linear"``. A weight named ``<m>.weight`` is
-    module ``<m>``; a weight torch's exporter renamed (``onnx::MatMul_N``, ``val_N``) is the
-    module the graph names (its ``<m>.bias``, its node's ``/<m>/MatMul`` name, dynamo's
-    ``name_scopes``), as :func:`onnxparam.load_peft_adapter` finds it; then ``key_map``."""
+    ``Gather`` (axis 0) reads as its data, ``"conv"`` for a convolution weight, ``"bias"`` for
+    a bias (PEFT's ``lora_bias``: the ``lora_B.bias`` of its module), else ``"linear"``. A
+    weight named ``<m>.weight`` (a bias ``<m>.bias``) is module ``<m>``; a weight torch's
+    exporter renamed (``onnx::MatMul_N``, ``val_N``) is the module the graph names (its
+    ``<m>.bias``, its node's ``/<m>/MatMul`` name, dynamo's ``name_scopes``), as
+    :func:`onnxparam.load_peft_adapter` finds it; then ``key_map``."""
     from ._graph import _attr_int
     from ._peft import _linear_aliases
 
@@ -102,11 +115,18 @@ def _module_names(ir_model, meta, key_map) -> dict:
     rules = [tuple(r) for r in (key_map or ())]
     names, problems = {}, []
     for t in meta["targets"]:
-        if t.get("kind", "matrix") != "matrix":
-            problems.append(f"weight {t['path']!r} is a {t['kind']} target (conv LoRA / lora_bias): only linear and "
-                            "embedding adapters are written as PEFT modules")
-            continue
+        kind = t.get("kind", "matrix")
         weight = t["a"][: -len(STACK_SUFFIXES[0])]
+        if kind == "bias":
+            name = weight[: -len(".bias")] if weight.endswith(".bias") else weight
+            for pattern, repl in rules:
+                name = re.sub(pattern, repl, name)
+            if name == weight:
+                problems.append(f"bias {weight!r} is not named '<module>.bias': give a key_map rule (regex, module "
+                                "name) for it")
+                continue
+            names[t["path"]] = (name, "bias")
+            continue
         if weight.endswith(".weight"):
             name = weight[: -len(".weight")]
         else:
@@ -121,9 +141,10 @@ def _module_names(ir_model, meta, key_map) -> dict:
             problems.append(f"weight {weight!r} is not named '<module>.weight' and the graph does not say which "
                             "module it belongs to; give a key_map rule (regex, module name) for it")
             continue
-        names[t["path"]] = (name, "embedding" if weight in tables else "linear")
-    taken = Counter(n for n, _ in names.values())
-    problems += [f"several weights are written for PEFT module {n!r}" for n, c in taken.items() if c > 1]
+        names[t["path"]] = (name, "conv" if kind == "conv" else "embedding" if weight in tables else "linear")
+    for which in ("weights", "biases"):
+        taken = Counter(n for n, k in names.values() if (k == "bias") == (which == "biases"))
+        problems += [f"several {which} are written for PEFT module {n!r}" for n, c in taken.items() if c > 1]
     if problems:
         raise RecordError("cannot name the batched export's adapted weights as PEFT modules", problems)
     return names
@@ -134,6 +155,37 @@ def _rank(a: np.ndarray, b: np.ndarray) -> int:
     ``b``) with a non-zero entry; 0 when both are all zeros."""
     used = np.flatnonzero(np.any(a != 0, axis=0) | np.any(b != 0, axis=1))
     return int(used[-1]) + 1 if used.size else 0
+
+
+def _groups(target: dict) -> int:
+    """A target's PEFT ``groups``: a convolution's (:func:`~onnxparam.lora._adapters.conv_adapter_groups`),
+    else 1."""
+    from ._adapters import conv_adapter_groups
+
+    return conv_adapter_groups(tuple(target["shape"]), int(target["d_in"])) if target.get("kind") == "conv" else 1
+
+
+def _module_tensors(key: str, kind: str, t: dict, a: np.ndarray, b: np.ndarray, label: str, problems: list) -> dict:
+    """One PEFT module's factors from ``a`` ``(d_in, r)``, ``b`` ``(r, d_out)`` (module docstring)."""
+    if kind == "embedding":
+        return {f"{key}.lora_embedding_A": np.ascontiguousarray(a.T),
+                f"{key}.lora_embedding_B": np.ascontiguousarray(b.T)}
+    if kind != "conv":
+        return {f"{key}.lora_A.weight": np.ascontiguousarray(a.T), f"{key}.lora_B.weight": np.ascontiguousarray(b.T)}
+    shape, r, groups = tuple(t["shape"]), a.shape[1], _groups(t)
+    kernel, ones = tuple(shape[2:]), (1,) * (len(shape) - 2)
+    A = np.ascontiguousarray(a.T.reshape((r, t["d_in"] // int(np.prod(kernel))) + kernel))
+    per_in, per_out = r // groups, t["d_out"] // groups
+    B = np.zeros((t["d_out"], per_in), dtype=b.dtype)
+    rest = b.copy()
+    for g in range(groups):  # lora_B: a 1x1 conv with the base's groups: block g of b, the rest zeros
+        rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
+        B[cols] = b[rows, cols].T
+        rest[rows, cols] = 0
+    if np.any(rest != 0):
+        problems.append(f"{label}: the b stack of {t['path']!r} (a conv with groups={groups}) is not zero outside "
+                        f"each group's {per_in} rows at rank {r}: not PEFT's grouped-conv LoRA")
+    return {f"{key}.lora_A.weight": A, f"{key}.lora_B.weight": np.ascontiguousarray(B.reshape(B.shape + ones))}
 
 
 def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: Optional[Sequence[str]] = None,
@@ -168,7 +220,9 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
         LoraError: ``model`` is not a batched export (a ``ValueError``).
         RecordError: the set does not fit the export (every misfit listed), a slot past the
             names holds an adapter, a named slot is all zeros, a name that is not a plain folder
-            name or is repeated, or a weight no PEFT module name can be given to.
+            name or is repeated, a weight or bias no PEFT module name can be given to, a grouped
+            conv's ``b`` that is not block-diagonal, a bias delta whose module's weight is no
+            target, or ``lora_bias`` with an embedding adapter in one slot.
         FileNotFoundError: a missing ``model`` or adapter file.
     """
     from safetensors.numpy import save_file
@@ -198,47 +252,65 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
     if len(names) > slots - 1:
         problems.append(f"{len(names)} names for {slots - 1} adapter slots")
     modules = _module_names(ir_model, meta, key_map)
-    written = {}  # adapter name -> {module: (a (d_in, r), b (r, d_out), kind)}
+    written = {}  # adapter name -> ({safetensors key: array}, {module: rank}, lora_bias)
     for slot in range(BASE_INDEX + 1, slots):  # slot 0: the base model, never written
-        found = {}
+        found, biases = {}, {}  # module -> (target, a (d_in, r), b (r, d_out)); module -> bias delta (d_out,)
         for t in meta["targets"]:
             a, b = params[t["a"]][slot], params[t["b"]][slot]
+            name, kind = modules[t["path"]]
+            if kind == "bias":  # a (1, r) @ b (r, d_out): the delta, scale folded in
+                delta = (a.astype(np.float64) @ b.astype(np.float64)).reshape(-1)
+                if np.any(delta != 0):
+                    biases[name] = delta.astype(np.float32)
+                continue
             r = _rank(a, b)
             if r:
-                name, kind = modules[t["path"]]
-                found[name] = (a[:, :r], b[:r], kind)
+                r = -(-r // _groups(t)) * _groups(t)  # PEFT: a grouped conv's rank divides by its groups
+                pad = max(r - a.shape[1], 0)
+                found[name] = (t, np.pad(a, ((0, 0), (0, pad)))[:, :r], np.pad(b, ((0, pad), (0, 0)))[:r])
+        label = f"slot {slot}" + (f" ({names[slot - 1]!r})" if slot <= len(names) else "")
         if slot > len(names):
-            if found:
+            if found or biases:
                 problems.append(f"slot {slot} holds an adapter but has no name (names: {names}); pass names=")
             continue
-        if not found:
-            problems.append(f"slot {slot} ({names[slot - 1]!r}) is all zeros: no adapter to write")
+        if not found and not biases:
+            problems.append(f"{label} is all zeros: no adapter to write")
             continue
-        written[names[slot - 1]] = found
+        for name in biases:
+            if name not in found:  # PEFT's lora_bias is lora_B's bias: the module needs factors (zeros)
+                t = next((t for t in meta["targets"] if modules[t["path"]] == (name, "conv")
+                          or modules[t["path"]] in ((name, "linear"), (name, "embedding"))), None)
+                if t is None:
+                    problems.append(f"{label}: the bias of PEFT module {name!r} has an adapter but the module's weight "
+                                    "is not a target of the export (PEFT's lora_bias belongs to the weight's adapter)")
+                    continue
+                r = _groups(t)
+                found[name] = (t, np.zeros((t["d_in"], r), np.float32), np.zeros((r, t["d_out"]), np.float32))
+        embeddings = sorted(n for n, (t, _, _) in found.items() if modules[t["path"]][1] == "embedding")
+        if biases and embeddings:
+            problems.append(f"{label} has bias adapters (lora_bias) and embedding adapters ({embeddings}): PEFT "
+                            "refuses lora_bias on Embedding layers")
+            continue
+        tensors, ranks = {}, {}
+        for name, (t, a, b) in sorted(found.items()):
+            tensors.update(_module_tensors(f"base_model.model.{name}", modules[t["path"]][1], t, a, b, label,
+                                           problems))
+            ranks[name] = int(a.shape[1])
+            if biases:  # every module's lora_B has a bias when the config says lora_bias
+                tensors[f"base_model.model.{name}.lora_B.bias"] = biases.get(name, np.zeros(t["d_out"], np.float32))
+        written[names[slot - 1]] = (tensors, ranks, bool(biases))
     if problems:
         raise RecordError(f"cannot write the adapter set of {_label(model)} as PEFT adapters", problems)
     folder = Path(folder)
-    for name, found in written.items():
-        tensors = {}
-        ranks = Counter(a.shape[1] for a, _, _ in found.values())
-        r = ranks.most_common(1)[0][0]
-        rank_pattern, alpha_pattern = {}, {}
-        for module, (a, b, kind) in sorted(found.items()):
-            key = f"base_model.model.{module}"
-            if kind == "embedding":
-                tensors[f"{key}.lora_embedding_A"] = np.ascontiguousarray(a.T)
-                tensors[f"{key}.lora_embedding_B"] = np.ascontiguousarray(b.T)
-            else:
-                tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
-                tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
-            if a.shape[1] != r:
-                # NOTE: PEFT matches pattern keys as regexes against the end of the module name
-                rank_pattern[re.escape(module)] = int(a.shape[1])
-                alpha_pattern[re.escape(module)] = float(a.shape[1])
+    for name, (tensors, ranks, lora_bias) in written.items():
+        r = Counter(ranks.values()).most_common(1)[0][0]
+        # NOTE: PEFT matches pattern keys as regexes against the end of the module name
+        rank_pattern = {re.escape(m): k for m, k in sorted(ranks.items()) if k != r}
+        alpha_pattern = {key: float(k) for key, k in rank_pattern.items()}
         config = {
             "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(r),
-            "target_modules": sorted(found), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-            "use_rslora": False, "use_dora": False, "lora_bias": False, "bias": "none", "lora_dropout": 0.0,
+            "target_modules": sorted(ranks), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "use_rslora": False, "use_dora": False, "lora_bias": lora_bias, "bias": "none", "lora_dropout": 0.0,
             "fan_in_fan_out": False, "init_lora_weights": True, "base_model_name_or_path": base_model_name_or_path,
             "inference_mode": True,
         }

@@ -256,7 +256,7 @@ def check_batched_adapters(model, adapters) -> dict:
         fixed = t["d_in"] if which == "a" else t["d_out"]
         if value.ndim != 3 or value.shape[fixed_axis] != fixed:
             want = f"(slots, {fixed}, r)" if which == "a" else f"(slots, r, {fixed})"
-            problems.append(f"{name!r} has shape {list(value.shape)}, the export needs {want}")
+            problems.append(f"{name!r} has shape {list(value.shape)}, the export needs {want}" + _conv_hint(t, which))
             continue
         slots_seen[name] = int(value.shape[0])
         ranks.setdefault(t["path"], {})[which] = int(value.shape[rank_axis])
@@ -278,6 +278,20 @@ def check_batched_adapters(model, adapters) -> dict:
     if problems:
         raise RecordError(f"{source} do not fit the batched export {label}", problems)
     return {name: tuple(value.shape) for name, value in params.items()}
+
+
+def _conv_hint(target: dict, which: str) -> str:
+    """What a convolution target's ``a`` rows are (PEFT's ``lora_A``: every input channel, the
+    kernel), for a misfit message; ``""`` for other targets."""
+    if target.get("kind") != "conv" or which != "a" or len(target.get("shape", ())) < 3:
+        return ""
+    from ._adapters import conv_adapter_groups
+
+    shape = [int(d) for d in target["shape"]]
+    groups = conv_adapter_groups(tuple(shape), int(target["d_in"]))
+    kernel = int(np.prod(shape[2:]))
+    return (f" (a convolution {shape}{f' with groups={groups}' if groups > 1 else ''}: a's rows are all "
+            f"{shape[1] * groups} input channels times the kernel's {kernel} taps, PEFT's lora_A)")
 
 
 def _read_adapter_file(path) -> dict:

@@ -17,10 +17,17 @@ The tracer (:mod:`onnxparam.trace.tracer`) calls into this module at two points 
   the adapter's ``transposed``      ``transposed`` (delta ``(a @ b).T``)
   ``MatMul(x, Transpose(W))``,      ``y + MatMul(MatMul(x, a), sb)`` after the ``MatMul`` (torch's
   ``transposed`` adapter            exporters' ``nn.Linear`` on 3-d inputs)
+  ``Conv(x, W, group=g)``, ``g > 1``, ``h = Conv(x, a as (r, in, *kernel))`` (no ``group``), then
+  with PEFT's grouped-conv adapter  ``y + Reshape(MatMul(sb.T, h viewed [n, r, -1]), Shape(y))``
+  (``a`` reads all ``in`` channels) (:meth:`_Expander.grouped_conv`; no merged form exists)
   anything else                     the merged weight ``W + a @ sb`` (``Transpose``-d for a
                                     transposed adapter, ``Reshape``-d for a 1-d bias or a conv
                                     weight), computed once in the graph
   ================================  ============================================================
+
+  A grouped convolution's PEFT adapter (:func:`onnxparam.lora._adapters.conv_adapter_groups`)
+  is refused by ``"merge"`` (a :class:`~onnxparam.LoraError` naming the weight) and by any use but
+  such a ``Conv``'s weight.
 
   In ``"merge"`` mode only a base that is not an initializer (a quantized weight emitted as
   ``DequantizeLinear``: QLoRA) gets nodes: the merged weight, as it cannot be one initializer.
@@ -128,12 +135,14 @@ class _Expander:
         self.path = tracer._param_paths.get(id(param), base.name)
         self._factors = None
         self._merged = None
+        self._grouped = None
         self._scaled_b: dict = {}
 
-    def _node(self, graph: ir.Graph, op: str, inputs: list, dims: list, label: str, attrs=None) -> ir.Node:
+    def _node(self, graph: ir.Graph, op: str, inputs: list, dims: list, label: str, attrs=None,
+              attributes=()) -> ir.Node:
         name = self.tracer.unique_name(f"{label}")
         node = ir.Node("", op, inputs, [ir.AttrInt64s(k, v) if isinstance(v, list) else ir.AttrInt64(k, v)
-                                       for k, v in (attrs or {}).items()], name=name)
+                                       for k, v in (attrs or {}).items()] + list(attributes), name=name)
         out = node.outputs[0]
         out.name = self.tracer.unique_name(f"{name}_output_0")
         out.type = ir.TensorType(ir.DataType(self.dtype.to_onnx()))
@@ -237,9 +246,68 @@ class _Expander:
             self._merged = total.outputs[0]
         return self._merged
 
+    def grouped_conv(self, node: ir.Node, groups: int) -> None:
+        """A grouped ``Conv``'s adapter (PEFT's LoRA on a ``groups > 1`` conv,
+        :func:`~onnxparam.lora._adapters.conv_adapter_groups`): ``a`` ``(in * prod(kernel), r)``
+        is a conv of every input channel (``lora_A``), ``b`` ``(r, out)`` a 1x1 conv
+        (``lora_B``, zero outside each group's rows) after it::
+
+            h = Conv(x, Reshape(Transpose(a), [-1, in, *kernel]))    [n, r, *spatial]
+            y + Reshape(MatMul(Transpose(scale * b), Reshape(h, [0, 0, -1])), Shape(y))
+
+        ``Conv`` with the node's attributes but ``group`` (strides, pads, dilations; PEFT's
+        ``lora_A`` takes the base's stride and padding, and no dilation: a dilated base's PEFT
+        adapter does not run in PEFT either)."""
+        dims = _dims(self.base)
+        graph = self.tracer.graph
+        label = f"/{self.path}.lora"
+        if self._grouped is None:  # the branch's conv weights, once per base
+            a, _, _ = self.factors()
+            b = self.scaled_b(float(self.adapter.scale))
+            shape = self.tracer.constant(np.asarray([-1, dims[1] * groups, *dims[2:]], dtype=np.int64),
+                                         name=f"{self.path}.lora.conv_shape")._symbol.value
+            nodes = [self._node(graph, "Transpose", [a], _dims(a)[::-1], f"{label}/Transpose_a", {"perm": [1, 0]})]
+            nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], None, f"{label}/Reshape_a"))
+            nodes.append(self._node(graph, "Transpose", [b], _dims(b)[::-1], f"{label}/Transpose_b", {"perm": [1, 0]}))
+            _prepend(graph, nodes)
+            self._grouped = (nodes[1].outputs[0], nodes[2].outputs[0])
+        a_conv, b_t = self._grouped
+        y = node.outputs[0]
+        y_dims = _dims(y) if y.shape is not None else None
+        uses = list(y.uses())
+        name = f"{node.name}/lora"
+        kept = [attr for key, attr in node.attributes.items() if key != "group"]
+        nodes = [self._node(node.graph, "Conv", [node.inputs[0], a_conv], None, f"{name}/Conv_a", attributes=kept)]
+        flat = self.tracer.constant(np.asarray([0, 0, -1], dtype=np.int64), name="lora.conv.flat3")._symbol.value
+        nodes.append(self._node(node.graph, "Reshape", [nodes[-1].outputs[0], flat], None, f"{name}/Reshape_h"))
+        nodes.append(self._node(node.graph, "MatMul", [b_t, nodes[-1].outputs[0]], None, f"{name}/MatMul_b"))
+        nodes.append(self._node(node.graph, "Shape", [y], None, f"{name}/Shape_y"))
+        nodes[-1].outputs[0].type = ir.TensorType(ir.DataType.INT64)
+        nodes.append(self._node(node.graph, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], y_dims,
+                                f"{name}/Reshape_y"))
+        nodes.append(self._node(node.graph, "Add", [y, nodes[-1].outputs[0]], y_dims, f"{name}/Add"))
+        node.graph.insert_after(node, nodes)
+        _redirect(y, nodes[-1].outputs[0], uses)
+
     def expand(self) -> None:
+        from ..core.errors import LoraError
+        from ._adapters import conv_adapter_groups
+
         transposed = bool(self.adapter.transposed)
+        dims = _dims(self.base)
+        groups = 1
+        if len(dims) >= 3 and all(isinstance(d, int) for d in dims):
+            groups = conv_adapter_groups(tuple(dims), int(self.adapter.a.lazy_shape()[0]))
         for node, index in list(self.base.uses()):
+            if groups > 1:  # (lora='merge' refused it already: _check_mergeable)
+                if node.op_type == "Conv" and node.domain in ("", "ai.onnx") and index == 1 \
+                        and _attr_int(node, "group", 1) == groups:
+                    self.grouped_conv(node, groups)
+                    continue
+                raise LoraError(f"{self.path!r} is used by node {node.name!r} ({node.op_type}, input {index}"
+                                f"{', group=%d' % _attr_int(node, 'group', 1) if node.op_type == 'Conv' else ''}), but "
+                                f"its adapter is PEFT's LoRA of a Conv with group={groups}: it applies to such a "
+                                "Conv's weight only")
             if node.metadata_props.get(LORA_NODE_KEY) == self.path and node.op_type == "Add":
                 continue  # the merged weight's own Add
             if node.domain in ("", "ai.onnx") and node.outputs:
@@ -339,6 +407,19 @@ def _redirect(old: ir.Value, new: ir.Value, uses: list) -> None:
                 old.name, new.name = new.name, old.name
 
 
+def _check_mergeable(tracer, param: Param) -> None:
+    """Refuse to merge a grouped convolution's adapter (no weight delta) with the param's path."""
+    from ..core.errors import LoraError
+    from ._adapters import conv_adapter_groups, grouped_conv_message
+
+    shape = tuple(int(d) for d in param.lazy_shape())
+    if len(shape) >= 3:
+        groups = conv_adapter_groups(shape, int(param.adapter().a.lazy_shape()[0]))
+        if groups > 1:
+            path = tracer._param_paths.get(id(param), "a param")
+            raise LoraError(f"{path!r} (lora='merge'): " + grouped_conv_message(shape, groups, "merged"))
+
+
 def expand_adapters(tracer) -> None:
     """Emit every adapted param's adapter into ``tracer``'s graph (module docstring); in
     ``"inputs"`` mode the factors become graph inputs too. Called by ``Tracer.finish`` after the
@@ -351,6 +432,8 @@ def expand_adapters(tracer) -> None:
         # hold base + delta in one initializer: its adapter is merged in the graph instead.
         for tensor in list(tracer._param_tensors.values()):
             param = tensor._symbol.param
+            if param is not None and param.adapter() is not None:
+                _check_mergeable(tracer, param)
             if param is not None and param.adapter() is not None and tensor._symbol.value.producer() is not None:
                 expander = _Expander(tracer, param, tensor._symbol.value, tensor.dtype)
                 for node, index in list(expander.base.uses()):

@@ -588,30 +588,44 @@ def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: flo
 
 
 def _conv_entry(name: str, target: str, A, B, targets, config, problems: list):
-    """The plan entry of a convolution LoRA (PEFT ``Conv1d/2d/3d``): ``lora_A`` is a conv
-    ``(r, in / groups, *kernel)``, ``lora_B`` a 1x1 conv ``(out, r, 1, ...)``; the delta
-    ``scale * B.flatten(1) @ A.flatten(1)`` reshaped to the weight ``(out, in / groups,
-    *kernel)``: a transposed adapter ``a = A.flatten(1).T``, ``b = B.flatten(1).T``."""
+    """The plan entry of a convolution LoRA (PEFT ``Conv1d/2d/3d``, ``peft/tuners/lora/layer.py``
+    ``_ConvNd``): ``lora_A`` is a conv of every input channel ``(r, in, *kernel)`` with the base's
+    stride and padding, ``lora_B`` a 1x1 conv ``(out, r / groups, 1, ...)`` with the base's
+    ``groups``. A transposed adapter ``a = A.flatten(1).T`` ``(in * prod(kernel), r)``, ``b``
+    ``(r, out)``: ``B.flatten(1).T`` for ``groups == 1`` (the delta ``scale * B.flatten(1) @
+    A.flatten(1)`` reshaped to the weight ``(out, in, *kernel)``); for a grouped base (weight
+    ``(out, in / groups, *kernel)``, ``groups = r / B.shape[1]``) ``b`` is ``B``
+    block-diagonal: output channel ``o`` of group ``g = o // (out / groups)`` reads rows
+    ``g * r / groups ...`` (zeros elsewhere), a branch only
+    (:func:`~onnxparam.lora._adapters.conv_adapter_groups`)."""
     param = targets.params[target]
     shape = tuple(param.lazy_shape())
     layout = targets.layout(target)
     rank = A.shape[0]
-    if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or B.shape[1] != rank \
+    groups = rank // B.shape[1] if len(B.shape) >= 2 and B.shape[1] and rank % B.shape[1] == 0 else 0
+    if layout != CONV or len(A.shape) < 3 or len(B.shape) != len(A.shape) or not groups \
             or any(k != 1 for k in B.shape[2:]):
         problems.append(f"PEFT module {name!r} -> {target!r}: factors of shapes {list(A.shape)} / {list(B.shape)} "
                         f"do not make a convolution LoRA for {target!r} {list(shape)} ({layout})")
         return None
-    want = (B.shape[0],) + tuple(A.shape[1:])
-    if shape != want:
-        problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight, "
-                        f"the param is {list(shape)}")
+    want = (B.shape[0], A.shape[1] // groups) + tuple(A.shape[2:])
+    if shape != want or B.shape[0] % groups or A.shape[1] % groups:
+        problems.append(f"PEFT module {name!r} -> {target!r}: the factors make a {list(want)} convolution weight"
+                        f"{f' (groups={groups})' if groups > 1 else ''}, the param is {list(shape)}")
         return None
     if config.rank_for(name) != rank:
         problems.append(f"PEFT module {name!r}: the config's rank is {config.rank_for(name)} (r / rank_pattern), "
                         f"the factors have rank {rank}")
         return None
     a = _factor_array(A).reshape(rank, -1).T
-    b = _factor_array(B).reshape(B.shape[0], rank).T
+    flat = _factor_array(B).reshape(B.shape[0], rank // groups)
+    if groups > 1:
+        per_in, per_out = rank // groups, B.shape[0] // groups
+        b = np.zeros((rank, B.shape[0]), dtype=flat.dtype)
+        for g in range(groups):
+            b[g * per_in:(g + 1) * per_in, g * per_out:(g + 1) * per_out] = flat[g * per_out:(g + 1) * per_out].T
+        return name, a, b, config.scale_for(name, rank), True
+    b = flat.T
     return name, a, b, config.scale_for(name, rank), True
 
 

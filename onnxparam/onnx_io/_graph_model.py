@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
+from ..core.errors import LoraError
 from ..core.dtype import DType
 from ..core.module import named_params
 from ._source import iter_graphs
@@ -134,7 +135,10 @@ def _array(site, param, how: str) -> np.ndarray:
         return tensor_data(site.tensor, site.dtype).array
     if how == "lora":
         return param_array(param.with_adapter(None), site.dtype)  # the raw base: nodes add the adapter
-    return param_array(param, site.dtype)
+    try:
+        return param_array(param, site.dtype)
+    except LoraError as e:  # an adapter that cannot be merged (a grouped conv's): name the weight
+        raise LoraError(f"weight {site.name!r}: {e}") from e
 
 
 class _Symbol:

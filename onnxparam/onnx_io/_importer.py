@@ -665,7 +665,7 @@ def import_onnx(path_or_model) -> OnnxModule:
             share a name. Each message names the file and the problem.
         IsAFolderError (a FileAccessError and IsADirectoryError): the path is a folder.
     """
-    from . import _lora_import, _rnn_layout
+    from . import _function_ops, _lora_import, _rnn_layout
 
     try:
         loaded = load_model(path_or_model)
@@ -682,7 +682,23 @@ def import_onnx(path_or_model) -> OnnxModule:
         loaded = _inline_functions(loaded)  # a copy: the tracer replays graph nodes only
     elif _qdq_import.has_foldable_nodes(pristine):
         loaded = LoadedModel(copy_model(pristine), loaded.source, loaded.path)
+    if _function_ops.has_expanded_ops(loaded.model):  # (ORT runs them through their function body too)
+        loaded = _expand_function_ops(loaded)
     return _lora_import.attach_imported(OnnxModule(loaded, pristine), adapters)
+
+
+def _expand_function_ops(loaded: LoadedModel) -> LoadedModel:
+    """The operators ONNX Runtime runs through their ONNX function body, expanded in a copy
+    (:mod:`._function_ops`)."""
+    from . import _function_ops
+    from ._data_watch import carry_stamps
+
+    base = base_dir_of(loaded.model)
+    model = _function_ops.expand_function_ops(loaded.model, str(loaded.source))
+    if base:
+        ir.external_data.set_base_dir(model.graph, base)
+    carry_stamps(loaded.model, model)
+    return LoadedModel(model, loaded.source, loaded.path)
 
 
 SOURCE_NODE_KEY = "onnxparam.source_node"

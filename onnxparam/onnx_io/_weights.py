@@ -136,10 +136,11 @@ _NON_DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiab
 _UNKNOWN = onnx.defs.OpSchema.DifferentiationCategory.Unknown
 
 
-_DIFFERENTIABLE_INPUTS = {"DFT": (0,), "STFT": (0, 2)}
+_DIFFERENTIABLE_INPUTS = {"DFT": (0,), "STFT": (0, 2), "Unique": (0,)}
 """``ai.onnx`` inputs that carry gradients though their schemas say ``NonDifferentiable``: the
 signal of ``DFT`` / ``STFT`` and ``STFT``'s window (both transforms are linear in them; gradient
-rules in :mod:`onnxparam.autodiff._rules_signal`)."""
+rules in :mod:`onnxparam.autodiff._rules_signal`); the input of ``Unique`` (its output gathers it:
+rule in :mod:`onnxparam.autodiff._rules_sequence`)."""
 
 
 def _input_category(node: ir.Node, index: int, opsets: dict):

@@ -21,6 +21,7 @@ from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
 from ._keys import _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token, call_signature  # noqa: F401
 from ._sessions import Runner, build_runner
+from ._shape_family import ShapeFamily
 
 __all__ = [
     "MAX_CACHED_SESSIONS", "MAX_CACHED_TRACES", "MAX_FAST_MODULES", "MAX_EAGER_SESSIONS", "RuntimeStats",
@@ -379,28 +380,13 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
     return trace_key, traced
 
 
-class _Family:
-    """What automatic dynamic remembers about the calls of one module structure with one
-    argument layout (ranks, dtypes, non-tensor values): the first call's shapes, the dims seen
-    to change, the least size a symbolic dim stands for, and how dims are grouped into symbols."""
-
-    __slots__ = ("first", "dynamic", "groups", "duck", "least", "static_only")
-
-    def __init__(self, shapes):
-        self.first = shapes
-        self.dynamic: frozenset = frozenset()
-        self.groups: dict = {}
-        self.duck = True  # dims of equal sizes share a symbol (checked on every reuse)
-        self.least = 1  # symbolic dims stand for sizes >= 1; 2 once a forward needed "== 1" decided
-        self.static_only = False
-
-
-_families: "OrderedDict[Any, _Family]" = OrderedDict()
+_families: "OrderedDict[Any, ShapeFamily]" = OrderedDict()
 
 
 def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
     """Automatic dynamic (see :class:`SessionConfig`): the trace key and trace serving this call
-    with symbolic dims, or ``None`` when it takes a concrete trace.
+    with symbolic dims, or ``None`` when it takes a concrete trace (the family's first call; the
+    rules: :mod:`._shape_family`).
 
     A changed dim becomes symbolic for sizes >= 1 (size 0 is specialized). When the forward
     cannot be traced so (it asks ``x.shape[0] == 1``, ``squeeze()`` ...), sizes 0 and 1 are
@@ -413,51 +399,30 @@ def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
     family_key = (where, layout)
     family = _families.get(family_key)
     if family is None:
-        _families[family_key] = _Family(shapes)
+        _families[family_key] = ShapeFamily(shapes)
         _trim(_families, _limits["traces"])
         return None
     _families.move_to_end(family_key)
-    if family.static_only:
-        return None
-    changed = {(i, axis) for i, shape in enumerate(shapes) if shape is not None
-               for axis, (d, f) in enumerate(zip(shape, family.first[i])) if d != f}
-    dynamic = family.dynamic | changed
-    while True:
-        least = family.least
-        symbolic = frozenset((i, a) for i, a in dynamic if shapes[i][a] >= least)
-        if not symbolic:
-            return None  # the first shape again, or only specialized sizes: a concrete trace
-        groups = family.groups.get((least, symbolic))
-        if groups and not all(len({shapes[i][a] for i, a in group}) == 1 for group in groups):
-            family.duck, groups = False, None  # sizes once equal now differ: one symbol per dim
-        if not groups:
-            by_size: dict = {}
-            for i, axis in sorted(symbolic):
-                key = (shapes[i][axis], family.first[i][axis]) if family.duck else (i, axis)
-                by_size.setdefault(key, []).append((i, axis))
-            groups = tuple(tuple(g) for g in by_size.values())
+
+    def entry_for(least, symbolic, groups):
         gen_sig = _with_shapes(call_sig, len(args), lambda i: None if shapes[i] is None else tuple(
             "?" if (i, a) in symbolic else d for a, d in enumerate(shapes[i])))
         gen_key = (where[0], ("dynamic", least, gen_sig, groups), where[1], where[2])
         traced = _traces.get(gen_key)
-        if traced is None:
-            traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)
-            if traced is None:  # the forward needs concrete sizes at this bound
-                if least == 1:
-                    family.least = 2
-                    continue
-                family.static_only = True
-                return None
-            _STATS.traces += 1
-            _STATS.dynamic_traces += 1
-            traced._cache["dynamic"] = True
-            _traces[gen_key] = traced
-            _trim(_traces, _limits["traces"])
-        else:
+        if traced is not None:
             _traces.move_to_end(gen_key)
-        family.dynamic = dynamic
-        family.groups[(least, symbolic)] = groups
+            return gen_key, traced
+        traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)
+        if traced is None:  # the forward needs concrete sizes at this bound
+            return None
+        _STATS.traces += 1
+        _STATS.dynamic_traces += 1
+        traced._cache["dynamic"] = True
+        _traces[gen_key] = traced
+        _trim(_traces, _limits["traces"])
         return gen_key, traced
+
+    return family.generalized(shapes, family.changed(shapes), entry_for)
 
 
 def _with_shapes(call_sig: tuple, n_args: int, shape_of) -> tuple:

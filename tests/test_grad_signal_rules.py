@@ -27,8 +27,9 @@ D, F, I64 = TensorProto.DOUBLE, TensorProto.FLOAT, TensorProto.INT64
 
 @pytest.mark.parametrize("interleaved,four_d", [(0, False), pytest.param(1, True, marks=pytest.mark.slow)])
 def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interleaved, four_d):
-    """The caches are params (``rotary_embedding_dim / 2`` wide: a partial rotation),
-    positions repeat (their gradients add); batch and sequence change between the shapes."""
+    """The caches are params (``rotary_embedding_dim / 2`` wide: a partial rotation; tables
+    frozen at import, unfrozen here), positions repeat (their gradients add); batch and sequence
+    change between the shapes."""
     if four_d:  # [B, H, S, D], no position ids: caches [B, S, D / 2] fed times a param (float32: ORT has no
         # double RotaryEmbedding)
         nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["c", "sc"], ["cs"]),
@@ -44,13 +45,26 @@ def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interlea
                  {"s": RNG.uniform(0.5, 1.5, (6,)), "sc": RNG.uniform(0.5, 1.5, (3,))}, 23,
                  extra_inputs=extra_inputs, extra=extra)
         return
+    # the caches as initializers: import freezes them (tables); unfrozen, they train
+    import onnxparam as op
+    from grad_check import check_model_grads
+    from onnxparam.autodiff._tables import ROTARY_CACHE
+    from test_grad_more_rules import _model
+
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
              helper.make_node("RotaryEmbedding", ["xs", "cos", "sin", "pos"], ["y"], interleaved=interleaved,
                               num_heads=2, rotary_embedding_dim=4)]
     inits = {"s": RNG.uniform(0.5, 1.5, (12,)), "cos": RNG.uniform(-1, 1, (7, 2)), "sin": RNG.uniform(-1, 1, (7, 2))}
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}  # (ORT has no double RotaryEmbedding)
     pos = helper.make_tensor_value_info("pos", I64, ["N", "S"])
-    check_op(nodes, ["N", "S", 12], [(2, 3, 12), (3, 5, 12)], inits, 23, extra_inputs=[pos],
-             extra=lambda shape: {"pos": RNG.integers(0, 7, shape[:2]).astype(np.int64)})
+    model = _model(nodes, ["N", "S", 12], inits, 23, F, [pos])
+    module = op.import_onnx(model)
+    assert module.onnx_tables == {module.path_of("cos"): ROTARY_CACHE, module.path_of("sin"): ROTARY_CACHE}
+    module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
+    feeds = [{"x": RNG.uniform(-1, 1, (n, s, 12)).astype(np.float32), "pos": RNG.integers(0, 7, (n, s))}
+             for n, s in [(2, 3), (3, 5)]]
+    counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
+    assert counts["graphs"] == counts["sessions"] <= 2, counts
 
 
 # -- DFT ------------------------------------------------------------------------------------------

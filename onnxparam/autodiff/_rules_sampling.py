@@ -112,8 +112,8 @@ def _cubic_taps(e: Emitter, t, like):
         return e.scalar_like(float(v), like)
 
     def poly(u, c3, c2, c1, c0):  # c3 u^3 + c2 u^2 + c1 u + c0 and its derivative in u
-        value = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(c3)), f(c2)), u), f(c1)), u),
-                     f(c0))
+        horner = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(c3)), f(c2)), u), f(c1))
+        value = e.op("Add", e.op("Mul", horner, u), f(c0))
         slope = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(3 * c3)), f(2 * c2)), u), f(c1))
         return value, slope
 

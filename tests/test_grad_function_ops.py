@@ -1,12 +1,12 @@
 """Operators ONNX Runtime runs only through their ONNX function body (``CausalConvWithState``)
 are expanded at import (``onnxparam/onnx_io/_function_ops.py``) and differentiated through the
-body's operators; ``LinearAttention`` (a ``Scan`` body) is refused by name.
+body's operators (``LinearAttention``: through the body's ``Scan`` over the time steps).
 
 Oracles: central finite differences of the same loss on plain ONNX Runtime runs of the original
 one-node file with one initializer entry perturbed, at two shapes of a dynamic batch and length
 with one training session (``check_op`` of ``tests/test_grad_more_rules.py``), and torch
 autograd of the spec's formula (``conv1d`` of the causally left-padded input, depthwise, then
-SiLU) in float64."""
+SiLU; the gated delta recurrence token by token) in float64."""
 
 from __future__ import annotations
 
@@ -45,17 +45,44 @@ def test_causal_conv_with_state_past_state_gets_its_gradient():
     check_op(nodes, [1, 2, "T"], [(1, 2, 4), (1, 2, 6)], inits, 27)
 
 
-def test_linear_attention_is_refused_by_name_with_the_reason():
-    """ONNX Runtime runs it (the oracle: a session and a run); ``grad`` refuses it up front."""
-    q = RNG.normal(size=(2, 3, 8)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("LinearAttention", ["q", "k", "v"], ["y", "state"], q_num_heads=2, kv_num_heads=2,
-                          update_rule="linear")], "g",
-        [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 3, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(RNG.normal(size=(2, 3, 8)).astype(np.float32), n) for n in ("k", "v")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 27)])
-    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"q": q})
-    module = op.import_onnx(model)
-    missing = check_gradients(lambda m, a: m(a).sum(), module, op.Tensor.from_numpy(q))
-    assert [m.op for m in missing] == ["LinearAttention"] and "Scan" in missing[0].reason
+def _linear_attention_torch(q, k, v, decay, beta, hq, hkv, dk, dv):
+    """The spec's recurrence (gated delta rule, per-head decay, GQA), token by token:
+    ``S_t = a S_{t-1} + b k_t (v_t - a S_{t-1}^T k_t)^T``, ``a = exp(g_t)``, ``o_t = q_t^T S_t / sqrt(dk)``."""
+    import torch
+
+    n, t_len = q.shape[:2]
+    q, k, v = q.reshape(n, t_len, hq, dk), k.reshape(n, t_len, hkv, dk), v.reshape(n, t_len, hkv, dv)
+    state = torch.zeros(n, hkv, dk, dv, dtype=q.dtype)
+    outs = []
+    for t in range(t_len):
+        a = torch.exp(decay[:, t]).reshape(n, hkv, 1, 1)
+        b = beta[:, t].reshape(n, hkv, 1, 1)
+        decayed = a * state
+        pred = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
+        state = decayed + b * torch.einsum("bhk,bhv->bhkv", k[:, t], v[:, t] - pred)
+        shared = state.repeat_interleave(hq // hkv, dim=1)
+        outs.append((torch.einsum("bhk,bhkv->bhv", q[:, t], shared) / dk ** 0.5).reshape(n, hq * dv))
+    return torch.stack(outs, 1)
+
+
+def test_linear_attention_gated_delta_gqa_on_dynamic_batch_and_length():
+    """Query, key, value, decay and beta are slices of one input with a dynamic batch and
+    length, each scaled by a param (its gradient: the operator's input gradient, reduced)."""
+    hq, hkv, dk, dv = 2, 1, 3, 2
+    sizes = [hq * dk, hkv * dk, hkv * dv, hkv, hkv]
+    names = ["q", "k", "v", "g", "b"]
+    nodes = [helper.make_node("Split", ["x", "sizes"], [f"{n}0" for n in names], axis=2)]
+    nodes += [helper.make_node("Mul", [f"{n}0", f"s{n}"], [n]) for n in names]
+    nodes.append(helper.make_node("LinearAttention", ["q", "k", "v", "", "g", "b"], ["y", "state"], q_num_heads=hq, kv_num_heads=hkv,
+                                  update_rule="gated_delta"))
+
+    def torch_fn(x, sizes, **s):
+        import torch
+
+        parts = torch.split(x, sizes.tolist(), dim=2)
+        q, k, v, g, b = (p * s[f"s{n}"] for p, n in zip(parts, names))
+        return _linear_attention_torch(q, k, v, g, b, hq, hkv, dk, dv)
+
+    inits = {f"s{n}": RNG.uniform(0.5, 1.5, (size,)) for n, size in zip(names, sizes)}
+    inits["sizes"] = np.array(sizes, np.int64)
+    check_op(nodes, ["N", "T", sum(sizes)], [(2, 3, sum(sizes)), (1, 5, sum(sizes))], inits, 27, torch_fn=torch_fn)

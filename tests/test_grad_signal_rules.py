@@ -27,8 +27,9 @@ D, F, I64 = TensorProto.DOUBLE, TensorProto.FLOAT, TensorProto.INT64
 
 @pytest.mark.parametrize("interleaved,four_d", [(0, False), pytest.param(1, True, marks=pytest.mark.slow)])
 def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interleaved, four_d):
-    """The caches are params (``rotary_embedding_dim / 2`` wide: a partial rotation),
-    positions repeat (their gradients add); batch and sequence change between the shapes."""
+    """The caches are params (``rotary_embedding_dim / 2`` wide: a partial rotation; tables
+    frozen at import, unfrozen here), positions repeat (their gradients add); batch and sequence
+    change between the shapes."""
     if four_d:  # [B, H, S, D], no position ids: caches [B, S, D / 2] fed times a param (float32: ORT has no
         # double RotaryEmbedding)
         nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["c", "sc"], ["cs"]),
@@ -44,13 +45,26 @@ def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interlea
                  {"s": RNG.uniform(0.5, 1.5, (6,)), "sc": RNG.uniform(0.5, 1.5, (3,))}, 23,
                  extra_inputs=extra_inputs, extra=extra)
         return
+    # the caches as initializers: import freezes them (tables); unfrozen, they train
+    import onnxparam as op
+    from grad_check import check_model_grads
+    from onnxparam.autodiff._tables import ROTARY_CACHE
+    from test_grad_more_rules import _model
+
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
              helper.make_node("RotaryEmbedding", ["xs", "cos", "sin", "pos"], ["y"], interleaved=interleaved,
                               num_heads=2, rotary_embedding_dim=4)]
     inits = {"s": RNG.uniform(0.5, 1.5, (12,)), "cos": RNG.uniform(-1, 1, (7, 2)), "sin": RNG.uniform(-1, 1, (7, 2))}
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}  # (ORT has no double RotaryEmbedding)
     pos = helper.make_tensor_value_info("pos", I64, ["N", "S"])
-    check_op(nodes, ["N", "S", 12], [(2, 3, 12), (3, 5, 12)], inits, 23, extra_inputs=[pos],
-             extra=lambda shape: {"pos": RNG.integers(0, 7, shape[:2]).astype(np.int64)})
+    model = _model(nodes, ["N", "S", 12], inits, 23, F, [pos])
+    module = op.import_onnx(model)
+    assert module.onnx_tables == {module.path_of("cos"): ROTARY_CACHE, module.path_of("sin"): ROTARY_CACHE}
+    module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
+    feeds = [{"x": RNG.uniform(-1, 1, (n, s, 12)).astype(np.float32), "pos": RNG.integers(0, 7, (n, s))}
+             for n, s in [(2, 3), (3, 5)]]
+    counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
+    assert counts["graphs"] == counts["sessions"] <= 2, counts
 
 
 # -- DFT ------------------------------------------------------------------------------------------
@@ -298,3 +312,28 @@ def test_max_roi_pool_input_gradient_on_a_dynamic_feature_map():
     inits = {"s": RNG.uniform(0.9, 1.1, (1, 3, 1, 1)), "b": np.arange(6).reshape(1, 1, 1, 6) * 0.013}
     check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 21, extra_inputs=[rois], extra=extra,
              feed_map=distinct)
+
+
+# -- RoiAlign, max mode ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling_ratio,mode", [(2, "half_pixel"),
+                                                  pytest.param(0, "output_half_pixel", marks=pytest.mark.slow)])
+def test_roi_align_max_input_gradient_on_a_dynamic_feature_map(sampling_ratio, mode):
+    """Rois on both images, one partly outside (samples reading 0 compete for the maximum); the
+    batch and the height change; ``x * s + b`` with ``b`` per column. Finite differences on ORT
+    (ONNX Runtime's max mode is its own: the largest weighted corner, not torchvision's)."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xm"]), helper.make_node("Add", ["xm", "b"], ["xs"]),
+             helper.make_node("RoiAlign", ["xs", "rois", "bi"], ["y"], output_height=2, output_width=3, mode="max",
+                              sampling_ratio=sampling_ratio, spatial_scale=0.5, coordinate_transformation_mode=mode)]
+    rois = helper.make_tensor_value_info("rois", D, ["R", 4])
+    bi = helper.make_tensor_value_info("bi", I64, ["R"])
+
+    def extra(shape):
+        n, _, h, w = shape
+        boxes = np.array([[0.5, 1.0, 2 * w - 3, 2 * h - 2], [2.0, 0.0, 2 * w - 1, h], [1.0, 1.5, w, 2 * h - 1.5],
+                          [-3.0, -4.0, 2.0, 3.0]])
+        return {"rois": boxes, "bi": np.array([0, n - 1, 0, n - 1], np.int64)}
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1)), "b": RNG.uniform(-0.5, 0.5, (1, 1, 1, 6))}
+    check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 16, extra_inputs=[rois, bi], extra=extra)

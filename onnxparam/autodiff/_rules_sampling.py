@@ -19,7 +19,7 @@ from ..core.errors import TraceError
 from ._emitter import Emitter, dims
 from ._rules import attr, rule
 from ._rules_layers import _RESIZE_ATTRS, _resize, _resize_scales_input
-from ._rules_spatial import _grid_sample
+from ._rules_spatial import _grid_sample, _roi_align
 
 __all__ = []
 
@@ -112,8 +112,8 @@ def _cubic_taps(e: Emitter, t, like):
         return e.scalar_like(float(v), like)
 
     def poly(u, c3, c2, c1, c0):  # c3 u^3 + c2 u^2 + c1 u + c0 and its derivative in u
-        value = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(c3)), f(c2)), u), f(c1)), u),
-                     f(c0))
+        horner = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(c3)), f(c2)), u), f(c1))
+        value = e.op("Add", e.op("Mul", horner, u), f(c0))
         slope = e.op("Add", e.op("Mul", e.op("Add", e.op("Mul", u, f(3 * c3)), f(2 * c2)), u), f(c1))
         return value, slope
 
@@ -380,3 +380,135 @@ def _max_roi_pool(e, node, gout, need):
     zeros = e.op("Expand", e.scalar_like(0.0, x), e.op("ReduceProd", shape, keepdims=1))
     dx = e.op("ScatterElements", zeros, e.reshape(picked, [-1]), e.reshape(updates, [-1]), axis=0, reduction="add")
     return [e.reshape_like(dx, x), None]
+
+
+# -- RoiAlign, max mode -----------------------------------------------------------------------------
+
+
+def _reduce_max(e: Emitter, t, axis: int):
+    """``ReduceMax`` over one axis, not kept (axes an input from opset 18, an attribute before)."""
+    if e.opset >= 18:
+        return e.op("ReduceMax", t, e.ints([axis]), keepdims=0)
+    return e.op("ReduceMax", t, axes=[axis], keepdims=0)
+
+
+def _roi_axis(e: Emitter, rois, start_k: int, end_k: int, pooled: int, size, scale: float, half: bool,
+              ratio: int):
+    """Sampling of one axis of ``RoiAlign`` (ONNX Runtime's ``pre_calc_for_bilinear_interpolate``)
+    per roi ``r``, bin ``p`` and sample ``i`` (enumerated up to the largest roi's count): ``(low,
+    high)`` pixel (int64), their weights ``(1 - l, l)`` (0 for a sample outside ``[-1, size]``),
+    and whether sample ``i`` exists for that roi; each ``[R, P, G]``."""
+    i64 = int(ir.DataType.INT64)
+
+    def f(v):
+        return e.scalar_like(float(v), rois)
+
+    def col(k):
+        return e.unsqueeze(e.op("Gather", rois, e.const(k, np.int64), axis=1), [1, 2])  # [R, 1, 1]
+
+    offset = f(0.5 if half else 0.0)
+    start = e.op("Sub", e.op("Mul", col(start_k), f(scale)), offset)
+    extent = e.op("Sub", e.op("Sub", e.op("Mul", col(end_k), f(scale)), offset), start)
+    if not half:
+        extent = e.op("Max", extent, f(1.0))
+    bin_size = e.op("Div", extent, f(pooled))
+    if ratio > 0:
+        grid = e.op("Mul", e.op("Cast", e.op("Reshape", extent, e.ints([-1, 1, 1])), to=i64), e.const(0, np.int64))
+        grid = e.op("Add", grid, e.const(ratio, np.int64))  # [R, 1, 1]
+    else:
+        grid = e.op("Cast", e.op("Ceil", e.op("Div", extent, f(pooled))), to=i64)
+    count = e.op("Max", e.op("ReduceMax", grid, keepdims=0), e.const(1, np.int64))
+    samples = e.op("Range", e.const(0, np.int64), count, e.const(1, np.int64))  # [G]
+    exists = e.op("Less", samples, grid)  # [R, 1, G]
+    p = e.op("Reshape", e.const(np.arange(pooled, dtype=np.float64), np.float64), e.ints([1, -1, 1]))
+    p = e.op("Cast", p, to=int(rois.dtype))
+    i = e.op("Cast", samples, to=int(rois.dtype))
+    grid_f = e.op("Max", e.op("Cast", grid, to=int(rois.dtype)), f(1.0))
+    at = e.op("Add", e.op("Add", start, e.op("Mul", p, bin_size)),
+              e.op("Div", e.op("Mul", e.op("Add", i, f(0.5)), bin_size), grid_f))  # [R, P, G]
+    size_f = e.op("Cast", size, to=int(rois.dtype))
+    top = e.op("Sub", size_f, f(1.0))
+    inside = e.op("Not", e.op("Or", e.op("Less", at, f(-1.0)), e.op("Greater", at, size_f)))
+    v = e.op("Max", at, f(0.0))
+    low = e.op("Floor", v)
+    last = e.op("GreaterOrEqual", low, top)
+    low = e.op("Where", last, top, low)
+    high = e.op("Where", last, top, e.op("Add", low, f(1.0)))
+    v = e.op("Where", last, low, v)
+    frac = e.op("Sub", v, low)
+    inside_f = e.op("Cast", inside, to=int(rois.dtype))
+    weights = (e.op("Mul", e.op("Sub", f(1.0), frac), inside_f), e.op("Mul", frac, inside_f))
+    low = e.op("Cast", e.op("Min", e.op("Max", low, f(0.0)), top), to=i64)
+    high = e.op("Cast", e.op("Min", e.op("Max", high, f(0.0)), top), to=i64)
+    return (low, high), weights, exists
+
+
+@rule("RoiAlign")
+def _roi_align_rule(e, node, gout, need):
+    """``mode="max"`` ``RoiAlign`` as ONNX Runtime computes it: each bin's ``sampling_ratio^2``
+    sample points (``ceil(roi size / output size)`` per axis when 0; ``half_pixel`` shifts the
+    roi by -0.5, ``output_half_pixel`` makes it at least 1 wide) read their four neighbouring
+    pixels with the bilinear weights (a point outside ``[-1, size]`` reads 0; one past the last
+    pixel is clamped onto it), and ``y`` is the largest weighted pixel ``w * x[p]`` over the
+    samples and corners (ONNX Runtime's ``max`` mode, which it warns differs from the maximum of
+    the interpolated samples). ``dX[p*] += g * w*`` at the first largest candidate (samples in
+    row-major order, corners in ONNX Runtime's order), scatter-added over bins and rois. The
+    boxes get a zero gradient, as the ``avg`` rule's. ``mode="avg"``:
+    :func:`~._rules_spatial._roi_align`.
+    """
+    mode = _text(attr(node, "mode", "avg"))
+    if mode != "max":
+        return _roi_align(e, node, gout, need)
+    x, rois, batch = node.inputs[0], node.inputs[1], node.inputs[2]
+    g = gout[0]
+    out = [None, None, None]
+    if len(need) > 1 and need[1]:
+        out[1] = e.zeros_like(rois)
+    if not need[0]:
+        return out
+    oh, ow = int(attr(node, "output_height", 1)), int(attr(node, "output_width", 1))
+    ratio = int(attr(node, "sampling_ratio", 0))
+    scale = float(attr(node, "spatial_scale", 1.0))
+    half = _text(attr(node, "coordinate_transformation_mode", "half_pixel")) == "half_pixel"
+    i64 = int(ir.DataType.INT64)
+    shape = e.op("Shape", x)
+    channels = e.op("Gather", shape, e.const(1, np.int64), axis=0)
+    height = e.op("Gather", shape, e.const(2, np.int64), axis=0)
+    width = e.op("Gather", shape, e.const(3, np.int64), axis=0)
+    (y0, y1), (wy0, wy1), y_ok = _roi_axis(e, rois, 1, 3, oh, height, scale, half, ratio)  # [R, PH, GH]
+    (x0, x1), (wx0, wx1), x_ok = _roi_axis(e, rois, 0, 2, ow, width, scale, half, ratio)  # [R, PW, GW]
+
+    def ys(t):
+        return e.unsqueeze(t, [2, 4])  # [R, PH, 1, GH, 1]
+
+    def xs(t):
+        return e.unsqueeze(t, [1, 3])  # [R, 1, PW, 1, GW]
+
+    corners = [(y0, wy0, x0, wx0), (y0, wy0, x1, wx1), (y1, wy1, x0, wx0), (y1, wy1, x1, wx1)]
+    positions, weights = [], []
+    for yp, wy, xp, wx in corners:
+        positions.append(e.unsqueeze(e.op("Add", e.op("Mul", ys(yp), width), xs(xp)), [5]))
+        weights.append(e.unsqueeze(e.op("Mul", ys(wy), xs(wx)), [5]))
+    position = e.op("Concat", *positions, axis=5)  # [R, PH, PW, GH, GW, 4]
+    weight = e.op("Cast", e.op("Concat", *weights, axis=5), to=int(x.dtype))
+    exists = e.unsqueeze(e.op("And", ys(y_ok), xs(x_ok)), [5])  # [R, PH, PW, GH, GW, 1]
+    images = e.op("Reshape", e.op("Cast", batch, to=i64), e.ints([-1, 1]))
+    c_range = e.op("Reshape", e.op("Range", e.const(0, np.int64), channels, e.const(1, np.int64)), e.ints([1, -1]))
+    plane = e.op("Mul", e.op("Add", e.op("Mul", images, channels), c_range), e.op("Mul", height, width))  # [R, C]
+    index = e.op("Add", e.unsqueeze(plane, [2, 3, 4, 5, 6]), e.unsqueeze(position, [1]))  # [R, C, PH, PW, GH, GW, 4]
+    weight = e.unsqueeze(weight, [1])
+    values = e.op("Mul", e.op("Gather", e.reshape(x, [-1]), index, axis=0), weight)
+    exists = e.op("Expand", e.unsqueeze(exists, [1]), e.op("Shape", values))
+    flat_shape = e.ints([0, 0, 0, 0, -1])
+    masked = e.op("Where", exists, values, e.scalar_like(-np.inf, x))
+    first = e.op("ArgMax", e.op("Reshape", masked, flat_shape), axis=4, keepdims=1)
+    picked = e.op("GatherElements", e.op("Reshape", index, flat_shape), first, axis=4)  # [R, C, PH, PW, 1]
+    full_weight = e.op("Expand", weight, e.op("Shape", values))
+    picked_weight = e.op("GatherElements", e.op("Reshape", full_weight, flat_shape), first, axis=4)
+    any_sample = e.op("Cast", _reduce_max(e, e.op("Cast", e.op("Reshape", exists, flat_shape), to=i64), 4),
+                      to=int(x.dtype))  # [R, C, PH, PW]
+    updates = e.op("Mul", e.op("Mul", g, any_sample), e.op("Reshape", picked_weight, e.op("Shape", g)))
+    zeros = e.op("Expand", e.scalar_like(0.0, x), e.op("ReduceProd", shape, keepdims=1))
+    dx = e.op("ScatterElements", zeros, e.reshape(picked, [-1]), e.reshape(updates, [-1]), axis=0, reduction="add")
+    out[0] = e.reshape_like(dx, x)
+    return out

@@ -39,9 +39,9 @@ REFUSED: dict = {
                    "and the backward has no reverse iteration over sequence-carrying loops; build the "
                    "per-element computation with tensor ops (e.g. ConcatFromSequence, then the body on the "
                    "stacked tensor) or freeze the params before it",
-    "LinearAttention": "no gradient rule yet: ONNX Runtime runs it through its ONNX function body, a Scan over the "
-                       "time steps whose body values ONNX's shape inference leaves untyped, and the rules of that "
-                       "body need their ranks; freeze the params before it",
+    **{op: "no gradient rule of its own: the importer replaces it by its ONNX function body (as ONNX Runtime runs "
+           "it), differentiated through that body's rules, in the main graph only; here it is inside a subgraph "
+           "or was not imported" for op in ("CausalConvWithState", "LinearAttention")},
     "SwiGLU": "ONNX Runtime does not implement SwiGLU (opset 28; its function body's Swish-24 has no kernel in "
               "ONNX Runtime 1.32), so no model holding it runs; nothing to differentiate",
 }

@@ -19,17 +19,13 @@ import numpy as np
 import onnx_ir as ir
 
 from ..core.errors import TraceError
-from ._emitter import Emitter, dims, np_dtype
+from ._emitter import Emitter, dims
 from ._rules import attr, const_array, rule
 from ._rules_more import _rotary
 
 __all__ = []
 
 _I64 = int(ir.DataType.INT64)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 # -- RotaryEmbedding ------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
 3. **fill constants**: a ``Constant`` node's value with one element equal to 0 or 1 (the
    fill values exporters write inline, e.g. ``where(mask, x, 0)``, ``expand(1, shape)``;
    PyTorch parameters become initializers). Other one-element constants stay trainable.
-4. **windows**: a tensor used only as ``STFT``'s window (``torch.stft``'s window is a
-   fresh ``hann_window`` or a buffer, never a parameter).
+4. **windows and rotary caches**: a tensor used only as ``STFT``'s window (``torch.stft``'s
+   window is a fresh ``hann_window`` or a buffer, never a parameter) or only as a
+   ``RotaryEmbedding``'s cos / sin cache (``ai.onnx`` or ``com.microsoft``: the rotary
+   tables PyTorch models hold as buffers).
 
 Layer: graph analysis on ``onnx_ir`` only (the importer in :mod:`onnxparam.onnx_io` calls it).
 """
@@ -32,7 +34,7 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW"]
+__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
@@ -41,6 +43,8 @@ RUNNING_STATS = ("a BatchNormalization running mean / variance (inference statis
                  "an optimizer step could make a variance negative)")
 
 WINDOW = "an STFT window (a fresh window or a buffer in PyTorch, not a parameter)"
+ROTARY_CACHE = "a RotaryEmbedding cos / sin cache (a buffer in PyTorch)"
+_ROTARY_CACHE_INPUTS = {"": (1, 2), "ai.onnx": (1, 2), "com.microsoft": (2, 3)}
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ENCODERS = frozenset({"Sin", "Cos"})
@@ -163,6 +167,10 @@ def find_tables(model: ir.Model, candidates) -> dict:
             continue
         if all(node.op_type == "STFT" and node.domain in ("", "ai.onnx") and index == 2 for node, index in uses):
             out[name] = WINDOW
+            continue
+        if all(node.op_type == "RotaryEmbedding" and index in _ROTARY_CACHE_INPUTS.get(node.domain, ())
+               for node, index in uses):
+            out[name] = ROTARY_CACHE
             continue
         weightish = any(index in _WEIGHT_INPUTS.get(node.op_type, ()) for node, index in uses)
         if not weightish and size <= _MASK_CHECK_MAX and tensor is not None and _is_mask(tensor):

@@ -188,18 +188,7 @@ def _run_lora(args: argparse.Namespace) -> int:
         f"{args.alpha / rank:g}); {origin}"
     )
 
-    dst_fmt = args.dst.suffix.lower()
-    if args.action == "adapter":
-        _write_lora_adapter(adapted, args.dst)
-    elif dst_fmt == ".onnx":
-        model.export(args.dst, lora=args.action)
-    elif args.action == "merge":
-        _save_module(adapted.merge_lora(), args.dst)
-    else:
-        _save_module(adapted, args.dst)
-    json_result("written", {"path": str(args.dst), "bytes": args.dst.stat().st_size})
-    _out(f"wrote:     {args.dst} ({args.dst.stat().st_size:,} bytes)")
-    return EXIT_OK
+    return _write_output(args, model, adapted)
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -265,7 +254,13 @@ def _write_kept(args: argparse.Namespace, model, kept: dict) -> int:
                          "scale": wanted, "factors": str(args.src), "seed": None})
     _out(f"lora:      {len(kept)} adapted weights, rank {rank}, alpha {args.alpha:g} (scale {wanted:g}); "
          f"factors kept in {args.src}")
-    adapted = model.module
+    return _write_output(args, model, model.module)
+
+
+def _write_output(args: argparse.Namespace, model, adapted) -> int:
+    """Write the adapted module ``adapted`` (of the loaded ``model``) as ``args.action`` asks:
+    an ``.onnx_adapter`` file (``adapter``), an ONNX export in that LoRA mode (``.onnx`` OUT), or
+    the merged (``merge``) or adapted module's weights; print and record what was written."""
     if args.action == "adapter":
         _write_lora_adapter(adapted, args.dst)
     elif args.dst.suffix.lower() == ".onnx":

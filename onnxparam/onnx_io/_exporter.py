@@ -315,8 +315,6 @@ def _adapter_scales(module) -> dict:
 
 def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple]) -> None:
     """Initializer and model metadata for each param initializer (``name -> (path, param)``)."""
-    from ..core.version import __version__
-
     scales = _adapter_scales(module)
     graph = model.graph
     metas = {}
@@ -327,6 +325,14 @@ def _write_param_metadata(model: ir.Model, module, by_name: Mapping[str, tuple])
         meta = md.ParamMetadata(param.id, param.require_grad, scales.get(path))
         value.const_value.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
+    _set_model_props(model, module, metas)
+
+
+def _set_model_props(model: ir.Model, module, metas: dict) -> None:
+    """The model's ``metadata_props``: its own keys (params ``{initializer name: ParamMetadata}``,
+    library version, module class) replace any a previous export wrote; others' keys are kept."""
+    from ..core.version import __version__
+
     props = md.strip_own_keys(model.metadata_props)
     props[md.PARAMS_KEY] = md.model_params_prop(metas)
     props[md.VERSION_KEY] = __version__
@@ -422,15 +428,7 @@ def _export_imported(module: OnnxModule, example_inputs, input_names, output_nam
         meta = md.ParamMetadata(param.id, param.require_grad, scale)
         tensor.metadata_props.update(md.tensor_props(meta))
         metas[name] = meta
-    from ..core.version import __version__
-
-    props = md.strip_own_keys(model.metadata_props)
-    props[md.PARAMS_KEY] = md.model_params_prop(metas)
-    props[md.VERSION_KEY] = __version__
-    cls = type(module)
-    props[md.MODULE_KEY] = f"{cls.__module__}.{cls.__qualname__}"
-    model.metadata_props.clear()
-    model.metadata_props.update(props)
+    _set_model_props(model, module, metas)
     return model
 
 

@@ -2,12 +2,16 @@
 
 ONNX defines some operators by a function of other operators (``CausalConvWithState-27``: a
 ``Concat`` of the past state, a depthwise ``Conv``, an optional SiLU and a ``Slice`` of the new
-state); ONNX Runtime has no kernel for them and runs that body. The importer does the same in
+state; ``LinearAttention-27``: reshapes to heads and a ``Scan`` over the time steps carrying
+the recurrent state); ONNX Runtime has no kernel for them and runs that body. The importer does the same in
 the graph it traces (a copy: the file is unchanged, an export writes the original node), so the
 traced graph holds the body's operators, each typed, and gradients follow from their rules.
 
 The body is the one ONNX's schema builds for the node (its attributes and input types, at the
-model's opset), as ``onnx.backend.test`` expands the ``*_expanded`` conformance cases.
+model's opset), as ``onnx.backend.test`` expands the ``*_expanded`` conformance cases. The
+body's ``Constant`` s that a ``Scan`` body reads are copied into it, so ONNX's shape inference
+types the body (the gradient rules need the ranks of its values). Nodes inside subgraphs are
+not expanded (their gradients are refused by name).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from ..core.errors import OnnxFormatError
 
 __all__ = ["EXPANDED", "has_expanded_ops", "expand_function_ops"]
 
-EXPANDED = frozenset({"CausalConvWithState"})
+EXPANDED = frozenset({"CausalConvWithState", "LinearAttention"})
 """``ai.onnx`` operators replaced by their function body at import."""
 
 
@@ -48,7 +52,44 @@ def _body(node: onnx.NodeProto, types: list, opset: int, prefix: str) -> list:
     else:
         text = schema.get_function_with_opset_version(schema.since_version)
     function = onnx.FunctionProto.FromString(text)
-    return list(function_expand_helper(node, function, prefix))
+    nodes = list(function_expand_helper(node, function, prefix))
+    _constants_into_bodies(nodes)
+    return nodes
+
+
+def _constants_into_bodies(nodes: list) -> None:
+    """Copy the body's ``Constant`` s that a subgraph reads from outside into that subgraph
+    (renamed): ONNX's shape inference does not see outer-scope constants, and a ``Scan`` body
+    whose ``Unsqueeze`` axes come from outside stays untyped (the gradient rules need ranks)."""
+    consts = {n.output[0]: n for n in nodes if n.op_type == "Constant" and len(n.output) == 1}
+    for n in nodes:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _localize(a.g, consts)
+
+
+def _localize(graph: onnx.GraphProto, consts: dict) -> None:
+    local = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    local |= {o for n in graph.node for o in n.output}
+    outer = [name for name in dict.fromkeys(i for n in graph.node for i in n.input)
+             if name and name not in local and name in consts]
+    if not outer:
+        return
+    renamed = {name: f"{name}_in_{graph.name or 'body'}" for name in outer}
+    copies = []
+    for name in outer:
+        c = onnx.NodeProto()
+        c.CopyFrom(consts[name])
+        c.output[0] = renamed[name]
+        c.name = renamed[name]
+        copies.append(c)
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            if name in renamed:
+                n.input[i] = renamed[name]
+    nodes = copies + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def expand_function_ops(model: ir.Model, source: str) -> ir.Model:

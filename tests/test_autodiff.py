@@ -221,6 +221,23 @@ def test_ungrouped_dilated_strided_conv1d_and_conv3d_gradients_match_finite_diff
                [f32(2, 2, 4, 5, 5), f32(3, 2, 2, 2, 3)], eps=0.5, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dims,stride,padding,dilation,groups", [
+    (1, 3, 2, 2, 1), (2, (2, 1), (1, 0), (1, 2), 1), (2, 1, 1, 1, 2), (2, 2, 0, 1, 1), (3, (1, 2, 2), (0, 1, 1), 1, 1)])
+def test_large_weight_input_gradient_by_the_stacked_batch_matches_finite_differences(monkeypatch, dims, stride,
+                                                                                     padding, dilation, groups):
+    # every Conv's input gradient in the stacked form (one transposed convolution over the batch
+    # laid along the first spatial axis), which the rule keeps for large weights: strides that
+    # drop input cells (7 + 2 * 2 - 2 * 2 - 1 = 6, odd at stride 3 ...), dilations, groups
+    from onnxparam.autodiff import _rules_nn
+
+    monkeypatch.setattr(_rules_nn, "STACKED_INPUT_GRAD_MIN_WEIGHT", 1)
+    conv = {1: ops.conv1d, 2: ops.conv2d, 3: ops.conv3d}[dims]
+    spatial = {1: (7,), 2: (5, 6), 3: (3, 5, 4)}[dims]
+    kernel = {1: (3,), 2: (3, 2), 3: (1, 3, 2)}[dims]
+    check_grad(lambda x, w: conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups),
+               [f32(3, 2 * groups, *spatial), f32(2 * groups, 2, *kernel)], eps=0.5, rtol=1e-4, atol=1e-4)
+
+
 def test_conv2d_same_padding_gradient_matches_finite_differences():
     check_grad(lambda x, w: ops.conv2d(x, w, padding="same"), [f32(1, 1, 4, 4), f32(2, 1, 3, 3)],
                eps=0.5, rtol=1e-4, atol=1e-4)

@@ -41,7 +41,7 @@ SAMPLE = (
     "test_resize_upsample_sizes_nearest_not_smaller",
     "test_gridsample_volumetric_bilinear_align_corners_1",
     "test_split_to_sequence_1", "test_unique_sorted_with_axis", "test_identity_opt", "test_causal_conv_with_state_silu",
-    "test_linear_attention_gated_delta_gqa",
+    "test_linear_attention_gated_delta_gqa", "test_sequence_map_add_2_sequences",
 )
 
 

@@ -87,9 +87,14 @@ def test_reshape_with_zero_and_minus_one_concat_and_slice_with_computed_bounds()
 
 @pytest.mark.parametrize("group,stride,pads", [(1, 1, [1, 1, 1, 1]), (2, 2, [1, 0, 1, 0])])
 def test_conv_with_dynamic_batch_and_spatial_dims(group, stride, pads):
+    _conv_case(group, stride, pads)
+
+
+def _conv_case(group, stride, pads, dilation=1):
     c = 4
     nodes = [helper.make_node("Add", ["x", "p"], ["xp"]),
-             helper.make_node("Conv", ["xp", "w", "b"], ["c"], group=group, strides=[stride, stride], pads=pads),
+             helper.make_node("Conv", ["xp", "w", "b"], ["c"], group=group, strides=[stride, stride], pads=pads,
+                              dilations=[dilation, dilation]),
              helper.make_node("GlobalAveragePool", ["c"], ["y"])]
     inits = {"w": RNG.normal(size=(6, c // group, 3, 3)).astype(np.float32),
              "b": RNG.normal(size=6).astype(np.float32), "p": RNG.normal(size=(1, c, 1, 1)).astype(np.float32)}
@@ -97,6 +102,18 @@ def test_conv_with_dynamic_batch_and_spatial_dims(group, stride, pads):
                    out_type=TensorProto.FLOAT)
     feeds = [{"x": RNG.normal(size=s).astype(np.float32)} for s in [(2, c, 7, 8), (3, c, 9, 6), (2, c, 6, 10)]]
     assert check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=1e-3) == {"graphs": 1, "sessions": 1}
+
+
+@pytest.mark.parametrize("group,stride,pads,dilation", [(1, 1, [1, 1, 1, 1], 1), (2, 2, [1, 0, 1, 0], 1),
+                                                       (1, 3, [2, 1, 0, 2], 2)])
+def test_conv_input_gradient_by_the_stacked_batch_with_dynamic_batch_and_spatial_dims(monkeypatch, group, stride,
+                                                                                       pads, dilation):
+    # the input gradient's one-image form (kept for large weights) forced on every Conv: the
+    # batch stacked along the height at run time, each image cut back from the stack
+    from onnxparam.autodiff import _rules_nn
+
+    monkeypatch.setattr(_rules_nn, "STACKED_INPUT_GRAD_MIN_WEIGHT", 1)
+    _conv_case(group, stride, pads, dilation)
 
 
 OPS = ["Sin", "Cos", "Atan", "Sinh", "Asinh", "Tan", "Mish", "Softplus", "Erf"]

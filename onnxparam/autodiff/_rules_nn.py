@@ -118,6 +118,53 @@ def _input_grad_by_conv_transpose(e: Emitter, g: ir.Value, weight: ir.Value, xd:
                 group=group, output_padding=output_padding if any(output_padding) else None)
 
 
+STACKED_INPUT_GRAD_MIN_WEIGHT = 1 << 20
+"""A ``Conv`` whose weight has at least this many elements gets its input gradient from
+:func:`_input_grad_stacked` (one transposed convolution over the batch stacked along the first
+spatial axis) instead of a batched ``ConvTranspose``."""
+
+
+def _input_grad_stacked(e: Emitter, g: ir.Value, weight: ir.Value, x: ir.Value, o: int, c: int, kernel: tuple,
+                        strides, dilations, begin, group: int) -> ir.Value:
+    """The input gradient of ``Conv(x, weight)`` as ONE image's transposed convolution: the
+    batch of ``g`` stacked along the first spatial axis, each image followed by
+    ``e = ceil((k - 1) * d / s)`` zero rows so that no image's full transposed output (``(Q - 1) *
+    s + (k - 1) * d + 1`` rows) reaches the next one's (image ``n``'s output then starts at row
+    ``n * (Q + e) * s``); unstacked, each image cut to ``[pad_begin, pad_begin + size)`` on
+    every axis (the other spatial axes: the full transposed output, no pads, with
+    ``output_padding = s - 1`` so the cells a stride dropped are there as zeros). Equal to the
+    batched ``ConvTranspose``; for every batch and spatial size (shape arithmetic on the batch and
+    the cut only).
+
+    NOTE: ONNX Runtime's ``ConvTranspose`` runs one GEMM per image that re-reads the whole
+    weight; with a large weight and a few positions per image (ResNet18's last stage: 512 x 512
+    x 3 x 3 at 2 x 2) that is 3x slower than this one GEMM over every image, which computes the
+    ``e`` zero rows as well (2x the rows at 2 x 2): worth it for weights past the cache sizes only
+    (:data:`STACKED_INPUT_GRAD_MIN_WEIGHT`)."""
+    nd = len(kernel)
+    spatial = list(range(2, 2 + nd))
+    k0, d0, s0 = int(kernel[0]), int(dilations[0]), int(strides[0])
+    gap = -(-((k0 - 1) * d0) // s0)
+    crop = (k0 - 1) * d0 + 1 - s0  # full output rows of the stack past N * (Q + gap) * s
+    pads = [0] * nd + [max(crop, 0)] + [0] * (nd - 1)
+    # the other axes: the full transposed output (no pads) and s - 1 more cells, then cut
+    out_pad = [max(-crop, 0)] + [int(s) - 1 for s in strides[1:]]
+    if gap:
+        g = e.op("Pad", g, e.ints([0] * (2 + nd) + [0, 0, gap] + [0] * (nd - 1)))
+    # [N, O, Q + gap, Q2...] -> [O, N, Q + gap, Q2...] -> [1, O, N * (Q + gap), Q2...] (a 0 keeps a dim)
+    stacked = e.op("Reshape", e.transpose(g, [1, 0] + spatial), e.ints([1, o, -1] + [0] * (nd - 1)))
+    y = e.op("ConvTranspose", stacked, weight, strides=[int(s) for s in strides], dilations=[int(d) for d in dilations],
+             pads=pads, output_padding=out_pad if any(out_pad) else None, group=group)
+    # [1, C, N * (Q + gap) * s, ...] -> [C, N, (Q + gap) * s, ...] -> cut -> [N, C, X...]
+    y = e.op("Reshape", y, e.concat_ints([c], e.dims_of(x, 0, 1), [-1] + [0] * (nd - 1)))
+    first = [int(v) for v in begin]
+    size = e.dims_of(x, 2)
+    stop = e.ints([f + int(v) for f, v in zip(first, dims(x)[2:])]) if all(isinstance(v, int) for v in dims(x)[2:]) \
+        else e.op("Add", size, e.ints(first))
+    y = e.op("Slice", y, e.ints(first), stop, e.ints(spatial))
+    return e.transpose(y, [1, 0] + spatial)
+
+
 def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple, o: int, kernel: tuple,
                      strides, dilations, begin, end, group: int, g_like: Optional[ir.Value] = None,
                      x_like: Optional[ir.Value] = None, channels: Optional[int] = None) -> ir.Value:
@@ -246,7 +293,10 @@ def _conv(e, node, gout, need):
     x, w, b, g, xd, wd, yd, nd, kernel, group, strides, dilations, begin, end = conv_operands(node, gout)
     dx = dw = db = None
     if need[0]:
-        dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group, x)
+        if all(isinstance(d, int) for d in wd) and math.prod(wd) >= STACKED_INPUT_GRAD_MIN_WEIGHT and e.opset >= 11:
+            dx = _input_grad_stacked(e, g, w, x, wd[0], wd[1] * group, kernel, strides, dilations, begin, group)
+        else:
+            dx = _input_grad_by_conv_transpose(e, g, w, xd, yd, kernel, strides, dilations, begin, end, group, x)
     if need[1]:
         dw = conv_weight_grad(e, x, g, xd, yd, wd[0], kernel, strides, dilations, begin, end, group,
                               node.outputs[0], channels=wd[1] * group if isinstance(wd[1], int) else None)

@@ -337,3 +337,21 @@ def test_roi_align_max_input_gradient_on_a_dynamic_feature_map(sampling_ratio, m
 
     inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1)), "b": RNG.uniform(-0.5, 0.5, (1, 1, 1, 6))}
     check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 16, extra_inputs=[rois, bi], extra=extra)
+
+
+@pytest.mark.parametrize("policy,mode,dynamic", [("not_larger", "linear", True), ("not_smaller", "cubic", False),
+                                                 pytest.param("not_smaller", "nearest", True, marks=pytest.mark.slow)])
+def test_resize_keep_aspect_ratio_policy(policy, mode, dynamic):
+    """``keep_aspect_ratio_policy``: one scale for both axes from the limiting one, ``round(s n)``
+    outputs; sizes fed at run time on a dynamic image, or constant on a static one."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "", "sizes"], ["y"], mode=mode, axes=[2, 3],
+                              keep_aspect_ratio_policy=policy)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1))}
+    if dynamic:
+        sizes = helper.make_tensor_value_info("sizes", I64, [2])
+        check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 7, 6)], inits, 19, extra_inputs=[sizes],
+                 extra=lambda shape: {"sizes": np.array([shape[2] + 3, shape[3] - 2], np.int64)})
+    else:
+        inits["sizes"] = np.array([7, 4], np.int64)
+        check_op(nodes, ["N", 2, 5, 6], [(2, 2, 5, 6), (1, 2, 5, 6)], inits, 19)

@@ -73,8 +73,9 @@ def test_split_then_read_at_negative_and_positive_positions():
 
 def test_split_along_the_dynamic_axis_insert_erase_and_stack():
     """``SplitToSequence`` into ``N`` rows (``keepdims=0``: as many elements as the batch),
-    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0`` and of the last
-    (no position), stacked back: the positions move with the length."""
+    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0``, of the last (no
+    position) and at ``-3`` (an int32 of shape ``[1]``), stacked back: the positions move with
+    the length."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
              helper.make_node("SplitToSequence", ["xs"], ["seq"], axis=0, keepdims=0),
              helper.make_node("Mul", ["t", "t"], ["tt"]),
@@ -82,18 +83,21 @@ def test_split_along_the_dynamic_axis_insert_erase_and_stack():
              helper.make_node("SequenceInsert", ["ins", "t"], ["ins2"]),
              helper.make_node("SequenceErase", ["ins2", "zero"], ["er"]),
              helper.make_node("SequenceErase", ["er"], ["er2"]),
-             helper.make_node("ConcatFromSequence", ["er2"], ["y"], axis=0, new_axis=1)]
+             helper.make_node("SequenceErase", ["er2", "minus3"], ["er3"]),
+             helper.make_node("ConcatFromSequence", ["er3"], ["y"], axis=0, new_axis=1)]
 
-    def torch_fn(x, s, t, minus1, zero):
+    def torch_fn(x, s, t, minus1, zero, minus3):
         import torch
 
         rows = list(torch.unbind(x * s, 0))
         rows.insert(len(rows) - 1, t * t)
         rows.append(t)
         rows = rows[1:-1]
+        rows.pop(len(rows) - 3)
         return torch.stack(rows, 0)
 
-    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64)}
+    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64),
+             "minus3": np.array([-3], np.int32)}
     check_op(nodes, ["N", 3], [(3, 3), (5, 3)], inits, 17, torch_fn=torch_fn)
 
 

@@ -180,6 +180,34 @@ def test_sequence_map_with_a_whole_tensor_and_an_outer_param():
     check_op(nodes, ["N", 3], [(2, 3), (4, 3)], _scales("s", "u", "c"), 17, torch_fn=torch_fn)
 
 
+def test_a_loop_carrying_a_sequence_is_refused_by_name():
+    """The ``Loop`` rule saves each iteration's states as tensors: a sequence state is named
+    before anything runs, not a session that fails to build."""
+    from onnx import numpy_helper
+
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"]),
+                              helper.make_node("Identity", ["seq_in"], ["seq_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_in", seq_type)],
+                             [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_out", seq_type)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("SequenceConstruct", ["xs"], ["seq"]),
+             helper.make_node("Loop", ["trips", "", "seq"], ["looped"], body=body),
+             helper.make_node("ConcatFromSequence", ["looped"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "s"),
+                               numpy_helper.from_array(np.array(2, np.int64), "trips")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.ones((2, 3), np.float32)
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    missing = check_gradients(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
+    assert [m.op for m in missing] == ["Loop"] and "tensor states only" in missing[0].reason
+
+
 def test_every_default_domain_sequence_and_optional_op_has_a_rule_or_a_declaration():
     ops = ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase", "ConcatFromSequence",
            "SplitToSequence", "Optional", "OptionalGetElement", "Unique", "SequenceMap")

@@ -1,4 +1,5 @@
-"""Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`)
+"""Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`),
+the scatters' ``mul`` / ``max`` / ``min`` reductions (:mod:`onnxparam.autodiff._rules_scatter`)
 and of the sampling forms ``GridSample`` (bicubic, reflection, 3-D), ``Resize``
 (``tf_crop_and_resize``), ``MaxRoiPool`` and ``RoiAlign`` (max) (:mod:`onnxparam.autodiff._rules_sampling`).
 
@@ -337,3 +338,67 @@ def test_roi_align_max_input_gradient_on_a_dynamic_feature_map(sampling_ratio, m
 
     inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1)), "b": RNG.uniform(-0.5, 0.5, (1, 1, 1, 6))}
     check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 16, extra_inputs=[rois, bi], extra=extra)
+
+
+@pytest.mark.parametrize("policy,mode,dynamic", [("not_larger", "linear", True), ("not_smaller", "cubic", False),
+                                                 pytest.param("not_smaller", "nearest", True, marks=pytest.mark.slow)])
+def test_resize_keep_aspect_ratio_policy(policy, mode, dynamic):
+    """``keep_aspect_ratio_policy``: one scale for both axes from the limiting one, ``round(s n)``
+    outputs; sizes fed at run time on a dynamic image, or constant on a static one."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "", "sizes"], ["y"], mode=mode, axes=[2, 3],
+                              keep_aspect_ratio_policy=policy)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1))}
+    if dynamic:
+        sizes = helper.make_tensor_value_info("sizes", I64, [2])
+        check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 7, 6)], inits, 19, extra_inputs=[sizes],
+                 extra=lambda shape: {"sizes": np.array([shape[2] + 3, shape[3] - 2], np.int64)})
+    else:
+        inits["sizes"] = np.array([7, 4], np.int64)
+        check_op(nodes, ["N", 2, 5, 6], [(2, 2, 5, 6), (1, 2, 5, 6)], inits, 19)
+
+
+# -- ScatterND / ScatterElements with mul / max / min ------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mul", "max", pytest.param("min", marks=pytest.mark.slow)])
+def test_scatter_elements_reductions_with_duplicate_indices(reduction):
+    """``data = x * s`` gets ``updates = u + b`` along axis 1, two updates per row at one index;
+    for ``mul`` one update is exactly 0 (the product of the others then carries the gradient).
+    The batch changes; torch's ``scatter_reduce`` (``include_self=True``) autograd too."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Add", ["u", "b"], ["upd"]),
+             helper.make_node("ScatterElements", ["data", "idx", "upd"], ["y"], axis=1, reduction=reduction)]
+    b = RNG.uniform(-0.5, 0.5, (3,))
+    inits = {"s": RNG.uniform(0.5, 1.5, (5,)), "b": b}
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["N", 3]), helper.make_tensor_value_info("u", D, ["N", 3])]
+
+    def extra(shape):
+        n = shape[0]
+        u = RNG.uniform(-2, 2, (n, 3))
+        if reduction == "mul":
+            u[0, 1] = -b[1]
+        idx = np.stack([RNG.permutation(5)[:2] for _ in range(n)])
+        return {"idx": np.concatenate([idx, idx[:, 1:]], axis=1).astype(np.int64), "u": u}
+
+    def torch_fn(x, idx, u, s, b):
+        names = {"mul": "prod", "max": "amax", "min": "amin"}
+        return (x * s).scatter_reduce(1, idx, u + b, names[reduction], include_self=True)
+
+    check_op(nodes, ["N", 5], [(2, 5), (4, 5)], inits, 18, torch_fn=torch_fn, extra_inputs=extra_inputs, extra=extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["mul", "max"])
+def test_scatternd_reductions_of_rows(reduction):
+    """Whole rows (indices ``[M, 1]``, one row twice) into ``[N, 4]``; finite differences."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Mul", ["u", "b"], ["upd"]),
+             helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"], reduction=reduction)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (4,)), "b": RNG.uniform(0.5, 1.5, (4,))}
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["M", 1]), helper.make_tensor_value_info("u", D, ["M", 4])]
+
+    def extra(shape):
+        n = shape[0]
+        return {"idx": np.array([[0], [n - 1], [0]], np.int64), "u": RNG.uniform(-2, 2, (3, 4))}
+
+    check_op(nodes, ["N", 4], [(2, 4), (3, 4)], inits, 18, extra_inputs=extra_inputs, extra=extra)

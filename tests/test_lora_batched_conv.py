@@ -281,8 +281,8 @@ def test_a_bias_only_spare_slot_is_written_with_zero_factors_and_a_grouped_b_off
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
     depthwise = targets["depthwise.weight"]
     params[depthwise["b"]][2, 0, 5] = 0.5  # row 0 is group 0's, column 5 group 5's
-    with pytest.raises(RecordError, match=r"slot 2 \('two'\): the b stack of 'depthwise.weight' \(a conv with "
-                                          r"groups=6\) is not zero outside each group's 2 rows"):
+    with pytest.raises(RecordError, match=r"slot 2 \('two'\): the stacks of 'depthwise.weight': b is not zero "
+                                          r"outside each group's 2 rows at rank 12 \(a conv with groups=6\)"):
         write_batched_peft(params, tmp_path / "refused", model=path, names=names)
 
 
@@ -322,3 +322,17 @@ def test_cli_lora_check_of_grouped_conv_stacks(grouped, tmp_path):
     over = {k: np.concatenate([v, v[1:2]]) for k, v in params.items()}  # 6 slots, capacity 4
     code, _, err = run_cli("lora", "check", path, write_onnx_adapter(over, tmp_path / "over.onnx_adapter"))
     assert code == 1 and "the stacks hold 6 slots; the export's capacity is 4 adapters" in err, err
+
+
+def test_grouped_conv_adapters_saved_by_save_peft_adapters_load_in_peft(grouped, tmp_path):
+    """A module's named adapters on grouped / depthwise convs written by ``save_peft_adapters``
+    (PEFT's own alphas and ranks): PEFT loads them and its mixed batch equals PEFT's on the
+    source adapters."""
+    from onnxparam import save_peft_adapters
+
+    module, x, expected, _, _, _, model = grouped
+    out = save_peft_adapters(module, tmp_path / "saved")
+    written = peft_with_adapters(model, {name: out / name for name in GROUPED})
+    with torch.no_grad():
+        got = written(torch.from_numpy(x), adapter_names=list(GROUPED_ROWS)).numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)

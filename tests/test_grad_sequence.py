@@ -73,8 +73,9 @@ def test_split_then_read_at_negative_and_positive_positions():
 
 def test_split_along_the_dynamic_axis_insert_erase_and_stack():
     """``SplitToSequence`` into ``N`` rows (``keepdims=0``: as many elements as the batch),
-    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0`` and of the last
-    (no position), stacked back: the positions move with the length."""
+    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0``, of the last (no
+    position) and at ``-3`` (an int32 of shape ``[1]``), stacked back: the positions move with
+    the length."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
              helper.make_node("SplitToSequence", ["xs"], ["seq"], axis=0, keepdims=0),
              helper.make_node("Mul", ["t", "t"], ["tt"]),
@@ -82,18 +83,21 @@ def test_split_along_the_dynamic_axis_insert_erase_and_stack():
              helper.make_node("SequenceInsert", ["ins", "t"], ["ins2"]),
              helper.make_node("SequenceErase", ["ins2", "zero"], ["er"]),
              helper.make_node("SequenceErase", ["er"], ["er2"]),
-             helper.make_node("ConcatFromSequence", ["er2"], ["y"], axis=0, new_axis=1)]
+             helper.make_node("SequenceErase", ["er2", "minus3"], ["er3"]),
+             helper.make_node("ConcatFromSequence", ["er3"], ["y"], axis=0, new_axis=1)]
 
-    def torch_fn(x, s, t, minus1, zero):
+    def torch_fn(x, s, t, minus1, zero, minus3):
         import torch
 
         rows = list(torch.unbind(x * s, 0))
         rows.insert(len(rows) - 1, t * t)
         rows.append(t)
         rows = rows[1:-1]
+        rows.pop(len(rows) - 3)
         return torch.stack(rows, 0)
 
-    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64)}
+    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64),
+             "minus3": np.array([-3], np.int32)}
     check_op(nodes, ["N", 3], [(3, 3), (5, 3)], inits, 17, torch_fn=torch_fn)
 
 
@@ -174,6 +178,34 @@ def test_sequence_map_with_a_whole_tensor_and_an_outer_param():
         return (x * s) ** 2 * u + c
 
     check_op(nodes, ["N", 3], [(2, 3), (4, 3)], _scales("s", "u", "c"), 17, torch_fn=torch_fn)
+
+
+def test_a_loop_carrying_a_sequence_is_refused_by_name():
+    """The ``Loop`` rule saves each iteration's states as tensors: a sequence state is named
+    before anything runs, not a session that fails to build."""
+    from onnx import numpy_helper
+
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"]),
+                              helper.make_node("Identity", ["seq_in"], ["seq_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_in", seq_type)],
+                             [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_out", seq_type)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("SequenceConstruct", ["xs"], ["seq"]),
+             helper.make_node("Loop", ["trips", "", "seq"], ["looped"], body=body),
+             helper.make_node("ConcatFromSequence", ["looped"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "s"),
+                               numpy_helper.from_array(np.array(2, np.int64), "trips")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.ones((2, 3), np.float32)
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    missing = check_gradients(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
+    assert [m.op for m in missing] == ["Loop"] and "tensor states only" in missing[0].reason
 
 
 def test_every_default_domain_sequence_and_optional_op_has_a_rule_or_a_declaration():

@@ -196,9 +196,9 @@ def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_through_module_call(
 
 
 def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged(grouped, tmp_path):
-    """One active adapter (``module(x)`` in ``lora_mode="keep"`` / ``"inputs"``, a ``"keep"``
-    export) equals PEFT's forward with that adapter; merging it (``module(x)``'s default
-    ``"merge"``, a ``"merge"`` export) is refused: it is no weight delta, PEFT refuses too."""
+    """One active adapter (``module(x)`` in every ``lora_mode``: ``"merge"``, the default, runs
+    it as ``"keep"``; a ``"keep"`` export) equals PEFT's forward with that adapter; a
+    ``"merge"`` export is refused naming the weight: it is no weight delta, PEFT refuses too."""
     from onnxparam.runtime import SessionConfig, set_session_config
 
     module, x, _, _, _, reference, _ = grouped
@@ -207,13 +207,10 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
         expected = reference(torch.from_numpy(x), adapter_names=["two"] * len(x)).numpy()
     kept = export_onnx(active, tmp_path / "keep.onnx", x[:2], lora="keep")
     np.testing.assert_allclose(session(kept).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
-    for mode in ("keep", "inputs"):
+    for mode in ("keep", "inputs", "merge"):
         set_session_config(active, SessionConfig(lora_mode=mode))
         np.testing.assert_allclose(active(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0, err_msg=mode)
     set_session_config(active, SessionConfig())
-    with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be "
-                                        r"merged.*lora_mode='keep'"):
-        active(Tensor.from_numpy(x))
     with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be merged"):
         export_onnx(active, tmp_path / "merged.onnx", x[:2], lora="merge")
 
@@ -336,3 +333,29 @@ def test_grouped_conv_adapters_saved_by_save_peft_adapters_load_in_peft(grouped,
     with torch.no_grad():
         got = written(torch.from_numpy(x), adapter_names=list(GROUPED_ROWS)).numpy()
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "inputs"])
+def test_a_grouped_conv_branch_imports_back_as_the_adapter(grouped, tmp_path, mode):
+    """A ``"keep"`` export of a module with grouped / depthwise conv adapters imports back with
+    the adapters on their weights (the branch removed from the graph): its ``module(x)`` and
+    its re-export run in plain ONNX Runtime equal PEFT's forward with that adapter. An
+    ``"inputs"`` export's zero-rank defaults import as the base model (the torch model's
+    output), no branch left."""
+    module, x, _, plain, _, reference, _ = grouped
+    active = module.set_adapter("one")
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x), adapter_names=["one"] * len(x)).numpy()
+    back = import_onnx(export_onnx(active, tmp_path / f"{mode}.onnx", x[:2], lora=mode))
+    adapted = {path for path, p in back.named_params() if p.adapter() is not None}
+    factors = {f"{w}.lora.{f}" for w in adapted for f in "ab"}
+    assert {path for path, _ in back.named_params()} - factors == {
+        "grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    if mode == "inputs":
+        assert not adapted
+        np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), plain, atol=ATOL, rtol=0)
+        return
+    assert adapted == {"grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0)
+    again = export_onnx(back, tmp_path / "again.onnx", x[:2], lora="keep")
+    np.testing.assert_allclose(session(again).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)

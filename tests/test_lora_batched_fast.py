@@ -108,3 +108,26 @@ def test_another_adapter_set_or_a_param_swapped_in_place_is_never_served_stale()
     layers = [layers[0], _values(fresh)]
     for _ in range(2):
         _check(module(xt, adapter_index=names).to_numpy(), x, layers, sources, names)
+
+
+def test_a_served_index_array_is_checked_on_the_fast_path():
+    """An int array index on a repeated call: any integer dtype is taken (rows as the numpy
+    oracle), an entry outside ``[0, slots)`` (negative, or past the last adapter) is a
+    ``LoraError`` naming it, as on the first call."""
+    import pytest
+
+    from onnxparam import LoraError
+
+    base = Net()
+    sources = {name: _source(base, r, alpha, 50 + k) for k, (name, (r, alpha)) in enumerate(RANKS.items())}
+    module = base.add_adapter("p", sources["p"]).add_adapter("q", sources["q"])
+    layers = [_values(base.fc1), _values(base.fc2)]
+    x = np.random.default_rng(3).normal(size=(3, 5)).astype(np.float32)
+    xt = Tensor.from_numpy(x)
+    for _ in range(2):
+        for dtype in (np.int64, np.uint8, np.int32):
+            got = module(xt, adapter_index=np.array([2, 0, 1], dtype)).to_numpy()
+            _check(got, x, layers, sources, ["q", None, "p"])
+        for bad in ([0, -1, 1], [3, 0, 1]):
+            with pytest.raises(LoraError, match=f"adapter_index {bad[1] if bad[1] < 0 else bad[0]} is outside"):
+                module(xt, adapter_index=np.array(bad, np.int64))

@@ -972,6 +972,14 @@ def index_array(index, stacks: AdapterStacks) -> np.ndarray:
     Raises:
         LoraError: an unknown name, an index outside ``[0, slots)``, or not 1-d.
     """
+    if type(index) is np.ndarray and index.ndim == 1 and index.dtype.kind in "iu":
+        # NOTE: a served call's index, checked with the fewest library calls (each costs tens of
+        # microseconds right after a run has evicted them from the caches); an entry outside
+        # [0, slots) is named by index_of below
+        entries = index.tolist()
+        if entries and min(entries) >= 0 and max(entries) < stacks.slots:
+            return index if index.dtype == np.int64 else index.astype(np.int64)
+        return np.asarray([stacks.index_of(e) for e in entries], dtype=np.int64)
     from ..core.tensor import Tensor
 
     if isinstance(index, Tensor):

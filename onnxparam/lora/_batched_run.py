@@ -106,7 +106,9 @@ def call_batched(module, args: tuple, kwargs: dict):
                 runner.batched[2] == getattr(module, _ACTIVE_ATTR, None) and entry.params_current(module):
             rows = index_array(index, runner.batched[0])
             _check_rows(module, rows, leaves)
-            return _with_index(runner, rows).run(leaves)
+            if runner._needs_ortvalues:
+                return _with_index(runner, rows).run(leaves)
+            return runner.run(leaves, {INDEX_INPUT: rows})
     stacks = _runtime_stacks(module)
     rows = index_array(index, stacks)
     with batched_options(BatchedLora(), fed=True):

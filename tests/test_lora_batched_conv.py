@@ -333,3 +333,29 @@ def test_grouped_conv_adapters_saved_by_save_peft_adapters_load_in_peft(grouped,
     with torch.no_grad():
         got = written(torch.from_numpy(x), adapter_names=list(GROUPED_ROWS)).numpy()
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "inputs"])
+def test_a_grouped_conv_branch_imports_back_as_the_adapter(grouped, tmp_path, mode):
+    """A ``"keep"`` export of a module with grouped / depthwise conv adapters imports back with
+    the adapters on their weights (the branch removed from the graph): its ``module(x)`` and
+    its re-export run in plain ONNX Runtime equal PEFT's forward with that adapter. An
+    ``"inputs"`` export's zero-rank defaults import as the base model (the torch model's
+    output), no branch left."""
+    module, x, _, plain, _, reference, _ = grouped
+    active = module.set_adapter("one")
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x), adapter_names=["one"] * len(x)).numpy()
+    back = import_onnx(export_onnx(active, tmp_path / f"{mode}.onnx", x[:2], lora=mode))
+    adapted = {path for path, p in back.named_params() if p.adapter() is not None}
+    factors = {f"{w}.lora.{f}" for w in adapted for f in "ab"}
+    assert {path for path, _ in back.named_params()} - factors == {
+        "grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    if mode == "inputs":
+        assert not adapted
+        np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), plain, atol=ATOL, rtol=0)
+        return
+    assert adapted == {"grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0)
+    again = export_onnx(back, tmp_path / "again.onnx", x[:2], lora="keep")
+    np.testing.assert_allclose(session(again).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)

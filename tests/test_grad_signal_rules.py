@@ -236,14 +236,15 @@ def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
 # -- GridSample: bicubic, reflection, 3-D -------------------------------------------------------------
 
 
-def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1):
+def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1, opset=20):
     """``GridSample(x * s, grid * sg)`` (so the grid's gradient is checked too), the grid reaching
-    ``reach`` past the image's normalized edge; batch, image and grid sizes change."""
+    ``reach`` past the image's normalized edge; batch, image and grid sizes change. Below opset
+    20 the modes are ``bilinear`` / ``bicubic`` and ORT runs float32 only."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
              helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
     inits = {"s": RNG.uniform(0.5, 1.5, (1, 2) + (1,) * k_dims), "sg": RNG.uniform(0.8, 1.2, (k_dims,))}
     out_dims = ["N"] + [f"O{j}" for j in range(k_dims)] + [k_dims]
-    grid = helper.make_tensor_value_info("grid", D, out_dims)
+    grid = helper.make_tensor_value_info("grid", D if opset >= 20 else F, out_dims)
     if k_dims == 2:
         shapes = [(2, 2, 4, 5), (1, 2, 5, 3)]
     else:
@@ -256,11 +257,11 @@ def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1
     def torch_fn(x, grid, s, sg):
         import torch
 
-        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest"}
+        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest", "bicubic": "bicubic"}
         return torch.nn.functional.grid_sample(x * s, grid * sg, mode=names[mode], padding_mode=padding,
                                                align_corners=bool(align))
 
-    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, 20,
+    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, opset,
              torch_fn=torch_fn if torch_check else None, extra_inputs=[grid], extra=extra)
 
 
@@ -279,6 +280,13 @@ def test_grid_sample_2d_bicubic_border_and_reflection(padding, align):
     """Bicubic with border / reflection padding: ONNX Runtime (as PyTorch) pads each tap, not the
     sample point (ONNX's reference pads both: a different function near the edges)."""
     _grid_sample_case("cubic", padding, align, 2, reach=1.6)
+
+
+@pytest.mark.slow
+def test_grid_sample_bicubic_at_opset_16():
+    """Opset 16's mode names; float32 (ORT's only GridSample-16 kernel), so zeros padding: no
+    reflection kinks within the finite-difference step."""
+    _grid_sample_case("bicubic", "zeros", 1, 2, opset=16)
 
 
 @pytest.mark.parametrize("mode,padding,align", [

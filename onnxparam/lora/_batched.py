@@ -62,9 +62,10 @@ channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
 Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched``: width 512, 8 rows
-over 4 adapters of ranks 8 / 16, capacity 4). At one token per row a batched run takes 1.20-1.25x
-a single-adapter ``"inputs"`` run of the same batch (rank 16), about half the time of the 4 runs
-a server makes splitting the rows by adapter; at 64 tokens per row about the time of either
+over 4 adapters of ranks 8 / 16, capacity 4; thread CPU time, 1-minute load 2-11 on 2 cores).
+At one token per row a batched run takes 1.21-1.33x a single-adapter ``"inputs"`` run of the same
+batch (rank 16), 0.48-0.59 of the 4 runs a server makes splitting the rows by adapter; at 64
+tokens per row about the time of either
 (the same multiply-adds). At one token per row both runs do the same multiply-adds (every row at
 the padded rank 16) but read different bytes: the base's ~12.6 MB and, per adapter used, its
 zero-padded factors (~0.6 MB at rank 16); counted in bytes read, four adapters instead of one put

@@ -231,6 +231,8 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
     set_session_config(active, SessionConfig())
     with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be merged"):
         export_onnx(active, tmp_path / "merged.onnx", x[:2], lora="merge")
+    with pytest.raises(LoraError, match=r"'grouped.weight': .*grouped convolution.*groups=2.*cannot be merged"):
+        active.merge_lora()
 
 
 # -- the stacked set written back as PEFT's multi-adapter folder ------------------------------------

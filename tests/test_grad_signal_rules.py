@@ -68,6 +68,36 @@ def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interlea
     assert counts["graphs"] == counts["sessions"] <= 2, counts
 
 
+@pytest.mark.parametrize("offset", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_contrib_rotary_embedding_cache_gradients(offset):
+    """ONNX Runtime's ``com.microsoft`` ``RotaryEmbedding`` (caches after ``position_ids``): with
+    ``[B, S]`` positions and ``num_heads``, or a one-element start offset and heads of twice the
+    caches' width; the caches unfrozen; batch and sequence change; float32."""
+    import onnxparam as op
+    from onnx import numpy_helper
+    from grad_check import check_model_grads
+
+    attrs = {} if offset else {"num_heads": 2}
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("RotaryEmbedding", ["xs", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                              **attrs)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (8,)), "cos": RNG.uniform(-1, 1, (9, 2)), "sin": RNG.uniform(-1, 1, (9, 2))}
+    pos = helper.make_tensor_value_info("pos", I64, [1] if offset else ["N", "S"])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", "S", 8]), pos],
+                              [helper.make_tensor_value_info("y", F, None)],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    module = op.import_onnx(model)
+    module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
+
+    def feed(n, s):
+        p = np.array([2], np.int64) if offset else RNG.integers(0, 9, (n, s)).astype(np.int64)
+        return {"x": RNG.uniform(-1, 1, (n, s, 8)).astype(np.float32), "pos": p}
+
+    check_model_grads(model, [feed(2, 3), feed(3, 5)], eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
+
+
 # -- DFT ------------------------------------------------------------------------------------------
 
 
@@ -379,7 +409,8 @@ def test_scatter_elements_reductions_with_duplicate_indices(reduction):
              helper.make_node("ScatterElements", ["data", "idx", "upd"], ["y"], axis=1, reduction=reduction)]
     b = RNG.uniform(-0.5, 0.5, (3,))
     inits = {"s": RNG.uniform(0.5, 1.5, (5,)), "b": b}
-    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["N", 3]), helper.make_tensor_value_info("u", D, ["N", 3])]
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["N", 3]),
+                    helper.make_tensor_value_info("u", D, ["N", 3])]
 
     def extra(shape):
         n = shape[0]
@@ -403,7 +434,8 @@ def test_scatternd_reductions_of_rows(reduction):
     nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Mul", ["u", "b"], ["upd"]),
              helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"], reduction=reduction)]
     inits = {"s": RNG.uniform(0.5, 1.5, (4,)), "b": RNG.uniform(0.5, 1.5, (4,))}
-    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["M", 1]), helper.make_tensor_value_info("u", D, ["M", 4])]
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["M", 1]),
+                    helper.make_tensor_value_info("u", D, ["M", 4])]
 
     def extra(shape):
         n = shape[0]

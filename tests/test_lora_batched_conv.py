@@ -379,3 +379,34 @@ def test_a_grouped_conv_branch_imports_back_as_the_adapter(grouped, tmp_path, mo
     np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0)
     again = export_onnx(back, tmp_path / "again.onnx", x[:2], lora="keep")
     np.testing.assert_allclose(session(again).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
+
+
+def test_grouped_conv_adapter_gradients_equal_torch_autograd_through_peft(tmp_path):
+    """Training a grouped / depthwise conv's adapter here: the loss and the gradients of ``a``
+    and ``b`` equal torch autograd through PEFT (``b``'s within each group's block; zero outside,
+    so training keeps PEFT's grouped ``lora_B``), within 1e-4."""
+    from onnxparam.autodiff import grad, mse
+
+    model = randomize(GroupedNet().eval(), seed=11)
+    reference = peft_lora(model, list(GROUPED_TARGETS), 6, 5, seed=3, folder=tmp_path / "a",
+                          rank_pattern={"grouped": 2})
+    ours = load_peft_adapter(import_onnx(export_net(model, (4, 6, 6), tmp_path / "net.onnx")), tmp_path / "a")
+    rng = np.random.default_rng(2)
+    x, t = rng.normal(size=(4, 4, 6, 6)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)
+    loss, grads = grad(lambda m, x, t: mse(m(x), t), ours, x, t)
+    got = grads.by_path()
+    expected = torch.mean((reference(torch.from_numpy(x)) - torch.from_numpy(t)) ** 2)
+    expected.backward()
+    np.testing.assert_allclose(float(loss.to_numpy()), float(expected.detach()), rtol=1e-5)
+    torch_grads = {n.replace("base_model.model.", ""): p.grad.numpy() for n, p in reference.named_parameters()
+                   if p.grad is not None}
+    for m, groups in (("grouped", 2), ("depthwise", 6)):
+        A, B = torch_grads[f"{m}.lora_A.default.weight"], torch_grads[f"{m}.lora_B.default.weight"]
+        rank, per_in, per_out = A.shape[0], B.shape[1], B.shape[0] // groups
+        np.testing.assert_allclose(got[f"{m}.weight.lora.a"].to_numpy(), A.reshape(rank, -1).T, rtol=1e-4, atol=1e-6,
+                                   err_msg=m)
+        dense = np.zeros((rank, B.shape[0]), np.float32)  # PEFT's grouped lora_B as this library's b
+        for g in range(groups):
+            rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
+            dense[rows, cols] = B[cols, :, 0, 0].T
+        np.testing.assert_allclose(got[f"{m}.weight.lora.b"].to_numpy(), dense, rtol=1e-4, atol=1e-6, err_msg=m)

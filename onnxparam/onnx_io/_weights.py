@@ -18,9 +18,13 @@ A candidate is a weight when (:func:`is_weight`):
    does being a graph output or having no use at all;
 3. a non-float candidate has more than :data:`MAX_INLINE_CONSTANT_ELEMENTS` elements (quantized
    weights are large; index and shape vectors are small);
-4. it has rank >= 1: a 0-d tensor is a literal of an expression (the ``0.2`` of a
-   hard-sigmoid, ``1/sqrt(d)``), while exporters store learned tensors, even 1-element ones,
-   with a shape (``mobile_one_block_0.w_0`` in PP-OCRv4 is ``[1]``).
+4. a 0-d tensor held by a ``Constant`` node is a literal of an expression (the ``0.2`` of a
+   hard-sigmoid, ``1/sqrt(d)``: TorchScript's ``/Constant_output_0``), not a weight. A 0-d
+   float **initializer** is a weight: PyTorch exporters write a scalar ``nn.Parameter``
+   (a pre-emphasis coefficient, a learned logit scale, a ReZero alpha) as one, under its
+   state-dict name. Exporters write their own scalar constants as initializers too (dynamo's
+   ``val_3``): those import as frozen params, listed in ``OnnxModule.onnx_tables`` with the
+   evidence (:func:`onnxparam.autodiff._tables.find_scalar_constants`).
 
 5. rules 2-4 do not apply to the codes, scale and zero point of a quantized weight (the
    constant data, scale and zero-point inputs of ``DequantizeLinear``, the weight inputs of
@@ -254,8 +258,8 @@ def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
         return False
     if feeds_quantized_weight(value):
         return True  # rule 5: codes, scales and zero points of a quantized weight, any size or rank
-    if len(shape) == 0 or reads_as_shape(value):
-        return False
+    if (len(shape) == 0 and (value.producer() is not None or not dtype.is_float)) or reads_as_shape(value):
+        return False  # rule 4: a 0-d Constant is a literal; a 0-d float initializer may be a param
     if not dtype.is_float and size <= MAX_INLINE_CONSTANT_ELEMENTS:
         return False
     return not _only_non_differentiable_uses(value, opsets)

@@ -196,3 +196,13 @@ def test_without_exporter_marks_names_and_uses_decide_and_ints_stay_constants():
                     op.Tensor.from_numpy(np.array(1, np.int64)))
     assert set(grads.by_path()) == {"scale"}
     np.testing.assert_allclose(grads.by_path()["scale"].to_numpy(), np.sum(2 * 1.5 * (0.5 * x) ** 2), rtol=1e-6)
+
+
+def test_quantizing_even_at_min_rank_0_leaves_the_scalars_float(exported):
+    from onnxparam.core.dtype import DType
+    from onnxparam.quant import Quantizer
+
+    _, path, _ = exported
+    q = dict(op.import_onnx(path).quantize_weights(Quantizer(min_rank=0)).named_params())
+    assert q["pre"].lazy_dtype() is DType.F32 and q["blk.alpha"].lazy_dtype() is DType.F32
+    assert q["fc.weight"].lazy_dtype() is DType.QFloat

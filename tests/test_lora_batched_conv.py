@@ -189,6 +189,24 @@ def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_in_onnx_runtime(grou
     assert check_batched_adapters(path, module)
 
 
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_a_negative_index_fails_in_ort_on_grouped_and_depthwise_convs(grouped, tmp_path, capacity):
+    """fresh6 F1: plain ONNX Runtime refuses a negative entry (``-1``: the last adapter, or a
+    spare slot with capacity 5) instead of reading it from the end; the valid rows of the same
+    session stay PEFT's mixed batch."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    module, x, expected, *_ = grouped
+    lora = "batched" if capacity is None else BatchedLora(capacity=capacity)
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora=lora)
+    sess = session(path)
+    for bad in ([-1] * len(x), [-1]):
+        with pytest.raises((Fail, InvalidArgument), match="Gather_negative_index_refused"):
+            sess.run(None, {"x": x, "adapter_index": np.array(bad, dtype=np.int64)})
+    got, _ = run_batched(path, x, GROUPED_ROWS, GROUPED)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_through_module_call(grouped):
     module, x, expected, *_ = grouped
     got = module(Tensor.from_numpy(x), adapter_index=[None if n == "__base__" else n for n in GROUPED_ROWS])

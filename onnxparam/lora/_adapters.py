@@ -403,14 +403,23 @@ def _nothing_adapted(module, config: LoraConfig, skipped: dict) -> str:
     return f"apply_lora (rank {config.rank}): no param of {name} got a LoRA adapter: " + "; ".join(reasons)
 
 
-def merge_param(param: Param) -> Param:
+def merge_param(param: Param, path: Optional[str] = None) -> Param:
     """``param`` with its adapter folded in (``base + scale * a @ b``); unchanged without one.
 
     A quantized base is dequantized first, so the merged weight is float.
+
+    Raises:
+        LoraError: an adapter that is no weight delta (a grouped convolution's,
+            :meth:`LoraAdapter.merges_into`), naming ``path`` when given.
     """
     if param.adapter() is None:
         return param
-    merged = param.val()
+    try:
+        merged = param.val()
+    except LoraError as e:
+        if path is None:
+            raise
+        raise LoraError(f"{path!r}: {e}") from e
     return Param(param.id, value=merged, require_grad=param.require_grad, mapper=param._mapper)
 
 

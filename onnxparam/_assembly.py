@@ -121,7 +121,7 @@ def valid(self) -> "Module":
     from .core.module import rebuild
     from .lora import _adapters as lora
 
-    return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p),
+    return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p, path),
                                 lambda path, m: object.__setattr__(m, "_training", False)),
                         lora.LoraAdapterSet(), None)
 
@@ -236,7 +236,7 @@ def merge_lora(self) -> "Module":
     from .core.module import rebuild
     from .lora import _adapters as lora
 
-    return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p)), lora.LoraAdapterSet(), None)
+    return lora._owning(rebuild(self, lambda path, p: lora.merge_param(p, path)), lora.LoraAdapterSet(), None)
 
 
 

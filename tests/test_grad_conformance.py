@@ -38,9 +38,10 @@ SAMPLE = (
     "test_tensorscatter_circular", "test_averagepool_2d_ceil_last_window_starts_on_pad",
     "test_dft_irfft", "test_rotary_embedding_with_interleaved_rotary_dim", "test_stft_with_window",
     "test_resize_tf_crop_and_resize_axes_3_2", "test_gridsample_bicubic", "test_gridsample_reflection_padding",
+    "test_resize_upsample_sizes_nearest_not_smaller", "test_scatternd_max", "test_scatter_elements_with_reduction_mul",
     "test_gridsample_volumetric_bilinear_align_corners_1",
     "test_split_to_sequence_1", "test_unique_sorted_with_axis", "test_identity_opt", "test_causal_conv_with_state_silu",
-    "test_linear_attention_gated_delta_gqa",
+    "test_linear_attention_gated_delta_gqa", "test_sequence_map_add_2_sequences",
 )
 
 

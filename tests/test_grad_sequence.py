@@ -1,6 +1,6 @@
 """Gradient rules of the sequence and optional operators and of ``Unique``
-(``onnxparam/autodiff/_rules_sequence.py``), and the up-front refusal of the operators without
-one (``SequenceMap``; ``SwiGLU``, which ONNX Runtime does not run).
+(``onnxparam/autodiff/_rules_sequence.py``, ``SequenceMap``: ``_rules_seqmap.py``), and the up-front refusal of the operators without
+one (``SwiGLU``, which ONNX Runtime does not run).
 
 Each case is a small ONNX model whose batch dim ``N`` is symbolic, differentiated at two input
 shapes with one training session (``check_op`` of ``tests/test_grad_more_rules.py``): oracles
@@ -20,7 +20,6 @@ from onnx import TensorProto, helper
 
 import onnxparam as op
 from onnxparam.autodiff import GRADIENT_OPS, NOT_DIFFERENTIABLE, check_gradients
-from onnxparam.core.errors import OnnxParamError
 from test_grad_more_rules import RNG, check_op
 
 
@@ -74,8 +73,9 @@ def test_split_then_read_at_negative_and_positive_positions():
 
 def test_split_along_the_dynamic_axis_insert_erase_and_stack():
     """``SplitToSequence`` into ``N`` rows (``keepdims=0``: as many elements as the batch),
-    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0`` and of the last
-    (no position), stacked back: the positions move with the length."""
+    ``SequenceInsert`` at ``-1`` (before the last), ``SequenceErase`` at ``0``, of the last (no
+    position) and at ``-3`` (an int32 of shape ``[1]``), stacked back: the positions move with
+    the length."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
              helper.make_node("SplitToSequence", ["xs"], ["seq"], axis=0, keepdims=0),
              helper.make_node("Mul", ["t", "t"], ["tt"]),
@@ -83,18 +83,21 @@ def test_split_along_the_dynamic_axis_insert_erase_and_stack():
              helper.make_node("SequenceInsert", ["ins", "t"], ["ins2"]),
              helper.make_node("SequenceErase", ["ins2", "zero"], ["er"]),
              helper.make_node("SequenceErase", ["er"], ["er2"]),
-             helper.make_node("ConcatFromSequence", ["er2"], ["y"], axis=0, new_axis=1)]
+             helper.make_node("SequenceErase", ["er2", "minus3"], ["er3"]),
+             helper.make_node("ConcatFromSequence", ["er3"], ["y"], axis=0, new_axis=1)]
 
-    def torch_fn(x, s, t, minus1, zero):
+    def torch_fn(x, s, t, minus1, zero, minus3):
         import torch
 
         rows = list(torch.unbind(x * s, 0))
         rows.insert(len(rows) - 1, t * t)
         rows.append(t)
         rows = rows[1:-1]
+        rows.pop(len(rows) - 3)
         return torch.stack(rows, 0)
 
-    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64)}
+    inits = {**_scales("s", "t"), "minus1": np.array(-1, np.int64), "zero": np.array(0, np.int64),
+             "minus3": np.array([-3], np.int32)}
     check_op(nodes, ["N", 3], [(3, 3), (5, 3)], inits, 17, torch_fn=torch_fn)
 
 
@@ -156,33 +159,57 @@ def test_onnx_runtime_does_not_run_swiglu_and_the_check_says_so():
     assert [(m.op, "ONNX Runtime does not implement SwiGLU" in m.reason) for m in missing] == [("SwiGLU", True)]
 
 
-def test_sequence_map_is_refused_by_name_with_the_reason():
-    body = helper.make_graph([helper.make_node("Mul", ["e", "e"], ["f"])], "body",
-                             [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
-                             [helper.make_tensor_value_info("f", TensorProto.FLOAT, None)])
+def test_sequence_map_with_a_whole_tensor_and_an_outer_param():
+    """``SequenceMap`` over the rows of ``x * s`` (as many as the batch) with a tensor ``u``
+    passed whole and a param ``c`` the body reads from outside: ``row^2 * u + c``; the
+    gradients of ``u`` and ``c`` are summed over the rows."""
+    body = helper.make_graph([helper.make_node("Mul", ["e", "e"], ["ee"]),
+                              helper.make_node("Mul", ["ee", "uu"], ["f"]),
+                              helper.make_node("Add", ["f", "c"], ["out"])], "body",
+                             [helper.make_tensor_value_info("e", TensorProto.DOUBLE, None),
+                              helper.make_tensor_value_info("uu", TensorProto.DOUBLE, None)],
+                             [helper.make_tensor_value_info("out", TensorProto.DOUBLE, None)])
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
-             helper.make_node("SplitToSequence", ["xs"], ["seq"], axis=0),
-             helper.make_node("SequenceMap", ["seq"], ["mapped"], body=body),
-             helper.make_node("ConcatFromSequence", ["mapped"], ["y"], axis=0)]
+             helper.make_node("SplitToSequence", ["xs"], ["seq"], axis=0, keepdims=0),
+             helper.make_node("SequenceMap", ["seq", "u"], ["mapped"], body=body),
+             helper.make_node("ConcatFromSequence", ["mapped"], ["y"], axis=0, new_axis=1)]
+
+    def torch_fn(x, s, u, c):
+        return (x * s) ** 2 * u + c
+
+    check_op(nodes, ["N", 3], [(2, 3), (4, 3)], _scales("s", "u", "c"), 17, torch_fn=torch_fn)
+
+
+def test_a_loop_carrying_a_sequence_is_refused_by_name():
+    """The ``Loop`` rule saves each iteration's states as tensors: a sequence state is named
+    before anything runs, not a session that fails to build."""
     from onnx import numpy_helper
 
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"]),
+                              helper.make_node("Identity", ["seq_in"], ["seq_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_in", seq_type)],
+                             [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_out", seq_type)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("SequenceConstruct", ["xs"], ["seq"]),
+             helper.make_node("Loop", ["trips", "", "seq"], ["looped"], body=body),
+             helper.make_node("ConcatFromSequence", ["looped"], ["y"], axis=0)]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(np.ones(3, np.float32), "s")])
+                              [numpy_helper.from_array(np.ones(3, np.float32), "s"),
+                               numpy_helper.from_array(np.array(2, np.int64), "trips")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = np.ones((2, 3), np.float32)
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    module = op.import_onnx(model)
-    missing = check_gradients(lambda m, a: m(a).sum(), module, op.Tensor.from_numpy(x))
-    assert [m.op for m in missing] == ["SequenceMap"] and "applied to each element" in missing[0].reason
-    from onnxparam.autodiff import grad
-
-    with pytest.raises(OnnxParamError, match="SequenceMap"):
-        grad(lambda m, a: m(a).sum(), module, op.Tensor.from_numpy(x))
+    missing = check_gradients(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
+    assert [m.op for m in missing] == ["Loop"] and "tensor states only" in missing[0].reason
 
 
 def test_every_default_domain_sequence_and_optional_op_has_a_rule_or_a_declaration():
     ops = ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase", "ConcatFromSequence",
-           "SplitToSequence", "Optional", "OptionalGetElement", "Unique")
+           "SplitToSequence", "Optional", "OptionalGetElement", "Unique", "SequenceMap")
     assert [o for o in ops if o not in GRADIENT_OPS] == []
     assert [o for o in ("SequenceEmpty", "SequenceLength", "OptionalHasElement") if o not in NOT_DIFFERENTIABLE] == []

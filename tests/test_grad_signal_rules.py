@@ -1,4 +1,5 @@
-"""Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`)
+"""Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`),
+the scatters' ``mul`` / ``max`` / ``min`` reductions (:mod:`onnxparam.autodiff._rules_scatter`)
 and of the sampling forms ``GridSample`` (bicubic, reflection, 3-D), ``Resize``
 (``tf_crop_and_resize``), ``MaxRoiPool`` and ``RoiAlign`` (max) (:mod:`onnxparam.autodiff._rules_sampling`).
 
@@ -65,6 +66,36 @@ def test_rotary_embedding_cache_gradients_on_dynamic_batch_and_sequence(interlea
              for n, s in [(2, 3), (3, 5)]]
     counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
     assert counts["graphs"] == counts["sessions"] <= 2, counts
+
+
+@pytest.mark.parametrize("offset", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_contrib_rotary_embedding_cache_gradients(offset):
+    """ONNX Runtime's ``com.microsoft`` ``RotaryEmbedding`` (caches after ``position_ids``): with
+    ``[B, S]`` positions and ``num_heads``, or a one-element start offset and heads of twice the
+    caches' width; the caches unfrozen; batch and sequence change; float32."""
+    import onnxparam as op
+    from onnx import numpy_helper
+    from grad_check import check_model_grads
+
+    attrs = {} if offset else {"num_heads": 2}
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("RotaryEmbedding", ["xs", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                              **attrs)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (8,)), "cos": RNG.uniform(-1, 1, (9, 2)), "sin": RNG.uniform(-1, 1, (9, 2))}
+    pos = helper.make_tensor_value_info("pos", I64, [1] if offset else ["N", "S"])
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["N", "S", 8]), pos],
+                              [helper.make_tensor_value_info("y", F, None)],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    module = op.import_onnx(model)
+    module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
+
+    def feed(n, s):
+        p = np.array([2], np.int64) if offset else RNG.integers(0, 9, (n, s)).astype(np.int64)
+        return {"x": RNG.uniform(-1, 1, (n, s, 8)).astype(np.float32), "pos": p}
+
+    check_model_grads(model, [feed(2, 3), feed(3, 5)], eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
 
 
 # -- DFT ------------------------------------------------------------------------------------------
@@ -235,14 +266,15 @@ def test_resize_tf_crop_and_resize_with_axes_and_run_time_sizes():
 # -- GridSample: bicubic, reflection, 3-D -------------------------------------------------------------
 
 
-def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1):
+def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1.1, opset=20):
     """``GridSample(x * s, grid * sg)`` (so the grid's gradient is checked too), the grid reaching
-    ``reach`` past the image's normalized edge; batch, image and grid sizes change."""
+    ``reach`` past the image's normalized edge; batch, image and grid sizes change. Below opset
+    20 the modes are ``bilinear`` / ``bicubic`` and ORT runs float32 only."""
     nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Mul", ["grid", "sg"], ["gs"]),
              helper.make_node("GridSample", ["xs", "gs"], ["y"], mode=mode, padding_mode=padding, align_corners=align)]
     inits = {"s": RNG.uniform(0.5, 1.5, (1, 2) + (1,) * k_dims), "sg": RNG.uniform(0.8, 1.2, (k_dims,))}
     out_dims = ["N"] + [f"O{j}" for j in range(k_dims)] + [k_dims]
-    grid = helper.make_tensor_value_info("grid", D, out_dims)
+    grid = helper.make_tensor_value_info("grid", D if opset >= 20 else F, out_dims)
     if k_dims == 2:
         shapes = [(2, 2, 4, 5), (1, 2, 5, 3)]
     else:
@@ -255,11 +287,11 @@ def _grid_sample_case(mode, padding, align, k_dims, *, torch_check=True, reach=1
     def torch_fn(x, grid, s, sg):
         import torch
 
-        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest"}
+        names = {"linear": "bilinear", "cubic": "bicubic", "nearest": "nearest", "bicubic": "bicubic"}
         return torch.nn.functional.grid_sample(x * s, grid * sg, mode=names[mode], padding_mode=padding,
                                                align_corners=bool(align))
 
-    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, 20,
+    check_op(nodes, ["N", 2] + [f"S{j}" for j in range(k_dims)], shapes, inits, opset,
              torch_fn=torch_fn if torch_check else None, extra_inputs=[grid], extra=extra)
 
 
@@ -278,6 +310,13 @@ def test_grid_sample_2d_bicubic_border_and_reflection(padding, align):
     """Bicubic with border / reflection padding: ONNX Runtime (as PyTorch) pads each tap, not the
     sample point (ONNX's reference pads both: a different function near the edges)."""
     _grid_sample_case("cubic", padding, align, 2, reach=1.6)
+
+
+@pytest.mark.slow
+def test_grid_sample_bicubic_at_opset_16():
+    """Opset 16's mode names; float32 (ORT's only GridSample-16 kernel), so zeros padding: no
+    reflection kinks within the finite-difference step."""
+    _grid_sample_case("bicubic", "zeros", 1, 2, opset=16)
 
 
 @pytest.mark.parametrize("mode,padding,align", [
@@ -337,3 +376,69 @@ def test_roi_align_max_input_gradient_on_a_dynamic_feature_map(sampling_ratio, m
 
     inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1, 1)), "b": RNG.uniform(-0.5, 0.5, (1, 1, 1, 6))}
     check_op(nodes, ["N", 3, "H", 6], [(2, 3, 5, 6), (3, 3, 7, 6)], inits, 16, extra_inputs=[rois, bi], extra=extra)
+
+
+@pytest.mark.parametrize("policy,mode,dynamic", [("not_larger", "linear", True), ("not_smaller", "cubic", False),
+                                                 pytest.param("not_smaller", "nearest", True, marks=pytest.mark.slow)])
+def test_resize_keep_aspect_ratio_policy(policy, mode, dynamic):
+    """``keep_aspect_ratio_policy``: one scale for both axes from the limiting one, ``round(s n)``
+    outputs; sizes fed at run time on a dynamic image, or constant on a static one."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Resize", ["xs", "", "", "sizes"], ["y"], mode=mode, axes=[2, 3],
+                              keep_aspect_ratio_policy=policy)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 2, 1, 1))}
+    if dynamic:
+        sizes = helper.make_tensor_value_info("sizes", I64, [2])
+        check_op(nodes, ["N", 2, "H", "W"], [(2, 2, 4, 5), (1, 2, 7, 6)], inits, 19, extra_inputs=[sizes],
+                 extra=lambda shape: {"sizes": np.array([shape[2] + 3, shape[3] - 2], np.int64)})
+    else:
+        inits["sizes"] = np.array([7, 4], np.int64)
+        check_op(nodes, ["N", 2, 5, 6], [(2, 2, 5, 6), (1, 2, 5, 6)], inits, 19)
+
+
+# -- ScatterND / ScatterElements with mul / max / min ------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mul", "max", pytest.param("min", marks=pytest.mark.slow)])
+def test_scatter_elements_reductions_with_duplicate_indices(reduction):
+    """``data = x * s`` gets ``updates = u + b`` along axis 1, two updates per row at one index;
+    for ``mul`` one update is exactly 0 (the product of the others then carries the gradient).
+    The batch changes; torch's ``scatter_reduce`` (``include_self=True``) autograd too."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Add", ["u", "b"], ["upd"]),
+             helper.make_node("ScatterElements", ["data", "idx", "upd"], ["y"], axis=1, reduction=reduction)]
+    b = RNG.uniform(-0.5, 0.5, (3,))
+    inits = {"s": RNG.uniform(0.5, 1.5, (5,)), "b": b}
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["N", 3]),
+                    helper.make_tensor_value_info("u", D, ["N", 3])]
+
+    def extra(shape):
+        n = shape[0]
+        u = RNG.uniform(-2, 2, (n, 3))
+        if reduction == "mul":
+            u[0, 1] = -b[1]
+        idx = np.stack([RNG.permutation(5)[:2] for _ in range(n)])
+        return {"idx": np.concatenate([idx, idx[:, 1:]], axis=1).astype(np.int64), "u": u}
+
+    def torch_fn(x, idx, u, s, b):
+        names = {"mul": "prod", "max": "amax", "min": "amin"}
+        return (x * s).scatter_reduce(1, idx, u + b, names[reduction], include_self=True)
+
+    check_op(nodes, ["N", 5], [(2, 5), (4, 5)], inits, 18, torch_fn=torch_fn, extra_inputs=extra_inputs, extra=extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["mul", "max"])
+def test_scatternd_reductions_of_rows(reduction):
+    """Whole rows (indices ``[M, 1]``, one row twice) into ``[N, 4]``; finite differences."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Mul", ["u", "b"], ["upd"]),
+             helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"], reduction=reduction)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (4,)), "b": RNG.uniform(0.5, 1.5, (4,))}
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["M", 1]),
+                    helper.make_tensor_value_info("u", D, ["M", 4])]
+
+    def extra(shape):
+        n = shape[0]
+        return {"idx": np.array([[0], [n - 1], [0]], np.int64), "u": RNG.uniform(-2, 2, (3, 4))}
+
+    check_op(nodes, ["N", 4], [(2, 4), (3, 4)], inits, 18, extra_inputs=extra_inputs, extra=extra)

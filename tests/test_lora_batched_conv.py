@@ -196,9 +196,9 @@ def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_through_module_call(
 
 
 def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged(grouped, tmp_path):
-    """One active adapter (``module(x)`` in ``lora_mode="keep"`` / ``"inputs"``, a ``"keep"``
-    export) equals PEFT's forward with that adapter; merging it (``module(x)``'s default
-    ``"merge"``, a ``"merge"`` export) is refused: it is no weight delta, PEFT refuses too."""
+    """One active adapter (``module(x)`` in every ``lora_mode``: ``"merge"``, the default, runs
+    it as ``"keep"``; a ``"keep"`` export) equals PEFT's forward with that adapter; a
+    ``"merge"`` export is refused naming the weight: it is no weight delta, PEFT refuses too."""
     from onnxparam.runtime import SessionConfig, set_session_config
 
     module, x, _, _, _, reference, _ = grouped
@@ -207,15 +207,14 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
         expected = reference(torch.from_numpy(x), adapter_names=["two"] * len(x)).numpy()
     kept = export_onnx(active, tmp_path / "keep.onnx", x[:2], lora="keep")
     np.testing.assert_allclose(session(kept).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
-    for mode in ("keep", "inputs"):
+    for mode in ("keep", "inputs", "merge"):
         set_session_config(active, SessionConfig(lora_mode=mode))
         np.testing.assert_allclose(active(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0, err_msg=mode)
     set_session_config(active, SessionConfig())
-    with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be "
-                                        r"merged.*lora_mode='keep'"):
-        active(Tensor.from_numpy(x))
     with pytest.raises(LoraError, match=r"weight 'grouped.weight'.*grouped convolution.*groups=2.*cannot be merged"):
         export_onnx(active, tmp_path / "merged.onnx", x[:2], lora="merge")
+    with pytest.raises(LoraError, match=r"'grouped.weight': .*grouped convolution.*groups=2.*cannot be merged"):
+        active.merge_lora()
 
 
 # -- the stacked set written back as PEFT's multi-adapter folder ------------------------------------
@@ -281,8 +280,8 @@ def test_a_bias_only_spare_slot_is_written_with_zero_factors_and_a_grouped_b_off
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
     depthwise = targets["depthwise.weight"]
     params[depthwise["b"]][2, 0, 5] = 0.5  # row 0 is group 0's, column 5 group 5's
-    with pytest.raises(RecordError, match=r"slot 2 \('two'\): the b stack of 'depthwise.weight' \(a conv with "
-                                          r"groups=6\) is not zero outside each group's 2 rows"):
+    with pytest.raises(RecordError, match=r"slot 2 \('two'\): the stacks of 'depthwise.weight': b is not zero "
+                                          r"outside each group's 2 rows at rank 12 \(a conv with groups=6\)"):
         write_batched_peft(params, tmp_path / "refused", model=path, names=names)
 
 
@@ -322,3 +321,43 @@ def test_cli_lora_check_of_grouped_conv_stacks(grouped, tmp_path):
     over = {k: np.concatenate([v, v[1:2]]) for k, v in params.items()}  # 6 slots, capacity 4
     code, _, err = run_cli("lora", "check", path, write_onnx_adapter(over, tmp_path / "over.onnx_adapter"))
     assert code == 1 and "the stacks hold 6 slots; the export's capacity is 4 adapters" in err, err
+
+
+def test_grouped_conv_adapters_saved_by_save_peft_adapters_load_in_peft(grouped, tmp_path):
+    """A module's named adapters on grouped / depthwise convs written by ``save_peft_adapters``
+    (PEFT's own alphas and ranks): PEFT loads them and its mixed batch equals PEFT's on the
+    source adapters."""
+    from onnxparam import save_peft_adapters
+
+    module, x, expected, _, _, _, model = grouped
+    out = save_peft_adapters(module, tmp_path / "saved")
+    written = peft_with_adapters(model, {name: out / name for name in GROUPED})
+    with torch.no_grad():
+        got = written(torch.from_numpy(x), adapter_names=list(GROUPED_ROWS)).numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "inputs"])
+def test_a_grouped_conv_branch_imports_back_as_the_adapter(grouped, tmp_path, mode):
+    """A ``"keep"`` export of a module with grouped / depthwise conv adapters imports back with
+    the adapters on their weights (the branch removed from the graph): its ``module(x)`` and
+    its re-export run in plain ONNX Runtime equal PEFT's forward with that adapter. An
+    ``"inputs"`` export's zero-rank defaults import as the base model (the torch model's
+    output), no branch left."""
+    module, x, _, plain, _, reference, _ = grouped
+    active = module.set_adapter("one")
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x), adapter_names=["one"] * len(x)).numpy()
+    back = import_onnx(export_onnx(active, tmp_path / f"{mode}.onnx", x[:2], lora=mode))
+    adapted = {path for path, p in back.named_params() if p.adapter() is not None}
+    factors = {f"{w}.lora.{f}" for w in adapted for f in "ab"}
+    assert {path for path, _ in back.named_params()} - factors == {
+        "grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    if mode == "inputs":
+        assert not adapted
+        np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), plain, atol=ATOL, rtol=0)
+        return
+    assert adapted == {"grouped.weight", "grouped.bias", "depthwise.weight", "depthwise.bias", "fc.weight", "fc.bias"}
+    np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0)
+    again = export_onnx(back, tmp_path / "again.onnx", x[:2], lora="keep")
+    np.testing.assert_allclose(session(again).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)

@@ -348,6 +348,17 @@ def test_unknown_lora_mode_is_rejected(tmp_path):
     assert not (tmp_path / "x.onnx").exists()
 
 
+def test_unknown_lora_mode_is_rejected_without_adapters_too(tmp_path):
+    """The mode is checked before anything else: a module with no adapter (built or imported,
+    the imported one exported from its own graph) refuses a typo as an adapted one does."""
+    x2 = np.zeros((2, 8), np.float32)
+    imported = import_onnx(export_onnx(Mlp(), tmp_path / "plain.onnx", x2))
+    for module in (Mlp(), imported):
+        with pytest.raises(LoraError, match=r"unknown LoRA mode 'bogus': expected one of 'merge'"):
+            export_onnx(module, tmp_path / "x.onnx", x2, lora="bogus")
+        assert not (tmp_path / "x.onnx").exists()
+
+
 def test_writing_an_adapter_of_a_module_without_adapters_says_to_apply_lora(tmp_path):
     with pytest.raises(LoraError, match=r"no LoRA adapter to write to .*none.onnx_adapter.*: Mlp has no LoRA adapters \(apply_lora"):
         write_onnx_adapter(Mlp(), tmp_path / "none.onnx_adapter")

@@ -224,3 +224,37 @@ def test_optimizer_arguments_are_checked():
         Adam(lr=0.1, betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="SGD needs lr"):
         SGD(lr=-1.0)
+
+
+@pytest.mark.parametrize("make", [lambda: SGD(lr=0.1), lambda: Adam(lr=0.01)])
+def test_a_step_with_only_gradients_of_another_module_is_refused(make):
+    base = Mlp()
+    adapted = base.apply_lora(op.LoraConfig(rank=2, seed=0))
+    x, t = _data()
+    _, grads = grad(_loss, adapted, Tensor.from_numpy(x), Tensor.from_numpy(t))
+    assert len(grads) == 4  # the LoRA factors only: base weights are frozen by apply_lora
+    optim = make()
+    with pytest.raises(op.RecordError, match=r"none of the 4 gradient\(s\) .*'fc1\.weight\.lora\.a'.* is for a "
+                                             r"param of the Mlp being stepped \(4 params\).*base module instead of "
+                                             r"the LoRA-adapted one") as info:
+        optim.step(base, grads)  # the typo: the base module, not the adapted one
+    assert isinstance(info.value, ValueError)
+    assert optim.step_count == 0 and optim.state == {}
+    with pytest.raises(op.RecordError, match=r"none of the 4 gradient\(s\)"):
+        optim.step(Mlp(), _fixed_grads(Mlp()))  # another instance: other ids
+    # partial overlap stays allowed: the module's params step by the formula, the others are skipped
+    m = Mlp()
+    before = _values(m)
+    mixed = Gradients({**dict(_fixed_grads(m).items()), **dict(grads.items())})
+    after = _values(SGD(lr=0.5).step(m, mixed))
+    for path in before:
+        np.testing.assert_allclose(after[path], before[path] - 0.5, rtol=1e-6)
+    unchanged = _values(make().step(m, Gradients({})))  # an empty Gradients is no error
+    assert all(unchanged[path].tobytes() == before[path].tobytes() for path in before)
+
+
+def test_a_gradient_of_another_shape_is_a_shape_mismatch_error():
+    m = Mlp()
+    bad = Gradients({m.fc2.bias.id: Tensor.from_numpy(np.ones(4, dtype=np.float32))})
+    with pytest.raises(op.ShapeMismatchError, match=r"gradient for 'fc2.bias' has shape \[4\], the param \[3\]"):
+        SGD(lr=0.1).step(m, bad)

@@ -19,7 +19,10 @@ the model layer knows nothing of it.
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
   (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`; control flow ``If`` / ``Loop`` /
   ``Scan`` and the params their subgraphs read: :mod:`._rules_control`; ``LSTM`` / ``GRU`` /
-  ``RNN``: :mod:`._rules_rnn`; sequences, optionals and ``Unique``: :mod:`._rules_sequence`);
+  ``RNN``: :mod:`._rules_rnn`; sequences, optionals and ``Unique``: :mod:`._rules_sequence`, ``SequenceMap``:
+  :mod:`._rules_seqmap`; ``DFT`` / ``STFT`` / ``RotaryEmbedding``'s caches: :mod:`._rules_signal`;
+  ``GridSample`` / ``Resize`` / ``MaxRoiPool`` / ``RoiAlign`` forms: :mod:`._rules_sampling`; the
+  scatters' ``mul`` / ``max`` / ``min``: :mod:`._rules_scatter`);
   :func:`build_training_model` — the graph transformation
   (:mod:`._backward`).
 

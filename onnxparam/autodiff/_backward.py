@@ -30,8 +30,10 @@ from . import _rules_more  # noqa: F401  (register the rules imported models nee
 from . import _rules_algebra, _rules_attention, _rules_spatial  # noqa: F401  (CumProd, Det ...; Attention; LRN ...)
 from . import _rules_signal  # noqa: F401  (DFT, STFT, RotaryEmbedding's caches: after _rules_more)
 from . import _rules_sampling  # noqa: F401  (Resize crop, GridSample, MaxRoiPool, RoiAlign max: after _rules_layers, _rules_spatial)
+from . import _rules_scatter  # noqa: F401  (ScatterND / ScatterElements mul, max, min: after _rules_more)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_sequence import accumulate  # (and register the sequence / optional / Unique rules)
+from . import _rules_seqmap  # noqa: F401  (register SequenceMap)
 from ._rules_control import MULTI_OUTPUT, missing_in_bodies, node_inputs, specialize_control_flow
 from ._emitter import Emitter, dims, np_dtype
 from ._check import MissingRule, format_missing, missing_rules, reaching, rule_for, rule_key, source_name, unserved

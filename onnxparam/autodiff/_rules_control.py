@@ -918,6 +918,9 @@ def _loop(e, node, gout, need):
     """
     body = node.attributes["body"].value
     inputs = list(node.inputs)
+    if any(v is not None and isinstance(v.type, (ir.SequenceType, ir.OptionalType)) for v in inputs[2:]):
+        raise TraceError("Loop's gradient carries tensor states only (a state here is a sequence or an optional, "
+                         "which the saved per-iteration states cannot hold)")
     n_state = len(inputs) - 2
     k_out = len(node.outputs) - n_state
     caps = captured(node)

@@ -44,9 +44,17 @@ def _resize_rule(e, node, gout, need):
     operator (the node's attributes with ``extrapolation_value=0``, its scale or the sizes read
     from the shapes, the axis's ``[start, end]`` taken from ``roi`` at run time) applied to an
     identity ``[n_in, 1, 1, n_in]``: every choice is ONNX Runtime's. ``roi``, ``scales`` and
-    ``sizes`` get no gradient (not differentiable). Other modes: :func:`~._rules_layers._resize`.
+    ``sizes`` get no gradient (not differentiable).
+
+    ``keep_aspect_ratio_policy`` ``not_larger`` / ``not_smaller`` (with ``sizes``): one scale
+    ``s`` (the least / greatest ``sizes_i / in_i``) for every resized axis, ``round(s in_a)``
+    outputs: :func:`_resize_keep_aspect`. Other modes: :func:`~._rules_layers._resize`.
     """
     mode = _text(attr(node, "coordinate_transformation_mode", "half_pixel"))
+    policy = _text(attr(node, "keep_aspect_ratio_policy", "stretch"))
+    sizes = node.inputs[3] if node.op_type == "Resize" and len(node.inputs) > 3 else None
+    if policy != "stretch" and sizes is not None and mode != "tf_crop_and_resize":
+        return [_resize_keep_aspect(e, node, gout[0], sizes, policy)] + [None] * (len(node.inputs) - 1)
     if node.op_type != "Resize" or mode != "tf_crop_and_resize":
         return _resize(e, node, gout, need)
     x, y, g = node.inputs[0], node.outputs[0], gout[0]
@@ -95,6 +103,50 @@ def _resize_rule(e, node, gout, need):
             inverse[p_] = j
         dx = e.transpose(back, inverse)
     return [dx] + [None] * (len(node.inputs) - 1)
+
+
+
+def _resize_keep_aspect(e: Emitter, node, g, sizes, policy: str):
+    """``dx`` of a ``Resize`` whose ``keep_aspect_ratio_policy`` makes one scale ``s`` of every
+    resized axis (ONNX spec: Resize, opset 18): per axis ``a`` the matrix ``A^T`` is the same
+    operator (the node's attributes and policy, ``axes=[2, 3]``) applied to an identity
+    ``[n_in, 1, m, n_in]`` constant along a third axis of the limiting axis's length ``m``
+    (the ``j`` giving ``s = sizes_j / in_j``) resized to ``sizes_j``, the axis itself to
+    ``sizes_a``: the policy then picks the same ``s`` and output length ``round(s n_in)`` as the
+    forward's, every choice ONNX Runtime's. Then ``dx = A^T g`` along each axis."""
+    x, y = node.inputs[0], node.outputs[0]
+    rank = len(dims(x))
+    axes = [int(a) % rank for a in (attr(node, "axes", None) or range(rank))]
+    attrs = {}
+    for name in _RESIZE_ATTRS + ("keep_aspect_ratio_policy",):
+        value = attr(node, name, None)
+        if value is not None:
+            attrs[name] = _text(value)
+    i64, f32 = int(ir.DataType.INT64), int(ir.DataType.FLOAT)
+    want = e.op("Cast", sizes, to=i64)  # [len(axes)]
+    have = e.op("Gather", e.op("Shape", x), e.ints(axes), axis=0)
+    ratios = e.op("Div", e.op("Cast", want, to=f32), e.op("Cast", have, to=f32))
+    pick = e.op("ArgMin" if policy == "not_larger" else "ArgMax", ratios, axis=0, keepdims=1)
+    m_in, m_out = e.op("Gather", have, pick, axis=0), e.op("Gather", want, pick, axis=0)  # [1]
+    dx = g
+    for i, a in enumerate(axes):
+        n_in, n_out = e.reshape(e.dim_scalar(x, a), [1]), e.reshape(e.dim_scalar(y, a), [1])
+        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, _F32), e.op("Concat", n_in, n_in, axis=0)))
+        basis = e.op("Expand", e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in)),
+                     e.concat_ints(n_in, [1], m_in, n_in))
+        target = e.op("Concat", m_out, e.op("Gather", want, e.ints([i]), axis=0), axis=0)
+        resized = e.op("Resize", basis, None, None, target, axes=[2, 3], **attrs)  # [n_in, 1, m', n_out]
+        row = e.op("Slice", resized, e.ints([0]), e.ints([1]), e.ints([2]))
+        matrix = e.op("Reshape", row, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
+        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
+            matrix = e.op("Cast", matrix, to=int(x.dtype))
+        perm = [d for d in range(rank) if d != a] + [a]
+        back = e.op("MatMul", e.transpose(dx, perm), e.op("Transpose", matrix, perm=[1, 0]))
+        inverse = [0] * rank
+        for j, p_ in enumerate(perm):
+            inverse[p_] = j
+        dx = e.transpose(back, inverse)
+    return dx
 
 
 # -- GridSample: bicubic, reflection, 3-D ---------------------------------------------------------

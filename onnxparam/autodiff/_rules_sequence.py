@@ -35,10 +35,6 @@ __all__ = ["accumulate", "is_sequence", "REFUSED"]
 _INT64 = ir.TensorType(ir.DataType.INT64)
 
 REFUSED: dict = {
-    "SequenceMap": "no gradient rule: its body is applied to each element in turn (a loop over the sequence) "
-                   "and the backward has no reverse iteration over sequence-carrying loops; build the "
-                   "per-element computation with tensor ops (e.g. ConcatFromSequence, then the body on the "
-                   "stacked tensor) or freeze the params before it",
     **{op: "no gradient rule of its own: the importer replaces it by its ONNX function body (as ONNX Runtime runs "
            "it), differentiated through that body's rules, in the main graph only; here it is inside a subgraph "
            "or was not imported" for op in ("CausalConvWithState", "LinearAttention")},

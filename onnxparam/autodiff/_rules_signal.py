@@ -31,7 +31,7 @@ _I64 = int(ir.DataType.INT64)
 # -- RotaryEmbedding ------------------------------------------------------------------------------
 
 
-@rule("RotaryEmbedding")
+@rule("RotaryEmbedding", "com.microsoft:RotaryEmbedding")
 def _rotary_embedding(e, node, gout, need):
     """``RotaryEmbedding`` (opset 23): ``x`` (``[B, S, hidden]`` with ``num_heads``, or ``[B, H, S,
     D]``) viewed as ``[B, S, H, D]``, its first ``rd`` (``rotary_embedding_dim``, default ``D``)
@@ -47,25 +47,46 @@ def _rotary_embedding(e, node, gout, need):
       (``ScatterND``, ``add``: a position used twice gets both) or, without ``position_ids``,
       the caches' gradients as they are. ``position_ids`` is integer.
 
-    The ``com.microsoft`` contrib op keeps :func:`~._rules_more._rotary` (no cache gradients).
+    ONNX Runtime's contrib op (``com.microsoft``: inputs ``input, position_ids, cos_cache,
+    sin_cache``; ``position_ids`` ``[B, S]`` or a one-element start offset ``p0``, positions
+    ``p0 + s``; a 3-D input without ``num_heads`` has heads of twice the caches' width): the
+    same formulas.
     """
     out = _rotary(e, node, gout, need)
-    if not (need[1] or need[2]):
+    contrib = node.domain not in ("", "ai.onnx")
+    c_at = 2 if contrib else 1
+    if not (need[c_at] or need[c_at + 1]):
         return out
-    x, cos, sin = node.inputs[0], node.inputs[1], node.inputs[2]
-    pos = node.inputs[3] if len(node.inputs) > 3 else None
+    x = node.inputs[0]
+    cos, sin = node.inputs[c_at], node.inputs[c_at + 1]
+    pos = node.inputs[1] if contrib else (node.inputs[3] if len(node.inputs) > 3 else None)
     g = gout[0]
     rank = len(dims(x))
     num_heads = int(attr(node, "num_heads", 0) or 0)
     rd = int(attr(node, "rotary_embedding_dim", 0) or 0)
     interleaved = bool(int(attr(node, "interleaved", 0) or 0))
+    if contrib and int(attr(node, "is_packed_batching", 0) or 0):
+        raise TraceError(f"node {node.name!r}: RotaryEmbedding's cache gradients do not support is_packed_batching")
 
     def as_bshd(t):
         if rank == 4:
             return e.op("Transpose", t, perm=[0, 2, 1, 3])
-        if num_heads <= 0:
-            raise TraceError(f"node {node.name!r}: RotaryEmbedding with a 3-D input needs num_heads")
-        return e.op("Reshape", t, e.ints([0, 0, num_heads, -1]))
+        if num_heads > 0:
+            return e.op("Reshape", t, e.ints([0, 0, num_heads, -1]))
+        if contrib and rd == 0:  # heads of twice the caches' width
+            width = e.op("Slice", e.op("Shape", cos), e.ints([-1]), e.ints([np.iinfo(np.int64).max]), e.ints([0]))
+            return e.op("Reshape", t, e.op("Concat", e.ints([0, 0, -1]), e.op("Mul", width, e.ints([2])), axis=0))
+        raise TraceError(f"node {node.name!r}: RotaryEmbedding with a 3-D input needs num_heads")
+
+    if contrib and pos is not None and pos.shape is not None and len(dims(pos)) == 1:  # a start offset
+        xb0 = as_bshd(x)
+        seq = e.op("Gather", e.op("Shape", xb0), e.const(1, np.int64), axis=0)
+        start = e.op("Reshape", e.op("Cast", pos, to=_I64), e.ints([]))
+        steps = e.op("Range", start, e.op("Add", start, seq), e.const(1, np.int64))  # [S]
+        batch = e.op("Slice", e.op("Shape", xb0), e.ints([0]), e.ints([1]), e.ints([0]))
+        pos = e.op("Expand", e.unsqueeze(steps, [0]), e.op("Concat", batch, e.ints([1]), axis=0))
+    elif pos is not None:
+        pos = e.op("Cast", pos, to=_I64)
 
     xb, gb = as_bshd(x), as_bshd(g)
     if rd > 0:
@@ -101,12 +122,12 @@ def _rotary_embedding(e, node, gout, need):
         return e.op("ScatterND", zeros, e.unsqueeze(pos, [2]), d, reduction="add")
 
     results = list(out)
-    if need[1]:
+    if need[c_at]:
         dc = heads_sum(e.op("Mul", g1, x1), e.op("Mul", g2, x2), +1)
-        results[1] = to_cache(dc, cos)
-    if need[2]:
+        results[c_at] = to_cache(dc, cos)
+    if need[c_at + 1]:
         ds = heads_sum(e.op("Mul", g2, x1), e.op("Mul", g1, x2), -1)
-        results[2] = to_cache(ds, sin)
+        results[c_at + 1] = to_cache(ds, sin)
     return results
 
 

@@ -130,6 +130,13 @@ class LoraAdapter:
     def with_factors(self, a: Param, b: Param) -> "LoraAdapter":
         return replace(self, a=a, b=b)
 
+    def merges_into(self, shape: tuple) -> bool:
+        """Whether the adapter is a delta of a param of ``shape`` (it can be merged): every
+        adapter but a grouped convolution's (:func:`conv_adapter_groups` > 1), which runs as a
+        branch only. ``module(x)`` in ``lora_mode="merge"`` runs a module holding one in
+        ``"keep"`` (:mod:`onnxparam.runtime`, duck-typed: the runtime does not import LoRA)."""
+        return len(shape) < 3 or conv_adapter_groups(tuple(shape), int(self.a.lazy_shape()[0])) <= 1
+
     def delta(self) -> np.ndarray:
         """``scale * (a @ b)`` (transposed for a transposed base), float32 or the factor dtype."""
         a = np.asarray(self.a.val().to_numpy())
@@ -180,10 +187,8 @@ def conv_adapter_groups(shape: tuple, d_in: int) -> int:
 def grouped_conv_message(shape: tuple, groups: int, what: str) -> str:
     return (f"a LoRA adapter on a grouped convolution's weight {list(shape)} (groups={groups}: PEFT's lora_A reads "
             f"all {groups * int(shape[1])} input channels) is no weight delta and cannot be {what}; it runs as a "
-            "branch after the Conv: export with lora='keep', 'inputs' or 'batched', call "
-            "module(x, adapter_index=...), or "
-            "run module(x) with set_session_config(module, SessionConfig(lora_mode='keep')); PEFT cannot merge it "
-            "either")
+            "branch after the Conv: export with lora='keep', 'inputs' or 'batched' (module(x) runs it so); PEFT "
+            "cannot merge it either")
 
 
 LORA_LAYOUT_METHOD = "lora_transposed_paths"
@@ -398,14 +403,23 @@ def _nothing_adapted(module, config: LoraConfig, skipped: dict) -> str:
     return f"apply_lora (rank {config.rank}): no param of {name} got a LoRA adapter: " + "; ".join(reasons)
 
 
-def merge_param(param: Param) -> Param:
+def merge_param(param: Param, path: Optional[str] = None) -> Param:
     """``param`` with its adapter folded in (``base + scale * a @ b``); unchanged without one.
 
     A quantized base is dequantized first, so the merged weight is float.
+
+    Raises:
+        LoraError: an adapter that is no weight delta (a grouped convolution's,
+            :meth:`LoraAdapter.merges_into`), naming ``path`` when given.
     """
     if param.adapter() is None:
         return param
-    merged = param.val()
+    try:
+        merged = param.val()
+    except LoraError as e:
+        if path is None:
+            raise
+        raise LoraError(f"{path!r}: {e}") from e
     return Param(param.id, value=merged, require_grad=param.require_grad, mapper=param._mapper)
 
 

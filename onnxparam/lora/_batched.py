@@ -61,12 +61,28 @@ A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (
 channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
-Cost (measured on CPU, ``tools/bench.py lora-batched``): the per-row ``Gather`` s copy
-``batch * r * (d_in + d_out)`` values per target per run. At one token per row (decoding) that
-copy is the batched graph's whole overhead over a single-adapter ``"inputs"`` run; masking every
-slot instead (``x @ a`` for all slots, one ``MatMul`` with the flattened ``b`` stack) avoids it
-but was slower in ONNX Runtime (a ``MatMul`` whose B is not a constant packs B on every call
-unless its A has one row), and costs ``slots`` times the factor arithmetic at long sequences.
+Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched``: width 512, 8 rows
+over 4 adapters of ranks 8 / 16, capacity 4; thread CPU time, 1-minute load 2-11 on 2 cores).
+At one token per row a batched run takes 1.21-1.33x a single-adapter ``"inputs"`` run of the same
+batch (rank 16), 0.48-0.59 of the 4 runs a server makes splitting the rows by adapter; at 64
+tokens per row about the time of either
+(the same multiply-adds). At one token per row both runs do the same multiply-adds (every row at
+the padded rank 16) but read different bytes: the base's ~12.6 MB and, per adapter used, its
+zero-padded factors (~0.6 MB at rank 16); counted in bytes read, four adapters instead of one put
+the floor of that ratio at ~1.13. The per-row ``Gather`` s (copies of
+``batch * r * (d_in + d_out)`` values per target) are a small part of the rest: the same graph
+without them (one stack slot per row fed directly) measured 1.185-1.195 beside 1.21-1.23 (each row
+still reads its own factors: 8 rows, 8 reads). Measured alternatives, none kept: masking every
+slot (``x @ a`` of all slots, one ``MatMul`` with the flattened ``b`` stack): 1.44-1.70 (slots
+times the factor arithmetic; a ``MatMul`` whose B is not a constant packs B on every call);
+grouping the rows by slot (each slot's factors read once, ``[slots, T, 1, d_in] @ [slots, 1, d_in,
+r]`` with the rows gathered into a ``[slots, T]`` grid, ``T`` the most rows of one slot): 1.16-1.22,
+1.145-1.18 with its ~25 nodes building the grid from the index taken out, but 5% slower at 64
+tokens per row, and its cost follows the capacity (every slot is read, the grid padded to
+``slots * T`` rows) where the gather's follows the rows. The index check (``_Graph._checked``, five
+ops on ``[batch]`` int64 values) measured no difference. ``module(x, adapter_index=...)`` adds
+~10% to the session's run at one token per row (a repeated call reuses the runner remembered with
+the stacks fed; only the index is converted), was ~40% before that fast path.
 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
@@ -957,6 +973,14 @@ def index_array(index, stacks: AdapterStacks) -> np.ndarray:
     Raises:
         LoraError: an unknown name, an index outside ``[0, slots)``, or not 1-d.
     """
+    if type(index) is np.ndarray and index.ndim == 1 and index.dtype.kind in "iu":
+        # NOTE: a served call's index, checked with the fewest library calls (each costs tens of
+        # microseconds right after a run has evicted them from the caches); an entry outside
+        # [0, slots) is named by index_of below
+        entries = index.tolist()
+        if entries and min(entries) >= 0 and max(entries) < stacks.slots:
+            return index if index.dtype == np.int64 else index.astype(np.int64)
+        return np.asarray([stacks.index_of(e) for e in entries], dtype=np.int64)
     from ..core.tensor import Tensor
 
     if isinstance(index, Tensor):

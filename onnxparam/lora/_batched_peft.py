@@ -172,20 +172,13 @@ def _module_tensors(key: str, kind: str, t: dict, a: np.ndarray, b: np.ndarray, 
                 f"{key}.lora_embedding_B": np.ascontiguousarray(b.T)}
     if kind != "conv":
         return {f"{key}.lora_A.weight": np.ascontiguousarray(a.T), f"{key}.lora_B.weight": np.ascontiguousarray(b.T)}
-    shape, r, groups = tuple(t["shape"]), a.shape[1], _groups(t)
-    kernel, ones = tuple(shape[2:]), (1,) * (len(shape) - 2)
-    A = np.ascontiguousarray(a.T.reshape((r, t["d_in"] // int(np.prod(kernel))) + kernel))
-    per_in, per_out = r // groups, t["d_out"] // groups
-    B = np.zeros((t["d_out"], per_in), dtype=b.dtype)
-    rest = b.copy()
-    for g in range(groups):  # lora_B: a 1x1 conv with the base's groups: block g of b, the rest zeros
-        rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
-        B[cols] = b[rows, cols].T
-        rest[rows, cols] = 0
-    if np.any(rest != 0):
-        problems.append(f"{label}: the b stack of {t['path']!r} (a conv with groups={groups}) is not zero outside "
-                        f"each group's {per_in} rows at rank {r}: not PEFT's grouped-conv LoRA")
-    return {f"{key}.lora_A.weight": A, f"{key}.lora_B.weight": np.ascontiguousarray(B.reshape(B.shape + ones))}
+    from ._peft_save import conv_factors
+
+    factors = conv_factors(a, b, tuple(t["shape"]))
+    if isinstance(factors, str):
+        problems.append(f"{label}: the stacks of {t['path']!r}: {factors}")
+        return {}
+    return {f"{key}.lora_A.weight": factors[0], f"{key}.lora_B.weight": factors[1]}
 
 
 def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: Optional[Sequence[str]] = None,

@@ -26,6 +26,7 @@ from ._batched import (
     stack_names,
 )
 from ..core.errors import LoraError
+from ._adapters import _ACTIVE_ATTR, _SET_ATTR
 
 __all__ = ["call_batched", "batched_adapter_params", "write_batched_adapter", "check_batched_adapters"]
 
@@ -64,9 +65,20 @@ def _runtime_stacks(module) -> AdapterStacks:
     return stacks
 
 
+_FAST_MARK = "onnxparam.lora.batched"
+"""What stands for ``adapter_index`` in the signature under which a batched call's runner is
+remembered in the runtime's fast-path table (:func:`onnxparam.runtime._calls._remember`): a plain
+value, so the key never matches a plain ``module(x)`` call's and does not depend on the index."""
+
+
 def call_batched(module, args: tuple, kwargs: dict):
     """``module(*args, adapter_index=idx, **kwargs)``: ``module.forward(*args, **kwargs)`` with row
     ``n`` run under adapter ``idx[n]`` (module docstring), through ONNX Runtime.
+
+    A repeated call (same module object, same input shapes and dtypes, its params, named
+    adapters and active adapter the same objects) takes a fast path: the runner remembered with
+    the stacks already fed, in the runtime's per-module table (dropped with it by
+    ``clear_caches``, ``set_session_config`` and session eviction); only the index is new.
 
     Raises:
         LoraError: no adapters, an adapter that cannot be batched, a bad index.
@@ -74,12 +86,29 @@ def call_batched(module, args: tuple, kwargs: dict):
     """
     from ..trace.tracer import current_tracer
     from ..runtime import _calls
+    from ..runtime._keys import call_signature
 
     kwargs = dict(kwargs)
     index = kwargs.pop(INDEX_INPUT)
     if current_tracer() is not None:
         raise LoraError(f"{type(module).__name__}(..., adapter_index=...) cannot run inside a trace: export the "
                         "outer module with lora='batched' instead")
+    marked = {**kwargs, INDEX_INPUT: _FAST_MARK}
+    # NOTE: inside quant.qdq_options the graph differs: no fast path, nothing remembered (as in
+    # call_module)
+    plain = _calls._passes().options() is None
+    entry = _calls._fast.get(id(module)) if plain else None
+    if entry is not None and entry.module() is module:
+        leaves: list = []
+        sig = call_signature(args, marked, leaves, cheap=True)
+        runner = entry.by_sig.get(sig) if sig is not None else None
+        if runner is not None and runner.batched[1] is getattr(module, _SET_ATTR, None) and \
+                runner.batched[2] == getattr(module, _ACTIVE_ATTR, None) and entry.params_current(module):
+            rows = index_array(index, runner.batched[0])
+            _check_rows(module, rows, leaves)
+            if runner._needs_ortvalues:
+                return _with_index(runner, rows).run(leaves)
+            return runner.run(leaves, {INDEX_INPUT: rows})
     stacks = _runtime_stacks(module)
     rows = index_array(index, stacks)
     with batched_options(BatchedLora(), fed=True):
@@ -90,8 +119,21 @@ def call_batched(module, args: tuple, kwargs: dict):
         if a_name in runner.traced.graph.initializers:
             fed += [(a_name, target.a), (b_name, target.b)]
     _check_rows(module, rows, tensors)
-    fed.append((INDEX_INPUT, rows))
-    return runner.with_fed_params(fed).run(tensors)
+    runner = runner.with_fed_params(fed)  # NOTE: a copy; its fast_keys list is the session's own
+    runner.batched = (stacks, getattr(module, _SET_ATTR, None), getattr(module, _ACTIVE_ATTR, None))
+    if plain and call_signature(args, marked, cheap=True) is not None:
+        from ..core.module import named_params
+
+        with _calls._LOCK:
+            _calls._remember(module, args, marked, runner, runner.traced, dict(named_params(module)))
+    return _with_index(runner, rows).run(tensors)
+
+
+def _with_index(runner, rows: np.ndarray):
+    """``runner`` (its stacks fed) feeding ``rows`` as the index too."""
+    one = runner.with_fed_params([(INDEX_INPUT, rows)])
+    one.fed = {**runner.fed, **one.fed}
+    return one
 
 
 def _check_rows(module, rows: np.ndarray, tensors) -> None:

@@ -26,8 +26,9 @@ The tracer (:mod:`onnxparam.trace.tracer`) calls into this module at two points 
   ================================  ============================================================
 
   A grouped convolution's PEFT adapter (:func:`onnxparam.lora._adapters.conv_adapter_groups`)
-  is refused by ``"merge"`` (a :class:`~onnxparam.LoraError` naming the weight) and by any use but
-  such a ``Conv``'s weight.
+  is refused by ``"merge"`` (a :class:`~onnxparam.LoraError` naming the weight; ``module(x)`` in
+  ``lora_mode="merge"`` runs such a module in ``"keep"`` instead) and by any use but such a
+  ``Conv``'s weight.
 
   In ``"merge"`` mode only a base that is not an initializer (a quantized weight emitted as
   ``DequantizeLinear``: QLoRA) gets nodes: the merged weight, as it cannot be one initializer.

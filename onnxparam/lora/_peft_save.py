@@ -6,7 +6,8 @@ PEFT's layout (``peft/tuners/lora/layer.py``; ``save_pretrained``): for a target
 delta (PyTorch layout ``(out, in)``) ``= scale * B @ A``; ``scale = lora_alpha / r`` (per module
 through ``alpha_pattern`` / ``rank_pattern``). This library's adapter has ``a`` ``(d_in, r)``
 and ``b`` ``(r, d_out)`` in every layout, so ``A = a.T`` and ``B = b.T`` (an ``Embedding``'s are
-``lora_embedding_A`` / ``_B``; a ``Conv``'s are reshaped to a conv and a 1x1 conv). A bias adapter
+``lora_embedding_A`` / ``_B``; a ``Conv``'s are reshaped to a conv of every input channel and
+a 1x1 conv with the base's ``groups``: :func:`conv_factors`). A bias adapter
 (PEFT's ``lora_bias``: ``a`` ``(1, 1)``, ``b`` ``(1, d_out)``) becomes ``lora_B.bias`` scaled
 so that ``scale_of_the_weight * lora_B.bias`` is its delta.
 """
@@ -14,6 +15,7 @@ so that ``scale_of_the_weight * lora_B.bias`` is its delta.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -25,6 +27,36 @@ import numpy as np
 from ..core.errors import RecordError
 
 __all__ = ["save_peft_adapter", "save_peft_adapters"]
+
+
+def conv_factors(a: np.ndarray, b: np.ndarray, shape: tuple):
+    """PEFT's factors of a convolution adapter (a transposed adapter ``a`` ``(in * prod(kernel),
+    r)``, ``b`` ``(r, out)`` on a weight ``shape`` ``(out, in / groups, *kernel)``, ``groups``
+    from :func:`~onnxparam.lora._adapters.conv_adapter_groups`): ``(lora_A, lora_B)``, ``lora_A``
+    ``(r, in, *kernel)`` (a conv of every input channel), ``lora_B`` ``(out, r / groups, 1, ...)``
+    (a 1x1 conv with the base's ``groups``: ``b``'s diagonal blocks). A string saying why instead
+    when ``r`` is no multiple of ``groups`` or ``b`` is not zero outside its blocks."""
+    from ._adapters import conv_adapter_groups
+
+    r, out = a.shape[1], int(shape[0])
+    groups = conv_adapter_groups(tuple(shape), a.shape[0])
+    kernel, ones = tuple(int(d) for d in shape[2:]), (1,) * (len(shape) - 2)
+    A = np.ascontiguousarray(a.T.reshape((r, a.shape[0] // math.prod(kernel)) + kernel))
+    if groups <= 1:
+        return A, np.ascontiguousarray(b.T.reshape((out, r) + ones))
+    if r % groups or out % groups:
+        return f"rank {r} is no multiple of the conv's groups={groups} (PEFT needs one)"
+    per_in, per_out = r // groups, out // groups
+    B = np.zeros((out, per_in), dtype=b.dtype)
+    rest = b.copy()
+    for g in range(groups):  # output channel o of group g reads rows g * per_in ... of b
+        rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
+        B[cols] = b[rows, cols].T
+        rest[rows, cols] = 0
+    if np.any(rest != 0):
+        return (f"b is not zero outside each group's {per_in} rows at rank {r} (a conv with groups={groups}): not "
+                "PEFT's grouped-conv LoRA")
+    return A, np.ascontiguousarray(B.reshape(B.shape + ones))
 
 
 def _module_name(path: str, suffix: str, rules: Sequence) -> str:
@@ -118,7 +150,8 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     Raises:
         RecordError: a module without adapters, an adapter on a param not named
             ``<m>.weight`` / ``<m>.bias`` (nor a renamed weight the graph or ``key_map`` names),
-            two weights written for one module, or a bias adapter without its weight's adapter.
+            two weights written for one module, a bias adapter without its weight's adapter, or
+            a grouped convolution's adapter that is not PEFT's layout (:func:`conv_factors`).
     """
     from safetensors.numpy import save_file
 
@@ -190,10 +223,12 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
         if kind == "embedding":  # PEFT's Embedding: lora_embedding_A (r, num), _B (dim, r)
             tensors[f"{key}.lora_embedding_A"] = np.ascontiguousarray(a.T)
             tensors[f"{key}.lora_embedding_B"] = np.ascontiguousarray(b.T)
-        elif kind == "conv":  # PEFT's Conv: lora_A a conv (r, in / groups, *kernel), lora_B 1x1 (out, r, 1, ..)
-            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T.reshape((a.shape[1],) + shape[1:]))
-            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
-                b.T.reshape((shape[0], b.shape[0]) + (1,) * (len(shape) - 2)))
+        elif kind == "conv":  # PEFT's Conv: lora_A a conv (r, in, *kernel), lora_B 1x1 (out, r / groups, 1, ..)
+            factors = conv_factors(a, b, shape)
+            if isinstance(factors, str):
+                problems.append(f"PEFT module {name!r} (a convolution {list(shape)}): {factors}")
+                continue
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = factors
         else:
             tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a.T)
             tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
@@ -206,6 +241,8 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             alpha_pattern[anchored] = float(scale * rank)
         if name in biases:
             tensors[f"{key}.lora_B.bias"] = np.ascontiguousarray((biases[name] / scale).astype(np.float32))
+    if problems:
+        raise RecordError(f"cannot save the adapters of {type(module).__name__} as a PEFT adapter", problems)
     config = {
         "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(alpha),
         "target_modules": sorted(weights), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,

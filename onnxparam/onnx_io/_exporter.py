@@ -27,7 +27,7 @@ from typing import Mapping, Optional, Sequence, Union
 import onnx_ir as ir
 
 from ..core.dtype import DType
-from ..core.errors import OnnxFormatError, OnnxParamError, TraceError
+from ..core.errors import LoraError, OnnxFormatError, OnnxParamError, TraceError
 from ..core.module import named_params
 from . import _metadata as md
 from ._importer import SOURCE_NODE_KEY, OnnxModule
@@ -164,7 +164,13 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
     from ..lora._batched import METADATA_KEY, BatchedLora, as_options, batched_options, batched_tracing
     from ..lora._adapters import with_every_named_target
     from ..quant._passes import trace_module  # the tracer's, with the standard LoRA / QDQ passes
+    from ..trace.passes import TRACE_LORA_MODES
 
+    if not isinstance(lora, BatchedLora) and lora not in TRACE_LORA_MODES:
+        # NOTE: checked before anything else: an imported module without adapters is exported from
+        # its own graph and never meets the tracer, which checks the mode too
+        raise LoraError(f"unknown LoRA mode {lora!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))} "
+                        "(or lora=BatchedLora(...))")
     if isinstance(lora, BatchedLora) or (lora == "batched" and not batched_tracing()):
         # every named adapter stacked, one per row (lora, issue 29); the graph alone cannot hold
         # the stacks, so an imported module is always traced

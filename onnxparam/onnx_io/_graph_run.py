@@ -119,6 +119,8 @@ def _session(module):
     params = list(named_params(module))
     if config.lora_mode != "merge" and any(p.adapter() is not None for _, p in params):
         return None
+    if any(p.adapter() is not None and not p.adapter().merges_into(p.lazy_shape()) for _, p in params):
+        return None  # an adapter no weight can hold (a grouped conv's): traced, in "keep" (runtime._calls)
     device = pick_device(type(module).__name__, params, [])
     key = (id(source), device, config, tuple(_value_token(p) for _, p in params))
     with _LOCK:

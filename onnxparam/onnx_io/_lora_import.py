@@ -122,17 +122,45 @@ def _merged_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
     return None
 
 
+def _grouped_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
+    """``(x, conv, a, b, coefficient, [nodes])`` when ``out`` is a grouped convolution's kept
+    branch (:meth:`onnxparam.lora._graph._Expander.grouped_conv`)::
+
+        Reshape(MatMul(Transpose(s * b), Reshape(Conv(x, Reshape(Transpose(a), shape)), flat)), Shape(y))
+    """
+    back = _producer(out, "Reshape")
+    mm = _producer(back.inputs[0], "MatMul") if back is not None else None
+    if mm is None or len(mm.inputs) != 2:
+        return None
+    flip_b, flat = _producer(mm.inputs[0], "Transpose"), _producer(mm.inputs[1], "Reshape")
+    b_found = _factor(flip_b.inputs[0], factors, "b") if flip_b is not None else None
+    conv = _producer(flat.inputs[0], "Conv") if flat is not None else None
+    shaped = _producer(conv.inputs[1], "Reshape") if conv is not None and len(conv.inputs) == 2 else None
+    flip_a = _producer(shaped.inputs[0], "Transpose") if shaped is not None else None
+    if b_found is None or flip_a is None:
+        return None
+    a, (b, coefficient, b_nodes) = flip_a.inputs[0], b_found
+    if a is None or factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
+        return None
+    shape_y = _producer(back.inputs[1], "Shape")
+    nodes = b_nodes + [flip_b, flip_a, shaped, conv, flat, mm] + ([shape_y] if shape_y is not None else []) + [back]
+    return conv.inputs[0], conv, a, b, coefficient, nodes
+
+
 def _remove_if_unused(nodes: list) -> None:
     """Remove ``nodes`` (producers before consumers) that nothing uses any more, and the scalar
-    initializers they alone read (the kept export's ``<W>.lora.scale``)."""
+    initializers they alone read (the kept export's ``<W>.lora.scale``; the int64 shapes of a
+    grouped convolution's branch, ``lora.``-named)."""
     for node in reversed(nodes):
         if node.graph is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
             graph = node.graph
             inputs = [v for v in node.inputs if v is not None]
             graph.remove(node, safe=True)
             for value in inputs:
+                lora_constant = value.name.endswith(".lora.scale") or (
+                    "lora." in value.name and value.dtype == ir.DataType.INT64)
                 if (value.is_initializer() and not value.uses() and value not in graph.inputs
-                        and not value.is_graph_output() and value.name.endswith(".lora.scale")
+                        and not value.is_graph_output() and lora_constant
                         and graph.initializers.get(value.name) is value):
                     graph.initializers.pop(value.name)
 
@@ -177,6 +205,16 @@ def strip_lora_subexpressions(model: ir.Model, scales: dict) -> list:
                     coefficient /= _attr_float(base, "alpha", 1.0)
                 _strip(node, y, nodes)
                 found.setdefault(factors[a.name][0], (a, b, coefficient, transposed))
+                break
+            grouped = _grouped_chain(branch, factors)
+            if grouped is not None:
+                x, conv, a, b, coefficient, nodes = grouped
+                base = _producer(y, "Conv")
+                if base is None or base.inputs[0] is not x or base.inputs[1] is None \
+                        or base.inputs[1].name != factors[a.name][0]:
+                    continue
+                _strip(node, y, nodes)
+                found.setdefault(factors[a.name][0], (a, b, coefficient, True))
                 break
             merged = _merged_chain(branch, factors)
             if merged is not None and y.is_initializer() and y.name == factors[merged[0].name][0]:

@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..core.errors import RecordError
+from ..core.errors import RecordError, ShapeMismatchError
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 
@@ -80,6 +80,11 @@ class Optimizer:
         """One update of every param of ``module`` that has a gradient in ``grads`` and requires
         grad, by ``ParamId`` (LoRA factors included; frozen params are never touched).
 
+        ``grads`` may hold gradients of params ``module`` does not have (they are skipped: e.g.
+        gradients of a larger model stepped one part at a time), but not only such gradients:
+        when none of a non-empty ``grads``' ids is a param of ``module``, nothing would change,
+        and that is refused.
+
         Args:
             module: the :class:`~onnxparam.Module`.
             grads: :class:`~onnxparam.autodiff.Gradients` (or any mapping ``ParamId -> Tensor``).
@@ -89,25 +94,37 @@ class Optimizer:
             the updated module (same structure and ids, new values for the updated params).
 
         Raises:
-            ValueError: when a gradient's shape differs from its param's.
+            ShapeMismatchError: (a ``RecordError``, a ``ValueError``) when a gradient's shape
+                differs from its param's.
+            RecordError: (a ``ValueError``) when ``grads`` is not empty and none of its ids is
+                a param of ``module`` (typically: the base module stepped with the gradients of
+                its LoRA-adapted copy, or gradients of another import of the same file, whose
+                params have other ids); the optimizer and the module are left as they were.
         """
         from ..core.module import rebuild
 
         lr = self.lr if lr is None else float(lr)
+        seen = [0, 0]  # params of module, of them with an id in grads
 
         def update(path: str, param: Param) -> Param:
+            seen[0] += 1
+            if param.id in grads:
+                seen[1] += 1
             if not param.require_grad or param.id not in grads:
                 return param
             g = np.asarray(grads[param.id].to_numpy())
             value = np.asarray(param.base().to_numpy())
             if g.shape != value.shape:
-                raise ValueError(f"gradient for {path!r} has shape {list(g.shape)}, the param {list(value.shape)}")
+                raise ShapeMismatchError(f"gradient for {path!r} has shape {list(g.shape)}, the param "
+                                         f"{list(value.shape)}")
             new, state = self._update(value, g.astype(value.dtype, copy=False), self.state.get(param.id), lr)
             self.state[param.id] = state
             device = param.lazy_device()
             return param.map(lambda _old: Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype), device))
 
         updated = rebuild(module, update)
+        if seen[1] == 0 and len(grads) > 0:
+            raise RecordError(_foreign_gradients(module, grads, seen[0]))
         self.step_count += 1
         return updated
 
@@ -198,3 +215,16 @@ class Optimizer:
             tensors = {name: np.array(entry.to_numpy(), copy=True) for name, entry in f.tensors.items()}
             scalars = {name: s.value for name, s in f.scalars.items()}
         return self.load_record(OptimizerRecord(kind, tensors, scalars))
+
+
+def _foreign_gradients(module, grads, n_params: int) -> str:
+    """The message of a step whose gradients all belong to params ``module`` does not have."""
+    paths = getattr(grads, "path", None)
+    named = [paths(pid) for pid in list(grads)[:3]] if callable(paths) else []
+    named = [p for p in named if p]
+    example = f" (e.g. {', '.join(map(repr, named))})" if named else ""
+    return (f"none of the {len(grads)} gradient(s){example} is for a param of the {type(module).__name__} being "
+            f"stepped ({n_params} params): nothing would change. Typical causes: stepping the base module "
+            "instead of the LoRA-adapted one (apply_lora returns a new module: step the one grad() was "
+            "computed on), or gradients of another copy (a re-imported file's params have fresh ids). "
+            "The module and the optimizer are unchanged")

@@ -454,6 +454,17 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
         return None
 
 
+def _lora_mode(mode: str, by_path: dict) -> str:
+    """``mode``, but ``"keep"`` for ``"merge"`` when an adapter cannot be merged (a grouped
+    convolution's PEFT adapter: ``LoraAdapter.merges_into``; it runs as a branch)."""
+    if mode == "merge":
+        for p in by_path.values():
+            adapter = p.adapter()
+            if adapter is not None and not adapter.merges_into(p.lazy_shape()):
+                return "keep"
+    return mode
+
+
 def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str] = None, mode: Optional[str] = None):
     """The runner for this call (tracing and building as needed) and the input tensors
     (``policy`` overrides the config's ``dynamic_shapes``, ``mode`` its ``lora_mode``)."""
@@ -464,9 +475,9 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
     config = session_config(module)
     passes = _passes()
     with _LOCK:
-        trace_key, traced = _traced(module, args, kwargs, call_sig, mode or config.lora_mode,
-                                    policy or config.dynamic_shapes)
         by_path = dict(named_params(module))
+        trace_key, traced = _traced(module, args, kwargs, call_sig, _lora_mode(mode or config.lora_mode, by_path),
+                                    policy or config.dynamic_shapes)
         used = [(p, by_path[p] if p in by_path else traced.params[p]) for p in traced.param_paths]
         device = pick_device(owner, used, tensors)
         # NOTE: in "inputs" mode the factors are fed on every call, so their values are not part
@@ -550,8 +561,10 @@ def traced_for(module, *args, **kwargs):
     """The :class:`~onnxparam.trace.tracer.TracedModel` of ``module(*args, **kwargs)``: traced now, so
     its lazy initializers are this module's params (a cached trace may come from another module
     object of the same structure). No session is built, no param initialized."""
+    from ..core.module import named_params
+
     args, kwargs, _, _ = _split_call(args, kwargs)
     passes = _passes()
+    mode = _lora_mode(session_config(module).lora_mode, dict(named_params(module)))
     with passes.with_options(passes.call_options()):
-        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=session_config(module).lora_mode,
-                                   passes=passes)
+        return _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode, passes=passes)

@@ -64,7 +64,8 @@ class SessionConfig:
             computes with exactly the dequantized weights (the default here); 4 = int8
             activations, faster and approximate (ONNX Runtime's own default); 0 = ORT's default.
         lora_mode: how ``module(x)`` runs LoRA adapters (:data:`onnxparam.trace.passes.LORA_MODES`):
-            ``"merge"`` (the effective weights, no overhead), ``"keep"`` (the adapter as graph
+            ``"merge"`` (the effective weights, no overhead; a module holding an adapter no weight
+            can hold, a grouped convolution's, runs in ``"keep"``), ``"keep"`` (the adapter as graph
             nodes) or ``"inputs"`` (as ``"keep"``, the factors fed as inputs on every call: one
             session serves every adapter of the same rank, and switching adapters builds none).
         dynamic_shapes: how ``module(x)`` treats input shapes (:data:`DYNAMIC_SHAPE_POLICIES`).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -201,8 +201,11 @@ class Runner:
     def error(self, e: Exception) -> ExecutionError:
         return execution_error(e, self.traced, self.owner, "run")
 
-    def run(self, tensors: Sequence[Tensor]):
-        """Run with the graph inputs' tensors, in input order; a Tensor or a tuple."""
+    def run(self, tensors: Sequence[Tensor], extra: Optional[dict] = None):
+        """Run with the graph inputs' tensors, in input order; a Tensor or a tuple. ``extra``:
+        more ``{graph input: host array}`` feeds for this run only (LoRA's ``adapter_index``;
+        not with :attr:`_needs_ortvalues`: a device runner takes them through
+        :meth:`with_fed_params`)."""
         if self._needs_ortvalues:
             return self._run_ortvalues(tensors)
         feed = {}
@@ -211,6 +214,8 @@ class Runner:
             feed[name] = host if host is not None else t.to_numpy()
         if self.fed:
             feed.update(self.fed)
+        if extra:
+            feed.update(extra)
         try:
             outs = self._run(self.output_names, feed, None)
         except Exception as e:

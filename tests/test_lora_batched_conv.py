@@ -410,3 +410,32 @@ def test_grouped_conv_adapter_gradients_equal_torch_autograd_through_peft(tmp_pa
             rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
             dense[rows, cols] = B[cols, :, 0, 0].T
         np.testing.assert_allclose(got[f"{m}.weight.lora.b"].to_numpy(), dense, rtol=1e-4, atol=1e-6, err_msg=m)
+
+
+def test_grouped_conv_adapters_trained_here_save_as_peft_and_load_with_the_same_outputs(grouped, tmp_path):
+    """Adam steps on the grouped / depthwise adapters here keep ``b`` inside its groups' blocks,
+    so ``save_peft_adapter`` writes PEFT's grouped ``lora_B`` and PEFT's forward with the written
+    adapter equals the trained module's."""
+    import peft as peft_module
+
+    from onnxparam import save_peft_adapter
+    from onnxparam.autodiff import grad, mse
+    from onnxparam.optim import Adam
+
+    _, x, _, _, folder, _, model = grouped
+    # load_peft_adapter freezes the adapted bases; "one" has lora_bias on every module: only factors train
+    ours = load_peft_adapter(import_onnx(folder / "net.onnx"), folder / "one")
+    t = np.random.default_rng(4).normal(size=(len(x), 5)).astype(np.float32)
+    optim = Adam(lr=5e-2)
+    before = ours(Tensor.from_numpy(x)).to_numpy()
+    for _ in range(3):
+        _, grads = grad(lambda m, x, t: mse(m(x), t), ours, x, t)
+        assert all(".lora." in path for path in grads.by_path()), sorted(grads.by_path())
+        ours = optim.step(ours, grads)
+    trained = ours(Tensor.from_numpy(x)).to_numpy()
+    assert np.abs(trained - before).max() > 1e-2  # it trained
+    folder = save_peft_adapter(ours, tmp_path / "trained")
+    loaded = peft_with_adapters(model, {"default": folder})
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(torch.from_numpy(x)).numpy(), trained, atol=2e-4)
+    assert isinstance(loaded, peft_module.PeftModel)

@@ -215,11 +215,21 @@ def _check_array_dtype(value: ir.Value, array) -> None:
 def _find_tables(model: ir.Model, sites) -> dict:
     """``path -> reason`` for the float weights that are tables (frozen at import; see
     :mod:`onnxparam.autodiff._tables`)."""
-    from ..autodiff._tables import find_tables
+    from ..autodiff._tables import find_scalar_constants, find_tables, is_marked_parameter
 
     floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph]
     found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
-    return {s.path: found[s.name] for s in floats if s.name in found}
+    tables = {s.path: found[s.name] for s in floats if s.name in found}
+    # 0-d float initializers (every graph): an exporter's constants are frozen, parameters not
+    scalars = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.shape == ()
+               and s.kind != CONSTANT]
+    constants = find_scalar_constants(model, [(s.name, s.value) for s in scalars])
+    for s in scalars:
+        if s.name in constants:
+            tables[s.path] = constants[s.name]
+        elif is_marked_parameter(s.value):
+            tables.pop(s.path, None)
+    return tables
 
 
 class _SourceGraph:

@@ -465,8 +465,8 @@ def test_the_readme_serving_example_runs(tmp_path, monkeypatch):
 
 def test_an_index_outside_the_slots_fails_in_ort_for_a_conv_only_export(tmp_path):
     """A conv target's mask gathers the index like every other target: ONNX Runtime refuses an
-    entry outside ``[-slots, slots)`` instead of giving that row no adapter, and ``-1`` is the
-    last slot, as ``Gather`` reads it (oracle: the export's own run at index ``slots - 1``)."""
+    entry past the slots instead of giving that row no adapter, and a negative one where the
+    index enters (``Gather`` alone would read ``-1`` as the last slot)."""
     from onnxparam import LoraAdapter
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 
@@ -483,8 +483,68 @@ def test_an_index_outside_the_slots_fails_in_ort_for_a_conv_only_export(tmp_path
     last = sess.run(None, {"x": x, "adapter_index": np.array([2, 2], dtype=np.int64)})[0]
     base = sess.run(None, {"x": x, "adapter_index": np.array([0, 0], dtype=np.int64)})[0]
     assert np.abs(last - base).max() > 1e-3
-    np.testing.assert_array_equal(sess.run(None, {"x": x, "adapter_index": np.array([-1, -1], dtype=np.int64)})[0],
-                                  last)
+    with pytest.raises((Fail, InvalidArgument), match="Gather_negative_index_refused"):
+        sess.run(None, {"x": x, "adapter_index": np.array([-1, -1], dtype=np.int64)})
+
+
+def _negative_index_cases():
+    """``(name, module, x, rows oracle or None)`` for each target kind: Linear (MatMul), an
+    embedding table (Gather) with a Linear, a dilated Conv (weight and bias)."""
+    from onnxparam import LoraAdapter
+
+    cases = [("linear", with_adapters(["one", "two"]), X[:4],
+              lambda x, k: oracle(x, [None, "one", "two"][k]) if k < 3 else oracle(x, None))]
+    rng = np.random.default_rng(9)
+    emb = Embed()
+    for name in ("p", "q"):
+        emb = emb.add_adapter(name, {"embed.weight": LoraAdapter(_factor(rng, 10, 2), _factor(rng, 2, 6), 1.0),
+                                     "fc.weight": LoraAdapter(_factor(rng, 6, 3), _factor(rng, 3, 4), 0.5)})
+    cases.append(("embedding", emb, rng.integers(0, 10, size=(4, 3)), None))
+    conv = DilatedConv()
+    for name in ("p", "q"):
+        conv = conv.add_adapter(name, {"conv.weight": LoraAdapter(_factor(rng, 12, 2), _factor(rng, 2, 3), 1.0,
+                                                                  transposed=True),
+                                       "conv.bias": LoraAdapter(_factor(rng, 1, 1), _factor(rng, 1, 3), 1.0)})
+    cases.append(("conv", conv, rng.normal(size=(4, 2, 8, 5)).astype(np.float32), None))
+    return cases
+
+
+@pytest.mark.parametrize("capacity", [None, 4])
+@pytest.mark.parametrize("case", range(3), ids=["linear", "embedding", "conv"])
+def test_a_negative_index_fails_in_ort_for_every_target_kind(tmp_path, case, capacity):
+    """fresh6 F1: a negative entry (``-1``, a common "no adapter" sentinel) is refused by plain
+    ONNX Runtime on the export, as by ``module(x, adapter_index=...)``, whether slot ``-1`` is
+    the last adapter (capacity == adapters) or a spare empty slot (capacity 4 > 2 adapters),
+    instead of ``Gather`` reading it counting from the end. Valid indices still give each row
+    its adapter: the numpy formula (Linear), the runtime (every kind), and one slot's run of
+    the whole batch, row by row."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    name, module, x, rows_oracle = _negative_index_cases()[case]
+    lora = "batched" if capacity is None else BatchedLora(capacity=capacity)
+    path = export_onnx(module, tmp_path / f"{name}.onnx", x[:2], lora=lora)
+    sess = session(path)
+    feed = next(i.name for i in sess.get_inputs() if i.name != "adapter_index")
+    slots = batched_metadata(path)["slots"]
+    assert slots == (3 if capacity is None else capacity + 1)
+    for bad in ([-1, -1, -1, -1], [0, 1, -1, 2], [-1], [-slots] * 4, [np.iinfo(np.int64).min] * 4):
+        with pytest.raises((Fail, InvalidArgument), match="Gather_negative_index_refused"):
+            sess.run(None, {feed: x, "adapter_index": np.array(bad, dtype=np.int64)})
+        with pytest.raises(LoraError, match="outside"):
+            module(Tensor.from_numpy(x), adapter_index=[int(b) for b in bad])
+    index = np.array([2, 0, 1, slots - 1], dtype=np.int64)
+    got = sess.run(None, {feed: x, "adapter_index": index})[0]
+    runtime = module(Tensor.from_numpy(x), adapter_index=[min(int(k), 2) for k in index]).to_numpy()
+    for row, k in enumerate(index):
+        alone = sess.run(None, {feed: x, "adapter_index": np.array([k], dtype=np.int64)})[0]
+        np.testing.assert_allclose(got[row], alone[row], atol=1e-5, rtol=0)
+        if k < 3:  # a spare slot is the base model: the runtime has no index past its adapters
+            np.testing.assert_allclose(got[row], runtime[row], atol=1e-5, rtol=0)
+        if rows_oracle is not None:
+            np.testing.assert_allclose(got[row], rows_oracle(x[row:row + 1], int(k))[0], atol=1e-5, rtol=0)
+    if slots > 3:  # the spare slot's row is the base row
+        np.testing.assert_allclose(got[3], sess.run(None, {feed: x, "adapter_index": np.zeros(4, np.int64)})[0][3],
+                                   atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("two_d", [False, True])

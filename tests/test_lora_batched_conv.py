@@ -189,6 +189,24 @@ def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_in_onnx_runtime(grou
     assert check_batched_adapters(path, module)
 
 
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_a_negative_index_fails_in_ort_on_grouped_and_depthwise_convs(grouped, tmp_path, capacity):
+    """fresh6 F1: plain ONNX Runtime refuses a negative entry (``-1``: the last adapter, or a
+    spare slot with capacity 5) instead of reading it from the end; the valid rows of the same
+    session stay PEFT's mixed batch."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
+
+    module, x, expected, *_ = grouped
+    lora = "batched" if capacity is None else BatchedLora(capacity=capacity)
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:2], lora=lora)
+    sess = session(path)
+    for bad in ([-1] * len(x), [-1]):
+        with pytest.raises((Fail, InvalidArgument), match="Gather_negative_index_refused"):
+            sess.run(None, {"x": x, "adapter_index": np.array(bad, dtype=np.int64)})
+    got, _ = run_batched(path, x, GROUPED_ROWS, GROUPED)
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def test_grouped_and_depthwise_rows_equal_pefts_mixed_batch_through_module_call(grouped):
     module, x, expected, *_ = grouped
     got = module(Tensor.from_numpy(x), adapter_index=[None if n == "__base__" else n for n in GROUPED_ROWS])
@@ -361,3 +379,63 @@ def test_a_grouped_conv_branch_imports_back_as_the_adapter(grouped, tmp_path, mo
     np.testing.assert_allclose(back(Tensor.from_numpy(x)).to_numpy(), expected, atol=ATOL, rtol=0)
     again = export_onnx(back, tmp_path / "again.onnx", x[:2], lora="keep")
     np.testing.assert_allclose(session(again).run(None, {"x": x})[0], expected, atol=ATOL, rtol=0)
+
+
+def test_grouped_conv_adapter_gradients_equal_torch_autograd_through_peft(tmp_path):
+    """Training a grouped / depthwise conv's adapter here: the loss and the gradients of ``a``
+    and ``b`` equal torch autograd through PEFT (``b``'s within each group's block; zero outside,
+    so training keeps PEFT's grouped ``lora_B``), within 1e-4."""
+    from onnxparam.autodiff import grad, mse
+
+    model = randomize(GroupedNet().eval(), seed=11)
+    reference = peft_lora(model, list(GROUPED_TARGETS), 6, 5, seed=3, folder=tmp_path / "a",
+                          rank_pattern={"grouped": 2})
+    ours = load_peft_adapter(import_onnx(export_net(model, (4, 6, 6), tmp_path / "net.onnx")), tmp_path / "a")
+    rng = np.random.default_rng(2)
+    x, t = rng.normal(size=(4, 4, 6, 6)).astype(np.float32), rng.normal(size=(4, 5)).astype(np.float32)
+    loss, grads = grad(lambda m, x, t: mse(m(x), t), ours, x, t)
+    got = grads.by_path()
+    expected = torch.mean((reference(torch.from_numpy(x)) - torch.from_numpy(t)) ** 2)
+    expected.backward()
+    np.testing.assert_allclose(float(loss.to_numpy()), float(expected.detach()), rtol=1e-5)
+    torch_grads = {n.replace("base_model.model.", ""): p.grad.numpy() for n, p in reference.named_parameters()
+                   if p.grad is not None}
+    for m, groups in (("grouped", 2), ("depthwise", 6)):
+        A, B = torch_grads[f"{m}.lora_A.default.weight"], torch_grads[f"{m}.lora_B.default.weight"]
+        rank, per_in, per_out = A.shape[0], B.shape[1], B.shape[0] // groups
+        np.testing.assert_allclose(got[f"{m}.weight.lora.a"].to_numpy(), A.reshape(rank, -1).T, rtol=1e-4, atol=1e-6,
+                                   err_msg=m)
+        dense = np.zeros((rank, B.shape[0]), np.float32)  # PEFT's grouped lora_B as this library's b
+        for g in range(groups):
+            rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
+            dense[rows, cols] = B[cols, :, 0, 0].T
+        np.testing.assert_allclose(got[f"{m}.weight.lora.b"].to_numpy(), dense, rtol=1e-4, atol=1e-6, err_msg=m)
+
+
+def test_grouped_conv_adapters_trained_here_save_as_peft_and_load_with_the_same_outputs(grouped, tmp_path):
+    """Adam steps on the grouped / depthwise adapters here keep ``b`` inside its groups' blocks,
+    so ``save_peft_adapter`` writes PEFT's grouped ``lora_B`` and PEFT's forward with the written
+    adapter equals the trained module's."""
+    import peft as peft_module
+
+    from onnxparam import save_peft_adapter
+    from onnxparam.autodiff import grad, mse
+    from onnxparam.optim import Adam
+
+    _, x, _, _, folder, _, model = grouped
+    # load_peft_adapter freezes the adapted bases; "one" has lora_bias on every module: only factors train
+    ours = load_peft_adapter(import_onnx(folder / "net.onnx"), folder / "one")
+    t = np.random.default_rng(4).normal(size=(len(x), 5)).astype(np.float32)
+    optim = Adam(lr=5e-2)
+    before = ours(Tensor.from_numpy(x)).to_numpy()
+    for _ in range(3):
+        _, grads = grad(lambda m, x, t: mse(m(x), t), ours, x, t)
+        assert all(".lora." in path for path in grads.by_path()), sorted(grads.by_path())
+        ours = optim.step(ours, grads)
+    trained = ours(Tensor.from_numpy(x)).to_numpy()
+    assert np.abs(trained - before).max() > 1e-2  # it trained
+    folder = save_peft_adapter(ours, tmp_path / "trained")
+    loaded = peft_with_adapters(model, {"default": folder})
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(torch.from_numpy(x)).numpy(), trained, atol=2e-4)
+    assert isinstance(loaded, peft_module.PeftModel)

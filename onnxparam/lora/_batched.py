@@ -22,8 +22,10 @@ target's input names, dims and rank. Slots ``N + 1 .. capacity`` (``BatchedLora(
 are zeros: room for adapters added later without a new export. An index of length 1 applies to
 every row (broadcast); any length but 1 and the batch (dim 0 of the first graph input) fails in
 ONNX Runtime (``_Graph._checked``: ``Expand`` / ``Reshape`` of the index to the batch) and in
-``module(x, adapter_index=...)`` (``LoraError``); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``
-(a convolution target's mask gathers the index from ``Range(0, slots)`` first, so it fails too).
+``module(x, adapter_index=...)`` (``LoraError``); an index outside ``[0, slots)`` fails in ONNX Runtime's ``Gather``:
+a negative one where the index enters (``_Graph._not_negative``: ``Gather`` itself would read
+``-1`` as the last slot), one past the slots in each target's ``Gather`` (a convolution target's
+mask gathers the index from ``Range(0, slots)`` first, so it fails too).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
 ``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
@@ -441,8 +443,33 @@ class _Graph:
             self.tracer._names.add(name)
             value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([self.index_dim()]))
             self.tracer.graph.inputs.append(value)
-            self._index = self._checked(value)
+            self._index = self._not_negative(self._checked(value))
         return self._index
+
+    def _not_negative(self, index: ir.Value) -> ir.Value:
+        """``index``, failing in ONNX Runtime for a negative entry (which every ``Gather`` would
+        read counting from the last slot: ``-1`` is the last adapter, or a spare empty slot)::
+
+            index + Gather([0], Min(index, 0) - 1)
+
+        ``Gather`` of a 1-entry tensor takes only ``-1`` and ``0``: an entry ``>= 0`` reads it
+        at ``-1`` (adding ``0``), a negative one at ``<= -2`` fails (``INT64_MIN`` wraps to
+        ``INT64_MAX``: fails too). Once, where the index enters, for every target kind; four ops
+        on ``[batch]`` int64 values per run."""
+        tracer, i64 = self.tracer, ir.DataType.INT64
+        rows = self.index_dim()
+        zero = tracer.constant(np.asarray(0, dtype=np.int64), name="lora.batched.zero")._symbol.value
+        one = tracer.constant(np.asarray(1, dtype=np.int64), name="lora.batched.one")._symbol.value
+        only = tracer.constant(np.asarray([0], dtype=np.int64), name="lora.batched.start")._symbol.value
+        nodes = [_new_node(tracer, "Min", [index, zero], i64, [rows], "/lora.batched/Min_index", "")]
+        nodes.append(_new_node(tracer, "Sub", [nodes[-1].outputs[0], one], i64, [rows],
+                               "/lora.batched/Sub_index", ""))
+        nodes.append(_new_node(tracer, "Gather", [only, nodes[-1].outputs[0]], i64, [rows],
+                               "/lora.batched/Gather_negative_index_refused", "", {"axis": 0}))
+        nodes.append(_new_node(tracer, "Add", [index, nodes[-1].outputs[0]], i64, [rows],
+                               "/lora.batched/Add_index", ""))
+        _prepend(tracer.graph, nodes)
+        return nodes[-1].outputs[0]
 
     def _checked(self, index: ir.Value) -> ir.Value:
         """``index``, failing in ONNX Runtime unless its length is 1 or the batch (dim 0 of
@@ -485,8 +512,8 @@ class _Graph:
 
     def mask(self, dtype) -> ir.Value:
         """``[rows, slots, 1]`` at ``dtype``: ``1`` at each row's slot, else ``0`` (``OneHot`` of
-        the index gathered from ``Range(0, slots)``: an index outside ``[-slots, slots)`` fails in
-        ONNX Runtime's ``Gather``, as in the other targets)."""
+        the index gathered from ``Range(0, slots)``: an index past the slots fails in ONNX
+        Runtime's ``Gather``, as in the other targets; a negative one failed in :meth:`index`)."""
         masks = self.__dict__.setdefault("_masks", {})
         if dtype in masks:
             return masks[dtype]
@@ -495,9 +522,9 @@ class _Graph:
         nodes = [_new_node(tracer, "Shape", [self._first_stack], i64, [1], "/lora.batched/Shape_slots", "",
                            {"end": 1})]
         slots = nodes[-1].outputs[0]
-        # Gather(Range(0, slots), index): the index itself, but an entry outside [-slots, slots)
-        # fails in ONNX Runtime as it does in every Gather target (OneHot alone would give such a
-        # row no adapter, silently), and a negative entry counts from the end, as in Gather.
+        # Gather(Range(0, slots), index): the index itself, but an entry past the slots fails in
+        # ONNX Runtime as it does in every Gather target (OneHot alone would give such a row no
+        # adapter, silently); a negative entry already failed where the index enters (index()).
         zero = tracer.constant(np.asarray(0, dtype=np.int64), name="lora.batched.zero")._symbol.value
         one = tracer.constant(np.asarray(1, dtype=np.int64), name="lora.batched.one")._symbol.value
         nodes.append(_new_node(tracer, "ReduceMax", [slots], i64, [], "/lora.batched/ReduceMax_slots", "",

@@ -254,11 +254,14 @@ class _Expander:
         (``lora_B``, zero outside each group's rows) after it::
 
             h = Conv(x, Reshape(Transpose(a), [-1, in, *kernel]))    [n, r, *spatial]
-            y + Reshape(MatMul(Transpose(scale * b), Reshape(h, [0, 0, -1])), Shape(y))
+            y + Reshape(MatMul(Transpose(scale * b) * mask, Reshape(h, [0, 0, -1])), Shape(y))
 
         ``Conv`` with the node's attributes but ``group`` (strides, pads, dilations; PEFT's
         ``lora_A`` takes the base's stride and padding, and no dilation: a dilated base's PEFT
-        adapter does not run in PEFT either)."""
+        adapter does not run in PEFT either). ``mask`` (``<W>.lora.group_mask``, ``(out, r)``,
+        a constant; not in ``"inputs"`` mode, whose rank is symbolic): ``1`` in each group's
+        block, else ``0``: the forward is unchanged (``b`` is zero there) and ``b``'s gradient
+        is zero outside the blocks, so training keeps PEFT's parameters (its grouped ``lora_B``)."""
         dims = _dims(self.base)
         graph = self.tracer.graph
         label = f"/{self.path}.lora"
@@ -267,22 +270,35 @@ class _Expander:
             b = self.scaled_b(float(self.adapter.scale))
             shape = self.tracer.constant(np.asarray([-1, dims[1] * groups, *dims[2:]], dtype=np.int64),
                                          name=f"{self.path}.lora.conv_shape")._symbol.value
+            rank = _dims(a)[1]
             nodes = [self._node(graph, "Transpose", [a], _dims(a)[::-1], f"{label}/Transpose_a", {"perm": [1, 0]})]
-            nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape], None, f"{label}/Reshape_a"))
+            nodes.append(self._node(graph, "Reshape", [nodes[-1].outputs[0], shape],
+                                    [rank, dims[1] * groups, *dims[2:]], f"{label}/Reshape_a"))
             nodes.append(self._node(graph, "Transpose", [b], _dims(b)[::-1], f"{label}/Transpose_b", {"perm": [1, 0]}))
+            if isinstance(rank, int) and rank % groups == 0 and dims[0] % groups == 0:
+                mask = np.kron(np.eye(groups), np.ones((dims[0] // groups, rank // groups)))
+                mask = self.tracer.constant(mask.astype(self.dtype.to_numpy()),
+                                            name=f"{self.path}.lora.group_mask")._symbol.value
+                nodes.append(self._node(graph, "Mul", [nodes[-1].outputs[0], mask], [dims[0], rank],
+                                        f"{label}/Mul_mask"))
             _prepend(graph, nodes)
-            self._grouped = (nodes[1].outputs[0], nodes[2].outputs[0])
-        a_conv, b_t = self._grouped
+            self._grouped = (nodes[1].outputs[0], nodes[-1].outputs[0], rank)
+        a_conv, b_t, rank = self._grouped
         y = node.outputs[0]
         y_dims = _dims(y) if y.shape is not None else None
         uses = list(y.uses())
         name = f"{node.name}/lora"
         kept = [attr for key, attr in node.attributes.items() if key != "group"]
-        nodes = [self._node(node.graph, "Conv", [node.inputs[0], a_conv], None, f"{name}/Conv_a", attributes=kept)]
+        n, spatial = (y_dims[0], y_dims[2:]) if y_dims else (None, None)
+        flat_len = int(np.prod(spatial)) if spatial is not None and all(isinstance(d, int) for d in spatial) else None
+        nodes = [self._node(node.graph, "Conv", [node.inputs[0], a_conv], [n, rank, *spatial] if y_dims else None,
+                            f"{name}/Conv_a", attributes=kept)]
         flat = self.tracer.constant(np.asarray([0, 0, -1], dtype=np.int64), name="lora.conv.flat3")._symbol.value
-        nodes.append(self._node(node.graph, "Reshape", [nodes[-1].outputs[0], flat], None, f"{name}/Reshape_h"))
-        nodes.append(self._node(node.graph, "MatMul", [b_t, nodes[-1].outputs[0]], None, f"{name}/MatMul_b"))
-        nodes.append(self._node(node.graph, "Shape", [y], None, f"{name}/Shape_y"))
+        nodes.append(self._node(node.graph, "Reshape", [nodes[-1].outputs[0], flat], [n, rank, flat_len],
+                                f"{name}/Reshape_h"))
+        nodes.append(self._node(node.graph, "MatMul", [b_t, nodes[-1].outputs[0]], [n, dims[0], flat_len],
+                                f"{name}/MatMul_b"))
+        nodes.append(self._node(node.graph, "Shape", [y], [len(y_dims)] if y_dims else None, f"{name}/Shape_y"))
         nodes[-1].outputs[0].type = ir.TensorType(ir.DataType.INT64)
         nodes.append(self._node(node.graph, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], y_dims,
                                 f"{name}/Reshape_y"))

@@ -126,13 +126,18 @@ def _grouped_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
     """``(x, conv, a, b, coefficient, [nodes])`` when ``out`` is a grouped convolution's kept
     branch (:meth:`onnxparam.lora._graph._Expander.grouped_conv`)::
 
-        Reshape(MatMul(Transpose(s * b), Reshape(Conv(x, Reshape(Transpose(a), shape)), flat)), Shape(y))
+        Reshape(MatMul(Transpose(s * b) [* mask], Reshape(Conv(x, Reshape(Transpose(a), shape)), flat)), Shape(y))
     """
     back = _producer(out, "Reshape")
     mm = _producer(back.inputs[0], "MatMul") if back is not None else None
     if mm is None or len(mm.inputs) != 2:
         return None
-    flip_b, flat = _producer(mm.inputs[0], "Transpose"), _producer(mm.inputs[1], "Reshape")
+    masked, mask_nodes = mm.inputs[0], []
+    mul = _producer(masked, "Mul")
+    if mul is not None and len(mul.inputs) == 2 and mul.inputs[1] is not None \
+            and mul.inputs[1].name.endswith(".lora.group_mask"):
+        masked, mask_nodes = mul.inputs[0], [mul]
+    flip_b, flat = _producer(masked, "Transpose"), _producer(mm.inputs[1], "Reshape")
     b_found = _factor(flip_b.inputs[0], factors, "b") if flip_b is not None else None
     conv = _producer(flat.inputs[0], "Conv") if flat is not None else None
     shaped = _producer(conv.inputs[1], "Reshape") if conv is not None and len(conv.inputs) == 2 else None
@@ -143,7 +148,8 @@ def _grouped_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
     if a is None or factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
         return None
     shape_y = _producer(back.inputs[1], "Shape")
-    nodes = b_nodes + [flip_b, flip_a, shaped, conv, flat, mm] + ([shape_y] if shape_y is not None else []) + [back]
+    nodes = b_nodes + [flip_b] + mask_nodes + [flip_a, shaped, conv, flat, mm]
+    nodes += ([shape_y] if shape_y is not None else []) + [back]
     return conv.inputs[0], conv, a, b, coefficient, nodes
 
 
@@ -157,7 +163,7 @@ def _remove_if_unused(nodes: list) -> None:
             inputs = [v for v in node.inputs if v is not None]
             graph.remove(node, safe=True)
             for value in inputs:
-                lora_constant = value.name.endswith(".lora.scale") or (
+                lora_constant = value.name.endswith((".lora.scale", ".lora.group_mask")) or (
                     "lora." in value.name and value.dtype == ir.DataType.INT64)
                 if (value.is_initializer() and not value.uses() and value not in graph.inputs
                         and not value.is_graph_output() and lora_constant

@@ -505,11 +505,13 @@ def test_inspect_onnx_counts_the_initializers_it_does_not_list(cli):
     result = ok(results, "inspect magika")
     doc = json.loads(result.stdout)
     inits = onnx.load(str(MAGIKA)).graph.initializer
-    # The weights are the float tensors of rank >= 1 (numpy's view of each initializer).
-    weights = [i for i in inits if onnx.numpy_helper.to_array(i).dtype.kind == "f" and len(i.dims) >= 1]
+    # The weights are the float tensors (numpy's view of each initializer): 11 of rank >= 1 and
+    # 8 jax2tf scalar constants (0-d float initializers are weights; these import frozen).
+    weights = [i for i in inits if onnx.numpy_helper.to_array(i).dtype.kind == "f"]
     assert doc["info"]["initializers"] == len(inits) == 36
-    assert len(doc["tensors"]) == len(weights) == 11
-    assert doc["info"]["non_weight_initializers"] == len(inits) - len(weights) == 25
+    assert len(doc["tensors"]) == len(weights) == 19
+    assert sum(1 for i in weights if not i.dims) == 8
+    assert doc["info"]["non_weight_initializers"] == len(inits) - len(weights) == 17
 
 
 # -- warnings --------------------------------------------------------------------------------------

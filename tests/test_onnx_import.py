@@ -152,9 +152,11 @@ def test_weights_are_initializers_and_constants_that_feed_differentiable_inputs(
     module = import_onnx(parse(WEIGHTS_MODEL, check=False))
     params = dict(module.named_params())
     # conv.weight: Conv's W; learned: Mul's operand ([1], from a Constant); big: an int table
-    # of 70 elements; s: a graph output. Not weights: Reshape shapes, Resize scales / roi,
-    # the 0-d literal and the 0-d initializer, a 4-element int vector used nowhere.
-    assert sorted(params) == ["big", "conv.weight", "learned", "s"]
+    # of 70 elements; s: a graph output; scale0: a 0-d float initializer (a scalar nn.Parameter
+    # is written as one). Not weights: Reshape shapes, Resize scales / roi, the 0-d Constant
+    # literal, a 4-element int vector used nowhere.
+    assert sorted(params) == ["big", "conv.weight", "learned", "s", "scale0"]
+    assert params["scale0"].shape == () and params["scale0"].require_grad
     assert params["conv.weight"].shape == (3, 2, 1, 1) and params["conv.weight"].dtype is DType.F32
     assert params["big"].dtype is DType.I64 and not params["big"].require_grad
     assert params["learned"].require_grad

@@ -177,7 +177,8 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
     nd = len(xd) - 2
     c = xd[1] if isinstance(xd[1], int) else channels
     if group == 1 and isinstance(c, int) and isinstance(o, int) and e.opset >= 11 \
-            and _gemm_dtype(x, x_like, g_like) is not None:
+            and _gemm_dtype(x, x_like, g_like) is not None \
+            and math.prod(int(k) for k in kernel) <= IM2COL_MAX_GROWTH * math.prod(int(s) for s in strides):
         return _conv_weight_grad_gemm(e, x, g, nd, c, o, kernel, strides, dilations, begin, end)
     if not all(isinstance(d, int) for d in tuple(xd) + tuple(yd)):
         if not isinstance(xd[1], int) and isinstance(channels, int):
@@ -205,6 +206,11 @@ def conv_weight_grad(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, yd: tuple,
 
 
 _INT64_MAX = 2**63 - 1
+
+IM2COL_MAX_GROWTH = 9
+"""The weight gradient is one ``Gemm`` over im2col taps (:func:`_conv_weight_grad_gemm`) when the
+taps hold at most this many times the input's cells (``prod(kernel) / prod(strides)``: 3 x 3 at
+stride 1); larger kernels (a 7 x 7 stem: 12x) keep the ``Conv`` form, which needs no such buffer."""
 
 
 def _gemm_dtype(*values) -> Optional[np.dtype]:
@@ -236,25 +242,29 @@ def _conv_weight_grad_gemm(e: Emitter, x: ir.Value, g: ir.Value, nd: int, c: int
     xt = e.transpose(x, [1, 0] + spatial)  # [C, N, S...]
     if any(begin) or any(end):
         xt = e.op("Pad", xt, e.ints([0, 0] + list(begin) + [0, 0] + list(end)))
-    taps = []
-    for offset in np.ndindex(*kernel):
-        first = [int(t) * int(d) for t, d in zip(offset, dilations)]
-        # the last window starts (k - 1 - t) * d before the padded end (negative ends: no sizes needed)
-        stop = [-(int(k) - 1 - int(t)) * int(d) or _INT64_MAX for k, t, d in zip(kernel, offset, dilations)]
-        if all(f == 0 for f in first) and all(s == _INT64_MAX for s in stop) and all(int(s) == 1 for s in strides):
-            tap = xt
-        else:
-            tap = e.op("Slice", xt, e.ints(first), e.ints(stop), e.ints(spatial), e.ints([int(s) for s in strides]))
-        taps.append(tap)
-    kk = len(taps)
-    if kk == 1:
-        cols = taps[0]
-    else:
-        cols = e.op("Concat", *[e.unsqueeze(t, [1]) for t in taps], axis=1)  # [C, K, N, Q...]
-    cols = e.reshape(cols, [c * kk, -1])
+    kernel = [int(k) for k in kernel]
     gt = e.reshape(e.transpose(g, [1, 0] + spatial), [o, -1])  # [O, N * Q]
-    dw = e.op("Gemm", gt, cols, transB=1)  # [O, C * K]
-    return e.reshape(dw, [o, c] + [int(k) for k in kernel])
+    offsets = list(np.ndindex(*kernel))
+    rows = kernel[0] if nd > 1 and kernel[0] > 1 else 1
+    per_row = len(offsets) // rows
+    parts = []
+    for r in range(rows):  # (each row's taps sliced just before its product: a row's taps alive at once)
+        taps = []
+        for offset in offsets[r * per_row:(r + 1) * per_row]:
+            first = [t * int(d) for t, d in zip(offset, dilations)]
+            # the last window starts (k - 1 - t) * d before the padded end (negative ends: no sizes needed)
+            stop = [-(k - 1 - t) * int(d) or _INT64_MAX for k, t, d in zip(kernel, offset, dilations)]
+            if not any(first) and all(v == _INT64_MAX for v in stop) and all(int(v) == 1 for v in strides):
+                taps.append(xt)
+            else:
+                taps.append(e.op("Slice", xt, e.ints(first), e.ints(stop), e.ints(spatial),
+                                 e.ints([int(v) for v in strides])))
+        cols = taps[0] if len(taps) == 1 else e.op("Concat", *[e.unsqueeze(t, [1]) for t in taps], axis=1)
+        cols = e.reshape(cols, [c * len(taps), -1])  # [C * K', N * Q]: K' taps of this row
+        parts.append(e.op("Gemm", gt, cols, transB=1))  # [O, C * K']
+    if rows == 1:
+        return e.reshape(parts[0], [o, c] + kernel)
+    return e.op("Concat", *[e.reshape(p, [o, c, 1] + kernel[1:]) for p in parts], axis=2)
 
 
 def _conv_weight_grad_dynamic(e: Emitter, x: ir.Value, g: ir.Value, xd: tuple, o: int, kernel: tuple,

@@ -24,17 +24,33 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
    ``RotaryEmbedding``'s cos / sin cache (``ai.onnx`` or ``com.microsoft``: the rotary
    tables PyTorch models hold as buffers).
 
+5. **exporters' scalar constants** (:func:`find_scalar_constants`; 0-d float initializers,
+   which import as params since a scalar ``nn.Parameter`` is written as one): the file's own
+   evidence first: the dynamo exporter marks parameters and buffers with
+   ``pkg.torch.export.graph_signature.InputSpec.kind`` metadata (``PARAMETER``: trainable;
+   ``BUFFER``: frozen). Its unmarked constants (``val_3``, the ``clone`` of a
+   ``torch.tensor(0.1)`` literal) are no weights at all
+   (:func:`onnxparam.onnx_io._weights.marked_constants`), except one its optimizer folded from
+   a value that may have been a parameter (``pkg.onnxscript.optimizer.folded_from``): a doubt,
+   frozen here with the sources in the reason. Without marks (TorchScript, jax2tf), an
+   exporter's name (``val_N``, ``onnx::Mul_12``, ``Const_4:0`` ...: anything not an identifier
+   path as PyTorch names parameters) or a use only as ``Pow``'s exponent freezes it; a
+   state-dict-like name (``pre``, ``blk.alpha``) stays trainable (TorchScript does not tell a
+   scalar buffer from a parameter).
+
 Layer: graph analysis on ``onnx_ir`` only (the importer in :mod:`onnxparam.onnx_io` calls it).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["find_tables", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE"]
+__all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_generated_name", "SCALAR_BUFFER",
+           "SCALAR_FOLDED", "SCALAR_GENERATED", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
@@ -45,6 +61,21 @@ RUNNING_STATS = ("a BatchNormalization running mean / variance (inference statis
 WINDOW = "an STFT window (a fresh window or a buffer in PyTorch, not a parameter)"
 ROTARY_CACHE = "a RotaryEmbedding cos / sin cache (a buffer in PyTorch)"
 _ROTARY_CACHE_INPUTS = {"": (1, 2), "ai.onnx": (1, 2), "com.microsoft": (2, 3)}
+
+_UNFREEZE = "; unfreeze with module.unfreeze_group(ParamGroup.from_paths([path])) if it is a weight"
+SCALAR_BUFFER = "a 0-d PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
+SCALAR_FOLDED = ("a 0-d constant the exporter's optimizer folded from {} (not marked a parameter by the file's "
+                 "InputSpec metadata; if one of those was a parameter, this is its folded value)") + _UNFREEZE
+SCALAR_GENERATED = "a 0-d constant named as an exporter names its own ({}), not as PyTorch names parameters" + _UNFREEZE
+SCALAR_EXPONENT = "a 0-d constant used only as Pow's exponent (a literal power such as x ** 2)" + _UNFREEZE
+_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+_FOLDED = "pkg.onnxscript.optimizer.folded_from"
+_STATE_DICT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+_GENERATED_NAME = re.compile(r"(_?val_\d+(_\d+)*|scalar_tensor_default(_\d+)?|_?tensor_constant\d+"
+                             r"|(c_)?lifted_tensor_\d+|const_fold_opt__\d+|Constant_\d+.*|const(_\d+)?)")
+"""Names exporters give their own constants: torch dynamo (``val_3``, ``scalar_tensor_default``,
+``lifted_tensor_0``, ``_tensor_constant0``), tf2onnx (``const_fold_opt__12``), onnxparam's own
+tracer (``const``, ``const_1``)."""
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ENCODERS = frozenset({"Sin", "Cos"})
@@ -178,4 +209,54 @@ def find_tables(model: ir.Model, candidates) -> dict:
             continue
         if _periodic(value, nodes, act):
             out[name] = PERIODIC
+    return out
+
+
+def _marks(value: ir.Value) -> dict:
+    try:
+        return dict(value.metadata_props)
+    except Exception:  # noqa: BLE001 - a value without metadata
+        return {}
+
+
+def is_generated_name(name: str) -> bool:
+    """True when ``name`` is one an exporter gives its own constants (:data:`_GENERATED_NAME`)."""
+    return _GENERATED_NAME.fullmatch(name) is not None
+
+
+def is_marked_parameter(value: ir.Value) -> bool:
+    """True when the exporter marked ``value`` as a PyTorch parameter (InputSpec metadata)."""
+    return _marks(value).get(_KIND) == "PARAMETER"
+
+
+def find_scalar_constants(model: ir.Model, candidates) -> dict:
+    """``{name: reason}`` for the 0-d float initializers among ``candidates`` that are an
+    exporter's constants rather than parameters (rule 5 of the module docstring); every graph
+    of the model (subgraphs too).
+
+    Args:
+        model: the model.
+        candidates: ``(name, value)`` per 0-d float weight held by an initializer.
+    """
+    # NOTE: the exporter marks parameters and buffers where it writes them: the main graph
+    marked = any(_KIND in _marks(v) for v in model.graph.initializers.values())
+    out = {}
+    for name, value in candidates:
+        marks = _marks(value)
+        kind = marks.get(_KIND)
+        if kind == "PARAMETER":
+            continue
+        if kind is not None:
+            out[name] = SCALAR_BUFFER if kind == "BUFFER" else (
+                f"a 0-d PyTorch {kind.lower()} (the exporter's InputSpec kind), not a parameter" + _UNFREEZE)
+            continue
+        if marked:  # NOTE: only folded ones reach here (onnx_io._weights.marked_constants)
+            out[name] = SCALAR_FOLDED.format(marks.get(_FOLDED, "?"))
+            continue
+        if _GENERATED_NAME.fullmatch(name) or not _STATE_DICT_NAME.fullmatch(name):
+            out[name] = SCALAR_GENERATED.format(repr(name))
+            continue
+        uses = list(value.uses())
+        if uses and all(node.op_type == "Pow" and index == 1 for node, index in uses):
+            out[name] = SCALAR_EXPONENT
     return out

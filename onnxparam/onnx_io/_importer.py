@@ -215,11 +215,21 @@ def _check_array_dtype(value: ir.Value, array) -> None:
 def _find_tables(model: ir.Model, sites) -> dict:
     """``path -> reason`` for the float weights that are tables (frozen at import; see
     :mod:`onnxparam.autodiff._tables`)."""
-    from ..autodiff._tables import find_tables
+    from ..autodiff._tables import find_scalar_constants, find_tables, is_marked_parameter
 
     floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph]
     found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
-    return {s.path: found[s.name] for s in floats if s.name in found}
+    tables = {s.path: found[s.name] for s in floats if s.name in found}
+    # 0-d float initializers (every graph): an exporter's constants are frozen, parameters not
+    scalars = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.shape == ()
+               and s.kind != CONSTANT]
+    constants = find_scalar_constants(model, [(s.name, s.value) for s in scalars])
+    for s in scalars:
+        if s.name in constants:
+            tables[s.path] = constants[s.name]
+        elif is_marked_parameter(s.value):
+            tables.pop(s.path, None)
+    return tables
 
 
 class _SourceGraph:
@@ -398,7 +408,8 @@ class OnnxModule(Module):
 
         Raises:
             CallArgumentError (a TypeError): for missing, unknown or duplicate inputs, or a wrong
-                dtype / rank (named).
+                dtype / rank (named); an empty batch that would reach an ``LSTM`` / ``GRU`` node
+                (ONNX Runtime ends the process on it: :mod:`~onnxparam.onnx_io._empty_batch`).
             ExecutionError: when ONNX Runtime cannot build or run the graph.
 
         Every error raised names the imported file (or the in-memory source) and, for a
@@ -422,7 +433,8 @@ class OnnxModule(Module):
             return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
-        """Graph input name -> given value; checks count, names, dtype and rank. A numpy array in
+        """Graph input name -> given value; checks count, names, dtype and rank, and an empty
+        batch for an ``LSTM`` / ``GRU`` (:mod:`~onnxparam.onnx_io._empty_batch`). A numpy array in
         the other byte order (``x.astype(">f4")``) is bound as a native-order copy."""
         required = self._source.inputs
         if len(inputs) > len(required):
@@ -450,6 +462,10 @@ class OnnxModule(Module):
                 # Runtime reads raw bytes in native order, so it gets a native copy
                 x = bound[v.name] = x.astype(x.dtype.newbyteorder("="))
             check_input_value(v, x)
+        # NOTE: an empty batch into an LSTM / GRU ends the process inside ONNX Runtime (fresh6 F5)
+        from ._empty_batch import check_empty_recurrent
+
+        check_empty_recurrent(self._source, bound)
         return bound
 
     def forward(self, *inputs, **named):

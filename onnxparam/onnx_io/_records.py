@@ -181,12 +181,15 @@ def weights_into_graph(
     by_path = {site.path: site for site in sites}
     problems: list[str] = []
     writes = {}
+    own = exporter_scalars(model, sites)
     for site in sites:
         entry = tensors.get(site.path)
         if entry is not None and site.name in origins:
             _check_quantized(entry, site, origins, model, problems, writes)
             continue
         if entry is None:
+            if site.name in own:
+                continue  # an exporter's own scalar constant: part of the graph, kept as it is
             if not allow_partial:
                 problems.append(f"missing tensor '{site.path}' (ONNX {site.name!r}): the graph expects "
                                 f"{site.dtype.name} {list(site.shape)}, the record has none")
@@ -241,6 +244,18 @@ def weights_into_graph(
     model.metadata_props.clear()
     model.metadata_props.update(props)
     return model
+
+
+def exporter_scalars(model: ir.Model, sites) -> dict:
+    """``{ONNX name: reason}`` for the 0-d float initializer weights among ``sites`` that are an
+    exporter's own constants, not PyTorch parameters
+    (:func:`onnxparam.autodiff._tables.find_scalar_constants`): no record holds them, so a
+    record written into the graph need not either."""
+    from ..autodiff._tables import find_scalar_constants
+
+    scalars = [(s.name, s.value) for s in sites
+               if s.shape == () and s.kind == INITIALIZER and s.dtype.is_float and not s.dtype.is_onnx_only]
+    return find_scalar_constants(model, scalars) if scalars else {}
 
 
 def _template_sites(model: ir.Model, source: str):

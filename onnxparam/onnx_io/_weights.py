@@ -18,9 +18,18 @@ A candidate is a weight when (:func:`is_weight`):
    does being a graph output or having no use at all;
 3. a non-float candidate has more than :data:`MAX_INLINE_CONSTANT_ELEMENTS` elements (quantized
    weights are large; index and shape vectors are small);
-4. it has rank >= 1: a 0-d tensor is a literal of an expression (the ``0.2`` of a
-   hard-sigmoid, ``1/sqrt(d)``), while exporters store learned tensors, even 1-element ones,
-   with a shape (``mobile_one_block_0.w_0`` in PP-OCRv4 is ``[1]``).
+4. a 0-d tensor held by a ``Constant`` node is a literal of an expression (the ``0.2`` of a
+   hard-sigmoid, ``1/sqrt(d)``: TorchScript's ``/Constant_output_0``), not a weight. A 0-d
+   float **initializer** is a weight: PyTorch exporters write a scalar ``nn.Parameter``
+   (a pre-emphasis coefficient, a learned logit scale, a ReZero alpha) as one, under its
+   state-dict name. Exporters write their own scalar constants as initializers too. Where the
+   file itself marks what is a parameter, an unmarked 0-d initializer is such a constant and
+   not a weight (:func:`marked_constants`: torch dynamo's ``InputSpec`` metadata, onnxparam's
+   own ``onnxparam.params`` table), unless the exporter's optimizer folded it from a value
+   that may have been a parameter (a doubt: then it is a weight, frozen and listed). Other
+   exporters' constants (``onnx::Mul_12``, jax2tf's ``Const_4:0``) import as frozen params,
+   listed in ``OnnxModule.onnx_tables`` with the evidence
+   (:func:`onnxparam.autodiff._tables.find_scalar_constants`).
 
 5. rules 2-4 do not apply to the codes, scale and zero point of a quantized weight (the
    constant data, scale and zero-point inputs of ``DequantizeLinear``, the weight inputs of
@@ -254,11 +263,57 @@ def is_weight(tensor: ir.TensorProtocol, value: ir.Value, opsets: dict) -> bool:
         return False
     if feeds_quantized_weight(value):
         return True  # rule 5: codes, scales and zero points of a quantized weight, any size or rank
-    if len(shape) == 0 or reads_as_shape(value):
-        return False
+    if (len(shape) == 0 and (value.producer() is not None or not dtype.is_float)) or reads_as_shape(value):
+        return False  # rule 4: a 0-d Constant is a literal; a 0-d float initializer may be a param
     if not dtype.is_float and size <= MAX_INLINE_CONSTANT_ELEMENTS:
         return False
     return not _only_non_differentiable_uses(value, opsets)
+
+
+_INPUT_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+def _folded_from_possible_parameter(value: ir.Value) -> bool:
+    """True when the exporter's optimizer says it folded ``value`` from a value not named as
+    an exporter names its own constants (possibly a parameter)."""
+    from ..autodiff._tables import is_generated_name
+
+    text = value.metadata_props.get(_FOLDED_FROM)
+    if not text:
+        return False
+    try:
+        import ast
+
+        sources = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return True
+    return not all(isinstance(n, str) and is_generated_name(n) for n in sources)
+
+
+def marked_constants(model: ir.Model):
+    """A predicate ``(name, value) -> bool``: True for a 0-d initializer that the file's own
+    marks say is an exporter's constant, not a parameter (rule 4 of the module docstring).
+
+    Marks: torch dynamo writes ``pkg.torch.export.graph_signature.InputSpec.kind``
+    (``PARAMETER`` / ``BUFFER``) on every parameter and buffer; onnxparam's exporter lists
+    every param in the model's ``onnxparam.params`` metadata. A file with neither has no
+    marks: nothing is decided here."""
+    from ._metadata import PARAMS_KEY
+
+    listed = model.metadata_props.get(PARAMS_KEY)
+    if listed is not None:
+        import json
+
+        try:
+            paths = set(json.loads(listed))
+        except (ValueError, TypeError):
+            return lambda name, value: False
+        return lambda name, value: name not in paths and onnx_name_to_path(name) not in paths
+    if any(_INPUT_KIND in v.metadata_props for v in model.graph.initializers.values()):
+        return lambda name, value: (_INPUT_KIND not in value.metadata_props
+                                    and not _folded_from_possible_parameter(value))
+    return lambda name, value: False
 
 
 def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]:
@@ -278,6 +333,7 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
 
     opsets = model_opsets(model)
     main_inputs = {id(v) for v in main.inputs}
+    constant = marked_constants(model)
     for graph in iter_graphs(main):
         for name, value in graph.initializers.items():
             tensor = value.const_value
@@ -285,6 +341,8 @@ def find_weights(model: ir.Model, source: str = "the model") -> list[WeightSite]
                 continue
             if not is_weight(tensor, value, opsets):
                 continue
+            if len(tensor.shape) == 0 and not feeds_quantized_weight(value) and constant(name, value):
+                continue  # rule 4: the file marks its parameters, not this scalar
             dtype = weight_dtype(tensor.dtype)
             sites.append(WeightSite(name, onnx_name_to_path(name), INITIALIZER, value, None, graph, tensor, dtype,
                                     tuple(int(d) for d in tensor.shape.numpy()),

@@ -59,7 +59,8 @@ class Quantizer:
     Args:
         scheme: the scheme every quantized param gets.
         calibration: :attr:`Calibration.MinMax` (the only one).
-        min_rank: the smallest param rank that is quantized (default 2: weights, not biases).
+        min_rank: the smallest param rank that is quantized (default 2: weights, not biases;
+            0-d params, an imported model's scalars, are never quantized whatever it says).
         per_channel: one scale per **output channel** instead of the scheme's grid (the scheme
             must be per-tensor; it gives the value type): axis 0 of a Conv weight
             ``[O, I, kh, kw]``, axis 1 of a ConvTranspose weight ``[I, O/g, kh, kw]`` and of a
@@ -112,7 +113,7 @@ def is_weight(path: str, param: Param, quantizer: Quantizer) -> bool:
         rank = len(param.lazy_shape())
     except ValueError:
         rank = param.base().ndim  # a lazy param declared without a shape: its value tells
-    return rank >= quantizer.min_rank
+    return rank >= max(1, quantizer.min_rank)  # a scalar: nothing to save, a scale per value
 
 
 def quantize_param(param: Param, quantizer: Quantizer, path: str = "param", axis: int | None = None) -> Param:

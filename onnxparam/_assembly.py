@@ -241,7 +241,9 @@ def merge_lora(self) -> "Module":
 
 
 def add_adapter(self, name: str, source) -> "Module":
-    """A copy owning one more named adapter; see :func:`onnxparam.lora.add_adapter`."""
+    """A copy owning one more named adapter; see :func:`onnxparam.lora.add_adapter`. The first
+    adapter freezes the base as :meth:`apply_lora` does (only LoRA factors train, as PEFT's);
+    ``unfreeze_group(ParamGroup.all())`` afterwards for full fine-tuning."""
     from .lora._adapters import add_adapter
 
     return add_adapter(self, name, source)
@@ -249,7 +251,8 @@ def add_adapter(self, name: str, source) -> "Module":
 
 
 def set_adapter(self, name: Optional[str]) -> "Module":
-    """A copy with named adapter ``name`` active; see :func:`onnxparam.lora.set_adapter`."""
+    """A copy with named adapter ``name`` active; see :func:`onnxparam.lora.set_adapter`
+    (``require_grad`` flags unchanged: the base stays as :meth:`add_adapter` left it)."""
     from .lora._adapters import set_adapter
 
     return set_adapter(self, name)

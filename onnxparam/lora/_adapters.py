@@ -261,6 +261,31 @@ def transposed_paths(module) -> set:
     return found
 
 
+def _is_factor_path(path: str) -> bool:
+    """Whether ``path`` is a LoRA factor's (``<param>.lora.a`` / ``<param>.lora.b``, as
+    :func:`onnxparam.core.module.named_params` yields them)."""
+    return path.endswith((".lora.a", ".lora.b")) or path in ("lora.a", "lora.b")
+
+
+def frozen_base_param(path: str, param: Param) -> Param:
+    """``param`` with ``require_grad=False`` when it is a float base param; unchanged when it is
+    a LoRA factor (``path`` ends ``.lora.a`` / ``.lora.b``) or not float. What :func:`apply_lora`
+    and :func:`add_adapter` freeze (PEFT's ``_mark_only_adapters_as_trainable`` with
+    ``bias="none"`` and no ``modules_to_save``: only the adapter factors train)."""
+    if _is_factor_path(path) or not param.lazy_dtype().is_float:
+        return param
+    return param.set_require_grad(False)
+
+
+def freeze_base(module):
+    """A copy of ``module`` whose float params, except LoRA factors, do not require grad
+    (:func:`frozen_base_param` on each); already-frozen params stay frozen, factors keep their
+    flags."""
+    from ..core.module import rebuild
+
+    return rebuild(module, frozen_base_param)
+
+
 def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
     param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
@@ -311,9 +336,9 @@ def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
 
     def adapt(path: str, param: Param) -> Param:
         dtype = param.lazy_dtype()
-        if not dtype.is_float or ".lora." in path:
+        if not dtype.is_float or _is_factor_path(path):
             return param
-        frozen = param.set_require_grad(False)
+        frozen = frozen_base_param(path, param)
         shape = param.lazy_shape()
         if len(shape) != 2:
             skipped["rank"].append(f"{path!r} {tuple(shape)}")
@@ -563,20 +588,38 @@ def add_adapter(module, name: str, source):
     Adapters ``module`` already carries unnamed (``apply_lora``) are first named
     :data:`DEFAULT_ADAPTER_NAME` and stay active.
 
+    Trainability follows PEFT's ``inject_adapter``: the first adapter added to a module that
+    carries none (no adapter on its params, no named adapter) freezes its base as
+    :func:`apply_lora` does (every float param except LoRA factors gets ``require_grad=False``;
+    PEFT's default ``bias="none"``, no ``modules_to_save``), so training the result after
+    :func:`set_adapter` updates the adapter factors only. Adding to a module that already has
+    adapters keeps every param's flag as it is (a frozen param stays frozen, one the caller
+    unfroze stays trainable). The factors keep the flags ``source`` gave them.
+
+    For full fine-tuning (base and adapter), unfreeze after adding:
+    ``model.unfreeze_group(ParamGroup.all())`` (or a narrower :class:`~onnxparam.ParamGroup`,
+    e.g. for PEFT's ``bias="all"``); later ``add_adapter`` / ``set_adapter`` calls keep it.
+
     Raises:
         LoraError: (a ``ValueError``) ``name`` is taken, or ``source`` has no adapters.
     """
     sets, active = adapter_set(module), active_adapter(module)
-    if active is None:
-        current = _current_adapters(module)
-        if current:
-            sets, active = sets.add(DEFAULT_ADAPTER_NAME, current), DEFAULT_ADAPTER_NAME
-    return _owning(_copy(module), sets.add(name, source), active)
+    current = _current_adapters(module)
+    first = not current and not sets.names
+    if active is None and current:
+        sets, active = sets.add(DEFAULT_ADAPTER_NAME, current), DEFAULT_ADAPTER_NAME
+    sets = sets.add(name, source)
+    return _owning(freeze_base(module) if first else _copy(module), sets, active)
 
 
 def set_adapter(module, name: Optional[str]):
     """A copy of ``module`` with its named adapter ``name`` active (PEFT's ``set_adapter``), the
     one active before kept in the set with its current values; ``None``: no adapter.
+
+    Switching changes no ``require_grad`` flag: the base stays as :func:`add_adapter` left it
+    (frozen, unless the caller unfroze it, e.g. ``model.unfreeze_group(ParamGroup.all())`` for
+    full fine-tuning), and the activated adapter's factors train with the flags they were
+    added with (trainable from ``load_peft_adapter`` / ``apply_lora``).
 
     Raises:
         KeyError: an unknown name (the known ones listed).

@@ -1,5 +1,6 @@
-"""What trains after ``add_adapter`` / ``set_adapter``: the first adapter added to a module
-freezes its base (as ``apply_lora`` does), a later one keeps every flag as it is.
+"""What trains after ``add_adapter`` / ``set_adapter`` / ``load_peft_adapter``: the first
+adapter added to a module freezes its base (as ``apply_lora`` does), a later one keeps every
+flag as it is.
 
 Oracles: PEFT in torch (``get_peft_model`` / ``PeftModel.add_adapter`` / ``set_adapter``, its
 ``requires_grad`` flags and one torch Adam step) on the same MLP that torch's exporter writes
@@ -142,6 +143,8 @@ def test_trainable_params_after_add_adapter_equal_peft_on_the_same_model(tmp_pat
     grads, changed = _trained(ours, x, t)
     assert grads == changed == expected == _peft_step_changed(torch, copy.deepcopy(reference).train(), x, t)
     assert {p for p, q in ours.named_params() if q.require_grad} == expected
+    # load_peft_adapter alone freezes the same (PEFT's from_pretrained with is_trainable=True)
+    assert _trained(load_peft_adapter(imported, tmp_path / "sql"), x, t) == (expected, expected)
 
     # PEFT's add_adapter on a model whose base the caller unfroze keeps it trainable; set_adapter
     # trains the new adapter's factors (the old one's are inactive)

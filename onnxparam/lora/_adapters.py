@@ -286,6 +286,15 @@ def freeze_base(module):
     return rebuild(module, frozen_base_param)
 
 
+def has_adapters(module) -> bool:
+    """Whether ``module`` carries a LoRA adapter on a param or owns a named one: adding the
+    first adapter to a module without freezes its base (:func:`freeze_base`), as PEFT's
+    ``inject_adapter`` does on its first injection; later ones keep every flag."""
+    from ..core.module import named_params
+
+    return getattr(module, _SET_ATTR, None) is not None or any(p.adapter() is not None for _, p in named_params(module))
+
+
 def apply_lora(module, config: LoraConfig, *, allow_empty: bool = False):
     """A copy of ``module`` with every float param frozen and an adapter on each rank-2 float
     param that ``config.param_group`` matches (Burn's ``Module::apply_lora``).
@@ -605,7 +614,7 @@ def add_adapter(module, name: str, source):
     """
     sets, active = adapter_set(module), active_adapter(module)
     current = _current_adapters(module)
-    first = not current and not sets.names
+    first = not has_adapters(module)
     if active is None and current:
         sets, active = sets.add(DEFAULT_ADAPTER_NAME, current), DEFAULT_ADAPTER_NAME
     sets = sets.add(name, source)

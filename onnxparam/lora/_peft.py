@@ -50,7 +50,7 @@ from ..core.errors import RecordError, ShapeMismatchError
 from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
-from ._adapters import LoraAdapter, transposed_paths
+from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -421,6 +421,11 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         adapter-owned bias (a frozen zero ``bias`` param carrying that adapter: PEFT's unmerged
         forward; merging it makes a new bias, where PEFT refuses to merge). A target that already has an adapter keeps its
         factors' ids.
+        Trainability is PEFT's (``PeftModel.from_pretrained(..., is_trainable=True)``,
+        ``bias="none"``): on a module without adapters every float param except the new
+        factors is frozen (as :func:`~onnxparam.lora.apply_lora` freezes); on one that has
+        adapters only the targets are, the other flags kept. For full fine-tuning,
+        ``unfreeze_group(ParamGroup.all())`` on the result.
 
     Raises:
         RecordError: for an unsupported variant (the option named: DoRA, trained biases ...),
@@ -525,10 +530,12 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         error.report = report
         raise error
 
+    first = not has_adapters(module)  # NOTE: PEFT freezes the base on its first injection only
+
     def attach(path: str, param: Param) -> Param:
         entry = plan.get(path)
         if entry is None:
-            return param
+            return frozen_base_param(path, param) if first else param
         name, a, b, scale, transposed = entry
         dtype = param.lazy_dtype()
         # NOTE: factors follow the base's float dtype (F32 for a quantized base), as apply_lora's

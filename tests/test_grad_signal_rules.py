@@ -442,3 +442,24 @@ def test_scatternd_reductions_of_rows(reduction):
         return {"idx": np.array([[0], [n - 1], [0]], np.int64), "u": RNG.uniform(-2, 2, (3, 4))}
 
     check_op(nodes, ["N", 4], [(2, 4), (3, 4)], inits, 18, extra_inputs=extra_inputs, extra=extra)
+
+
+def test_old_scatter_at_opset_10():
+    """The deprecated ``Scatter`` at opset 10 (no GatherElements there), axis 1, distinct indices
+    per row; the batch changes; torch's ``scatter`` autograd too."""
+    torch = pytest.importorskip("torch")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["data"]), helper.make_node("Mul", ["u", "b"], ["upd"]),
+             helper.make_node("Scatter", ["data", "idx", "upd"], ["y"], axis=1)]
+    inits = {"s": RNG.uniform(0.5, 1.5, (5,)), "b": RNG.uniform(0.5, 1.5, (2,))}
+    extra_inputs = [helper.make_tensor_value_info("idx", I64, ["N", 2]),
+                    helper.make_tensor_value_info("u", D, ["N", 2])]
+
+    def extra(shape):
+        n = shape[0]
+        idx = np.stack([RNG.permutation(5)[:2] for _ in range(n)]).astype(np.int64)
+        return {"idx": idx, "u": RNG.uniform(-2, 2, (n, 2))}
+
+    def torch_fn(x, idx, u, s, b):
+        return (x * s).scatter(1, idx, u * b)
+
+    check_op(nodes, ["N", 5], [(2, 5), (4, 5)], inits, 10, torch_fn=torch_fn, extra_inputs=extra_inputs, extra=extra)

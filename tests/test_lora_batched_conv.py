@@ -439,3 +439,43 @@ def test_grouped_conv_adapters_trained_here_save_as_peft_and_load_with_the_same_
     with torch.no_grad():
         np.testing.assert_allclose(loaded(torch.from_numpy(x)).numpy(), trained, atol=2e-4)
     assert isinstance(loaded, peft_module.PeftModel)
+
+
+def test_a_grouped_adapter_on_this_librarys_conv2d_equals_the_torch_formula(tmp_path):
+    """This library's ``nn.Conv2d(groups=2)`` (a traced module, not an import) with a grouped
+    adapter attached by hand (``a`` over all 4 input channels, ``b`` block-diagonal): ``module(x)``
+    (``"merge"`` runs it as ``"keep"``), a ``"batched"`` export in plain ONNX Runtime and
+    ``module(x, adapter_index=...)`` equal ``conv2d(x, W, groups=2) + scale * conv1x1(conv2d(x,
+    A), B)`` in torch's functional ops; base rows equal the base conv."""
+    import torch.nn.functional as F
+
+    from onnxparam import LoraAdapter, Module, Param, nn
+
+    class Net(Module):
+        def __init__(self):
+            self.conv = nn.Conv2d((4, 6), (3, 3), padding=(1, 1), groups=2)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    rng = np.random.default_rng(0)
+    net, rank = Net(), 4
+    a = rng.normal(size=(4 * 9, rank)).astype(np.float32)
+    b = np.zeros((rank, 6), np.float32)
+    b[:2, :3], b[2:, 3:] = rng.normal(size=(2, 3)), rng.normal(size=(2, 3))
+    factor = (lambda v: Param.from_tensor(Tensor.from_numpy(v)))
+    module = net.add_adapter("g", {"conv.weight": LoraAdapter(factor(a), factor(b), 0.5, transposed=True)})
+    x = rng.normal(size=(3, 4, 5, 5)).astype(np.float32)
+    weight, bias = (torch.from_numpy(np.array(p.val().to_numpy())) for p in (net.conv.weight, net.conv.bias))
+    base = F.conv2d(torch.from_numpy(x), weight, bias, padding=1, groups=2)
+    h = F.conv2d(torch.from_numpy(x), torch.from_numpy(a.T.reshape(rank, 4, 3, 3)), padding=1)
+    expected = (base + 0.5 * torch.einsum("nrhw,ro->nohw", h, torch.from_numpy(b))).numpy()
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    np.testing.assert_allclose(module.set_adapter("g")(Tensor.from_numpy(x)).to_numpy(), expected, **tol)
+    path = export_onnx(module, tmp_path / "batched.onnx", x, lora="batched")
+    feed = {session(path).get_inputs()[0].name: x, "adapter_index": np.array([1, 0, 1])}
+    got = session(path).run(None, feed)[0]
+    np.testing.assert_allclose(got[[0, 2]], expected[[0, 2]], **tol)
+    np.testing.assert_allclose(got[1], base.numpy()[1], **tol)
+    rows = module(Tensor.from_numpy(x), adapter_index=["g", None, "g"]).to_numpy()
+    np.testing.assert_allclose(rows, got, **tol)

@@ -1,7 +1,7 @@
 """Gradient rules of ``ScatterND`` / ``ScatterElements`` with ``reduction`` ``mul``, ``max`` or
-``min``; the ``none`` / ``add`` forms (and the old ``Scatter``) are
-:func:`~._rules_more._scatter_nd` / :func:`~._rules_more._scatter_elements`', so this module is
-registered after :mod:`._rules_more`.
+``min``, and of the deprecated ``Scatter`` below opset 11; the ``none`` / ``add`` forms (and
+``Scatter`` from opset 11) are :func:`~._rules_more._scatter_nd` /
+:func:`~._rules_more._scatter_elements`', so this module is registered after :mod:`._rules_more`.
 
 Conventions (a rule's signature, ``g = dL/dy``) are those of :mod:`onnxparam.autodiff._rules`;
 forward semantics: the ONNX operator specification (ScatterND, ScatterElements): ``y[i] =
@@ -13,6 +13,10 @@ index). Every shape comes from the values themselves: no static dim needed.
 
 from __future__ import annotations
 
+import numpy as np
+import onnx_ir as ir
+
+from ._emitter import dims
 from ._rules import attr, rule
 from ._rules_more import _scatter_elements, _scatter_nd
 
@@ -81,3 +85,39 @@ def _scatter_reduce(e, node, gout, need):
         du = e.op("Mul", gather(share), at_upd)
     return [dd, None, du]
 
+
+
+@rule("Scatter")
+def _scatter_old(e, node, gout, need):
+    """The deprecated ``Scatter`` (opsets 9-10; ``ScatterElements`` without reduction):
+    ``d data = Scatter(g, indices, 0)`` (the written cells zeroed), ``d updates = g`` at each
+    update's cell. Below opset 11 there is no ``GatherElements``: the cells' flat offsets are
+    ``sum_d c_d stride_d`` with ``c_axis`` the index and the other coordinates those of every
+    element of ``indices`` (``NonZero`` of ones of its shape, row-major), then ``Gather`` of the
+    flattened ``g``. From opset 11: :func:`~._rules_more._scatter_elements`."""
+    if e.opset >= 11:
+        return _scatter_elements(e, node, gout, need)
+    data, idx, upd = node.inputs
+    g = gout[0]
+    rank = len(dims(data))
+    axis = int(attr(node, "axis", 0)) % rank
+    i64 = int(ir.DataType.INT64)
+    dd = du = None
+    if need[0]:
+        dd = e.op("Scatter", g, idx, e.zeros_like(upd), axis=axis)
+    if len(need) > 2 and need[2]:
+        shape = e.op("Shape", g)
+        ones = e.op("ConstantOfShape", e.op("Shape", idx), value=ir.tensor(np.array([1], np.int64)))
+        coords = e.op("NonZero", ones)  # [rank, K]: every element's coordinates, row-major
+        index = e.op("Reshape", e.op("Cast", idx, to=i64), e.ints([-1]))
+        size = e.op("Gather", shape, e.ints([axis]), axis=0)
+        index = e.op("Add", index, e.op("Mul", e.op("Cast", e.op("Less", index, e.const(0, np.int64)), to=i64), size))
+        flat = None
+        for d in range(rank):
+            c = index if d == axis else e.op("Reshape", e.op("Gather", coords, e.ints([d]), axis=0), e.ints([-1]))
+            if d < rank - 1:
+                rest = e.op("Slice", shape, e.ints([d + 1]), e.ints([rank]), e.ints([0]))
+                c = e.op("Mul", c, e.op("ReduceProd", rest, keepdims=1))
+            flat = c if flat is None else e.op("Add", flat, c)
+        du = e.reshape_like(e.op("Gather", e.reshape(g, [-1]), flat, axis=0), upd)
+    return [dd, None, du]

@@ -407,7 +407,8 @@ class OnnxModule(Module):
 
         Raises:
             CallArgumentError (a TypeError): for missing, unknown or duplicate inputs, or a wrong
-                dtype / rank (named).
+                dtype / rank (named); an empty batch that would reach an ``LSTM`` / ``GRU`` node
+                (ONNX Runtime ends the process on it: :mod:`~onnxparam.onnx_io._empty_batch`).
             ExecutionError: when ONNX Runtime cannot build or run the graph.
 
         Every error raised names the imported file (or the in-memory source) and, for a
@@ -431,7 +432,8 @@ class OnnxModule(Module):
             return Module.__call__(self, *inputs, **named)
 
     def _bind(self, inputs: tuple, named: dict) -> dict:
-        """Graph input name -> given value; checks count, names, dtype and rank. A numpy array in
+        """Graph input name -> given value; checks count, names, dtype and rank, and an empty
+        batch for an ``LSTM`` / ``GRU`` (:mod:`~onnxparam.onnx_io._empty_batch`). A numpy array in
         the other byte order (``x.astype(">f4")``) is bound as a native-order copy."""
         required = self._source.inputs
         if len(inputs) > len(required):
@@ -459,6 +461,10 @@ class OnnxModule(Module):
                 # Runtime reads raw bytes in native order, so it gets a native copy
                 x = bound[v.name] = x.astype(x.dtype.newbyteorder("="))
             check_input_value(v, x)
+        # NOTE: an empty batch into an LSTM / GRU ends the process inside ONNX Runtime (fresh6 F5)
+        from ._empty_batch import check_empty_recurrent
+
+        check_empty_recurrent(self._source, bound)
         return bound
 
     def forward(self, *inputs, **named):

@@ -57,7 +57,10 @@ def export_onnx(
     Args:
         module: any :class:`~onnxparam.Module`; an imported
             :class:`~onnxparam.onnx_io.OnnxModule` needs no ``example_inputs``.
-        path: the ``.onnx`` file (written atomically; external data files beside it).
+        path: the ``.onnx`` file (written atomically; external data files beside it). Missing
+            folders above it are created (as ``mkdir -p``), as every ONNX writer of the library
+            does (:func:`~onnxparam.onnx_io._save.save_model`); a burnpack / safetensors
+            ``save_file`` refuses a missing folder instead (``FileMissingError``).
         example_inputs: ``forward``'s positional arguments: tensors / arrays / ``InputSpec`` s
             (only their shapes and dtypes are used) or other values passed as they are.
         input_names: graph input names (default: ``forward``'s parameter names; an imported

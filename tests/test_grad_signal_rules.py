@@ -1,5 +1,6 @@
 """Gradient rules of ``DFT``, ``STFT``, ``RotaryEmbedding``'s caches (:mod:`onnxparam.autodiff._rules_signal`),
-the scatters' ``mul`` / ``max`` / ``min`` reductions (:mod:`onnxparam.autodiff._rules_scatter`)
+the scatters' ``mul`` / ``max`` / ``min`` reductions and the old ``Scatter`` (:mod:`onnxparam.autodiff._rules_scatter`),
+``Einsum`` with an ellipsis or a diagonal (:mod:`onnxparam.autodiff._rules_einsum`)
 and of the sampling forms ``GridSample`` (bicubic, reflection, 3-D), ``Resize``
 (``tf_crop_and_resize``), ``MaxRoiPool`` and ``RoiAlign`` (max) (:mod:`onnxparam.autodiff._rules_sampling`).
 
@@ -463,3 +464,38 @@ def test_old_scatter_at_opset_10():
         return (x * s).scatter(1, idx, u * b)
 
     check_op(nodes, ["N", 5], [(2, 5), (4, 5)], inits, 10, torch_fn=torch_fn, extra_inputs=extra_inputs, extra=extra)
+
+
+# -- Einsum with an ellipsis or a diagonal ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["batch_diagonal", "broadcast_ellipsis",
+                                  pytest.param("param_diagonal", marks=pytest.mark.slow)])
+def test_einsum_with_ellipsis_and_repeated_letters(case):
+    """``...ii->...i`` of ``x * s``; ``...ij,...jk->...ik`` with a param ``A [1, 3, 4]`` broadcast
+    over the batch (its gradient summed back); ``ij,jj->ij`` with a param's diagonal. The batch
+    changes; torch's ``einsum`` autograd too."""
+    torch = pytest.importorskip("torch")
+    if case == "batch_diagonal":
+        nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+                 helper.make_node("Einsum", ["xs"], ["y"], equation="...ii->...i")]
+        inits, x_dims, shapes = {"s": RNG.uniform(0.5, 1.5, (3, 3))}, ["N", 2, 3, 3], [(2, 2, 3, 3), (1, 2, 3, 3)]
+
+        def torch_fn(x, s):
+            return torch.einsum("...ii->...i", x * s)
+    elif case == "broadcast_ellipsis":
+        # (A first: ONNX's Einsum inference typed the result with A's ellipsis dim 1, and the
+        # gradient trusting that type was silently summed over the batch; trace/values.py fixes it)
+        nodes = [helper.make_node("Einsum", ["A", "x"], ["y"], equation="...ij,...jk->...ik")]
+        inits, x_dims, shapes = {"A": RNG.uniform(-1, 1, (1, 3, 4))}, ["N", 4, "K"], [(2, 4, 2), (3, 4, 5)]
+
+        def torch_fn(x, A):
+            return torch.einsum("...ij,...jk->...ik", A, x)
+    else:
+        nodes = [helper.make_node("Einsum", ["x", "W"], ["y"], equation="ij,jj->ij")]
+        inits, x_dims, shapes = {"W": RNG.uniform(-1, 1, (4, 4))}, ["N", 4], [(2, 4), (3, 4)]
+
+        def torch_fn(x, W):
+            return torch.einsum("ij,jj->ij", x, W)
+
+    check_op(nodes, x_dims, shapes, inits, 17, torch_fn=torch_fn)

@@ -15,10 +15,6 @@ from the export's example (dynamic dims).
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import warnings
-
 import numpy as np
 import pytest
 
@@ -27,6 +23,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import onnxruntime as ort  # noqa: E402
+from torch_peft import Hidden, export, ids_for, peft_lora, peft_rows, peft_with_adapters, randomize  # noqa: E402
 
 from onnxparam import Tensor, check_batched_adapters, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 from onnxparam import write_batched_adapter  # noqa: E402
@@ -37,62 +34,6 @@ ATOL = 1e-5
 # name: (r, alpha, use_rslora)
 ADAPTERS = {"sql": (2, 5, False), "chat": (4, 3, True), "code": (8, 12, False)}
 ROWS = ["chat", "__base__", "sql", "code", "__base__", "sql"]  # PEFT's adapter_names, one per row
-
-
-@contextlib.contextmanager
-def quiet():
-    """torch's TorchScript exporter warns that it is deprecated (expected)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def randomize(model, seed: int, std: float = 0.3):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return model
-
-
-def save_adapter(base, folder, r, alpha, rslora, targets, seed):
-    """A PEFT LoRA adapter on ``base`` with non-zero random factors, saved to ``folder``."""
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                             init_lora_weights=False)
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    with quiet():
-        model.save_pretrained(str(folder))
-
-
-def export(model, ids, path, exporter):
-    dynamo = exporter == "dynamo"
-    kwargs = {"input_names": ["input_ids"], "output_names": ["hidden"]}
-    if dynamo:
-        pytest.importorskip("onnxscript")
-        kwargs["dynamic_shapes"] = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},)
-        kwargs["verbose"] = False
-    else:
-        kwargs["dynamic_axes"] = {"input_ids": {0: "batch", 1: "seq"}}
-    with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, (ids,), str(path), dynamo=dynamo, **kwargs)
-    return path
-
-
-class Hidden(torch.nn.Module):
-    """The last hidden state of a ``transformers`` model (input ids only; an all-ones attention
-    mask, so the LLaMA mask code exports with TorchScript)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
 
 
 def bert():
@@ -127,15 +68,11 @@ def built(request, tmp_path_factory):
             model, targets = MODELS[name]()
             folder = tmp_path_factory.mktemp(f"{name}-{exporter}")
             ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
-            path = export(model, ids, folder / "model.onnx", exporter)
+            path = export(model, (ids,), folder / "model.onnx", exporter, dynamic={0: "batch", 1: "seq"},
+                          input_names=["input_ids"], output_names=["hidden"])
             for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
-                save_adapter(model, folder / adapter, r, alpha, rslora, targets, seed=30 + k)
-            with quiet():
-                names = list(ADAPTERS)
-                reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(folder / names[0]),
-                                                           adapter_name=names[0]).eval()
-                for adapter in names[1:]:
-                    reference.load_adapter(str(folder / adapter), adapter_name=adapter)
+                peft_lora(model, targets, r, alpha, rslora=rslora, seed=30 + k, folder=folder / adapter)
+            reference = peft_with_adapters(model, {adapter: folder / adapter for adapter in ADAPTERS})
             imported = import_onnx(path)
             module = imported
             for adapter in ADAPTERS:
@@ -144,15 +81,6 @@ def built(request, tmp_path_factory):
         return cache[(name, exporter)]
 
     return get
-
-
-def ids_for(rows: int, seq: int) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(rows * 100 + seq).integers(0, 40, size=(rows, seq)))
-
-
-def peft_rows(reference, ids, rows):
-    with torch.no_grad():
-        return reference(ids, adapter_names=list(rows)).numpy()
 
 
 @pytest.mark.parametrize("name,exporter", CASES)
@@ -220,19 +148,13 @@ def test_gemm_targets_of_a_torchscript_mlp_give_each_row_pefts_output(tmp_path):
 
     model = randomize(Mlp().eval(), seed=3)
     x = torch.randn(2, 6)
-    path = tmp_path / "mlp.onnx"
-    with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch"}})
+    path = export(model, (x,), tmp_path / "mlp.onnx", "torchscript", dynamic={0: "batch"}, input_names=["x"],
+                  output_names=["y"])
     assert {n.op_type for n in onnx.load(str(path)).graph.node} >= {"Gemm"}
     for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
-        save_adapter(model, tmp_path / adapter, r, alpha, rslora, ["fc1", "fc2"], seed=60 + k)
+        peft_lora(model, ["fc1", "fc2"], r, alpha, rslora=rslora, seed=60 + k, folder=tmp_path / adapter)
     names = list(ADAPTERS)
-    with quiet():
-        reference = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / names[0]),
-                                                   adapter_name=names[0]).eval()
-        for adapter in names[1:]:
-            reference.load_adapter(str(tmp_path / adapter), adapter_name=adapter)
+    reference = peft_with_adapters(model, {adapter: tmp_path / adapter for adapter in names})
     imported = import_onnx(path)
     module = imported
     for adapter in names:

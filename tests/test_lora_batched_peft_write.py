@@ -12,10 +12,7 @@ by :func:`onnxparam.load_peft_adapters` equal the written set. The model is a ti
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -25,6 +22,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import onnxruntime as ort  # noqa: E402
+from torch_peft import Hidden, ids_for, peft_lora, peft_rows, peft_with_adapters, randomize  # noqa: E402
+from torch_peft import export as torch_export  # noqa: E402
 
 from onnxparam import (  # noqa: E402
     RecordError,
@@ -47,48 +46,9 @@ ROWS = ["chat", "__base__", "sql", "code", "__base__", "sql"]
 TARGETS = ["query", "value", "dense", "word_embeddings"]
 
 
-@contextlib.contextmanager
-def quiet():
-    """torch's TorchScript exporter and PEFT's loaders warn (expected)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-class Hidden(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
-
-
-def randomize(model, seed: int, std: float = 0.3):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return model
-
-
 def peft_model(base, folder, names):
     """PEFT's model with the adapters ``folder/<name>`` (``"default"``: ``folder``) loaded."""
-    path = (lambda n: str(folder if n == "default" else folder / n))
-    with quiet():
-        model = peft.PeftModel.from_pretrained(copy.deepcopy(base), path(names[0]), adapter_name=names[0]).eval()
-        for name in names[1:]:
-            model.load_adapter(path(name), adapter_name=name)
-    return model
-
-
-def peft_rows(model, ids, rows):
-    with torch.no_grad():
-        return model(ids, adapter_names=list(rows)).numpy()
-
-
-def ids_for(rows: int, seq: int) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(rows * 100 + seq).integers(0, 40, size=(rows, seq)))
+    return peft_with_adapters(base, {n: folder if n == "default" else folder / n for n in names})
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +60,10 @@ def built(tmp_path_factory):
     torch.manual_seed(0)
     model = randomize(Hidden(transformers.BertModel(config)).eval(), seed=1)
     ids = torch.tensor([[1, 5, 7, 3, 9], [2, 8, 4, 6, 0]], dtype=torch.int64)
-    with quiet(), contextlib.redirect_stdout(None):
-        torch.onnx.export(model, (ids,), str(folder / "model.onnx"), dynamo=False, input_names=["input_ids"],
-                          output_names=["hidden"], dynamic_axes={"input_ids": {0: "batch", 1: "seq"}})
+    torch_export(model, (ids,), folder / "model.onnx", "torchscript", dynamic={0: "batch", 1: "seq"},
+                 input_names=["input_ids"], output_names=["hidden"])
     for k, (name, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
-        config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=TARGETS,
-                                 init_lora_weights=False)
-        adapted = peft.get_peft_model(copy.deepcopy(model), config).eval()
-        gen = torch.Generator().manual_seed(30 + k)
-        with torch.no_grad():
-            for pname, p in adapted.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        with quiet():
-            adapted.save_pretrained(str(folder / "source" / name))
+        peft_lora(model, TARGETS, r, alpha, rslora=rslora, seed=30 + k, folder=folder / "source" / name)
     reference = peft_model(model, folder / "source", list(ADAPTERS))
     imported = import_onnx(folder / "model.onnx")
     module = imported

@@ -206,3 +206,40 @@ def test_quantizing_even_at_min_rank_0_leaves_the_scalars_float(exported):
     q = dict(op.import_onnx(path).quantize_weights(Quantizer(min_rank=0)).named_params())
     assert q["pre"].lazy_dtype() is DType.F32 and q["blk.alpha"].lazy_dtype() is DType.F32
     assert q["fc.weight"].lazy_dtype() is DType.QFloat
+
+
+def test_a_torch_state_dict_loads_without_the_exporters_scalar_constants():
+    from onnxparam.convert import LoadReport, load_pytorch
+
+    report = LoadReport()
+    module = load_pytorch(op.import_onnx(_hand_model()), {"scale": np.float32(3.0), "expo": np.float32(2.0)},
+                          report=report)
+    generated = module.path_of("onnx::Mul_3")
+    assert any(generated in s for s in report.skipped) and generated not in report.missing
+    x = np.array([1.0, -2.0, 0.5], np.float32)
+    want = (x * 3.0 * 0.5) ** 2 + 0.25 + 1 + 3  # the graph's formula with the loaded scale
+    np.testing.assert_allclose(module(x, np.array(1, np.int64)).to_numpy(), want, rtol=1e-6)
+
+
+def test_in_a_marked_file_unmarked_scalars_are_literals_unless_folded_from_a_possible_parameter():
+    import onnx_ir as ir
+
+    from onnxparam.autodiff._tables import SCALAR_FOLDED
+
+    f = lambda v, n: numpy_helper.from_array(np.array(v, np.float32), n)  # noqa: E731
+    nodes = [helper.make_node("Mul", ["x", "w"], ["a"]), helper.make_node("Mul", ["a", "val_1"], ["b"]),
+             helper.make_node("Mul", ["b", "val_2"], ["c"]), helper.make_node("Add", ["c", "val_3"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                              [f([1.0, 2.0, 3.0], "w"), f(0.5, "val_1"), f(0.25, "val_2"), f(2.0, "val_3")])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    inits = model.graph.initializers
+    inits["w"].metadata_props["pkg.torch.export.graph_signature.InputSpec.kind"] = "PARAMETER"
+    inits["val_2"].metadata_props["pkg.onnxscript.optimizer.folded_from"] = "['val_0']"  # from constants
+    inits["val_3"].metadata_props["pkg.onnxscript.optimizer.folded_from"] = "['scale', 'val_9']"  # a doubt
+    module = op.import_onnx(model)
+    assert sorted(module.onnx_names.values()) == ["val_3", "w"]  # val_1, val_2: literals of the graph
+    assert module.onnx_tables["val_3"] == SCALAR_FOLDED.format("['scale', 'val_9']")
+    assert not module.param_of("val_3").require_grad
+    x = np.array([1.0, -2.0, 0.5], np.float32)
+    np.testing.assert_allclose(module(x).to_numpy(), x * [1, 2, 3] * 0.5 * 0.25 + 2.0, rtol=1e-6)

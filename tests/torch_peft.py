@@ -79,6 +79,30 @@ def peft_with_adapters(base, folders: dict):
     return model
 
 
+def peft_rows(model, ids, rows) -> np.ndarray:
+    """PEFT's mixed-batch forward: row ``i`` of ``ids`` through the adapter named ``rows[i]``
+    (``"__base__"``: none), ``model(ids, adapter_names=rows)`` without gradients, as numpy."""
+    with torch.no_grad():
+        return model(ids, adapter_names=list(rows)).numpy()
+
+
+def ids_for(rows: int, seq: int, vocab: int = 40) -> torch.Tensor:
+    """``[rows, seq]`` int64 token ids uniform in ``[0, vocab)``, seeded by the shape."""
+    return torch.from_numpy(np.random.default_rng(rows * 100 + seq).integers(0, vocab, size=(rows, seq)))
+
+
+class Hidden(torch.nn.Module):
+    """The last hidden state of a ``transformers`` model (input ids only; an all-ones attention
+    mask, so the LLaMA mask code exports with TorchScript)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state
+
+
 def export(model, args, path, exporter: str, *, dynamic: dict | None = None, **kwargs):
     """``model`` written to ``path`` by torch's ``"torchscript"`` or ``"dynamo"`` exporter, quietly
     (the dynamo exporter is skipped without ``onnxscript``). ``dynamic``: ``{axis: dim name}`` of

@@ -22,7 +22,8 @@ the model layer knows nothing of it.
   ``RNN``: :mod:`._rules_rnn`; sequences, optionals and ``Unique``: :mod:`._rules_sequence`, ``SequenceMap``:
   :mod:`._rules_seqmap`; ``DFT`` / ``STFT`` / ``RotaryEmbedding``'s caches: :mod:`._rules_signal`;
   ``GridSample`` / ``Resize`` / ``MaxRoiPool`` / ``RoiAlign`` forms: :mod:`._rules_sampling`; the
-  scatters' ``mul`` / ``max`` / ``min``: :mod:`._rules_scatter`);
+  scatters' ``mul`` / ``max`` / ``min``: :mod:`._rules_scatter`; ``Einsum`` with an ellipsis or a
+  diagonal: :mod:`._rules_einsum`);
   :func:`build_training_model` — the graph transformation
   (:mod:`._backward`).
 

@@ -31,6 +31,7 @@ from . import _rules_algebra, _rules_attention, _rules_spatial  # noqa: F401  (C
 from . import _rules_signal  # noqa: F401  (DFT, STFT, RotaryEmbedding's caches: after _rules_more)
 from . import _rules_sampling  # noqa: F401  (Resize crop, GridSample, MaxRoiPool, RoiAlign max: after _rules_layers, _rules_spatial)
 from . import _rules_scatter  # noqa: F401  (ScatterND / ScatterElements mul, max, min: after _rules_more)
+from . import _rules_einsum  # noqa: F401  (Einsum with an ellipsis or a diagonal: after _rules_more)
 from . import _rules_rnn  # noqa: F401  (register LSTM / GRU / RNN)
 from ._rules_sequence import accumulate  # (and register the sequence / optional / Unique rules)
 from . import _rules_seqmap  # noqa: F401  (register SequenceMap)

@@ -61,12 +61,17 @@ def graph_constant_paths(module) -> dict:
     """``{path: ONNX name}`` of the params of ``module``'s imported graphs whose data is a
     ``Constant`` node's tensor, not an initializer: torch's exporters write every module weight
     as an initializer, so no checkpoint holds these (the exporter's own constants:
-    ``/attn/Constant_6_output_0``)."""
+    ``/attn/Constant_6_output_0``), nor the exporter's own 0-d constants frozen at import
+    (``onnx::Mul_12``, dynamo's folded ``val_N``: :func:`onnxparam.autodiff._tables.find_scalar_constants`)."""
+    from ..autodiff._tables import SCALAR_FOLDED, SCALAR_GENERATED
+
+    made = (SCALAR_GENERATED.split("{}")[0], SCALAR_FOLDED.split("{}")[0])
     found = {}
     for prefix, sub in _imported_parts(module):
         initializers = set(sub.ir_model.graph.initializers)
+        tables = sub.onnx_tables
         for path, name in sub.onnx_names.items():
-            if name not in initializers:
+            if name not in initializers or tables.get(path, "").startswith(made):
                 found[f"{prefix}.{path}" if prefix else path] = name
     return found
 

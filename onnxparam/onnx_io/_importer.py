@@ -217,18 +217,17 @@ def _find_tables(model: ir.Model, sites) -> dict:
     :mod:`onnxparam.autodiff._tables`)."""
     from ..autodiff._tables import find_scalar_constants, find_tables, is_marked_parameter
 
-    floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph]
-    found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
-    tables = {s.path: found[s.name] for s in floats if s.name in found}
     # 0-d float initializers (every graph): an exporter's constants are frozen, parameters not
     scalars = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.shape == ()
                and s.kind != CONSTANT]
     constants = find_scalar_constants(model, [(s.name, s.value) for s in scalars])
-    for s in scalars:
-        if s.name in constants:
-            tables[s.path] = constants[s.name]
-        elif is_marked_parameter(s.value):
-            tables.pop(s.path, None)
+    tables = {s.path: constants[s.name] for s in scalars if s.name in constants}
+    # NOTE: the graph walks of find_tables only for what is still undecided (a dynamo or
+    # TorchScript file may hold hundreds of scalars); a marked parameter is never a table
+    floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph
+              and s.path not in tables and not (s.shape == () and is_marked_parameter(s.value))]
+    found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
+    tables.update({s.path: found[s.name] for s in floats if s.name in found})
     return tables
 
 

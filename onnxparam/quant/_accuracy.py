@@ -31,7 +31,9 @@ __all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "sample_in
 
 ACCURACY_KEY = "onnxparam.quant.accuracy"
 """Model ``metadata_props`` key: JSON ``{"inputs", "min_cosine", "outputs": [{"output", "cosine",
-"max_abs_error"}]}`` of the accuracy report."""
+"max_abs_error"}]}`` of the accuracy report; below ``min_cosine`` also ``"sensitivity": [{"weight",
+"cosine"}]`` (:func:`sensitivity`), ``"weights_together"`` (:func:`weights_together`; absent when
+the float file holds none of the weights) or ``"sensitivity_skipped"`` (why it was not run)."""
 
 KEPT_FLOAT_KEY = "onnxparam.quant.kept_float"
 """Model ``metadata_props`` key: JSON list of ``{"weight", "reason"}``: params left float."""

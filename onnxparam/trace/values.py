@@ -249,7 +249,42 @@ def infer_node_types(node: ir.Node, values: list, opset_imports: Mapping[str, in
             dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param")
                          else None for d in tt.shape.dim)
         types.append((dtype, None if dims is None else tuple(dims)))  # None: an unknown rank
+    if node.op_type == "Einsum" and node.domain in ("", "ai.onnx") and types and types[0][1] is not None:
+        types[0] = (types[0][0], _einsum_broadcast_dims(node, values, types[0][1]))
     return types
+
+
+def _einsum_broadcast_dims(node: ir.Node, values: list, out_dims: tuple) -> tuple:
+    """``out_dims`` with the ellipsis dims broadcast over every operand (numpy's rule, right
+    aligned). NOTE: ONNX's Einsum inference (onnx 1.23) takes the first operand's ellipsis dims
+    as they are, so ``...ij,...jk`` of ``[1, 3, 4]`` and ``[N, 4, 2]`` was typed ``[1, 3, 2]``,
+    and gradients that trust the type summed over the batch."""
+    eq = node.attributes.get("equation")
+    eq = eq.value if eq is not None else ""
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
+    if "..." not in eq:
+        return out_dims
+    lhs, arrow, out = eq.partition("->")
+    parts = []
+    for term, v in zip(lhs.split(","), values):
+        if "..." not in term or v is None or v.shape is None:
+            if "..." in term:
+                return out_dims
+            continue
+        shape = [d if isinstance(d, int) else d.value for d in v.shape]
+        start = term.index("...")
+        width = len(shape) - (len(term) - 3)
+        parts.append(shape[start:start + width])
+    width = max((len(p) for p in parts), default=0)
+    start = out.index("...") if arrow else 0
+    if width == 0 or (arrow and "..." not in out) or len(out_dims) < start + width:
+        return out_dims
+    merged = []
+    for k in range(width):
+        seen = {p[len(p) - width + k] for p in parts if len(p) - width + k >= 0}
+        sizes = seen - {1}
+        merged.append(sizes.pop() if len(sizes) == 1 else (1 if not sizes else None))
+    return tuple(out_dims[:start]) + tuple(merged) + tuple(out_dims[start + width:])
 
 
 def _forward_arg_names(module, count: int) -> list[str]:

@@ -66,7 +66,7 @@ _SCRATCH = re.compile(rf"\..+\.(\d+)-[0-9a-f]{{{_HEX_DIGITS}}}\.tmp")
 
 _LIVE: set = set()
 """Scratch entries this process created and has not yet renamed or removed (absolute paths)."""
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.RLock()  # re-entered when a signal handler interrupts register()
 
 
 def is_scratch_name(name: str) -> bool:
@@ -300,16 +300,19 @@ def create_scratch(target: Path, make, path_for_errors=None):
     label = target if path_for_errors is None else path_for_errors
     while True:
         tmp = target.with_name(scratch_name(target.name))
+        # registered before it exists: a SIGINT / SIGTERM landing right after ``make`` must find it
+        register(tmp)
         try:
             made = make(tmp)
         except FileExistsError:  # pragma: no cover - 48 random bits collided
+            release(tmp)
             continue
         except OSError as e:
+            release(tmp)
             clear = cannot_write_error(e, label) or disk_full_error(e, label)
             if clear is not None:
                 raise clear from e
             raise
-        register(tmp)
         return tmp, made
 
 

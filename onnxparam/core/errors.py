@@ -19,6 +19,7 @@ keeps working::
     ├── QuantizationError (ValueError)      a quantization scheme is unsupported or inconsistent
     ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
     │   └── LoraTypeError (TypeError)       ... because an argument is of the wrong kind
+    ├── OptimizerError (ValueError)         an optimizer's hyperparameter is out of its range
     └── FileAccessError (OSError)           a file or folder cannot be read or written as asked
         ├── FileMissingError (FileNotFoundError)
         ├── FilePermissionError (PermissionError)
@@ -53,6 +54,7 @@ __all__ = [
     "QuantizationError",
     "LoraError",
     "LoraTypeError",
+    "OptimizerError",
     "FileAccessError",
     "FileMissingError",
     "FilePermissionError",
@@ -179,6 +181,11 @@ class LoraError(OnnxParamError, ValueError):
 class LoraTypeError(LoraError, TypeError):
     """A LoRA argument of the wrong kind (``LoraConfig(rank=2.5)``, a dtype that is not a
     ``DType`` ...). Also a ``TypeError``, so code catching the builtin keeps working."""
+
+
+class OptimizerError(OnnxParamError, ValueError):
+    """An optimizer's hyperparameter is out of its range (``Adam(betas=(1.0, 0.9))``, a negative
+    ``lr`` / ``eps`` / ``momentum`` / ``weight_decay``)."""
 
 
 class PrecisionWarning(UserWarning):

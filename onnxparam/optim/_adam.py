@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..core.errors import OptimizerError
 from ._base import Optimizer
 
 __all__ = ["Adam", "DEFAULT_EPSILON"]
@@ -38,7 +39,8 @@ class Adam(Optimizer):
     ``moment_2``; scalar ``time``.
 
     Raises:
-        ValueError: for betas outside ``[0, 1)`` or a negative lr / eps / weight decay.
+        OptimizerError: (a ``ValueError``) for betas outside ``[0, 1)`` or a negative lr / eps /
+            weight decay.
     """
 
     kind = "Adam"
@@ -49,9 +51,9 @@ class Adam(Optimizer):
                  weight_decay: float = 0.0):
         beta1, beta2 = (float(b) for b in betas)
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"Adam betas must lie in [0, 1); got {tuple(betas)}")
+            raise OptimizerError(f"Adam betas must lie in [0, 1); got {tuple(betas)}")
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"Adam needs lr, eps and weight_decay >= 0; got {lr}, {eps}, {weight_decay}")
+            raise OptimizerError(f"Adam needs lr, eps and weight_decay >= 0; got {lr}, {eps}, {weight_decay}")
         super().__init__(lr)
         self.betas = (beta1, beta2)
         self.eps = float(eps)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..core.errors import OptimizerError
 from ._base import Optimizer
 
 __all__ = ["SGD"]
@@ -30,7 +31,7 @@ class SGD(Optimizer):
     State per param (record field names as Burn's ``MomentumState``): ``velocity``.
 
     Raises:
-        ValueError: for a negative learning rate, momentum or weight decay.
+        OptimizerError: (a ``ValueError``) for a negative learning rate, momentum or weight decay.
     """
 
     kind = "Sgd"
@@ -39,7 +40,7 @@ class SGD(Optimizer):
     def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False):
         if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"SGD needs lr, momentum and weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
+            raise OptimizerError(f"SGD needs lr, momentum and weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
         super().__init__(lr)
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)

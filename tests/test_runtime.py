@@ -332,3 +332,24 @@ def test_the_call_caches_keep_no_module_alive():
     gc.collect()
     assert alive() is None
     assert rt._calls._fast == {} or all(entry.module() is not None for entry in rt._calls._fast.values())
+
+
+def test_two_copies_of_a_lazy_module_frozen_apart_share_one_session():
+    """Freezing a lazy param clones its once-cell; both copies read the first cell's value, so
+    they are one set of weights and one session (adding a first adapter freezes a base this way:
+    two adapter sets over one lazy base served by one session)."""
+    from onnxparam.nn import Linear
+
+    base = Linear(4, 3)  # lazy: no value until the first call
+    assert not base.weight.is_initialized()
+    a = base.map(lambda path, p: p.set_require_grad(False))
+    b = base.map(lambda path, p: p.set_require_grad(False))
+    runtime.set_session_config(a, runtime.SessionConfig(dynamic_shapes="static"))
+    runtime.set_session_config(b, runtime.SessionConfig(dynamic_shapes="static"))
+    x = array(2, 4)
+    before = runtime.sessions_built()
+    ya, yb = a(x).to_numpy(), b(x).to_numpy()
+    assert runtime.sessions_built() == before + 1
+    w, bias = base.weight.val().to_numpy(), base.bias.val().to_numpy()  # the one initialized value
+    np.testing.assert_allclose(ya, x @ w + bias, rtol=1e-5, atol=1e-6)  # Burn's layout: weight [d_in, d_out]
+    np.testing.assert_array_equal(ya, yb)

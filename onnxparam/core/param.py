@@ -97,9 +97,11 @@ class ParamMapper:
 
 
 class _Lazy:
-    """A once-cell: ``get()`` runs ``init(device, require_grad)`` at most once, under a lock."""
+    """A once-cell: ``get()`` runs ``init(device, require_grad)`` at most once, under a lock.
+    ``source``: the cell whose value this one returns unchanged (a clone given another
+    ``require_grad`` flag before its first ``get``), so sessions key both by one value."""
 
-    __slots__ = ("init", "device", "shape", "dtype", "require_grad", "value", "lock")
+    __slots__ = ("init", "device", "shape", "dtype", "require_grad", "value", "lock", "source")
 
     def __init__(self, init, device: Device, shape, dtype: DType, require_grad: bool):
         self.init = init
@@ -109,6 +111,7 @@ class _Lazy:
         self.require_grad = require_grad
         self.value: Optional[Tensor] = None
         self.lock = threading.Lock()
+        self.source: Optional["_Lazy"] = None
 
     def __deepcopy__(self, memo) -> "_Lazy":
         # NOTE: a once-cell is shared, never copied (clones initialize once, together); its lock
@@ -347,6 +350,7 @@ class Param:
         if clone._cell is not None and clone._cell.value is None and clone._cell.require_grad != flag:
             old = clone._cell
             clone._cell = _Lazy(lambda device, rg, _old=old: _old.get(), old.device, old.shape, old.dtype, flag)
+            clone._cell.source = old.source or old  # the same value: one session serves both flags
         return clone
 
     def to_device(self, device: "Device | str") -> "Param":

@@ -239,6 +239,7 @@ def _value_token(param: Param):
     stored = getattr(param, "_value", None)
     if stored is None:
         stored = getattr(param, "_cell", None) or param
+        stored = getattr(stored, "source", None) or stored  # a re-flagged lazy cell: its source's value
     stored = _Ref(stored)
     adapter = param.adapter()
     if adapter is None:

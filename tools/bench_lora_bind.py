@@ -27,16 +27,7 @@ import time
 
 import numpy as np
 
-
-def _median_pair(ours, base, repeats):
-    t_ours, t_base = [], []
-    for i in range(repeats):
-        pair = ((ours, t_ours), (base, t_base))
-        for fn, times in (pair if i % 2 == 0 else pair[::-1]):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(t_ours), statistics.median(t_base)
+from bench_lora_serve import _median_pair  # one interleaved pair of medians for both lora benches
 
 
 def bind_switch_cases(Result, modules, rows, x, config, folder, repeats: int, target: float,

@@ -255,6 +255,32 @@ def _resize_scales_input(node, opset: int):
     return None
 
 
+def _axis_identity(e: Emitter, n_in):
+    """The identity ``[n_in, 1, 1, n_in]`` (float32, ``EyeLike`` of the run-time size ``n_in``,
+    an int64 ``[1]``): a resampling operator applied to it along its last axis gives that axis's
+    matrix ``A^T`` ``[n_in, 1, 1, n_out]``."""
+    f32 = np.float32
+    square = e.op("Concat", n_in, n_in, axis=0)
+    eye = e.op("EyeLike", e.op("Expand", e.const(0.0, f32), square))
+    return e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in))
+
+
+def _along_axis(e: Emitter, dx, resized, n_in, n_out, a: int, rank: int, dtype):
+    """``A^T g`` along axis ``a`` of ``dx`` (rank ``rank``, ``n_out`` long there): ``resized``
+    is :func:`_axis_identity` resampled (``A^T`` as ``[n_in, 1, 1, n_out]``), cast to ``dtype``
+    (the input's element type); the axis is moved last for the ``MatMul`` and back."""
+    matrix = e.op("Reshape", resized, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
+    if dtype is not None and dtype != ir.DataType.FLOAT:
+        matrix = e.op("Cast", matrix, to=int(dtype))
+    perm = [d for d in range(rank) if d != a] + [a]
+    moved = e.transpose(dx, perm)  # [..., n_out]
+    back = e.op("MatMul", moved, e.op("Transpose", matrix, perm=[1, 0]))  # [..., n_in]
+    inverse = [0] * rank
+    for j, p_ in enumerate(perm):
+        inverse[p_] = j
+    return e.transpose(back, inverse)
+
+
 def _resize_dynamic(e: Emitter, node, g, axes: list, scale_value, scales):
     """:func:`_resize`'s gradient with run-time sizes or scales: each resized axis's matrix is
     built in the graph, by the same operator (the node's attributes, at the graph's opset)
@@ -289,9 +315,7 @@ def _resize_dynamic(e: Emitter, node, g, axes: list, scale_value, scales):
                           axis=0)
         else:
             scale4 = None
-        square = e.op("Concat", n_in, n_in, axis=0)
-        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, f32), square))
-        eye4 = e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in))
+        eye4 = _axis_identity(e, n_in)
         if node.op_type == "Upsample":
             if e.opset >= 9:
                 resized = e.op("Upsample", eye4, scale4, **attrs)
@@ -308,16 +332,7 @@ def _resize_dynamic(e: Emitter, node, g, axes: list, scale_value, scales):
                 sizes4 = e.concat_ints(n_in, [1, 1], n_out)
                 resized = e.op("Resize", eye4, roi if e.opset < 13 else None, empty if e.opset < 13 else None,
                                sizes4, **attrs)
-        matrix = e.op("Reshape", resized, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
-        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            matrix = e.op("Cast", matrix, to=int(x.dtype))
-        perm = [d for d in range(rank) if d != a] + [a]
-        moved = e.transpose(dx, perm)  # [..., n_out]
-        back = e.op("MatMul", moved, e.op("Transpose", matrix, perm=[1, 0]))  # [..., n_in]
-        inverse = [0] * rank
-        for j, p_ in enumerate(perm):
-            inverse[p_] = j
-        dx = e.transpose(back, inverse)
+        dx = _along_axis(e, dx, resized, n_in, n_out, a, rank, x.dtype)
     return dx
 
 

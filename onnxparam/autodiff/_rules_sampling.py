@@ -18,7 +18,7 @@ import onnx_ir as ir
 from ..core.errors import TraceError
 from ._emitter import Emitter, dims
 from ._rules import attr, rule
-from ._rules_layers import _RESIZE_ATTRS, _resize, _resize_scales_input
+from ._rules_layers import _RESIZE_ATTRS, _along_axis, _axis_identity, _resize, _resize_scales_input
 from ._rules_spatial import _grid_sample, _roi_align
 
 __all__ = []
@@ -80,9 +80,7 @@ def _resize_rule(e, node, gout, need):
         start = e.op("Slice", roi32, e.ints([k]), e.ints([k + 1]), e.ints([0]))
         end = e.op("Slice", roi32, e.ints([count + k]), e.ints([count + k + 1]), e.ints([0]))
         roi4 = e.op("Concat", e.const(np.zeros(3, _F32), _F32), start, e.const(np.ones(3, _F32), _F32), end, axis=0)
-        square = e.op("Concat", n_in, n_in, axis=0)
-        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, _F32), square))
-        eye4 = e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in))
+        eye4 = _axis_identity(e, n_in)
         scales = None
         if scale_input is not None and (scale_input.shape is None or dims(scale_input) != (0,)):
             one = e.op("Gather", e.op("Cast", scale_input, to=int(ir.DataType.FLOAT)), e.ints([i]), axis=0)
@@ -92,16 +90,7 @@ def _resize_rule(e, node, gout, need):
         else:
             empty = e.const(np.zeros(0, _F32), _F32) if e.opset < 13 else None
             resized = e.op("Resize", eye4, roi4, empty, e.concat_ints(n_in, [1, 1], n_out), **attrs)
-        matrix = e.op("Reshape", resized, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
-        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            matrix = e.op("Cast", matrix, to=int(x.dtype))
-        perm = [d for d in range(rank) if d != a] + [a]
-        moved = e.transpose(dx, perm)  # [..., n_out]
-        back = e.op("MatMul", moved, e.op("Transpose", matrix, perm=[1, 0]))  # [..., n_in]
-        inverse = [0] * rank
-        for j, p_ in enumerate(perm):
-            inverse[p_] = j
-        dx = e.transpose(back, inverse)
+        dx = _along_axis(e, dx, resized, n_in, n_out, a, rank, x.dtype)
     return [dx] + [None] * (len(node.inputs) - 1)
 
 
@@ -131,21 +120,11 @@ def _resize_keep_aspect(e: Emitter, node, g, sizes, policy: str):
     dx = g
     for i, a in enumerate(axes):
         n_in, n_out = e.reshape(e.dim_scalar(x, a), [1]), e.reshape(e.dim_scalar(y, a), [1])
-        eye = e.op("EyeLike", e.op("Expand", e.const(0.0, _F32), e.op("Concat", n_in, n_in, axis=0)))
-        basis = e.op("Expand", e.op("Reshape", eye, e.concat_ints(n_in, [1, 1], n_in)),
-                     e.concat_ints(n_in, [1], m_in, n_in))
+        basis = e.op("Expand", _axis_identity(e, n_in), e.concat_ints(n_in, [1], m_in, n_in))
         target = e.op("Concat", m_out, e.op("Gather", want, e.ints([i]), axis=0), axis=0)
         resized = e.op("Resize", basis, None, None, target, axes=[2, 3], **attrs)  # [n_in, 1, m', n_out]
         row = e.op("Slice", resized, e.ints([0]), e.ints([1]), e.ints([2]))
-        matrix = e.op("Reshape", row, e.concat_ints(n_in, n_out))  # A^T: [n_in, n_out]
-        if x.dtype is not None and x.dtype != ir.DataType.FLOAT:
-            matrix = e.op("Cast", matrix, to=int(x.dtype))
-        perm = [d for d in range(rank) if d != a] + [a]
-        back = e.op("MatMul", e.transpose(dx, perm), e.op("Transpose", matrix, perm=[1, 0]))
-        inverse = [0] * rank
-        for j, p_ in enumerate(perm):
-            inverse[p_] = j
-        dx = e.transpose(back, inverse)
+        dx = _along_axis(e, dx, row, n_in, n_out, a, rank, x.dtype)
     return dx
 
 

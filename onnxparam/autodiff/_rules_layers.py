@@ -202,7 +202,10 @@ def _resize(e, node, gout, need):
 
     Raises:
         TraceError: for a computed ``roi``, ``tf_crop_and_resize``, or run-time sizes with a
-            ``keep_aspect_ratio_policy`` other than ``stretch``.
+            ``keep_aspect_ratio_policy`` other than ``stretch``: the registered ``Resize`` /
+            ``Upsample`` rule, :func:`._rules_sampling._resize_rule`, handles
+            ``tf_crop_and_resize`` and ``keep_aspect_ratio_policy`` with sizes itself and calls
+            this for the other forms.
     """
     x, g = node.inputs[0], gout[0]
     xd, yd = dims(x), dims(node.outputs[0])

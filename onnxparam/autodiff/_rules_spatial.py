@@ -116,7 +116,9 @@ def _grid_sample(e, node, gout, need):
       0 where ``border`` clamps); nearest is piecewise constant in the grid (0).
 
     Raises:
-        TraceError: for ``cubic`` / ``bicubic`` mode, ``reflection`` padding, or a 3-D grid.
+        TraceError: for ``cubic`` / ``bicubic`` mode, ``reflection`` padding, or a 3-D grid: the
+            registered ``GridSample`` rule, :func:`._rules_sampling._grid_sample_rule`, handles
+            those forms itself and calls this for the others.
     """
     x, grid = node.inputs[0], node.inputs[1]
     g = gout[0]
@@ -255,7 +257,9 @@ def _roi_align(e, node, gout, need):
     The boxes get a zero gradient, as torchvision's ``roi_align`` (which detaches them).
 
     Raises:
-        TraceError: for ``mode="max"`` (not linear).
+        TraceError: for ``mode="max"`` (not linear): the registered ``RoiAlign`` rule,
+            :func:`._rules_sampling._roi_align_rule`, computes that mode itself and calls this
+            for ``avg``.
     """
     x, rois, batch = node.inputs[0], node.inputs[1], node.inputs[2]
     mode = attr(node, "mode", "avg")

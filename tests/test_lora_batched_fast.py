@@ -57,12 +57,19 @@ def _check(got, x, layers, sources, names):
         np.testing.assert_allclose(got[row], _oracle(x[row], layers, sources, name), atol=1e-5, rtol=0)
 
 
-def test_repeated_calls_follow_the_index_the_shape_and_plain_calls_between():
+def _served(source_seed: int, x_seed: int, shape: tuple):
+    """``(base, sources, module, layers, x)``: a fresh :class:`Net`, the adapters of
+    :data:`RANKS` drawn from ``source_seed`` on, the base carrying them as named adapters "p" and
+    "q", the base layers' ``(W, c)`` values and a float32 input of ``shape`` drawn from ``x_seed``."""
     base = Net()
-    sources = {name: _source(base, r, alpha, 20 + k) for k, (name, (r, alpha)) in enumerate(RANKS.items())}
+    sources = {name: _source(base, r, alpha, source_seed + k) for k, (name, (r, alpha)) in enumerate(RANKS.items())}
     module = base.add_adapter("p", sources["p"]).add_adapter("q", sources["q"])
     layers = [_values(base.fc1), _values(base.fc2)]
-    x = np.random.default_rng(1).normal(size=(4, 2, 5)).astype(np.float32)
+    return base, sources, module, layers, np.random.default_rng(x_seed).normal(size=shape).astype(np.float32)
+
+
+def test_repeated_calls_follow_the_index_the_shape_and_plain_calls_between():
+    _, sources, module, layers, x = _served(20, 1, (4, 2, 5))
     xt = Tensor.from_numpy(x)
     module(xt, adapter_index=[0, 1, 2, 1])
     before = runtime.stats()
@@ -83,11 +90,7 @@ def test_repeated_calls_follow_the_index_the_shape_and_plain_calls_between():
 
 
 def test_another_adapter_set_or_a_param_swapped_in_place_is_never_served_stale():
-    base = Net()
-    sources = {name: _source(base, r, alpha, 30 + k) for k, (name, (r, alpha)) in enumerate(RANKS.items())}
-    module = base.add_adapter("p", sources["p"]).add_adapter("q", sources["q"])
-    layers = [_values(base.fc1), _values(base.fc2)]
-    x = np.random.default_rng(2).normal(size=(3, 5)).astype(np.float32)
+    base, sources, module, layers, x = _served(30, 2, (3, 5))
     xt = Tensor.from_numpy(x)
     names = ["q", "p", None]
     for _ in range(2):
@@ -118,11 +121,7 @@ def test_a_served_index_array_is_checked_on_the_fast_path():
 
     from onnxparam import LoraError
 
-    base = Net()
-    sources = {name: _source(base, r, alpha, 50 + k) for k, (name, (r, alpha)) in enumerate(RANKS.items())}
-    module = base.add_adapter("p", sources["p"]).add_adapter("q", sources["q"])
-    layers = [_values(base.fc1), _values(base.fc2)]
-    x = np.random.default_rng(3).normal(size=(3, 5)).astype(np.float32)
+    _, sources, module, layers, x = _served(50, 3, (3, 5))
     xt = Tensor.from_numpy(x)
     for _ in range(2):
         for dtype in (np.int64, np.uint8, np.int32):

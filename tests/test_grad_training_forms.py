@@ -423,3 +423,25 @@ def test_dynamo_exported_dropout_without_a_mask_output():
     hook.remove()
     expected = {n: t.grad.numpy() for n, t in net.named_parameters()}
     _assert_close({n: named[model.path_of(n) + ".grad"] for n in expected}, expected)
+
+
+def test_dropout_in_training_mode_inside_a_loop_body_is_refused_by_name():
+    """A ``Loop`` body's backward recomputes the body's forward, which would draw another mask: the
+    gradient is refused naming the node, never computed from a mask the forward did not use."""
+    from onnxparam.core.errors import TraceError
+
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["h_in", "s"], ["hs"]), helper.make_node("Dropout", ["hs", "r", "t"], ["h_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info("i", I64, []), helper.make_tensor_value_info("cond_in", B, []),
+         helper.make_tensor_value_info("h_in", D, ["N", 4])],
+        [helper.make_tensor_value_info("cond_out", B, []), helper.make_tensor_value_info("h_out", D, ["N", 4])])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "x"], ["y"], body=body)], "g",
+        [helper.make_tensor_value_info("x", D, ["N", 4])], [helper.make_tensor_value_info("y", D, None)],
+        [numpy_helper.from_array(np.linspace(0.5, 1.5, 4), "s"), numpy_helper.from_array(np.array(0.3, np.float32), "r"),
+         numpy_helper.from_array(np.array(True), "t"), numpy_helper.from_array(np.array(2, np.int64), "n")])
+    module = op.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = op.Tensor.from_numpy(RNG.normal(size=(3, 4)))
+    with pytest.raises(TraceError, match=r"Dropout in training mode inside an If / Loop / Scan body"):
+        grad(lambda m, xx: m(x=xx).sum(), module, x)

@@ -198,13 +198,21 @@ def _dropout(e, node, gout, need):
     of training mode the mask is all true and ``y = x``). ``ratio`` and ``training_mode`` get no
     gradient (ONNX marks them non-differentiable; the mask's dependence on ``ratio`` has no
     derivative). With :func:`~onnxparam.autodiff.recompute`, a ``Dropout`` is never recomputed
-    (:mod:`._recompute`): its mask stays the forward's."""
+    (:mod:`._recompute`): its mask stays the forward's.
+
+    Raises:
+        TraceError: for training mode inside an ``If`` / ``Loop`` / ``Scan`` body (their
+            backward recomputes the body's forward: another mask).
+    """
     x = node.inputs[0]
     none = [None] * (len(node.inputs) - 1)
     mode = node.inputs[2] if len(node.inputs) > 2 else None
     mode_const = const_array(mode)
     if mode is None or (mode_const is not None and not bool(mode_const.reshape(-1)[0])):
         return [gout[0]] + none
+    if getattr(e, "_root", None) is not None:  # (a BodyEmitter: the node is in an If / Loop / Scan body)
+        raise TraceError(f"node {node.name!r}: Dropout in training mode inside an If / Loop / Scan body has no "
+                         "gradient rule (the body's backward recomputes its forward, which would draw another mask)")
     ratio = node.inputs[1] if len(node.inputs) > 1 else None
     ratio_const = 0.5 if ratio is None else const_array(ratio)
     # NOTE: 1 - ratio in the ratio's dtype, as ONNX Runtime's kernel computes its scale

@@ -581,7 +581,7 @@ def _copy_running_inputs(e, node) -> None:
         copy = ir.node("Add", [v, e.scalar_like(0.0, v)], name=e.unique("/grad/BatchNormalization_running_copy"))
         copy.outputs[0].name = e.unique(copy.name + "_output")
         copy.outputs[0].type, copy.outputs[0].shape = v.type, v.shape
-        e.graph.insert_before(node, copy)
+        node.graph.insert_before(node, copy)
         node.replace_input_with(j, copy.outputs[0])
 
 

@@ -11,26 +11,34 @@ matrix: zero outside each group's block (:func:`grouped_b_problem`).
   ...`` feed only group ``g``'s ``out / groups`` output channels) and ``r`` a multiple of
   ``groups``; otherwise it is not PEFT's ``lora_B`` (PEFT cannot hold it, and a ``"keep"``
   graph's group mask would drop the entries a batched graph adds).
-* :func:`conv_node_problem`: the ONNX ``Conv`` node an adapted weight feeds, where PEFT's
-  unmerged forward and the merged weight (this library's branch: ``lora_A`` with the node's
-  strides / pads / dilations) disagree, so that which one is meant is a guess:
+* :func:`conv_node_problem`: the ONNX ``Conv`` node a **grouped** convolution's adapter
+  (``groups > 1``) runs beside. Such an adapter is no weight delta (``lora_A`` mixes the groups'
+  channels): PEFT's unmerged forward is its only definition, which the branch (``lora_A`` as a
+  ``Conv`` with the node's strides / pads / ``auto_pad``) must equal. Refused, where PEFT's
+  ``lora_A`` and the base conv disagree on the input window, so that the branch would be a
+  guess:
 
   - ``dilations`` > 1 on an axis whose kernel is longer than 1: PEFT's ``lora_A`` is not dilated,
-    its output is another size (PEFT's forward fails: ``Conv2d(3, dilation=2, padding=2)``) or,
-    through a stride, the same size with other values (``|unmerged - merged|`` ~1 for random
-    factors: ``Conv2d(3, dilation=2, stride=3, padding=1)``);
+    its output is another size (PEFT's forward fails: ``Conv2d(3, dilation=2, padding=2,
+    groups=2)``) or, through a stride, the same size with other values;
   - an input padded by a ``Pad`` node of mode ``reflect`` / ``edge`` / ``wrap``: what torch's
     exporters write for ``ConvNd(padding_mode="reflect" / "replicate")`` (``Pad`` then ``Conv``
     with zero pads), where PEFT's ``lora_A`` pads the unpadded input with zeros instead; the
     same graph comes from an explicit ``ReflectionPad2d`` before a ``Conv2d(padding=0)``, where
-    PEFT's ``lora_A`` reads the padded input (they agree): the graph cannot tell them apart.
+    PEFT's ``lora_A`` reads the padded input: the graph cannot tell them apart.
     ``padding_mode="circular"`` (``Slice`` / ``Concat``) is not recognized.
 
-  They agree (supported, the branch equals PEFT's forward): strides, symmetric and asymmetric
+  They agree (supported: the branch equals PEFT's forward): strides, symmetric and asymmetric
   ``pads`` (torch writes symmetric ones; asymmetric ones come from other exporters or from a
   zero ``Pad`` folded into the ``Conv``: PEFT's ``lora_A`` after a ``ZeroPad2d``), ``auto_pad``
   (torch's ``padding="same"``: PEFT's ``lora_A`` takes ``padding="same"`` too), a dilation on a
   length-1 kernel axis, a ``Pad`` of mode ``constant``.
+
+  A ``groups == 1`` adapter is a weight delta: every mode applies the merged weight ``W +
+  delta`` with the node's own attributes (dilated or on a reflect-padded input too), which is
+  PEFT's merged model (``merge_and_unload``); PEFT's *unmerged* forward differs there (measured
+  ``|unmerged - merged|`` ~1 for random factors on ``Conv2d(3, dilation=2, stride=3, padding=1)``
+  and ``padding_mode="reflect"``, PEFT 0.21).
 """
 
 from __future__ import annotations
@@ -83,15 +91,14 @@ def _ints(node, name: str) -> Optional[list]:
 
 
 def conv_node_problem(node, shape: tuple) -> Optional[str]:
-    """Why PEFT's unmerged forward and the merged weight disagree on the ONNX ``Conv`` ``node``
-    whose weight (``shape`` ``(out, in / groups, *kernel)``) has an adapter (module docstring),
-    or ``None`` when they agree."""
+    """Why PEFT's ``lora_A`` and the ONNX ``Conv`` ``node`` (weight ``shape`` ``(out, in / groups,
+    *kernel)``) read different input windows (module docstring), or ``None`` when they agree."""
     kernel = [int(d) for d in shape[2:]]
     dilations = _ints(node, "dilations")
     if dilations and any(d != 1 and k != 1 for d, k in zip(dilations, kernel)):
         return (f"dilations={dilations} with a {kernel} kernel: PEFT's lora_A takes the base's stride and padding "
-                "but no dilation, so PEFT's forward fails (another output size) or differs from the merged weight; "
-                "which of the two is meant is unknown")
+                "but no dilation, so PEFT's forward fails (another output size) or reads other input windows than "
+                "the base conv; which one a branch should follow is unknown")
     x = node.inputs[0] if node.inputs else None
     producer = x.producer() if x is not None else None
     if producer is not None and producer.op_type == "Pad" and producer.domain in ("", "ai.onnx"):
@@ -101,8 +108,8 @@ def conv_node_problem(node, shape: tuple) -> Optional[str]:
         if mode != "constant":
             return (f"its input is padded by Pad node {producer.name!r} (mode={mode!r}): torch writes that for a "
                     "ConvNd with padding_mode='reflect' / 'replicate', where PEFT's lora_A pads the unpadded input "
-                    "with zeros (its forward differs from the merged weight), and for an explicit pad before a "
-                    "ConvNd(padding=0), where lora_A reads the padded input; which of the two is meant is unknown")
+                    "with zeros, and for an explicit pad before a ConvNd(padding=0), where lora_A reads the padded "
+                    "input; the graph cannot tell which is meant")
     return None
 
 
@@ -119,14 +126,16 @@ def node_label(node) -> str:
 
 def check_conv_node(node, path: str, shape: tuple, groups: int, mode: str) -> None:
     """Raise :class:`~onnxparam.core.errors.LoraError` naming the weight ``path``, the ``node`` and
-    the mode when :func:`conv_node_problem` finds a doubt on the ``Conv`` whose weight it is."""
+    the mode when :func:`conv_node_problem` finds a doubt on the ``Conv`` whose weight it is and
+    the adapter is a grouped convolution's (``groups > 1``)."""
     from ..core.errors import LoraError
 
+    if groups <= 1:
+        return  # a weight delta: the merged weight is the definition (module docstring)
     problem = conv_node_problem(node, shape)
     if problem is None:
         return
-    way = ("lora='merge' / 'keep' apply the merged weight, if that is what is meant, or " if groups <= 1 else
-           "a grouped convolution's adapter has no merged weight: ")
     weight = [int(d) for d in shape]
     raise LoraError(f"lora={mode!r}: {path!r} {weight} is the weight of {node_label(node)}: {problem}; "
-                    f"{way}leave this weight out of the adapters (narrow target_modules / the param_group)")
+                    "a grouped convolution's adapter has no merged weight to fall back on: leave this weight out of the "
+                    "adapters (narrow target_modules / the param_group)")

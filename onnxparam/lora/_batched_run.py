@@ -49,6 +49,27 @@ def _stack_key(module, stacks_dims: AdapterStacks) -> tuple:
     return (tuple(parts), dtypes)
 
 
+def _forget_values(ids: set) -> int:
+    """Drop the stacks computed from a factor stored as one of ``ids`` (written in place:
+    :func:`onnxparam.runtime.forget_values`)."""
+    from ..runtime._keys import _mentions
+
+    with _STACK_LOCK:
+        stale = [key for key in _STACK_CACHE if _mentions(key[0], ids)]
+        for key in stale:
+            del _STACK_CACHE[key]
+    return len(stale)
+
+
+def _register() -> None:
+    from ..runtime._calls import register_value_cache
+
+    register_value_cache(_forget_values)
+
+
+_register()
+
+
 def _runtime_stacks(module) -> AdapterStacks:
     dims = stack_adapters(module, values=False)
     key = _stack_key(module, dims)

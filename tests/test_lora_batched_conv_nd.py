@@ -9,7 +9,8 @@ one, groups=4; then a ``Linear``) are written by torch's TorchScript exporter (d
 and imported; the adapters are PEFT's saved folders loaded with ``load_peft_adapter``. The
 batched ONNX file in plain ONNX Runtime and ``module(x, adapter_index=...)`` must give each row
 PEFT's output within 1e-5, at a batch size other than the export's; base rows equal the torch
-model's. The setup is ``tests/test_lora_batched_conv.py``'s (``build``).
+model's; the export's stacks written by ``write_batched_peft`` load in PEFT and give its rows
+again. The setup is ``tests/test_lora_batched_conv.py``'s (``build``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from test_lora_batched_conv import ATOL, build, run_batched  # noqa: E402
+from test_lora_batched_conv import ATOL, build, check_written_peft_folders, run_batched  # noqa: E402
 from torch_peft import randomize  # noqa: E402
 
 from onnxparam import Tensor, check_batched_adapters, export_onnx  # noqa: E402
@@ -100,3 +101,10 @@ def test_conv_nd_rows_equal_pefts_mixed_batch_through_module_call(built):
     with torch.no_grad():
         reference = built[5](torch.from_numpy(x[:3]), adapter_names=["two"] * 3).numpy()
     np.testing.assert_allclose(one, reference, atol=ATOL, rtol=0)
+
+
+def test_conv_nd_stacks_written_as_peft_folders_give_each_rows_adapter_in_peft(built, tmp_path):
+    """``write_batched_peft`` of the export's stacks: PEFT loads the 1-d / 3-d conv folders
+    (``lora_A`` ``(r, in, *kernel)``, ``lora_B`` ``(out, r / groups, 1, ...)``) and its mixed batch
+    equals PEFT's on the source adapters; read back, they give the same stacks."""
+    check_written_peft_folders(built[:7], list(ADAPTERS), ROWS, tmp_path)

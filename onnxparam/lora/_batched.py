@@ -49,9 +49,14 @@ A **convolution** weight ``(d_out, in / group, *kernel)`` read by a ``Conv`` wit
 adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA, ``lora_A`` a
 conv of every input channel with the weight's kernel, ``lora_B`` a 1x1 conv; for ``group > 1``
 (grouped and depthwise convolutions) PEFT's ``lora_B`` has the base's ``groups``, here ``b``
-zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`)
+zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`;
+an adapter whose ``b`` is not is refused, named: :func:`onnxparam.lora._conv_checks.grouped_b_problem`)
 runs every slot's ``a`` as one conv of the node's own attributes but ``group`` (strides, pads,
-dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels)::
+``auto_pad``, dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels).
+Conv1d / Conv2d / Conv3d alike. A grouped conv whose windows PEFT's ``lora_A`` does not share (a
+dilated kernel, an input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills) is refused
+(:func:`onnxparam.lora._conv_checks.conv_node_problem`); with ``group == 1`` the branch is the
+merged weight's::
 
     h = Conv(x, Reshape(Transpose(a_stack, [0, 2, 1]), [-1, in, *kernel]))   [batch, slots * r, *spatial]
     h = h * OneHot(adapter_index)                 (row n keeps its slot's r channels)

@@ -42,7 +42,9 @@ Sections (add one by writing ``bench_<name>(args) -> list[Result]`` and listing 
   batch (also alone as ``lora-batched``): four named adapters (:data:`LORA_BATCHED_RANKS`) over
   :data:`LORA_BATCHED_ROWS` rows in one ``lora="batched"`` run vs the four per-adapter runs of
   the ``"inputs"`` export (target :data:`LORA_BATCHED_SPLIT_TARGET`) and vs one ``"inputs"`` run
-  of the same batch with one adapter (target :data:`LORA_BATCHED_SINGLE_TARGET`); then switching
+  of the same batch with one adapter (target :data:`LORA_BATCHED_SINGLE_TARGET`), pairwise and
+  again in round robins with the base model alone at 8 rows and at the split's row groups
+  (``tools/bench_lora_floor.py``: the floors, printed beside the ratios); then switching
   the whole adapter set of the batched export without a new session
   (``tools/bench_lora_bind.py``): other stacks bound with IO binding in ONNX Runtime, and
   ``module(x, adapter_index=...)`` of a module with other factors, vs a new session (target
@@ -602,7 +604,7 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
     for seq in LORA_BATCHED_SEQS:
         x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, seq, LORA_WIDTH)).astype(np.float32)
         repeats = max(args.repeats // 5, 20) if seq > 1 else args.repeats
-        results += _bench_lora_batched_at(module, names, rows, x, config, repeats)
+        results += _bench_lora_batched_at(module, names, rows, x, config, repeats, base)
     x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, 1, LORA_WIDTH)).astype(np.float32)
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-bind-") as tmp:
         results += bind_switch_cases(Result, (module, adapter_set(200)[0]), rows, x, config, Path(tmp),
@@ -611,8 +613,10 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-def _bench_lora_batched_at(module, names, rows, x, config, repeats) -> list[Result]:
+def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> list[Result]:
     import onnxruntime as ort
+
+    from bench_lora_floor import floor_cases
 
     from onnxparam import export_onnx, write_onnx_adapter
 
@@ -626,6 +630,8 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats) -> list[Resu
 
         batched = session(export_onnx(module, folder / "batched.onnx", x, lora="batched"))
         inputs = session(export_onnx(module, folder / "inputs.onnx", x, lora="inputs"))
+        plain = session(export_onnx(base, folder / "base.onnx", x))  # the base alone: the floors
+        plain_input = plain.get_inputs()[0].name
         options, keep = [], []
         for name in names:
             adapter = ort.LoraAdapter()
@@ -654,12 +660,14 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats) -> list[Resu
         t_ours, t_base = interleaved_medians(one_batched, single, repeats)
         results.append(Result("lora", f"batched vs one r16 inputs run, {LORA_BATCHED_ROWS} rows, seq {seq}", t_ours, t_base,
                               LORA_BATCHED_SINGLE_TARGET))
-        if config.intra_op_num_threads == 1:  # ORT runs on this thread: its CPU time ignores preemption
-            for label, baseline, target in (("split inputs runs", split, LORA_BATCHED_SPLIT_TARGET),
-                                             ("one r16 inputs run", single, LORA_BATCHED_SINGLE_TARGET)):
-                t_ours, t_base = interleaved_medians(one_batched, baseline, repeats, clock=time.thread_time)
-                results.append(Result("lora", f"batched vs {label}, seq {seq}, thread CPU time", t_ours, t_base,
-                                      target))
+        # the floors (tools/bench_lora_floor.py): the base alone and one adapter, in the same round robin;
+        # with one intra-op thread ORT runs on this thread: its CPU time ignores preemption
+        fns = {"batched": one_batched, "split": split, "single": single,
+               "base": lambda: plain.run(None, {plain_input: x}),
+               "base split": lambda: [plain.run(None, {plain_input: x[part]}) for part in parts]}
+        results += floor_cases(Result, fns, seq, repeats,
+                               time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter,
+                               LORA_BATCHED_SPLIT_TARGET, LORA_BATCHED_SINGLE_TARGET, lambda: os.getloadavg()[0])
         if seq == 1:  # the runtime's call of the same batch: its own session, the stacks fed
             from onnxparam import Tensor, runtime
 

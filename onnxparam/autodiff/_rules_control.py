@@ -785,8 +785,10 @@ def _zeros_like(e: Emitter, v: ir.Value) -> ir.Value:
 
 @rule("Scan")
 def _scan(e, node, gout, need):
-    """``Scan`` (opset 9+ form, scan and output axes 0, any directions): reverse iteration over
-    the carried states of every iteration.
+    """``Scan`` (opset 9+ form, any scan input / output axes and directions): reverse iteration
+    over the carried states of every iteration. A scan input or output along an axis other than
+    0 is moved to axis 0 (``Transpose`` of the input, of the output's gradient, and back for the
+    input's gradient); the steps below then work along axis 0.
 
     1. a replay of the forward ``Scan`` (its body cloned) also outputs the carried state each
        iteration starts from, ``C_k``;
@@ -804,16 +806,26 @@ def _scan(e, node, gout, need):
     m = int(node.attributes["num_scan_inputs"].value)
     n_state = len(node.inputs) - m
     k_out = len(node.outputs) - n_state
-    if any(_ints_attr(node, "scan_input_axes", m)) or any(_ints_attr(node, "scan_output_axes", k_out)):
-        raise TraceError("Scan's gradient supports scan_input_axes / scan_output_axes 0 only")
     in_dirs = _ints_attr(node, "scan_input_directions", m)
     out_dirs = _ints_attr(node, "scan_output_directions", k_out)
     inputs = list(node.inputs)
+    gout = list(gout)
+    # scan axes other than 0: the rule works on copies with that axis moved first
+    back_perms = {}
+    for j, axis in enumerate(_ints_attr(node, "scan_input_axes", m)):
+        perm = _axis_first(axis, inputs[n_state + j], f"scan input {j}")
+        if perm is not None:
+            inputs[n_state + j] = _transposed(e, inputs[n_state + j], perm)
+            back_perms[j] = [int(p) for p in np.argsort(perm)]
+    for j, axis in enumerate(_ints_attr(node, "scan_output_axes", k_out)):
+        perm = _axis_first(axis, node.outputs[n_state + j], f"scan output {j}", body.outputs[n_state + j])
+        if perm is not None and gout[n_state + j] is not None:
+            gout[n_state + j] = _transposed(e, gout[n_state + j], perm)
     caps = captured(node)
     wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
     float_states = [i for i in range(n_state) if _is_float(inputs[i])]
     float_scans = [j for j in range(m) if _is_float(inputs[n_state + j])]
-    attrs = {k: a for k, a in node.attributes.items() if k != "body"}
+    attrs = {k: a for k, a in node.attributes.items() if k not in ("body", "scan_input_axes", "scan_output_axes")}
 
     # 1. replay: the state each iteration starts from
     saved = []
@@ -829,8 +841,6 @@ def _scan(e, node, gout, need):
         rattrs = dict(attrs)
         rattrs["body"] = replay
         rattrs["scan_output_directions"] = out_dirs + [0] * n_state
-        if "scan_output_axes" in node.attributes:
-            rattrs["scan_output_axes"] = [0] * (k_out + n_state)
         outs = e.nodes("Scan", inputs, rattrs, num_outputs=n_state + k_out + n_state)
         for o, forward_out in zip(outs, node.outputs):
             o.type = forward_out.type
@@ -896,8 +906,38 @@ def _scan(e, node, gout, need):
             result[len(inputs) + k] = next(it)
     for k, j in enumerate(float_scans):
         if need[n_state + j]:
-            result[n_state + j] = outs[n_carry + k]
+            g = outs[n_carry + k]
+            result[n_state + j] = g if j not in back_perms else _transposed(e, g, back_perms[j])
     return result
+
+
+def _axis_first(axis: int, value: ir.Value, what: str, body_value: Optional[ir.Value] = None):
+    """The ``Transpose`` permutation moving a scan axis of ``value`` first (``None`` for axis
+    0); the rank is ``value``'s, else one more than ``body_value``'s (a scan output's slice).
+
+    Raises:
+        TraceError: when neither rank is known.
+    """
+    if axis == 0:
+        return None
+    if value.shape is not None:
+        rank = len(value.shape)
+    elif body_value is not None and body_value.shape is not None:
+        rank = len(body_value.shape) + 1
+    else:
+        raise TraceError(f"Scan's gradient along scan axis {axis} of {what} ({value.name!r}) needs its rank, "
+                         "which is unknown")
+    axis = axis + rank if axis < 0 else axis
+    if axis == 0:
+        return None
+    return [axis] + [i for i in range(rank) if i != axis]
+
+
+def _transposed(e: Emitter, value: ir.Value, perm: list) -> ir.Value:
+    out = e.op("Transpose", value, perm=perm)
+    if value.shape is not None:
+        out.shape = ir.Shape([value.shape[p] for p in perm])
+    return out
 
 
 # -- Loop ---------------------------------------------------------------------------------------

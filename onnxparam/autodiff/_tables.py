@@ -25,7 +25,17 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
    tables PyTorch models hold as buffers), or only as a ``BatchNormalization``'s running mean /
    variance (inputs 3 and 4, inference or training form: PyTorch's buffers).
 
-5. **exporters' scalar constants** (:func:`find_scalar_constants`; 0-d float initializers,
+5. **sinusoidal position tables** (:func:`is_sinusoid_table`): a weight added to or gathered into
+   the activations whose values *are* a sinusoidal position encoding — row ``t`` (position ``t``,
+   or column ``t`` in the transposed layout) holds ``sin(w_c t + phi_c)`` with ``phi_c`` in
+   ``{0, pi/2}``: row 0 is all zeros and ones, and every channel obeys the sinusoid recurrence
+   ``v[t+1] + v[t-1] = 2 cos(w_c) v[t]`` (all-zero padding rows aside). The graph cannot tell
+   such a table from a learned position embedding (ViT's ``pos_embed`` is an ``Add`` of a
+   parameter too); its values can: a trained table never satisfies the recurrence. Whisper's
+   encoder (``embed_positions``, a frozen parameter), fairseq / Marian / DistilBERT's sinusoidal
+   embeddings (Vaswani et al. 2017, section 3.5, interleaved or ``[sin | cos]``).
+
+6. **exporters' scalar constants** (:func:`find_scalar_constants`; 0-d float initializers,
    which import as params since a scalar ``nn.Parameter`` is written as one): the file's own
    evidence first: the dynamo exporter marks parameters and buffers with
    ``pkg.torch.export.graph_signature.InputSpec.kind`` metadata (``PARAMETER``: trainable;
@@ -47,11 +57,13 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 __all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_generated_name", "SCALAR_BUFFER",
-           "SCALAR_FOLDED", "SCALAR_GENERATED", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE"]
+           "SCALAR_FOLDED", "SCALAR_GENERATED", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
+           "SINUSOID", "is_sinusoid_table"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
@@ -64,6 +76,8 @@ ROTARY_CACHE = "a RotaryEmbedding cos / sin cache (a buffer in PyTorch)"
 _ROTARY_CACHE_INPUTS = {"": (1, 2), "ai.onnx": (1, 2), "com.microsoft": (2, 3)}
 
 _UNFREEZE = "; unfreeze with module.unfreeze_group(ParamGroup.from_paths([path])) if it is a weight"
+SINUSOID = ("a sinusoidal position table (its values are sin / cos of the position: fixed in PyTorch, a buffer or a "
+            "frozen parameter such as Whisper's embed_positions)" + _UNFREEZE)
 SCALAR_BUFFER = "a 0-d PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
 SCALAR_FOLDED = ("a 0-d constant the exporter's optimizer folded from {} (not marked a parameter by the file's "
                  "InputSpec metadata; if one of those was a parameter, this is its folded value)") + _UNFREEZE
@@ -84,6 +98,14 @@ _STOPS = frozenset({"Shape", "Size", "Equal", "Less", "Greater", "LessOrEqual", 
                     "Or", "Xor", "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf", "Sign", "Floor", "Ceil", "Round",
                     "ConstantOfShape", "EyeLike", "Range", "RandomNormalLike", "RandomUniformLike"})
 _MASK_CHECK_MAX = 1 << 24
+_SINUSOID_USES = frozenset({"Add", "Gather", "Slice", "Concat", "Reshape", "Unsqueeze", "Squeeze", "Identity",
+                            "Expand"})
+"""Ops through which a position table reaches the activations (added, or rows selected)."""
+_SINUSOID_MIN = (8, 4)
+"""Smallest ``(positions, channels)`` checked: below that a recurrence fit proves nothing."""
+_SINUSOID_TOL = 1e-3
+"""Largest recurrence residual, relative to a channel's largest magnitude (float32 tables: ~1e-6; 8 ulps of
+a coarser dtype when larger: float16's 8 * 2^-10)."""
 _WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1,), "Gather": (0,)}
 
 
@@ -159,6 +181,74 @@ def _is_mask(tensor) -> bool:
     return len(values) <= 2 and values.min() <= -1e4 and (len(values) == 1 or values.max() == 0)
 
 
+def _sinusoid_rows(table: np.ndarray, tol: float) -> bool:
+    """Rule 5 with positions along axis 0 of the 2-D float64 ``table`` (``tol``: its dtype's)."""
+    if not _zeros_and_ones(table[0]):
+        return False  # NOTE: row 0 is position 0: sin -> 0, cos -> 1
+    if not np.all(np.abs(table) <= 1 + tol):
+        return False
+    live = ~np.all(table == 0, axis=1)  # padding rows (fairseq zeroes the padding index's row)
+    ok = live[2:] & live[1:-1] & live[:-2]
+    if ok.sum() < _SINUSOID_MIN[0] - 2:
+        return False
+    prev, mid, nxt = table[:-2][ok], table[1:-1][ok], table[2:][ok]
+    outer = prev + nxt
+    k = (outer * mid).sum(axis=0) / np.maximum((mid * mid).sum(axis=0), np.finfo(np.float64).tiny)
+    if np.any(np.abs(k) > 2 + 2 * tol) or np.all(k > 2 - 1e-3):
+        return False  # 2 cos(w) lies in [-2, 2]; some channel must oscillate (not only ramps and constants)
+    scale = np.maximum(np.abs(table).max(axis=0), 1e-12)
+    return bool(np.all(np.abs(outer - k * mid).max(axis=0) <= tol * scale))
+
+
+def is_sinusoid_table(array) -> bool:
+    """True when ``array`` (float, 2-D after dropping leading 1-dims) is a sinusoidal position
+    table, positions along either axis (rule 5 of this module: row 0 of zeros and ones, and the
+    sinusoid recurrence ``v[t+1] + v[t-1] = 2 cos(w) v[t]`` per channel within
+    :data:`_SINUSOID_TOL`), and some channel oscillating (``2 cos(w) < 2 - 1e-3``); at least :data:`_SINUSOID_MIN` ``(positions, channels)``."""
+    a = np.asarray(array)
+    while a.ndim > 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 2 or not _is_float_dtype(a.dtype):
+        return False
+    tol = max(_SINUSOID_TOL, 8 * float(ml_dtypes.finfo(a.dtype).eps))  # NOTE: float16 rounds to ~5e-4
+    for t in (a, a.T):
+        if t.shape[0] >= _SINUSOID_MIN[0] and t.shape[1] >= _SINUSOID_MIN[1] and np.all(np.isfinite(t[0])) \
+                and _sinusoid_rows(np.asarray(t, np.float64), tol):
+            return True
+    return False
+
+
+def _first_row_is_binary(tensor, shape: tuple) -> bool:
+    """A cheap first look for rule 5 (reads one row or column, not the table)."""
+    dims = [d for d in shape]
+    while len(dims) > 2 and dims[0] == 1:
+        dims = dims[1:]
+    if len(dims) != 2 or min(dims) < _SINUSOID_MIN[1] or max(dims) < _SINUSOID_MIN[0]:
+        return False
+    try:
+        a = np.asarray(tensor.numpy()).reshape(dims)
+    except Exception:  # noqa: BLE001 - unreadable (external, lazy): not a table by this rule
+        return False
+    if not _is_float_dtype(a.dtype):
+        return False
+    return _zeros_and_ones(np.asarray(a[0], np.float64)) or _zeros_and_ones(np.asarray(a[:, 0], np.float64))
+
+
+def _is_float_dtype(dtype) -> bool:
+    """numpy's floats and ``ml_dtypes``' (bfloat16, float8 ...)."""
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def _zeros_and_ones(row: np.ndarray) -> bool:
+    """Position 0 of a sinusoidal table: ``sin(0) = 0`` and ``cos(0) = 1``, both present."""
+    zero, one = np.abs(row) <= 1e-6, np.abs(row - 1) <= 1e-6
+    return bool(np.all(zero | one) and zero.any() and one.any())
+
+
 def find_tables(model: ir.Model, candidates) -> dict:
     """``{name: reason}`` for the float weights among ``candidates`` that are tables.
 
@@ -204,6 +294,10 @@ def find_tables(model: ir.Model, candidates) -> dict:
             continue
         if _periodic(value, nodes, act):
             out[name] = PERIODIC
+            continue
+        if tensor is not None and all(node.op_type in _SINUSOID_USES for node, _ in uses) \
+                and _first_row_is_binary(tensor, shape) and is_sinusoid_table(tensor.numpy().reshape(shape)):
+            out[name] = SINUSOID
     return out
 
 

@@ -284,3 +284,22 @@ def test_memory_another_param_of_the_module_holds_is_not_written():
     np.testing.assert_array_equal(made, expected_b)
     np.testing.assert_array_equal(np.asarray(after.a.base().to_numpy()), expected_b - np.float32(0.1) * g2)
     assert not np.shares_memory(np.asarray(after.a.base().to_numpy()), made)
+
+
+class _Dense(op.Module):
+    def __init__(self, w: np.ndarray):
+        self.w = op.Param.from_tensor(Tensor.from_numpy(w))
+
+    def forward(self, x):
+        return ops.matmul(x, self.w.val())
+
+
+def test_forget_values_after_a_write_into_an_array_given_to_a_param():
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(6, 4)).astype(np.float32)
+    x = rng.normal(size=(3, 6)).astype(np.float32)
+    m = _Dense(w)
+    np.testing.assert_allclose(m(x).to_numpy(), x @ w, rtol=1e-5, atol=1e-5)
+    w *= 3.0  # the caller's own array, which the param shares
+    assert runtime.forget_values([w]) >= 1
+    np.testing.assert_allclose(m(x).to_numpy(), x @ w, rtol=1e-5, atol=1e-5)

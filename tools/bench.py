@@ -616,7 +616,7 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
 def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> list[Result]:
     import onnxruntime as ort
 
-    from bench_lora_floor import floor_cases
+    from bench_lora_floor import floor_cases, without_gathers
 
     from onnxparam import export_onnx, write_onnx_adapter
 
@@ -665,6 +665,9 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> lis
         fns = {"batched": one_batched, "split": split, "single": single,
                "base": lambda: plain.run(None, {plain_input: x}),
                "base split": lambda: [plain.run(None, {plain_input: x[part]}) for part in parts]}
+        bound = session(without_gathers(folder / "batched.onnx", rows, folder / "no-gathers.onnx"))
+        np.testing.assert_allclose(bound.run(None, {"x": x, "adapter_index": rows})[0], got, rtol=1e-5, atol=1e-5)
+        fns["no gathers"] = lambda: bound.run(None, {"x": x, "adapter_index": rows})
         results += floor_cases(Result, fns, seq, repeats,
                                time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter,
                                LORA_BATCHED_SPLIT_TARGET, LORA_BATCHED_SINGLE_TARGET, lambda: os.getloadavg()[0])

@@ -6,7 +6,8 @@ Oracles: central finite differences of the same loss on plain ONNX Runtime runs 
 one-node file with one initializer entry perturbed, at two shapes of a dynamic batch and length
 with one training session (``check_op`` of ``tests/test_grad_more_rules.py``), and torch
 autograd of the spec's formula (``conv1d`` of the causally left-padded input, depthwise, then
-SiLU; the gated delta recurrence token by token) in float64."""
+SiLU; the gated delta recurrence token by token) in float64. The same operators inside ``Loop``
+bodies and ``If`` branches are expanded there too and train (same oracles)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,77 @@ def test_linear_attention_gated_delta_gqa_on_dynamic_batch_and_length():
     inits = {f"s{n}": RNG.uniform(0.5, 1.5, (size,)) for n, size in zip(names, sizes)}
     inits["sizes"] = np.array(sizes, np.int64)
     check_op(nodes, ["N", "T", sum(sizes)], [(2, 2, sum(sizes)), (1, 3, sum(sizes))], inits, 27, torch_fn=torch_fn)
+
+
+def _causal_conv_torch(x, w, b):
+    import torch
+
+    y = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (w.shape[-1] - 1, 0)), w, b, groups=w.shape[0])
+    return torch.nn.functional.silu(y)
+
+
+def test_causal_conv_with_state_inside_a_loop_body_trains():
+    """A ``Loop`` of two iterations applies ``CausalConvWithState`` (weights read from the main
+    graph) to its carried state: expanded inside the body, differentiated through the loop
+    (float32: ONNX has the operator for float types only)."""
+    d = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]),
+         helper.make_node("CausalConvWithState", ["h", "w", "b"], ["h_new", "conv_state"], activation="silu")],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("h", d, ["N", 3, "T"])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_new", d, ["N", 3, "T"])])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Loop", ["trips", "", "xs"], ["y"], body=body)]
+
+    def torch_fn(x, s, w, b, trips):
+        h = x * s
+        for _ in range(int(trips)):
+            h = _causal_conv_torch(h, w, b)
+        return h
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1)), "w": RNG.normal(size=(3, 1, 3)), "b": RNG.normal(size=(3,)),
+             "trips": np.array(2, np.int64)}
+    check_op(nodes, ["N", 3, "T"], [(2, 3, 5), (1, 3, 7)], inits, 27, torch_fn=torch_fn)
+
+
+@pytest.mark.parametrize("taken", ["then", "else"])
+def test_causal_conv_with_state_and_linear_attention_inside_if_branches_train(taken):
+    """An ``If`` on the data (the sum of the input: all positive or all negative draws) whose
+    then branch holds ``CausalConvWithState`` and whose else branch holds ``LinearAttention``
+    (linear update rule); both are expanded inside their branches (float32, as above); the
+    untaken branch's weights get zero gradients."""
+    d = TensorProto.FLOAT
+    then = helper.make_graph(
+        [helper.make_node("CausalConvWithState", ["xs", "w", "b"], ["then_y", "conv_state"], activation="silu")],
+        "then", [], [helper.make_tensor_value_info("then_y", d, ["N", 3, "T"])])
+    els = helper.make_graph(
+        [helper.make_node("Transpose", ["xs"], ["xt"], perm=[0, 2, 1]),
+         helper.make_node("Mul", ["xt", "q"], ["xq"]),
+         helper.make_node("LinearAttention", ["xq", "xt", "xt"], ["att", "att_state"], q_num_heads=1, kv_num_heads=1,
+                          update_rule="linear"),
+         helper.make_node("Transpose", ["att"], ["else_y"], perm=[0, 2, 1])],
+        "else", [], [helper.make_tensor_value_info("else_y", d, ["N", 3, "T"])])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("ReduceSum", ["xs"], ["total"], keepdims=0),
+             helper.make_node("Greater", ["total", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=els)]
+
+    def torch_fn(x, s, w, b, q, zero):
+        import torch
+
+        if taken == "then":
+            return _causal_conv_torch(x * s, w, b) + 0 * q.sum() + 0 * w.sum()
+        xt = (x * s).transpose(1, 2)
+        xq, state, outs = xt * q, torch.zeros(x.shape[0], 3, 3, dtype=x.dtype), []
+        for t in range(xt.shape[1]):
+            state = state + xt[:, t, :, None] * xt[:, t, None, :]
+            outs.append(torch.einsum("nk,nkv->nv", xq[:, t], state) / 3 ** 0.5)
+        return torch.stack(outs, 2) + 0 * (w.sum() + b.sum())
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (1, 3, 1)), "w": RNG.normal(size=(3, 1, 3)), "b": RNG.normal(size=(3,)),
+             "q": RNG.uniform(0.5, 1.5, (3,)), "zero": np.array(0.0)}
+    check_op(nodes, ["N", 3, "T"], [(2, 3, 5), (1, 3, 7)], inits, 27, torch_fn=torch_fn,
+             x_range=(0.1, 1.0) if taken == "then" else (-1.0, -0.1))

@@ -36,8 +36,8 @@ _INT64 = ir.TensorType(ir.DataType.INT64)
 
 REFUSED: dict = {
     **{op: "no gradient rule of its own: the importer replaces it by its ONNX function body (as ONNX Runtime runs "
-           "it), differentiated through that body's rules, in the main graph only; here it is inside a subgraph "
-           "or was not imported" for op in ("CausalConvWithState", "LinearAttention")},
+           "it), differentiated through that body's rules (in subgraphs too); this node did not come from an "
+           "imported file" for op in ("CausalConvWithState", "LinearAttention")},
     "SwiGLU": "ONNX Runtime does not implement SwiGLU (opset 28; its function body's Swish-24 has no kernel in "
               "ONNX Runtime 1.32), so no model holding it runs; nothing to differentiate",
 }

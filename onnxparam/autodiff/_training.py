@@ -71,6 +71,19 @@ def _forget_if_reseeded() -> None:
         _SEEN_SEED[0] = generation
 
 
+def _forget_values(ids: set) -> int:
+    """Drop the training sessions built with a frozen param stored as one of ``ids`` (written in
+    place: :func:`onnxparam.runtime.forget_values`); trainable params are fed on every run."""
+    with _calls._LOCK:
+        stale = [key for key in _sessions if _calls._mentions(key[3], ids)]
+        for key in stale:
+            del _sessions[key]
+    return len(stale)
+
+
+_calls.register_value_cache(_forget_values)
+
+
 def clear_cache() -> None:
     """Forget every cached training graph and session."""
     with _calls._LOCK:

@@ -49,9 +49,14 @@ A **convolution** weight ``(d_out, in / group, *kernel)`` read by a ``Conv`` wit
 adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA, ``lora_A`` a
 conv of every input channel with the weight's kernel, ``lora_B`` a 1x1 conv; for ``group > 1``
 (grouped and depthwise convolutions) PEFT's ``lora_B`` has the base's ``groups``, here ``b``
-zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`)
+zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`;
+an adapter whose ``b`` is not is refused, named: :func:`onnxparam.lora._conv_checks.grouped_b_problem`)
 runs every slot's ``a`` as one conv of the node's own attributes but ``group`` (strides, pads,
-dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels)::
+``auto_pad``, dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels).
+Conv1d / Conv2d / Conv3d alike. A grouped conv whose windows PEFT's ``lora_A`` does not share (a
+dilated kernel, an input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills) is refused
+(:func:`onnxparam.lora._conv_checks.conv_node_problem`); with ``group == 1`` the branch is the
+merged weight's::
 
     h = Conv(x, Reshape(Transpose(a_stack, [0, 2, 1]), [-1, in, *kernel]))   [batch, slots * r, *spatial]
     h = h * OneHot(adapter_index)                 (row n keeps its slot's r channels)
@@ -304,7 +309,9 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
     Raises:
         LoraError: an adapter that fits none of :attr:`StackTarget.kind` (module docstring), adapters
             of one weight that disagree on ``(d_in, d_out)`` or layout, more adapters than
-            ``capacity``, or an unknown name.
+            ``capacity``, an unknown name, or (``values``) a grouped convolution's ``b`` that is not
+            block-diagonal (:func:`onnxparam.lora._conv_checks.grouped_b_problem`), named with
+            its adapter and weight.
     """
     from ..trace.tracer import untraced
     from ..core.module import named_params
@@ -351,6 +358,7 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
     stacks = AdapterStacks(tuple(n for n, _ in found), capacity, targets)
     if values:
         with untraced():
+            _check_grouped_convs(found, targets)
             for target in targets.values():
                 np_dtype = target.dtype.to_numpy()
                 compute = np.float64 if target.dtype is DType.F64 else np.float32
@@ -366,6 +374,25 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
                                        * compute(adapter.scale)).astype(np_dtype)
                 target.a, target.b = a, b
     return stacks
+
+
+def _check_grouped_convs(found: list, targets: dict) -> None:
+    """A grouped convolution target's ``b`` must be PEFT's grouped ``lora_B`` (block-diagonal:
+    :func:`onnxparam.lora._conv_checks.grouped_b_problem`): the batched branch adds every entry
+    of ``b``, a ``"keep"`` graph only its groups' blocks."""
+    from ._conv_checks import grouped_b_problem
+
+    problems = []
+    for name, adapters in found:
+        for path, adapter in adapters.items():
+            t = targets[path]
+            if t.kind == "conv":
+                problem = grouped_b_problem(np.asarray(adapter.b.val().to_numpy()), t.shape, t.d_in)
+                if problem is not None:
+                    problems.append(f"adapter {name!r} on {path!r} {list(t.shape)}: {problem}")
+    if problems:
+        raise LoraError("lora='batched': grouped convolution adapters must be PEFT's layout (lora_B a 1x1 conv with "
+                        "the base's groups: b zero outside each group's block): " + "; ".join(problems))
 
 
 def _target_kind(shape: tuple, d_in: int, d_out: int, transposed: bool) -> Optional[str]:
@@ -764,6 +791,9 @@ class _Target:
                 f"group={group}, but its adapters' a has {t.d_in} rows, a conv of "
                 f"{t.d_in // int(np.prod(t.shape[2:]))} input channels (groups={groups}): batched conv LoRA takes "
                 f"PEFT's layout, lora_A a conv of all {int(t.shape[1]) * group} input channels (a weight delta of a grouped conv is not supported)")
+        from ._conv_checks import check_conv_node
+
+        check_conv_node(node, t.path, t.shape, groups, BATCHED_MODE)  # PEFT's and the merged weight's must agree
         a_stack, b_stack = self.stacks()
         rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"

@@ -256,13 +256,17 @@ class _Expander:
             h = Conv(x, Reshape(Transpose(a), [-1, in, *kernel]))    [n, r, *spatial]
             y + Reshape(MatMul(Transpose(scale * b) * mask, Reshape(h, [0, 0, -1])), Shape(y))
 
-        ``Conv`` with the node's attributes but ``group`` (strides, pads, dilations; PEFT's
-        ``lora_A`` takes the base's stride and padding, and no dilation: a dilated base's PEFT
-        adapter does not run in PEFT either). ``mask`` (``<W>.lora.group_mask``, ``(out, r)``,
+        ``Conv`` with the node's attributes but ``group`` (strides, pads, ``auto_pad``; PEFT's
+        ``lora_A`` takes the base's stride and padding; a dilated base, whose PEFT ``lora_A`` is
+        not dilated, or an input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills, is refused:
+        :func:`onnxparam.lora._conv_checks.conv_node_problem`). ``mask`` (``<W>.lora.group_mask``, ``(out, r)``,
         a constant; not in ``"inputs"`` mode, whose rank is symbolic): ``1`` in each group's
         block, else ``0``: the forward is unchanged (``b`` is zero there) and ``b``'s gradient
         is zero outside the blocks, so training keeps PEFT's parameters (its grouped ``lora_B``)."""
+        from ._conv_checks import check_conv_node
+
         dims = _dims(self.base)
+        check_conv_node(node, self.path, tuple(dims), groups, self.tracer.mode)  # PEFT's forward is the only one
         graph = self.tracer.graph
         label = f"/{self.path}.lora"
         if self._grouped is None:  # the branch's conv weights, once per base

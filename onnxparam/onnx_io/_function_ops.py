@@ -32,8 +32,9 @@ def _expanded(node: ir.Node) -> bool:
 
 
 def has_expanded_ops(model: ir.Model) -> bool:
-    """Whether the main graph of ``model`` holds a node of :data:`EXPANDED`."""
-    return any(_expanded(n) for n in model.graph)
+    """Whether ``model`` holds a node of :data:`EXPANDED` (in the main graph or in a subgraph,
+    at any depth)."""
+    return any(_expanded(n) for n in model.graph.all_nodes())
 
 
 def _body(node: onnx.NodeProto, types: list, opset: int, prefix: str) -> list:
@@ -93,11 +94,13 @@ def _localize(graph: onnx.GraphProto, consts: dict) -> None:
 
 
 def expand_function_ops(model: ir.Model, source: str) -> ir.Model:
-    """A copy of ``model`` whose main-graph nodes of :data:`EXPANDED` are replaced by their
+    """A copy of ``model`` whose nodes of :data:`EXPANDED`, in the main graph and in the
+    subgraphs (``If`` branches, ``Loop`` / ``Scan`` bodies) at any depth, are replaced by their
     function bodies (the model is not changed).
 
     Raises:
-        OnnxFormatError: when ONNX cannot build a body (names the file and the node).
+        OnnxFormatError: when ONNX cannot build a body (names the file and the node), e.g. the
+            types of its inputs are unknown.
     """
     from onnx_ir.passes.common import _c_api_utils
 
@@ -108,23 +111,51 @@ def expand_function_ops(model: ir.Model, source: str) -> ir.Model:
             lambda p: onnx.shape_inference.infer_shapes(p, strict_mode=False, data_prop=True), model)
     except Exception:  # noqa: BLE001 - the declared types only
         inferred = proto
-    g = inferred.graph
-    types = {i.name: i.type for i in list(g.input) + list(g.value_info) + list(g.output)}
-    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in g.initializer})
+    types: dict = {}
+    for g in _graphs(inferred.graph):  # (names are unique across a model's scopes)
+        types.update({i.name: i.type for i in list(g.input) + list(g.value_info) + list(g.output)})
+        types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in g.initializer})
+    counter = [0]
+    _expand_graph(proto.graph, types, opset, source, counter, top=True)
+    return ir.serde.deserialize_model(proto)
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _graphs(g)
+
+
+def _expand_graph(graph: onnx.GraphProto, types: dict, opset: int, source: str, counter: list, top: bool) -> None:
+    """Expand the nodes of :data:`EXPANDED` in ``graph`` and in its subgraphs (in place)."""
     nodes = []
-    for k, node in enumerate(proto.graph.node):
+    for k, node in enumerate(graph.node):
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _expand_graph(a.g, types, opset, source, counter, top=False)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    _expand_graph(g, types, opset, source, counter, top=False)
         if node.domain not in ("", "ai.onnx") or node.op_type not in EXPANDED:
             nodes.append(node)
             continue
+        counter[0] += 1
+        base = node.name or node.op_type
+        prefix = f"{base}_{k}_" if top else f"{base}_in_{graph.name}_{counter[0]}_"
         try:
             missing = [n for n in node.input if n and n not in types]
             if missing:
                 raise ValueError(f"the types of {missing} are unknown")
             ins = [types[n] if n else onnx.TypeProto() for n in node.input]
-            nodes.extend(_body(node, ins, opset, f"{node.name or node.op_type}_{k}_"))
+            nodes.extend(_body(node, ins, opset, prefix))
         except Exception as e:  # noqa: BLE001 - onnx raises several types
-            raise OnnxFormatError(f"{source}: node {node.name!r} ({node.op_type}) cannot be expanded into its ONNX "
-                                  f"function body: {e}") from e
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
-    return ir.serde.deserialize_model(proto)
+            where = "" if top else f" in subgraph {graph.name!r}"
+            raise OnnxFormatError(f"{source}: node {node.name!r} ({node.op_type}){where} cannot be expanded into its "
+                                  f"ONNX function body: {e}") from e
+    del graph.node[:]
+    graph.node.extend(nodes)

@@ -555,17 +555,20 @@ again, and the run's fixed cost repeats)."""
 LORA_BATCHED_SPLIT_TARGET = 0.5
 """One ``lora="batched"`` run of the whole mixed batch / the four runs a server makes with the
 ``"inputs"`` export and ONNX Runtime's adapters (one run per adapter, its rows only). At one token
-per row the split runs each read every base weight again and repeat a run's fixed cost
-(measured, thread CPU time, one thread: 0.48-0.59 over five runs at 1-minute load 2-11 on 2
-cores; the same batched graph each time, the spread is the load's); at :data:`LORA_SEQ` tokens
-the split runs do the same multiply-adds as the batched one, so the ratio's floor is about 1.0
-there (measured 0.98-1.01): the target can be met at seq 1 only."""
+per row the split runs each read every base weight again and repeat a run's fixed cost: measured
+0.49-0.59 (thread CPU time, one thread, 1-minute load 2-9 on 2 shared cores). Its floor, printed
+beside it (``tools/bench_lora_floor.py``, same round robin): the base model alone at 8 rows / 4
+base runs of 2 rows, 0.40-0.44 shuffled, 0.43-0.52 hot; at 0.5 or above, the target is out of
+reach for any LoRA graph. At :data:`LORA_SEQ` tokens the split runs do the same multiply-adds as the
+batched one, so the ratio's floor is about 1.0 there (measured 0.95-1.02): the target can be met
+at seq 1 only."""
 LORA_BATCHED_SINGLE_TARGET = 1.15
 """One batched run of the mixed batch / one ``"inputs"`` run of the same batch with one adapter
 (the rank-16 one: the batched graph multiplies at the padded rank 16 for every row). Missed at
-one token per row: measured 1.21-1.33 (thread CPU time, load 2-11); counted in bytes read (the
-base's ~12.6 MB plus four adapters' factors instead of one) its floor is ~1.13, and the measured
-alternatives to the per-row gathers did not reach it (:mod:`onnxparam.lora._batched`, "Cost")."""
+one token per row: measured 1.20-1.29 (thread CPU time, load 2-9). The batched run reads each row's
+factors (8 reads instead of one adapter's) and first copies them (per-row ``Gather`` s, 4-8%): the
+same graph without its gathers, printed beside it, measured 1.14-1.17, the bound of the per-row
+form; the alternatives measured did not reach it (:mod:`onnxparam.lora._batched`, "Cost")."""
 
 
 LORA_BATCHED_MODULE_TARGET = 1.05

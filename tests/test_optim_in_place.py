@@ -260,3 +260,46 @@ def test_device_params_are_never_written_in_place():
     for (path, p), (_, q) in zip(on_device.named_params(), m.named_params()):
         assert str(p.base().device).startswith("cuda")
         np.testing.assert_array_equal(np.asarray(p.base().to_numpy()), np.asarray(q.base().to_numpy()))
+
+
+class _Two(op.Module):
+    def __init__(self, a: op.Param, b: op.Param):
+        self.a = a
+        self.b = b
+
+
+def test_memory_another_param_of_the_module_holds_is_not_written():
+    rng = np.random.default_rng(6)
+    start = rng.normal(size=(4, 5)).astype(np.float32)
+    g1, g2 = (rng.normal(size=(4, 5)).astype(np.float32) for _ in range(2))
+    optim = SGD(lr=0.1)
+    solo = _Two(op.Param.from_tensor(Tensor.from_numpy(start)), op.Param.from_tensor(Tensor.from_numpy(start)))
+    stepped = optim.step(solo, Gradients({solo.a.id: Tensor.from_numpy(g1)}), in_place=True)
+    made = np.asarray(stepped.a.base().to_numpy())  # the optimizer's own array for a
+    # b (another id, frozen) now holds the same tensor: writing a's memory would change b
+    tied = _Two(stepped.a, op.Param(op.ParamId(), value=stepped.a.base(), require_grad=False))
+    after = optim.step(tied, Gradients({tied.a.id: Tensor.from_numpy(g2)}), in_place=True)
+    expected_b = start - np.float32(0.1) * g1
+    np.testing.assert_array_equal(np.asarray(after.b.base().to_numpy()), expected_b)
+    np.testing.assert_array_equal(made, expected_b)
+    np.testing.assert_array_equal(np.asarray(after.a.base().to_numpy()), expected_b - np.float32(0.1) * g2)
+    assert not np.shares_memory(np.asarray(after.a.base().to_numpy()), made)
+
+
+class _Dense(op.Module):
+    def __init__(self, w: np.ndarray):
+        self.w = op.Param.from_tensor(Tensor.from_numpy(w))
+
+    def forward(self, x):
+        return ops.matmul(x, self.w.val())
+
+
+def test_forget_values_after_a_write_into_an_array_given_to_a_param():
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(6, 4)).astype(np.float32)
+    x = rng.normal(size=(3, 6)).astype(np.float32)
+    m = _Dense(w)
+    np.testing.assert_allclose(m(x).to_numpy(), x @ w, rtol=1e-5, atol=1e-5)
+    w *= 3.0  # the caller's own array, which the param shares
+    assert runtime.forget_values([w]) >= 1
+    np.testing.assert_allclose(m(x).to_numpy(), x @ w, rtol=1e-5, atol=1e-5)

@@ -394,13 +394,14 @@ def _check_grouped_convs(found: list, targets: dict) -> None:
     """A grouped convolution target's ``b`` must be PEFT's grouped ``lora_B`` (block-diagonal:
     :func:`onnxparam.lora._conv_checks.grouped_b_problem`): the batched branch adds every entry
     of ``b``, a ``"keep"`` graph only its groups' blocks."""
+    from ._adapters import conv_adapter_groups
     from ._conv_checks import grouped_b_problem
 
     problems = []
     for name, adapters in found:
         for path, adapter in adapters.items():
             t = targets[path]
-            if t.kind == "conv":
+            if t.kind == "conv" and conv_adapter_groups(t.shape, t.d_in) > 1:  # b read for grouped convs only
                 problem = grouped_b_problem(np.asarray(adapter.b.val().to_numpy()), t.shape, t.d_in)
                 if problem is not None:
                     problems.append(f"adapter {name!r} on {path!r} {list(t.shape)}: {problem}")

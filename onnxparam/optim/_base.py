@@ -57,7 +57,9 @@ class Optimizer:
 
     Subclasses set :attr:`kind`, :attr:`tensor_fields`, :attr:`scalar_fields` and implement
     :meth:`_update`. The optimizer itself is stateful (Burn's ``&mut self``); modules are
-    values: :meth:`step` returns the updated module and leaves the given one as it was.
+    values: :meth:`step` returns the updated module and leaves the given one as it was, unless
+    ``in_place=True`` asks it to write into the arrays it made at an earlier step (PyTorch's
+    in-place update; see :meth:`step`).
 
     Args:
         lr: the learning rate (a :meth:`step` may override it, e.g. from a schedule).

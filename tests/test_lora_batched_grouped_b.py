@@ -1,8 +1,10 @@
 """A grouped convolution's adapter ``b`` must be PEFT's grouped ``lora_B`` (block-diagonal: rows
 ``g * r / groups ...`` feed only group ``g``'s output channels) in a ``lora="batched"`` export,
-in ``module(x, adapter_index=...)``, in ``check_batched_adapters`` / ``onnxparam lora check``
-and in the PEFT writers: one check (``onnxparam.lora._conv_checks.grouped_b_problem``), one
-message naming the weight and the adapter (or slot).
+in ``module(x, adapter_index=...)``, in ``check_batched_adapters`` / ``onnxparam lora check``,
+in the PEFT writers and in the one-adapter branches (``"keep"`` masks ``b`` to its blocks,
+``"inputs"`` does not: they would disagree; ``write_onnx_adapter``): one check
+(``onnxparam.lora._conv_checks.grouped_b_problem``), one message naming the weight and the
+adapter (or slot).
 
 Oracle for the adapters that pass: torch's functional convolutions (``conv2d(x, W, groups=2) +
 scale * conv1x1(conv2d(x, A), B)``, PEFT's grouped conv LoRA written out) on this library's own
@@ -131,3 +133,30 @@ def test_check_cli_check_and_the_peft_writer_report_an_off_block_slot_alike(tmp_
     with pytest.raises(RecordError) as e:
         check_batched_adapters(path, _module(off_block=True))
     assert f"adapter 'bad' on 'conv.weight' [6, 2, 3, 3]: {OFF_BLOCK}" in str(e.value)
+
+
+def test_an_off_block_b_is_refused_by_the_one_adapter_modes_and_the_adapter_file_writer(tmp_path):
+    """With the adapter active: ``"keep"`` / ``"inputs"`` exports, ``module(x)`` (``"merge"``
+    runs a grouped adapter as ``"keep"``; ``lora_mode="inputs"``) and ``write_onnx_adapter``
+    name the weight; the block-diagonal adapter passes them all (one ``module(x)`` checked)."""
+    from onnxparam.runtime import SessionConfig, set_session_config
+
+    bad = _module(off_block=True).set_adapter("bad")
+    words = f"the adapter of 'conv.weight' [6, 2, 3, 3]: {OFF_BLOCK}"
+    for mode in ("keep", "inputs"):
+        with pytest.raises(LoraError, match=f"lora='{mode}': ") as e:
+            export_onnx(bad, tmp_path / f"{mode}.onnx", X, lora=mode)
+        assert words in str(e.value)
+    with pytest.raises(LoraError) as e:
+        bad(Tensor.from_numpy(X))
+    assert words in str(e.value)
+    set_session_config(bad, SessionConfig(lora_mode="inputs"))
+    with pytest.raises(LoraError) as e:
+        bad(Tensor.from_numpy(X))
+    assert words in str(e.value)
+    with pytest.raises(LoraError) as e:
+        write_onnx_adapter(bad, tmp_path / "bad.onnx_adapter")
+    assert words in str(e.value)
+    good = _module().set_adapter("good")
+    write_onnx_adapter(good, tmp_path / "good.onnx_adapter")
+    assert good(Tensor.from_numpy(X)).to_numpy().shape == (3, 6, 5, 5)

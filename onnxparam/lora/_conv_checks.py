@@ -47,7 +47,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["grouped_b_problem", "slot_factors", "conv_node_problem", "node_label", "check_conv_node"]
+__all__ = ["grouped_b_problem", "check_grouped_b", "slot_factors", "conv_node_problem", "node_label", "check_conv_node"]
 
 
 def grouped_b_problem(b: np.ndarray, shape: tuple, d_in: int) -> Optional[str]:
@@ -70,6 +70,19 @@ def grouped_b_problem(b: np.ndarray, shape: tuple, d_in: int) -> Optional[str]:
         return (f"b is not zero outside each group's {per_in} rows at rank {r} (a conv with groups={groups}): not "
                 "PEFT's grouped-conv LoRA")
     return None
+
+
+def check_grouped_b(b: np.ndarray, shape: tuple, d_in: int, what: str) -> None:
+    """Raise :class:`~onnxparam.core.errors.LoraError` ``"<what>: <why>"`` when
+    :func:`grouped_b_problem` finds ``b`` (the adapter's own, unscaled or scaled) is not PEFT's
+    grouped ``lora_B``; ``what`` names the weight (and the mode or adapter)."""
+    problem = grouped_b_problem(b, shape, d_in)
+    if problem is not None:
+        from ..core.errors import LoraError
+
+        raise LoraError(f"{what} {[int(d) for d in shape]}: {problem}; a grouped convolution's lora_B feeds each "
+                        "group's output channels from its own rows of b only (a 'keep' graph would drop the other "
+                        "entries, an 'inputs' or 'batched' one add them)")
 
 
 def slot_factors(a: np.ndarray, b: np.ndarray, groups: int) -> tuple:

@@ -555,17 +555,20 @@ again, and the run's fixed cost repeats)."""
 LORA_BATCHED_SPLIT_TARGET = 0.5
 """One ``lora="batched"`` run of the whole mixed batch / the four runs a server makes with the
 ``"inputs"`` export and ONNX Runtime's adapters (one run per adapter, its rows only). At one token
-per row the split runs each read every base weight again and repeat a run's fixed cost
-(measured, thread CPU time, one thread: 0.48-0.59 over five runs at 1-minute load 2-11 on 2
-cores; the same batched graph each time, the spread is the load's); at :data:`LORA_SEQ` tokens
-the split runs do the same multiply-adds as the batched one, so the ratio's floor is about 1.0
-there (measured 0.98-1.01): the target can be met at seq 1 only."""
+per row the split runs each read every base weight again and repeat a run's fixed cost: measured
+0.49-0.59 (thread CPU time, one thread, 1-minute load 2-9 on 2 shared cores). Its floor, printed
+beside it (``tools/bench_lora_floor.py``, same round robin): the base model alone at 8 rows / 4
+base runs of 2 rows, 0.40-0.44 shuffled, 0.43-0.52 hot; at 0.5 or above, the target is out of
+reach for any LoRA graph. At :data:`LORA_SEQ` tokens the split runs do the same multiply-adds as the
+batched one, so the ratio's floor is about 1.0 there (measured 0.95-1.02): the target can be met
+at seq 1 only."""
 LORA_BATCHED_SINGLE_TARGET = 1.15
 """One batched run of the mixed batch / one ``"inputs"`` run of the same batch with one adapter
 (the rank-16 one: the batched graph multiplies at the padded rank 16 for every row). Missed at
-one token per row: measured 1.21-1.33 (thread CPU time, load 2-11); counted in bytes read (the
-base's ~12.6 MB plus four adapters' factors instead of one) its floor is ~1.13, and the measured
-alternatives to the per-row gathers did not reach it (:mod:`onnxparam.lora._batched`, "Cost")."""
+one token per row: measured 1.20-1.29 (thread CPU time, load 2-9). The batched run reads each row's
+factors (8 reads instead of one adapter's) and first copies them (per-row ``Gather`` s, 4-8%): the
+same graph without its gathers, printed beside it, measured 1.14-1.17, the bound of the per-row
+form; the alternatives measured did not reach it (:mod:`onnxparam.lora._batched`, "Cost")."""
 
 
 LORA_BATCHED_MODULE_TARGET = 1.05
@@ -616,7 +619,7 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
 def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> list[Result]:
     import onnxruntime as ort
 
-    from bench_lora_floor import floor_cases
+    from bench_lora_floor import floor_cases, without_gathers
 
     from onnxparam import export_onnx, write_onnx_adapter
 
@@ -665,6 +668,9 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> lis
         fns = {"batched": one_batched, "split": split, "single": single,
                "base": lambda: plain.run(None, {plain_input: x}),
                "base split": lambda: [plain.run(None, {plain_input: x[part]}) for part in parts]}
+        bound = session(without_gathers(folder / "batched.onnx", rows, folder / "no-gathers.onnx"))
+        np.testing.assert_allclose(bound.run(None, {"x": x, "adapter_index": rows})[0], got, rtol=1e-5, atol=1e-5)
+        fns["no gathers"] = lambda: bound.run(None, {"x": x, "adapter_index": rows})
         results += floor_cases(Result, fns, seq, repeats,
                                time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter,
                                LORA_BATCHED_SPLIT_TARGET, LORA_BATCHED_SINGLE_TARGET, lambda: os.getloadavg()[0])

@@ -4,7 +4,9 @@ PyTorch eager (``python tools/bench.py train``).
 Each model is built in PyTorch with random weights (``torch.manual_seed``), exported by torch's
 TorchScript exporter (opset 17, dynamic batch and sequence / spatial dims, eval mode) into a
 temporary folder and imported with :func:`onnxparam.import_onnx`. One fine-tuning step is
-``grad(loss_fn, module, x, y)`` + ``Adam.step`` for onnxparam and ``zero_grad`` + forward +
+``grad(loss_fn, module, x, y)`` + ``Adam.step(..., in_place=True)`` for onnxparam (the loop writes each
+step's new weights into the arrays the optimizer made at the step before; value semantics would
+hold a second copy of the weights during the step) and ``zero_grad`` + forward +
 ``loss.backward()`` + ``torch.optim.Adam.step`` for the same torch model (same weights and inputs,
 eval mode: no dropout, BatchNorm's inference form, as exported), both sides updating every param.
 
@@ -17,8 +19,10 @@ eval mode: no dropout, BatchNorm's inference form, as exported), both sides upda
   before it: what the loop keeps — activations, gradients, optimizer state and, for onnxparam,
   the training session and graph — plus a step's transients; the first step's own transients,
   tracing and building, are not counted); target
-  :data:`MEMORY_TARGET`. With ``recompute`` the imported model's encoder layers / residual
-  stages are marked for recomputation (:func:`onnxparam.autodiff.recompute`) and measured too;
+  :data:`MEMORY_TARGET`. The onnxparam step with value semantics (``Adam.step`` without
+  ``in_place``) is measured too and printed beside it. With ``recompute`` (in place too) the
+  imported model's encoder layers / residual stages are marked for recomputation
+  (:func:`onnxparam.autodiff.recompute`) and measured too;
 * sessions: the imported BERT trained at three batch sizes (and sequence lengths) builds
   :data:`SESSION_TARGET` training session (counted by :func:`onnxparam.runtime.stats`).
 
@@ -55,7 +59,8 @@ SESSION_SHAPES = [(4, 32), (8, 64), (2, 48)]
 """``(batch, sequence)`` of the session-count run."""
 
 CHILD_FLAG = "--child"
-SIDE_NAMES = {"ours": "onnxparam", "torch": "torch", "recompute": "onnxparam with recompute"}
+SIDE_NAMES = {"ours": "onnxparam (in_place=True)", "value": "onnxparam (value semantics)", "torch": "torch",
+              "recompute": "onnxparam with recompute"}
 
 
 # -- the torch models ---------------------------------------------------------------------------
@@ -176,8 +181,9 @@ def _loss_fn(m, x, y):
     return cross_entropy(m(x=x), y)
 
 
-def ours_step(path: Path, name: str, threads: int = 0, recompute: bool = False):
-    """``step()`` (one onnxparam fine-tuning step) on the imported model at ``path``."""
+def ours_step(path: Path, name: str, threads: int = 0, recompute: bool = False, in_place: bool = True):
+    """``step()`` (one onnxparam fine-tuning step) on the imported model at ``path``; ``in_place``:
+    ``Adam.step(..., in_place=True)`` (else value semantics: a new array per param and step)."""
     import onnxparam as op
     from onnxparam import runtime
     from onnxparam.autodiff import grad
@@ -199,7 +205,7 @@ def ours_step(path: Path, name: str, threads: int = 0, recompute: bool = False):
 
     def step():
         _, grads = grad(_loss_fn, state["model"], x, y)
-        state["model"] = state["optim"].step(state["model"], grads)
+        state["model"] = state["optim"].step(state["model"], grads, in_place=in_place)
 
     return step
 
@@ -237,7 +243,8 @@ def _child(name: str, side: str, folder: str, threads: int) -> int:
     if side == "torch":
         step = torch_step(name, threads)
     else:
-        step = ours_step(Path(folder) / f"{name}.onnx", name, threads, recompute=side == "recompute")
+        step = ours_step(Path(folder) / f"{name}.onnx", name, threads, recompute=side == "recompute",
+                         in_place=side != "value")
     before = _status_kib()
     step()  # NOTE: the first step traces and builds (onnxparam) or allocates the optimizer state (torch)
     first = _status_kib()
@@ -297,7 +304,7 @@ def run(args, Result, interleaved_medians) -> list:
     # degrade under a shared machine's load very unevenly (torch's 2-thread step 5x its 1-thread
     # one at load 12 here, while ONNX Runtime's barely moved), which measures the load, not the step
     threads = args.threads or 1
-    sides = ("ours", "torch") + (("recompute",) if hasattr(autodiff, "recompute") else ())
+    sides = ("ours", "value", "torch") + (("recompute",) if hasattr(autodiff, "recompute") else ())
     results = []
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-train-") as tmp:
         folder = Path(tmp)
@@ -313,6 +320,8 @@ def run(args, Result, interleaved_medians) -> list:
             shown = ", ".join(f"{SIDE_NAMES[side]} {grow[side] / 2**20:.0f} MiB (process peak {mem[side]['peak'] / 1024:.0f} MiB)"
                               for side in sides)
             print(f"train: {label} RSS growth to the peak of steps 2-{MEMORY_STEPS + 1}: {shown}")
+            print(f"train: {label} RSS ratio vs torch: in_place=True {grow['ours'] / grow['torch']:.2f}, "
+                  f"value semantics {grow['value'] / grow['torch']:.2f} (the time above: in_place=True)")
             results.append(Result("train", f"{label} step RSS", grow["ours"], grow["torch"], MEMORY_TARGET, unit="MiB"))
             if "recompute" in grow:
                 results.append(Result("train", f"{label} RSS recompute", grow["recompute"], grow["torch"],

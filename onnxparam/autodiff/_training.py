@@ -71,6 +71,19 @@ def _forget_if_reseeded() -> None:
         _SEEN_SEED[0] = generation
 
 
+def _forget_values(ids: set) -> int:
+    """Drop the training sessions built with a frozen param stored as one of ``ids`` (written in
+    place: :func:`onnxparam.runtime.forget_values`); trainable params are fed on every run."""
+    with _calls._LOCK:
+        stale = [key for key in _sessions if _calls._mentions(key[3], ids)]
+        for key in stale:
+            del _sessions[key]
+    return len(stale)
+
+
+_calls.register_value_cache(_forget_values)
+
+
 def clear_cache() -> None:
     """Forget every cached training graph and session."""
     with _calls._LOCK:
@@ -286,7 +299,7 @@ def _input_dtype(training, name: str):
 def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
     """Every node on a path from ``module``'s trainable params to the loss whose gradient
     :func:`grad` cannot build: nodes without a gradient rule, and nodes whose rule fails for a
-    reason known from the graph (a ``Dropout`` in training mode, a case a rule does not cover).
+    reason known from the graph (a form a rule does not cover, e.g. ``ConvTranspose`` with ``output_shape``).
     It traces ``loss_fn(module, *inputs, **kwargs)`` and builds the training graph exactly as
     :func:`grad` does (the same decisions; the graph is cached for :func:`grad`), but runs nothing.
 

@@ -48,7 +48,7 @@ def adapter_params(module) -> dict:
             dtype = param.lazy_dtype()
             name = onnx_names.get(path, path)
             params[f"{name}.lora.a"] = fed_factor(param, "a", dtype)
-            params[f"{name}.lora.b"] = fed_factor(param, "b", dtype)
+            params[f"{name}.lora.b"] = fed_factor(param, "b", dtype, path)
     return params
 
 

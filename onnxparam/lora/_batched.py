@@ -49,9 +49,14 @@ A **convolution** weight ``(d_out, in / group, *kernel)`` read by a ``Conv`` wit
 adapter (``a`` ``(in * prod(kernel), r)``, ``b`` ``(r, d_out)``: PEFT's conv LoRA, ``lora_A`` a
 conv of every input channel with the weight's kernel, ``lora_B`` a 1x1 conv; for ``group > 1``
 (grouped and depthwise convolutions) PEFT's ``lora_B`` has the base's ``groups``, here ``b``
-zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`)
+zero outside each group's ``r / group`` rows, :func:`onnxparam.lora._adapters.conv_adapter_groups`;
+an adapter whose ``b`` is not is refused, named: :func:`onnxparam.lora._conv_checks.grouped_b_problem`)
 runs every slot's ``a`` as one conv of the node's own attributes but ``group`` (strides, pads,
-dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels)::
+``auto_pad``, dilations) and masks it to each row's slot (``h`` is small: ``slots * r`` channels).
+Conv1d / Conv2d / Conv3d alike. A grouped conv whose windows PEFT's ``lora_A`` does not share (a
+dilated kernel, an input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills) is refused
+(:func:`onnxparam.lora._conv_checks.conv_node_problem`); with ``group == 1`` the branch is the
+merged weight's::
 
     h = Conv(x, Reshape(Transpose(a_stack, [0, 2, 1]), [-1, in, *kernel]))   [batch, slots * r, *spatial]
     h = h * OneHot(adapter_index)                 (row n keeps its slot's r channels)
@@ -63,28 +68,42 @@ A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (
 channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
-Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched``: width 512, 8 rows
-over 4 adapters of ranks 8 / 16, capacity 4; thread CPU time, 1-minute load 2-11 on 2 cores).
-At one token per row a batched run takes 1.21-1.33x a single-adapter ``"inputs"`` run of the same
-batch (rank 16), 0.48-0.59 of the 4 runs a server makes splitting the rows by adapter; at 64
-tokens per row about the time of either
-(the same multiply-adds). At one token per row both runs do the same multiply-adds (every row at
-the padded rank 16) but read different bytes: the base's ~12.6 MB and, per adapter used, its
-zero-padded factors (~0.6 MB at rank 16); counted in bytes read, four adapters instead of one put
-the floor of that ratio at ~1.13. The per-row ``Gather`` s (copies of
-``batch * r * (d_in + d_out)`` values per target) are a small part of the rest: the same graph
-without them (one stack slot per row fed directly) measured 1.185-1.195 beside 1.21-1.23 (each row
-still reads its own factors: 8 rows, 8 reads). Measured alternatives, none kept: masking every
-slot (``x @ a`` of all slots, one ``MatMul`` with the flattened ``b`` stack): 1.44-1.70 (slots
-times the factor arithmetic; a ``MatMul`` whose B is not a constant packs B on every call);
-grouping the rows by slot (each slot's factors read once, ``[slots, T, 1, d_in] @ [slots, 1, d_in,
-r]`` with the rows gathered into a ``[slots, T]`` grid, ``T`` the most rows of one slot): 1.16-1.22,
-1.145-1.18 with its ~25 nodes building the grid from the index taken out, but 5% slower at 64
-tokens per row, and its cost follows the capacity (every slot is read, the grid padded to
-``slots * T`` rows) where the gather's follows the rows. The index check (``_Graph._checked``, five
-ops on ``[batch]`` int64 values) measured no difference. ``module(x, adapter_index=...)`` adds
-~10% to the session's run at one token per row (a repeated call reuses the runner remembered with
-the stacks fed; only the index is converted), was ~40% before that fast path.
+Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched --threads 1``: width 512, 8
+rows over 4 adapters of ranks 8 / 16, capacity 4; thread CPU time; 1-minute load 2-9 on 2 shared
+cores; ``tools/bench_lora_floor.py`` times every case in one round robin, in a shuffled order and
+hot, each call after itself). At 64 tokens per row a batched run takes about the time of one
+single-adapter ``"inputs"`` run of the same batch (0.99-1.03) or of the 4 runs a server makes
+splitting the rows by adapter (0.95-1.02): the same multiply-adds. At one token per row:
+
+* batched / the 4 split ``"inputs"`` runs: 0.49-0.59 (target 0.5). Its floor is the base model's
+  own: the base alone at 8 rows / 4 base runs of 2 rows measured 0.40-0.44 shuffled and
+  0.43-0.52 hot (the split runs repeat the weights' read and each node's fixed cost, nothing
+  else), and one ``"inputs"`` run of the 8 rows / the 4 split runs 0.40-0.48: the target is met
+  only when the base's floor leaves room for the batched run's own overhead (at 0.50-0.52 hot, none).
+* batched / one rank-16 ``"inputs"`` run: 1.20-1.29 (target 1.15). The ``"inputs"`` run is
+  1.08-1.14x the base alone; both runs do the same multiply-adds (every row at the padded rank 16)
+  but the batched one reads each row's factors (8 rows, 8 reads of ~0.6 MB at rank 16, beside the
+  base's ~12.6 MB) and first copies them: ONNX Runtime's profiler (interleaved, hot) puts the LoRA
+  nodes at ~570 us of kernel time against the ``"inputs"`` run's ~180 us, of which the 12 stack
+  ``Gather`` s ~310 us, the per-row factor ``MatMul`` s ~180 us (~140 us for one adapter's), the
+  index chain (9 ops on ``[batch]`` int64 values) ~30 us. The same graph with its ``Gather`` s
+  replaced by inputs holding their outputs (the bench's ``no gathers`` case: not a usable export)
+  measured 1.14-1.17: the bound of the per-row form, the gathers' copies 4-8% over it.
+
+Measured alternatives, none kept: masking every slot (``x @ a`` of all slots, one ``MatMul`` with
+the flattened ``b`` stack): 1.44-1.70 (slots times the factor arithmetic; a ``MatMul`` whose B is
+not a constant packs B on every call); grouping the rows by slot (each slot's factors read once,
+``[slots, T, 1, d_in] @ [slots, 1, d_in, r]`` with the rows gathered into a ``[slots, T]`` grid,
+``T`` the most rows of one slot): 1.16-1.22, 1.145-1.18 with its ~25 nodes building the grid from
+the index taken out, but 5% slower at 64 tokens per row, and its cost follows the capacity (every
+slot is read, the grid padded to ``slots * T`` rows) where the gather's follows the rows; each
+target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
+1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all (``_checked`` and ``_not_negative``
+taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's graph optimization levels on both
+sides: ``all`` (the default) 1.21-1.25, ``extended`` 1.27-1.33, ``basic`` 1.26-1.27, ``all`` without
+the memory pattern 1.27-1.34. ``module(x, adapter_index=...)`` adds ~10% to the session's run at
+one token per row (a repeated call reuses the runner remembered with the stacks fed; only the index
+is converted), was ~40% before that fast path.
 
 Replacing adapters without a new session: the stacks are **graph inputs with initializer
 defaults** (the exported values), with symbolic dims ``lora.slots`` and ``<W>.lora.rank``. Feed
@@ -304,7 +323,9 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
     Raises:
         LoraError: an adapter that fits none of :attr:`StackTarget.kind` (module docstring), adapters
             of one weight that disagree on ``(d_in, d_out)`` or layout, more adapters than
-            ``capacity``, or an unknown name.
+            ``capacity``, an unknown name, or (``values``) a grouped convolution's ``b`` that is not
+            block-diagonal (:func:`onnxparam.lora._conv_checks.grouped_b_problem`), named with
+            its adapter and weight.
     """
     from ..trace.tracer import untraced
     from ..core.module import named_params
@@ -351,6 +372,7 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
     stacks = AdapterStacks(tuple(n for n, _ in found), capacity, targets)
     if values:
         with untraced():
+            _check_grouped_convs(found, targets)
             for target in targets.values():
                 np_dtype = target.dtype.to_numpy()
                 compute = np.float64 if target.dtype is DType.F64 else np.float32
@@ -366,6 +388,26 @@ def stack_adapters(module, options: Optional[BatchedLora] = None, *, values: boo
                                        * compute(adapter.scale)).astype(np_dtype)
                 target.a, target.b = a, b
     return stacks
+
+
+def _check_grouped_convs(found: list, targets: dict) -> None:
+    """A grouped convolution target's ``b`` must be PEFT's grouped ``lora_B`` (block-diagonal:
+    :func:`onnxparam.lora._conv_checks.grouped_b_problem`): the batched branch adds every entry
+    of ``b``, a ``"keep"`` graph only its groups' blocks."""
+    from ._adapters import conv_adapter_groups
+    from ._conv_checks import grouped_b_problem
+
+    problems = []
+    for name, adapters in found:
+        for path, adapter in adapters.items():
+            t = targets[path]
+            if t.kind == "conv" and conv_adapter_groups(t.shape, t.d_in) > 1:  # b read for grouped convs only
+                problem = grouped_b_problem(np.asarray(adapter.b.val().to_numpy()), t.shape, t.d_in)
+                if problem is not None:
+                    problems.append(f"adapter {name!r} on {path!r} {list(t.shape)}: {problem}")
+    if problems:
+        raise LoraError("lora='batched': grouped convolution adapters must be PEFT's layout (lora_B a 1x1 conv with "
+                        "the base's groups: b zero outside each group's block): " + "; ".join(problems))
 
 
 def _target_kind(shape: tuple, d_in: int, d_out: int, transposed: bool) -> Optional[str]:
@@ -764,6 +806,9 @@ class _Target:
                 f"group={group}, but its adapters' a has {t.d_in} rows, a conv of "
                 f"{t.d_in // int(np.prod(t.shape[2:]))} input channels (groups={groups}): batched conv LoRA takes "
                 f"PEFT's layout, lora_A a conv of all {int(t.shape[1]) * group} input channels (a weight delta of a grouped conv is not supported)")
+        from ._conv_checks import check_conv_node
+
+        check_conv_node(node, t.path, t.shape, groups, BATCHED_MODE)  # PEFT's and the merged weight's must agree
         a_stack, b_stack = self.stacks()
         rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"

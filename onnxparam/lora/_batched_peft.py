@@ -44,6 +44,7 @@ import numpy as np
 
 from ..core.errors import LoraError, RecordError
 from ._batched import BASE_INDEX, METADATA_KEY, STACK_SUFFIXES, batched_metadata
+from ._conv_checks import slot_factors
 
 __all__ = ["write_batched_peft"]
 
@@ -150,13 +151,6 @@ def _module_names(ir_model, meta, key_map) -> dict:
     return names
 
 
-def _rank(a: np.ndarray, b: np.ndarray) -> int:
-    """The rank of one slot with its zero padding cut off: 1 + the last column of ``a`` (row of
-    ``b``) with a non-zero entry; 0 when both are all zeros."""
-    used = np.flatnonzero(np.any(a != 0, axis=0) | np.any(b != 0, axis=1))
-    return int(used[-1]) + 1 if used.size else 0
-
-
 def _groups(target: dict) -> int:
     """A target's PEFT ``groups``: a convolution's (:func:`~onnxparam.lora._adapters.conv_adapter_groups`),
     else 1."""
@@ -256,11 +250,9 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
                 if np.any(delta != 0):
                     biases[name] = delta.astype(np.float32)
                 continue
-            r = _rank(a, b)
-            if r:
-                r = -(-r // _groups(t)) * _groups(t)  # PEFT: a grouped conv's rank divides by its groups
-                pad = max(r - a.shape[1], 0)
-                found[name] = (t, np.pad(a, ((0, 0), (0, pad)))[:, :r], np.pad(b, ((0, pad), (0, 0)))[:r])
+            a, b = slot_factors(a, b, _groups(t))  # PEFT: a grouped conv's rank divides by its groups
+            if a.shape[1]:
+                found[name] = (t, a, b)
         label = f"slot {slot}" + (f" ({names[slot - 1]!r})" if slot <= len(names) else "")
         if slot > len(names):
             if found or biases:

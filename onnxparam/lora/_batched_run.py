@@ -49,6 +49,27 @@ def _stack_key(module, stacks_dims: AdapterStacks) -> tuple:
     return (tuple(parts), dtypes)
 
 
+def _forget_values(ids: set) -> int:
+    """Drop the stacks computed from a factor stored as one of ``ids`` (written in place:
+    :func:`onnxparam.runtime.forget_values`)."""
+    from ..runtime._keys import _mentions
+
+    with _STACK_LOCK:
+        stale = [key for key in _STACK_CACHE if _mentions(key[0], ids)]
+        for key in stale:
+            del _STACK_CACHE[key]
+    return len(stale)
+
+
+def _register() -> None:
+    from ..runtime._calls import register_value_cache
+
+    register_value_cache(_forget_values)
+
+
+_register()
+
+
 def _runtime_stacks(module) -> AdapterStacks:
     dims = stack_adapters(module, values=False)
     key = _stack_key(module, dims)
@@ -227,7 +248,9 @@ def check_batched_adapters(model, adapters) -> dict:
     Checked: every stack input of the export is given and nothing else; ``a`` ``(slots, d_in, r)``
     and ``b`` ``(slots, r, d_out)`` with the export's ``d_in`` / ``d_out``, one ``r`` per pair,
     one ``slots`` for every stack, ``1 <= slots <= capacity + 1`` (the export's capacity), the
-    export's dtype, slot 0 all zeros (the base model's index); a module's adapter names: the
+    export's dtype, slot 0 all zeros (the base model's index), a grouped convolution's ``b``
+    block-diagonal in each slot (PEFT's ``lora_B``: :func:`onnxparam.lora._conv_checks.grouped_b_problem`);
+    a module's adapter names: the
     export's names first, in index order, each adapter's rank at most the export's.
 
     Raises:
@@ -311,6 +334,7 @@ def check_batched_adapters(model, adapters) -> dict:
         found = ranks.get(t["path"], {})
         if len(found) == 2 and found["a"] != found["b"]:
             problems.append(f"{t['a']!r} has rank {found['a']} but {t['b']!r} has rank {found['b']}")
+    problems += _grouped_conv_problems(meta, params, slots_seen)
     distinct = sorted(set(slots_seen.values()))
     if len(distinct) > 1:
         problems.append(f"the stacks have different slot counts {distinct}: every stack needs the same")
@@ -320,6 +344,32 @@ def check_batched_adapters(model, adapters) -> dict:
     if problems:
         raise RecordError(f"{source} do not fit the batched export {label}", problems)
     return {name: tuple(value.shape) for name, value in params.items()}
+
+
+def _grouped_conv_problems(meta: dict, params: dict, fitting: dict) -> list:
+    """Each slot of a grouped convolution target (stacks of the export's shapes: ``fitting``)
+    whose ``b``, cut to the slot's rank, is not PEFT's grouped ``lora_B``
+    (:func:`onnxparam.lora._conv_checks.grouped_b_problem`; as :func:`onnxparam.write_batched_peft`
+    reports it)."""
+    from ._adapters import conv_adapter_groups
+    from ._conv_checks import grouped_b_problem, slot_factors
+
+    problems = []
+    names = list(meta["adapters"])
+    for t in meta["targets"]:
+        if t.get("kind") != "conv" or t["a"] not in fitting or t["b"] not in fitting:
+            continue
+        a, b = params[t["a"]], params[t["b"]]
+        groups = conv_adapter_groups(tuple(t["shape"]), int(t["d_in"]))
+        if groups <= 1 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+            continue
+        for slot in range(BASE_INDEX + 1, a.shape[0]):
+            _, b_slot = slot_factors(a[slot], b[slot], groups)
+            problem = grouped_b_problem(b_slot, tuple(t["shape"]), int(t["d_in"]))
+            if problem is not None:
+                label = f"slot {slot}" + (f" ({names[slot - 1]!r})" if slot <= len(names) else "")
+                problems.append(f"{label}: the stacks of {t['path']!r}: {problem}")
+    return problems
 
 
 def _conv_hint(target: dict, which: str) -> str:

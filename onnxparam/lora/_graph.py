@@ -68,6 +68,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 import onnx_ir as ir
@@ -256,16 +257,30 @@ class _Expander:
             h = Conv(x, Reshape(Transpose(a), [-1, in, *kernel]))    [n, r, *spatial]
             y + Reshape(MatMul(Transpose(scale * b) * mask, Reshape(h, [0, 0, -1])), Shape(y))
 
-        ``Conv`` with the node's attributes but ``group`` (strides, pads, dilations; PEFT's
-        ``lora_A`` takes the base's stride and padding, and no dilation: a dilated base's PEFT
-        adapter does not run in PEFT either). ``mask`` (``<W>.lora.group_mask``, ``(out, r)``,
+        ``Conv`` with the node's attributes but ``group`` (strides, pads, ``auto_pad``; PEFT's
+        ``lora_A`` takes the base's stride and padding; a dilated base, whose PEFT ``lora_A`` is
+        not dilated, or an input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills, is refused:
+        :func:`onnxparam.lora._conv_checks.conv_node_problem`). ``mask`` (``<W>.lora.group_mask``, ``(out, r)``,
         a constant; not in ``"inputs"`` mode, whose rank is symbolic): ``1`` in each group's
         block, else ``0``: the forward is unchanged (``b`` is zero there) and ``b``'s gradient
-        is zero outside the blocks, so training keeps PEFT's parameters (its grouped ``lora_B``)."""
+        is zero outside the blocks, so training keeps PEFT's parameters (its grouped ``lora_B``).
+        A ``b`` with an entry outside the blocks (not PEFT's layout: the mask would drop what an
+        ``"inputs"`` graph adds) is refused when traced, as :func:`fed_factor` refuses it when fed
+        (:func:`onnxparam.lora._conv_checks.check_grouped_b`)."""
+        from ._conv_checks import check_conv_node
+
         dims = _dims(self.base)
+        check_conv_node(node, self.path, tuple(dims), groups, self.tracer.mode)  # PEFT's forward is the only one
         graph = self.tracer.graph
         label = f"/{self.path}.lora"
         if self._grouped is None:  # the branch's conv weights, once per base
+            from ..trace.tracer import untraced
+            from ._conv_checks import check_grouped_b
+
+            with untraced():  # b must be PEFT's block-diagonal lora_B (checked when traced)
+                b_value = np.asarray(self.adapter.b.val().to_numpy())
+            check_grouped_b(b_value, tuple(dims), int(self.adapter.a.lazy_shape()[0]),
+                            f"lora={self.tracer.mode!r}: the adapter of {self.path!r}")
             a, _, _ = self.factors()
             b = self.scaled_b(float(self.adapter.scale))
             shape = self.tracer.constant(np.asarray([-1, dims[1] * groups, *dims[2:]], dtype=np.int64),
@@ -475,14 +490,18 @@ _FED_SIZE = 256
 _FED_LOCK = threading.Lock()
 
 
-def fed_factor(param: Param, which: str, dtype: DType) -> np.ndarray:
+def fed_factor(param: Param, which: str, dtype: DType, name: Optional[str] = None) -> np.ndarray:
     """The value an ``"inputs"``-mode graph is fed for factor ``which`` (``"a"`` / ``"b"``) of
     ``param``'s adapter: ``a``, or ``scale * b`` (the scale folded in, as in ``.onnx_adapter``
     files), computed in float32 (float64 for F64) and cast to ``dtype`` (the base's).
 
     The arrays of the last :data:`_FED_SIZE` factor tensors are kept (read-only; keyed by the
     tensor's identity, which the key holds alive): switching between adapters feeds them again
-    without recomputing ``scale * b``."""
+    without recomputing ``scale * b``.
+
+    Raises:
+        LoraError: a grouped convolution's ``b`` that is not block-diagonal
+            (:func:`onnxparam.lora._conv_checks.check_grouped_b`), naming the weight ``name``."""
     adapter = param.adapter()
     factor = adapter.a if which == "a" else adapter.b
     tensor = factor.val()
@@ -493,6 +512,11 @@ def fed_factor(param: Param, which: str, dtype: DType) -> np.ndarray:
             _FED.move_to_end(key)
             return hit[1]
     value = np.asarray(tensor.to_numpy())
+    shape = tuple(param.lazy_shape())
+    if which == "b" and len(shape) >= 3:  # a convolution's adapter: a grouped one's b must be PEFT's
+        from ._conv_checks import check_grouped_b
+
+        check_grouped_b(value, shape, int(adapter.a.lazy_shape()[0]), f"the adapter of {name or 'a weight'!r}")
     compute = np.float64 if value.dtype == np.float64 or dtype is DType.F64 else np.float32
     value = value.astype(compute)
     if which == "b":
@@ -525,5 +549,5 @@ def fed_factors(model: ir.Model, params: dict) -> list:
             if base is None or base.adapter() is None:
                 fed.append((name, value.const_value.numpy()))
             else:
-                fed.append((name, fed_factor(base, name[-1], dtype)))
+                fed.append((name, fed_factor(base, name[-1], dtype, name[: -len(FACTOR_SUFFIXES[0])])))
     return fed

@@ -35,8 +35,10 @@ def conv_factors(a: np.ndarray, b: np.ndarray, shape: tuple):
     from :func:`~onnxparam.lora._adapters.conv_adapter_groups`): ``(lora_A, lora_B)``, ``lora_A``
     ``(r, in, *kernel)`` (a conv of every input channel), ``lora_B`` ``(out, r / groups, 1, ...)``
     (a 1x1 conv with the base's ``groups``: ``b``'s diagonal blocks). A string saying why instead
-    when ``r`` is no multiple of ``groups`` or ``b`` is not zero outside its blocks."""
+    when ``r`` is no multiple of ``groups`` or ``b`` is not zero outside its blocks
+    (:func:`onnxparam.lora._conv_checks.grouped_b_problem`)."""
     from ._adapters import conv_adapter_groups
+    from ._conv_checks import grouped_b_problem
 
     r, out = a.shape[1], int(shape[0])
     groups = conv_adapter_groups(tuple(shape), a.shape[0])
@@ -44,18 +46,13 @@ def conv_factors(a: np.ndarray, b: np.ndarray, shape: tuple):
     A = np.ascontiguousarray(a.T.reshape((r, a.shape[0] // math.prod(kernel)) + kernel))
     if groups <= 1:
         return A, np.ascontiguousarray(b.T.reshape((out, r) + ones))
-    if r % groups or out % groups:
-        return f"rank {r} is no multiple of the conv's groups={groups} (PEFT needs one)"
+    problem = grouped_b_problem(b, shape, a.shape[0])
+    if problem is not None:
+        return problem
     per_in, per_out = r // groups, out // groups
     B = np.zeros((out, per_in), dtype=b.dtype)
-    rest = b.copy()
     for g in range(groups):  # output channel o of group g reads rows g * per_in ... of b
-        rows, cols = slice(g * per_in, (g + 1) * per_in), slice(g * per_out, (g + 1) * per_out)
-        B[cols] = b[rows, cols].T
-        rest[rows, cols] = 0
-    if np.any(rest != 0):
-        return (f"b is not zero outside each group's {per_in} rows at rank {r} (a conv with groups={groups}): not "
-                "PEFT's grouped-conv LoRA")
+        B[g * per_out:(g + 1) * per_out] = b[g * per_in:(g + 1) * per_in, g * per_out:(g + 1) * per_out].T
     return A, np.ascontiguousarray(B.reshape(B.shape + ones))
 
 

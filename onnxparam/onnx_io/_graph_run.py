@@ -148,6 +148,27 @@ def _session(module):
         return session
 
 
+def _forget_values(ids: set) -> int:
+    """Drop the sessions built from a param value stored as one of ``ids`` (written in place:
+    :func:`onnxparam.runtime.forget_values`; ONNX Runtime may have pre-packed the old values)."""
+    from ..runtime._keys import _mentions
+
+    with _LOCK:
+        stale = [key for key in _sessions if _mentions(key[3], ids)]
+        for key in stale:
+            del _sessions[key]
+    return len(stale)
+
+
+def _register() -> None:
+    from ..runtime._calls import register_value_cache
+
+    register_value_cache(_forget_values)
+
+
+_register()
+
+
 def clear() -> None:
     """Forget every cached session of imported graphs."""
     with _LOCK:

@@ -18,6 +18,10 @@ Typical loop::
         loss, grads = grad(loss_fn, model, x, y)
         model = optim.step(model, grads)
     optim.save_file("optim.bpk"); model.save_file("model.bpk")
+
+``optim.step(model, grads, in_place=True)`` writes each new value into the array the optimizer
+made at the step before (one copy of the weights in memory instead of two during the step);
+every module sharing those arrays then sees the new values (see :meth:`Optimizer.step`).
 """
 
 from ._adam import Adam

@@ -59,18 +59,21 @@ class Adam(Optimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
 
-    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float,
+                out: Optional[np.ndarray] = None) -> tuple:
         # NOTE: the formula of the class docstring, evaluated in the same order (the same bits: every
         # operation is elementwise and correctly rounded) into the moments (updated in place: this
         # optimizer owns them; to_record copies) and the new value, one cache-sized block at a time
         # with two block-sized scratch arrays: the dozen operations then read and write the cache, and
         # main memory sees each of value, grad, moments and new value once (whole-array operations
-        # made about 14 passes over a model's weights per step, torch's Adam about 7)
+        # made about 14 passes over a model's weights per step, torch's Adam about 7). The step is
+        # computed in a third scratch block and subtracted from p into the new value's block last,
+        # so with ``out`` being p's own memory (an in-place step) p is read before it is written
         beta1, beta2 = self.betas
         shape = value.shape
         value = np.ascontiguousarray(value).reshape(-1)
         grad = np.ascontiguousarray(grad).reshape(-1)
-        new = np.empty_like(value)
+        new = np.empty_like(value) if out is None else out.reshape(-1)
         if state:
             m, v = np.ascontiguousarray(state["moment_1"]), np.ascontiguousarray(state["moment_2"])
             m_flat, v_flat, t = m.reshape(-1), v.reshape(-1), int(state["time"]) + 1  # views: updated in place
@@ -81,11 +84,12 @@ class Adam(Optimizer):
         size = value.size
         block = max(1, min(size, _BLOCK))
         scratch = np.empty(block, value.dtype)
+        work_block = np.empty(block, value.dtype)
         decayed = np.empty(block, value.dtype) if self.weight_decay else None
         for start in range(0, size, block):
             stop = min(start + block, size)
             k = stop - start
-            p, g, out, den = value[start:stop], grad[start:stop], new[start:stop], scratch[:k]
+            p, g, out, den = value[start:stop], grad[start:stop], work_block[:k], scratch[:k]
             mb, vb = m_flat[start:stop], v_flat[start:stop]
             if decayed is not None:
                 wd = decayed[:k]
@@ -110,7 +114,7 @@ class Adam(Optimizer):
             np.divide(mb, bias1, out=out)  # m_hat
             out /= den
             out *= lr
-            np.subtract(p, out, out=out)
+            np.subtract(p, out, out=new[start:stop])
         return new.reshape(shape), {"moment_1": m, "moment_2": v, "time": t}
 
     def __repr__(self) -> str:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
 
 from ..core.errors import RecordError, ShapeMismatchError
+from ..core.device import CPU
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 
@@ -55,7 +57,9 @@ class Optimizer:
 
     Subclasses set :attr:`kind`, :attr:`tensor_fields`, :attr:`scalar_fields` and implement
     :meth:`_update`. The optimizer itself is stateful (Burn's ``&mut self``); modules are
-    values: :meth:`step` returns the updated module and leaves the given one as it was.
+    values: :meth:`step` returns the updated module and leaves the given one as it was, unless
+    ``in_place=True`` asks it to write into the arrays it made at an earlier step (PyTorch's
+    in-place update; see :meth:`step`).
 
     Args:
         lr: the learning rate (a :meth:`step` may override it, e.g. from a schedule).
@@ -69,14 +73,21 @@ class Optimizer:
         self.lr = float(lr)
         self.step_count = 0
         self.state: dict = {}  # ParamId -> {field: np.ndarray | int}
+        # ParamId -> weak reference to the array this optimizer last allocated for that param's
+        # value (an in-place step may write into it: see step); weak: it keeps no weights alive
+        self._owned: dict = {}
 
     # -- updating -----------------------------------------------------------------------------
 
-    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
-        """``(new value, new state)`` for one param (arrays of the param's dtype)."""
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float,
+                out: Optional[np.ndarray] = None) -> tuple:
+        """``(new value, new state)`` for one param (arrays of the param's dtype). With ``out``
+        (a writable array of ``value``'s shape and dtype, possibly ``value``'s own memory) the new
+        value is written into it, reading ``value`` never after writing there (the same bits as
+        without), and ``out`` is returned."""
         raise NotImplementedError
 
-    def step(self, module, grads, lr: Optional[float] = None):
+    def step(self, module, grads, lr: Optional[float] = None, *, in_place: bool = False):
         """One update of every param of ``module`` that has a gradient in ``grads`` and requires
         grad, by ``ParamId`` (LoRA factors included; frozen params are never touched).
 
@@ -85,13 +96,30 @@ class Optimizer:
         when none of a non-empty ``grads``' ids is a param of ``module``, nothing would change,
         and that is refused.
 
+        **Value or in place.** By default modules are values: the returned module holds new
+        arrays and ``module`` (and every other module sharing its tensors, e.g. a ``best = model``
+        kept earlier) keeps the old values, which costs a second copy of the updated weights
+        while both exist. With ``in_place=True`` a param's new value is written into the memory
+        of its current one when this optimizer allocated that array itself in an earlier step
+        for that param (and the array is still the param's stored value, host memory, and held
+        by no other param of ``module``): **every module sharing those tensors — ``module``
+        itself, any copy or ``best = model`` kept since that step — then sees the new values**.
+        Other params (a first step's imported, file-mapped or user-given arrays, lazy params,
+        device tensors) get a new array as by default, so the first step allocates and later
+        steps of a loop ``model = optim.step(model, grads, in_place=True)`` update in place.
+        The result is the same bits either way; cached sessions built from the overwritten
+        values are dropped (:func:`onnxparam.runtime.forget_values`), so calling any module
+        that holds them computes with the new values.
+
         Args:
             module: the :class:`~onnxparam.Module`.
             grads: :class:`~onnxparam.autodiff.Gradients` (or any mapping ``ParamId -> Tensor``).
             lr: this step's learning rate (default :attr:`lr`).
+            in_place: write into the arrays this optimizer made in earlier steps (above).
 
         Returns:
-            the updated module (same structure and ids, new values for the updated params).
+            the updated module (same structure and ids, new values for the updated params; new
+            :class:`~onnxparam.Tensor` objects also where the memory was written in place).
 
         Raises:
             ShapeMismatchError: (a ``RecordError``, a ``ValueError``) when a gradient's shape
@@ -101,32 +129,85 @@ class Optimizer:
                 its LoRA-adapted copy, or gradients of another import of the same file, whose
                 params have other ids); the optimizer and the module are left as they were.
         """
-        from ..core.module import rebuild
+        from ..core.module import named_params, rebuild
 
         lr = self.lr if lr is None else float(lr)
-        seen = [0, 0]  # params of module, of them with an id in grads
+        named = list(named_params(module))
+        # NOTE: every check before any update (an in-place one changes the given module's memory)
+        stepped = 0
+        for path, param in named:
+            if param.id in grads:
+                stepped += 1
+                if param.require_grad:
+                    g = grads[param.id]
+                    g_shape, p_shape = tuple(g.shape if hasattr(g, "shape") else np.shape(g)), param.lazy_shape()
+                    if g_shape != p_shape:
+                        raise ShapeMismatchError(f"gradient for {path!r} has shape {list(g_shape)}, the param "
+                                                 f"{list(p_shape)}")
+        if stepped == 0 and len(grads) > 0:
+            raise RecordError(_foreign_gradients(module, grads, len(named)))
+        shared = _shared_owners(named) if in_place else set()
+        written = []  # the arrays written in place
 
         def update(path: str, param: Param) -> Param:
-            seen[0] += 1
-            if param.id in grads:
-                seen[1] += 1
             if not param.require_grad or param.id not in grads:
                 return param
             g = np.asarray(grads[param.id].to_numpy())
             value = np.asarray(param.base().to_numpy())
-            if g.shape != value.shape:
-                raise ShapeMismatchError(f"gradient for {path!r} has shape {list(g.shape)}, the param "
-                                         f"{list(value.shape)}")
-            new, state = self._update(value, g.astype(value.dtype, copy=False), self.state.get(param.id), lr)
+            target = self._writable(param, value, shared) if in_place else None
+            new, state = self._update(value, g.astype(value.dtype, copy=False), self.state.get(param.id), lr,
+                                      out=target)
             self.state[param.id] = state
+            if target is not None:
+                written.append(_memory_owner(target))
+                return param.map(lambda _old: Tensor.from_numpy(target))
             device = param.lazy_device()
-            return param.map(lambda _old: Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype), device))
+            tensor = Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype), device)
+            self._own(param.id, tensor, device, (value, g, state))
+            return param.map(lambda _old: tensor)
 
-        updated = rebuild(module, update)
-        if seen[1] == 0 and len(grads) > 0:
-            raise RecordError(_foreign_gradients(module, grads, seen[0]))
+        try:
+            updated = rebuild(module, update)
+        finally:
+            if written:
+                from ..runtime import forget_values
+
+                forget_values(written)
         self.step_count += 1
         return updated
+
+    def _own(self, pid: ParamId, tensor: Tensor, device, inputs: tuple) -> None:
+        """Remember ``tensor``'s host memory as this optimizer's own for ``pid`` (an in-place step
+        may write it) when it is an array :meth:`_update` made: writable, owning its memory, and
+        none of ``inputs``' arrays (the old value, the gradient, the state)."""
+        self._owned.pop(pid, None)
+        host = tensor._host
+        if host is None or device != CPU:
+            return
+        owner = _memory_owner(host)
+        if not (owner.flags.writeable and owner.flags.owndata):
+            return
+        value, g, state = inputs
+        others = [value, g] + [a for a in (state or {}).values() if isinstance(a, np.ndarray)]
+        if any(_memory_owner(a) is owner for a in others):
+            return
+        self._owned[pid] = weakref.ref(owner)
+
+    def _writable(self, param: Param, value: np.ndarray, shared: set) -> Optional[np.ndarray]:
+        """A writable view of ``param``'s stored memory when an in-place step may write it: this
+        optimizer allocated it for ``param.id`` (:attr:`_owned`), it is still the whole of the
+        param's stored host value, and no other param of the module holds it; else ``None``."""
+        ref = self._owned.get(param.id)
+        owner = ref() if ref is not None else None
+        stored = param._value  # NOTE: None for a lazy param: never written
+        if owner is None or stored is None or stored._host is None or stored._quant is not None:
+            return None
+        host = stored._host
+        if _memory_owner(host) is not owner or id(owner) in shared or not owner.flags.writeable or \
+                owner.dtype != value.dtype or owner.size != value.size or not host.flags.c_contiguous or \
+                host.__array_interface__["data"][0] != owner.__array_interface__["data"][0]:
+            return None
+        return owner.reshape(value.shape)
 
     # -- records ------------------------------------------------------------------------------
 
@@ -215,6 +296,26 @@ class Optimizer:
             tensors = {name: np.array(entry.to_numpy(), copy=True) for name, entry in f.tensors.items()}
             scalars = {name: s.value for name, s in f.scalars.items()}
         return self.load_record(OptimizerRecord(kind, tensors, scalars))
+
+
+def _memory_owner(array: np.ndarray) -> np.ndarray:
+    """The array owning ``array``'s memory (``base`` followed through views)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _shared_owners(named) -> set:
+    """``id`` s of the arrays owning the host memory of more than one of the ``(path, param)``
+    (an in-place write into one would change the other)."""
+    counts: dict = {}
+    for _, param in named:
+        stored = param._value
+        host = stored._host if stored is not None else None
+        if host is not None:
+            key = id(_memory_owner(host))
+            counts[key] = counts.get(key, 0) + 1
+    return {key for key, n in counts.items() if n > 1}
 
 
 def _foreign_gradients(module, grads, n_params: int) -> str:

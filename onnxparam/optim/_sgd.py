@@ -47,7 +47,8 @@ class SGD(Optimizer):
         self.dampening = float(dampening)
         self.nesterov = bool(nesterov)
 
-    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float) -> tuple:
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: Optional[dict], lr: float,
+                out: Optional[np.ndarray] = None) -> tuple:
         # NOTE: the formula of the class docstring in the same order (the same bits), with in-place
         # operations on arrays this update made or owns (the velocity; to_record copies): never on
         # ``grad``, the caller's gradient
@@ -72,8 +73,9 @@ class SGD(Optimizer):
                 g = ahead
             else:
                 g = v
-        new = np.multiply(g, lr)
-        np.subtract(value, new, out=new)
+        delta = np.multiply(g, lr)
+        new = delta if out is None else out  # NOTE: value is read here, before out (maybe its memory) is written
+        np.subtract(value, delta, out=new)
         return new, new_state
 
     def __repr__(self) -> str:

@@ -55,6 +55,7 @@ from ._calls import (
     RuntimeStats,
     call_module,
     clear_caches,
+    forget_values,
     session_for,
     sessions_built,
     set_cache_size,
@@ -87,4 +88,5 @@ __all__ = [
     "sessions_built",
     "clear_caches",
     "set_cache_size",
+    "forget_values",
 ]

@@ -19,14 +19,17 @@ from ..core.tensor import Tensor
 from ..trace import tracer as _trace
 from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
-from ._keys import _mutable_state, _param_signature, _Ref, _structure_key, _unchanged, _value_token, call_signature  # noqa: F401
+from ._keys import (  # noqa: F401
+    _memory_owner, _mentions, _mutable_state, _param_signature, _Ref, _stored, _structure_key, _unchanged, _value_token,
+    call_signature,
+)
 from ._sessions import Runner, build_runner
 from ._shape_family import ShapeFamily
 
 __all__ = [
     "MAX_CACHED_SESSIONS", "MAX_CACHED_TRACES", "MAX_FAST_MODULES", "MAX_EAGER_SESSIONS", "RuntimeStats",
     "call_module", "session_for", "traced_for", "set_session_config", "set_eager_session_config",
-    "stats", "sessions_built", "clear_caches", "set_cache_size",
+    "stats", "sessions_built", "clear_caches", "set_cache_size", "forget_values", "register_value_cache",
 ]
 
 MAX_CACHED_SESSIONS = 32
@@ -97,6 +100,60 @@ def clear_caches() -> None:
         _families.clear()
         _eager.clear()
         _fast.clear()
+
+
+_VALUE_CACHES: list = []
+"""``forget(ids) -> int`` of the caches of higher layers keyed by params' value tokens
+(:func:`register_value_cache`)."""
+
+
+def register_value_cache(forget) -> None:
+    """Register a cache of a higher layer whose keys hold params' value tokens
+    (:func:`~._keys._value_token`: the training sessions, imported graphs' sessions, LoRA stacks),
+    so :func:`forget_values` reaches it: ``forget(ids)`` drops every entry whose key refers to an
+    object whose ``id`` is in ``ids`` (a set of ints) and returns how many it dropped."""
+    with _LOCK:
+        if forget not in _VALUE_CACHES:
+            _VALUE_CACHES.append(forget)
+
+
+def forget_values(values) -> int:
+    """Forget everything cached from the given stored values, after their memory was written in
+    place (``Optimizer.step(..., in_place=True)`` does this itself).
+
+    A session holds its weights as ``OrtValue`` s sharing the params' numpy memory, but ONNX
+    Runtime may have copied or pre-packed some of them when it was built (MatMul, Conv), and the
+    caches find a session by the identity of each param's stored tensor: a session built before
+    an in-place write would still be found for a module holding those tensors, and compute with
+    the old values. This drops every cached module session, training session, imported-graph
+    session and LoRA stack built from any of ``values``, and the fast-path entries of modules
+    using them; their next call builds afresh from the current memory.
+
+    Args:
+        values: :class:`~onnxparam.Tensor` s (a param's stored tensor, ``param.base()`` of an
+            initialized param), :class:`~onnxparam.Param` s (their stored tensor, or lazy cell)
+            or numpy arrays (every host tensor whose memory belongs to the array that owns
+            theirs: all tensors over that memory, whichever module holds them).
+
+    Returns:
+        how many cached entries were dropped (fast-path entries not counted).
+    """
+    ids = {id(_stored(v)) if isinstance(v, Param) else id(_memory_owner(v)) if isinstance(v, np.ndarray) else id(v)
+           for v in values}
+    if not ids:
+        return 0
+    with _LOCK:
+        stale = [key for key in _sessions if _mentions(key[3], ids)]
+        for key in stale:
+            _forget_runner(_sessions.pop(key))
+        for module_id, entry in list(_fast.items()):
+            if any(_mentions(_value_token(p), ids) for p in entry.expected):
+                del _fast[module_id]
+        hooks = list(_VALUE_CACHES)
+    dropped = len(stale)
+    for forget in hooks:  # NOTE: outside this lock: each takes its cache's own
+        dropped += forget(ids)
+    return dropped
 
 
 def set_cache_size(sessions: Optional[int] = None, traces: Optional[int] = None, eager: Optional[int] = None) -> None:

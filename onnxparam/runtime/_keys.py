@@ -233,15 +233,46 @@ def _unchanged(watched: tuple) -> bool:
     return True
 
 
-def _value_token(param: Param):
-    """Identity of what a param's initializer is computed from: its stored tensor or lazy cell
-    (shared by clones), plus its adapter's. Equal tokens mean equal values."""
+def _stored(param: Param):
+    """What a param's value is stored as: its tensor, or its lazy cell (a re-flagged cell's source)."""
     stored = getattr(param, "_value", None)
     if stored is None:
         stored = getattr(param, "_cell", None) or param
         stored = getattr(stored, "source", None) or stored  # a re-flagged lazy cell: its source's value
-    stored = _Ref(stored)
+    return stored
+
+
+def _value_token(param: Param):
+    """Identity of what a param's initializer is computed from: its stored tensor or lazy cell
+    (shared by clones), plus its adapter's. Equal tokens mean equal values."""
+    stored = _Ref(_stored(param))
     adapter = param.adapter()
     if adapter is None:
         return stored
     return (stored, _value_token(adapter.a), _value_token(adapter.b), float(adapter.scale), bool(adapter.transposed))
+
+
+def _memory_owner(array: np.ndarray) -> np.ndarray:
+    """The array owning ``array``'s memory (following ``base`` through views; ``array`` itself
+    when it owns its memory or views a non-array buffer, e.g. a memory map)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _mentions(token, ids) -> bool:
+    """True when a value token (:func:`_value_token`, or a tuple holding such tokens) refers to
+    an object whose ``id`` is in ``ids``, or to a host tensor whose memory belongs to an array
+    whose ``id`` is in ``ids`` (:func:`_memory_owner`)."""
+    cls = token.__class__
+    if cls is _Ref:
+        obj = token.obj
+        if id(obj) in ids:
+            return True
+        host = getattr(obj, "_host", None) if isinstance(obj, Tensor) else None
+        return host is not None and id(_memory_owner(host)) in ids
+    if cls is tuple:
+        for part in token:
+            if _mentions(part, ids):
+                return True
+    return False

@@ -1,6 +1,6 @@
 """``check_gradients`` == [] exactly when ``grad`` builds: on imported graphs (a convolution whose
-input dims are all dynamic, an opset-12 ``Resize`` with empty ``roi`` / ``scales``, ``Dropout`` in training
-mode), either the list is non-empty and ``grad`` raises naming the same nodes (by the file's node
+input dims are all dynamic, an opset-12 ``Resize`` with empty ``roi`` / ``scales``, ``ConvTranspose`` with
+``output_shape``), either the list is non-empty and ``grad`` raises naming the same nodes (by the file's node
 names), or it is empty and ``grad`` succeeds. Oracle for the gradients: central finite
 differences of the same loss computed in numpy (float64) from plain ONNX Runtime runs of the
 original file with one weight entry perturbed."""
@@ -55,16 +55,20 @@ def _resize12(w):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
 
 
-def _dropout_training(w):
-    """``MatMul`` then two ``Dropout`` s in training mode (their masks are random)."""
+def _conv_transpose_output_shape(w):
+    """``MatMul``, a reshape to an image, then two ``ConvTranspose`` s with an ``output_shape``
+    attribute (a form their gradient rule refuses)."""
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-             helper.make_node("Dropout", ["h", "ratio", "on"], ["d"], name="drop.a"),
-             helper.make_node("Dropout", ["d", "ratio", "on"], ["y"], name="drop.b")]
+             helper.make_node("Reshape", ["h", "img"], ["hi"]),
+             helper.make_node("ConvTranspose", ["hi", "k"], ["d"], name="deconv.a", strides=[2, 2],
+                              output_shape=[4, 6]),
+             helper.make_node("ConvTranspose", ["d", "k"], ["y"], name="deconv.b", strides=[2, 2],
+                              output_shape=[8, 12])]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
-        [numpy_helper.from_array(w["w"], "w"), numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
-         numpy_helper.from_array(np.array(True), "on")])
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w["w"], "w"), numpy_helper.from_array(np.array([1, 1, 2, 3], np.int64), "img"),
+         numpy_helper.from_array(np.ones((1, 1, 2, 2), np.float32), "k")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
@@ -74,8 +78,8 @@ CASES = {
                           RNG.normal(size=(2, 8, 6)).astype(np.float32)),
     "resize_opset12_empty_inputs": (_resize12, {"w": RNG.normal(size=(3, 2, 1, 1)).astype(np.float32)},
                                  RNG.normal(size=(1, 2, 3, 4)).astype(np.float32)),
-    "dropout_training_mode": (_dropout_training, {"w": RNG.normal(size=(4, 3)).astype(np.float32)},
-                              RNG.normal(size=(5, 4)).astype(np.float32)),
+    "conv_transpose_output_shape": (_conv_transpose_output_shape, {"w": RNG.normal(size=(4, 6)).astype(np.float32)},
+                                    RNG.normal(size=(1, 4)).astype(np.float32)),
 }
 
 
@@ -97,19 +101,19 @@ def test_check_gradients_is_empty_exactly_when_grad_builds(tmp_path, case):
         return (y * y).mean()
 
     listed = check_gradients(loss_fn, module, op.Tensor.from_numpy(x))
-    # (the convolution's and Resize's rules cover these graphs: only the Dropouts are listed)
-    assert bool(listed) == (case == "dropout_training_mode"), [str(m) for m in listed]
+    # (the convolution's and Resize's rules cover these graphs: only the ConvTransposes are listed)
+    assert bool(listed) == (case == "conv_transpose_output_shape"), [str(m) for m in listed]
     if listed:
         with pytest.raises(TraceError) as info:
             grad(loss_fn, module, op.Tensor.from_numpy(x))
         for missing in listed:
             assert missing.source or missing.node
             assert repr(missing.source or missing.node) in str(info.value)
-        if case == "dropout_training_mode":  # both Dropouts, by the file's names, at once
-            assert sorted(m.source for m in listed) == ["drop.a", "drop.b"]
-            assert all("training mode" in m.reason for m in listed)
+        if case == "conv_transpose_output_shape":  # both, by the file's names, at once
+            assert sorted(m.source for m in listed) == ["deconv.a", "deconv.b"]
+            assert all("output_shape" in m.reason for m in listed)
         return
-    assert case != "dropout_training_mode"
+    assert case != "conv_transpose_output_shape"
     loss, grads = grad(loss_fn, module, op.Tensor.from_numpy(x))
     np.testing.assert_allclose(float(loss.to_numpy()), _np_loss(make, weights, x), rtol=1e-5)
     by_path = grads.by_path()
@@ -128,11 +132,11 @@ def test_check_gradients_is_empty_exactly_when_grad_builds(tmp_path, case):
 
 
 def test_a_rule_failure_names_the_imported_node_as_the_file_names_it(tmp_path):
-    make, weights, x = CASES["dropout_training_mode"]
+    make, weights, x = CASES["conv_transpose_output_shape"]
     path = tmp_path / "m.onnx"
     path.write_bytes(make(weights).SerializeToString())
     module = op.import_onnx(str(path))
-    with pytest.raises(TraceError, match=r"'drop\.a' \(traced as '[^']+'"):
+    with pytest.raises(TraceError, match=r"'deconv\.a' \(traced as '[^']+'"):
         grad(lambda m, x: m(x=x).sum(), module, op.Tensor.from_numpy(x))
 
 

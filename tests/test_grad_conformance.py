@@ -42,6 +42,7 @@ SAMPLE = (
     "test_gridsample_volumetric_bilinear_align_corners_1",
     "test_split_to_sequence_1", "test_unique_sorted_with_axis", "test_identity_opt", "test_causal_conv_with_state_silu",
     "test_linear_attention_gated_delta_gqa", "test_sequence_map_add_2_sequences",
+    "test_batchnorm_example_training_mode", "test_training_dropout",
 )
 
 

@@ -1,6 +1,8 @@
 """Gradients through the further forms of ``Scan`` and ``Loop`` that ONNX Runtime runs
 (``onnxparam/autodiff/_rules_control.py``): scan inputs and outputs along axes other than 0
-(the batch-major ``[N, T, ...]`` layout tf2onnx writes), read and written in both directions.
+(the batch-major ``[N, T, ...]`` layout tf2onnx writes), read and written in both directions;
+``Loop`` states that are sequences (TorchScript's list-building loops) or optionals (of a tensor,
+of a sequence).
 
 Each case is a small ONNX model whose batch and sequence dims are symbolic, differentiated at
 two input shapes with one training session (``check_op`` of ``tests/test_grad_more_rules.py``):
@@ -67,3 +69,124 @@ def test_scan_along_axes_other_than_zero_in_both_directions():
              "c": RNG.normal(size=(3,)) * 0.5, "u": RNG.normal(size=(3,)), "a": RNG.normal(size=(3,)),
              "one": np.array([1], np.int64)}
     check_op(nodes, ["N", "T", 3], [(2, 4, 3), (3, 6, 3)], inits, 17, torch_fn=torch_fn)
+
+
+# -- Loop states that are sequences or optionals -----------------------------------------------
+
+_SEQ = helper.make_sequence_type_proto(helper.make_tensor_type_proto(D, None))
+
+
+def test_loop_carrying_a_sequence_it_appends_to_and_reads_from():
+    """The list-building loop TorchScript writes: over the time steps of ``x`` ``[T, B, 3]``
+    (a trip count from its shape), ``h' = tanh(h @ w + x_t + c * seq[-1])``, ``seq`` gets
+    ``h' * u`` appended; the sequence starts with one element computed from a param and is
+    concatenated after the loop."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]),
+         helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0),
+         helper.make_node("SequenceAt", ["seq", "minus1"], ["last"]),
+         helper.make_node("Mul", ["last", "c"], ["lc"]),
+         helper.make_node("MatMul", ["h", "w"], ["hw"]), helper.make_node("Add", ["hw", "x_t"], ["p1"]),
+         helper.make_node("Add", ["p1", "lc"], ["pre"]), helper.make_node("Tanh", ["pre"], ["h_new"]),
+         helper.make_node("Mul", ["h_new", "u"], ["hu"]),
+         helper.make_node("SequenceInsert", ["seq", "hu"], ["seq_new"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []), _vi("h", [None, 3]),
+                 helper.make_value_info("seq", _SEQ)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _vi("h_new", [None, 3]),
+         helper.make_value_info("seq_new", _SEQ)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Shape", ["xs"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["trips"], axis=0),
+             helper.make_node("Gather", ["xs", "zero"], ["x0"], axis=0),
+             helper.make_node("Mul", ["x0", "a"], ["x0a"]), helper.make_node("Tanh", ["x0a"], ["h0"]),
+             helper.make_node("Mul", ["h0", "v"], ["first"]),
+             helper.make_node("SequenceConstruct", ["first"], ["seq0"]),
+             helper.make_node("Loop", ["trips", "", "h0", "seq0"], ["h_last", "seq_last"], body=body),
+             helper.make_node("ConcatFromSequence", ["seq_last"], ["y"], axis=0, new_axis=1)]
+
+    def torch_fn(x, s, w, c, u, a, v, zero, minus1):
+        import torch
+
+        xs = x * s
+        h = torch.tanh(xs[0] * a)
+        seq = [h * v]
+        for t in range(xs.shape[0]):
+            h = torch.tanh(h @ w + xs[t] + c * seq[-1])
+            seq.append(h * u)
+        return torch.stack(seq, 0)
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (3,)), "w": RNG.normal(size=(3, 3)) * 0.6, "c": RNG.normal(size=(3,)) * 0.5,
+             "u": RNG.normal(size=(3,)), "a": RNG.normal(size=(3,)), "v": RNG.normal(size=(3,)),
+             "zero": np.array(0, np.int64), "minus1": np.array(-1, np.int64)}
+    check_op(nodes, ["T", "B", 3], [(3, 2, 3), (5, 1, 3)], inits, 17, torch_fn=torch_fn)
+
+
+def test_loop_carrying_optionals_of_a_tensor_and_of_a_sequence():
+    """Two optional states that enter the loop empty: ``o`` (of a tensor) holds the previous
+    ``h`` (zeros before the first step), ``os`` (of a sequence) the list of ``h * u`` built so
+    far; both are unwrapped after the loop."""
+    t_opt = helper.make_optional_type_proto(helper.make_tensor_type_proto(D, [None, 3]))
+    s_opt = helper.make_optional_type_proto(_SEQ)
+    prev_then = helper.make_graph([helper.make_node("OptionalGetElement", ["o"], ["got"])], "prev_then", [],
+                                  [_vi("got", [None, 3])])
+    prev_else = helper.make_graph([helper.make_node("Mul", ["x_t", "zero_f"], ["zeros"])], "prev_else", [],
+                                  [_vi("zeros", [None, 3])])
+    seq_then = helper.make_graph([helper.make_node("OptionalGetElement", ["os"], ["got_seq"])], "seq_then", [],
+                                 [helper.make_value_info("got_seq", _SEQ)])
+    seq_else = helper.make_graph([helper.make_node("SequenceEmpty", [], ["no_seq"], dtype=D)], "seq_else", [],
+                                 [helper.make_value_info("no_seq", _SEQ)])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]),
+         helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0),
+         helper.make_node("OptionalHasElement", ["o"], ["has"]),
+         helper.make_node("If", ["has"], ["prev"], then_branch=prev_then, else_branch=prev_else),
+         helper.make_node("MatMul", ["prev", "w"], ["pw"]), helper.make_node("Add", ["pw", "x_t"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["h"]), helper.make_node("Optional", ["h"], ["o_new"]),
+         helper.make_node("OptionalHasElement", ["os"], ["has_seq"]),
+         helper.make_node("If", ["has_seq"], ["seq"], then_branch=seq_then, else_branch=seq_else),
+         helper.make_node("Mul", ["h", "u"], ["hu"]),
+         helper.make_node("SequenceInsert", ["seq", "hu"], ["seq_new"]),
+         helper.make_node("Optional", ["seq_new"], ["os_new"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                 helper.make_value_info("o", t_opt), helper.make_value_info("os", s_opt)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_value_info("o_new", t_opt),
+         helper.make_value_info("os_new", s_opt)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Shape", ["xs"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["trips"], axis=0),
+             helper.make_node("Optional", [], ["o0"], type=helper.make_tensor_type_proto(D, [None, 3])),
+             helper.make_node("Optional", [], ["os0"], type=_SEQ),
+             helper.make_node("Loop", ["trips", "", "o0", "os0"], ["o_last", "os_last"], body=body),
+             helper.make_node("OptionalGetElement", ["o_last"], ["h_last"]),
+             helper.make_node("OptionalGetElement", ["os_last"], ["seq_last"]),
+             helper.make_node("ConcatFromSequence", ["seq_last"], ["stacked"], axis=0, new_axis=1),
+             helper.make_node("Unsqueeze", ["h_last", "zero1"], ["hl"]),
+             helper.make_node("Add", ["stacked", "hl"], ["y"])]
+
+    def torch_fn(x, s, w, u, zero_f, zero, zero1):
+        import torch
+
+        xs = x * s
+        h, seq = xs[0] * zero_f, []  # (the else branch: zeros, as x_0 * 0)
+        for t in range(xs.shape[0]):
+            h = torch.tanh(h @ w + xs[t])
+            seq.append(h * u)
+        return torch.stack(seq, 0) + h.unsqueeze(0)
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (3,)), "w": RNG.normal(size=(3, 3)) * 0.6, "u": RNG.normal(size=(3,)),
+             "zero_f": np.array(0.0), "zero": np.array(0, np.int64), "zero1": np.array([0], np.int64)}
+    check_op(nodes, ["T", "B", 3], [(3, 2, 3), (4, 1, 3)], inits, 18, torch_fn=torch_fn)
+
+
+@pytest.mark.parametrize("name", ["test_loop16_seq_none", "test_loop11", "test_scan9_sum"])
+def test_onnx_conformance_loop_and_scan_cases_match_finite_differences(name):
+    """ONNX's own node cases (``tests/grad_conformance.py``: float inputs and constants made
+    params, central differences on plain ONNX Runtime); ``loop16_seq_none``: an empty optional
+    enters the loop, the body returns a sequence."""
+    import onnx_cases
+    from grad_conformance import check_grad_case
+
+    case = next(c for c in onnx_cases.node_cases() if c.name == name)
+    assert check_grad_case(case)[0] == "pass"

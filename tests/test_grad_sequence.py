@@ -180,10 +180,12 @@ def test_sequence_map_with_a_whole_tensor_and_an_outer_param():
     check_op(nodes, ["N", 3], [(2, 3), (4, 3)], _scales("s", "u", "c"), 17, torch_fn=torch_fn)
 
 
-def test_a_loop_carrying_a_sequence_is_refused_by_name():
-    """The ``Loop`` rule saves each iteration's states as tensors: a sequence state is named
-    before anything runs, not a session that fails to build."""
+def test_a_loop_carrying_a_sequence_unchanged_passes_its_gradient_through():
+    """A ``Loop`` whose body returns its sequence state as is: the gradient of the concatenated
+    result reaches ``x * s`` element by element (numpy: ``d sum(x * s) / ds = sum(x, 0)``)."""
     from onnx import numpy_helper
+
+    from onnxparam.autodiff import grad
 
     seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
     body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"]),
@@ -202,10 +204,48 @@ def test_a_loop_carrying_a_sequence_is_refused_by_name():
                               [numpy_helper.from_array(np.ones(3, np.float32), "s"),
                                numpy_helper.from_array(np.array(2, np.int64), "trips")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    x = np.ones((2, 3), np.float32)
+    x = RNG.normal(size=(2, 3)).astype(np.float32)
     ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    missing = check_gradients(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
-    assert [m.op for m in missing] == ["Loop"] and "tensor states only" in missing[0].reason
+    _, grads = grad(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
+    np.testing.assert_allclose(grads.by_path()["s"].to_numpy(), x.sum(0), rtol=1e-6)
+
+
+def test_a_loop_state_entering_as_an_empty_optional_and_leaving_as_a_sequence():
+    """As ONNX's ``loop16_seq_none`` case: an empty optional enters, the body returns a sequence
+    (``xs`` appended each of the 2 iterations; numpy: ``d sum(y) / ds = 2 sum(x, 0)``)."""
+    from onnx import numpy_helper
+
+    from onnxparam.autodiff import grad
+
+    seq_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, None))
+    opt_type = helper.make_optional_type_proto(seq_type)
+    then = helper.make_graph([helper.make_node("OptionalGetElement", ["o_in"], ["got"])], "then", [],
+                             [helper.make_value_info("got", seq_type)])
+    other = helper.make_graph([helper.make_node("SequenceEmpty", [], ["none"], dtype=TensorProto.FLOAT)], "else", [],
+                              [helper.make_value_info("none", seq_type)])
+    body = helper.make_graph([helper.make_node("Identity", ["c_in"], ["c_out"]),
+                              helper.make_node("OptionalHasElement", ["o_in"], ["has"]),
+                              helper.make_node("If", ["has"], ["seq"], then_branch=then, else_branch=other),
+                              helper.make_node("SequenceInsert", ["seq", "xs"], ["seq_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                              helper.make_value_info("o_in", opt_type)],
+                             [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                              helper.make_value_info("seq_out", seq_type)])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Optional", [], ["o0"], type=seq_type),
+             helper.make_node("Loop", ["trips", "", "o0"], ["looped"], body=body),
+             helper.make_node("ConcatFromSequence", ["looped"], ["y"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "s"),
+                               numpy_helper.from_array(np.array(2, np.int64), "trips")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = RNG.normal(size=(2, 3)).astype(np.float32)
+    assert ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0].shape == (4, 3)
+    _, grads = grad(lambda m, a: m(a).sum(), op.import_onnx(model), op.Tensor.from_numpy(x))
+    np.testing.assert_allclose(grads.by_path()["s"].to_numpy(), 2 * x.sum(0), rtol=1e-6)
 
 
 def test_every_default_domain_sequence_and_optional_op_has_a_rule_or_a_declaration():

@@ -99,6 +99,42 @@ def test_contrib_rotary_embedding_cache_gradients(offset):
     check_model_grads(model, [feed(2, 3), feed(3, 5)], eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
 
 
+def test_contrib_rotary_embedding_cache_gradients_with_packed_batching():
+    """``is_packed_batching=1``: ragged sequences packed into one sequence axis longer than the
+    caches (8, then 13 tokens; 6 cache rows), each token's position restarting per sequence in
+    ``position_ids`` ``[1, T]``; a partial rotation (``rotary_embedding_dim=2`` of two heads of
+    4); the caches unfrozen; the packed length changes; float32. ONNX Runtime runs the unpacked
+    form of the same shapes only up to the caches' length."""
+    import onnxparam as op
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from grad_check import check_model_grads
+
+    def build(packed):
+        nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+                 helper.make_node("RotaryEmbedding", ["xs", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                                  num_heads=2, rotary_embedding_dim=2, is_packed_batching=packed)]
+        inits = {"s": RNG.uniform(0.5, 1.5, (8,)), "cos": RNG.uniform(-1, 1, (6, 1)), "sin": RNG.uniform(-1, 1, (6, 1))}
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [1, "T", 8]),
+                                               helper.make_tensor_value_info("pos", I64, [1, "T"])],
+                                  [helper.make_tensor_value_info("y", F, None)],
+                                  [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        return helper.make_model(graph, opset_imports=opsets)
+
+    def feed(lengths):
+        pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)[None]
+        return {"x": RNG.uniform(-1, 1, (1, pos.shape[1], 8)).astype(np.float32), "pos": pos}
+
+    feeds = [feed([3, 5]), feed([4, 6, 3])]
+    with pytest.raises(Exception, match="not currently supported"):  # (unpacked: T <= the caches' rows)
+        ort.InferenceSession(build(0).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds[0])
+    model = build(1)
+    module = op.import_onnx(model)
+    module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
+    check_model_grads(model, feeds, eps=1e-2, rtol=2e-3, atol=2e-4, module=module)
+
+
 # -- DFT ------------------------------------------------------------------------------------------
 
 

@@ -180,18 +180,70 @@ def _neg(e, node, gout, need):
     return [e.op("Neg", gout[0])]
 
 
-@rule("Identity", "Dropout")
+@rule("Identity")
 def _identity(e, node, gout, need):
-    """``y = x`` (``Dropout`` in inference mode): ``dx = g``.
+    """``y = x``: ``dx = g``."""
+    return [gout[0]] + [None] * (len(node.inputs) - 1)
+
+
+@rule("Dropout")
+def _dropout(e, node, gout, need):
+    """ONNX spec: Dropout. Inference (opset 7-10, and opset 12+ without ``training_mode`` or with
+    it constant false): ``y = x``, ``dx = g``. Training mode (opset 12+, ``training_mode`` true
+    or a run-time bool): ``y = x * mask / (1 - ratio)`` with the random ``mask`` the forward node
+    drew (its ``mask`` output; the node gets one in the training graph when it has none, so the
+    backward reads the forward's mask, never a new draw): ``dx = g * mask * f`` with
+    ``f = 1 / (1 - ratio)`` (``ratio`` a constant or a graph value, 0.5 when absent), or with
+    ``f = where(training_mode, 1 / (1 - ratio), 1)`` when ``training_mode`` is a graph value (out
+    of training mode the mask is all true and ``y = x``). ``ratio`` and ``training_mode`` get no
+    gradient (ONNX marks them non-differentiable; the mask's dependence on ``ratio`` has no
+    derivative). With :func:`~onnxparam.autodiff.recompute`, a ``Dropout`` is never recomputed
+    (:mod:`._recompute`): its mask stays the forward's.
 
     Raises:
-        TraceError: for a ``Dropout`` in training mode (its mask is random).
+        TraceError: for training mode inside an ``If`` / ``Loop`` / ``Scan`` body (their
+            backward recomputes the body's forward: another mask).
     """
-    if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
-        mode = const_array(node.inputs[2])
-        if mode is None or bool(mode.reshape(-1)[0]):
-            raise TraceError(f"node {node.name!r}: Dropout in training mode has no gradient rule yet")
-    return [gout[0]] + [None] * (len(node.inputs) - 1)
+    x = node.inputs[0]
+    none = [None] * (len(node.inputs) - 1)
+    mode = node.inputs[2] if len(node.inputs) > 2 else None
+    mode_const = const_array(mode)
+    if mode is None or (mode_const is not None and not bool(mode_const.reshape(-1)[0])):
+        return [gout[0]] + none
+    if getattr(e, "_root", None) is not None:  # (a BodyEmitter: the node is in an If / Loop / Scan body)
+        raise TraceError(f"node {node.name!r}: Dropout in training mode inside an If / Loop / Scan body has no "
+                         "gradient rule (the body's backward recomputes its forward, which would draw another mask)")
+    ratio = node.inputs[1] if len(node.inputs) > 1 else None
+    ratio_const = 0.5 if ratio is None else const_array(ratio)
+    # NOTE: 1 - ratio in the ratio's dtype, as ONNX Runtime's kernel computes its scale
+    if ratio_const is not None:
+        r = np.asarray(ratio_const).reshape(-1)[0] if ratio is not None else np.float32(0.5)
+        if float(r) == 0.0 and mode_const is not None:
+            return [gout[0]] + none  # (ONNX Runtime: the mask is all true, y = x)
+        factor = e.scalar_like(1.0 / float(np.asarray(1, r.dtype) - r), x)
+    else:
+        keep = e.op("Sub", e.scalar_like(1.0, ratio), ratio)
+        factor = e.op("Reciprocal", keep if ratio.dtype == x.dtype else e.op("Cast", keep, to=int(x.dtype)))
+    if mode_const is None:
+        factor = e.op("Where", mode, factor, e.scalar_like(1.0, x))
+    mask = _dropout_mask(e, node)
+    dx = e.op("Where", mask, e.op("Mul", gout[0], factor), e.scalar_like(0.0, x))
+    return [dx] + none
+
+
+def _dropout_mask(e: Emitter, node: ir.Node) -> ir.Value:
+    """``node``'s ``mask`` output (bool, ``x``'s shape), added to the forward node when it has
+    none (or an unnamed one)."""
+    if len(node.outputs) < 2:
+        node.resize_outputs(2)
+    mask = node.outputs[1]
+    if not mask.name:
+        mask.name = e.unique(f"{node.name}_mask")
+    if mask.dtype is None:
+        mask.type = ir.TensorType(ir.DataType.BOOL)
+    if mask.shape is None and node.inputs[0].shape is not None:
+        mask.shape = node.inputs[0].shape
+    return mask
 
 
 @rule("Cast")

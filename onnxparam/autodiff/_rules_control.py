@@ -7,8 +7,12 @@ reads the values of enclosing graphs by name, not through its inputs: an importe
 weights inside an ``If`` branch are such values. :func:`captured` lists them; the backward
 builder treats them as extra inputs of the node (``node.inputs + captured(node)``), so a param
 used only inside a branch depends the loss through the ``If`` and gets its gradient - or, for
-a node without a rule (``Loop``, ``Scan``), the backward raises naming the node instead of
+a form a rule refuses (an opset-8 ``Scan``), the backward raises naming the node instead of
 returning no gradient.
+
+**Loop / Scan.** Reverse iteration over replayed per-iteration states (:func:`_scan`,
+:func:`_loop`): ``Scan`` along any scan axes and directions; ``Loop`` with tensor, sequence and
+optional states (the last two logged per iteration, :mod:`._loop_states`).
 
 **If.** ``y = If(cond, then, else)``: the backward is an ``If`` on the same ``cond`` whose
 branches hold, each, a recomputation of the forward branch (its nodes cloned, the clones'
@@ -39,6 +43,8 @@ import onnx_ir as ir
 
 from ..core.dtype import DType
 from ..core.errors import TraceError
+from . import _loop_states
+from ._body_emitter import BodyEmitter, child_emitter  # noqa: F401 - (re-exported: the rules' import)
 from ._emitter import Emitter, np_dtype
 from ._check import MissingRule, format_missing, rule_for, rule_key, unserved
 from ._rules import NON_DIFFERENTIABLE, const_array, rule
@@ -137,7 +143,8 @@ def _is_boundary(node: ir.Node) -> bool:
 
 def _infer(model: ir.Model) -> dict:
     """``name -> (elem_type, dims or None)`` of every value at any depth, from ONNX's shape
-    inference (data propagation on); ``{}`` when it fails."""
+    inference (data propagation on); ``(type, None)`` for a sequence or an optional (its
+    ``onnx_ir`` type); ``{}`` when it fails."""
     try:
         from onnx_ir.passes.common import _c_api_utils
 
@@ -151,6 +158,12 @@ def _infer(model: ir.Model) -> dict:
     def take(infos):
         for info in infos:
             t = info.type
+            if t.HasField("sequence_type") or t.HasField("optional_type"):
+                try:  # (the type itself: the rules tell sequences and optionals by it)
+                    out[info.name] = (ir.serde.deserialize_type_proto_for_type(t), None)
+                except Exception:  # noqa: BLE001 - an element type onnx_ir does not read: left untyped
+                    pass
+                continue
             if not t.HasField("tensor_type"):
                 continue
             tt = t.tensor_type
@@ -396,6 +409,9 @@ def _invalid_at_shapes(branch: ir.Graph, model: ir.Model) -> Optional[str]:
     for v in _captured_by(branch):
         if v.dtype is None:
             return None
+        if isinstance(v.type, (ir.SequenceType, ir.OptionalType)):
+            inputs.append(onnx.helper.make_value_info(v.name, ir.serde.serialize_type(v.type)))
+            continue
         dims = None if v.shape is None else [d if isinstance(d, int) else None for d in v.shape]
         inputs.append(onnx.helper.make_tensor_value_info(v.name, int(v.dtype), dims))
     try:
@@ -534,6 +550,10 @@ def _apply_types(graph: ir.Graph, types: dict) -> None:
         values = list(g.inputs) + [o for n in g for o in n.outputs]
         for v in values:
             elem, known = types.get(v.name, (None, None))
+            if isinstance(elem, (ir.SequenceType, ir.OptionalType)):
+                if v.type is None:
+                    v.type = elem
+                continue
             if v.dtype is None and elem:
                 v.type = ir.TensorType(ir.DataType(int(elem)))
             if known is None:
@@ -547,26 +567,6 @@ def _apply_types(graph: ir.Graph, types: dict) -> None:
 
 
 # -- the reverse sweep inside a subgraph --------------------------------------------------------
-
-
-class BodyEmitter(Emitter):
-    """An :class:`Emitter` that appends nodes to a subgraph (``graph``) while its constants go to
-    the outermost graph (``root``'s) and its names stay unique across the whole model."""
-
-    def __init__(self, root: Emitter, graph: ir.Graph):  # noqa: D107 - no super().__init__: shares root's state
-        self.graph = graph
-        self.opset = root.opset
-        self._names = root._names
-        self._consts = root._consts
-        self._root = root
-
-    def const(self, value, dtype) -> ir.Value:
-        return self._root.const(value, dtype)
-
-
-def child_emitter(e: Emitter, graph: ir.Graph) -> Emitter:
-    """An emitter for ``graph`` (a subgraph) sharing ``e``'s constants and names."""
-    return BodyEmitter(getattr(e, "_root", e), graph)
 
 
 def requires_in(nodes, start: set) -> set:
@@ -735,7 +735,10 @@ def _if(e, node, gout, need):
             empty = ir.Graph([], [], nodes=[], name=e.unique(f"{node.name or 'If'}_{name}_bwd"))
             ce = child_emitter(e, empty)
             for v in wanted:
-                out = ce.op("Identity", ce.op("Expand", ce.scalar_like(float("nan"), v), ce.op("Shape", v)))
+                if isinstance(v.type, (ir.SequenceType, ir.OptionalType)):
+                    out = ce.op("Identity", _loop_states.zeros_like(ce, v))
+                else:
+                    out = ce.op("Identity", ce.op("Expand", ce.scalar_like(float("nan"), v), ce.op("Shape", v)))
                 out.type, out.shape = v.type, v.shape
                 empty.outputs.append(out)
             branches[name] = empty
@@ -753,7 +756,7 @@ def _if(e, node, gout, need):
         for v in wanted:
             g = grads.get(v)
             if g is None:  # this branch does not use v
-                g = ce.op("Expand", ce.scalar_like(0.0, v), ce.op("Shape", v))
+                g = _loop_states.zeros_like(ce, v)
             out = ce.op("Identity", g)
             out.type = v.type
             out.shape = v.shape
@@ -780,7 +783,7 @@ def _ints_attr(node: ir.Node, name: str, count: int, default: int = 0) -> list:
 
 
 def _zeros_like(e: Emitter, v: ir.Value) -> ir.Value:
-    return e.op("Expand", e.scalar_like(0.0, v), e.op("Shape", v))
+    return _loop_states.zeros_like(e, v)
 
 
 @rule("Scan")
@@ -945,45 +948,85 @@ def _transposed(e: Emitter, value: ir.Value, perm: list) -> ir.Value:
 
 @rule("Loop")
 def _loop(e, node, gout, need):
-    """``Loop`` (any trip count and condition): like ``Scan``'s rule, reverse iteration over
-    the states of every iteration.
+    """``Loop`` (any trip count and condition; tensor, sequence and optional states): like
+    ``Scan``'s rule, reverse iteration over the states of every iteration.
 
     1. a replay of the forward ``Loop`` outputs, as extra scan outputs, the carried state each
        iteration starts from (and the iteration number): their length is the number of
-       iterations ``T`` that ran;
+       iterations ``T`` that ran; a sequence or optional state is logged instead
+       (:mod:`._loop_states`);
     2. a backward ``Loop`` of ``T`` iterations ``i`` recomputes the forward body at iteration
        ``k = T - 1 - i`` from the saved state (condition input true) and sweeps it in reverse,
-       carrying the gradient of the state and summing those of the outer values the body reads;
+       carrying the gradient of the state (of the state's type: a sequence of gradients for a
+       sequence) and summing those of the outer values the body reads;
     3. the gradients of the initial states are its final carried states.
     """
     body = node.attributes["body"].value
     inputs = list(node.inputs)
-    if any(v is not None and isinstance(v.type, (ir.SequenceType, ir.OptionalType)) for v in inputs[2:]):
-        raise TraceError("Loop's gradient carries tensor states only (a state here is a sequence or an optional, "
-                         "which the saved per-iteration states cannot hold)")
     n_state = len(inputs) - 2
     k_out = len(node.outputs) - n_state
+    kinds, wrapped = [], set()
+    for j in range(n_state):
+        kind, wrap = _loop_states.state_kind(inputs[2 + j], body.outputs[1 + j], f"state {j} of {node.name!r}")
+        kinds.append(kind)
+        if wrap:  # (an optional enters, its content leaves: carried as an optional throughout)
+            wrapped.add(j)
+    logged = [j for j in range(n_state) if kinds[j] != "tensor"]
+    if logged:
+        _loop_states.check_opset(e, f"state {logged[0]} of {node.name!r}")
+    tensors = [j for j in range(n_state) if kinds[j] == "tensor"]
+    flagged = [j for j in logged if kinds[j] != "sequence"]
     caps = captured(node)
     wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
     float_states = [i for i in range(n_state) if _is_float(inputs[2 + i])]
     tag = node.name or "Loop"
 
-    # 1. replay
+    # 1. replay: the tensor states saved, the others logged
     replay = _fresh_clone(e, body, "replay")
     re_ = child_emitter(e, replay)
-    extra = []
-    for v in [replay.inputs[0]] + list(replay.inputs[2:2 + n_state]):
+    logs_in = [ir.Value(name=e.unique(f"{tag}_log"), type=_loop_states.log_type(inputs[2 + j])) for j in logged]
+    extra, logs_out, counts, flags = [], [], [], []
+    for v in [replay.inputs[0]] + [replay.inputs[2 + j] for j in tensors]:
         out = re_.op("Identity", v)
         out.type = v.type
         extra.append(out)
-    replay.outputs.extend(extra)
-    outs = e.nodes("Loop", inputs, {"body": replay}, num_outputs=n_state + k_out + 1 + n_state)
-    for o, forward_out in zip(outs, node.outputs):
+    for j, log in zip(logged, logs_in):
+        new_log, count, flag = _loop_states.save_state(re_, replay.inputs[2 + j], kinds[j], log)
+        logs_out.append(new_log)
+        counts.append(count)
+        if flag is not None:
+            flags.append(flag)
+    replay.inputs.extend(logs_in)
+    results = list(replay.outputs)
+    for j in wrapped:
+        results[1 + j] = re_.op("Optional", results[1 + j])
+        results[1 + j].type = inputs[2 + j].type
+    replay.outputs.clear()
+    replay.outputs.extend(results[:1 + n_state] + logs_out + results[1 + n_state:] + extra + counts + flags)
+    n_log = len(logged)
+    empties = [_loop_states.empty_log(e, inputs[2 + j]) for j in logged]
+    outs = e.nodes("Loop", inputs + empties, {"body": replay},
+                   num_outputs=n_state + n_log + k_out + len(extra) + len(counts) + len(flags))
+    finals = outs[:n_state]
+    for o, forward_out in zip(finals + outs[n_state + n_log:n_state + n_log + k_out], node.outputs):
         o.type = forward_out.type
-    iters, saved = outs[n_state + k_out], outs[n_state + k_out + 1:]
+    for j in wrapped:
+        finals[j].type = inputs[2 + j].type
+    log_values = outs[n_state:n_state + n_log]
+    for v, log in zip(log_values, logs_in):
+        v.type = log.type
+    rest = outs[n_state + n_log + k_out:]
+    iters, saved = rest[0], dict(zip(tensors, rest[1:len(extra)]))
+    count_values = rest[len(extra):len(extra) + len(counts)]
+    flag_values = dict(zip(flagged, rest[len(extra) + len(counts):]))
     iters.type = ir.TensorType(ir.DataType.INT64)
-    for s_, v in zip(saved, inputs[2:]):
-        s_.type = v.type
+    for j, s_ in saved.items():
+        s_.type = inputs[2 + j].type
+    for v in count_values:
+        v.type = ir.TensorType(ir.DataType.INT64)
+    for v in flag_values.values():
+        v.type = ir.TensorType(ir.DataType.BOOL)
+    offsets = [e.op("CumSum", c, _scalar0(e), exclusive=1) for c in count_values]
     count = e.op("Gather", e.op("Shape", iters), _scalar0(e), axis=0)  # T (an int64 scalar)
 
     # 2. backward body
@@ -997,19 +1040,29 @@ def _loop(e, node, gout, need):
     back.inputs.clear()
     back.inputs.extend([i_in, c_in] + d_in + acc_in)
     k = be.op("Sub", be.op("Sub", count, i_in), _one64(e))  # T - 1 - i
+    k.shape = ir.Shape([])
     if fwd_inputs[0].dtype is not None and fwd_inputs[0].dtype != ir.DataType.INT64:
         fwd_inputs[0].replace_all_uses_with(be.op("Cast", k, to=int(fwd_inputs[0].dtype)))
     else:
         fwd_inputs[0].replace_all_uses_with(k)
     fwd_inputs[1].replace_all_uses_with(c_in)
     gathered = {}
-    for j in range(n_state):
+    for j in tensors:
         gathered[j] = be.op("Gather", saved[j], k, axis=0)
         gathered[j].type, gathered[j].shape = fwd_inputs[2 + j].type, fwd_inputs[2 + j].shape
+    for n, j in enumerate(logged):
+        off = be.op("Gather", offsets[n], k, axis=0)
+        cnt = be.op("Gather", count_values[n], k, axis=0)
+        flag = be.op("Gather", flag_values[j], k, axis=0) if j in flag_values else None
+        gathered[j] = _loop_states.rebuild_state(be, inputs[2 + j], kinds[j], log_values[n], off, cnt, flag)
+    for j in range(n_state):
         fwd_inputs[2 + j].replace_all_uses_with(gathered[j])
     back.sort()  # (the index and the gathers were appended after their readers)
     grads: dict = {}
     for i, d in zip(float_states, d_in):
+        if i in wrapped:
+            d = be.op("OptionalGetElement", d)
+            d.type = fwd_outputs[1 + i].type
         grads[fwd_outputs[1 + i]] = d
     for j in range(k_out):
         g = gout[n_state + j]
@@ -1022,20 +1075,30 @@ def _loop(e, node, gout, need):
     req = requires_in(list(back), start)
     grads = backprop(be, list(back), grads, req, f"in the body of {node.name!r} (Loop)")
 
-    def out_of(g, like):
-        value = be.op("Identity", g if g is not None else _zeros_like(be, like))
+    def out_of(g, like, state=None):
+        if g is None:
+            g = _zeros_like(be, like) if state is None else _loop_states.zeros_of(be, gathered[state], kinds[state])
+        value = be.op("Identity", g)
         value.type = like.type
         return value
 
     results = [out_of(be.op("Identity", c_in), c_in)]
-    results += [out_of(grads.get(gathered.get(i)), d) for i, d in zip(float_states, d_in)]
+    results += [out_of(grads.get(gathered.get(i)), d, i) for i, d in zip(float_states, d_in)]
     results += [out_of(be.op("Add", a, grads[v]) if v in grads else a, a) for a, v in zip(acc_in, wanted_caps)]
     results[0].type = c_in.type
     back.outputs.clear()
     back.outputs.extend(results)
     _dead_code(back)
 
-    init = [gout[i] if gout[i] is not None else _zeros_like(e, inputs[2 + i]) for i in float_states]
+    init = []
+    for i in float_states:
+        g = gout[i]
+        if g is None:
+            g = _loop_states.zeros_of(e, finals[i], kinds[i])
+        elif i in wrapped:
+            g = e.op("Optional", g)
+            g.type = inputs[2 + i].type
+        init.append(g)
     init += [_zeros_like(e, v) for v in wanted_caps]
     outs = e.nodes("Loop", [count, None] + init, {"body": back}, num_outputs=len(init))
     for v, like in zip(outs, [inputs[2 + i] for i in float_states] + wanted_caps):

@@ -431,19 +431,41 @@ def _global_average_pool(e, node, gout, need):
 
 @rule("BatchNormalization")
 def _batch_norm(e, node, gout, need):
-    """Inference form (ONNX spec: BatchNormalization, ``training_mode=0``), per channel ``c``
-    (axis 1): ``y = (x - m) * s * gamma + beta`` with ``s = 1 / sqrt(v + eps)``:
+    """Per channel ``c`` (axis 1; sums and means over every other axis, ``M`` elements each).
+
+    Inference form (ONNX spec: BatchNormalization, ``training_mode=0``, one output):
+    ``y = (x - m) * s * gamma + beta`` with ``s = 1 / sqrt(v + eps)``:
 
     * ``dx = g * gamma * s``;
-    * ``dgamma = sum(g * (x - m) * s)``, ``dbeta = sum(g)`` (sums over every axis but 1);
+    * ``dgamma = sum(g * (x - m) * s)``, ``dbeta = sum(g)``;
     * ``dm = -sum(g) * gamma * s``, ``dv = -sum(g * (x - m)) * gamma * s^3 / 2``.
 
+    Training form (opset 14+ ``training_mode=1`` with outputs ``Y, running_mean, running_var``;
+    opset 7-13 with five outputs ``Y, mean, var, saved_mean, saved_var``), as ONNX Runtime computes
+    it: the batch's statistics ``mu = mean(x)``, ``var = mean((x - mu)^2)`` (biased), ``r = 1 /
+    sqrt(var + eps)``, ``xh = (x - mu) * r``, ``y = xh * gamma + beta``; ``running_mean = mom * m +
+    (1 - mom) * mu``, ``running_var = mom * v + (1 - mom) * var`` (``mom`` the ``momentum``
+    attribute), ``saved_mean = mu``, ``saved_var = r`` (ONNX Runtime's: the inverse standard
+    deviation):
+
+    * from ``y``: ``dx = gamma * r * (g - mean(g) - xh * mean(g * xh))``, ``dgamma = sum(g * xh)``,
+      ``dbeta = sum(g)``; ``m`` and ``v`` do not reach ``y``;
+    * from the statistics outputs (gradients ``gm, gv, gsm, gsv`` of shape ``[C]``, each where
+      the loss reads that output): ``dx += (a + b * (x - mu)) / M`` with ``a = (1 - mom) * gm + gsm``,
+      ``b = 2 * (1 - mom) * gv - r^3 * gsv``; ``dm = mom * gm``, ``dv = mom * gv`` (zeros when the
+      loss reads neither).
+
+    Static dims are not needed (means are ``ReduceMean``; ``M`` is ``Size(x) / C``).
+
     Raises:
-        TraceError: for the training form (more than one output, or ``training_mode=1``).
+        TraceError: for opset 7's ``spatial=0`` (statistics per element, not per channel).
     """
-    if len(node.outputs) > 1 or int(attr(node, "training_mode", 0)):
-        raise TraceError(f"node {node.name!r}: only BatchNormalization's inference form has a gradient rule")
     x, gamma, _beta, mean, var = node.inputs
+    training = len(node.outputs) > 1 or bool(int(attr(node, "training_mode", 0)))
+    if not int(attr(node, "spatial", 1)):
+        raise TraceError(f"node {node.name!r}: BatchNormalization with spatial=0 (opset 7) has no gradient rule")
+    if training:
+        return _batch_norm_training(e, node, gout, need)
     g = gout[0]
     xd = dims(x)
     rank = len(xd)
@@ -468,6 +490,99 @@ def _batch_norm(e, node, gout, need):
     if need[3]:
         out[3] = e.op("Neg", e.op("Mul", sum_g, gamma_s))
     return out
+
+
+_batch_norm.multi_output = True  # (the training form's statistics outputs carry gradients too)
+
+
+def _batch_norm_training(e, node, gout, need):
+    """The training form of :func:`_batch_norm` (formulas there). The statistics' gradients
+    are computed in ``x``'s dtype (cast when ``mean`` / ``var`` have another, opset 15's ``T2``)."""
+    x, gamma = node.inputs[0], node.inputs[1]
+    rank = len(dims(x))
+    eps = float(attr(node, "epsilon", 1e-5))
+    mom = float(attr(node, "momentum", 0.9))
+    _copy_running_inputs(e, node)
+    bshape = [1, -1] + [1] * (rank - 2)
+    axes = [0] + list(range(2, rank))
+
+    def channel_mean(t):
+        if e.opset >= 18:
+            return e.op("ReduceMean", t, e.ints(axes), keepdims=1)
+        return e.op("ReduceMean", t, axes=axes, keepdims=1)
+
+    def per_channel(t):  # [C] -> [1, C, 1 ...]
+        return e.reshape(t, bshape)
+
+    g = gout[0]
+    def as_x(t):
+        return t if t is None or t.dtype is None or t.dtype == x.dtype else e.op("Cast", t, to=int(x.dtype))
+
+    # running_mean / mean, running_var / var, saved_mean, saved_var
+    stats = [as_x(t) for t in (list(gout[1:]) + [None] * 4)[:4]]
+    xc = e.op("Sub", x, channel_mean(x))
+    r = e.op("Reciprocal", e.op("Sqrt", e.op("Add", channel_mean(e.op("Mul", xc, xc)), e.scalar_like(eps, x))))
+    out = [None] * 5
+    xh = e.op("Mul", xc, r) if g is not None and (need[0] or need[1]) else None
+    dx = None
+    if g is not None and need[0]:
+        gx = e.op("Mul", g, xh)
+        inner = e.op("Sub", e.op("Sub", g, channel_mean(g)), e.op("Mul", xh, channel_mean(gx)))
+        dx = e.op("Mul", e.op("Mul", per_channel(gamma), r), inner)
+    if need[0] and any(t is not None for t in stats):
+        a, b = [], []  # [C] terms of a; [1, C, 1 ...] terms of b
+        if stats[0] is not None:
+            a.append(e.op("Mul", stats[0], e.scalar_like(1.0 - mom, x)))
+        if stats[2] is not None:
+            a.append(stats[2])
+        if stats[1] is not None:
+            b.append(per_channel(e.op("Mul", stats[1], e.scalar_like(2.0 * (1.0 - mom), x))))
+        if stats[3] is not None:
+            r3 = e.op("Mul", e.op("Mul", r, r), r)
+            b.append(e.op("Mul", r3, per_channel(e.op("Neg", stats[3]))))
+        terms = []
+        if a:
+            terms.append(e.op("Expand", per_channel(a[0] if len(a) == 1 else e.op("Add", *a)), e.shape_of(x)))
+        if b:
+            terms.append(e.op("Mul", b[0] if len(b) == 1 else e.op("Add", *b), xc))
+        extra = terms[0] if len(terms) == 1 else e.op("Add", *terms)
+        to = int(x.dtype)
+        count = e.op("Div", e.op("Cast", e.op("Size", x), to=to), e.op("Cast", e.op("Size", gamma), to=to))
+        extra = e.op("Div", extra, count)
+        dx = extra if dx is None else e.op("Add", dx, extra)
+    if need[0]:
+        out[0] = dx if dx is not None else e.zeros_like(x)
+    if need[1]:
+        out[1] = e.reduce_sum(e.op("Mul", g, xh), axes, keepdims=False) if g is not None else e.zeros_like(gamma)
+    if need[2]:
+        out[2] = e.reduce_sum(g, axes, keepdims=False) if g is not None else e.zeros_like(gamma)
+    for j, stat in ((3, stats[0]), (4, stats[1])):
+        if need[j]:
+            value = node.inputs[j]
+            if stat is None:
+                out[j] = e.zeros_like(value)
+            else:
+                out[j] = e.op("Mul", stat, e.scalar_like(mom, x))
+                if value.dtype is not None and value.dtype != x.dtype:
+                    out[j] = e.op("Cast", out[j], to=int(value.dtype))
+    return out
+
+
+def _copy_running_inputs(e, node) -> None:
+    """Make the training-form node read copies of its running mean / variance (``Add(v, 0)``,
+    inserted before it). ONNX Runtime's kernel writes the updated running statistics into the
+    buffers of inputs 3 and 4 (its outputs alias them): fed from a graph input, that is the
+    caller's array (a trained param's value, which must not change under it), and reused by every
+    run, the statistics drift from run to run. The copy is an intermediate the kernel may write."""
+    for j in (3, 4):
+        v = node.inputs[j]
+        if v is None or (v.producer() is not None and v.producer().name.startswith("/grad/")):
+            continue  # (already a copy)
+        copy = ir.node("Add", [v, e.scalar_like(0.0, v)], name=e.unique("/grad/BatchNormalization_running_copy"))
+        copy.outputs[0].name = e.unique(copy.name + "_output")
+        copy.outputs[0].type, copy.outputs[0].shape = v.type, v.shape
+        node.graph.insert_before(node, copy)
+        node.replace_input_with(j, copy.outputs[0])
 
 
 @rule("LayerNormalization")

@@ -50,7 +50,10 @@ def _rotary_embedding(e, node, gout, need):
     ONNX Runtime's contrib op (``com.microsoft``: inputs ``input, position_ids, cos_cache,
     sin_cache``; ``position_ids`` ``[B, S]`` or a one-element start offset ``p0``, positions
     ``p0 + s``; a 3-D input without ``num_heads`` has heads of twice the caches' width): the
-    same formulas.
+    same formulas, also with ``is_packed_batching=1`` (ragged sequences packed into one
+    sequence axis, each token's row named by ``position_ids``): ONNX Runtime's CPU kernel
+    computes the same rotation then, the flag only lifting its check that the sequence axis is
+    no longer than the caches (``contrib_ops/cpu/bert/rotary_embedding.cc``).
     """
     out = _rotary(e, node, gout, need)
     contrib = node.domain not in ("", "ai.onnx")
@@ -65,8 +68,6 @@ def _rotary_embedding(e, node, gout, need):
     num_heads = int(attr(node, "num_heads", 0) or 0)
     rd = int(attr(node, "rotary_embedding_dim", 0) or 0)
     interleaved = bool(int(attr(node, "interleaved", 0) or 0))
-    if contrib and int(attr(node, "is_packed_batching", 0) or 0):
-        raise TraceError(f"node {node.name!r}: RotaryEmbedding's cache gradients do not support is_packed_batching")
 
     def as_bshd(t):
         if rank == 4:

@@ -22,7 +22,8 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
 4. **windows and rotary caches**: a tensor used only as ``STFT``'s window (``torch.stft``'s
    window is a fresh ``hann_window`` or a buffer, never a parameter) or only as a
    ``RotaryEmbedding``'s cos / sin cache (``ai.onnx`` or ``com.microsoft``: the rotary
-   tables PyTorch models hold as buffers).
+   tables PyTorch models hold as buffers), or only as a ``BatchNormalization``'s running mean /
+   variance (inputs 3 and 4, inference or training form: PyTorch's buffers).
 
 5. **sinusoidal position tables** (:func:`is_sinusoid_table`): a weight added to or gathered into
    the activations whose values *are* a sinusoidal position encoding — row ``t`` (position ``t``,
@@ -67,8 +68,8 @@ __all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_ge
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
 CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
-RUNNING_STATS = ("a BatchNormalization running mean / variance (inference statistics, a buffer in PyTorch: "
-                 "an optimizer step could make a variance negative)")
+RUNNING_STATS = ("a BatchNormalization running mean / variance (a buffer in PyTorch: inference statistics, which "
+                 "the training form updates without a gradient; an optimizer step could make a variance negative)")
 
 WINDOW = "an STFT window (a fresh window or a buffer in PyTorch, not a parameter)"
 ROTARY_CACHE = "a RotaryEmbedding cos / sin cache (a buffer in PyTorch)"
@@ -106,11 +107,6 @@ _SINUSOID_TOL = 1e-3
 """Largest recurrence residual, relative to a channel's largest magnitude (float32 tables: ~1e-6; 8 ulps of
 a coarser dtype when larger: float16's 8 * 2^-10)."""
 _WEIGHT_INPUTS = {"MatMul": (1,), "Gemm": (1,), "Conv": (1,), "ConvTranspose": (1,), "Gather": (0,)}
-
-
-def _training_mode(node: ir.Node) -> bool:
-    a = node.attributes.get("training_mode")
-    return a is not None and bool(a.value)
 
 
 def _is_float(v: Optional[ir.Value]) -> bool:
@@ -282,8 +278,7 @@ def find_tables(model: ir.Model, candidates) -> dict:
         uses = list(value.uses())
         if not uses:
             continue
-        if all(node.op_type == "BatchNormalization" and index in (3, 4) and not _training_mode(node)
-               for node, index in uses):
+        if all(node.op_type == "BatchNormalization" and index in (3, 4) for node, index in uses):
             out[name] = RUNNING_STATS
             continue
         if all(node.op_type == "STFT" and node.domain in ("", "ai.onnx") and index == 2 for node, index in uses):

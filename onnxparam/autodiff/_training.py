@@ -299,7 +299,7 @@ def _input_dtype(training, name: str):
 def check_gradients(loss_fn, module, *inputs, **kwargs) -> list:
     """Every node on a path from ``module``'s trainable params to the loss whose gradient
     :func:`grad` cannot build: nodes without a gradient rule, and nodes whose rule fails for a
-    reason known from the graph (a ``Dropout`` in training mode, a case a rule does not cover).
+    reason known from the graph (a form a rule does not cover, e.g. ``ConvTranspose`` with ``output_shape``).
     It traces ``loss_fn(module, *inputs, **kwargs)`` and builds the training graph exactly as
     :func:`grad` does (the same decisions; the graph is cached for :func:`grad`), but runs nothing.
 

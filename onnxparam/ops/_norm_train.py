@@ -96,7 +96,8 @@ def batch_norm_train(x, gamma, beta, epsilon: float = 1e-5) -> tuple:
 
     ONNX: ``ReduceMean``, ``Sub``, ``Mul``, ``Add``, ``Sqrt``, ``Div``, ``Reshape`` (a composition,
     so gradients flow through the statistics with the existing rules; ONNX's
-    ``BatchNormalization`` training form has no gradient rule here).
+    ``BatchNormalization`` training form, which imported models hold, has its own rule in
+    :mod:`onnxparam.autodiff._rules_nn`).
     """
     x = _t(x)
     if x.rank < 2:

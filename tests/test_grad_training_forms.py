@@ -104,6 +104,11 @@ def test_batch_norm_training_form_matches_finite_differences_and_torch(opset, st
     module = module.unfreeze_group(op.ParamGroup.from_paths(module.onnx_tables))
     feeds = _bn_feeds()
     counts = check_model_grads(model, feeds, eps=1e-5, rtol=1e-5, atol=1e-7, module=module)
+    # ONNX Runtime's kernel writes the running statistics into its inputs' buffers: the trained
+    # running mean / var fed to the session are read through copies, the module's arrays unchanged
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(getattr(module, module.path_of(name)).val().to_numpy(),
+                                      numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == name)))
     # (opset 9: ONNX types none of the statistics outputs under symbolic dims, and below opset 13
     # their Mul's gradient needs known ranks: one graph per shape)
     assert counts["graphs"] == counts["sessions"] == (1 if opset >= 14 else 2), counts

@@ -2,7 +2,7 @@
 (``onnxparam/autodiff/_rules_control.py``): scan inputs and outputs along axes other than 0
 (the batch-major ``[N, T, ...]`` layout tf2onnx writes), read and written in both directions;
 ``Loop`` states that are sequences (TorchScript's list-building loops) or optionals (of a tensor,
-of a sequence).
+of a sequence); the opset-8 ``Scan`` (a batch axis, per-row ``sequence_lens``).
 
 Each case is a small ONNX model whose batch and sequence dims are symbolic, differentiated at
 two input shapes with one training session (``check_op`` of ``tests/test_grad_more_rules.py``):
@@ -180,13 +180,63 @@ def test_loop_carrying_optionals_of_a_tensor_and_of_a_sequence():
     check_op(nodes, ["T", "B", 3], [(3, 2, 3), (4, 1, 3)], inits, 18, torch_fn=torch_fn)
 
 
-@pytest.mark.parametrize("name", ["test_loop16_seq_none", "test_loop11", "test_scan9_sum"])
+@pytest.mark.parametrize("name", ["test_loop16_seq_none", "test_loop11", "test_scan9_sum", "test_scan_sum"])
 def test_onnx_conformance_loop_and_scan_cases_match_finite_differences(name):
     """ONNX's own node cases (``tests/grad_conformance.py``: float inputs and constants made
     params, central differences on plain ONNX Runtime); ``loop16_seq_none``: an empty optional
-    enters the loop, the body returns a sequence."""
+    enters the loop, the body returns a sequence; ``scan_sum``: the opset-8 form."""
     import onnx_cases
     from grad_conformance import check_grad_case
 
     case = next(c for c in onnx_cases.node_cases() if c.name == name)
     assert check_grad_case(case)[0] == "pass"
+
+
+# -- Scan-8: a batch axis and per-row sequence lengths --------------------------------------------
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_opset8_scan_with_a_batch_axis_and_sequence_lens(ragged):
+    """The opset-8 ``Scan``: ``x`` ``[B, T, 3]`` read forward and in reverse, the body
+    ``h' = tanh(h @ w + x_t * v) + c * z_t * h`` per batch row; with ``ragged``, each row runs
+    ``lens[b]`` steps (its final state the one after them, its outputs zero beyond them)."""
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "w"], ["hw"]), helper.make_node("Mul", ["x_t", "v"], ["xv"]),
+         helper.make_node("Add", ["hw", "xv"], ["pre"]), helper.make_node("Tanh", ["pre"], ["th"]),
+         helper.make_node("Mul", ["z_t", "h"], ["zh"]), helper.make_node("Mul", ["zh", "c"], ["zhc"]),
+         helper.make_node("Add", ["th", "zhc"], ["h_new"]), helper.make_node("Mul", ["h_new", "u"], ["y_t"])],
+        "body", [_vi("h", [3]), _vi("x_t", [3]), _vi("z_t", [3])], [_vi("h_new", [3]), _vi("y_t", [3])])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("ReduceSum", ["xs"], ["xsum"], axes=[1], keepdims=0),
+             helper.make_node("Mul", ["xsum", "a"], ["xa"]), helper.make_node("Tanh", ["xa"], ["h0"]),
+             helper.make_node("Scan", ["lens" if ragged else "", "h0", "xs", "xs"], ["h_last", "ys"], body=body,
+                              num_scan_inputs=2, directions=[0, 1]),
+             helper.make_node("Unsqueeze", ["h_last"], ["hl"], axes=[1]),
+             helper.make_node("Add", ["ys", "hl"], ["y"])]
+
+    def lengths(shape):
+        b, t = shape[0], shape[1]
+        return np.array([t - (k % t) for k in range(b)], np.int64) if ragged else np.full(b, t, np.int64)
+
+    def torch_fn(x, s, w, v, c, u, a, lens=None):
+        import torch
+
+        xs = x * s
+        rows = []
+        for b in range(xs.shape[0]):
+            n = int(lens[b]) if lens is not None else xs.shape[1]
+            h = torch.tanh(xs[b].sum(0) * a)
+            ys = []
+            for t in range(n):
+                h = torch.tanh(h @ w + xs[b, t] * v) + c * xs[b, n - 1 - t] * h
+                ys.append(h * u)
+            ys += [torch.zeros_like(h)] * (xs.shape[1] - n)
+            rows.append(torch.stack(ys, 0) + h)
+        return torch.stack(rows, 0)
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (3,)), "w": RNG.normal(size=(3, 3)) * 0.6, "v": RNG.normal(size=(3,)),
+             "c": RNG.normal(size=(3,)) * 0.5, "u": RNG.normal(size=(3,)), "a": RNG.normal(size=(3,))}
+    extra = (lambda shape: {"lens": lengths(shape)}) if ragged else None
+    extra_inputs = [helper.make_tensor_value_info("lens", TensorProto.INT64, ["B"])] if ragged else ()
+    check_op(nodes, ["B", "T", 3], [(2, 4, 3), (3, 5, 3)], inits, 8, torch_fn=torch_fn, extra=extra,
+             extra_inputs=extra_inputs)

@@ -160,3 +160,19 @@ def test_an_off_block_b_is_refused_by_the_one_adapter_modes_and_the_adapter_file
     good = _module().set_adapter("good")
     write_onnx_adapter(good, tmp_path / "good.onnx_adapter")
     assert good(Tensor.from_numpy(X)).to_numpy().shape == (3, 6, 5, 5)
+
+
+def test_lora_check_of_an_inputs_export_names_an_off_block_b(tmp_path):
+    """``onnxparam lora check`` on a ``lora="inputs"`` export of the grouped conv: the block-diagonal
+    adapter's file fits; a file whose ``b`` has an entry off its blocks (written by hand, as
+    another tool could) is named with the same words."""
+    good = _module().set_adapter("good")
+    model = export_onnx(good, tmp_path / "inputs.onnx", X, lora="inputs")
+    file = write_onnx_adapter(good, tmp_path / "good.onnx_adapter")
+    code, _, err = run_cli("lora", "check", model, file)
+    assert code == 0, err
+    fmt = ort.AdapterFormat.read_adapter(str(file))
+    params = {k: v.numpy().copy() for k, v in fmt.get_parameters().items()}
+    params["conv.weight.lora.b"][0, 5] = 0.7
+    code, _, err = run_cli("lora", "check", model, write_onnx_adapter(params, tmp_path / "bad.onnx_adapter"))
+    assert code == 1 and f"the adapter of 'conv.weight' [6, 2, 3, 3]: {OFF_BLOCK}" in err, err

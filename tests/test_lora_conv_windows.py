@@ -3,7 +3,7 @@ modes, ``padding="same"``, asymmetric pads (``onnxparam.lora._conv_checks``).
 
 PEFT 0.21's ``lora_A`` is ``ConvNd(in, r, kernel, stride, padding)``: the base's stride and
 padding, no dilation, zero padding. Oracles, all PEFT in torch on the net the ONNX file came from
-(TorchScript export):
+(TorchScript export; dynamo: ``slow``, it folds a ``ZeroPad2d`` into the ``Conv``'s pads):
 
 * grouped convs (``groups=2``: no merged weight exists, PEFT's unmerged forward is the only
   definition) where ``lora_A`` reads the base's windows: ``padding="same"`` with an even kernel
@@ -57,13 +57,19 @@ class Net(torch.nn.Module):
 
 def fold_zero_pad(path, pads):
     """The exported file ``path`` with its ``Pad`` node removed and ``pads`` (ONNX order
-    ``[top, left, bottom, right]``) set on the ``Conv`` it fed; nodes left unused are dropped."""
+    ``[top, left, bottom, right]``) set on the ``Conv`` it fed; nodes left unused are dropped
+    (a file without ``Pad``: its ``Conv`` already has ``pads``)."""
     model = onnx.load(str(path))
     graph = model.graph
-    pad = next(n for n in graph.node if n.op_type == "Pad")
+    pad = next((n for n in graph.node if n.op_type == "Pad"), None)
+    if pad is None:  # torch's dynamo exporter folds a zero pad into the Conv itself
+        conv = next(n for n in graph.node if n.op_type == "Conv")
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in conv.attribute}["pads"] == list(pads)
+        return path
     conv = next(n for n in graph.node if n.op_type == "Conv" and n.input[0] == pad.output[0])
     conv.input[0] = pad.input[0]
-    del conv.attribute[[a.name for a in conv.attribute].index("pads")]
+    for attr in [a for a in conv.attribute if a.name in ("pads", "auto_pad")]:
+        conv.attribute.remove(attr)
     conv.attribute.append(onnx.helper.make_attribute("pads", list(pads)))
     graph.node.remove(pad)
     while True:
@@ -77,11 +83,11 @@ def fold_zero_pad(path, pads):
     return path
 
 
-def build(tmp_path, model, fold=None):
+def build(tmp_path, model, fold=None, exporter="torchscript"):
     """``(module with the named adapters, x, PEFT's mixed-batch rows, PEFT's model)``: ``model``
     exported (``fold``: its zero ``Pad`` folded into the ``Conv``'s pads) and imported, each
     adapter of :data:`ADAPTERS` on ``conv`` saved by PEFT and loaded into both."""
-    path = export_net(model, IN_SHAPE, tmp_path / "net.onnx")
+    path = export_net(model, IN_SHAPE, tmp_path / "net.onnx", exporter)
     if fold is not None:
         path = fold_zero_pad(path, fold)
     imported = import_onnx(path)
@@ -125,7 +131,7 @@ AGREE = {  # name: (conv, pad before it, the pad folded into the Conv's pads [to
 }
 
 
-def check_graph(path, holds):
+def check_graph(path, holds):  # TorchScript's graphs (dynamo folds a ZeroPad2d, pads padding="same")
     """The ``Conv`` of the file ``path`` has ``holds`` (``(attribute, value)``), or is fed by an op
     of type ``holds``."""
     graph = onnx.load(str(path)).graph
@@ -137,13 +143,18 @@ def check_graph(path, holds):
     assert attrs[holds[0]] == holds[1], attrs
 
 
+EXPORTERS = ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("groups", [2, 1])
 @pytest.mark.parametrize("case", list(AGREE))
-def test_convs_whose_windows_lora_a_shares_equal_pefts_mixed_batch(tmp_path, case, groups):
+def test_convs_whose_windows_lora_a_shares_equal_pefts_mixed_batch(tmp_path, case, groups, exporter):
     conv, pad, fold, holds = AGREE[case]
     model = randomize(Net(conv(groups), torch.nn.ZeroPad2d(pad) if pad else None).eval(), seed=21)
-    module, x, expected, reference = build(tmp_path, model, fold)
-    check_graph(tmp_path / "net.onnx", holds)
+    module, x, expected, reference = build(tmp_path, model, fold, exporter)
+    if exporter == "torchscript":
+        check_graph(tmp_path / "net.onnx", holds)
     got, rows = batched_rows(module, x, tmp_path)
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
     np.testing.assert_allclose(rows, expected, atol=ATOL, rtol=0)
@@ -167,11 +178,12 @@ DISAGREE = {  # name: (conv, pad module before it, what the refusal names)
 }
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("case", list(DISAGREE))
-def test_grouped_convs_whose_windows_lora_a_does_not_share_are_refused_in_every_branch(tmp_path, case):
+def test_grouped_convs_whose_windows_lora_a_does_not_share_are_refused_in_every_branch(tmp_path, case, exporter):
     conv, pad, words = DISAGREE[case]
     model = randomize(Net(conv(2), pad).eval(), seed=22)
-    module, x, expected, _ = build(tmp_path, model)  # PEFT's own forward runs (stride 3: the same output size)
+    module, x, expected, _ = build(tmp_path, model, exporter=exporter)  # PEFT's own forward runs (stride 3: the same output size)
     weight = r"'conv.weight' \[4, 2, 3, 3\] is the weight of Conv node '[^']+' \(group=2, "
     for mode in ("batched", "keep", "inputs"):
         with pytest.raises(LoraError, match=f"lora='{mode}': {weight}.*{words}"):
@@ -183,13 +195,14 @@ def test_grouped_convs_whose_windows_lora_a_does_not_share_are_refused_in_every_
         module.set_adapter("one")(Tensor.from_numpy(x))
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("case", list(DISAGREE))
-def test_a_weight_delta_on_such_a_conv_is_the_merged_weight_in_every_mode(tmp_path, case):
+def test_a_weight_delta_on_such_a_conv_is_the_merged_weight_in_every_mode(tmp_path, case, exporter):
     """``groups=1``: batched rows, ``"merge"`` and ``"keep"`` exports equal PEFT's merged model
     (``merge_and_unload``, one adapter at a time), which differs from PEFT's unmerged forward."""
     conv, pad, _ = DISAGREE[case]
     model = randomize(Net(conv(1), pad).eval(), seed=23)
-    module, x, unmerged, _ = build(tmp_path, model)
+    module, x, unmerged, _ = build(tmp_path, model, exporter=exporter)
     merged = {}
     for name in ADAPTERS:
         with quiet():

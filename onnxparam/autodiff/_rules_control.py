@@ -7,11 +7,11 @@ reads the values of enclosing graphs by name, not through its inputs: an importe
 weights inside an ``If`` branch are such values. :func:`captured` lists them; the backward
 builder treats them as extra inputs of the node (``node.inputs + captured(node)``), so a param
 used only inside a branch depends the loss through the ``If`` and gets its gradient - or, for
-a form a rule refuses (an opset-8 ``Scan``), the backward raises naming the node instead of
-returning no gradient.
+a form a rule refuses (a ``Loop`` state whose type changes between iterations), the backward
+raises naming the node instead of returning no gradient.
 
 **Loop / Scan.** Reverse iteration over replayed per-iteration states (:func:`_scan`,
-:func:`_loop`): ``Scan`` along any scan axes and directions; ``Loop`` with tensor, sequence and
+:func:`_loop`): ``Scan`` along any scan axes and directions, and the opset-8 form; ``Loop`` with tensor, sequence and
 optional states (the last two logged per iteration, :mod:`._loop_states`).
 
 **If.** ``y = If(cond, then, else)``: the backward is an ``If`` on the same ``cond`` whose
@@ -788,10 +788,13 @@ def _zeros_like(e: Emitter, v: ir.Value) -> ir.Value:
 
 @rule("Scan")
 def _scan(e, node, gout, need):
-    """``Scan`` (opset 9+ form, any scan input / output axes and directions): reverse iteration
-    over the carried states of every iteration. A scan input or output along an axis other than
-    0 is moved to axis 0 (``Transpose`` of the input, of the output's gradient, and back for the
-    input's gradient); the steps below then work along axis 0.
+    """``Scan`` (any scan input / output axes and directions; the opset-8 form too): reverse
+    iteration over the carried states of every iteration. A scan input or output along an axis
+    other than 0 is moved to axis 0 (``Transpose`` of the input, of the output's gradient, and
+    back for the input's gradient); the steps below then work along axis 0. ``Scan-8`` (a batch
+    axis 0 before the scan axis, per-row ``sequence_lens``) is differentiated by ``Scan-8`` s of
+    the same rows and lengths: the outer values' gradients are carried per row and summed, and
+    the scan inputs' gradients, written in the backward's order, are put back in order.
 
     1. a replay of the forward ``Scan`` (its body cloned) also outputs the carried state each
        iteration starts from, ``C_k``;
@@ -803,15 +806,16 @@ def _scan(e, node, gout, need):
        in extra carried states; the gradients of the scan inputs are its scan outputs;
     3. the gradients of the initial states are its final carried states.
     """
-    if e.opset < 9:
-        raise TraceError("Scan's gradient needs the opset 9+ form (no batch axis)")
     body = node.attributes["body"].value
     m = int(node.attributes["num_scan_inputs"].value)
-    n_state = len(node.inputs) - m
+    legacy = e.opset < 9  # Scan-8: sequence_lens first, a batch axis 0 everywhere, directions of inputs only
+    lens = (node.inputs[0] if node.inputs else None) if legacy else None
+    inputs = list(node.inputs[1:] if legacy else node.inputs)
+    need = need[1:] if legacy else need  # (sequence_lens: never differentiable)
+    n_state = len(inputs) - m
     k_out = len(node.outputs) - n_state
-    in_dirs = _ints_attr(node, "scan_input_directions", m)
-    out_dirs = _ints_attr(node, "scan_output_directions", k_out)
-    inputs = list(node.inputs)
+    in_dirs = _ints_attr(node, "directions" if legacy else "scan_input_directions", m)
+    out_dirs = [0] * k_out if legacy else _ints_attr(node, "scan_output_directions", k_out)
     gout = list(gout)
     # scan axes other than 0: the rule works on copies with that axis moved first
     back_perms = {}
@@ -838,13 +842,14 @@ def _scan(e, node, gout, need):
         extra = []
         for v in list(replay.inputs[:n_state]):
             out = re_.op("Identity", v)
-            out.type = v.type
+            out.type, out.shape = v.type, v.shape
             extra.append(out)
         replay.outputs.extend(extra)
         rattrs = dict(attrs)
         rattrs["body"] = replay
-        rattrs["scan_output_directions"] = out_dirs + [0] * n_state
-        outs = e.nodes("Scan", inputs, rattrs, num_outputs=n_state + k_out + n_state)
+        if not legacy:
+            rattrs["scan_output_directions"] = out_dirs + [0] * n_state
+        outs = e.nodes("Scan", [lens] * legacy + inputs, rattrs, num_outputs=n_state + k_out + n_state)
         for o, forward_out in zip(outs, node.outputs):
             o.type = forward_out.type
         saved = outs[n_state + k_out:]
@@ -857,12 +862,14 @@ def _scan(e, node, gout, need):
     fwd_inputs = list(back.inputs)
     fwd_outputs = list(back.outputs)
     d_state_in = []
+    # NOTE: shapes where known (ONNX Runtime's Scan-8 needs the shapes of its body's outputs)
     for i in float_states:
-        v = ir.Value(name=e.unique(f"{node.name or 'Scan'}_dstate"), type=inputs[i].type)
+        v = ir.Value(name=e.unique(f"{node.name or 'Scan'}_dstate"), type=inputs[i].type, shape=fwd_inputs[i].shape)
         d_state_in.append(v)
-    acc_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dacc"), type=v.type) for v in wanted_caps]
+    acc_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dacc"), type=v.type, shape=v.shape) for v in wanted_caps]
     g_idx = [j for j in range(k_out) if gout[n_state + j] is not None]
-    g_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dy"), type=fwd_outputs[n_state + j].type) for j in g_idx]
+    g_in = [ir.Value(name=e.unique(f"{node.name or 'Scan'}_dy"), type=fwd_outputs[n_state + j].type,
+                     shape=fwd_outputs[n_state + j].shape) for j in g_idx]
     back.inputs.clear()
     back.inputs.extend(d_state_in + acc_in + fwd_inputs + g_in)
     grads: dict = {}
@@ -877,7 +884,7 @@ def _scan(e, node, gout, need):
 
     def out_of(g, like):
         value = be.op("Identity", g if g is not None else _zeros_like(be, like))
-        value.type = like.type
+        value.type, value.shape = like.type, like.shape
         return value
 
     results = [out_of(grads.get(fwd_inputs[i]), fwd_inputs[i]) for i in float_states]
@@ -888,14 +895,30 @@ def _scan(e, node, gout, need):
     _dead_code(back)
 
     init = [gout[i] if gout[i] is not None else _zeros_like(e, inputs[i]) for i in float_states]
-    init += [_zeros_like(e, v) for v in wanted_caps]
+    if legacy:  # (each batch row sums its own gradient of an outer value: summed over the rows below)
+        rows = e.op("Gather", e.op("Shape", inputs[n_state]), e.ints([0]), axis=0)
+        init += [e.op("Expand", e.scalar_like(0.0, v), e.op("Concat", rows, e.op("Shape", v), axis=0))
+                 for v in wanted_caps]
+    else:
+        init += [_zeros_like(e, v) for v in wanted_caps]
     seqs = list(saved) + inputs[n_state:] + [gout[n_state + j] for j in g_idx]
     dirs = [1] * len(saved) + [1 - d for d in in_dirs] + [1 - out_dirs[j] for j in g_idx]
     n_carry = len(init)
-    outs = e.nodes("Scan", init + seqs,
-                   {"body": back, "num_scan_inputs": len(seqs), "scan_input_directions": dirs,
-                    "scan_output_directions": [1 - in_dirs[j] for j in float_scans]},
-                   num_outputs=n_carry + len(float_scans))
+    if legacy:
+        outs = e.nodes("Scan", [lens] + init + seqs, {"body": back, "num_scan_inputs": len(seqs), "directions": dirs},
+                       num_outputs=n_carry + len(float_scans))
+        for v, like in zip(outs, [inputs[i] for i in float_states] + wanted_caps
+                           + [inputs[n_state + j] for j in float_scans]):
+            v.type = like.type  # (not sequence_lens' int64, the emitter's guess)
+        outs = outs[:n_carry] + _legacy_reorder(e, lens, outs[n_carry:], [in_dirs[j] for j in float_scans],
+                                                [fwd_inputs[n_state + j].shape for j in float_scans])
+        for k in range(len(float_states), len(float_states) + len(wanted_caps)):
+            outs[k] = e.reduce_sum(outs[k], [0], keepdims=False)
+    else:
+        outs = e.nodes("Scan", init + seqs,
+                       {"body": back, "num_scan_inputs": len(seqs), "scan_input_directions": dirs,
+                        "scan_output_directions": [1 - in_dirs[j] for j in float_scans]},
+                       num_outputs=n_carry + len(float_scans))
     likes = [inputs[i] for i in float_states] + wanted_caps + [inputs[n_state + j] for j in float_scans]
     for v, like in zip(outs, likes):
         v.type = like.type
@@ -911,7 +934,33 @@ def _scan(e, node, gout, need):
         if need[n_state + j]:
             g = outs[n_carry + k]
             result[n_state + j] = g if j not in back_perms else _transposed(e, g, back_perms[j])
-    return result
+    return [None] + result if legacy else result
+
+
+def _legacy_reorder(e: Emitter, lens: Optional[ir.Value], grads: list, forward_dirs: list, shapes: list) -> list:
+    """The backward ``Scan-8`` writes the gradients of the scan inputs in its own iteration order
+    (``Scan-8`` has no output directions): those of the inputs the forward read forward come
+    out reversed (within each row's ``sequence_lens``) and are put back in order by a ``Scan-8``
+    of ``Identity`` reading them in reverse (``shapes``: each one's slice shape, or ``None``)."""
+    flip = [k for k, d in enumerate(forward_dirs) if d == 0]
+    if not flip:
+        return list(grads)
+    inner = [ir.Value(name=e.unique("/grad/scan8_flip_in"), type=grads[k].type, shape=shape) for k, shape in
+             zip(flip, [shapes[k] for k in flip])]
+    body = ir.Graph(inner, [], nodes=[], name=e.unique("/grad/scan8_flip"))
+    ce = child_emitter(e, body)
+    for v in inner:
+        out = ce.op("Identity", v)
+        out.type, out.shape = v.type, v.shape
+        body.outputs.append(out)
+    flipped = e.nodes("Scan", [lens] + [grads[k] for k in flip],
+                      {"body": body, "num_scan_inputs": len(flip), "directions": [1] * len(flip)},
+                      num_outputs=len(flip))
+    out = list(grads)
+    for k, v in zip(flip, flipped):
+        v.type = grads[k].type
+        out[k] = v
+    return out
 
 
 def _axis_first(axis: int, value: ir.Value, what: str, body_value: Optional[ir.Value] = None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Optional
 
 import numpy as np
 
@@ -158,9 +159,11 @@ def _adapter_write_error(error: Exception, path, needed: int = 0) -> Exception:
     return ExecutionError(f"ONNX Runtime could not write the adapter file '{path}': {text}")
 
 
-def _model_factor_inputs(model_path) -> dict:
+def _model_factor_inputs(model_path, weights: Optional[dict] = None) -> dict:
     """``{name: (dims, onnx elem type)}`` of the LoRA factor inputs (``<W>.lora.a`` / ``.b``) of
-    the ONNX file ``model_path``; a dim is an int or a symbolic name (``None`` when unnamed)."""
+    the ONNX file ``model_path``; a dim is an int or a symbolic name (``None`` when unnamed).
+    ``weights``: filled with ``{W: dims}`` of the adapted initializers of rank >= 3 (convolution
+    weights)."""
     import onnx
 
     from ..core.errors import OnnxFormatError
@@ -175,6 +178,10 @@ def _model_factor_inputs(model_path) -> dict:
             tensor = value.type.tensor_type
             dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
             found[value.name] = (dims, tensor.elem_type)
+    if weights is not None:
+        for init in proto.graph.initializer:
+            if len(init.dims) >= 3 and f"{init.name}.lora.a" in found:
+                weights[init.name] = tuple(int(d) for d in init.dims)
     return found
 
 
@@ -185,7 +192,9 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
     Checked: the model is an ``"inputs"`` export of the current format (symbolic rank dims, the
     scale not in the graph; module docstring), every parameter of the file is one of its factor
     inputs, ``a`` and ``b`` come in pairs of one rank ``r``: ``a`` ``(d_in, r)``, ``b``
-    ``(r, d_out)`` with the model's ``d_in`` / ``d_out``, at the input's dtype.
+    ``(r, d_out)`` with the model's ``d_in`` / ``d_out``, at the input's dtype; a grouped
+    convolution's ``b`` block-diagonal (PEFT's ``lora_B``:
+    :func:`onnxparam.lora._conv_checks.grouped_b_problem`).
 
     Raises:
         RecordError: every problem listed, the adapter file named; a model exported before the
@@ -207,7 +216,8 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
 
             code = errno.EISDIR if path.is_dir() else errno.ENOENT
             raise file_error(code, f"'{path}' is {'a folder' if code == errno.EISDIR else 'missing'}", str(path))
-    inputs = _model_factor_inputs(model_path)
+    conv_weights: dict = {}
+    inputs = _model_factor_inputs(model_path, conv_weights)
     if not inputs:
         raise RecordError(f"'{model_path}' has no LoRA factor inputs (<param>.lora.a / .lora.b): it is not an "
                           "export with lora='inputs', so no adapter file can be activated on it")
@@ -242,6 +252,13 @@ def check_onnx_adapter(adapter_path, model_path) -> dict:
             problems.append(f"'{base}.lora.{have}' has no '{base}.lora.{'b' if have == 'a' else 'a'}' beside it")
         elif found["a"] != found["b"]:
             problems.append(f"'{base}.lora.a' has rank {found['a']} but '{base}.lora.b' has rank {found['b']}")
+        elif base in conv_weights:  # a grouped conv's b must be PEFT's block-diagonal lora_B
+            from ._conv_checks import grouped_b_problem
+
+            a_rows = params[f"{base}.lora.a"].shape[0]
+            problem = grouped_b_problem(params[f"{base}.lora.b"], conv_weights[base], a_rows)
+            if problem is not None:
+                problems.append(f"the adapter of {base!r} {list(conv_weights[base])}: {problem}")
     if problems:
         raise RecordError(f"the adapter file '{adapter_path}' does not fit '{model_path}'", problems)
     return {name: tuple(value.shape) for name, value in params.items()}

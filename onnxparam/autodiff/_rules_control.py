@@ -115,6 +115,13 @@ def _is_float(value: ir.Value) -> bool:
     return value is not None and value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
 
 
+def _may_be_float(value: ir.Value) -> bool:
+    """A float value, or one of unknown type (an operator ONNX's inference does not know, e.g.
+    ``com.microsoft``'s, inside a body): followed by the reverse sweep of a body, so that a
+    gradient through it is computed, or refused by name, never dropped."""
+    return value is not None and (value.type is None or _is_float(value))
+
+
 # -- shape specialization -----------------------------------------------------------------------
 
 
@@ -576,7 +583,7 @@ def requires_in(nodes, start: set) -> set:
         if rule_key(node) in NON_DIFFERENTIABLE:
             continue  # (operators without a rule propagate: the sweep names them)
         if any(v is not None and v in req for v in node_inputs(node)):
-            req.update(out for out in node.outputs if _is_float(out))
+            req.update(out for out in node.outputs if _may_be_float(out))
     return req
 
 
@@ -596,8 +603,8 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
             needed.update(v for v in node_inputs(node) if v is not None)
     missing = [MissingRule(node.name, rule_key(node), (), f"no gradient rule ({where})") for node in nodes
                if rule_for(node) is None and rule_key(node) not in NON_DIFFERENTIABLE
-               and any(o in needed and _is_float(o) for o in node.outputs)
-               and any(v is not None and v in req and _is_float(v) for v in node_inputs(node))]
+               and any(o in needed and _may_be_float(o) for o in node.outputs)
+               and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(node))]
     if missing:
         raise TraceError(format_missing(missing))
     for node in reversed(nodes):
@@ -605,7 +612,7 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
         if all(g is None for g in gout):
             continue
         inputs = node_inputs(node)
-        need = [v is not None and v in req and _is_float(v) for v in inputs]
+        need = [v is not None and v in req and _may_be_float(v) for v in inputs]
         if not any(need):
             continue
         fn = rule_for(node)
@@ -690,8 +697,8 @@ def missing_in_bodies(graph: ir.Graph, requires: set, needed: set, params=()) ->
             reach = _reaching_in(nodes, set(wanted))
             for inner in nodes:
                 if rule_for(inner) is None and rule_key(inner) not in NON_DIFFERENTIABLE \
-                        and any(o in reach and _is_float(o) for o in inner.outputs) \
-                        and any(v is not None and v in req and _is_float(v) for v in node_inputs(inner)):
+                        and any(o in reach and _may_be_float(o) for o in inner.outputs) \
+                        and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(inner)):
                     fed = tuple(v.name for v in node_inputs(inner) if v is not None and v.name in params)
                     out.append(MissingRule(inner.name, rule_key(inner), fed, f"no gradient rule ({where})"))
             out.extend(missing_in_bodies(body, req, reach, params))

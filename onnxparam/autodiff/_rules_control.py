@@ -368,6 +368,11 @@ def specialize_control_flow(model: ir.Model, params=()) -> None:
     for _ in range(32):
         types = _infer(model)
         _apply_types(graph, types)
+        for _ in range(8):  # (a contrib operator's output typed, ONNX's inference goes on from it)
+            if not _type_contrib_outputs(graph):
+                break
+            types = _infer(model)
+            _apply_types(graph, types)
         memo: dict = {}
         if _fold_integer_values(graph, types, params, memo, names):
             types = _infer(model)
@@ -547,6 +552,39 @@ def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: 
             out.shape = ir.Shape(list(arr.shape))
             node.replace_input_with(i, out)
             changed = True
+    return changed
+
+
+_SAME_AS_FIRST_INPUT = frozenset({
+    "com.microsoft:Gelu", "com.microsoft:BiasGelu", "com.microsoft:FastGelu", "com.microsoft:QuickGelu",
+    "com.microsoft:SkipLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization",
+    "com.microsoft:LayerNormalization", "com.microsoft:RotaryEmbedding"})
+"""``com.microsoft`` operators with a gradient rule whose first output has the type and shape
+of their first input (ONNX Runtime's contrib schemas; ONNX's inference does not know them)."""
+
+
+def _type_contrib_outputs(graph: ir.Graph) -> bool:
+    """Type the first output of the operators ONNX's inference does not know but the gradient
+    rules do (:data:`_SAME_AS_FIRST_INPUT`; ``FusedMatMul``: a ``MatMul``'s rank, dims unknown),
+    where it is untyped (inside subgraphs: the main graph's are typed by the trace). True when
+    one was typed."""
+    changed = False
+    for node in graph.all_nodes():
+        if not node.outputs or node.outputs[0].type is not None or not node.inputs or node.inputs[0] is None:
+            continue
+        key, x, out = rule_key(node), node.inputs[0], node.outputs[0]
+        if x.type is None:
+            continue
+        if key in _SAME_AS_FIRST_INPUT:
+            out.type, out.shape = x.type, x.shape
+        elif key == "com.microsoft:FusedMatMul" and len(node.inputs) > 1 and node.inputs[1] is not None:
+            ranks = [len(v.shape) if v.shape is not None else None for v in node.inputs[:2]]
+            out.type = x.type
+            if None not in ranks:
+                out.shape = ir.Shape([None] * max(ranks))
+        else:
+            continue
+        changed = True
     return changed
 
 

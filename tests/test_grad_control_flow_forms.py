@@ -240,3 +240,34 @@ def test_opset8_scan_with_a_batch_axis_and_sequence_lens(ragged):
     extra_inputs = [helper.make_tensor_value_info("lens", TensorProto.INT64, ["B"])] if ragged else ()
     check_op(nodes, ["B", "T", 3], [(2, 4, 3), (3, 5, 3)], inits, 8, torch_fn=torch_fn, extra=extra,
              extra_inputs=extra_inputs)
+
+
+def test_contrib_ops_onnx_cannot_type_inside_a_loop_body_train():
+    """``com.microsoft`` ``FusedMatMul`` (``w`` transposed, scaled) then ``Gelu`` inside a
+    ``Loop`` body: ONNX's shape inference does not know the domain (their outputs were untyped,
+    and the gradient of the params before them silently zero); they are typed from their inputs
+    and the params get the gradient of central differences on plain ONNX Runtime (float32: the
+    contrib kernels are float only)."""
+    from onnx import numpy_helper
+
+    from grad_check import check_model_grads
+
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]),
+         helper.make_node("FusedMatMul", ["h", "w"], ["hw"], domain="com.microsoft", alpha=0.5, transB=1),
+         helper.make_node("Gelu", ["hw"], ["g"], domain="com.microsoft"),
+         helper.make_node("Add", ["g", "b"], ["h_new"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []), _vi("h", ["N", 3], f)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _vi("h_new", ["N", 3], f)])
+    inits = {"s": RNG.uniform(0.5, 1.5, (3,)), "w": RNG.normal(size=(3, 3)), "b": RNG.normal(size=(3,))}
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Loop", ["trips", "", "xs"], ["y"], body=body)],
+        "g", [_vi("x", ["N", 3], f)], [_vi("y", None, f)],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]
+        + [numpy_helper.from_array(np.array(2, np.int64), "trips")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    feeds = [{"x": RNG.uniform(-1, 1, (2, 3)).astype(np.float32)}, {"x": RNG.uniform(-1, 1, (4, 3)).astype(np.float32)}]
+    counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-2, atol=2e-3, entries=6)
+    assert counts["sessions"] == counts["graphs"] <= 2

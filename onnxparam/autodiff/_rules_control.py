@@ -115,6 +115,13 @@ def _is_float(value: ir.Value) -> bool:
     return value is not None and value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
 
 
+def _may_be_float(value: ir.Value) -> bool:
+    """A float value, or one of unknown type (an operator ONNX's inference does not know, e.g.
+    ``com.microsoft``'s, inside a body): followed by the reverse sweep of a body, so that a
+    gradient through it is computed, or refused by name, never dropped."""
+    return value is not None and (value.type is None or _is_float(value))
+
+
 # -- shape specialization -----------------------------------------------------------------------
 
 
@@ -361,6 +368,11 @@ def specialize_control_flow(model: ir.Model, params=()) -> None:
     for _ in range(32):
         types = _infer(model)
         _apply_types(graph, types)
+        for _ in range(8):  # (a contrib operator's output typed, ONNX's inference goes on from it)
+            if not _type_contrib_outputs(graph):
+                break
+            types = _infer(model)
+            _apply_types(graph, types)
         memo: dict = {}
         if _fold_integer_values(graph, types, params, memo, names):
             types = _infer(model)
@@ -543,6 +555,39 @@ def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: 
     return changed
 
 
+_SAME_AS_FIRST_INPUT = frozenset({
+    "com.microsoft:Gelu", "com.microsoft:BiasGelu", "com.microsoft:FastGelu", "com.microsoft:QuickGelu",
+    "com.microsoft:SkipLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization",
+    "com.microsoft:LayerNormalization", "com.microsoft:RotaryEmbedding"})
+"""``com.microsoft`` operators with a gradient rule whose first output has the type and shape
+of their first input (ONNX Runtime's contrib schemas; ONNX's inference does not know them)."""
+
+
+def _type_contrib_outputs(graph: ir.Graph) -> bool:
+    """Type the first output of the operators ONNX's inference does not know but the gradient
+    rules do (:data:`_SAME_AS_FIRST_INPUT`; ``FusedMatMul``: a ``MatMul``'s rank, dims unknown),
+    where it is untyped (inside subgraphs: the main graph's are typed by the trace). True when
+    one was typed."""
+    changed = False
+    for node in graph.all_nodes():
+        if not node.outputs or node.outputs[0].type is not None or not node.inputs or node.inputs[0] is None:
+            continue
+        key, x, out = rule_key(node), node.inputs[0], node.outputs[0]
+        if x.type is None:
+            continue
+        if key in _SAME_AS_FIRST_INPUT:
+            out.type, out.shape = x.type, x.shape
+        elif key == "com.microsoft:FusedMatMul" and len(node.inputs) > 1 and node.inputs[1] is not None:
+            ranks = [len(v.shape) if v.shape is not None else None for v in node.inputs[:2]]
+            out.type = x.type
+            if None not in ranks:
+                out.shape = ir.Shape([None] * max(ranks))
+        else:
+            continue
+        changed = True
+    return changed
+
+
 def _apply_types(graph: ir.Graph, types: dict) -> None:
     """Give the values at every depth the dtypes and dims ONNX's inference found, where they
     have none (a dim already known is kept)."""
@@ -576,7 +621,7 @@ def requires_in(nodes, start: set) -> set:
         if rule_key(node) in NON_DIFFERENTIABLE:
             continue  # (operators without a rule propagate: the sweep names them)
         if any(v is not None and v in req for v in node_inputs(node)):
-            req.update(out for out in node.outputs if _is_float(out))
+            req.update(out for out in node.outputs if _may_be_float(out))
     return req
 
 
@@ -596,8 +641,8 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
             needed.update(v for v in node_inputs(node) if v is not None)
     missing = [MissingRule(node.name, rule_key(node), (), f"no gradient rule ({where})") for node in nodes
                if rule_for(node) is None and rule_key(node) not in NON_DIFFERENTIABLE
-               and any(o in needed and _is_float(o) for o in node.outputs)
-               and any(v is not None and v in req and _is_float(v) for v in node_inputs(node))]
+               and any(o in needed and _may_be_float(o) for o in node.outputs)
+               and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(node))]
     if missing:
         raise TraceError(format_missing(missing))
     for node in reversed(nodes):
@@ -605,7 +650,7 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
         if all(g is None for g in gout):
             continue
         inputs = node_inputs(node)
-        need = [v is not None and v in req and _is_float(v) for v in inputs]
+        need = [v is not None and v in req and _may_be_float(v) for v in inputs]
         if not any(need):
             continue
         fn = rule_for(node)
@@ -690,8 +735,8 @@ def missing_in_bodies(graph: ir.Graph, requires: set, needed: set, params=()) ->
             reach = _reaching_in(nodes, set(wanted))
             for inner in nodes:
                 if rule_for(inner) is None and rule_key(inner) not in NON_DIFFERENTIABLE \
-                        and any(o in reach and _is_float(o) for o in inner.outputs) \
-                        and any(v is not None and v in req and _is_float(v) for v in node_inputs(inner)):
+                        and any(o in reach and _may_be_float(o) for o in inner.outputs) \
+                        and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(inner)):
                     fed = tuple(v.name for v in node_inputs(inner) if v is not None and v.name in params)
                     out.append(MissingRule(inner.name, rule_key(inner), fed, f"no gradient rule ({where})"))
             out.extend(missing_in_bodies(body, req, reach, params))

@@ -271,3 +271,35 @@ def test_contrib_ops_onnx_cannot_type_inside_a_loop_body_train():
     feeds = [{"x": RNG.uniform(-1, 1, (2, 3)).astype(np.float32)}, {"x": RNG.uniform(-1, 1, (4, 3)).astype(np.float32)}]
     counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-2, atol=2e-3, entries=6)
     assert counts["sessions"] == counts["graphs"] <= 2
+
+
+def test_loop_growing_a_tensor_state_with_concat():
+    """A tensor state whose shape changes every iteration (``acc = concat(tanh(acc), x_t)``
+    along axis 0, the pattern of a TorchScript loop growing a tensor), the axes of its
+    ``Unsqueeze`` read from a main-graph initializer: logged per iteration instead of saved as
+    scan outputs (which must keep one shape)."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c_in"], ["c_out"]), helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0),
+         helper.make_node("Unsqueeze", ["x_t", "zero1"], ["x_u"]), helper.make_node("Tanh", ["acc"], ["acc_t"]),
+         helper.make_node("Mul", ["acc_t", "c"], ["acc_c"]),
+         helper.make_node("Concat", ["acc_c", "x_u"], ["acc_new"], axis=0)],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []), _vi("acc", [None, None, 3])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _vi("acc_new", [None, None, 3])])
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]), helper.make_node("Shape", ["xs"], ["shape"]),
+             helper.make_node("Gather", ["shape", "zero"], ["trips"], axis=0),
+             helper.make_node("Slice", ["xs", "zero1", "one1"], ["acc0"]),
+             helper.make_node("Loop", ["trips", "", "acc0"], ["y"], body=body)]
+
+    def torch_fn(x, s, c, zero, zero1, one1):
+        import torch
+
+        xs = x * s
+        acc = xs[:1]
+        for t in range(xs.shape[0]):
+            acc = torch.cat([torch.tanh(acc) * c, xs[t:t + 1]], 0)
+        return acc
+
+    inits = {"s": RNG.uniform(0.5, 1.5, (3,)), "c": RNG.uniform(0.5, 1.5, (3,)), "zero": np.array(0, np.int64),
+             "zero1": np.array([0], np.int64), "one1": np.array([1], np.int64)}
+    check_op(nodes, ["T", "B", 3], [(3, 2, 3), (4, 1, 3)], inits, 17, torch_fn=torch_fn)

@@ -12,7 +12,8 @@ raises naming the node instead of returning no gradient.
 
 **Loop / Scan.** Reverse iteration over replayed per-iteration states (:func:`_scan`,
 :func:`_loop`): ``Scan`` along any scan axes and directions, and the opset-8 form; ``Loop`` with tensor, sequence and
-optional states (the last two logged per iteration, :mod:`._loop_states`).
+optional states (the last two, and tensors whose shape may change between iterations, logged
+per iteration, :mod:`._loop_states`).
 
 **If.** ``y = If(cond, then, else)``: the backward is an ``If`` on the same ``cond`` whose
 branches hold, each, a recomputation of the forward branch (its nodes cloned, the clones'
@@ -530,7 +531,12 @@ def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: 
             if v is None or (v.dtype is not None and np.issubdtype(np_dtype(v), np.floating)):
                 continue
             producer = v.producer()
-            if producer is None or producer.op_type == "Constant":
+            if producer is None:
+                # an outer graph's integer initializer read inside a subgraph: ONNX's inference
+                # of the subgraph does not see its value (axes, pads read from the main graph)
+                if v.const_value is None or v.graph is node.graph or v.name in params:
+                    continue
+            elif producer.op_type == "Constant" and producer.graph is node.graph:
                 continue
             data = _static(v, types, params, memo)
             if data is None:
@@ -1062,6 +1068,8 @@ def _loop(e, node, gout, need):
     kinds, wrapped = [], set()
     for j in range(n_state):
         kind, wrap = _loop_states.state_kind(inputs[2 + j], body.outputs[1 + j], f"state {j} of {node.name!r}")
+        if kind == "tensor" and e.opset >= 13 and not _loop_states.invariant(body.inputs[2 + j], body.outputs[1 + j]):
+            kind = "tensor_logged"  # (a log is a Loop-carried sequence: opset 13+)
         kinds.append(kind)
         if wrap:  # (an optional enters, its content leaves: carried as an optional throughout)
             wrapped.add(j)
@@ -1069,7 +1077,7 @@ def _loop(e, node, gout, need):
     if logged:
         _loop_states.check_opset(e, f"state {logged[0]} of {node.name!r}")
     tensors = [j for j in range(n_state) if kinds[j] == "tensor"]
-    flagged = [j for j in logged if kinds[j] != "sequence"]
+    flagged = [j for j in logged if kinds[j].startswith("optional")]
     caps = captured(node)
     wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
     float_states = [i for i in range(n_state) if _is_float(inputs[2 + i])]
@@ -1149,6 +1157,8 @@ def _loop(e, node, gout, need):
         cnt = be.op("Gather", count_values[n], k, axis=0)
         flag = be.op("Gather", flag_values[j], k, axis=0) if j in flag_values else None
         gathered[j] = _loop_states.rebuild_state(be, inputs[2 + j], kinds[j], log_values[n], off, cnt, flag)
+        if kinds[j] == "tensor_logged":
+            gathered[j].shape = fwd_inputs[2 + j].shape  # (the body's declared rank and dims)
     for j in range(n_state):
         fwd_inputs[2 + j].replace_all_uses_with(gathered[j])
     back.sort()  # (the index and the gathers were appended after their readers)

@@ -10,8 +10,9 @@ traced graph holds the body's operators, each typed, and gradients follow from t
 The body is the one ONNX's schema builds for the node (its attributes and input types, at the
 model's opset), as ``onnx.backend.test`` expands the ``*_expanded`` conformance cases. The
 body's ``Constant`` s that a ``Scan`` body reads are copied into it, so ONNX's shape inference
-types the body (the gradient rules need the ranks of its values). Nodes inside subgraphs are
-not expanded (their gradients are refused by name).
+types the body (the gradient rules need the ranks of its values). Nodes inside subgraphs
+(``If`` branches, ``Loop`` / ``Scan`` bodies, at any depth) are expanded the same way, so they
+train there too.
 """
 
 from __future__ import annotations

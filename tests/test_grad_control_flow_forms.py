@@ -386,3 +386,60 @@ def test_if_whose_branches_return_sequences_and_optionals(sign):
              "zero_f": np.array(0.0)}
     check_op(nodes, ["B", 3], [(2, 3), (3, 3)], inits, 18, torch_fn=torch_fn,
              x_range=(0.1, 1.0) if sign > 0 else (-1.0, -0.1))
+
+
+def test_a_torchscript_exported_list_building_loop_trains_like_torch():
+    """A scripted module whose ``for`` loop appends each step's output to a list, exported by
+    ``torch.onnx.export`` (TorchScript: a ``Loop`` carrying the hidden state and a sequence, its
+    ``Gemm`` s reading the weights from the main graph), imported: every param's gradient equals
+    torch autograd of the scripted module at two (length, batch) shapes, with one session."""
+    import io
+    import warnings
+
+    import onnx
+
+    import onnxparam as op
+    from onnxparam.autodiff import _training, grad
+
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = torch.nn.Linear(3, 3)
+            self.out = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[1], 3)
+            outs = []
+            for t in range(x.shape[0]):
+                h = torch.tanh(self.cell(h) + x[t])
+                outs.append(self.out(h))
+            return torch.stack(outs, 0)
+
+    torch.manual_seed(0)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript is deprecated: it still is how such loops export)
+        net = torch.jit.script(Net())
+        torch.onnx.export(net, (torch.randn(4, 2, 3),), buffer, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "T", 1: "B"}}, opset_version=17, dynamo=False)
+    model = onnx.load_from_string(buffer.getvalue())
+    assert "Loop" in [n.op_type for n in model.graph.node]
+    module = op.import_onnx(model)
+    _training.clear_cache()
+
+    def loss_fn(m, x, w):
+        return (m(x) * w).sum()
+
+    for shape in [(4, 2, 3), (6, 3, 3)]:
+        x = torch.from_numpy(RNG.normal(size=shape).astype(np.float32))
+        w = torch.from_numpy(RNG.normal(size=(shape[0], shape[1], 2)).astype(np.float32))
+        net.zero_grad()
+        (net(x) * w).sum().backward()
+        loss, grads = grad(loss_fn, module, op.Tensor.from_numpy(x.numpy()), op.Tensor.from_numpy(w.numpy()))
+        got = grads.by_path()
+        for name, p in net.named_parameters():
+            np.testing.assert_allclose(got[module.path_of(name)].to_numpy(), p.grad.numpy(), rtol=1e-4, atol=1e-5,
+                                       err_msg=name)
+    assert len(_training._sessions) == 1

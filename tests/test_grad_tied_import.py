@@ -174,7 +174,10 @@ def test_two_steps_match_torch_and_the_pair_stays_tied_in_the_export(tiny, make_
 
 
 def test_an_unmodified_import_exports_the_files_graph(tiny, tmp_path):
-    _, imported, _, _ = tiny
+    _exports_the_files_graph(tiny[1], tmp_path)
+
+
+def _exports_the_files_graph(imported, tmp_path):
     path = tmp_path / "again.onnx"
     op.export_onnx(imported, path)
     source = onnx.load(str(imported.source_path))
@@ -217,3 +220,128 @@ def test_a_pair_untied_by_a_checkpoint_or_frozen_on_one_side_trains_as_two_param
     _loss_torch(detached, torch.tensor(ids), torch.tensor(target)).backward()
     np.testing.assert_allclose(grads[params[table]].to_numpy(), detached.wte.weight.grad.numpy(), rtol=RTOL,
                                atol=1e-7)
+
+
+# -- a tiny GPT-2 (transformers' GPT2LMHeadModel: lm_head tied to wte) --------------------------
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # no two weights equal: the exporters merge equal initializers (README)
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert base.lm_head.weight is base.transformer.wte.weight
+    return _Logits(base)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids):
+        return self.m(input_ids=ids).logits  # (use_cache=False makes TorchScript meet aten::diff)
+
+
+def _holders(imported, model):
+    """imported path -> [(torch name, how)] for each trainable imported param: ``how`` is
+    ``"same"``, ``"t"`` (transposed) or ``"rows"`` (the first rows of a table: dynamo folds
+    ``wpe[position ids]`` of a static sequence into a constant)."""
+    out = {}
+    torch_values = {n: w.detach().numpy() for n, w in model.named_parameters()}
+    for path, p in imported.named_params():
+        if not p.require_grad:
+            continue
+        v = np.asarray(p.val().to_numpy())
+        found = []
+        for name, w in torch_values.items():
+            if v.shape == w.shape and np.array_equal(v, w):
+                found.append((name, "same"))
+            elif v.shape == w.T.shape and np.array_equal(v, w.T):
+                found.append((name, "t"))
+            elif w.ndim == 2 and v.shape[-1] == w.shape[1] and v.size < w.size and \
+                    np.array_equal(v.reshape(-1, w.shape[1]), w[: v.size // w.shape[1]]):
+                found.append((name, "rows"))
+        out[path] = found
+    return out
+
+
+@pytest.fixture(scope="module", params=["torchscript", "dynamo"])
+def gpt2(request, tmp_path_factory):
+    model = _gpt2()
+    ids, target = _data(seed=2, batch=2, seq=7, vocab=50)
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if request.param == "dynamo":  # what fresh7 did: static shapes, the default optimizer
+            torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
+                              dynamo=True, external_data=False)
+        else:
+            torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
+                              opset_version=17, dynamo=False,
+                              dynamic_axes={"ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    return model, op.import_onnx(path), ids, target
+
+
+@pytest.mark.slow  # transformers and two exports: ~15 s on this CPU
+def test_gpt2_every_gradient_equals_torchs_and_the_tied_table_gets_wte_grad(gpt2):
+    model, imported, ids, target = gpt2
+    (head, (table, transposed)), = imported.onnx_ties.items()
+    assert transposed
+    wte = model.m.transformer.wte.weight.detach().numpy()
+    params = dict(imported.named_params())
+    np.testing.assert_array_equal(params[table].val().to_numpy(), wte)
+    np.testing.assert_array_equal(params[head].val().to_numpy(), wte.T)
+    model.zero_grad()
+    _loss_torch(model, torch.tensor(ids), torch.tensor(target)).backward()
+    tgrads = {n: w.grad.numpy() for n, w in model.named_parameters()}
+    _, grads = grad(_loss, imported, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
+    covered = set()
+    for path, found in _holders(imported, model).items():
+        assert len(found) == 1, f"{path}: held by {found}"  # perturbed: one torch weight each
+        name, how = found[0]
+        got = np.asarray(grads[params[path]].to_numpy())
+        want = tgrads[name]
+        want = want.T if how == "t" else want[: got.size // want.shape[1]].reshape(got.shape) if how == "rows" else want
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=path)
+        covered.add(name)
+    assert covered == set(tgrads)  # every torch param checked (wte through both sides of the tie)
+    assert {n for n, h in _holders(imported, model)[head]} == {"m.transformer.wte.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["sgd", "adam"])
+def test_gpt2_two_steps_match_torch_and_stay_tied(gpt2, which, tmp_path):
+    model0, imported, ids, target = gpt2
+    model = _gpt2()
+    model.load_state_dict(model0.state_dict())
+    opt, topt = ((SGD(lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)) if which == "sgd" else
+                 (Adam(lr=0.01, eps=1e-8), torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-8)))
+    m = imported
+    for _ in range(2):
+        topt.zero_grad()
+        _loss_torch(model, torch.tensor(ids), torch.tensor(target)).backward()
+        topt.step()
+        _, grads = grad(_loss, m, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
+        m = opt.step(m, grads)
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).numpy()
+    got = m(op.Tensor.from_numpy(ids)).to_numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    (head, (table, _)), = imported.onnx_ties.items()
+    params = dict(m.named_params())
+    np.testing.assert_array_equal(params[head].val().to_numpy(), params[table].val().to_numpy().T)
+    path = tmp_path / "trained.onnx"
+    op.export_onnx(m, path)
+    written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    names = imported.onnx_names
+    np.testing.assert_array_equal(written[names[head]], written[names[table]].T)
+
+
+@pytest.mark.slow
+def test_gpt2_unmodified_import_exports_the_files_graph(gpt2, tmp_path):
+    _exports_the_files_graph(gpt2[1], tmp_path)

@@ -128,6 +128,25 @@ def test_batch_norm_training_form_matches_finite_differences_and_torch(opset, st
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("opset", [15, 9])
+def test_batch_norm_running_outputs_do_not_drift_between_training_runs(opset):
+    """ONNX Runtime's kernel updates the running statistics in place (its outputs alias inputs 3
+    and 4): with the running mean / var frozen (initializers of the training session), a loss
+    reading the running outputs is the same at every run of one session, equal to a fresh plain
+    ONNX Runtime session's."""
+    model = _bn_model(opset, True)
+    module = op.import_onnx(model)
+    x = _bn_feeds()[0]["x"]
+    expected = float(ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+                     .run(None, {"x": x})[0].sum())
+
+    def loss_fn(m, xx):
+        return m(x=xx).sum()
+
+    losses = [float(grad(loss_fn, module, op.Tensor.from_numpy(x))[0].to_numpy()) for _ in range(3)]
+    np.testing.assert_allclose(losses, [expected] * 3, rtol=1e-12)
+
+
 def test_batch_norm_training_form_float32_with_frozen_running_statistics():
     """The default import (running mean / var frozen: PyTorch's buffers) in float32: ``grad``
     builds, gives no gradient to the running inputs, and scale / bias match torch autograd."""
@@ -259,22 +278,24 @@ def test_dropout_with_ratio_and_training_mode_fed_at_run_time(r, t):
 # -- a torch CNN exported in training mode ----------------------------------------------------------
 
 
-def _torch_net(p: float):
-    """``Conv -> BatchNorm2d -> ReLU -> Dropout(p)`` (one sub-module ``block``), a spatial mean,
-    ``Linear -> BatchNorm1d``; BatchNorm scales and shifts drawn (not 1 / 0)."""
+def _torch_net(p: float, stem: bool = False):
+    """``Conv -> BatchNorm2d -> ReLU -> Dropout(p)`` (one sub-module ``block``; after a 1x1 ``stem``
+    convolution when ``stem``), a spatial mean, ``Linear -> BatchNorm1d``; BatchNorm scales and
+    shifts drawn (not 1 / 0)."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
+            self.stem = torch.nn.Conv2d(2, 2, 1) if stem else torch.nn.Identity()
             self.block = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
                                              torch.nn.ReLU(), torch.nn.Dropout(p))
             self.fc = torch.nn.Linear(4, 3)
             self.norm = torch.nn.BatchNorm1d(3)
 
         def forward(self, x):
-            return self.norm(self.fc(self.block(x).mean((2, 3))))
+            return self.norm(self.fc(self.block(self.stem(x)).mean((2, 3))))
 
     net = Net()
     with torch.no_grad():
@@ -385,12 +406,13 @@ def test_torch_cnn_exported_in_training_mode_trains_like_torch():
 def test_torch_cnn_with_dropout_matches_torch_with_the_forward_mask(marked):
     """Dropout ``p = 0.3``: the mask of the training graph's run (read back) put into torch's
     forward; every param's gradient equals torch autograd's. ``marked``: the block holding Conv,
-    BatchNorm, ReLU and Dropout recomputed in backward (the Dropout's mask is kept, never redrawn)."""
+    BatchNorm, ReLU and Dropout (after a stem convolution: its recomputed nodes wait on the
+    backward) recomputed in backward (the Dropout's mask is kept, never redrawn)."""
     pytest.importorskip("torch")
     from onnxparam.autodiff import recompute
 
     p = 0.3
-    net = _torch_net(p)
+    net = _torch_net(p, stem=marked)
     model = op.import_onnx(_export_training(net))
     if marked:
         model = recompute(model, "block")

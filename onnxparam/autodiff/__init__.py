@@ -18,7 +18,8 @@ the model layer knows nothing of it.
   with the reason);
 * :data:`RULES` — the gradient rule of each ONNX operator, each documented with its formula
   (:mod:`._rules`, :mod:`._rules_nn`, :mod:`._rules_layers`; control flow ``If`` / ``Loop`` /
-  ``Scan`` and the params their subgraphs read: :mod:`._rules_control`; ``LSTM`` / ``GRU`` /
+  ``Scan`` and the params their subgraphs read: :mod:`._rules_control`, a ``Loop``'s sequence,
+  optional and growing states: :mod:`._loop_states`; ``LSTM`` / ``GRU`` /
   ``RNN``: :mod:`._rules_rnn`; sequences, optionals and ``Unique``: :mod:`._rules_sequence`, ``SequenceMap``:
   :mod:`._rules_seqmap`; ``DFT`` / ``STFT`` / ``RotaryEmbedding``'s caches: :mod:`._rules_signal`;
   ``GridSample`` / ``Resize`` / ``MaxRoiPool`` / ``RoiAlign`` forms: :mod:`._rules_sampling`; the

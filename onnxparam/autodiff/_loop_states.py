@@ -2,12 +2,13 @@
 (:func:`._rules_control._loop`).
 
 The ``Loop`` rule replays the forward loop to save the state each iteration starts from, as
-extra scan outputs; a scan output is a tensor, so a state that is a sequence of tensors or an
-optional (of a tensor or of a sequence) is saved another way:
+extra scan outputs; a scan output is a tensor of one shape every iteration, so a state that is a
+sequence of tensors, an optional (of a tensor or of a sequence), or a tensor whose shape may
+change between iterations (grown by ``Concat``) is saved another way:
 
 * the replay carries, per such state, a *log*: a sequence to which each iteration appends the
-  tensors its state holds (a sequence's elements in order; an optional's element, or its
-  sequence's elements, when it has one), and writes as scan outputs how many it appended
+  tensors its state holds (the tensor; a sequence's elements in order; an optional's element,
+  or its sequence's elements, when it has one), and writes as scan outputs how many it appended
   (``counts``) and, for an optional, whether it had an element (``flags``);
 * the backward loop's body rebuilds the state of iteration ``k`` from the log: the ``counts[k]``
   tensors from ``offsets[k]`` (the exclusive cumulative sum of ``counts``), wrapped in an
@@ -29,7 +30,7 @@ from ._body_emitter import child_emitter
 from ._emitter import Emitter
 from ._rules_sequence import _map, _zeros_body
 
-__all__ = ["state_kind", "log_type", "empty_log", "save_state", "rebuild_state", "zeros_of", "zeros_like"]
+__all__ = ["state_kind", "invariant", "log_type", "empty_log", "save_state", "rebuild_state", "zeros_of", "zeros_like"]
 
 _INT64 = ir.TensorType(ir.DataType.INT64)
 _BOOL = ir.TensorType(ir.DataType.BOOL)
@@ -72,8 +73,24 @@ def _describe(t) -> str:
     return "untyped" if t is None else str(t)
 
 
+def invariant(body_input: ir.Value, body_output: ir.Value) -> bool:
+    """Whether a tensor state keeps its shape across iterations, as far as the body's types say
+    (the same rank, each dim the same int or the same symbolic name); else (a state the body
+    grows with ``Concat``, or of unknown dims) it is logged (kind ``"tensor_logged"``), since
+    the saved states of a ``Loop``'s scan outputs must all have one shape."""
+    a, b = body_input.shape, body_output.shape
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        x = x if isinstance(x, int) else getattr(x, "value", None)
+        y = y if isinstance(y, int) else getattr(y, "value", None)
+        if x is None or x != y:
+            return False
+    return True
+
+
 def log_type(value: ir.Value) -> ir.SequenceType:
-    """The type of the log of a non-tensor state: a sequence of its tensors' type."""
+    """The type of the log of a logged state: a sequence of its tensors' type."""
     t = value.type
     while not isinstance(t, ir.TensorType):
         t = t.elem_type
@@ -137,6 +154,8 @@ def save_state(e: Emitter, value: ir.Value, kind: str, log: ir.Value) -> tuple:
     """In the replay's body: ``(log', count, flag)``, the log with ``value``'s tensors appended,
     how many (an int64 scalar), and for an optional whether it has an element (a bool scalar,
     else ``None``)."""
+    if kind == "tensor_logged":
+        return _one(e, "SequenceInsert", [log, value], log.type), _one(e, "Identity", [_int(e, 1)], _INT64), None
     if kind == "sequence":
         return _append_all(e, log, value), _one(e, "SequenceLength", [value], _INT64), None
     has = _one(e, "OptionalHasElement", [value], _BOOL)
@@ -170,6 +189,8 @@ def rebuild_state(e: Emitter, like: ir.Value, kind: str, log: ir.Value, offset: 
                   flag) -> ir.Value:
     """In the backward body: the state :func:`save_state` logged (``offset`` / ``count`` /
     ``flag``: that iteration's entries), of ``like``'s type."""
+    if kind == "tensor_logged":
+        return _one(e, "SequenceAt", [log, offset], log.type.elem_type)
     if kind == "sequence":
         return _slice(e, log, offset, count)
     t = like.type
@@ -187,7 +208,7 @@ def rebuild_state(e: Emitter, like: ir.Value, kind: str, log: ir.Value, offset: 
 def zeros_of(e: Emitter, value: ir.Value, kind: str) -> ir.Value:
     """A zero gradient of the state ``value``: zeros of its shape, a sequence of zeros shaped as
     its elements, an optional of those (an empty optional for an empty one)."""
-    if kind == "tensor":
+    if kind in ("tensor", "tensor_logged"):
         zero = e.const(0.0, np.dtype(ir.DataType(value.dtype).numpy()))
         return e.op("Expand", zero, e.op("Shape", value))
     if kind == "sequence":

@@ -12,7 +12,8 @@ raises naming the node instead of returning no gradient.
 
 **Loop / Scan.** Reverse iteration over replayed per-iteration states (:func:`_scan`,
 :func:`_loop`): ``Scan`` along any scan axes and directions, and the opset-8 form; ``Loop`` with tensor, sequence and
-optional states (the last two logged per iteration, :mod:`._loop_states`).
+optional states (the last two, and tensors whose shape may change between iterations, logged
+per iteration, :mod:`._loop_states`).
 
 **If.** ``y = If(cond, then, else)``: the backward is an ``If`` on the same ``cond`` whose
 branches hold, each, a recomputation of the forward branch (its nodes cloned, the clones'
@@ -113,6 +114,13 @@ def node_inputs(node: ir.Node) -> list:
 
 def _is_float(value: ir.Value) -> bool:
     return value is not None and value.dtype is not None and np.issubdtype(np_dtype(value), np.floating)
+
+
+def _may_be_float(value: ir.Value) -> bool:
+    """A float value, or one of unknown type (an operator ONNX's inference does not know, e.g.
+    ``com.microsoft``'s, inside a body): followed by the reverse sweep of a body, so that a
+    gradient through it is computed, or refused by name, never dropped."""
+    return value is not None and (value.type is None or _is_float(value))
 
 
 # -- shape specialization -----------------------------------------------------------------------
@@ -361,6 +369,11 @@ def specialize_control_flow(model: ir.Model, params=()) -> None:
     for _ in range(32):
         types = _infer(model)
         _apply_types(graph, types)
+        for _ in range(8):  # (a contrib operator's output typed, ONNX's inference goes on from it)
+            if not _type_contrib_outputs(graph):
+                break
+            types = _infer(model)
+            _apply_types(graph, types)
         memo: dict = {}
         if _fold_integer_values(graph, types, params, memo, names):
             types = _infer(model)
@@ -518,7 +531,12 @@ def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: 
             if v is None or (v.dtype is not None and np.issubdtype(np_dtype(v), np.floating)):
                 continue
             producer = v.producer()
-            if producer is None or producer.op_type == "Constant":
+            if producer is None:
+                # an outer graph's integer initializer read inside a subgraph: ONNX's inference
+                # of the subgraph does not see its value (axes, pads read from the main graph)
+                if v.const_value is None or v.graph is node.graph or v.name in params:
+                    continue
+            elif producer.op_type == "Constant" and producer.graph is node.graph:
                 continue
             data = _static(v, types, params, memo)
             if data is None:
@@ -540,6 +558,39 @@ def _fold_integer_values(graph: ir.Graph, types: dict, params: frozenset, memo: 
             out.shape = ir.Shape(list(arr.shape))
             node.replace_input_with(i, out)
             changed = True
+    return changed
+
+
+_SAME_AS_FIRST_INPUT = frozenset({
+    "com.microsoft:Gelu", "com.microsoft:BiasGelu", "com.microsoft:FastGelu", "com.microsoft:QuickGelu",
+    "com.microsoft:SkipLayerNormalization", "com.microsoft:SkipSimplifiedLayerNormalization",
+    "com.microsoft:LayerNormalization", "com.microsoft:RotaryEmbedding"})
+"""``com.microsoft`` operators with a gradient rule whose first output has the type and shape
+of their first input (ONNX Runtime's contrib schemas; ONNX's inference does not know them)."""
+
+
+def _type_contrib_outputs(graph: ir.Graph) -> bool:
+    """Type the first output of the operators ONNX's inference does not know but the gradient
+    rules do (:data:`_SAME_AS_FIRST_INPUT`; ``FusedMatMul``: a ``MatMul``'s rank, dims unknown),
+    where it is untyped (inside subgraphs: the main graph's are typed by the trace). True when
+    one was typed."""
+    changed = False
+    for node in graph.all_nodes():
+        if not node.outputs or node.outputs[0].type is not None or not node.inputs or node.inputs[0] is None:
+            continue
+        key, x, out = rule_key(node), node.inputs[0], node.outputs[0]
+        if x.type is None:
+            continue
+        if key in _SAME_AS_FIRST_INPUT:
+            out.type, out.shape = x.type, x.shape
+        elif key == "com.microsoft:FusedMatMul" and len(node.inputs) > 1 and node.inputs[1] is not None:
+            ranks = [len(v.shape) if v.shape is not None else None for v in node.inputs[:2]]
+            out.type = x.type
+            if None not in ranks:
+                out.shape = ir.Shape([None] * max(ranks))
+        else:
+            continue
+        changed = True
     return changed
 
 
@@ -576,7 +627,7 @@ def requires_in(nodes, start: set) -> set:
         if rule_key(node) in NON_DIFFERENTIABLE:
             continue  # (operators without a rule propagate: the sweep names them)
         if any(v is not None and v in req for v in node_inputs(node)):
-            req.update(out for out in node.outputs if _is_float(out))
+            req.update(out for out in node.outputs if _may_be_float(out))
     return req
 
 
@@ -596,8 +647,8 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
             needed.update(v for v in node_inputs(node) if v is not None)
     missing = [MissingRule(node.name, rule_key(node), (), f"no gradient rule ({where})") for node in nodes
                if rule_for(node) is None and rule_key(node) not in NON_DIFFERENTIABLE
-               and any(o in needed and _is_float(o) for o in node.outputs)
-               and any(v is not None and v in req and _is_float(v) for v in node_inputs(node))]
+               and any(o in needed and _may_be_float(o) for o in node.outputs)
+               and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(node))]
     if missing:
         raise TraceError(format_missing(missing))
     for node in reversed(nodes):
@@ -605,7 +656,7 @@ def backprop(e: Emitter, nodes, grads: dict, req: set, where: str) -> dict:
         if all(g is None for g in gout):
             continue
         inputs = node_inputs(node)
-        need = [v is not None and v in req and _is_float(v) for v in inputs]
+        need = [v is not None and v in req and _may_be_float(v) for v in inputs]
         if not any(need):
             continue
         fn = rule_for(node)
@@ -690,8 +741,8 @@ def missing_in_bodies(graph: ir.Graph, requires: set, needed: set, params=()) ->
             reach = _reaching_in(nodes, set(wanted))
             for inner in nodes:
                 if rule_for(inner) is None and rule_key(inner) not in NON_DIFFERENTIABLE \
-                        and any(o in reach and _is_float(o) for o in inner.outputs) \
-                        and any(v is not None and v in req and _is_float(v) for v in node_inputs(inner)):
+                        and any(o in reach and _may_be_float(o) for o in inner.outputs) \
+                        and any(v is not None and v in req and _may_be_float(v) for v in node_inputs(inner)):
                     fed = tuple(v.name for v in node_inputs(inner) if v is not None and v.name in params)
                     out.append(MissingRule(inner.name, rule_key(inner), fed, f"no gradient rule ({where})"))
             out.extend(missing_in_bodies(body, req, reach, params))
@@ -1017,6 +1068,8 @@ def _loop(e, node, gout, need):
     kinds, wrapped = [], set()
     for j in range(n_state):
         kind, wrap = _loop_states.state_kind(inputs[2 + j], body.outputs[1 + j], f"state {j} of {node.name!r}")
+        if kind == "tensor" and e.opset >= 13 and not _loop_states.invariant(body.inputs[2 + j], body.outputs[1 + j]):
+            kind = "tensor_logged"  # (a log is a Loop-carried sequence: opset 13+)
         kinds.append(kind)
         if wrap:  # (an optional enters, its content leaves: carried as an optional throughout)
             wrapped.add(j)
@@ -1024,7 +1077,7 @@ def _loop(e, node, gout, need):
     if logged:
         _loop_states.check_opset(e, f"state {logged[0]} of {node.name!r}")
     tensors = [j for j in range(n_state) if kinds[j] == "tensor"]
-    flagged = [j for j in logged if kinds[j] != "sequence"]
+    flagged = [j for j in logged if kinds[j].startswith("optional")]
     caps = captured(node)
     wanted_caps = [v for v, n in zip(caps, need[len(inputs):]) if n]
     float_states = [i for i in range(n_state) if _is_float(inputs[2 + i])]
@@ -1104,6 +1157,8 @@ def _loop(e, node, gout, need):
         cnt = be.op("Gather", count_values[n], k, axis=0)
         flag = be.op("Gather", flag_values[j], k, axis=0) if j in flag_values else None
         gathered[j] = _loop_states.rebuild_state(be, inputs[2 + j], kinds[j], log_values[n], off, cnt, flag)
+        if kinds[j] == "tensor_logged":
+            gathered[j].shape = fwd_inputs[2 + j].shape  # (the body's declared rank and dims)
     for j in range(n_state):
         fwd_inputs[2 + j].replace_all_uses_with(gathered[j])
     back.sort()  # (the index and the gathers were appended after their readers)

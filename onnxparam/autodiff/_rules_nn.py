@@ -569,20 +569,45 @@ def _batch_norm_training(e, node, gout, need):
 
 
 def _copy_running_inputs(e, node) -> None:
-    """Make the training-form node read copies of its running mean / variance (``Add(v, 0)``,
-    inserted before it). ONNX Runtime's kernel writes the updated running statistics into the
-    buffers of inputs 3 and 4 (its outputs alias them): fed from a graph input, that is the
-    caller's array (a trained param's value, which must not change under it), and reused by every
-    run, the statistics drift from run to run. The copy is an intermediate the kernel may write."""
+    """Make the training-form node read copies of its running mean / variance, inserted before
+    it. ONNX Runtime's kernel writes the updated running statistics into the buffers of inputs 3
+    and 4 (its outputs alias them): fed from a graph input, that is the caller's array (a trained
+    param's value, which must not change under it); an initializer (a frozen one), the session's
+    own copy, so the running outputs drift from run to run. The copy is ``Where(flag, v, v)``: a
+    fresh intermediate the kernel may write, whose ``flag`` (``IsNaN`` of the sum of at most one
+    element of a fed graph input, else of ``x``) depends on the data, so ONNX Runtime cannot fold
+    it back into an initializer as it folds ``Add(v, 0)`` (which is the copy below opset 9,
+    without ``IsNaN`` / ``Where``: there a frozen statistic's running output still drifts). A fed
+    input rather than ``x``: recomputation (:mod:`._recompute`) rewires the backward's readers of
+    a marked sub-module's values, and the forward node must not wait on the backward."""
+    graph = node.graph
+    fed = [v for v in graph.inputs if v.const_value is None and v.dtype is not None
+           and v.dtype != ir.DataType.STRING and v.shape is not None]
+    source = fed[0] if fed else node.inputs[0]
+
+    def add(op_type, inputs, dtype=None, **attrs):
+        new = ir.node(op_type, inputs, attributes=attrs, name=e.unique(f"/grad/BatchNormalization_running_{op_type}"))
+        new.outputs[0].name = e.unique(new.name + "_output")
+        if dtype is not None:
+            new.outputs[0].type = ir.TensorType(dtype)
+        graph.insert_before(node, new)
+        return new.outputs[0]
+
+    flag = None
+    if e.opset >= 9:  # (IsNaN, Where)
+        flat = add("Reshape", [source, e.ints([-1])], source.dtype)
+        first = add("Slice", [flat, e.ints([0]), e.ints([1]), e.ints([0])], source.dtype) if e.opset >= 10 else \
+            add("Slice", [flat], source.dtype, starts=[0], ends=[1], axes=[0])
+        total = add("ReduceSum", [add("Cast", [first], ir.DataType.FLOAT, to=ir.DataType.FLOAT)], ir.DataType.FLOAT,
+                    keepdims=0)  # (0 for an empty input)
+        flag = add("IsNaN", [total], ir.DataType.BOOL)
     for j in (3, 4):
         v = node.inputs[j]
         if v is None or (v.producer() is not None and v.producer().name.startswith("/grad/")):
             continue  # (already a copy)
-        copy = ir.node("Add", [v, e.scalar_like(0.0, v)], name=e.unique("/grad/BatchNormalization_running_copy"))
-        copy.outputs[0].name = e.unique(copy.name + "_output")
-        copy.outputs[0].type, copy.outputs[0].shape = v.type, v.shape
-        node.graph.insert_before(node, copy)
-        node.replace_input_with(j, copy.outputs[0])
+        copy = add("Where", [flag, v, v]) if flag is not None else add("Add", [v, e.scalar_like(0.0, v)])
+        copy.type, copy.shape = v.type, v.shape
+        node.replace_input_with(j, copy)
 
 
 @rule("LayerNormalization")

@@ -12,7 +12,9 @@ own gradients while the frozen base stays a constant. A quantized base (QLoRA) i
 
 **Which params get a gradient.** Exactly the float params with ``require_grad`` that the loss
 depends on (``module.no_grad()``, ``freeze_group``, ``apply_lora`` clear the flag; a frozen
-param gets no gradient and its part of the backward graph is pruned).
+param gets no gradient and its part of the backward graph is pruned). An imported model's tied
+embedding table and output projection (``OnnxModule.onnx_ties``) both get the sum of their
+gradients, as torch's one tied weight does (:mod:`._ties`).
 
 **Caching.** The training graph is cached by ``(loss_fn object, module structure, input
 signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
@@ -41,6 +43,7 @@ from ..trace import tracer as _trace
 from . import _dynamic
 from ._backward import build_training_model
 from ._recompute import recomputed_paths
+from ._ties import module_ties, tie_gradients
 
 __all__ = ["Gradients", "grad", "check_gradients", "training_model", "trainable_paths", "clear_cache", "MAX_CACHED_TRAINING"]
 
@@ -288,6 +291,11 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
     loss, values = outputs[0], outputs[1:]
     grads = {by_path[p].id: t for p, t in zip(grad_paths, values)}
     paths = {by_path[p].id: p for p in grad_paths}
+    ties = module_ties(module)
+    if ties:  # an imported model's tied embedding / output projection: one weight, as torch's (._ties)
+        grads = tie_gradients(grads, by_path, ties)
+        paths.update({by_path[p].id: p for pair in ties for p in pair[:2]
+                      if p in by_path and by_path[p].id in grads and by_path[p].id not in paths})
     return loss, Gradients(grads, paths)
 
 

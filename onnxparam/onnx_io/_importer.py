@@ -314,6 +314,36 @@ class OnnxModule(Module):
         return dict(self._source.tables)
 
     @property
+    def onnx_ties(self) -> dict:
+        """Module path of an output projection -> ``(module path of the embedding table, transposed)``,
+        for each pair the file itself ties: a main-graph ``MatMul`` / ``Gemm`` weight whose values
+        equal, bit for bit, those of a table only ``Gather`` s read, transposed for a ``MatMul`` B
+        (``onnxparam.onnx_io._lora_import.tied_output_pairs``). PyTorch's exporters write a tied
+        ``lm_head`` / ``wte`` (GPT-2's) so: the table (``m.lm_head.weight``, ``(vocab, dim)``) and
+        its transposed copy (dynamo's ``val_N``, TorchScript's ``onnx::MatMul_N``, ``(dim, vocab)``).
+
+        Both stay params (each keeps its path: LoRA, checkpoint loading and export address
+        them as before), and they train as torch's one tied weight:
+        :func:`~onnxparam.autodiff.grad` gives both the summed gradient (the table's
+        ``g_table + g_projection^T``, the projection its transpose) while both require grad and
+        still hold the same values, so the elementwise optimizers of :mod:`onnxparam.optim`
+        keep them bit-equal and an export writes a tied model again. A pair whose values
+        differ (a checkpoint loaded into one side) or with one side frozen trains as two params.
+        """
+        ties = self._source.cache.get("ties")
+        if ties is None:
+            from ._lora_import import tied_output_pairs
+
+            graph = self._source.loaded.model.graph
+            by_name = {site.name: site.path for site in self._source.sites
+                       if site.graph is graph and site.dtype.is_float and not site.dtype.is_onnx_only}
+            ties = {by_name[head]: (by_name[table], bool(transposed))
+                    for head, (table, transposed) in tied_output_pairs(self._source.loaded.model).items()
+                    if head in by_name and table in by_name}
+            self._source.cache["ties"] = ties
+        return dict(ties)
+
+    @property
     def onnx_names(self) -> dict:
         """Module path -> original ONNX name, for every param (the inverse of
         :func:`~onnxparam.onnx_io._naming.onnx_name_to_path` on these names)."""

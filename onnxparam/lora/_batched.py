@@ -29,7 +29,14 @@ mask gathers the index from ``Range(0, slots)`` first, so it fails too).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
 ``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
-viewed as ``[batch, -1, d_in]``); a sequence-first layout (``[seq, batch, d]``) does not.
+viewed as ``[batch, -1, d_in]``). The pass first follows the batch through the graph
+(:mod:`onnxparam.lora._batch_axis`, :meth:`_Target.rows_layout`): a ``MatMul`` input with the
+batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-first for the
+branch and its delta back (:meth:`_Target.branch_moved`); a ``Conv`` input folding the batch
+(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
+whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
+follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
+weight, the node and where the batch axis was lost.
 
 Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of the graph)::
 

@@ -345,3 +345,28 @@ def test_gpt2_two_steps_match_torch_and_stay_tied(gpt2, which, tmp_path):
 @pytest.mark.slow
 def test_gpt2_unmodified_import_exports_the_files_graph(gpt2, tmp_path):
     _exports_the_files_graph(gpt2[1], tmp_path)
+
+
+def test_the_summed_gradients_of_a_table_larger_than_one_block_are_the_numpy_sum():
+    """The sum runs in row blocks of the table (cache-friendly transposes): a 300-row table (several
+    blocks and a partial one) against numpy's ``g_table + g_head.T``; a side the loss misses is zeros;
+    one value changed on one side unties the pair."""
+    from onnxparam.autodiff._ties import tie_gradients
+
+    rng = np.random.default_rng(5)
+    t = rng.normal(size=(300, 7)).astype(np.float32)
+    table = op.Param(op.ParamId(), value=op.Tensor.from_numpy(t))
+    head = op.Param(op.ParamId(), value=op.Tensor.from_numpy(np.ascontiguousarray(t.T)))
+    gt, gh = rng.normal(size=(300, 7)).astype(np.float32), rng.normal(size=(7, 300)).astype(np.float32)
+    by_path = {"t": table, "h": head}
+    ties = [("h", "t", True)]
+    for grads, want in (({table.id: gt, head.id: gh}, gt + gh.T), ({table.id: gt}, gt), ({head.id: gh}, gh.T)):
+        out = tie_gradients({k: op.Tensor.from_numpy(v) for k, v in grads.items()}, by_path, ties)
+        np.testing.assert_array_equal(out[table.id].to_numpy(), want)
+        np.testing.assert_array_equal(out[head.id].to_numpy(), want.T)
+    t2 = t.T.copy()
+    t2[3, 299] += 1.0  # in the last, partial block
+    untied = {"t": table, "h": op.Param(head.id, value=op.Tensor.from_numpy(t2))}
+    out = tie_gradients({table.id: op.Tensor.from_numpy(gt), head.id: op.Tensor.from_numpy(gh)}, untied, ties)
+    np.testing.assert_array_equal(out[table.id].to_numpy(), gt)
+    np.testing.assert_array_equal(out[head.id].to_numpy(), gh)

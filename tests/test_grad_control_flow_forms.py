@@ -269,7 +269,8 @@ def test_contrib_ops_onnx_cannot_type_inside_a_loop_body_train():
         "g", [_vi("x", ["N", 3], f)], [_vi("y", None, f)],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]
         + [numpy_helper.from_array(np.array(2, np.int64), "trips")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     feeds = [{"x": RNG.uniform(-1, 1, (2, 3)).astype(np.float32)}, {"x": RNG.uniform(-1, 1, (4, 3)).astype(np.float32)}]
     counts = check_model_grads(model, feeds, eps=1e-2, rtol=2e-2, atol=2e-3, entries=6)
     assert counts["sessions"] == counts["graphs"] <= 2

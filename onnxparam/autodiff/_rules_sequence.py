@@ -36,8 +36,8 @@ _INT64 = ir.TensorType(ir.DataType.INT64)
 
 REFUSED: dict = {
     **{op: "no gradient rule of its own: the importer replaces it by its ONNX function body (as ONNX Runtime runs "
-           "it), differentiated through that body's rules (in subgraphs too); this node did not come from an "
-           "imported file" for op in ("CausalConvWithState", "LinearAttention")},
+           "it), differentiated through that body's rules (in subgraphs too); this node was not expanded (not "
+           "imported from a file, or inside a subgraph where ONNX's inference does not type its inputs)" for op in ("CausalConvWithState", "LinearAttention")},
     "SwiGLU": "ONNX Runtime does not implement SwiGLU (opset 28; its function body's Swish-24 has no kernel in "
               "ONNX Runtime 1.32), so no model holding it runs; nothing to differentiate",
 }

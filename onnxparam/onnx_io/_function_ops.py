@@ -100,8 +100,9 @@ def expand_function_ops(model: ir.Model, source: str) -> ir.Model:
     function bodies (the model is not changed).
 
     Raises:
-        OnnxFormatError: when ONNX cannot build a body (names the file and the node), e.g. the
-            types of its inputs are unknown.
+        OnnxFormatError: when ONNX cannot build the body of a main-graph node (names the file
+            and the node), e.g. the types of its inputs are unknown; such a node inside a
+            subgraph is kept as it is (its gradient is refused by name).
     """
     from onnx_ir.passes.common import _c_api_utils
 
@@ -155,8 +156,10 @@ def _expand_graph(graph: onnx.GraphProto, types: dict, opset: int, source: str, 
             ins = [types[n] if n else onnx.TypeProto() for n in node.input]
             nodes.extend(_body(node, ins, opset, prefix))
         except Exception as e:  # noqa: BLE001 - onnx raises several types
-            where = "" if top else f" in subgraph {graph.name!r}"
-            raise OnnxFormatError(f"{source}: node {node.name!r} ({node.op_type}){where} cannot be expanded into its "
-                                  f"ONNX function body: {e}") from e
+            if not top:  # kept as it is (ONNX Runtime runs it): its gradient is refused by name
+                nodes.append(node)
+                continue
+            raise OnnxFormatError(f"{source}: node {node.name!r} ({node.op_type}) cannot be expanded into its ONNX "
+                                  f"function body: {e}") from e
     del graph.node[:]
     graph.node.extend(nodes)

@@ -364,9 +364,38 @@ def test_the_summed_gradients_of_a_table_larger_than_one_block_are_the_numpy_sum
         out = tie_gradients({k: op.Tensor.from_numpy(v) for k, v in grads.items()}, by_path, ties)
         np.testing.assert_array_equal(out[table.id].to_numpy(), want)
         np.testing.assert_array_equal(out[head.id].to_numpy(), want.T)
+    same = op.Param(op.ParamId(), value=op.Tensor.from_numpy(t.copy()))  # a tie without transpose (Gemm transB=1)
+    out = tie_gradients({table.id: op.Tensor.from_numpy(gt), same.id: op.Tensor.from_numpy(gh.T.copy())},
+                        {"t": table, "h": same}, [("h", "t", False)])
+    np.testing.assert_array_equal(out[table.id].to_numpy(), gt + gh.T)
+    np.testing.assert_array_equal(out[same.id].to_numpy(), gt + gh.T)
     t2 = t.T.copy()
     t2[3, 299] += 1.0  # in the last, partial block
     untied = {"t": table, "h": op.Param(head.id, value=op.Tensor.from_numpy(t2))}
     out = tie_gradients({table.id: op.Tensor.from_numpy(gt), head.id: op.Tensor.from_numpy(gh)}, untied, ties)
     np.testing.assert_array_equal(out[table.id].to_numpy(), gt)
     np.testing.assert_array_equal(out[head.id].to_numpy(), gh)
+
+
+class _Around(op.Module):
+    """A module of the user's holding the imported model (its params at ``inner.*``)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(ids)
+
+
+def test_an_imported_model_inside_a_module_of_yours_trains_its_tie_as_one(tiny):
+    model, imported, ids, target = tiny
+    around = _Around(imported)
+    model.zero_grad()
+    _loss_torch(model, torch.tensor(ids), torch.tensor(target)).backward()
+    _, grads = grad(_loss, around, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
+    (head, (table, _)), = imported.onnx_ties.items()
+    params = dict(around.named_params())
+    want = model.wte.weight.grad.numpy()
+    np.testing.assert_allclose(grads[params[f"inner.{table}"]].to_numpy(), want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+    np.testing.assert_allclose(grads[params[f"inner.{head}"]].to_numpy().T, want, rtol=RTOL,
+                               atol=RTOL * np.abs(want).max())

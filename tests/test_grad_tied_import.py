@@ -399,3 +399,23 @@ def test_an_imported_model_inside_a_module_of_yours_trains_its_tie_as_one(tiny):
     np.testing.assert_allclose(grads[params[f"inner.{table}"]].to_numpy(), want, rtol=RTOL, atol=RTOL * np.abs(want).max())
     np.testing.assert_allclose(grads[params[f"inner.{head}"]].to_numpy().T, want, rtol=RTOL,
                                atol=RTOL * np.abs(want).max())
+
+
+@pytest.mark.slow  # one more dynamo export
+def test_dynamo_without_its_optimizer_writes_the_tie_as_one_initializer_and_one_param(tmp_path):
+    """``torch.onnx.export(..., dynamo=True, optimize=False)`` (the README's way around merged
+    initializers) keeps the tied weight one initializer, read by ``Gather`` and ``Transpose``:
+    one param, no pair to sum, and its gradient is torch's ``wte.grad``."""
+    model = _tiny()
+    ids, target = _data()
+    path = tmp_path / "noopt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
+                          dynamo=True, optimize=False, external_data=False)
+    imported = op.import_onnx(path)
+    assert imported.onnx_ties == {}
+    uses = {n.op_type for n in onnx.load(str(path)).graph.node if "lm_head.weight" in n.input or "wte.weight" in n.input}
+    assert uses == {"Gather", "Transpose"}
+    held = _check_grads(imported, model, ids, target)
+    assert len(held["wte.weight"]) == 1

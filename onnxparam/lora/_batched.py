@@ -29,7 +29,14 @@ mask gathers the index from ``Range(0, slots)`` first, so it fails too).
 
 The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in batch-major order:
 ``[batch, ...]`` and the flattened ``[batch * seq, d]`` of a ``Gemm`` both work (the input is
-viewed as ``[batch, -1, d_in]``); a sequence-first layout (``[seq, batch, d]``) does not.
+viewed as ``[batch, -1, d_in]``). The pass first follows the batch through the graph
+(:mod:`onnxparam.lora._batch_axis`, :meth:`_Target.rows_layout`): a ``MatMul`` input with the
+batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-first for the
+branch and its delta back (:meth:`_Target.branch_moved`); a ``Conv`` input folding the batch
+(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
+whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
+follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
+weight, the node and where the batch axis was lost.
 
 Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of the graph)::
 
@@ -449,6 +456,29 @@ class _Graph:
         self.options = options
         self._index = None
         self._rows = None
+        self._layouts = None
+
+    def analyse(self, none_values) -> None:
+        """Follow the batch through the graph as traced (before any branch is added):
+        :func:`onnxparam.lora._batch_axis.batch_layouts`; ``none_values``: the params."""
+        from ._batch_axis import batch_layouts
+
+        self._layouts = batch_layouts(self.tracer.graph, none_values)
+
+    def layout(self, value: ir.Value):
+        """Where the batch is in ``value`` (a :class:`~onnxparam.lora._batch_axis.Layout`), seen
+        through the branches already added after it (``Add`` / ``Reshape`` nodes of this pass
+        read the original value as input 0); ``None`` for a value the analysis did not reach (a
+        subgraph's)."""
+        from ._graph import LORA_NODE_KEY
+
+        layouts = self._layouts or {}
+        while id(value) not in layouts:
+            producer = value.producer()
+            if producer is None or LORA_NODE_KEY not in producer.metadata_props or not producer.inputs:
+                return None
+            value = producer.inputs[0]
+        return layouts[id(value)]
 
     def batch_dim(self):
         for value in self.tracer.graph.inputs:
@@ -726,9 +756,42 @@ class _Target:
             self._shape_in = node.outputs[0]
         return self._shape_in
 
+    def rows_layout(self, node: ir.Node, value: ir.Value, what: str, axis_ok: bool = False):
+        """Where the batch is in ``value`` (``node``'s ``what``), when the branch can apply each
+        row's adapter to it: batch-major rows (or a value holding no batch whose dim 0 is the
+        batch's: broadcast to it), or (``axis_ok``) the batch on another axis.
+
+        Raises:
+            LoraError: the rows are not the batch's (:mod:`onnxparam.lora._batch_axis`): naming
+                the weight, the node and where the batch axis was lost.
+        """
+        from ._batch_axis import describe
+
+        layout = self.shared.layout(value)
+        if layout is not None:
+            if layout.batch_major or (axis_ok and layout.kind == "axis"):
+                return layout
+            dims = _dims(value)
+            if layout.kind == "none" and dims and dims[0] is not None and dims[0] == self.shared.batch_dim():
+                return layout
+            why = describe(layout)
+        else:
+            why = "it is inside a subgraph (If / Loop / Scan body), where the batch axis is not followed"
+        raise LoraError(
+            f"lora='batched': {self.target.path!r} is adapted at node {node.name!r} ({node.op_type}), whose {what} "
+            f"{value.name!r} {list(_dims(value) or [])} does not hold the batch's rows in batch-major order: {why}. "
+            "Each row's adapter would be added to rows of other batch elements, so this is refused; a batch on "
+            "axis 0 (or flattened batch-major, [batch * seq, d]) works: leave this weight out of the adapters "
+            "(narrow target_modules / the param_group), make the model batch-first, or serve it with "
+            "lora='inputs' (one adapter per run)")
+
     def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
         from ._graph import _redirect
 
+        layout = self.rows_layout(node, x, "input", axis_ok=node.op_type == "MatMul")
+        if layout.kind == "axis" and layout.axis > 0:
+            self.branch_moved(node, x, coefficient, layout.axis)
+            return
         a, _ = self.selected()
         b = self.scaled_b(coefficient)
         t, tracer = self.target, self.tracer
@@ -740,7 +803,8 @@ class _Target:
         label = f"{node.name}/lora"
         uses = list(y.uses())  # before the branch's own Shape(y) uses it
         nodes = []
-        direct = x_dims is not None and len(x_dims) == 3 and x_dims[0] == batch and batch is not None
+        direct = x_dims is not None and len(x_dims) == 3 and x_dims[0] == batch and batch is not None \
+            and layout.kind in ("axis", "none")
         if direct:
             xa = _new_node(tracer, "MatMul", [x, a], self.dtype, x_dims[:-1] + [rank], f"{label}/MatMul_a", t.path)
             xab = _new_node(tracer, "MatMul", [xa.outputs[0], b], self.dtype, y_dims, f"{label}/MatMul_b", t.path)
@@ -761,6 +825,55 @@ class _Target:
             delta = back.outputs[0]
         total = _new_node(tracer, "Add", [y, delta], self.dtype, y_dims, f"{label}/Add", t.path)
         graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
+    def branch_moved(self, node: ir.Node, x: ir.Value, coefficient: float, axis: int) -> None:
+        """A ``MatMul`` whose input holds the batch on ``axis`` > 0 (``[seq, batch, d]``): the
+        branch on ``x`` transposed batch-first, its delta transposed back::
+
+            xt = Transpose(x, perm)                      perm: axis first, the others in order
+            d  = Reshape(MatMul(MatMul(Reshape(xt, [rows, -1, d_in]), A), B), [*Shape(xt)[:-1], d_out])
+            y + Transpose(d, inverse(perm))
+        """
+        from ._graph import _redirect
+
+        a, _ = self.selected()
+        b = self.scaled_b(coefficient)
+        t, tracer = self.target, self.tracer
+        y = node.outputs[0]
+        x_dims, y_dims = _dims(x), _dims(y)
+        if x_dims is None or (y_dims is not None and len(y_dims) != len(x_dims)) or axis >= len(x_dims) - 1:
+            raise LoraError(f"lora='batched': {t.path!r} is adapted at node {node.name!r} (MatMul), whose input "
+                            f"{x.name!r} holds the batch on axis {axis} of {x_dims}: only a batch on a row axis of "
+                            "an input of the output's rank can be moved; make the model batch-first or serve it "
+                            "with lora='inputs'")
+        perm = [axis] + [i for i in range(len(x_dims)) if i != axis]
+        inverse = [perm.index(i) for i in range(len(perm))]
+        rows, rank = self.shared.index_dim(), RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        i64 = ir.DataType.INT64
+        nodes = [_new_node(tracer, "Transpose", [x], self.dtype, [x_dims[i] for i in perm], f"{label}/Transpose_x",
+                           t.path, {"perm": perm})]
+        xt = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [xt, self.shape_in()], self.dtype, [rows, None, t.d_in],
+                               f"{label}/Reshape_x", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], a], self.dtype, [rows, None, rank],
+                               f"{label}/MatMul_a", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype, [rows, None, t.d_out],
+                               f"{label}/MatMul_b", t.path))
+        xab = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [xt], i64, [len(x_dims) - 1], f"{label}/Shape_xt", t.path,
+                               {"end": -1}))
+        nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const([t.d_out], f"{t.path}.lora.d_out")],
+                               i64, [len(x_dims)], f"{label}/Concat_shape", t.path, {"axis": 0}))
+        moved = [x_dims[i] for i in perm[:-1]] + [t.d_out]
+        nodes.append(_new_node(tracer, "Reshape", [xab, nodes[-1].outputs[0]], self.dtype, moved,
+                               f"{label}/Reshape_delta", t.path))
+        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
+                               f"{label}/Transpose_delta", t.path, {"perm": inverse}))
+        uses = list(y.uses())
+        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
+        node.graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)
 
     def _const(self, values, name: str) -> ir.Value:
@@ -809,6 +922,8 @@ class _Target:
         from ._conv_checks import check_conv_node
 
         check_conv_node(node, t.path, t.shape, groups, BATCHED_MODE)  # PEFT's and the merged weight's must agree
+        layout = self.rows_layout(node, x, "input")
+        folded = layout.kind in ("rows", "flat")  # [batch * m, C, ...]: each row's mask over its m samples
         a_stack, b_stack = self.stacks()
         rows, rank = shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"
@@ -836,8 +951,24 @@ class _Target:
         h_shape = nodes[-1].outputs[0]
         nodes.append(_new_node(tracer, "Reshape", [h, shared.by_slot()], self.dtype, [rows, SLOTS_DIM, None],
                                f"{label}/Reshape_slots", t.path))
-        nodes.append(_new_node(tracer, "Mul", [nodes[-1].outputs[0], shared.mask(self.dtype)], self.dtype,
-                               [rows, SLOTS_DIM, None], f"{label}/Mul_mask", t.path))
+        if folded:  # [N, slots, r * L] viewed [rows, N / rows, slots, r * L], the mask [rows, 1, slots, 1]
+            i64 = ir.DataType.INT64
+            h_slots = nodes[-1].outputs[0]
+            nodes.append(_new_node(tracer, "Shape", [h_slots], i64, [2], f"{label}/Shape_slots", t.path,
+                                   {"start": 1}))
+            nodes.append(_new_node(tracer, "Concat", [shared.rows(), self._const([-1], "lora.batched.items"),
+                                                      nodes[-1].outputs[0]], i64, [4], f"{label}/Concat_rows",
+                                   t.path, {"axis": 0}))
+            nodes.append(_new_node(tracer, "Reshape", [h_slots, nodes[-1].outputs[0]], self.dtype,
+                                   [rows, None, SLOTS_DIM, None], f"{label}/Reshape_rows", t.path))
+            view = nodes[-1].outputs[0]
+            nodes.append(_new_node(tracer, "Unsqueeze", [shared.mask(self.dtype), self._const(
+                [1], "lora.batched.axis1")], self.dtype, [rows, 1, SLOTS_DIM, 1], f"{label}/Unsqueeze_mask", t.path))
+            nodes.append(_new_node(tracer, "Mul", [view, nodes[-1].outputs[0]], self.dtype,
+                                   [rows, None, SLOTS_DIM, None], f"{label}/Mul_mask", t.path))
+        else:
+            nodes.append(_new_node(tracer, "Mul", [nodes[-1].outputs[0], shared.mask(self.dtype)], self.dtype,
+                                   [rows, SLOTS_DIM, None], f"{label}/Mul_mask", t.path))
         nodes.append(_new_node(tracer, "Reshape", [nodes[-1].outputs[0], h_shape], self.dtype, [rows, None, None],
                                f"{label}/Reshape_back", t.path))
         nodes.append(_new_node(tracer, "MatMul", [b_all, nodes[-1].outputs[0]], self.dtype, [rows, t.d_out, None],
@@ -862,7 +993,14 @@ class _Target:
             hit = self._bias_rows[coefficient] = row.outputs[0]  # [rows, 1, d_out]
         y = node.outputs[0]
         y_dims = _dims(y)
-        if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim():
+        layout = self.rows_layout(node, y, "output")
+        if channel_axis == 1 and layout.kind in ("rows", "flat"):
+            raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose output "
+                            f"{y.name!r} folds the batch into its dim 0 ({list(y_dims or [])}): a per-row bias "
+                            "adapter of such a convolution is not supported; leave the bias out of the adapters "
+                            "(lora_bias=False) or serve it with lora='inputs'")
+        if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim() \
+                and layout.kind in ("axis", "none"):
             self._add_after(node, [], hit)  # [rows, seq, d_out] + [rows, 1, d_out]
             return
         if channel_axis == 1:  # [rows, d_out, *spatial] viewed [rows, d_out, -1], the delta as [rows, d_out, 1]
@@ -898,6 +1036,7 @@ class _Target:
         from ._graph import _redirect
 
         t, tracer, shared = self.target, self.tracer, self.shared
+        self.rows_layout(node, ids, "ids input")
         _, b = self.selected()
         a_stack = self.stacks()[0]
         graph = node.graph
@@ -994,6 +1133,7 @@ def expand_batched(tracer) -> None:
     root = tracer._root
     stacks = stack_adapters(root, options, values=not fed)
     shared = _Graph(tracer, options)
+    shared.analyse([t._symbol.value for t in tracer._param_tensors.values()])
     shared.index()  # the input exists even when no target is used by the graph
     used = []
     for tensor in list(tracer._param_tensors.values()):

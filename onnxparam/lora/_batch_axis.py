@@ -1,0 +1,848 @@
+"""Where the batch is in each value of a graph: the row layout check of batched LoRA.
+
+A batched export (:mod:`onnxparam.lora._batched`) adds row ``n``'s adapter to the rows of each
+adapted ``MatMul`` / ``Gemm`` / ``Conv`` / embedding ``Gather`` that come from batch element
+``n``. It views the node's input as ``[batch, -1, d_in]``: right only when the input's storage
+is batch-major. This module follows the batch from the graph inputs through the graph so the
+pass can tell, per target, whether that view is right, whether a cheap mapping exists (the
+batch on another axis of a ``MatMul`` input: transposed to the front and back), or whether the
+rows are mixed (refused, naming the node where the batch axis was lost).
+
+Each value gets a :class:`Layout`:
+
+* ``"none"``: no batch in it (initializers, params, constants, shapes, anything computed from
+  those only);
+* ``"axis"`` (``axis=k``): axis ``k`` indexes the batch element exactly;
+* ``"rows"``: batch-major storage with the batch folded into axis 0 (``[batch * m, ...]``, slice
+  ``i`` of axis 0 belongs to batch element ``i // m``): a ``[batch, seq, d]`` value flattened
+  to ``[batch * seq, d]``, a conv input ``[batch * T, C, L]``;
+* ``"flat"``: batch-major storage only (a ``Reshape`` whose leading dim could not be shown to be
+  a multiple of the batch): still right for the pass's ``[batch, -1, d]`` views (a view that does
+  not divide fails in ONNX Runtime's ``Reshape``, never silently), not propagated through ops
+  that move data across axes;
+* ``"unknown"``: none of these (``where``: the node that lost the batch axis).
+
+The batch comes from the first graph input with a dim (its dim 0, as the index check of
+:class:`onnxparam.lora._batched._Graph`) and from every other graph input whose dim 0 is the
+same symbol (or, for a static batch, the same size); an input holding the batch's symbol at
+another axis has it there; params and initializers have none.
+
+Rules (``k``: a batched input's axis; ops not listed: below):
+
+* elementwise ops (broadcast, right-aligned ranks): the batched inputs must agree on the
+  output's axis; ``"rows"`` / ``"flat"`` inputs must have the output's rank;
+* ``MatMul`` (and ``Gemm``, ``MatMulInteger``, ``FusedMatMul`` without transposes): a batch on a
+  broadcast axis or on ``A``'s rows / ``B``'s columns stays; on the contracted axis it is lost;
+* ``Transpose``: the axis moves with ``perm``; ``"rows"`` stays when ``perm[0] == 0``;
+* ``Reshape`` / ``Flatten`` / ``Squeeze`` / ``Unsqueeze`` keep the storage order: a batch-major
+  input stays batch-major (``"axis" 0`` when the output's dim 0 is the input's, ``"rows"`` when
+  it is shown to be a multiple of the batch, else ``"flat"``); a batch on axis ``k > 0`` stays
+  only when the leading ``k + 1`` dims are kept;
+* ``Slice`` / ``Gather`` / ``GatherElements`` / ``Concat`` / ``Split`` / ``Pad`` / ``Tile`` and
+  reductions on other axes keep it, on the batch axis lose it; ``Softmax``-like ops and
+  ``LayerNormalization`` keep a batch on an axis before theirs;
+* N-first ops (``Conv``, pools, ``BatchNormalization``, ``InstanceNormalization``, ``Resize``
+  ...): a batch on axis 0 (``"axis"`` or ``"rows"``) stays;
+* ``LSTM`` / ``GRU`` / ``RNN``: ``layout=0`` takes the batch on axis 1 of ``X`` and gives it on
+  axis 2 of ``Y`` and 1 of ``Y_h`` / ``Y_c``; ``layout=1`` batch-first throughout (so a
+  ``batch_first`` LSTM's transposes round-trip);
+* ``Shape`` / ``Size``: none;
+* ops with subgraphs (``If``, ``Loop``, ``Scan``): unknown when any input or value they capture
+  holds the batch;
+* any other op: its outputs are ``"axis" 0`` when every batched input is ``"axis" 0`` and the
+  output's dim 0 is the batch (by its shape), else unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["Layout", "NONE", "batch_layouts", "describe"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the batch is in one value (module docstring). ``where``: the node (``"name (Op)"``)
+    that last moved or lost the batch axis, ``""`` for a graph input."""
+
+    kind: str  # "none" | "axis" | "rows" | "flat" | "unknown"
+    axis: Optional[int] = None
+    where: str = ""
+
+    @property
+    def batched(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def batch_major(self) -> bool:
+        """Batch-major storage: a ``[batch, -1, ...]`` view of the value is its rows per batch element."""
+        return self.kind in ("rows", "flat") or (self.kind == "axis" and self.axis == 0)
+
+
+NONE = Layout("none")
+
+
+def describe(layout: Layout) -> str:
+    """The layout in words, for an error message."""
+    where = f" (since node {layout.where})" if layout.where else ""
+    if layout.kind == "axis":
+        return f"the batch is on axis {layout.axis}{where}"
+    if layout.kind == "unknown":
+        return f"the batch axis was lost at node {layout.where}" if layout.where else "the batch axis is unknown"
+    if layout.kind == "none":
+        return "it does not depend on the batch input"
+    return f"its rows are batch-major{where}"
+
+
+def _label(node: ir.Node) -> str:
+    return f"{node.name!r} ({node.op_type})"
+
+
+def _dims(value) -> Optional[list]:
+    if value is None or value.shape is None:
+        return None
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def _rank(value) -> Optional[int]:
+    dims = _dims(value)
+    return None if dims is None else len(dims)
+
+
+def _const(value) -> Optional[np.ndarray]:
+    """``value``'s constant contents (an initializer or a ``Constant`` node's output), or ``None``."""
+    if value is None:
+        return None
+    c = value.const_value
+    if c is not None:
+        try:
+            return np.asarray(c.numpy())
+        except Exception:  # noqa: BLE001 - an external / lazy tensor: not a constant we can read
+            return None
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        attr = producer.attributes.get("value")
+        if attr is not None and attr.value is not None:
+            try:
+                return np.asarray(attr.value.numpy())
+            except Exception:  # noqa: BLE001
+                return None
+        for name in ("value_int", "value_ints"):
+            attr = producer.attributes.get(name)
+            if attr is not None:
+                return np.asarray(attr.value)
+    return None
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+_ELEMENTWISE = {
+    "Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Sum", "Mean", "Equal", "Less", "Greater",
+    "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Not", "BitShift", "BitwiseAnd", "BitwiseOr",
+    "BitwiseXor", "BitwiseNot", "Mod", "PRelu", "Relu", "Sigmoid", "Tanh", "Erf", "Gelu", "Exp", "Log", "Sqrt",
+    "Neg", "Abs", "Cast", "CastLike", "Identity", "Dropout", "Clip", "Sign", "Reciprocal", "Floor", "Ceil",
+    "Round", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh",
+    "HardSigmoid", "HardSwish", "LeakyRelu", "Elu", "Selu", "Celu", "ThresholdedRelu", "Softplus", "Softsign",
+    "Mish", "IsNaN", "IsInf", "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "Shrink",
+    "FastGelu", "BiasGelu", "QuickGelu", "BiasAdd", "Swish",
+}
+_N_FIRST = {
+    "Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "MaxPool", "AveragePool", "LpPool", "GlobalAveragePool",
+    "GlobalMaxPool", "GlobalLpPool", "BatchNormalization", "InstanceNormalization", "LRN", "Resize", "Upsample",
+    "DepthToSpace", "SpaceToDepth", "GroupNormalization", "MaxUnpool", "Col2Im", "DeformConv",
+}
+_REDUCE = {
+    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+    "ReduceLogSumExp", "ReduceSumSquare",
+}
+_LAST_AXIS = {"Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "SimplifiedLayerNormalization",
+              "RMSNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "CumSum", "TopK",
+              "ArgMax", "ArgMin", "LpNormalization", "ReverseSequence"}
+_NO_BATCH = {"Shape", "Size"}
+
+
+class _Analysis:
+    def __init__(self, graph: ir.Graph, none_values: set):
+        self.graph = graph
+        self.none_values = none_values
+        self.layouts: dict = {}
+        self.batch = None
+        self.shapes: dict = {}  # id(int64 1-d / scalar value) -> [token], computed from Shape ops
+        self.consts: dict = {}  # id(value) -> small int array folded from constants (pads, axes, shapes)
+
+    def const(self, value) -> Optional[np.ndarray]:
+        if value is None:
+            return None
+        hit = self.consts.get(id(value))
+        return hit if hit is not None else _const(value)
+
+    def axes(self, node: ir.Node, input_index: int = 1) -> Optional[list]:
+        attr = node.attributes.get("axes")
+        if attr is not None:
+            return [int(a) for a in attr.value]
+        if len(node.inputs) > input_index and node.inputs[input_index] is not None:
+            c = self.const(node.inputs[input_index])
+            return None if c is None else [int(a) for a in np.ravel(c)]
+        return []
+
+    def fold(self, node: ir.Node) -> None:
+        """Fold a small integer op of constants (torch's TorchScript exporter builds ``Pad``'s pads
+        and some shapes from constants this way)."""
+        if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or node.op_type not in _FOLDED:
+            return
+        args = [self.const(v) if v is not None else None for v in node.inputs]
+        if any(a is None for a, v in zip(args, node.inputs) if v is not None) or not args and \
+                node.op_type != "ConstantOfShape":
+            return
+        if any(a is not None and (a.dtype.kind not in "iub" or a.size > 4096) for a in args):
+            return
+        try:
+            out = _fold(node, args)
+        except (ValueError, IndexError, TypeError):
+            return
+        if out is not None and out.size <= 4096:
+            self.consts[id(node.outputs[0])] = out
+
+    # -- shape values: what a computed Reshape shape holds -------------------------------------
+
+    def dim_token(self, value, i: int):
+        """Dim ``i`` of ``value`` as a comparable token: ``"B"`` where the batch is (``"axis"``
+        ``i``), an int, a named symbol, else one unique to the value and axis."""
+        layout = self.of(value)
+        if layout.kind == "axis" and layout.axis == i:
+            return "B"
+        dims = _dims(value)
+        if dims is not None and i < len(dims) and dims[i] is not None:
+            return ("n", dims[i]) if isinstance(dims[i], int) else ("s", dims[i])
+        return ("v", id(value), i)
+
+    def tokens(self, value) -> Optional[list]:
+        """A shape-like int value's entries as tokens (:meth:`dim_token`), or ``None``."""
+        if value is None:
+            return None
+        hit = self.shapes.get(id(value))
+        if hit is not None:
+            return hit
+        c = self.const(value)
+        if c is not None and c.dtype.kind in "iu" and c.ndim <= 1:
+            return [("n", int(v)) for v in np.ravel(c)]
+        dims = _dims(value)
+        if dims is not None and len(dims) <= 1 and all(isinstance(d, int) for d in dims):
+            return [("?", id(value), j) for j in range(dims[0] if dims else 1)]  # entries not followed
+        return None
+
+    def shape_value(self, node: ir.Node) -> None:
+        """Follow ``Shape`` through the int ops torch's exporters build a ``Reshape`` shape with."""
+        op, out = node.op_type, node.outputs[0] if node.outputs else None
+        if out is None or node.domain not in ("", "ai.onnx"):
+            return
+        found = None
+        if op == "Shape":
+            rank = _rank(node.inputs[0])
+            if rank is None:
+                return
+            start, end = int(_attr(node, "start", 0)), _attr(node, "end", None)
+            axes = list(range(rank))[slice(start, None if end is None else int(end))]
+            found = [self.dim_token(node.inputs[0], i) for i in axes]
+        elif op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and len(node.inputs) >= 1:
+            hit = self.tokens(node.inputs[0])
+            if hit is not None and (len(hit) <= 1 or op in ("Cast", "Identity", "Reshape")):
+                found = list(hit)  # a scalar made 1-d (or back), a 1-d shape kept 1-d
+        elif op == "Concat":
+            parts = [self.tokens(v) for v in node.inputs]
+            if all(p is not None for p in parts):
+                found = [t for p in parts for t in p]
+        elif op == "Gather":
+            data, idx = self.tokens(node.inputs[0]), self.const(node.inputs[1])
+            if data is not None and idx is not None and idx.ndim <= 1:
+                found = [data[int(i)] for i in np.ravel(idx)]
+        elif op == "Slice":
+            data = self.tokens(node.inputs[0])
+            starts, ends = (self.const(v) if v is not None else None for v in node.inputs[1:3])
+            if data is not None and starts is not None and ends is not None and len(node.inputs) <= 4:
+                found = data[int(np.ravel(starts)[0]):int(np.ravel(ends)[0])]
+        if found is not None:
+            self.shapes[id(out)] = found
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def seed(self) -> None:
+        inputs = [v for v in self.graph.inputs
+                  if not (v.is_initializer() or v.const_value is not None or id(v) in self.none_values)]
+        source = next((v for v in inputs if _dims(v)), None)
+        for value in self.graph.inputs:
+            self.layouts[id(value)] = NONE
+        if source is None:
+            return
+        self.batch = _dims(source)[0]
+        for value in inputs:
+            dims = _dims(value)
+            if dims is None:
+                self.layouts[id(value)] = Layout("unknown", where=f"graph input {value.name!r} (no shape)")
+            elif dims and dims[0] == self.batch:
+                self.layouts[id(value)] = Layout("axis", 0)
+            elif isinstance(self.batch, str) and self.batch in dims:
+                self.layouts[id(value)] = Layout("axis", dims.index(self.batch), f"graph input {value.name!r}")
+
+    def of(self, value) -> Layout:
+        if value is None:
+            return NONE
+        return self.layouts.get(id(value), NONE)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        self.seed()
+        for node in self.graph:
+            self.fold(node)
+            self.shape_value(node)
+            outs = self.node(node)
+            for value, layout in zip(node.outputs, outs):
+                if value is not None:
+                    self.layouts[id(value)] = layout
+        return self.layouts
+
+    def node(self, node: ir.Node) -> list:
+        n_out = len(node.outputs)
+        ins = [self.of(v) for v in node.inputs]
+        if any(isinstance(a.value, (ir.Graph, list)) and a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+               for a in node.attributes.values()):
+            captured = any(self.of(v).batched for v in _captured(node))  # outer values are in the map
+            if any(l.batched for l in ins) or captured:
+                return [Layout("unknown", where=_label(node))] * n_out
+            return [NONE] * n_out
+        batched = [l for l in ins if l.batched]
+        if not batched or node.op_type in _NO_BATCH:
+            return [NONE] * n_out
+        lost = next((l for l in batched if l.kind == "unknown"), None)
+        if lost is not None:
+            return [lost] * n_out
+        op = node.op_type
+        try:
+            out = self.rule(node, op, ins)
+        except (TypeError, ValueError, IndexError):  # an attribute / constant of an unexpected form
+            out = None
+        if out is None:
+            out = self.fallback(node, ins)
+        if isinstance(out, Layout):
+            out = [out] * n_out
+        return [l if l.kind != "unknown" or l.where else Layout("unknown", where=_label(node)) for l in out]
+
+    def rule(self, node: ir.Node, op: str, ins: list):
+        gone = Layout("unknown", where=_label(node))
+        out_rank = _rank(node.outputs[0]) if node.outputs else None
+        if op in _ELEMENTWISE:
+            if op == "CastLike":
+                ins = ins[:1]
+            if op in ("QuantizeLinear", "DequantizeLinear", "Clip", "PRelu", "DynamicQuantizeLinear"):
+                if any(l.batched for l in ins[1:]):
+                    return gone
+                ins = ins[:1]
+            return self.broadcast(node, [(l, v) for l, v in zip(ins, node.inputs)], out_rank)
+        if op in ("MatMul", "MatMulInteger", "Gemm", "FusedMatMul", "MatMulNBits", "QLinearMatMul"):
+            return self.matmul(node, op, ins)
+        if op == "Transpose":
+            l = ins[0]
+            rank = _rank(node.inputs[0])
+            perm = _attr(node, "perm")
+            if perm is None:
+                if rank is None:
+                    return gone
+                perm = list(reversed(range(rank)))
+            perm = [int(p) for p in perm]
+            if l.kind == "axis":
+                return Layout("axis", perm.index(l.axis), _label(node)) if perm.index(l.axis) != l.axis else l
+            if l.kind == "rows" and perm[0] == 0:
+                return l
+            return gone
+        if op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+            if any(l.batched for l in ins[1:]):
+                return gone
+            return self.reshape(node, op, ins[0])
+        if op == "Expand":
+            if ins[1].batched:
+                return gone
+            return self.broadcast(node, [(ins[0], node.inputs[0])], out_rank)
+        if op in ("Slice", "Pad", "Tile"):
+            if any(l.batched for l in ins[1:]):
+                return gone
+            return self.keep_unless(node, ins[0], self.touched(node, op))
+        if op in ("Gather", "GatherElements"):
+            return self.gather(node, op, ins)
+        if op == "Concat":
+            axis = int(_attr(node, "axis", 0))
+            rank = out_rank if out_rank is not None else _rank(node.inputs[0])
+            return self.same_layout(node, ins, axis, rank)
+        if op == "Split":
+            if any(l.batched for l in ins[1:]):
+                return gone
+            axis = int(_attr(node, "axis", 0))
+            return self.same_layout(node, ins[:1], axis, _rank(node.inputs[0]))
+        if op in _REDUCE:
+            return self.reduce(node, op, ins)
+        if op in _LAST_AXIS:
+            if any(l.batched for l in ins[1:]) and op not in ("SkipLayerNormalization",
+                                                            "SkipSimplifiedLayerNormalization"):
+                return gone
+            rank = _rank(node.inputs[0])
+            default = 1 if op in ("ArgMax", "ArgMin") else -1
+            if op in ("ArgMax", "ArgMin", "CumSum", "TopK"):
+                axis = int(_attr(node, "axis", 0 if op in ("ArgMax", "ArgMin") else -1))
+                if op == "CumSum":
+                    c = self.const(node.inputs[1])
+                    if c is None:
+                        return gone
+                    axis = int(np.ravel(c)[0])
+            else:
+                axis = int(_attr(node, "axis", default))
+            if op == "ReverseSequence":
+                return gone
+            if rank is None:
+                return gone if axis >= 0 else None
+            axis = axis + rank if axis < 0 else axis
+            main = ins[0]
+            if op.startswith("Skip"):
+                main = self.broadcast(node, [(l, v) for l, v in zip(ins[:2], node.inputs[:2])], rank)
+            if op in ("ArgMax", "ArgMin") and not int(_attr(node, "keepdims", 1)):
+                return self.keep_unless(node, main, {axis}, removed={axis})
+            # NOTE: before opset 13 Softmax flattens to 2-d at its axis: a batch before the axis
+            # is safe in both readings, one after it only in the newer one (not claimed)
+            if main.kind == "axis" and main.axis < axis:
+                return main
+            if main.kind == "rows" and axis > 0:
+                return main
+            return gone
+        if op in _N_FIRST:
+            if any(l.batched for l in ins[1:]):
+                return gone
+            if ins[0].kind == "axis" and ins[0].axis == 0 or ins[0].kind == "rows":
+                return ins[0]
+            return gone
+        if op in ("LSTM", "GRU", "RNN"):
+            return self.recurrent(node, ins)
+        return None
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    def broadcast(self, node: ir.Node, pairs: list, out_rank: Optional[int]):
+        gone = Layout("unknown", where=_label(node))
+        ranks = [_rank(v) for _, v in pairs if v is not None]
+        if out_rank is None:
+            out_rank = max(ranks) if ranks and None not in ranks else None
+        found = []
+        for layout, value in pairs:
+            if not layout.batched:
+                continue
+            rank = _rank(value)
+            if rank is None or out_rank is None:
+                found.append(layout if all(r is None or r == (rank or r) for r in ranks) else gone)
+                continue
+            if layout.kind == "axis":
+                axis = layout.axis + out_rank - rank
+                found.append(layout if axis == layout.axis else Layout("axis", axis, _label(node)))
+            elif rank == out_rank:
+                found.append(layout)
+            else:
+                return gone
+        return self.merge(node, found)
+
+    def merge(self, node: ir.Node, found: list):
+        if not found:
+            return NONE
+        kinds = {(l.kind, l.axis) for l in found}
+        if len(kinds) == 1:
+            return found[0]
+        if kinds <= {("axis", 0), ("rows", None)}:
+            return next(l for l in found if l.kind == "rows")
+        if kinds <= {("axis", 0), ("rows", None), ("flat", None)}:
+            return next(l for l in found if l.kind == "flat")
+        return Layout("unknown", where=_label(node))
+
+    def matmul(self, node: ir.Node, op: str, ins: list):
+        gone = Layout("unknown", where=_label(node))
+        if op == "Gemm":
+            if any(l.batched for l in ins[1:]) or int(_attr(node, "transA", 0)):
+                return gone
+            a = ins[0]
+            return a if a.kind in ("rows",) or (a.kind == "axis" and a.axis == 0) else gone
+        if op == "FusedMatMul" and any(int(_attr(node, k, 0)) for k in ("transA", "transB", "transBatchA",
+                                                                            "transBatchB")):
+            return gone
+        pairs = [(ins[0], node.inputs[0])]
+        if op in ("MatMul", "MatMulInteger", "FusedMatMul"):
+            pairs.append((ins[1], node.inputs[1]))
+        elif any(l.batched for l in ins[1:]):
+            return gone
+        out_rank = _rank(node.outputs[0])
+        found = []
+        for side, (layout, value) in enumerate(pairs):
+            if not layout.batched:
+                continue
+            rank = _rank(value)
+            if rank is None or out_rank is None or rank < 2:
+                return gone
+            if layout.kind == "axis":
+                k = layout.axis
+                if (side == 0 and k == rank - 1) or (side == 1 and k == rank - 2):
+                    return gone  # the contracted axis
+                if side == 0 and k == rank - 2:
+                    axis = out_rank - 2
+                elif side == 1 and k == rank - 1:
+                    axis = out_rank - 1
+                else:
+                    axis = k + out_rank - rank
+                found.append(layout if axis == k else Layout("axis", axis, _label(node)))
+            elif layout.kind == "rows" and rank == out_rank and (side == 0 or rank > 2):
+                found.append(layout)
+            else:
+                return gone
+        return self.merge(node, found)
+
+    def reshape(self, node: ir.Node, op: str, layout: Layout):
+        gone = Layout("unknown", where=_label(node))
+        x, y = node.inputs[0], node.outputs[0]
+        in_dims, out_dims = _dims(x), _dims(y)
+        if op in ("Squeeze", "Unsqueeze"):
+            axes = self.axes(node)
+            rank = _rank(x)
+            if axes is not None and rank is not None and (axes or op == "Unsqueeze"):
+                out_rank = rank + len(axes) if op == "Unsqueeze" else rank - len(axes)
+                axes = sorted(a + (out_rank if op == "Unsqueeze" else rank) if a < 0 else a for a in axes)
+                if op == "Unsqueeze":
+                    kept = [i for i in range(out_rank) if i not in axes]  # kept[j]: input axis j's position
+                else:
+                    kept = [i for i in range(rank) if i not in axes]
+                    kept = [kept.index(i) if i in kept else None for i in range(rank)]
+                if layout.kind == "axis":
+                    moved = kept[layout.axis]
+                    if moved is None:
+                        return gone
+                    return layout if moved == layout.axis else Layout("axis", moved, _label(node))
+                if layout.kind == "rows":
+                    return layout if kept[0] == 0 else Layout("flat", where=_label(node))
+                return layout if layout.kind == "flat" else gone
+        shape = self.const(node.inputs[1]) if op == "Reshape" and len(node.inputs) > 1 else None
+        entries = self.tokens(node.inputs[1]) if op == "Reshape" and len(node.inputs) > 1 else None
+        if op == "Flatten":
+            axis = int(_attr(node, "axis", 1))
+            rank = _rank(x)
+            if rank is not None and axis < 0:
+                axis += rank
+            if layout.kind == "axis" and layout.axis == 0 and axis == 1:
+                return layout
+            if layout.kind == "axis" and 0 < layout.axis < axis:
+                return Layout("unknown", where=_label(node))
+            if (layout.kind == "axis" and layout.axis == 0 or layout.kind == "rows") and axis >= 1:
+                return Layout("rows", where=_label(node))
+            return Layout("flat", where=_label(node)) if layout.batch_major else gone
+        # Reshape (or a Squeeze / Unsqueeze whose axes are not known): storage order kept
+        if layout.kind == "axis" and layout.axis > 0:
+            k = layout.axis
+            if in_dims is None:
+                return gone
+            lead = self.kept_lead(x, in_dims, out_dims, entries)
+            return layout if lead > k else gone
+        if not layout.batch_major:
+            return gone
+        lead = self.kept_lead(x, in_dims, out_dims, entries) if in_dims is not None else 0
+        if lead >= 1 and layout.kind in ("axis", "rows"):
+            return layout  # dim 0 kept: the same slices of axis 0
+        if (out_dims and self.batch is not None and out_dims[0] == self.batch) or (entries and entries[0] == "B"):
+            return Layout("axis", 0, _label(node))  # batch-major storage, dim 0 the batch: exactly it
+        if self.multiple_of_batch(in_dims, out_dims, shape, layout) or self.leading_merge(x, entries, layout):
+            return Layout("rows", where=_label(node))
+        return Layout("flat", where=_label(node))
+
+    def kept_lead(self, x, in_dims, out_dims, entries) -> int:
+        """How many leading dims a ``Reshape`` provably keeps: ``0`` entries of its shape, entries
+        equal to the input's dim (:meth:`tokens`: the batch, an int, a named symbol, a dim read
+        by ``Shape``), or equal output dims, after kept ones (the same sizes in front: the same
+        storage blocks)."""
+        n = 0
+        for i, d in enumerate(in_dims):
+            entry = entries[i] if entries is not None and i < len(entries) else None
+            if entry == ("n", 0) or (entry is not None and entry == self.dim_token(x, i)):
+                n += 1
+                continue
+            if out_dims is not None and i < len(out_dims) and d is not None and out_dims[i] == d:
+                n += 1
+                continue
+            break
+        if entries is not None and n < len(entries) and n < len(in_dims) and entries[n] == ("n", -1):
+            # [*kept, -1, *tail] with tail the input's dims after axis n merged: the -1 is axis n
+            tail, rest = entries[n + 1:], list(range(n + 1, len(in_dims)))
+            if tail == [self.dim_token(x, j) for j in rest]:
+                return n + 1
+            ints = [t[1] for t in tail if t[0] == "n"]
+            if len(ints) == len(tail) and all(isinstance(in_dims[j], int) for j in rest) and \
+                    all(v > 0 for v in ints) and int(np.prod(ints)) == int(np.prod([in_dims[j] for j in rest])):
+                return n + 1
+        return n
+
+    def leading_merge(self, x, entries, layout: Layout) -> bool:
+        """A ``Reshape`` to ``[-1, *tail]`` whose ``tail`` is the input's trailing dims (by
+        :meth:`tokens`): the leading dims merged, a multiple of the batch."""
+        if layout.kind == "flat" or not entries or entries[0] != ("n", -1):
+            return False
+        rank = _rank(x)
+        tail = entries[1:]
+        if rank is None or len(tail) >= rank:
+            return False
+        return all(t == self.dim_token(x, rank - len(tail) + i) and t != "B" for i, t in enumerate(tail))
+
+    def multiple_of_batch(self, in_dims, out_dims, shape, layout: Layout) -> bool:
+        """Whether a batch-major ``Reshape``'s output dim 0 is a multiple of the batch: static
+        dims divide, or the shape is ``[-1, *tail]`` with ``tail`` the input's trailing dims."""
+        if out_dims and isinstance(out_dims[0], int) and isinstance(self.batch, int) and self.batch > 0 \
+                and out_dims[0] % self.batch == 0:
+            return True  # batch-major storage: each slice of axis 0 within one batch element
+        if layout.kind == "flat":
+            return False
+        if shape is not None and in_dims is not None and np.size(shape) >= 1 and int(np.ravel(shape)[0]) == -1:
+            tail = [int(v) for v in np.ravel(shape)[1:]]
+            if all(v > 0 for v in tail):
+                product = int(np.prod(tail)) if tail else 1
+                acc = 1
+                for d in reversed(in_dims[1:]):
+                    if not isinstance(d, int):
+                        break
+                    acc *= d
+                    if acc == product:
+                        return True
+                if product == 1 and not tail:
+                    return False
+        return False
+
+    def touched(self, node: ir.Node, op: str) -> Optional[set]:
+        """The axes a ``Slice`` / ``Pad`` / ``Tile`` changes (``None``: not known)."""
+        rank = _rank(node.inputs[0])
+        if op == "Slice":
+            if len(node.inputs) < 3:
+                return None
+            starts, ends = self.const(node.inputs[1]), self.const(node.inputs[2])
+            axes = self.const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            steps = self.const(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+            if starts is None or ends is None:
+                axes_only = axes
+                if axes_only is None or rank is None:
+                    return None
+                return {int(a) + rank if int(a) < 0 else int(a) for a in np.ravel(axes_only)}
+            starts, ends = np.ravel(starts), np.ravel(ends)
+            axes = np.ravel(axes) if axes is not None else np.arange(len(starts))
+            steps = np.ravel(steps) if steps is not None else np.ones(len(starts), dtype=np.int64)
+            dims = _dims(node.inputs[0])
+            out = set()
+            for s, e, a, st in zip(starts, ends, axes, steps):
+                a = int(a)
+                if a < 0:
+                    if rank is None:
+                        return None
+                    a += rank
+                full = int(s) == 0 and int(st) == 1 and (int(e) >= 2 ** 31 - 1 or (
+                    dims is not None and isinstance(dims[a], int) and int(e) >= dims[a]))
+                if not full:
+                    out.add(a)
+            return out
+        if op == "Pad":
+            pads = self.const(node.inputs[1]) if len(node.inputs) > 1 else None
+            if pads is None:
+                pads = _attr(node, "pads")
+            if pads is None or rank is None:
+                return None
+            pads = [int(p) for p in np.ravel(pads)]
+            axes = self.const(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+            axes = [int(a) + rank if int(a) < 0 else int(a) for a in np.ravel(axes)] if axes is not None \
+                else list(range(rank))
+            half = len(pads) // 2
+            return {axes[i] for i in range(half) if pads[i] or pads[i + half]}
+        repeats = self.const(node.inputs[1]) if len(node.inputs) > 1 else None  # Tile
+        if repeats is None:
+            return None
+        return {i for i, r in enumerate(np.ravel(repeats)) if int(r) != 1}
+
+    def keep_unless(self, node: ir.Node, layout: Layout, touched: Optional[set], removed: set = frozenset()):
+        gone = Layout("unknown", where=_label(node))
+        if touched is None:
+            return gone
+        if layout.kind == "axis":
+            if layout.axis in touched:
+                return gone
+            shift = sum(1 for a in removed if a < layout.axis)
+            return layout if not shift else Layout("axis", layout.axis - shift, _label(node))
+        if layout.kind == "rows":
+            return layout if 0 not in touched and 0 not in removed else gone
+        return layout if not touched else gone
+
+    def same_layout(self, node: ir.Node, ins: list, axis: int, rank: Optional[int]):
+        gone = Layout("unknown", where=_label(node))
+        if rank is None:
+            return gone
+        axis = axis + rank if axis < 0 else axis
+        found = [l for l in ins if l.batched]
+        for l in found:
+            if l.kind == "axis" and l.axis == axis or l.kind == "rows" and axis == 0 or l.kind == "flat":
+                return gone
+        return self.merge(node, found)
+
+    def gather(self, node: ir.Node, op: str, ins: list):
+        gone = Layout("unknown", where=_label(node))
+        data, idx = ins[0], ins[1]
+        rank = _rank(node.inputs[0])
+        if rank is None:
+            return gone
+        axis = int(_attr(node, "axis", 0))
+        axis = axis + rank if axis < 0 else axis
+        if op == "GatherElements":
+            if data.batched and (data.kind == "axis" and data.axis == axis or data.kind != "axis" and axis == 0):
+                return gone
+            return self.broadcast(node, [(data, node.inputs[0]), (idx, node.inputs[1])], rank)
+        if data.batched and idx.batched:
+            return gone
+        idx_rank = _rank(node.inputs[1])
+        if idx_rank is None:
+            return gone
+        if data.batched:
+            if data.kind == "axis":
+                if data.axis == axis:
+                    return gone
+                moved = data.axis if data.axis < axis else data.axis - 1 + idx_rank
+                return data if moved == data.axis else Layout("axis", moved, _label(node))
+            return data if data.kind == "rows" and axis > 0 else gone
+        if idx.kind == "axis":
+            moved = axis + idx.axis
+            return idx if moved == idx.axis else Layout("axis", moved, _label(node))
+        if axis == 0 and idx.kind in ("rows", "flat"):
+            return idx
+        return gone
+
+    def reduce(self, node: ir.Node, op: str, ins: list):
+        gone = Layout("unknown", where=_label(node))
+        if any(l.batched for l in ins[1:]):
+            return gone
+        rank = _rank(node.inputs[0])
+        axes = self.axes(node)
+        if axes is None or rank is None:
+            return gone
+        if not axes:
+            if int(_attr(node, "noop_with_empty_axes", 0)):
+                return ins[0]
+            return gone  # every axis
+        axes = {a + rank if a < 0 else a for a in axes}
+        keep = int(_attr(node, "keepdims", 1))
+        return self.keep_unless(node, ins[0], axes, removed=set() if keep else axes)
+
+    def recurrent(self, node: ir.Node, ins: list):
+        gone = Layout("unknown", where=_label(node))
+        layout = int(_attr(node, "layout", 0))
+        want = Layout("axis", 0) if layout else Layout("axis", 1)
+        x = ins[0]
+        if not (x.kind == "axis" and x.axis == want.axis):
+            return gone
+        for i, l in enumerate(ins[1:], start=1):
+            if not l.batched:
+                continue
+            if i == 4:  # sequence_lens [batch]
+                if not (l.kind == "axis" and l.axis == 0):
+                    return gone
+            elif i in (5, 6) and not (l.kind == "axis" and l.axis == want.axis):  # initial_h / initial_c
+                return gone
+            elif i not in (4, 5, 6):
+                return gone
+        where = _label(node)
+        if layout:
+            return [Layout("axis", 0, where)] * len(node.outputs)
+        return [Layout("axis", 2, where)] + [Layout("axis", 1, where)] * (len(node.outputs) - 1)
+
+    def fallback(self, node: ir.Node, ins: list) -> list:
+        """An op without a rule: ``"axis" 0`` where every batched input has it and the output's
+        dim 0 is the batch; else unknown."""
+        gone = Layout("unknown", where=_label(node))
+        if not all(l.kind == "axis" and l.axis == 0 for l in ins if l.batched):
+            return [gone] * len(node.outputs)
+        dims0 = {(_dims(v) or [None])[0] for v, l in zip(node.inputs, ins) if l.batched}
+        out = []
+        for value in node.outputs:
+            dims = _dims(value)
+            out.append(Layout("axis", 0) if dims and (dims[0] in dims0 or dims[0] == self.batch) and
+                       dims[0] is not None else gone)
+        return out
+
+
+_FOLDED = {"ConstantOfShape", "Concat", "Reshape", "Slice", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Gather",
+           "Add", "Sub", "Mul", "Neg", "Identity"}
+
+
+def _fold(node: ir.Node, args: list) -> Optional[np.ndarray]:
+    """``node`` (an op of :data:`_FOLDED`) on the integer arrays ``args``, in numpy."""
+    op = node.op_type
+    if op == "ConstantOfShape":
+        attr = node.attributes.get("value")
+        fill = np.asarray(attr.value.numpy()).ravel()[0] if attr is not None else np.float32(0)
+        if np.asarray(fill).dtype.kind not in "iub":
+            return None
+        return np.full([int(d) for d in np.ravel(args[0])], fill)
+    if op == "Concat":
+        return np.concatenate([np.atleast_1d(a) for a in args], axis=int(_attr(node, "axis", 0)))
+    if op == "Reshape":
+        shape = [int(d) for d in np.ravel(args[1])]
+        shape = [args[0].shape[i] if d == 0 and not _attr(node, "allowzero", 0) else d for i, d in enumerate(shape)]
+        return args[0].reshape(shape)
+    if op == "Slice":
+        data, starts, ends = args[0], np.ravel(args[1]), np.ravel(args[2])
+        axes = np.ravel(args[3]) if len(args) > 3 and args[3] is not None else np.arange(len(starts))
+        steps = np.ravel(args[4]) if len(args) > 4 and args[4] is not None else np.ones(len(starts), dtype=np.int64)
+        index = [slice(None)] * data.ndim
+        for st, en, ax, sp in zip(starts, ends, axes, steps):
+            en = int(en)
+            en = None if (sp > 0 and en >= data.shape[int(ax)]) or en < -(2 ** 62) else en
+            index[int(ax)] = slice(int(st), en, int(sp))
+        return data[tuple(index)]
+    if op == "Transpose":
+        perm = _attr(node, "perm")
+        return np.transpose(args[0], None if perm is None else [int(p) for p in perm])
+    if op == "Cast":
+        to = ir.DataType(int(_attr(node, "to")))
+        return args[0].astype(to.numpy()) if to.is_integer() else None
+    if op in ("Unsqueeze", "Squeeze"):
+        axes = node.attributes.get("axes")
+        axes = [int(a) for a in axes.value] if axes is not None else (
+            [int(a) for a in np.ravel(args[1])] if len(args) > 1 and args[1] is not None else None)
+        if op == "Squeeze":
+            return np.squeeze(args[0], axis=None if axes is None else tuple(axes))
+        out = args[0]
+        rank = out.ndim + len(axes)
+        for a in sorted(a + rank if a < 0 else a for a in axes):
+            out = np.expand_dims(out, a)
+        return out
+    if op == "Gather":
+        return np.take(args[0], args[1], axis=int(_attr(node, "axis", 0)))
+    if op in ("Add", "Sub", "Mul"):
+        return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](args[0], args[1])
+    if op == "Neg":
+        return -args[0]
+    return args[0]  # Identity
+
+
+def _captured(node: ir.Node) -> list:
+    """Every value read inside ``node``'s subgraphs (the outer graph's among them)."""
+    out = []
+    for attr in node.attributes.values():
+        graphs = attr.value if isinstance(attr.value, list) else [attr.value]
+        for g in graphs:
+            if isinstance(g, ir.Graph):
+                for inner in ir.traversal.RecursiveGraphIterator(g):
+                    out += [v for v in inner.inputs if v is not None]
+    return out
+
+
+def batch_layouts(graph: ir.Graph, none_values=()) -> dict:
+    """``{id(value): Layout}`` for every value of ``graph``'s main body (module docstring);
+    ``none_values``: graph inputs holding no batch (params fed as inputs)."""
+    return _Analysis(graph, {id(v) for v in none_values}).run()

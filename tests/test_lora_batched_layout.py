@@ -1,0 +1,186 @@
+"""Batched LoRA follows the batch through the graph (``onnxparam/lora/_batch_axis.py``): a row's
+adapter lands on that row's values whatever layout the adapted node sees, or the export / call
+is refused naming the weight and the node where the batch axis was lost; never rows mixed.
+
+Oracle: PEFT in torch with two adapters (ranks 2 / 3), run per row with ``set_adapter`` (row
+``n`` of the whole batch's output under adapter ``rows[n]``; ``disable_adapter`` for the base
+rows): PEFT's own ``adapter_names=`` splits dim 0 of each adapted layer's input, which is not
+the batch in a sequence-first model. Both the ``lora="batched"`` export in plain ONNX Runtime and
+``module(x, adapter_index=...)`` must match it within 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
+
+from onnxparam import LoraError, Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+
+ATOL = 1e-5
+ADAPTERS = {"s1": (2, 4), "s2": (3, 5)}  # name: (r, alpha)
+ROWS = ["s1", None, "s2", "s1"]
+
+
+class SeqFirst(torch.nn.Module):
+    """``fc`` on ``[T, B, D]`` (``x.transpose(0, 1)``), back to batch-first, then ``out``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.fc(x.transpose(0, 1)).transpose(0, 1))
+
+
+class PermutedRows(torch.nn.Module):
+    """``fc`` on ``x.permute(1, 0, 2).reshape(-1, D)``: rows in (t, b) order, a ``Gemm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x.permute(1, 0, 2).reshape(-1, 6))
+        return h.reshape(x.shape[1], x.shape[0], 6).permute(1, 0, 2)
+
+
+class FoldedConv(torch.nn.Module):
+    """``Conv1d`` on ``[B * T, C, L]`` (``x.reshape(-1, 2, 5)`` of ``[B, T, 2, 5]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = torch.nn.Conv1d(2, 4, 3, padding=1), torch.nn.Linear(4 * 3 * 5, 3)
+
+    def forward(self, x):
+        return self.out(self.conv(x.reshape(-1, 2, 5)).reshape(x.shape[0], -1))
+
+
+class Tagger(torch.nn.Module):
+    """Embedding -> batch-first LSTM -> Linear over each token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 6)
+        self.lstm = torch.nn.LSTM(6, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 4)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+class SeqFirstGru(torch.nn.Module):
+    """``fc`` -> sequence-first bidirectional GRU (``layout=0``: the batch on axis 1 of X, 2 of
+    Y) -> ``head`` on ``[T, B, 2 * H]`` -> batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(10, 3)
+        self.gru = torch.nn.GRU(6, 5, bidirectional=True)
+
+    def forward(self, x):
+        return self.head(self.gru(self.fc(x).transpose(0, 1))[0]).transpose(0, 1)
+
+
+class Encoder(torch.nn.Module):
+    """torch's ``TransformerEncoderLayer(batch_first=True)``: its attention runs sequence-first
+    inside and feeds ``out_proj`` ``[T * B, D]`` rows in (t, b) order."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def _setup(model, x, targets, tmp_path, exporter="torchscript"):
+    """``(module with the named adapters, per-row PEFT outputs, the torch input as numpy)``."""
+    randomize(model.eval(), seed=7)
+    path = export(model, (x,), tmp_path / "model.onnx", exporter, dynamic={0: "batch"}, input_names=["x"],
+                  output_names=["y"])
+    for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
+        peft_lora(model, targets, r, alpha, seed=40 + k, folder=tmp_path / name)
+    reference = peft_with_adapters(model, {name: tmp_path / name for name in ADAPTERS})
+    rows = []
+    with torch.no_grad():
+        for n, name in enumerate(ROWS):
+            if name is None:
+                with reference.disable_adapter():
+                    rows.append(reference(x)[n].numpy())
+            else:
+                reference.set_adapter(name)
+                rows.append(reference(x)[n].numpy())
+    imported = import_onnx(path)
+    module = imported
+    for name in ADAPTERS:
+        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    return module, np.stack(rows), x.numpy()
+
+
+def _index():
+    return np.asarray([0 if r is None else list(ADAPTERS).index(r) + 1 for r in ROWS], dtype=np.int64)
+
+
+def _both(module, x, tmp_path, expected):
+    """The batched export in plain ONNX Runtime (the whole batch, and its first two rows: a
+    dynamic batch) and ``module(x, adapter_index=...)`` give each row ``expected``'s."""
+    exported = export_onnx(module, tmp_path / "batched.onnx", x, lora="batched")
+    run = session(exported)
+    np.testing.assert_allclose(run.run(None, {"x": x, "adapter_index": _index()})[0], expected, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(run.run(None, {"x": x[:2], "adapter_index": _index()[:2]})[0], expected[:2],
+                               atol=ATOL, rtol=0)
+    called = module(Tensor.from_numpy(x), adapter_index=ROWS).to_numpy()
+    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("seq", [3, 4])  # seq 4 = the batch: the dims alone cannot tell the axes apart
+def test_a_sequence_first_linear_takes_each_rows_adapter_on_its_batch_axis(tmp_path, seq):
+    torch.manual_seed(0)
+    module, expected, x = _setup(SeqFirst(), torch.randn(4, seq, 6), ["fc"], tmp_path)
+    _both(module, x, tmp_path, expected)
+
+
+def test_rows_flattened_in_sequence_major_order_are_refused_naming_the_weight_and_node(tmp_path):
+    torch.manual_seed(0)
+    module, _, x = _setup(PermutedRows(), torch.randn(4, 3, 6), ["fc"], tmp_path)
+    for run in (lambda: export_onnx(module, tmp_path / "batched.onnx", x, lora="batched"),
+                lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
+        with pytest.raises(LoraError, match=r"'fc\.weight'.*'/Gemm'.*lost at node '/Reshape' \(Reshape\)"):
+            run()
+    # one adapter for every row needs no row layout: it still runs (the plain "inputs" path)
+    assert module.set_adapter("s1")(Tensor.from_numpy(x)).shape == (4, 3, 6)
+
+
+def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path):
+    torch.manual_seed(0)
+    module, expected, x = _setup(FoldedConv(), torch.randn(4, 3, 2, 5), ["conv"], tmp_path)
+    _both(module, x, tmp_path, expected)
+
+
+def test_a_batch_first_lstm_tagger_keeps_its_embedding_and_head_rows(tmp_path):
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 20, size=(4, 5)))
+    module, expected, x = _setup(Tagger(), ids, ["emb", "head"], tmp_path)
+    _both(module, x, tmp_path, expected)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_sequence_first_bidirectional_gru_keeps_the_rows_of_the_layers_around_it(tmp_path, exporter):
+    torch.manual_seed(0)
+    module, expected, x = _setup(SeqFirstGru(), torch.randn(4, 3, 6), ["fc", "head"], tmp_path, exporter)
+    _both(module, x, tmp_path, expected)
+
+
+def test_torchs_attention_out_proj_is_refused_by_name(tmp_path):
+    """``nn.MultiheadAttention`` flattens its output sequence-major for ``out_proj`` (even with
+    ``batch_first=True``): refused, naming it (it was applied to the wrong rows before)."""
+    torch.manual_seed(0)
+    module, _, x = _setup(Encoder(), torch.randn(4, 3, 8), ["linear1", "linear2", "out_proj"], tmp_path, "dynamo")
+    for run in (lambda: export_onnx(module, tmp_path / "batched.onnx", x, lora="batched"),
+                lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
+        with pytest.raises(LoraError, match=r"'layer\.self_attn\.out_proj\.weight' is adapted at node"):
+            run()

@@ -329,6 +329,8 @@ class OnnxModule(Module):
         still hold the same values, so the elementwise optimizers of :mod:`onnxparam.optim`
         keep them bit-equal and an export writes a tied model again. A pair whose values
         differ (a checkpoint loaded into one side) or with one side frozen trains as two params.
+        As the file holds both, ``num_params`` and records count and store both (torch counts
+        its tied weight once).
         """
         ties = self._source.cache.get("ties")
         if ties is None:

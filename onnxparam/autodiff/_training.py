@@ -39,6 +39,7 @@ from ..runtime import _calls
 from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
+from ..trace import guards as _guards
 from ..trace import tracer as _trace
 from . import _dynamic
 from ._backward import build_training_model
@@ -178,7 +179,26 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
             raise TraceError(f"loss_fn must return a Tensor (the loss); got {type(loss).__name__}")
         # NOTE: the output is called "loss" unless a param or input already has that name
         output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
-        return tracer.finish(loss, output_names=output, input_names=names)
+        forward = tracer.finish(loss, output_names=output, input_names=names)
+    forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}")
+    return forward
+
+
+def _built(forward, wrt, marked) -> tuple:
+    """``build_training_model``'s ``(training, grad paths)``, the training model carrying the
+    forward's guards (:mod:`onnxparam.trace.guards`)."""
+    training, grad_paths = build_training_model(forward, wrt, marked)
+    guards = forward._cache.get("guards")
+    if guards:
+        training._cache["guards"] = guards
+    return training, grad_paths
+
+
+def _holds(hit) -> bool:
+    """Whether a cached ``(training, grad paths)`` entry's guards still hold (the globals and
+    closure values its ``loss_fn`` read are what the trace saw)."""
+    guards = hit[0]._cache.get("guards")
+    return not guards or _guards.guards_hold(guards)
 
 
 def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
@@ -189,7 +209,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     marked = recomputed_paths(module)
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all, marked)
     hit = _graphs.get(key)
-    if hit is not None:
+    if hit is not None and _holds(hit):
         _graphs.move_to_end(key)
         return (key,) + hit
     if session_config(module).dynamic_shapes == "auto":
@@ -197,13 +217,14 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
 
         def lookup(gen_key):
             hit = _graphs.get(gen_key)
-            if hit is not None:
-                _graphs.move_to_end(gen_key)
+            if hit is None or not _holds(hit):
+                return None
+            _graphs.move_to_end(gen_key)
             return hit
 
         def build(gen_key, shapes, least):
             forward = _trace_loss(loss_fn, module, args, kwargs, shapes, least)
-            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params], marked)
+            entry = _built(forward, [p for p in wrt_all if p in forward.params], marked)
             _graphs[gen_key] = entry
             _calls._trim(_graphs, MAX_CACHED_TRAINING)
             return entry
@@ -214,7 +235,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)
     wrt = [p for p in wrt_all if p in forward.params]
-    training, grad_paths = build_training_model(forward, wrt, marked)
+    training, grad_paths = _built(forward, wrt, marked)
     _graphs[key] = (training, grad_paths)
     _calls._trim(_graphs, MAX_CACHED_TRAINING)
     return key, training, grad_paths
@@ -272,6 +293,8 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         fed_params = [lora_graph.initializer_param(by_path[p], TRAINING_LORA_MODE) for p in trainable]
         device = pick_device(owner, frozen + list(zip(trainable, fed_params)), tensors)
         session_key = (key, device, config, tuple(_calls._value_token(p) for _, p in frozen))
+        if training._cache.get("guards"):  # NOTE: a retrace after a failed guard has the same key
+            session_key += (_calls._Ref(training),)
         runner = _sessions.get(session_key)
         if runner is None:
             # NOTE: no memory pattern: with it, the second run allocated one block for all the

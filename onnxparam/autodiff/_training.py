@@ -162,6 +162,7 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
     # and not what module(x) computes). Fixed here, so it is not part of the cache key.
+    arguments = list(args) + list(kwargs.values())
     with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
         args = list(args)
         kwargs = dict(kwargs)
@@ -180,7 +181,8 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
         # NOTE: the output is called "loss" unless a param or input already has that name
         output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
         forward = tracer.finish(loss, output_names=output, input_names=names)
-    forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}")
+    forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}",
+                                                    arguments)
     return forward
 
 

@@ -218,8 +218,9 @@ def guarded_objects(guards: tuple) -> set:
     return ids
 
 
-def _module_values(modules: Iterable) -> set:
-    """Ids of every value held by the attributes of ``modules`` (through lists / tuples / dicts)."""
+def _module_values(modules: Iterable, values: Iterable = ()) -> set:
+    """Ids of every value held by the attributes of ``modules`` and of ``values`` (through lists /
+    tuples / dicts)."""
     ids: set = set()
 
     def visit(value, depth):
@@ -236,6 +237,8 @@ def _module_values(modules: Iterable) -> set:
     for m in modules:
         for v in vars(m).values():
             visit(v, 0)
+    for v in values:
+        visit(v, 0)
     return ids
 
 
@@ -247,30 +250,33 @@ def uncovered_tensors(baked: list, guards: tuple, modules: Iterable, internal: I
     tracer's own lists (``internal``) refers to)."""
     if not baked:
         return []
-    covered = guarded_objects(guards) | _module_values(modules) | {id(x) for x in covered}
+    covered = guarded_objects(guards) | _module_values(modules, covered)
     left = [t for t in baked if id(t) not in covered]
     if not left:
         return []
     import gc
 
-    skip = {id(x) for x in internal} | {id(baked)}
-    out = []
-    for t in left[:8]:
-        holders = [r for r in gc.get_referrers(t) if id(r) not in skip and not isinstance(r, types.FrameType)]
-        if holders:
-            out.append(t)
-    return out
+    # NOTE: one heap scan for all of them (gc.get_referrers walks every tracked object)
+    skip = {id(x) for x in internal} | {id(baked), id(left)}
+    wanted = {id(t) for t in left}
+    held: set = set()
+    for r in gc.get_referrers(*left):
+        if id(r) in skip or isinstance(r, types.FrameType):
+            continue
+        held.update(id(x) for x in gc.get_referents(r) if id(x) in wanted)
+    return [t for t in left if id(t) in held]
 
 
-def trace_guards(tracer, functions: Iterable = (), what: str = "forward") -> tuple:
+def trace_guards(tracer, functions: Iterable = (), what: str = "forward", arguments: Iterable = ()) -> tuple:
     """The guards of a finished trace: of ``functions`` (a ``loss_fn``) and of the methods of the
-    user classes of every module the trace called; warns (:class:`CaptureWarning`) for each baked
+    user classes of every module the trace called; ``arguments``: the call's arguments (tensors
+    inside a list argument are baked, and keyed by the call signature: not outside); warns (:class:`CaptureWarning`) for each baked
     outside tensor no guard or module attribute watches (``what`` names the traced code)."""
     import functools
 
     from ..core.module import Module
 
-    functions, bound = list(functions), []
+    functions, bound = list(functions), list(arguments)
     for i, f in enumerate(functions):
         while isinstance(f, functools.partial):  # NOTE: its arguments cannot be rebound: not stale
             bound += list(f.args) + list(f.keywords.values())

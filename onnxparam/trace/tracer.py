@@ -526,6 +526,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
     """
     args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
     kwargs = dict(kwargs or {})
+    arguments = args + list(kwargs.values())
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     declared.update(opset_imports or {})
     tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module, passes=passes)
@@ -582,7 +583,8 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
     if guard:
         from .guards import trace_guards
 
-        traced._cache["guards"] = trace_guards(tracer, (), f"{type(module).__name__}.forward")
+        traced._cache["guards"] = trace_guards(tracer, (), f"{type(module).__name__}.forward",
+                                               arguments)
     if batch is not None:
         check_batch_outputs(traced, batch)
     return traced

@@ -345,3 +345,77 @@ def test_gpt2_two_steps_match_torch_and_stay_tied(gpt2, which, tmp_path):
 @pytest.mark.slow
 def test_gpt2_unmodified_import_exports_the_files_graph(gpt2, tmp_path):
     _exports_the_files_graph(gpt2[1], tmp_path)
+
+
+def test_the_summed_gradients_of_a_table_larger_than_one_block_are_the_numpy_sum():
+    """The sum runs in row blocks of the table (cache-friendly transposes): a 300-row table (several
+    blocks and a partial one) against numpy's ``g_table + g_head.T``; a side the loss misses is zeros;
+    one value changed on one side unties the pair."""
+    from onnxparam.autodiff._ties import tie_gradients
+
+    rng = np.random.default_rng(5)
+    t = rng.normal(size=(300, 7)).astype(np.float32)
+    table = op.Param(op.ParamId(), value=op.Tensor.from_numpy(t))
+    head = op.Param(op.ParamId(), value=op.Tensor.from_numpy(np.ascontiguousarray(t.T)))
+    gt, gh = rng.normal(size=(300, 7)).astype(np.float32), rng.normal(size=(7, 300)).astype(np.float32)
+    by_path = {"t": table, "h": head}
+    ties = [("h", "t", True)]
+    for grads, want in (({table.id: gt, head.id: gh}, gt + gh.T), ({table.id: gt}, gt), ({head.id: gh}, gh.T)):
+        out = tie_gradients({k: op.Tensor.from_numpy(v) for k, v in grads.items()}, by_path, ties)
+        np.testing.assert_array_equal(out[table.id].to_numpy(), want)
+        np.testing.assert_array_equal(out[head.id].to_numpy(), want.T)
+    same = op.Param(op.ParamId(), value=op.Tensor.from_numpy(t.copy()))  # a tie without transpose (Gemm transB=1)
+    out = tie_gradients({table.id: op.Tensor.from_numpy(gt), same.id: op.Tensor.from_numpy(gh.T.copy())},
+                        {"t": table, "h": same}, [("h", "t", False)])
+    np.testing.assert_array_equal(out[table.id].to_numpy(), gt + gh.T)
+    np.testing.assert_array_equal(out[same.id].to_numpy(), gt + gh.T)
+    t2 = t.T.copy()
+    t2[3, 299] += 1.0  # in the last, partial block
+    untied = {"t": table, "h": op.Param(head.id, value=op.Tensor.from_numpy(t2))}
+    out = tie_gradients({table.id: op.Tensor.from_numpy(gt), head.id: op.Tensor.from_numpy(gh)}, untied, ties)
+    np.testing.assert_array_equal(out[table.id].to_numpy(), gt)
+    np.testing.assert_array_equal(out[head.id].to_numpy(), gh)
+
+
+class _Around(op.Module):
+    """A module of the user's holding the imported model (its params at ``inner.*``)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, ids):
+        return self.inner(ids)
+
+
+def test_an_imported_model_inside_a_module_of_yours_trains_its_tie_as_one(tiny):
+    model, imported, ids, target = tiny
+    around = _Around(imported)
+    model.zero_grad()
+    _loss_torch(model, torch.tensor(ids), torch.tensor(target)).backward()
+    _, grads = grad(_loss, around, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
+    (head, (table, _)), = imported.onnx_ties.items()
+    params = dict(around.named_params())
+    want = model.wte.weight.grad.numpy()
+    np.testing.assert_allclose(grads[params[f"inner.{table}"]].to_numpy(), want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+    np.testing.assert_allclose(grads[params[f"inner.{head}"]].to_numpy().T, want, rtol=RTOL,
+                               atol=RTOL * np.abs(want).max())
+
+
+@pytest.mark.slow  # one more dynamo export
+def test_dynamo_without_its_optimizer_writes_the_tie_as_one_initializer_and_one_param(tmp_path):
+    """``torch.onnx.export(..., dynamo=True, optimize=False)`` (the README's way around merged
+    initializers) keeps the tied weight one initializer, read by ``Gather`` and ``Transpose``:
+    one param, no pair to sum, and its gradient is torch's ``wte.grad``."""
+    model = _tiny()
+    ids, target = _data()
+    path = tmp_path / "noopt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
+                          dynamo=True, optimize=False, external_data=False)
+    imported = op.import_onnx(path)
+    assert imported.onnx_ties == {}
+    uses = {n.op_type for n in onnx.load(str(path)).graph.node if "lm_head.weight" in n.input or "wte.weight" in n.input}
+    assert uses == {"Gather", "Transpose"}
+    held = _check_grads(imported, model, ids, target)
+    assert len(held["wte.weight"]) == 1

@@ -73,10 +73,35 @@ class Tagger(torch.nn.Module):
         return self.head(self.lstm(self.emb(ids))[0])
 
 
-def _setup(model, x, targets, tmp_path):
+class SeqFirstGru(torch.nn.Module):
+    """``fc`` -> sequence-first bidirectional GRU (``layout=0``: the batch on axis 1 of X, 2 of
+    Y) -> ``head`` on ``[T, B, 2 * H]`` -> batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(10, 3)
+        self.gru = torch.nn.GRU(6, 5, bidirectional=True)
+
+    def forward(self, x):
+        return self.head(self.gru(self.fc(x).transpose(0, 1))[0]).transpose(0, 1)
+
+
+class Encoder(torch.nn.Module):
+    """torch's ``TransformerEncoderLayer(batch_first=True)``: its attention runs sequence-first
+    inside and feeds ``out_proj`` ``[T * B, D]`` rows in (t, b) order."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def _setup(model, x, targets, tmp_path, exporter="torchscript"):
     """``(module with the named adapters, per-row PEFT outputs, the torch input as numpy)``."""
     randomize(model.eval(), seed=7)
-    path = export(model, (x,), tmp_path / "model.onnx", "torchscript", dynamic={0: "batch"}, input_names=["x"],
+    path = export(model, (x,), tmp_path / "model.onnx", exporter, dynamic={0: "batch"}, input_names=["x"],
                   output_names=["y"])
     for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
         peft_lora(model, targets, r, alpha, seed=40 + k, folder=tmp_path / name)
@@ -101,21 +126,23 @@ def _index():
     return np.asarray([0 if r is None else list(ADAPTERS).index(r) + 1 for r in ROWS], dtype=np.int64)
 
 
-def _both(module, x, tmp_path):
-    """The batched export's output in plain ONNX Runtime and ``module(x, adapter_index=...)``."""
+def _both(module, x, tmp_path, expected):
+    """The batched export in plain ONNX Runtime (the whole batch, and its first two rows: a
+    dynamic batch) and ``module(x, adapter_index=...)`` give each row ``expected``'s."""
     exported = export_onnx(module, tmp_path / "batched.onnx", x, lora="batched")
-    served = session(exported).run(None, {"x": x, "adapter_index": _index()})[0]
+    run = session(exported)
+    np.testing.assert_allclose(run.run(None, {"x": x, "adapter_index": _index()})[0], expected, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(run.run(None, {"x": x[:2], "adapter_index": _index()[:2]})[0], expected[:2],
+                               atol=ATOL, rtol=0)
     called = module(Tensor.from_numpy(x), adapter_index=ROWS).to_numpy()
-    return served, called
+    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("seq", [3, 4])  # seq 4 = the batch: the dims alone cannot tell the axes apart
 def test_a_sequence_first_linear_takes_each_rows_adapter_on_its_batch_axis(tmp_path, seq):
     torch.manual_seed(0)
     module, expected, x = _setup(SeqFirst(), torch.randn(4, seq, 6), ["fc"], tmp_path)
-    served, called = _both(module, x, tmp_path)
-    np.testing.assert_allclose(served, expected, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
+    _both(module, x, tmp_path, expected)
 
 
 def test_rows_flattened_in_sequence_major_order_are_refused_naming_the_weight_and_node(tmp_path):
@@ -132,14 +159,28 @@ def test_rows_flattened_in_sequence_major_order_are_refused_naming_the_weight_an
 def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path):
     torch.manual_seed(0)
     module, expected, x = _setup(FoldedConv(), torch.randn(4, 3, 2, 5), ["conv"], tmp_path)
-    served, called = _both(module, x, tmp_path)
-    np.testing.assert_allclose(served, expected, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
+    _both(module, x, tmp_path, expected)
 
 
 def test_a_batch_first_lstm_tagger_keeps_its_embedding_and_head_rows(tmp_path):
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 20, size=(4, 5)))
     module, expected, x = _setup(Tagger(), ids, ["emb", "head"], tmp_path)
-    served, called = _both(module, x, tmp_path)
-    np.testing.assert_allclose(served, expected, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
+    _both(module, x, tmp_path, expected)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_sequence_first_bidirectional_gru_keeps_the_rows_of_the_layers_around_it(tmp_path, exporter):
+    torch.manual_seed(0)
+    module, expected, x = _setup(SeqFirstGru(), torch.randn(4, 3, 6), ["fc", "head"], tmp_path, exporter)
+    _both(module, x, tmp_path, expected)
+
+
+def test_torchs_attention_out_proj_is_refused_by_name(tmp_path):
+    """``nn.MultiheadAttention`` flattens its output sequence-major for ``out_proj`` (even with
+    ``batch_first=True``): refused, naming it (it was applied to the wrong rows before)."""
+    torch.manual_seed(0)
+    module, _, x = _setup(Encoder(), torch.randn(4, 3, 8), ["linear1", "linear2", "out_proj"], tmp_path, "dynamo")
+    for run in (lambda: export_onnx(module, tmp_path / "batched.onnx", x, lora="batched"),
+                lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
+        with pytest.raises(LoraError, match=r"'layer\.self_attn\.out_proj\.weight' is adapted at node"):
+            run()

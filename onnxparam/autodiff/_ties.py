@@ -65,16 +65,56 @@ def tie_gradients(grads: dict, by_path: dict, ties: list) -> dict:
             continue
         table_value = np.asarray(table.base().to_numpy())
         head_value = np.asarray(head.base().to_numpy())
-        if not np.array_equal(head_value, table_value.T if transposed else table_value):
+        if not _equal(head_value, table_value, transposed):
             continue  # no longer tied (a checkpoint loaded into one side): two params
-        total = None
-        if g_table is not None:
-            total = np.array(g_table.to_numpy(), copy=True)
-        if g_head is not None:
-            part = np.asarray(g_head.to_numpy())
-            part = part.T if transposed else part
-            total = part.copy() if total is None else np.add(total, part, out=total)
-        summed = Tensor.from_numpy(np.ascontiguousarray(total))
-        out[table.id] = summed
-        out[head.id] = Tensor.from_numpy(np.ascontiguousarray(total.T)) if transposed else summed
+        g_table = None if g_table is None else np.asarray(g_table.to_numpy())
+        g_head = None if g_head is None else np.asarray(g_head.to_numpy())
+        total, head_total = _summed(g_table, g_head, transposed, table_shape)
+        out[table.id] = Tensor.from_numpy(total)
+        out[head.id] = Tensor.from_numpy(head_total) if transposed else out[table.id]
     return out
+
+
+_COMPARE_ROWS = 256
+_SUM_ROWS = 64
+"""Rows of the table per block of a transposed comparison / sum. A GPT-2-small table (50257 x 768,
+float32, 2 busy cores): compared in 0.19 s, summed in 0.30 s, 3.7x and 6x one contiguous add of
+it (whole-array strided: about 3x longer each); the step itself takes seconds."""
+
+
+def _equal(head: np.ndarray, table: np.ndarray, transposed: bool) -> bool:
+    """``head == table.T`` (or ``== table``) bit for bit (compared as unsigned integers of the
+    same width: a NaN equals itself, ``-0.0`` differs from ``0.0``); in row blocks of the table
+    (a whole-array strided comparison misses the cache)."""
+    if head.dtype != table.dtype or head.shape != (table.shape[::-1] if transposed else table.shape):
+        return False
+    if head.dtype.kind == "f" and head.dtype.itemsize in (2, 4, 8):
+        bits = np.dtype(f"u{head.dtype.itemsize}")
+        head, table = head.view(bits), table.view(bits)
+    if not transposed:
+        return bool(np.array_equal(head, table))
+    for i in range(0, table.shape[0], _COMPARE_ROWS):
+        if not np.array_equal(head[:, i:i + _COMPARE_ROWS], table[i:i + _COMPARE_ROWS].T):
+            return False
+    return True
+
+
+def _summed(g_table, g_head, transposed: bool, table_shape: tuple) -> tuple:
+    """``(g_table + g_head^T, its transpose)`` (``(sum, sum)`` untransposed), a missing side read as
+    zeros; new contiguous arrays, in row blocks of the table."""
+    if not transposed:
+        total = (np.array(g_table, copy=True) if g_head is None else np.array(g_head, copy=True) if g_table is None
+                 else np.add(g_table, g_head))
+        return total, total
+    total = np.empty(table_shape, dtype=(g_table if g_table is not None else g_head).dtype)
+    head_total = np.empty(table_shape[::-1], dtype=total.dtype)
+    for i in range(0, table_shape[0], _SUM_ROWS):
+        rows = slice(i, i + _SUM_ROWS)
+        if g_table is None:
+            total[rows] = g_head[:, rows].T
+        elif g_head is None:
+            total[rows] = g_table[rows]
+        else:
+            np.add(g_table[rows], g_head[:, rows].T, out=total[rows])
+        head_total[:, rows] = total[rows].T
+    return total, head_total

@@ -575,6 +575,15 @@ class _Analysis:
                 n += 1
                 continue
             break
+        if entries is not None and n < len(entries) and n < len(in_dims) and entries[n] == ("n", -1):
+            # [*kept, -1, *tail] with tail the input's dims after axis n merged: the -1 is axis n
+            tail, rest = entries[n + 1:], list(range(n + 1, len(in_dims)))
+            if tail == [self.dim_token(x, j) for j in rest]:
+                return n + 1
+            ints = [t[1] for t in tail if t[0] == "n"]
+            if len(ints) == len(tail) and all(isinstance(in_dims[j], int) for j in rest) and \
+                    all(v > 0 for v in ints) and int(np.prod(ints)) == int(np.prod([in_dims[j] for j in rest])):
+                return n + 1
         return n
 
     def leading_merge(self, x, entries, layout: Layout) -> bool:

@@ -211,6 +211,11 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
             conv's ``b`` that is not block-diagonal, a bias delta whose module's weight is no
             target, or ``lora_bias`` with an embedding adapter in one slot.
         FileNotFoundError: a missing ``model`` or adapter file.
+
+    Warns:
+        LoraWarning: a convolution target on a dilated or ``reflect`` / ``edge`` / ``wrap``
+            padded conv: the export applies its merged weight delta, which PEFT's unmerged
+            forward does not follow (:mod:`onnxparam.lora._peft_conv_warn`).
     """
     from safetensors.numpy import save_file
 
@@ -286,6 +291,9 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
         written[names[slot - 1]] = (tensors, ranks, bool(biases))
     if problems:
         raise RecordError(f"cannot write the adapter set of {_label(model)} as PEFT adapters", problems)
+    from ._peft_conv_warn import export_conv_problems, warn_unmerged_convs
+
+    warn_unmerged_convs(export_conv_problems(ir_model, meta["targets"]), "write_batched_peft")
     folder = Path(folder)
     for name, (tensors, ranks, lora_bias) in written.items():
         r = Counter(ranks.values()).most_common(1)[0][0]

@@ -149,6 +149,11 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             ``<m>.weight`` / ``<m>.bias`` (nor a renamed weight the graph or ``key_map`` names),
             two weights written for one module, a bias adapter without its weight's adapter, or
             a grouped convolution's adapter that is not PEFT's layout (:func:`conv_factors`).
+
+    Warns:
+        LoraWarning: a convolution adapter on a dilated or ``reflect`` / ``edge`` / ``wrap``
+            padded conv: applied here as the merged weight delta, which PEFT's unmerged forward
+            does not follow (:mod:`onnxparam.lora._peft_conv_warn`).
     """
     from safetensors.numpy import save_file
 
@@ -240,6 +245,10 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             tensors[f"{key}.lora_B.bias"] = np.ascontiguousarray((biases[name] / scale).astype(np.float32))
     if problems:
         raise RecordError(f"cannot save the adapters of {type(module).__name__} as a PEFT adapter", problems)
+    from ._peft_conv_warn import module_conv_problems, warn_unmerged_convs
+
+    convs = {weights[name][3]: shape for name, (kind, shape) in kinds.items() if kind == "conv"}
+    warn_unmerged_convs(module_conv_problems(module, convs), "save_peft_adapter")
     config = {
         "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(alpha),
         "target_modules": sorted(weights), "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,

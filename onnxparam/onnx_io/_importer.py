@@ -253,6 +253,16 @@ class _SourceGraph:
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
+    def __deepcopy__(self, memo) -> "_SourceGraph":
+        # NOTE: shared, never copied (immutable once built; compared by identity, so a deep copy
+        # of a module keeps its cached sessions' structure key); its model may hold a file
+        # mapping, which cannot be copied, and is never written (in-place steps write only
+        # optimizer-owned arrays)
+        return self
+
+    def __copy__(self) -> "_SourceGraph":
+        return self
+
 
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.
@@ -329,6 +339,8 @@ class OnnxModule(Module):
         still hold the same values, so the elementwise optimizers of :mod:`onnxparam.optim`
         keep them bit-equal and an export writes a tied model again. A pair whose values
         differ (a checkpoint loaded into one side) or with one side frozen trains as two params.
+        As the file holds both, ``num_params`` and records count and store both (torch counts
+        its tied weight once).
         """
         ties = self._source.cache.get("ties")
         if ties is None:

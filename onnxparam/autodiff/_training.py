@@ -18,7 +18,11 @@ gradients, as torch's one tied weight does (:mod:`._ties`).
 
 **Caching.** The training graph is cached by ``(loss_fn object, module structure, input
 signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
-step re-traces). Trainable params are graph inputs fed on every run, so a training loop that
+step re-traces). Tensors and Python values the ``loss_fn`` reads from its globals or closure
+are baked into the graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names
+holds another object (or another number, or a list / dict with other items), the entry is
+traced again, so a loop that reassigns a global batch gets the right numbers, at the price of
+a new graph and session per step (pass the batch as an argument instead). Trainable params are graph inputs fed on every run, so a training loop that
 changes them reuses one session; the session is keyed like inference sessions by the identity
 of the frozen params' values (a module loaded with new frozen weights gets a new session).
 """
@@ -270,11 +274,16 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         module: the :class:`~onnxparam.Module`; its float params with ``require_grad`` are
             differentiated.
         *inputs, **kwargs: tensors or arrays (graph inputs: their shapes and dtypes key the
-            cache) and plain Python values (baked into the graph).
+            cache) and plain Python values (baked into the graph). Values ``loss_fn`` reads
+            from its globals / closure are baked too and guarded: a change retraces.
 
     Returns:
         ``(loss, grads)``: ``loss`` a host :class:`~onnxparam.Tensor` of the loss's shape
         (``float(loss.to_numpy())``), ``grads`` the :class:`Gradients`.
+
+    Warns:
+        CaptureWarning: ``loss_fn`` baked a tensor from outside that no guard watches (reached
+            through an object's attribute): pass it as an input.
 
     Raises:
         TraceError: when ``loss_fn`` cannot be traced, does not return a one-element float

@@ -78,15 +78,18 @@ def test_scan_along_axes_other_than_zero_in_both_directions():
 _SEQ = helper.make_sequence_type_proto(helper.make_tensor_type_proto(D, None))
 
 
-def test_loop_carrying_a_sequence_it_appends_to_and_reads_from():
+@pytest.mark.parametrize("reads", [True, False])
+def test_loop_carrying_a_sequence_it_appends_to(reads):
     """The list-building loop TorchScript writes: over the time steps of ``x`` ``[T, B, 3]``
-    (a trip count from its shape), ``h' = tanh(h @ w + x_t + c * seq[-1])``, ``seq`` gets
+    (a trip count from its shape), ``h' = tanh(h @ w + x_t + c * seq[-1])`` (``reads``; else
+    ``c * h``, the sequence only appended to: the rule's prefix path, no log), ``seq`` gets
     ``h' * u`` appended; the sequence starts with one element computed from a param and is
     concatenated after the loop."""
     body = helper.make_graph(
         [helper.make_node("Identity", ["c_in"], ["c_out"]),
          helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0),
-         helper.make_node("SequenceAt", ["seq", "minus1"], ["last"]),
+         helper.make_node("SequenceAt", ["seq", "minus1"], ["last"]) if reads else
+         helper.make_node("Identity", ["h"], ["last"]),
          helper.make_node("Mul", ["last", "c"], ["lc"]),
          helper.make_node("MatMul", ["h", "w"], ["hw"]), helper.make_node("Add", ["hw", "x_t"], ["p1"]),
          helper.make_node("Add", ["p1", "lc"], ["pre"]), helper.make_node("Tanh", ["pre"], ["h_new"]),
@@ -114,7 +117,7 @@ def test_loop_carrying_a_sequence_it_appends_to_and_reads_from():
         h = torch.tanh(xs[0] * a)
         seq = [h * v]
         for t in range(xs.shape[0]):
-            h = torch.tanh(h @ w + xs[t] + c * seq[-1])
+            h = torch.tanh(h @ w + xs[t] + c * (seq[-1] if reads else h))
             seq.append(h * u)
         return torch.stack(seq, 0)
 

@@ -14,7 +14,9 @@ change between iterations (grown by ``Concat``) is saved another way:
   tensors from ``offsets[k]`` (the exclusive cumulative sum of ``counts``), wrapped in an
   optional when ``flags[k]`` says so, else an empty optional of the state's type.
 
-The log holds each iteration's state (``sum_k len(state_k)`` tensors: for a state that only
+A sequence state the body only appends to (:func:`appended_only`) is not logged: each
+iteration's state is a prefix of the final one, whose content the body never reads; its
+length per iteration is saved instead. Otherwise the log holds each iteration's state (``sum_k len(state_k)`` tensors: for a state that only
 grows by one element per iteration, ``T (T - 1) / 2`` of them), as the saved tensor states do.
 The gradient of such a state is of its type (a sequence of gradients, element by element, or
 an optional of one; :mod:`._rules_sequence`).
@@ -87,6 +89,22 @@ def invariant(body_input: ir.Value, body_output: ir.Value) -> bool:
         if x is None or x != y:
             return False
     return True
+
+
+def appended_only(body: ir.Graph, j: int) -> bool:
+    """Whether the ``Loop`` body only appends to its sequence state ``j`` (TorchScript's
+    ``list.append`` in a loop): the state's one reader is a ``SequenceInsert`` without a
+    position whose output, read by nothing else, is the new state. Each iteration's state is
+    then a prefix of the final one and its content is never read: the rule saves its length
+    only (kind ``"sequence_appended"``), not a log."""
+    state, new = body.inputs[2 + j], body.outputs[1 + j]
+    uses = list(state.uses())
+    if len(uses) != 1 or uses[0].idx != 0:
+        return False
+    node = uses[0].node
+    return (node.op_type == "SequenceInsert" and node.domain in ("", "ai.onnx") and node.graph is body
+            and (len(node.inputs) < 3 or node.inputs[2] is None) and node.outputs[0] is new
+            and not list(new.uses()))
 
 
 def log_type(value: ir.Value) -> ir.SequenceType:
@@ -211,7 +229,7 @@ def zeros_of(e: Emitter, value: ir.Value, kind: str) -> ir.Value:
     if kind in ("tensor", "tensor_logged"):
         zero = e.const(0.0, np.dtype(ir.DataType(value.dtype).numpy()))
         return e.op("Expand", zero, e.op("Shape", value))
-    if kind == "sequence":
+    if kind in ("sequence", "sequence_appended"):
         return _map(e, [value], value, _zeros_body)
     t = value.type
     has = _one(e, "OptionalHasElement", [value], _BOOL)

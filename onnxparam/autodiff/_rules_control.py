@@ -1070,10 +1070,13 @@ def _loop(e, node, gout, need):
         kind, wrap = _loop_states.state_kind(inputs[2 + j], body.outputs[1 + j], f"state {j} of {node.name!r}")
         if kind == "tensor" and e.opset >= 13 and not _loop_states.invariant(body.inputs[2 + j], body.outputs[1 + j]):
             kind = "tensor_logged"  # (a log is a Loop-carried sequence: opset 13+)
+        elif kind == "sequence" and _loop_states.appended_only(body, j):
+            kind = "sequence_appended"
         kinds.append(kind)
         if wrap:  # (an optional enters, its content leaves: carried as an optional throughout)
             wrapped.add(j)
-    logged = [j for j in range(n_state) if kinds[j] != "tensor"]
+    logged = [j for j in range(n_state) if kinds[j] not in ("tensor", "sequence_appended")]
+    appended = [j for j in range(n_state) if kinds[j] == "sequence_appended"]
     if logged:
         _loop_states.check_opset(e, f"state {logged[0]} of {node.name!r}")
     tensors = [j for j in range(n_state) if kinds[j] == "tensor"]
@@ -1098,6 +1101,10 @@ def _loop(e, node, gout, need):
         counts.append(count)
         if flag is not None:
             flags.append(flag)
+    for j in appended:  # (only their lengths: the final sequence holds every earlier state as a prefix)
+        length = re_.op("SequenceLength", replay.inputs[2 + j])
+        length.type, length.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([])
+        flags.append(length)
     replay.inputs.extend(logs_in)
     results = list(replay.outputs)
     for j in wrapped:
@@ -1120,14 +1127,14 @@ def _loop(e, node, gout, need):
     rest = outs[n_state + n_log + k_out:]
     iters, saved = rest[0], dict(zip(tensors, rest[1:len(extra)]))
     count_values = rest[len(extra):len(extra) + len(counts)]
-    flag_values = dict(zip(flagged, rest[len(extra) + len(counts):]))
+    flag_values = dict(zip(flagged + appended, rest[len(extra) + len(counts):]))
     iters.type = ir.TensorType(ir.DataType.INT64)
     for j, s_ in saved.items():
         s_.type = inputs[2 + j].type
     for v in count_values:
         v.type = ir.TensorType(ir.DataType.INT64)
-    for v in flag_values.values():
-        v.type = ir.TensorType(ir.DataType.BOOL)
+    for j, v in flag_values.items():
+        v.type = ir.TensorType(ir.DataType.INT64 if j in appended else ir.DataType.BOOL)
     offsets = [e.op("CumSum", c, _scalar0(e), exclusive=1) for c in count_values]
     count = e.op("Gather", e.op("Shape", iters), _scalar0(e), axis=0)  # T (an int64 scalar)
 
@@ -1159,6 +1166,15 @@ def _loop(e, node, gout, need):
         gathered[j] = _loop_states.rebuild_state(be, inputs[2 + j], kinds[j], log_values[n], off, cnt, flag)
         if kinds[j] == "tensor_logged":
             gathered[j].shape = fwd_inputs[2 + j].shape  # (the body's declared rank and dims)
+    for j in appended:
+        # the state is only appended to: its one reader, the SequenceInsert, inserts at the
+        # state's length into the final sequence (its gradient needs that position only)
+        insert = next(iter(fwd_inputs[2 + j].uses())).node
+        insert.resize_inputs(3)
+        position = be.op("Gather", flag_values[j], k, axis=0)
+        position.shape = ir.Shape([])
+        insert.replace_input_with(2, position)
+        gathered[j] = finals[j]
     for j in range(n_state):
         fwd_inputs[2 + j].replace_all_uses_with(gathered[j])
     back.sort()  # (the index and the gathers were appended after their readers)

@@ -21,6 +21,8 @@ mappers, ``set_require_grad``) return or change *this* param only and never reac
 
 from __future__ import annotations
 
+import copy
+
 import secrets
 import threading
 from dataclasses import dataclass
@@ -306,9 +308,16 @@ class Param:
     __copy__ = clone
 
     def __deepcopy__(self, memo) -> "Param":
-        """``copy.deepcopy`` is :meth:`clone`: values are immutable and the lazy once-cell is
-        shared, so a deep copy of a module initializes each param once, with its original."""
-        return self.clone()
+        """``copy.deepcopy``: :meth:`clone` with the value deep-copied (its host memory copied
+        when it is writable, e.g. an optimizer's array that ``in_place=True`` steps overwrite;
+        see :meth:`Tensor.__deepcopy__`), so a deep copy is a snapshot later in-place steps on
+        the original cannot change. A lazy param not yet initialized shares its once-cell (its
+        init reads the source, which nothing writes), so it initializes once, with its original.
+        Params sharing one value stay sharing one (``memo``)."""
+        if self._value is None:
+            return self.clone()
+        return Param(self.id, value=copy.deepcopy(self._value, memo), require_grad=self.require_grad,
+                     mapper=self._mapper, adapter=self._adapter)
 
     def map(self, func: Callable[[Tensor], Tensor]) -> "Param":
         """A param (same id, mappers, flags and adapter) whose base is ``func(base)``.

@@ -171,6 +171,24 @@ class Tensor:
     def is_symbolic(self) -> bool:
         return self._symbol is not None
 
+    def __deepcopy__(self, memo) -> "Tensor":
+        """``copy.deepcopy``: a host tensor whose memory is writable (the array owning it, e.g.
+        an optimizer's own array that ``in_place=True`` steps overwrite, or the caller's array
+        behind a ``from_numpy`` view) gets a read-only copy; a tensor on read-only memory (a
+        file mapping), on a device, quantized or symbolic is never written and is returned as
+        is (a snapshot shares it safely)."""
+        host = self._host
+        if host is None or self._quant is not None:
+            return self
+        owner = host
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        if not owner.flags.writeable:
+            return self
+        copy = np.array(host, copy=True, order="C")
+        copy.flags.writeable = False
+        return Tensor(host=copy, shape=self._shape, dtype=self.dtype, device=self.device)
+
     @property
     def is_quantized(self) -> bool:
         return self._quant is not None

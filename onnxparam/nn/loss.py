@@ -153,6 +153,9 @@ class CrossEntropyLoss(Module):
     Raises:
         ValueError: for non-positive weights, smoothing outside ``[0, 1]``, or (at call time)
             targets that are not ``(N,)`` for logits ``(N, C)`` or weights not one per class.
+        ExecutionError: at run time, for a target outside ``0..C-1`` that is not a pad token
+            (ONNX Runtime fails at the ``Gather`` named
+            ``cross_entropy_target_outside_0..C-1_and_not_a_pad_token``), as Burn panics.
     """
 
     def __init__(self, *, pad_tokens: Optional[Sequence[int]] = None, weights: Optional[Sequence[float]] = None,
@@ -168,7 +171,7 @@ class CrossEntropyLoss(Module):
                              f"{list(logits.shape)} and {list(targets.shape)}")
         plain = self.weights is None and self.pad_tokens is None and self.smoothing is None
         if plain and self.logits:
-            return _losses.cross_entropy(logits, targets)
+            return _losses.cross_entropy(logits, targets, ignore_index=None)
         n_classes = logits.shape[1]
         if self.weights is not None and len(self.weights) != n_classes:
             raise ValueError(f"CrossEntropyLoss has {len(self.weights)} weights for {n_classes} classes")
@@ -178,6 +181,16 @@ class CrossEntropyLoss(Module):
         else:
             logp = ops.log(ops.clamp(logits, min=_probs_floor(dtype)))
         weights = None if self.weights is None else Tensor.from_numpy(np.asarray(self.weights, dtype.to_numpy()))
+        keep = None
+        if self.pad_tokens is not None:
+            for token in self.pad_tokens:
+                other = ops.logical_not(ops.equal(targets, int(token)))
+                keep = other if keep is None else ops.logical_and(keep, other)
+        # a target outside 0..C-1 that is not a pad token fails in ONNX Runtime at this Gather
+        # (GatherElements / Gather would wrap a negative one, or read a pad row out of range)
+        targets = _losses.checked_targets(
+            targets, keep, ops.arange(n_classes, dtype=targets.dtype), n_classes,
+            "cross_entropy_target_outside_0..C-1_and_not_a_pad_token")
         if self.smoothing is None:
             per_sample = ops.squeeze(ops.gather_elements(logp, ops.unsqueeze(targets, [1]), 1), [1])
             if weights is not None:
@@ -193,11 +206,7 @@ class CrossEntropyLoss(Module):
         if weights is None and self.pad_tokens is None:
             return ops.neg(ops.mean(per_sample))
         normalizer = ops.gather(weights, targets, 0) if weights is not None else ops.add(ops.mul(per_sample, 0.0), 1.0)
-        if self.pad_tokens is not None:
-            keep = None
-            for token in self.pad_tokens:
-                other = ops.logical_not(ops.equal(targets, int(token)))
-                keep = other if keep is None else ops.logical_and(keep, other)
+        if keep is not None:
             per_sample = ops.where(keep, per_sample, 0.0)
             normalizer = ops.where(keep, normalizer, 0.0)
         return ops.div(ops.neg(ops.sum(per_sample)), ops.sum(normalizer))

@@ -253,6 +253,16 @@ class _SourceGraph:
         self.cache: dict = {}  # facts derived lazily from the source (shape inference)
         self.cells: dict = {}  # path -> the lazy cell each param was imported with
 
+    def __deepcopy__(self, memo) -> "_SourceGraph":
+        # NOTE: shared, never copied (immutable once built; compared by identity, so a deep copy
+        # of a module keeps its cached sessions' structure key); its model may hold a file
+        # mapping, which cannot be copied, and is never written (in-place steps write only
+        # optimizer-owned arrays)
+        return self
+
+    def __copy__(self) -> "_SourceGraph":
+        return self
+
 
 class OnnxModule(Module):
     """An ONNX model as a module; see the module docstring. Build with :func:`import_onnx`.

@@ -75,7 +75,9 @@ class Adam(Optimizer):
         grad = np.ascontiguousarray(grad).reshape(-1)
         new = np.empty_like(value) if out is None else out.reshape(-1)
         if state:
-            m, v = np.ascontiguousarray(state["moment_1"]), np.ascontiguousarray(state["moment_2"])
+            # NOTE: reshaped: ascontiguousarray makes a 0-d array 1-d (the moments keep the param's shape)
+            m = np.ascontiguousarray(state["moment_1"]).reshape(shape)
+            v = np.ascontiguousarray(state["moment_2"]).reshape(shape)
             m_flat, v_flat, t = m.reshape(-1), v.reshape(-1), int(state["time"]) + 1  # views: updated in place
         else:
             m, v, t = np.empty(shape, value.dtype), np.empty(shape, value.dtype), 1

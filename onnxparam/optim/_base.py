@@ -162,7 +162,8 @@ class Optimizer:
                 written.append(_memory_owner(target))
                 return param.map(lambda _old: Tensor.from_numpy(target))
             device = param.lazy_device()
-            tensor = Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype), device)
+            # NOTE: reshaped back: ascontiguousarray makes a 0-d array 1-d (a scalar param stays 0-d)
+            tensor = Tensor.from_numpy(np.ascontiguousarray(new, dtype=value.dtype).reshape(value.shape), device)
             self._own(param.id, tensor, device, (value, g, state))
             return param.map(lambda _old: tensor)
 

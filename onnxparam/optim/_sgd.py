@@ -51,10 +51,11 @@ class SGD(Optimizer):
                 out: Optional[np.ndarray] = None) -> tuple:
         # NOTE: the formula of the class docstring in the same order (the same bits), with in-place
         # operations on arrays this update made or owns (the velocity; to_record copies): never on
-        # ``grad``, the caller's gradient
+        # ``grad``, the caller's gradient. np.asarray: numpy returns a scalar, not an array, for
+        # 0-d operands (a scalar param), and ``out=`` needs an array
         g = grad
         if self.weight_decay:
-            g = np.multiply(value, self.weight_decay)
+            g = np.asarray(np.multiply(value, self.weight_decay))
             np.add(grad, g, out=g)
         new_state = {}
         if self.momentum:
@@ -68,12 +69,12 @@ class SGD(Optimizer):
                 del damped
             new_state["velocity"] = v
             if self.nesterov:
-                ahead = np.multiply(v, self.momentum)
+                ahead = np.asarray(np.multiply(v, self.momentum))
                 np.add(g, ahead, out=ahead)
                 g = ahead
             else:
                 g = v
-        delta = np.multiply(g, lr)
+        delta = np.asarray(np.multiply(g, lr))
         new = delta if out is None else out  # NOTE: value is read here, before out (maybe its memory) is written
         np.subtract(value, delta, out=new)
         return new, new_state

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import onnx_ir as ir
 
-from ._rules import NOT_DIFFERENTIABLE, RULES
+from ._rules import DIFFERENTIATED_INPUTS, NOT_DIFFERENTIABLE, RULES
 from ._rules_sequence import REFUSED
 
 __all__ = ["MissingRule", "missing_rules", "rule_for", "GRADIENT_OPS", "format_missing", "SOURCE_NODE_KEY",
@@ -144,10 +144,13 @@ def requiring(graph: ir.Graph, start: set, inputs_of=None) -> set:
 
 def schema_non_differentiable(node: ir.Node, index: int, opset: int) -> bool:
     """Whether ONNX's schema of ``node`` marks input ``index`` non-differentiable (bounds,
-    scales, ratios, shapes ...), so a rule may leave it without a gradient."""
+    scales, ratios, shapes ...), so a rule may leave it without a gradient. An input the rule
+    declares it differentiates (:data:`~._rules.DIFFERENTIATED_INPUTS`) is not: the rule owes it one."""
     import onnx
 
     if node.domain not in ("", "ai.onnx"):
+        return False
+    if index in DIFFERENTIATED_INPUTS.get(node.op_type, ()):
         return False
     try:
         schema = onnx.defs.get_schema(node.op_type, int(opset), "")

@@ -27,7 +27,8 @@ from ..core.errors import TraceError
 from ._emitter import Emitter, dims, maybe_dims, np_dtype, static_dims
 from ._rules_matmul import matmul_dynamic
 
-__all__ = ["RULES", "NON_DIFFERENTIABLE", "NOT_DIFFERENTIABLE", "rule", "attr", "const_array"]
+__all__ = ["RULES", "NON_DIFFERENTIABLE", "NOT_DIFFERENTIABLE", "DIFFERENTIATED_INPUTS", "rule", "attr",
+           "const_array"]
 
 Rule = Callable[[Emitter, ir.Node, list, list], list]
 
@@ -62,12 +63,26 @@ NON_DIFFERENTIABLE = frozenset(NOT_DIFFERENTIABLE)
 """The keys of :data:`NOT_DIFFERENTIABLE` (operators whose outputs carry no gradient)."""
 
 
-def rule(*op_types: str):
-    """Register the decorated function as the gradient rule of ``op_types``."""
+DIFFERENTIATED_INPUTS: dict[str, tuple] = {}
+"""``op_type`` -> indices of the inputs ONNX's operator schema marks ``NonDifferentiable`` that
+its rule nevertheless gives a gradient (declared with ``rule(..., differentiates=...)``: an RNN's
+``initial_h`` / ``initial_c``, ``GridSample``'s grid, ``Pad``'s constant value ...). The importer
+counts a tensor read there as a weight (:mod:`onnxparam.onnx_io._weights`, rule 2), and the
+gradient check holds the rule to it (:func:`._check.unserved`)."""
+
+
+def rule(*op_types: str, differentiates: tuple = ()):
+    """Register the decorated function as the gradient rule of ``op_types``; ``differentiates``:
+    the indices of inputs the ONNX schema marks non-differentiable that the rule gives a gradient
+    (:data:`DIFFERENTIATED_INPUTS`)."""
 
     def register(fn: Rule) -> Rule:
         for op_type in op_types:
             RULES[op_type] = fn
+            if differentiates:
+                DIFFERENTIATED_INPUTS[op_type] = tuple(differentiates)
+            else:
+                DIFFERENTIATED_INPUTS.pop(op_type, None)
         return fn
 
     return register

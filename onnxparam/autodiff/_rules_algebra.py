@@ -114,7 +114,7 @@ def _cast_like(e, node, gout, need):
     return [e.op("CastLike", gout[0], node.inputs[0]), None]
 
 
-@rule("Mod")
+@rule("Mod", differentiates=(1,))
 def _mod(e, node, gout, need):
     """Float ``Mod`` (``fmod=1``): ``y = a - b * trunc(a / b)``: ``da = unb(g, a)``,
     ``db = unb(-g * trunc(a / b), b)`` (``trunc(a / b)`` recovered exactly as
@@ -130,7 +130,7 @@ def _mod(e, node, gout, need):
     return [da, db]
 
 
-@rule("OneHot")
+@rule("OneHot", differentiates=(2,))
 def _one_hot(e, node, gout, need):
     """``y = where(onehot(indices, depth), on, off)`` with ``values = [off, on]``:
     ``d values = [sum(g * (1 - hot)), sum(g * hot)]``; indices and depth are integers."""

@@ -236,7 +236,7 @@ def _moving(e, node, gout, need):
     return [_scatter_add_flat(e, x, sources, gout[0])] + _rest(node)
 
 
-@rule("Pad")
+@rule("Pad", differentiates=(2,))
 def _pad(e, node, gout, need):
     """``y = pad(x)`` (any mode; pads as an input from opset 11, attributes before): the same
     ``Pad`` of :func:`~._rules_shape.index_grid` (filled with ``-1`` in ``constant`` mode)

@@ -290,7 +290,7 @@ def _assemble(e: Emitter, node: ir.Node, need: list, common: _Direction, dirs_: 
 # -- LSTM ---------------------------------------------------------------------------------------
 
 
-@rule("LSTM")
+@rule("LSTM", differentiates=(5, 6))
 def _lstm(e, node, gout, need):
     """LSTM (module docstring). Per step: ``i = s(pi + Pi C_{t-1})``, ``f = s(pf + Pf C_{t-1})``,
     ``c~ = tanh(pc)``, ``C_t = f C_{t-1} + i c~``, ``o = s(po + Po C_t)``, ``H_t = o tanh(C_t)``,
@@ -373,7 +373,7 @@ def _lstm(e, node, gout, need):
 # -- GRU ----------------------------------------------------------------------------------------
 
 
-@rule("GRU")
+@rule("GRU", differentiates=(5,))
 def _gru(e, node, gout, need):
     """GRU (module docstring). Per step, with ``x* = X_t W*^T + Wb*`` and ``h* = H_{t-1} R*^T``:
     ``z = s(xz + hz + Rbz)``, ``r = s(xr + hr + Rbr)``, ``h~ = tanh(xh + r (hh + Rbh))``
@@ -466,7 +466,7 @@ def _gru(e, node, gout, need):
 # -- RNN ----------------------------------------------------------------------------------------
 
 
-@rule("RNN")
+@rule("RNN", differentiates=(5,))
 def _rnn(e, node, gout, need):
     """RNN (module docstring): ``H_t = act(X_t W^T + H_{t-1} R^T + Wb + Rb)``; the derivative of
     the activation is read from ``H_t = Y_t`` (Tanh ``1 - H^2``, Sigmoid ``H (1 - H)``, Relu

@@ -289,7 +289,7 @@ def _grid_sample_nd(e, node, g, need, mode: str, padding: str, align: bool):
     return [dx, dgrid]
 
 
-@rule("GridSample")
+@rule("GridSample", differentiates=(1,))
 def _grid_sample_rule(e, node, gout, need):
     """``GridSample`` of any spatial rank (``x [N, C, D1 .. Dk]``, ``grid [N, O1 .. Ok, k]``
     holding the coordinates last axis first, in ``[-1, 1]``), ``nearest`` / ``linear`` /

@@ -285,7 +285,7 @@ def _optional_get_element(e, node, gout, need):
 # -- Unique --------------------------------------------------------------------------------------
 
 
-@rule("Unique")
+@rule("Unique", differentiates=(0,))
 def _unique(e, node, gout, need):
     """``Y = X[indices]`` (``X`` flattened without ``axis``, else slices along ``axis``;
     ``indices`` = the first occurrence of each unique value, Unique's second output):

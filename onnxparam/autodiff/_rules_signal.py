@@ -240,7 +240,7 @@ def dft_adjoint(e: Emitter, g, axis: _Axis, n: ir.Value, length: ir.Value, *, in
     return _real_part(e, d) if real_input else d
 
 
-@rule("DFT")
+@rule("DFT", differentiates=(0,))
 def _dft_rule(e, node, gout, need):
     """``y = DFT(x)`` along ``axis`` (opset 17: an attribute, default 1; opset 20: an input,
     default -2) of length ``L`` (``dft_length``, default ``x``'s length ``n``, or ``2 (n - 1)``
@@ -293,7 +293,7 @@ def _scalar_input(e: Emitter, value: ir.Value) -> ir.Value:
     return e.op("Reshape", e.op("Cast", value, to=_I64), e.ints([1]))
 
 
-@rule("STFT")
+@rule("STFT", differentiates=(0, 2))
 def _stft(e, node, gout, need):
     """``y = STFT(x)`` (ONNX spec: STFT): frames ``z[b, f, t] = w[t] x[b, f s + t]`` (``s`` =
     ``frame_step``, ``t < T``, ``T`` = ``frame_length`` or the window's length, ``w`` the window

@@ -101,7 +101,7 @@ def _f(e, x, value: float):
     return e.scalar_like(value, x)
 
 
-@rule("GridSample")
+@rule("GridSample", differentiates=(1,))
 def _grid_sample(e, node, gout, need):
     """2-D ``GridSample`` (``x [N, C, H, W]``, ``grid [N, Ho, Wo, 2]`` holding ``(x, y)`` in
     ``[-1, 1]``), bilinear or nearest, ``zeros`` or ``border`` padding (ONNX spec: GridSample):
@@ -223,7 +223,7 @@ def _grid_sample(e, node, gout, need):
     return [dx, dgrid]
 
 
-@rule("AffineGrid")
+@rule("AffineGrid", differentiates=(0,))
 def _affine_grid(e, node, gout, need):
     """``grid[n, p] = theta[n] @ [base(p), 1]`` (``base(p)`` the normalized coordinates of
     output point ``p``, ONNX spec: AffineGrid; 2-D ``theta [N, 2, 3]`` or 3-D ``[N, 3, 4]``):

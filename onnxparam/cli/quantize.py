@@ -562,12 +562,18 @@ def _accuracy_report(args, model, float_module, arrays: Optional[list], scheme,
             feeds, described = acc.sample_inputs(float_path, arrays)
             try:
                 acc.run(float_path, feeds)
-            except Exception:  # noqa: BLE001 - a model that takes one sample at a time: retry with one
-                if not all(getattr(v, "ndim", 0) and len(v) > 1 for v in feeds.values()):
+            except Exception as first:  # noqa: BLE001 - a model that takes one sample at a time: retry with one
+                # NOTE: only the inputs drawn with a symbolic leading dim are cut (a declared static
+                # batch stays); when that fails too, the first error is the one that says why
+                one = acc.first_sample_only(float_path, feeds)
+                if one is None:
                     raise
-                feeds = {k: v[:1] for k, v in feeds.items()}
+                try:
+                    acc.run(float_path, one)
+                except Exception:  # noqa: BLE001
+                    raise first from None
+                feeds = one
                 described = f"{described}, of which the first only (the model takes one sample at a time)"
-                acc.run(float_path, feeds)
         except Exception as e:  # noqa: BLE001 - ORT's own errors: the report is skipped, not the output
             # NOTE: the float model could not run on these inputs; the written file must still load
             if quant_path == args.dst:

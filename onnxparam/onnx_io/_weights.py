@@ -14,7 +14,10 @@ A candidate is a weight when (:func:`is_weight`):
    ``Resize``, ``min`` / ``max`` of ``Clip``, ``Equal``'s operands ...; the schema's
    ``differentiation_category`` at the model's opset, or the newest schema's for the same input
    name when the model's version predates categories): those are shapes, indices, bounds and
-   flags, not parameters. Inputs of unknown category (custom domains) count as weight uses, as
+   flags, not parameters. Inputs the library's gradient rules differentiate although the schema
+   marks them so (``initial_h`` / ``initial_c`` of ``GRU`` / ``LSTM`` / ``RNN``, ``GridSample``'s
+   grid, ``AffineGrid``'s theta, ``Pad``'s constant value, ``DFT`` / ``STFT``'s signal ...:
+   :data:`onnxparam.autodiff._rules.DIFFERENTIATED_INPUTS`) are weight uses. Inputs of unknown category (custom domains) count as weight uses, as
    does being a graph output or having no use at all;
 3. a non-float candidate has more than :data:`MAX_INLINE_CONSTANT_ELEMENTS` elements (quantized
    weights are large; index and shape vectors are small);
@@ -145,11 +148,16 @@ _NON_DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiab
 _UNKNOWN = onnx.defs.OpSchema.DifferentiationCategory.Unknown
 
 
-_DIFFERENTIABLE_INPUTS = {"DFT": (0,), "STFT": (0, 2), "Unique": (0,)}
-"""``ai.onnx`` inputs that carry gradients though their schemas say ``NonDifferentiable``: the
-signal of ``DFT`` / ``STFT`` and ``STFT``'s window (both transforms are linear in them; gradient
-rules in :mod:`onnxparam.autodiff._rules_signal`); the input of ``Unique`` (its output gathers it:
-rule in :mod:`onnxparam.autodiff._rules_sequence`)."""
+def _differentiated_inputs() -> dict:
+    """``op_type`` -> the ``ai.onnx`` inputs that carry gradients though their schemas say
+    ``NonDifferentiable``: the ones the library's gradient rules declare they differentiate
+    (:data:`onnxparam.autodiff._rules.DIFFERENTIATED_INPUTS`: an RNN's ``initial_h`` /
+    ``initial_c``, ``GridSample``'s grid, ``AffineGrid``'s theta, ``DFT`` / ``STFT``'s signal
+    and window, ``Pad``'s constant value ...)."""
+    from ..autodiff import _backward  # noqa: F401  (every rule module registers its rules)
+    from ..autodiff._rules import DIFFERENTIATED_INPUTS
+
+    return DIFFERENTIATED_INPUTS
 
 
 def _input_category(node: ir.Node, index: int, opsets: dict):
@@ -158,7 +166,7 @@ def _input_category(node: ir.Node, index: int, opsets: dict):
     Categories were added to the schemas in ONNX 1.8 and older operator versions often say
     ``Unknown``; then the newest schema's category of the input with the same name is used."""
     domain = "" if node.domain == "ai.onnx" else node.domain
-    if domain == "" and index in _DIFFERENTIABLE_INPUTS.get(node.op_type, ()):
+    if domain == "" and index in _differentiated_inputs().get(node.op_type, ()):
         return onnx.defs.OpSchema.DifferentiationCategory.Differentiable
     try:
         schema = onnx.defs.get_schema(node.op_type, int(opsets.get(domain, 1)), domain)

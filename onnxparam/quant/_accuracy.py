@@ -3,10 +3,11 @@ plain ONNX Runtime on the same sample inputs (``onnxparam quantize``'s accuracy 
 
 * :func:`sample_inputs`: the calibration arrays when given (their first :data:`SAMPLES` rows),
   else inputs drawn from the graph's declared types and shapes (seeded): float ``N(0, 1)``,
-  integer indices of an embedding ``Gather`` uniform in ``[0, rows)``, integer inputs named
+  integer indices of an embedding ``Gather`` (directly or through shape-only ops such as a
+  ``Reshape``: :data:`SHAPE_ONLY_OPS`) uniform in ``[0, rows)``, integer inputs named
   ``*mask*`` ``1``, other integers uniform in ``[0, INTEGER_RANGE)`` (byte values, token ids:
-  the samples differ), booleans ``True``; a symbolic leading dim is :data:`SAMPLES`, other symbolic dims
-  :data:`SYMBOLIC_DIM`.
+  the samples differ), booleans ``True``; declared static dims as declared, a symbolic leading dim
+  :data:`SAMPLES`, other symbolic dims :data:`SYMBOLIC_DIM`.
 * :func:`compare`: per output, ``cosine`` (of the flattened outputs in float64; 1.0 when both
   are all zeros) and ``max_abs_error`` (``max |float - quantized|``).
 * :func:`sensitivity`: one-at-a-time, the float model with **one** weight replaced by its
@@ -26,8 +27,8 @@ import json
 
 import numpy as np
 
-__all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "sample_inputs", "sensitivity",
-           "weights_together"]
+__all__ = ["ACCURACY_KEY", "KEPT_FLOAT_KEY", "MIN_COSINE", "compare", "first_sample_only", "sample_inputs",
+           "sensitivity", "weights_together"]
 
 ACCURACY_KEY = "onnxparam.quant.accuracy"
 """Model ``metadata_props`` key: JSON ``{"inputs", "min_cosine", "outputs": [{"output", "cosine",
@@ -69,19 +70,52 @@ _NP = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float1
        "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_}
 
 
+SHAPE_ONLY_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Transpose", "Cast", "Expand"})
+"""Ops that move or retype an index tensor's values without changing them: a graph input reaching
+an embedding ``Gather``'s indices through them (dynamo's ``view`` of the token ids) is drawn in
+the table's rows."""
+
+
 def _gather_rows(path) -> dict:
-    """``{graph input name: rows}`` of inputs used as indices of a ``Gather`` on an initializer."""
+    """``{graph input name: rows}`` of inputs used, directly or through :data:`SHAPE_ONLY_OPS`
+    (their first input), as indices of a ``Gather`` on an initializer: the smallest table's rows."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
     dims = {i.name: list(i.dims) for i in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input} - set(dims)
+    producer = {out: node for node in model.graph.node for out in node.output}
     rows = {}
     for node in model.graph.node:
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in dims and dims[node.input[0]]:
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
             n = dims[node.input[0]][axis]
-            rows[node.input[1]] = min(rows.get(node.input[1], n), n)
+            name, seen = node.input[1], set()
+            while name not in inputs and name in producer and name not in seen:
+                seen.add(name)
+                source = producer[name]
+                if source.op_type not in SHAPE_ONLY_OPS or not source.input:
+                    break
+                name = source.input[0]
+            if name in inputs:
+                rows[name] = min(rows.get(name, n), n)
     return rows
+
+
+def first_sample_only(path, feeds: dict):
+    """``feeds`` cut to their first row along the leading dim for the inputs whose leading dim
+    the graph declares symbolic (those drawn :data:`SAMPLES` long), for a model that takes one
+    sample at a time; ``None`` when no input has a symbolic leading dim with more than one row
+    (a declared static dim is kept: the model could not take another)."""
+    session = _session(path)
+    cut, changed = dict(feeds), False
+    for i in session.get_inputs():
+        shape = i.shape or []
+        value = feeds.get(i.name)
+        if shape and not (isinstance(shape[0], int) and shape[0] >= 0) and getattr(value, "ndim", 0) and len(value) > 1:
+            cut[i.name] = value[:1]
+            changed = True
+    return cut if changed else None
 
 
 def sample_inputs(path, arrays: list | None = None, seed: int = 0) -> tuple:
@@ -118,7 +152,9 @@ def sample_inputs(path, arrays: list | None = None, seed: int = 0) -> tuple:
         else:
             high = min(INTEGER_RANGE, int(np.iinfo(dtype).max) + 1)
             feeds[i.name] = rng.integers(0, high, size=shape).astype(dtype)
-    return feeds, f"{SAMPLES} inputs drawn from the declared types and shapes (seed {seed})"
+    leading = {v.shape[0] for v in feeds.values() if v.ndim}
+    count = f"{leading.pop()} " if len(leading) == 1 else ""  # a declared static batch is what was drawn
+    return feeds, f"{count}inputs drawn from the declared types and shapes (seed {seed})"
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

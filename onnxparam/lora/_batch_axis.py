@@ -51,6 +51,15 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   holds the batch;
 * any other op: its outputs are ``"axis" 0`` when every batched input is ``"axis" 0`` and the
   output's dim 0 is the batch (by its shape), else unknown.
+
+Batch-major values carry ``count`` (elements per batch element) where static dims tell
+(:meth:`_Analysis.static_dims` fills dims the tracer left unknown from constant ``Reshape``
+shapes, ``MatMul``, ``Transpose``, ``Split`` and elementwise ops), so a ``Reshape`` to
+``[-1, *tail]`` is known to give the batch (``count == prod(tail)``) or whole rows of it.
+
+Not followed (unknown, so refused at a target): the batch as a factor of a merged axis other than
+axis 0 (``[seq, batch * heads, d]``) or as the inner factor of axis 0 (``[seq * batch, d]``), as in
+torch's ``nn.MultiheadAttention``; subgraph bodies.
 """
 
 from __future__ import annotations

@@ -117,3 +117,28 @@ def test_burn_cross_entropy_loss_refuses_out_of_range_targets_that_are_not_pad_t
     plain = CrossEntropyLoss()  # Burn's loss has no ignore_index: -100 is out of range there
     with pytest.raises(ExecutionError, match=r"cross_entropy_target_outside_0\.\.C-1'.*idx=-105"):
         plain(op.Tensor.from_numpy(logits), op.Tensor.from_numpy(np.array([0, 1, 2, 3, 4, -100], np.int64)))
+
+
+def test_a_dynamic_class_count_checks_against_the_run_time_count():
+    torch = pytest.importorskip("torch")
+
+    class Scale(op.Module):
+        def __init__(self):
+            self.s = op.Param.from_tensor(op.Tensor.from_numpy(np.array(1.5)))
+
+    def loss_fn(m, x, t):
+        return cross_entropy(x * m.s.val(), t)
+
+    m = Scale()
+    for classes in (5, 6, 7):  # the second call retraces with the class count symbolic (a Range)
+        x, t = RNG.normal(size=(4, classes)), RNG.integers(0, classes, 4)
+        t[0] = -100
+        loss, grads = grad(loss_fn, m, op.Tensor.from_numpy(x), op.Tensor.from_numpy(t))
+        s = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+        want = torch.nn.functional.cross_entropy(torch.tensor(x) * s, torch.tensor(t))
+        want.backward()
+        assert float(loss.to_numpy()) == pytest.approx(float(want.detach()), rel=1e-12)
+        assert float(grads[m.s].to_numpy()) == pytest.approx(float(s.grad), rel=1e-10)
+        t[1] = classes  # one past the last class of this run
+        with pytest.raises(ExecutionError, match="cross_entropy_target_outside"):
+            grad(loss_fn, m, op.Tensor.from_numpy(x), op.Tensor.from_numpy(t))

@@ -55,10 +55,13 @@ def _loss(m, x, t):
     return ((m(x) - t) ** 2).mean()
 
 
+@pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("make", [lambda: SGD(lr=0.1, momentum=0.9), lambda: Adam(lr=0.05)])
-def test_a_deepcopy_taken_during_in_place_training_keeps_its_values(tmp_path, make):
+def test_a_deepcopy_taken_during_in_place_training_keeps_its_values(tmp_path, make, lora):
     path = _file(tmp_path)
     m = op.import_onnx(path)
+    if lora:  # the factors live in the weight's adapter: they are snapshotted too
+        m = m.apply_lora(op.LoraConfig(rank=2, alpha=4))
     m(op.Tensor.from_numpy(X))  # a call maps the file: the deepcopy must not copy the mapping
     first = copy.deepcopy(m)
     np.testing.assert_allclose(first(op.Tensor.from_numpy(X)).to_numpy(), _ort(path, _values(m)), rtol=1e-6)
@@ -73,9 +76,11 @@ def test_a_deepcopy_taken_during_in_place_training_keeps_its_values(tmp_path, ma
         for name in recorded:
             np.testing.assert_array_equal(got[name], recorded[name])
         y = snap(op.Tensor.from_numpy(X)).to_numpy()
+        # (with LoRA, W's value is the merged base + scale * a @ b, what the graph computes with)
         np.testing.assert_allclose(y, _ort(path, recorded), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(y, X.astype(np.float64) @ recorded["W"] + recorded["b"], rtol=1e-5, atol=1e-5)
-    assert not np.array_equal(snaps[1][1]["W"], final["W"])  # the original did move on
+    moved = "W.lora.b" if lora else "W"
+    assert not np.array_equal(snaps[1][1][moved], final[moved])  # the original did move on
     # the snapshot trains on its own: a step on it leaves the original alone
     _, g = grad(_loss, snaps[0][0], op.Tensor.from_numpy(X), op.Tensor.from_numpy(T))
     make().step(snaps[0][0], g, in_place=True)

@@ -235,6 +235,61 @@ def test_a_grouped_conv_adapter_runs_as_a_branch_when_active_and_is_never_merged
         active.merge_lora()
 
 
+def test_an_inputs_export_of_grouped_and_depthwise_adapters_runs_without_an_adapter_as_the_base(grouped, tmp_path):
+    """``lora="inputs"`` (fresh7 F12): with no adapter fed the zero-rank defaults make the grouped
+    and depthwise convs' LoRA branches empty (``[n, 0, h, w]``), and the file must still run and
+    equal plain ONNX Runtime on torch's own export of the base net exactly; with the adapter's
+    ``.onnx_adapter`` active it equals PEFT's forward."""
+    module, x, _, _, folder, reference, _ = grouped
+    active = module.set_adapter("one")
+    path = export_onnx(active, tmp_path / "inputs.onnx", x[:2], lora="inputs")
+    sess = session(path)
+    base = session(folder / "net.onnx").run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], base)
+    options = ort.RunOptions()
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(write_onnx_adapter(active, tmp_path / "one.onnx_adapter")))
+    options.add_active_adapter(adapter)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x), adapter_names=["one"] * len(x)).numpy()
+    np.testing.assert_allclose(sess.run(None, {"x": x}, options)[0], expected, atol=ATOL, rtol=0)
+
+
+class GroupedConvs(torch.nn.Module):
+    """:class:`GroupedNet`'s two convs alone: no Linear, so height and width can be dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        net = GroupedNet()
+        self.grouped, self.depthwise = net.grouped, net.depthwise
+
+    def forward(self, x):
+        return self.depthwise(torch.relu(self.grouped(x)))
+
+
+def test_an_inputs_export_with_dynamic_height_and_width_runs_without_an_adapter_as_the_base(tmp_path):
+    """As above with the grouped / depthwise convs' height and width dynamic in torch's export
+    (the branch cannot flatten by constant dims): no adapter fed equals ONNX Runtime on torch's
+    file exactly, the adapter active equals PEFT, at a size other than the export's."""
+    model = randomize(GroupedConvs().eval(), seed=11)
+    net = export(model, (torch.randn(2, 4, 6, 6),), tmp_path / "net.onnx", "torchscript",
+                 dynamic={0: "batch", 2: "h", 3: "w"}, input_names=["x"], output_names=["y"])
+    peft_lora(model, ["grouped", "depthwise"], 6, 5, seed=3, folder=tmp_path / "one", rank_pattern={"grouped": 2})
+    reference = peft_with_adapters(model, {"one": tmp_path / "one"})
+    adapted = load_peft_adapter(import_onnx(net), tmp_path / "one")
+    path = export_onnx(adapted, tmp_path / "inputs.onnx", np.zeros((2, 4, 6, 6), np.float32), lora="inputs")
+    x = np.random.default_rng(0).normal(size=(3, 4, 9, 7)).astype(np.float32)
+    sess = session(path)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], session(net).run(None, {"x": x})[0])
+    options = ort.RunOptions()
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(write_onnx_adapter(adapted, tmp_path / "one.onnx_adapter")))
+    options.add_active_adapter(adapter)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(x), adapter_names=["one"] * len(x)).numpy()
+    np.testing.assert_allclose(sess.run(None, {"x": x}, options)[0], expected, atol=ATOL, rtol=0)
+
+
 # -- the stacked set written back as PEFT's multi-adapter folder ------------------------------------
 
 

@@ -168,7 +168,7 @@ def test_a_batch_first_lstm_tagger_keeps_its_embedding_and_head_rows(tmp_path):
     _both(module, x, tmp_path, expected)
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
 def test_a_sequence_first_bidirectional_gru_keeps_the_rows_of_the_layers_around_it(tmp_path, exporter):
     torch.manual_seed(0)
     module, expected, x = _setup(SeqFirstGru(), torch.randn(4, 3, 6), ["fc", "head"], tmp_path, exporter)
@@ -184,3 +184,55 @@ def test_torchs_attention_out_proj_is_refused_by_name(tmp_path):
                 lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
         with pytest.raises(LoraError, match=r"'layer\.self_attn\.out_proj\.weight' is adapted at node"):
             run()
+
+
+class _Last(torch.nn.Module):
+    """A ``transformers`` model's last hidden state from one input (``input_ids`` / ``pixel_values``)."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x):
+        return self.model(**{self.key: x}).last_hidden_state
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    torch.manual_seed(0)
+    model = randomize(_Last(transformers.GPT2Model(config), "input_ids").eval(), seed=1)
+    return model, torch.from_numpy(np.random.default_rng(0).integers(0, 40, size=(4, 5))), ["c_attn", "c_proj",
+                                                                                              "c_fc", "wte"]
+
+
+def _vit():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=24)
+    torch.manual_seed(0)
+    model = randomize(_Last(transformers.ViTModel(config, add_pooling_layer=False), "pixel_values").eval(), seed=2,
+                      std=0.2)
+    return model, torch.randn(4, 3, 8, 8), ["query", "value", "dense", "projection"]
+
+
+@pytest.mark.parametrize("name,exporter", [("gpt2", "torchscript"), ("vit", "torchscript"),
+                                           pytest.param("gpt2", "dynamo", marks=pytest.mark.slow),
+                                           pytest.param("vit", "dynamo", marks=pytest.mark.slow)])
+def test_gpt2_and_vit_rows_are_followed_through_their_reshapes(tmp_path, name, exporter):
+    """GPT-2's ``Conv1D`` (``[batch * seq, d]`` ``Gemm`` s between reshapes; dynamo: a ``Split``)
+    and ViT's patch ``Conv`` + class token ``Concat``: every target accepted, each row PEFT's
+    mixed-batch output (``adapter_names=``: batch-major models)."""
+    model, x, targets = {"gpt2": _gpt2, "vit": _vit}[name]()
+    path = export(model, (x,), tmp_path / "model.onnx", exporter, dynamic={0: "batch"}, input_names=["x"],
+                  output_names=["y"])
+    for k, (adapter, (r, alpha)) in enumerate(ADAPTERS.items()):
+        peft_lora(model, targets, r, alpha, seed=50 + k, folder=tmp_path / adapter)
+    reference = peft_with_adapters(model, {adapter: tmp_path / adapter for adapter in ADAPTERS})
+    with torch.no_grad():
+        expected = reference(x, adapter_names=["__base__" if r is None else r for r in ROWS]).numpy()
+    imported = import_onnx(path)
+    module = imported
+    for adapter in ADAPTERS:
+        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter, allow_partial=True))
+    _both(module, x.numpy(), tmp_path, expected)

@@ -311,13 +311,16 @@ class Param:
         """``copy.deepcopy``: :meth:`clone` with the value deep-copied (its host memory copied
         when it is writable, e.g. an optimizer's array that ``in_place=True`` steps overwrite;
         see :meth:`Tensor.__deepcopy__`), so a deep copy is a snapshot later in-place steps on
-        the original cannot change. A lazy param not yet initialized shares its once-cell (its
-        init reads the source, which nothing writes), so it initializes once, with its original.
-        Params sharing one value stay sharing one (``memo``)."""
+        the original cannot change; so are its LoRA adapter's factors. A lazy param not yet
+        initialized shares its once-cell (its init reads the source, which nothing writes), so
+        it initializes once, with its original. Params sharing one value stay sharing one
+        (``memo``)."""
+        adapter = copy.deepcopy(self._adapter, memo)  # a LoRA adapter's factors are params too
         if self._value is None:
-            return self.clone()
+            return Param(self.id, cell=self._cell, require_grad=self.require_grad, mapper=self._mapper,
+                         adapter=adapter)
         return Param(self.id, value=copy.deepcopy(self._value, memo), require_grad=self.require_grad,
-                     mapper=self._mapper, adapter=self._adapter)
+                     mapper=self._mapper, adapter=adapter)
 
     def map(self, func: Callable[[Tensor], Tensor]) -> "Param":
         """A param (same id, mappers, flags and adapter) whose base is ``func(base)``.

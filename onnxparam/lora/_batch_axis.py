@@ -51,6 +51,15 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   holds the batch;
 * any other op: its outputs are ``"axis" 0`` when every batched input is ``"axis" 0`` and the
   output's dim 0 is the batch (by its shape), else unknown.
+
+Batch-major values carry ``count`` (elements per batch element) where static dims tell
+(:meth:`_Analysis.static_dims` fills dims the tracer left unknown from constant ``Reshape``
+shapes, ``MatMul``, ``Transpose``, ``Split`` and elementwise ops), so a ``Reshape`` to
+``[-1, *tail]`` is known to give the batch (``count == prod(tail)``) or whole rows of it.
+
+Not followed (unknown, so refused at a target): the batch as a factor of a merged axis other than
+axis 0 (``[seq, batch * heads, d]``) or as the inner factor of axis 0 (``[seq * batch, d]``), as in
+torch's ``nn.MultiheadAttention``; subgraph bodies.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class Layout:
     kind: str  # "none" | "axis" | "rows" | "flat" | "unknown"
     axis: Optional[int] = None
     where: str = ""
+    count: Optional[int] = None  # "rows" / "flat": elements per batch element, when known (static dims)
 
     @property
     def batched(self) -> bool:
@@ -210,6 +220,21 @@ class _Analysis:
         if out is not None and out.size <= 4096:
             self.consts[id(node.outputs[0])] = out
 
+    def per_batch(self, layout: Layout, value) -> Optional[int]:
+        """Elements per batch element of a batch-major ``value`` (storage order kept by a
+        ``Reshape``), when its dims tell."""
+        if layout.count is not None:
+            return layout.count
+        dims = self.static_dims(value)
+        if dims is None or not all(isinstance(d, int) for d in dims[1:]):
+            return None
+        if layout.kind == "axis" and layout.axis == 0:
+            return int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        if isinstance(self.batch, int) and self.batch > 0 and dims and isinstance(dims[0], int):
+            total = int(np.prod(dims))
+            return total // self.batch if total % self.batch == 0 else None
+        return None
+
     # -- shape values: what a computed Reshape shape holds -------------------------------------
 
     def dim_token(self, value, i: int):
@@ -333,7 +358,52 @@ class _Analysis:
             out = self.fallback(node, ins)
         if isinstance(out, Layout):
             out = [out] * n_out
+        if op not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Split"):  # a count only where computed
+            out = [l if l.count is None or (op in ("Gemm", "MatMul") and l.kind == "rows") else
+                   Layout(l.kind, l.axis, l.where) for l in out]
+        out = [self.keep_count(node, op, ins, l) for l in out]
         return [l if l.kind != "unknown" or l.where else Layout("unknown", where=_label(node)) for l in out]
+
+    def keep_count(self, node: ir.Node, op: str, ins: list, layout: Layout) -> Layout:
+        """``layout`` with the elements per batch element of the batched input when ``op`` keeps
+        the shape (elementwise without broadcasting it up, ``Transpose``, normalizations)."""
+        if layout.count is not None or not layout.batch_major or not (
+                op in _ELEMENTWISE or op in ("Transpose", "Softmax", "LogSoftmax", "LayerNormalization",
+                                             "SimplifiedLayerNormalization", "RMSNormalization",
+                                             "SkipLayerNormalization", "SkipSimplifiedLayerNormalization")):
+            return layout
+        out = node.outputs[0]
+        count = self.per_batch(Layout(layout.kind, layout.axis), out)  # from the output's own dims
+        if count is not None:
+            return Layout(layout.kind, layout.axis, layout.where, count=count)
+        out_rank = _rank(out)
+        for l, v in zip(ins, node.inputs):
+            if l.batch_major and (l.kind, l.axis) == (layout.kind, layout.axis) and _rank(v) == out_rank \
+                    and self.not_broadcast_up(node, v):
+                count = self.per_batch(l, v)
+                if count is not None:
+                    return Layout(layout.kind, layout.axis, layout.where, count=count)
+        return layout
+
+    def not_broadcast_up(self, node: ir.Node, value) -> bool:
+        """Whether no other input of ``node`` can make its output larger than ``value`` (each of
+        their dims 1, or an int equal to ``value``'s; ranks not above ``value``'s)."""
+        dims = self.static_dims(value)
+        if dims is None:
+            return False
+        if node.op_type not in _ELEMENTWISE:
+            return True  # Transpose, normalizations: the output is input 0's size
+        for other in node.inputs:
+            if other is None or other is value:
+                continue
+            od = self.static_dims(other)
+            if od is None or len(od) > len(dims):
+                return False
+            for i, d in enumerate(od):
+                mine = dims[i + len(dims) - len(od)]
+                if not (d == 1 or (isinstance(d, int) and d == mine)):
+                    return False
+        return True
 
     def rule(self, node: ir.Node, op: str, ins: list):
         gone = Layout("unknown", where=_label(node))
@@ -384,7 +454,8 @@ class _Analysis:
             if any(l.batched for l in ins[1:]):
                 return gone
             axis = int(_attr(node, "axis", 0))
-            return self.same_layout(node, ins[:1], axis, _rank(node.inputs[0]))
+            out = self.same_layout(node, ins[:1], axis, _rank(node.inputs[0]))
+            return self.split_counts(node, out, axis)
         if op in _REDUCE:
             return self.reduce(node, op, ins)
         if op in _LAST_AXIS:
@@ -453,6 +524,132 @@ class _Analysis:
                 return gone
         return self.merge(node, found)
 
+    def split_counts(self, node: ir.Node, layout: Layout, axis: int):
+        """``Split``'s outputs, each with its share of the elements per batch element."""
+        plain = Layout(layout.kind, layout.axis, layout.where)
+        count = self.per_batch(layout, node.inputs[0]) if layout.batch_major else None
+        dims = self.static_dims(node.inputs[0])
+        if count is None or dims is None:
+            return plain
+        axis = axis + len(dims) if axis < 0 else axis
+        sizes = self.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        sizes = [int(v) for v in np.ravel(sizes)] if sizes is not None else _attr(node, "split")
+        whole = dims[axis] if isinstance(dims[axis], int) else (sum(sizes) if sizes else None)
+        if not sizes and whole is not None and whole % len(node.outputs) == 0:
+            sizes = [whole // len(node.outputs)] * len(node.outputs)
+        if not sizes or not whole or len(sizes) != len(node.outputs) or any((count * v) % whole for v in sizes):
+            return plain
+        return [Layout(layout.kind, layout.axis, layout.where, count=count * v // whole) for v in sizes]
+
+    def static_dims(self, value, depth: int = 0) -> Optional[list]:
+        """``value``'s dims, unknown ones filled where the ops that made it tell: a constant
+        ``Reshape`` shape's positive entries, ``MatMul``, ``Transpose``, ``Split`` and shape-keeping
+        ops of inputs whose dims are known (the tracer leaves some unknown)."""
+        if value is None:
+            return None
+        memo = self.__dict__.setdefault("_static", {})
+        if id(value) in memo:
+            return memo[id(value)]
+        dims = _dims(value)
+        producer = value.producer()
+        if depth < 64 and producer is not None and (dims is None or not all(isinstance(d, int) for d in dims)) \
+                and producer.domain in ("", "ai.onnx"):
+            found = self._infer_dims(producer, value, dims, depth + 1)
+            if found is not None:
+                dims = found
+        memo[id(value)] = dims
+        return dims
+
+    def _infer_dims(self, node: ir.Node, value, dims, depth: int) -> Optional[list]:
+        op = node.op_type
+
+        def merge(found):
+            if found is None or (dims is not None and len(dims) != len(found)):
+                return None
+            return [f if isinstance(f, int) else (dims[i] if dims is not None else None) for i, f in enumerate(found)]
+
+        if op == "Reshape" and len(node.inputs) > 1:
+            shape = self.const(node.inputs[1])
+            if shape is None:
+                return None
+            entries = [int(v) for v in np.ravel(shape)]
+            src = self.static_dims(node.inputs[0], depth)
+            found = [e if e > 0 else (src[i] if e == 0 and src is not None and i < len(src) else None)
+                     for i, e in enumerate(entries)]
+            if src is not None and all(isinstance(d, int) for d in src) and entries.count(-1) == 1:
+                known = [d for d in found if isinstance(d, int)]
+                if known and int(np.prod(src)) % int(np.prod(known)) == 0:
+                    found[entries.index(-1)] = int(np.prod(src)) // int(np.prod(known))
+            return merge(found)
+        if op == "Transpose":
+            src = self.static_dims(node.inputs[0], depth)
+            perm = _attr(node, "perm")
+            if src is None:
+                return None
+            perm = [int(p) for p in perm] if perm is not None else list(reversed(range(len(src))))
+            return merge([src[p] for p in perm])
+        if op == "MatMul" and len(node.inputs) == 2:
+            a, b = self.static_dims(node.inputs[0], depth), self.static_dims(node.inputs[1], depth)
+            if a is None or b is None or len(a) < 2 or len(b) < 2:
+                return None
+            lead_a, lead_b = a[:-2], b[:-2]
+            rank = max(len(lead_a), len(lead_b))
+            lead_a, lead_b = [1] * (rank - len(lead_a)) + lead_a, [1] * (rank - len(lead_b)) + lead_b
+            lead = [x if x == y or y == 1 else (y if x == 1 else (x if isinstance(x, int) else y))
+                    for x, y in zip(lead_a, lead_b)]
+            return merge(lead + [a[-2], b[-1]])
+        if op == "Split":
+            src = self.static_dims(node.inputs[0], depth)
+            if src is None:
+                return None
+            axis = int(_attr(node, "axis", 0))
+            axis = axis + len(src) if axis < 0 else axis
+            sizes = self.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+            sizes = [int(v) for v in np.ravel(sizes)] if sizes is not None else _attr(node, "split")
+            whole = src[axis]
+            if not sizes and isinstance(whole, int) and whole % len(node.outputs) == 0:
+                sizes = [whole // len(node.outputs)] * len(node.outputs)
+            if not sizes or len(sizes) != len(node.outputs):
+                return None
+            index = next(i for i, o in enumerate(node.outputs) if o is value)
+            return merge(src[:axis] + [sizes[index]] + src[axis + 1:])
+        if op in _ELEMENTWISE or op in _LAST_AXIS and op not in ("TopK", "ArgMax", "ArgMin"):
+            ranks = [_rank(v) for v in node.inputs if v is not None]
+            out_rank = dims and len(dims) or (max(ranks) if ranks and None not in ranks else None)
+            if out_rank is None or op in ("CastLike",) and False:
+                return None
+            found = [None] * out_rank
+            for v in node.inputs[:1] if op in _LAST_AXIS else node.inputs:
+                src = self.static_dims(v, depth) if v is not None else None
+                if src is None:
+                    continue
+                for i, d in enumerate(src):
+                    j = i + out_rank - len(src)
+                    if 0 <= j < out_rank and isinstance(d, int) and d != 1:
+                        found[j] = d
+                    elif 0 <= j < out_rank and d == 1 and found[j] is None:
+                        found[j] = None
+            return merge(found)
+        return None
+
+    def scaled_rows(self, layout: Layout, x, y) -> Layout:
+        """A ``"rows"`` layout through an op changing the last dim only (``MatMul``'s ``K -> N``):
+        the elements per batch element scale by ``N / K``."""
+        count = self.per_batch(layout, x)
+        xd, yd = _dims(x), _dims(y)
+        node = y.producer()
+        if node is not None and node.op_type in ("MatMul", "Gemm") and len(node.inputs) > 1 \
+                and node.inputs[1] is not None:
+            wd = _dims(node.inputs[1])  # K and N from the weight when the activations' dims are not known
+            if wd is not None and len(wd) == 2:
+                k, n = (wd[1], wd[0]) if node.op_type == "Gemm" and int(_attr(node, "transB", 0)) else (wd[0], wd[1])
+                xd = (xd or [None])[:-1] + [k] if not xd or not isinstance(xd[-1], int) else xd
+                yd = (yd or [None])[:-1] + [n] if not yd or not isinstance(yd[-1], int) else yd
+        if count is None or not xd or not yd or not isinstance(xd[-1], int) or not isinstance(yd[-1], int) \
+                or xd[-1] <= 0 or (count * yd[-1]) % xd[-1]:
+            return Layout("rows", where=layout.where)
+        return Layout("rows", where=layout.where, count=count * yd[-1] // xd[-1])
+
     def merge(self, node: ir.Node, found: list):
         if not found:
             return NONE
@@ -471,7 +668,11 @@ class _Analysis:
             if any(l.batched for l in ins[1:]) or int(_attr(node, "transA", 0)):
                 return gone
             a = ins[0]
-            return a if a.kind in ("rows",) or (a.kind == "axis" and a.axis == 0) else gone
+            if a.kind == "rows" or a.kind == "flat" and a.count is not None:
+                # a flat input whose batch elements hold whole rows (count a multiple of K) is rows
+                scaled = self.scaled_rows(a, node.inputs[0], node.outputs[0])
+                return scaled if a.kind == "rows" or scaled.count is not None else gone
+            return a if a.kind == "axis" and a.axis == 0 else gone
         if op == "FusedMatMul" and any(int(_attr(node, k, 0)) for k in ("transA", "transB", "transBatchA",
                                                                             "transBatchB")):
             return gone
@@ -500,7 +701,7 @@ class _Analysis:
                     axis = k + out_rank - rank
                 found.append(layout if axis == k else Layout("axis", axis, _label(node)))
             elif layout.kind == "rows" and rank == out_rank and (side == 0 or rank > 2):
-                found.append(layout)
+                found.append(self.scaled_rows(layout, value, node.outputs[0]))
             else:
                 return gone
         return self.merge(node, found)
@@ -556,9 +757,22 @@ class _Analysis:
             return layout  # dim 0 kept: the same slices of axis 0
         if (out_dims and self.batch is not None and out_dims[0] == self.batch) or (entries and entries[0] == "B"):
             return Layout("axis", 0, _label(node))  # batch-major storage, dim 0 the batch: exactly it
+        count = self.per_batch(layout, x)
+        tail = None
+        if out_dims is not None and len(out_dims) >= 1 and all(isinstance(d, int) for d in out_dims[1:]):
+            tail = int(np.prod(out_dims[1:])) if len(out_dims) > 1 else 1
+        elif entries and all(t[0] == "n" and t[1] > 0 for t in entries[1:] if isinstance(t, tuple)) \
+                and all(isinstance(t, tuple) for t in entries[1:]):
+            tail = int(np.prod([t[1] for t in entries[1:]])) if len(entries) > 1 else 1
+        if count is not None and tail:
+            if count == tail:
+                return Layout("axis", 0, _label(node), count=count)  # one batch element per slice of axis 0
+            if count % tail == 0:
+                return Layout("rows", where=_label(node), count=count)
+            return Layout("flat", where=_label(node), count=count)
         if self.multiple_of_batch(in_dims, out_dims, shape, layout) or self.leading_merge(x, entries, layout):
-            return Layout("rows", where=_label(node))
-        return Layout("flat", where=_label(node))
+            return Layout("rows", where=_label(node), count=count)
+        return Layout("flat", where=_label(node), count=count)
 
     def kept_lead(self, x, in_dims, out_dims, entries) -> int:
         """How many leading dims a ``Reshape`` provably keeps: ``0`` entries of its shape, entries

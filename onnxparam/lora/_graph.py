@@ -255,7 +255,10 @@ class _Expander:
         (``lora_B``, zero outside each group's rows) after it::
 
             h = Conv(x, Reshape(Transpose(a), [-1, in, *kernel]))    [n, r, *spatial]
-            y + Reshape(MatMul(Transpose(scale * b) * mask, Reshape(h, [0, 0, -1])), Shape(y))
+            y + Reshape(MatMul(Transpose(scale * b) * mask, Reshape(h, [0, 0, prod(spatial)])), Shape(y))
+
+        (with dynamic spatial dims the MatMul runs channels-last between two Transposes instead:
+        no Reshape, so a zero rank, ``"inputs"`` mode with no adapter fed, still runs the base)
 
         ``Conv`` with the node's attributes but ``group`` (strides, pads, ``auto_pad``; PEFT's
         ``lora_A`` takes the base's stride and padding; a dilated base, whose PEFT ``lora_A`` is
@@ -308,15 +311,31 @@ class _Expander:
         flat_len = int(np.prod(spatial)) if spatial is not None and all(isinstance(d, int) for d in spatial) else None
         nodes = [self._node(node.graph, "Conv", [node.inputs[0], a_conv], [n, rank, *spatial] if y_dims else None,
                             f"{name}/Conv_a", attributes=kept)]
-        flat = self.tracer.constant(np.asarray([0, 0, -1], dtype=np.int64), name="lora.conv.flat3")._symbol.value
-        nodes.append(self._node(node.graph, "Reshape", [nodes[-1].outputs[0], flat], [n, rank, flat_len],
-                                f"{name}/Reshape_h"))
-        nodes.append(self._node(node.graph, "MatMul", [b_t, nodes[-1].outputs[0]], [n, dims[0], flat_len],
-                                f"{name}/MatMul_b"))
-        nodes.append(self._node(node.graph, "Shape", [y], [len(y_dims)] if y_dims else None, f"{name}/Shape_y"))
-        nodes[-1].outputs[0].type = ir.TensorType(ir.DataType.INT64)
-        nodes.append(self._node(node.graph, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], y_dims,
-                                f"{name}/Reshape_y"))
+        # a zero rank ("inputs" mode with no adapter fed) makes h empty ([n, 0, *spatial]): no
+        # Reshape with -1 (ambiguous next to a zero dim; ORT refuses it, and its ReshapeFusion
+        # turns a computed [n, r, prod(spatial)] back into [0, 0, -1]), so the base model runs
+        h = nodes[-1].outputs[0]
+        k = len(dims) - 2  # spatial rank
+        if flat_len is not None:  # [n, r, L] by explicit dims, then (b^T * mask) @ h, viewed as y
+            flat = self.tracer.constant(np.asarray([0, 0, flat_len], dtype=np.int64),
+                                        name=f"lora.conv.flat3_{flat_len}")._symbol.value
+            nodes.append(self._node(node.graph, "Reshape", [h, flat], [n, rank, flat_len], f"{name}/Reshape_h"))
+            nodes.append(self._node(node.graph, "MatMul", [b_t, nodes[-1].outputs[0]], [n, dims[0], flat_len],
+                                    f"{name}/MatMul_b"))
+            nodes.append(self._node(node.graph, "Shape", [y], [len(y_dims)], f"{name}/Shape_y"))
+            nodes[-1].outputs[0].type = ir.TensorType(ir.DataType.INT64)
+            nodes.append(self._node(node.graph, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], y_dims,
+                                    f"{name}/Reshape_y"))
+        else:  # dynamic spatial dims: channels last, h^T @ (b^T * mask)^T, channels back (no Reshape)
+            last = [n, *spatial] if y_dims else None
+            nodes.append(self._node(node.graph, "Transpose", [h], last and [*last, rank], f"{name}/Transpose_h",
+                                    {"perm": [0, *range(2, k + 2), 1]}))
+            nodes.append(self._node(node.graph, "Transpose", [b_t], [rank, dims[0]], f"{name}/Transpose_bt",
+                                    {"perm": [1, 0]}))
+            nodes.append(self._node(node.graph, "MatMul", [nodes[-2].outputs[0], nodes[-1].outputs[0]],
+                                    last and [*last, dims[0]], f"{name}/MatMul_b"))
+            nodes.append(self._node(node.graph, "Transpose", [nodes[-1].outputs[0]], y_dims, f"{name}/Transpose_y",
+                                    {"perm": [0, k + 1, *range(1, k + 1)]}))
         nodes.append(self._node(node.graph, "Add", [y, nodes[-1].outputs[0]], y_dims, f"{name}/Add"))
         node.graph.insert_after(node, nodes)
         _redirect(y, nodes[-1].outputs[0], uses)

@@ -68,7 +68,8 @@ def export_conv_problems(ir_model, targets: list) -> dict:
     if not weights:
         return found
     for node in ir_model.graph.all_nodes():
-        if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[1] is None:
+        if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 \
+                or node.inputs[1] is None:
             continue
         w = node.inputs[1]
         producer = w.producer()

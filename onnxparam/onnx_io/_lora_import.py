@@ -127,17 +127,36 @@ def _grouped_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
     branch (:meth:`onnxparam.lora._graph._Expander.grouped_conv`)::
 
         Reshape(MatMul(Transpose(s * b) [* mask], Reshape(Conv(x, Reshape(Transpose(a), shape)), flat)), Shape(y))
+
+    or, with dynamic spatial dims, channels-last between Transposes::
+
+        Transpose(MatMul(Transpose(Conv(x, ...)), Transpose(Transpose(s * b) [* mask])))
     """
     back = _producer(out, "Reshape")
-    mm = _producer(back.inputs[0], "MatMul") if back is not None else None
-    if mm is None or len(mm.inputs) != 2:
-        return None
-    masked, mask_nodes = mm.inputs[0], []
+    if back is not None:
+        mm = _producer(back.inputs[0], "MatMul")
+        if mm is None or len(mm.inputs) != 2:
+            return None
+        b_side, flat = mm.inputs[0], _producer(mm.inputs[1], "Reshape")
+        shape_y = _producer(back.inputs[1], "Shape")
+        tail = [mm] + ([shape_y] if shape_y is not None else []) + [back]
+    else:
+        flip_y = _producer(out, "Transpose")
+        mm = _producer(flip_y.inputs[0], "MatMul") if flip_y is not None else None
+        if mm is None or len(mm.inputs) != 2:
+            return None
+        flip_bt = _producer(mm.inputs[1], "Transpose")
+        flat = _producer(mm.inputs[0], "Transpose")  # channels last
+        if flip_bt is None:
+            return None
+        b_side = flip_bt.inputs[0]
+        tail = [flip_bt, mm, flip_y]
+    masked, mask_nodes = b_side, []
     mul = _producer(masked, "Mul")
     if mul is not None and len(mul.inputs) == 2 and mul.inputs[1] is not None \
             and mul.inputs[1].name.endswith(".lora.group_mask"):
         masked, mask_nodes = mul.inputs[0], [mul]
-    flip_b, flat = _producer(masked, "Transpose"), _producer(mm.inputs[1], "Reshape")
+    flip_b = _producer(masked, "Transpose")
     b_found = _factor(flip_b.inputs[0], factors, "b") if flip_b is not None else None
     conv = _producer(flat.inputs[0], "Conv") if flat is not None else None
     shaped = _producer(conv.inputs[1], "Reshape") if conv is not None and len(conv.inputs) == 2 else None
@@ -147,9 +166,7 @@ def _grouped_chain(out: ir.Value, factors: dict) -> Optional[tuple]:
     a, (b, coefficient, b_nodes) = flip_a.inputs[0], b_found
     if a is None or factors.get(a.name, (None, None))[1] != "a" or factors[a.name][0] != factors[b.name][0]:
         return None
-    shape_y = _producer(back.inputs[1], "Shape")
-    nodes = b_nodes + [flip_b] + mask_nodes + [flip_a, shaped, conv, flat, mm]
-    nodes += ([shape_y] if shape_y is not None else []) + [back]
+    nodes = b_nodes + [flip_b] + mask_nodes + [flip_a, shaped, conv, flat] + tail
     return conv.inputs[0], conv, a, b, coefficient, nodes
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..core.errors import OptimizerError
 from ._base import Optimizer
 
-__all__ = ["Adam", "DEFAULT_EPSILON"]
+__all__ = ["Adam", "DEFAULT_EPSILON", "moment_dtype"]
 
 DEFAULT_EPSILON = 1e-5
 """Burn's ``AdamConfig`` default epsilon (PyTorch uses 1e-8)."""
@@ -18,6 +18,24 @@ DEFAULT_EPSILON = 1e-5
 _BLOCK = 131072
 """Elements per block of an update (the seven block-sized arrays an update touches stay in the last-level
 cache; measured on ResNet18-sized weights: 0.7x the time of whole-array operations, 8192 slower than those)."""
+
+
+def moment_dtype(dtype) -> np.dtype:
+    """The dtype of Adam's moments and arithmetic for a param of ``dtype``: float32 for the 16-bit
+    floats (float16, bfloat16), else the param's own.
+
+    NOTE: as mixed-precision training keeps its optimizer state (apex / torch.amp's float32
+    master copies): in float16 ``g * g`` of a gradient below ~2.4e-4 underflows to 0 and an
+    ``eps`` below 6e-8 is 0, so ``m / (sqrt(v) + eps)`` turns into inf / NaN weights after one
+    step (PyTorch's ``Adam`` on float16 params does). The new value is rounded to the param's dtype once.
+    """
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _widen(block: np.ndarray, into: np.ndarray) -> np.ndarray:
+    into[...] = block
+    return into
 
 
 class Adam(Optimizer):
@@ -36,7 +54,8 @@ class Adam(Optimizer):
         weight_decay: L2 penalty added to the gradient.
 
     State per param (Burn's ``AdaptiveMomentumState`` field names): tensors ``moment_1``,
-    ``moment_2``; scalar ``time``.
+    ``moment_2`` (the param's dtype; float32 for a float16 / bfloat16 param, whose update is
+    computed in float32 too: :func:`moment_dtype`); scalar ``time``.
 
     Raises:
         OptimizerError: (a ``ValueError``) for betas outside ``[0, 1)`` or a negative lr / eps /
@@ -74,24 +93,30 @@ class Adam(Optimizer):
         value = np.ascontiguousarray(value).reshape(-1)
         grad = np.ascontiguousarray(grad).reshape(-1)
         new = np.empty_like(value) if out is None else out.reshape(-1)
+        work = moment_dtype(value.dtype)
+        wide = work != value.dtype  # a 16-bit param: its blocks are widened to float32 first
         if state:
             # NOTE: reshaped: ascontiguousarray makes a 0-d array 1-d (the moments keep the param's shape)
-            m = np.ascontiguousarray(state["moment_1"]).reshape(shape)
-            v = np.ascontiguousarray(state["moment_2"]).reshape(shape)
+            m = np.ascontiguousarray(state["moment_1"], dtype=work).reshape(shape)
+            v = np.ascontiguousarray(state["moment_2"], dtype=work).reshape(shape)
             m_flat, v_flat, t = m.reshape(-1), v.reshape(-1), int(state["time"]) + 1  # views: updated in place
         else:
-            m, v, t = np.empty(shape, value.dtype), np.empty(shape, value.dtype), 1
+            m, v, t = np.empty(shape, work), np.empty(shape, work), 1
             m_flat, v_flat = m.reshape(-1), v.reshape(-1)
         bias1, bias2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         size = value.size
         block = max(1, min(size, _BLOCK))
-        scratch = np.empty(block, value.dtype)
-        work_block = np.empty(block, value.dtype)
-        decayed = np.empty(block, value.dtype) if self.weight_decay else None
+        scratch = np.empty(block, work)
+        work_block = np.empty(block, work)
+        decayed = np.empty(block, work) if self.weight_decay else None
+        widened = (np.empty(block, work), np.empty(block, work)) if wide else None
         for start in range(0, size, block):
             stop = min(start + block, size)
             k = stop - start
             p, g, out, den = value[start:stop], grad[start:stop], work_block[:k], scratch[:k]
+            if widened is not None:
+                p = _widen(p, widened[0][:k])
+                g = _widen(g, widened[1][:k])
             mb, vb = m_flat[start:stop], v_flat[start:stop]
             if decayed is not None:
                 wd = decayed[:k]
@@ -116,7 +141,11 @@ class Adam(Optimizer):
             np.divide(mb, bias1, out=out)  # m_hat
             out /= den
             out *= lr
-            np.subtract(p, out, out=new[start:stop])
+            if wide:
+                np.subtract(p, out, out=out)
+                new[start:stop] = out  # NOTE: rounded to the param's dtype once, at the end
+            else:
+                np.subtract(p, out, out=new[start:stop])
         return new.reshape(shape), {"moment_1": m, "moment_2": v, "time": t}
 
     def __repr__(self) -> str:

@@ -9,8 +9,9 @@ burnpack record.
               "{param_id}.{scalar}"  per-param scalars, e.g. Adam's "time" (Int)
     metadata: "format" = "burnpack", "producer" = "onnxparam", "version", "optimizer" = "Sgd" | "Adam"
 
-State arrays are exact copies (same dtype as the param), so an optimizer reloaded from its file
-continues bit for bit as the one that saved it.
+State arrays are exact copies, in the dtype the optimizer keeps them in (the param's; float32 for a
+16-bit float param under Adam), so an optimizer reloaded from its file continues bit for bit as the
+one that saved it.
 """
 
 from __future__ import annotations

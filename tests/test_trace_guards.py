@@ -11,7 +11,8 @@ import pytest
 
 import onnxparam as op
 from onnxparam import nn, runtime
-from onnxparam.autodiff import grad
+from onnxparam.autodiff import _training, grad
+from onnxparam.runtime import _calls
 
 RNG = np.random.default_rng(7)
 N, D, C = 5, 4, 3
@@ -58,6 +59,8 @@ def test_loss_fn_reading_reassigned_globals_follows_each_step():
         BX, BT, SCALE = op.Tensor.from_numpy(x), op.Tensor.from_numpy(t), 1.0 + i
         loss, grads = grad(_loss_globals, m)
         _check(m, loss, grads, x, t, 1.0 + i)
+    # a graph whose guards failed is replaced, and its session dropped (no pile-up)
+    assert len([k for k in _training._sessions if k[0][0] == _calls._Ref(_loss_globals)]) == 1
     # unchanged globals: the cached graph is reused (no retrace)
     before = runtime.stats().training_traces
     loss, grads = grad(_loss_globals, m)

@@ -200,6 +200,13 @@ def _built(forward, wrt, marked) -> tuple:
     return training, grad_paths
 
 
+def _drop_stale(key) -> None:
+    """Forget the training sessions of the graph under ``key`` (its guards failed: it is traced
+    again, and its sessions would never be found again)."""
+    for k in [k for k in _sessions if k[0] == key]:
+        del _sessions[k]
+
+
 def _holds(hit) -> bool:
     """Whether a cached ``(training, grad paths)`` entry's guards still hold (the globals and
     closure values its ``loss_fn`` read are what the trace saw)."""
@@ -215,15 +222,20 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     marked = recomputed_paths(module)
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all, marked)
     hit = _graphs.get(key)
-    if hit is not None and _holds(hit):
-        _graphs.move_to_end(key)
-        return (key,) + hit
+    if hit is not None:
+        if _holds(hit):
+            _graphs.move_to_end(key)
+            return (key,) + hit
+        _drop_stale(key)
     if session_config(module).dynamic_shapes == "auto":
         family_key = (key[0], key[1], tuple(_rank_only(e, i < len(args)) for i, e in enumerate(call_sig)), wrt_all)
 
         def lookup(gen_key):
             hit = _graphs.get(gen_key)
-            if hit is None or not _holds(hit):
+            if hit is not None and not _holds(hit):
+                _drop_stale(gen_key)
+                return None
+            if hit is None:
                 return None
             _graphs.move_to_end(gen_key)
             return hit

@@ -328,6 +328,13 @@ def _guards_hold(traced) -> bool:
     return not guards or _trace_guards.guards_hold(guards)
 
 
+def _drop_stale(trace_key) -> None:
+    """Forget the sessions built from the trace under ``trace_key`` (its guards failed: it is
+    traced again, and its sessions would never be found again)."""
+    for key in [k for k in _sessions if k[0] == trace_key]:
+        _forget_runner(_sessions.pop(key))
+
+
 def _passes():
     """The graph passes module calls trace with (LoRA, QDQ): the executor's, which the top layer
     builds (:mod:`onnxparam.core.extension`); the runtime imports no pass."""
@@ -430,9 +437,11 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
         structure = (_structure_key(module, mode, passes.untraced_attrs), passes.structure_key(module, mode))
         trace_key = (structure, call_sig, mode, options)
         traced = _traces.get(trace_key)
-        if traced is not None and _guards_hold(traced):
-            _traces.move_to_end(trace_key)
-            return trace_key, traced
+        if traced is not None:
+            if _guards_hold(traced):
+                _traces.move_to_end(trace_key)
+                return trace_key, traced
+            _drop_stale(trace_key)
         if policy == "auto":
             hit = _dynamic_trace(module, args, kwargs, call_sig, (structure, mode, options))
             if hit is not None:
@@ -474,7 +483,10 @@ def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
             "?" if (i, a) in symbolic else d for a, d in enumerate(shapes[i])))
         gen_key = (where[0], ("dynamic", least, gen_sig, groups), where[1], where[2])
         traced = _traces.get(gen_key)
-        if traced is not None and _guards_hold(traced):
+        if traced is not None and not _guards_hold(traced):
+            _drop_stale(gen_key)
+            traced = None
+        if traced is not None:
             _traces.move_to_end(gen_key)
             return gen_key, traced
         traced = _trace_symbolic(module, args, kwargs, values, groups, where, least)

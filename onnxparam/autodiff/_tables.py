@@ -18,8 +18,10 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
    An unmarked float initializer of a dynamo file that rules 1-5 leave trainable is frozen
    too (:data:`EXPORTER_CONSTANT`) unless it may hold a parameter's value: named as one of the
    parameters the file's graph signature lists (``pkg.torch.export.ExportedProgram.graph_signature``),
-   or folded from one (``folded_from``): the zeros an RNN starts from (``torch.zeros`` folded
-   into ``val_10``) are no weight, a weight transposed or concatenated by the optimizer is.
+   folded from one, or without a ``folded_from`` record at all (the optimizer's rewrites, such as
+   a BatchNormalization fused into its Conv, keep none): the zeros an RNN starts from
+   (``torch.zeros`` folded into ``val_10``, recorded) are no weight, a weight transposed or
+   concatenated by the optimizer is.
 
 1. **periodic encodings**: every path on which the weight's value meets the model's float
    activations (values computed from a float graph input or an embedding lookup of the
@@ -346,13 +348,15 @@ def parameter_targets(model: ir.Model) -> Optional[frozenset]:
 
 def _from_a_parameter(name: str, value: ir.Value, targets: frozenset) -> bool:
     """True when an unmarked initializer of a dynamo file may hold a parameter's value: it is
-    named as one, or the exporter's optimizer folded it from one (``folded_from`` metadata);
-    an unparsable record is a doubt (True)."""
+    named as one, or the exporter's optimizer folded it from one (``folded_from`` metadata).
+    No record is no evidence (the optimizer's rewrites, e.g. a BatchNormalization fused into the
+    Conv before it, write ``conv1.weight_bias`` from parameters without one), and neither is an
+    unparsable record: both count as a parameter's value."""
     if name in targets:
         return True
     text = _marks(value).get(_FOLDED)
     if not text:
-        return False
+        return True
     try:
         import ast
 

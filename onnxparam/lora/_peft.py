@@ -51,6 +51,7 @@ from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
+from ._tables import table_owners
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -260,7 +261,10 @@ class _Targets:
     in an imported graph, as the ``<module>.weight`` whose ``MatMul`` / ``Gemm`` output gets
     ``<module>.bias`` added (how torch's TorchScript exporter leaves ``nn.Linear`` weights it
     renamed), or as the module path that torch's dynamo exporter records on the ``aten.linear``
-    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`). Layouts come from
+    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`), or as the module
+    an embedding table's ``Gather`` s belong to (:func:`onnxparam.lora._tables.table_owners`:
+    GPT-2's ``wte`` when dynamo named the tied table ``lm_head.weight``; that path then resolves
+    to the weight the graph names ``lm_head``'s, the projection). Layouts come from
     modules that declare them from their graph (``lora_weight_layouts``: an imported
     ``OnnxModule``), else from ``lora_transposed_paths``
     declarations, else Burn's ``(d_in, d_out)`` (this library's ``nn`` modules); never from
@@ -275,6 +279,7 @@ class _Targets:
         self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
         self.graph_prefixes: list = []
         self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
+        self.renamed_tables: set = set()  # tables whose Gathers name another module: not by their path
         for prefix, sub in named_modules(module):
             method = getattr(sub, "lora_weight_layouts", None)
             if not callable(method):
@@ -289,14 +294,23 @@ class _Targets:
             for alias, name in _linear_aliases(sub.ir_model).items():
                 if name in by_name:
                     self.names.setdefault(alias, by_name[name])
+            for name, (owners, _) in table_owners(sub.ir_model).items():
+                if name in by_name and len(owners) == 1:  # an embedding table: the module its Gathers name
+                    owner = join(next(iter(owners)))
+                    self.names[f"{owner}.weight"] = by_name[name]
+                    if by_name[name] != f"{owner}.weight":  # named after another module (a tied lm_head)
+                        self.renamed_tables.add(by_name[name])
 
     def resolve(self, mapped: str) -> Optional[str]:
         for candidate in (mapped, f"{mapped}.weight"):
-            if candidate in self.params:
+            if candidate in self.params and candidate not in self.renamed_tables:
                 return candidate
         for candidate in (mapped, f"{mapped}.weight"):
             if candidate in self.names:
                 return self.names[candidate]
+        for candidate in (mapped, f"{mapped}.weight"):  # a tied table's path with no other weight of that name
+            if candidate in self.params:
+                return candidate
         return None
 
     def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:

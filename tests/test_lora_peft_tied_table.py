@@ -135,3 +135,22 @@ def test_a_tied_table_without_owner_evidence_is_refused_naming_it_unless_key_map
     rows = [k for k, n in enumerate(ROWS) if n == "s1"]
     with torch.no_grad():
         np.testing.assert_allclose(written(torch.from_numpy(ids[rows])).numpy(), expected[rows], atol=ATOL, rtol=0)
+
+
+def test_a_peft_adapter_on_the_tied_lm_head_loads_onto_the_projection_and_saves_back(tied, tmp_path):
+    """PEFT's Linear LoRA on ``lm_head`` (the tied projection): where dynamo named the table
+    ``lm_head.weight`` it must not land on the table (an embedding) but on the weight the
+    projection's MatMul reads; written back it is ``lm_head``'s ``lora_A`` / ``lora_B``."""
+    _, path, model, ids, _, folder = tied
+    peft_lora(model, ["lm_head"], 2, 3, seed=9, folder=folder / "s3")
+    reference = peft_with_adapters(model, {"s3": folder / "s3"})
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(ids)).numpy()
+    s3 = load_peft_adapter(import_onnx(path), folder / "s3")
+    np.testing.assert_allclose(s3(Tensor.from_numpy(ids)).to_numpy(), expected, atol=ATOL, rtol=0)
+    out = save_peft_adapter(s3, tmp_path / "s3")
+    assert set(load_file(str(out / "adapter_model.safetensors"))) == {
+        "base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"}
+    with torch.no_grad():
+        got = peft_with_adapters(model, {"s3": out})(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)

@@ -291,7 +291,8 @@ class _Targets:
             for path, name in onnx_names.items():
                 self.names.setdefault(name, join(path))
             by_name = {name: join(path) for path, name in onnx_names.items()}
-            for alias, name in _linear_aliases(sub.ir_model).items():
+            aliases = _linear_aliases(sub.ir_model)
+            for alias, name in aliases.items():
                 if name in by_name:
                     self.names.setdefault(alias, by_name[name])
             for name, (owners, _) in table_owners(sub.ir_model).items():
@@ -300,6 +301,8 @@ class _Targets:
                     self.names[f"{owner}.weight"] = by_name[name]
                     if by_name[name] != f"{owner}.weight":  # named after another module (a tied lm_head)
                         self.renamed_tables.add(by_name[name])
+                        if aliases.get(name) in by_name:  # that module's own weight (the projection's MatMul)
+                            self.names[name] = by_name[aliases[name]]
 
     def resolve(self, mapped: str) -> Optional[str]:
         for candidate in (mapped, f"{mapped}.weight"):

@@ -113,8 +113,9 @@ class Guard:
         if value is _MISSING:
             return False
         if self.token[0]:
-            if value.__class__ is not self.token[1] or not (value == self.token[2]):
-                return False
+            was = self.token[2]
+            if value.__class__ is not self.token[1] or not (value == was or (value != value and was != was)):
+                return False  # NOTE: a NaN equals a NaN here (else a NaN global would retrace every call)
         elif value is not self.obj:
             return False
         if self.items is not None:

@@ -39,6 +39,7 @@ from .core.device import Device  # noqa: E402
 from .core.errors import (  # noqa: E402
     BurnpackFormatError,
     CallArgumentError,
+    CaptureWarning,
     DeviceError,
     DTypeError,
     ExecutionError,
@@ -123,6 +124,7 @@ __all__ = [
     "FileAccessError",
     "PrecisionWarning",
     "LoraWarning",
+    "CaptureWarning",
 ]
 
 _LAZY = {

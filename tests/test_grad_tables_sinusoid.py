@@ -67,11 +67,15 @@ def test_other_tables_are_not_sinusoidal(make):
     assert not is_sinusoid_table(make(np.random.default_rng(0)))
 
 
-def _export(model, x, path, dynamic):
+def _export(model, x, path, dynamic, dynamo=False):
     import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(model, (torch.from_numpy(x),), str(path), input_names=["x"], output_names=["y"],
+                              opset_version=18, dynamo=True, external_data=False)
+            return
         torch.onnx.export(model, (torch.from_numpy(x),), str(path), input_names=["x"], output_names=["y"],
                           dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}} if dynamic else None,
                           opset_version=17, dynamo=False)
@@ -91,7 +95,13 @@ def _trainable_match(module, model) -> tuple:
             sorted(n for n, t in torch_values.items() if not any(same(v, t) for v in ours.values())))
 
 
-def test_whisper_encoder_imports_with_its_position_table_frozen_as_torch_has_it(tmp_path):
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_whisper_encoder_imports_with_its_position_table_frozen_as_torch_has_it(tmp_path, dynamo):
+    """TorchScript writes ``embed_positions.weight`` unmarked (the value heuristic freezes it).
+    dynamo folds the position lookup (``Gather`` by ``arange``) into a new initializer
+    ``embedding`` without an ``InputSpec`` mark (only ``folded_from``), so the heuristic decides
+    there too. (Had dynamo kept the table itself, it would carry ``PARAMETER``, the mark would win
+    and it would train: the mark does not record ``requires_grad=False``.)"""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
@@ -113,7 +123,7 @@ def test_whisper_encoder_imports_with_its_position_table_frozen_as_torch_has_it(
             return self.m(x).last_hidden_state
 
     x = np.random.default_rng(0).normal(size=(2, 8, 16)).astype(np.float32)
-    _export(LastHidden(), x, tmp_path / "whisper.onnx", dynamic=True)
+    _export(LastHidden(), x, tmp_path / "whisper.onnx", dynamic=True, dynamo=dynamo)
     module = op.import_onnx(tmp_path / "whisper.onnx")
     positions = encoder.embed_positions.weight.detach().numpy()
     frozen = {path: reason for path, reason in module.onnx_tables.items()

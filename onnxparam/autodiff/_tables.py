@@ -7,6 +7,15 @@ the importer makes every float one a param. Training those changes what PyTorch 
 freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; unfreeze with
 ``module.unfreeze_group(ParamGroup.from_paths(module.onnx_tables))``). The rules:
 
+0. **the file's marks** first: torch dynamo writes
+   ``pkg.torch.export.graph_signature.InputSpec.kind`` on the initializers of PyTorch's
+   parameters and buffers. At every rank, ``PARAMETER`` stays trainable whatever its values
+   (a learned position table initialised with sinusoids; the mark does not record
+   ``requires_grad=False``, so a frozen ``nn.Parameter`` trains too) and ``BUFFER`` (or another
+   kind that is not a parameter) is frozen, with that reason (:data:`BUFFER`). Rules 1-5 apply
+   only to unmarked values: every weight of a TorchScript (or other exporter's) file, and the
+   values dynamo's optimizer folded (``val_N``, ``embedding``: ``folded_from`` metadata only).
+
 1. **periodic encodings**: every path on which the weight's value meets the model's float
    activations (values computed from a float graph input or an embedding lookup of the
    inputs) passes through ``Sin`` / ``Cos``
@@ -62,7 +71,7 @@ import numpy as np
 import onnx_ir as ir
 
 __all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_generated_name", "SCALAR_BUFFER",
-           "SCALAR_FOLDED", "SCALAR_GENERATED", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
+           "SCALAR_FOLDED", "SCALAR_GENERATED", "BUFFER", "marked_kind", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
            "SINUSOID", "is_sinusoid_table"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
@@ -79,6 +88,7 @@ _UNFREEZE = "; unfreeze with module.unfreeze_group(ParamGroup.from_paths([path])
 SINUSOID = ("a sinusoidal position table (its values are sin / cos of the position: fixed in PyTorch, a buffer or a "
             "frozen parameter such as Whisper's embed_positions)" + _UNFREEZE)
 SCALAR_BUFFER = "a 0-d PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
+BUFFER = "a PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
 SCALAR_FOLDED = ("a 0-d constant the exporter's optimizer folded from {} (not marked a parameter by the file's "
                  "InputSpec metadata; if one of those was a parameter, this is its folded value)") + _UNFREEZE
 SCALAR_GENERATED = "a 0-d constant named as an exporter names its own ({}), not as PyTorch names parameters" + _UNFREEZE
@@ -268,6 +278,13 @@ def find_tables(model: ir.Model, candidates) -> dict:
     for name, value, tensor, constant_node in candidates:
         if value is None or value.graph is not graph and value.producer() is None:
             continue
+        kind = marked_kind(value)
+        if kind == "PARAMETER":
+            continue  # rule 0: the file says torch trained it; no value heuristic overrides that
+        if kind is not None:
+            out[name] = BUFFER if kind == "BUFFER" else (
+                f"a PyTorch {kind.lower()} (the exporter's InputSpec kind), not a parameter" + _UNFREEZE)
+            continue
         shape = tuple(tensor.shape.numpy()) if tensor is not None else ()
         size = int(np.prod(shape)) if shape else 1
         if constant_node and size == 1 and tensor is not None:
@@ -311,6 +328,12 @@ def _marks(value: ir.Value) -> dict:
 def is_generated_name(name: str) -> bool:
     """True when ``name`` is one an exporter gives its own constants (:data:`_GENERATED_NAME`)."""
     return _GENERATED_NAME.fullmatch(name) is not None
+
+
+def marked_kind(value: ir.Value) -> Optional[str]:
+    """The kind torch dynamo marked ``value`` with (``pkg.torch.export.graph_signature.InputSpec.kind``:
+    ``PARAMETER``, ``BUFFER``, ``CONSTANT_TENSOR`` ...), or ``None`` when unmarked."""
+    return _marks(value).get(_KIND)
 
 
 def is_marked_parameter(value: ir.Value) -> bool:

@@ -18,7 +18,11 @@ gradients, as torch's one tied weight does (:mod:`._ties`).
 
 **Caching.** The training graph is cached by ``(loss_fn object, module structure, input
 signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
-step re-traces). Trainable params are graph inputs fed on every run, so a training loop that
+step re-traces). Tensors and Python values the ``loss_fn`` reads from its globals or closure
+are baked into the graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names
+holds another object (or another number, or a list / dict with other items), the entry is
+traced again, so a loop that reassigns a global batch gets the right numbers, at the price of
+a new graph and session per step (pass the batch as an argument instead). Trainable params are graph inputs fed on every run, so a training loop that
 changes them reuses one session; the session is keyed like inference sessions by the identity
 of the frozen params' values (a module loaded with new frozen weights gets a new session).
 """
@@ -39,6 +43,7 @@ from ..runtime import _calls
 from ..runtime._config import session_config
 from ..runtime._devices import pick_device
 from ..runtime._sessions import build_runner
+from ..trace import guards as _guards
 from ..trace import tracer as _trace
 from . import _dynamic
 from ._backward import build_training_model
@@ -161,6 +166,7 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     # module(x) does (qdq.RUNTIME_DEFAULT_OPTIONS): the export default rewrites 8-bit MatMuls into
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
     # and not what module(x) computes). Fixed here, so it is not part of the cache key.
+    arguments = list(args) + list(kwargs.values())
     with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
         args = list(args)
         kwargs = dict(kwargs)
@@ -178,7 +184,34 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
             raise TraceError(f"loss_fn must return a Tensor (the loss); got {type(loss).__name__}")
         # NOTE: the output is called "loss" unless a param or input already has that name
         output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
-        return tracer.finish(loss, output_names=output, input_names=names)
+        forward = tracer.finish(loss, output_names=output, input_names=names)
+    forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}",
+                                                    arguments)
+    return forward
+
+
+def _built(forward, wrt, marked) -> tuple:
+    """``build_training_model``'s ``(training, grad paths)``, the training model carrying the
+    forward's guards (:mod:`onnxparam.trace.guards`)."""
+    training, grad_paths = build_training_model(forward, wrt, marked)
+    guards = forward._cache.get("guards")
+    if guards:
+        training._cache["guards"] = guards
+    return training, grad_paths
+
+
+def _drop_stale(key) -> None:
+    """Forget the training sessions of the graph under ``key`` (its guards failed: it is traced
+    again, and its sessions would never be found again)."""
+    for k in [k for k in _sessions if k[0] == key]:
+        del _sessions[k]
+
+
+def _holds(hit) -> bool:
+    """Whether a cached ``(training, grad paths)`` entry's guards still hold (the globals and
+    closure values its ``loss_fn`` read are what the trace saw)."""
+    guards = hit[0]._cache.get("guards")
+    return not guards or _guards.guards_hold(guards)
 
 
 def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
@@ -190,20 +223,26 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
     key = (_calls._Ref(loss_fn), _calls._structure_key(module), call_sig, wrt_all, marked)
     hit = _graphs.get(key)
     if hit is not None:
-        _graphs.move_to_end(key)
-        return (key,) + hit
+        if _holds(hit):
+            _graphs.move_to_end(key)
+            return (key,) + hit
+        _drop_stale(key)
     if session_config(module).dynamic_shapes == "auto":
         family_key = (key[0], key[1], tuple(_rank_only(e, i < len(args)) for i, e in enumerate(call_sig)), wrt_all)
 
         def lookup(gen_key):
             hit = _graphs.get(gen_key)
-            if hit is not None:
-                _graphs.move_to_end(gen_key)
+            if hit is not None and not _holds(hit):
+                _drop_stale(gen_key)
+                return None
+            if hit is None:
+                return None
+            _graphs.move_to_end(gen_key)
             return hit
 
         def build(gen_key, shapes, least):
             forward = _trace_loss(loss_fn, module, args, kwargs, shapes, least)
-            entry = build_training_model(forward, [p for p in wrt_all if p in forward.params], marked)
+            entry = _built(forward, [p for p in wrt_all if p in forward.params], marked)
             _graphs[gen_key] = entry
             _calls._trim(_graphs, MAX_CACHED_TRAINING)
             return entry
@@ -214,7 +253,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             return (found[0],) + tuple(found[1])
     forward = _trace_loss(loss_fn, module, args, kwargs)
     wrt = [p for p in wrt_all if p in forward.params]
-    training, grad_paths = build_training_model(forward, wrt, marked)
+    training, grad_paths = _built(forward, wrt, marked)
     _graphs[key] = (training, grad_paths)
     _calls._trim(_graphs, MAX_CACHED_TRAINING)
     return key, training, grad_paths
@@ -247,11 +286,16 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         module: the :class:`~onnxparam.Module`; its float params with ``require_grad`` are
             differentiated.
         *inputs, **kwargs: tensors or arrays (graph inputs: their shapes and dtypes key the
-            cache) and plain Python values (baked into the graph).
+            cache) and plain Python values (baked into the graph). Values ``loss_fn`` reads
+            from its globals / closure are baked too and guarded: a change retraces.
 
     Returns:
         ``(loss, grads)``: ``loss`` a host :class:`~onnxparam.Tensor` of the loss's shape
         (``float(loss.to_numpy())``), ``grads`` the :class:`Gradients`.
+
+    Warns:
+        CaptureWarning: ``loss_fn`` baked a tensor from outside that no guard watches (reached
+            through an object's attribute): pass it as an input.
 
     Raises:
         TraceError: when ``loss_fn`` cannot be traced, does not return a one-element float
@@ -272,6 +316,8 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         fed_params = [lora_graph.initializer_param(by_path[p], TRAINING_LORA_MODE) for p in trainable]
         device = pick_device(owner, frozen + list(zip(trainable, fed_params)), tensors)
         session_key = (key, device, config, tuple(_calls._value_token(p) for _, p in frozen))
+        if training._cache.get("guards"):  # NOTE: a retrace after a failed guard has the same key
+            session_key += (_calls._Ref(training),)
         runner = _sessions.get(session_key)
         if runner is None:
             # NOTE: no memory pattern: with it, the second run allocated one block for all the

@@ -34,6 +34,7 @@ Warnings (not errors: the operation completes)::
     PrecisionWarning (UserWarning)          a dtype cast lost values (f32 -> f16 overflow to inf)
     QuantizationWarning (UserWarning)       a quantized graph ONNX Runtime runs without integer kernels
     LoraWarning (UserWarning)               apply_lora left params its param_group matches without adapters
+    CaptureWarning (UserWarning)            a trace froze an outside tensor no guard can watch
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ __all__ = [
     "PrecisionWarning",
     "QuantizationWarning",
     "LoraWarning",
+    "CaptureWarning",
 ]
 
 
@@ -204,3 +206,11 @@ class LoraWarning(UserWarning):
     """:func:`onnxparam.lora.apply_lora` left params that its ``param_group`` matches without an
     adapter (a convolution kernel: it creates adapters for matrices only), or adapted nothing
     with ``allow_empty=True``. The message names the params and their shapes."""
+
+
+class CaptureWarning(UserWarning):
+    """A traced ``forward`` or ``loss_fn`` read a concrete tensor from outside (not an argument,
+    not a param, not a module attribute) that no guard can watch: it is not held by a global or
+    closure variable the traced code names (e.g. reached through another object's attribute).
+    Its values are frozen into the cached graph, so a later change is not seen. The message
+    names the tensor's shape and dtype; pass such a tensor as an input instead."""

@@ -223,9 +223,10 @@ def _find_tables(model: ir.Model, sites) -> dict:
     constants = find_scalar_constants(model, [(s.name, s.value) for s in scalars])
     tables = {s.path: constants[s.name] for s in scalars if s.name in constants}
     # NOTE: the graph walks of find_tables only for what is still undecided (a dynamo or
-    # TorchScript file may hold hundreds of scalars); a marked parameter is never a table
+    # TorchScript file may hold hundreds of scalars); a marked parameter (any rank) is never a
+    # table, a marked buffer always is (find_tables, rule 0)
     floats = [s for s in sites if s.dtype.is_float and not s.dtype.is_onnx_only and s.graph is model.graph
-              and s.path not in tables and not (s.shape == () and is_marked_parameter(s.value))]
+              and s.path not in tables and not is_marked_parameter(s.value)]
     found = find_tables(model, [(s.name, s.value, s.tensor, s.kind == CONSTANT) for s in floats])
     tables.update({s.path: found[s.name] for s in floats if s.name in found})
     return tables

@@ -16,6 +16,7 @@ from ..core.errors import ExecutionError
 from ..core.module import _MUTATIONS, _WATCHED
 from ..core.param import Param
 from ..core.tensor import Tensor
+from ..trace import guards as _trace_guards
 from ..trace import tracer as _trace
 from ._config import CONFIG_ATTR, DEFAULTS, SessionConfig, session_config
 from ._devices import pick_device
@@ -320,6 +321,20 @@ _current_tracer = _trace._CURRENT.get
 _fast_get = _fast.get
 
 
+def _guards_hold(traced) -> bool:
+    """Whether the globals / closure values ``traced``'s forward read still hold what the trace
+    saw (:mod:`onnxparam.trace.guards`; a trace without guards always holds)."""
+    guards = traced._cache.get("guards")
+    return not guards or _trace_guards.guards_hold(guards)
+
+
+def _drop_stale(trace_key) -> None:
+    """Forget the sessions built from the trace under ``trace_key`` (its guards failed: it is
+    traced again, and its sessions would never be found again)."""
+    for key in [k for k in _sessions if k[0] == trace_key]:
+        _forget_runner(_sessions.pop(key))
+
+
 def _passes():
     """The graph passes module calls trace with (LoRA, QDQ): the executor's, which the top layer
     builds (:mod:`onnxparam.core.extension`); the runtime imports no pass."""
@@ -423,14 +438,16 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
         trace_key = (structure, call_sig, mode, options)
         traced = _traces.get(trace_key)
         if traced is not None:
-            _traces.move_to_end(trace_key)
-            return trace_key, traced
+            if _guards_hold(traced):
+                _traces.move_to_end(trace_key)
+                return trace_key, traced
+            _drop_stale(trace_key)
         if policy == "auto":
             hit = _dynamic_trace(module, args, kwargs, call_sig, (structure, mode, options))
             if hit is not None:
                 return hit
         with passes.with_options(options):
-            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode, passes=passes)
+            traced = _trace.trace_module(module, tuple(args), kwargs=kwargs, lora=mode, passes=passes, guard=True)
         _STATS.traces += 1
         _traces[trace_key] = traced
         _trim(_traces, _limits["traces"])
@@ -466,6 +483,9 @@ def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
             "?" if (i, a) in symbolic else d for a, d in enumerate(shapes[i])))
         gen_key = (where[0], ("dynamic", least, gen_sig, groups), where[1], where[2])
         traced = _traces.get(gen_key)
+        if traced is not None and not _guards_hold(traced):
+            _drop_stale(gen_key)
+            traced = None
         if traced is not None:
             _traces.move_to_end(gen_key)
             return gen_key, traced
@@ -506,7 +526,7 @@ def _trace_symbolic(module, args, kwargs, values, groups, where, least):
     try:
         with passes.with_options(where[2]):
             return _trace.trace_module(module, tuple(specs[:len(args)]), kwargs=dict(zip(kwargs, specs[len(args):])),
-                                       lora=where[1], min_dynamic_size=least, passes=passes)
+                                       lora=where[1], min_dynamic_size=least, passes=passes, guard=True)
     except Exception:  # noqa: BLE001 - the forward needs concrete sizes (a TraceError, or its own error)
         return None
 
@@ -542,6 +562,8 @@ def _resolve(module, args, kwargs, remember: bool = False, policy: Optional[str]
         fed = set(traced._cache.setdefault("fed_factors", tuple(passes.fed_input_names(traced.model))))
         session_key = (trace_key, device, config, tuple(_value_token(passes.held_param(p, traced.mode))
                                                          for name, p in used if name not in fed))
+        if traced._cache.get("guards"):  # NOTE: a retrace after a failed guard has the same trace key
+            session_key += (_Ref(traced),)
         runner = _sessions.get(session_key)
         if runner is None:
             runner = build_runner(traced, [p for _, p in used], device, config, owner)
@@ -598,6 +620,10 @@ def _remember(module, args, kwargs, runner: Runner, traced, by_path: dict) -> No
     if not entry.params_current(module):
         entry = _FastEntry(module, traced, by_path)
         _fast[id(module)] = entry
+    guards = traced._cache.get("guards")
+    if guards:  # NOTE: checked with the watched values (Guard != True evaluates it): only such entries pay
+        have = entry.watched or ()
+        entry.watched = have + tuple((g, True, False) for g in guards if not any(g is w[0] for w in have))
     entry.by_sig[sig] = runner
     if len(args) == 1 and not kwargs and args[0].__class__ is Tensor and args[0]._host is not None \
             and not runner._needs_ortvalues:

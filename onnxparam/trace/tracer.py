@@ -147,6 +147,7 @@ class Tracer:
         self._dims: dict[str, SymInt] = {}
         self.min_dynamic_size = 0  # dynamic input dims are at least this (2 under automatic dynamic)
         self._keepalive: list = []
+        self._baked: list = []  # concrete tensors made constants (guards.uncovered_tensors)
         self._finished = False
         self._root = root
         if root is not None:
@@ -313,6 +314,7 @@ class Tracer:
                 hit = self.constant(x.to_numpy())
                 self._const_cache[("tensor", id(x))] = hit
                 self._keepalive.append(x)
+                self._baked.append(x)
             return hit
         if isinstance(x, np.ndarray):
             return self.constant(x)
@@ -480,7 +482,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
                  dynamic_axes: Optional[Mapping] = None, opset: Optional[int] = None,
                  opset_imports: Optional[Mapping[str, int]] = None, lora: str = "merge",
                  passes: Optional[GraphPasses] = None, min_dynamic_size: int = 0,
-                 dynamic_batch: "bool | str" = False) -> TracedModel:
+                 dynamic_batch: "bool | str" = False, guard: bool = False) -> TracedModel:
     """Trace ``module.forward`` into an ONNX model.
 
     Args:
@@ -510,6 +512,9 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             :class:`~onnxparam.trace.symint.SymInt`'s lower bound: with 2, ``x.shape[0] == 1`` is
             decided ``False``; the runtime's automatic dynamic uses 2 and runs sizes 0 and 1 on
             concrete traces).
+        guard: record in ``traced._cache["guards"]`` the :mod:`onnxparam.trace.guards` of the
+            globals / closure values the forward reads (the runtime's caches check them), and
+            warn (``CaptureWarning``) for a baked outside tensor no guard watches.
 
     Returns:
         a :class:`TracedModel`.
@@ -521,6 +526,7 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
     """
     args = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
     kwargs = dict(kwargs or {})
+    arguments = args + list(kwargs.values())
     declared = dict(getattr(module, "onnx_opset_imports", None) or {})
     declared.update(opset_imports or {})
     tracer = Tracer(opset=opset, opset_imports=declared, mode=lora, root=module, passes=passes)
@@ -574,6 +580,11 @@ def trace_module(module, inputs=(), *, kwargs: Optional[Mapping[str, Any]] = Non
             kind = TraceTypeError if isinstance(e, TypeError) else TraceValueError
             raise kind(f"tracing {type(module).__name__}.forward: {e}") from e
         traced = tracer.finish(outputs, output_names, dynamic_axes, input_names=names)
+    if guard:
+        from .guards import trace_guards
+
+        traced._cache["guards"] = trace_guards(tracer, (), f"{type(module).__name__}.forward",
+                                               arguments)
     if batch is not None:
         check_batch_outputs(traced, batch)
     return traced

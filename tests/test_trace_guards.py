@@ -228,3 +228,25 @@ def test_a_nan_global_does_not_retrace_every_call():
     NAN_OR_NOT = 3.0
     loss, grads = grad(_loss_nan_mask, m, x, t)
     _check(m, loss, grads, x, t, 3.0)
+
+
+def test_a_value_changing_every_step_warns_once_after_repeated_retraces():
+    from onnxparam.trace.guards import RETRACE_WARN_AFTER
+
+    m = nn.Linear(D, C)
+    data = _data(1)
+    x0, t0 = data[0]
+    scale = 1.0
+
+    def lf(m, x, t):
+        return _mse(m(x), t) * scale
+
+    grad(lf, m, x0, t0)
+    for i in range(RETRACE_WARN_AFTER - 1):
+        scale = 2.0 + i
+        loss, grads = grad(lf, m, x0, t0)
+        _check(m, loss, grads, x0, t0, scale)
+    scale = 100.0
+    with pytest.warns(op.CaptureWarning, match=r"traced again 8 times.*\(scale\).*pass such values as arguments"):
+        loss, grads = grad(lf, m, x0, t0)
+    _check(m, loss, grads, x0, t0, 100.0)

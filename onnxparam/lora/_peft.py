@@ -279,7 +279,10 @@ class _Targets:
         self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
         self.graph_prefixes: list = []
         self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
-        self.renamed_tables: set = set()  # tables whose Gathers name another module: not by their path
+        # table path -> the projection weight of the module its path names (or None): a table whose
+        # Gathers name another module (dynamo's lm_head.weight for a tied wte) is not module
+        # <m>'s weight; an exact ONNX name / path still resolves to the table
+        self.renamed_tables: dict = {}
         for prefix, sub in named_modules(module):
             method = getattr(sub, "lora_weight_layouts", None)
             if not callable(method):
@@ -300,14 +303,17 @@ class _Targets:
                     owner = join(next(iter(owners)))
                     self.names[f"{owner}.weight"] = by_name[name]
                     if by_name[name] != f"{owner}.weight":  # named after another module (a tied lm_head)
-                        self.renamed_tables.add(by_name[name])
-                        if aliases.get(name) in by_name:  # that module's own weight (the projection's MatMul)
-                            self.names[name] = by_name[aliases[name]]
+                        self.renamed_tables[by_name[name]] = by_name.get(aliases.get(name))  # that module's own
+                        # weight (the projection's MatMul reads it), if the graph names one
 
     def resolve(self, mapped: str) -> Optional[str]:
-        for candidate in (mapped, f"{mapped}.weight"):
-            if candidate in self.params and candidate not in self.renamed_tables:
-                return candidate
+        if mapped in self.params:
+            return mapped
+        if f"{mapped}.weight" in self.renamed_tables:  # module <m> (lm_head) is not the table named after it
+            if self.renamed_tables[f"{mapped}.weight"] is not None:
+                return self.renamed_tables[f"{mapped}.weight"]
+        elif f"{mapped}.weight" in self.params:
+            return f"{mapped}.weight"
         for candidate in (mapped, f"{mapped}.weight"):
             if candidate in self.names:
                 return self.names[candidate]

@@ -177,3 +177,76 @@ def test_tensor_reached_through_an_attribute_warns():
 
     with pytest.warns(op.CaptureWarning, match=r"\(5, 3\).*pass them as inputs"):
         grad(lf, m, x)
+
+
+def test_guards_hold_across_dynamic_batch_sizes():
+    """Changing batch sizes take the automatic-dynamic (symbolic) traces: their guards work too."""
+    global SHIFT, TEMP, SCALE, BX, BT
+    m = _GlobalForward()
+    w = m.fc.weight.val().to_numpy().astype(np.float64)
+    b = m.fc.bias.val().to_numpy().astype(np.float64)
+    lin = nn.Linear(D, C)
+    try:
+        for step, (n, temp, scale) in enumerate(((2, 1.0, 1.0), (3, 1.0, 1.0), (4, 3.0, 2.0), (5, 3.0, 2.0),
+                                                 (6, 0.5, 0.25))):
+            TEMP, SHIFT, SCALE = temp, op.Tensor.from_numpy(np.full(C, float(step), np.float32)), scale
+            x = RNG.normal(size=(n, D)).astype(np.float32)
+            want = (x.astype(np.float64) @ w + b) / temp + step
+            np.testing.assert_allclose(m(op.Tensor.from_numpy(x)).to_numpy(), want, rtol=1e-5, atol=1e-5)
+            t = RNG.normal(size=(n, C)).astype(np.float32)
+            BX, BT = op.Tensor.from_numpy(x), op.Tensor.from_numpy(t)
+            loss, grads = grad(_loss_globals, lin)
+            _check(lin, loss, grads, x, t, scale)
+            loss, grads = grad(_loss_args_scale, lin, x, t)
+            _check(lin, loss, grads, x, t, scale)
+    finally:
+        SHIFT, TEMP, SCALE = op.Tensor.from_numpy(np.zeros(C, np.float32)), 1.0, 1.0
+
+
+def _loss_args_scale(m, x, t):
+    return _mse(m(x), t) * SCALE
+
+
+NAN_OR_NOT = float("nan")
+
+
+def _loss_nan_mask(m, x, t):
+    return _mse(m(x), t) * (0.0 if NAN_OR_NOT != NAN_OR_NOT else NAN_OR_NOT)
+
+
+def test_a_nan_global_does_not_retrace_every_call():
+    global NAN_OR_NOT
+    m = nn.Linear(D, C)
+    (x, t), = _data(1)
+    NAN_OR_NOT = float("nan")
+    grad(_loss_nan_mask, m, x, t)
+    before = runtime.stats().training_traces
+    NAN_OR_NOT = float("nan")  # another NaN object: the same value
+    loss, grads = grad(_loss_nan_mask, m, x, t)
+    _check(m, loss, grads, x, t, 0.0)
+    assert runtime.stats().training_traces == before
+    NAN_OR_NOT = 3.0
+    loss, grads = grad(_loss_nan_mask, m, x, t)
+    _check(m, loss, grads, x, t, 3.0)
+
+
+def test_a_value_changing_every_step_warns_once_after_repeated_retraces():
+    from onnxparam.trace.guards import RETRACE_WARN_AFTER
+
+    m = nn.Linear(D, C)
+    data = _data(1)
+    x0, t0 = data[0]
+    scale = 1.0
+
+    def lf(m, x, t):
+        return _mse(m(x), t) * scale
+
+    grad(lf, m, x0, t0)
+    for i in range(RETRACE_WARN_AFTER - 1):
+        scale = 2.0 + i
+        loss, grads = grad(lf, m, x0, t0)
+        _check(m, loss, grads, x0, t0, scale)
+    scale = 100.0
+    with pytest.warns(op.CaptureWarning, match=r"traced again 8 times.*\(scale\).*pass such values as arguments"):
+        loss, grads = grad(lf, m, x0, t0)
+    _check(m, loss, grads, x0, t0, 100.0)

@@ -227,6 +227,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             _graphs.move_to_end(key)
             return (key,) + hit
         _drop_stale(key)
+        _guards.note_retrace(key, hit[0]._cache["guards"], f"loss_fn {getattr(loss_fn, '__name__', '')!s}")
     if session_config(module).dynamic_shapes == "auto":
         family_key = (key[0], key[1], tuple(_rank_only(e, i < len(args)) for i, e in enumerate(call_sig)), wrt_all)
 
@@ -234,6 +235,7 @@ def _training_entry(loss_fn, module, args, kwargs, call_sig: tuple):
             hit = _graphs.get(gen_key)
             if hit is not None and not _holds(hit):
                 _drop_stale(gen_key)
+                _guards.note_retrace(gen_key, hit[0]._cache["guards"], f"loss_fn {getattr(loss_fn, '__name__', '')!s}")
                 return None
             if hit is None:
                 return None

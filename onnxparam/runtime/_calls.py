@@ -442,6 +442,7 @@ def _traced(module, args, kwargs, call_sig: tuple, mode: str = "merge", policy: 
                 _traces.move_to_end(trace_key)
                 return trace_key, traced
             _drop_stale(trace_key)
+            _trace_guards.note_retrace(trace_key, traced._cache["guards"], f"{type(module).__name__}.forward")
         if policy == "auto":
             hit = _dynamic_trace(module, args, kwargs, call_sig, (structure, mode, options))
             if hit is not None:
@@ -485,6 +486,7 @@ def _dynamic_trace(module, args, kwargs, call_sig: tuple, where: tuple):
         traced = _traces.get(gen_key)
         if traced is not None and not _guards_hold(traced):
             _drop_stale(gen_key)
+            _trace_guards.note_retrace(gen_key, traced._cache["guards"], f"{type(module).__name__}.forward")
             traced = None
         if traced is not None:
             _traces.move_to_end(gen_key)

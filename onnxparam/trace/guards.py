@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-__all__ = ["Guard", "collect_guards", "guards_hold", "guarded_objects", "uncovered_tensors", "ARRAY_BYTES",
+__all__ = ["Guard", "collect_guards", "guards_hold", "note_retrace", "RETRACE_WARN_AFTER", "guarded_objects", "uncovered_tensors", "ARRAY_BYTES",
            "MAX_ITEMS"]
 
 ARRAY_BYTES = 1 << 16
@@ -90,11 +90,12 @@ class Guard:
     contents as when the trace ran. Comparing ``guard != True`` evaluates it (so a guard can sit
     in the runtime's watched-value tuples, whose check is ``obj != snapshot``)."""
 
-    __slots__ = ("space", "name", "obj", "token", "items")
+    __slots__ = ("space", "name", "obj", "token", "items", "label")
 
-    def __init__(self, space, name: Optional[str], value):
+    def __init__(self, space, name: Optional[str], value, label: Optional[str] = None):
         self.space = space
         self.name = name
+        self.label = label or name or "<closure>"
         # NOTE: the object is kept (not only its id) so the id cannot be reused while guarded
         self.obj = value
         self.token = _token(value)
@@ -113,8 +114,9 @@ class Guard:
         if value is _MISSING:
             return False
         if self.token[0]:
-            if value.__class__ is not self.token[1] or not (value == self.token[2]):
-                return False
+            was = self.token[2]
+            if value.__class__ is not self.token[1] or not (value == was or (value != value and was != was)):
+                return False  # NOTE: a NaN equals a NaN here (else a NaN global would retrace every call)
         elif value is not self.obj:
             return False
         if self.items is not None:
@@ -133,7 +135,7 @@ class Guard:
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
-        return f"Guard({self.name or '<cell>'!s}={type(self.obj).__name__})"
+        return f"Guard({self.label}={type(self.obj).__name__})"
 
 
 def _guardable(value) -> bool:
@@ -191,7 +193,7 @@ def collect_guards(functions: Iterable, modules: Iterable = ()) -> tuple:
                 continue
             key = (id(cell), None)
             if key not in guards:
-                guards[key] = Guard(cell, None, value)
+                guards[key] = Guard(cell, None, value, name)
                 if isinstance(value, types.FunctionType):
                     todo.append(value)
     return tuple(guards.values())
@@ -203,6 +205,32 @@ def guards_hold(guards: tuple) -> bool:
         if not g.holds():
             return False
     return True
+
+
+RETRACE_WARN_AFTER = 8
+"""A cache entry traced again this many times because its guards failed warns once
+(:class:`~onnxparam.core.errors.CaptureWarning`: a value changing every step costs a trace and a
+session every step; pass it as an argument)."""
+
+_retraces: "dict" = {}
+
+
+def note_retrace(key, guards: tuple, what: str) -> None:
+    """Count a retrace of the cache entry ``key`` whose ``guards`` failed; warn once at
+    :data:`RETRACE_WARN_AFTER` naming the changing names."""
+    count = _retraces.pop(key, 0) + 1
+    _retraces[key] = count  # NOTE: re-inserted last: the oldest keys are dropped first
+    while len(_retraces) > 1024:
+        del _retraces[next(iter(_retraces))]
+    if count == RETRACE_WARN_AFTER:
+        import warnings
+
+        from ..core.errors import CaptureWarning
+
+        names = ", ".join(sorted({g.label for g in guards if not g.holds()})) or "?"
+        warnings.warn(f"{what} was traced again {count} times because the outside values it reads changed "
+                      f"({names}): every change builds a new graph and session; pass such values as arguments "
+                      "(tensors become graph inputs and one graph serves every value)", CaptureWarning, stacklevel=4)
 
 
 def guarded_objects(guards: tuple) -> set:

@@ -160,7 +160,8 @@ def _module_names(ir_model, meta, key_map) -> dict:
         taken = Counter(n for n, k in names.values() if (k == "bias") == (which == "biases"))
         problems += [f"several {which} are written for PEFT module {n!r}" for n, c in taken.items() if c > 1]
     if table_problems:
-        raise LoraError("cannot name the batched export's adapted weights as PEFT modules: " + "; ".join(table_problems))
+        raise LoraError("cannot name the batched export's adapted weights as PEFT modules: "
+                        + "; ".join(table_problems))
     if problems:
         raise RecordError("cannot name the batched export's adapted weights as PEFT modules", problems)
     return names

@@ -167,6 +167,9 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
     # and not what module(x) computes). Fixed here, so it is not part of the cache key.
     arguments = list(args) + list(kwargs.values())
+    # NOTE: tensors the loss_fn reads from its globals / closure become graph inputs fed on every
+    # run (a training loop reassigning a global batch keeps one graph and one session)
+    tracer.lift, lifted = _guards.lifting([loss_fn])
     with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
         args = list(args)
         kwargs = dict(kwargs)
@@ -184,9 +187,11 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
             raise TraceError(f"loss_fn must return a Tensor (the loss); got {type(loss).__name__}")
         # NOTE: the output is called "loss" unless a param or input already has that name
         output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
-        forward = tracer.finish(loss, output_names=output, input_names=names)
+        tracer.lift = None
+        forward = tracer.finish(loss, output_names=output, input_names=names + [name for _, name in lifted])
     forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}",
-                                                    arguments)
+                                                    arguments, [g for g, _ in lifted])
+    forward._cache["lifted"] = tuple(g for g, _ in lifted)
     return forward
 
 
@@ -197,6 +202,7 @@ def _built(forward, wrt, marked) -> tuple:
     guards = forward._cache.get("guards")
     if guards:
         training._cache["guards"] = guards
+    training._cache["lifted"] = forward._cache.get("lifted", ())
     return training, grad_paths
 
 
@@ -311,6 +317,8 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
     config = session_config(module)
     with _calls._LOCK:
         key, training, grad_paths = _training_entry(loss_fn, module, args, kwargs, call_sig)
+        # the tensors the loss_fn reads from its globals / closure, fed as graph inputs
+        tensors = list(tensors) + [g.current() for g in training._cache.get("lifted", ())]
         by_path = dict(named_params(module))
         frozen = [(p, lora_graph.initializer_param(by_path.get(p, training.params[p]), TRAINING_LORA_MODE))
                   for p in training.param_paths]

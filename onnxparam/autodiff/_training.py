@@ -18,11 +18,12 @@ gradients, as torch's one tied weight does (:mod:`._ties`).
 
 **Caching.** The training graph is cached by ``(loss_fn object, module structure, input
 signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
-step re-traces). Tensors and Python values the ``loss_fn`` reads from its globals or closure
-are baked into the graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names
-holds another object (or another number, or a list / dict with other items), the entry is
-traced again, so a loop that reassigns a global batch gets the right numbers, at the price of
-a new graph and session per step (pass the batch as an argument instead). Trainable params are graph inputs fed on every run, so a training loop that
+step re-traces). A float tensor the ``loss_fn`` reads from a global or closure variable is a
+graph input fed from that variable on every call (``captured_<name>``; a loop reassigning a
+global batch keeps one graph). Other tensors and Python values read so are baked into the
+graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names holds another object
+(or another number, or a list / dict with other items), the entry is traced again (a new graph
+and session; pass such values as arguments). Trainable params are graph inputs fed on every run, so a training loop that
 changes them reuses one session; the session is keyed like inference sessions by the identity
 of the frozen params' values (a module loaded with new frozen weights gets a new session).
 """
@@ -294,8 +295,9 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         module: the :class:`~onnxparam.Module`; its float params with ``require_grad`` are
             differentiated.
         *inputs, **kwargs: tensors or arrays (graph inputs: their shapes and dtypes key the
-            cache) and plain Python values (baked into the graph). Values ``loss_fn`` reads
-            from its globals / closure are baked too and guarded: a change retraces.
+            cache) and plain Python values (baked into the graph). Float tensors ``loss_fn``
+            reads from globals / closure variables are fed as inputs; other values read so
+            are baked and guarded (a change retraces).
 
     Returns:
         ``(loss, grads)``: ``loss`` a host :class:`~onnxparam.Tensor` of the loss's shape

@@ -10,7 +10,8 @@ traced modules' user classes), a :class:`Guard`: the namespace or cell, the name
 identity; for Python numbers / bools / strings its value; for list / dict / tuple containers a
 shallow snapshot of their items (identities, scalar values); for small numpy arrays their bytes.
 :func:`guards_hold` tells whether all still hold (a cache entry whose guards fail is traced
-again).
+again). :func:`lifting` lets a trace make the float tensors such names hold graph inputs
+instead (``grad`` feeds them from the names; their guards check shape and dtype only).
 
 Not guarded: modules, classes, library functions (``onnxparam``, ``numpy`` ...), builtins;
 values reached through another object's attribute (``cfg.batch``: the trace warns with

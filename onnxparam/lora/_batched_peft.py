@@ -103,7 +103,9 @@ def _module_names(ir_model, meta, key_map) -> dict:
     weight named ``<m>.weight`` (a bias ``<m>.bias``) is module ``<m>``; a weight torch's
     exporter renamed (``onnx::MatMul_N``, ``val_N``) is the module the graph names (its
     ``<m>.bias``, its node's ``/<m>/MatMul`` name, dynamo's ``name_scopes``), as
-    :func:`onnxparam.load_peft_adapter` finds it; then ``key_map``."""
+    :func:`onnxparam.load_peft_adapter` finds it; then ``key_map``. An embedding table is the
+    module its ``Gather`` s name (:func:`onnxparam.lora._tables.owner_name`: a tied table with no
+    such evidence is refused unless a ``key_map`` rule matches it)."""
     from ._graph import _attr_int
     from ._peft import _linear_aliases
 
@@ -113,8 +115,11 @@ def _module_names(ir_model, meta, key_map) -> dict:
     tables = {node.inputs[0].name for node in ir_model.graph.all_nodes()
               if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and node.inputs
               and node.inputs[0] is not None and _attr_int(node, "axis", 0) == 0}
+    from ._tables import owner_name, table_owners
+
+    owners = table_owners(ir_model)
     rules = [tuple(r) for r in (key_map or ())]
-    names, problems = {}, []
+    names, problems, table_problems = {}, [], []
     for t in meta["targets"]:
         kind = t.get("kind", "matrix")
         weight = t["a"][: -len(STACK_SUFFIXES[0])]
@@ -127,6 +132,14 @@ def _module_names(ir_model, meta, key_map) -> dict:
                                 "name) for it")
                 continue
             names[t["path"]] = (name, "bias")
+            continue
+        if weight in owners and kind != "conv":  # an embedding table: the module its Gathers name
+            name, problem = owner_name(weight, weight[: -len(".weight")] if weight.endswith(".weight") else weight,
+                                       owners[weight], rules)
+            if problem is not None:
+                table_problems.append(problem)
+            else:
+                names[t["path"]] = (name, "embedding")
             continue
         if weight.endswith(".weight"):
             name = weight[: -len(".weight")]
@@ -146,6 +159,9 @@ def _module_names(ir_model, meta, key_map) -> dict:
     for which in ("weights", "biases"):
         taken = Counter(n for n, k in names.values() if (k == "bias") == (which == "biases"))
         problems += [f"several {which} are written for PEFT module {n!r}" for n, c in taken.items() if c > 1]
+    if table_problems:
+        raise LoraError("cannot name the batched export's adapted weights as PEFT modules: "
+                        + "; ".join(table_problems))
     if problems:
         raise RecordError("cannot name the batched export's adapted weights as PEFT modules", problems)
     return names
@@ -204,7 +220,11 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
         ``folder``'s ``Path``.
 
     Raises:
-        LoraError: ``model`` is not a batched export (a ``ValueError``).
+        LoraError: ``model`` is not a batched export (a ``ValueError``); an embedding table
+            tied to an output projection whose graph does not name the module owning it (dynamo's
+            ``name_scopes`` or a TorchScript ``/<m>/Gather`` node name; PEFT would drop an
+            embedding adapter written under the projection's ``nn.Linear``), or whose
+            ``Gather`` s name several modules, without a ``key_map`` rule for it.
         RecordError: the set does not fit the export (every misfit listed), a slot past the
             names holds an adapter, a named slot is all zeros, a name that is not a plain folder
             name or is repeated, a weight or bias no PEFT module name can be given to, a grouped

@@ -51,6 +51,7 @@ from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
+from ._tables import table_owners
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -260,7 +261,10 @@ class _Targets:
     in an imported graph, as the ``<module>.weight`` whose ``MatMul`` / ``Gemm`` output gets
     ``<module>.bias`` added (how torch's TorchScript exporter leaves ``nn.Linear`` weights it
     renamed), or as the module path that torch's dynamo exporter records on the ``aten.linear``
-    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`). Layouts come from
+    node reading an unnamed ``val_N`` weight (:func:`_dynamo_linear_scope`), or as the module
+    an embedding table's ``Gather`` s belong to (:func:`onnxparam.lora._tables.table_owners`:
+    GPT-2's ``wte`` when dynamo named the tied table ``lm_head.weight``; that path then resolves
+    to the weight the graph names ``lm_head``'s, the projection). Layouts come from
     modules that declare them from their graph (``lora_weight_layouts``: an imported
     ``OnnxModule``), else from ``lora_transposed_paths``
     declarations, else Burn's ``(d_in, d_out)`` (this library's ``nn`` modules); never from
@@ -275,6 +279,10 @@ class _Targets:
         self.layouts: dict = {p: OUT_IN for p in transposed_paths(module)}
         self.graph_prefixes: list = []
         self.names: dict = {}  # ONNX name (and bias-derived alias) -> path
+        # table path -> the projection weight of the module its path names (or None): a table whose
+        # Gathers name another module (dynamo's lm_head.weight for a tied wte) is not module
+        # <m>'s weight; an exact ONNX name / path still resolves to the table
+        self.renamed_tables: dict = {}
         for prefix, sub in named_modules(module):
             method = getattr(sub, "lora_weight_layouts", None)
             if not callable(method):
@@ -286,17 +294,32 @@ class _Targets:
             for path, name in onnx_names.items():
                 self.names.setdefault(name, join(path))
             by_name = {name: join(path) for path, name in onnx_names.items()}
-            for alias, name in _linear_aliases(sub.ir_model).items():
+            aliases = _linear_aliases(sub.ir_model)
+            for alias, name in aliases.items():
                 if name in by_name:
                     self.names.setdefault(alias, by_name[name])
+            for name, (owners, _) in table_owners(sub.ir_model).items():
+                if name in by_name and len(owners) == 1:  # an embedding table: the module its Gathers name
+                    owner = join(next(iter(owners)))
+                    self.names[f"{owner}.weight"] = by_name[name]
+                    if by_name[name] != f"{owner}.weight":  # named after another module (a tied lm_head)
+                        self.renamed_tables[by_name[name]] = by_name.get(aliases.get(name))  # that module's own
+                        # weight (the projection's MatMul reads it), if the graph names one
 
     def resolve(self, mapped: str) -> Optional[str]:
-        for candidate in (mapped, f"{mapped}.weight"):
-            if candidate in self.params:
-                return candidate
+        if mapped in self.params:
+            return mapped
+        if f"{mapped}.weight" in self.renamed_tables:  # module <m> (lm_head) is not the table named after it
+            if self.renamed_tables[f"{mapped}.weight"] is not None:
+                return self.renamed_tables[f"{mapped}.weight"]
+        elif f"{mapped}.weight" in self.params:
+            return f"{mapped}.weight"
         for candidate in (mapped, f"{mapped}.weight"):
             if candidate in self.names:
                 return self.names[candidate]
+        for candidate in (mapped, f"{mapped}.weight"):  # a tied table's path with no other weight of that name
+            if candidate in self.params:
+                return candidate
         return None
 
     def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:

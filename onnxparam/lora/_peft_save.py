@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..core.errors import RecordError
+from ..core.errors import LoraError, RecordError
 
 __all__ = ["save_peft_adapter", "save_peft_adapters"]
 
@@ -72,12 +72,15 @@ def _graph_facts(module) -> tuple:
     (``val_N``, ``onnx::MatMul_N``) to the PyTorch module names the graph gives it (its
     ``<m>.bias``, its node's ``/<m>/MatMul`` name or dynamo ``name_scopes``); ``biased``: the
     module names ``<m>`` whose ``<m>.bias`` the graph holds (a value of that name), the evidence
-    :func:`onnxparam.load_peft_adapter` resolves ``<m>`` by."""
+    :func:`onnxparam.load_peft_adapter` resolves ``<m>`` by; ``owners``: table path -> (its ONNX
+    name, :func:`onnxparam.lora._tables.table_owners`' entry: the modules its ``Gather`` s name,
+    whether it is tied to an output projection)."""
     from ..core.module import named_modules
     from ._graph import _attr_int
     from ._peft import _linear_aliases
+    from ._tables import table_owners
 
-    tables, modules, biased = set(), {}, set()
+    tables, modules, biased, owners = set(), {}, set(), {}
     for prefix, sub in named_modules(module):
         if not hasattr(type(sub), "ir_model") or not hasattr(type(sub), "onnx_names"):
             continue
@@ -89,6 +92,9 @@ def _graph_facts(module) -> tuple:
                     and node.inputs[0] is not None and node.inputs[0].name in by_name \
                     and _attr_int(node, "axis", 0) == 0:
                 tables.add(by_name[node.inputs[0].name])
+        for name, entry in table_owners(model).items():
+            if name in by_name:
+                owners[by_name[name]] = (name, entry)
         for alias, name in _linear_aliases(model).items():
             if name in by_name:
                 modules.setdefault(by_name[name], set()).add(join(alias[: -len(".weight")]))
@@ -96,7 +102,7 @@ def _graph_facts(module) -> tuple:
         values += [out for node in model.graph.all_nodes() for out in node.outputs]
         biased |= {join(v.name[: -len(".bias")]) for v in values if v is not None and v.name
                    and v.name.endswith(".bias")}
-    return tables, modules, biased
+    return tables, modules, biased, owners
 
 
 def _one_module(path: str, shape: tuple, found: list, biased: set, rules: list, problems: list) -> Optional[str]:
@@ -131,7 +137,11 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             name or ``name_scopes``; of several names, the one whose ``<m>.bias`` the graph
             holds, else the one name ``key_map`` makes of them), and a weight a ``Gather`` reads as its data (input 0,
             ``axis=0``) is written as PEFT's ``Embedding`` (``lora_embedding_A`` ``(r, num)``,
-            ``lora_embedding_B`` ``(dim, r)``), as this library's ``nn.Embedding`` is.
+            ``lora_embedding_B`` ``(dim, r)``), as this library's ``nn.Embedding`` is, under
+            the module its ``Gather`` s belong to (dynamo's ``name_scopes``, TorchScript's
+            ``/<m>/Gather`` node name): a table tied to an output projection may be named after
+            the projection's ``nn.Linear`` (dynamo's ``lm_head.weight`` for GPT-2's ``wte``),
+            where PEFT would drop embedding factors (:mod:`onnxparam.lora._tables`).
         folder: the folder to write (created if needed; the two files are replaced).
         key_map: ``[(regex, replacement), ...]`` applied (``re.sub``) to each module path
             ``<m>`` (the module the graph names, for a renamed weight) to give the PyTorch module
@@ -145,6 +155,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
         the folder's ``Path``.
 
     Raises:
+        LoraError: an imported embedding table tied to an output projection whose graph does
+            not name the module owning it (and no ``key_map`` rule matches it), or whose ``Gather`` s
+            name several modules: pass ``key_map`` (a rule matching the module name).
         RecordError: a module without adapters, an adapter on a param not named
             ``<m>.weight`` / ``<m>.bias`` (nor a renamed weight the graph or ``key_map`` names),
             two weights written for one module, a bias adapter without its weight's adapter, or
@@ -166,9 +179,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
     rules = [tuple(r) for r in (key_map or ())]
     embeddings = {f"{prefix}.weight" if prefix else "weight" for prefix, sub in named_modules(module)
                   if isinstance(sub, Embedding)}
-    tables, graph_modules, biased = _graph_facts(module)
+    tables, graph_modules, biased, owners = _graph_facts(module)
     embeddings |= tables
-    weights, biases, kinds, problems = {}, {}, {}, []
+    weights, biases, kinds, problems, table_problems = {}, {}, {}, [], []
     with untraced():
         for path, param in named_params(module):
             adapter = param.adapter()
@@ -178,7 +191,16 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             b = np.asarray(adapter.b.val().to_numpy(), dtype=np.float32)
             shape = tuple(param.lazy_shape())
             is_weight = len(shape) == 2 or (len(shape) >= 3 and adapter.transposed)
-            if is_weight and not path.endswith(".weight"):
+            if is_weight and path in owners:  # an imported embedding table: the module its Gathers name
+                from ._tables import owner_name
+
+                table, entry = owners[path]
+                fallback = path[: -len(".weight")] if path.endswith(".weight") else path
+                name, problem = owner_name(table, fallback, entry, rules)
+                if problem is not None:
+                    table_problems.append(problem)
+                    continue
+            elif is_weight and not path.endswith(".weight"):
                 # a weight torch's exporter renamed: the module the graph names (as load_peft_adapter
                 # resolves it), else what the user's key_map makes of the path
                 found = sorted(graph_modules.get(path, ()))
@@ -207,6 +229,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
                 continue
             weights[name] = (a, b, float(adapter.scale), path)
             kinds[name] = ("embedding" if path in embeddings else "conv" if len(shape) >= 3 else "linear", shape)
+    if table_problems:
+        raise LoraError(f"cannot save the adapters of {type(module).__name__} as a PEFT adapter: "
+                        + "; ".join(table_problems))
     if not weights and not biases and not problems:
         raise RecordError(f"{type(module).__name__} has no LoRA adapter to save (apply_lora or load_peft_adapter first)")
     for name in biases:

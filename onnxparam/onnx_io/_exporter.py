@@ -36,6 +36,11 @@ from ._source import iter_graphs
 
 __all__ = ["export_onnx", "trace_for_export"]
 
+TORCH_SCOPE_KEYS = ("pkg.torch.onnx.name_scopes", "pkg.torch.onnx.fx_node")
+"""Node ``metadata_props`` of torch's dynamo exporter an export keeps on the source's nodes: the
+PyTorch module a node belongs to (``onnxparam.lora``'s PEFT writers name a renamed weight or a
+tied embedding table by it)."""
+
 
 def export_onnx(
     module,
@@ -634,6 +639,9 @@ def _restore_names(model: ir.Model, traced_model, env: dict, originals: dict,
         producer = symbol.value.producer() if symbol is not None else None
         if producer is not None:
             producer.name = node.name
+            for key in TORCH_SCOPE_KEYS:  # dynamo's module scope: the PyTorch module names PEFT needs
+                if key in node.metadata_props:
+                    producer.metadata_props[key] = node.metadata_props[key]
         for t in results:  # (the importer's mark for gradient errors: not written to the file)
             symbol = getattr(t, "_symbol", None)
             made = symbol.value.producer() if symbol is not None else None

@@ -48,7 +48,7 @@ def cross_entropy(logits, targets, dim: int = -1, ignore_index: Optional[int] = 
     named ``cross_entropy_target_outside_0..C-1_and_not_ignore_index_<ignore_index>`` picks
     each kept target from ``0..C-1`` (a negative target is shifted below ``-C`` first), so
     a target outside ``0..C-1`` that is not ``ignore_index`` makes ONNX Runtime fail there
-    (:class:`~onnxparam.errors.ExecutionError` naming that node, as PyTorch raises) instead of
+    (:class:`~onnxparam.ExecutionError` naming that node, as PyTorch raises) instead of
     being counted as a zero term.
 
     Raises:

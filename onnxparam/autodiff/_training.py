@@ -279,7 +279,8 @@ def _rank_only(entry, positional: bool):
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
     """The training :class:`~onnxparam.trace.tracer.TracedModel` that :func:`grad` runs (inputs: the
-    tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
+    tensor arguments, the ``captured_<name>`` float tensors the loss_fn reads from globals /
+    closure variables, then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
     args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
         return _training_entry(loss_fn, module, args, kwargs, call_sig)[1]

@@ -11,7 +11,9 @@ identity; for Python numbers / bools / strings its value; for list / dict / tupl
 shallow snapshot of their items (identities, scalar values); for small numpy arrays their bytes.
 :func:`guards_hold` tells whether all still hold (a cache entry whose guards fail is traced
 again). :func:`lifting` lets a trace make the float tensors such names hold graph inputs
-instead (``grad`` feeds them from the names; their guards check shape and dtype only).
+instead (``grad`` feeds them from the names; their guards check shape and dtype only, so a
+loss_fn must not read such a tensor's values in Python, e.g. ``x.to_numpy() > 0``: that
+result would be baked unguarded).
 
 Not guarded: modules, classes, library functions (``onnxparam``, ``numpy`` ...), builtins;
 values reached through another object's attribute (``cfg.batch``: the trace warns with
@@ -156,15 +158,17 @@ def _lifted_token(value):
 
 def lifting(functions: Iterable):
     """``(lift, lifted)`` for a trace of ``functions`` (a ``loss_fn``): ``lift(tracer, tensor)``,
-    the tracer's hook, makes a concrete float tensor that a global or closure variable of theirs
-    holds a graph input (``captured_<name>``), and ``lifted`` lists ``(guard, input name)`` in input
+    the tracer's hook, makes a concrete float tensor (of more than one element) that a global or
+    closure variable of theirs holds a graph input (``captured_<name>``), and ``lifted`` lists ``(guard, input name)`` in input
     order: the caller feeds ``guard.current()`` on every run, and the guard holds for any tensor
     of the same shape and dtype (one graph serves every value)."""
     by_id: dict = {}
     for g in collect_guards(functions):
         # NOTE: float tensors only: an integer tensor may be read as a shape / index / bound that
         # must stay a constant (it is baked and guarded by identity instead)
-        if _lifted_token(g.obj) is not None and g.items is None and g.obj.dtype.is_float:
+        # (and not one-element tensors: those are the ones read back as Python numbers)
+        if _lifted_token(g.obj) is not None and g.items is None and g.obj.dtype.is_float \
+                and int(np.prod(g.obj.shape)) > 1:
             by_id.setdefault(id(g.obj), g)
     lifted: list = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
@@ -90,3 +91,29 @@ def test_what_stays_trainable_matches_finite_differences_and_unfreezing_trains_t
     # every float initializer, tables included, against central differences (check_model_grads
     # asserts a gradient for each)
     check_model_grads(model, feeds, module=unfrozen)
+
+
+@pytest.mark.parametrize("weights_in_initializers", [True, False])
+def test_zero_or_one_filled_constants_are_fills_where_weights_are_initializers(weights_in_initializers):
+    """A ``Constant`` of any size filled with 0 (or 1) is an exporter's fill in a file whose
+    weights are initializers (PyTorch's exporters); a file holding every weight in ``Constant``
+    nodes (Paddle) may hold a zero-initialised weight that way: it stays trainable."""
+    import onnxparam as op
+    from onnxparam.autodiff._tables import CONSTANT_FILL
+
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+    zeros = numpy_helper.from_array(np.zeros(3, np.float32), "zeros")
+    nodes = [helper.make_node("Constant", [], ["z"], value=zeros),
+             helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "z"], ["y"])]
+    inits = [w]
+    if not weights_in_initializers:
+        nodes.insert(0, helper.make_node("Constant", [], ["w"], value=w))
+        inits = []
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
+    module = op.import_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    tables = module.onnx_tables
+    if weights_in_initializers:
+        assert tables == {module.path_of("z"): CONSTANT_FILL}
+    else:
+        assert tables == {}

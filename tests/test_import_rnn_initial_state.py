@@ -125,6 +125,25 @@ class _ZeroStart(torch.nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_the_zero_initial_state_torchscript_writes_is_no_trainable_weight(kind, tmp_path):
+    """TorchScript at a static batch writes the zeros as a ``Constant`` node expanded to the
+    state: a fill (rule 3 of :mod:`onnxparam.autodiff._tables`), frozen; W, R, B train."""
+    model = _ZeroStart(kind).eval()
+    path = tmp_path / "zero_ts.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(X),), str(path), input_names=["x"], dynamo=False,
+                          opset_version=17)
+    m = op.import_onnx(str(path))
+    params = dict(m.named_params())
+    frozen = [p for p, v in params.items() if not v.require_grad]
+    assert frozen and all(not params[p].val().to_numpy().any() for p in frozen)  # the zeros, nothing else
+    assert set(frozen) == set(m.onnx_tables)
+    assert len([p for p, v in params.items() if v.require_grad]) == 3  # W, R, B (torch's 8 of both directions)
+    assert check_gradients(_loss, m, op.Tensor.from_numpy(X)) == []
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_the_zero_initial_state_dynamo_folds_is_no_trainable_weight(kind, tmp_path):
     """Without ``h0`` torch starts from zeros it creates in ``forward``; a static-batch dynamo export
     folds them into an initializer read at ``initial_h`` / ``initial_c``. It is no torch parameter

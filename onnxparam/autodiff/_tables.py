@@ -34,7 +34,11 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
    (attention masks, ``finfo.min`` fills);
 3. **fill constants**: a ``Constant`` node's value with one element equal to 0 or 1 (the
    fill values exporters write inline, e.g. ``where(mask, x, 0)``, ``expand(1, shape)``;
-   PyTorch parameters become initializers). Other one-element constants stay trainable.
+   PyTorch parameters become initializers). Other one-element constants stay trainable. In a
+   file that holds float weights as initializers (PyTorch's exporters), a ``Constant`` node of
+   any size filled with 0 or with 1 is such a fill too (:data:`CONSTANT_FILL`: TorchScript's
+   ``zeros_like(alpha)``, the zero initial state of an RNN at a static batch); files that hold
+   every weight in ``Constant`` nodes (Paddle) keep theirs trainable.
 4. **windows and rotary caches**: a tensor used only as ``STFT``'s window (``torch.stft``'s
    window is a fresh ``hann_window`` or a buffer, never a parameter) or only as a
    ``RotaryEmbedding``'s cos / sin cache (``ai.onnx`` or ``com.microsoft``: the rotary
@@ -79,12 +83,14 @@ import onnx_ir as ir
 
 __all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_generated_name", "SCALAR_BUFFER",
            "SCALAR_FOLDED", "SCALAR_GENERATED", "BUFFER", "EXPORTER_CONSTANT", "marked_kind",
-           "parameter_targets", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
+           "parameter_targets", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "CONSTANT_FILL", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
            "SINUSOID", "is_sinusoid_table"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
 MASK = "a mask: holds -inf / NaN or only 0 and a large negative fill value"
 CONSTANT_SCALAR = "a one-element Constant of the graph equal to 0 or 1 (a fill value, not a weight)"
+CONSTANT_FILL = ("a Constant of the graph filled with 0 or with 1 in a file holding its weights as initializers "
+                 "(an exporter's fill such as zeros_like or an RNN's zero initial state, not a weight)")
 RUNNING_STATS = ("a BatchNormalization running mean / variance (a buffer in PyTorch: inference statistics, which "
                  "the training form updates without a gradient; an optimizer step could make a variance negative)")
 
@@ -286,6 +292,8 @@ def find_tables(model: ir.Model, candidates) -> dict:
         return {}
     out = {}
     targets = parameter_targets(model)
+    initializer_weights = any(v.const_value is not None and v.dtype in _FLOATS and v.shape is not None
+                              and v.shape.rank() > 0 for v in graph.initializers.values())
     for name, value, tensor, constant_node in candidates:
         if value is None or value.graph is not graph and value.producer() is None:
             continue
@@ -302,6 +310,11 @@ def find_tables(model: ir.Model, candidates) -> dict:
             v = float(np.asarray(tensor.numpy()).reshape(-1)[0])
             if v in (0.0, 1.0):
                 out[name] = CONSTANT_SCALAR
+                continue
+        if constant_node and size > 1 and tensor is not None and size <= _MASK_CHECK_MAX and initializer_weights:
+            flat = np.asarray(tensor.numpy()).reshape(-1)
+            if bool(np.all(flat == 0)) or bool(np.all(flat == 1)):
+                out[name] = CONSTANT_FILL
                 continue
         uses = list(value.uses())
         if not uses:

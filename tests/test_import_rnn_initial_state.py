@@ -112,3 +112,40 @@ def test_declared_inputs_are_weight_uses():
         schema = onnx.defs.get_schema(op_type)
         for i in indices:
             assert schema.inputs[i].differentiation_category == nd, (op_type, i)
+
+
+class _ZeroStart(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = (torch.nn.GRU if kind == "gru" else torch.nn.LSTM)(I, H, bidirectional=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_the_zero_initial_state_dynamo_folds_is_no_trainable_weight(kind, tmp_path):
+    """Without ``h0`` torch starts from zeros it creates in ``forward``; a static-batch dynamo export
+    folds them into an initializer read at ``initial_h`` / ``initial_c``. It is no torch parameter
+    (the file's graph signature lists the parameters; the value is not folded from one), so it
+    imports frozen; the RNN's weights, folded from the parameters, train."""
+    model = _ZeroStart(kind).eval()
+    path = tmp_path / "zero.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(X),), str(path), input_names=["x"], dynamo=True,
+                          opset_version=18, external_data=False)
+    import onnx
+
+    g = onnx.load(str(path)).graph
+    rnn = next(n for n in g.node if n.op_type in ("GRU", "LSTM"))
+    states = {name for name in rnn.input[5:] if name}
+    assert states and states <= {i.name for i in g.initializer}  # the exporter's form this test is about
+    m = op.import_onnx(str(path))
+    params = dict(m.named_params())
+    for name in states:
+        assert name in params and not params[name].require_grad and name in m.onnx_tables, name
+    trainable = [p for p, v in params.items() if v.require_grad]
+    assert len(trainable) == 3  # W, R, B: the 8 torch parameters of both directions, folded by the exporter
+    assert check_gradients(_loss, m, op.Tensor.from_numpy(X)) == []

@@ -250,3 +250,32 @@ def test_a_value_changing_every_step_warns_once_after_repeated_retraces():
     with pytest.warns(op.CaptureWarning, match=r"traced again 8 times.*\(scale\).*pass such values as arguments"):
         loss, grads = grad(lf, m, x0, t0)
     _check(m, loss, grads, x0, t0, 100.0)
+
+
+def _loss_globals_batch(m):
+    return _mse(m(BX), BT)
+
+
+def test_a_global_or_closure_float_batch_is_fed_as_an_input_one_graph_for_every_step():
+    """Float tensors a loss_fn reads from its globals / closure become graph inputs fed from the
+    name's current value: new batches of the same shape reuse one graph and session."""
+    global BX, BT
+    m = nn.Linear(D, C)
+    data = _data(5)
+    bx = bt = None
+
+    def lf(m):
+        return _mse(m(bx), bt)
+
+    before = runtime.stats().training_traces
+    for x, t in data:
+        BX, BT = op.Tensor.from_numpy(x), op.Tensor.from_numpy(t)
+        bx, bt = BX, BT
+        for f in (_loss_globals_batch, lf):
+            loss, grads = grad(f, m)
+            _check(m, loss, grads, x, t, 1.0)
+    assert runtime.stats().training_traces == before + 2
+    x, t = RNG.normal(size=(N + 2, D)).astype(np.float32), RNG.normal(size=(N + 2, C)).astype(np.float32)
+    BX, BT = op.Tensor.from_numpy(x), op.Tensor.from_numpy(t)  # another shape: traced again, still right
+    loss, grads = grad(_loss_globals_batch, m)
+    _check(m, loss, grads, x, t, 1.0)

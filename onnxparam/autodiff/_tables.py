@@ -15,6 +15,13 @@ freezes them by default (``OnnxModule.onnx_tables`` lists them with the reason; 
    kind that is not a parameter) is frozen, with that reason (:data:`BUFFER`). Rules 1-5 apply
    only to unmarked values: every weight of a TorchScript (or other exporter's) file, and the
    values dynamo's optimizer folded (``val_N``, ``embedding``: ``folded_from`` metadata only).
+   An unmarked float initializer of a dynamo file that rules 1-5 leave trainable is frozen
+   too (:data:`EXPORTER_CONSTANT`) unless it may hold a parameter's value: named as one of the
+   parameters the file's graph signature lists (``pkg.torch.export.ExportedProgram.graph_signature``),
+   folded from one, or without a ``folded_from`` record at all (the optimizer's rewrites, such as
+   a BatchNormalization fused into its Conv, keep none): the zeros an RNN starts from
+   (``torch.zeros`` folded into ``val_10``, recorded) are no weight, a weight transposed or
+   concatenated by the optimizer is.
 
 1. **periodic encodings**: every path on which the weight's value meets the model's float
    activations (values computed from a float graph input or an embedding lookup of the
@@ -71,7 +78,8 @@ import numpy as np
 import onnx_ir as ir
 
 __all__ = ["find_tables", "find_scalar_constants", "is_marked_parameter", "is_generated_name", "SCALAR_BUFFER",
-           "SCALAR_FOLDED", "SCALAR_GENERATED", "BUFFER", "marked_kind", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
+           "SCALAR_FOLDED", "SCALAR_GENERATED", "BUFFER", "EXPORTER_CONSTANT", "marked_kind",
+           "parameter_targets", "SCALAR_EXPONENT", "PERIODIC", "MASK", "CONSTANT_SCALAR", "RUNNING_STATS", "WINDOW", "ROTARY_CACHE",
            "SINUSOID", "is_sinusoid_table"]
 
 PERIODIC = "reaches the activations only through Sin/Cos (a frequency / position table)"
@@ -89,6 +97,8 @@ SINUSOID = ("a sinusoidal position table (its values are sin / cos of the positi
             "frozen parameter such as Whisper's embed_positions)" + _UNFREEZE)
 SCALAR_BUFFER = "a 0-d PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
 BUFFER = "a PyTorch buffer (the exporter's InputSpec kind BUFFER), not a parameter" + _UNFREEZE
+EXPORTER_CONSTANT = ("a constant torch dynamo computed, not from any parameter of the file's graph signature "
+                     "(folded from {})") + _UNFREEZE
 SCALAR_FOLDED = ("a 0-d constant the exporter's optimizer folded from {} (not marked a parameter by the file's "
                  "InputSpec metadata; if one of those was a parameter, this is its folded value)") + _UNFREEZE
 SCALAR_GENERATED = "a 0-d constant named as an exporter names its own ({}), not as PyTorch names parameters" + _UNFREEZE
@@ -275,6 +285,7 @@ def find_tables(model: ir.Model, candidates) -> dict:
     except Exception:  # noqa: BLE001 - a graph the analysis cannot walk: nothing is a table
         return {}
     out = {}
+    targets = parameter_targets(model)
     for name, value, tensor, constant_node in candidates:
         if value is None or value.graph is not graph and value.producer() is None:
             continue
@@ -315,7 +326,44 @@ def find_tables(model: ir.Model, candidates) -> dict:
         if tensor is not None and all(node.op_type in _SINUSOID_USES for node, _ in uses) \
                 and _first_row_is_binary(tensor, shape) and is_sinusoid_table(tensor.numpy().reshape(shape)):
             out[name] = SINUSOID
+            continue
+        if targets is not None and not constant_node and not _from_a_parameter(name, value, targets):
+            out[name] = EXPORTER_CONSTANT.format(_marks(value).get(_FOLDED, "nothing"))
     return out
+
+
+_SIGNATURE = "pkg.torch.export.ExportedProgram.graph_signature"
+_SIGNATURE_LINE = re.compile(r"\s*\w+: PARAMETER target='([^']*)'")
+
+
+def parameter_targets(model: ir.Model) -> Optional[frozenset]:
+    """The state-dict names of the PyTorch parameters a torch dynamo file lists in its graph
+    signature metadata (``p_fc_weight: PARAMETER target='fc.weight'``), or ``None`` for a file
+    without one (TorchScript, other exporters)."""
+    text = model.graph.metadata_props.get(_SIGNATURE)
+    if text is None:
+        return None
+    return frozenset(m.group(1) for m in map(_SIGNATURE_LINE.match, text.splitlines()) if m)
+
+
+def _from_a_parameter(name: str, value: ir.Value, targets: frozenset) -> bool:
+    """True when an unmarked initializer of a dynamo file may hold a parameter's value: it is
+    named as one, or the exporter's optimizer folded it from one (``folded_from`` metadata).
+    No record is no evidence (the optimizer's rewrites, e.g. a BatchNormalization fused into the
+    Conv before it, write ``conv1.weight_bias`` from parameters without one), and neither is an
+    unparsable record: both count as a parameter's value."""
+    if name in targets:
+        return True
+    text = _marks(value).get(_FOLDED)
+    if not text:
+        return True
+    try:
+        import ast
+
+        sources = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return True
+    return not isinstance(sources, (list, tuple)) or any(str(n) in targets for n in sources)
 
 
 def _marks(value: ir.Value) -> dict:

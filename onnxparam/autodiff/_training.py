@@ -18,11 +18,12 @@ gradients, as torch's one tied weight does (:mod:`._ties`).
 
 **Caching.** The training graph is cached by ``(loss_fn object, module structure, input
 signature, trainable paths)``: pass the *same* ``loss_fn`` object every step (a new lambda per
-step re-traces). Tensors and Python values the ``loss_fn`` reads from its globals or closure
-are baked into the graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names
-holds another object (or another number, or a list / dict with other items), the entry is
-traced again, so a loop that reassigns a global batch gets the right numbers, at the price of
-a new graph and session per step (pass the batch as an argument instead). Trainable params are graph inputs fed on every run, so a training loop that
+step re-traces). A float tensor the ``loss_fn`` reads from a global or closure variable is a
+graph input fed from that variable on every call (``captured_<name>``; a loop reassigning a
+global batch keeps one graph). Other tensors and Python values read so are baked into the
+graph and guarded (:mod:`onnxparam.trace.guards`): when one of those names holds another object
+(or another number, or a list / dict with other items), the entry is traced again (a new graph
+and session; pass such values as arguments). Trainable params are graph inputs fed on every run, so a training loop that
 changes them reuses one session; the session is keyed like inference sessions by the identity
 of the frozen params' values (a module loaded with new frozen weights gets a new session).
 """
@@ -167,6 +168,9 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
     # DynamicQuantizeLinear -> MatMulInteger, which quantizes the activation (no gradient rule,
     # and not what module(x) computes). Fixed here, so it is not part of the cache key.
     arguments = list(args) + list(kwargs.values())
+    # NOTE: tensors the loss_fn reads from its globals / closure become graph inputs fed on every
+    # run (a training loop reassigning a global batch keeps one graph and one session)
+    tracer.lift, lifted = _guards.lifting([loss_fn])
     with qdq.qdq_options(qdq.RUNTIME_DEFAULT_OPTIONS), tracer.active():
         args = list(args)
         kwargs = dict(kwargs)
@@ -184,9 +188,11 @@ def _trace_loss(loss_fn, module, args: list, kwargs: dict, shapes: Optional[tupl
             raise TraceError(f"loss_fn must return a Tensor (the loss); got {type(loss).__name__}")
         # NOTE: the output is called "loss" unless a param or input already has that name
         output = [LOSS_OUTPUT] if LOSS_OUTPUT not in tracer._names else None
-        forward = tracer.finish(loss, output_names=output, input_names=names)
+        tracer.lift = None
+        forward = tracer.finish(loss, output_names=output, input_names=names + [name for _, name in lifted])
     forward._cache["guards"] = _guards.trace_guards(tracer, [loss_fn], f"loss_fn {getattr(loss_fn, '__name__', '')!s}",
-                                                    arguments)
+                                                    arguments, [g for g, _ in lifted])
+    forward._cache["lifted"] = tuple(g for g, _ in lifted)
     return forward
 
 
@@ -197,6 +203,7 @@ def _built(forward, wrt, marked) -> tuple:
     guards = forward._cache.get("guards")
     if guards:
         training._cache["guards"] = guards
+    training._cache["lifted"] = forward._cache.get("lifted", ())
     return training, grad_paths
 
 
@@ -272,7 +279,8 @@ def _rank_only(entry, positional: bool):
 
 def training_model(loss_fn, module, *inputs, **kwargs) -> _trace.TracedModel:
     """The training :class:`~onnxparam.trace.tracer.TracedModel` that :func:`grad` runs (inputs: the
-    tensor arguments then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
+    tensor arguments, the ``captured_<name>`` float tensors the loss_fn reads from globals /
+    closure variables, then the trainable params; outputs: the loss then ``<path>.grad`` s)."""
     args, kwargs, _, call_sig = _calls._split_call(inputs, kwargs)
     with _calls._LOCK:
         return _training_entry(loss_fn, module, args, kwargs, call_sig)[1]
@@ -288,8 +296,9 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
         module: the :class:`~onnxparam.Module`; its float params with ``require_grad`` are
             differentiated.
         *inputs, **kwargs: tensors or arrays (graph inputs: their shapes and dtypes key the
-            cache) and plain Python values (baked into the graph). Values ``loss_fn`` reads
-            from its globals / closure are baked too and guarded: a change retraces.
+            cache) and plain Python values (baked into the graph). Float tensors ``loss_fn``
+            reads from globals / closure variables are fed as inputs; other values read so
+            are baked and guarded (a change retraces).
 
     Returns:
         ``(loss, grads)``: ``loss`` a host :class:`~onnxparam.Tensor` of the loss's shape
@@ -311,6 +320,8 @@ def grad(loss_fn, module, *inputs, **kwargs) -> tuple:
     config = session_config(module)
     with _calls._LOCK:
         key, training, grad_paths = _training_entry(loss_fn, module, args, kwargs, call_sig)
+        # the tensors the loss_fn reads from its globals / closure, fed as graph inputs
+        tensors = list(tensors) + [g.current() for g in training._cache.get("lifted", ())]
         by_path = dict(named_params(module))
         frozen = [(p, lora_graph.initializer_param(by_path.get(p, training.params[p]), TRAINING_LORA_MODE))
                   for p in training.param_paths]

@@ -10,7 +10,10 @@ traced modules' user classes), a :class:`Guard`: the namespace or cell, the name
 identity; for Python numbers / bools / strings its value; for list / dict / tuple containers a
 shallow snapshot of their items (identities, scalar values); for small numpy arrays their bytes.
 :func:`guards_hold` tells whether all still hold (a cache entry whose guards fail is traced
-again).
+again). :func:`lifting` lets a trace make the float tensors such names hold graph inputs
+instead (``grad`` feeds them from the names; their guards check shape and dtype only, so a
+loss_fn must not read such a tensor's values in Python, e.g. ``x.to_numpy() > 0``: that
+result would be baked unguarded).
 
 Not guarded: modules, classes, library functions (``onnxparam``, ``numpy`` ...), builtins;
 values reached through another object's attribute (``cfg.batch``: the trace warns with
@@ -90,16 +93,21 @@ class Guard:
     contents as when the trace ran. Comparing ``guard != True`` evaluates it (so a guard can sit
     in the runtime's watched-value tuples, whose check is ``obj != snapshot``)."""
 
-    __slots__ = ("space", "name", "obj", "token", "items", "label")
+    __slots__ = ("space", "name", "obj", "token", "items", "label", "lifted")
 
     def __init__(self, space, name: Optional[str], value, label: Optional[str] = None):
         self.space = space
         self.name = name
         self.label = label or name or "<closure>"
+        self.lifted = None  # (shape, dtype) of a tensor fed as a graph input: any such tensor holds
         # NOTE: the object is kept (not only its id) so the id cannot be reused while guarded
         self.obj = value
         self.token = _token(value)
         self.items = _snapshot(value)
+
+    def current(self):
+        """The value the guarded name holds now (a lifted tensor's feed)."""
+        return self._current()
 
     def _current(self):
         if self.name is None:  # a closure cell
@@ -113,6 +121,8 @@ class Guard:
         value = self._current()
         if value is _MISSING:
             return False
+        if self.lifted is not None:
+            return _lifted_token(value) == self.lifted
         if self.token[0]:
             was = self.token[2]
             if value.__class__ is not self.token[1] or not (value == was or (value != value and was != was)):
@@ -136,6 +146,42 @@ class Guard:
 
     def __repr__(self) -> str:
         return f"Guard({self.label}={type(self.obj).__name__})"
+
+
+def _lifted_token(value):
+    from ..core.tensor import Tensor
+
+    if value.__class__ is Tensor and value._symbol is None and value._quant is None:
+        return (value.shape, value.dtype)
+    return None
+
+
+def lifting(functions: Iterable):
+    """``(lift, lifted)`` for a trace of ``functions`` (a ``loss_fn``): ``lift(tracer, tensor)``,
+    the tracer's hook, makes a concrete float tensor (of more than one element) that a global or
+    closure variable of theirs holds a graph input (``captured_<name>``), and ``lifted`` lists ``(guard, input name)`` in input
+    order: the caller feeds ``guard.current()`` on every run, and the guard holds for any tensor
+    of the same shape and dtype (one graph serves every value)."""
+    by_id: dict = {}
+    for g in collect_guards(functions):
+        # NOTE: float tensors only: an integer tensor may be read as a shape / index / bound that
+        # must stay a constant (it is baked and guarded by identity instead)
+        # (and not one-element tensors: those are the ones read back as Python numbers)
+        if _lifted_token(g.obj) is not None and g.items is None and g.obj.dtype.is_float \
+                and int(np.prod(g.obj.shape)) > 1:
+            by_id.setdefault(id(g.obj), g)
+    lifted: list = []
+
+    def lift(tracer, x):
+        g = by_id.get(id(x))
+        if g is None or g.obj is not x:
+            return None
+        g.lifted = _lifted_token(x)
+        t = tracer.input(f"captured_{g.label}", x.shape, x.dtype, unique=True)
+        lifted.append((g, t._symbol.value.name))
+        return t
+
+    return lift, lifted
 
 
 def _guardable(value) -> bool:
@@ -295,7 +341,8 @@ def uncovered_tensors(baked: list, guards: tuple, modules: Iterable, internal: I
     return [t for t in left if id(t) in held]
 
 
-def trace_guards(tracer, functions: Iterable = (), what: str = "forward", arguments: Iterable = ()) -> tuple:
+def trace_guards(tracer, functions: Iterable = (), what: str = "forward", arguments: Iterable = (),
+                 lifted: Iterable = ()) -> tuple:
     """The guards of a finished trace: of ``functions`` (a ``loss_fn``) and of the methods of the
     user classes of every module the trace called; ``arguments``: the call's arguments (tensors
     inside a list argument are baked, and keyed by the call signature: not outside); warns (:class:`CaptureWarning`) for each baked
@@ -313,6 +360,10 @@ def trace_guards(tracer, functions: Iterable = (), what: str = "forward", argume
     modules = [tracer._root] if tracer._root is not None else []
     modules += [m for m in tracer._keepalive if isinstance(m, Module) and m is not tracer._root]
     guards = collect_guards(functions, modules)
+    lifted = [g for g in lifted]
+    if lifted:  # NOTE: a lifted name's guard checks shape and dtype only (its value is fed)
+        keys = {(id(g.space), g.name) for g in lifted}
+        guards = tuple(lifted) + tuple(g for g in guards if (id(g.space), g.name) not in keys)
     left = uncovered_tensors(tracer._baked, guards, modules, internal=(tracer._keepalive,), covered=bound)
     if left:
         import warnings

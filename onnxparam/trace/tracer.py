@@ -148,6 +148,7 @@ class Tracer:
         self.min_dynamic_size = 0  # dynamic input dims are at least this (2 under automatic dynamic)
         self._keepalive: list = []
         self._baked: list = []  # concrete tensors made constants (guards.uncovered_tensors)
+        self.lift = None  # lift(tracer, tensor) -> a graph input standing for it, or None (bake it)
         self._finished = False
         self._root = root
         if root is not None:
@@ -310,6 +311,11 @@ class Tracer:
                     )
                 return x
             hit = self._const_cache.get(("tensor", id(x)))
+            if hit is None and self.lift is not None and len(self._sinks) == 1:
+                hit = self.lift(self, x)
+                if hit is not None:
+                    self._const_cache[("tensor", id(x))] = hit
+                    self._keepalive.append(x)
             if hit is None:
                 hit = self.constant(x.to_numpy())
                 self._const_cache[("tensor", id(x))] = hit

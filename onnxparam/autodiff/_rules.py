@@ -373,10 +373,12 @@ def _gelu(e, node, gout, need):
     return [e.op("Mul", g, e.op("Add", cdf, e.op("Mul", x, pdf)))]
 
 
-@rule("Clip")
+@rule("Clip", differentiates=(1, 2))
 def _clip(e, node, gout, need):
-    """``y = min(max(x, lo), hi)``: ``dx = g where lo <= x <= hi`` else 0; the bounds (inputs
-    1 and 2 from opset 11, attributes before) get no gradient."""
+    """``y = min(max(x, lo), hi)``: ``dx = g where lo <= x <= hi`` else 0. The bounds (inputs
+    1 and 2 from opset 11, 0-d; attributes before) are learned in some models (PACT's clipping
+    bound): ``d lo = sum(g where x < lo and lo < hi)``, ``d hi = sum(g where x > hi or hi < lo)``
+    (``y = hi`` everywhere when ``lo > hi``; PyTorch's ``clamp`` derivative, ties to ``x``)."""
     x, g = node.inputs[0], gout[0]
     lo = node.inputs[1] if len(node.inputs) > 1 else None
     hi = node.inputs[2] if len(node.inputs) > 2 else None
@@ -390,7 +392,22 @@ def _clip(e, node, gout, need):
             m = e.op(op, x, bound)
             mask = m if mask is None else e.op("And", mask, m)
     dx = g if mask is None else e.op("Where", mask, g, e.scalar_like(0.0, x))
-    return [dx] + [None] * (len(node.inputs) - 1)
+    out = [dx] + [None] * (len(node.inputs) - 1)
+    zero = e.scalar_like(0.0, x)
+    shape = maybe_dims(node.outputs[0])
+    for j, bound in ((1, lo), (2, hi)):
+        if j >= len(node.inputs) or node.inputs[j] is None or not need[j]:
+            continue
+        if j == 1:
+            hit = e.op("Less", x, lo)
+            if hi is not None:
+                hit = e.op("And", hit, e.op("Less", lo, hi))
+        else:
+            hit = e.op("Greater", x, hi)
+            if lo is not None:
+                hit = e.op("Or", hit, e.op("Less", hi, lo))
+        out[j] = e.unbroadcast(e.op("Where", hit, g, zero), bound, shape)
+    return out
 
 
 @rule("Where")

@@ -235,6 +235,20 @@ class _Analysis:
             return total // self.batch if total % self.batch == 0 else None
         return None
 
+    def per_batch_factor(self, layout: Layout, value) -> Optional[int]:
+        """A number that divides the elements per batch element of a batch-major ``value``: the
+        count when known, else for a batch on axis 0 the product of the static dims after it (a
+        symbolic dim multiplies it by an unknown integer)."""
+        count = self.per_batch(layout, value)
+        if count is not None:
+            return count
+        if layout.kind != "axis" or layout.axis != 0:
+            return None
+        dims = self.static_dims(value) or _dims(value)
+        if dims is None:
+            return None
+        return int(np.prod([d for d in dims[1:] if isinstance(d, int) and d > 0])) if len(dims) > 1 else 1
+
     # -- shape values: what a computed Reshape shape holds -------------------------------------
 
     def dim_token(self, value, i: int):
@@ -668,6 +682,12 @@ class _Analysis:
             if any(l.batched for l in ins[1:]) or int(_attr(node, "transA", 0)):
                 return gone
             a = ins[0]
+            if a.kind == "flat" and a.count is None:
+                # NOTE: batch-major storage whose elements per batch element are not known (a symbolic
+                # dim): Gemm keeps it when each batch element holds whole rows of A, which every use
+                # of a "flat" value checks at run time (the [batch, -1, d] Reshape of a branch fails
+                # in ONNX Runtime otherwise): dynamo's GPT-2 attention output, [b*s, d] from [b, s, h, hd]
+                return Layout("flat", where=a.where)
             if a.kind == "rows" or a.kind == "flat" and a.count is not None:
                 # a flat input whose batch elements hold whole rows (count a multiple of K) is rows
                 scaled = self.scaled_rows(a, node.inputs[0], node.outputs[0])
@@ -772,6 +792,11 @@ class _Analysis:
             return Layout("flat", where=_label(node), count=count)
         if self.multiple_of_batch(in_dims, out_dims, shape, layout) or self.leading_merge(x, entries, layout):
             return Layout("rows", where=_label(node), count=count)
+        factor = self.per_batch_factor(layout, x) if count is None else None
+        if factor and tail and factor % tail == 0:
+            # NOTE: each batch element's count is a multiple of the output's slice of axis 0 (its static
+            # dims divide it, whatever the symbolic ones are): it fills whole slices, in batch order
+            return Layout("rows", where=_label(node))
         return Layout("flat", where=_label(node), count=count)
 
     def kept_lead(self, x, in_dims, out_dims, entries) -> int:

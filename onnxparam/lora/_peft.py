@@ -51,7 +51,7 @@ from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
-from ._tables import table_owners
+from ._tables import matmul_weights, table_owners
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
            "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -367,13 +367,7 @@ def linear_alias_pairs(model) -> list:
     from ..trace.evidence import stored_tensor
 
     pairs = []
-    for node in model.graph.all_nodes():
-        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
-            continue
-        weight = node.inputs[1]
-        producer = weight.producer() if weight is not None else None
-        if producer is not None and producer.op_type == "Transpose":
-            weight = producer.inputs[0]
+    for node, weight in matmul_weights(model):
         if stored_tensor(weight) is None:  # neither an initializer nor a Constant node's tensor
             continue
         biases = [node.inputs[2]] if node.op_type == "Gemm" and len(node.inputs) > 2 else []

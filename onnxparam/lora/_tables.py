@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["gather_module", "owner_name", "table_owners"]
+__all__ = ["gather_module", "matmul_weights", "owner_name", "table_owners"]
 
 
 def _collapse(segments: list) -> str:
@@ -30,6 +30,21 @@ def _collapse(segments: list) -> str:
     for seg in segments:
         path = seg if path and seg.startswith(path + ".") else (f"{path}.{seg}" if path else seg)
     return path
+
+
+def matmul_weights(model):
+    """``(node, weight value)`` for each ``MatMul`` / ``Gemm`` of ``model`` (default domain, any
+    graph) in node order: its B, or the input of the ``Transpose`` producing B (torch's
+    exporters' ``nn.Linear``)."""
+    for node in model.graph.all_nodes():
+        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        weight = node.inputs[1]
+        producer = weight.producer() if weight is not None else None
+        if producer is not None and producer.op_type == "Transpose":
+            weight = producer.inputs[0]
+        if weight is not None:
+            yield node, weight
 
 
 def gather_module(node) -> Optional[str]:
@@ -83,15 +98,7 @@ def table_owners(model) -> dict:
     tied = set()
     shapes = {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}
     arrays: dict = {}
-    for node in model.graph.all_nodes():
-        if node.op_type not in ("MatMul", "Gemm") or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
-            continue
-        weight = node.inputs[1]
-        producer = weight.producer() if weight is not None else None
-        if producer is not None and producer.op_type == "Transpose":
-            weight = producer.inputs[0]
-        if weight is None:
-            continue
+    for node, weight in matmul_weights(model):
         if weight.name in owners:
             tied.add(weight.name)
             continue

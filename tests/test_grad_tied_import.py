@@ -22,45 +22,18 @@ torch = pytest.importorskip("torch")
 
 import onnx  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
+from torch_tied import VOCAB, export_quietly, tiny_lm  # noqa: E402
 
 import onnxparam as op  # noqa: E402
 from onnxparam.autodiff import grad  # noqa: E402
 from onnxparam.optim import SGD, Adam  # noqa: E402
 
-VOCAB, DIM, SEQ = 11, 6, 5
+SEQ = 5
 RTOL = 1e-4
 
 
-class _TinyLm(torch.nn.Module):
-    """Embedding -> Linear -> ReLU -> tied lm_head (GPT-2's tie, in small)."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = torch.nn.Embedding(VOCAB, DIM)
-        self.mlp = torch.nn.Linear(DIM, DIM)
-        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, ids):
-        return self.lm_head(torch.relu(self.mlp(self.wte(ids))))
-
-
-def _tiny(seed=0):
-    torch.manual_seed(seed)
-    model = _TinyLm().eval()
-    assert model.lm_head.weight is model.wte.weight  # the oracle's own tie
-    return model
-
-
-def _export(model, path, ids, dynamo: bool):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["logits"], dynamo=True,
-                              external_data=False)
-        else:
-            torch.onnx.export(model, (ids,), str(path), input_names=["ids"], output_names=["logits"], opset_version=17,
-                              dynamo=False)
+def _export(model, path, ids, exporter: str, dynamic_axes=None):
+    export_quietly(model, ids, path, exporter, dynamic_axes)
     return op.import_onnx(path)
 
 
@@ -114,9 +87,9 @@ def _check_grads(imported, model, ids, target):
 
 @pytest.fixture(scope="module", params=["torchscript", "dynamo"])
 def tiny(request, tmp_path_factory):
-    model = _tiny()
+    model = tiny_lm()
     ids, target = _data()
-    imported = _export(model, tmp_path_factory.mktemp("tie") / "lm.onnx", torch.tensor(ids), request.param == "dynamo")
+    imported = _export(model, tmp_path_factory.mktemp("tie") / "lm.onnx", torch.tensor(ids), request.param)
     return model, imported, ids, target
 
 
@@ -140,12 +113,16 @@ def test_every_gradient_equals_torchs_and_the_tied_pair_gets_wte_grad(tiny):
     assert len(held["wte.weight"]) == 2  # both sides of the tie checked against torch's wte.grad
 
 
-@pytest.mark.parametrize("make_opt", [lambda: (SGD(lr=0.5), torch.optim.SGD, {"lr": 0.5}),
-                                      lambda: (Adam(lr=0.05, eps=1e-8), torch.optim.Adam, {"lr": 0.05, "eps": 1e-8})],
-                         ids=["sgd", "adam"])
-def test_two_steps_match_torch_and_the_pair_stays_tied_in_the_export(tiny, make_opt, tmp_path):
-    model0, imported, ids, target = tiny
-    model = _tiny()  # a fresh copy of the same weights (the fixture's is shared)
+OPTIMIZERS = {"sgd": lambda lr: (SGD(lr=lr), torch.optim.SGD, {"lr": lr}),
+              "adam": lambda lr: (Adam(lr=lr, eps=1e-8), torch.optim.Adam, {"lr": lr, "eps": 1e-8})}
+
+
+def _two_steps(model0, fresh, imported, ids, target, make_opt, tmp_path):
+    """Two steps of the same optimizer here and in torch (on ``fresh()`` with ``model0``'s
+    weights: a fixture's model is shared): the logits agree with torch's, the tied pair stays
+    bit-equal (the table's transposed) and the exported file holds it so. Returns the trained
+    module, the trained torch model, the table's trained param and the exported file."""
+    model = fresh()
     model.load_state_dict(model0.state_dict())
     opt, torch_opt, kwargs = make_opt()
     topt = torch_opt(model.parameters(), **kwargs)
@@ -162,14 +139,21 @@ def test_two_steps_match_torch_and_the_pair_stays_tied_in_the_export(tiny, make_
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     (head, (table, _)), = imported.onnx_ties.items()
     params = dict(m.named_params())
-    table_after = params[table].val().to_numpy()
-    np.testing.assert_allclose(table_after, model.wte.weight.detach().numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(params[head].val().to_numpy(), table_after.T)  # bit-equal: still tied
+    np.testing.assert_array_equal(params[head].val().to_numpy(), params[table].val().to_numpy().T)  # still tied
     path = tmp_path / "trained.onnx"
     op.export_onnx(m, path)
     written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
     names = imported.onnx_names
     np.testing.assert_array_equal(written[names[head]], written[names[table]].T)
+    return m, model, params[table], path
+
+
+@pytest.mark.parametrize("make_opt", [lambda: OPTIMIZERS["sgd"](0.5), lambda: OPTIMIZERS["adam"](0.05)],
+                         ids=["sgd", "adam"])
+def test_two_steps_match_torch_and_the_pair_stays_tied_in_the_export(tiny, make_opt, tmp_path):
+    model0, imported, ids, target = tiny
+    _, model, table, path = _two_steps(model0, tiny_lm, imported, ids, target, make_opt, tmp_path)
+    np.testing.assert_allclose(table.val().to_numpy(), model.wte.weight.detach().numpy(), rtol=1e-4, atol=1e-5)
     assert op.import_onnx(path).onnx_ties == imported.onnx_ties  # the trained file is tied again
 
 
@@ -194,7 +178,7 @@ def test_a_pair_untied_by_a_checkpoint_or_frozen_on_one_side_trains_as_two_param
     model, imported, ids, target = tiny
     (head, (table, _)), = imported.onnx_ties.items()
     params = dict(imported.named_params())
-    untied_model = _tiny()
+    untied_model = tiny_lm()
     untied_model.load_state_dict(model.state_dict())
     untied_model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone() + 0.25)  # untied
     new_head = op.Tensor.from_numpy(np.ascontiguousarray(untied_model.lm_head.weight.detach().numpy().T))
@@ -213,7 +197,7 @@ def test_a_pair_untied_by_a_checkpoint_or_frozen_on_one_side_trains_as_two_param
     frozen = imported.freeze_group(op.ParamGroup.from_paths([head]))
     _, grads = grad(_loss, frozen, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
     assert params[head].id not in grads
-    detached = _tiny()
+    detached = tiny_lm()
     detached.load_state_dict(model.state_dict())
     detached.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone(), requires_grad=False)
     detached.zero_grad()
@@ -275,16 +259,10 @@ def gpt2(request, tmp_path_factory):
     model = _gpt2()
     ids, target = _data(seed=2, batch=2, seq=7, vocab=50)
     path = tmp_path_factory.mktemp("gpt2") / "gpt2.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if request.param == "dynamo":  # what fresh7 did: static shapes, the default optimizer
-            torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
-                              dynamo=True, external_data=False)
-        else:
-            torch.onnx.export(model, (torch.tensor(ids),), str(path), input_names=["ids"], output_names=["logits"],
-                              opset_version=17, dynamo=False,
-                              dynamic_axes={"ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
-    return model, op.import_onnx(path), ids, target
+    # dynamo as fresh7 ran it (static shapes, the default optimizer); TorchScript with dynamic axes
+    imported = _export(model, path, torch.tensor(ids), request.param,
+                       dynamic_axes={"ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    return model, imported, ids, target
 
 
 @pytest.mark.slow  # transformers and two exports: ~15 s on this CPU
@@ -314,32 +292,11 @@ def test_gpt2_every_gradient_equals_torchs_and_the_tied_table_gets_wte_grad(gpt2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["sgd", "adam"])
-def test_gpt2_two_steps_match_torch_and_stay_tied(gpt2, which, tmp_path):
+@pytest.mark.parametrize("make_opt", [lambda: OPTIMIZERS["sgd"](0.5), lambda: OPTIMIZERS["adam"](0.01)],
+                         ids=["sgd", "adam"])
+def test_gpt2_two_steps_match_torch_and_stay_tied(gpt2, make_opt, tmp_path):
     model0, imported, ids, target = gpt2
-    model = _gpt2()
-    model.load_state_dict(model0.state_dict())
-    opt, topt = ((SGD(lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)) if which == "sgd" else
-                 (Adam(lr=0.01, eps=1e-8), torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-8)))
-    m = imported
-    for _ in range(2):
-        topt.zero_grad()
-        _loss_torch(model, torch.tensor(ids), torch.tensor(target)).backward()
-        topt.step()
-        _, grads = grad(_loss, m, op.Tensor.from_numpy(ids), op.Tensor.from_numpy(target))
-        m = opt.step(m, grads)
-    with torch.no_grad():
-        want = model(torch.tensor(ids)).numpy()
-    got = m(op.Tensor.from_numpy(ids)).to_numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    (head, (table, _)), = imported.onnx_ties.items()
-    params = dict(m.named_params())
-    np.testing.assert_array_equal(params[head].val().to_numpy(), params[table].val().to_numpy().T)
-    path = tmp_path / "trained.onnx"
-    op.export_onnx(m, path)
-    written = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-    names = imported.onnx_names
-    np.testing.assert_array_equal(written[names[head]], written[names[table]].T)
+    _two_steps(model0, _gpt2, imported, ids, target, make_opt, tmp_path)
 
 
 @pytest.mark.slow
@@ -406,7 +363,7 @@ def test_dynamo_without_its_optimizer_writes_the_tie_as_one_initializer_and_one_
     """``torch.onnx.export(..., dynamo=True, optimize=False)`` (the README's way around merged
     initializers) keeps the tied weight one initializer, read by ``Gather`` and ``Transpose``:
     one param, no pair to sum, and its gradient is torch's ``wte.grad``."""
-    model = _tiny()
+    model = tiny_lm()
     ids, target = _data()
     path = tmp_path / "noopt.onnx"
     with warnings.catch_warnings():

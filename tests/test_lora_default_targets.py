@@ -166,27 +166,12 @@ def test_a_head_whose_values_differ_from_the_table_is_a_linear_map_and_adapted(c
 
 def test_torchs_exporter_folds_a_tied_lm_head_and_the_default_adapts_only_the_untied_linear(tmp_path):
     torch = pytest.importorskip("torch")
-    import warnings
+    from torch_tied import export_quietly, tiny_lm
 
-    class TinyLm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = torch.nn.Embedding(VOCAB, DIM)
-            self.mlp = torch.nn.Linear(DIM, DIM)
-            self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied, as GPT-2's
-
-        def forward(self, ids):
-            return self.lm_head(torch.relu(self.mlp(self.wte(ids))))
-
-    torch.manual_seed(0)
-    model = TinyLm().eval()
+    model = tiny_lm(seed=0, vocab=VOCAB, dim=DIM)
     assert model.lm_head.weight.data_ptr() == model.wte.weight.data_ptr()  # the oracle: torch's own tie
     path = tmp_path / "lm.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (torch.zeros(1, SEQ, dtype=torch.int64),), str(path), input_names=["ids"],
-                          output_names=["logits"], opset_version=17, dynamo=False)
+    export_quietly(model, torch.zeros(1, SEQ, dtype=torch.int64), path, "torchscript")
     imported = import_onnx(path)
     values = {imported.onnx_names[p]: q.val().to_numpy() for p, q in imported.named_params()}
     torch_t = {k: v.detach().numpy().T for k, v in model.state_dict().items() if v.ndim == 2}

@@ -23,6 +23,7 @@ peft = pytest.importorskip("peft")
 
 import onnx_ir as ir  # noqa: E402
 from torch_peft import export, peft_lora, peft_with_adapters, randomize  # noqa: E402
+from torch_tied import VOCAB, TinyLm  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from onnxparam import (  # noqa: E402
@@ -35,23 +36,8 @@ from onnxparam import (  # noqa: E402
     write_batched_peft,
 )
 
-VOCAB, DIM = 11, 6
 ATOL = 1e-5
 ROWS = ["s2", "__base__", "s1", "s2"]
-
-
-class TinyLm(torch.nn.Module):
-    """Embedding -> Linear -> ReLU -> lm_head tied to the embedding (GPT-2's tie, in small)."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = torch.nn.Embedding(VOCAB, DIM)
-        self.mlp = torch.nn.Linear(DIM, DIM)
-        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, ids):
-        return self.lm_head(torch.relu(self.mlp(self.wte(ids))))
 
 
 @pytest.fixture(scope="module", params=["torchscript", "dynamo"])

@@ -12,7 +12,7 @@ still calls it ``<module>.weight``, ``(out, in)``. The graph says which module i
 * else the checkpoint tensor whose values equal the weight's, as stored or transposed (the
   checkpoint the model was exported from);
 * else, for an output projection the file ties to an embedding table (its values are the
-  table's transposed: :func:`onnxparam.onnx_io._lora_import.tied_output_pairs`), the tensor
+  table's transposed: :func:`onnxparam.lora._tables.tied_output_pairs`), the tensor
   the table loads, transposed (a checkpoint that stores a tied ``lm_head`` once, as
   ``save_model`` of ``safetensors`` and Hugging Face's ``model.safetensors`` do).
 
@@ -150,11 +150,11 @@ def _renamed(name: str) -> bool:
 def _tie_matches(model, by_name: Mapping, params: Mapping, shapes: Mapping, loaded_by_name: Mapping,
                  decided: Mapping) -> list:
     """:class:`RenamedMatch` es from the ties of ``model``'s file (an output projection whose
-    values are an embedding table's transposed: :func:`~onnxparam.onnx_io._lora_import.tied_output_pairs`):
+    values are an embedding table's transposed: :func:`~onnxparam.lora._tables.tied_output_pairs`):
     when one side of a tie has no checkpoint tensor and the other has one (by name, or matched),
     the missing side takes that tensor, transposed relative to it (a checkpoint storing a tied
     pair once)."""
-    from ..onnx_io._lora_import import tied_output_pairs
+    from ..lora._tables import tied_output_pairs
 
     def source_of(path):
         if path in loaded_by_name:

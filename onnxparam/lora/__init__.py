@@ -7,7 +7,10 @@
 * :mod:`._adapter_file`: ONNX Runtime ``.onnx_adapter`` files;
 * :mod:`._peft`, :mod:`._peft_save`: PEFT adapters (``adapter_model.safetensors`` +
   ``adapter_config.json``) in and out;
-* :mod:`._batched_peft`: a batched export's stacked adapter set as PEFT's multi-adapter folder.
+* :mod:`._batched_peft`: a batched export's stacked adapter set as PEFT's multi-adapter folder;
+* :mod:`._layouts`, :mod:`._tables`: what an imported graph says of its weights: each one's
+  layout, its embedding and position tables, the output projections tied to a table, and the
+  PyTorch module owning a table.
 """
 
 from ._adapters import (

@@ -51,6 +51,7 @@ from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
+from ._layouts import CONV, IN_OUT, OUT_IN
 from ._tables import matmul_weights, table_owners
 
 __all__ = ["load_peft_adapter", "load_peft_adapters", "PeftLoadReport", "PeftConfig", "read_peft_config", "DEFAULT_PEFT_KEY_MAP",
@@ -224,12 +225,6 @@ def _map_key(name: str, rules: Sequence) -> str:
     for pattern, repl in rules:
         name = re.sub(pattern, repl, name)
     return name
-
-
-IN_OUT, OUT_IN, CONV = "in_out", "out_in", "conv"
-"""A 2-d weight's layout: ``(d_in, d_out)`` (Burn's ``Linear``, ONNX ``MatMul`` B, an embedding
-table ``(num_embeddings, dim)``) or ``(d_out, d_in)`` (PyTorch's ``Linear``, ``Gemm`` ``transB=1``,
-``Transpose -> MatMul``)."""
 
 
 @dataclass

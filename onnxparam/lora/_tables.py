@@ -10,17 +10,30 @@ table: dynamo's ``pkg.torch.onnx.name_scopes`` metadata (``['', 'transformer', '
 ``transformer.wte``). :func:`table_owners` reads it; :func:`owner_name` decides a table's PEFT
 module name from it, refusing (a problem string) where the evidence is missing for a tied
 table or names several modules.
+
+The tables themselves, read from the graph for import and ``apply_lora``'s default targets:
+position tables, embeddings of the inputs, and output projections tied to a table
+(:func:`tied_output_pairs`: the one tie detection, which import's ``OnnxModule.onnx_ties``, the
+PyTorch loader's tie matches and :func:`table_owners` all use).
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["gather_module", "matmul_weights", "owner_name", "table_owners"]
+from ..trace.evidence import DataDependence, stored_tensor
+from ._graph import _attr_int
+from ._layouts import IN_OUT, OUT_IN, weight_layouts
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+__all__ = ["gather_module", "matmul_weights", "owner_name", "table_owners", "position_tables", "embedding_tables",
+           "tied_output_tables", "tied_output_pairs", "default_lora_skips"]
 
 
 def _collapse(segments: list) -> str:
@@ -66,8 +79,6 @@ def gather_module(node) -> Optional[str]:
 
 
 def _stored(value):
-    from ..trace.evidence import stored_tensor
-
     return stored_tensor(value) if value is not None else None
 
 
@@ -75,12 +86,9 @@ def table_owners(model) -> dict:
     """``{table name: (modules, tied)}`` for each 2-d weight a ``Gather`` (``axis=0``) of
     ``model`` (an ``onnx_ir.Model``) reads as its data: ``modules`` the set of PyTorch module
     paths its ``Gather`` s name (:func:`gather_module`), ``tied`` whether a ``MatMul`` / ``Gemm``
-    weight (directly or through a ``Transpose``) is the table itself or holds its values, as
-    is or transposed (an output projection tied to it)."""
-    from ._graph import _attr_int
-
+    weight (directly or through a ``Transpose``) is the table itself, or holds its values (an
+    output projection tied to it: :func:`tied_output_pairs`)."""
     owners: dict = {}
-    tensors: dict = {}
     for node in model.graph.all_nodes():
         if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and node.inputs \
                 and node.inputs[0] is not None and _attr_int(node, "axis", 0) == 0:
@@ -88,33 +96,14 @@ def table_owners(model) -> dict:
             if tensor is None or len(tensor.shape) != 2:
                 continue
             name = node.inputs[0].name
-            tensors.setdefault(name, tensor)
             module = gather_module(node)
             owners.setdefault(name, set())
             if module:
                 owners[name].add(module)
     if not owners:
         return {}
-    tied = set()
-    shapes = {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}
-    arrays: dict = {}
-    for node, weight in matmul_weights(model):
-        if weight.name in owners:
-            tied.add(weight.name)
-            continue
-        tensor = _stored(weight)
-        if tensor is None or len(tensor.shape) != 2:
-            continue
-        shape = tuple(int(d) for d in tensor.shape)
-        for name, table_shape in shapes.items():
-            if name in tied or table_shape not in (shape, shape[::-1]) or tensors[name].dtype != tensor.dtype:
-                continue
-            if name not in arrays:
-                arrays[name] = np.asarray(tensors[name].numpy())
-            mine = np.asarray(tensor.numpy())
-            if (shape == table_shape and np.array_equal(mine, arrays[name])) or \
-                    (shape == table_shape[::-1] and np.array_equal(mine, arrays[name].T)):
-                tied.add(name)
+    tied = {weight.name for _, weight in matmul_weights(model) if weight.name in owners}  # one initializer
+    tied.update(table for table, _ in tied_output_pairs(model).values())  # a copy of its values
     return {name: (modules, name in tied) for name, modules in owners.items()}
 
 
@@ -147,3 +136,116 @@ def owner_name(table: str, fallback: str, entry, rules: Sequence) -> tuple:
                       "silently drop the embedding factors: pass a key_map rule (regex, module name) naming the "
                       "nn.Embedding (e.g. 'transformer.wte')")
     return name, None
+
+
+def _gather_tables(model: ir.Model) -> tuple:
+    """``({name: first Gather}, {name: any Gather's indices depend on the inputs})`` of the 2-d
+    weights of ``model`` that only main-graph ``Gather`` s (``axis=0``, as ``data``) read."""
+    graph = model.graph
+    depends = DataDependence(graph)
+    tables: dict = {}
+    fed: dict = {}
+    others: set = set()
+    for node in graph.all_nodes():
+        for index, value in enumerate(node.inputs):
+            tensor = stored_tensor(value)
+            if tensor is None or len(tensor.shape) != 2:
+                continue
+            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
+                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1):
+                tables.setdefault(value.name, node)
+                fed[value.name] = fed.get(value.name, False) or bool(depends(node.inputs[1]))
+            else:
+                others.add(value.name)
+    return ({n: g for n, g in tables.items() if n not in others},
+            {n: f for n, f in fed.items() if n not in others})
+
+
+def _where(node) -> str:
+    return f"Gather {node.name!r}" if node.name else "a Gather"
+
+
+def position_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
+    (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
+    values (:class:`~onnxparam.trace.evidence.DataDependence`): position tables
+    (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
+    embeddings of the tokens fed. :func:`~onnxparam.lora.apply_lora`'s default group leaves them
+    without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
+    a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
+    A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
+    not listed."""
+    tables, fed = _gather_tables(model)
+    return {name: (f"a table read by position ({_where(node)}: its indices are computed in the graph, not taken "
+                   "from the model inputs), not an embedding of the inputs; name it in the param_group to adapt it")
+            for name, node in tables.items() if not fed[name]}
+
+
+def embedding_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
+    (``axis=0``, as ``data``) read, at least one with indices that depend on the model inputs'
+    values (token ids): the embeddings of the inputs. PEFT adapts embeddings only when
+    ``target_modules`` names them, so :func:`~onnxparam.lora.apply_lora`'s default group leaves
+    them out too; a group that names one adapts it (layout ``IN_OUT``)."""
+    tables, fed = _gather_tables(model)
+    return {name: (f"an embedding table of the model inputs ({_where(node)} reads it at the fed ids); PEFT adapts "
+                   "embeddings only when target_modules names them: name it in the param_group to adapt it")
+            for name, node in tables.items() if fed[name]}
+
+
+def tied_output_tables(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights of ``model`` that are an embedding table's values
+    tied to an output projection (:func:`tied_output_pairs`). PEFT leaves a tied output layer
+    alone unless asked (adapting it would adapt the embedding it is tied to), so the default
+    group does too."""
+    return {name: (f"the output projection tied to the embedding table {table!r} (its values are the "
+                   f"table's{' transposed' if transposed else ''}); PEFT leaves a tied output layer "
+                   "alone unless asked: name it in the param_group to adapt it")
+            for name, (table, transposed) in tied_output_pairs(model).items()}
+
+
+def tied_output_pairs(model: ir.Model) -> dict:
+    """``{name: (table name, transposed)}``: each ``MatMul`` / ``Gemm`` weight of ``model``
+    (layout from :func:`weight_layouts`, never read by a ``Gather``) whose values equal, bit for
+    bit, those of a table only ``Gather`` s read (:func:`_gather_tables`), transposed for an
+    ``IN_OUT`` use (torch's exporter folds a tied ``lm_head``'s transpose of ``wte`` into a
+    constant ``onnx::MatMul_N``)."""
+    tables, _ = _gather_tables(model)
+    if not tables:
+        return {}
+    values = {}
+    for value in model.graph.initializers.values():
+        values.setdefault(value.name, value)
+    for node in model.graph.all_nodes():
+        for value in node.outputs:
+            if value.name and stored_tensor(value) is not None:
+                values.setdefault(value.name, value)
+    shapes = {}
+    for name in tables:
+        tensor = stored_tensor(values[name]) if name in values else None
+        if tensor is not None:
+            shapes.setdefault(tuple(int(d) for d in tensor.shape), []).append((name, tensor))
+    out = {}
+    for name, layout in weight_layouts(model).items():
+        if layout not in (IN_OUT, OUT_IN) or name in tables or name not in values:
+            continue
+        tensor = stored_tensor(values[name])
+        shape = tuple(int(d) for d in tensor.shape)
+        want = shape[::-1] if layout == IN_OUT else shape
+        for table, table_tensor in shapes.get(want, ()):
+            if table_tensor.dtype != tensor.dtype:
+                continue
+            mine, theirs = tensor.numpy(), table_tensor.numpy()
+            if np.array_equal(mine, theirs.T if layout == IN_OUT else theirs, equal_nan=mine.dtype.kind == "f"):
+                out[name] = (table, layout == IN_OUT)
+                break
+    return out
+
+
+def default_lora_skips(model: ir.Model) -> dict:
+    """``{name: reason}`` of the 2-d weights :func:`~onnxparam.lora.apply_lora`'s default
+    (every-param) group leaves without an adapter although their graph gives them a layout, as
+    PEFT's defaults target linear layers only: position tables (:func:`position_tables`),
+    embeddings of the inputs (:func:`embedding_tables`) and output projections tied to an
+    embedding (:func:`tied_output_tables`)."""
+    return {**position_tables(model), **embedding_tables(model), **tied_output_tables(model)}

@@ -329,7 +329,7 @@ class OnnxModule(Module):
         """Module path of an output projection -> ``(module path of the embedding table, transposed)``,
         for each pair the file itself ties: a main-graph ``MatMul`` / ``Gemm`` weight whose values
         equal, bit for bit, those of a table only ``Gather`` s read, transposed for a ``MatMul`` B
-        (``onnxparam.onnx_io._lora_import.tied_output_pairs``). PyTorch's exporters write a tied
+        (``onnxparam.lora._tables.tied_output_pairs``). PyTorch's exporters write a tied
         ``lm_head`` / ``wte`` (GPT-2's) so: the table (``m.lm_head.weight``, ``(vocab, dim)``) and
         its transposed copy (dynamo's ``val_N``, TorchScript's ``onnx::MatMul_N``, ``(dim, vocab)``).
 
@@ -345,7 +345,7 @@ class OnnxModule(Module):
         """
         ties = self._source.cache.get("ties")
         if ties is None:
-            from ._lora_import import tied_output_pairs
+            from ..lora._tables import tied_output_pairs
 
             graph = self._source.loaded.model.graph
             by_name = {site.name: site.path for site in self._source.sites
@@ -390,8 +390,8 @@ class OnnxModule(Module):
 
     def lora_weight_layouts(self) -> dict:
         """``path -> "in_out" | "out_in"`` (or why the graph does not decide) for each 2-d
-        weight, from the nodes that consume it (``onnxparam.onnx_io._lora_import.weight_layouts``)."""
-        from ._lora_import import weight_layouts
+        weight, from the nodes that consume it (``onnxparam.lora._layouts.weight_layouts``)."""
+        from ..lora._layouts import weight_layouts
 
         layouts = weight_layouts(self._source.loaded.model)
         return {path: layouts[name] for path, name in self._source.names.items() if name in layouts}
@@ -400,8 +400,8 @@ class OnnxModule(Module):
         """``path -> reason`` of the 2-d weights the default (every-param) ``LoraConfig`` leaves
         without an adapter although they have a layout, as PEFT's defaults target linear layers
         only: tables ``Gather`` reads (position tables and embeddings of the inputs) and output
-        projections tied to an embedding table (``onnxparam.onnx_io._lora_import.default_lora_skips``)."""
-        from ._lora_import import default_lora_skips
+        projections tied to an embedding table (``onnxparam.lora._tables.default_lora_skips``)."""
+        from ..lora._tables import default_lora_skips
 
         tables = default_lora_skips(self._source.loaded.model)
         return {path: tables[name] for path, name in self._source.names.items() if name in tables}
@@ -409,7 +409,7 @@ class OnnxModule(Module):
     def lora_transposed_paths(self) -> list:
         """Paths of the weights stored ``(d_out, d_in)``: used as ``Gemm`` B with ``transB=1``
         (and never as ``MatMul`` B); ``apply_lora`` gives them transposed adapters."""
-        from ._lora_import import transposed_weight_names
+        from ..lora._layouts import transposed_weight_names
 
         names = transposed_weight_names(self._source.loaded.model)
         return [path for path, name in self._source.names.items() if name in names]

@@ -1,5 +1,7 @@
 """Recognizing LoRA adapters in an imported ONNX graph (the shapes :mod:`onnxparam.lora._graph`
-exports), removing them from the graph and attaching them to the imported module."""
+exports), removing them from the graph and attaching them to the imported module. The layouts of
+an imported graph's weights and its tables (embeddings, position tables, tied projections) are
+read in :mod:`onnxparam.lora._layouts` and :mod:`onnxparam.lora._tables`."""
 
 from __future__ import annotations
 
@@ -10,12 +12,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ..core.param import Param
-from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int, _transpose_to_matmul
-from ..trace.evidence import stored_tensor
+from ..lora._graph import FACTOR_SUFFIXES, _attr_float, _attr_int
 
 __all__ = ["ImportedAdapter", "strip_lora_subexpressions", "strip_imported", "attach_imported",
-           "has_lora_factors", "transposed_weight_names", "weight_layouts", "position_tables", "embedding_tables",
-           "tied_output_tables", "tied_output_pairs", "default_lora_skips", "IN_OUT", "OUT_IN", "CONV"]
+           "has_lora_factors"]
 
 
 @dataclass(frozen=True)
@@ -375,189 +375,3 @@ def _strip(add: ir.Node, y: ir.Value, nodes: list) -> None:
     out.replace_all_uses_with(y)
     graph.remove(add, safe=True)
     _remove_if_unused(nodes)
-
-
-IN_OUT = "in_out"
-OUT_IN = "out_in"
-CONV = "conv"
-"""Weight layouts: ``(d_in, d_out)`` (ONNX ``MatMul`` B, ``Gemm`` B with ``transB=0``, Burn's
-``Linear``; a ``Gather``-ed embedding table ``(num_embeddings, dim)`` reads as one too) and
-``(d_out, d_in)`` (``Gemm`` B with ``transB=1``, ``Transpose -> MatMul``: PyTorch's ``Linear``);
-``CONV``: a ``Conv`` weight ``(out, in / groups, *kernel)``."""
-
-
-def weight_layouts(model: ir.Model) -> dict:
-    """The layout of each 2-d weight of ``model`` (an initializer, or a ``Constant`` node's
-    output: :func:`~onnxparam.trace.evidence.stored_tensor`), decided by its consumers: ``name
-    -> IN_OUT | OUT_IN``, or a sentence saying why the graph does not decide it (its uses
-    disagree, or no use tells which axis is the input). Never from shapes.
-
-    ======================================  =========
-    use of the weight ``W``                 layout
-    ======================================  =========
-    ``MatMul`` B                            IN_OUT
-    ``Gemm`` B, ``transB=0`` / ``1``        IN_OUT / OUT_IN
-    ``Transpose(perm=[1, 0]) -> MatMul`` B  OUT_IN
-    ``Gather`` data (an embedding table)    IN_OUT (rows are the looked-up axis)
-    ``Conv`` W                              CONV
-    ======================================  =========
-    """
-    claims: dict = {}
-    others: dict = {}
-    for node in model.graph.all_nodes():
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        for index, value in enumerate(node.inputs):
-            tensor = stored_tensor(value)  # an initializer or a Constant node's output (Paddle's weights)
-            if tensor is None:
-                continue
-            rank = len(tensor.shape)
-            if node.op_type == "Conv" and index == 1 and rank >= 3:
-                claims.setdefault(value.name, set()).add(f"{CONV}:Conv")
-                continue
-            if rank != 2:
-                continue
-            layout = None
-            if node.op_type == "MatMul" and index == 1:
-                layout = IN_OUT
-            elif node.op_type == "Gemm" and index == 1:
-                layout = OUT_IN if _attr_int(node, "transB", 0) == 1 else IN_OUT
-            elif node.op_type == "Gather" and index == 0 and _attr_int(node, "axis", 0) == 0:
-                layout = IN_OUT
-            elif node.op_type == "Transpose" and index == 0 and _transpose_to_matmul(node) is not None:
-                layout = OUT_IN
-            if layout is None:
-                others.setdefault(value.name, set()).add(f"{node.op_type} input {index}")
-            else:
-                claims.setdefault(value.name, set()).add(f"{layout}:{node.op_type}")
-    out = {}
-    for name in set(claims) | set(others):
-        layouts = {c.split(":")[0] for c in claims.get(name, ())}
-        if len(layouts) == 1:
-            out[name] = next(iter(layouts))
-        elif len(layouts) > 1:
-            out[name] = f"its uses disagree on its layout ({', '.join(sorted(claims[name]))})"
-        else:
-            out[name] = f"no use says which axis is the input (used by {', '.join(sorted(others[name]))})"
-    return out
-
-
-def _gather_tables(model: ir.Model) -> tuple:
-    """``({name: first Gather}, {name: any Gather's indices depend on the inputs})`` of the 2-d
-    weights of ``model`` that only main-graph ``Gather`` s (``axis=0``, as ``data``) read."""
-    from ..trace.evidence import DataDependence
-
-    graph = model.graph
-    depends = DataDependence(graph)
-    tables: dict = {}
-    fed: dict = {}
-    others: set = set()
-    for node in graph.all_nodes():
-        for index, value in enumerate(node.inputs):
-            tensor = stored_tensor(value)
-            if tensor is None or len(tensor.shape) != 2:
-                continue
-            if (node.graph is graph and node.op_type == "Gather" and node.domain in ("", "ai.onnx")
-                    and index == 0 and _attr_int(node, "axis", 0) == 0 and len(node.inputs) > 1):
-                tables.setdefault(value.name, node)
-                fed[value.name] = fed.get(value.name, False) or bool(depends(node.inputs[1]))
-            else:
-                others.add(value.name)
-    return ({n: g for n, g in tables.items() if n not in others},
-            {n: f for n, f in fed.items() if n not in others})
-
-
-def _where(node) -> str:
-    return f"Gather {node.name!r}" if node.name else "a Gather"
-
-
-def position_tables(model: ir.Model) -> dict:
-    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
-    (``axis=0``, as ``data``) read, all with indices that do not depend on the model inputs'
-    values (:class:`~onnxparam.trace.evidence.DataDependence`): position tables
-    (GPT-2's ``wpe``, indices ``Range(Shape(x))``) and tables read at constant rows, not
-    embeddings of the tokens fed. :func:`~onnxparam.lora.apply_lora`'s default group leaves them
-    without an adapter, as PEFT's defaults target linear layers (embeddings only when asked);
-    a group that names one adapts it (its layout stays ``IN_OUT``, :func:`weight_layouts`).
-    A table that some other node also uses (a tied ``MatMul``), or that a subgraph reads, is
-    not listed."""
-    tables, fed = _gather_tables(model)
-    return {name: (f"a table read by position ({_where(node)}: its indices are computed in the graph, not taken "
-                   "from the model inputs), not an embedding of the inputs; name it in the param_group to adapt it")
-            for name, node in tables.items() if not fed[name]}
-
-
-def embedding_tables(model: ir.Model) -> dict:
-    """``{name: reason}`` of the 2-d weights of ``model`` that only main-graph ``Gather`` s
-    (``axis=0``, as ``data``) read, at least one with indices that depend on the model inputs'
-    values (token ids): the embeddings of the inputs. PEFT adapts embeddings only when
-    ``target_modules`` names them, so :func:`~onnxparam.lora.apply_lora`'s default group leaves
-    them out too; a group that names one adapts it (layout ``IN_OUT``)."""
-    tables, fed = _gather_tables(model)
-    return {name: (f"an embedding table of the model inputs ({_where(node)} reads it at the fed ids); PEFT adapts "
-                   "embeddings only when target_modules names them: name it in the param_group to adapt it")
-            for name, node in tables.items() if fed[name]}
-
-
-def tied_output_tables(model: ir.Model) -> dict:
-    """``{name: reason}`` of the 2-d weights of ``model`` that are an embedding table's values
-    tied to an output projection (:func:`tied_output_pairs`). PEFT leaves a tied output layer
-    alone unless asked (adapting it would adapt the embedding it is tied to), so the default
-    group does too."""
-    return {name: (f"the output projection tied to the embedding table {table!r} (its values are the "
-                   f"table's{' transposed' if transposed else ''}); PEFT leaves a tied output layer "
-                   "alone unless asked: name it in the param_group to adapt it")
-            for name, (table, transposed) in tied_output_pairs(model).items()}
-
-
-def tied_output_pairs(model: ir.Model) -> dict:
-    """``{name: (table name, transposed)}``: each ``MatMul`` / ``Gemm`` weight of ``model``
-    (layout from :func:`weight_layouts`, never read by a ``Gather``) whose values equal, bit for
-    bit, those of a table only ``Gather`` s read (:func:`_gather_tables`), transposed for an
-    ``IN_OUT`` use (torch's exporter folds a tied ``lm_head``'s transpose of ``wte`` into a
-    constant ``onnx::MatMul_N``)."""
-    tables, _ = _gather_tables(model)
-    if not tables:
-        return {}
-    values = {}
-    for value in model.graph.initializers.values():
-        values.setdefault(value.name, value)
-    for node in model.graph.all_nodes():
-        for value in node.outputs:
-            if value.name and stored_tensor(value) is not None:
-                values.setdefault(value.name, value)
-    shapes = {}
-    for name in tables:
-        tensor = stored_tensor(values[name]) if name in values else None
-        if tensor is not None:
-            shapes.setdefault(tuple(int(d) for d in tensor.shape), []).append((name, tensor))
-    out = {}
-    for name, layout in weight_layouts(model).items():
-        if layout not in (IN_OUT, OUT_IN) or name in tables or name not in values:
-            continue
-        tensor = stored_tensor(values[name])
-        shape = tuple(int(d) for d in tensor.shape)
-        want = shape[::-1] if layout == IN_OUT else shape
-        for table, table_tensor in shapes.get(want, ()):
-            if table_tensor.dtype != tensor.dtype:
-                continue
-            mine, theirs = tensor.numpy(), table_tensor.numpy()
-            if np.array_equal(mine, theirs.T if layout == IN_OUT else theirs, equal_nan=mine.dtype.kind == "f"):
-                out[name] = (table, layout == IN_OUT)
-                break
-    return out
-
-
-def default_lora_skips(model: ir.Model) -> dict:
-    """``{name: reason}`` of the 2-d weights :func:`~onnxparam.lora.apply_lora`'s default
-    (every-param) group leaves without an adapter although their graph gives them a layout, as
-    PEFT's defaults target linear layers only: position tables (:func:`position_tables`),
-    embeddings of the inputs (:func:`embedding_tables`) and output projections tied to an
-    embedding (:func:`tied_output_tables`)."""
-    return {**position_tables(model), **embedding_tables(model), **tied_output_tables(model)}
-
-
-def transposed_weight_names(model: ir.Model) -> set:
-    """Names of the weights whose graph says they are stored ``(d_out, d_in)``
-    (:func:`weight_layouts`): their adapters are transposed."""
-    return {name for name, layout in weight_layouts(model).items() if layout == OUT_IN}

@@ -9,7 +9,7 @@ a table read by position: a ``Gather`` whose ``indices`` depend on a graph input
 embedding table; one whose indices are computed from shapes only (``Range(0, Shape(x)[1])``,
 GPT-2's position ids made in the graph) or from constants reads a table by position.
 Quantization (:func:`onnxparam.quant._roles.graph_roles`) and LoRA's default targets
-(:func:`onnxparam.onnx_io._lora_import.position_tables`) both ask :class:`DataDependence`.
+(:func:`onnxparam.lora._tables.position_tables`) both ask :class:`DataDependence`.
 """
 
 from __future__ import annotations

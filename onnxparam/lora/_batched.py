@@ -32,7 +32,9 @@ The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in ba
 viewed as ``[batch, -1, d_in]``). The pass first follows the batch through the graph
 (:mod:`onnxparam.lora._batch_axis`, :meth:`_Target.rows_layout`): a ``MatMul`` input with the
 batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-first for the
-branch and its delta back (:meth:`_Target.branch_moved`); a ``Conv`` input folding the batch
+branch and its delta back (:meth:`_Target.branch_moved`), one holding the batch as a factor of
+an axis (``nn.MultiheadAttention``'s ``out_proj`` input ``[seq * batch, d]``) is viewed with the
+batch as an axis of its own first (:meth:`_Target.branch_factored`); a ``Conv`` input folding the batch
 (``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
 whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
 follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the

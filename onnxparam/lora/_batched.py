@@ -1104,11 +1104,19 @@ class _Target:
     def lookup(self, node: ir.Node, ids: ir.Value) -> None:
         """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
         ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
-        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
+        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read). Sequence-first
+        ids (the batch on axis ``k > 0``) are transposed batch-first for the branch, its delta
+        transposed back."""
         from ._graph import _redirect
 
         t, tracer, shared = self.target, self.tracer, self.shared
-        self.rows_layout(node, ids, "ids input")
+        layout = self.rows_layout(node, ids, "ids input", axis_ok=True)
+        ids_dims = _dims(ids)
+        moved = layout.kind == "axis" and layout.axis > 0
+        if moved and ids_dims is None:
+            raise LoraError(f"lora='batched': {t.path!r} is adapted at node {node.name!r} (Gather), whose ids "
+                            f"{ids.name!r} hold the batch on axis {layout.axis} of an unknown rank; make the model "
+                            "batch-first or serve it with lora='inputs'")
         _, b = self.selected()
         a_stack = self.stacks()[0]
         graph = node.graph
@@ -1123,6 +1131,11 @@ class _Target:
         if ids.dtype is not None and ids.dtype != i64:
             nodes.append(_new_node(tracer, "Cast", [ids], i64, _dims(ids), f"{label}/Cast_ids", t.path,
                                    {"to": int(i64)}))
+            ids = nodes[-1].outputs[0]
+        if moved:  # [.., batch, ..] -> [batch, ..]: perm the batch axis first
+            perm = [layout.axis] + [i for i in range(len(ids_dims)) if i != layout.axis]
+            nodes.append(_new_node(tracer, "Transpose", [ids], i64, [ids_dims[i] for i in perm],
+                                   f"{label}/Transpose_ids", t.path, {"perm": perm}))
             ids = nodes[-1].outputs[0]
         nodes.append(_new_node(tracer, "Reshape", [ids, shared.rows_by_items()], i64, [shared.index_dim(), None],
                                f"{label}/Reshape_ids", t.path))
@@ -1144,10 +1157,22 @@ class _Target:
                                [shared.index_dim(), None, rank], f"{label}/GatherND_a", t.path))
         nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype,
                                [shared.index_dim(), None, t.d_out], f"{label}/MatMul_b", t.path))
-        nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
-                               f"{label}/Shape_y", t.path))
-        nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype, y_dims,
-                               f"{label}/Reshape_y", t.path))
+        if moved:  # the delta [rows, items, d_out] as [*Shape(ids batch-first), d_out], then the axes back
+            delta = nodes[-1].outputs[0]
+            nodes.append(_new_node(tracer, "Shape", [ids], i64, [len(ids_dims)], f"{label}/Shape_ids_first", t.path))
+            nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const(
+                [t.d_out], f"{t.path}.lora.d_out")], i64, [len(ids_dims) + 1], f"{label}/Concat_delta", t.path,
+                {"axis": 0}))
+            nodes.append(_new_node(tracer, "Reshape", [delta, nodes[-1].outputs[0]], self.dtype,
+                                   [None] * (len(ids_dims) + 1), f"{label}/Reshape_delta", t.path))
+            back = [perm.index(i) for i in range(len(perm))] + [len(perm)]
+            nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
+                                   f"{label}/Transpose_delta", t.path, {"perm": back}))
+        else:
+            nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
+                                   f"{label}/Shape_y", t.path))
+            nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype,
+                                   y_dims, f"{label}/Reshape_y", t.path))
         total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)

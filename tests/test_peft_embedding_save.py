@@ -51,7 +51,7 @@ class Logits(torch.nn.Module):
 
 def peft_saved(base, folder, **config):
     """A PEFT LoRA model (rank 2, alpha 5, random factors) on a copy of ``base``, saved to
-    ``folder`` with ``save_pretrained``'s defaults (``save_embedding`` passed through when
+    ``folder`` with ``save_pretrained``'s defaults (``save_embedding_layers`` passed through when
     given); returns the folder's tensors."""
     save = {k: config.pop(k) for k in list(config) if k == "save_embedding_layers"}
     with quiet():  # PEFT says it sets save_embedding_layers
@@ -124,7 +124,8 @@ def test_a_stored_base_layer_that_differs_from_the_module_is_refused_naming_the_
     changed[index] += 0.25  # a retrained row: PEFT's loader would write it into the base
     save_file({**tensors, key: changed}, str(tmp_path / "a" / WEIGHTS))
     ids = torch.arange(40).reshape(2, 20)  # every token; the oracle: PEFT applies it (moves off base + adapter)
-    assert np.abs(peft_logits(model, tmp_path / "a", ids) - peft_logits(model, tmp_path / "unchanged", ids)).max() > 1e-3
+    moved = peft_logits(model, tmp_path / "a", ids) - peft_logits(model, tmp_path / "unchanged", ids)
+    assert np.abs(moved).max() > 1e-3
     with pytest.raises(RecordError) as info:
         load_peft_adapter(imported, tmp_path / "a", key_map=KEY_MAP)
     problems = info.value.problems

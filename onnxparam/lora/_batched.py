@@ -786,7 +786,7 @@ class _Target:
             self._shape_in = node.outputs[0]
         return self._shape_in
 
-    def rows_layout(self, node: ir.Node, value: ir.Value, what: str, axis_ok: bool = False):
+    def rows_layout(self, node: ir.Node, value: ir.Value, what: str, axis_ok: bool = False, merged_ok: bool = False):
         """Where the batch is in ``value`` (``node``'s ``what``), when the branch can apply each
         row's adapter to it: batch-major rows (or a value holding no batch whose dim 0 is the
         batch's: broadcast to it), or (``axis_ok``) the batch on another axis.
@@ -799,7 +799,7 @@ class _Target:
 
         layout = self.shared.layout(value)
         if layout is not None:
-            if layout.batch_major or (axis_ok and layout.kind == "axis"):
+            if layout.batch_major or (axis_ok and layout.kind == "axis") or (merged_ok and layout.kind == "merged"):
                 return layout
             dims = _dims(value)
             if layout.kind == "none" and dims and dims[0] is not None and dims[0] == self.shared.batch_dim():
@@ -818,9 +818,12 @@ class _Target:
     def branch(self, node: ir.Node, x: ir.Value, coefficient: float) -> None:
         from ._graph import _redirect
 
-        layout = self.rows_layout(node, x, "input", axis_ok=node.op_type == "MatMul")
+        layout = self.rows_layout(node, x, "input", axis_ok=node.op_type == "MatMul", merged_ok=True)
         if layout.kind == "axis" and layout.axis > 0:
             self.branch_moved(node, x, coefficient, layout.axis)
+            return
+        if layout.kind == "merged":
+            self.branch_factored(node, x, coefficient, layout)
             return
         a, _ = self.selected()
         b = self.scaled_b(coefficient)
@@ -902,6 +905,73 @@ class _Target:
         nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
                                f"{label}/Transpose_delta", t.path, {"perm": inverse}))
         uses = list(y.uses())
+        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
+        node.graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
+    def branch_factored(self, node: ir.Node, x: ir.Value, coefficient: float, layout) -> None:
+        """A ``MatMul`` / ``Gemm`` whose input holds the batch as a factor of axis ``k`` (``layout``,
+        :mod:`onnxparam.lora._batch_axis` "merged": ``outer * batch * inner``; torch's attention
+        feeds ``out_proj`` ``[seq * batch, d]``): the input viewed with the batch as an axis of
+        its own, then the branch of :meth:`branch_moved`, its delta viewed back::
+
+            xv = Reshape(x, [*Shape(x)[:k], -1, rows, inner, *Shape(x)[k+1:]])   (inner: an int)
+            xt = Transpose(xv, perm)                     perm: axis k + 1 first
+            d  = Reshape(MatMul(MatMul(Reshape(xt, [rows, -1, d_in]), A), B), [*Shape(xt)[:-1], d_out])
+            y + Reshape(Transpose(d, inverse(perm)), Shape(y))
+        """
+        from ._graph import _redirect
+
+        t, tracer = self.target, self.tracer
+        y = node.outputs[0]
+        x_dims, y_dims = _dims(x), _dims(y)
+        k, inner = layout.axis, layout.inner
+        if x_dims is None or k >= len(x_dims) - 1 or inner is None or inner[1] or inner[0] < 1:
+            from ._batch_axis import describe
+
+            raise LoraError(f"lora='batched': {t.path!r} is adapted at node {node.name!r} ({node.op_type}), whose "
+                            f"input {x.name!r} {list(x_dims or [])} has {describe(layout)}: only a batch whose "
+                            "co-factor after it is a constant can be viewed per row; make the model batch-first or "
+                            "serve it with lora='inputs'")
+        a, _ = self.selected()
+        b = self.scaled_b(coefficient)
+        uses = list(y.uses())  # before the branch's own Shape(y) uses it
+        rank_x = len(x_dims)
+        rows, rank = self.shared.index_dim(), RANK_DIM.format(path=t.path)
+        label = f"{node.name}/lora"
+        i64 = ir.DataType.INT64
+        nodes, parts = [], []
+        if k > 0:
+            nodes.append(_new_node(tracer, "Shape", [x], i64, [k], f"{label}/Shape_lead", t.path, {"start": 0, "end": k}))
+            parts.append(nodes[-1].outputs[0])
+        parts += [self._const([-1], "lora.batched.items"), self.shared.rows(),
+                  self._const([int(inner[0])], f"{t.path}.lora.inner{int(inner[0])}")]
+        nodes.append(_new_node(tracer, "Shape", [x], i64, [rank_x - k - 1], f"{label}/Shape_rest", t.path,
+                               {"start": k + 1}))
+        parts.append(nodes[-1].outputs[0])
+        nodes.append(_new_node(tracer, "Concat", parts, i64, [rank_x + 2], f"{label}/Concat_view", t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [x, nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+                               f"{label}/Reshape_view", t.path))
+        perm = [k + 1] + [i for i in range(rank_x + 2) if i != k + 1]
+        inverse = [perm.index(i) for i in range(len(perm))]
+        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+                               f"{label}/Transpose_x", t.path, {"perm": perm}))
+        xt = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Reshape", [xt, self.shape_in()], self.dtype, [rows, None, t.d_in],
+                               f"{label}/Reshape_x", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], a], self.dtype, [rows, None, rank],
+                               f"{label}/MatMul_a", t.path))
+        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype, [rows, None, t.d_out],
+                               f"{label}/MatMul_b", t.path))
+        xab = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [xt], i64, [rank_x + 1], f"{label}/Shape_xt", t.path, {"end": -1}))
+        nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const([t.d_out], f"{t.path}.lora.d_out")],
+                               i64, [rank_x + 2], f"{label}/Concat_shape", t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [xab, nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+                               f"{label}/Reshape_delta", t.path))
+        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+                               f"{label}/Transpose_delta", t.path, {"perm": inverse}))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
         total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
         node.graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)

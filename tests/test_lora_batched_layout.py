@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
 
-from onnxparam import LoraError, Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 
 ATOL = 1e-5
 ADAPTERS = {"s1": (2, 4), "s2": (3, 5)}  # name: (r, alpha)
@@ -73,6 +73,18 @@ class Tagger(torch.nn.Module):
         return self.head(self.lstm(self.emb(ids))[0])
 
 
+class SeqFirstIds(torch.nn.Module):
+    """An embedding of sequence-first ids ``[T, B]`` (``ids.t()``), ``out`` on ``[T, B, D]``, back
+    batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(20, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids.t())).transpose(0, 1)
+
+
 class SeqFirstGru(torch.nn.Module):
     """``fc`` -> sequence-first bidirectional GRU (``layout=0``: the batch on axis 1 of X, 2 of
     Y) -> ``head`` on ``[T, B, 2 * H]`` -> batch-first."""
@@ -84,18 +96,6 @@ class SeqFirstGru(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.gru(self.fc(x).transpose(0, 1))[0]).transpose(0, 1)
-
-
-class Encoder(torch.nn.Module):
-    """torch's ``TransformerEncoderLayer(batch_first=True)``: its attention runs sequence-first
-    inside and feeds ``out_proj`` ``[T * B, D]`` rows in (t, b) order."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-
-    def forward(self, x):
-        return self.layer(x)
 
 
 def _setup(model, x, targets, tmp_path, exporter="torchscript"):
@@ -145,15 +145,12 @@ def test_a_sequence_first_linear_takes_each_rows_adapter_on_its_batch_axis(tmp_p
     _both(module, x, tmp_path, expected)
 
 
-def test_rows_flattened_in_sequence_major_order_are_refused_naming_the_weight_and_node(tmp_path):
+def test_rows_flattened_in_sequence_major_order_take_each_rows_adapter(tmp_path):
+    """``[T * B, D]`` rows (the batch the inner factor of axis 0): followed as a factor of the
+    axis and viewed per row (refused before the factor was followed; wrong numbers before that)."""
     torch.manual_seed(0)
-    module, _, x = _setup(PermutedRows(), torch.randn(4, 3, 6), ["fc"], tmp_path)
-    for run in (lambda: export_onnx(module, tmp_path / "batched.onnx", x, lora="batched"),
-                lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
-        with pytest.raises(LoraError, match=r"'fc\.weight'.*'/Gemm'.*lost at node '/Reshape' \(Reshape\)"):
-            run()
-    # one adapter for every row needs no row layout: it still runs (the plain "inputs" path)
-    assert module.set_adapter("s1")(Tensor.from_numpy(x)).shape == (4, 3, 6)
+    module, expected, x = _setup(PermutedRows(), torch.randn(4, 3, 6), ["fc"], tmp_path)
+    _both(module, x, tmp_path, expected)
 
 
 def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path):
@@ -168,22 +165,19 @@ def test_a_batch_first_lstm_tagger_keeps_its_embedding_and_head_rows(tmp_path):
     _both(module, x, tmp_path, expected)
 
 
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_sequence_first_embedding_ids_take_each_rows_adapter(tmp_path, exporter):
+    """Ids ``[T, B]`` (the batch on axis 1; refused before): the branch reads them batch-first."""
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 20, size=(4, 5)))
+    module, expected, x = _setup(SeqFirstIds(), ids, ["emb", "out"], tmp_path, exporter)
+    _both(module, x, tmp_path, expected)
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
 def test_a_sequence_first_bidirectional_gru_keeps_the_rows_of_the_layers_around_it(tmp_path, exporter):
     torch.manual_seed(0)
     module, expected, x = _setup(SeqFirstGru(), torch.randn(4, 3, 6), ["fc", "head"], tmp_path, exporter)
     _both(module, x, tmp_path, expected)
-
-
-def test_torchs_attention_out_proj_is_refused_by_name(tmp_path):
-    """``nn.MultiheadAttention`` flattens its output sequence-major for ``out_proj`` (even with
-    ``batch_first=True``): refused, naming it (it was applied to the wrong rows before)."""
-    torch.manual_seed(0)
-    module, _, x = _setup(Encoder(), torch.randn(4, 3, 8), ["linear1", "linear2", "out_proj"], tmp_path, "dynamo")
-    for run in (lambda: export_onnx(module, tmp_path / "batched.onnx", x, lora="batched"),
-                lambda: module(Tensor.from_numpy(x), adapter_index=ROWS)):
-        with pytest.raises(LoraError, match=r"'layer\.self_attn\.out_proj\.weight' is adapted at node"):
-            run()
 
 
 class _Last(torch.nn.Module):

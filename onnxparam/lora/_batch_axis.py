@@ -16,6 +16,11 @@ Each value gets a :class:`Layout`:
 * ``"rows"``: batch-major storage with the batch folded into axis 0 (``[batch * m, ...]``, slice
   ``i`` of axis 0 belongs to batch element ``i // m``): a ``[batch, seq, d]`` value flattened
   to ``[batch * seq, d]``, a conv input ``[batch * T, C, L]``;
+* ``"merged"`` (``axis=k``, ``outer``, ``inner``): axis ``k`` holds ``outer * batch * inner``
+  (monomials: an int times named dims): element ``j`` of it belongs to batch element
+  ``(j // inner) % batch``: torch's ``nn.MultiheadAttention`` views ``[seq, batch, d]`` as
+  ``[seq, batch * heads, head_dim]`` (``inner`` = heads) and feeds ``out_proj``
+  ``[seq * batch, d]`` (axis 0, ``outer`` = seq); a ``"rows"`` value may carry its ``inner``;
 * ``"flat"``: batch-major storage only (a ``Reshape`` whose leading dim could not be shown to be
   a multiple of the batch): still right for the pass's ``[batch, -1, d]`` views (a view that does
   not divide fails in ONNX Runtime's ``Reshape``, never silently), not propagated through ops
@@ -57,14 +62,27 @@ Batch-major values carry ``count`` (elements per batch element) where static dim
 shapes, ``MatMul``, ``Transpose``, ``Split`` and elementwise ops), so a ``Reshape`` to
 ``[-1, *tail]`` is known to give the batch (``count == prod(tail)``) or whole rows of it.
 
-Not followed (unknown, so refused at a target): the batch as a factor of a merged axis other than
-axis 0 (``[seq, batch * heads, d]``) or as the inner factor of axis 0 (``[seq * batch, d]``), as in
-torch's ``nn.MultiheadAttention``; subgraph bodies.
+The batch as a factor of an axis (:meth:`_Analysis.factored`): each value's dims are followed
+as monomials of the batch (:meth:`_Analysis.mdims`: static dims, the batch's symbol ``B`` (its
+size for a static batch), named dims, and the dims ``Reshape`` shapes computed from ``Shape``
+give, ``-1`` solved; a dim the analysis cannot name is a symbol of its own, equal only to
+itself). Where the rules above lose the batch at a ``Reshape`` / ``Flatten`` / ``Squeeze`` /
+``Unsqueeze`` (storage order kept) or a ``Transpose``, the batch's place in the storage
+(``pre`` elements before each batch block, ``post`` after it) gives the output axis ``j`` with
+``prod(out[:j]) * outer == pre`` and ``inner * prod(out[j + 1:]) == post``, both exact monomial
+divisions, else unknown. A ``"merged"`` axis moves like an ``"axis"`` one through elementwise
+ops, ``MatMul`` / ``Gemm`` rows, ``Softmax`` / normalizations on a later axis, ``Slice`` /
+``Gather`` / ``Concat`` / reductions on other axes; any other op loses it. A target reads it
+through :meth:`onnxparam.lora._batched._Target.branch_factored` (an int ``inner``).
+
+Not followed (unknown, so refused at a target): subgraph bodies; a factor whose dims the
+analysis cannot name (a shape computed by ops other than ``Shape`` / ``Gather`` / ``Slice`` /
+``Concat`` / ``Unsqueeze`` / ``Cast`` / ``Mul`` / exact ``Div``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -78,10 +96,12 @@ class Layout:
     """Where the batch is in one value (module docstring). ``where``: the node (``"name (Op)"``)
     that last moved or lost the batch axis, ``""`` for a graph input."""
 
-    kind: str  # "none" | "axis" | "rows" | "flat" | "unknown"
+    kind: str  # "none" | "axis" | "rows" | "flat" | "merged" | "unknown"
     axis: Optional[int] = None
     where: str = ""
     count: Optional[int] = None  # "rows" / "flat": elements per batch element, when known (static dims)
+    outer: Optional[tuple] = None  # "merged": axis ``axis`` is [outer * batch * inner] (monomials, _mono)
+    inner: Optional[tuple] = None  # "merged", and "rows" where known: the co-factor after the batch
 
     @property
     def batched(self) -> bool:
@@ -105,7 +125,52 @@ def describe(layout: Layout) -> str:
         return f"the batch axis was lost at node {layout.where}" if layout.where else "the batch axis is unknown"
     if layout.kind == "none":
         return "it does not depend on the batch input"
+    if layout.kind == "merged":
+        return (f"the batch is a factor of its axis {layout.axis} ({_mono_text(layout.outer)} * batch * "
+                f"{_mono_text(layout.inner)}){where}")
     return f"its rows are batch-major{where}"
+
+
+# -- monomials: a dim as an int times symbols ("B" the batch, ("s", name) a named dim, ("v", id, i)
+# / ("?", id, j) a dim or shape entry the analysis cannot name: the same runtime value each time) --
+
+ONE = (1, ())
+
+
+def _mono(coef: int = 1, syms=()) -> tuple:
+    return (int(coef), tuple(sorted(syms, key=repr)))
+
+
+def _mul(a: tuple, b: tuple) -> tuple:
+    return _mono(a[0] * b[0], a[1] + b[1])
+
+
+def _div(a: tuple, b: tuple) -> Optional[tuple]:
+    """``a / b`` when it is a monomial (``b``'s symbols among ``a``'s, the coefficient divides), else ``None``."""
+    if b[0] == 0 or a[0] % b[0]:
+        return None
+    rest = list(a[1])
+    for sym in b[1]:
+        if sym not in rest:
+            return None
+        rest.remove(sym)
+    return (a[0] // b[0], tuple(rest))
+
+
+def _prod(monos) -> Optional[tuple]:
+    out = ONE
+    for m in monos:
+        if m is None:
+            return None
+        out = _mul(out, m)
+    return out
+
+
+def _mono_text(m: Optional[tuple]) -> str:
+    if m is None:
+        return "?"
+    names = [s if s == "B" else (s[1] if s[0] == "s" else "?") for s in m[1]]
+    return "*".join(([str(m[0])] if m[0] != 1 or not names else []) + names)
 
 
 def _label(node: ir.Node) -> str:
@@ -176,6 +241,7 @@ _LAST_AXIS = {"Softmax", "LogSoftmax", "Hardmax", "LayerNormalization", "Simplif
               "RMSNormalization", "SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "CumSum", "TopK",
               "ArgMax", "ArgMin", "LpNormalization", "ReverseSequence"}
 _NO_BATCH = {"Shape", "Size"}
+_STORAGE_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")  # the storage order kept
 
 
 class _Analysis:
@@ -186,6 +252,8 @@ class _Analysis:
         self.batch = None
         self.shapes: dict = {}  # id(int64 1-d / scalar value) -> [token], computed from Shape ops
         self.consts: dict = {}  # id(value) -> small int array folded from constants (pads, axes, shapes)
+        self._mdims: dict = {}  # id(value) -> [monomial dim]: the dims in terms of the batch (mdims)
+        self._smonos: dict = {}  # id(int shape-like value) -> [monomial or None]: its entries (shape_mono)
 
     def const(self, value) -> Optional[np.ndarray]:
         if value is None:
@@ -342,6 +410,7 @@ class _Analysis:
         for node in self.graph:
             self.fold(node)
             self.shape_value(node)
+            self.shape_mono(node)
             outs = self.node(node)
             for value, layout in zip(node.outputs, outs):
                 if value is not None:
@@ -370,11 +439,14 @@ class _Analysis:
             out = None
         if out is None:
             out = self.fallback(node, ins)
+        if isinstance(out, Layout) and out.kind in ("unknown", "flat") and op in _STORAGE_OPS + ("Transpose",) \
+                and ins[0].kind in ("axis", "rows", "merged") and not any(l.batched for l in ins[1:]):
+            out = self.factored(node, op, ins[0]) or out  # the batch as a factor of an axis
         if isinstance(out, Layout):
             out = [out] * n_out
         if op not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Split"):  # a count only where computed
             out = [l if l.count is None or (op in ("Gemm", "MatMul") and l.kind == "rows") else
-                   Layout(l.kind, l.axis, l.where) for l in out]
+                   replace(l, count=None) for l in out]
         out = [self.keep_count(node, op, ins, l) for l in out]
         return [l if l.kind != "unknown" or l.where else Layout("unknown", where=_label(node)) for l in out]
 
@@ -389,14 +461,14 @@ class _Analysis:
         out = node.outputs[0]
         count = self.per_batch(Layout(layout.kind, layout.axis), out)  # from the output's own dims
         if count is not None:
-            return Layout(layout.kind, layout.axis, layout.where, count=count)
+            return replace(layout, count=count)
         out_rank = _rank(out)
         for l, v in zip(ins, node.inputs):
             if l.batch_major and (l.kind, l.axis) == (layout.kind, layout.axis) and _rank(v) == out_rank \
                     and self.not_broadcast_up(node, v):
                 count = self.per_batch(l, v)
                 if count is not None:
-                    return Layout(layout.kind, layout.axis, layout.where, count=count)
+                    return replace(layout, count=count)
         return layout
 
     def not_broadcast_up(self, node: ir.Node, value) -> bool:
@@ -441,8 +513,10 @@ class _Analysis:
                     return gone
                 perm = list(reversed(range(rank)))
             perm = [int(p) for p in perm]
+            if l.kind == "merged":
+                return self.factored(node, op, l)
             if l.kind == "axis":
-                return Layout("axis", perm.index(l.axis), _label(node)) if perm.index(l.axis) != l.axis else l
+                return replace(l, axis=perm.index(l.axis), where=_label(node)) if perm.index(l.axis) != l.axis else l
             if l.kind == "rows" and perm[0] == 0:
                 return l
             return gone
@@ -499,7 +573,7 @@ class _Analysis:
                 return self.keep_unless(node, main, {axis}, removed={axis})
             # NOTE: before opset 13 Softmax flattens to 2-d at its axis: a batch before the axis
             # is safe in both readings, one after it only in the newer one (not claimed)
-            if main.kind == "axis" and main.axis < axis:
+            if main.kind in ("axis", "merged") and main.axis < axis:
                 return main
             if main.kind == "rows" and axis > 0:
                 return main
@@ -529,9 +603,9 @@ class _Analysis:
             if rank is None or out_rank is None:
                 found.append(layout if all(r is None or r == (rank or r) for r in ranks) else gone)
                 continue
-            if layout.kind == "axis":
+            if layout.kind in ("axis", "merged"):
                 axis = layout.axis + out_rank - rank
-                found.append(layout if axis == layout.axis else Layout("axis", axis, _label(node)))
+                found.append(layout if axis == layout.axis else replace(layout, axis=axis, where=_label(node)))
             elif rank == out_rank:
                 found.append(layout)
             else:
@@ -668,6 +742,9 @@ class _Analysis:
         if not found:
             return NONE
         kinds = {(l.kind, l.axis) for l in found}
+        if any(l.kind == "merged" for l in found):
+            same = {(l.kind, l.axis, l.outer, l.inner) for l in found}
+            return found[0] if len(same) == 1 else Layout("unknown", where=_label(node))
         if len(kinds) == 1:
             return found[0]
         if kinds <= {("axis", 0), ("rows", None)}:
@@ -692,7 +769,7 @@ class _Analysis:
                 # a flat input whose batch elements hold whole rows (count a multiple of K) is rows
                 scaled = self.scaled_rows(a, node.inputs[0], node.outputs[0])
                 return scaled if a.kind == "rows" or scaled.count is not None else gone
-            return a if a.kind == "axis" and a.axis == 0 else gone
+            return a if a.kind in ("axis", "merged") and a.axis == 0 else gone  # A's rows: the output's
         if op == "FusedMatMul" and any(int(_attr(node, k, 0)) for k in ("transA", "transB", "transBatchA",
                                                                             "transBatchB")):
             return gone
@@ -709,7 +786,7 @@ class _Analysis:
             rank = _rank(value)
             if rank is None or out_rank is None or rank < 2:
                 return gone
-            if layout.kind == "axis":
+            if layout.kind in ("axis", "merged"):
                 k = layout.axis
                 if (side == 0 and k == rank - 1) or (side == 1 and k == rank - 2):
                     return gone  # the contracted axis
@@ -719,7 +796,7 @@ class _Analysis:
                     axis = out_rank - 1
                 else:
                     axis = k + out_rank - rank
-                found.append(layout if axis == k else Layout("axis", axis, _label(node)))
+                found.append(layout if axis == k else replace(layout, axis=axis, where=_label(node)))
             elif layout.kind == "rows" and rank == out_rank and (side == 0 or rank > 2):
                 found.append(self.scaled_rows(layout, value, node.outputs[0]))
             else:
@@ -910,11 +987,11 @@ class _Analysis:
         gone = Layout("unknown", where=_label(node))
         if touched is None:
             return gone
-        if layout.kind == "axis":
+        if layout.kind in ("axis", "merged"):
             if layout.axis in touched:
                 return gone
             shift = sum(1 for a in removed if a < layout.axis)
-            return layout if not shift else Layout("axis", layout.axis - shift, _label(node))
+            return layout if not shift else replace(layout, axis=layout.axis - shift, where=_label(node))
         if layout.kind == "rows":
             return layout if 0 not in touched and 0 not in removed else gone
         return layout if not touched else gone
@@ -926,7 +1003,7 @@ class _Analysis:
         axis = axis + rank if axis < 0 else axis
         found = [l for l in ins if l.batched]
         for l in found:
-            if l.kind == "axis" and l.axis == axis or l.kind == "rows" and axis == 0 or l.kind == "flat":
+            if l.kind in ("axis", "merged") and l.axis == axis or l.kind == "rows" and axis == 0 or l.kind == "flat":
                 return gone
         return self.merge(node, found)
 
@@ -939,7 +1016,8 @@ class _Analysis:
         axis = int(_attr(node, "axis", 0))
         axis = axis + rank if axis < 0 else axis
         if op == "GatherElements":
-            if data.batched and (data.kind == "axis" and data.axis == axis or data.kind != "axis" and axis == 0):
+            if data.batched and (data.kind in ("axis", "merged") and data.axis == axis or
+                                 data.kind not in ("axis", "merged") and axis == 0):
                 return gone
             return self.broadcast(node, [(data, node.inputs[0]), (idx, node.inputs[1])], rank)
         if data.batched and idx.batched:
@@ -948,15 +1026,15 @@ class _Analysis:
         if idx_rank is None:
             return gone
         if data.batched:
-            if data.kind == "axis":
+            if data.kind in ("axis", "merged"):
                 if data.axis == axis:
                     return gone
                 moved = data.axis if data.axis < axis else data.axis - 1 + idx_rank
-                return data if moved == data.axis else Layout("axis", moved, _label(node))
+                return data if moved == data.axis else replace(data, axis=moved, where=_label(node))
             return data if data.kind == "rows" and axis > 0 else gone
-        if idx.kind == "axis":
+        if idx.kind in ("axis", "merged"):
             moved = axis + idx.axis
-            return idx if moved == idx.axis else Layout("axis", moved, _label(node))
+            return idx if moved == idx.axis else replace(idx, axis=moved, where=_label(node))
         if axis == 0 and idx.kind in ("rows", "flat"):
             return idx
         return gone
@@ -999,6 +1077,249 @@ class _Analysis:
             return [Layout("axis", 0, where)] * len(node.outputs)
         return [Layout("axis", 2, where)] + [Layout("axis", 1, where)] * (len(node.outputs) - 1)
 
+    # -- the batch as a factor of an axis ---------------------------------------------------------
+
+    @property
+    def bmono(self) -> tuple:
+        """The batch as a monomial: the symbol ``"B"``, or its size when static."""
+        return _mono(self.batch) if isinstance(self.batch, int) else _mono(1, ("B",))
+
+    def mdims(self, value) -> Optional[list]:
+        """``value``'s dims as monomials (module docstring: "merged"): a static dim its int, the
+        batch's symbol ``B``, another named dim its name; an unknown dim from the op that made it
+        (a ``Reshape``'s shape entries, ``-1`` solved; ``Transpose``, ``MatMul``, ``Gemm``,
+        ``Gather``, ``Squeeze`` / ``Unsqueeze``, ``Flatten``, elementwise ops), else a symbol of its
+        own (the same as a ``Shape`` of it reads). ``None``: the rank is unknown. Filled in graph
+        order by :meth:`run` (each producer's inputs first)."""
+        if value is None:
+            return None
+        hit = self._mdims.get(id(value), False)
+        if hit is not False:
+            return hit
+        self._mdims[id(value)] = None  # a cycle (there is none in a graph) reads unknown
+        declared = _dims(value)
+        inferred = None
+        producer = value.producer()
+        if producer is not None and producer.domain in ("", "ai.onnx") and (
+                declared is None or not all(isinstance(d, int) for d in declared)):
+            try:
+                inferred = self._infer_mdims(producer, value)
+            except (TypeError, ValueError, IndexError, KeyError):
+                inferred = None
+        rank = len(declared) if declared is not None else (len(inferred) if inferred is not None else None)
+        if inferred is not None and len(inferred) != rank:
+            inferred = None
+        out = None
+        if rank is not None:
+            out = []
+            for i in range(rank):
+                d = declared[i] if declared is not None else None
+                if isinstance(d, int):
+                    out.append(_mono(d))
+                elif inferred is not None and inferred[i] is not None:
+                    out.append(inferred[i])
+                elif isinstance(d, str):
+                    out.append(self.bmono if d == self.batch else _mono(1, (("s", d),)))
+                else:
+                    out.append(_mono(1, (("v", id(value), i),)))
+        self._mdims[id(value)] = out
+        return out
+
+    def _infer_mdims(self, node: ir.Node, value) -> Optional[list]:
+        op, ins = node.op_type, node.inputs
+        src = self.mdims(ins[0]) if ins and ins[0] is not None else None
+        if op == "Reshape" and len(ins) > 1:
+            entries = self.smonos_of(ins[1])
+            if src is None or entries is None:
+                return None
+            out, neg = [], None
+            for i, e in enumerate(entries):
+                if e == _mono(-1):
+                    neg = i
+                    out.append(None)
+                elif e == _mono(0) and not int(_attr(node, "allowzero", 0)):
+                    out.append(src[i] if i < len(src) else None)
+                else:
+                    out.append(e)
+            if neg is not None and all(d is not None for j, d in enumerate(out) if j != neg):
+                out[neg] = _div(_prod(src), _prod([d for j, d in enumerate(out) if j != neg]))
+            return out
+        if src is None:
+            return None
+        if op == "Transpose":
+            perm = _attr(node, "perm")
+            perm = [int(p) for p in perm] if perm is not None else list(reversed(range(len(src))))
+            return [src[p] for p in perm]
+        if op == "Flatten":
+            axis = int(_attr(node, "axis", 1))
+            axis = axis + len(src) if axis < 0 else axis
+            return [_prod(src[:axis]), _prod(src[axis:])]
+        if op in ("Squeeze", "Unsqueeze"):
+            axes = self.axes(node)
+            if not axes:
+                return None
+            if op == "Squeeze":
+                axes = {a + len(src) if a < 0 else a for a in axes}
+                return [d for i, d in enumerate(src) if i not in axes]
+            rank = len(src) + len(axes)
+            axes = {a + rank if a < 0 else a for a in axes}
+            rest = iter(src)
+            return [ONE if i in axes else next(rest) for i in range(rank)]
+        if op in ("MatMul", "FusedMatMul") and len(ins) == 2 and not any(
+                int(_attr(node, k, 0)) for k in ("transA", "transB", "transBatchA", "transBatchB")):
+            b = self.mdims(ins[1])
+            if b is None or len(src) < 2 or len(b) < 2:
+                return None
+            lead = self._broadcast_monos([src[:-2], b[:-2]])
+            return None if lead is None else lead + [src[-2], b[-1]]
+        if op == "Gemm" and len(ins) >= 2:
+            b = self.mdims(ins[1])
+            if b is None or len(src) != 2 or len(b) != 2:
+                return None
+            return [src[1] if int(_attr(node, "transA", 0)) else src[0], b[0] if int(_attr(node, "transB", 0)) else b[1]]
+        if op == "Gather" and len(ins) == 2:
+            idx = self.mdims(ins[1])
+            axis = int(_attr(node, "axis", 0))
+            axis = axis + len(src) if axis < 0 else axis
+            return None if idx is None else src[:axis] + idx + src[axis + 1:]
+        if op in _ELEMENTWISE or op in _LAST_AXIS and op not in ("TopK", "ArgMax", "ArgMin"):
+            parts = [self.mdims(v) for v in (ins[:1] if op in _LAST_AXIS else ins) if v is not None]
+            return None if any(p is None for p in parts) else self._broadcast_monos(parts)
+        return None
+
+    @staticmethod
+    def _broadcast_monos(parts: list) -> Optional[list]:
+        rank = max(len(p) for p in parts)
+        out = []
+        for i in range(rank):
+            found = [p[i - rank + len(p)] for p in parts if i - rank + len(p) >= 0]
+            big = [d for d in found if d != ONE]
+            out.append(big[0] if big else ONE)
+        return out
+
+    def smonos_of(self, value) -> Optional[list]:
+        """A 1-d / scalar int value's entries as monomials (``None`` for an entry not followed)."""
+        if value is None:
+            return None
+        hit = self._smonos.get(id(value))
+        if hit is not None:
+            return hit
+        c = self.const(value)
+        if c is not None and c.dtype.kind in "iu" and c.ndim <= 1:
+            return [_mono(int(v)) for v in np.ravel(c)]
+        return None
+
+    def shape_mono(self, node: ir.Node) -> None:
+        """Follow ``Shape`` as monomials (:meth:`mdims`) through the int ops torch's exporters
+        build a ``Reshape`` shape with (``Gather``, ``Slice``, ``Concat``, ``Unsqueeze``, ``Cast``,
+        ``Mul``, ``Div`` ...): ``[seq, batch * heads, head_dim]`` from ``Shape`` of ``[seq, batch, d]``."""
+        op, out = node.op_type, node.outputs[0] if node.outputs else None
+        if out is None or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            return
+        found = None
+        ins = node.inputs
+        if op == "Shape":
+            dims = self.mdims(ins[0])
+            if dims is None:
+                return
+            start, end = int(_attr(node, "start", 0)), _attr(node, "end", None)
+            found = dims[slice(start, None if end is None else int(end))]
+        elif op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and ins:
+            found = self.smonos_of(ins[0])
+        elif op == "Concat":
+            parts = [self.smonos_of(v) for v in ins]
+            if all(p is not None for p in parts):
+                found = [m for p in parts for m in p]
+        elif op == "Gather" and len(ins) == 2:
+            data, idx = self.smonos_of(ins[0]), self.const(ins[1])
+            if data is not None and idx is not None and idx.ndim <= 1:
+                found = [data[int(i)] for i in np.ravel(idx)]
+        elif op == "Slice" and len(ins) >= 3:
+            data = self.smonos_of(ins[0])
+            consts = [self.const(v) if v is not None else None for v in ins[1:]]
+            if data is not None and all(c is not None for c in consts[:2]) and \
+                    (len(consts) < 3 or consts[2] is None or list(np.ravel(consts[2])) in ([0], [-1])) and \
+                    (len(consts) < 4 or consts[3] is None or list(np.ravel(consts[3])) == [1]):
+                start, end = int(np.ravel(consts[0])[0]), int(np.ravel(consts[1])[0])
+                found = data[max(start, -len(data)) if start < 0 else start:end if end < 2 ** 62 else None]
+        elif op in ("Mul", "Div", "Add", "Sub") and len(ins) == 2:
+            a, b = self.smonos_of(ins[0]), self.smonos_of(ins[1])
+            if a is not None and b is not None and (len(a) == len(b) or len(a) == 1 or len(b) == 1):
+                n = max(len(a), len(b))
+                a, b = (a * n if len(a) == 1 else a), (b * n if len(b) == 1 else b)
+                found = [self._arith(op, x, y) for x, y in zip(a, b)]
+        if found is not None:
+            self._smonos[id(out)] = list(found)
+
+    @staticmethod
+    def _arith(op: str, a, b):
+        if a is None or b is None:
+            return None
+        if op == "Mul":
+            return _mul(a, b)
+        if op == "Div":
+            return _div(a, b) if b[0] > 0 and a[0] >= 0 else None
+        if a[1] or b[1]:
+            return None  # a sum of symbols is no monomial
+        return _mono(a[0] + b[0] if op == "Add" else a[0] - b[0])
+
+    def descriptor(self, layout: Layout, value) -> Optional[tuple]:
+        """``(axis, outer, inner)``: the batch is a factor of ``axis`` of ``value``, which holds
+        ``outer * batch * inner`` (a plain axis: ``outer == inner == 1``); ``None``: not known."""
+        if layout.kind == "axis":
+            return (layout.axis, ONE, ONE)
+        if layout.kind == "merged":
+            return (layout.axis, layout.outer, layout.inner)
+        if layout.kind == "rows":
+            if layout.inner is not None:
+                return (0, ONE, layout.inner)
+            dims = self.mdims(value)
+            inner = _div(dims[0], self.bmono) if dims else None
+            return None if inner is None else (0, ONE, inner)
+        return None
+
+    def factored(self, node: ir.Node, op: str, layout: Layout) -> Optional[Layout]:
+        """The batch through a ``Transpose`` or a storage-keeping op (``Reshape`` ...) as a factor
+        of an axis (module docstring, "merged"); ``None``: not shown."""
+        x, y = node.inputs[0], node.outputs[0]
+        found = self.descriptor(layout, x)
+        if found is None:
+            return None
+        k, outer, inner = found
+        if op == "Transpose":
+            rank = _rank(x)
+            perm = _attr(node, "perm")
+            if rank is None and perm is None:
+                return None
+            perm = [int(p) for p in perm] if perm is not None else list(reversed(range(rank)))
+            return self.as_layout(perm.index(k), outer, inner, _label(node), y)
+        din, dout = self.mdims(x), self.mdims(y)
+        if din is None or dout is None or k >= len(din):
+            return None
+        batch = self.bmono
+        pre, post = _prod(din[:k] + [outer]), _prod([inner] + din[k + 1:])
+        for j in range(len(dout)):
+            tail = _prod(dout[j + 1:])
+            inner_j = _div(post, tail)
+            if inner_j is None:
+                continue
+            outer_j = _div(_mul(dout[j], tail), _mul(batch, post))
+            if outer_j is None or _mul(_prod(dout[:j]), outer_j) != pre:
+                continue
+            return self.as_layout(j, outer_j, inner_j, _label(node), y)
+        return None
+
+    def as_layout(self, axis: int, outer: tuple, inner: tuple, where: str, value) -> Layout:
+        """The layout of a batch on ``axis`` of ``value`` as ``outer * batch * inner``."""
+        if outer == ONE and inner == ONE:
+            return Layout("axis", axis, where)
+        if axis == 0 and outer == ONE:
+            dims = self.mdims(value)
+            count = _prod([inner] + dims[1:]) if dims else None
+            return Layout("rows", where=where, count=count[0] if count is not None and not count[1] else None,
+                          inner=inner)
+        return Layout("merged", axis, where, outer=outer, inner=inner)
+
     def fallback(self, node: ir.Node, ins: list) -> list:
         """An op without a rule: ``"axis" 0`` where every batched input has it and the output's
         dim 0 is the batch; else unknown."""
@@ -1015,7 +1336,7 @@ class _Analysis:
 
 
 _FOLDED = {"ConstantOfShape", "Concat", "Reshape", "Slice", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Gather",
-           "Add", "Sub", "Mul", "Neg", "Identity"}
+           "Add", "Sub", "Mul", "Neg", "Identity", "Mod"}
 
 
 def _fold(node: ir.Node, args: list) -> Optional[np.ndarray]:
@@ -1064,6 +1385,8 @@ def _fold(node: ir.Node, args: list) -> Optional[np.ndarray]:
         return np.take(args[0], args[1], axis=int(_attr(node, "axis", 0)))
     if op in ("Add", "Sub", "Mul"):
         return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[op](args[0], args[1])
+    if op == "Mod":  # torch's TorchScript unflatten: Mod(-1, rank) (fmod=0: the divisor's sign)
+        return (np.fmod if int(_attr(node, "fmod", 0)) else np.mod)(args[0], args[1])
     if op == "Neg":
         return -args[0]
     return args[0]  # Identity

@@ -114,6 +114,7 @@ def _infer_source_types(model: ir.Model) -> dict:
         from ._source import proto_for_inference
 
         proto = proto_for_inference(model, shapes_only=True)
+        _fold_small_constants(proto.graph)
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception:  # onnx raises several types; inference is only a fallback here
         return {}
@@ -131,6 +132,49 @@ def _infer_source_types(model: ir.Model) -> dict:
             dims = tuple(None if d in merged else d for d in dims)
         found[info.name] = (burn_dtype(ir.DataType(tt.elem_type)), dims)
     return found
+
+
+
+_FOLDABLE = frozenset({"Mod", "Add", "Sub", "Mul", "Div", "Neg", "Reshape", "Unsqueeze", "Squeeze", "Concat", "Cast",
+                       "Slice", "Gather", "Identity"})
+
+
+def _fold_small_constants(graph) -> None:
+    """Replace, in the main graph of the protobuf ``graph`` (a transient copy for inference), each
+    node of :data:`_FOLDABLE` whose inputs are all small integer ``Constant`` outputs by a
+    ``Constant`` of its value (ONNX's reference evaluator). ONNX's data propagation does not
+    compute ``Mod`` or a ``Reshape``; torch's TorchScript exporter writes ``unflatten``'s
+    ``Slice`` end as ``Reshape(Mod(-1, rank) + 1)`` of constants (``nn.MultiheadAttention``),
+    and without the fold every value after it has an unknown rank."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    known: dict = {}
+    for index, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            array = numpy_helper.to_array(node.attribute[0].t)
+            if array.dtype.kind in "iu" and array.size <= 64:
+                known[node.output[0]] = array
+            continue
+        names = [i for i in node.input if i]
+        if node.op_type not in _FOLDABLE or not names or len(node.output) != 1 or any(i not in known for i in names):
+            continue
+        try:
+            inputs = [onnx.helper.make_tensor_value_info(i, onnx.TensorProto.UNDEFINED, None) for i in names]
+            outputs = [onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.UNDEFINED, None)]
+            one = onnx.helper.make_model(onnx.helper.make_graph([node], "fold", inputs, outputs),
+                                         opset_imports=[onnx.helper.make_opsetid("", 18)])
+            value = numpy_helper.from_array(ReferenceEvaluator(one).run(None, {i: known[i] for i in names})[0])
+        except Exception:  # noqa: BLE001 - a fold is only a help to inference
+            continue
+        array = numpy_helper.to_array(value)
+        if array.dtype.kind not in "iu" or array.size > 64:
+            continue
+        known[node.output[0]] = array
+        graph.node[index].CopyFrom(onnx.helper.make_node("Constant", [], [node.output[0]], name=node.name,
+                                                         value=value))
 
 
 def _merged_symbols(infos) -> set:

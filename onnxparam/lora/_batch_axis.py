@@ -1208,7 +1208,9 @@ class _Analysis:
             axis = axis + len(src) if axis < 0 else axis
             sizes = self.const(ins[1]) if len(ins) > 1 and ins[1] is not None else None
             sizes = [int(v) for v in np.ravel(sizes)] if sizes is not None else _attr(node, "split")
-            index = next(i for i, o in enumerate(node.outputs) if o is value)
+            index = next((i for i, o in enumerate(node.outputs) if o is value), None)
+            if index is None:
+                return None
             if sizes:
                 part = _mono(int(sizes[index]))
             else:

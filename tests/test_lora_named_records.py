@@ -156,12 +156,18 @@ def test_adapter_the_target_lacks_is_added(tmp_path, base, data):
     for name in ("sql", "tool", "chat"):
         np.testing.assert_allclose(loaded.set_adapter(name)(Tensor.from_numpy(x)).to_numpy(),
                                    oracle(saved, x, name), atol=2e-5, err_msg=name)
-    # a plain module (no adapter at all) gets them all, none active
+    # a plain module (no adapter at all) gets them all, none active as none was in the file
     plain = base.load_file(path)
     assert plain.lora_adapters.names == ["sql", "chat", "tool"] and plain.active_adapter is None
     np.testing.assert_allclose(plain(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, None), atol=2e-5)
     np.testing.assert_allclose(plain.set_adapter("sql")(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, "sql"),
                                atol=2e-5)
+    # the file's active adapter is active where the target chose none: it computes as the saved module
+    active_tool = saved.set_adapter("tool").save_file(tmp_path / "tool_active")
+    for target in (base, make(base)):
+        loaded = target.load_file(active_tool)
+        assert loaded.active_adapter == "tool"
+        np.testing.assert_allclose(loaded(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, "tool"), atol=2e-5)
 
 
 def test_mismatched_config_or_missing_adapter_is_refused(tmp_path, base):

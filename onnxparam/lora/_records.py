@@ -16,8 +16,10 @@ inactive) keep ``<W>.lora.a`` / ``.b``.
 
 **Loading** (:func:`load_named_adapters`, inside :func:`onnxparam.convert.apply_record`):
 
-* ``<W>.lora.<name>.*`` loads into the module's adapter ``name``, active or not; the module's
-  active adapter stays active (a record holds values: ``set_adapter`` chooses).
+* ``<W>.lora.<name>.*`` loads into the module's adapter ``name``, active or not. The module's
+  active adapter stays active (``set_adapter`` before loading chooses); a module with none
+  active (a bare architecture, or adapters added and none set) takes the file's active one, so
+  the loaded module computes what the saved one did.
 * An adapter the file holds and the module lacks is **added** (inactive) with the file's
   factors, scale and layout, as PEFT's ``load_adapter`` adds one; the module's adapters the file
   lacks are missing tensors (an error unless ``allow_partial``). A module with unnamed adapters
@@ -249,7 +251,7 @@ def load_named_adapters(module, record: Mapping, apply: Callable, *, source: str
     from ..core.module import named_params, rebuild
 
     where = f"'{source}'" if source else "the record"
-    _, file_adapters = _file_description(record, where)  # the file's active adapter: information only
+    file_active, file_adapters = _file_description(record, where)
     owned = _owns(module)
     if owned:
         sets, active = adapter_set(module), active_adapter(module)
@@ -359,6 +361,8 @@ def load_named_adapters(module, record: Mapping, apply: Callable, *, source: str
                                                 bool(info.get("transposed", False)))
                               for path, info in paths.items()}
     new_sets = LoraAdapterSet(restored)
+    if active is None and file_active in new_sets.names and not _current_adapters(loaded):
+        active = file_active  # the target chose none: the file's (the saved module computes with it)
     body = new_sets.activate(loaded, active) if active is not None else loaded
     if not owned and new_sets.names in ([], [DEFAULT_ADAPTER_NAME]):
         return _owning(body, LoraAdapterSet(), None)  # unnamed adapters stay unnamed

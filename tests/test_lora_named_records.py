@@ -212,6 +212,15 @@ def test_old_file_goes_where_its_ids_say_or_is_refused(tmp_path, base, data):
     chosen = fresh.try_load_record(renamed, allow_partial=True)
     np.testing.assert_allclose(chosen.set_adapter("sql")(Tensor.from_numpy(x)).to_numpy(), oracle(sql, x, "sql"),
                                atol=2e-5)
+    # arrays without ids, at the paths named_params gives the active adapter's factors, go there
+    chat3 = chat.map(lambda path, p: Param(p.id, value=Tensor.from_numpy(3 * p.val().to_numpy()), require_grad=True)
+                     if path == "fc2.weight.lora.b" else p)
+    arrays = {k: v.to_data().array for k, v in op.ModuleRecord.from_module(chat3).items()}
+    assert "fc2.weight.lora.b" in arrays
+    by_path = fresh.load_record(arrays)
+    assert by_path.active_adapter == "chat"
+    np.testing.assert_allclose(by_path(Tensor.from_numpy(x)).to_numpy(), oracle(chat3, x, "chat"), atol=2e-5)
+    assert np.abs(oracle(chat3, x, "chat") - oracle(chat, x, "chat")).max() > 1e-2
     # a module owning one named adapter takes the unnamed factors: no ambiguity
     one = base.add_adapter("only", m.lora_adapters.adapters("chat")).set_adapter("only")
     chat_old = save_module_file(chat, tmp_path / "old_chat.bpk")
@@ -231,3 +240,58 @@ def test_module_without_named_adapters_writes_burns_record(tmp_path, base):
     assert list(record) == ["fc1.weight", "fc1.weight.lora.a", "fc1.weight.lora.b", "fc1.bias",
                             "fc2.weight", "fc2.weight.lora.a", "fc2.weight.lora.b", "fc2.bias"]
     assert list(adapted.into_record()) == list(record)
+
+
+def test_imported_model_round_trip_matches_plain_ort(tmp_path):
+    """An imported ONNX model (``MatMul`` weight ``(in, out)`` and ``Gemm transB=1`` weight
+    ``(out, in)``: a transposed adapter), two named adapters, one trained a step, saved and loaded
+    into a fresh import with the other active. Oracle: plain ONNX Runtime on the original file with
+    each adapter's merged weights (numpy) as initializers."""
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w1, w2 = rng.normal(size=(5, 7)).astype(np.float32), rng.normal(size=(4, 7)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Gemm", ["r", "w2"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+                              [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    x, t = rng.normal(size=(4, 5)).astype(np.float32), rng.normal(size=(4, 4)).astype(np.float32)
+
+    def build():
+        base = op.import_onnx(tmp_path / "m.onnx")
+        p = _adapters(_with_b(base.apply_lora(op.LoraConfig(rank=2, alpha=4, seed=1)), 41))
+        q = _adapters(_with_b(base.apply_lora(op.LoraConfig(rank=3, alpha=2, seed=2, use_rslora=True)), 42))
+        return base.add_adapter("p", p).add_adapter("q", q)
+
+    trained = _train_one_step(build(), "q", Tensor.from_numpy(x), Tensor.from_numpy(t))
+    assert trained.lora_adapters.adapters("q")["w2"].transposed
+    path = trained.save_file(tmp_path / "trained")
+    loaded = build().set_adapter("p").load_file(path)
+    assert loaded.active_adapter == "p"
+
+    def ort_oracle(name):
+        weights = {"w1": w1, "w2": w2}
+        for w, ad in trained.lora_adapters.adapters(name).items():
+            delta = ad.scale * (ad.a.val().to_numpy().astype(np.float64) @ ad.b.val().to_numpy().astype(np.float64))
+            weights[w] = (weights[w] + (delta.T if ad.transposed else delta)).astype(np.float32)
+        changed = onnx.load(tmp_path / "m.onnx")
+        for init in changed.graph.initializer:
+            init.CopyFrom(numpy_helper.from_array(weights[init.name], init.name))
+        onnx.save(changed, tmp_path / f"{name}.onnx")
+        sess = ort.InferenceSession(str(tmp_path / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        return sess.run(None, {"x": x})[0]
+
+    rows = ["q", "p", "q", None]
+    mixed = loaded(Tensor.from_numpy(x), adapter_index=rows).to_numpy()
+    expected = {"p": ort_oracle("p"), "q": ort_oracle("q"), None: loaded.disable_adapter()(Tensor.from_numpy(x)).to_numpy()}
+    np.testing.assert_allclose(expected[None], np.maximum(x @ w1, 0) @ w2.T, atol=1e-5)
+    for i, name in enumerate(rows):
+        np.testing.assert_allclose(mixed[i], expected[name][i], atol=2e-5, err_msg=str(name))
+    untrained = build()
+    assert not np.allclose(untrained.set_adapter("q")(Tensor.from_numpy(x)).to_numpy(), expected["q"], atol=1e-3)

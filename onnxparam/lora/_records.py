@@ -30,7 +30,8 @@ inactive) keep ``<W>.lora.a`` / ``.b``.
   named adapters go to the adapter whose factor ids (``ParamId``) they carry; without such
   evidence, to the module's one named adapter when it owns exactly one; otherwise the load is
   refused with a ``RecordError`` naming the file, the tensor and the adapters (rename the
-  tensors to ``<W>.lora.<name>.a`` / ``.b`` to choose). A record without the description (an
+  tensors to ``<W>.lora.<name>.a`` / ``.b`` to choose). Tensors without ids (a dict of arrays:
+  ``<W>.lora.a`` is how ``named_params`` names the active adapter's factor) go to the active one. A record without the description (an
   old file, a dict) loads only the adapters it has tensors for (the others keep their values);
   one with no LoRA factor at all still needs the active adapter's, as before.
 
@@ -197,11 +198,12 @@ def _placeholder(snap: TensorSnapshot, device) -> Param:
                                tuple(int(d) for d in snap.shape), snap.dtype)
 
 
-def _route_unnamed(record: Mapping, params: Mapping, sets: LoraAdapterSet, where: str) -> tuple:
+def _route_unnamed(record: Mapping, params: Mapping, sets: LoraAdapterSet, active: Optional[str], where: str) -> tuple:
     """``({old name: new name}, problems, undecided)``: the record's unnamed factors
     ``<W>.lora.a`` / ``.b`` (an old file, Burn's naming) that no param of the module takes, each
-    pair sent to the named adapter whose factor ids it carries, else to the one named adapter,
-    else left undecided (one line each)."""
+    pair sent to the named adapter whose factor ids it carries; a pair without ids (numpy arrays)
+    to the ``active`` adapter, whose factors ``named_params`` names so; else to the one named
+    adapter; else left undecided (one line each)."""
     pairs: dict = {}
     for key in record:
         match = _UNNAMED.match(key)
@@ -216,13 +218,17 @@ def _route_unnamed(record: Mapping, params: Mapping, sets: LoraAdapterSet, where
             pid = record[key].param_id
             if pid is not None:
                 by_id |= {name for name, adapter in owners.items() if getattr(adapter, slot).id == pid}
+        no_ids = all(record[key].param_id is None for key in slots.values())
         if len(by_id) == 1:
             chosen = next(iter(by_id))
+        elif no_ids and active in owners:
+            chosen = active  # arrays without ids (a dict): '<W>.lora.a' is the active factor's own path
         elif not by_id and len(sets.names) == 1 and owners:
             chosen = sets.names[0]
         else:
             shown = " / ".join(f"'{k}'" for k in slots.values())
-            why = f"its ids match several adapters' factors: {sorted(by_id)}" if by_id else "its ids match none"
+            why = (f"its ids match several adapters' factors: {sorted(by_id)}" if by_id else
+                   "it has no ids and the active adapter does not target it" if no_ids else "its ids match none")
             undecided.append(f"{shown}: adapters targeting '{base}': {list(owners)}; {why}")
             continue
         for slot, key in slots.items():
@@ -303,7 +309,7 @@ def load_named_adapters(module, record: Mapping, apply: Callable, *, source: str
             added[name][path] = info
     renames: dict = {}
     if sets.names:
-        renames, more, undecided = _route_unnamed(record, params, sets, where)
+        renames, more, undecided = _route_unnamed(record, params, sets, active, where)
         if undecided:
             raise RecordError(
                 f"cannot load {where} into {type(module).__name__}: it holds unnamed LoRA factors (one adapter, "

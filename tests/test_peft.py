@@ -64,6 +64,27 @@ def test_peft_adapter_on_a_burn_layout_linear_gives_the_pytorch_result(tmp_path)
     np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.5), rtol=1e-5)
 
 
+def test_base_layer_tensors_stored_by_save_embedding_layers_load_when_equal_and_are_refused_when_not(tmp_path):
+    # PEFT's save_embedding_layers stores the base layer in PyTorch's layout, (out, in): equal to
+    # the Burn-layout (in, out) weight here, it changes nothing; off by 0.5 in one value, refused
+    base = "base_model.model.encoder.proj.base_layer"
+    stored = {f"{base}.weight": W_TORCH, f"{base}.bias": BIAS}
+    folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3}, {**factors(), **stored})
+    module = load_peft_adapter(net(), folder, key_map=KEY_MAP)
+    np.testing.assert_allclose(module(Tensor.from_numpy(X)).to_numpy(), torch_oracle(1.5), rtol=1e-5)
+    changed = W_TORCH.copy()
+    changed[1, 2] += 0.5
+    for key, value in [(f"{base}.weight", changed), (f"{base}.bias", BIAS + 1)]:
+        folder = write_peft(tmp_path / key, {"r": 2, "lora_alpha": 3}, {**factors(), **stored, key: value})
+        with pytest.raises(RecordError) as info:
+            load_peft_adapter(net(), folder, key_map=KEY_MAP)
+        (text,) = info.value.problems
+        which = key.rsplit(".", 1)[1]
+        assert text.startswith(f"{key!r}: PEFT stored the base {which} of module 'base_model.model.encoder.proj'")
+        assert f"differs from 'proj.{which}'" in text and "save_embedding_layers=False" in text, text
+        assert ("max |difference| 0.5 (1 of 6 values)" if which == "weight" else "max |difference| 1 (2 of 2") in text
+
+
 def test_rslora_scales_by_alpha_over_sqrt_rank(tmp_path):
     folder = write_peft(tmp_path / "ad", {"r": 2, "lora_alpha": 3, "use_rslora": True}, factors())
     module = load_peft_adapter(net(), [folder / "adapter_config.json", folder / "adapter_model.safetensors"],

@@ -556,19 +556,23 @@ LORA_BATCHED_SPLIT_TARGET = 0.5
 """One ``lora="batched"`` run of the whole mixed batch / the four runs a server makes with the
 ``"inputs"`` export and ONNX Runtime's adapters (one run per adapter, its rows only). At one token
 per row the split runs each read every base weight again and repeat a run's fixed cost: measured
-0.49-0.59 (thread CPU time, one thread, 1-minute load 2-9 on 2 shared cores). Its floor, printed
-beside it (``tools/bench_lora_floor.py``, same round robin): the base model alone at 8 rows / 4
-base runs of 2 rows, 0.40-0.44 shuffled, 0.43-0.52 hot; at 0.5 or above, the target is out of
-reach for any LoRA graph. At :data:`LORA_SEQ` tokens the split runs do the same multiply-adds as the
-batched one, so the ratio's floor is about 1.0 there (measured 0.95-1.02): the target can be met
-at seq 1 only."""
+0.49-0.64 shuffled, 0.59-0.87 hot (thread CPU time, one thread, 1-minute load 2-9 on 2 shared
+cores). It is (batched / one ``"inputs"`` run) x (one ``"inputs"`` run / the split runs), and the
+second factor, printed beside it (``tools/bench_lora_floor.py``, same round robin), is the base
+model's: 0.40-0.47 shuffled, 0.48-0.66 hot; the base alone at 8 rows / 4 base runs of 2 rows
+0.40-0.45 shuffled, 0.43-0.72 hot. At 0.5 or above, the target is out of reach for any LoRA graph.
+At :data:`LORA_SEQ` tokens the split runs do the same multiply-adds as the batched one, so the
+ratio's floor is about 1.0 there (measured 0.95-1.02): the target can be met at seq 1 only."""
+
 LORA_BATCHED_SINGLE_TARGET = 1.15
 """One batched run of the mixed batch / one ``"inputs"`` run of the same batch with one adapter
 (the rank-16 one: the batched graph multiplies at the padded rank 16 for every row). Missed at
-one token per row: measured 1.20-1.29 (thread CPU time, load 2-9). The batched run reads each row's
-factors (8 reads instead of one adapter's) and first copies them (per-row ``Gather`` s, 4-8%): the
-same graph without its gathers, printed beside it, measured 1.14-1.17, the bound of the per-row
-form; the alternatives measured did not reach it (:mod:`onnxparam.lora._batched`, "Cost")."""
+one token per row: measured 1.20-1.38 (thread CPU time, load 2-9; 1.14 once in a blocked run). The
+batched run reads each row's factors (four adapters' bytes instead of one's) and first copies them
+(per-row ``Gather`` s, 1-14%): the same graph without its gathers, printed beside it, measured
+1.14-1.27. Every other form measured (masking every slot, rows grouped by slot, one wide adapter
+holding the four adapters' bytes, an ``If`` choosing per run) is as slow, or slower in some case
+(:mod:`onnxparam.lora._batched`, "Cost")."""
 
 
 LORA_BATCHED_MODULE_TARGET = 1.05
@@ -657,35 +661,36 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> lis
         for k, part in enumerate(parts):  # each row equals its adapter's own run
             np.testing.assert_allclose(got[part], expected[k], rtol=1e-3, atol=1e-3)
         load = os.getloadavg()[0]
-        t_ours, t_base = interleaved_medians(one_batched, split, repeats)
+        # with one intra-op thread ORT runs on this thread: its CPU time leaves out the preemption
+        # that wall-clock medians mix in on a loaded machine (it hits the longer runs more often)
+        clock = time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter
+        clocked = ", thread CPU time" if clock is time.thread_time else ""
+        t_ours, t_base = interleaved_medians(one_batched, split, repeats, clock=clock)
         results.append(Result("lora", f"batched {LORA_BATCHED_ROWS} rows / {len(names)} adapters vs "
-                                      f"{len(names)} split inputs runs, seq {seq}", t_ours, t_base, LORA_BATCHED_SPLIT_TARGET))
-        t_ours, t_base = interleaved_medians(one_batched, single, repeats)
-        results.append(Result("lora", f"batched vs one r16 inputs run, {LORA_BATCHED_ROWS} rows, seq {seq}", t_ours, t_base,
-                              LORA_BATCHED_SINGLE_TARGET))
-        # the floors (tools/bench_lora_floor.py): the base alone and one adapter, in the same round robin;
-        # with one intra-op thread ORT runs on this thread: its CPU time ignores preemption
+                                      f"{len(names)} split inputs runs, seq {seq}{clocked}", t_ours, t_base,
+                              LORA_BATCHED_SPLIT_TARGET))
+        t_ours, t_base = interleaved_medians(one_batched, single, repeats, clock=clock)
+        results.append(Result("lora", f"batched vs one r16 inputs run, {LORA_BATCHED_ROWS} rows, seq {seq}{clocked}",
+                              t_ours, t_base, LORA_BATCHED_SINGLE_TARGET))
+        # the floors (tools/bench_lora_floor.py): the base alone and one adapter, in the same round robin
         fns = {"batched": one_batched, "split": split, "single": single,
                "base": lambda: plain.run(None, {plain_input: x}),
                "base split": lambda: [plain.run(None, {plain_input: x[part]}) for part in parts]}
         bound = session(without_gathers(folder / "batched.onnx", rows, folder / "no-gathers.onnx"))
         np.testing.assert_allclose(bound.run(None, {"x": x, "adapter_index": rows})[0], got, rtol=1e-5, atol=1e-5)
         fns["no gathers"] = lambda: bound.run(None, {"x": x, "adapter_index": rows})
-        results += floor_cases(Result, fns, seq, repeats,
-                               time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter,
-                               LORA_BATCHED_SPLIT_TARGET, LORA_BATCHED_SINGLE_TARGET, lambda: os.getloadavg()[0])
+        results += floor_cases(Result, fns, seq, repeats, clock, LORA_BATCHED_SPLIT_TARGET,
+                               LORA_BATCHED_SINGLE_TARGET, lambda: os.getloadavg()[0])
         if seq == 1:  # the runtime's call of the same batch: its own session, the stacks fed
             from onnxparam import Tensor, runtime
 
             runtime.set_session_config(module, config)
             xt = Tensor.from_numpy(x)
             np.testing.assert_allclose(module(xt, adapter_index=rows).to_numpy(), got, rtol=1e-4, atol=1e-4)
-            clock = time.thread_time if config.intra_op_num_threads == 1 else time.perf_counter
             t_ours, t_base = interleaved_medians(lambda: module(xt, adapter_index=rows), one_batched, repeats,
                                                  clock=clock)
-            results.append(Result("lora", f"batched module(x, adapter_index=...) vs its ORT run, seq {seq}"
-                                          f"{', thread CPU time' if clock is time.thread_time else ''}", t_ours,
-                                  t_base, LORA_BATCHED_MODULE_TARGET))
+            results.append(Result("lora", f"batched module(x, adapter_index=...) vs its ORT run, seq {seq}{clocked}",
+                                  t_ours, t_base, LORA_BATCHED_MODULE_TARGET))
         print(f"lora-batched seq {seq}: 1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
               f"({os.cpu_count()} CPUs)", file=sys.stderr)
     return results

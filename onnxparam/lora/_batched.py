@@ -32,7 +32,9 @@ The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in ba
 viewed as ``[batch, -1, d_in]``). The pass first follows the batch through the graph
 (:mod:`onnxparam.lora._batch_axis`, :meth:`_Target.rows_layout`): a ``MatMul`` input with the
 batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-first for the
-branch and its delta back (:meth:`_Target.branch_moved`); a ``Conv`` input folding the batch
+branch and its delta back (:meth:`_Target.branch_moved`), one holding the batch as a factor of
+an axis (``nn.MultiheadAttention``'s ``out_proj`` input ``[seq * batch, d]``) is viewed with the
+batch as an axis of its own first (:meth:`_Target.branch_factored`); a ``Conv`` input folding the batch
 (``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
 whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
 follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
@@ -72,7 +74,8 @@ merged weight's::
 A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (PEFT's
 ``lora_bias``: ``a = [[1]]``, ``b = lora_B.bias``), added by an ``Add``, as a ``Gemm``'s C
 (times ``beta``) or a ``Conv``'s B, adds ``a_stack[i_n] @ b_stack[i_n]`` to row ``n`` along the
-channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
+channel axis (last; dim 1 for a ``Conv``; a ``Conv`` output folding the batch, ``[batch * m, d_out,
+...]``, viewed ``[rows, m, d_out, ...]``: :meth:`_Target.bias_folded`). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
 Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched --threads 1``: width 512, 8
@@ -82,33 +85,63 @@ hot, each call after itself). At 64 tokens per row a batched run takes about the
 single-adapter ``"inputs"`` run of the same batch (0.99-1.03) or of the 4 runs a server makes
 splitting the rows by adapter (0.95-1.02): the same multiply-adds. At one token per row:
 
-* batched / the 4 split ``"inputs"`` runs: 0.49-0.59 (target 0.5). Its floor is the base model's
-  own: the base alone at 8 rows / 4 base runs of 2 rows measured 0.40-0.44 shuffled and
-  0.43-0.52 hot (the split runs repeat the weights' read and each node's fixed cost, nothing
-  else), and one ``"inputs"`` run of the 8 rows / the 4 split runs 0.40-0.48: the target is met
-  only when the base's floor leaves room for the batched run's own overhead (at 0.50-0.52 hot, none).
-* batched / one rank-16 ``"inputs"`` run: 1.20-1.29 (target 1.15). The ``"inputs"`` run is
-  1.08-1.14x the base alone; both runs do the same multiply-adds (every row at the padded rank 16)
-  but the batched one reads each row's factors (8 rows, 8 reads of ~0.6 MB at rank 16, beside the
-  base's ~12.6 MB) and first copies them: ONNX Runtime's profiler (interleaved, hot) puts the LoRA
-  nodes at ~570 us of kernel time against the ``"inputs"`` run's ~180 us, of which the 12 stack
-  ``Gather`` s ~310 us, the per-row factor ``MatMul`` s ~180 us (~140 us for one adapter's), the
-  index chain (9 ops on ``[batch]`` int64 values) ~30 us. The same graph with its ``Gather`` s
+* batched / the 4 split ``"inputs"`` runs: 0.49-0.64 shuffled (target 0.5), 0.59-0.87 hot. It is
+  (batched / one ``"inputs"`` run) x (one ``"inputs"`` run / the split runs), and the second factor
+  is the base model's: one ``"inputs"`` run of the 8 rows / the 4 split runs measured 0.40-0.47
+  shuffled, 0.48-0.66 hot, and the base alone at 8 rows / 4 base runs of 2 rows 0.40-0.45 shuffled,
+  0.43-0.72 hot (the split runs repeat the weights' read and each node's fixed cost, nothing else):
+  the target is met only when the base's floor leaves room for the batched run's own overhead.
+* batched / one rank-16 ``"inputs"`` run: 1.20-1.38 (target 1.15; one blocked run of 40 calls per
+  session measured 1.14 once, at load 3.3). The ``"inputs"`` run is 0.98-1.14x the base alone; both
+  runs do the same multiply-adds (every row at the padded rank 16) but the batched one reads each
+  row's factors (8 rows, 8 reads of ~0.6 MB at rank 16, beside the base's ~12.6 MB; 4 adapters'
+  worth of distinct bytes, ~2.4 MB) and first copies them. The same graph with its ``Gather`` s
   replaced by inputs holding their outputs (the bench's ``no gathers`` case: not a usable export)
-  measured 1.14-1.17: the bound of the per-row form, the gathers' copies 4-8% over it.
+  measured 1.14-1.27: the gathers' copies are 1-14% (ONNX Runtime's profiler puts the 12 stack
+  ``Gather`` s at ~310-630 us of kernel time, but under load its kernel sums exceed the run's own
+  time: taking the copies out moves most of that time into the ``MatMul`` s, which then read the
+  factors from memory themselves). No page faults and < 8 us of system time per run in steady state.
 
-Measured alternatives, none kept: masking every slot (``x @ a`` of all slots, one ``MatMul`` with
-the flattened ``b`` stack): 1.44-1.70 (slots times the factor arithmetic; a ``MatMul`` whose B is
-not a constant packs B on every call); grouping the rows by slot (each slot's factors read once,
-``[slots, T, 1, d_in] @ [slots, 1, d_in, r]`` with the rows gathered into a ``[slots, T]`` grid,
-``T`` the most rows of one slot): 1.16-1.22, 1.145-1.18 with its ~25 nodes building the grid from
-the index taken out, but 5% slower at 64 tokens per row, and its cost follows the capacity (every
-slot is read, the grid padded to ``slots * T`` rows) where the gather's follows the rows; each
-target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
-1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all (``_checked`` and ``_not_negative``
-taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's graph optimization levels on both
-sides: ``all`` (the default) 1.21-1.25, ``extended`` 1.27-1.33, ``basic`` 1.26-1.27, ``all`` without
-the memory pattern 1.27-1.34. ``module(x, adapter_index=...)`` adds ~10% to the session's run at
+Measured alternatives, none kept (batched-form / the rank-16 ``"inputs"`` run at one token per row,
+"beside" the exported form in the same round robin; load 2-6 unless said; the graphs were rewritten
+from a batched export for timing):
+
+* Masking every slot (``x @ a`` of all slots, one ``MatMul`` with the flattened ``b`` stack): 1.44-1.70;
+  again as one ``MatMul`` per side (every row by every slot's ``a``, ``[1, rows, d_in] @ a_stack``, then
+  the masked ``[rows, slots * r]`` by ``b_stack`` viewed ``[slots * r, d_out]``) 1.39-1.42; as one-row
+  products broadcast over ``[rows, slots]`` then that flattened ``b`` 1.47-1.49, or ``b`` per slot and a
+  ``ReduceSum`` 1.41-1.42; beside 1.20-1.24. MLAS packs a non-constant B for a product of more than
+  one row (in ONNX Runtime's profiler the flattened inner ``b``'s product, 80 x 2048, took ~555 us
+  beside ~380 us for that target's ``b`` gather and per-row product); a one-row product
+  (``[1, d_in] @ [d_in, r]``, the per-row form at one token) runs unpacked.
+* Reading the four adapters' bytes in the one-adapter form (timing only, not exact): one rank-64
+  adapter, the four adapters' factors side by side, on every row: 1.36-1.38 beside 1.27-1.31 (the same
+  packing); each adapter's rows through its own factors held as separate inputs (no gather; rows
+  split by hand, 13 nodes a target): 1.27-1.31 beside 1.33-1.36. No form that reads four adapters'
+  factors came near 1.15 in these runs.
+* Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into
+  a grid (``T`` the most rows of one slot), ``MatMul`` broadcasting a stack over the grid, each row's
+  delta gathered back. ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25
+  nodes building the grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a
+  ``GatherND`` back, ~20 shared nodes on ``[rows]`` int64 values): 1.20-1.31 beside 1.24-1.38 in 7 runs of
+  8 (1.19 beside 1.14 in the eighth). The nearest to the target, but the grid copies ``x`` and the
+  delta, so it is 3-4% slower at 64 tokens per row (1.045-1.06 beside 1.01-1.02 in a round robin;
+  even in one blocked run at load 4.5), and it computes
+  every cell of ``T x slots``: capacity 16 (17 slots, 4 used) 1.72 beside 1.17, every row on one
+  adapter 1.81 beside 1.28, both 3.48 beside 1.32. Over the used slots only (``Unique``; the stacks
+  gathered at those, a copy of 4 slots instead of 8 rows): 1.25-1.40 beside 1.24-1.34 (better in 3 runs
+  of 5), 1.16-1.49 beside 1.15-1.32 with 5 of the 8 rows on one adapter. Choosing the grid per run (an
+  ``If`` per target on one token per row) costs more than it saves: 1.31-1.41 beside 1.30-1.38 (the
+  grid alone 1.29-1.31).
+* Each target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
+  1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all
+  (``_checked`` and ``_not_negative`` taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's
+  graph optimization levels on both sides: ``all`` (the default) 1.21-1.25, ``extended`` 1.27-1.33,
+  ``basic`` 1.26-1.27, ``all`` without the memory pattern 1.27-1.34; com.microsoft ``MoE`` (``k=1``, the
+  index one-hot as its router): ~60 us a target at one token beside ~70 us, 4x the gathered form at
+  64 tokens, and it takes each expert's weight as ``(out, in)``: the stacks transposed.
+
+``module(x, adapter_index=...)`` adds ~10% to the session's run at
 one token per row (a repeated call reuses the runner remembered with the stacks fed; only the index
 is converted), was ~40% before that fast path.
 
@@ -1065,10 +1098,12 @@ class _Target:
         y_dims = _dims(y)
         layout = self.rows_layout(node, y, "output")
         if channel_axis == 1 and layout.kind in ("rows", "flat"):
-            raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose output "
-                            f"{y.name!r} folds the batch into its dim 0 ({list(y_dims or [])}): a per-row bias "
-                            "adapter of such a convolution is not supported; leave the bias out of the adapters "
-                            "(lora_bias=False) or serve it with lora='inputs'")
+            if y_dims is None:
+                raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose "
+                                f"output {y.name!r} folds the batch into its dim 0 and has an unknown rank; leave the "
+                                "bias out of the adapters (lora_bias=False) or serve it with lora='inputs'")
+            self.bias_folded(node, hit, len(y_dims))
+            return
         if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim() \
                 and layout.kind in ("axis", "none"):
             self._add_after(node, [], hit)  # [rows, seq, d_out] + [rows, 1, d_out]
@@ -1089,6 +1124,31 @@ class _Target:
         nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
         self._replace_after(node, nodes, nodes[-1].outputs[0])
 
+    def bias_folded(self, node: ir.Node, hit: ir.Value, rank: int) -> None:
+        """A ``Conv`` bias whose output ``y`` ``[batch * m, d_out, *spatial]`` folds the batch into
+        dim 0 (batch-major: :mod:`onnxparam.lora._batch_axis` ``"rows"``): ``y`` viewed
+        ``[rows, m, d_out, *spatial]`` (a view that does not divide fails in ONNX Runtime's
+        ``Reshape``), row ``n``'s delta ``hit[n]`` (``[rows, 1, d_out]``) added as ``[rows, 1, d_out,
+        1, ...]``, then back to ``Shape(y)``."""
+        t, tracer, shared = self.target, self.tracer, self.shared
+        rows, i64 = shared.index_dim(), ir.DataType.INT64
+        label = f"{node.name}/lora"
+        y = node.outputs[0]
+        nodes = [_new_node(tracer, "Reshape", [hit, self._const([0, 1, t.d_out] + [1] * (rank - 2),
+                                                                f"{t.path}.lora.bias_view{rank}")],
+                           self.dtype, [rows, 1, t.d_out] + [1] * (rank - 2), f"{label}/Reshape_delta", t.path)]
+        delta = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [y], i64, [rank - 1], f"{label}/Shape_samples", t.path, {"start": 1}))
+        nodes.append(_new_node(tracer, "Concat", [shared.rows(), self._const([-1], "lora.batched.items"),
+                                                  nodes[-1].outputs[0]], i64, [rank + 1], f"{label}/Concat_rows",
+                               t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [y, nodes[-1].outputs[0]], self.dtype, [rows] + [None] * rank,
+                               f"{label}/Reshape_view", t.path))
+        nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows] + [None] * rank,
+                               f"{label}/Add_rows", t.path))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        self._replace_after(node, nodes, nodes[-1].outputs[0])
+
     def _replace_after(self, node: ir.Node, nodes: list, value: ir.Value) -> None:
         """``nodes`` after ``node``; every use of ``node``'s output ``y`` (but ``nodes``' own) reads ``value``."""
         from ._graph import _redirect
@@ -1102,11 +1162,19 @@ class _Target:
     def lookup(self, node: ir.Node, ids: ir.Value) -> None:
         """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
         ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
-        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
+        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read). Sequence-first
+        ids (the batch on axis ``k > 0``) are transposed batch-first for the branch, its delta
+        transposed back."""
         from ._graph import _redirect
 
         t, tracer, shared = self.target, self.tracer, self.shared
-        self.rows_layout(node, ids, "ids input")
+        layout = self.rows_layout(node, ids, "ids input", axis_ok=True)
+        ids_dims = _dims(ids)
+        moved = layout.kind == "axis" and layout.axis > 0
+        if moved and ids_dims is None:
+            raise LoraError(f"lora='batched': {t.path!r} is adapted at node {node.name!r} (Gather), whose ids "
+                            f"{ids.name!r} hold the batch on axis {layout.axis} of an unknown rank; make the model "
+                            "batch-first or serve it with lora='inputs'")
         _, b = self.selected()
         a_stack = self.stacks()[0]
         graph = node.graph
@@ -1121,6 +1189,11 @@ class _Target:
         if ids.dtype is not None and ids.dtype != i64:
             nodes.append(_new_node(tracer, "Cast", [ids], i64, _dims(ids), f"{label}/Cast_ids", t.path,
                                    {"to": int(i64)}))
+            ids = nodes[-1].outputs[0]
+        if moved:  # [.., batch, ..] -> [batch, ..]: perm the batch axis first
+            perm = [layout.axis] + [i for i in range(len(ids_dims)) if i != layout.axis]
+            nodes.append(_new_node(tracer, "Transpose", [ids], i64, [ids_dims[i] for i in perm],
+                                   f"{label}/Transpose_ids", t.path, {"perm": perm}))
             ids = nodes[-1].outputs[0]
         nodes.append(_new_node(tracer, "Reshape", [ids, shared.rows_by_items()], i64, [shared.index_dim(), None],
                                f"{label}/Reshape_ids", t.path))
@@ -1142,10 +1215,22 @@ class _Target:
                                [shared.index_dim(), None, rank], f"{label}/GatherND_a", t.path))
         nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype,
                                [shared.index_dim(), None, t.d_out], f"{label}/MatMul_b", t.path))
-        nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
-                               f"{label}/Shape_y", t.path))
-        nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype, y_dims,
-                               f"{label}/Reshape_y", t.path))
+        if moved:  # the delta [rows, items, d_out] as [*Shape(ids batch-first), d_out], then the axes back
+            delta = nodes[-1].outputs[0]
+            nodes.append(_new_node(tracer, "Shape", [ids], i64, [len(ids_dims)], f"{label}/Shape_ids_first", t.path))
+            nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const(
+                [t.d_out], f"{t.path}.lora.d_out")], i64, [len(ids_dims) + 1], f"{label}/Concat_delta", t.path,
+                {"axis": 0}))
+            nodes.append(_new_node(tracer, "Reshape", [delta, nodes[-1].outputs[0]], self.dtype,
+                                   [None] * (len(ids_dims) + 1), f"{label}/Reshape_delta", t.path))
+            back = [perm.index(i) for i in range(len(perm))] + [len(perm)]
+            nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
+                                   f"{label}/Transpose_delta", t.path, {"perm": back}))
+        else:
+            nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
+                                   f"{label}/Shape_y", t.path))
+            nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype,
+                                   y_dims, f"{label}/Reshape_y", t.path))
         total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)

@@ -26,10 +26,17 @@ Embedding LoRA (``lora_embedding_A`` / ``_B``), convolution LoRA (``lora_A`` a c
 ``lora_B`` a 1x1 conv; the delta reshaped to the weight) and ``lora_bias`` (``lora_B.bias``,
 added to the layer's bias times the scale, as PEFT merges it) are loaded.
 
+The base tensors PEFT's ``save_pretrained`` stores next to the factors by default for a targeted
+``embed_tokens`` / ``lm_head`` (``save_embedding_layers="auto"``: ``<m>.base_layer.weight``; with
+``save_embedding_layers=True`` and no embedding targeted, the whole layers ``<m>.weight``), which
+PEFT's loader copies into the base, are accepted when they equal the module's (nothing changes)
+and refused, naming the key, the param and the difference, when they do not
+(:func:`_check_stored_bases`).
+
 Unsupported PEFT variants raise :class:`~onnxparam.RecordError` naming the option: DoRA
-(``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights,
-``trainable_token_indices`` (trained token rows, refused under that name),
-non-LoRA ``peft_type``.
+(``use_dora``), trained biases (``bias`` other than ``"none"``), ``modules_to_save`` weights
+(whole modules trained in place), ``trainable_token_indices`` (trained token rows, refused
+under that name), non-LoRA ``peft_type``.
 """
 
 from __future__ import annotations
@@ -69,6 +76,15 @@ _EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B)(?:\
 """``<module>.lora_embedding_A`` ``(r, num_embeddings)`` / ``_B`` ``(dim, r)`` (embedding LoRA)."""
 _BIAS_KEY = re.compile(r"^(?P<module>.+)\.lora_B(?:\.[^.]+)?\.(?P<which>bias)$")
 """``<module>.lora_B.bias`` ``(out,)`` (``lora_bias=True``)."""
+_BASE_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.(?P<which>weight|bias)$")
+"""``<module>.base_layer.weight`` / ``.bias``: the base layer of LoRA module ``<module>``, PyTorch's
+layout (``nn.Embedding`` ``(num, dim)``, ``nn.Linear`` ``(out, in)``, a conv's ``(out, in / groups,
+*kernel)``). PEFT's ``save_pretrained`` stores it with ``save_embedding_layers`` (its default
+``"auto"`` turns that on when ``target_modules`` names ``embed_tokens`` or ``lm_head``:
+``peft/utils/save_and_load.py``), and its loader copies it into the base (``load_state_dict``)."""
+_FULL_KEY = re.compile(r"^(?P<module>.+)\.(?P<which>weight)$")
+"""``<module>.weight`` with no ``lora_`` in it: a whole module's weight (``modules_to_save``, or
+``save_embedding_layers`` for an embedding layer no LoRA adapts, after a vocabulary resize)."""
 
 
 PEFT_DEFAULT_LORA_ALPHA = 8
@@ -140,6 +156,13 @@ class PeftConfig:
     def rank_for(self, name: str) -> int:
         rank = self._pattern(self.rank_pattern, name)
         return self.r if rank is None else rank
+
+    def saves_module(self, name: str) -> bool:
+        """Whether ``modules_to_save`` names PEFT module ``name`` (a key of the list ends it, as
+        PEFT's ``_set_trainable`` matches): PEFT trains and saves that whole module."""
+        listed = self.raw.get("modules_to_save") or ()
+        listed = [listed] if isinstance(listed, str) else listed
+        return any(isinstance(entry, str) and entry and name.endswith(entry) for entry in listed)
 
 
 def _rank(value) -> int:
@@ -278,6 +301,7 @@ class _Targets:
         # Gathers name another module (dynamo's lm_head.weight for a tied wte) is not module
         # <m>'s weight; an exact ONNX name / path still resolves to the table
         self.renamed_tables: dict = {}
+        self.tables: set = set()  # paths of the tables a Gather of an imported graph reads
         for prefix, sub in named_modules(module):
             method = getattr(sub, "lora_weight_layouts", None)
             if not callable(method):
@@ -294,6 +318,8 @@ class _Targets:
                 if name in by_name:
                     self.names.setdefault(alias, by_name[name])
             for name, (owners, _) in table_owners(sub.ir_model).items():
+                if name in by_name:
+                    self.tables.add(by_name[name])
                 if name in by_name and len(owners) == 1:  # an embedding table: the module its Gathers name
                     owner = join(next(iter(owners)))
                     self.names[f"{owner}.weight"] = by_name[name]
@@ -316,6 +342,14 @@ class _Targets:
             if candidate in self.params:
                 return candidate
         return None
+
+    def is_table(self, path: str) -> bool:
+        """Whether ``path`` is an embedding table: one a ``Gather`` of an imported graph reads, or
+        the weight of this library's ``nn.Embedding``."""
+        from ..nn import Embedding
+
+        owner = path[: -len(".weight")] if path.endswith(".weight") else None
+        return path in self.tables or isinstance(self.modules.get(owner), Embedding)
 
     def bias_of(self, mapped: str, weight_path: str) -> Optional[str]:
         """The bias param of the module whose weight is ``weight_path`` (``fc.weight`` ->
@@ -439,8 +473,18 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         adapters only the targets are, the other flags kept. For full fine-tuning,
         ``unfreeze_group(ParamGroup.all())`` on the result.
 
+        A base tensor PEFT stored with ``save_embedding_layers`` (its default for a targeted
+        ``embed_tokens`` / ``lm_head``: ``<m>.base_layer.weight`` / ``.bias``, PyTorch's layout;
+        or a whole ``<m>.weight`` of an embedding layer no LoRA adapts) must equal the base value
+        of the param its module resolves to, bit for bit after a cast to that param's dtype: then
+        PEFT's load (which copies it into the base) changes nothing, and it is not applied.
+
     Raises:
-        RecordError: for an unsupported variant (the option named: DoRA, trained biases ...),
+        RecordError: for an unsupported variant (the option named: DoRA, trained biases,
+            ``modules_to_save`` ...), a base tensor stored with ``save_embedding_layers`` that
+            differs from the module's (key, param, shapes or largest difference named, with the
+            ways out: load it into the base first, or ``save_pretrained(...,
+            save_embedding_layers=False)`` when the base is unchanged),
             keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
             matched module at all, or a target whose layout the graph does not decide; every
             problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
@@ -461,17 +505,39 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     pairs: dict = {}
     report = PeftLoadReport()
     problems = report.problems
+    stored: dict = {}  # PEFT module name -> {"weight" / "bias": (key, snap)}: whole base tensors (checked below)
+    loose_biases: dict = {}  # PEFT module name -> (key, snap): a "<m>.bias" outside any LoRA factor
+    kinds: dict = {}  # PEFT module name -> "embedding" for embedding LoRA factors
     for key, snap in tensors.items():
         match = _KEY.match(key) or _EMBEDDING_KEY.match(key) or _BIAS_KEY.match(key)
-        if match is None:
-            what = ("trained token rows (trainable_token_indices)" if ".trainable_tokens_" in key
-                    or ".token_adapter." in key else
-                    "a bias (bias training)" if key.endswith(".bias") else
-                    "a full weight (modules_to_save)" if ".modules_to_save." in key or ".lora_" not in key
-                    else "not a LoRA factor")
-            problems.append(f"{key!r}: {what} is not supported")
+        if match is not None:
+            pairs.setdefault(match["module"], {})[match["which"]] = snap
+            if ".lora_embedding_" in key:
+                kinds[match["module"]] = "embedding"
             continue
-        pairs.setdefault(match["module"], {})[match["which"]] = snap
+        base = _BASE_KEY.match(key)
+        full = _FULL_KEY.match(key) if ".lora_" not in key else None
+        module_name = base["module"] if base else full["module"] if full else key.rsplit(".", 1)[0]
+        if ".trainable_tokens_" in key or ".token_adapter." in key:
+            problems.append(f"{key!r}: trained token rows (trainable_token_indices) are not supported")
+        elif ".modules_to_save." in key or (".lora_" not in key and config.saves_module(module_name)):
+            problems.append(f"{key!r}: a whole module trained in place (modules_to_save="
+                            f"{config.raw.get('modules_to_save')!r:.80}) is not supported: it is not a LoRA "
+                            "adapter; merge it with PEFT (merge_and_unload) and load the merged weights")
+        elif base is not None:
+            stored.setdefault(base["module"], {})[base["which"]] = (key, snap)
+        elif ".lora_" not in key and key.endswith(".bias"):
+            loose_biases[key[: -len(".bias")]] = (key, snap)
+        elif full is not None:
+            stored.setdefault(full["module"], {})["weight"] = (key, snap)
+        else:
+            problems.append(f"{key!r}: not a LoRA factor (lora_A / lora_B, lora_embedding_A / _B, lora_B.bias) "
+                            "nor a base weight PEFT stores next to them; it is not supported")
+    for name, (key, snap) in loose_biases.items():
+        if name in pairs:  # PEFT's bias="lora_only" / "all" writes "<m>.bias" of its LoRA modules
+            problems.append(f"{key!r}: a bias (bias training) is not supported")
+        else:  # a whole layer's bias, as save_embedding_layers writes it for a layer no LoRA adapts
+            stored.setdefault(name, {})["bias"] = (key, snap)
     targets = _Targets(module)
     plan: dict = {}
     new_biases: dict = {}  # module path -> (d_out, weight path): adapter-owned biases (lora_bias, no bias)
@@ -533,6 +599,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         report.matched[name] = target
         if "bias" in factors:
             _plan_bias(name, mapped, target, factors["bias"], d_out, scale, targets, plan, problems, new_biases)
+    _check_stored_bases(stored, pairs, kinds, report, targets, rules, allow_partial, problems)
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
@@ -574,6 +641,73 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
 
     result = rebuild(module, attach, add_bias if new_biases else None)
     return (result, report) if return_report else result
+
+
+def _check_stored_bases(stored: dict, pairs: dict, kinds: dict, report: PeftLoadReport, targets, rules: Sequence,
+                        allow_partial: bool, problems: list) -> None:
+    """Checks the whole base tensors a PEFT file holds next to its factors against the module's.
+
+    PEFT's ``save_pretrained(save_embedding_layers="auto")`` (its default) stores the base layer of
+    a targeted ``embed_tokens`` / ``lm_head`` (``<m>.base_layer.weight``, ``.base_layer.bias``),
+    and, for an embedding layer no LoRA adapts whose vocabulary was resized, that layer's
+    ``<m>.weight`` / ``<m>.bias``; PEFT's loader copies each into the base model
+    (``set_peft_model_state_dict`` -> ``load_state_dict``). Here none is applied nor ignored: each
+    must equal, bit for bit after a cast to the param's dtype, the base value (without any
+    adapter) of the param its module resolves to (the bias: that module's bias), so that
+    PEFT's load would change nothing; any other is a problem naming the key, the param, the
+    shapes or the largest difference, and the ways out. PyTorch's layout is turned to the
+    param's: an ``nn.Embedding`` table ``(num, dim)`` (a module with embedding LoRA factors; without
+    factors, a ``Gather``-read table or this library's ``nn.Embedding``) is the ``(d_in, d_out)``
+    layout, an ``nn.Linear`` weight ``(out, in)`` the ``(d_out, d_in)`` one, a conv kernel is
+    the param's own. A module whose factors did not match (listed already, or unmatched with
+    ``allow_partial``) is skipped with them."""
+    way_out = ("PEFT's loader would replace the base weight with it (a resized or retrained vocabulary?): load "
+               "that weight into the base model first, or, if this base is the one the adapter was trained on, "
+               "save the adapter with save_pretrained(..., save_embedding_layers=False)")
+    for name, found in stored.items():
+        if name in pairs:
+            if name not in report.matched:
+                continue  # its factors' problem is listed (or it is unmatched, with allow_partial)
+            target = report.matched[name]
+        else:
+            mapped = _map_key(name, rules)
+            target = targets.resolve(mapped)
+            if target is None:
+                if allow_partial:
+                    report.unmatched.append(name)
+                else:
+                    problems.append(f"{found[next(iter(found))][0]!r}: a whole base tensor of PEFT module {name!r} "
+                                    f"(save_embedding_layers), which maps to {mapped!r}, not a param nor an ONNX "
+                                    "weight; add a key_map rule (regex, replacement)")
+                continue
+        kind = kinds.get(name) or ("embedding" if name not in pairs and targets.is_table(target) else "linear")
+        for which, (key, snap) in sorted(found.items(), reverse=True):  # weight, then bias
+            path = target if which == "weight" else targets.bias_of(_map_key(name, rules), target)
+            if path is None:
+                problems.append(f"{key!r}: PEFT stored the bias of module {name!r} (save_embedding_layers), but "
+                                f"{target!r} has no bias param to compare it with; {way_out}")
+                continue
+            param = targets.params[path]
+            current = np.asarray(param.base().to_numpy())  # NOTE: a quantized base reads dequantized
+            value = _factor_array(snap)
+            layout = targets.layout(path) if which == "weight" else None
+            note = ""
+            if value.ndim == 2 and layout in (IN_OUT, OUT_IN) and (kind == "embedding") != (layout == IN_OUT):
+                value = value.T  # PyTorch's layout -> the param's
+                note = f" (PyTorch's {'(num, dim)' if kind == 'embedding' else '(out, in)'}, transposed to the param's)"
+            if value.shape != current.shape:
+                problems.append(f"{key!r}: PEFT stored the base {which} of module {name!r} (save_embedding_layers) "
+                                f"as {list(_factor_array(snap).shape)}{note}, but {path!r} is {list(current.shape)}; "
+                                f"{way_out}")
+                continue
+            cast = value.astype(current.dtype, copy=False)
+            if np.array_equal(cast, current, equal_nan=current.dtype.kind in "fc"):
+                continue
+            diff = np.abs(cast.astype(np.float64) - current.astype(np.float64))
+            problems.append(f"{key!r}: PEFT stored the base {which} of module {name!r} (save_embedding_layers), "
+                            f"{list(current.shape)}{note}, and it differs from {path!r}: max |difference| "
+                            f"{float(np.nanmax(diff)) if np.isfinite(diff).any() else float('nan'):.3g} "
+                            f"({int(np.count_nonzero(cast != current))} of {cast.size} values); {way_out}")
 
 
 def _plan_bias(name: str, mapped: str, target: str, snap, d_out: int, scale: float, targets, plan: dict,

@@ -295,3 +295,24 @@ def test_imported_model_round_trip_matches_plain_ort(tmp_path):
         np.testing.assert_allclose(mixed[i], expected[name][i], atol=2e-5, err_msg=str(name))
     untrained = build()
     assert not np.allclose(untrained.set_adapter("q")(Tensor.from_numpy(x)).to_numpy(), expected["q"], atol=1e-3)
+
+
+def test_cli_lora_refuses_a_file_with_named_adapters(tmp_path):
+    """``onnxparam lora`` reads one unnamed adapter: a file with named ones is refused, naming
+    them, instead of finding "no LoRA factors" (and fresh adapters silently replacing them)."""
+    import contextlib
+    import io
+
+    from onnxparam.cli import main
+    from onnxparam.zoo.mnist import Mnist
+
+    base = Mnist()
+    fresh = op.LoraConfig(rank=2, seed=1, param_group=op.ParamGroup.from_regex(r"^fc\d\.weight$"))
+    named = base.add_adapter("x", _adapters(base.apply_lora(fresh))).add_adapter("y", _adapters(base.apply_lora(fresh)))
+    named.set_adapter("y").save_file(tmp_path / "named.bpk")
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["lora", "merge", str(tmp_path / "named.bpk"), str(tmp_path / "out.onnx"), "--zoo", "mnist",
+                     "--alpha", "8", "--rank", "2"])
+    assert code != 0 and "holds named LoRA adapters ['x', 'y']" in err.getvalue()
+    assert not (tmp_path / "out.onnx").exists()

@@ -22,6 +22,7 @@ The oracle is the source itself, parsed with ``ast``. An edge from a file is:
 """
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def absolute(module, level: int, package: list) -> str:
     return ".".join(base + ([module] if module else []))
 
 
+@functools.lru_cache(maxsize=None)  # NOTE: the package does not change during a run; do not mutate the dict
 def facade_names(init_rel: str) -> dict:
     """``name -> defining module`` of a package ``__init__``: its ``from X import name`` lines and
     the string tables of its lazy ``__getattr__`` (``_LAZY`` / ``_NAMES`` / ``_UPPER_LAYERS``)."""
@@ -206,12 +208,24 @@ def all_files() -> list:
     return sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py"))
 
 
-def import_graph(lookups: list = None) -> dict:
-    graph = {rel: edges_of(rel, lookups=lookups) for rel in all_files()}
+@functools.lru_cache(maxsize=None)
+def _package_graph() -> tuple:
+    """``(graph, lookups)`` of the package as it is on disk, read once a run (several tests ask)."""
+    lookups: list = []
+    graph = {rel: frozenset(edges_of(rel, lookups=lookups)) for rel in all_files()}
     for providers in extension_points().values():
         for provider in providers:  # the provider implements the core's interface
             graph[provider] = graph[provider] | {"core/extension.py"}
-    return graph
+    return graph, tuple(lookups)
+
+
+def import_graph(lookups: list = None) -> dict:
+    """``file -> set of files it depends on`` for every file of the package (a fresh copy to
+    change); ``lookups`` collects the computed lookups by name found outside the top layer."""
+    graph, found = _package_graph()
+    if lookups is not None:
+        lookups.extend(found)
+    return {rel: set(targets) for rel, targets in graph.items()}
 
 
 def upward_edges(graph, layers=LAYERS) -> list:

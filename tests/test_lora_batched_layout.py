@@ -73,6 +73,18 @@ class Tagger(torch.nn.Module):
         return self.head(self.lstm(self.emb(ids))[0])
 
 
+class SeqFirstIds(torch.nn.Module):
+    """An embedding of sequence-first ids ``[T, B]`` (``ids.t()``), ``out`` on ``[T, B, D]``, back
+    batch-first."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(20, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids.t())).transpose(0, 1)
+
+
 class SeqFirstGru(torch.nn.Module):
     """``fc`` -> sequence-first bidirectional GRU (``layout=0``: the batch on axis 1 of X, 2 of
     Y) -> ``head`` on ``[T, B, 2 * H]`` -> batch-first."""
@@ -150,6 +162,14 @@ def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path):
 def test_a_batch_first_lstm_tagger_keeps_its_embedding_and_head_rows(tmp_path):
     ids = torch.from_numpy(np.random.default_rng(3).integers(0, 20, size=(4, 5)))
     module, expected, x = _setup(Tagger(), ids, ["emb", "head"], tmp_path)
+    _both(module, x, tmp_path, expected)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_sequence_first_embedding_ids_take_each_rows_adapter(tmp_path, exporter):
+    """Ids ``[T, B]`` (the batch on axis 1; refused before): the branch reads them batch-first."""
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 20, size=(4, 5)))
+    module, expected, x = _setup(SeqFirstIds(), ids, ["emb", "out"], tmp_path, exporter)
     _both(module, x, tmp_path, expected)
 
 

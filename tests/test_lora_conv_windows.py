@@ -13,9 +13,10 @@ padding, no dilation, zero padding. Oracles, all PEFT in torch on the net the ON
   (``adapter_names=``), and a ``"keep"`` export of one adapter equals PEFT's forward with it,
   within 1e-5; with ``groups=1`` the ``"merge"`` export equals them too;
 * grouped convs where they differ (a dilated 3x3 kernel, where PEFT's forward still runs through
-  stride 3; ``padding_mode="reflect"``, a ``Pad`` node): every branch mode refuses with a
-  ``LoraError`` naming the weight, the node and the reason;
-* the same two convs with ``groups=1``: the adapter is a weight delta, every mode applies the
+  stride 3; ``padding_mode="reflect"``, a ``Pad`` node; ``padding_mode="circular"``, a
+  ``Concat`` of ``Slice`` s from TorchScript, a ``wrap`` ``Pad`` from dynamo): every branch mode
+  refuses with a ``LoraError`` naming the weight, the node and the reason;
+* the same convs with ``groups=1``: the adapter is a weight delta, every mode applies the
   merged weight: batched rows equal PEFT's merged model (``merge_and_unload``), whose output
   differs from PEFT's unmerged forward (asserted: the doubt is real).
 """
@@ -175,6 +176,10 @@ DISAGREE = {  # name: (conv, pad module before it, what the refusal names)
     "reflect-padding": (lambda g: torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", groups=g), None,
                         r"its input is padded by Pad node '[^']+' \(mode='reflect'\): torch writes that for a ConvNd "
                         "with padding_mode='reflect'"),
+    # TorchScript: a Concat of Slices; dynamo: a Pad of mode 'wrap'
+    "circular-padding": (lambda g: torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular", groups=g), None,
+                         r"its input is (wrapped by Concat|padded by Pad) node '[^']+' .*torch.*writes that for a "
+                         r"ConvNd with padding_mode='.*circular'"),
 }
 
 

@@ -50,8 +50,8 @@ def _peft_loaded(model_folder, base):
         return peft.PeftModel.from_pretrained(copy.deepcopy(base), str(model_folder)).eval()
 
 
-@pytest.mark.parametrize("conv", [{"padding": 1, "padding_mode": "reflect"}, {"padding": 2, "dilation": 2}],
-                         ids=["reflect", "dilated"])
+@pytest.mark.parametrize("conv", [{"padding": 1, "padding_mode": "reflect"}, {"padding": 2, "dilation": 2},
+                                  {"padding": 1, "padding_mode": "circular"}], ids=["reflect", "dilated", "circular"])
 def test_writing_a_peft_folder_for_a_conv_peft_runs_unmerged_otherwise_warns(tmp_path, conv):
     module, reference, x = _built(tmp_path, **conv)
     with torch.no_grad():

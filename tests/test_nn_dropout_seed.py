@@ -79,8 +79,19 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_seeded_masks_are_the_same_in_two_fresh_processes():
-    outs = [subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True,
-                           timeout=120).stdout.strip() for _ in range(2)]
+    # the two processes run at the same time (each mostly imports): half the wall time of one after the other
+    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, err
+        outs.append(out.strip())
     assert outs[0] == outs[1] and len(outs[0]) == 48 and "0" in outs[0] and "1" in outs[0]
 
 

@@ -16,6 +16,11 @@ Each value gets a :class:`Layout`:
 * ``"rows"``: batch-major storage with the batch folded into axis 0 (``[batch * m, ...]``, slice
   ``i`` of axis 0 belongs to batch element ``i // m``): a ``[batch, seq, d]`` value flattened
   to ``[batch * seq, d]``, a conv input ``[batch * T, C, L]``;
+* ``"merged"`` (``axis=k``, ``outer``, ``inner``): axis ``k`` holds ``outer * batch * inner``
+  (monomials: an int times named dims): element ``j`` of it belongs to batch element
+  ``(j // inner) % batch``: torch's ``nn.MultiheadAttention`` views ``[seq, batch, d]`` as
+  ``[seq, batch * heads, head_dim]`` (``inner`` = heads) and feeds ``out_proj``
+  ``[seq * batch, d]`` (axis 0, ``outer`` = seq); a ``"rows"`` value may carry its ``inner``;
 * ``"flat"``: batch-major storage only (a ``Reshape`` whose leading dim could not be shown to be
   a multiple of the batch): still right for the pass's ``[batch, -1, d]`` views (a view that does
   not divide fails in ONNX Runtime's ``Reshape``, never silently), not propagated through ops
@@ -57,9 +62,22 @@ Batch-major values carry ``count`` (elements per batch element) where static dim
 shapes, ``MatMul``, ``Transpose``, ``Split`` and elementwise ops), so a ``Reshape`` to
 ``[-1, *tail]`` is known to give the batch (``count == prod(tail)``) or whole rows of it.
 
-Not followed (unknown, so refused at a target): the batch as a factor of a merged axis other than
-axis 0 (``[seq, batch * heads, d]``) or as the inner factor of axis 0 (``[seq * batch, d]``), as in
-torch's ``nn.MultiheadAttention``; subgraph bodies.
+The batch as a factor of an axis (:meth:`_Analysis.factored`): each value's dims are followed
+as monomials of the batch (:meth:`_Analysis.mdims`: static dims, the batch's symbol ``B`` (its
+size for a static batch), named dims, and the dims ``Reshape`` shapes computed from ``Shape``
+give, ``-1`` solved; a dim the analysis cannot name is a symbol of its own, equal only to
+itself). Where the rules above lose the batch at a ``Reshape`` / ``Flatten`` / ``Squeeze`` /
+``Unsqueeze`` (storage order kept) or a ``Transpose``, the batch's place in the storage
+(``pre`` elements before each batch block, ``post`` after it) gives the output axis ``j`` with
+``prod(out[:j]) * outer == pre`` and ``inner * prod(out[j + 1:]) == post``, both exact monomial
+divisions, else unknown. A ``"merged"`` axis moves like an ``"axis"`` one through elementwise
+ops, ``MatMul`` / ``Gemm`` rows, ``Softmax`` / normalizations on a later axis, ``Slice`` /
+``Gather`` / ``Concat`` / reductions on other axes; any other op loses it. A target reads it
+through :meth:`onnxparam.lora._batched._Target.branch_factored` (an int ``inner``).
+
+Not followed (unknown, so refused at a target): subgraph bodies; a factor whose dims the
+analysis cannot name (a shape computed by ops other than ``Shape`` / ``Gather`` / ``Slice`` /
+``Concat`` / ``Unsqueeze`` / ``Cast`` / ``Mul`` / exact ``Div``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ The rows are the leading dim of each adapted ``MatMul`` / ``Gemm``'s input in ba
 viewed as ``[batch, -1, d_in]``). The pass first follows the batch through the graph
 (:mod:`onnxparam.lora._batch_axis`, :meth:`_Target.rows_layout`): a ``MatMul`` input with the
 batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-first for the
-branch and its delta back (:meth:`_Target.branch_moved`); a ``Conv`` input folding the batch
+branch and its delta back (:meth:`_Target.branch_moved`), one holding the batch as a factor of
+an axis (``nn.MultiheadAttention``'s ``out_proj`` input ``[seq * batch, d]``) is viewed with the
+batch as an axis of its own first (:meth:`_Target.branch_factored`); a ``Conv`` input folding the batch
 (``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
 whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
 follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
@@ -1139,11 +1141,19 @@ class _Target:
     def lookup(self, node: ir.Node, ids: ir.Value) -> None:
         """An embedding ``Gather(W, ids)`` (``W`` ``(num, dim)``, ``ids`` ``[batch, ...]``): row
         ``n`` adds ``a_stack[i_n, ids[n, ...]] @ b_stack[i_n]``, ``i_n = adapter_index[n]``
-        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read)."""
+        (``GatherND`` at ``[i_n, id]``: only the looked-up rows of ``a`` are read). Sequence-first
+        ids (the batch on axis ``k > 0``) are transposed batch-first for the branch, its delta
+        transposed back."""
         from ._graph import _redirect
 
         t, tracer, shared = self.target, self.tracer, self.shared
-        self.rows_layout(node, ids, "ids input")
+        layout = self.rows_layout(node, ids, "ids input", axis_ok=True)
+        ids_dims = _dims(ids)
+        moved = layout.kind == "axis" and layout.axis > 0
+        if moved and ids_dims is None:
+            raise LoraError(f"lora='batched': {t.path!r} is adapted at node {node.name!r} (Gather), whose ids "
+                            f"{ids.name!r} hold the batch on axis {layout.axis} of an unknown rank; make the model "
+                            "batch-first or serve it with lora='inputs'")
         _, b = self.selected()
         a_stack = self.stacks()[0]
         graph = node.graph
@@ -1158,6 +1168,11 @@ class _Target:
         if ids.dtype is not None and ids.dtype != i64:
             nodes.append(_new_node(tracer, "Cast", [ids], i64, _dims(ids), f"{label}/Cast_ids", t.path,
                                    {"to": int(i64)}))
+            ids = nodes[-1].outputs[0]
+        if moved:  # [.., batch, ..] -> [batch, ..]: perm the batch axis first
+            perm = [layout.axis] + [i for i in range(len(ids_dims)) if i != layout.axis]
+            nodes.append(_new_node(tracer, "Transpose", [ids], i64, [ids_dims[i] for i in perm],
+                                   f"{label}/Transpose_ids", t.path, {"perm": perm}))
             ids = nodes[-1].outputs[0]
         nodes.append(_new_node(tracer, "Reshape", [ids, shared.rows_by_items()], i64, [shared.index_dim(), None],
                                f"{label}/Reshape_ids", t.path))
@@ -1179,10 +1194,22 @@ class _Target:
                                [shared.index_dim(), None, rank], f"{label}/GatherND_a", t.path))
         nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype,
                                [shared.index_dim(), None, t.d_out], f"{label}/MatMul_b", t.path))
-        nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
-                               f"{label}/Shape_y", t.path))
-        nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype, y_dims,
-                               f"{label}/Reshape_y", t.path))
+        if moved:  # the delta [rows, items, d_out] as [*Shape(ids batch-first), d_out], then the axes back
+            delta = nodes[-1].outputs[0]
+            nodes.append(_new_node(tracer, "Shape", [ids], i64, [len(ids_dims)], f"{label}/Shape_ids_first", t.path))
+            nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const(
+                [t.d_out], f"{t.path}.lora.d_out")], i64, [len(ids_dims) + 1], f"{label}/Concat_delta", t.path,
+                {"axis": 0}))
+            nodes.append(_new_node(tracer, "Reshape", [delta, nodes[-1].outputs[0]], self.dtype,
+                                   [None] * (len(ids_dims) + 1), f"{label}/Reshape_delta", t.path))
+            back = [perm.index(i) for i in range(len(perm))] + [len(perm)]
+            nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
+                                   f"{label}/Transpose_delta", t.path, {"perm": back}))
+        else:
+            nodes.append(_new_node(tracer, "Shape", [y], i64, [len(y_dims)] if y_dims is not None else None,
+                                   f"{label}/Shape_y", t.path))
+            nodes.append(_new_node(tracer, "Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], self.dtype,
+                                   y_dims, f"{label}/Reshape_y", t.path))
         total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
         graph.insert_after(node, nodes + [total])
         _redirect(y, total.outputs[0], uses)

@@ -25,8 +25,11 @@ matrix: zero outside each group's block (:func:`grouped_b_problem`).
     exporters write for ``ConvNd(padding_mode="reflect" / "replicate")`` (``Pad`` then ``Conv``
     with zero pads), where PEFT's ``lora_A`` pads the unpadded input with zeros instead; the
     same graph comes from an explicit ``ReflectionPad2d`` before a ``Conv2d(padding=0)``, where
-    PEFT's ``lora_A`` reads the padded input: the graph cannot tell them apart.
-    ``padding_mode="circular"`` (``Slice`` / ``Concat``) is not recognized.
+    PEFT's ``lora_A`` reads the padded input: the graph cannot tell them apart;
+  - an input wrapped by a ``Concat`` of a ``Slice`` of its middle input, that input, and another
+    ``Slice`` of it (:func:`circular_pad`): what torch's TorchScript exporter writes for
+    ``padding_mode="circular"`` (dynamo writes a ``Pad`` of mode ``wrap``), or an explicit
+    ``F.pad(x, mode="circular")``: the same doubt.
 
   They agree (supported: the branch equals PEFT's forward): strides, symmetric and asymmetric
   ``pads`` (torch writes symmetric ones; asymmetric ones come from other exporters or from a
@@ -103,6 +106,21 @@ def _ints(node, name: str) -> Optional[list]:
     return None if attr is None else [int(v) for v in attr.value]
 
 
+def circular_pad(x):
+    """The ``Concat`` node that makes ``x`` from ``[Slice(v), v, Slice(v)]`` (a circular pad of
+    ``v``: torch's TorchScript ``padding_mode="circular"``), or ``None``."""
+    producer = x.producer() if x is not None else None
+    if producer is None or producer.op_type != "Concat" or producer.domain not in ("", "ai.onnx") \
+            or len(producer.inputs) != 3 or producer.inputs[1] is None:
+        return None
+    middle = producer.inputs[1]
+    for side in (producer.inputs[0], producer.inputs[2]):
+        made = side.producer() if side is not None else None
+        if made is None or made.op_type != "Slice" or not made.inputs or made.inputs[0] is not middle:
+            return None
+    return producer
+
+
 def conv_node_problem(node, shape: tuple) -> Optional[str]:
     """Why PEFT's ``lora_A`` and the ONNX ``Conv`` ``node`` (weight ``shape`` ``(out, in / groups,
     *kernel)``) read different input windows (module docstring), or ``None`` when they agree."""
@@ -120,9 +138,15 @@ def conv_node_problem(node, shape: tuple) -> Optional[str]:
         mode = mode.decode() if isinstance(mode, bytes) else str(mode)
         if mode != "constant":
             return (f"its input is padded by Pad node {producer.name!r} (mode={mode!r}): torch writes that for a "
-                    "ConvNd with padding_mode='reflect' / 'replicate', where PEFT's lora_A pads the unpadded input "
-                    "with zeros, and for an explicit pad before a ConvNd(padding=0), where lora_A reads the padded "
-                    "input; the graph cannot tell which is meant")
+                    "ConvNd with padding_mode='reflect' / 'replicate' / 'circular', where PEFT's lora_A pads the "
+                    "unpadded input with zeros, and for an explicit pad before a ConvNd(padding=0), where lora_A reads "
+                    "the padded input; the graph cannot tell which is meant")
+    wrapped = circular_pad(x)
+    if wrapped is not None:
+        return (f"its input is wrapped by Concat node {wrapped.name!r} (Slices of its middle input around it, a "
+                "circular pad): torch's TorchScript exporter writes that for a ConvNd with padding_mode='circular', "
+                "where PEFT's lora_A pads the unpadded input with zeros, and for an explicit circular pad before a "
+                "ConvNd(padding=0), where lora_A reads the padded input; the graph cannot tell which is meant")
     return None
 
 

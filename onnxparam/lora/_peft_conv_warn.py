@@ -6,7 +6,8 @@ Here a ``groups=1`` convolution adapter is a weight delta: every mode applies th
 PEFT's *unmerged* forward instead runs ``lora_A`` as a conv with the base's stride and padding but
 **no dilation** and on the **unpadded** input (zeros where torch's ``padding_mode`` reflects,
 replicates or wraps): on a dilated conv (a kernel longer than 1 on a dilated axis) or a conv whose
-input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` fills (:func:`onnxparam.lora._conv_checks.conv_node_problem`),
+input a ``reflect`` / ``edge`` / ``wrap`` ``Pad`` or a circular ``Slice`` / ``Concat`` fills
+(:func:`onnxparam.lora._conv_checks.conv_node_problem`),
 a PEFT folder written by :func:`onnxparam.save_peft_adapter` or :func:`onnxparam.write_batched_peft`
 gives other numbers in PEFT until merged. The writers still write it (the factors are right) and
 emit a :class:`~onnxparam.core.errors.LoraWarning` naming the weight and the node.

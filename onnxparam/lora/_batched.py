@@ -74,7 +74,8 @@ merged weight's::
 A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (PEFT's
 ``lora_bias``: ``a = [[1]]``, ``b = lora_B.bias``), added by an ``Add``, as a ``Gemm``'s C
 (times ``beta``) or a ``Conv``'s B, adds ``a_stack[i_n] @ b_stack[i_n]`` to row ``n`` along the
-channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
+channel axis (last; dim 1 for a ``Conv``; a ``Conv`` output folding the batch, ``[batch * m, d_out,
+...]``, viewed ``[rows, m, d_out, ...]``: :meth:`_Target.bias_folded`). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
 Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched --threads 1``: width 512, 8
@@ -1104,10 +1105,12 @@ class _Target:
         y_dims = _dims(y)
         layout = self.rows_layout(node, y, "output")
         if channel_axis == 1 and layout.kind in ("rows", "flat"):
-            raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose output "
-                            f"{y.name!r} folds the batch into its dim 0 ({list(y_dims or [])}): a per-row bias "
-                            "adapter of such a convolution is not supported; leave the bias out of the adapters "
-                            "(lora_bias=False) or serve it with lora='inputs'")
+            if y_dims is None:
+                raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose "
+                                f"output {y.name!r} folds the batch into its dim 0 and has an unknown rank; leave the "
+                                "bias out of the adapters (lora_bias=False) or serve it with lora='inputs'")
+            self.bias_folded(node, hit, len(y_dims))
+            return
         if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim() \
                 and layout.kind in ("axis", "none"):
             self._add_after(node, [], hit)  # [rows, seq, d_out] + [rows, 1, d_out]
@@ -1124,6 +1127,31 @@ class _Target:
         nodes.append(_new_node(tracer, "Reshape", [y, shape], self.dtype, [rows, None, None], f"{label}/Reshape_view",
                                t.path))
         nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows, None, None],
+                               f"{label}/Add_rows", t.path))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        self._replace_after(node, nodes, nodes[-1].outputs[0])
+
+    def bias_folded(self, node: ir.Node, hit: ir.Value, rank: int) -> None:
+        """A ``Conv`` bias whose output ``y`` ``[batch * m, d_out, *spatial]`` folds the batch into
+        dim 0 (batch-major: :mod:`onnxparam.lora._batch_axis` ``"rows"``): ``y`` viewed
+        ``[rows, m, d_out, *spatial]`` (a view that does not divide fails in ONNX Runtime's
+        ``Reshape``), row ``n``'s delta ``hit[n]`` (``[rows, 1, d_out]``) added as ``[rows, 1, d_out,
+        1, ...]``, then back to ``Shape(y)``."""
+        t, tracer, shared = self.target, self.tracer, self.shared
+        rows, i64 = shared.index_dim(), ir.DataType.INT64
+        label = f"{node.name}/lora"
+        y = node.outputs[0]
+        nodes = [_new_node(tracer, "Reshape", [hit, self._const([0, 1, t.d_out] + [1] * (rank - 2),
+                                                                f"{t.path}.lora.bias_view{rank}")],
+                           self.dtype, [rows, 1, t.d_out] + [1] * (rank - 2), f"{label}/Reshape_delta", t.path)]
+        delta = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [y], i64, [rank - 1], f"{label}/Shape_samples", t.path, {"start": 1}))
+        nodes.append(_new_node(tracer, "Concat", [shared.rows(), self._const([-1], "lora.batched.items"),
+                                                  nodes[-1].outputs[0]], i64, [rank + 1], f"{label}/Concat_rows",
+                               t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [y, nodes[-1].outputs[0]], self.dtype, [rows] + [None] * rank,
+                               f"{label}/Reshape_view", t.path))
+        nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows] + [None] * rank,
                                f"{label}/Add_rows", t.path))
         nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
         self._replace_after(node, nodes, nodes[-1].outputs[0])

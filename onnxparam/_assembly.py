@@ -128,10 +128,12 @@ def valid(self) -> "Module":
 
 
 def into_record(self):
-    """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized)."""
-    from .core.record import ModuleRecord
+    """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized). A module
+    owning named adapters records every one of them by name, ``<W>.lora.<name>.a`` / ``.b``, and
+    describes them in the record's metadata (:mod:`onnxparam.lora._records`)."""
+    from .lora._records import module_record
 
-    return ModuleRecord.from_module(self)
+    return module_record(self)
 
 
 
@@ -175,6 +177,11 @@ def load_record(self, record, *, report=None) -> "Module":
 def save_file(self, path, metadata: Optional[dict] = None):
     """Write the module's record as a burnpack file (``.bpk`` appended when missing), atomically.
 
+    A module owning named adapters (``add_adapter``) writes every one of them, the active one
+    too, as ``<W>.lora.<name>.a`` / ``.b`` with their scales, layouts and the active name in the
+    file's metadata; :meth:`load_file` puts each back into the adapter of its name
+    (:mod:`onnxparam.lora._records`). Other modules' files are Burn's, unchanged.
+
     For ONNX use :func:`onnxparam.export_onnx`, for safetensors
     :func:`onnxparam.convert.save_safetensors`. A replaced file keeps its permission bits.
 
@@ -188,8 +195,9 @@ def save_file(self, path, metadata: Optional[dict] = None):
         FileNotFoundError: the folder does not exist (it is not created).
     """
     from .burnpack._module_file import save_module_file
+    from .lora._records import module_record
 
-    return save_module_file(self, path, metadata)
+    return save_module_file(self, path, metadata, record=module_record(self))
 
 
 

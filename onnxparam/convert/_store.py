@@ -117,6 +117,22 @@ def apply_record(
     record = as_record(record)
     adapter = resolve_adapter(adapter)
     remapper = KeyRemapper.of(remap)
+    from ..lora._records import carries_named_adapters, load_named_adapters
+
+    if carries_named_adapters(module, record):
+        # named adapters (lora/_records.py): each loads by name into a view of the module where
+        # every adapter's factors are params; the view is applied here, with the caller's options
+        renamed = _renamed(record, remapper, contiguous_indices)
+        if renamed is not None:
+            report = LoadReport() if report is None else report
+
+            def inner(view, translated):
+                return apply_record(view, translated, adapter=adapter, include=include, exclude=exclude, cast=cast,
+                                    allow_partial=allow_partial, source=source, report=report)
+
+            loaded = load_named_adapters(module, renamed, inner, source=source, report=report)
+            report.renamed[:0] = [(old, new) for old, new in zip(record, renamed) if old != new]
+            return loaded
     path_filter = PathFilter(include, exclude)
     to_module_dtype = isinstance(cast, str) and cast.lower() == "module"
     casts = None if to_module_dtype else cast_spec(cast)
@@ -246,6 +262,18 @@ def apply_record(
         error.report = report
         raise error
     return _rebuild(module, matched)
+
+
+def _renamed(record: Mapping, remapper, contiguous_indices: bool) -> "ModuleRecord | None":
+    """``record`` (a :class:`ModuleRecord`, metadata kept) under the names renumbering and
+    ``remapper`` give; ``None`` when two tensors get one name (the plain application reports it)."""
+    renumbered = map_indices_contiguous(record) if contiguous_indices else {n: n for n in record}
+    names = {original: remapper.apply(renumbered[original]) for original in record}
+    if len(set(names.values())) != len(names):
+        return None
+    if all(new == old for old, new in names.items()) and isinstance(record, ModuleRecord):
+        return record
+    return ModuleRecord({names[k]: record[k] for k in record}, getattr(record, "metadata", None))
 
 
 def _rebuild(module, matched: Mapping):

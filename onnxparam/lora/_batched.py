@@ -103,36 +103,43 @@ splitting the rows by adapter (0.95-1.02): the same multiply-adds. At one token 
   factors from memory themselves). No page faults and < 8 us of system time per run in steady state.
 
 Measured alternatives, none kept (batched-form / the rank-16 ``"inputs"`` run at one token per row,
-"beside" the exported form in the same round robin; load 2-6 unless said; the graphs were rewritten
-from a batched export for timing):
+"beside" the exported form in the same round robin; load 2-6 unless said; ``tools/bench_lora_forms.py``
+rewrites a batched export into each form, checks its rows and times it):
 
 * Masking every slot (``x @ a`` of all slots, one ``MatMul`` with the flattened ``b`` stack): 1.44-1.70;
   again as one ``MatMul`` per side (every row by every slot's ``a``, ``[1, rows, d_in] @ a_stack``, then
-  the masked ``[rows, slots * r]`` by ``b_stack`` viewed ``[slots * r, d_out]``) 1.39-1.42; as one-row
+  the masked ``[rows, slots * r]`` by ``b_stack`` viewed ``[slots * r, d_out]``) 1.39-1.43; as one-row
   products broadcast over ``[rows, slots]`` then that flattened ``b`` 1.47-1.49, or ``b`` per slot and a
-  ``ReduceSum`` 1.41-1.42; beside 1.20-1.24. MLAS packs a non-constant B for a product of more than
+  ``ReduceSum`` 1.38-1.42; beside 1.20-1.24. MLAS packs a non-constant B for a product of more than
   one row (in ONNX Runtime's profiler the flattened inner ``b``'s product, 80 x 2048, took ~555 us
   beside ~380 us for that target's ``b`` gather and per-row product); a one-row product
   (``[1, d_in] @ [d_in, r]``, the per-row form at one token) runs unpacked.
-* Reading the four adapters' bytes in the one-adapter form (timing only, not exact): one rank-64
-  adapter, the four adapters' factors side by side, on every row: 1.36-1.38 beside 1.27-1.31 (the same
-  packing); each adapter's rows through its own factors held as separate inputs (no gather; rows
-  split by hand, 13 nodes a target): 1.27-1.31 beside 1.33-1.36. No form that reads four adapters'
-  factors came near 1.15 in these runs.
+* Reading the four adapters' bytes without routing (timing only, not exact): one rank-64 adapter, the
+  four adapters' factors side by side, on every row: 1.26-1.38 beside 1.22-1.31 (the same packing);
+  each adapter's rows through its own factors held as separate inputs (no gather; rows split by
+  hand, 13 nodes a target): 1.16-1.31 beside 1.22-1.36. Reading four adapters' factors where one
+  run reads one adapter's is most of the gap, in every form measured.
 * Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into
-  a grid (``T`` the most rows of one slot), ``MatMul`` broadcasting a stack over the grid, each row's
-  delta gathered back. ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25
-  nodes building the grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a
-  ``GatherND`` back, ~20 shared nodes on ``[rows]`` int64 values): 1.20-1.31 beside 1.24-1.38 in 7 runs of
-  8 (1.19 beside 1.14 in the eighth). The nearest to the target, but the grid copies ``x`` and the
-  delta, so it is 3-4% slower at 64 tokens per row (1.045-1.06 beside 1.01-1.02 in a round robin;
-  even in one blocked run at load 4.5), and it computes
-  every cell of ``T x slots``: capacity 16 (17 slots, 4 used) 1.72 beside 1.17, every row on one
-  adapter 1.81 beside 1.28, both 3.48 beside 1.32. Over the used slots only (``Unique``; the stacks
-  gathered at those, a copy of 4 slots instead of 8 rows): 1.25-1.40 beside 1.24-1.34 (better in 3 runs
-  of 5), 1.16-1.49 beside 1.15-1.32 with 5 of the 8 rows on one adapter. Choosing the grid per run (an
-  ``If`` per target on one token per row) costs more than it saves: 1.31-1.41 beside 1.30-1.38 (the
-  grid alone 1.29-1.31).
+  a grid (``T`` the most rows of one slot; empty cells compute on row 0 and are never read back),
+  ``MatMul`` broadcasting a stack over the grid, each row's delta gathered back.
+  ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25 nodes building the
+  grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a ``GatherND`` back,
+  ~20 shared nodes on ``[rows]`` int64 values): 1.18-1.31 beside 1.22-1.38 in 14 round robins or
+  blocks of 15 (1.19 beside 1.14 in the other). But the grid copies ``x`` and the delta, 3-6% slower at 64 tokens per
+  row (1.045-1.085 beside 1.01-1.03), and it computes every cell of ``T x slots``: capacity 16 (17
+  slots, 4 used) 1.72-1.79 beside 1.17-1.26, every row on one adapter 1.39-1.81 beside 1.15-1.28, both
+  3.48 beside 1.32. Over the used slots only (``Unique``; the stacks gathered at those: a copy per
+  used slot instead of per row, no cell for an unused slot): 1.17-1.40 beside 1.22-1.34 (better in 5
+  runs of 7), capacity 16 1.20-1.43 beside 1.23-1.42, every row on one adapter 1.03-1.06 beside
+  1.15-1.19, but 1.16-1.49 beside 1.15-1.32 with 5 of the 8 rows on one adapter (20 cells for 8 rows)
+  and 1.02-1.05 beside 1.01-1.03 at 64 tokens. Choosing the grid per run with an ``If`` per target
+  (on one token per row) costs about what it saves: 1.21-1.41 beside 1.22-1.38 (the grid alone
+  1.18-1.31); one ``If`` holding the whole graph after the index check twice (the weights stay
+  outer-scope initializers) costs ~1% or nothing: 1.15-1.22 beside 1.22-1.26 (the grid alone
+  1.18-1.21), 1.005-1.026 beside 1.015-1.031 at 64 tokens. That is the candidate left, not built (it
+  doubles the graph's nodes and moves them all into subgraphs): the used-slot grid where its cells
+  (``T x`` used slots) are about the rows, the per-row form elsewhere; a few points at one token per
+  row, short of 1.15 in most runs.
 * Each target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
   1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all
   (``_checked`` and ``_not_negative`` taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's

@@ -139,7 +139,8 @@ def into_record(self):
 
 def try_load_record(self, record, allow_partial: bool = False, *, report=None, source: str = "") -> "Module":
     """A copy holding ``record``'s tensors, through the one record application
-    (:func:`onnxparam.convert.apply_record`, no layout adapter).
+    (:func:`onnxparam.convert.apply_record`, no layout adapter). Named adapters load by name, as
+    in :meth:`try_load_file`.
 
     Args:
         record: path -> ``TensorSnapshot`` / numpy array / ``Tensor`` / torch tensor.
@@ -204,6 +205,12 @@ def save_file(self, path, metadata: Optional[dict] = None):
 def try_load_file(self, path, allow_partial: bool = False, *, report=None) -> "Module":
     """A copy holding the tensors of a burnpack file (lazy, zero-copy reads), through the
     one record application (:func:`onnxparam.convert.apply_record`); ``report`` as there.
+
+    Named adapters (:mod:`onnxparam.lora._records`): each ``<W>.lora.<name>.a`` / ``.b`` of the
+    file loads into the adapter of that name (one the module lacks is added); the module's active
+    adapter stays active (with none active, the file's becomes active). A file's unnamed
+    ``<W>.lora.a`` / ``.b`` goes to the named adapter whose param ids it carries, else to the
+    module's only named adapter; else ``RecordError`` naming the file, tensors and adapters.
 
     For safetensors use :func:`onnxparam.convert.load_safetensors`, for ``.pt``
     :func:`onnxparam.convert.load_pytorch`, for ONNX weights

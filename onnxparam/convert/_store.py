@@ -105,6 +105,10 @@ def apply_record(
         report: a :class:`LoadReport` to fill in (``report = LoadReport(); m = apply_record(m,
             rec, report=report)``); ``None`` when you do not need it.
 
+    A module owning named adapters, or a record describing some (``save_file`` of such a
+    module), loads each adapter by name (:mod:`onnxparam.lora._records`: an adapter the module
+    lacks is added, an old file's unnamed factors go where their param ids say or are refused).
+
     Returns:
         The loaded copy of ``module`` (lazy: no data is read until a value is needed; ids from
         the record where it has them, else the module's).

@@ -106,6 +106,31 @@ def test_each_row_of_a_transformer_encoder_layer_takes_its_adapter(tmp_path, bat
     np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
 
 
+def test_a_symbolic_sequence_length_is_a_symbolic_co_factor(tmp_path):
+    """dynamo with the sequence dynamic too: ``out_proj`` reads ``[seq * batch, d]`` with ``seq``
+    a symbol; the export runs at another sequence length (TorchScript bakes the traced length into
+    the key / value reshapes, so its file runs at that length only)."""
+    torch.manual_seed(0)
+    model = randomize(Encoder(True).eval(), seed=7)
+    path = export(model, (torch.randn(4, 3, 16),), tmp_path / "model.onnx", "dynamo", dynamic={0: "batch", 1: "seq"},
+                  input_names=["x"], output_names=["y"])
+    x = torch.randn(4, 5, 16)
+    outputs = {}
+    for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
+        lora_model = peft_lora(model, TARGETS, r, alpha, seed=40 + k, folder=tmp_path / name)
+        with torch.no_grad():
+            outputs[name] = _merged(model, lora_model, name)(x).numpy()
+    plain = session(path).run(None, {"x": x.numpy()})[0]
+    expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
+    imported = import_onnx(path)
+    module = imported
+    for name in ADAPTERS:
+        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    exported = export_onnx(module, tmp_path / "batched.onnx", x.numpy()[:, :3], lora="batched")
+    got = session(exported).run(None, {"x": x.numpy(), "adapter_index": _index()})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 class Decoder(torch.nn.Module):
     """``TransformerDecoderLayer(16, 2 heads, 32)``: self-attention on ``x`` ``[B, T, 16]``, then
     cross-attention on ``memory`` ``[B, S, 16]`` (TorchScript: the query and key / value

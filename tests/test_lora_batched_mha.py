@@ -148,7 +148,7 @@ class Decoder(torch.nn.Module):
 
 
 @pytest.mark.parametrize("exporter,batch_first", [
-    ("torchscript", False), ("dynamo", True),
+    ("torchscript", False), pytest.param("dynamo", True, marks=pytest.mark.slow),
     pytest.param("torchscript", True, marks=pytest.mark.slow), pytest.param("dynamo", False, marks=pytest.mark.slow)])
 def test_each_row_of_a_transformer_decoder_layer_takes_its_adapter(tmp_path, exporter, batch_first):
     """Both attentions' ``out_proj`` and the feed-forward: the same oracle (torch, merged per row)."""

@@ -35,9 +35,9 @@ batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-f
 branch and its delta back (:meth:`_Target.branch_moved`), one holding the batch as a factor of
 an axis (``nn.MultiheadAttention``'s ``out_proj`` input ``[seq * batch, d]``) is viewed with the
 batch as an axis of its own first (:meth:`_Target.branch_factored`); a ``Conv`` input folding the batch
-(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
-whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
-follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
+(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; sequence-first embedding ids
+are transposed batch-first; an input, ids or (bias) output whose rows are not the batch's (rows
+that mix batch elements, a value the analysis cannot follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
 weight, the node and where the batch axis was lost.
 
 Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of the graph)::

@@ -410,6 +410,8 @@ class _Analysis:
         for node in self.graph:
             self.fold(node)
             self.shape_value(node)
+            for value in node.outputs:  # in graph order: each producer's inputs are known first (no deep recursion)
+                self.mdims(value)
             self.shape_mono(node)
             outs = self.node(node)
             for value, layout in zip(node.outputs, outs):

@@ -170,6 +170,27 @@ def test_adapter_the_target_lacks_is_added(tmp_path, base, data):
         np.testing.assert_allclose(loaded(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, "tool"), atol=2e-5)
 
 
+def test_default_adapter_inactive_or_unnamed(tmp_path, base, data):
+    """``add_adapter`` names unnamed adapters "default": a file whose only adapter is an inactive
+    "default" keeps it (named, inactive) in a bare module; an active one loads into a module with
+    unnamed adapters (``apply_lora``), which stay unnamed."""
+    x, _ = data
+    unnamed = _with_b(base.apply_lora(op.LoraConfig(rank=2, seed=1)), 3)
+    only_default = unnamed.add_adapter("x", _adapters(unnamed)).delete_adapter("x").disable_adapter()
+    assert only_default.lora_adapters.names == ["default"] and only_default.active_adapter is None
+    path = only_default.save_file(tmp_path / "default")
+    loaded = base.load_file(path)
+    assert loaded.lora_adapters.names == ["default"] and loaded.active_adapter is None
+    np.testing.assert_allclose(loaded.set_adapter("default")(Tensor.from_numpy(x)).to_numpy(),
+                               oracle(only_default, x, "default"), atol=2e-5)
+    active = only_default.set_adapter("default").save_file(tmp_path / "active_default")
+    target = base.apply_lora(op.LoraConfig(rank=2, seed=9))  # unnamed, other values
+    into_unnamed = target.load_file(active)
+    assert into_unnamed.lora_adapters.names == [] and into_unnamed.active_adapter is None
+    np.testing.assert_allclose(into_unnamed(Tensor.from_numpy(x)).to_numpy(), oracle(only_default, x, "default"),
+                               atol=2e-5)
+
+
 def test_mismatched_config_or_missing_adapter_is_refused(tmp_path, base):
     path = make(base).save_file(tmp_path / "three")
     other_alpha = make(base).delete_adapter("chat").add_adapter(

@@ -394,6 +394,6 @@ def load_named_adapters(module, record: Mapping, apply: Callable, *, source: str
     if active is None and file_active in new_sets.names and not _current_adapters(loaded):
         active = file_active  # the target chose none: the file's (the saved module computes with it)
     body = new_sets.activate(loaded, active) if active is not None else loaded
-    if not owned and new_sets.names in ([], [DEFAULT_ADAPTER_NAME]):
-        return _owning(body, LoraAdapterSet(), None)  # unnamed adapters stay unnamed
+    if not owned and (not new_sets.names or (new_sets.names == [DEFAULT_ADAPTER_NAME] and active == DEFAULT_ADAPTER_NAME)):
+        return _owning(body, LoraAdapterSet(), None)  # unnamed adapters (on the params) stay unnamed
     return _owning(body, new_sets, active)

@@ -170,6 +170,27 @@ def test_adapter_the_target_lacks_is_added(tmp_path, base, data):
         np.testing.assert_allclose(loaded(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, "tool"), atol=2e-5)
 
 
+def test_default_adapter_inactive_or_unnamed(tmp_path, base, data):
+    """``add_adapter`` names unnamed adapters "default": a file whose only adapter is an inactive
+    "default" keeps it (named, inactive) in a bare module; an active one loads into a module with
+    unnamed adapters (``apply_lora``), which stay unnamed."""
+    x, _ = data
+    unnamed = _with_b(base.apply_lora(op.LoraConfig(rank=2, seed=1)), 3)
+    only_default = unnamed.add_adapter("x", _adapters(unnamed)).delete_adapter("x").disable_adapter()
+    assert only_default.lora_adapters.names == ["default"] and only_default.active_adapter is None
+    path = only_default.save_file(tmp_path / "default")
+    loaded = base.load_file(path)
+    assert loaded.lora_adapters.names == ["default"] and loaded.active_adapter is None
+    np.testing.assert_allclose(loaded.set_adapter("default")(Tensor.from_numpy(x)).to_numpy(),
+                               oracle(only_default, x, "default"), atol=2e-5)
+    active = only_default.set_adapter("default").save_file(tmp_path / "active_default")
+    target = base.apply_lora(op.LoraConfig(rank=2, seed=9))  # unnamed, other values
+    into_unnamed = target.load_file(active)
+    assert into_unnamed.lora_adapters.names == [] and into_unnamed.active_adapter is None
+    np.testing.assert_allclose(into_unnamed(Tensor.from_numpy(x)).to_numpy(), oracle(only_default, x, "default"),
+                               atol=2e-5)
+
+
 def test_mismatched_config_or_missing_adapter_is_refused(tmp_path, base):
     path = make(base).save_file(tmp_path / "three")
     other_alpha = make(base).delete_adapter("chat").add_adapter(
@@ -316,3 +337,28 @@ def test_cli_lora_refuses_a_file_with_named_adapters(tmp_path):
                      "--alpha", "8", "--rank", "2"])
     assert code != 0 and "holds named LoRA adapters ['x', 'y']" in err.getvalue()
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_safetensors_keep_every_named_adapter(tmp_path, base, data):
+    """``save_safetensors`` writes the same named record (the description in ``__metadata__``);
+    ``load_safetensors`` restores each adapter by name. A module without named adapters writes
+    its tensors under Burn's names, as before."""
+    st_load = pytest.importorskip("safetensors.numpy").load_file
+
+    from onnxparam.convert import load_safetensors, save_safetensors
+
+    x, _ = data
+    saved = make(base).set_adapter("sql")
+    save_safetensors(saved, tmp_path / "named.safetensors")
+    assert "fc1.weight.lora.tool.a" in st_load(str(tmp_path / "named.safetensors"))
+    loaded = load_safetensors(make(base).set_adapter("chat"), tmp_path / "named.safetensors")
+    assert loaded.active_adapter == "chat"
+    for name in ("sql", "chat", "tool"):
+        np.testing.assert_allclose(loaded.set_adapter(name)(Tensor.from_numpy(x)).to_numpy(), oracle(saved, x, name),
+                                   atol=2e-5, err_msg=name)
+    plain = _with_b(base.apply_lora(op.LoraConfig(rank=2, seed=1)), 3)
+    save_safetensors(plain, tmp_path / "plain.safetensors")
+    written = st_load(str(tmp_path / "plain.safetensors"))
+    assert sorted(written) == sorted(p for p, _ in plain.named_params())  # Burn's <W>.lora.a / .b
+    for p, v in plain.named_params():
+        np.testing.assert_array_equal(written[p], v.base().to_numpy())  # raw base, adapter apart

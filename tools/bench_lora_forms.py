@@ -26,8 +26,10 @@ Per target the exported form is ``MatMul(MatMul(x, Gather(a_stack, i)), Gather(b
 * ``if grid``: an ``If`` per target, the ``grid`` form when ``S == 1``, the exported one otherwise.
 * ``if all``: one ``If`` holding the whole graph after the index check twice, the ``grid`` form's
   when ``S == 1`` and the exported one's otherwise (the weights stay outer-scope initializers:
-  nothing is copied). A real emission would also pick the exported form when the grid is larger
-  than the rows (``T * slots`` cells: many slots, or most rows on one adapter).
+  nothing is copied).
+* ``if used``: the same with the ``grid used`` form, taken when ``S == 1`` and its cells are at most
+  the rows plus the used slots (``T * U <= rows + U``: not when most rows share one of several
+  adapters), the exported form otherwise.
 * ``groups`` (not an export: rows must come grouped by adapter, as ``--index`` gives them): each
   adapter's rows (``Gather`` of ``x``) through that adapter's own factors held as separate inputs,
   concatenated back: every used adapter's factors read once, no stack copy.
@@ -46,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-FORMS = ("grid", "grid used", "masked packed", "masked rows", "if grid", "if all", "groups", "rank wide")
-EXACT = {"grid", "grid used", "masked packed", "masked rows", "if grid", "if all", "groups"}
+FORMS = ("grid", "grid used", "masked packed", "masked rows", "if grid", "if all", "if used", "groups", "rank wide")
+EXACT = {"grid", "grid used", "masked packed", "masked rows", "if grid", "if all", "if used", "groups"}
 
 
 def _targets(graph):
@@ -229,10 +231,11 @@ def rewrite(path, out, form: str, rows=None):
     return out
 
 
-def if_all(path, out, grid_path):
+def if_all(path, out, grid_path, bounded: bool = False):
     """The export at ``path`` as one ``If`` on ``S == 1`` after the index check: the graph of
-    ``grid_path`` (:func:`rewrite` of ``path`` to ``"grid"``) in one branch, the export's own in the
-    other, each branch's values renamed apart. Saved to ``out``; returns it."""
+    ``grid_path`` (:func:`rewrite` of ``path`` to ``"grid"`` or ``"grid used"``) in one branch, the
+    export's own in the other, each branch's values renamed apart; ``bounded``: the grid only when
+    its cells are at most the rows plus its slots. Saved to ``out``; returns it."""
     import onnx
     from onnx import TensorProto
     from onnx import helper as h
@@ -242,7 +245,7 @@ def if_all(path, out, grid_path):
     nodes = list(exported.graph.node)
     head = next(i for i, node in enumerate(nodes) if index in node.output) + 1
     grid_nodes = list(grid_model.graph.node)[head:]
-    first = next(i for i, node in enumerate(grid_nodes) if node.op_type == "Gather" and node.input[1] == "g.grid")
+    first = next(i for i, node in enumerate(grid_nodes) if not node.output[0].startswith(("f.", "g.", "u.", "m.")))
 
     def branch(body, suffix):
         made = {name for node in body for name in node.output}
@@ -262,10 +265,18 @@ def if_all(path, out, grid_path):
 
     graph = grid_model.graph
     choose = [h.make_node("Shape", [graph.input[0].name], ["c.seq"], start=1, end=2),
-              h.make_node("Equal", ["c.seq", "c.one"], ["c.one_token1"]),
-              h.make_node("Squeeze", ["c.one_token1"], ["c.one_token"]),
-              h.make_node("If", ["c.one_token"], [o.name for o in exported.graph.output],
-                          then_branch=branch(grid_nodes[first:], "@grid"), else_branch=branch(nodes[head:], "@rows"))]
+              h.make_node("Equal", ["c.seq", "c.one"], ["c.one_token1"])]
+    if bounded:
+        slots = "u.slots" if any(node.output[0] == "u.slots" for node in grid_nodes) else "f.slots"
+        choose += [h.make_node("Add", ["g.rows", slots], ["c.room"]),
+                   h.make_node("LessOrEqual", ["g.cells", "c.room"], ["c.fits"]),
+                   h.make_node("And", ["c.one_token1", "c.fits"], ["c.grid1"]),
+                   h.make_node("Squeeze", ["c.grid1"], ["c.one_token"])]
+    else:
+        choose.append(h.make_node("Squeeze", ["c.one_token1"], ["c.one_token"]))
+    choose.append(h.make_node("If", ["c.one_token"], [o.name for o in exported.graph.output],
+                              then_branch=branch(grid_nodes[first:], "@grid"),
+                              else_branch=branch(nodes[head:], "@rows")))
     kept = nodes[:head] + grid_nodes[:first] + choose
     del graph.node[:]
     graph.node.extend(kept)
@@ -342,9 +353,11 @@ def main(argv=None) -> int:
         expected = exported.run(None, feed)[0]
         fns["batched"] = lambda: exported.run(None, feed)
         for form in forms:
-            if form == "if all":
-                grid_path = rewrite(batched_path, folder / "grid-for-if.onnx", "grid", rows)
-                s = session(if_all(batched_path, folder / "if-all.onnx", grid_path))
+            if form in ("if all", "if used"):
+                grid_form = "grid" if form == "if all" else "grid used"
+                grid_path = rewrite(batched_path, folder / "grid-for-if.onnx", grid_form, rows)
+                name = form.replace(" ", "-")
+                s = session(if_all(batched_path, folder / f"{name}.onnx", grid_path, form == "if used"))
             else:
                 s = session(rewrite(batched_path, folder / f"{form.replace(' ', '-')}.onnx", form, rows))
             if form in EXACT:

@@ -351,12 +351,14 @@ def collect_record(module, *, adapter=None, remap=None, include=None, exclude=No
     items: dict[str, TensorSnapshot] = {}
     origin: dict[str, str] = {}
     problems: list[str] = []
-    for path, param in module.named_params():
+    from ..lora._records import module_record, saved_description
+
+    whole = module_record(module)  # Burn's naming; every named adapter by name when the module owns some
+    for path, snap in whole.items():
         if not path_filter.matches(path):
             report.skipped.append(path)
             continue
         owner = _owner(path, types)
-        snap = TensorSnapshot.of_param(param)
         name = remapper.apply(adapter.file_name(path, owner))
         if adapter.transposes(path, owner, tuple(snap.shape)):
             try:
@@ -378,7 +380,7 @@ def collect_record(module, *, adapter=None, remap=None, include=None, exclude=No
         report.saved.append(name)
     if problems:
         raise RecordError(f"cannot save {type(module).__name__}: {len(problems)} problem(s)", problems)
-    return ModuleRecord(items), report
+    return ModuleRecord(items, saved_description(whole, {path: name for name, path in origin.items()})), report
 
 
 def load_safetensors(
@@ -610,5 +612,6 @@ def save_safetensors(
         RecordError: for a name clash or a tensor safetensors cannot hold.
     """
     record, report = collect_record(module, adapter=adapter, remap=remap, include=include, exclude=exclude, cast=cast)
-    report.path = str(write_safetensors(path, record, metadata=metadata, lossless=lossless))
+    metadata = {**record.metadata, **(metadata or {})}
+    report.path = str(write_safetensors(path, record, metadata=metadata or None, lossless=lossless))
     return report

@@ -119,27 +119,29 @@ rewrites a batched export into each form, checks its rows and times it):
   each adapter's rows through its own factors held as separate inputs (no gather; rows split by
   hand, 13 nodes a target): 1.16-1.31 beside 1.22-1.36. Reading four adapters' factors where one
   run reads one adapter's is most of the gap, in every form measured.
-* Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into
-  a grid (``T`` the most rows of one slot; empty cells compute on row 0 and are never read back),
+* Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into a
+  grid (``T`` the most rows of one slot; empty cells compute on row 0 and are never read back),
   ``MatMul`` broadcasting a stack over the grid, each row's delta gathered back.
   ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25 nodes building the
   grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a ``GatherND`` back,
-  ~20 shared nodes on ``[rows]`` int64 values): 1.18-1.31 beside 1.22-1.38 in 14 round robins or
-  blocks of 15 (1.19 beside 1.14 in the other). But the grid copies ``x`` and the delta, 3-6% slower at 64 tokens per
-  row (1.045-1.085 beside 1.01-1.03), and it computes every cell of ``T x slots``: capacity 16 (17
-  slots, 4 used) 1.72-1.79 beside 1.17-1.26, every row on one adapter 1.39-1.81 beside 1.15-1.28, both
-  3.48 beside 1.32. Over the used slots only (``Unique``; the stacks gathered at those: a copy per
-  used slot instead of per row, no cell for an unused slot): 1.17-1.40 beside 1.22-1.34 (better in 5
-  runs of 7), capacity 16 1.20-1.43 beside 1.23-1.42, every row on one adapter 1.03-1.06 beside
-  1.15-1.19, but 1.16-1.49 beside 1.15-1.32 with 5 of the 8 rows on one adapter (20 cells for 8 rows)
-  and 1.02-1.05 beside 1.01-1.03 at 64 tokens. Choosing the grid per run with an ``If`` per target
-  (on one token per row) costs about what it saves: 1.21-1.41 beside 1.22-1.38 (the grid alone
-  1.18-1.31); one ``If`` holding the whole graph after the index check twice (the weights stay
-  outer-scope initializers) costs ~1% or nothing: 1.15-1.22 beside 1.22-1.26 (the grid alone
-  1.18-1.21), 1.005-1.026 beside 1.015-1.031 at 64 tokens. That is the candidate left, not built (it
-  doubles the graph's nodes and moves them all into subgraphs): the used-slot grid where its cells
-  (``T x`` used slots) are about the rows, the per-row form elsewhere; a few points at one token per
-  row, short of 1.15 in most runs.
+  ~20 shared nodes on ``[rows]`` int64 values): 1.18-1.31 beside 1.22-1.38 in 14 round robins or blocks
+  of 15 (1.19 beside 1.14 in the other). But the grid copies ``x`` and the delta, 3-6% slower at 64
+  tokens per row (1.045-1.085 beside 1.01-1.03), and it computes every cell of ``T x slots``: capacity
+  16 (17 slots, 4 used) 1.72-1.79 beside 1.17-1.26, every row on one adapter 1.39-1.81 beside 1.15-1.28,
+  both 3.48 beside 1.32. Over the used slots only (``Unique``; the stacks gathered at those: a copy per
+  used slot instead of per row, no cell for an unused slot): 1.17-1.40 beside 1.21-1.34 (better in 6
+  runs of 9), capacity 16 1.16-1.43 beside 1.20-1.42, every row on one adapter 1.03-1.12 beside
+  1.15-1.22, but 1.16-1.49 beside 1.15-1.33 with 5 of the 8 rows on one adapter (20 cells for 8 rows)
+  and 1.02-1.10 beside 1.01-1.04 at 64 tokens. Choosing the grid per run with an ``If`` per target (on
+  one token per row) costs about what it saves: 1.21-1.41 beside 1.22-1.38 (the grid alone 1.18-1.31);
+  one ``If`` holding the whole graph after the index check twice (the weights stay outer-scope
+  initializers) costs ~1% or nothing: 1.15-1.22 beside 1.21-1.26 (the grid alone 1.18-1.21), 0.96-1.03
+  beside 1.01-1.04 at 64 tokens (its per-row branch). Taking the used-slot grid that way only when its
+  cells are at most the rows plus the used slots (else the per-row branch): 1.20-1.23 beside 1.21-1.22,
+  capacity 16 1.15-1.17 beside 1.20-1.22, every row on one adapter 1.10 beside 1.19-1.22, but 1.35
+  beside 1.29-1.33 with 5 of the 8 rows on one adapter (the per-row branch, after the grid's ~22 nodes
+  and the ``If``). Not built (it doubles the graph's nodes and moves them all into subgraphs, for a few
+  points at best, short of 1.15).
 * Each target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
   1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all
   (``_checked`` and ``_not_negative`` taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's

@@ -1,4 +1,5 @@
-"""Records (``into_record``, ``save_file``, ``load_record``, ``load_file``) of a module that owns
+"""Records (``into_record``, ``save_file``, ``load_record``, ``load_file``; ``save_safetensors`` /
+``load_safetensors`` too, the description in ``__metadata__``) of a module that owns
 named adapters (:func:`~onnxparam.lora._adapters.add_adapter`): every adapter is saved, and each
 loads back into the adapter of its name.
 
@@ -63,7 +64,8 @@ from ._adapters import (
     conv_adapter_groups,
 )
 
-__all__ = ["LORA_METADATA_KEY", "module_record", "carries_named_adapters", "load_named_adapters", "factor_name"]
+__all__ = ["LORA_METADATA_KEY", "module_record", "saved_description", "carries_named_adapters", "load_named_adapters",
+           "factor_name"]
 
 LORA_METADATA_KEY = "onnxparam_lora_adapters"
 """Record / burnpack metadata key of the named adapters' JSON description (module docstring)."""
@@ -135,6 +137,28 @@ def module_record(module) -> ModuleRecord:
                             for path, adapter in sets.adapters(name).items()} for name in sets.names},
     }
     return ModuleRecord(items, {LORA_METADATA_KEY: json.dumps(description, separators=(",", ":"), ensure_ascii=False)})
+
+
+def saved_description(record: ModuleRecord, saved: Mapping) -> dict:
+    """The metadata to write with the part of ``record`` (:func:`module_record`) that a writer
+    kept: ``saved`` maps record paths to the names written. The description lists only the
+    adapters whose factors were both written under their own names (a filter or a rename of
+    the others would make them unreadable by name); ``{}`` when none is left or none was there."""
+    raw = record.metadata.get(LORA_METADATA_KEY)
+    if raw is None:
+        return {}
+    description = json.loads(raw)
+    kept = {}
+    for name, paths in description["adapters"].items():
+        mine = {path: info for path, info in paths.items()
+                if all(saved.get(factor_name(path, name, slot)) == factor_name(path, name, slot) for slot in "ab")}
+        if mine:
+            kept[name] = mine
+    if not kept:
+        return {}
+    active = description.get("active") if description.get("active") in kept else None
+    return {LORA_METADATA_KEY: json.dumps({**description, "active": active, "adapters": kept}, separators=(",", ":"),
+                                          ensure_ascii=False)}
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -370,6 +394,6 @@ def load_named_adapters(module, record: Mapping, apply: Callable, *, source: str
     if active is None and file_active in new_sets.names and not _current_adapters(loaded):
         active = file_active  # the target chose none: the file's (the saved module computes with it)
     body = new_sets.activate(loaded, active) if active is not None else loaded
-    if not owned and new_sets.names in ([], [DEFAULT_ADAPTER_NAME]):
-        return _owning(body, LoraAdapterSet(), None)  # unnamed adapters stay unnamed
+    if not owned and (not new_sets.names or (new_sets.names == [DEFAULT_ADAPTER_NAME] and active == DEFAULT_ADAPTER_NAME)):
+        return _owning(body, LoraAdapterSet(), None)  # unnamed adapters (on the params) stay unnamed
     return _owning(body, new_sets, active)

@@ -128,16 +128,19 @@ def valid(self) -> "Module":
 
 
 def into_record(self):
-    """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized)."""
-    from .core.record import ModuleRecord
+    """The module's :class:`~onnxparam.ModuleRecord` (lazy: no param is initialized). A module
+    owning named adapters records every one of them by name, ``<W>.lora.<name>.a`` / ``.b``, and
+    describes them in the record's metadata (:mod:`onnxparam.lora._records`)."""
+    from .lora._records import module_record
 
-    return ModuleRecord.from_module(self)
+    return module_record(self)
 
 
 
 def try_load_record(self, record, allow_partial: bool = False, *, report=None, source: str = "") -> "Module":
     """A copy holding ``record``'s tensors, through the one record application
-    (:func:`onnxparam.convert.apply_record`, no layout adapter).
+    (:func:`onnxparam.convert.apply_record`, no layout adapter). Named adapters load by name, as
+    in :meth:`try_load_file`.
 
     Args:
         record: path -> ``TensorSnapshot`` / numpy array / ``Tensor`` / torch tensor.
@@ -175,6 +178,11 @@ def load_record(self, record, *, report=None) -> "Module":
 def save_file(self, path, metadata: Optional[dict] = None):
     """Write the module's record as a burnpack file (``.bpk`` appended when missing), atomically.
 
+    A module owning named adapters (``add_adapter``) writes every one of them, the active one
+    too, as ``<W>.lora.<name>.a`` / ``.b`` with their scales, layouts and the active name in the
+    file's metadata; :meth:`load_file` puts each back into the adapter of its name
+    (:mod:`onnxparam.lora._records`). Other modules' files are Burn's, unchanged.
+
     For ONNX use :func:`onnxparam.export_onnx`, for safetensors
     :func:`onnxparam.convert.save_safetensors`. A replaced file keeps its permission bits.
 
@@ -188,14 +196,21 @@ def save_file(self, path, metadata: Optional[dict] = None):
         FileNotFoundError: the folder does not exist (it is not created).
     """
     from .burnpack._module_file import save_module_file
+    from .lora._records import module_record
 
-    return save_module_file(self, path, metadata)
+    return save_module_file(self, path, metadata, record=module_record(self))
 
 
 
 def try_load_file(self, path, allow_partial: bool = False, *, report=None) -> "Module":
     """A copy holding the tensors of a burnpack file (lazy, zero-copy reads), through the
     one record application (:func:`onnxparam.convert.apply_record`); ``report`` as there.
+
+    Named adapters (:mod:`onnxparam.lora._records`): each ``<W>.lora.<name>.a`` / ``.b`` of the
+    file loads into the adapter of that name (one the module lacks is added); the module's active
+    adapter stays active (with none active, the file's becomes active). A file's unnamed
+    ``<W>.lora.a`` / ``.b`` goes to the named adapter whose param ids it carries, else to the
+    module's only named adapter; else ``RecordError`` naming the file, tensors and adapters.
 
     For safetensors use :func:`onnxparam.convert.load_safetensors`, for ``.pt``
     :func:`onnxparam.convert.load_pytorch`, for ONNX weights

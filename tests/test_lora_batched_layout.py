@@ -98,13 +98,13 @@ class SeqFirstGru(torch.nn.Module):
         return self.head(self.gru(self.fc(x).transpose(0, 1))[0]).transpose(0, 1)
 
 
-def _setup(model, x, targets, tmp_path, exporter="torchscript"):
+def _setup(model, x, targets, tmp_path, exporter="torchscript", lora_bias=False):
     """``(module with the named adapters, per-row PEFT outputs, the torch input as numpy)``."""
     randomize(model.eval(), seed=7)
     path = export(model, (x,), tmp_path / "model.onnx", exporter, dynamic={0: "batch"}, input_names=["x"],
                   output_names=["y"])
     for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
-        peft_lora(model, targets, r, alpha, seed=40 + k, folder=tmp_path / name)
+        peft_lora(model, targets, r, alpha, seed=40 + k, folder=tmp_path / name, lora_bias=lora_bias)
     reference = peft_with_adapters(model, {name: tmp_path / name for name in ADAPTERS})
     rows = []
     with torch.no_grad():
@@ -153,9 +153,12 @@ def test_rows_flattened_in_sequence_major_order_take_each_rows_adapter(tmp_path)
     _both(module, x, tmp_path, expected)
 
 
-def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path):
+@pytest.mark.parametrize("lora_bias", [False, True])
+def test_a_conv_whose_input_folds_the_batch_takes_each_rows_adapter(tmp_path, lora_bias):
+    """``lora_bias``: the conv's bias adapter too, added per row to the ``[batch * T, C, L]``
+    output (refused before)."""
     torch.manual_seed(0)
-    module, expected, x = _setup(FoldedConv(), torch.randn(4, 3, 2, 5), ["conv"], tmp_path)
+    module, expected, x = _setup(FoldedConv(), torch.randn(4, 3, 2, 5), ["conv"], tmp_path, lora_bias=lora_bias)
     _both(module, x, tmp_path, expected)
 
 

@@ -4,7 +4,7 @@ inside its attention and feeds ``out_proj`` ``[seq * batch, d]`` (the batch the 
 with ``batch_first`` True and False. Every target (``out_proj`` and the feed-forward ``linear1`` /
 ``linear2`` after it) takes each row's adapter, in the ``lora="batched"`` export (plain ONNX
 Runtime) and in ``module(x, adapter_index=...)``, from files written by torch's TorchScript and
-dynamo exporters.
+dynamo exporters; and a ``TransformerDecoderLayer`` (self- and cross-attention, two inputs).
 
 Oracle: torch itself with each adapter merged, ``W + scale * B @ A`` for the row's adapter
 (``scale = alpha / r``), the factors drawn by PEFT. PEFT cannot be the oracle here: its LoRA on
@@ -16,6 +16,7 @@ mixed batches (``adapter_names=``). "No adapter" rows equal plain ONNX Runtime o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -24,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from torch_peft import export, peft_lora, randomize, session  # noqa: E402
+from torch_peft import export, peft_lora, quiet, randomize, session  # noqa: E402
 
 from onnxparam import LoraError, Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 
@@ -102,6 +103,85 @@ def test_each_row_of_a_transformer_encoder_layer_takes_its_adapter(tmp_path, bat
     np.testing.assert_allclose(run.run(None, {"x": x[:2], "adapter_index": _index()[:2]})[0], expected[:2],
                                atol=ATOL, rtol=0)
     called = module(Tensor.from_numpy(x), adapter_index=ROWS).to_numpy()
+    np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
+
+
+def test_a_symbolic_sequence_length_is_a_symbolic_co_factor(tmp_path):
+    """dynamo with the sequence dynamic too: ``out_proj`` reads ``[seq * batch, d]`` with ``seq``
+    a symbol; the export runs at another sequence length (TorchScript bakes the traced length into
+    the key / value reshapes, so its file runs at that length only)."""
+    torch.manual_seed(0)
+    model = randomize(Encoder(True).eval(), seed=7)
+    path = export(model, (torch.randn(4, 3, 16),), tmp_path / "model.onnx", "dynamo", dynamic={0: "batch", 1: "seq"},
+                  input_names=["x"], output_names=["y"])
+    x = torch.randn(4, 5, 16)
+    outputs = {}
+    for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
+        lora_model = peft_lora(model, TARGETS, r, alpha, seed=40 + k, folder=tmp_path / name)
+        with torch.no_grad():
+            outputs[name] = _merged(model, lora_model, name)(x).numpy()
+    plain = session(path).run(None, {"x": x.numpy()})[0]
+    expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
+    imported = import_onnx(path)
+    module = imported
+    for name in ADAPTERS:
+        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    exported = export_onnx(module, tmp_path / "batched.onnx", x.numpy()[:, :3], lora="batched")
+    got = session(exported).run(None, {"x": x.numpy(), "adapter_index": _index()})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+class Decoder(torch.nn.Module):
+    """``TransformerDecoderLayer(16, 2 heads, 32)``: self-attention on ``x`` ``[B, T, 16]``, then
+    cross-attention on ``memory`` ``[B, S, 16]`` (TorchScript: the query and key / value
+    projections are slices of ``in_proj_weight``)."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.layer = torch.nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=batch_first)
+
+    def forward(self, x, memory):
+        if self.batch_first:
+            return self.layer(x, memory)
+        return self.layer(x.transpose(0, 1), memory.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("exporter,batch_first", [
+    ("torchscript", False), pytest.param("dynamo", True, marks=pytest.mark.slow),
+    pytest.param("torchscript", True, marks=pytest.mark.slow), pytest.param("dynamo", False, marks=pytest.mark.slow)])
+def test_each_row_of_a_transformer_decoder_layer_takes_its_adapter(tmp_path, exporter, batch_first):
+    """Both attentions' ``out_proj`` and the feed-forward: the same oracle (torch, merged per row)."""
+    torch.manual_seed(0)
+    model = randomize(Decoder(batch_first).eval(), seed=7)
+    x, memory = torch.randn(4, 3, 16), torch.randn(4, 5, 16)
+    path = tmp_path / "model.onnx"
+    with quiet(), contextlib.redirect_stdout(None):
+        if exporter == "dynamo":
+            batch = torch.export.Dim("batch")
+            torch.onnx.export(model, (x, memory), str(path), dynamo=True, dynamic_shapes=({0: batch}, {0: batch}),
+                              input_names=["x", "memory"], verbose=False)
+        else:
+            torch.onnx.export(model, (x, memory), str(path), dynamo=False, input_names=["x", "memory"],
+                              dynamic_axes={"x": {0: "batch"}, "memory": {0: "batch"}})
+    outputs = {}
+    for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
+        lora_model = peft_lora(model, TARGETS, r, alpha, seed=40 + k, folder=tmp_path / name)
+        with torch.no_grad():
+            outputs[name] = _merged(model, lora_model, name)(x, memory).numpy()
+    feeds = {"x": x.numpy(), "memory": memory.numpy()}
+    plain = session(path).run(None, feeds)[0]
+    expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
+    imported = import_onnx(path)
+    module = imported
+    for name in ADAPTERS:
+        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    assert {"layer.self_attn.out_proj.weight", "layer.multihead_attn.out_proj.weight"} <= set(
+        module.lora_adapters.adapters("s1"))  # both attentions' out_proj are adapted
+    exported = export_onnx(module, tmp_path / "batched.onnx", feeds["x"], feeds["memory"], lora="batched")
+    got = session(exported).run(None, {**feeds, "adapter_index": _index()})[0]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    called = module(Tensor.from_numpy(feeds["x"]), Tensor.from_numpy(feeds["memory"]), adapter_index=ROWS).to_numpy()
     np.testing.assert_allclose(called, expected, atol=ATOL, rtol=0)
 
 

@@ -570,9 +570,10 @@ LORA_BATCHED_SINGLE_TARGET = 1.15
 one token per row: measured 1.20-1.38 (thread CPU time, load 2-9; 1.14 once in a blocked run). The
 batched run reads each row's factors (four adapters' bytes instead of one's) and first copies them
 (per-row ``Gather`` s, 1-14%): the same graph without its gathers, printed beside it, measured
-1.14-1.27. Every other form measured (masking every slot, rows grouped by slot, one wide adapter
-holding the four adapters' bytes, an ``If`` choosing per run) is as slow, or slower in some case
-(:mod:`onnxparam.lora._batched`, "Cost")."""
+1.14-1.27. Every other form measured (``tools/bench_lora_forms.py``: masking every slot, rows grouped
+by slot, one wide adapter holding the four adapters' bytes, an ``If`` choosing per run) is as slow,
+or slower at 64 tokens, at a larger capacity or on a skewed batch, and none reached 1.15 in most
+runs (:mod:`onnxparam.lora._batched`, "Cost")."""
 
 
 LORA_BATCHED_MODULE_TARGET = 1.05
@@ -581,31 +582,42 @@ batch (the module's session feeds the stacks; the plain one reads its defaults):
 overhead, as :data:`MNIST_TARGETS` at batch 1."""
 
 
+def lora_batched_base():
+    """The ``lora-batched`` cases' base model: one transformer encoder layer of width
+    :data:`LORA_WIDTH` (feed-forward 4x), :data:`LORA_HEADS` heads, no dropout."""
+    from onnxparam.nn import TransformerEncoder
+
+    return TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
+
+
+def lora_batched_adapters(base, seed: int):
+    """``(module, names)``: ``base`` with the named adapters of :data:`LORA_BATCHED_RANKS` on its
+    attention and feed-forward weights (``alpha = 2 * rank``), factors drawn from ``seed``."""
+    from onnxparam import LoraConfig, Param, ParamGroup, Tensor
+
+    weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
+    module, names = base, []
+    for i, rank in enumerate(LORA_BATCHED_RANKS):
+        rng = np.random.default_rng(seed + i)
+        adapted = base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=i, param_group=weights)).map(
+            lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.05, size=p.lazy_shape()).astype(
+                np.float32))) if path.endswith((".lora.a", ".lora.b")) else p)
+        names.append(f"a{i}-r{rank}")
+        module = module.add_adapter(names[-1], adapted)
+    return module, names
+
+
 def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
     """Many adapters in one batch (the ``lora`` section runs it; ``lora-batched`` alone), at
     each sequence length of :data:`LORA_BATCHED_SEQS`."""
-    from onnxparam import LoraConfig, Param, ParamGroup, Tensor, runtime
-    from onnxparam.nn import TransformerEncoder
+    from onnxparam import runtime
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_lora_bind import bind_switch_cases
 
     config = runtime.SessionConfig(intra_op_num_threads=args.threads)
-    base = TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
-    weights = ParamGroup.from_regex(r"\.(mha|pwff)\.[a-z_]+\.weight$")
-
-    def adapter_set(seed):  # the named adapters of LORA_BATCHED_RANKS over base, factors drawn from seed
-        module, names = base, []
-        for i, rank in enumerate(LORA_BATCHED_RANKS):
-            rng = np.random.default_rng(seed + i)
-            adapted = base.apply_lora(LoraConfig(rank=rank, alpha=2.0 * rank, seed=i, param_group=weights)).map(
-                lambda path, p: Param(p.id, value=Tensor.from_numpy(rng.normal(0, 0.05, size=p.lazy_shape()).astype(
-                    np.float32))) if path.endswith((".lora.a", ".lora.b")) else p)
-            names.append(f"a{i}-r{rank}")
-            module = module.add_adapter(names[-1], adapted)
-        return module, names
-
-    module, names = adapter_set(100)
+    base = lora_batched_base()
+    module, names = lora_batched_adapters(base, 100)
     rows = np.repeat(np.arange(1, len(names) + 1), LORA_BATCHED_ROWS // len(names)).astype(np.int64)
     results = []
     for seq in LORA_BATCHED_SEQS:
@@ -614,7 +626,7 @@ def bench_lora_batched(args: argparse.Namespace) -> list[Result]:
         results += _bench_lora_batched_at(module, names, rows, x, config, repeats, base)
     x = np.random.default_rng(0).normal(size=(LORA_BATCHED_ROWS, 1, LORA_WIDTH)).astype(np.float32)
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-bind-") as tmp:
-        results += bind_switch_cases(Result, (module, adapter_set(200)[0]), rows, x, config, Path(tmp),
+        results += bind_switch_cases(Result, (module, lora_batched_adapters(base, 200)[0]), rows, x, config, Path(tmp),
                                      max(args.repeats // 20, 5), LORA_SWITCH_TARGET, args.repeats,
                                      LORA_SWITCH_RUN_TARGET)
     return results

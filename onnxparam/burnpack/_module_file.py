@@ -118,11 +118,13 @@ def record_entries(record: ModuleRecord) -> Iterator[_Entry]:
 
 
 
-def save_module_file(module, path, metadata: Optional[dict] = None) -> Path:
+def save_module_file(module, path, metadata: Optional[dict] = None, *, record: Optional[ModuleRecord] = None) -> Path:
     """Write ``module``'s record to a burnpack file, streaming one tensor at a time, atomically.
 
-    Default metadata (``format``, ``producer``, ``version``) is added; ``metadata`` entries are
-    kept beside it. ``.bpk`` is appended when ``path`` has no suffix.
+    Default metadata (``format``, ``producer``, ``version``) is added, then the record's own
+    metadata, then ``metadata``'s entries. ``.bpk`` is appended when ``path`` has no suffix.
+    ``record``: the record to write (``Module.save_file`` passes one that holds every named
+    adapter); ``ModuleRecord.from_module(module)`` when ``None``.
 
     Raises:
         RecordError: ``path`` ends in ``.onnx`` or ``.safetensors`` (this writes burnpack only;
@@ -141,7 +143,9 @@ def save_module_file(module, path, metadata: Optional[dict] = None) -> Path:
             f"'{BURNPACK_EXTENSION}' name"
         )
     meta = {"format": "burnpack", "producer": "onnxparam", "version": __version__}
+    record = ModuleRecord.from_module(module) if record is None else record
+    meta.update(record.metadata)
     meta.update(metadata or {})
-    write(target, record_entries(ModuleRecord.from_module(module)), metadata=meta)
+    write(target, record_entries(record), metadata=meta)
     return target
 

@@ -3,6 +3,7 @@
 ``lora="inputs"``)."""
 
 import argparse
+import re
 import warnings
 from pathlib import Path
 
@@ -82,6 +83,14 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
 def _factor_shapes(path: Path, fmt: str) -> dict:
     """``param path -> rank`` for every ``<param>.lora.a`` in a weights file's header."""
     tensors = _source_tensors(path, fmt)
+    names = {name for name, _, _ in tensors}
+    named = sorted({m.group(2) for name in names if (m := re.match(r"^(.+)\.lora\.(.+)\.a$", name)) and m.group(1) in names})
+    if named:
+        raise ValueError(
+            f"'{path}' holds named LoRA adapters {named} (<param>.lora.<name>.a/.b: the save_file of a module with "
+            "add_adapter), and this command reads one unnamed adapter (<param>.lora.a/.b); from Python, write the "
+            "one you want with onnxparam.save_peft_adapter(module, folder, adapter_name=...) or "
+            "onnxparam.write_onnx_adapter, or export with onnxparam.export_onnx")
     ranks = {}
     for name, shape, _ in tensors:
         if name.endswith(".lora.a"):

@@ -105,6 +105,10 @@ def apply_record(
         report: a :class:`LoadReport` to fill in (``report = LoadReport(); m = apply_record(m,
             rec, report=report)``); ``None`` when you do not need it.
 
+    A module owning named adapters, or a record describing some (``save_file`` of such a
+    module), loads each adapter by name (:mod:`onnxparam.lora._records`: an adapter the module
+    lacks is added, an old file's unnamed factors go where their param ids say or are refused).
+
     Returns:
         The loaded copy of ``module`` (lazy: no data is read until a value is needed; ids from
         the record where it has them, else the module's).
@@ -117,6 +121,22 @@ def apply_record(
     record = as_record(record)
     adapter = resolve_adapter(adapter)
     remapper = KeyRemapper.of(remap)
+    from ..lora._records import carries_named_adapters, load_named_adapters
+
+    if carries_named_adapters(module, record):
+        # named adapters (lora/_records.py): each loads by name into a view of the module where
+        # every adapter's factors are params; the view is applied here, with the caller's options
+        renamed = _renamed(record, remapper, contiguous_indices)
+        if renamed is not None:
+            report = LoadReport() if report is None else report
+
+            def inner(view, translated):
+                return apply_record(view, translated, adapter=adapter, include=include, exclude=exclude, cast=cast,
+                                    allow_partial=allow_partial, source=source, report=report)
+
+            loaded = load_named_adapters(module, renamed, inner, source=source, report=report)
+            report.renamed[:0] = [(old, new) for old, new in zip(record, renamed) if old != new]
+            return loaded
     path_filter = PathFilter(include, exclude)
     to_module_dtype = isinstance(cast, str) and cast.lower() == "module"
     casts = None if to_module_dtype else cast_spec(cast)
@@ -248,6 +268,18 @@ def apply_record(
     return _rebuild(module, matched)
 
 
+def _renamed(record: Mapping, remapper, contiguous_indices: bool) -> "ModuleRecord | None":
+    """``record`` (a :class:`ModuleRecord`, metadata kept) under the names renumbering and
+    ``remapper`` give; ``None`` when two tensors get one name (the plain application reports it)."""
+    renumbered = map_indices_contiguous(record) if contiguous_indices else {n: n for n in record}
+    names = {original: remapper.apply(renumbered[original]) for original in record}
+    if len(set(names.values())) != len(names):
+        return None
+    if all(new == old for old, new in names.items()) and isinstance(record, ModuleRecord):
+        return record
+    return ModuleRecord({names[k]: record[k] for k in record}, getattr(record, "metadata", None))
+
+
 def _rebuild(module, matched: Mapping):
     """A copy of ``module`` whose params at ``matched``'s paths take those (checked) snapshots,
     each through ``Param.transform_for_load``; no data is read here."""
@@ -319,12 +351,14 @@ def collect_record(module, *, adapter=None, remap=None, include=None, exclude=No
     items: dict[str, TensorSnapshot] = {}
     origin: dict[str, str] = {}
     problems: list[str] = []
-    for path, param in module.named_params():
+    from ..lora._records import module_record, saved_description
+
+    whole = module_record(module)  # Burn's naming; every named adapter by name when the module owns some
+    for path, snap in whole.items():
         if not path_filter.matches(path):
             report.skipped.append(path)
             continue
         owner = _owner(path, types)
-        snap = TensorSnapshot.of_param(param)
         name = remapper.apply(adapter.file_name(path, owner))
         if adapter.transposes(path, owner, tuple(snap.shape)):
             try:
@@ -346,7 +380,7 @@ def collect_record(module, *, adapter=None, remap=None, include=None, exclude=No
         report.saved.append(name)
     if problems:
         raise RecordError(f"cannot save {type(module).__name__}: {len(problems)} problem(s)", problems)
-    return ModuleRecord(items), report
+    return ModuleRecord(items, saved_description(whole, {path: name for name, path in origin.items()})), report
 
 
 def load_safetensors(
@@ -578,5 +612,6 @@ def save_safetensors(
         RecordError: for a name clash or a tensor safetensors cannot hold.
     """
     record, report = collect_record(module, adapter=adapter, remap=remap, include=include, exclude=exclude, cast=cast)
-    report.path = str(write_safetensors(path, record, metadata=metadata, lossless=lossless))
+    metadata = {**record.metadata, **(metadata or {})}
+    report.path = str(write_safetensors(path, record, metadata=metadata or None, lossless=lossless))
     return report

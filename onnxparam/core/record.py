@@ -49,7 +49,9 @@ class ModuleRecord(Mapping, RecordVerbs):
 
     @staticmethod
     def from_module(module) -> "ModuleRecord":
-        """The record of ``module`` in traversal order; no lazy param is initialized."""
+        """The record of ``module`` in traversal order (Burn's naming: the adapters on the params,
+        ``<W>.lora.a`` / ``.b``); no lazy param is initialized. ``module.into_record()`` also holds
+        a module's inactive named adapters (:mod:`onnxparam.lora._records`)."""
         return ModuleRecord({path: TensorSnapshot.of_param(p) for path, p in module.named_params()})
 
 def _dtype_fits(expected: DType, found: DType) -> bool:

@@ -410,6 +410,8 @@ class _Analysis:
         for node in self.graph:
             self.fold(node)
             self.shape_value(node)
+            for value in node.outputs:  # in graph order: each producer's inputs are known first (no deep recursion)
+                self.mdims(value)
             self.shape_mono(node)
             outs = self.node(node)
             for value, layout in zip(node.outputs, outs):
@@ -1185,7 +1187,46 @@ class _Analysis:
         if op in _ELEMENTWISE or op in _LAST_AXIS and op not in ("TopK", "ArgMax", "ArgMin"):
             parts = [self.mdims(v) for v in (ins[:1] if op in _LAST_AXIS else ins) if v is not None]
             return None if any(p is None for p in parts) else self._broadcast_monos(parts)
+        if op == "Slice" and len(ins) >= 3:
+            starts, ends = self.int_entries(ins[1]), self.int_entries(ins[2])  # torch: ends from Shape too
+            axes = self.const(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+            steps = self.const(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+            if starts is None or ends is None:
+                return None
+            starts, ends = np.ravel(starts), np.ravel(ends)
+            axes = np.ravel(axes) if axes is not None else np.arange(len(starts))
+            steps = np.ravel(steps) if steps is not None else np.ones(len(starts), dtype=np.int64)
+            out = list(src)
+            for start, end, axis, step in zip(starts, ends, axes, steps):
+                axis = int(axis) + len(src) if int(axis) < 0 else int(axis)
+                start, end, step = int(start), int(end), int(step)
+                if start == 0 and step == 1 and end >= 2 ** 31 - 1:
+                    continue  # the whole axis
+                size = src[axis]
+                out[axis] = _mono(len(range(*slice(start, end, step).indices(size[0])))) if not size[1] else None
+            return out
+        if op == "Split":
+            axis = int(_attr(node, "axis", 0))
+            axis = axis + len(src) if axis < 0 else axis
+            sizes = self.const(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+            sizes = [int(v) for v in np.ravel(sizes)] if sizes is not None else _attr(node, "split")
+            index = next((i for i, o in enumerate(node.outputs) if o is value), None)
+            if index is None:
+                return None
+            if sizes:
+                part = _mono(int(sizes[index]))
+            else:
+                part = _div(src[axis], _mono(len(node.outputs)))
+            return src[:axis] + [part] + src[axis + 1:]
         return None
+
+    def int_entries(self, value) -> Optional[np.ndarray]:
+        """A 1-d / scalar int value's entries when every one is a known int (a constant, or
+        computed from static dims through :meth:`shape_mono`), else ``None``."""
+        entries = self.smonos_of(value)
+        if entries is None or any(e is None or e[1] for e in entries):
+            return None
+        return np.asarray([e[0] for e in entries], dtype=np.int64)
 
     @staticmethod
     def _broadcast_monos(parts: list) -> Optional[list]:

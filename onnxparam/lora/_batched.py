@@ -35,9 +35,9 @@ batch on another axis (sequence-first ``[seq, batch, d]``) is transposed batch-f
 branch and its delta back (:meth:`_Target.branch_moved`), one holding the batch as a factor of
 an axis (``nn.MultiheadAttention``'s ``out_proj`` input ``[seq * batch, d]``) is viewed with the
 batch as an axis of its own first (:meth:`_Target.branch_factored`); a ``Conv`` input folding the batch
-(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; an input, ids or (bias) output
-whose rows are not the batch's (rows permuted then flattened, a value the analysis cannot
-follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
+(``[batch * T, C, L]``) is masked per ``[batch, T]`` block; sequence-first embedding ids
+are transposed batch-first; an input, ids or (bias) output whose rows are not the batch's (rows
+that mix batch elements, a value the analysis cannot follow, a subgraph's) is refused with a :class:`~onnxparam.core.errors.LoraError` naming the
 weight, the node and where the batch axis was lost.
 
 Graph, per target (``rows = Shape(adapter_index)``; ``Gather`` s at the top of the graph)::
@@ -74,7 +74,8 @@ merged weight's::
 A **bias** ``(d_out,)`` with an adapter ``a`` ``(1, r)``, ``b`` ``(r, d_out)`` (PEFT's
 ``lora_bias``: ``a = [[1]]``, ``b = lora_B.bias``), added by an ``Add``, as a ``Gemm``'s C
 (times ``beta``) or a ``Conv``'s B, adds ``a_stack[i_n] @ b_stack[i_n]`` to row ``n`` along the
-channel axis (last; dim 1 for a ``Conv``). Any other use is refused with a
+channel axis (last; dim 1 for a ``Conv``; a ``Conv`` output folding the batch, ``[batch * m, d_out,
+...]``, viewed ``[rows, m, d_out, ...]``: :meth:`_Target.bias_folded`). Any other use is refused with a
 :class:`~onnxparam.core.errors.LoraError` naming the weight and the node.
 
 Cost (ONNX Runtime 1.32, CPU, one thread; ``tools/bench.py lora-batched --threads 1``: width 512, 8
@@ -102,36 +103,45 @@ splitting the rows by adapter (0.95-1.02): the same multiply-adds. At one token 
   factors from memory themselves). No page faults and < 8 us of system time per run in steady state.
 
 Measured alternatives, none kept (batched-form / the rank-16 ``"inputs"`` run at one token per row,
-"beside" the exported form in the same round robin; load 2-6 unless said; the graphs were rewritten
-from a batched export for timing):
+"beside" the exported form in the same round robin; load 2-6 unless said; ``tools/bench_lora_forms.py``
+rewrites a batched export into each form, checks its rows and times it):
 
 * Masking every slot (``x @ a`` of all slots, one ``MatMul`` with the flattened ``b`` stack): 1.44-1.70;
   again as one ``MatMul`` per side (every row by every slot's ``a``, ``[1, rows, d_in] @ a_stack``, then
-  the masked ``[rows, slots * r]`` by ``b_stack`` viewed ``[slots * r, d_out]``) 1.39-1.42; as one-row
+  the masked ``[rows, slots * r]`` by ``b_stack`` viewed ``[slots * r, d_out]``) 1.39-1.43; as one-row
   products broadcast over ``[rows, slots]`` then that flattened ``b`` 1.47-1.49, or ``b`` per slot and a
-  ``ReduceSum`` 1.41-1.42; beside 1.20-1.24. MLAS packs a non-constant B for a product of more than
+  ``ReduceSum`` 1.38-1.42; beside 1.20-1.24. MLAS packs a non-constant B for a product of more than
   one row (in ONNX Runtime's profiler the flattened inner ``b``'s product, 80 x 2048, took ~555 us
   beside ~380 us for that target's ``b`` gather and per-row product); a one-row product
   (``[1, d_in] @ [d_in, r]``, the per-row form at one token) runs unpacked.
-* Reading the four adapters' bytes in the one-adapter form (timing only, not exact): one rank-64
-  adapter, the four adapters' factors side by side, on every row: 1.36-1.38 beside 1.27-1.31 (the same
-  packing); each adapter's rows through its own factors held as separate inputs (no gather; rows
-  split by hand, 13 nodes a target): 1.27-1.31 beside 1.33-1.36. No form that reads four adapters'
-  factors came near 1.15 in these runs.
-* Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into
-  a grid (``T`` the most rows of one slot), ``MatMul`` broadcasting a stack over the grid, each row's
-  delta gathered back. ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25
-  nodes building the grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a
-  ``GatherND`` back, ~20 shared nodes on ``[rows]`` int64 values): 1.20-1.31 beside 1.24-1.38 in 7 runs of
-  8 (1.19 beside 1.14 in the eighth). The nearest to the target, but the grid copies ``x`` and the
-  delta, so it is 3-4% slower at 64 tokens per row (1.045-1.06 beside 1.01-1.02 in a round robin;
-  even in one blocked run at load 4.5), and it computes
-  every cell of ``T x slots``: capacity 16 (17 slots, 4 used) 1.72 beside 1.17, every row on one
-  adapter 1.81 beside 1.28, both 3.48 beside 1.32. Over the used slots only (``Unique``; the stacks
-  gathered at those, a copy of 4 slots instead of 8 rows): 1.25-1.40 beside 1.24-1.34 (better in 3 runs
-  of 5), 1.16-1.49 beside 1.15-1.32 with 5 of the 8 rows on one adapter. Choosing the grid per run (an
-  ``If`` per target on one token per row) costs more than it saves: 1.31-1.41 beside 1.30-1.38 (the
-  grid alone 1.29-1.31).
+* Reading the four adapters' bytes without routing (timing only, not exact): one rank-64 adapter, the
+  four adapters' factors side by side, on every row: 1.26-1.38 beside 1.22-1.31 (the same packing);
+  each adapter's rows through its own factors held as separate inputs (no gather; rows split by
+  hand, 13 nodes a target): 1.16-1.31 beside 1.22-1.36. Reading four adapters' factors where one
+  run reads one adapter's is most of the gap, in every form measured.
+* Grouping the rows by slot (each slot's factors read once, in place, no copy): rows gathered into a
+  grid (``T`` the most rows of one slot; empty cells compute on row 0 and are never read back),
+  ``MatMul`` broadcasting a stack over the grid, each row's delta gathered back.
+  ``[slots, T, 1, d_in] @ [slots, 1, d_in, r]``: 1.16-1.22, 1.145-1.18 with its ~25 nodes building the
+  grid taken out; ``[T, slots, seq, d_in] @ a_stack`` (a 2-d ``Gather`` of ``x``, a ``GatherND`` back,
+  ~20 shared nodes on ``[rows]`` int64 values): 1.18-1.31 beside 1.22-1.38 in 14 round robins or blocks
+  of 15 (1.19 beside 1.14 in the other). But the grid copies ``x`` and the delta, 3-6% slower at 64
+  tokens per row (1.045-1.085 beside 1.01-1.03), and it computes every cell of ``T x slots``: capacity
+  16 (17 slots, 4 used) 1.72-1.79 beside 1.17-1.26, every row on one adapter 1.39-1.81 beside 1.15-1.28,
+  both 3.48 beside 1.32. Over the used slots only (``Unique``; the stacks gathered at those: a copy per
+  used slot instead of per row, no cell for an unused slot): 1.17-1.40 beside 1.21-1.34 (better in 6
+  runs of 9), capacity 16 1.16-1.43 beside 1.20-1.42, every row on one adapter 1.03-1.12 beside
+  1.15-1.22, but 1.16-1.49 beside 1.15-1.33 with 5 of the 8 rows on one adapter (20 cells for 8 rows)
+  and 1.02-1.10 beside 1.01-1.04 at 64 tokens. Choosing the grid per run with an ``If`` per target (on
+  one token per row) costs about what it saves: 1.21-1.41 beside 1.22-1.38 (the grid alone 1.18-1.31);
+  one ``If`` holding the whole graph after the index check twice (the weights stay outer-scope
+  initializers) costs ~1% or nothing: 1.15-1.22 beside 1.21-1.26 (the grid alone 1.18-1.21), 0.96-1.03
+  beside 1.01-1.04 at 64 tokens (its per-row branch). Taking the used-slot grid that way only when its
+  cells are at most the rows plus the used slots (else the per-row branch): 1.20-1.23 beside 1.21-1.22,
+  capacity 16 1.15-1.17 beside 1.20-1.22, every row on one adapter 1.10 beside 1.19-1.22, but 1.35
+  beside 1.29-1.33 with 5 of the 8 rows on one adapter (the per-row branch, after the grid's ~22 nodes
+  and the ``If``). Not built (it doubles the graph's nodes and moves them all into subgraphs, for a few
+  points at best, short of 1.15).
 * Each target's ``Gather`` s placed just before its first ``MatMul`` instead of at the top of the graph:
   1.23-1.26 and 1.35-1.42 beside 1.20-1.23 and 1.23-1.26 (two runs); no index check at all
   (``_checked`` and ``_not_negative`` taken out: unsafe): 0-2 points, within the noise; ONNX Runtime's
@@ -1097,10 +1107,12 @@ class _Target:
         y_dims = _dims(y)
         layout = self.rows_layout(node, y, "output")
         if channel_axis == 1 and layout.kind in ("rows", "flat"):
-            raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose output "
-                            f"{y.name!r} folds the batch into its dim 0 ({list(y_dims or [])}): a per-row bias "
-                            "adapter of such a convolution is not supported; leave the bias out of the adapters "
-                            "(lora_bias=False) or serve it with lora='inputs'")
+            if y_dims is None:
+                raise LoraError(f"lora='batched': the bias {t.path!r} is adapted at Conv node {node.name!r}, whose "
+                                f"output {y.name!r} folds the batch into its dim 0 and has an unknown rank; leave the "
+                                "bias out of the adapters (lora_bias=False) or serve it with lora='inputs'")
+            self.bias_folded(node, hit, len(y_dims))
+            return
         if channel_axis != 1 and y_dims is not None and len(y_dims) == 3 and y_dims[0] == shared.batch_dim() \
                 and layout.kind in ("axis", "none"):
             self._add_after(node, [], hit)  # [rows, seq, d_out] + [rows, 1, d_out]
@@ -1117,6 +1129,31 @@ class _Target:
         nodes.append(_new_node(tracer, "Reshape", [y, shape], self.dtype, [rows, None, None], f"{label}/Reshape_view",
                                t.path))
         nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows, None, None],
+                               f"{label}/Add_rows", t.path))
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        self._replace_after(node, nodes, nodes[-1].outputs[0])
+
+    def bias_folded(self, node: ir.Node, hit: ir.Value, rank: int) -> None:
+        """A ``Conv`` bias whose output ``y`` ``[batch * m, d_out, *spatial]`` folds the batch into
+        dim 0 (batch-major: :mod:`onnxparam.lora._batch_axis` ``"rows"``): ``y`` viewed
+        ``[rows, m, d_out, *spatial]`` (a view that does not divide fails in ONNX Runtime's
+        ``Reshape``), row ``n``'s delta ``hit[n]`` (``[rows, 1, d_out]``) added as ``[rows, 1, d_out,
+        1, ...]``, then back to ``Shape(y)``."""
+        t, tracer, shared = self.target, self.tracer, self.shared
+        rows, i64 = shared.index_dim(), ir.DataType.INT64
+        label = f"{node.name}/lora"
+        y = node.outputs[0]
+        nodes = [_new_node(tracer, "Reshape", [hit, self._const([0, 1, t.d_out] + [1] * (rank - 2),
+                                                                f"{t.path}.lora.bias_view{rank}")],
+                           self.dtype, [rows, 1, t.d_out] + [1] * (rank - 2), f"{label}/Reshape_delta", t.path)]
+        delta = nodes[-1].outputs[0]
+        nodes.append(_new_node(tracer, "Shape", [y], i64, [rank - 1], f"{label}/Shape_samples", t.path, {"start": 1}))
+        nodes.append(_new_node(tracer, "Concat", [shared.rows(), self._const([-1], "lora.batched.items"),
+                                                  nodes[-1].outputs[0]], i64, [rank + 1], f"{label}/Concat_rows",
+                               t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [y, nodes[-1].outputs[0]], self.dtype, [rows] + [None] * rank,
+                               f"{label}/Reshape_view", t.path))
+        nodes.append(_new_node(tracer, "Add", [nodes[-1].outputs[0], delta], self.dtype, [rows] + [None] * rank,
                                f"{label}/Add_rows", t.path))
         nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
         self._replace_after(node, nodes, nodes[-1].outputs[0])

@@ -52,6 +52,10 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   axis 2 of ``Y`` and 1 of ``Y_h`` / ``Y_c``; ``layout=1`` batch-first throughout (so a
   ``batch_first`` LSTM's transposes round-trip);
 * ``Shape`` / ``Size``: none;
+* an index built from the batch's size (``Range(0, batch)``: Hugging Face's padding-mask
+  ``mask[arange(batch)[:, None, None, None], kv_idx]``, a ``Gather`` of the flattened mask or a
+  ``GatherND``) keeps the batch: :mod:`onnxparam.lora._batch_index`; any other ``GatherND`` of a
+  batched axis loses it;
 * ops with subgraphs (``If``, ``Loop``, ``Scan``): unknown when any input or value they capture
   holds the batch;
 * any other op: its outputs are ``"axis" 0`` when every batched input is ``"axis" 0`` and the
@@ -541,7 +545,8 @@ class _Analysis:
         if op in ("Gather", "GatherElements"):
             return self.gather(node, op, ins)
         if op == "GatherND":
-            return self.index.gather_nd(node, ins) or gone
+            found = self.index.gather_nd(node, ins)
+            return gone if found is None else (Layout("axis", found, _label(node)) if isinstance(found, int) else found)
         if op == "Concat":
             axis = int(_attr(node, "axis", 0))
             rank = out_rank if out_rank is not None else _rank(node.inputs[0])
@@ -1031,7 +1036,7 @@ class _Analysis:
         if data.batched and not idx.batched and op == "Gather":
             hit = self.index.gather(node, data, node.inputs[1], axis)  # an arange(batch) index
             if hit is not None:
-                return hit
+                return Layout("axis", hit, _label(node))
         if data.batched and idx.batched:
             return gone
         idx_rank = _rank(node.inputs[1])

@@ -40,6 +40,26 @@ import onnx_ir as ir
 ONE = (1, ())
 
 
+def _attr(node: ir.Node, name: str, default=None):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _dims(value) -> Optional[list]:
+    if value is None or value.shape is None:
+        return None
+    return [d if isinstance(d, int) else d.value for d in value.shape]
+
+
+def _rank(value) -> Optional[int]:
+    dims = _dims(value)
+    return None if dims is None else len(dims)
+
+
+def _mul(a: tuple, b: tuple) -> tuple:
+    return (a[0] * b[0], tuple(sorted(a[1] + b[1], key=repr)))
+
+
 class IndexFacts:
     """The iota / bounded facts of one analysis (:mod:`onnxparam.lora._batch_axis`)."""
 
@@ -77,7 +97,6 @@ class IndexFacts:
         if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or node.outputs[0] is None:
             return
         op, ins, out = node.op_type, node.inputs, node.outputs[0]
-        from ._batch_axis import _attr, _rank
 
         if op == "Range" and len(ins) == 3:
             dims = self.range_mdims(node)
@@ -145,7 +164,6 @@ class IndexFacts:
                 if op == "Mul":
                     m = self.scalar_mono(b)
                     if m is not None and m[0] > 0:
-                        from ._batch_axis import _mul
                         self.iota[id(out)] = (axis, _mul(mult, m), exact)
                     return
                 bound = self.bounded.get(id(b))
@@ -155,11 +173,9 @@ class IndexFacts:
 
     # -- the gathers ---------------------------------------------------------------------------
 
-    def gather(self, node: ir.Node, data_layout, idx_value, axis: int):
+    def gather(self, node: ir.Node, data_layout, idx_value, axis: int) -> Optional[int]:
         """``Gather(data, idx, axis)`` with ``data``'s batch a factor of ``axis`` and ``idx`` an
-        iota over it: the output's layout, else ``None`` (the caller's rules decide)."""
-        from ._batch_axis import Layout, _label
-
+        iota over it: the output's batch axis, else ``None`` (the caller's rules decide)."""
         hit = self.iota.get(id(idx_value))
         if hit is None or self.an.of(idx_value).batched:
             return None
@@ -170,11 +186,11 @@ class IndexFacts:
         i_axis, mult, _exact = hit
         if k != axis or outer != ONE or inner != mult:
             return None
-        return Layout("axis", axis + i_axis, _label(node))
+        return axis + i_axis
 
     def gather_nd(self, node: ir.Node, ins: list):
-        """``GatherND``'s output layout (module docstring); ``None``: the batch is lost."""
-        from ._batch_axis import Layout, _attr, _dims, _label, _rank
+        """``GatherND``'s output (module docstring): the batch's axis (an int), an input's layout
+        kept as it is, or ``None``: the batch is lost."""
 
         data, idx = ins[0], ins[1]
         batch_dims = int(_attr(node, "batch_dims", 0))
@@ -183,7 +199,6 @@ class IndexFacts:
         if i_rank is None or d_rank is None or i_rank < 1:
             return None
         k = i_dims[-1] if isinstance(i_dims[-1], int) else None
-        where = _label(node)
         layouts = [l for l in (data, idx) if l.batched]
         if any(l.kind != "axis" for l in layouts):
             return None
@@ -199,7 +214,7 @@ class IndexFacts:
         if k is None:
             return None
         if data.axis >= k:  # not indexed: out = indices.shape[:-1] + data.shape[k:]
-            return Layout("axis", i_rank - 1 + data.axis - k, where)
+            return i_rank - 1 + data.axis - k
         if data.axis != 0:
             return None
         first = node.inputs[1]
@@ -220,4 +235,4 @@ class IndexFacts:
         i_axis, mult, exact = hit
         if not exact or mult != ONE or i_axis >= i_rank - 1:
             return None
-        return Layout("axis", i_axis, where)
+        return i_axis

@@ -54,12 +54,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.dtype import DType
-from ..core.errors import RecordError, ShapeMismatchError
+from ..core.errors import LoraError, RecordError, ShapeMismatchError
 from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
 from ._adapters import (_SET_ATTR, DEFAULT_ADAPTER_NAME, LoraAdapter, _owning, active_adapter, adapter_set,
                         frozen_base_param, has_adapters, transposed_paths)
+from ._folded_norms import folded_norm_paths, folded_reason
 from ._layouts import CONV, IN_OUT, OUT_IN
 from ._tables import matmul_weights, table_owners
 
@@ -528,6 +529,10 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
             matched module at all, or a target whose layout the graph does not decide; every
             problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
+        LoraError: a target holds a BatchNorm the exporter folded into it
+            (``OnnxModule.onnx_folded_norms``: dynamo's ``FuseBatchNormIntoConv`` / ``...Gemm`` /
+            ``...ConvTranspose``): PEFT's delta was trained before that BatchNorm, whose
+            per-channel scale the file does not hold (the param, node and evidence named).
         ShapeMismatchError: (a ``RecordError``) when the only problems are factors that do
             not fit their target (the param and both shapes named).
         FileMissingError: the folder (or a file given) does not exist (also a
@@ -579,6 +584,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         else:  # a whole layer's bias, as save_embedding_layers writes it for a layer no LoRA adapts
             stored.setdefault(name, {})["bias"] = (key, snap)
     targets = _Targets(module)
+    folded = folded_norm_paths(module)  # BatchNorms the exporter folded into a weight (refused below)
+    refused: list = []
     plan: dict = {}
     new_biases: dict = {}  # module path -> (d_out, weight path): adapter-owned biases (lora_bias, no bias)
     for name, factors in pairs.items():
@@ -594,6 +601,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
                 problems.append(f"PEFT module {name!r} maps to {mapped!r}, which is not a param (nor is "
                                 f"{mapped + '.weight'!r}, nor an ONNX weight of that name); add a key_map rule "
                                 "(regex, replacement)")
+            continue
+        if target in folded:
+            refused.append(f"PEFT module {name!r} -> {folded_reason(target, *folded[target])}")
             continue
         A, B = factors["A"], factors["B"]
         if len(A.shape) != 2 or len(B.shape) != 2:
@@ -643,6 +653,10 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
+    if refused:
+        raise LoraError(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}: PEFT trained "
+                        "these adapters on torch's weights, which the file no longer holds:\n  - "
+                        + "\n  - ".join(refused + problems))
     if problems:
         kind = ShapeMismatchError if all("the param is" in p for p in problems) else RecordError
         error = kind(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}", problems)

@@ -124,7 +124,8 @@ class IndexFacts:
                     r_in, r_out = _rank(src), _rank(out)
                     if r_out is None:
                         shape = ins[1].shape
-                        r_out = shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+                        known = shape is not None and len(shape) == 1 and isinstance(shape[0], int)
+                        r_out = shape[0] if known else None
                     if r_in is None or r_out is None:
                         return
                     shift = max(r_out - r_in, 0)

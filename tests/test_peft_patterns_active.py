@@ -189,3 +189,22 @@ def test_load_onto_unnamed_adapters_refills_targets_and_warns_about_the_others(t
     with torch.no_grad():
         expected = model(x).numpy()
     np.testing.assert_allclose(a3(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
+
+
+def test_adding_a_refill_of_unnamed_adapters_keeps_both_with_ids_of_their_own(three):
+    base, model, folder = three
+    adapted = with_torch_weights(Mlp(), base).apply_lora(LoraConfig(rank=8, alpha=8.0, seed=0))
+    with pytest.warns(LoraWarning, match=r"'fc1\.weight'"):
+        served = adapted.add_adapter("a3", load_peft_adapter(adapted, folder / "a3"))
+    assert served.lora_adapters.names == ["default", "a3"] and served.active_adapter == "default"
+    ids = {n: {f.id for ad in served.lora_adapters.adapters(n).values() for f in (ad.a, ad.b)}
+           for n in ("default", "a3")}
+    assert len(ids["default"]) == 6 and len(ids["a3"]) == 4 and not ids["default"] & ids["a3"]
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(8))
+    model.set_adapter("a3")
+    with torch.no_grad():
+        expected = model(x).numpy()
+    np.testing.assert_allclose(served.set_adapter("a3")(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
+    rows = served(Tensor.from_numpy(x.numpy()), adapter_index=["a3", None, "a3", None]).to_numpy()
+    np.testing.assert_allclose(rows[[0, 2]], expected[[0, 2]], atol=ATOL)
+    np.testing.assert_allclose(rows[[1, 3]], peft_rows(model, x, ["__base__"] * 4)[[1, 3]], atol=ATOL)

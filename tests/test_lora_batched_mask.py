@@ -10,7 +10,8 @@ adapters (ranks 2 / 4, one rsLoRA) saved by PEFT and loaded with ``load_peft_ada
 "no adapter" rows also equal the plain torch model. The batched export runs in plain ONNX
 Runtime; the runtime's ``module(..., adapter_index=...)`` runs the same rows. Batch and sequence
 differ from the export's example (dynamic dims). BERT is compared at every position (padded
-ones too: BERT is deterministic there), LLaMA (left padding) at the unpadded positions.
+ones too: BERT is deterministic there), LLaMA and GPT-2 (left padding) at the unpadded positions.
+TorchScript files of all three, dynamo (slow) of BERT and LLaMA.
 A value mixing the batch's rows (a mean over the batch, a reversed ``arange(batch)`` gather)
 is still refused. Learned queries expanded to the batch (``queries.expand(x.shape[0], -1, -1)``,
 DETR / Perceiver) give each row its adapter as PEFT does; projected before the expand (no batch
@@ -49,6 +50,8 @@ class Bert(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
+    """A decoder's last hidden state (``LlamaModel``, ``GPT2Model``) from ids and a padding mask."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -72,6 +75,13 @@ def llama():
     torch.manual_seed(0)
     model = randomize(Llama(transformers.LlamaModel(config)).eval(), seed=2, std=0.2)
     return model, ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return randomize(Llama(transformers.GPT2Model(config)).eval(), seed=3, std=0.2), ["c_attn", "c_proj"]
 
 
 def feeds(name: str, rows: int, seq: int) -> dict:
@@ -101,7 +111,7 @@ def built(tmp_path_factory):
 
     def get(name, exporter):
         if (name, exporter) not in cache:
-            model, targets = {"bert": bert, "llama": llama}[name]()
+            model, targets = {"bert": bert, "llama": llama, "gpt2": gpt2}[name]()
             folder = tmp_path_factory.mktemp(f"mask-{name}-{exporter}")
             example = {k: torch.from_numpy(v) for k, v in feeds(name, 4, 6).items()}
             path = folder / "model.onnx"
@@ -138,7 +148,7 @@ def expected_rows(model, reference, inputs: dict):
 
 
 def check(name, got, mixed, plain, mask):
-    keep = mask.astype(bool) if name == "llama" else np.ones_like(mask, dtype=bool)
+    keep = mask.astype(bool) if name in ("llama", "gpt2") else np.ones_like(mask, dtype=bool)
     for row, adapter in enumerate(ROWS):
         np.testing.assert_allclose(got[row][keep[row]], mixed[row][keep[row]], atol=ATOL, rtol=0,
                                    err_msg=f"row {row} ({adapter})")
@@ -146,7 +156,7 @@ def check(name, got, mixed, plain, mask):
             np.testing.assert_allclose(got[row][keep[row]], plain[row][keep[row]], atol=ATOL, rtol=0)
 
 
-CASES = [("bert", "torchscript"), pytest.param("bert", "dynamo", marks=pytest.mark.slow),
+CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"), pytest.param("bert", "dynamo", marks=pytest.mark.slow),
          pytest.param("llama", "dynamo", marks=pytest.mark.slow)]  # dynamo: ~10 s per model to build
 
 

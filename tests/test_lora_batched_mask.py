@@ -12,7 +12,9 @@ Runtime; the runtime's ``module(..., adapter_index=...)`` runs the same rows. Ba
 differ from the export's example (dynamic dims). BERT is compared at every position (padded
 ones too: BERT is deterministic there), LLaMA (left padding) at the unpadded positions.
 A value mixing the batch's rows (a mean over the batch, a reversed ``arange(batch)`` gather)
-is still refused.
+is still refused. Learned queries expanded to the batch (``queries.expand(x.shape[0], -1, -1)``,
+DETR / Perceiver) give each row its adapter as PEFT does; projected before the expand (no batch
+at the adapted weight) they are refused.
 """
 
 from __future__ import annotations
@@ -206,3 +208,63 @@ def test_a_value_mixing_the_batchs_rows_is_still_refused(net, tmp_path):
         module(x, adapter_index=["a1", None, "a1"])
     with pytest.raises(LoraError, match="batch axis was lost at node"):
         export_onnx(module, tmp_path / "batched.onnx", lora="batched")
+
+
+class Queries(torch.nn.Module):
+    """Learned queries (DETR / Perceiver): ``q_proj(queries.expand(batch, -1, -1))`` attending
+    over ``k_proj(x)``; ``after=False``: ``q_proj(queries).expand(...)``, no batch at ``q_proj``."""
+
+    def __init__(self, after: bool = True):
+        super().__init__()
+        self.after = after
+        self.queries = torch.nn.Parameter(torch.randn(1, 3, 8))
+        self.q_proj, self.k_proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q = self.q_proj(self.queries.expand(b, -1, -1)) if self.after else self.q_proj(self.queries).expand(b, -1, -1)
+        att = torch.softmax(q @ self.k_proj(x).transpose(1, 2) / 8 ** 0.5, -1)
+        return self.out(att @ x)
+
+
+def queries_module(tmp_path, exporter: str, after: bool = True):
+    model = randomize(Queries(after).eval(), seed=6)
+    path = tmp_path / "queries.onnx"
+    kwargs = {"input_names": ["x"], "output_names": ["y"]}
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+        kwargs.update(dynamic_shapes=({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},), verbose=False)
+    else:
+        kwargs["dynamic_axes"] = {"x": {0: "batch", 1: "seq"}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (torch.randn(4, 5, 8),), str(path), dynamo=exporter == "dynamo", **kwargs)
+    for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
+        peft_lora(model, ["q_proj", "k_proj", "out"], r, alpha, rslora=rslora, seed=50 + k, folder=tmp_path / adapter)
+    reference = peft_with_adapters(model, {a: tmp_path / a for a in ADAPTERS})
+    imported = import_onnx(path)
+    module = imported
+    for adapter in ADAPTERS:
+        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    return model, reference, module, path
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_learned_queries_expanded_to_the_batch_take_each_rows_adapter(exporter, tmp_path):
+    model, reference, module, _ = queries_module(tmp_path, exporter)
+    x = np.random.default_rng(1).normal(size=(len(ROWS), 7, 8)).astype(np.float32)
+    with torch.no_grad():
+        mixed = reference(torch.from_numpy(x), adapter_names=list(ROWS)).numpy()
+        plain = model(torch.from_numpy(x)).numpy()
+    got = module(Tensor.from_numpy(x), adapter_index=[None if r == "__base__" else r for r in ROWS]).to_numpy()
+    check("queries", got, mixed, plain, np.ones(got.shape[:2], dtype=np.int64))
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:4, :5], input_names=["x"], lora="batched")
+    got = session(path).run(None, {"x": x, "adapter_index": INDEX})[0]
+    check("queries", got, mixed, plain, np.ones(got.shape[:2], dtype=np.int64))
+
+
+def test_queries_projected_before_the_expand_are_refused(tmp_path):
+    """No batch at ``q_proj``: one row for every batch element (PEFT cannot mix adapters there either)."""
+    _, _, module, _ = queries_module(tmp_path, "torchscript", after=False)
+    x = Tensor.from_numpy(np.zeros((3, 5, 8), dtype=np.float32))
+    with pytest.raises(LoraError, match="does not depend on the batch input"):
+        module(x, adapter_index=["a1", None, "a2"])

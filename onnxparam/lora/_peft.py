@@ -104,6 +104,19 @@ PEFT_DEFAULT_LORA_ALPHA = 8
 """``lora_alpha`` when ``adapter_config.json`` leaves it out: PEFT's ``LoraConfig`` default."""
 
 
+def pattern_key(path: str, paths) -> str:
+    r"""The ``rank_pattern`` / ``alpha_pattern`` key a writer gives module ``path`` so that it
+    selects ``path`` alone among the modules ``paths``: ``re.escape(path)``, unless PEFT's rule
+    (``(.*\.)?(key)$`` on the path in the wrapped model, :meth:`PeftConfig._pattern`) would also
+    select another of ``paths`` (``fc1`` selects ``block.fc1``): then ``"^" + re.escape(path)``
+    (PEFT's own anchored form; the plain key is kept otherwise, as PEFT versions before 0.14,
+    whose rule was ``.*\.key$``, fall back to the exact name)."""
+    key = re.escape(path)
+    if any(other != path and re.match(rf"(.*\.)?({key})$", other) for other in paths):
+        return "^" + key
+    return key
+
+
 class PeftConfig:
     """The fields of ``adapter_config.json`` this loader uses.
 

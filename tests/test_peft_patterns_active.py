@@ -231,3 +231,19 @@ def test_saved_pattern_keys_select_one_module_among_look_alike_paths(tmp_path):
     np.testing.assert_allclose(ours(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
     back = load_peft_adapter(with_torch_weights(Net(), base), tmp_path / "saved")
     np.testing.assert_allclose(back(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
+
+
+def test_load_peft_adapters_onto_unnamed_adapters_keeps_them_and_loads_each_folder_exactly(three):
+    from onnxparam import load_peft_adapters
+
+    base, model, folder = three
+    adapted = with_torch_weights(Mlp(), base).apply_lora(LoraConfig(rank=8, alpha=8.0, seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the unnamed adapters are kept as "default": nothing to warn about
+        served = load_peft_adapters(adapted, folder)
+    assert served.lora_adapters.names == ["default", "a1", "a2", "a3"] and served.active_adapter == "default"
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(11))
+    rows = ["a3", "a1", None, "a2", "a3", "a1"]
+    expected = peft_rows(model, x, ["__base__" if r is None else r for r in rows])
+    np.testing.assert_allclose(served(Tensor.from_numpy(x.numpy()), adapter_index=rows).to_numpy(), expected,
+                               atol=ATOL)

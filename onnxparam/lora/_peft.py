@@ -551,6 +551,26 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         FileMissingError: the folder (or a file given) does not exist (also a
             ``FileNotFoundError``). IsAFolderError: a folder given as one of the two files.
     """
+    removed: list = []
+    result, report = _load_peft_adapter(module, folder_or_files, key_map, allow_partial, removed)
+    if removed:
+        import warnings
+
+        from ..core.errors import LoraWarning
+
+        shown = ", ".join(repr(p) for p in removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+        where = os.fspath(folder_or_files) if isinstance(folder_or_files, (str, os.PathLike)) else folder_or_files
+        warnings.warn(f"load_peft_adapter: the result carries the adapter of {where} only; the unnamed adapters "
+                      f"{type(module).__name__} carries on {len(removed)} param(s) the folder does not target "
+                      f"({shown}) are not in it (the module passed in keeps them). To keep both, name them: "
+                      "module.add_adapter(name, load_peft_adapter(module, folder)) keeps the module's as "
+                      f"'{DEFAULT_ADAPTER_NAME}' (set_adapter chooses)", LoraWarning, stacklevel=2)
+    return (result, report) if return_report else result
+
+
+def _load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence], allow_partial: bool, removed: list):
+    """:func:`load_peft_adapter`'s work: ``(module, report)``; the paths of unnamed adapters left
+    out of the result (not targeted by the folder) are appended to ``removed``."""
     from ..formats._safetensors import read_safetensors
 
     config_path, weights_path = _files(folder_or_files)
@@ -685,7 +705,6 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     # optimizers and records), with their ids when they are unnamed (a refill: apply_lora, then
     # the trained values).
     named_active = active_adapter(module) is not None
-    removed: list = []
 
     def attach(path: str, param: Param) -> Param:
         entry = plan.get(path)
@@ -722,18 +741,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     result = rebuild(module, attach, add_bias if new_biases else None)
     if getattr(module, _SET_ATTR, None) is not None:  # named adapters stay owned, none active
         result = _owning(result, adapter_set(module), None)
-    if removed:
-        import warnings
-
-        from ..core.errors import LoraWarning
-
-        shown = ", ".join(repr(p) for p in removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
-        warnings.warn(f"load_peft_adapter: the result carries the adapter of {weights_path.parent} only; the "
-                      f"unnamed adapters {type(module).__name__} carries on {len(removed)} param(s) the folder does "
-                      f"not target ({shown}) are not in it (the module passed in keeps them). To keep both, name "
-                      "them: module.add_adapter(name, load_peft_adapter(module, folder)) keeps the module's as "
-                      f"'{DEFAULT_ADAPTER_NAME}' (set_adapter chooses)", LoraWarning, stacklevel=2)
-    return (result, report) if return_report else result
+    return result, report
 
 
 def _check_stored_bases(stored: dict, pairs: dict, kinds: dict, report: PeftLoadReport, targets, rules: Sequence,
@@ -882,6 +890,10 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
     (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
 
+    Each adapter is exactly its folder's (:func:`load_peft_adapter`), whatever ``module``
+    carries; ``module``'s unnamed adapters (``apply_lora``) stay, named ``"default"`` and
+    active (:func:`~onnxparam.lora.add_adapter`), so no ``LoraWarning`` is given about them.
+
     Raises:
         RecordError: ``folder`` holds no adapter, or one does not load
             (:func:`load_peft_adapter`, every module required).
@@ -900,6 +912,6 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     if not found:
         raise RecordError(f"{folder} holds no PEFT adapter ({CONFIG_FILE} in it or in a sub-folder)")
     result = module
-    for name, path in found:
-        result = result.add_adapter(name, load_peft_adapter(module, path, key_map))
+    for name, path in found:  # NOTE: add_adapter keeps module's unnamed adapters: no LoraWarning about them
+        result = result.add_adapter(name, _load_peft_adapter(module, path, key_map, False, [])[0])
     return result

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxparam as op
-from onnxparam import LoraConfig, LoraError, LoraWarning, RecordError
+from onnxparam import LoraConfig, LoraError, RecordError
 from onnxparam.autodiff import grad
 
 ort = pytest.importorskip("onnxruntime")
@@ -44,12 +44,11 @@ def test_writers_say_no_adapter_is_active(named, tmp_path):
         op.save_peft_adapter(m, tmp_path / "peft")
 
 
-def test_export_of_inactive_adapters_keep_refused_merge_warns(named, tmp_path):
+def test_export_of_inactive_adapters_keep_refused_merge_is_the_base(named, tmp_path):
     path, m, x = named
-    with pytest.raises(LoraError, match="lora='keep'.*none is active"):
+    with pytest.raises(LoraError, match="lora='keep'.*none is active, so the file would hold the base model"):
         op.export_onnx(m, tmp_path / "k.onnx", op.Tensor.from_numpy(x), lora="keep")
-    with pytest.warns(LoraWarning, match="none is active, so the file would hold the base model"):
-        op.export_onnx(m, tmp_path / "m.onnx", op.Tensor.from_numpy(x))
+    op.export_onnx(m, tmp_path / "m.onnx", op.Tensor.from_numpy(x))  # merge: the way to export the base
     run = lambda f: ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     np.testing.assert_array_equal(run(tmp_path / "m.onnx"), run(path))  # oracle: the base file
 

@@ -213,9 +213,7 @@ class QuantizationWarning(UserWarning):
 class LoraWarning(UserWarning):
     """:func:`onnxparam.lora.apply_lora` left params that its ``param_group`` matches without an
     adapter (a convolution kernel: it creates adapters for matrices only), or adapted nothing
-    with ``allow_empty=True``. The message names the params and their shapes. Also:
-    ``export_onnx(..., lora="merge")`` of a module whose named adapters are all inactive (the
-    file holds the base model)."""
+    with ``allow_empty=True``. The message names the params and their shapes."""
 
 
 class CaptureWarning(UserWarning):

@@ -104,7 +104,7 @@ def export_onnx(
         TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
         ValueError: for an unsupported opset, or an opset other than an imported model's own.
         LoraError: an unknown ``lora`` mode (a ``ValueError`` too); ``lora="keep"`` of a module whose named
-            adapters are all inactive (``"merge"`` warns: ``LoraWarning``; the file is the base model).
+            adapters are all inactive (with ``"merge"`` the file is then the base model).
         CallArgumentError: (a ``TypeError``) for an imported module, example inputs that
             ``module(x)`` would refuse: another count, element type or rank than the graph
             declares, or a static dim that differs (axes named in ``dynamic_axes`` are free).
@@ -168,13 +168,11 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
                              dynamic_batch=dynamic_batch)
 
 
-def _check_active_adapter(module, lora: str) -> None:
-    """``lora="keep"`` / ``"merge"`` of a module owning named adapters none of which is active
-    (``set_adapter(None)``, or only ``add_adapter`` calls) writes the base model: ``"keep"`` (which
-    asks for the adapters) is refused, ``"merge"`` (the default) warns (``LoraWarning``)."""
-    import warnings
-
-    from ..core.errors import LoraWarning
+def _check_active_adapter(module) -> None:
+    """``lora="keep"`` of a module owning named adapters none of which is active
+    (``set_adapter(None)``, or only ``add_adapter`` calls) would write the base model: refused, as
+    it asks for the adapters. (``"merge"``, the default, writes the base model then: the way to
+    export it from a serving module.)"""
     from ..core.module import named_params
     from ..lora._adapters import active_adapter, adapter_set
 
@@ -186,9 +184,7 @@ def _check_active_adapter(module, lora: str) -> None:
     what = (f"{type(module).__name__} owns named adapters ({shown}) but none is active, so the file would hold "
             f"the base model only: set_adapter({names[0]!r}) for one adapter, lora='batched' or 'inputs' for "
             "all of them")
-    if lora == "keep":
-        raise LoraError(f"lora='keep': {what}")
-    warnings.warn(f"lora='merge': {what}", LoraWarning, stacklevel=4)
+    raise LoraError(f"lora='keep': {what}")
 
 
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
@@ -203,8 +199,8 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
         # its own graph and never meets the tracer, which checks the mode too
         raise LoraError(f"unknown LoRA mode {lora!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))} "
                         "(or lora=BatchedLora(...))")
-    if lora in ("merge", "keep"):
-        _check_active_adapter(module, lora)
+    if lora == "keep":
+        _check_active_adapter(module)
     if isinstance(lora, BatchedLora) or (lora == "batched" and not batched_tracing()):
         # every named adapter stacked, one per row (lora, issue 29); the graph alone cannot hold
         # the stacks, so an imported module is always traced

@@ -10,9 +10,12 @@ adapters (ranks 2 / 4, one rsLoRA) saved by PEFT and loaded with ``load_peft_ada
 "no adapter" rows also equal the plain torch model. The batched export runs in plain ONNX
 Runtime; the runtime's ``module(..., adapter_index=...)`` runs the same rows. Batch and sequence
 differ from the export's example (dynamic dims). BERT is compared at every position (padded
-ones too: BERT is deterministic there), LLaMA (left padding) at the unpadded positions.
+ones too: BERT is deterministic there), LLaMA and GPT-2 (left padding) at the unpadded positions.
+TorchScript files of all three, dynamo (slow) of BERT and LLaMA.
 A value mixing the batch's rows (a mean over the batch, a reversed ``arange(batch)`` gather)
-is still refused.
+is still refused. Learned queries expanded to the batch (``queries.expand(x.shape[0], -1, -1)``,
+DETR / Perceiver) give each row its adapter as PEFT does; projected before the expand (no batch
+at the adapted weight) they are refused.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Bert(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
+    """A decoder's last hidden state (``LlamaModel``, ``GPT2Model``) from ids and a padding mask."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -70,6 +75,13 @@ def llama():
     torch.manual_seed(0)
     model = randomize(Llama(transformers.LlamaModel(config)).eval(), seed=2, std=0.2)
     return model, ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return randomize(Llama(transformers.GPT2Model(config)).eval(), seed=3, std=0.2), ["c_attn", "c_proj"]
 
 
 def feeds(name: str, rows: int, seq: int) -> dict:
@@ -99,7 +111,7 @@ def built(tmp_path_factory):
 
     def get(name, exporter):
         if (name, exporter) not in cache:
-            model, targets = {"bert": bert, "llama": llama}[name]()
+            model, targets = {"bert": bert, "llama": llama, "gpt2": gpt2}[name]()
             folder = tmp_path_factory.mktemp(f"mask-{name}-{exporter}")
             example = {k: torch.from_numpy(v) for k, v in feeds(name, 4, 6).items()}
             path = folder / "model.onnx"
@@ -136,7 +148,7 @@ def expected_rows(model, reference, inputs: dict):
 
 
 def check(name, got, mixed, plain, mask):
-    keep = mask.astype(bool) if name == "llama" else np.ones_like(mask, dtype=bool)
+    keep = mask.astype(bool) if name in ("llama", "gpt2") else np.ones_like(mask, dtype=bool)
     for row, adapter in enumerate(ROWS):
         np.testing.assert_allclose(got[row][keep[row]], mixed[row][keep[row]], atol=ATOL, rtol=0,
                                    err_msg=f"row {row} ({adapter})")
@@ -144,7 +156,7 @@ def check(name, got, mixed, plain, mask):
             np.testing.assert_allclose(got[row][keep[row]], plain[row][keep[row]], atol=ATOL, rtol=0)
 
 
-CASES = [("bert", "torchscript"), pytest.param("bert", "dynamo", marks=pytest.mark.slow),
+CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"), pytest.param("bert", "dynamo", marks=pytest.mark.slow),
          pytest.param("llama", "dynamo", marks=pytest.mark.slow)]  # dynamo: ~10 s per model to build
 
 
@@ -206,3 +218,63 @@ def test_a_value_mixing_the_batchs_rows_is_still_refused(net, tmp_path):
         module(x, adapter_index=["a1", None, "a1"])
     with pytest.raises(LoraError, match="batch axis was lost at node"):
         export_onnx(module, tmp_path / "batched.onnx", lora="batched")
+
+
+class Queries(torch.nn.Module):
+    """Learned queries (DETR / Perceiver): ``q_proj(queries.expand(batch, -1, -1))`` attending
+    over ``k_proj(x)``; ``after=False``: ``q_proj(queries).expand(...)``, no batch at ``q_proj``."""
+
+    def __init__(self, after: bool = True):
+        super().__init__()
+        self.after = after
+        self.queries = torch.nn.Parameter(torch.randn(1, 3, 8))
+        self.q_proj, self.k_proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        b = x.shape[0]
+        q = self.q_proj(self.queries.expand(b, -1, -1)) if self.after else self.q_proj(self.queries).expand(b, -1, -1)
+        att = torch.softmax(q @ self.k_proj(x).transpose(1, 2) / 8 ** 0.5, -1)
+        return self.out(att @ x)
+
+
+def queries_module(tmp_path, exporter: str, after: bool = True):
+    model = randomize(Queries(after).eval(), seed=6)
+    path = tmp_path / "queries.onnx"
+    kwargs = {"input_names": ["x"], "output_names": ["y"]}
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+        kwargs.update(dynamic_shapes=({0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")},), verbose=False)
+    else:
+        kwargs["dynamic_axes"] = {"x": {0: "batch", 1: "seq"}}
+    with quiet(), contextlib.redirect_stdout(None):
+        torch.onnx.export(model, (torch.randn(4, 5, 8),), str(path), dynamo=exporter == "dynamo", **kwargs)
+    for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
+        peft_lora(model, ["q_proj", "k_proj", "out"], r, alpha, rslora=rslora, seed=50 + k, folder=tmp_path / adapter)
+    reference = peft_with_adapters(model, {a: tmp_path / a for a in ADAPTERS})
+    imported = import_onnx(path)
+    module = imported
+    for adapter in ADAPTERS:
+        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    return model, reference, module, path
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_learned_queries_expanded_to_the_batch_take_each_rows_adapter(exporter, tmp_path):
+    model, reference, module, _ = queries_module(tmp_path, exporter)
+    x = np.random.default_rng(1).normal(size=(len(ROWS), 7, 8)).astype(np.float32)
+    with torch.no_grad():
+        mixed = reference(torch.from_numpy(x), adapter_names=list(ROWS)).numpy()
+        plain = model(torch.from_numpy(x)).numpy()
+    got = module(Tensor.from_numpy(x), adapter_index=[None if r == "__base__" else r for r in ROWS]).to_numpy()
+    check("queries", got, mixed, plain, np.ones(got.shape[:2], dtype=np.int64))
+    path = export_onnx(module, tmp_path / "batched.onnx", x[:4, :5], input_names=["x"], lora="batched")
+    got = session(path).run(None, {"x": x, "adapter_index": INDEX})[0]
+    check("queries", got, mixed, plain, np.ones(got.shape[:2], dtype=np.int64))
+
+
+def test_queries_projected_before_the_expand_are_refused(tmp_path):
+    """No batch at ``q_proj``: one row for every batch element (PEFT cannot mix adapters there either)."""
+    _, _, module, _ = queries_module(tmp_path, "torchscript", after=False)
+    x = Tensor.from_numpy(np.zeros((3, 5, 8), dtype=np.float32))
+    with pytest.raises(LoraError, match="does not depend on the batch input"):
+        module(x, adapter_index=["a1", None, "a2"])

@@ -208,3 +208,42 @@ def test_adding_a_refill_of_unnamed_adapters_keeps_both_with_ids_of_their_own(th
     rows = served(Tensor.from_numpy(x.numpy()), adapter_index=["a3", None, "a3", None]).to_numpy()
     np.testing.assert_allclose(rows[[0, 2]], expected[[0, 2]], atol=ATOL)
     np.testing.assert_allclose(rows[[1, 3]], peft_rows(model, x, ["__base__"] * 4)[[1, 3]], atol=ATOL)
+
+
+def test_saved_pattern_keys_select_one_module_among_look_alike_paths(tmp_path):
+    from onnxparam import ParamGroup, save_peft_adapter
+
+    base = randomize(TorchNet().eval(), seed=1)
+    ours = with_torch_weights(Net(), base)
+    ours = ours.apply_lora(LoraConfig(rank=2, alpha=2.0, seed=0, param_group=ParamGroup.from_regex(
+        r"^(block\.fc1|fc10|out)\.weight$")))
+    ours = ours.apply_lora(LoraConfig(rank=4, alpha=12.0, seed=1, param_group=ParamGroup.from_regex(r"^fc1\.weight$")))
+    gen = np.random.default_rng(9)
+    ours = ours.map(lambda path, p: p.map(lambda t: Tensor.from_numpy(gen.normal(0, 0.3, t.shape).astype(np.float32)))
+                    if path.endswith(".lora.b") else p)
+    save_peft_adapter(ours, tmp_path / "saved")  # fc1: rank 4, alpha 12; block.fc1 keeps r=2, alpha 2
+    with quiet():
+        model = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "saved")).eval()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = model(x).numpy()
+    assert model.base_model.model.block.fc1.scaling["default"] == 1.0
+    np.testing.assert_allclose(ours(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
+    back = load_peft_adapter(with_torch_weights(Net(), base), tmp_path / "saved")
+    np.testing.assert_allclose(back(Tensor.from_numpy(x.numpy())).to_numpy(), expected, atol=ATOL)
+
+
+def test_load_peft_adapters_onto_unnamed_adapters_keeps_them_and_loads_each_folder_exactly(three):
+    from onnxparam import load_peft_adapters
+
+    base, model, folder = three
+    adapted = with_torch_weights(Mlp(), base).apply_lora(LoraConfig(rank=8, alpha=8.0, seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the unnamed adapters are kept as "default": nothing to warn about
+        served = load_peft_adapters(adapted, folder)
+    assert served.lora_adapters.names == ["default", "a1", "a2", "a3"] and served.active_adapter == "default"
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(11))
+    rows = ["a3", "a1", None, "a2", "a3", "a1"]
+    expected = peft_rows(model, x, ["__base__" if r is None else r for r in rows])
+    np.testing.assert_allclose(served(Tensor.from_numpy(x.numpy()), adapter_index=rows).to_numpy(), expected,
+                               atol=ATOL)

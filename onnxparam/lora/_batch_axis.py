@@ -52,6 +52,10 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   axis 2 of ``Y`` and 1 of ``Y_h`` / ``Y_c``; ``layout=1`` batch-first throughout (so a
   ``batch_first`` LSTM's transposes round-trip);
 * ``Shape`` / ``Size``: none;
+* ``Expand`` / ``Tile`` of a value without the batch to a shape whose entry ``k`` is the batch's
+  size read by ``Shape`` (``queries.expand(x.shape[0], -1, -1)``: learned queries, DETR /
+  Perceiver) from a dim of 1: the batch on axis ``k``, every row the same
+  (:mod:`onnxparam.lora._batch_index`);
 * an index built from the batch's size (``Range(0, batch)``: Hugging Face's padding-mask
   ``mask[arange(batch)[:, None, None, None], kv_idx]``, a ``Gather`` of the flattened mask or a
   ``GatherND``) keeps the batch: :mod:`onnxparam.lora._batch_index`; any other ``GatherND`` of a
@@ -436,6 +440,11 @@ class _Analysis:
             if any(l.batched for l in ins) or captured:
                 return [Layout("unknown", where=_label(node))] * n_out
             return [NONE] * n_out
+        batched = [l for l in ins if l.batched]
+        if not batched and node.op_type in ("Expand", "Tile") and len(node.inputs) == 2:
+            axis = self.index.broadcast_to_batch(node)  # learned queries expanded to the batch
+            if axis is not None:
+                return [Layout("axis", axis, _label(node))] * n_out
         batched = [l for l in ins if l.batched]
         if not batched or node.op_type in _NO_BATCH:
             return [NONE] * n_out

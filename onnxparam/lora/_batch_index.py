@@ -25,7 +25,15 @@ so :class:`~onnxparam.lora._batch_axis.Layout` calls them ``"none"``):
   on a shared leading axis stays; ``indices`` batched on a leading axis (and ``data`` not
   batched) gives the batch there.
 
-Entries are compared as monomials: symbols for a symbolic batch (the batch's own symbol only
+``Expand(data, shape)`` / ``Tile(data, repeats)`` of a ``data`` without the batch where one entry
+``k`` of ``shape`` / ``repeats`` is the batch's size read by ``Shape`` from a dim holding the
+batch (:meth:`~onnxparam.lora._batch_axis._Analysis.tokens`: provenance, not value, so a static
+batch equal to another dim is never taken for it) and ``data``'s dim there is 1 (or absent): the
+batch on axis ``k``, every row a copy (``queries.expand(x.shape[0], -1, -1)``: each row then
+takes its own adapter, as PEFT's ``adapter_names=`` does). TorchScript writes ``expand``'s
+``-1`` entries as ``Where(Equal(s, -1), 1, s)``: an entry of ``s`` that is the batch stays.
+
+Entries of index values are compared as monomials: symbols for a symbolic batch (the batch's own symbol only
 from a dim holding the batch), numbers for a static trace (``arange(4)`` at a batch of 4 is the
 identity on the batch whatever dim the 4 was read from: right for that trace).
 """
@@ -237,3 +245,61 @@ class IndexFacts:
         if not exact or mult != ONE or i_axis >= i_rank - 1:
             return None
         return i_axis
+
+    # -- a value broadcast to the batch -----------------------------------------------------
+
+    def shape_tokens(self, value) -> Optional[list]:
+        """A shape value's entries as :meth:`~onnxparam.lora._batch_axis._Analysis.tokens`
+        (``"B"``: the batch's size read by ``Shape``), seen through TorchScript's ``expand``
+        ``Where(Equal(s, negative), other, s)``: a size is never negative, so ``s``'s entry stays."""
+        producer = value.producer() if value is not None else None
+        if producer is None or producer.op_type != "Where" or len(producer.inputs) != 3:
+            return self.an.tokens(value)
+        cond, _other, kept = producer.inputs
+        equal = cond.producer() if cond is not None else None
+        if equal is None or equal.op_type != "Equal" or kept is None or kept not in equal.inputs:
+            return None
+        against = equal.inputs[1] if equal.inputs[0] is kept else equal.inputs[0]
+        if not self.negative(against):
+            return None
+        return self.an.tokens(kept)
+
+    def negative(self, value) -> bool:
+        """Whether every entry of ``value`` is negative: a negative constant, or
+        ``Mul(ConstantOfShape(positive), negative)`` (TorchScript's ``-1`` per entry)."""
+        c = self.an.const(value)
+        if c is not None:
+            return c.size > 0 and bool(np.all(c < 0))
+        producer = value.producer() if value is not None else None
+        if producer is None or producer.op_type != "Mul" or len(producer.inputs) != 2:
+            return False
+        for a, b in (producer.inputs, producer.inputs[::-1]):
+            fill = a.producer() if a is not None else None
+            scale = self.an.const(b)
+            if fill is None or fill.op_type != "ConstantOfShape" or scale is None or scale.size != 1:
+                continue
+            attr = fill.attributes.get("value")
+            ones = np.asarray(attr.value.numpy()).ravel() if attr is not None else np.zeros(1)
+            if ones.size == 1 and ones[0] > 0 and float(np.ravel(scale)[0]) < 0:
+                return True
+        return False
+
+    def broadcast_to_batch(self, node: ir.Node) -> Optional[int]:
+        """``Expand`` / ``Tile`` of a value without the batch (module docstring): the output's
+        batch axis, else ``None``."""
+        data, shape = node.inputs
+        if data is None or shape is None or self.an.of(data).batched or self.an.of(shape).batched:
+            return None
+        tokens = self.shape_tokens(shape)
+        d_dims = _dims(data)
+        if tokens is None or d_dims is None or tokens.count("B") != 1:
+            return None
+        k = tokens.index("B")
+        if node.op_type == "Tile":
+            if len(tokens) != len(d_dims) or d_dims[k] != 1:
+                return None
+            return k
+        lead = len(tokens) - len(d_dims)
+        if lead < 0:
+            return None  # a longer data rank: the entry is not axis k
+        return k if k < lead or d_dims[k - lead] == 1 else None

@@ -104,6 +104,19 @@ PEFT_DEFAULT_LORA_ALPHA = 8
 """``lora_alpha`` when ``adapter_config.json`` leaves it out: PEFT's ``LoraConfig`` default."""
 
 
+def pattern_key(path: str, paths) -> str:
+    r"""The ``rank_pattern`` / ``alpha_pattern`` key a writer gives module ``path`` so that it
+    selects ``path`` alone among the modules ``paths``: ``re.escape(path)``, unless PEFT's rule
+    (``(.*\.)?(key)$`` on the path in the wrapped model, :meth:`PeftConfig._pattern`) would also
+    select another of ``paths`` (``fc1`` selects ``block.fc1``): then ``"^" + re.escape(path)``
+    (PEFT's own anchored form; the plain key is kept otherwise, as PEFT versions before 0.14,
+    whose rule was ``.*\.key$``, fall back to the exact name)."""
+    key = re.escape(path)
+    if any(other != path and re.match(rf"(.*\.)?({key})$", other) for other in paths):
+        return "^" + key
+    return key
+
+
 class PeftConfig:
     """The fields of ``adapter_config.json`` this loader uses.
 
@@ -538,6 +551,26 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         FileMissingError: the folder (or a file given) does not exist (also a
             ``FileNotFoundError``). IsAFolderError: a folder given as one of the two files.
     """
+    removed: list = []
+    result, report = _load_peft_adapter(module, folder_or_files, key_map, allow_partial, removed)
+    if removed:
+        import warnings
+
+        from ..core.errors import LoraWarning
+
+        shown = ", ".join(repr(p) for p in removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+        where = os.fspath(folder_or_files) if isinstance(folder_or_files, (str, os.PathLike)) else folder_or_files
+        warnings.warn(f"load_peft_adapter: the result carries the adapter of {where} only; the unnamed adapters "
+                      f"{type(module).__name__} carries on {len(removed)} param(s) the folder does not target "
+                      f"({shown}) are not in it (the module passed in keeps them). To keep both, name them: "
+                      "module.add_adapter(name, load_peft_adapter(module, folder)) keeps the module's as "
+                      f"'{DEFAULT_ADAPTER_NAME}' (set_adapter chooses)", LoraWarning, stacklevel=2)
+    return (result, report) if return_report else result
+
+
+def _load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence], allow_partial: bool, removed: list):
+    """:func:`load_peft_adapter`'s work: ``(module, report)``; the paths of unnamed adapters left
+    out of the result (not targeted by the folder) are appended to ``removed``."""
     from ..formats._safetensors import read_safetensors
 
     config_path, weights_path = _files(folder_or_files)
@@ -672,7 +705,6 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     # optimizers and records), with their ids when they are unnamed (a refill: apply_lora, then
     # the trained values).
     named_active = active_adapter(module) is not None
-    removed: list = []
 
     def attach(path: str, param: Param) -> Param:
         entry = plan.get(path)
@@ -709,18 +741,7 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     result = rebuild(module, attach, add_bias if new_biases else None)
     if getattr(module, _SET_ATTR, None) is not None:  # named adapters stay owned, none active
         result = _owning(result, adapter_set(module), None)
-    if removed:
-        import warnings
-
-        from ..core.errors import LoraWarning
-
-        shown = ", ".join(repr(p) for p in removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
-        warnings.warn(f"load_peft_adapter: the result carries the adapter of {weights_path.parent} only; the "
-                      f"unnamed adapters {type(module).__name__} carries on {len(removed)} param(s) the folder does "
-                      f"not target ({shown}) are not in it (the module passed in keeps them). To keep both, name "
-                      "them: module.add_adapter(name, load_peft_adapter(module, folder)) keeps the module's as "
-                      f"'{DEFAULT_ADAPTER_NAME}' (set_adapter chooses)", LoraWarning, stacklevel=2)
-    return (result, report) if return_report else result
+    return result, report
 
 
 def _check_stored_bases(stored: dict, pairs: dict, kinds: dict, report: PeftLoadReport, targets, rules: Sequence,
@@ -869,6 +890,10 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
     (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
 
+    Each adapter is exactly its folder's (:func:`load_peft_adapter`), whatever ``module``
+    carries; ``module``'s unnamed adapters (``apply_lora``) stay, named ``"default"`` and
+    active (:func:`~onnxparam.lora.add_adapter`), so no ``LoraWarning`` is given about them.
+
     Raises:
         RecordError: ``folder`` holds no adapter, or one does not load
             (:func:`load_peft_adapter`, every module required).
@@ -887,6 +912,6 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     if not found:
         raise RecordError(f"{folder} holds no PEFT adapter ({CONFIG_FILE} in it or in a sub-folder)")
     result = module
-    for name, path in found:
-        result = result.add_adapter(name, load_peft_adapter(module, path, key_map))
+    for name, path in found:  # NOTE: add_adapter keeps module's unnamed adapters: no LoraWarning about them
+        result = result.add_adapter(name, _load_peft_adapter(module, path, key_map, False, [])[0])
     return result

@@ -263,7 +263,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
             tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b.T)
         rank = a.shape[1]
         # NOTE: PEFT matches pattern keys as regexes against the end of the module name
-        anchored = re.escape(name)
+        from ._peft import pattern_key
+
+        anchored = pattern_key(name, weights)
         if rank != r:
             rank_pattern[anchored] = int(rank)
         if scale * rank != alpha:

@@ -340,7 +340,7 @@ def convert(
             else:
                 del meta[LAYOUT_KEY]
         meta.update(metadata or {})
-        options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data)
+        options = _TargetOptions(graph, allow_partial, zero_copy, lossless, external_data, src_fmt == "pytorch")
         _WRITERS[dst_fmt](src, dst, tensors, meta, source.scalars, options, report)
     finally:
         source.close()
@@ -486,6 +486,7 @@ class _TargetOptions:
     zero_copy: bool
     lossless: bool
     external_data: Any
+    from_torch: bool = False  # a PyTorch checkpoint source (its tensors are torch's, unfolded)
 
 
 def _to_burnpack(src, dst, tensors, meta, scalars, options: _TargetOptions, report) -> None:
@@ -501,7 +502,8 @@ def _to_onnx(src, dst, tensors, meta, scalars, options: _TargetOptions, report) 
     if options.zero_copy:
         _write_onnx_zero_copy(src, dst, tensors, meta, scalars, options.graph, options.allow_partial, report)
     else:
-        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data, report)
+        _write_onnx(dst, tensors, meta, scalars, options.graph, options.allow_partial, options.external_data, report,
+                    from_torch=options.from_torch)
 
 
 _READERS = {"burnpack": _read_burnpack, "safetensors": _read_safetensors, "onnx": _read_onnx}

@@ -224,7 +224,7 @@ def _onnx_problems(tensors: list) -> list:
 
 
 def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, allow_partial: bool,
-                external_data, report: "ConvertReport | None" = None) -> None:
+                external_data, report: "ConvertReport | None" = None, from_torch: bool = False) -> None:
     # NOTE: into a template (graph), a QFloat tensor fills the template's quantized initializers
     # (onnx_io/_quant_write.py), which weights_into_graph checks
     problems = _onnx_problems(tensors) if graph is None else []
@@ -232,7 +232,7 @@ def _write_onnx(dst: Path, tensors: list, metadata: dict, scalars: dict, graph, 
         raise RecordError(f"cannot write '{dst}': {len(problems)} problem(s)", problems)
     record = ModuleRecord({t.name: t.snapshot() for t in tensors}, _record_metadata(metadata, scalars))
     if graph is not None:
-        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data, report)
+        _write_into_graph(dst, tensors, record.metadata, graph, allow_partial, external_data, report, from_torch)
         return
     if not external_data and (external_data is not None or _total_bytes(tensors) < _STREAM_LIMIT):
         _write_weights_only_streamed(dst, tensors, record.metadata)
@@ -259,7 +259,7 @@ def _load_template(graph):
 
 
 def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_partial: bool,
-                      external_data, report: "ConvertReport | None" = None) -> None:
+                      external_data, report: "ConvertReport | None" = None, from_torch: bool = False) -> None:
     """``graph`` (a template path or model) with its weights replaced by ``tensors``, written as
     :func:`onnxparam.onnx_io.save_model` writes (inline: streamed, subgraphs included). A tensor
     whose bytes lie unchanged in its source file becomes an external reference to them for the
@@ -281,7 +281,8 @@ def _write_into_graph(dst: Path, tensors: list, record_meta: dict, graph, allow_
     source = os.fspath(graph) if isinstance(graph, (str, os.PathLike)) else None
     unmatched: dict = {}
     model = weights_into_graph({t.name: t for t in tensors}, _load_template(graph), allow_partial=allow_partial,
-                               make_tensor=make_tensor, metadata=record_meta, source=source, unmatched=unmatched)
+                               make_tensor=make_tensor, metadata=record_meta, source=source, unmatched=unmatched,
+                               from_torch=from_torch)
     _note_unmatched(report, unmatched)
     save_model(model, dst, external_data=external_data, alignment_bytes=DEFAULT_ALIGNMENT_BYTES)
 

@@ -24,6 +24,7 @@ from ..core.dtype import DType
 from ..core.errors import RecordError
 from ..core.module import named_modules
 from ..core.record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
+from ..lora._folded_norms import folded_norm_paths, folded_reason
 from ..formats._safetensors import read_safetensors, write_safetensors
 from ._adapters import (
     KeyRemapper,
@@ -72,6 +73,7 @@ def apply_record(
     contiguous_indices: bool = False,
     source: str = "",
     report: Optional[LoadReport] = None,
+    _from_torch: bool = False,
 ):
     """A copy of ``module`` holding the tensors of ``record``: THE record application.
 
@@ -116,7 +118,11 @@ def apply_record(
     Raises:
         RecordError: listing every problem (missing, unused, mis-shaped, mis-typed tensors, two
             tensors renamed to one name), each naming the tensor with expected and found
-            shape / dtype; its ``report`` attribute holds the :class:`LoadReport`.
+            shape / dtype; its ``report`` attribute holds the :class:`LoadReport`. From
+            :func:`load_pytorch` also, whatever ``allow_partial`` says, a tensor for an imported
+            weight holding a BatchNorm the exporter folded into it
+            (``OnnxModule.onnx_folded_norms``): torch's unfolded tensor does not fit there, and
+            the file lacks the BatchNorm's scale to unfold it.
     """
     record = as_record(record)
     adapter = resolve_adapter(adapter)
@@ -172,6 +178,8 @@ def apply_record(
         restructured = set(mapped)
     used: set = set()
     matched: dict[str, TensorSnapshot] = {}
+    folded = folded_norm_paths(module)  # BatchNorms an exporter folded into imported weights
+    refused_folded: list = []
     evidence = (linear_layouts((n, tuple(snap.shape)) for n, snap in snaps.items())
                 if isinstance(adapter, PyTorchAdapter) else {})
     conv1d: list = []
@@ -191,6 +199,11 @@ def apply_record(
         if original != path:
             report.renamed.append((original, path))
         where = f"'{path}'" + (f" (from '{original}')" if original != path else "")
+        if _from_torch and path in folded:  # NOTE: a PyTorch checkpoint's tensor is torch's unfolded one
+            problems.append(f"cannot load {where} from a PyTorch checkpoint: " + folded_reason(path, *folded[path]))
+            report.errors.append(problems[-1])
+            refused_folded.append(path)
+            continue
         expected_shape = tuple(int(d) for d in param.lazy_shape())
         if key not in restructured and adapter.transposes(path, owner, tuple(snap.shape)):
             found = evidence.get(key)
@@ -254,7 +267,7 @@ def apply_record(
         for original in report.unused:
             renamed = remapper.apply(renumbered[original]) if original in renumbered else original
             shown = f"'{original}'" + (f" (renamed to '{renamed}')" if renamed != original else "")
-            problems.append(f"unexpected tensor {shown}: " + _unexpected_hint(renamed, params))
+            problems.append(f"unexpected tensor {shown}: " + _unexpected_hint(renamed, params, refused_folded))
     if conv1d:
         families = sorted({family_of(p.rpartition(".")[0]) for p in conv1d})
         pattern = "|".join(re.escape(f).replace(r"\*", r"\d+") for f in families)
@@ -297,11 +310,15 @@ def _rebuild(module, matched: Mapping):
 _LORA_FACTOR = re.compile(r"^(?P<base>.+)\.lora\.(?:a|b)$")
 
 
-def _unexpected_hint(name: str, params: Mapping) -> str:
+def _unexpected_hint(name: str, params: Mapping, refused_folded=()) -> str:
     match = _LORA_FACTOR.match(name)
     if match and match.group("base") in params:
         return (f"it is a LoRA factor, but '{match.group('base')}' has no adapter; LoRA's scale is not stored "
                 "in records, so apply_lora(LoraConfig(rank, alpha)) with the training config first, then load")
+    if refused_folded:  # NOTE: allow_partial would load torch's unfolded weights around the folded ones
+        return ("the module has no param at this path (the file folded its BatchNorms into "
+                f"{', '.join(repr(p) for p in refused_folded[:4])}: see above; allow_partial cannot help): "
+                "load the checkpoint into an export that keeps the BatchNorms")
     return ("the module has no param at this path; rename it with remap=[(pattern, replacement)], "
             "or pass allow_partial=True")
 
@@ -489,7 +506,7 @@ def load_pytorch(
         record, exclude = _renamed_by_exporter(module, record, adapter, exclude, report)
         return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
                             cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
-                            source="the state dict", report=report)
+                            source="the state dict", report=report, _from_torch=True)
     if not isinstance(path, (str, os.PathLike)):
         raise RecordError(f"load_pytorch takes a checkpoint path or a state dict (a mapping of names to tensors), "
                           f"not {type(path).__name__}")
@@ -499,7 +516,7 @@ def load_pytorch(
     try:
         return apply_record(module, record, adapter=adapter, remap=remap, include=include, exclude=exclude,
                             cast=cast, allow_partial=allow_partial, contiguous_indices=contiguous_indices,
-                            source=str(path), report=report)
+                            source=str(path), report=report, _from_torch=True)
     finally:
         report.skipped.extend(f"{name} (not a tensor)" for name in checkpoint.skipped)
 

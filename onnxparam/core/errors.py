@@ -20,6 +20,7 @@ keeps working::
     ├── LoraError (ValueError)              LoRA adapters cannot be attached or written as asked
     │   └── LoraTypeError (TypeError)       ... because an argument is of the wrong kind
     ├── OptimizerError (ValueError)         an optimizer's hyperparameter is out of its range
+    ├── ParamGroupError (ValueError)        a ParamGroup given to a verb matches no param of the module
     └── FileAccessError (OSError)           a file or folder cannot be read or written as asked
         ├── FileMissingError (FileNotFoundError)
         ├── FilePermissionError (PermissionError)
@@ -56,6 +57,7 @@ __all__ = [
     "LoraError",
     "LoraTypeError",
     "OptimizerError",
+    "ParamGroupError",
     "FileAccessError",
     "FileMissingError",
     "FilePermissionError",
@@ -183,6 +185,12 @@ class LoraError(OnnxParamError, ValueError):
 class LoraTypeError(LoraError, TypeError):
     """A LoRA argument of the wrong kind (``LoraConfig(rank=2.5)``, a dtype that is not a
     ``DType`` ...). Also a ``TypeError``, so code catching the builtin keeps working."""
+
+
+class ParamGroupError(OnnxParamError, ValueError):
+    """A :class:`~onnxparam.ParamGroup` matches no param of the module a verb applies it to
+    (``freeze_group`` / ``unfreeze_group``), or a path of ``ParamGroup.from_paths`` names none:
+    the verb would silently do nothing. The message names the group and the closest paths."""
 
 
 class OptimizerError(OnnxParamError, ValueError):

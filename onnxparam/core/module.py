@@ -278,11 +278,23 @@ class Module(ModuleVerbs):
         return rebuild(self, lambda path, p: p.set_require_grad(False))
 
     def freeze_group(self, group) -> "Module":
-        """A copy in which the float params matched by ``group`` do not require grad."""
+        """A copy in which the float params matched by ``group`` do not require grad.
+
+        Raises:
+            ParamGroupError: ``group`` matches no param of the module, or one of a
+                ``ParamGroup.from_paths`` group's paths names none (an imported weight's ONNX
+                name stands for its path): see :func:`onnxparam.core.group.resolve_group`.
+        """
+        group = _checked_group(self, group, "freeze_group")
         return rebuild(self, lambda path, p: p.set_require_grad(False) if group.matches(p.id, path) else p)
 
     def unfreeze_group(self, group) -> "Module":
-        """A copy in which the float params matched by ``group`` require grad."""
+        """A copy in which the float params matched by ``group`` require grad.
+
+        Raises:
+            ParamGroupError: as :meth:`freeze_group`.
+        """
+        group = _checked_group(self, group, "unfreeze_group")
         return rebuild(self, lambda path, p: p.set_require_grad(True)
                        if group.matches(p.id, path) and p.lazy_dtype().is_float else p)
 
@@ -360,3 +372,20 @@ def _param_line(param: Param) -> str:
         shape = "[?]"
     flags = "" if param.require_grad else ", frozen"
     return f"{shape} {param.lazy_dtype().name}{flags}"
+
+
+def _checked_group(module, group, verb: str):
+    """``group`` resolved against ``module`` (:func:`onnxparam.core.group.resolve_group`): the ONNX
+    names of its imported graphs (sub-modules with an ``onnx_names`` property: path -> name)."""
+    from .group import ParamGroup, resolve_group
+
+    if not isinstance(group, ParamGroup):
+        return group  # NOTE: any object with matches(id, path) is accepted as before, unchecked
+    params = [(path, p.id) for path, p in named_params(module)]
+    onnx_names: dict = {}
+    for prefix, sub in named_modules(module):
+        if isinstance(getattr(type(sub), "onnx_names", None), property):
+            for path, name in sub.onnx_names.items():
+                onnx_names.setdefault(name, []).append(f"{prefix}.{path}" if prefix else path)
+    return resolve_group(group, params, onnx_names, verb)
+

@@ -609,6 +609,10 @@ def add_adapter(module, name: str, source):
     ``model.unfreeze_group(ParamGroup.all())`` (or a narrower :class:`~onnxparam.ParamGroup`,
     e.g. for PEFT's ``bias="all"``); later ``add_adapter`` / ``set_adapter`` calls keep it.
 
+    Each named adapter has factor ids of its own (optimizer state and records are keyed by
+    them): a factor of ``source`` whose id one of ``module``'s adapters already has (a
+    ``load_peft_adapter`` refill of the module's unnamed adapters) is added under a fresh id.
+
     Raises:
         LoraError: (a ``ValueError``) ``name`` is taken, or ``source`` has no adapters.
     """
@@ -617,8 +621,24 @@ def add_adapter(module, name: str, source):
     first = not has_adapters(module)
     if active is None and current:
         sets, active = sets.add(DEFAULT_ADAPTER_NAME, current), DEFAULT_ADAPTER_NAME
+    taken = {f.id for n in sets.names for ad in sets.adapters(n).values() for f in (ad.a, ad.b)}
+    taken |= {f.id for ad in current.values() for f in (ad.a, ad.b)}
     sets = sets.add(name, source)
+    sets = sets._with(name, {path: _own_ids(adapter, taken) for path, adapter in sets.adapters(name).items()})
     return _owning(freeze_base(module) if first else _copy(module), sets, active)
+
+
+def _own_ids(adapter: LoraAdapter, taken: set) -> LoraAdapter:
+    """``adapter`` whose factors with an id in ``taken`` are copies under fresh ids (same values
+    and flags)."""
+
+    def own(p: Param) -> Param:
+        if p.id not in taken:
+            return p
+        return Param.initialized(ParamId(), p.base(), p.require_grad)
+
+    a, b = own(adapter.a), own(adapter.b)
+    return adapter if a is adapter.a and b is adapter.b else adapter.with_factors(a, b)
 
 
 def set_adapter(module, name: Optional[str]):
@@ -677,3 +697,14 @@ def with_every_named_target(module):
             stand_in.setdefault(path, adapter)
     return rebuild(module, lambda path, p: p if p.adapter() is not None or path not in stand_in
                    else p.with_adapter(stand_in[path]))
+
+
+def no_adapter_reason(module) -> str:
+    """Why ``module`` has no adapter on its params, for "nothing to write" messages: its named
+    adapters when it owns some but none is active (``set_adapter(None)``), else "no LoRA adapters"."""
+    names = list(adapter_set(module).names)
+    if names:
+        shown = ", ".join(repr(n) for n in names[:6])
+        return (f"{type(module).__name__} has named adapters ({shown}) but none is active: "
+                f"set_adapter({names[0]!r}) first, or pass adapter_name=")
+    return f"{type(module).__name__} has no LoRA adapters (apply_lora or load_peft_adapter first)"

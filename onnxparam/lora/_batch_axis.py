@@ -52,6 +52,14 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   axis 2 of ``Y`` and 1 of ``Y_h`` / ``Y_c``; ``layout=1`` batch-first throughout (so a
   ``batch_first`` LSTM's transposes round-trip);
 * ``Shape`` / ``Size``: none;
+* ``Expand`` / ``Tile`` of a value without the batch to a shape whose entry ``k`` is the batch's
+  size read by ``Shape`` (``queries.expand(x.shape[0], -1, -1)``: learned queries, DETR /
+  Perceiver) from a dim of 1: the batch on axis ``k``, every row the same
+  (:mod:`onnxparam.lora._batch_index`);
+* an index built from the batch's size (``Range(0, batch)``: Hugging Face's padding-mask
+  ``mask[arange(batch)[:, None, None, None], kv_idx]``, a ``Gather`` of the flattened mask or a
+  ``GatherND``) keeps the batch: :mod:`onnxparam.lora._batch_index`; any other ``GatherND`` of a
+  batched axis loses it;
 * ops with subgraphs (``If``, ``Loop``, ``Scan``): unknown when any input or value they capture
   holds the batch;
 * any other op: its outputs are ``"axis" 0`` when every batched input is ``"axis" 0`` and the
@@ -254,6 +262,9 @@ class _Analysis:
         self.consts: dict = {}  # id(value) -> small int array folded from constants (pads, axes, shapes)
         self._mdims: dict = {}  # id(value) -> [monomial dim]: the dims in terms of the batch (mdims)
         self._smonos: dict = {}  # id(int shape-like value) -> [monomial or None]: its entries (shape_mono)
+        from ._batch_index import IndexFacts
+
+        self.index = IndexFacts(self)  # arange(batch) indices (padding-mask gathers)
 
     def const(self, value) -> Optional[np.ndarray]:
         if value is None:
@@ -413,6 +424,7 @@ class _Analysis:
             for value in node.outputs:  # in graph order: each producer's inputs are known first (no deep recursion)
                 self.mdims(value)
             self.shape_mono(node)
+            self.index.track(node)
             outs = self.node(node)
             for value, layout in zip(node.outputs, outs):
                 if value is not None:
@@ -428,6 +440,11 @@ class _Analysis:
             if any(l.batched for l in ins) or captured:
                 return [Layout("unknown", where=_label(node))] * n_out
             return [NONE] * n_out
+        batched = [l for l in ins if l.batched]
+        if not batched and node.op_type in ("Expand", "Tile") and len(node.inputs) == 2:
+            axis = self.index.broadcast_to_batch(node)  # learned queries expanded to the batch
+            if axis is not None:
+                return [Layout("axis", axis, _label(node))] * n_out
         batched = [l for l in ins if l.batched]
         if not batched or node.op_type in _NO_BATCH:
             return [NONE] * n_out
@@ -536,6 +553,9 @@ class _Analysis:
             return self.keep_unless(node, ins[0], self.touched(node, op))
         if op in ("Gather", "GatherElements"):
             return self.gather(node, op, ins)
+        if op == "GatherND":
+            found = self.index.gather_nd(node, ins)
+            return gone if found is None else (Layout("axis", found, _label(node)) if isinstance(found, int) else found)
         if op == "Concat":
             axis = int(_attr(node, "axis", 0))
             rank = out_rank if out_rank is not None else _rank(node.inputs[0])
@@ -1022,6 +1042,10 @@ class _Analysis:
                                  data.kind not in ("axis", "merged") and axis == 0):
                 return gone
             return self.broadcast(node, [(data, node.inputs[0]), (idx, node.inputs[1])], rank)
+        if data.batched and not idx.batched and op == "Gather":
+            hit = self.index.gather(node, data, node.inputs[1], axis)  # an arange(batch) index
+            if hit is not None:
+                return Layout("axis", hit, _label(node))
         if data.batched and idx.batched:
             return gone
         idx_rank = _rank(node.inputs[1])
@@ -1146,6 +1170,8 @@ class _Analysis:
             if neg is not None and all(d is not None for j, d in enumerate(out) if j != neg):
                 out[neg] = _div(_prod(src), _prod([d for j, d in enumerate(out) if j != neg]))
             return out
+        if op == "Range":
+            return self.index.range_mdims(node)
         if src is None:
             return None
         if op == "Transpose":

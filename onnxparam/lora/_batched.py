@@ -517,6 +517,10 @@ class _Graph:
         layouts = self._layouts or {}
         while id(value) not in layouts:
             producer = value.producer()
+            if producer is None and (value.is_initializer() or value.const_value is not None):
+                from ._batch_axis import NONE
+
+                return NONE  # a weight or constant (a learned tensor): no batch in it
             if producer is None or LORA_NODE_KEY not in producer.metadata_props or not producer.inputs:
                 return None
             value = producer.inputs[0]

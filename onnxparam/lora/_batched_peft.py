@@ -318,7 +318,9 @@ def write_batched_peft(adapters, folder: "str | os.PathLike", *, model, names: O
     for name, (tensors, ranks, lora_bias) in written.items():
         r = Counter(ranks.values()).most_common(1)[0][0]
         # NOTE: PEFT matches pattern keys as regexes against the end of the module name
-        rank_pattern = {re.escape(m): k for m, k in sorted(ranks.items()) if k != r}
+        from ._peft import pattern_key
+
+        rank_pattern = {pattern_key(m, ranks): k for m, k in sorted(ranks.items()) if k != r}
         alpha_pattern = {key: float(k) for key, k in rank_pattern.items()}
         config = {
             "peft_type": "LORA", "task_type": None, "r": int(r), "lora_alpha": float(r),

@@ -10,7 +10,8 @@ A PEFT LoRA checkpoint is a folder with ``adapter_config.json`` and
     scale = lora_alpha / r,   or lora_alpha / sqrt(r) with use_rslora (Kalajdzievski 2023)
 
 and ``r`` / ``lora_alpha`` may be overridden per module by ``rank_pattern`` / ``alpha_pattern``
-(regex keys matched against the end of the module name, as PEFT does).
+(regex keys matched, as PEFT does, against the end of the module's path in the wrapped model:
+the key without ``base_model.model.``; a ``^`` key anchors at that path's start).
 
 In this library's adapter (:class:`~onnxparam.LoraAdapter`), ``a`` is ``(d_in, r)`` and ``b`` is
 ``(r, d_out)`` whatever the base's layout, so ``a = A.T`` and ``b = B.T`` always: for a base
@@ -53,11 +54,13 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.dtype import DType
-from ..core.errors import RecordError, ShapeMismatchError
+from ..core.errors import LoraError, RecordError, ShapeMismatchError
 from ..core.module import named_params, rebuild
 from ..core.param import Param, ParamId
 from ..core.tensor import Tensor
-from ._adapters import LoraAdapter, frozen_base_param, has_adapters, transposed_paths
+from ._adapters import (_SET_ATTR, DEFAULT_ADAPTER_NAME, LoraAdapter, _owning, active_adapter, adapter_set,
+                        frozen_base_param, has_adapters, transposed_paths)
+from ._folded_norms import folded_norm_paths, folded_reason
 from ._layouts import CONV, IN_OUT, OUT_IN
 from ._tables import matmul_weights, table_owners
 
@@ -69,6 +72,16 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 DEFAULT_PEFT_KEY_MAP = ((r"^base_model\.model\.", ""),)
 """Applied before the user's rules: PEFT prefixes every key with ``base_model.model.``."""
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def peft_module_path(name: str) -> str:
+    """The path in the wrapped model (``model.named_modules()`` of the model ``get_peft_model``
+    wrapped) of a checkpoint's PEFT module name: ``name`` without PEFT's ``base_model.model.``
+    prefix (``"base_model.model.model.layers.0.q_proj"`` -> ``"model.layers.0.q_proj"``); the
+    name PEFT matches ``rank_pattern`` / ``alpha_pattern`` keys against."""
+    return name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
 
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.weight$")
 """``<module>.lora_A.weight`` (and the older ``<module>.lora_A.<adapter name>.weight``)."""
@@ -89,6 +102,19 @@ _FULL_KEY = re.compile(r"^(?P<module>.+)\.(?P<which>weight)$")
 
 PEFT_DEFAULT_LORA_ALPHA = 8
 """``lora_alpha`` when ``adapter_config.json`` leaves it out: PEFT's ``LoraConfig`` default."""
+
+
+def pattern_key(path: str, paths) -> str:
+    r"""The ``rank_pattern`` / ``alpha_pattern`` key a writer gives module ``path`` so that it
+    selects ``path`` alone among the modules ``paths``: ``re.escape(path)``, unless PEFT's rule
+    (``(.*\.)?(key)$`` on the path in the wrapped model, :meth:`PeftConfig._pattern`) would also
+    select another of ``paths`` (``fc1`` selects ``block.fc1``): then ``"^" + re.escape(path)``
+    (PEFT's own anchored form; the plain key is kept otherwise, as PEFT versions before 0.14,
+    whose rule was ``.*\.key$``, fall back to the exact name)."""
+    key = re.escape(path)
+    if any(other != path and re.match(rf"(.*\.)?({key})$", other) for other in paths):
+        return "^" + key
+    return key
 
 
 class PeftConfig:
@@ -141,19 +167,31 @@ class PeftConfig:
 
     @staticmethod
     def _pattern(patterns: dict, name: str):
-        # PEFT (tuners/lora/model.py): the first key k with re.match(rf"(.*\.)?({k})$", name)
+        # PEFT 0.21 (tuners/lora/model.py _create_and_replace -> utils/other.py get_pattern_key): the
+        # first key k with re.match(rf"(.*\.)?({k})$", current_key), else the entry of current_key
+        # itself; current_key is the module's name in the wrapped model (inject_adapter iterates
+        # model.named_modules() of the model get_peft_model wraps), so a "^fc1" key anchors at the
+        # start of "fc1", never of the checkpoint's "base_model.model.fc1" (fresh8 F6).
+        name = peft_module_path(name)
         for key, value in patterns.items():
             if re.match(rf"(.*\.)?({key})$", name):
                 return value
-        return None
+        return patterns.get(name)
 
     def scale_for(self, name: str, rank: int) -> float:
-        """The adapter scale of PEFT module ``name`` whose factors have rank ``rank``."""
+        """The adapter scale of PEFT module ``name`` whose factors have rank ``rank``.
+
+        ``name`` is the checkpoint's module name (``base_model.model.<path>``) or the path in the
+        wrapped model; ``alpha_pattern`` / ``rank_pattern`` keys are matched, as PEFT matches them,
+        against the latter (:func:`peft_module_path`), so PEFT's anchored keys
+        (``{"^model.decoder.layers.0.encoder_attn.k_proj": 16}``) apply."""
         alpha = self._pattern(self.alpha_pattern, name)
         alpha = self.lora_alpha if alpha is None else alpha
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
     def rank_for(self, name: str) -> int:
+        """The rank PEFT module ``name`` was created with (``r`` / ``rank_pattern``, matched as in
+        :meth:`scale_for`)."""
         rank = self._pattern(self.rank_pattern, name)
         return self.r if rank is None else rank
 
@@ -465,8 +503,24 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         With ``lora_bias`` the bias param gets a rank-1 adapter whose delta is
         ``scale * lora_B.bias`` (PEFT's merge); a bias-free ``nn.Linear(bias=False)`` gets an
         adapter-owned bias (a frozen zero ``bias`` param carrying that adapter: PEFT's unmerged
-        forward; merging it makes a new bias, where PEFT refuses to merge). A target that already has an adapter keeps its
-        factors' ids.
+        forward; merging it makes a new bias, where PEFT refuses to merge).
+
+        The result carries exactly the folder's adapter, as PEFT's ``load_adapter`` makes one
+        adapter of exactly the folder (the base model plus the folder's factors), whatever
+        adapters ``module`` carries (``module`` itself is not changed and keeps them):
+
+        * ``module`` with an active named adapter (``add_adapter`` + ``set_adapter``): that
+          adapter's factors are on none of the result's params (targets get new factors with
+          new ids: never a named adapter's); the result still owns every named adapter (the
+          active one with its current values), none active, so
+          ``module.add_adapter("a3", load_peft_adapter(module, "a3/"))`` adds exactly the
+          folder's ``a3`` and ``result.set_adapter("a1")`` switches back.
+        * ``module`` with unnamed adapters (``apply_lora``, an earlier ``load_peft_adapter``):
+          on a target the folder's factors replace the adapter's values and keep its factors'
+          ids (a refill: an optimizer state or record keyed by those ids goes on); adapters on
+          params the folder does not target are not in the result, with a
+          :class:`~onnxparam.LoraWarning` naming them (``module.add_adapter(name, result)``
+          keeps both: the module's as ``"default"``).
         Trainability is PEFT's (``PeftModel.from_pretrained(..., is_trainable=True)``,
         ``bias="none"``): on a module without adapters every float param except the new
         factors is frozen (as :func:`~onnxparam.lora.apply_lora` freezes); on one that has
@@ -488,11 +542,35 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
             keys that are not LoRA factors, unmatched modules (without ``allow_partial``), no
             matched module at all, or a target whose layout the graph does not decide; every
             problem listed together; ``error.report`` is the :class:`PeftLoadReport`.
+        LoraError: a target holds a BatchNorm the exporter folded into it
+            (``OnnxModule.onnx_folded_norms``: dynamo's ``FuseBatchNormIntoConv`` / ``...Gemm`` /
+            ``...ConvTranspose``): PEFT's delta was trained before that BatchNorm, whose
+            per-channel scale the file does not hold (the param, node and evidence named).
         ShapeMismatchError: (a ``RecordError``) when the only problems are factors that do
             not fit their target (the param and both shapes named).
         FileMissingError: the folder (or a file given) does not exist (also a
             ``FileNotFoundError``). IsAFolderError: a folder given as one of the two files.
     """
+    removed: list = []
+    result, report = _load_peft_adapter(module, folder_or_files, key_map, allow_partial, removed)
+    if removed:
+        import warnings
+
+        from ..core.errors import LoraWarning
+
+        shown = ", ".join(repr(p) for p in removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+        where = os.fspath(folder_or_files) if isinstance(folder_or_files, (str, os.PathLike)) else folder_or_files
+        warnings.warn(f"load_peft_adapter: the result carries the adapter of {where} only; the unnamed adapters "
+                      f"{type(module).__name__} carries on {len(removed)} param(s) the folder does not target "
+                      f"({shown}) are not in it (the module passed in keeps them). To keep both, name them: "
+                      "module.add_adapter(name, load_peft_adapter(module, folder)) keeps the module's as "
+                      f"'{DEFAULT_ADAPTER_NAME}' (set_adapter chooses)", LoraWarning, stacklevel=2)
+    return (result, report) if return_report else result
+
+
+def _load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence], allow_partial: bool, removed: list):
+    """:func:`load_peft_adapter`'s work: ``(module, report)``; the paths of unnamed adapters left
+    out of the result (not targeted by the folder) are appended to ``removed``."""
     from ..formats._safetensors import read_safetensors
 
     config_path, weights_path = _files(folder_or_files)
@@ -539,6 +617,8 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         else:  # a whole layer's bias, as save_embedding_layers writes it for a layer no LoRA adapts
             stored.setdefault(name, {})["bias"] = (key, snap)
     targets = _Targets(module)
+    folded = folded_norm_paths(module)  # BatchNorms the exporter folded into a weight (refused below)
+    refused: list = []
     plan: dict = {}
     new_biases: dict = {}  # module path -> (d_out, weight path): adapter-owned biases (lora_bias, no bias)
     for name, factors in pairs.items():
@@ -554,6 +634,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
                 problems.append(f"PEFT module {name!r} maps to {mapped!r}, which is not a param (nor is "
                                 f"{mapped + '.weight'!r}, nor an ONNX weight of that name); add a key_map rule "
                                 "(regex, replacement)")
+            continue
+        if target in folded:
+            refused.append(f"PEFT module {name!r} -> {folded_reason(target, *folded[target])}")
             continue
         A, B = factors["A"], factors["B"]
         if len(A.shape) != 2 or len(B.shape) != 2:
@@ -603,6 +686,10 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
     if not report.matched and not problems:
         problems.append(f"no PEFT module of the checkpoint matched a param of {type(module).__name__} "
                         f"({len(report.unmatched)} unmatched: {report.unmatched[:5]}); add key_map rules")
+    if refused:
+        raise LoraError(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}: PEFT trained "
+                        "these adapters on torch's weights, which the file no longer holds:\n  - "
+                        + "\n  - ".join(refused + problems))
     if problems:
         kind = ShapeMismatchError if all("the param is" in p for p in problems) else RecordError
         error = kind(f"cannot load the PEFT adapter {weights_path} onto {type(module).__name__}", problems)
@@ -610,17 +697,29 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         raise error
 
     first = not has_adapters(module)  # NOTE: PEFT freezes the base on its first injection only
+    # NOTE (fresh8 F10): the result carries the folder's adapter and nothing else, as PEFT's
+    # load_adapter makes one adapter of exactly the folder: the module's adapters on params the
+    # folder does not target are removed from the result (a named active one stays in the set,
+    # inactive; unnamed ones are named in a LoraWarning); the factors on targets replace theirs,
+    # with fresh ids when they are a named adapter's (sharing ids would alias two adapters in
+    # optimizers and records), with their ids when they are unnamed (a refill: apply_lora, then
+    # the trained values).
+    named_active = active_adapter(module) is not None
 
     def attach(path: str, param: Param) -> Param:
         entry = plan.get(path)
         if entry is None:
+            if param.adapter() is not None:
+                if not named_active:
+                    removed.append(path)
+                param = param.with_adapter(None)
             return frozen_base_param(path, param) if first else param
         name, a, b, scale, transposed = entry
         dtype = param.lazy_dtype()
         # NOTE: factors follow the base's float dtype (F32 for a quantized base), as apply_lora's
         np_dtype = np.float32 if dtype is DType.QFloat or not dtype.is_float else dtype.to_numpy()
         device = param.lazy_device()
-        old = param.adapter()
+        old = None if named_active else param.adapter()
         a_id = old.a.id if old is not None else ParamId()
         b_id = old.b.id if old is not None else ParamId()
         # NOTE: PEFT's A is (r, in), B is (out, r); ours are their transposes (module docstring)
@@ -640,7 +739,9 @@ def load_peft_adapter(module, folder_or_files, key_map: Optional[Sequence] = Non
         copy.bias = attach(f"{path}.bias" if path else "bias", zero)
 
     result = rebuild(module, attach, add_bias if new_biases else None)
-    return (result, report) if return_report else result
+    if getattr(module, _SET_ATTR, None) is not None:  # named adapters stay owned, none active
+        result = _owning(result, adapter_set(module), None)
+    return result, report
 
 
 def _check_stored_bases(stored: dict, pairs: dict, kinds: dict, report: PeftLoadReport, targets, rules: Sequence,
@@ -789,6 +890,10 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     it has ``adapter_config.json``), each sub-folder with one holds the adapter of its name
     (PEFT's ``save_pretrained`` layout; :func:`onnxparam.save_peft_adapters`).
 
+    Each adapter is exactly its folder's (:func:`load_peft_adapter`), whatever ``module``
+    carries; ``module``'s unnamed adapters (``apply_lora``) stay, named ``"default"`` and
+    active (:func:`~onnxparam.lora.add_adapter`), so no ``LoraWarning`` is given about them.
+
     Raises:
         RecordError: ``folder`` holds no adapter, or one does not load
             (:func:`load_peft_adapter`, every module required).
@@ -807,6 +912,6 @@ def load_peft_adapters(module, folder: "str | os.PathLike", key_map: Optional[Se
     if not found:
         raise RecordError(f"{folder} holds no PEFT adapter ({CONFIG_FILE} in it or in a sub-folder)")
     result = module
-    for name, path in found:
-        result = result.add_adapter(name, load_peft_adapter(module, path, key_map))
+    for name, path in found:  # NOTE: add_adapter keeps module's unnamed adapters: no LoraWarning about them
+        result = result.add_adapter(name, _load_peft_adapter(module, path, key_map, False, [])[0])
     return result

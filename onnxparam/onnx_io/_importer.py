@@ -357,6 +357,25 @@ class OnnxModule(Module):
         return dict(ties)
 
     @property
+    def onnx_folded_norms(self) -> dict:
+        """Module path -> evidence, for the weights and biases that hold a BatchNorm the exporter
+        folded into them: the ``Conv`` / ``ConvTranspose`` / ``Gemm`` nodes onnxscript's rewriter
+        (torch's dynamo exporter) tagged ``pkg.onnxscript.rewriter.rule_name`` =
+        ``FuseBatchNormIntoConv`` / ``...ConvTranspose`` / ``...Gemm``
+        (:mod:`onnxparam.lora._folded_norms`; the tag only, never values or shapes). Such a
+        ``conv.weight`` is torch's weight times the BatchNorm's per-channel scale, which the file
+        does not hold: ``load_peft_adapter`` refuses a PEFT adapter on it and the PyTorch /
+        safetensors loaders refuse torch's tensor for it; ``apply_lora`` adapts it as any weight."""
+        folded = self._source.cache.get("folded_norms")
+        if folded is None:
+            from ..lora._folded_norms import folded_norm_weights
+
+            found = folded_norm_weights(self._source.loaded.model)
+            folded = {path: found[name] for path, name in self._source.names.items() if name in found}
+            self._source.cache["folded_norms"] = folded
+        return dict(folded)
+
+    @property
     def onnx_names(self) -> dict:
         """Module path -> original ONNX name, for every param (the inverse of
         :func:`~onnxparam.onnx_io._naming.onnx_name_to_path` on these names)."""
@@ -485,6 +504,12 @@ class OnnxModule(Module):
         bound = {v.name: x for v, x in zip(required, inputs)}
         allowed = {v.name for v in required} | {v.name for v in self._source.overrides}
         for name, x in named.items():
+            if name == "adapter_index" and name not in allowed:  # NOTE: only a traced call gets here
+                raise CallArgumentError(
+                    "adapter_index (an adapter per batch row) is for inference only: a call inside a trace "
+                    "(grad, export_onnx, a forward traced by another module) cannot take it, and mixed-adapter "
+                    "batches do not train, as in PEFT; train one adapter at a time (set_adapter(name)), or "
+                    "export every adapter with export_onnx(..., lora='batched')")
             if name not in allowed:
                 raise CallArgumentError(f"the ONNX graph has no input {name!r}; its inputs are "
                                         f"{', '.join(map(repr, self.input_names))}"

@@ -91,7 +91,7 @@ RESERVED_SEGMENTS = frozenset({
     # OnnxModule / OnnxScope (onnxparam/onnx_io/_importer.py)
     "onnx_opset_imports", "onnx_names", "path_of", "param_of", "input_names", "output_names",
     "override_names", "input_specs", "ir_model", "source_path", "lora_transposed_paths",
-    "lora_weight_layouts", "lora_default_skips", "onnx_tables", "onnx_ties",
+    "lora_weight_layouts", "lora_default_skips", "onnx_tables", "onnx_ties", "onnx_folded_norms",
 })
 """Segments that get the ``x_`` guard because a child attribute of that name would shadow a
 method or property of the module classes (see the module docstring's NOTE)."""

@@ -22,6 +22,7 @@ from ..core.dtype import DType
 from ..core.errors import RecordError
 from ..core.param import ParamId
 from ..core.record import ModuleRecord, TensorSnapshot
+from ..lora._folded_norms import folded_norm_weights, folded_reason
 from . import _metadata as md
 from ._naming import tree_order
 from ._save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -146,6 +147,7 @@ def weights_into_graph(
     metadata: Optional[Mapping[str, str]] = None,
     source: Optional[str] = None,
     unmatched: Optional[dict] = None,
+    from_torch: bool = False,
 ) -> ir.Model:
     """A copy of ``graph`` whose weights are ``tensors``, checked first; the one place that
     matches tensors to a graph's weights (used by :func:`write_record_to_onnx` and by the
@@ -164,9 +166,13 @@ def weights_into_graph(
             weight for (not written), and ``"missing"``: ``(path, ONNX name)`` of the graph's
             weights ``tensors`` has no entry for (they keep the graph's own data); both empty unless
             ``allow_partial``, which otherwise makes them errors.
+        from_torch: ``tensors`` come from a PyTorch checkpoint (the converter's ``.pt`` source):
+            a weight holding a BatchNorm the exporter folded into it cannot take one.
 
     Raises:
-        RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path.
+        RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path,
+            and, with ``from_torch``, every tensor for a weight holding a BatchNorm the exporter
+            folded into it (:mod:`onnxparam.lora._folded_norms`).
     """
     if isinstance(graph, ir.Model):
         base_dir = base_dir_of(graph)
@@ -182,8 +188,13 @@ def weights_into_graph(
     problems: list[str] = []
     writes = {}
     own = exporter_scalars(model, sites)
+    folded = folded_norm_weights(model) if from_torch else {}
     for site in sites:
         entry = tensors.get(site.path)
+        if entry is not None and from_torch and site.name in folded:  # NOTE: torch's tensor is the unfolded one
+            problems.append(f"cannot write '{site.path}' from a PyTorch checkpoint: "
+                            + folded_reason(site.path, site.name, folded[site.name]))
+            continue
         if entry is not None and site.name in origins:
             _check_quantized(entry, site, origins, model, problems, writes)
             continue

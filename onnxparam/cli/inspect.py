@@ -375,6 +375,8 @@ def inspect_file(path: "str | os.PathLike", count_nonfinite: bool = True) -> dic
 
     path = Path(path)
     _refuse_scratch(path)
+    if not (path.exists() or path.is_symlink()):
+        _existing(path, "input file")  # NOTE: before the format: a missing file's extension may be any
     if path.is_file() and content_format(path) == "onnx_adapter":
         fmt = "onnx_adapter"  # NOTE: detect_format refuses it (no weights file), inspect lists it
     else:

@@ -88,15 +88,16 @@ def write_onnx_adapter(module_or_params, path, *, adapter_version: int = 1, mode
 
     from ..formats._scratch import check_replaceable, disk_full_error, preserve_mode, register, release, scratch_name
     from ..runtime._ort import import_onnxruntime
+    from ._adapters import no_adapter_reason
 
     ort = import_onnxruntime()
     if adapter_name is not None and not isinstance(module_or_params, dict):
         module_or_params = module_or_params.set_adapter(adapter_name)
     params = module_or_params if isinstance(module_or_params, dict) else adapter_params(module_or_params)
     if not params:
-        what = "the mapping is empty" if isinstance(module_or_params, dict) else (
-            f"{type(module_or_params).__name__} has no LoRA adapters")
-        raise LoraError(f"no LoRA adapter to write to '{path}': {what} (apply_lora or load_peft_adapter first)")
+        what = ("the mapping is empty (apply_lora or load_peft_adapter first)" if isinstance(module_or_params, dict)
+                else no_adapter_reason(module_or_params))
+        raise LoraError(f"no LoRA adapter to write to '{path}': {what}")
     values = {str(k): ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
     fmt = ort.AdapterFormat()
     fmt.set_adapter_version(int(adapter_version))

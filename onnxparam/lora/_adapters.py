@@ -697,3 +697,14 @@ def with_every_named_target(module):
             stand_in.setdefault(path, adapter)
     return rebuild(module, lambda path, p: p if p.adapter() is not None or path not in stand_in
                    else p.with_adapter(stand_in[path]))
+
+
+def no_adapter_reason(module) -> str:
+    """Why ``module`` has no adapter on its params, for "nothing to write" messages: its named
+    adapters when it owns some but none is active (``set_adapter(None)``), else "no LoRA adapters"."""
+    names = list(adapter_set(module).names)
+    if names:
+        shown = ", ".join(repr(n) for n in names[:6])
+        return (f"{type(module).__name__} has named adapters ({shown}) but none is active: "
+                f"set_adapter({names[0]!r}) first, or pass adapter_name=")
+    return f"{type(module).__name__} has no LoRA adapters (apply_lora or load_peft_adapter first)"

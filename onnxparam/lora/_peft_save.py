@@ -233,7 +233,9 @@ def save_peft_adapter(module, folder: "str | os.PathLike", *, key_map: Optional[
         raise LoraError(f"cannot save the adapters of {type(module).__name__} as a PEFT adapter: "
                         + "; ".join(table_problems))
     if not weights and not biases and not problems:
-        raise RecordError(f"{type(module).__name__} has no LoRA adapter to save (apply_lora or load_peft_adapter first)")
+        from ._adapters import no_adapter_reason
+
+        raise RecordError(f"no LoRA adapter to save: {no_adapter_reason(module)}")
     for name in biases:
         if name not in weights:
             problems.append(f"{name + '.bias'!r} has a bias adapter (lora_bias) but {name + '.weight'!r} has none")

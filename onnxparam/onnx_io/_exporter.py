@@ -103,7 +103,8 @@ def export_onnx(
     Raises:
         TraceError: when the forward cannot be traced (see :mod:`onnxparam.trace.tracer`).
         ValueError: for an unsupported opset, or an opset other than an imported model's own.
-        LoraError: an unknown ``lora`` mode (a ``ValueError`` too).
+        LoraError: an unknown ``lora`` mode (a ``ValueError`` too); ``lora="keep"`` of a module whose named
+            adapters are all inactive (with ``"merge"`` the file is then the base model).
         CallArgumentError: (a ``TypeError``) for an imported module, example inputs that
             ``module(x)`` would refuse: another count, element type or rank than the graph
             declares, or a static dim that differs (axes named in ``dynamic_axes`` are free).
@@ -167,6 +168,25 @@ def trace_for_export(module, *example_inputs, input_names=None, output_names=Non
                              dynamic_batch=dynamic_batch)
 
 
+def _check_active_adapter(module) -> None:
+    """``lora="keep"`` of a module owning named adapters none of which is active
+    (``set_adapter(None)``, or only ``add_adapter`` calls) would write the base model: refused, as
+    it asks for the adapters. (``"merge"``, the default, writes the base model then: the way to
+    export it from a serving module.)"""
+    from ..core.module import named_params
+    from ..lora._adapters import active_adapter, adapter_set
+
+    names = list(adapter_set(module).names)
+    if not names or active_adapter(module) is not None or any(p.adapter() is not None
+                                                            for _, p in named_params(module)):
+        return
+    shown = ", ".join(repr(n) for n in names[:6])
+    what = (f"{type(module).__name__} owns named adapters ({shown}) but none is active, so the file would hold "
+            f"the base model only: set_adapter({names[0]!r}) for one adapter, lora='batched' or 'inputs' for "
+            "all of them")
+    raise LoraError(f"lora='keep': {what}")
+
+
 def _trace_for_export(module, *example_inputs, input_names=None, output_names=None, dynamic_axes=None,
                       opset=None, lora: str = "merge", kwargs=None, dynamic_batch=None) -> ir.Model:
     from ..lora._batched import METADATA_KEY, BatchedLora, as_options, batched_options, batched_tracing
@@ -179,6 +199,8 @@ def _trace_for_export(module, *example_inputs, input_names=None, output_names=No
         # its own graph and never meets the tracer, which checks the mode too
         raise LoraError(f"unknown LoRA mode {lora!r}: expected one of {', '.join(map(repr, TRACE_LORA_MODES))} "
                         "(or lora=BatchedLora(...))")
+    if lora == "keep":
+        _check_active_adapter(module)
     if isinstance(lora, BatchedLora) or (lora == "batched" and not batched_tracing()):
         # every named adapter stacked, one per row (lora, issue 29); the graph alone cannot hold
         # the stacks, so an imported module is always traced

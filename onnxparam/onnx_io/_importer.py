@@ -504,6 +504,12 @@ class OnnxModule(Module):
         bound = {v.name: x for v, x in zip(required, inputs)}
         allowed = {v.name for v in required} | {v.name for v in self._source.overrides}
         for name, x in named.items():
+            if name == "adapter_index" and name not in allowed:  # NOTE: only a traced call gets here
+                raise CallArgumentError(
+                    "adapter_index (an adapter per batch row) is for inference only: a call inside a trace "
+                    "(grad, export_onnx, a forward traced by another module) cannot take it, and mixed-adapter "
+                    "batches do not train, as in PEFT; train one adapter at a time (set_adapter(name)), or "
+                    "export every adapter with export_onnx(..., lora='batched')")
             if name not in allowed:
                 raise CallArgumentError(f"the ONNX graph has no input {name!r}; its inputs are "
                                         f"{', '.join(map(repr, self.input_names))}"

@@ -10,8 +10,8 @@ adapters (ranks 2 / 4, one rsLoRA) saved by PEFT and loaded with ``load_peft_ada
 "no adapter" rows also equal the plain torch model. The batched export runs in plain ONNX
 Runtime; the runtime's ``module(..., adapter_index=...)`` runs the same rows. Batch and sequence
 differ from the export's example (dynamic dims). BERT is compared at every position (padded
-ones too: BERT is deterministic there), LLaMA and GPT-2 (left padding) at the unpadded positions.
-TorchScript files of all three, dynamo (slow) of BERT and LLaMA.
+ones too: BERT is deterministic there), LLaMA and GPT-2 (left padding) at the unpadded positions,
+RoBERTa and DistilBERT (left padding) at every position. TorchScript files of all, dynamo (slow) of BERT, LLaMA.
 A value mixing the batch's rows (a mean over the batch, a reversed ``arange(batch)`` gather)
 is still refused. Learned queries expanded to the batch (``queries.expand(x.shape[0], -1, -1)``,
 DETR / Perceiver) give each row its adapter as PEFT does; projected before the expand (no batch
@@ -50,7 +50,8 @@ class Bert(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
-    """A decoder's last hidden state (``LlamaModel``, ``GPT2Model``) from ids and a padding mask."""
+    """A model's last hidden state (``LlamaModel``, ``GPT2Model``, ``RobertaModel`` ...) from ids and a
+    padding mask."""
 
     def __init__(self, model):
         super().__init__()
@@ -75,6 +76,21 @@ def llama():
     torch.manual_seed(0)
     model = randomize(Llama(transformers.LlamaModel(config)).eval(), seed=2, std=0.2)
     return model, ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def roberta():
+    config = transformers.RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=24, max_position_embeddings=40, pad_token_id=1)
+    torch.manual_seed(0)
+    model = randomize(Llama(transformers.RobertaModel(config, add_pooling_layer=False)).eval(), seed=4, std=0.2)
+    return model, ["query", "value", "dense"]
+
+
+def distilbert():
+    config = transformers.DistilBertConfig(vocab_size=40, dim=16, n_layers=1, n_heads=2, hidden_dim=24,
+                                           max_position_embeddings=40)
+    torch.manual_seed(0)
+    return randomize(Llama(transformers.DistilBertModel(config)).eval(), seed=5, std=0.2), ["q_lin", "v_lin", "lin1"]
 
 
 def gpt2():
@@ -111,7 +127,8 @@ def built(tmp_path_factory):
 
     def get(name, exporter):
         if (name, exporter) not in cache:
-            model, targets = {"bert": bert, "llama": llama, "gpt2": gpt2}[name]()
+            model, targets = {"bert": bert, "llama": llama, "gpt2": gpt2, "roberta": roberta,
+                              "distilbert": distilbert}[name]()
             folder = tmp_path_factory.mktemp(f"mask-{name}-{exporter}")
             example = {k: torch.from_numpy(v) for k, v in feeds(name, 4, 6).items()}
             path = folder / "model.onnx"
@@ -156,7 +173,8 @@ def check(name, got, mixed, plain, mask):
             np.testing.assert_allclose(got[row][keep[row]], plain[row][keep[row]], atol=ATOL, rtol=0)
 
 
-CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"),
+CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"), ("roberta", "torchscript"),
+         ("distilbert", "torchscript"),
          pytest.param("bert", "dynamo", marks=pytest.mark.slow),
          pytest.param("llama", "dynamo", marks=pytest.mark.slow)]  # dynamo: ~10 s per model to build
 

@@ -156,7 +156,8 @@ def check(name, got, mixed, plain, mask):
             np.testing.assert_allclose(got[row][keep[row]], plain[row][keep[row]], atol=ATOL, rtol=0)
 
 
-CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"), pytest.param("bert", "dynamo", marks=pytest.mark.slow),
+CASES = [("bert", "torchscript"), ("llama", "torchscript"), ("gpt2", "torchscript"),
+         pytest.param("bert", "dynamo", marks=pytest.mark.slow),
          pytest.param("llama", "dynamo", marks=pytest.mark.slow)]  # dynamo: ~10 s per model to build
 
 
@@ -221,24 +222,28 @@ def test_a_value_mixing_the_batchs_rows_is_still_refused(net, tmp_path):
 
 
 class Queries(torch.nn.Module):
-    """Learned queries (DETR / Perceiver): ``q_proj(queries.expand(batch, -1, -1))`` attending
-    over ``k_proj(x)``; ``after=False``: ``q_proj(queries).expand(...)``, no batch at ``q_proj``."""
+    """Learned queries (DETR / Perceiver): ``q_proj(queries.expand(batch, -1, -1))`` (``"repeat"``:
+    ``queries.repeat(batch, 1, 1)``, HF DETR's) attending over ``k_proj(x)``; ``"before"``:
+    ``q_proj(queries).expand(...)``, no batch at ``q_proj``."""
 
-    def __init__(self, after: bool = True):
+    def __init__(self, mode: str = "expand"):
         super().__init__()
-        self.after = after
+        self.mode = mode
         self.queries = torch.nn.Parameter(torch.randn(1, 3, 8))
         self.q_proj, self.k_proj, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
 
     def forward(self, x):
         b = x.shape[0]
-        q = self.q_proj(self.queries.expand(b, -1, -1)) if self.after else self.q_proj(self.queries).expand(b, -1, -1)
+        if self.mode == "before":
+            q = self.q_proj(self.queries).expand(b, -1, -1)
+        else:
+            q = self.q_proj(self.queries.expand(b, -1, -1) if self.mode == "expand" else self.queries.repeat(b, 1, 1))
         att = torch.softmax(q @ self.k_proj(x).transpose(1, 2) / 8 ** 0.5, -1)
         return self.out(att @ x)
 
 
-def queries_module(tmp_path, exporter: str, after: bool = True):
-    model = randomize(Queries(after).eval(), seed=6)
+def queries_module(tmp_path, exporter: str, mode: str = "expand"):
+    model = randomize(Queries(mode).eval(), seed=6)
     path = tmp_path / "queries.onnx"
     kwargs = {"input_names": ["x"], "output_names": ["y"]}
     if exporter == "dynamo":
@@ -258,9 +263,10 @@ def queries_module(tmp_path, exporter: str, after: bool = True):
     return model, reference, module, path
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", pytest.param("dynamo", marks=pytest.mark.slow)])
-def test_learned_queries_expanded_to_the_batch_take_each_rows_adapter(exporter, tmp_path):
-    model, reference, module, _ = queries_module(tmp_path, exporter)
+@pytest.mark.parametrize("exporter,mode", [("torchscript", "expand"), ("torchscript", "repeat"),
+                                           pytest.param("dynamo", "expand", marks=pytest.mark.slow)])
+def test_learned_queries_expanded_to_the_batch_take_each_rows_adapter(exporter, mode, tmp_path):
+    model, reference, module, _ = queries_module(tmp_path, exporter, mode)
     x = np.random.default_rng(1).normal(size=(len(ROWS), 7, 8)).astype(np.float32)
     with torch.no_grad():
         mixed = reference(torch.from_numpy(x), adapter_names=list(ROWS)).numpy()
@@ -274,7 +280,7 @@ def test_learned_queries_expanded_to_the_batch_take_each_rows_adapter(exporter, 
 
 def test_queries_projected_before_the_expand_are_refused(tmp_path):
     """No batch at ``q_proj``: one row for every batch element (PEFT cannot mix adapters there either)."""
-    _, _, module, _ = queries_module(tmp_path, "torchscript", after=False)
+    _, _, module, _ = queries_module(tmp_path, "torchscript", "before")
     x = Tensor.from_numpy(np.zeros((3, 5, 8), dtype=np.float32))
     with pytest.raises(LoraError, match="does not depend on the batch input"):
         module(x, adapter_index=["a1", None, "a2"])

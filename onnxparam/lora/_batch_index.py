@@ -25,7 +25,8 @@ so :class:`~onnxparam.lora._batch_axis.Layout` calls them ``"none"``):
   on a shared leading axis stays; ``indices`` batched on a leading axis (and ``data`` not
   batched) gives the batch there.
 
-``Expand(data, shape)`` / ``Tile(data, repeats)`` of a ``data`` without the batch where one entry
+``Expand(data, shape)`` / ``Tile(data, repeats)`` (TorchScript's ``repeat``: ``Tile`` of
+``Expand(data, ones)``) of a ``data`` without the batch where one entry
 ``k`` of ``shape`` / ``repeats`` is the batch's size read by ``Shape`` from a dim holding the
 batch (:meth:`~onnxparam.lora._batch_axis._Analysis.tokens`: provenance, not value, so a static
 batch equal to another dim is never taken for it) and ``data``'s dim there is 1 (or absent): the
@@ -291,15 +292,34 @@ class IndexFacts:
         if data is None or shape is None or self.an.of(data).batched or self.an.of(shape).batched:
             return None
         tokens = self.shape_tokens(shape)
-        d_dims = _dims(data)
-        if tokens is None or d_dims is None or tokens.count("B") != 1:
+        if tokens is None or tokens.count("B") != 1:
             return None
         k = tokens.index("B")
+        d_dims = _dims(data)
         if node.op_type == "Tile":
-            if len(tokens) != len(d_dims) or d_dims[k] != 1:
-                return None
-            return k
+            return k if self.tile_dim(data, k, len(tokens)) == 1 else None
+        if d_dims is None:
+            return None
         lead = len(tokens) - len(d_dims)
         if lead < 0:
             return None  # a longer data rank: the entry is not axis k
         return k if k < lead or d_dims[k - lead] == 1 else None
+
+    def tile_dim(self, data, k: int, rank: int):
+        """Dim ``k`` of ``Tile``'s ``data`` of rank ``rank`` (TorchScript's ``repeat`` tiles
+        ``Expand(x, ConstantOfShape(...))``: ``x``'s dims, ones in front), ``None`` if unknown."""
+        dims = _dims(data)
+        if dims is not None and (len(dims) != rank or isinstance(dims[k], int)):
+            return dims[k] if len(dims) == rank else None
+        producer = data.producer()
+        if producer is None or producer.op_type != "Expand" or len(producer.inputs) != 2:
+            return None
+        fill = producer.inputs[1].producer() if producer.inputs[1] is not None else None
+        attr = fill.attributes.get("value") if fill is not None and fill.op_type == "ConstantOfShape" else None
+        if attr is None or np.asarray(attr.value.numpy()).ravel().tolist() != [1]:
+            return None
+        src = _dims(producer.inputs[0])
+        if src is None or len(src) > rank:
+            return None
+        lead = rank - len(src)
+        return 1 if k < lead else src[k - lead]

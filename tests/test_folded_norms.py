@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 
 import onnxparam as op  # noqa: E402
 from onnxparam import LoraConfig, ParamGroup  # noqa: E402
-from onnxparam.convert import convert, load_pytorch  # noqa: E402
+from onnxparam.convert import convert, load_pytorch, load_safetensors, save_safetensors  # noqa: E402
 from onnxparam.core.errors import LoraError, RecordError  # noqa: E402
 
 FOLDED = {"conv.weight", "conv.weight_bias", "fc1.weight", "fc1.bias"}
@@ -142,3 +142,19 @@ def test_apply_lora_on_a_folded_weight_stays_allowed(case):
     assert params["fc1.weight"].adapter() is not None
     # B starts at zero: the adapted model is the file's (oracle: torch)
     np.testing.assert_allclose(_run(adapted, case["x"]), case["base"], atol=1e-5)
+
+
+def test_a_torch_safetensors_file_is_told_by_the_folded_batchnorms_statistics(case, tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    d = case["dir"]
+    state = {k: v.contiguous() for k, v in torch.load(str(d / "net.pt")).items()}
+    st.save_file(state, str(tmp_path / "torch.safetensors"))
+    m = op.import_onnx(d / "folded.onnx")
+    with pytest.raises(RecordError, match="'conv.weight' holds a BatchNorm the exporter folded"):
+        load_safetensors(m, tmp_path / "torch.safetensors", allow_partial=True)
+    with pytest.raises(RecordError, match="FuseBatchNormIntoGemm"):
+        convert(tmp_path / "torch.safetensors", tmp_path / "out.onnx", graph=d / "folded.onnx", allow_partial=True)
+    # the import's own weights written by this library load back (no BatchNorm statistics in them)
+    save_safetensors(m, tmp_path / "own.safetensors")
+    back = load_safetensors(op.import_onnx(d / "folded.onnx"), tmp_path / "own.safetensors")
+    np.testing.assert_allclose(_run(back, case["x"]), case["base"], atol=1e-5)  # oracle: torch

@@ -49,7 +49,10 @@ def test_export_of_inactive_adapters_keep_refused_merge_is_the_base(named, tmp_p
     with pytest.raises(LoraError, match="lora='keep'.*none is active, so the file would hold the base model"):
         op.export_onnx(m, tmp_path / "k.onnx", op.Tensor.from_numpy(x), lora="keep")
     op.export_onnx(m, tmp_path / "m.onnx", op.Tensor.from_numpy(x))  # merge: the way to export the base
-    run = lambda f: ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+
+    def run(f):
+        return ort.InferenceSession(str(f), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
     np.testing.assert_array_equal(run(tmp_path / "m.onnx"), run(path))  # oracle: the base file
 
 
@@ -65,3 +68,20 @@ def test_inspect_of_a_missing_onnx_adapter_says_it_does_not_exist(tmp_path):
                           text=True)
     assert done.returncode != 0
     assert f"input file '{missing}' does not exist" in done.stderr
+
+
+def test_cli_lora_names_a_peft_adapter_file_given_as_adapter(named, tmp_path):
+    path, m, _ = named
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    from safetensors.numpy import save_file
+
+    save_file({"base_model.model.fc.lora_A.weight": np.zeros((2, 3), np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    done = subprocess.run([sys.executable, "-m", "onnxparam", "lora", "merge", str(path), str(tmp_path / "o.onnx"),
+                           "--alpha", "4", "--adapter", str(folder / "adapter_model.safetensors")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "it is a PEFT adapter (adapter_config.json beside it): load its folder with onnxparam.load_peft_adapter" \
+        in done.stderr

@@ -144,9 +144,12 @@ def _run_lora(args: argparse.Namespace) -> int:
         rank, group, origin = found[0], ParamGroup.from_paths(sorted(ranks)), f"factors from {factors_file}"
     else:
         if args.adapter is not None:
+            peft = (Path(args.adapter).parent / "adapter_config.json").is_file()
             raise ValueError(
-                f"the --adapter file '{args.adapter}' has no LoRA factors (<param>.lora.a/.b); leave out "
-                "--adapter for fresh adapters of --rank"
+                f"the --adapter file '{args.adapter}' has no LoRA factors (<param>.lora.a/.b); "
+                + ("it is a PEFT adapter (adapter_config.json beside it): load its folder with "
+                   "onnxparam.load_peft_adapter(module, folder) in Python, then export_onnx(..., lora='merge')"
+                   if peft else "leave out --adapter for fresh adapters of --rank")
             )
         if args.rank is None:
             where = factors_file or args.src

@@ -24,7 +24,7 @@ from ..core.dtype import DType
 from ..core.errors import RecordError
 from ..core.module import named_modules
 from ..core.record import ModuleRecord, TensorSnapshot, _dtype_fits, as_record
-from ..lora._folded_norms import folded_norm_paths, folded_reason
+from ..lora._folded_norms import folded_norm_paths, folded_reason, holds_folded_norms
 from ..formats._safetensors import read_safetensors, write_safetensors
 from ._adapters import (
     KeyRemapper,
@@ -429,15 +429,23 @@ def load_safetensors(
         The loaded copy of ``module``; the file's data stays memory-mapped until a value is needed.
 
     Raises:
-        RecordError: for a malformed file, or tensors that do not fit (all listed).
+        RecordError: for a malformed file, or tensors that do not fit (all listed); a file that
+            holds the running statistics of a BatchNorm the exporter folded into an imported
+            weight (``OnnxModule.onnx_folded_norms``; its module path from the graph's
+            ``name_scopes``) is torch's state dict, refused for the folded weights as
+            :func:`load_pytorch` refuses them.
         FileMissingError / IsAFolderError: no such file / a folder (the path named).
     """
     st_file = read_safetensors(path)
     report = LoadReport() if report is None else report
+    # NOTE: a file holding the running statistics of a BatchNorm the exporter folded into an imported
+    # weight is torch's state dict (its weights unfolded): refused for those weights, as load_pytorch
+    torch_state = holds_folded_norms(module, st_file.tensors)
     record, exclude = _renamed_by_exporter(module, st_file.to_record(), adapter, exclude, report)
     return apply_record(module, record, adapter=adapter, remap=remap, include=include,
                         exclude=exclude, cast=cast, allow_partial=allow_partial,
-                        contiguous_indices=contiguous_indices, source=str(path), report=report)
+                        contiguous_indices=contiguous_indices, source=str(path), report=report,
+                        _from_torch=torch_state)
 
 
 def load_pytorch(

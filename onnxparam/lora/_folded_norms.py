@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-__all__ = ["FOLD_RULES", "RULE_TAG", "folded_norm_weights", "folded_norm_paths", "folded_reason"]
+__all__ = ["FOLD_RULES", "RULE_TAG", "folded_norm_weights", "folded_norm_paths", "folded_norm_scopes",
+           "folded_reason", "holds_folded_norms"]
 
 RULE_TAG = "pkg.onnxscript.rewriter.rule_name"
 """The metadata key onnxscript's rewriter writes on each node a rule produced."""
@@ -36,15 +37,32 @@ FOLD_RULES = frozenset({"FuseBatchNormIntoConv", "FuseBatchNormIntoConvTranspose
 BatchNorm into the preceding node's weight and bias."""
 
 
-def _scope_text(node) -> str:
+def _scope(node):
+    """The BatchNorm's module path from dynamo's ``name_scopes`` metadata (``['', 'bn', ...]`` ->
+    ``'bn'``), or ``None``."""
     raw = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
     try:
         scopes = ast.literal_eval(raw) if raw else None
     except (ValueError, SyntaxError):
         scopes = None
     if isinstance(scopes, list) and len(scopes) >= 2 and isinstance(scopes[-2], str) and scopes[-2]:
-        return f", name scope {scopes[-2]!r}"
-    return ""
+        return scopes[-2]
+    return None
+
+
+def _scope_text(node) -> str:
+    scope = _scope(node)
+    return f", name scope {scope!r}" if scope else ""
+
+
+def _folding_nodes(model: "ir.Model"):
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        tag = node.metadata_props.get(RULE_TAG)
+        # NOTE: a node several rules rewrote lists them all: 'FuseBatchNormIntoConv, RemoveOptionalBiasFromConv'
+        if tag is not None and FOLD_RULES.intersection(rule.strip() for rule in tag.split(",")):
+            yield node, tag
 
 
 def folded_norm_weights(model: "ir.Model") -> dict:
@@ -54,14 +72,8 @@ def folded_norm_weights(model: "ir.Model") -> dict:
     its op, the rule and the BatchNorm's name scope where recorded:
     ``"node 'node_Conv_11' (Conv) carries pkg.onnxscript.rewriter.rule_name='FuseBatchNormIntoConv', name scope 'bn'"``.
     Only inputs after the first (the data) are listed; the caller keeps those that are weights."""
-    import onnx_ir as ir
-
     found: dict = {}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        tag = node.metadata_props.get(RULE_TAG)
-        # NOTE: a node several rules rewrote lists them all: 'FuseBatchNormIntoConv, RemoveOptionalBiasFromConv'
-        if tag is None or not FOLD_RULES.intersection(rule.strip() for rule in tag.split(",")):
-            continue
+    for node, tag in _folding_nodes(model):
         label = f"node {node.name!r} ({node.op_type}) carries {RULE_TAG}={tag!r}{_scope_text(node)}"
         for value in list(node.inputs)[1:]:
             if value is not None and value.name:
@@ -99,3 +111,33 @@ def folded_reason(path: str, name: str, evidence: str) -> str:
             "and the file does not hold that scale, so torch's unfolded tensor or a delta trained on it cannot be "
             "placed here; export the model with the BatchNorm kept (dynamo: optimize=False; TorchScript: "
             "do_constant_folding=False)")
+
+
+def folded_norm_scopes(module) -> set:
+    """The module paths (in torch's model) of the BatchNorms folded into ``module``'s imported
+    graphs, from dynamo's ``name_scopes`` metadata on the tagged nodes (``{'bn', 'layer1.0.bn1'}``)."""
+    from ..core.module import named_modules
+
+    scopes: set = set()
+    for _, sub in named_modules(module):
+        if hasattr(type(sub), "ir_model") and hasattr(type(sub), "onnx_names"):
+            scopes.update(_model_scopes(sub.ir_model))
+    return scopes
+
+
+def _model_scopes(model: "ir.Model") -> set:
+    return {s for s in (_scope(node) for node, _ in _folding_nodes(model)) if s}
+
+
+def holds_folded_norms(module, names) -> bool:
+    """Whether a checkpoint with tensor ``names`` holds a BatchNorm that the exporter folded into
+    ``module``'s imported weights (its ``<scope>.running_mean`` / ``.running_var``, under any
+    prefix): then it is torch's state dict, with the weights unfolded. Names only, no values.
+    ``module`` may also be an ``onnx_ir.Model`` (a template graph)."""
+    import onnx_ir as ir
+
+    scopes = _model_scopes(module) if isinstance(module, ir.Model) else folded_norm_scopes(module)
+    if not scopes:
+        return False
+    leaves = {f"{scope}.{stat}" for scope in scopes for stat in ("running_mean", "running_var")}
+    return any(name in leaves or any(name.endswith("." + leaf) for leaf in leaves) for name in names)

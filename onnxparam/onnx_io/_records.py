@@ -22,7 +22,7 @@ from ..core.dtype import DType
 from ..core.errors import RecordError
 from ..core.param import ParamId
 from ..core.record import ModuleRecord, TensorSnapshot
-from ..lora._folded_norms import folded_norm_weights, folded_reason
+from ..lora._folded_norms import folded_norm_weights, folded_reason, holds_folded_norms
 from . import _metadata as md
 from ._naming import tree_order
 from ._save import DEFAULT_ALIGNMENT_BYTES, DEFAULT_MAX_SHARD_SIZE_BYTES, save_model
@@ -167,7 +167,9 @@ def weights_into_graph(
             weights ``tensors`` has no entry for (they keep the graph's own data); both empty unless
             ``allow_partial``, which otherwise makes them errors.
         from_torch: ``tensors`` come from a PyTorch checkpoint (the converter's ``.pt`` source):
-            a weight holding a BatchNorm the exporter folded into it cannot take one.
+            a weight holding a BatchNorm the exporter folded into it cannot take one. Also
+            assumed when ``tensors`` hold such a BatchNorm's ``running_mean`` / ``running_var``
+            (its module path from the graph's ``name_scopes``).
 
     Raises:
         RecordError: listing every missing, unexpected, mis-shaped and mis-typed tensor by path,
@@ -188,6 +190,8 @@ def weights_into_graph(
     problems: list[str] = []
     writes = {}
     own = exporter_scalars(model, sites)
+    # NOTE: tensors holding a folded BatchNorm's running statistics are torch's state dict too
+    from_torch = from_torch or holds_folded_norms(model, list(tensors))
     folded = folded_norm_weights(model) if from_torch else {}
     for site in sites:
         entry = tensors.get(site.path)

@@ -15,7 +15,9 @@ RoBERTa and DistilBERT (left padding) at every position. TorchScript files of al
 A value mixing the batch's rows (a mean over the batch, a reversed ``arange(batch)`` gather)
 is still refused. Learned queries expanded to the batch (``queries.expand(x.shape[0], -1, -1)``,
 DETR / Perceiver) give each row its adapter as PEFT does; projected before the expand (no batch
-at the adapted weight) they are refused.
+at the adapted weight) they are refused. A ``ScatterND`` writing rows by index loses the batch
+(it used to pass whenever its output's dim 0 was named as the batch), a ``ScatterElements``
+within rows keeps it (oracle: ONNX Runtime, which rows of the output a perturbed input row moves).
 """
 
 from __future__ import annotations
@@ -302,3 +304,56 @@ def test_queries_projected_before_the_expand_are_refused(tmp_path):
     x = Tensor.from_numpy(np.zeros((3, 5, 8), dtype=np.float32))
     with pytest.raises(LoraError, match="does not depend on the batch input"):
         module(x, adapter_index=["a1", None, "a2"])
+
+
+def scatter_model(op_type: str):
+    """``y = op(x, ...)`` on ``x [batch, 4]`` with ``y`` declared ``[batch, 4]`` (the fallback's
+    test, dim 0 the batch, holds): ``ScatterND`` writes row ``batch - 1 - i`` into row ``i``
+    (torch's ``y[arange(b - 1, -1, -1)] = x``); ``ScatterElements`` (axis 1) moves entries within
+    each row."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    inits = [helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("one", TensorProto.INT64, [], [1]),
+             helper.make_tensor("minus", TensorProto.INT64, [], [-1]),
+             helper.make_tensor("last", TensorProto.INT64, [1], [-1])]
+    if op_type == "ScatterND":
+        nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+                 helper.make_node("Gather", ["shape", "zero"], ["b"], axis=0),
+                 helper.make_node("Sub", ["b", "one"], ["top"]),
+                 helper.make_node("Range", ["top", "minus", "minus"], ["rev"]),
+                 helper.make_node("Unsqueeze", ["rev", "last"], ["idx"]),
+                 helper.make_node("ScatterND", ["x", "idx", "x"], ["y"])]
+    else:
+        inits.append(helper.make_tensor("k", TensorProto.INT64, [1], [3]))
+        nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+                 helper.make_node("ConstantOfShape", ["shape"], ["idx"],
+                                  value=helper.make_tensor("v", TensorProto.INT64, [1], [3])),
+                 helper.make_node("ScatterElements", ["x", "idx", "x"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    return onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("op_type,mixes", [("ScatterND", True), ("ScatterElements", False)])
+def test_a_scatter_across_rows_loses_the_batch_one_within_rows_keeps_it(op_type, mixes):
+    """Oracle: ONNX Runtime on the graph, row 2 of ``x`` perturbed: row 0 of ``y`` changes
+    exactly when the analysis must say the batch is lost."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from onnxparam.lora._batch_axis import batch_layouts
+
+    model = scatter_model(op_type)
+    run = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    bumped = x.copy()
+    bumped[2] += 10
+    changed = not np.array_equal(run.run(None, {"x": x})[0][0], run.run(None, {"x": bumped})[0][0])
+    assert changed == mixes
+    graph = ir.from_proto(model).graph
+    layout = batch_layouts(graph)[id(graph.outputs[0])]
+    assert (layout.kind == "unknown") == mixes, layout
+    assert mixes or (layout.kind, layout.axis) == ("axis", 0)

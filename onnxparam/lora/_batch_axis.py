@@ -56,6 +56,8 @@ Rules (``k``: a batched input's axis; ops not listed: below):
   size read by ``Shape`` (``queries.expand(x.shape[0], -1, -1)``: learned queries, DETR /
   Perceiver) from a dim of 1: the batch on axis ``k``, every row the same
   (:mod:`onnxparam.lora._batch_index`);
+* ``ScatterND``, ``Compress``, ``NonZero``, ``Unique`` of a batched value lose it; ``Scatter`` /
+  ``ScatterElements`` on an axis after a batch on axis 0 keep it;
 * an index built from the batch's size (``Range(0, batch)``: Hugging Face's padding-mask
   ``mask[arange(batch)[:, None, None, None], kv_idx]``, a ``Gather`` of the flattened mask or a
   ``GatherND``) keeps the batch: :mod:`onnxparam.lora._batch_index`; any other ``GatherND`` of a
@@ -553,6 +555,14 @@ class _Analysis:
             return self.keep_unless(node, ins[0], self.touched(node, op))
         if op in ("Gather", "GatherElements"):
             return self.gather(node, op, ins)
+        if op in ("ScatterND", "Scatter", "ScatterElements", "Compress", "NonZero", "Unique"):
+            # NOTE: rows written / picked by data-dependent indices: the output's dim 0 being the
+            # batch (the fallback's test) says nothing of which row went where
+            if op in ("Scatter", "ScatterElements") and int(_attr(node, "axis", 0)) not in (0, -(out_rank or 0)) \
+                    and out_rank is not None and all(l.kind == "axis" and l.axis == 0 for l in ins if l.batched) \
+                    and all(_rank(v) == out_rank for v, l in zip(node.inputs, ins) if l.batched):
+                return Layout("axis", 0)  # each row scattered within itself
+            return gone
         if op == "GatherND":
             found = self.index.gather_nd(node, ins)
             return gone if found is None else (Layout("axis", found, _label(node)) if isinstance(found, int) else found)

@@ -71,6 +71,12 @@ def _setup(batch_first: bool, exporter: str, tmp_path, targets=TARGETS):
     x = torch.randn(4, 3, 16)
     path = export(model, (x,), tmp_path / "model.onnx", exporter, dynamic={0: "batch"}, input_names=["x"],
                   output_names=["y"])
+    return (*_adapted(model, path, x, tmp_path, targets), x.numpy())
+
+
+def _adapted(model, path, x, tmp_path, targets=TARGETS):
+    """``(the import of path with ADAPTERS drawn by PEFT on model, expected rows, plain ORT output)``:
+    row ``n`` of ``x`` is torch with ``ROWS[n]``'s adapter merged, or plain ORT on ``path``."""
     outputs = {}
     for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
         lora_model = peft_lora(model, targets, r, alpha, seed=40 + k, folder=tmp_path / name)
@@ -82,7 +88,7 @@ def _setup(batch_first: bool, exporter: str, tmp_path, targets=TARGETS):
     module = imported
     for name in ADAPTERS:
         module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
-    return module, expected, plain, x.numpy()
+    return module, expected, plain
 
 
 def _unfused(path):
@@ -127,17 +133,7 @@ def test_a_symbolic_sequence_length_is_a_symbolic_co_factor(tmp_path):
     path = export(model, (torch.randn(4, 3, 16),), tmp_path / "model.onnx", "dynamo", dynamic={0: "batch", 1: "seq"},
                   input_names=["x"], output_names=["y"])
     x = torch.randn(4, 5, 16)
-    outputs = {}
-    for k, (name, (r, alpha)) in enumerate(ADAPTERS.items()):
-        lora_model = peft_lora(model, TARGETS, r, alpha, seed=40 + k, folder=tmp_path / name)
-        with torch.no_grad():
-            outputs[name] = _merged(model, lora_model, name)(x).numpy()
-    plain = session(path).run(None, {"x": x.numpy()})[0]
-    expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
-    imported = import_onnx(path)
-    module = imported
-    for name in ADAPTERS:
-        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    module, expected, _ = _adapted(model, path, x, tmp_path)
     exported = export_onnx(module, tmp_path / "batched.onnx", x.numpy()[:, :3], lora="batched")
     got = session(exported).run(None, {"x": x.numpy(), "adapter_index": _index()})[0]
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)

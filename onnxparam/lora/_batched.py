@@ -898,28 +898,11 @@ class _Target:
                             "with lora='inputs'")
         perm = [axis] + [i for i in range(len(x_dims)) if i != axis]
         inverse = [perm.index(i) for i in range(len(perm))]
-        rows, rank = self.shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"
-        i64 = ir.DataType.INT64
         nodes = [_new_node(tracer, "Transpose", [x], self.dtype, [x_dims[i] for i in perm], f"{label}/Transpose_x",
                            t.path, {"perm": perm})]
-        xt = nodes[-1].outputs[0]
-        nodes.append(_new_node(tracer, "Reshape", [xt, self.shape_in()], self.dtype, [rows, None, t.d_in],
-                               f"{label}/Reshape_x", t.path))
-        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], a], self.dtype, [rows, None, rank],
-                               f"{label}/MatMul_a", t.path))
-        nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype, [rows, None, t.d_out],
-                               f"{label}/MatMul_b", t.path))
-        xab = nodes[-1].outputs[0]
-        nodes.append(_new_node(tracer, "Shape", [xt], i64, [len(x_dims) - 1], f"{label}/Shape_xt", t.path,
-                               {"end": -1}))
-        nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const([t.d_out], f"{t.path}.lora.d_out")],
-                               i64, [len(x_dims)], f"{label}/Concat_shape", t.path, {"axis": 0}))
         moved = [x_dims[i] for i in perm[:-1]] + [t.d_out]
-        nodes.append(_new_node(tracer, "Reshape", [xab, nodes[-1].outputs[0]], self.dtype, moved,
-                               f"{label}/Reshape_delta", t.path))
-        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, y_dims,
-                               f"{label}/Transpose_delta", t.path, {"perm": inverse}))
+        nodes += self._batch_first_delta(nodes[-1].outputs[0], a, b, label, moved, y_dims, inverse)
         uses = list(y.uses())
         total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
         node.graph.insert_after(node, nodes + [total])
@@ -953,7 +936,6 @@ class _Target:
         b = self.scaled_b(coefficient)
         uses = list(y.uses())  # before the branch's own Shape(y) uses it
         rank_x = len(x_dims)
-        rows, rank = self.shared.index_dim(), RANK_DIM.format(path=t.path)
         label = f"{node.name}/lora"
         i64 = ir.DataType.INT64
         nodes, parts = [], []
@@ -972,25 +954,41 @@ class _Target:
         inverse = [perm.index(i) for i in range(len(perm))]
         nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
                                f"{label}/Transpose_x", t.path, {"perm": perm}))
-        xt = nodes[-1].outputs[0]
-        nodes.append(_new_node(tracer, "Reshape", [xt, self.shape_in()], self.dtype, [rows, None, t.d_in],
-                               f"{label}/Reshape_x", t.path))
+        nodes += self._batch_first_delta(nodes[-1].outputs[0], a, b, label, [None] * (rank_x + 2),
+                                         [None] * (rank_x + 2), inverse)
+        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
+        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
+        node.graph.insert_after(node, nodes + [total])
+        _redirect(y, total.outputs[0], uses)
+
+    def _batch_first_delta(self, xt: ir.Value, a: ir.Value, b: ir.Value, label: str, xt_dims: list,
+                           out_dims, inverse: list) -> list:
+        """The nodes of :meth:`branch_moved` / :meth:`branch_factored` after the input is moved
+        batch-first (``xt``, dims ``xt_dims`` but the last, which is ``d_out`` here): each row's
+        ``xt @ A @ B`` viewed back to ``[*Shape(xt)[:-1], d_out]``, then transposed by ``inverse``
+        (dims ``out_dims``)::
+
+            d = Reshape(MatMul(MatMul(Reshape(xt, [rows, -1, d_in]), A), B), [*Shape(xt)[:-1], d_out])
+            Transpose(d, inverse)
+        """
+        t, tracer, i64 = self.target, self.tracer, ir.DataType.INT64
+        rows, rank = self.shared.index_dim(), RANK_DIM.format(path=t.path)
+        nodes = [_new_node(tracer, "Reshape", [xt, self.shape_in()], self.dtype, [rows, None, t.d_in],
+                           f"{label}/Reshape_x", t.path)]
         nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], a], self.dtype, [rows, None, rank],
                                f"{label}/MatMul_a", t.path))
         nodes.append(_new_node(tracer, "MatMul", [nodes[-1].outputs[0], b], self.dtype, [rows, None, t.d_out],
                                f"{label}/MatMul_b", t.path))
         xab = nodes[-1].outputs[0]
-        nodes.append(_new_node(tracer, "Shape", [xt], i64, [rank_x + 1], f"{label}/Shape_xt", t.path, {"end": -1}))
+        nodes.append(_new_node(tracer, "Shape", [xt], i64, [len(xt_dims) - 1], f"{label}/Shape_xt", t.path,
+                               {"end": -1}))
         nodes.append(_new_node(tracer, "Concat", [nodes[-1].outputs[0], self._const([t.d_out], f"{t.path}.lora.d_out")],
-                               i64, [rank_x + 2], f"{label}/Concat_shape", t.path, {"axis": 0}))
-        nodes.append(_new_node(tracer, "Reshape", [xab, nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+                               i64, [len(xt_dims)], f"{label}/Concat_shape", t.path, {"axis": 0}))
+        nodes.append(_new_node(tracer, "Reshape", [xab, nodes[-1].outputs[0]], self.dtype, xt_dims,
                                f"{label}/Reshape_delta", t.path))
-        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, [None] * (rank_x + 2),
+        nodes.append(_new_node(tracer, "Transpose", [nodes[-1].outputs[0]], self.dtype, out_dims,
                                f"{label}/Transpose_delta", t.path, {"perm": inverse}))
-        nodes += self._reshape_like(node, nodes[-1].outputs[0], label)
-        total = _new_node(tracer, "Add", [y, nodes[-1].outputs[0]], self.dtype, y_dims, f"{label}/Add", t.path)
-        node.graph.insert_after(node, nodes + [total])
-        _redirect(y, total.outputs[0], uses)
+        return nodes
 
     def _const(self, values, name: str) -> ir.Value:
         return self.tracer.constant(np.asarray(values, dtype=np.int64), name=name)._symbol.value

@@ -98,6 +98,8 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
+from ._ir import attr as _attr, dims as _dims, rank as _rank
+
 __all__ = ["Layout", "NONE", "batch_layouts", "describe"]
 
 
@@ -187,17 +189,6 @@ def _label(node: ir.Node) -> str:
     return f"{node.name!r} ({node.op_type})"
 
 
-def _dims(value) -> Optional[list]:
-    if value is None or value.shape is None:
-        return None
-    return [d if isinstance(d, int) else d.value for d in value.shape]
-
-
-def _rank(value) -> Optional[int]:
-    dims = _dims(value)
-    return None if dims is None else len(dims)
-
-
 def _const(value) -> Optional[np.ndarray]:
     """``value``'s constant contents (an initializer or a ``Constant`` node's output), or ``None``."""
     if value is None:
@@ -221,11 +212,6 @@ def _const(value) -> Optional[np.ndarray]:
             if attr is not None:
                 return np.asarray(attr.value)
     return None
-
-
-def _attr(node: ir.Node, name: str, default=None):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 _ELEMENTWISE = {

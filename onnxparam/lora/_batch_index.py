@@ -46,23 +46,9 @@ from typing import Optional
 import numpy as np
 import onnx_ir as ir
 
+from ._ir import attr as _attr, dims as _dims, rank as _rank
+
 ONE = (1, ())
-
-
-def _attr(node: ir.Node, name: str, default=None):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
-def _dims(value) -> Optional[list]:
-    if value is None or value.shape is None:
-        return None
-    return [d if isinstance(d, int) else d.value for d in value.shape]
-
-
-def _rank(value) -> Optional[int]:
-    dims = _dims(value)
-    return None if dims is None else len(dims)
 
 
 def _mul(a: tuple, b: tuple) -> tuple:

@@ -183,6 +183,7 @@ import onnx_ir as ir
 
 from ..core.dtype import DType
 from ..core.errors import LoraError
+from ._ir import dims as _dims
 
 __all__ = [
     "BATCHED_MODE", "INDEX_INPUT", "BASE_INDEX", "BASE_NAMES", "STACK_SUFFIXES", "METADATA_KEY", "SLOTS_DIM",
@@ -482,12 +483,6 @@ def stack_names(module, path: str) -> tuple:
 
 
 # -- the graph pass ---------------------------------------------------------------------------
-
-
-def _dims(value: ir.Value):
-    if value.shape is None:
-        return None
-    return [d if isinstance(d, int) else d.value for d in value.shape]
 
 
 class _Graph:

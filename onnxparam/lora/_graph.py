@@ -75,6 +75,7 @@ import onnx_ir as ir
 
 from ..core.dtype import DType
 from ..core.param import Param
+from ._ir import dims
 
 __all__ = [
     "LORA_MODES",
@@ -110,9 +111,7 @@ def initializer_param(param: Param, mode: str) -> Param:
 
 
 def _dims(value: ir.Value) -> list:
-    if value.shape is None:
-        return []
-    return [d if isinstance(d, int) else d.value for d in value.shape]
+    return dims(value) or []
 
 
 def _attr_int(node: ir.Node, name: str, default: int) -> int:

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from torch_peft import export, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
+from torch_peft import export, import_with_adapters, peft_lora, peft_with_adapters, randomize, session  # noqa: E402
 
-from onnxparam import Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import Tensor, export_onnx  # noqa: E402
 
 ATOL = 1e-5
 ADAPTERS = {"s1": (2, 4), "s2": (3, 5)}  # name: (r, alpha)
@@ -115,10 +115,7 @@ def _setup(model, x, targets, tmp_path, exporter="torchscript", lora_bias=False)
             else:
                 reference.set_adapter(name)
                 rows.append(reference(x)[n].numpy())
-    imported = import_onnx(path)
-    module = imported
-    for name in ADAPTERS:
-        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    module = import_with_adapters(path, {name: tmp_path / name for name in ADAPTERS})
     return module, np.stack(rows), x.numpy()
 
 
@@ -234,8 +231,5 @@ def test_gpt2_and_vit_rows_are_followed_through_their_reshapes(tmp_path, name, e
     reference = peft_with_adapters(model, {adapter: tmp_path / adapter for adapter in ADAPTERS})
     with torch.no_grad():
         expected = reference(x, adapter_names=["__base__" if r is None else r for r in ROWS]).numpy()
-    imported = import_onnx(path)
-    module = imported
-    for adapter in ADAPTERS:
-        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter, allow_partial=True))
+    module = import_with_adapters(path, {adapter: tmp_path / adapter for adapter in ADAPTERS}, allow_partial=True)
     _both(module, x.numpy(), tmp_path, expected)

@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from torch_peft import peft_lora, peft_with_adapters, quiet, randomize, session  # noqa: E402
+from torch_peft import import_with_adapters, peft_lora, peft_with_adapters, quiet, randomize, session  # noqa: E402
 
 from onnxparam import LoraError, Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 
@@ -147,10 +147,7 @@ def built(tmp_path_factory):
             for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
                 peft_lora(model, targets, r, alpha, rslora=rslora, seed=40 + k, folder=folder / adapter)
             reference = peft_with_adapters(model, {a: folder / a for a in ADAPTERS})
-            imported = import_onnx(path)
-            module = imported
-            for adapter in ADAPTERS:
-                module = module.add_adapter(adapter, load_peft_adapter(imported, folder / adapter))
+            module = import_with_adapters(path, {adapter: folder / adapter for adapter in ADAPTERS})
             cache[(name, exporter)] = (model, reference, module, folder)
         return cache[(name, exporter)]
 
@@ -276,10 +273,7 @@ def queries_module(tmp_path, exporter: str, mode: str = "expand"):
     for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
         peft_lora(model, ["q_proj", "k_proj", "out"], r, alpha, rslora=rslora, seed=50 + k, folder=tmp_path / adapter)
     reference = peft_with_adapters(model, {a: tmp_path / a for a in ADAPTERS})
-    imported = import_onnx(path)
-    module = imported
-    for adapter in ADAPTERS:
-        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    module = import_with_adapters(path, {adapter: tmp_path / adapter for adapter in ADAPTERS})
     return model, reference, module, path
 
 

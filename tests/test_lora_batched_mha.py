@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from torch_peft import export, peft_lora, quiet, randomize, session  # noqa: E402
+from torch_peft import export, import_with_adapters, peft_lora, quiet, randomize, session  # noqa: E402
 
 from onnxparam import LoraError, Tensor, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
 
@@ -84,10 +84,7 @@ def _adapted(model, path, x, tmp_path, targets=TARGETS):
             outputs[name] = _merged(model, lora_model, name)(x).numpy()
     plain = session(path).run(None, {"x": x.numpy()})[0]
     expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
-    imported = import_onnx(path)
-    module = imported
-    for name in ADAPTERS:
-        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    module = import_with_adapters(path, {name: tmp_path / name for name in ADAPTERS})
     return module, expected, plain
 
 
@@ -180,10 +177,7 @@ def test_each_row_of_a_transformer_decoder_layer_takes_its_adapter(tmp_path, exp
     feeds = {"x": x.numpy(), "memory": memory.numpy()}
     plain = session(path).run(None, feeds)[0]
     expected = np.stack([plain[n] if r is None else outputs[r][n] for n, r in enumerate(ROWS)])
-    imported = import_onnx(path)
-    module = imported
-    for name in ADAPTERS:
-        module = module.add_adapter(name, load_peft_adapter(imported, tmp_path / name))
+    module = import_with_adapters(path, {name: tmp_path / name for name in ADAPTERS})
     assert {"layer.self_attn.out_proj.weight", "layer.multihead_attn.out_proj.weight"} <= set(
         module.lora_adapters.adapters("s1"))  # both attentions' out_proj are adapted
     exported = export_onnx(module, tmp_path / "batched.onnx", feeds["x"], feeds["memory"], lora="batched")

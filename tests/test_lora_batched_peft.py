@@ -23,9 +23,11 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import onnxruntime as ort  # noqa: E402
-from torch_peft import Hidden, export, ids_for, peft_lora, peft_rows, peft_with_adapters, randomize  # noqa: E402
+from torch_peft import (  # noqa: E402
+    Hidden, export, ids_for, import_with_adapters, peft_lora, peft_rows, peft_with_adapters, randomize,
+)
 
-from onnxparam import Tensor, check_batched_adapters, export_onnx, import_onnx, load_peft_adapter  # noqa: E402
+from onnxparam import Tensor, check_batched_adapters, export_onnx  # noqa: E402
 from onnxparam import write_batched_adapter  # noqa: E402
 from onnxparam.lora._batched import batched_metadata  # noqa: E402
 
@@ -73,10 +75,7 @@ def built(request, tmp_path_factory):
             for k, (adapter, (r, alpha, rslora)) in enumerate(ADAPTERS.items()):
                 peft_lora(model, targets, r, alpha, rslora=rslora, seed=30 + k, folder=folder / adapter)
             reference = peft_with_adapters(model, {adapter: folder / adapter for adapter in ADAPTERS})
-            imported = import_onnx(path)
-            module = imported
-            for adapter in ADAPTERS:
-                module = module.add_adapter(adapter, load_peft_adapter(imported, folder / adapter, allow_partial=True))
+            module = import_with_adapters(path, {adapter: folder / adapter for adapter in ADAPTERS}, allow_partial=True)
             cache[(name, exporter)] = (model, reference, module, folder)
         return cache[(name, exporter)]
 
@@ -155,10 +154,7 @@ def test_gemm_targets_of_a_torchscript_mlp_give_each_row_pefts_output(tmp_path):
         peft_lora(model, ["fc1", "fc2"], r, alpha, rslora=rslora, seed=60 + k, folder=tmp_path / adapter)
     names = list(ADAPTERS)
     reference = peft_with_adapters(model, {adapter: tmp_path / adapter for adapter in names})
-    imported = import_onnx(path)
-    module = imported
-    for adapter in names:
-        module = module.add_adapter(adapter, load_peft_adapter(imported, tmp_path / adapter))
+    module = import_with_adapters(path, {adapter: tmp_path / adapter for adapter in names})
     batch = torch.randn(len(ROWS), 6)
     with torch.no_grad():
         expected = reference(batch, adapter_names=ROWS).numpy()

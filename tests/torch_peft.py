@@ -79,6 +79,19 @@ def peft_with_adapters(base, folders: dict):
     return model
 
 
+def import_with_adapters(path, folders: dict, **load_options):
+    """The import of the ONNX file ``path`` with each PEFT folder of ``{adapter name: folder}`` added
+    as a named adapter (``load_peft_adapter`` on the import, then ``add_adapter``), none active: the
+    library's side of :func:`peft_with_adapters`. ``load_options``: ``load_peft_adapter``'s."""
+    from onnxparam import import_onnx, load_peft_adapter
+
+    imported = import_onnx(path)
+    module = imported
+    for name, folder in folders.items():
+        module = module.add_adapter(name, load_peft_adapter(imported, folder, **load_options))
+    return module
+
+
 def peft_rows(model, ids, rows) -> np.ndarray:
     """PEFT's mixed-batch forward: row ``i`` of ``ids`` through the adapter named ``rows[i]``
     (``"__base__"``: none), ``model(ids, adapter_names=rows)`` without gradients, as numpy."""

@@ -590,6 +590,23 @@ def lora_batched_base():
     return TransformerEncoder(LORA_WIDTH, 4 * LORA_WIDTH, LORA_HEADS, 1, dropout=0.0)
 
 
+def adapter_run_options(module, names, folder):
+    """``(run options, adapters)``: one ``RunOptions`` per adapter of ``names`` with that adapter's
+    ``.onnx_adapter`` (written into ``folder``) active, for runs of an ``"inputs"`` export; keep the
+    ``LoraAdapter`` s alive as long as the options (``RunOptions`` does not)."""
+    import onnxruntime as ort
+
+    from onnxparam import write_onnx_adapter
+
+    options, adapters = [], []
+    for name in names:
+        adapters.append(ort.LoraAdapter())
+        adapters[-1].Load(str(write_onnx_adapter(module, folder / f"{name}.onnx_adapter", adapter_name=name)))
+        options.append(ort.RunOptions())
+        options[-1].add_active_adapter(adapters[-1])
+    return options, adapters
+
+
 def lora_batched_adapters(base, seed: int):
     """``(module, names)``: ``base`` with the named adapters of :data:`LORA_BATCHED_RANKS` on its
     attention and feed-forward weights (``alpha = 2 * rank``), factors drawn from ``seed``."""
@@ -637,7 +654,7 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> lis
 
     from bench_lora_floor import floor_cases, without_gathers
 
-    from onnxparam import export_onnx, write_onnx_adapter
+    from onnxparam import export_onnx
 
     results, seq = [], x.shape[1]
     with tempfile.TemporaryDirectory(prefix="onnxparam-bench-lora-batched-") as tmp:
@@ -651,13 +668,7 @@ def _bench_lora_batched_at(module, names, rows, x, config, repeats, base) -> lis
         inputs = session(export_onnx(module, folder / "inputs.onnx", x, lora="inputs"))
         plain = session(export_onnx(base, folder / "base.onnx", x))  # the base alone: the floors
         plain_input = plain.get_inputs()[0].name
-        options, keep = [], []
-        for name in names:
-            adapter = ort.LoraAdapter()
-            adapter.Load(str(write_onnx_adapter(module, folder / f"{name}.onnx_adapter", adapter_name=name)))
-            keep.append(adapter)  # NOTE: RunOptions does not keep its adapters alive
-            options.append(ort.RunOptions())
-            options[-1].add_active_adapter(adapter)
+        options, keep = adapter_run_options(module, names, folder)
         parts = [np.flatnonzero(rows == k + 1) for k in range(len(names))]
 
         def one_batched():

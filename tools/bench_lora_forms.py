@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     import bench
     from bench_lora_floor import round_robin_medians
 
-    from onnxparam import export_onnx, write_onnx_adapter
+    from onnxparam import export_onnx
 
     rows = np.asarray([int(i) for i in args.index.split(",")], dtype=np.int64)
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
@@ -336,13 +336,7 @@ def main(argv=None) -> int:
             batched_path = with_capacity(batched_path, folder / "batched-capacity.onnx", args.capacity + 1)
         inputs = session(export_onnx(module, folder / "inputs.onnx", x, lora="inputs"))
         plain = session(export_onnx(base, folder / "base.onnx", x))
-        keep, run_options = [], []
-        for name in names:
-            adapter = ort.LoraAdapter()
-            adapter.Load(str(write_onnx_adapter(module, folder / f"{name}.onnx_adapter", adapter_name=name)))
-            keep.append(adapter)  # NOTE: RunOptions does not keep its adapters alive
-            run_options.append(ort.RunOptions())
-            run_options[-1].add_active_adapter(adapter)
+        run_options, keep = bench.adapter_run_options(module, names, folder)
         parts = [(k, np.flatnonzero(rows == k + 1)) for k in range(len(names)) if (rows == k + 1).any()]
         plain_input = plain.get_inputs()[0].name
         fns = {"single": lambda: inputs.run(None, {"x": x}, run_options[1]),

@@ -20,8 +20,9 @@ adapters, trained on the import, are fine: the folded weight's own delta is well
 
 from __future__ import annotations
 
-import ast
 from typing import TYPE_CHECKING
+
+from ._ir import dynamo_scope
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -37,21 +38,8 @@ FOLD_RULES = frozenset({"FuseBatchNormIntoConv", "FuseBatchNormIntoConvTranspose
 BatchNorm into the preceding node's weight and bias."""
 
 
-def _scope(node):
-    """The BatchNorm's module path from dynamo's ``name_scopes`` metadata (``['', 'bn', ...]`` ->
-    ``'bn'``), or ``None``."""
-    raw = node.metadata_props.get("pkg.torch.onnx.name_scopes", "")
-    try:
-        scopes = ast.literal_eval(raw) if raw else None
-    except (ValueError, SyntaxError):
-        scopes = None
-    if isinstance(scopes, list) and len(scopes) >= 2 and isinstance(scopes[-2], str) and scopes[-2]:
-        return scopes[-2]
-    return None
-
-
 def _scope_text(node) -> str:
-    scope = _scope(node)
+    scope = dynamo_scope(node)
     return f", name scope {scope!r}" if scope else ""
 
 
@@ -126,7 +114,7 @@ def folded_norm_scopes(module) -> set:
 
 
 def _model_scopes(model: "ir.Model") -> set:
-    return {s for s in (_scope(node) for node, _ in _folding_nodes(model)) if s}
+    return {s for s in (dynamo_scope(node) for node, _ in _folding_nodes(model)) if s}
 
 
 def holds_folded_norms(module, names) -> bool:

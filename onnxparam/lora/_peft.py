@@ -42,7 +42,6 @@ under that name), non-LoRA ``peft_type``.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
@@ -61,6 +60,7 @@ from ..core.tensor import Tensor
 from ._adapters import (_SET_ATTR, DEFAULT_ADAPTER_NAME, LoraAdapter, _owning, active_adapter, adapter_set,
                         frozen_base_param, has_adapters, transposed_paths)
 from ._folded_norms import folded_norm_paths, folded_reason
+from ._ir import dynamo_scope
 from ._layouts import CONV, IN_OUT, OUT_IN
 from ._tables import matmul_weights, table_owners
 
@@ -461,13 +461,7 @@ def _dynamo_linear_scope(node) -> Optional[str]:
     props = node.metadata_props
     if "aten.linear" not in props.get("pkg.torch.onnx.fx_node", ""):
         return None
-    try:
-        scopes = ast.literal_eval(props.get("pkg.torch.onnx.name_scopes", ""))
-    except (ValueError, SyntaxError):
-        return None
-    if not isinstance(scopes, list) or len(scopes) < 2 or not isinstance(scopes[-2], str):
-        return None
-    return scopes[-2] or None
+    return dynamo_scope(node)
 
 
 def _factor_array(snap) -> np.ndarray:

@@ -19,7 +19,6 @@ PyTorch loader's tie matches and :func:`table_owners` all use).
 
 from __future__ import annotations
 
-import ast
 import re
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from ..trace.evidence import DataDependence, stored_tensor
 from ._graph import _attr_int
+from ._ir import dynamo_scope
 from ._layouts import IN_OUT, OUT_IN, weight_layouts
 
 if TYPE_CHECKING:
@@ -64,14 +64,9 @@ def gather_module(node) -> Optional[str]:
     """The PyTorch module path a ``Gather`` node belongs to, from dynamo's ``name_scopes``
     metadata (the scope before the op's own) or a TorchScript node name ``/<a>/<b>/Gather``;
     ``None`` without such evidence (or for the root module)."""
-    raw = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-    if raw:
-        try:
-            scopes = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            scopes = None
-        if isinstance(scopes, list) and len(scopes) >= 2 and all(isinstance(s, str) for s in scopes):
-            return scopes[-2] or None
+    scope = dynamo_scope(node)
+    if scope is not None:
+        return scope
     name = node.name or ""
     if name.startswith("/") and name.count("/") >= 2:
         return _collapse(name[1:].split("/")[:-1]) or None
